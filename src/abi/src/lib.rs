@@ -1,0 +1,197 @@
+//! The contract between the ftvm VMM and its guests.
+//!
+//! Guests are 64-bit programs entered at CPL3 with identity-mapped memory
+//! (guest virtual address == guest physical address). Everything here is
+//! `#[repr(C)]` plain data so the VMM and the `no_std` guest runtime agree on
+//! it byte for byte. `docs/guest-abi.md` describes the same contract in prose.
+#![no_std]
+
+/// Version of this ABI; bumped on any incompatible change.
+pub const ABI_VERSION: u32 = 1;
+
+/// `BootInfo::magic`: "FTVMBOOT" in little-endian.
+pub const BOOT_MAGIC: u64 = u64::from_le_bytes(*b"FTVMBOOT");
+
+pub const PAGE_SIZE: u64 = 4096;
+
+/// Fixed guest-physical layout of the system area (the first 2 MiB).
+pub mod layout {
+    /// Everything below this is owned by the VMM; the image is loaded above it.
+    pub const SYSTEM_AREA_END: u64 = 0x20_0000;
+    /// Boot information (read-only to the guest), `BOOT_INFO_SIZE` bytes.
+    pub const BOOT_INFO_ADDR: u64 = 0x4000;
+    pub const BOOT_INFO_SIZE: u64 = 0x4000;
+    /// Clock page (read-only to the guest), see [`super::ClockPage`].
+    pub const CLOCK_PAGE_ADDR: u64 = 0x8000;
+    /// Stack given to each vCPU at entry, carved above the loaded image.
+    pub const VCPU_STACK_SIZE: u64 = 0x10_0000;
+}
+
+/// Hypercall ports. A hypercall is `out %eax, $PORT` where `eax` holds the
+/// guest-physical address of the call's argument block (below 4 GiB, 8-byte
+/// aligned). The VMM writes results back into the block before the vCPU
+/// continues.
+pub mod port {
+    /// [`super::ConsoleWrite`]
+    pub const CONSOLE_WRITE: u16 = 0x500;
+    /// [`super::Wait`]
+    pub const WAIT: u16 = 0x501;
+    /// [`super::Exit`]
+    pub const EXIT: u16 = 0x502;
+    /// [`super::Abort`]
+    pub const ABORT: u16 = 0x503;
+    /// [`super::Kick`]
+    pub const KICK: u16 = 0x504;
+    /// Used by the VMM's ring-0 exception stubs, not by guests: `al` holds
+    /// the vector.
+    pub const EXCEPTION: u16 = 0x5ff;
+}
+
+/// Write `len` bytes at guest address `buf` to the VM's console.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ConsoleWrite {
+    pub buf: u64,
+    pub len: u64,
+}
+
+/// Block the calling vCPU until a device event or a kick arrives, or until
+/// the guest clock reaches `deadline_ns` (`u64::MAX`: no deadline).
+///
+/// `seen` is the event sequence number the guest last observed (the value
+/// returned in `seq` by its previous wait); the call returns at once if
+/// events happened since. It may also return early for no reason the guest
+/// can see (for example when the VMM pauses the VM), so callers re-check
+/// their own condition in a loop.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Wait {
+    pub deadline_ns: u64,
+    pub seen: u64,
+    /// Out: current event sequence number.
+    pub seq: u64,
+}
+
+/// Stop the VM; `status` becomes the exit status of the VMM process
+/// (truncated to 0..=255).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Exit {
+    pub status: u64,
+}
+
+/// Stop the VM because the guest panicked; `msg`/`len` is the message.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Abort {
+    pub msg: u64,
+    pub len: u64,
+}
+
+/// Wake every vCPU blocked in [`Wait`] (bumps the event sequence number).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Kick {
+    pub reserved: u64,
+}
+
+/// Boot information at [`layout::BOOT_INFO_ADDR`], passed in `rdi` to every
+/// vCPU's entry point together with the vCPU index in `rsi`. All addresses
+/// are guest-physical (== guest-virtual).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct BootInfo {
+    pub magic: u64,
+    pub abi_version: u32,
+    pub vcpu_count: u32,
+    pub mem_size: u64,
+    pub memmap_addr: u64,
+    pub memmap_count: u32,
+    pub device_count: u32,
+    pub devices_addr: u64,
+    pub cmdline_addr: u64,
+    pub cmdline_len: u64,
+    pub clock_addr: u64,
+}
+
+/// `MemRegion::kind`
+pub mod mem_kind {
+    /// VMM structures (GDT, IDT, TSS, page tables, boot info): not for use.
+    pub const RESERVED: u32 = 1;
+    /// The loaded image's segments.
+    pub const IMAGE: u32 = 2;
+    /// Per-vCPU entry stacks.
+    pub const STACK: u32 = 3;
+    /// Free RAM for the guest's heap.
+    pub const FREE: u32 = 4;
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemRegion {
+    pub base: u64,
+    pub size: u64,
+    pub kind: u32,
+    pub reserved: u32,
+}
+
+/// `Device::kind`
+pub mod device_kind {
+    pub const VIRTIO_MMIO_NET: u32 = 1;
+    pub const VIRTIO_MMIO_BLOCK: u32 = 2;
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Device {
+    pub kind: u32,
+    pub reserved: u32,
+    pub mmio_base: u64,
+    pub mmio_size: u64,
+}
+
+/// Clock page at [`layout::CLOCK_PAGE_ADDR`], maintained by the VMM.
+///
+/// Guest time in nanoseconds is
+/// `ns_base + ((rdtsc() - tsc_base) as u128 * tsc_mul as u128 >> tsc_shift)`.
+/// The VMM rewrites `ns_base`/`tsc_base` after a restore so that guest time
+/// continues from where it stopped instead of jumping with the host TSC.
+/// A writer makes `version` odd while updating; readers retry while it is odd
+/// or changed across their read (a seqlock).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClockPage {
+    pub version: u32,
+    pub tsc_shift: u32,
+    pub tsc_mul: u64,
+    pub tsc_base: u64,
+    pub ns_base: u64,
+}
+
+impl ClockPage {
+    /// Guest nanoseconds at TSC value `tsc` (saturating for TSCs before the base).
+    pub fn ns_at(&self, tsc: u64) -> u64 {
+        let delta = tsc.saturating_sub(self.tsc_base) as u128;
+        self.ns_base + ((delta * self.tsc_mul as u128) >> self.tsc_shift) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clock_converts_with_base() {
+        // 2 GHz: 0.5 ns per tick.
+        let c = ClockPage { version: 0, tsc_shift: 32, tsc_mul: 1 << 31, tsc_base: 1000, ns_base: 7 };
+        assert_eq!(c.ns_at(1000), 7);
+        assert_eq!(c.ns_at(3000), 1007);
+        assert_eq!(c.ns_at(10), 7);
+    }
+
+    #[test]
+    fn layout_fits_system_area() {
+        assert!(layout::CLOCK_PAGE_ADDR + PAGE_SIZE <= layout::SYSTEM_AREA_END);
+        assert!(layout::BOOT_INFO_ADDR + layout::BOOT_INFO_SIZE <= layout::CLOCK_PAGE_ADDR);
+    }
+}

@@ -1,0 +1,5 @@
+//! x86-64 specifics: system structures in guest memory and initial vCPU state.
+
+pub mod cpu;
+pub mod layout;
+pub mod tables;

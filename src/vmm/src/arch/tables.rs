@@ -1,0 +1,156 @@
+//! Builds the descriptor tables, TSSs, exception stubs and identity page
+//! tables that let a vCPU run a 64-bit CPL3 program directly.
+
+use vm_memory::{Bytes, GuestAddress};
+
+use super::layout::*;
+use crate::memory::GuestMemory;
+
+const PTE_PRESENT: u64 = 1;
+const PTE_WRITE: u64 = 1 << 1;
+const PTE_USER: u64 = 1 << 2;
+const PTE_LARGE: u64 = 1 << 7;
+
+/// Vectors for which the CPU pushes an error code.
+pub const fn has_error_code(vector: u8) -> bool {
+    matches!(vector, 8 | 10..=14 | 17 | 21 | 29 | 30)
+}
+
+/// Write every system structure for `vcpus` vCPUs and `mem_size` bytes of RAM.
+pub fn write_system_area(mem: &GuestMemory, vcpus: u32, mem_size: u64) -> Result<(), vm_memory::GuestMemoryError> {
+    write_gdt(mem, vcpus)?;
+    write_idt_and_stubs(mem)?;
+    for vcpu in 0..vcpus {
+        write_tss(mem, vcpu)?;
+    }
+    write_page_tables(mem, mem_size)
+}
+
+fn write_gdt(mem: &GuestMemory, vcpus: u32) -> Result<(), vm_memory::GuestMemoryError> {
+    let mut gdt = vec![0u64; GDT_ENTRIES as usize];
+    gdt[1] = 0x00af_9a00_0000_ffff; // 0x08 ring-0 code, 64-bit (exception stubs)
+    gdt[2] = 0x00cf_9200_0000_ffff; // 0x10 ring-0 data
+    gdt[3] = 0x00cf_fa00_0000_ffff; // 0x18 ring-3 code, 32-bit (unused, keeps sysret layout)
+    gdt[4] = 0x00cf_f200_0000_ffff; // 0x20 ring-3 data
+    gdt[5] = 0x00af_fa00_0000_ffff; // 0x28 ring-3 code, 64-bit
+    for vcpu in 0..vcpus {
+        let (base, limit) = (tss_addr(vcpu), TSS_LIMIT);
+        let idx = (tss_selector(vcpu) / 8) as usize;
+        gdt[idx] = (limit & 0xffff)
+            | ((base & 0xff_ffff) << 16)
+            | (0x89 << 40) // present, 64-bit available TSS
+            | (((limit >> 16) & 0xf) << 48)
+            | (((base >> 24) & 0xff) << 56);
+        gdt[idx + 1] = base >> 32;
+    }
+    for (i, entry) in gdt.iter().enumerate() {
+        mem.write_obj(*entry, GuestAddress(GDT_ADDR + i as u64 * 8))?;
+    }
+    Ok(())
+}
+
+/// Each stub reports its vector to the VMM and stops: `mov al, vector;
+/// mov dx, EXCEPTION; out dx, al; jmp $`. Ring 0 is emulated (slow) on these
+/// hosts, so the stubs do nothing else; the VMM reads the frame the CPU pushed.
+fn write_idt_and_stubs(mem: &GuestMemory) -> Result<(), vm_memory::GuestMemoryError> {
+    let port = ftvm_abi::port::EXCEPTION.to_le_bytes();
+    for vector in 0..=255u8 {
+        let stub = STUBS_ADDR + vector as u64 * STUB_SIZE;
+        let code = [0xb0, vector, 0x66, 0xba, port[0], port[1], 0xee, 0xeb, 0xfe];
+        mem.write_slice(&code, GuestAddress(stub))?;
+        // int3 must be reachable from CPL3 (gate DPL 3); every other gate is
+        // for CPU exceptions only.
+        let attrs: u64 = if vector == 3 { 0xee } else { 0x8e };
+        let low = (stub & 0xffff) | ((KERNEL_CS as u64) << 16) | (attrs << 40) | (((stub >> 16) & 0xffff) << 48);
+        let high = stub >> 32;
+        let gate = IDT_ADDR + vector as u64 * 16;
+        mem.write_obj(low, GuestAddress(gate))?;
+        mem.write_obj(high, GuestAddress(gate + 8))?;
+    }
+    Ok(())
+}
+
+fn write_tss(mem: &GuestMemory, vcpu: u32) -> Result<(), vm_memory::GuestMemoryError> {
+    let base = tss_addr(vcpu);
+    mem.write_slice(&vec![0u8; TSS_STRIDE as usize], GuestAddress(base))?;
+    mem.write_obj(kstack_top(vcpu), GuestAddress(base + 4))?; // RSP0
+    mem.write_obj(TSS_IOMAP_OFFSET as u16, GuestAddress(base + 102))?;
+    // The all-zero bitmap allows every port at CPL3 (IOPL is ignored on
+    // this host); the byte after it must be 0xFF.
+    mem.write_obj(0xffu8, GuestAddress(base + TSS_LIMIT))?;
+    Ok(())
+}
+
+/// Identity map: 4 KiB pages for the system area (supervisor-only except the
+/// read-only boot info and clock pages, page 0 absent so null pointers
+/// fault), 2 MiB user pages for the rest of RAM.
+fn write_page_tables(mem: &GuestMemory, mem_size: u64) -> Result<(), vm_memory::GuestMemoryError> {
+    let user_table = PTE_PRESENT | PTE_WRITE | PTE_USER;
+    mem.write_obj(PDPT_ADDR | user_table, GuestAddress(PML4_ADDR))?;
+    let gibs = mem_size.div_ceil(1 << 30);
+    for gib in 0..gibs {
+        let pd = PD_ADDR + gib * 4096;
+        mem.write_obj(pd | user_table, GuestAddress(PDPT_ADDR + gib * 8))?;
+        for i in 0..512u64 {
+            let addr = (gib << 30) | (i << 21);
+            let entry = if addr == 0 {
+                PT0_ADDR | user_table
+            } else if addr < mem_size {
+                addr | PTE_PRESENT | PTE_WRITE | PTE_USER | PTE_LARGE
+            } else {
+                0
+            };
+            mem.write_obj(entry, GuestAddress(pd + i * 8))?;
+        }
+    }
+    for page in 0..512u64 {
+        let addr = page * 4096;
+        let entry = match addr {
+            0 => 0,
+            BOOT_INFO_ADDR..CLOCK_PAGE_ADDR | CLOCK_PAGE_ADDR => addr | PTE_PRESENT | PTE_USER,
+            GDT_ADDR | IDT_ADDR | STUBS_ADDR => addr | PTE_PRESENT,
+            _ if (PML4_ADDR..KSTACKS_ADDR).contains(&addr) => addr | PTE_PRESENT,
+            _ if (KSTACKS_ADDR..TSS_ADDR + MAX_VCPUS as u64 * TSS_STRIDE).contains(&addr) => {
+                addr | PTE_PRESENT | PTE_WRITE
+            }
+            _ => 0,
+        };
+        mem.write_obj(entry, GuestAddress(PT0_ADDR + page * 8))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::GuestRam;
+
+    fn read(mem: &GuestMemory, addr: u64) -> u64 {
+        mem.read_obj(GuestAddress(addr)).unwrap()
+    }
+
+    #[test]
+    fn page_tables_map_ram_and_protect_system_area() {
+        let ram = GuestRam::new(6 << 20, false).unwrap();
+        write_system_area(ram.memory(), 2, 6 << 20).unwrap();
+        let mem = ram.memory();
+        assert_eq!(read(mem, PT0_ADDR), 0, "page 0 unmapped");
+        assert_eq!(read(mem, PT0_ADDR + 8 * (BOOT_INFO_ADDR / 4096)) & 7, 5, "boot info user read-only");
+        assert_eq!(read(mem, PT0_ADDR + 8 * (GDT_ADDR / 4096)) & 7, 1, "gdt supervisor read-only");
+        assert_eq!(read(mem, PT0_ADDR + 8 * (tss_addr(1) / 4096)) & 7, 3, "tss supervisor writable");
+        assert_eq!(read(mem, PD_ADDR + 8), (2 << 20) | 0x87);
+        assert_eq!(read(mem, PD_ADDR + 16), (4 << 20) | 0x87);
+        assert_eq!(read(mem, PD_ADDR + 24), 0, "beyond RAM unmapped");
+    }
+
+    #[test]
+    fn tss_descriptor_points_at_tss() {
+        let ram = GuestRam::new(4 << 20, false).unwrap();
+        write_system_area(ram.memory(), 3, 4 << 20).unwrap();
+        let low = read(ram.memory(), GDT_ADDR + tss_selector(2) as u64);
+        let base = ((low >> 16) & 0xff_ffff) | (((low >> 56) & 0xff) << 24);
+        assert_eq!(base, tss_addr(2));
+        assert_eq!((low >> 40) & 0xff, 0x89);
+        assert_eq!(read(ram.memory(), tss_addr(2) + 4), kstack_top(2));
+    }
+}

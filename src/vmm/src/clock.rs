@@ -1,0 +1,108 @@
+//! The guest clock page.
+//!
+//! The guest TSC equals the host TSC here and cannot be offset (PLATFORM.md
+//! quirk 4), so guests read time as a linear function of the TSC published
+//! by the VMM. After a restore the VMM re-bases the function at the guest
+//! time the snapshot was taken, so guest time neither jumps nor goes back.
+
+use std::time::{Duration, Instant};
+
+use vm_memory::{Bytes, GuestAddress};
+
+use ftvm_abi::layout::CLOCK_PAGE_ADDR;
+use ftvm_abi::ClockPage;
+
+use crate::memory::GuestMemory;
+
+const SHIFT: u32 = 32;
+
+pub fn rdtsc() -> u64 {
+    // SAFETY: RDTSC has no memory effects and is always available on x86-64.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+/// TSC ticks per second: KVM's figure when it has one, else measured.
+pub fn tsc_hz(kvm_tsc_khz: Option<u32>) -> u64 {
+    if let Some(khz) = kvm_tsc_khz.filter(|&k| k > 0) {
+        return khz as u64 * 1000;
+    }
+    let (t0, c0) = (Instant::now(), rdtsc());
+    std::thread::sleep(Duration::from_millis(20));
+    let (t1, c1) = (Instant::now(), rdtsc());
+    ((c1 - c0) as u128 * 1_000_000_000 / (t1 - t0).as_nanos()) as u64
+}
+
+/// The VMM's copy of the clock page; the guest's copy is rewritten from it.
+#[derive(Clone, Copy, Debug)]
+pub struct GuestClock {
+    page: ClockPage,
+}
+
+impl GuestClock {
+    /// A clock reading `ns` now.
+    pub fn starting_at(tsc_hz: u64, ns: u64) -> GuestClock {
+        let tsc_mul = ((1_000_000_000u128 << SHIFT) / tsc_hz as u128) as u64;
+        GuestClock { page: ClockPage { version: 0, tsc_shift: SHIFT, tsc_mul, tsc_base: rdtsc(), ns_base: ns } }
+    }
+
+    pub fn now_ns(&self) -> u64 {
+        self.page.ns_at(rdtsc())
+    }
+
+    /// Host-side wait needed until the guest clock reads `deadline_ns`.
+    pub fn until(&self, deadline_ns: u64) -> Duration {
+        Duration::from_nanos(deadline_ns.saturating_sub(self.now_ns()))
+    }
+
+    /// Continue from guest time `ns` (the time a snapshot was taken).
+    pub fn rebase(&mut self, ns: u64) {
+        self.page.tsc_base = rdtsc();
+        self.page.ns_base = ns;
+    }
+
+    /// Publish the page to the guest. The version goes odd, then even, so a
+    /// guest reading concurrently retries instead of mixing old and new.
+    pub fn publish(&mut self, mem: &GuestMemory) -> Result<(), vm_memory::GuestMemoryError> {
+        let addr = GuestAddress(CLOCK_PAGE_ADDR);
+        let version: u32 = mem.read_obj(addr)?;
+        mem.write_obj(version | 1, addr)?;
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        self.page.version = (version | 1).wrapping_add(1);
+        let p = self.page;
+        mem.write_obj(p.tsc_shift, GuestAddress(CLOCK_PAGE_ADDR + 4))?;
+        mem.write_obj(p.tsc_mul, GuestAddress(CLOCK_PAGE_ADDR + 8))?;
+        mem.write_obj(p.tsc_base, GuestAddress(CLOCK_PAGE_ADDR + 16))?;
+        mem.write_obj(p.ns_base, GuestAddress(CLOCK_PAGE_ADDR + 24))?;
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        mem.write_obj(p.version, addr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rebase_continues_from_saved_time() {
+        let hz = tsc_hz(None);
+        let mut clock = GuestClock::starting_at(hz, 0);
+        std::thread::sleep(Duration::from_millis(5));
+        let t = clock.now_ns();
+        assert!(t >= 4_000_000, "5 ms sleep read as {t} ns");
+        clock.rebase(1_000_000_000);
+        let after = clock.now_ns();
+        assert!((1_000_000_000..1_100_000_000).contains(&after));
+    }
+
+    #[test]
+    fn publish_leaves_an_even_version() {
+        let ram = crate::memory::GuestRam::new(4 << 20, false).unwrap();
+        let mut clock = GuestClock::starting_at(2_000_000_000, 5);
+        clock.publish(ram.memory()).unwrap();
+        clock.publish(ram.memory()).unwrap();
+        let read = |off| ram.memory().read_obj::<u64>(GuestAddress(CLOCK_PAGE_ADDR + off)).unwrap();
+        assert_eq!(read(0) as u32, 4, "version");
+        assert_eq!(read(8), 1 << 31, "tsc_mul");
+        assert_eq!(read(24), 5, "ns_base");
+    }
+}

@@ -1,0 +1,79 @@
+//! The guest's port-I/O hypercalls (see `ftvm_abi::port`).
+//!
+//! The port's 32-bit data is the guest address of an argument block; the VMM
+//! reads arguments from it and writes results back through the guest memory
+//! API, which marks the pages in the VMM dirty bitmap.
+
+use vm_memory::{Bytes, GuestAddress};
+
+use ftvm_abi::port;
+
+use crate::exit::VmExit;
+use crate::vm::VmShared;
+
+/// Longest console write or panic message accepted in one call.
+const MAX_TEXT: u64 = 64 * 1024;
+
+pub enum Outcome {
+    Continue,
+    Stop(VmExit),
+}
+
+fn read_u64(shared: &VmShared, addr: u64) -> Result<u64, String> {
+    shared.ram.memory().read_obj(GuestAddress(addr)).map_err(|_| format!("argument block at {addr:#x} is outside guest memory"))
+}
+
+fn read_text(shared: &VmShared, buf: u64, len: u64) -> Result<Vec<u8>, String> {
+    if len > MAX_TEXT {
+        return Err(format!("text of {len} bytes exceeds the {MAX_TEXT}-byte limit"));
+    }
+    let mut bytes = vec![0u8; len as usize];
+    shared
+        .ram
+        .memory()
+        .read_slice(&mut bytes, GuestAddress(buf))
+        .map_err(|_| format!("text at {buf:#x}+{len} is outside guest memory"))?;
+    Ok(bytes)
+}
+
+/// Handle `out` to a hypercall port; `None` if `port` is not one.
+pub fn handle(shared: &VmShared, vcpu: u32, port: u16, data: &[u8]) -> Option<Outcome> {
+    if !(port::CONSOLE_WRITE..=port::KICK).contains(&port) {
+        return None;
+    }
+    let Ok(addr) = <[u8; 4]>::try_from(data).map(u32::from_le_bytes) else {
+        let e = format!("vCPU {vcpu}: hypercall on port {port:#x} must be a 32-bit out, was {} bytes", data.len());
+        return Some(Outcome::Stop(VmExit::Error(e)));
+    };
+    let result = match port {
+        port::CONSOLE_WRITE => console_write(shared, addr as u64),
+        port::WAIT => wait(shared, addr as u64),
+        port::EXIT => read_u64(shared, addr as u64).map(|s| Outcome::Stop(VmExit::Exited(s as u8))),
+        port::ABORT => abort(shared, vcpu, addr as u64),
+        _ => {
+            shared.events.signal();
+            Ok(Outcome::Continue)
+        }
+    };
+    Some(result.unwrap_or_else(|e| Outcome::Stop(VmExit::Error(format!("vCPU {vcpu}: bad hypercall {port:#x}: {e}")))))
+}
+
+fn console_write(shared: &VmShared, addr: u64) -> Result<Outcome, String> {
+    let (buf, len) = (read_u64(shared, addr)?, read_u64(shared, addr + 8)?);
+    shared.console.write(&read_text(shared, buf, len)?);
+    Ok(Outcome::Continue)
+}
+
+fn abort(shared: &VmShared, vcpu: u32, addr: u64) -> Result<Outcome, String> {
+    let (msg, len) = (read_u64(shared, addr)?, read_u64(shared, addr + 8)?);
+    let message = String::from_utf8_lossy(&read_text(shared, msg, len)?).into_owned();
+    Ok(Outcome::Stop(VmExit::Panic { vcpu, message }))
+}
+
+fn wait(shared: &VmShared, addr: u64) -> Result<Outcome, String> {
+    let (deadline_ns, seen) = (read_u64(shared, addr)?, read_u64(shared, addr + 8)?);
+    let deadline = (deadline_ns != u64::MAX).then(|| std::time::Instant::now() + shared.clock().until(deadline_ns));
+    let seq = shared.events.wait(seen, deadline, || shared.control.should_leave());
+    shared.ram.memory().write_obj(seq, GuestAddress(addr + 16)).map_err(|e| e.to_string())?;
+    Ok(Outcome::Continue)
+}

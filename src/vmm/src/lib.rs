@@ -1,0 +1,24 @@
+//! The ftvm virtual machine monitor core.
+//!
+//! A [`vm::Vm`] owns guest RAM (a memfd), the KVM VM and one thread per vCPU.
+//! Guests are 64-bit programs entered at CPL3 (see `docs/guest-abi.md`); they
+//! talk to the VMM through port-I/O hypercalls. The VM can be paused, its
+//! complete state saved and restored in another process, and the pages it
+//! dirties tracked through KVM's dirty bitmap or dirty ring.
+
+pub mod arch;
+pub mod memory;
+pub mod boot;
+pub mod clock;
+pub mod console;
+pub mod dirty;
+pub mod exit;
+mod hypercall;
+pub mod snapshot;
+pub mod vcpu;
+pub mod vm;
+
+pub use console::Console;
+pub use dirty::{DirtyBackend, DirtyBitmap};
+pub use exit::{GuestFault, VmExit};
+pub use vm::{Vm, VmConfig, VmError, VmState};

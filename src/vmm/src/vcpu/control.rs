@@ -1,0 +1,222 @@
+//! Pausing, resuming and stopping the vCPU threads.
+//!
+//! A vCPU thread runs KVM_RUN until asked to park. To get it out of the
+//! kernel promptly we send it a signal whose handler sets `immediate_exit`
+//! in its `kvm_run` page; a signal that lands while the thread is in user
+//! space makes its next KVM_RUN return at once, so no request is missed.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvm_bindings::kvm_run;
+
+thread_local! {
+    static KVM_RUN: Cell<*mut kvm_run> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+/// Signal used to kick vCPU threads out of KVM_RUN.
+pub fn kick_signal() -> i32 {
+    vmm_sys_util::signal::SIGRTMIN()
+}
+
+extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    let run = KVM_RUN.with(|r| r.get());
+    if !run.is_null() {
+        // SAFETY: the pointer is this thread's own kvm_run mapping, set by
+        // `register_kvm_run` and valid until the thread clears it; a single
+        // byte store is async-signal-safe.
+        unsafe { std::ptr::addr_of_mut!((*run).immediate_exit).write_volatile(1) };
+    }
+}
+
+/// Install the kick handler (idempotent).
+pub fn install_kick_handler() -> Result<(), vmm_sys_util::errno::Error> {
+    vmm_sys_util::signal::register_signal_handler(kick_signal(), on_kick)
+}
+
+/// Called on the vCPU thread with its kvm_run page (null to forget it).
+pub fn register_kvm_run(run: *mut kvm_run) {
+    KVM_RUN.with(|r| r.set(run));
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Run,
+    Pause,
+    Stop,
+}
+
+struct State {
+    mode: Mode,
+    parked: usize,
+    finished: usize,
+}
+
+pub struct RunControl {
+    state: Mutex<State>,
+    changed: Condvar,
+    /// Checked by vCPU threads before each KVM_RUN (cheaper than the lock).
+    leave: AtomicBool,
+    vcpus: usize,
+}
+
+impl RunControl {
+    pub fn new(vcpus: usize, mode: Mode) -> RunControl {
+        RunControl {
+            state: Mutex::new(State { mode, parked: 0, finished: 0 }),
+            changed: Condvar::new(),
+            leave: AtomicBool::new(mode != Mode::Run),
+            vcpus,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether vCPU threads should leave KVM_RUN now.
+    pub fn should_leave(&self) -> bool {
+        self.leave.load(Ordering::Acquire)
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.lock().mode
+    }
+
+    /// Ask for `mode` (Pause or Stop); the caller kicks the threads.
+    pub fn request(&self, mode: Mode) {
+        let mut st = self.lock();
+        if st.mode == Mode::Stop {
+            return; // stopping is final
+        }
+        st.mode = mode;
+        self.leave.store(mode != Mode::Run, Ordering::Release);
+        self.changed.notify_all();
+    }
+
+    /// Wait until every vCPU thread has parked or finished.
+    pub fn wait_parked(&self) {
+        let mut st = self.lock();
+        while st.parked + st.finished < self.vcpus && st.mode == Mode::Pause {
+            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    /// vCPU side: block while paused. Returns false when the thread must end.
+    pub fn park_until_run(&self) -> bool {
+        let mut st = self.lock();
+        let mut counted = false;
+        loop {
+            match st.mode {
+                Mode::Run => break,
+                Mode::Stop => break,
+                Mode::Pause if !counted => {
+                    st.parked += 1;
+                    counted = true;
+                    self.changed.notify_all();
+                }
+                Mode::Pause => {}
+            }
+            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        if counted {
+            st.parked -= 1;
+        }
+        st.mode == Mode::Run
+    }
+
+    /// vCPU side: the thread is ending.
+    pub fn finished(&self) {
+        self.lock().finished += 1;
+        self.changed.notify_all();
+    }
+}
+
+/// Device events and kicks that wake vCPUs blocked in the wait hypercall.
+#[derive(Default)]
+pub struct Events {
+    seq: Mutex<u64>,
+    changed: Condvar,
+}
+
+impl Events {
+    pub fn signal(&self) {
+        *self.seq.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        self.changed.notify_all();
+    }
+
+    /// Wake every waiter without an event (they re-check why they wait).
+    pub fn wake_all(&self) {
+        let _guard = self.seq.lock().unwrap_or_else(|p| p.into_inner());
+        self.changed.notify_all();
+    }
+
+    /// Block until the sequence moves past `seen`, `deadline` passes or
+    /// `interrupted` says so; returns the current sequence.
+    pub fn wait(&self, seen: u64, deadline: Option<Instant>, interrupted: impl Fn() -> bool) -> u64 {
+        let mut seq = self.seq.lock().unwrap_or_else(|p| p.into_inner());
+        while *seq == seen && !interrupted() {
+            let timeout = match deadline {
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(t) if !t.is_zero() => t,
+                    _ => break,
+                },
+                // Wake now and then anyway: cheap insurance against a lost wake-up.
+                None => Duration::from_secs(1),
+            };
+            seq = self.changed.wait_timeout(seq, timeout).unwrap_or_else(|p| p.into_inner()).0;
+        }
+        *seq
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn pause_waits_for_every_vcpu() {
+        let ctl = Arc::new(RunControl::new(2, Mode::Run));
+        ctl.request(Mode::Pause);
+        let threads: Vec<_> = (0..2)
+            .map(|_| {
+                let ctl = ctl.clone();
+                std::thread::spawn(move || {
+                    while ctl.park_until_run() {
+                        while !ctl.should_leave() {
+                            std::thread::yield_now();
+                        }
+                    }
+                    ctl.finished();
+                })
+            })
+            .collect();
+        ctl.wait_parked();
+        assert_eq!(ctl.lock().parked, 2);
+        ctl.request(Mode::Run);
+        ctl.request(Mode::Pause);
+        ctl.wait_parked();
+        ctl.request(Mode::Stop);
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(ctl.lock().finished, 2);
+    }
+
+    #[test]
+    fn wait_returns_on_event_or_deadline() {
+        let ev = Arc::new(Events::default());
+        let t0 = Instant::now();
+        assert_eq!(ev.wait(0, Some(t0 + Duration::from_millis(20)), || false), 0);
+        assert!(t0.elapsed() >= Duration::from_millis(20));
+        let ev2 = ev.clone();
+        let h = std::thread::spawn(move || ev2.wait(0, None, || false));
+        std::thread::sleep(Duration::from_millis(10));
+        ev.signal();
+        assert_eq!(h.join().unwrap(), 1);
+        assert_eq!(ev.wait(0, None, || false), 1, "already past seen");
+    }
+}

@@ -1,0 +1,393 @@
+//! A VM: KVM VM, guest RAM, vCPU threads, and the operations every later
+//! layer (snapshots, checkpoints, replication) builds on.
+
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use kvm_bindings::{kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use serde::{Deserialize, Serialize};
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::arch::{cpu, layout, tables};
+use crate::boot::{self, BootError, BootLayout};
+use crate::clock::{self, GuestClock};
+use crate::console::Console;
+use crate::dirty::{bitmap::BitmapLog, ring, DirtyBackend, DirtyBitmap, DirtyError, DirtyLog};
+use crate::exit::VmExit;
+use crate::memory::{GuestRam, MemoryError};
+use crate::vcpu::control::{self, Events, Mode, RunControl};
+use crate::vcpu::state::{saveable_msrs, StateError, VcpuState};
+
+/// Environment variable naming the KVM device (default `/dev/kvm`).
+pub const KVM_PATH_ENV: &str = "FTVM_KVM_DEVICE";
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("{path} does not exist: this host has no KVM (hardware virtualization off, or the kvm module not loaded)")]
+    KvmMissing { path: String },
+    #[error("no permission to open {path}: run as root or add the user to the kvm group")]
+    KvmPermission { path: String },
+    #[error("cannot use {path}: {err}")]
+    KvmOpen { path: String, err: kvm_ioctls::Error },
+    #[error("KVM {op} failed: {err}")]
+    Kvm { op: &'static str, err: kvm_ioctls::Error },
+    #[error("{requested} vCPUs requested; this VMM supports 1 to {max} on this host")]
+    BadVcpuCount { requested: u32, max: u32 },
+    #[error("guest memory must be a multiple of 2 MiB between 4 MiB and {max_gib} GiB, got {mib} MiB")]
+    BadMemorySize { mib: u64, max_gib: u64 },
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    #[error(transparent)]
+    Dirty(#[from] DirtyError),
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("the VM state has {got} vCPUs, this VM has {want}")]
+    ShapeMismatch { got: usize, want: usize },
+    #[error("the VM is running; pause it first")]
+    Running,
+    #[error("{op} failed: {err}")]
+    Os { op: &'static str, err: std::io::Error },
+    #[error("cannot write guest memory: {0}")]
+    GuestWrite(#[from] vm_memory::GuestMemoryError),
+}
+
+fn kvm_err(op: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
+    move |err| VmError::Kvm { op, err }
+}
+
+/// What a VM is made of.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    pub mem_size: u64,
+    pub vcpus: u32,
+    /// Populate all of guest RAM up front.
+    pub prefault: bool,
+    pub dirty_backend: DirtyBackend,
+    pub console: Console,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        VmConfig { mem_size: 256 << 20, vcpus: 1, prefault: false, dirty_backend: DirtyBackend::Bitmap, console: Console::Stdout }
+    }
+}
+
+/// vCPU and VM state apart from memory: what a snapshot or checkpoint adds
+/// to the pages.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct VmState {
+    pub vcpus: Vec<VcpuState>,
+    /// Guest clock reading when the state was saved.
+    pub clock_ns: u64,
+}
+
+/// State shared between the VM owner and its vCPU threads.
+pub struct VmShared {
+    pub vm_fd: VmFd,
+    pub ram: GuestRam,
+    pub console: Console,
+    pub events: Events,
+    pub control: RunControl,
+    clock: Mutex<GuestClock>,
+    dirty: Mutex<Box<dyn DirtyLog>>,
+    exit: Mutex<Option<VmExit>>,
+    exit_event: EventFd,
+    threads: Mutex<Vec<libc::pthread_t>>,
+}
+
+fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl VmShared {
+    pub fn clock(&self) -> GuestClock {
+        *lock(&self.clock)
+    }
+
+    pub fn read_u64(&self, addr: u64) -> Option<u64> {
+        self.ram.memory().read_obj(GuestAddress(addr)).ok()
+    }
+
+    pub fn register_thread(&self, id: libc::pthread_t) {
+        lock(&self.threads).push(id);
+    }
+
+    /// Get every vCPU thread out of KVM_RUN and out of the wait hypercall.
+    fn kick_all(&self) {
+        self.events.wake_all();
+        for &t in lock(&self.threads).iter() {
+            // SAFETY: `t` is a vCPU thread of this VM, which is joined only
+            // after `threads` stops being used (Vm::drop); the kick signal
+            // has a handler installed, so it cannot kill the process.
+            unsafe { libc::pthread_kill(t, control::kick_signal()) };
+        }
+    }
+
+    /// Stop the VM for `exit`; the first reason recorded wins.
+    pub fn stop(&self, exit: VmExit) {
+        {
+            let mut slot = lock(&self.exit);
+            if slot.is_none() {
+                *slot = Some(exit);
+            }
+        }
+        self.control.request(Mode::Stop);
+        self.kick_all();
+        let _ = self.exit_event.write(1);
+    }
+
+    pub fn dirty_ring_full(&self, vcpu: usize) -> Result<(), DirtyError> {
+        lock(&self.dirty).ring_full(&self.vm_fd, vcpu)
+    }
+}
+
+pub struct Vm {
+    shared: Arc<VmShared>,
+    vcpus: Vec<Arc<Mutex<VcpuFd>>>,
+    threads: Vec<JoinHandle<()>>,
+    msrs: Vec<u32>,
+    config: VmConfig,
+    layout: Option<BootLayout>,
+    tracking: AtomicBool,
+    // Kept last: the KVM system fd outlives the VM fds above.
+    _kvm: Kvm,
+}
+
+fn open_kvm() -> Result<Kvm, VmError> {
+    let path = std::env::var(KVM_PATH_ENV).unwrap_or_else(|_| "/dev/kvm".into());
+    let c_path = std::ffi::CString::new(path.clone()).map_err(|_| VmError::KvmMissing { path: path.clone() })?;
+    Kvm::new_with_path(&c_path).map_err(|err| match err.errno() {
+        libc::ENOENT => VmError::KvmMissing { path },
+        libc::EACCES | libc::EPERM => VmError::KvmPermission { path },
+        _ => VmError::KvmOpen { path, err },
+    })
+}
+
+impl Vm {
+    /// Create the VM with its memory and vCPUs, not yet running.
+    pub fn new(config: VmConfig) -> Result<Vm, VmError> {
+        let kvm = open_kvm()?;
+        let max_vcpus = (kvm.get_max_vcpus() as u32).min(layout::MAX_VCPUS);
+        if config.vcpus == 0 || config.vcpus > max_vcpus {
+            return Err(VmError::BadVcpuCount { requested: config.vcpus, max: max_vcpus });
+        }
+        let mib = config.mem_size >> 20;
+        if config.mem_size % (2 << 20) != 0 || mib < 4 || config.mem_size > layout::MAX_MEM_GIB << 30 {
+            return Err(VmError::BadMemorySize { mib, max_gib: layout::MAX_MEM_GIB });
+        }
+        let vm_fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
+        // Dirty-logging capabilities must be enabled before slots and vCPUs.
+        let bitmap_log = match config.dirty_backend {
+            DirtyBackend::Bitmap => Some(BitmapLog::new(&vm_fd, 0, config.mem_size)?),
+            DirtyBackend::Ring => {
+                ring::enable(&vm_fd)?;
+                None
+            }
+        };
+        let ram = GuestRam::new(config.mem_size, config.prefault)?;
+        tables::write_system_area(ram.memory(), config.vcpus, config.mem_size)?;
+        set_slot(&vm_fd, &ram, false)?;
+
+        let supported = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_SUPPORTED_CPUID"))?;
+        let vcpus = (0..config.vcpus).map(|i| create_vcpu(&vm_fd, &supported, i)).collect::<Result<Vec<_>, _>>()?;
+        let dirty: Box<dyn DirtyLog> = match bitmap_log {
+            Some(log) => Box::new(log),
+            None => Box::new(ring::RingLog::new(&vcpus.iter().collect::<Vec<_>>(), ram.pages())?),
+        };
+        let index_list = kvm.get_msr_index_list().map_err(kvm_err("KVM_GET_MSR_INDEX_LIST"))?;
+        let msrs = saveable_msrs(&vcpus[0], index_list.as_slice());
+
+        let tsc_khz = vcpus[0].get_tsc_khz().ok();
+        let clock = GuestClock::starting_at(clock::tsc_hz(tsc_khz), 0);
+        control::install_kick_handler().map_err(|e| VmError::Os { op: "install kick signal handler", err: e.into() })?;
+        let shared = Arc::new(VmShared {
+            vm_fd,
+            ram,
+            console: config.console.clone(),
+            events: Events::default(),
+            control: RunControl::new(config.vcpus as usize, Mode::Pause),
+            clock: Mutex::new(clock),
+            dirty: Mutex::new(dirty),
+            exit: Mutex::new(None),
+            exit_event: EventFd::new(libc::EFD_NONBLOCK).map_err(|err| VmError::Os { op: "eventfd", err })?,
+            threads: Mutex::new(Vec::new()),
+        });
+        let vcpus = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
+        Ok(Vm { shared, vcpus, threads: Vec::new(), msrs, config, layout: None, tracking: AtomicBool::new(false), _kvm: kvm })
+    }
+
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    pub fn ram(&self) -> &GuestRam {
+        &self.shared.ram
+    }
+
+    pub fn layout(&self) -> Option<&BootLayout> {
+        self.layout.as_ref()
+    }
+
+    /// Load `image` and prepare every vCPU to enter it.
+    pub fn boot(&mut self, image: &Path, cmdline: &str) -> Result<&BootLayout, VmError> {
+        let mem = self.shared.ram.memory();
+        let layout = boot::boot(mem, image, self.config.mem_size, self.config.vcpus, cmdline, &[])?;
+        let xcr0 = {
+            let vcpu = lock(&self.vcpus[0]);
+            cpu::xcr0_for(&vcpu.get_cpuid2(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_CPUID2"))?)
+        };
+        for (i, vcpu) in self.vcpus.iter().enumerate() {
+            let i = i as u32;
+            cpu::setup_vcpu(&lock(vcpu), i, layout.image.entry, layout.stack_top(i), xcr0).map_err(kvm_err("vCPU setup"))?;
+        }
+        lock(&self.shared.clock).publish(mem)?;
+        Ok(self.layout.insert(layout))
+    }
+
+    /// Start the vCPU threads (first time) or let them run again.
+    pub fn start(&mut self) -> std::io::Result<()> {
+        if self.threads.is_empty() {
+            for (i, fd) in self.vcpus.iter().enumerate() {
+                let (fd, shared) = (fd.clone(), self.shared.clone());
+                let t = std::thread::Builder::new()
+                    .name(format!("vcpu{i}"))
+                    .spawn(move || crate::vcpu::thread_main(i as u32, fd, shared))?;
+                self.threads.push(t);
+            }
+        }
+        self.resume();
+        Ok(())
+    }
+
+    /// Stop every vCPU at an instruction boundary with its I/O completed.
+    pub fn pause(&self) {
+        if self.shared.control.mode() != Mode::Run {
+            return;
+        }
+        self.shared.control.request(Mode::Pause);
+        self.shared.kick_all();
+        self.shared.control.wait_parked();
+    }
+
+    pub fn resume(&self) {
+        if self.shared.control.mode() == Mode::Pause {
+            self.shared.control.request(Mode::Run);
+        }
+    }
+
+    pub fn is_running(&self) -> bool {
+        !self.threads.is_empty() && self.shared.control.mode() == Mode::Run
+    }
+
+    /// Save all vCPU and VM state; the VM must be paused (or never started).
+    pub fn save_state(&self) -> Result<VmState, VmError> {
+        if self.is_running() {
+            return Err(VmError::Running);
+        }
+        let vcpus = self.vcpus.iter().map(|v| VcpuState::save(&lock(v), &self.msrs)).collect::<Result<Vec<_>, _>>()?;
+        Ok(VmState { vcpus, clock_ns: self.shared.clock().now_ns() })
+    }
+
+    /// Load state saved by `save_state` (here or in another process) into
+    /// this VM before it runs; guest time continues from the saved time.
+    pub fn restore_state(&mut self, state: &VmState) -> Result<(), VmError> {
+        if self.is_running() {
+            return Err(VmError::Running);
+        }
+        if state.vcpus.len() != self.vcpus.len() {
+            return Err(VmError::ShapeMismatch { got: state.vcpus.len(), want: self.vcpus.len() });
+        }
+        for (vcpu, s) in self.vcpus.iter().zip(&state.vcpus) {
+            s.restore(&lock(vcpu))?;
+        }
+        let mut clock = lock(&self.shared.clock);
+        clock.rebase(state.clock_ns);
+        clock.publish(self.shared.ram.memory())?;
+        Ok(())
+    }
+
+    /// Begin tracking the pages written from now on (guest and VMM writes).
+    pub fn start_dirty_tracking(&self) -> Result<(), VmError> {
+        if !self.tracking.swap(true, Ordering::SeqCst) {
+            set_slot(&self.shared.vm_fd, &self.shared.ram, true)?;
+        }
+        lock(&self.shared.dirty).start(&self.shared.vm_fd)?;
+        self.shared.ram.take_vmm_dirty();
+        Ok(())
+    }
+
+    /// OR into `out` every page written since tracking started or since the
+    /// last collection, by the guest or by the VMM.
+    pub fn collect_dirty(&self, out: &mut DirtyBitmap) -> Result<(), VmError> {
+        lock(&self.shared.dirty).collect(&self.shared.vm_fd, out)?;
+        out.or_words(&self.shared.ram.take_vmm_dirty());
+        Ok(())
+    }
+
+    /// Ask the VM to stop (as Ctrl-C does); `wait` then returns `Stopped`.
+    pub fn request_stop(&self) {
+        self.shared.stop(VmExit::Stopped);
+    }
+
+    /// Readable when the VM has stopped, for event loops.
+    pub fn exit_event(&self) -> &EventFd {
+        &self.shared.exit_event
+    }
+
+    /// Why the VM stopped, if it has.
+    pub fn exit_reason(&self) -> Option<VmExit> {
+        lock(&self.shared.exit).clone()
+    }
+
+    /// Block until the VM stops, then join the vCPU threads.
+    pub fn wait(&mut self) -> VmExit {
+        let fd = self.shared.exit_event.as_raw_fd();
+        while self.exit_reason().is_none() {
+            let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd for the duration of the call.
+            unsafe { libc::poll(&mut pfd, 1, 1000) };
+        }
+        self.join();
+        self.exit_reason().unwrap_or(VmExit::Stopped)
+    }
+
+    fn join(&mut self) {
+        self.shared.control.request(Mode::Stop);
+        self.shared.kick_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.join();
+    }
+}
+
+fn set_slot(vm: &VmFd, ram: &GuestRam, log_dirty: bool) -> Result<(), VmError> {
+    let region = kvm_userspace_memory_region {
+        slot: 0,
+        flags: if log_dirty { KVM_MEM_LOG_DIRTY_PAGES } else { 0 },
+        guest_phys_addr: 0,
+        memory_size: ram.size(),
+        userspace_addr: ram.host_base() as u64,
+    };
+    // SAFETY: the region is the whole guest RAM mapping, which outlives the VM
+    // fd (both are owned by VmShared, and the mapping is dropped after it).
+    unsafe { vm.set_user_memory_region(region) }.map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))
+}
+
+fn create_vcpu(vm: &VmFd, supported: &CpuId, index: u32) -> Result<VcpuFd, VmError> {
+    let vcpu = vm.create_vcpu(index as u64).map_err(kvm_err("KVM_CREATE_VCPU"))?;
+    vcpu.set_cpuid2(&cpu::cpuid_for(supported, index)).map_err(kvm_err("KVM_SET_CPUID2"))?;
+    Ok(vcpu)
+}
