@@ -1,0 +1,57 @@
+//! Helpers for end-to-end tests that run the real `ftvm` binary on real KVM.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use ftvm_workloads::memtouch::{self, Config, Writer};
+
+/// A guest image built by `scripts/build-images.sh`. Missing images are a
+/// test failure, not a skip: the README's test command builds them.
+pub fn image(name: &str) -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let path = root.join("target/images").join(format!("{name}.elf"));
+    assert!(path.exists(), "guest image {} missing: run scripts/build-images.sh", path.display());
+    path
+}
+
+pub fn ftvm() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ftvm"))
+}
+
+pub fn run_image(name: &str, args: &[&str]) -> Output {
+    let mut cmd = ftvm();
+    cmd.arg("run").arg("--image").arg(image(name)).args(args);
+    cmd.output().expect("ftvm runs")
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// The value of `key=` on the line starting with `prefix`.
+pub fn field(output: &str, prefix: &str, key: &str) -> Option<String> {
+    output.lines().filter(|l| l.starts_with(prefix)).find_map(|l| {
+        l.split_whitespace().find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('=')).map(str::to_owned))
+    })
+}
+
+/// The checksum memtouch prints for `cmdline` when every writer does
+/// `config.writes` writes, recomputed on the host.
+pub fn expected_memtouch_checksum(cmdline: &str, writers: u32) -> String {
+    let config = Config::parse(cmdline).expect("valid memtouch cmdline");
+    assert!(config.writes > 0, "only write-bounded runs are deterministic");
+    let mut ws = vec![0u64; (config.ws_pages * 512) as usize];
+    for w in 0..writers {
+        let mut writer = Writer::new(&config, w, writers);
+        // SAFETY: `ws` is the whole working set; writers run one at a time.
+        unsafe { writer.run(ws.as_mut_ptr(), config.writes, |_| {}) };
+    }
+    // SAFETY: viewing initialized u64s as bytes.
+    let bytes = unsafe { std::slice::from_raw_parts(ws.as_ptr() as *const u8, ws.len() * 8) };
+    format!("{:016x}", memtouch::checksum(bytes))
+}
