@@ -1,0 +1,46 @@
+//! `ftvm-bench`: measurements that back ftvm's performance claims. Each
+//! subcommand prints a table, writes CSV and an SVG plot, and compares
+//! against a reference measured in the same run (never against constants).
+
+mod report;
+mod vm_costs;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "ftvm-bench", about = "ftvm benchmarks")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Directory for CSV and plots.
+    #[arg(long, default_value = "target/bench")]
+    out: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The microVM itself: memtouch in the VM vs natively, pause/resume,
+    /// state save/restore, and the cost of tracked first writes per backend.
+    Vm(vm_costs::Options),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Err(e) = std::fs::create_dir_all(&cli.out) {
+        eprintln!("ftvm-bench: error: cannot create {}: {e}", cli.out.display());
+        return ExitCode::FAILURE;
+    }
+    let result = match cli.command {
+        Command::Vm(opts) => vm_costs::run(&opts, &cli.out),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ftvm-bench: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

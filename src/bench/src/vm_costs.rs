@@ -1,0 +1,189 @@
+//! Costs of the microVM: guest speed against the same loop run natively,
+//! pause/resume, state save/restore, and tracked first writes.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use ftvm_workloads::memtouch::{Config, Writer};
+use vmm::{Console, DirtyBackend, DirtyBitmap, Vm, VmConfig};
+
+use crate::report::{self, Row};
+
+type BoxError = Box<dyn std::error::Error>;
+
+#[derive(clap::Args)]
+pub struct Options {
+    /// Seconds per throughput measurement.
+    #[arg(long, default_value_t = 2)]
+    seconds: u64,
+    /// Pause/resume and save/restore repetitions.
+    #[arg(long, default_value_t = 200)]
+    reps: usize,
+    /// Interval between dirty collections in the first-write measurement.
+    #[arg(long, default_value_t = 20)]
+    epoch_ms: u64,
+    /// Directory holding memtouch.elf.
+    #[arg(long, default_value = "target/images")]
+    images: PathBuf,
+}
+
+fn memtouch_vm(opts: &Options, vcpus: u32, backend: DirtyBackend, cmdline: &str) -> Result<(Vm, std::sync::Arc<std::sync::Mutex<Vec<u8>>>), BoxError> {
+    let (console, out) = Console::capture();
+    let config = VmConfig { mem_size: 512 << 20, vcpus, prefault: true, dirty_backend: backend, console };
+    let mut vm = Vm::new(config)?;
+    vm.boot(&opts.images.join("memtouch.elf"), cmdline)?;
+    Ok((vm, out))
+}
+
+/// Total writes memtouch reported on its `memtouch: writes=` line.
+fn total_writes(out: &[u8]) -> Result<u64, BoxError> {
+    let text = String::from_utf8_lossy(out);
+    text.lines()
+        .find_map(|l| l.strip_prefix("memtouch: writes=")?.split_whitespace().next()?.parse().ok())
+        .ok_or_else(|| format!("memtouch printed no total: {text}").into())
+}
+
+/// The same loop memtouch runs, on host threads, for `seconds`.
+fn native_writes_per_sec(cmdline: &str, writers: u32, seconds: u64) -> f64 {
+    let config = Config::parse(cmdline).expect("valid cmdline");
+    let mut ws = vec![0u64; (config.ws_pages * 512) as usize];
+    let base = ws.as_mut_ptr() as usize;
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    let t0 = Instant::now();
+    let total: u64 = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..writers)
+            .map(|w| {
+                let config = &config;
+                s.spawn(move || {
+                    let mut writer = Writer::new(config, w, writers);
+                    while Instant::now() < deadline {
+                        // SAFETY: `ws` holds the whole working set and each
+                        // writer only writes its own partition.
+                        unsafe { writer.run(base as *mut u64, 1024, |_| {}) };
+                    }
+                    writer.done
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("writer thread")).sum()
+    });
+    total as f64 / t0.elapsed().as_secs_f64()
+}
+
+fn vm_writes_per_sec(opts: &Options, cmdline: &str, vcpus: u32) -> Result<f64, BoxError> {
+    let cmdline = format!("{cmdline} duration={}s report=0", opts.seconds);
+    let (mut vm, out) = memtouch_vm(opts, vcpus, DirtyBackend::Bitmap, &cmdline)?;
+    vm.start()?;
+    let exit = vm.wait();
+    if exit.status() != 0 {
+        return Err(format!("memtouch failed: {exit}").into());
+    }
+    let writes = total_writes(&out.lock().unwrap())?;
+    Ok(writes as f64 / opts.seconds as f64)
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn pause_and_state(opts: &Options, vcpus: u32, rows: &mut Vec<Row>) -> Result<(), BoxError> {
+    let (mut vm, _out) = memtouch_vm(opts, vcpus, DirtyBackend::Bitmap, "ws=16M duration=600s report=0")?;
+    vm.start()?;
+    std::thread::sleep(Duration::from_millis(200));
+    let (mut pause, mut resume, mut save, mut restore) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..opts.reps {
+        let t = Instant::now();
+        vm.pause();
+        pause.push(t.elapsed().as_secs_f64() * 1e6);
+        let t = Instant::now();
+        let state = vm.save_state()?;
+        save.push(t.elapsed().as_secs_f64() * 1e6);
+        let t = Instant::now();
+        vm.restore_state(&state)?;
+        restore.push(t.elapsed().as_secs_f64() * 1e6);
+        let t = Instant::now();
+        vm.resume();
+        resume.push(t.elapsed().as_secs_f64() * 1e6);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    vm.request_stop();
+    vm.wait();
+    let group = format!("state, {vcpus} vCPU");
+    for (name, mut v) in [("pause (all vCPUs parked)", pause), ("resume", resume), ("save full state", save), ("restore full state", restore)] {
+        v.sort_by(f64::total_cmp);
+        for (stat, p) in [("p50", 0.5), ("p99", 0.99)] {
+            rows.push(Row { group: group.clone(), case: format!("{name} {stat}"), value: percentile(&v, p), unit: "us", reference: None });
+        }
+    }
+    Ok(())
+}
+
+/// Per-page cost of the first write to a page after tracking re-protected
+/// it: memtouch sweeps a working set while the VMM collects the dirty set
+/// every epoch; the time lost against the untracked rate, minus the time the
+/// VM spent paused, divided by the pages collected.
+fn first_write_cost(opts: &Options, backend: DirtyBackend, untracked_rate: f64, cmdline: &str, rows: &mut Vec<Row>) -> Result<(), BoxError> {
+    let cmdline = format!("{cmdline} duration={}s report=0", opts.seconds);
+    let (mut vm, out) = memtouch_vm(opts, 1, backend, &cmdline)?;
+    vm.start_dirty_tracking()?;
+    let t0 = Instant::now();
+    vm.start()?;
+    let mut dirty = DirtyBitmap::new(vm.ram().pages());
+    let (mut pages, mut paused, mut epochs, mut collect) = (0u64, Duration::ZERO, 0u32, Duration::ZERO);
+    while vm.exit_reason().is_none() {
+        std::thread::sleep(Duration::from_millis(opts.epoch_ms));
+        let p0 = Instant::now();
+        vm.pause();
+        let c0 = Instant::now();
+        dirty.clear();
+        vm.collect_dirty(&mut dirty)?;
+        collect += c0.elapsed();
+        vm.resume();
+        paused += p0.elapsed();
+        pages += dirty.count();
+        epochs += 1;
+    }
+    let elapsed = t0.elapsed().as_secs_f64().min(opts.seconds as f64 + 0.05);
+    vm.wait();
+    let writes = total_writes(&out.lock().unwrap())?;
+    let lost = elapsed - writes as f64 / untracked_rate - paused.as_secs_f64();
+    let group = format!("dirty {backend}");
+    rows.push(Row { group: group.clone(), case: "first write after re-protect".into(), value: lost / pages.max(1) as f64 * 1e6, unit: "us/page", reference: None });
+    rows.push(Row { group: group.clone(), case: "dirty pages per epoch".into(), value: pages as f64 / epochs.max(1) as f64, unit: "pages", reference: None });
+    rows.push(Row { group: group.clone(), case: "collect per epoch".into(), value: collect.as_secs_f64() / epochs.max(1) as f64 * 1e6, unit: "us", reference: None });
+    rows.push(Row { group, case: "guest speed vs untracked".into(), value: writes as f64 / opts.seconds as f64, unit: "writes/s", reference: Some(untracked_rate) });
+    Ok(())
+}
+
+pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
+    let image = opts.images.join("memtouch.elf");
+    if !image.exists() {
+        return Err(format!("{} missing: run scripts/build-images.sh", image.display()).into());
+    }
+    let mut rows = Vec::new();
+    for (pattern, vcpus) in [("seq", 1), ("random", 1), ("hotcold", 1), ("random", 2)] {
+        let cmdline = format!("ws=64M pattern={pattern}");
+        let vm = vm_writes_per_sec(opts, &cmdline, vcpus)?;
+        let native = native_writes_per_sec(&cmdline, vcpus, opts.seconds);
+        rows.push(Row { group: "memtouch VM/native".into(), case: format!("{pattern}, {vcpus} writer(s), 64 MiB"), value: vm, unit: "writes/s", reference: Some(native) });
+    }
+    for vcpus in [1, 2] {
+        pause_and_state(opts, vcpus, &mut rows)?;
+    }
+    // A sequential sweep of 4096 pages: every page is first-written once
+    // per pass, so almost every tracked write is a re-protected first write.
+    let sweep = "ws=16M pattern=seq";
+    let untracked = vm_writes_per_sec(opts, sweep, 1)?;
+    for backend in [DirtyBackend::Bitmap, DirtyBackend::Ring] {
+        first_write_cost(opts, backend, untracked, sweep, &mut rows)?;
+    }
+
+    report::print_table(&rows);
+    let csv = out.join("vm.csv");
+    report::write_csv(&csv, &rows)?;
+    let speed: Vec<&Row> = rows.iter().filter(|r| r.unit == "us" || r.unit == "us/page").collect();
+    let svg = out.join("vm.svg");
+    report::write_bar_chart(&svg, "ftvm microVM costs (microseconds)", &speed)?;
+    println!("\nwrote {} and {}", csv.display(), svg.display());
+    Ok(())
+}
