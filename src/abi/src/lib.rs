@@ -27,9 +27,12 @@ pub mod layout {
     pub const VCPU_STACK_SIZE: u64 = 0x10_0000;
 }
 
-/// Hypercall ports. A hypercall is `out %eax, $PORT` where `eax` holds the
-/// guest-physical address of the call's argument block (below 4 GiB, 8-byte
-/// aligned). The VMM writes results back into the block before the vCPU
+const _: () = assert!(layout::CLOCK_PAGE_ADDR + PAGE_SIZE <= layout::SYSTEM_AREA_END);
+const _: () = assert!(layout::BOOT_INFO_ADDR + layout::BOOT_INFO_SIZE <= layout::CLOCK_PAGE_ADDR);
+
+/// Hypercall ports. A hypercall is `out %eax, %dx` with `dx` = the port and
+/// `eax` = the guest-physical address of the call's argument block (below
+/// 4 GiB, 8-byte aligned). The VMM writes results back into the block before the vCPU
 /// continues.
 pub mod port {
     /// [`super::ConsoleWrite`]
@@ -59,8 +62,8 @@ pub struct ConsoleWrite {
 /// the guest clock reaches `deadline_ns` (`u64::MAX`: no deadline).
 ///
 /// `seen` is the event sequence number the guest last observed (the value
-/// returned in `seq` by its previous wait); the call returns at once if
-/// events happened since. It may also return early for no reason the guest
+/// returned in `seq` by its previous wait, 0 before the first); the call
+/// returns at once if events happened since. It may also return early for no reason the guest
 /// can see (for example when the VMM pauses the VM), so callers re-check
 /// their own condition in a loop.
 #[repr(C)]
@@ -187,11 +190,5 @@ mod tests {
         assert_eq!(c.ns_at(1000), 7);
         assert_eq!(c.ns_at(3000), 1007);
         assert_eq!(c.ns_at(10), 7);
-    }
-
-    #[test]
-    fn layout_fits_system_area() {
-        assert!(layout::CLOCK_PAGE_ADDR + PAGE_SIZE <= layout::SYSTEM_AREA_END);
-        assert!(layout::BOOT_INFO_ADDR + layout::BOOT_INFO_SIZE <= layout::CLOCK_PAGE_ADDR);
     }
 }

@@ -27,7 +27,10 @@ pub struct Options {
     images: PathBuf,
 }
 
-fn memtouch_vm(opts: &Options, vcpus: u32, backend: DirtyBackend, cmdline: &str) -> Result<(Vm, std::sync::Arc<std::sync::Mutex<Vec<u8>>>), BoxError> {
+/// Guest console output, captured.
+type Captured = std::sync::Arc<std::sync::Mutex<Vec<u8>>>;
+
+fn memtouch_vm(opts: &Options, vcpus: u32, backend: DirtyBackend, cmdline: &str) -> Result<(Vm, Captured), BoxError> {
     let (console, out) = Console::capture();
     let config = VmConfig { mem_size: 512 << 20, vcpus, prefault: true, dirty_backend: backend, console };
     let mut vm = Vm::new(config)?;

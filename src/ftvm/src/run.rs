@@ -93,11 +93,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                     tracing::info!("stop signal received");
                     vm.request_stop();
                 }
-                API => {
-                    if api.as_ref().is_some_and(|a| a.accept_all(&vm)) {
-                        vm.request_stop();
-                    }
-                }
+                API if api.as_ref().is_some_and(|a| a.accept_all(&vm)) => vm.request_stop(),
                 _ => {}
             }
         }

@@ -53,7 +53,7 @@ fn bad_images() {
     let huge = patched("huge", |b| {
         // Grow the last loadable segment's memory size to 1 GiB.
         let (phoff, phnum) = (u64_at(b, 32) as usize, u16::from_le_bytes([b[56], b[57]]) as usize);
-        let last = (0..phnum).map(|i| phoff + i * 56).filter(|&o| b[o] == 1).last().unwrap();
+        let last = (0..phnum).map(|i| phoff + i * 56).rfind(|&o| b[o] == 1).unwrap();
         b[last + 40..last + 48].copy_from_slice(&(1u64 << 30).to_le_bytes());
     });
     let truncated = patched("trunc", |b| b.truncate(2000));
@@ -95,7 +95,7 @@ fn unreachable_control_socket() {
 #[test]
 fn sigterm_and_sigint_stop_the_vm_cleanly() {
     for sig in [libc::SIGTERM, libc::SIGINT] {
-        let mut child = ftvm()
+        let child = ftvm()
             .args(["run", "--vcpus", "2", "--cmdline", "ticker=10", "--image"])
             .arg(image("probe"))
             .stdout(std::process::Stdio::piped())

@@ -136,7 +136,7 @@ fn restored_guest_time_is_monotonic_and_counter_continues() {
 
 #[test]
 fn snapshot_without_stop_keeps_the_vm_running() {
-    let (mut vm, snap) = start("keep", "probe", 2, "ticker=10,count=60");
+    let (vm, snap) = start("keep", "probe", 2, "ticker=10,count=60");
     std::thread::sleep(Duration::from_millis(100));
     snapshot(&vm, &snap, false);
     let out = vm.child.wait_with_output().unwrap();

@@ -179,7 +179,7 @@ impl Vm {
             return Err(VmError::BadVcpuCount { requested: config.vcpus, max: max_vcpus });
         }
         let mib = config.mem_size >> 20;
-        if config.mem_size % (2 << 20) != 0 || mib < 4 || config.mem_size > layout::MAX_MEM_GIB << 30 {
+        if !config.mem_size.is_multiple_of(2 << 20) || mib < 4 || config.mem_size > layout::MAX_MEM_GIB << 30 {
             return Err(VmError::BadMemorySize { mib, max_gib: layout::MAX_MEM_GIB });
         }
         let vm_fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;

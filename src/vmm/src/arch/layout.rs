@@ -25,6 +25,7 @@ pub const TSS_STRIDE: u64 = 0x3000;
 pub const TSS_IOMAP_OFFSET: u64 = 104;
 pub const TSS_LIMIT: u64 = TSS_IOMAP_OFFSET + 8192;
 pub const MAX_VCPUS: u32 = 32;
+const _: () = assert!(TSS_LIMIT < TSS_STRIDE);
 
 pub const fn kstack_top(vcpu: u32) -> u64 {
     KSTACKS_ADDR + (vcpu as u64 + 1) * 0x1000
@@ -68,6 +69,5 @@ mod tests {
                 assert!(a.0 + a.1 <= b.0 || b.0 + b.1 <= a.0, "{a:x?} overlaps {b:x?}");
             }
         }
-        assert!(TSS_LIMIT < TSS_STRIDE);
     }
 }

@@ -90,7 +90,7 @@ fn write_boot_info(mem: &GuestMemory, layout: &BootLayout, cmdline: &str, device
     let regions = layout.regions();
     let memmap_addr = BOOT_INFO_ADDR + size_of::<BootInfo>().next_multiple_of(64) as u64;
     let devices_addr = memmap_addr + (regions.len() * size_of::<MemRegion>()) as u64;
-    let cmdline_addr = devices_addr + (devices.len() * size_of::<Device>()) as u64;
+    let cmdline_addr = devices_addr + std::mem::size_of_val(devices) as u64;
     let max = (BOOT_INFO_ADDR + BOOT_INFO_SIZE - cmdline_addr) as usize;
     if cmdline.len() > max {
         return Err(BootError::CmdlineTooLong { len: cmdline.len(), max });
