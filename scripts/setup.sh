@@ -9,5 +9,31 @@ cd "$root"
 command -v cargo >/dev/null || { echo "setup: cargo not found: install Rust (rustup)" >&2; exit 1; }
 [ -e /dev/kvm ] || echo "setup: warning: /dev/kvm is missing; VMs cannot run on this host" >&2
 
+# The network tests drive real clients (redis-cli, ping) against guests in
+# network namespaces; redis-server is there for native baselines.
+apt_packages=(redis-tools redis-server iproute2 iputils-ping tcpdump)
+missing=()
+for p in "${apt_packages[@]}"; do
+    # Not `dpkg -s` alone: it succeeds for removed packages that left config files.
+    [ "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null)" = installed ] || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    command -v apt-get >/dev/null || { echo "setup: apt-get not found; install ${missing[*]} by hand" >&2; exit 1; }
+    sudo=()
+    [ "$(id -u)" -eq 0 ] || sudo=(sudo)
+    echo "setup: installing ${missing[*]}" >&2
+    "${sudo[@]}" apt-get update -qq
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    # The package starts a daemon on :6379 where an init system allows it;
+    # tests start their own servers, so a stray one would only confuse them.
+    if [ -d /run/systemd/system ]; then
+        "${sudo[@]}" systemctl disable --now redis-server >/dev/null 2>&1 || true
+    else
+        "${sudo[@]}" service redis-server stop >/dev/null 2>&1 || true
+        "${sudo[@]}" update-rc.d redis-server disable >/dev/null 2>&1 || true
+    fi
+    "${sudo[@]}" pkill -x redis-server || true
+fi
+
 cargo build --release --workspace --quiet
 scripts/build-images.sh

@@ -32,7 +32,7 @@ type Captured = std::sync::Arc<std::sync::Mutex<Vec<u8>>>;
 
 fn memtouch_vm(opts: &Options, vcpus: u32, backend: DirtyBackend, cmdline: &str) -> Result<(Vm, Captured), BoxError> {
     let (console, out) = Console::capture();
-    let config = VmConfig { mem_size: 512 << 20, vcpus, prefault: true, dirty_backend: backend, console };
+    let config = VmConfig { mem_size: 512 << 20, vcpus, prefault: true, dirty_backend: backend, console, ..Default::default() };
     let mut vm = Vm::new(config)?;
     vm.boot(&opts.images.join("memtouch.elf"), cmdline)?;
     Ok((vm, out))

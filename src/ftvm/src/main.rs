@@ -9,6 +9,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
+use vmm::devices::virtio::net::NetConfig;
 use vmm::DirtyBackend;
 
 #[derive(Parser)]
@@ -77,6 +78,12 @@ struct HostArgs {
     /// Serve the control socket here (for `ftvm snapshot`, `ftvm status`).
     #[arg(long)]
     api_socket: Option<PathBuf>,
+    /// Network card backed by a TAP device: tap=NAME[,mac=MAC] (created if absent).
+    #[arg(long, value_name = "tap=NAME,mac=MAC")]
+    net: Option<NetConfig>,
+    /// Disk backed by a raw file (its size must be a multiple of 512 bytes).
+    #[arg(long)]
+    disk: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -123,6 +130,11 @@ fn main() -> ExitCode {
 
 impl From<HostArgs> for run::HostOptions {
     fn from(h: HostArgs) -> Self {
-        run::HostOptions { prefault: h.prefault, dirty_backend: h.dirty_backend, api_socket: h.api_socket }
+        run::HostOptions {
+            prefault: h.prefault,
+            dirty_backend: h.dirty_backend,
+            api_socket: h.api_socket,
+            devices: vmm::devices::DeviceConfig { net: h.net, disk: h.disk },
+        }
     }
 }

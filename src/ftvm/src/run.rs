@@ -36,6 +36,7 @@ pub struct HostOptions {
     pub prefault: bool,
     pub dirty_backend: DirtyBackend,
     pub api_socket: Option<PathBuf>,
+    pub devices: vmm::devices::DeviceConfig,
 }
 
 /// Run the VM to completion; returns the exit status for this process.
@@ -47,7 +48,14 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
             (header.mem_size, header.vcpus)
         }
     };
-    let config = VmConfig { mem_size, vcpus, prefault: host.prefault, dirty_backend: host.dirty_backend, ..Default::default() };
+    let config = VmConfig {
+        mem_size,
+        vcpus,
+        prefault: host.prefault,
+        dirty_backend: host.dirty_backend,
+        devices: host.devices,
+        ..Default::default()
+    };
     let mut vm = Vm::new(config)?;
     match &source {
         Source::Image { image, cmdline, .. } => {

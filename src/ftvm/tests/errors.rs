@@ -79,7 +79,7 @@ fn bad_vm_shapes() {
         (&["--vcpus", "0"], "0 vCPUs requested"),
         (&["--memory", "4", "--vcpus", "4"], "too little guest memory"),
         (&["--memory", "5"], "multiple of 2 MiB"),
-        (&["--memory", "1000000"], "multiple of 2 MiB between 4 MiB and 64 GiB"),
+        (&["--memory", "1000000"], "multiple of 2 MiB between 4 MiB and 63 GiB"),
     ];
     for (args, want) in cases {
         assert_one_line_error(&run_with(&probe, args), want, &format!("{args:?}"));

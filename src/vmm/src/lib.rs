@@ -11,6 +11,7 @@ pub mod memory;
 pub mod boot;
 pub mod clock;
 pub mod console;
+pub mod devices;
 pub mod dirty;
 pub mod exit;
 mod hypercall;

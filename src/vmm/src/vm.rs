@@ -17,6 +17,7 @@ use crate::arch::{cpu, layout, tables};
 use crate::boot::{self, BootError, BootLayout};
 use crate::clock::{self, GuestClock};
 use crate::console::Console;
+use crate::devices::{DeviceConfig, DeviceError, DeviceState, Devices};
 use crate::dirty::{bitmap::BitmapLog, ring, DirtyBackend, DirtyBitmap, DirtyError, DirtyLog};
 use crate::exit::VmExit;
 use crate::memory::{GuestRam, MemoryError};
@@ -48,6 +49,8 @@ pub enum VmError {
     Dirty(#[from] DirtyError),
     #[error(transparent)]
     State(#[from] StateError),
+    #[error(transparent)]
+    Device(#[from] DeviceError),
     #[error("the VM state has {got} vCPUs, this VM has {want}")]
     ShapeMismatch { got: usize, want: usize },
     #[error("the VM is running; pause it first")]
@@ -71,11 +74,19 @@ pub struct VmConfig {
     pub prefault: bool,
     pub dirty_backend: DirtyBackend,
     pub console: Console,
+    pub devices: DeviceConfig,
 }
 
 impl Default for VmConfig {
     fn default() -> Self {
-        VmConfig { mem_size: 256 << 20, vcpus: 1, prefault: false, dirty_backend: DirtyBackend::Bitmap, console: Console::Stdout }
+        VmConfig {
+            mem_size: 256 << 20,
+            vcpus: 1,
+            prefault: false,
+            dirty_backend: DirtyBackend::Bitmap,
+            console: Console::Stdout,
+            devices: DeviceConfig::default(),
+        }
     }
 }
 
@@ -84,6 +95,7 @@ impl Default for VmConfig {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct VmState {
     pub vcpus: Vec<VcpuState>,
+    pub devices: Vec<DeviceState>,
     /// Guest clock reading when the state was saved.
     pub clock_ns: u64,
 }
@@ -93,8 +105,9 @@ pub struct VmShared {
     pub vm_fd: VmFd,
     pub ram: GuestRam,
     pub console: Console,
-    pub events: Events,
+    pub events: Arc<Events>,
     pub control: RunControl,
+    pub devices: Devices,
     clock: Mutex<GuestClock>,
     dirty: Mutex<Box<dyn DirtyLog>>,
     exit: Mutex<Option<VmExit>>,
@@ -179,8 +192,8 @@ impl Vm {
             return Err(VmError::BadVcpuCount { requested: config.vcpus, max: max_vcpus });
         }
         let mib = config.mem_size >> 20;
-        if !config.mem_size.is_multiple_of(2 << 20) || mib < 4 || config.mem_size > layout::MAX_MEM_GIB << 30 {
-            return Err(VmError::BadMemorySize { mib, max_gib: layout::MAX_MEM_GIB });
+        if !config.mem_size.is_multiple_of(2 << 20) || mib < 4 || config.mem_size > layout::MAX_RAM_GIB << 30 {
+            return Err(VmError::BadMemorySize { mib, max_gib: layout::MAX_RAM_GIB });
         }
         let vm_fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
         // Dirty-logging capabilities must be enabled before slots and vCPUs.
@@ -192,7 +205,9 @@ impl Vm {
             }
         };
         let ram = GuestRam::new(config.mem_size, config.prefault)?;
-        tables::write_system_area(ram.memory(), config.vcpus, config.mem_size)?;
+        let events = Arc::new(Events::default());
+        let devices = Devices::new(&config.devices, &vm_fd, config.mem_size, ram.memory().clone(), events.clone())?;
+        tables::write_system_area(ram.memory(), config.vcpus, config.mem_size, devices.window())?;
         set_slot(&vm_fd, &ram, false)?;
 
         let supported = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_SUPPORTED_CPUID"))?;
@@ -211,7 +226,8 @@ impl Vm {
             vm_fd,
             ram,
             console: config.console.clone(),
-            events: Events::default(),
+            events,
+            devices,
             control: RunControl::new(config.vcpus as usize, Mode::Pause),
             clock: Mutex::new(clock),
             dirty: Mutex::new(dirty),
@@ -238,7 +254,8 @@ impl Vm {
     /// Load `image` and prepare every vCPU to enter it.
     pub fn boot(&mut self, image: &Path, cmdline: &str) -> Result<&BootLayout, VmError> {
         let mem = self.shared.ram.memory();
-        let layout = boot::boot(mem, image, self.config.mem_size, self.config.vcpus, cmdline, &[])?;
+        let devices = self.shared.devices.abi_list();
+        let layout = boot::boot(mem, image, self.config.mem_size, self.config.vcpus, cmdline, &devices)?;
         let xcr0 = {
             let vcpu = lock(&self.vcpus[0]);
             cpu::xcr0_for(&vcpu.get_cpuid2(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_CPUID2"))?)
@@ -253,6 +270,7 @@ impl Vm {
 
     /// Start the vCPU threads (first time) or let them run again.
     pub fn start(&mut self) -> std::io::Result<()> {
+        self.shared.devices.start()?;
         if self.threads.is_empty() {
             for (i, fd) in self.vcpus.iter().enumerate() {
                 let (fd, shared) = (fd.clone(), self.shared.clone());
@@ -274,10 +292,13 @@ impl Vm {
         self.shared.control.request(Mode::Pause);
         self.shared.kick_all();
         self.shared.control.wait_parked();
+        // After the vCPUs, so requests they issued last are still served.
+        self.shared.devices.pause();
     }
 
     pub fn resume(&self) {
         if self.shared.control.mode() == Mode::Pause {
+            self.shared.devices.resume();
             self.shared.control.request(Mode::Run);
         }
     }
@@ -292,7 +313,7 @@ impl Vm {
             return Err(VmError::Running);
         }
         let vcpus = self.vcpus.iter().map(|v| VcpuState::save(&lock(v), &self.msrs)).collect::<Result<Vec<_>, _>>()?;
-        Ok(VmState { vcpus, clock_ns: self.shared.clock().now_ns() })
+        Ok(VmState { vcpus, devices: self.shared.devices.save(), clock_ns: self.shared.clock().now_ns() })
     }
 
     /// Load state saved by `save_state` (here or in another process) into
@@ -304,6 +325,7 @@ impl Vm {
         if state.vcpus.len() != self.vcpus.len() {
             return Err(VmError::ShapeMismatch { got: state.vcpus.len(), want: self.vcpus.len() });
         }
+        self.shared.devices.restore(&state.devices)?;
         for (vcpu, s) in self.vcpus.iter().zip(&state.vcpus) {
             s.restore(&lock(vcpu))?;
         }
@@ -364,6 +386,7 @@ impl Vm {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        self.shared.devices.stop();
     }
 }
 

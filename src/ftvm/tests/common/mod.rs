@@ -55,3 +55,4 @@ pub fn expected_memtouch_checksum(cmdline: &str, writers: u32) -> String {
     let bytes = unsafe { std::slice::from_raw_parts(ws.as_ptr() as *const u8, ws.len() * 8) };
     format!("{:016x}", memtouch::checksum(bytes))
 }
+pub mod net;

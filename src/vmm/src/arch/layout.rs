@@ -14,9 +14,11 @@ pub const PML4_ADDR: u64 = 0x9000;
 pub const PDPT_ADDR: u64 = 0xa000;
 /// 4 KiB page table for the first 2 MiB (the system area itself).
 pub const PT0_ADDR: u64 = 0xb000;
-/// One page directory per GiB of RAM.
+/// One page directory per GiB of guest-physical address space.
 pub const PD_ADDR: u64 = 0xc000;
 pub const MAX_MEM_GIB: u64 = 64;
+/// RAM leaves the last GiB of the mapped space for the device window.
+pub const MAX_RAM_GIB: u64 = MAX_MEM_GIB - 1;
 /// Ring-0 stacks on which the CPU pushes exception frames, one page each.
 pub const KSTACKS_ADDR: u64 = 0x5_0000;
 /// One TSS per vCPU: 104-byte header, 8 KiB I/O bitmap, 0xFF terminator.

@@ -17,13 +17,14 @@ pub const fn has_error_code(vector: u8) -> bool {
 }
 
 /// Write every system structure for `vcpus` vCPUs and `mem_size` bytes of RAM.
-pub fn write_system_area(mem: &GuestMemory, vcpus: u32, mem_size: u64) -> Result<(), vm_memory::GuestMemoryError> {
+/// `mmio` is the device window (base, size) to map for CPL3 next to RAM.
+pub fn write_system_area(mem: &GuestMemory, vcpus: u32, mem_size: u64, mmio: Option<(u64, u64)>) -> Result<(), vm_memory::GuestMemoryError> {
     write_gdt(mem, vcpus)?;
     write_idt_and_stubs(mem)?;
     for vcpu in 0..vcpus {
         write_tss(mem, vcpu)?;
     }
-    write_page_tables(mem, mem_size)
+    write_page_tables(mem, mem_size, mmio)
 }
 
 fn write_gdt(mem: &GuestMemory, vcpus: u32) -> Result<(), vm_memory::GuestMemoryError> {
@@ -84,10 +85,12 @@ fn write_tss(mem: &GuestMemory, vcpu: u32) -> Result<(), vm_memory::GuestMemoryE
 /// Identity map: 4 KiB pages for the system area (supervisor-only except the
 /// read-only boot info and clock pages, page 0 absent so null pointers
 /// fault), 2 MiB user pages for the rest of RAM.
-fn write_page_tables(mem: &GuestMemory, mem_size: u64) -> Result<(), vm_memory::GuestMemoryError> {
+fn write_page_tables(mem: &GuestMemory, mem_size: u64, mmio: Option<(u64, u64)>) -> Result<(), vm_memory::GuestMemoryError> {
     let user_table = PTE_PRESENT | PTE_WRITE | PTE_USER;
     mem.write_obj(PDPT_ADDR | user_table, GuestAddress(PML4_ADDR))?;
-    let gibs = mem_size.div_ceil(1 << 30);
+    let mapped = |addr: u64| addr < mem_size || mmio.is_some_and(|(base, size)| addr + (2 << 20) > base && addr < base + size);
+    let end = mmio.map_or(mem_size, |(base, size)| mem_size.max(base + size));
+    let gibs = end.div_ceil(1 << 30);
     for gib in 0..gibs {
         let pd = PD_ADDR + gib * 4096;
         mem.write_obj(pd | user_table, GuestAddress(PDPT_ADDR + gib * 8))?;
@@ -95,7 +98,7 @@ fn write_page_tables(mem: &GuestMemory, mem_size: u64) -> Result<(), vm_memory::
             let addr = (gib << 30) | (i << 21);
             let entry = if addr == 0 {
                 PT0_ADDR | user_table
-            } else if addr < mem_size {
+            } else if mapped(addr) {
                 addr | PTE_PRESENT | PTE_WRITE | PTE_USER | PTE_LARGE
             } else {
                 0
@@ -132,7 +135,7 @@ mod tests {
     #[test]
     fn page_tables_map_ram_and_protect_system_area() {
         let ram = GuestRam::new(6 << 20, false).unwrap();
-        write_system_area(ram.memory(), 2, 6 << 20).unwrap();
+        write_system_area(ram.memory(), 2, 6 << 20, Some((1 << 30, 0x2000))).unwrap();
         let mem = ram.memory();
         assert_eq!(read(mem, PT0_ADDR), 0, "page 0 unmapped");
         assert_eq!(read(mem, PT0_ADDR + 8 * (BOOT_INFO_ADDR / 4096)) & 7, 5, "boot info user read-only");
@@ -141,12 +144,15 @@ mod tests {
         assert_eq!(read(mem, PD_ADDR + 8), (2 << 20) | 0x87);
         assert_eq!(read(mem, PD_ADDR + 16), (4 << 20) | 0x87);
         assert_eq!(read(mem, PD_ADDR + 24), 0, "beyond RAM unmapped");
+        assert_eq!(read(mem, PDPT_ADDR + 8) & !0xfff, PD_ADDR + 4096, "second GiB has a directory");
+        assert_eq!(read(mem, PD_ADDR + 4096), (1 << 30) | 0x87, "device window mapped");
+        assert_eq!(read(mem, PD_ADDR + 4096 + 8), 0);
     }
 
     #[test]
     fn tss_descriptor_points_at_tss() {
         let ram = GuestRam::new(4 << 20, false).unwrap();
-        write_system_area(ram.memory(), 3, 4 << 20).unwrap();
+        write_system_area(ram.memory(), 3, 4 << 20, None).unwrap();
         let low = read(ram.memory(), GDT_ADDR + tss_selector(2) as u64);
         let base = ((low >> 16) & 0xff_ffff) | (((low >> 56) & 0xff) << 24);
         assert_eq!(base, tss_addr(2));

@@ -66,9 +66,8 @@ fn run_until_asked_to_leave(index: u32, vcpu: &mut VcpuFd, shared: &VmShared) ->
                     }
                     VcpuExit::Unsupported(EXIT_DIRTY_RING_FULL) => Action::RingFull,
                     VcpuExit::Shutdown => stop(format!("vCPU {index}: guest triple fault (shutdown)")),
-                    VcpuExit::MmioRead(addr, _) | VcpuExit::MmioWrite(addr, _) => {
-                        stop(format!("vCPU {index}: access to unassigned MMIO address {addr:#x}"))
-                    }
+                    VcpuExit::MmioRead(addr, data) => mmio(index, addr, shared.devices.mmio_read(addr, data)),
+                    VcpuExit::MmioWrite(addr, data) => mmio(index, addr, shared.devices.mmio_write(addr, data)),
                     VcpuExit::FailEntry(reason, _) => stop(format!("vCPU {index}: KVM entry failed, reason {reason:#x}")),
                     other => stop(format!("vCPU {index}: unexpected exit {other:?}")),
                 }
@@ -91,6 +90,14 @@ fn run_until_asked_to_leave(index: u32, vcpu: &mut VcpuFd, shared: &VmShared) ->
                 }
             }
         }
+    }
+}
+
+fn mmio(index: u32, addr: u64, handled: bool) -> Action {
+    if handled {
+        Action::Outcome(Outcome::Continue)
+    } else {
+        stop(format!("vCPU {index}: access to unassigned MMIO address {addr:#x}"))
     }
 }
 

@@ -1,0 +1,171 @@
+//! virtio-blk backed by a raw file.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use virtio_queue::{Queue, QueueT};
+
+use super::{drain, VirtioDevice, VirtioError, TYPE_BLOCK};
+use crate::memory::GuestMemory;
+
+const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
+const SECTOR: u64 = 512;
+const REQ_IN: u32 = 0;
+const REQ_OUT: u32 = 1;
+const REQ_FLUSH: u32 = 4;
+const REQ_GET_ID: u32 = 8;
+const STATUS_OK: u8 = 0;
+const STATUS_IOERR: u8 = 1;
+const STATUS_UNSUPP: u8 = 2;
+const ID_LEN: usize = 20;
+/// Largest single request we bounce through memory.
+const MAX_REQUEST: usize = 4 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BlockError {
+    #[error("cannot open disk {path}: {err}")]
+    Open { path: String, err: std::io::Error },
+    #[error("disk {path} is {len} bytes, not a whole number of 512-byte sectors")]
+    Size { path: String, len: u64 },
+}
+
+pub struct Block {
+    file: File,
+    path: PathBuf,
+    sectors: u64,
+    id: [u8; ID_LEN],
+    buf: Vec<u8>,
+}
+
+impl Block {
+    pub fn open(path: &Path) -> Result<Block, BlockError> {
+        let name = path.display().to_string();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|err| BlockError::Open { path: name.clone(), err })?;
+        let len = file.metadata().map_err(|err| BlockError::Open { path: name.clone(), err })?.len();
+        if len % SECTOR != 0 {
+            return Err(BlockError::Size { path: name, len });
+        }
+        let mut id = [0u8; ID_LEN];
+        let label = format!("ftvm-{:x}", crc32c::crc32c(name.as_bytes()));
+        id[..label.len().min(ID_LEN)].copy_from_slice(&label.as_bytes()[..label.len().min(ID_LEN)]);
+        Ok(Block { file, path: path.to_owned(), sectors: len / SECTOR, id, buf: Vec::new() })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Serve one request; returns the bytes written into guest buffers.
+    fn request(&mut self, chain: virtio_queue::DescriptorChain<&GuestMemory>, mem: &GuestMemory) -> Result<u32, VirtioError> {
+        let chain_err = |e: virtio_queue::Error| VirtioError::Chain(e.to_string());
+        let mut reader = chain.clone().reader(mem).map_err(chain_err)?;
+        let mut writer = chain.writer(mem).map_err(chain_err)?;
+        let mut header = [0u8; 16];
+        reader.read_exact(&mut header)?;
+        let kind = u32::from_le_bytes(header[0..4].try_into().expect("4 bytes"));
+        let sector = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
+        let room = writer.available_bytes();
+        if room == 0 {
+            return Err(VirtioError::Chain("block request without a status byte".into()));
+        }
+        let mut status_writer = writer.split_at(room - 1).map_err(chain_err)?;
+        let status = match kind {
+            REQ_IN => self.read(sector, writer.available_bytes(), &mut writer),
+            REQ_OUT => self.write(sector, reader.available_bytes(), &mut reader),
+            REQ_FLUSH => match self.file.sync_data() {
+                Ok(()) => STATUS_OK,
+                Err(_) => STATUS_IOERR,
+            },
+            REQ_GET_ID => {
+                let n = writer.available_bytes().min(ID_LEN);
+                writer.write_all(&self.id[..n])?;
+                STATUS_OK
+            }
+            _ => STATUS_UNSUPP,
+        };
+        status_writer.write_all(&[status])?;
+        Ok((writer.bytes_written() + status_writer.bytes_written()) as u32)
+    }
+
+    fn in_range(&self, sector: u64, len: usize) -> bool {
+        len as u64 % SECTOR == 0
+            && len <= MAX_REQUEST
+            && sector.checked_add(len as u64 / SECTOR).is_some_and(|end| end <= self.sectors)
+    }
+
+    fn read(&mut self, sector: u64, len: usize, writer: &mut impl Write) -> u8 {
+        if !self.in_range(sector, len) {
+            return STATUS_IOERR;
+        }
+        self.buf.resize(len, 0);
+        if self.file.read_exact_at(&mut self.buf, sector * SECTOR).is_err() || writer.write_all(&self.buf).is_err() {
+            return STATUS_IOERR;
+        }
+        STATUS_OK
+    }
+
+    fn write(&mut self, sector: u64, len: usize, reader: &mut impl Read) -> u8 {
+        if !self.in_range(sector, len) {
+            return STATUS_IOERR;
+        }
+        self.buf.resize(len, 0);
+        if reader.read_exact(&mut self.buf).is_err() {
+            return STATUS_IOERR;
+        }
+        match self.file.write_all_at(&self.buf, sector * SECTOR) {
+            Ok(()) => STATUS_OK,
+            // ENOSPC on a full host disk lands here: the guest sees IOERR
+            // for this write and everything written before stays intact.
+            Err(e) => {
+                tracing::warn!(disk = %self.path.display(), sector, error = %e, "disk write failed");
+                STATUS_IOERR
+            }
+        }
+    }
+
+    fn serve(&mut self, queue: &mut Queue, mem: &GuestMemory) -> Result<bool, VirtioError> {
+        let mut used = false;
+        while let Some(chain) = queue.pop_descriptor_chain(mem) {
+            let head = chain.head_index();
+            let len = self.request(chain, mem)?;
+            queue.add_used(mem, head, len).map_err(|err| VirtioError::Queue { queue: 0, err })?;
+            used = true;
+        }
+        Ok(used)
+    }
+}
+
+impl VirtioDevice for Block {
+    fn device_type(&self) -> u32 {
+        TYPE_BLOCK
+    }
+
+    fn queue_count(&self) -> usize {
+        1
+    }
+
+    fn features(&self) -> u64 {
+        VIRTIO_BLK_F_FLUSH
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        // capacity (u64, sectors) is the only field we offer.
+        let config = self.sectors.to_le_bytes();
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = config.get(offset as usize + i).copied().unwrap_or(0);
+        }
+    }
+
+    fn process_queue(&mut self, index: usize, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, VirtioError> {
+        if index != 0 {
+            return Ok(false);
+        }
+        drain(&mut queues[0], mem, 0, |q| self.serve(q, mem))
+    }
+}

@@ -1,0 +1,227 @@
+//! The virtio-mmio (version 2) register block in front of a device model.
+
+use serde::{Deserialize, Serialize};
+use virtio_queue::{Queue, QueueT};
+
+use super::{SavedQueue, VirtioDevice, VirtioError, QUEUE_SIZE, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1};
+use crate::memory::GuestMemory;
+
+const MAGIC: u32 = 0x7472_6976; // "virt"
+const VERSION: u32 = 2;
+const VENDOR: u32 = 0x4654_564d; // "FTVM"
+
+const STATUS_DRIVER_OK: u32 = 4;
+const STATUS_FAILED: u32 = 128;
+
+// Register offsets.
+const REG_MAGIC: u64 = 0x000;
+const REG_VERSION: u64 = 0x004;
+const REG_DEVICE_ID: u64 = 0x008;
+const REG_VENDOR_ID: u64 = 0x00c;
+const REG_DEVICE_FEATURES: u64 = 0x010;
+const REG_DEVICE_FEATURES_SEL: u64 = 0x014;
+const REG_DRIVER_FEATURES: u64 = 0x020;
+const REG_DRIVER_FEATURES_SEL: u64 = 0x024;
+const REG_QUEUE_SEL: u64 = 0x030;
+const REG_QUEUE_NUM_MAX: u64 = 0x034;
+const REG_QUEUE_NUM: u64 = 0x038;
+const REG_QUEUE_READY: u64 = 0x044;
+pub const REG_QUEUE_NOTIFY: u64 = 0x050;
+const REG_INTERRUPT_STATUS: u64 = 0x060;
+const REG_INTERRUPT_ACK: u64 = 0x064;
+const REG_STATUS: u64 = 0x070;
+const REG_QUEUE_DESC_LOW: u64 = 0x080;
+const REG_QUEUE_DESC_HIGH: u64 = 0x084;
+const REG_QUEUE_DRIVER_LOW: u64 = 0x090;
+const REG_QUEUE_DRIVER_HIGH: u64 = 0x094;
+const REG_QUEUE_DEVICE_LOW: u64 = 0x0a0;
+const REG_QUEUE_DEVICE_HIGH: u64 = 0x0a4;
+const REG_CONFIG_GENERATION: u64 = 0x0fc;
+const REG_CONFIG: u64 = 0x100;
+
+/// Register state of the transport, saved with the VM.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransportState {
+    pub device_features_sel: u32,
+    pub driver_features_sel: u32,
+    pub acked_features: u64,
+    pub queue_sel: u32,
+    pub status: u32,
+    pub queues: Vec<SavedQueue>,
+}
+
+pub struct MmioTransport {
+    device: Box<dyn VirtioDevice>,
+    queues: Vec<Queue>,
+    regs: TransportState,
+}
+
+impl MmioTransport {
+    pub fn new(device: Box<dyn VirtioDevice>) -> MmioTransport {
+        let queues = (0..device.queue_count()).map(|_| Queue::new(QUEUE_SIZE).expect("valid queue size")).collect();
+        MmioTransport { device, queues, regs: TransportState::default() }
+    }
+
+    pub fn device_type(&self) -> u32 {
+        self.device.device_type()
+    }
+
+    pub fn queue_count(&self) -> usize {
+        self.queues.len()
+    }
+
+    fn offered_features(&self) -> u64 {
+        self.device.features() | VIRTIO_F_VERSION_1 | VIRTIO_F_RING_EVENT_IDX
+    }
+
+    /// The driver finished setting up and the device may touch the queues.
+    pub fn active(&self) -> bool {
+        self.regs.status & STATUS_DRIVER_OK != 0 && self.regs.status & STATUS_FAILED == 0
+    }
+
+    pub fn host_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.device.host_fd()
+    }
+
+    fn selected(&mut self) -> Option<&mut Queue> {
+        self.queues.get_mut(self.regs.queue_sel as usize)
+    }
+
+    pub fn read(&self, offset: u64, data: &mut [u8]) {
+        if offset >= REG_CONFIG {
+            self.device.read_config(offset - REG_CONFIG, data);
+            return;
+        }
+        let q = self.queues.get(self.regs.queue_sel as usize);
+        let value: u32 = match offset {
+            REG_MAGIC => MAGIC,
+            REG_VERSION => VERSION,
+            REG_DEVICE_ID => self.device.device_type(),
+            REG_VENDOR_ID => VENDOR,
+            REG_DEVICE_FEATURES => match self.regs.device_features_sel {
+                0 => self.offered_features() as u32,
+                1 => (self.offered_features() >> 32) as u32,
+                _ => 0,
+            },
+            REG_QUEUE_NUM_MAX => q.map_or(0, |q| q.max_size() as u32),
+            REG_QUEUE_READY => q.is_some_and(|q| q.ready()) as u32,
+            // Polling guests: nothing is ever signalled through interrupts.
+            REG_INTERRUPT_STATUS => 0,
+            REG_STATUS => self.regs.status,
+            REG_CONFIG_GENERATION => 0,
+            _ => {
+                tracing::debug!(offset, "read of unknown virtio-mmio register");
+                0
+            }
+        };
+        let bytes = value.to_le_bytes();
+        let n = data.len().min(4);
+        data[..n].copy_from_slice(&bytes[..n]);
+    }
+
+    pub fn write(&mut self, offset: u64, data: &[u8]) {
+        if offset >= REG_CONFIG {
+            return; // no writable config fields in our devices
+        }
+        let mut bytes = [0u8; 4];
+        let n = data.len().min(4);
+        bytes[..n].copy_from_slice(&data[..n]);
+        let v = u32::from_le_bytes(bytes);
+        let setup = !self.active();
+        match offset {
+            REG_DEVICE_FEATURES_SEL => self.regs.device_features_sel = v,
+            REG_DRIVER_FEATURES_SEL => self.regs.driver_features_sel = v,
+            REG_DRIVER_FEATURES if setup => {
+                let shift = match self.regs.driver_features_sel {
+                    0 => 0,
+                    1 => 32,
+                    _ => return,
+                };
+                let mask = 0xffff_ffffu64 << shift;
+                let acked = (self.regs.acked_features & !mask) | ((v as u64) << shift);
+                self.regs.acked_features = acked & self.offered_features();
+            }
+            REG_QUEUE_SEL => self.regs.queue_sel = v,
+            REG_QUEUE_NUM if setup => {
+                if let Some(q) = self.selected() {
+                    q.set_size(v as u16);
+                }
+            }
+            REG_QUEUE_READY if setup => {
+                let event_idx = self.regs.acked_features & VIRTIO_F_RING_EVENT_IDX != 0;
+                if let Some(q) = self.selected() {
+                    q.set_event_idx(event_idx);
+                    q.set_ready(v == 1);
+                }
+            }
+            REG_QUEUE_DESC_LOW | REG_QUEUE_DESC_HIGH | REG_QUEUE_DRIVER_LOW | REG_QUEUE_DRIVER_HIGH
+            | REG_QUEUE_DEVICE_LOW | REG_QUEUE_DEVICE_HIGH
+                if setup =>
+            {
+                let high = offset & 4 != 0;
+                let (lo, hi) = if high { (None, Some(v)) } else { (Some(v), None) };
+                if let Some(q) = self.selected() {
+                    match offset & !4 {
+                        REG_QUEUE_DESC_LOW => q.set_desc_table_address(lo, hi),
+                        REG_QUEUE_DRIVER_LOW => q.set_avail_ring_address(lo, hi),
+                        _ => q.set_used_ring_address(lo, hi),
+                    }
+                }
+            }
+            REG_INTERRUPT_ACK => {}
+            REG_STATUS => self.set_status(v),
+            // Without an ioeventfd (or before it is registered), kicks land
+            // here; the device thread re-checks every queue when woken.
+            REG_QUEUE_NOTIFY => {}
+            _ => tracing::debug!(offset, value = v, "ignored virtio-mmio register write"),
+        }
+    }
+
+    fn set_status(&mut self, v: u32) {
+        if v == 0 {
+            self.reset();
+            return;
+        }
+        self.regs.status = v;
+    }
+
+    fn reset(&mut self) {
+        for q in &mut self.queues {
+            q.reset();
+        }
+        self.device.reset();
+        self.regs = TransportState::default();
+    }
+
+    pub fn process_queue(&mut self, index: usize, mem: &GuestMemory) -> Result<bool, VirtioError> {
+        if !self.active() || !self.queues.get(index).is_some_and(|q| q.ready()) {
+            return Ok(false);
+        }
+        self.device.process_queue(index, &mut self.queues, mem)
+    }
+
+    pub fn process_host(&mut self, mem: &GuestMemory) -> Result<bool, VirtioError> {
+        if !self.active() {
+            return Ok(false);
+        }
+        self.device.process_host(&mut self.queues, mem)
+    }
+
+    /// A device error the driver must see: the device stops working.
+    pub fn fail(&mut self) {
+        self.regs.status |= STATUS_FAILED;
+    }
+
+    pub fn save(&self) -> TransportState {
+        TransportState { queues: self.queues.iter().map(SavedQueue::of).collect(), ..self.regs.clone() }
+    }
+
+    pub fn restore(&mut self, state: &TransportState) -> Result<(), virtio_queue::Error> {
+        if state.queues.len() != self.queues.len() {
+            return Err(virtio_queue::Error::InvalidSize);
+        }
+        self.queues = state.queues.iter().map(|q| q.to_queue()).collect::<Result<_, _>>()?;
+        self.regs = TransportState { queues: Vec::new(), ..state.clone() };
+        Ok(())
+    }
+}

@@ -1,0 +1,187 @@
+//! virtio-net backed by a TAP device.
+
+pub mod tap;
+
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+
+use super::{drain, VirtioDevice, VirtioError, TYPE_NET};
+use crate::memory::GuestMemory;
+pub use tap::{Tap, TapError, VNET_HDR_LEN};
+
+const VIRTIO_NET_F_MAC: u64 = 1 << 5;
+const RX: usize = 0;
+const TX: usize = 1;
+/// Largest frame with header we move (no offloads: MTU-sized frames).
+const MAX_FRAME: usize = 65562;
+
+/// `--net tap=NAME,mac=MAC`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetConfig {
+    pub tap: String,
+    pub mac: [u8; 6],
+}
+
+impl FromStr for NetConfig {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (mut tap, mut mac) = (None, None);
+        for part in s.split(',') {
+            match part.split_once('=') {
+                Some(("tap", v)) => tap = Some(v.to_string()),
+                Some(("mac", v)) => mac = Some(parse_mac(v)?),
+                _ => return Err(format!("unknown --net option '{part}' (expected tap=NAME,mac=MAC)")),
+            }
+        }
+        Ok(NetConfig {
+            tap: tap.ok_or("--net needs tap=NAME")?,
+            mac: mac.unwrap_or([0x52, 0x54, 0x00, 0x12, 0x34, 0x56]),
+        })
+    }
+}
+
+fn parse_mac(s: &str) -> Result<[u8; 6], String> {
+    let bad = || format!("bad MAC address '{s}' (expected six hex bytes like 52:54:00:12:34:56)");
+    let parts: Vec<u8> = s.split(':').map(|p| u8::from_str_radix(p, 16)).collect::<Result<_, _>>().map_err(|_| bad())?;
+    parts.try_into().map_err(|_| bad())
+}
+
+pub struct Net {
+    tap: Tap,
+    mac: [u8; 6],
+    /// The TAP had a frame the last time we looked (it is polled edge-triggered).
+    tap_readable: bool,
+    frame: Vec<u8>,
+}
+
+impl Net {
+    pub fn new(config: &NetConfig) -> Result<Net, TapError> {
+        Ok(Net { tap: Tap::open(&config.tap)?, mac: config.mac, tap_readable: true, frame: vec![0; MAX_FRAME] })
+    }
+
+    /// Move frames from the TAP into the guest's receive buffers while both
+    /// exist. With no buffer left, ask the driver to kick us when it posts one.
+    fn receive(&mut self, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, VirtioError> {
+        let q = &mut queues[RX];
+        let err = |err| VirtioError::Queue { queue: RX, err };
+        let mut used = false;
+        while self.tap_readable {
+            let Some(chain) = q.pop_descriptor_chain(mem) else {
+                if q.enable_notification(mem).map_err(err)? {
+                    continue; // the driver posted buffers meanwhile
+                }
+                break;
+            };
+            let n = match self.tap.read_frame(&mut self.frame) {
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    q.go_to_previous_position();
+                    self.tap_readable = false;
+                    break;
+                }
+                Err(e) => {
+                    q.go_to_previous_position();
+                    return Err(e.into());
+                }
+            };
+            let head = chain.head_index();
+            let mut writer = chain.writer(mem).map_err(|e| VirtioError::Chain(e.to_string()))?;
+            if writer.available_bytes() < n {
+                // A frame larger than the posted buffer: drop it, keep the buffer.
+                tracing::debug!(len = n, room = writer.available_bytes(), "dropping oversized RX frame");
+                q.go_to_previous_position();
+                continue;
+            }
+            writer.write_all(&self.frame[..n])?;
+            q.add_used(mem, head, n as u32).map_err(err)?;
+            used = true;
+        }
+        Ok(used)
+    }
+
+    fn transmit(&mut self, queue: &mut Queue, mem: &GuestMemory) -> Result<bool, VirtioError> {
+        let mut used = false;
+        while let Some(chain) = queue.pop_descriptor_chain(mem) {
+            let head = chain.head_index();
+            let mut reader = chain.reader(mem).map_err(|e| VirtioError::Chain(e.to_string()))?;
+            let len = reader.available_bytes().min(MAX_FRAME);
+            reader.read_exact(&mut self.frame[..len])?;
+            if len > VNET_HDR_LEN {
+                if let Err(e) = self.tap.write_frame(&self.frame[..len]) {
+                    // The link's problem, not the guest's: count it as lost on the wire.
+                    tracing::debug!(error = %e, "TAP write failed; frame dropped");
+                }
+            }
+            queue.add_used(mem, head, 0).map_err(|err| VirtioError::Queue { queue: TX, err })?;
+            used = true;
+        }
+        Ok(used)
+    }
+}
+
+impl VirtioDevice for Net {
+    fn device_type(&self) -> u32 {
+        TYPE_NET
+    }
+
+    fn queue_count(&self) -> usize {
+        2
+    }
+
+    fn features(&self) -> u64 {
+        VIRTIO_NET_F_MAC
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        // mac[6], then status and max_virtqueue_pairs (not offered: zero).
+        let mut config = [0u8; 12];
+        config[..6].copy_from_slice(&self.mac);
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = config.get(offset as usize + i).copied().unwrap_or(0);
+        }
+    }
+
+    fn process_queue(&mut self, index: usize, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, VirtioError> {
+        match index {
+            RX => {
+                // Buffers were posted: no more kicks needed until we run out.
+                queues[RX].disable_notification(mem).map_err(|err| VirtioError::Queue { queue: RX, err })?;
+                self.receive(queues, mem)
+            }
+            TX => drain(&mut queues[TX], mem, TX, |q| self.transmit(q, mem)),
+            _ => Ok(false),
+        }
+    }
+
+    fn host_fd(&self) -> Option<RawFd> {
+        Some(self.tap.as_raw_fd())
+    }
+
+    fn process_host(&mut self, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, VirtioError> {
+        self.tap_readable = true;
+        self.receive(queues, mem)
+    }
+
+    fn reset(&mut self) {
+        self.tap_readable = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_net_option() {
+        let c: NetConfig = "tap=tap0,mac=52:54:00:aa:bb:0c".parse().unwrap();
+        assert_eq!(c.tap, "tap0");
+        assert_eq!(c.mac, [0x52, 0x54, 0, 0xaa, 0xbb, 0x0c]);
+        assert!("mac=52:54:00:aa:bb:0c".parse::<NetConfig>().is_err());
+        assert!("tap=t,mac=52:54".parse::<NetConfig>().is_err());
+        assert!("tap=t,speed=10".parse::<NetConfig>().is_err());
+    }
+}
