@@ -131,7 +131,10 @@ impl Parser {
     /// the slice that was passed to `next`.
     pub fn args<'a>(&'a self, data: &'a [u8]) -> Args<'a> {
         let base = if self.inline { &self.scratch[..] } else { data };
-        Args { base, ranges: &self.ranges }
+        Args {
+            base,
+            ranges: &self.ranges,
+        }
     }
 
     /// Forget the finished command. Capacity is kept for the next one unless

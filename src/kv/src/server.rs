@@ -129,7 +129,11 @@ impl Server {
             return Flow::Close;
         }
         self.expire(now_ms);
-        let mut cx = Ctx { now: clamp(now_ms), log, out };
+        let mut cx = Ctx {
+            now: clamp(now_ms),
+            log,
+            out,
+        };
         let flow = if conn.pending.is_empty() {
             // The usual case: parse in place and copy only an unfinished tail.
             let (used, flow) = self.run(&mut conn.parser, input, &mut cx);
@@ -161,7 +165,12 @@ impl Server {
 
     /// Run the complete requests at the start of `data`; returns the bytes
     /// consumed.
-    fn run<L: LogSink>(&mut self, parser: &mut Parser, data: &[u8], cx: &mut Ctx<'_, L>) -> (usize, Flow) {
+    fn run<L: LogSink>(
+        &mut self,
+        parser: &mut Parser,
+        data: &[u8],
+        cx: &mut Ctx<'_, L>,
+    ) -> (usize, Flow) {
         let mut off = 0;
         while off < data.len() {
             let request = &data[off..];

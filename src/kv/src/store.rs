@@ -97,7 +97,13 @@ impl Db {
                 was != expire_at
             }
             None => {
-                self.map.insert(key.to_vec(), Entry { value: value.to_vec(), expire_at });
+                self.map.insert(
+                    key.to_vec(),
+                    Entry {
+                        value: value.to_vec(),
+                        expire_at,
+                    },
+                );
                 true
             }
         };
@@ -118,7 +124,13 @@ impl Db {
                 e.value.len()
             }
             None => {
-                self.map.insert(key.to_vec(), Entry { value: suffix.to_vec(), expire_at: NEVER });
+                self.map.insert(
+                    key.to_vec(),
+                    Entry {
+                        value: suffix.to_vec(),
+                        expire_at: NEVER,
+                    },
+                );
                 suffix.len()
             }
         }
@@ -160,7 +172,9 @@ impl Db {
             if *at > now {
                 break;
             }
-            let Some(Reverse((at, key))) = self.timers.pop() else { break };
+            let Some(Reverse((at, key))) = self.timers.pop() else {
+                break;
+            };
             // Only if the key still carries this timer's expiry time; a
             // stale timer belongs to an overwritten or deleted incarnation.
             if self.map.get(&key[..]).is_some_and(|e| e.expire_at == at) {

@@ -8,15 +8,36 @@ use ftvm_kv::{aof, LogError, LogSink, NoLog, ReplayError, Server};
 fn dump(srv: &mut Server, now: u64) -> Vec<String> {
     let mut conn = ftvm_kv::Connection::new();
     let mut out = Vec::new();
-    srv.handle(&mut conn, &resp(&[b"KEYS", b"*"]), now, &mut NoLog, &mut out);
+    srv.handle(
+        &mut conn,
+        &resp(&[b"KEYS", b"*"]),
+        now,
+        &mut NoLog,
+        &mut out,
+    );
     let text = String::from_utf8(out).unwrap();
-    let mut keys: Vec<&str> = text.split("\r\n").filter(|l| !l.is_empty() && !l.starts_with(['*', '$'])).collect();
+    let mut keys: Vec<&str> = text
+        .split("\r\n")
+        .filter(|l| !l.is_empty() && !l.starts_with(['*', '$']))
+        .collect();
     keys.sort();
     keys.iter()
         .map(|k| {
             let mut out = Vec::new();
-            srv.handle(&mut conn, &resp(&[b"GET", k.as_bytes()]), now, &mut NoLog, &mut out);
-            srv.handle(&mut conn, &resp(&[b"PTTL", k.as_bytes()]), now, &mut NoLog, &mut out);
+            srv.handle(
+                &mut conn,
+                &resp(&[b"GET", k.as_bytes()]),
+                now,
+                &mut NoLog,
+                &mut out,
+            );
+            srv.handle(
+                &mut conn,
+                &resp(&[b"PTTL", k.as_bytes()]),
+                now,
+                &mut NoLog,
+                &mut out,
+            );
             format!("{k} {}", String::from_utf8_lossy(&out).replace("\r\n", " "))
         })
         .collect()
@@ -27,10 +48,32 @@ fn only_mutations_are_logged_in_normal_form() {
     let mut h = H::new();
     let now = h.now;
     for c in [
-        "PING", "GET a", "SET a 1", "SET a 2 NX", "SET b 2 XX", "SET b 2 EX 10", "SET c 3 PX 5 GET",
-        "SET b 3 KEEPTTL", "INCR a", "DECRBY b 5", "EXISTS a", "DEL nope", "DEL a nope b a", "APPEND s x",
-        "APPEND s y", "MSET m 1 n 2", "MGET m n", "DBSIZE", "INFO", "KEYS *", "TTL b", "STRLEN s", "FLUSHDB",
-        "FLUSHALL", "INCR a", "CONFIG GET save",
+        "PING",
+        "GET a",
+        "SET a 1",
+        "SET a 2 NX",
+        "SET b 2 XX",
+        "SET b 2 EX 10",
+        "SET c 3 PX 5 GET",
+        "SET b 3 KEEPTTL",
+        "INCR a",
+        "DECRBY b 5",
+        "EXISTS a",
+        "DEL nope",
+        "DEL a nope b a",
+        "APPEND s x",
+        "APPEND s y",
+        "MSET m 1 n 2",
+        "MGET m n",
+        "DBSIZE",
+        "INFO",
+        "KEYS *",
+        "TTL b",
+        "STRLEN s",
+        "FLUSHDB",
+        "FLUSHALL",
+        "INCR a",
+        "CONFIG GET save",
     ] {
         h.cmd(c);
     }
@@ -66,8 +109,20 @@ fn failed_append_leaves_store_unchanged() {
         h.log.fail = Some(err);
         let msg = format!("-ERR {err}: append-only log write failed, command not applied\r\n");
         for c in [
-            "SET a 2", "SET b 2 NX", "SET a 2 GET", "INCR a", "DECR a", "INCRBY n 5", "APPEND a x", "APPEND z x",
-            "MSET a 9 z 9", "DEL a", "DEL a t", "FLUSHALL", "FLUSHDB", "SET t y KEEPTTL",
+            "SET a 2",
+            "SET b 2 NX",
+            "SET a 2 GET",
+            "INCR a",
+            "DECR a",
+            "INCRBY n 5",
+            "APPEND a x",
+            "APPEND z x",
+            "MSET a 9 z 9",
+            "DEL a",
+            "DEL a t",
+            "FLUSHALL",
+            "FLUSHDB",
+            "SET t y KEEPTTL",
         ] {
             assert_eq!(h.cmd(c), msg, "{c}");
         }
@@ -88,7 +143,13 @@ fn nolog_accepts_everything() {
     let mut srv = Server::new();
     let mut conn = ftvm_kv::Connection::new();
     let mut out = Vec::new();
-    srv.handle(&mut conn, &resp(&[b"SET", b"a", b"1"]), 0, &mut NoLog, &mut out);
+    srv.handle(
+        &mut conn,
+        &resp(&[b"SET", b"a", b"1"]),
+        0,
+        &mut NoLog,
+        &mut out,
+    );
     assert_eq!(out, b"+OK\r\n");
     assert_eq!(NoLog.append(b"x"), Ok(()));
 }
@@ -142,12 +203,23 @@ fn replay_reproduces_state() {
     h.cmd("INCR e2");
     let size_now = h.srv.dbsize();
 
-    for later in [h.now, h.now + 15, h.now + 600, h.now + 100_000, h.now + 10_000_000] {
+    for later in [
+        h.now,
+        h.now + 15,
+        h.now + 600,
+        h.now + 100_000,
+        h.now + 10_000_000,
+    ] {
         let mut fresh = Server::new();
         for r in &h.log.records {
             fresh.replay(r, later).unwrap();
         }
-        assert_eq!(dump(&mut fresh, later), dump(&mut h.srv, later), "replayed at +{}", later - t0);
+        assert_eq!(
+            dump(&mut fresh, later),
+            dump(&mut h.srv, later),
+            "replayed at +{}",
+            later - t0
+        );
     }
     let mut fresh = Server::new();
     for r in &h.log.records {
@@ -178,19 +250,36 @@ fn replay_rejects_bad_records_without_change() {
     for (rec, err) in [
         (b"".to_vec(), ReplayError::Malformed),
         (b"SET a 2\r\n".to_vec(), ReplayError::Malformed),
-        (b"*3\r\n$3\r\nSET\r\n$1\r\na\r\n".to_vec(), ReplayError::Malformed),
-        ([resp(&[b"SET", b"a", b"2"]), b"x".to_vec()].concat(), ReplayError::Malformed),
+        (
+            b"*3\r\n$3\r\nSET\r\n$1\r\na\r\n".to_vec(),
+            ReplayError::Malformed,
+        ),
+        (
+            [resp(&[b"SET", b"a", b"2"]), b"x".to_vec()].concat(),
+            ReplayError::Malformed,
+        ),
         (resp(&[b"GET", b"a"]), ReplayError::UnknownCommand),
         (resp(&[b"INCR", b"a"]), ReplayError::UnknownCommand),
-        (resp(&[b"SET", b"a", b"2", b"EX", b"5"]), ReplayError::BadArguments),
-        (resp(&[b"SET", b"a", b"2", b"PXAT", b"x"]), ReplayError::BadArguments),
+        (
+            resp(&[b"SET", b"a", b"2", b"EX", b"5"]),
+            ReplayError::BadArguments,
+        ),
+        (
+            resp(&[b"SET", b"a", b"2", b"PXAT", b"x"]),
+            ReplayError::BadArguments,
+        ),
         (resp(&[b"SET", b"a"]), ReplayError::BadArguments),
         (resp(&[b"MSET", b"a"]), ReplayError::BadArguments),
         (resp(&[b"DEL"]), ReplayError::BadArguments),
         (resp(&[b"FLUSHALL", b"x"]), ReplayError::BadArguments),
         (resp(&[b"APPEND", b"a"]), ReplayError::BadArguments),
     ] {
-        assert_eq!(srv.replay(&rec, 0), Err(err), "{:?}", String::from_utf8_lossy(&rec));
+        assert_eq!(
+            srv.replay(&rec, 0),
+            Err(err),
+            "{:?}",
+            String::from_utf8_lossy(&rec)
+        );
     }
     assert_eq!(dump(&mut srv, 0), ["a $1 1 :-1 "]);
     // Replay can go on after a rejected record.
@@ -200,8 +289,9 @@ fn replay_rejects_bad_records_without_change() {
 
 #[test]
 fn aof_roundtrip_and_torn_tails() {
-    let payloads: Vec<Vec<u8>> =
-        (0..50).map(|i| resp(&[b"SET", format!("k{i}").as_bytes(), &vec![b'v'; i * 7 + 1]])).collect();
+    let payloads: Vec<Vec<u8>> = (0..50)
+        .map(|i| resp(&[b"SET", format!("k{i}").as_bytes(), &vec![b'v'; i * 7 + 1]]))
+        .collect();
     let mut dev = Vec::new();
     let mut ends = Vec::new();
     for p in &payloads {
@@ -222,7 +312,11 @@ fn aof_roundtrip_and_torn_tails() {
     // A truncation anywhere keeps exactly the whole records before it.
     for cut in 0..dev.len() {
         let n = aof::records(&dev[..cut]).count();
-        assert_eq!(n, ends.iter().filter(|&&e| e <= cut).count(), "cut at {cut}");
+        assert_eq!(
+            n,
+            ends.iter().filter(|&&e| e <= cut).count(),
+            "cut at {cut}"
+        );
     }
     // A flipped bit stops at the damaged record, even if later ones are fine.
     for (i, &end) in ends.iter().enumerate().step_by(7) {
@@ -240,14 +334,20 @@ fn aof_roundtrip_and_torn_tails() {
     assert_eq!(aof::records(&[]).count(), 0);
     assert_eq!(aof::records(&[1, 0, 0]).count(), 0);
     // A huge length field in garbage is just a torn tail.
-    assert_eq!(aof::records(&[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0, 1]).count(), 0);
+    assert_eq!(
+        aof::records(&[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0, 1]).count(),
+        0
+    );
 }
 
 #[test]
 fn crc32_is_the_standard_one() {
     assert_eq!(aof::crc32(b""), 0);
     assert_eq!(aof::crc32(b"123456789"), 0xcbf4_3926);
-    assert_eq!(aof::crc32(b"The quick brown fox jumps over the lazy dog"), 0x414f_a339);
+    assert_eq!(
+        aof::crc32(b"The quick brown fox jumps over the lazy dog"),
+        0x414f_a339
+    );
     // Slicing-by-8 agrees with the bytewise definition at every length.
     let data: Vec<u8> = (0..300u32).map(|i| (i * 31 + 7) as u8).collect();
     for n in 0..data.len() {
@@ -255,7 +355,11 @@ fn crc32_is_the_standard_one() {
         for &b in &data[..n] {
             crc ^= u32::from(b);
             for _ in 0..8 {
-                crc = if crc & 1 != 0 { 0xedb8_8320 ^ (crc >> 1) } else { crc >> 1 };
+                crc = if crc & 1 != 0 {
+                    0xedb8_8320 ^ (crc >> 1)
+                } else {
+                    crc >> 1
+                };
             }
         }
         assert_eq!(aof::crc32(&data[..n]), !crc);
@@ -283,7 +387,13 @@ fn log_device_to_replay() {
     loop {
         out.clear();
         let k = format!("k{}", i % 13);
-        srv.handle(&mut conn, &resp(&[b"APPEND", k.as_bytes(), b"0123456789"]), i, &mut dev, &mut out);
+        srv.handle(
+            &mut conn,
+            &resp(&[b"APPEND", k.as_bytes(), b"0123456789"]),
+            i,
+            &mut dev,
+            &mut out,
+        );
         if out.starts_with(b"-ERR disk full") {
             break;
         }

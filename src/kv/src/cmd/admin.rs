@@ -31,7 +31,11 @@ const SECTIONS: &[&str] = &["server", "persistence", "stats", "keyspace"];
 pub fn info<L>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
     srv.expire(cx.now);
     let everything = a.len() == 1
-        || a.iter().skip(1).any(|s| ["all", "default", "everything"].iter().any(|w| eq_ignore_case(s, w)));
+        || a.iter().skip(1).any(|s| {
+            ["all", "default", "everything"]
+                .iter()
+                .any(|w| eq_ignore_case(s, w))
+        });
     let mut text = Vec::with_capacity(512);
     for &section in SECTIONS {
         if !everything && !a.iter().skip(1).any(|s| eq_ignore_case(s, section)) {
@@ -92,7 +96,11 @@ pub fn config<L>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
     ];
     let hits: Vec<&(&str, &[u8])> = params
         .iter()
-        .filter(|(name, _)| a.iter().skip(2).any(|pat| glob::matches(&pat.to_ascii_lowercase(), name.as_bytes())))
+        .filter(|(name, _)| {
+            a.iter()
+                .skip(2)
+                .any(|pat| glob::matches(&pat.to_ascii_lowercase(), name.as_bytes()))
+        })
         .collect();
     reply::array_len(cx.out, hits.len() * 2);
     for (name, value) in hits {
@@ -110,7 +118,10 @@ pub fn command<L>(a: Args<'_>, cx: &mut Ctx<'_, L>) {
     let sub = a.get(1);
     if eq_ignore_case(sub, "count") {
         reply::int(cx.out, COMMANDS.len() as i64);
-    } else if ["docs", "info", "list"].iter().any(|s| eq_ignore_case(sub, s)) {
+    } else if ["docs", "info", "list"]
+        .iter()
+        .any(|s| eq_ignore_case(sub, s))
+    {
         reply::array_len(cx.out, 0);
     } else {
         unknown_subcommand(cx.out, sub, "COMMAND");

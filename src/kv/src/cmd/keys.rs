@@ -12,7 +12,11 @@ use crate::store::NEVER;
 
 pub fn del<L: LogSink>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
     let now = cx.now;
-    let live = a.iter().skip(1).filter(|k| srv.db.peek_live(k, now).is_some()).count();
+    let live = a
+        .iter()
+        .skip(1)
+        .filter(|k| srv.db.peek_live(k, now).is_some())
+        .count();
     if live == 0 {
         return reply::int(cx.out, 0);
     }
@@ -29,12 +33,20 @@ pub fn del<L: LogSink>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
     if !ok {
         return;
     }
-    let removed = a.iter().skip(1).filter(|k| srv.db.remove_live(k, now)).count();
+    let removed = a
+        .iter()
+        .skip(1)
+        .filter(|k| srv.db.remove_live(k, now))
+        .count();
     reply::int(cx.out, removed as i64);
 }
 
 pub fn exists<L>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
-    let n = a.iter().skip(1).filter(|k| srv.db.peek_live(k, cx.now).is_some()).count();
+    let n = a
+        .iter()
+        .skip(1)
+        .filter(|k| srv.db.peek_live(k, cx.now).is_some())
+        .count();
     reply::int(cx.out, n as i64);
 }
 

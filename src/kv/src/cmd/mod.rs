@@ -111,7 +111,9 @@ fn lookup(name: &[u8], lower: &mut [u8; 16]) -> Option<usize> {
     for (l, c) in lower.iter_mut().zip(name) {
         *l = c.to_ascii_lowercase();
     }
-    COMMANDS.binary_search_by(|(c, _)| c.as_bytes().cmp(lower)).ok()
+    COMMANDS
+        .binary_search_by(|(c, _)| c.as_bytes().cmp(lower))
+        .ok()
 }
 
 pub(crate) fn eq_ignore_case(a: &[u8], b: &str) -> bool {
@@ -119,7 +121,14 @@ pub(crate) fn eq_ignore_case(a: &[u8], b: &str) -> bool {
 }
 
 pub(crate) fn wrong_arity(out: &mut Vec<u8>, cmd: &str) {
-    reply::error(out, &[b"ERR wrong number of arguments for '", cmd.as_bytes(), b"' command"]);
+    reply::error(
+        out,
+        &[
+            b"ERR wrong number of arguments for '",
+            cmd.as_bytes(),
+            b"' command",
+        ],
+    );
 }
 
 /// Redis 7's wording, including the quoting of up to 128 bytes of
@@ -146,7 +155,13 @@ fn unknown_command(name: &[u8], a: Args<'_>, out: &mut Vec<u8>) {
 pub(crate) fn unknown_subcommand(out: &mut Vec<u8>, sub: &[u8], cmd: &str) {
     reply::error(
         out,
-        &[b"ERR unknown subcommand '", &sub[..sub.len().min(128)], b"'. Try ", cmd.as_bytes(), b" HELP."],
+        &[
+            b"ERR unknown subcommand '",
+            &sub[..sub.len().min(128)],
+            b"'. Try ",
+            cmd.as_bytes(),
+            b" HELP.",
+        ],
     );
 }
 
@@ -171,7 +186,11 @@ pub(crate) fn logged<L: LogSink>(
         Err(e) => {
             reply::error(
                 cx.out,
-                &[b"ERR ", e.as_str().as_bytes(), b": append-only log write failed, command not applied"],
+                &[
+                    b"ERR ",
+                    e.as_str().as_bytes(),
+                    b": append-only log write failed, command not applied",
+                ],
             );
             false
         }
