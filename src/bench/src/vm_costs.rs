@@ -33,7 +33,7 @@ type Captured = std::sync::Arc<std::sync::Mutex<Vec<u8>>>;
 fn memtouch_vm(opts: &Options, vcpus: u32, backend: DirtyBackend, cmdline: &str) -> Result<(Vm, Captured), BoxError> {
     let (console, out) = Console::capture();
     let config = VmConfig { mem_size: 512 << 20, vcpus, prefault: true, dirty_backend: backend, console, ..Default::default() };
-    let mut vm = Vm::new(config)?;
+    let vm = Vm::new(config)?;
     vm.boot(&opts.images.join("memtouch.elf"), cmdline)?;
     Ok((vm, out))
 }
@@ -75,7 +75,7 @@ fn native_writes_per_sec(cmdline: &str, writers: u32, seconds: u64) -> f64 {
 
 fn vm_writes_per_sec(opts: &Options, cmdline: &str, vcpus: u32) -> Result<f64, BoxError> {
     let cmdline = format!("{cmdline} duration={}s report=0", opts.seconds);
-    let (mut vm, out) = memtouch_vm(opts, vcpus, DirtyBackend::Bitmap, &cmdline)?;
+    let (vm, out) = memtouch_vm(opts, vcpus, DirtyBackend::Bitmap, &cmdline)?;
     vm.start()?;
     let exit = vm.wait();
     if exit.status() != 0 {
@@ -90,7 +90,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 fn pause_and_state(opts: &Options, vcpus: u32, rows: &mut Vec<Row>) -> Result<(), BoxError> {
-    let (mut vm, _out) = memtouch_vm(opts, vcpus, DirtyBackend::Bitmap, "ws=16M duration=600s report=0")?;
+    let (vm, _out) = memtouch_vm(opts, vcpus, DirtyBackend::Bitmap, "ws=16M duration=600s report=0")?;
     vm.start()?;
     std::thread::sleep(Duration::from_millis(200));
     let (mut pause, mut resume, mut save, mut restore) = (vec![], vec![], vec![], vec![]);
@@ -127,7 +127,7 @@ fn pause_and_state(opts: &Options, vcpus: u32, rows: &mut Vec<Row>) -> Result<()
 /// VM spent paused, divided by the pages collected.
 fn first_write_cost(opts: &Options, backend: DirtyBackend, untracked_rate: f64, cmdline: &str, rows: &mut Vec<Row>) -> Result<(), BoxError> {
     let cmdline = format!("{cmdline} duration={}s report=0", opts.seconds);
-    let (mut vm, out) = memtouch_vm(opts, 1, backend, &cmdline)?;
+    let (vm, out) = memtouch_vm(opts, 1, backend, &cmdline)?;
     vm.start_dirty_tracking()?;
     let t0 = Instant::now();
     vm.start()?;

@@ -1,4 +1,5 @@
-//! `ftvm`: run, snapshot and restore fault-tolerant microVMs.
+//! `ftvm`: run fault-tolerant microVMs: as a primary replicating to a
+//! backup, as that backup, or alone; snapshot and restore them.
 
 mod api;
 mod run;
@@ -6,11 +7,13 @@ mod signals;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
+use replication::{BackupConfig, OnBackupLoss, PrimaryConfig};
 use vmm::devices::virtio::net::NetConfig;
-use vmm::DirtyBackend;
+use vmm::{Console, DirtyBackend};
 
 #[derive(Parser)]
 #[command(name = "ftvm", version, about = "A fault-tolerant virtual machine monitor on KVM")]
@@ -21,8 +24,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Boot a guest image and run it until it exits.
+    /// Boot a guest image and run it until it exits (as a primary with --replicate-to).
     Run(RunArgs),
+    /// Wait for a primary, follow its checkpoints, and take its VM over when it fails.
+    Backup(BackupArgs),
     /// Write a running VM's complete state to a file.
     Snapshot {
         /// Control socket of the VM (its --api-socket).
@@ -42,10 +47,18 @@ enum Command {
         #[command(flatten)]
         host: HostArgs,
     },
-    /// Show a running VM's state.
+    /// Show a VM's state and replication figures.
     Status {
         #[arg(long)]
         api_socket: PathBuf,
+    },
+    /// Protect an unprotected primary again with a new backup.
+    Protect {
+        #[arg(long)]
+        api_socket: PathBuf,
+        /// The new backup's replication address (its --listen).
+        #[arg(long)]
+        backup: String,
     },
 }
 
@@ -62,6 +75,40 @@ struct RunArgs {
     /// Command line passed to the guest.
     #[arg(long, default_value = "")]
     cmdline: String,
+    /// Replicate to the backup listening at this address (host:port).
+    #[arg(long, value_name = "ADDR")]
+    replicate_to: Option<String>,
+    /// Checkpoint interval in milliseconds.
+    #[arg(long, default_value_t = 20)]
+    epoch_ms: u64,
+    /// When the backup is lost: keep running unprotected, or pause.
+    #[arg(long, default_value = "continue")]
+    on_backup_loss: OnBackupLoss,
+    /// Declare the backup lost after this long without an acknowledgement.
+    #[arg(long, default_value_t = 1000)]
+    failure_timeout_ms: u64,
+    /// Write per-epoch metrics as JSON lines to this file.
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+    #[command(flatten)]
+    host: HostArgs,
+}
+
+#[derive(Args)]
+struct BackupArgs {
+    /// Address to accept the primary on (host:port).
+    #[arg(long, value_name = "ADDR")]
+    listen: String,
+    /// Refuse a primary whose VM has another memory size (MiB).
+    #[arg(long)]
+    memory: Option<u64>,
+    /// Refuse a primary whose VM has another number of vCPUs.
+    #[arg(long)]
+    vcpus: Option<u32>,
+    /// Take over after this long without hearing from the primary
+    /// (default: five epochs, at least 200 ms).
+    #[arg(long)]
+    failure_timeout_ms: Option<u64>,
     #[command(flatten)]
     host: HostArgs,
 }
@@ -86,40 +133,24 @@ struct HostArgs {
     disk: Option<PathBuf>,
 }
 
+impl HostArgs {
+    fn into_options(self, replicate: Option<PrimaryConfig>) -> run::HostOptions {
+        run::HostOptions {
+            prefault: self.prefault,
+            dirty_backend: self.dirty_backend,
+            api_socket: self.api_socket,
+            devices: vmm::devices::DeviceConfig { net: self.net, disk: self.disk },
+            replicate,
+        }
+    }
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("FTVM_LOG").unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FTVM_LOG").unwrap_or_else(|_| "warn".into()))
         .init();
-    let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Run(args) => run::run(run::Source::Image {
-            image: args.image,
-            mem_size: args.memory << 20,
-            vcpus: args.vcpus,
-            cmdline: args.cmdline,
-        }, args.host.into()),
-        Command::Restore { snapshot, host } => run::run(run::Source::Snapshot(snapshot), host.into()),
-        Command::Snapshot { api_socket, output, stop } => {
-            let path = std::path::absolute(&output).unwrap_or(output);
-            let request = api::Request::Snapshot { path: path.display().to_string(), stop };
-            api::client::call(&api_socket, &request).map(|r| {
-                println!("snapshot {} written: {} bytes, VM paused {} us", path.display(), r.bytes.unwrap_or(0), r.pause_us.unwrap_or(0));
-                0
-            }).map_err(run::RunError::from)
-        }
-        Command::Status { api_socket } => api::client::call(&api_socket, &api::Request::Status)
-            .map(|r| {
-                println!("state: {}", r.state.unwrap_or_default());
-                println!("vcpus: {}", r.vcpus.unwrap_or(0));
-                println!("memory: {} MiB", r.memory_mib.unwrap_or(0));
-                0
-            })
-            .map_err(run::RunError::from),
-    };
-    match result {
+    match dispatch(Cli::parse().command) {
         Ok(status) => ExitCode::from(status as u8),
         Err(e) => {
             eprintln!("ftvm: error: {e}");
@@ -128,13 +159,76 @@ fn main() -> ExitCode {
     }
 }
 
-impl From<HostArgs> for run::HostOptions {
-    fn from(h: HostArgs) -> Self {
-        run::HostOptions {
-            prefault: h.prefault,
-            dirty_backend: h.dirty_backend,
-            api_socket: h.api_socket,
-            devices: vmm::devices::DeviceConfig { net: h.net, disk: h.disk },
+fn dispatch(command: Command) -> Result<i32, run::RunError> {
+    match command {
+        Command::Run(args) => {
+            let replicate = args.replicate_to.map(|backup| PrimaryConfig {
+                backup,
+                epoch_ms: args.epoch_ms.max(1),
+                failure_timeout: Duration::from_millis(args.failure_timeout_ms),
+                on_backup_loss: args.on_backup_loss,
+                connect_timeout: Duration::from_secs(10),
+                metrics: args.metrics,
+                disk: args.host.disk.clone(),
+            });
+            let source = run::Source::Image {
+                image: args.image,
+                mem_size: args.memory << 20,
+                vcpus: args.vcpus,
+                cmdline: args.cmdline,
+            };
+            run::run(source, args.host.into_options(replicate))
+        }
+        Command::Backup(args) => {
+            let config = BackupConfig {
+                listen: args.listen,
+                devices: vmm::devices::DeviceConfig { net: args.host.net.clone(), disk: args.host.disk.clone() },
+                mem_size: args.memory.map(|m| m << 20),
+                vcpus: args.vcpus,
+                failure_timeout: args.failure_timeout_ms.map(Duration::from_millis),
+                prefault: args.host.prefault,
+                dirty_backend: args.host.dirty_backend,
+                console: Console::Stdout,
+            };
+            run::run(run::Source::Backup(config), args.host.into_options(None))
+        }
+        Command::Restore { snapshot, host } => run::run(run::Source::Snapshot(snapshot), host.into_options(None)),
+        Command::Snapshot { api_socket, output, stop } => {
+            let path = std::path::absolute(&output).unwrap_or(output);
+            let request = api::Request::Snapshot { path: path.display().to_string(), stop };
+            let r = api::client::call(&api_socket, &request)?;
+            println!("snapshot {} written: {} bytes, VM paused {} us", path.display(), r.bytes.unwrap_or(0), r.pause_us.unwrap_or(0));
+            Ok(0)
+        }
+        Command::Status { api_socket } => {
+            let r = api::client::call(&api_socket, &api::Request::Status)?;
+            print_status(&r);
+            Ok(0)
+        }
+        Command::Protect { api_socket, backup } => {
+            api::client::call(&api_socket, &api::Request::Protect { backup: backup.clone() })?;
+            println!("protecting with backup {backup}; `ftvm status` shows when it is synchronized");
+            Ok(0)
+        }
+    }
+}
+
+fn print_status(r: &api::Response) {
+    println!("state: {}", r.state.as_deref().unwrap_or("unknown"));
+    if let (Some(v), Some(m)) = (r.vcpus, r.memory_mib) {
+        println!("vcpus: {v}");
+        println!("memory: {m} MiB");
+    }
+    if let Some(rep) = &r.replication {
+        println!("role: {}", rep.role);
+        println!("protected: {}", if rep.protected { "yes" } else { "no" });
+        println!("epoch: {}", rep.epoch);
+        println!("detail: {}", rep.detail);
+        if let Some(m) = &rep.last {
+            println!(
+                "last epoch {}: pause {} us, {} dirty pages, {} bytes, transfer {} us, ack after {} us, {} frames released (held up to {} us)",
+                m.epoch, m.pause_us, m.dirty_pages, m.bytes, m.transfer_us, m.ack_us, m.frames_released, m.hold_us
+            );
         }
     }
 }

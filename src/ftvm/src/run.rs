@@ -1,16 +1,20 @@
-//! Running a VM as this process: boot or restore, then serve signals and
-//! the control socket until the guest stops.
+//! Running a VM as this process: boot it, restore it, or follow a primary as
+//! its backup; then serve signals and the control socket until it stops.
 
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
+use std::sync::mpsc;
+use std::sync::Arc;
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
 
+use replication::{Backup, BackupConfig, Primary, PrimaryConfig, ReplicationError, StatusCell};
 use vmm::snapshot::{self, SnapshotError};
 use vmm::{DirtyBackend, Vm, VmConfig, VmError, VmExit};
 
 use crate::api::client::ClientError;
-use crate::api::server::ApiServer;
+use crate::api::server::{ApiContext, ApiServer};
 use crate::signals;
 
 #[derive(Debug, thiserror::Error)]
@@ -21,6 +25,8 @@ pub enum RunError {
     Snapshot(#[from] SnapshotError),
     #[error(transparent)]
     Client(#[from] ClientError),
+    #[error(transparent)]
+    Replication(#[from] ReplicationError),
     #[error("cannot serve control socket {path}: {err}")]
     Api { path: String, err: std::io::Error },
     #[error("{op}: {err}")]
@@ -30,6 +36,8 @@ pub enum RunError {
 pub enum Source {
     Image { image: PathBuf, mem_size: u64, vcpus: u32, cmdline: String },
     Snapshot(PathBuf),
+    /// Wait for a primary and take its VM over when it fails.
+    Backup(BackupConfig),
 }
 
 pub struct HostOptions {
@@ -37,27 +45,39 @@ pub struct HostOptions {
     pub dirty_backend: DirtyBackend,
     pub api_socket: Option<PathBuf>,
     pub devices: vmm::devices::DeviceConfig,
+    /// Replicate to a backup (primary role).
+    pub replicate: Option<PrimaryConfig>,
 }
 
-/// Run the VM to completion; returns the exit status for this process.
-pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
-    let (mem_size, vcpus) = match &source {
+const EXIT: u64 = 0;
+const SIGNAL: u64 = 1;
+const API: u64 = 2;
+const TAKEOVER: u64 = 3;
+
+fn os(op: &'static str) -> impl Fn(std::io::Error) -> RunError {
+    move |err| RunError::Os { op, err }
+}
+
+/// Build the VM for an image or a snapshot, not yet running.
+fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
+    let (mem_size, vcpus) = match source {
         Source::Image { mem_size, vcpus, .. } => (*mem_size, *vcpus),
         Source::Snapshot(path) => {
             let header = snapshot::read_header(path)?;
             (header.mem_size, header.vcpus)
         }
+        Source::Backup(_) => unreachable!("a backup's VM is built from its primary's shape"),
     };
     let config = VmConfig {
         mem_size,
         vcpus,
         prefault: host.prefault,
         dirty_backend: host.dirty_backend,
-        devices: host.devices,
+        devices: host.devices.clone(),
         ..Default::default()
     };
-    let mut vm = Vm::new(config)?;
-    match &source {
+    let vm = Vm::new(config)?;
+    match source {
         Source::Image { image, cmdline, .. } => {
             vm.boot(image, cmdline)?;
         }
@@ -66,29 +86,71 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
             vm.restore_state(&header.state)?;
             tracing::info!(path = %path.display(), "restored snapshot");
         }
+        Source::Backup(_) => {}
     }
+    Ok(vm)
+}
+
+/// Run until the VM stops; returns the exit status for this process.
+pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
     let api = host
         .api_socket
         .as_ref()
         .map(|p| ApiServer::bind(p).map_err(|err| RunError::Api { path: p.display().to_string(), err }))
         .transpose()?;
-    let stop_signal = signals::install().map_err(|err| RunError::Os { op: "install signal handlers", err })?;
-    vm.start().map_err(|err| RunError::Os { op: "start vCPU threads", err })?;
-
-    let os = |op| move |err| RunError::Os { op, err };
+    let stop_signal = signals::install().map_err(os("install signal handlers"))?;
     let epoll = Epoll::new().map_err(os("epoll"))?;
-    const EXIT: u64 = 0;
-    const SIGNAL: u64 = 1;
-    const API: u64 = 2;
-    let mut fds = vec![(vm.exit_event().as_raw_fd(), EXIT), (stop_signal.as_raw_fd(), SIGNAL)];
+    let watch = |fd, token| epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, token)).map_err(os("epoll_ctl"));
+    watch(stop_signal.as_raw_fd(), SIGNAL)?;
     if let Some(api) = &api {
-        fds.push((api.listener().as_raw_fd(), API));
+        watch(api.listener().as_raw_fd(), API)?;
     }
-    for (fd, token) in fds {
-        epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, token)).map_err(os("epoll_ctl"))?;
+
+    let mut vm: Option<Arc<Vm>> = None;
+    let mut primary: Option<Primary> = None;
+    let mut status: Option<StatusCell> = None;
+    let takeover_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(os("eventfd"))?;
+    let (takeover_tx, takeover_rx) = mpsc::channel();
+    match source {
+        Source::Backup(config) => {
+            let backup = Backup::bind(config)?;
+            status = Some(backup.status());
+            watch(takeover_evt.as_raw_fd(), TAKEOVER)?;
+            let evt = takeover_evt.try_clone().map_err(os("eventfd"))?;
+            std::thread::Builder::new()
+                .name("backup".into())
+                .spawn(move || {
+                    let _ = takeover_tx.send(backup.run());
+                    let _ = evt.write(1);
+                })
+                .map_err(os("start backup thread"))?;
+        }
+        source => {
+            let v = Arc::new(build(&source, &host)?);
+            v.start().map_err(os("start vCPU threads"))?;
+            watch(v.exit_event().as_raw_fd(), EXIT)?;
+            if let Some(config) = host.replicate.clone() {
+                match Primary::start(v.clone(), config) {
+                    Ok(p) => {
+                        status = Some(p.status_cell());
+                        primary = Some(p);
+                    }
+                    Err(e) => {
+                        v.request_stop();
+                        v.wait();
+                        return Err(e.into());
+                    }
+                }
+            }
+            vm = Some(v);
+        }
     }
-    let mut events = vec![EpollEvent::default(); 4];
-    while vm.exit_reason().is_none() {
+
+    let mut events = vec![EpollEvent::default(); 8];
+    loop {
+        if vm.as_ref().is_some_and(|v| v.exit_reason().is_some()) {
+            break;
+        }
         let n = match epoll.wait(-1, &mut events) {
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -99,13 +161,36 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                 SIGNAL => {
                     let _ = stop_signal.read();
                     tracing::info!("stop signal received");
-                    vm.request_stop();
+                    match &vm {
+                        Some(v) => v.request_stop(),
+                        None => {
+                            eprintln!("ftvm: backup stopped before taking over");
+                            return Ok(0);
+                        }
+                    }
                 }
-                API if api.as_ref().is_some_and(|a| a.accept_all(&vm)) => vm.request_stop(),
+                API => {
+                    let ctx = ApiContext { vm: vm.as_deref(), status: status.as_ref(), primary: primary.as_ref() };
+                    if api.as_ref().is_some_and(|a| a.accept_all(&ctx)) {
+                        if let Some(v) = &vm {
+                            v.request_stop();
+                        }
+                    }
+                }
+                TAKEOVER => {
+                    let _ = takeover_evt.read();
+                    if let Ok(result) = takeover_rx.try_recv() {
+                        let v = result?;
+                        watch(v.exit_event().as_raw_fd(), EXIT)?;
+                        vm = Some(v);
+                    }
+                }
                 _ => {}
             }
         }
     }
+    drop(primary);
+    let vm = vm.expect("the loop ends only with a VM");
     let exit = vm.wait();
     match &exit {
         VmExit::Exited(_) => tracing::info!("{exit}"),

@@ -4,7 +4,7 @@
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 
 use kvm_bindings::{kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES};
@@ -164,10 +164,10 @@ impl VmShared {
 pub struct Vm {
     shared: Arc<VmShared>,
     vcpus: Vec<Arc<Mutex<VcpuFd>>>,
-    threads: Vec<JoinHandle<()>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
     msrs: Vec<u32>,
     config: VmConfig,
-    layout: Option<BootLayout>,
+    layout: OnceLock<BootLayout>,
     tracking: AtomicBool,
     // Kept last: the KVM system fd outlives the VM fds above.
     _kvm: Kvm,
@@ -236,7 +236,7 @@ impl Vm {
             threads: Mutex::new(Vec::new()),
         });
         let vcpus = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
-        Ok(Vm { shared, vcpus, threads: Vec::new(), msrs, config, layout: None, tracking: AtomicBool::new(false), _kvm: kvm })
+        Ok(Vm { shared, vcpus, threads: Mutex::new(Vec::new()), msrs, config, layout: OnceLock::new(), tracking: AtomicBool::new(false), _kvm: kvm })
     }
 
     pub fn config(&self) -> &VmConfig {
@@ -247,12 +247,16 @@ impl Vm {
         &self.shared.ram
     }
 
+    pub fn devices(&self) -> &Devices {
+        &self.shared.devices
+    }
+
     pub fn layout(&self) -> Option<&BootLayout> {
-        self.layout.as_ref()
+        self.layout.get()
     }
 
     /// Load `image` and prepare every vCPU to enter it.
-    pub fn boot(&mut self, image: &Path, cmdline: &str) -> Result<&BootLayout, VmError> {
+    pub fn boot(&self, image: &Path, cmdline: &str) -> Result<&BootLayout, VmError> {
         let mem = self.shared.ram.memory();
         let devices = self.shared.devices.abi_list();
         let layout = boot::boot(mem, image, self.config.mem_size, self.config.vcpus, cmdline, &devices)?;
@@ -265,21 +269,23 @@ impl Vm {
             cpu::setup_vcpu(&lock(vcpu), i, layout.image.entry, layout.stack_top(i), xcr0).map_err(kvm_err("vCPU setup"))?;
         }
         lock(&self.shared.clock).publish(mem)?;
-        Ok(self.layout.insert(layout))
+        Ok(self.layout.get_or_init(|| layout))
     }
 
     /// Start the vCPU threads (first time) or let them run again.
-    pub fn start(&mut self) -> std::io::Result<()> {
+    pub fn start(&self) -> std::io::Result<()> {
         self.shared.devices.start()?;
-        if self.threads.is_empty() {
+        let mut threads = lock(&self.threads);
+        if threads.is_empty() {
             for (i, fd) in self.vcpus.iter().enumerate() {
                 let (fd, shared) = (fd.clone(), self.shared.clone());
                 let t = std::thread::Builder::new()
                     .name(format!("vcpu{i}"))
                     .spawn(move || crate::vcpu::thread_main(i as u32, fd, shared))?;
-                self.threads.push(t);
+                threads.push(t);
             }
         }
+        drop(threads);
         self.resume();
         Ok(())
     }
@@ -304,7 +310,7 @@ impl Vm {
     }
 
     pub fn is_running(&self) -> bool {
-        !self.threads.is_empty() && self.shared.control.mode() == Mode::Run
+        !lock(&self.threads).is_empty() && self.shared.control.mode() == Mode::Run
     }
 
     /// Save all vCPU and VM state; the VM must be paused (or never started).
@@ -318,7 +324,7 @@ impl Vm {
 
     /// Load state saved by `save_state` (here or in another process) into
     /// this VM before it runs; guest time continues from the saved time.
-    pub fn restore_state(&mut self, state: &VmState) -> Result<(), VmError> {
+    pub fn restore_state(&self, state: &VmState) -> Result<(), VmError> {
         if self.is_running() {
             return Err(VmError::Running);
         }
@@ -369,7 +375,7 @@ impl Vm {
     }
 
     /// Block until the VM stops, then join the vCPU threads.
-    pub fn wait(&mut self) -> VmExit {
+    pub fn wait(&self) -> VmExit {
         let fd = self.shared.exit_event.as_raw_fd();
         while self.exit_reason().is_none() {
             let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
@@ -380,10 +386,11 @@ impl Vm {
         self.exit_reason().unwrap_or(VmExit::Stopped)
     }
 
-    fn join(&mut self) {
+    fn join(&self) {
         self.shared.control.request(Mode::Stop);
         self.shared.kick_all();
-        for t in self.threads.drain(..) {
+        let threads: Vec<_> = lock(&self.threads).drain(..).collect();
+        for t in threads {
             let _ = t.join();
         }
         self.shared.devices.stop();

@@ -26,7 +26,7 @@ fn check_backend(backend: DirtyBackend) {
     let (stride, count) = (2u64, 20_000u64);
     let (console, out) = Console::capture();
     let config = VmConfig { mem_size: 256 << 20, vcpus: 1, dirty_backend: backend, console, ..Default::default() };
-    let mut vm = Vm::new(config).unwrap();
+    let vm = Vm::new(config).unwrap();
     vm.boot(&image("probe"), &format!("dirty={stride},{count}")).unwrap();
     vm.start_dirty_tracking().unwrap();
     vm.start().unwrap();
@@ -74,7 +74,7 @@ fn tracking_rearms_between_collections_of_a_running_guest() {
     for backend in [DirtyBackend::Bitmap, DirtyBackend::Ring] {
         let (console, _out) = Console::capture();
         let config = VmConfig { mem_size: 64 << 20, vcpus: 2, dirty_backend: backend, console, ..Default::default() };
-        let mut vm = Vm::new(config).unwrap();
+        let vm = Vm::new(config).unwrap();
         vm.boot(&image("memtouch"), "ws=4M pattern=seq duration=3s report=0").unwrap();
         vm.start_dirty_tracking().unwrap();
         vm.start().unwrap();

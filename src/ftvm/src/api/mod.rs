@@ -13,6 +13,8 @@ pub enum Request {
     Resume,
     /// Pause, write a snapshot to `path`, then resume (or stop if `stop`).
     Snapshot { path: String, stop: bool },
+    /// Protect a running primary again with the backup at `backup`.
+    Protect { backup: String },
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -30,6 +32,8 @@ pub struct Response {
     pub bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pause_us: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replication: Option<replication::Status>,
 }
 
 impl Response {

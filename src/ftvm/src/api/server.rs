@@ -5,6 +5,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use replication::{Primary, StatusCell};
 use vmm::snapshot::{self, SnapshotHeader};
 use vmm::Vm;
 
@@ -34,10 +35,10 @@ impl ApiServer {
     }
 
     /// Serve every pending connection. Returns true if the VM should stop.
-    pub fn accept_all(&self, vm: &Vm) -> bool {
+    pub fn accept_all(&self, ctx: &ApiContext) -> bool {
         let mut stop = false;
         while let Ok((stream, _)) = self.listener.accept() {
-            stop |= serve(stream, vm);
+            stop |= serve(stream, ctx);
         }
         stop
     }
@@ -49,7 +50,14 @@ impl Drop for ApiServer {
     }
 }
 
-fn serve(stream: UnixStream, vm: &Vm) -> bool {
+/// What the control socket can see: a backup has no VM until it takes over.
+pub struct ApiContext<'a> {
+    pub vm: Option<&'a Vm>,
+    pub status: Option<&'a StatusCell>,
+    pub primary: Option<&'a Primary>,
+}
+
+fn serve(stream: UnixStream, ctx: &ApiContext) -> bool {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
     let mut line = String::new();
@@ -57,7 +65,7 @@ fn serve(stream: UnixStream, vm: &Vm) -> bool {
         return false;
     }
     let (response, stop) = match serde_json::from_str::<Request>(&line) {
-        Ok(request) => handle(request, vm),
+        Ok(request) => handle(request, ctx),
         Err(e) => (Response::error(format!("bad request: {e}")), false),
     };
     let mut reply = serde_json::to_string(&response).expect("responses serialize");
@@ -66,20 +74,35 @@ fn serve(stream: UnixStream, vm: &Vm) -> bool {
     stop
 }
 
-fn handle(request: Request, vm: &Vm) -> (Response, bool) {
-    match request {
-        Request::Status => {
-            let state = if vm.is_running() { "running" } else { "paused" };
-            let cfg = vm.config();
-            let response = Response {
-                ok: true,
-                state: Some(state.into()),
-                vcpus: Some(cfg.vcpus),
-                memory_mib: Some(cfg.mem_size >> 20),
-                ..Default::default()
-            };
-            (response, false)
+fn handle(request: Request, ctx: &ApiContext) -> (Response, bool) {
+    let replication = ctx.status.map(|s| s.get());
+    if let Request::Status = request {
+        let mut response = Response { ok: true, replication, ..Default::default() };
+        match ctx.vm {
+            Some(vm) => {
+                response.state = Some(if vm.is_running() { "running" } else { "paused" }.into());
+                response.vcpus = Some(vm.config().vcpus);
+                response.memory_mib = Some(vm.config().mem_size >> 20);
+            }
+            None => response.state = Some("standby".into()),
         }
+        return (response, false);
+    }
+    if let Request::Protect { backup } = request {
+        return match (ctx.primary, replication) {
+            (Some(_), Some(st)) if st.protected => (Response::error("the VM is already protected"), false),
+            (Some(p), _) => {
+                p.protect(backup);
+                (Response { ok: true, ..Default::default() }, false)
+            }
+            (None, _) => (Response::error("this VMM is not a replicating primary"), false),
+        };
+    }
+    let Some(vm) = ctx.vm else {
+        return (Response::error("no VM is running here yet (a backup before takeover)"), false);
+    };
+    match request {
+        Request::Status | Request::Protect { .. } => unreachable!("handled above"),
         Request::Pause => {
             vm.pause();
             (Response { ok: true, state: Some("paused".into()), ..Default::default() }, false)

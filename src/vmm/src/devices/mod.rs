@@ -17,7 +17,8 @@ use crate::memory::GuestMemory;
 use crate::vcpu::control::Events;
 use virtio::block::{Block, BlockError};
 use virtio::mmio::{MmioTransport, TransportState, REG_QUEUE_NOTIFY};
-use virtio::net::{Net, NetConfig, TapError};
+use virtio::block_journal::DiskJournal;
+use virtio::net::{Net, NetConfig, OutputBuffer, TapError};
 
 /// Each device's register block.
 pub const MMIO_SLOT_SIZE: u64 = 0x1000;
@@ -111,16 +112,20 @@ pub struct Devices {
     threads: Mutex<Vec<JoinHandle<()>>>,
     mem: GuestMemory,
     events: Arc<Events>,
+    output: Arc<OutputBuffer>,
+    journal: Arc<DiskJournal>,
 }
 
 impl Devices {
     pub fn new(config: &DeviceConfig, vm: &VmFd, mem_size: u64, mem: GuestMemory, events: Arc<Events>) -> Result<Devices, DeviceError> {
+        let output = Arc::new(OutputBuffer::default());
+        let journal = Arc::new(DiskJournal::default());
         let mut models: Vec<Box<dyn virtio::VirtioDevice>> = Vec::new();
         if let Some(net) = &config.net {
-            models.push(Box::new(Net::new(net)?));
+            models.push(Box::new(Net::new(net, output.clone())?));
         }
         if let Some(disk) = &config.disk {
-            models.push(Box::new(Block::open(disk)?));
+            models.push(Box::new(Block::open(disk, journal.clone())?));
         }
         let os = |op| move |err| DeviceError::Os { op, err };
         let mut slots = Vec::new();
@@ -137,7 +142,29 @@ impl Devices {
             let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(os("eventfd"))?;
             slots.push(Arc::new(Slot { base, transport: Mutex::new(transport), notify, stop }));
         }
-        Ok(Devices { slots, gate: Arc::new(Gate::default()), threads: Mutex::new(Vec::new()), mem, events })
+        Ok(Devices { slots, gate: Arc::new(Gate::default()), threads: Mutex::new(Vec::new()), mem, events, output, journal })
+    }
+
+    /// Network output: held per epoch while the VM is protected.
+    pub fn output(&self) -> &Arc<OutputBuffer> {
+        &self.output
+    }
+
+    /// Disk writes per epoch, for the backup's disk replica.
+    pub fn disk_journal(&self) -> &Arc<DiskJournal> {
+        &self.journal
+    }
+
+    /// Device types in slot order (the VM's device shape).
+    pub fn types(&self) -> Vec<u32> {
+        self.slots.iter().map(|s| s.lock().device_type()).collect()
+    }
+
+    /// Throw away host-side input queued so far (see `VirtioDevice::discard_host_input`).
+    pub fn discard_host_input(&self) {
+        for slot in &self.slots {
+            slot.lock().discard_host_input();
+        }
     }
 
     /// The device list for the guest's boot information.
@@ -223,7 +250,7 @@ impl Devices {
     }
 
     pub fn restore(&self, states: &[DeviceState]) -> Result<(), DeviceError> {
-        let present: Vec<u32> = self.slots.iter().map(|s| s.lock().device_type()).collect();
+        let present = self.types();
         let saved: Vec<u32> = states.iter().map(|s| s.device_type).collect();
         if present != saved {
             return Err(DeviceError::Mismatch { saved, present });

@@ -4,9 +4,11 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueT};
 
+use super::block_journal::DiskJournal;
 use super::{drain, VirtioDevice, VirtioError, TYPE_BLOCK};
 use crate::memory::GuestMemory;
 
@@ -37,10 +39,11 @@ pub struct Block {
     sectors: u64,
     id: [u8; ID_LEN],
     buf: Vec<u8>,
+    journal: Arc<DiskJournal>,
 }
 
 impl Block {
-    pub fn open(path: &Path) -> Result<Block, BlockError> {
+    pub fn open(path: &Path, journal: Arc<DiskJournal>) -> Result<Block, BlockError> {
         let name = path.display().to_string();
         let file = OpenOptions::new()
             .read(true)
@@ -54,7 +57,7 @@ impl Block {
         let mut id = [0u8; ID_LEN];
         let label = format!("ftvm-{:x}", crc32c::crc32c(name.as_bytes()));
         id[..label.len().min(ID_LEN)].copy_from_slice(&label.as_bytes()[..label.len().min(ID_LEN)]);
-        Ok(Block { file, path: path.to_owned(), sectors: len / SECTOR, id, buf: Vec::new() })
+        Ok(Block { file, path: path.to_owned(), sectors: len / SECTOR, id, buf: Vec::new(), journal })
     }
 
     pub fn path(&self) -> &Path {
@@ -94,7 +97,7 @@ impl Block {
     }
 
     fn in_range(&self, sector: u64, len: usize) -> bool {
-        len as u64 % SECTOR == 0
+        (len as u64).is_multiple_of(SECTOR)
             && len <= MAX_REQUEST
             && sector.checked_add(len as u64 / SECTOR).is_some_and(|end| end <= self.sectors)
     }
@@ -119,7 +122,10 @@ impl Block {
             return STATUS_IOERR;
         }
         match self.file.write_all_at(&self.buf, sector * SECTOR) {
-            Ok(()) => STATUS_OK,
+            Ok(()) => {
+                self.journal.record(sector * SECTOR, &self.buf);
+                STATUS_OK
+            }
             // ENOSPC on a full host disk lands here: the guest sees IOERR
             // for this write and everything written before stays intact.
             Err(e) => {

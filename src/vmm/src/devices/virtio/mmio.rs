@@ -79,6 +79,10 @@ impl MmioTransport {
         self.regs.status & STATUS_DRIVER_OK != 0 && self.regs.status & STATUS_FAILED == 0
     }
 
+    pub fn discard_host_input(&mut self) {
+        self.device.discard_host_input();
+    }
+
     pub fn host_fd(&self) -> Option<std::os::fd::RawFd> {
         self.device.host_fd()
     }

@@ -5,6 +5,7 @@
 //! which wakes vCPUs blocked in the wait hypercall.
 
 pub mod block;
+pub mod block_journal;
 pub mod mmio;
 pub mod net;
 
@@ -54,6 +55,9 @@ pub trait VirtioDevice: Send {
     }
     /// The driver reset the device.
     fn reset(&mut self) {}
+    /// Drop host-side input queued while the VM was not running (a backup
+    /// keeps only what arrived since the last checkpoint it applied).
+    fn discard_host_input(&mut self) {}
 }
 
 /// A virtqueue's state as saved in snapshots and checkpoints.

@@ -1,16 +1,19 @@
 //! virtio-net backed by a TAP device.
 
+pub mod output;
 pub mod tap;
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::str::FromStr;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 
 use super::{drain, VirtioDevice, VirtioError, TYPE_NET};
 use crate::memory::GuestMemory;
+pub use output::OutputBuffer;
 pub use tap::{Tap, TapError, VNET_HDR_LEN};
 
 const VIRTIO_NET_F_MAC: u64 = 1 << 5;
@@ -56,11 +59,14 @@ pub struct Net {
     /// The TAP had a frame the last time we looked (it is polled edge-triggered).
     tap_readable: bool,
     frame: Vec<u8>,
+    output: Arc<OutputBuffer>,
 }
 
 impl Net {
-    pub fn new(config: &NetConfig) -> Result<Net, TapError> {
-        Ok(Net { tap: Tap::open(&config.tap)?, mac: config.mac, tap_readable: true, frame: vec![0; MAX_FRAME] })
+    pub fn new(config: &NetConfig, output: Arc<OutputBuffer>) -> Result<Net, TapError> {
+        let tap = Tap::open(&config.tap)?;
+        output.attach(tap.try_clone_file()?);
+        Ok(Net { tap, mac: config.mac, tap_readable: true, frame: vec![0; MAX_FRAME], output })
     }
 
     /// Move frames from the TAP into the guest's receive buffers while both
@@ -111,10 +117,7 @@ impl Net {
             let len = reader.available_bytes().min(MAX_FRAME);
             reader.read_exact(&mut self.frame[..len])?;
             if len > VNET_HDR_LEN {
-                if let Err(e) = self.tap.write_frame(&self.frame[..len]) {
-                    // The link's problem, not the guest's: count it as lost on the wire.
-                    tracing::debug!(error = %e, "TAP write failed; frame dropped");
-                }
+                self.output.submit(&self.frame[..len]);
             }
             queue.add_used(mem, head, 0).map_err(|err| VirtioError::Queue { queue: TX, err })?;
             used = true;
@@ -168,6 +171,10 @@ impl VirtioDevice for Net {
 
     fn reset(&mut self) {
         self.tap_readable = true;
+    }
+
+    fn discard_host_input(&mut self) {
+        self.tap.drain();
     }
 }
 

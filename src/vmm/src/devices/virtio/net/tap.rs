@@ -2,7 +2,7 @@
 //! guest buffers pass to and from the kernel without header rewriting.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 
@@ -84,9 +84,16 @@ impl Tap {
         self.file.read(buf)
     }
 
-    /// Write one frame (with its virtio-net header).
-    pub fn write_frame(&mut self, frame: &[u8]) -> io::Result<()> {
-        self.file.write(frame).map(|_| ())
+    /// A second handle for writing frames from another thread.
+    pub fn try_clone_file(&self) -> Result<File, TapError> {
+        self.file.try_clone().map_err(|err| TapError::Attach { name: self.name.clone(), err })
+    }
+
+    /// Discard frames queued while nobody was reading (a backup's TAP
+    /// before takeover holds stale traffic).
+    pub fn drain(&mut self) {
+        let mut buf = [0u8; 2048];
+        while self.file.read(&mut buf).is_ok_and(|n| n > 0) {}
     }
 }
 

@@ -1,0 +1,51 @@
+//! Fault injection for tests: `FTVM_TEST_FAULT=truncate:N` or `flip:N` makes
+//! a primary send checkpoint N cut in half or with one bit flipped, then die
+//! on the spot like a crashed host. Never set outside tests.
+
+use std::io::{self, Write};
+use std::sync::OnceLock;
+
+pub const ENV: &str = "FTVM_TEST_FAULT";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    Truncate,
+    Flip,
+}
+
+fn configured() -> Option<(Fault, u64)> {
+    static FAULT: OnceLock<Option<(Fault, u64)>> = OnceLock::new();
+    *FAULT.get_or_init(|| {
+        let spec = std::env::var(ENV).ok()?;
+        let (kind, epoch) = spec.split_once(':')?;
+        let fault = match kind {
+            "truncate" => Fault::Truncate,
+            "flip" => Fault::Flip,
+            _ => return None,
+        };
+        Some((fault, epoch.parse().ok()?))
+    })
+}
+
+pub fn for_epoch(epoch: u64) -> Option<Fault> {
+    configured().filter(|&(_, e)| e == epoch).map(|(f, _)| f)
+}
+
+impl Fault {
+    /// Send `frame` damaged, then end the process without any cleanup.
+    pub fn inject(self, w: &mut impl Write, frame: &[u8]) -> io::Result<()> {
+        tracing::warn!(fault = ?self, "test fault injected; the primary dies now");
+        match self {
+            Fault::Truncate => w.write_all(&frame[..frame.len() / 2])?,
+            Fault::Flip => {
+                let mut bad = frame.to_vec();
+                let mid = bad.len() / 2;
+                bad[mid] ^= 0x08;
+                w.write_all(&bad)?;
+            }
+        }
+        w.flush()?;
+        // SAFETY: _exit ends the process immediately, as a crash would.
+        unsafe { libc::_exit(137) }
+    }
+}

@@ -1,0 +1,42 @@
+//! Fault tolerance for ftvm VMs: a primary checkpoints its VM to a backup
+//! every epoch and holds each epoch's network output until the backup has
+//! acknowledged it; the backup applies checkpoints atomically and takes the
+//! VM over when the primary disappears.
+
+pub mod backup;
+pub mod checkpoint;
+pub mod fault;
+pub mod metrics;
+pub mod primary;
+pub mod protocol;
+
+pub use backup::{Backup, BackupConfig};
+pub use metrics::{EpochMetrics, Status, StatusCell};
+pub use primary::{OnBackupLoss, Primary, PrimaryConfig};
+pub use protocol::{ProtocolError, PROTOCOL_VERSION};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicationError {
+    #[error("cannot reach the backup at {addr}: {err}")]
+    Unreachable { addr: String, err: String },
+    #[error("cannot listen for a primary on {addr}: {err}")]
+    Listen { addr: String, err: std::io::Error },
+    #[error("the backup refused this primary: {0}")]
+    Refused(String),
+    #[error("the primary failed before the backup had a complete checkpoint; nothing to take over")]
+    NotSynchronized,
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error("replication send failed: {0}")]
+    Send(std::io::Error),
+    #[error("cannot read the primary's disk: {0}")]
+    PrimaryDisk(std::io::Error),
+    #[error("cannot write the backup's disk replica: {0}")]
+    BackupDisk(std::io::Error),
+    #[error("cannot write metrics: {0}")]
+    Metrics(std::io::Error),
+    #[error("cannot start a replication thread: {0}")]
+    Thread(std::io::Error),
+    #[error(transparent)]
+    Vm(#[from] vmm::VmError),
+}

@@ -1,0 +1,73 @@
+//! Per-epoch figures: logged as JSON lines on request, shown by `ftvm status`.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EpochMetrics {
+    pub epoch: u64,
+    /// Time the guest was stopped for the checkpoint.
+    pub pause_us: u64,
+    pub dirty_pages: u64,
+    pub disk_writes: u64,
+    /// Size of the checkpoint on the wire.
+    pub bytes: u64,
+    /// From resuming the guest until the checkpoint was written to the socket.
+    pub transfer_us: u64,
+    /// From resuming the guest until the backup's acknowledgement arrived.
+    pub ack_us: u64,
+    /// Longest time a frame of this epoch was held before release.
+    pub hold_us: u64,
+    pub frames_released: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Status {
+    /// "primary" or "backup".
+    pub role: String,
+    /// Last epoch checkpointed (primary) or applied (backup).
+    pub epoch: u64,
+    pub protected: bool,
+    /// A one-line description of the replication state.
+    pub detail: String,
+    pub last: Option<EpochMetrics>,
+}
+
+/// Shared, updated by the replication threads, read by the control socket.
+#[derive(Clone, Default)]
+pub struct StatusCell(Arc<Mutex<Status>>);
+
+impl StatusCell {
+    pub fn new(role: &str) -> StatusCell {
+        StatusCell(Arc::new(Mutex::new(Status { role: role.into(), ..Status::default() })))
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Status> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn get(&self) -> Status {
+        self.lock().clone()
+    }
+}
+
+/// JSON-lines sink for epoch metrics.
+pub struct MetricsLog(Option<Mutex<File>>);
+
+impl MetricsLog {
+    pub fn open(path: Option<&Path>) -> std::io::Result<MetricsLog> {
+        Ok(MetricsLog(path.map(File::create).transpose()?.map(Mutex::new)))
+    }
+
+    pub fn record(&self, m: &EpochMetrics) {
+        if let Some(f) = &self.0 {
+            let mut line = serde_json::to_string(m).expect("metrics serialize");
+            line.push('\n');
+            let _ = f.lock().unwrap_or_else(|p| p.into_inner()).write_all(line.as_bytes());
+        }
+    }
+}

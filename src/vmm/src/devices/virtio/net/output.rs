@@ -1,0 +1,185 @@
+//! Output commit for network frames.
+//!
+//! Frames the guest transmits go through here. Unprotected, they go straight
+//! to the TAP. Protected, each frame joins the open epoch's queue and leaves
+//! only when the backup has acknowledged that epoch's checkpoint, so no
+//! client ever sees output whose state could be lost in a failover.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::Write;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
+
+#[derive(Default)]
+struct Held {
+    epoch: u64,
+    frames: Vec<Vec<u8>>,
+    first_at: Option<Instant>,
+}
+
+struct Inner {
+    tap: Option<File>,
+    protected: bool,
+    /// The epoch the guest is running in (frames submitted now belong to it).
+    open: Held,
+    /// Closed epochs waiting for their acknowledgement, oldest first.
+    closed: VecDeque<Held>,
+    released_frames: u64,
+}
+
+/// What one release let out.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    pub frames: u64,
+    /// Longest time a released frame was held, in microseconds.
+    pub max_hold_us: u64,
+}
+
+pub struct OutputBuffer {
+    inner: Mutex<Inner>,
+}
+
+impl Default for OutputBuffer {
+    fn default() -> Self {
+        OutputBuffer {
+            inner: Mutex::new(Inner { tap: None, protected: false, open: Held::default(), closed: VecDeque::new(), released_frames: 0 }),
+        }
+    }
+}
+
+fn send(tap: &mut Option<File>, frame: &[u8]) {
+    if let Some(tap) = tap {
+        if let Err(e) = tap.write(frame) {
+            tracing::debug!(error = %e, "TAP write failed; frame dropped");
+        }
+    }
+}
+
+impl OutputBuffer {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Where released frames go (a handle on the TAP).
+    pub fn attach(&self, tap: File) {
+        self.lock().tap = Some(tap);
+    }
+
+    /// A frame (with its virtio-net header) the guest transmitted.
+    pub fn submit(&self, frame: &[u8]) {
+        let mut inner = self.lock();
+        if !inner.protected {
+            send(&mut inner.tap, frame);
+            return;
+        }
+        inner.open.first_at.get_or_insert_with(Instant::now);
+        inner.open.frames.push(frame.to_vec());
+    }
+
+    /// Start holding output; the guest is now running in epoch `epoch`.
+    pub fn protect(&self, epoch: u64) {
+        let mut inner = self.lock();
+        inner.protected = true;
+        inner.open = Held { epoch, ..Held::default() };
+    }
+
+    /// End the open epoch (the VM is paused for its checkpoint); frames from
+    /// now on belong to the next one. Returns the epoch closed.
+    pub fn close_epoch(&self) -> u64 {
+        let mut inner = self.lock();
+        let next = inner.open.epoch + 1;
+        let closed = std::mem::replace(&mut inner.open, Held { epoch: next, ..Held::default() });
+        let epoch = closed.epoch;
+        inner.closed.push_back(closed);
+        epoch
+    }
+
+    /// The backup acknowledged every epoch up to `epoch`: let their frames out, in order.
+    pub fn release_through(&self, epoch: u64) -> Released {
+        let mut inner = self.lock();
+        let mut released = Released::default();
+        while inner.closed.front().is_some_and(|h| h.epoch <= epoch) {
+            let held = inner.closed.pop_front().expect("front exists");
+            if let Some(t) = held.first_at {
+                released.max_hold_us = released.max_hold_us.max(t.elapsed().as_micros() as u64);
+            }
+            for frame in &held.frames {
+                send(&mut inner.tap, frame);
+            }
+            released.frames += held.frames.len() as u64;
+        }
+        inner.released_frames += released.frames;
+        released
+    }
+
+    /// Stop protecting (the backup is gone and the policy is to continue):
+    /// everything held goes out, because this VM is now the only copy.
+    pub fn unprotect(&self) -> Released {
+        let last = {
+            let mut inner = self.lock();
+            let open = std::mem::take(&mut inner.open);
+            let epoch = open.epoch;
+            inner.closed.push_back(open);
+            inner.protected = false;
+            epoch
+        };
+        self.release_through(last)
+    }
+
+    /// Frames held right now (all unacknowledged epochs).
+    pub fn held_frames(&self) -> usize {
+        let inner = self.lock();
+        inner.open.frames.len() + inner.closed.iter().map(|h| h.frames.len()).sum::<usize>()
+    }
+
+    pub fn is_protected(&self) -> bool {
+        self.lock().protected
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pipe() -> (File, File) {
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 fills two descriptors, which we take ownership of.
+        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK) }, 0);
+        // SAFETY: fresh descriptors owned by nobody else.
+        unsafe { (std::os::fd::FromRawFd::from_raw_fd(fds[0]), std::os::fd::FromRawFd::from_raw_fd(fds[1])) }
+    }
+
+    fn drain(r: &mut File) -> Vec<u8> {
+        let mut out = vec![0u8; 4096];
+        let n = std::io::Read::read(r, &mut out).unwrap_or(0);
+        out.truncate(n);
+        out
+    }
+
+    #[test]
+    fn frames_leave_only_after_their_epoch_is_acknowledged() {
+        let (mut r, w) = pipe();
+        let out = OutputBuffer::default();
+        out.attach(w);
+        out.submit(b"a");
+        assert_eq!(drain(&mut r), b"a", "unprotected output is immediate");
+        out.protect(1);
+        out.submit(b"b");
+        assert_eq!(out.close_epoch(), 1);
+        out.submit(b"c");
+        assert_eq!(out.close_epoch(), 2);
+        assert!(drain(&mut r).is_empty(), "held until acknowledged");
+        assert_eq!(out.release_through(1).frames, 1);
+        assert_eq!(drain(&mut r), b"b");
+        assert_eq!(out.held_frames(), 1);
+        out.submit(b"d"); // epoch 3, open
+        assert_eq!(out.release_through(2).frames, 1);
+        assert_eq!(drain(&mut r), b"c");
+        assert_eq!(out.release_through(2).frames, 0, "releasing again is a no-op");
+        assert_eq!(out.unprotect().frames, 1);
+        assert_eq!(drain(&mut r), b"d");
+        out.submit(b"e");
+        assert_eq!(drain(&mut r), b"e");
+    }
+}
