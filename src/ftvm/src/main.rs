@@ -90,6 +90,9 @@ struct RunArgs {
     /// Write per-epoch metrics as JSON lines to this file.
     #[arg(long)]
     metrics: Option<PathBuf>,
+    /// Give up reaching the backup at start after this long.
+    #[arg(long, default_value_t = 5000)]
+    connect_timeout_ms: u64,
     #[command(flatten)]
     host: HostArgs,
 }
@@ -148,6 +151,7 @@ impl HostArgs {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FTVM_LOG").unwrap_or_else(|_| "warn".into()))
         .init();
     match dispatch(Cli::parse().command) {
@@ -167,7 +171,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 epoch_ms: args.epoch_ms.max(1),
                 failure_timeout: Duration::from_millis(args.failure_timeout_ms),
                 on_backup_loss: args.on_backup_loss,
-                connect_timeout: Duration::from_secs(10),
+                connect_timeout: Duration::from_millis(args.connect_timeout_ms),
                 metrics: args.metrics,
                 disk: args.host.disk.clone(),
             });

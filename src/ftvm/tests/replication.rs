@@ -1,0 +1,224 @@
+//! Replication end to end on loopback: real primaries and backups (separate
+//! processes), real checkpoints, failover by SIGKILL.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A free loopback port for a backup to listen on.
+fn free_addr() -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("127.0.0.1:{}", l.local_addr().unwrap().port())
+}
+
+fn backup(addr: &str, extra: &[&str]) -> Child {
+    ftvm()
+        .args(["backup", "--listen", addr])
+        .args(extra)
+        .env("FTVM_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn primary(addr: &str, vcpus: u32, cmdline: &str, extra: &[&str]) -> Command {
+    let mut cmd = ftvm();
+    cmd.args(["run", "--vcpus", &vcpus.to_string(), "--cmdline", cmdline, "--replicate-to", addr])
+        .arg("--image")
+        .arg(image("memtouch"))
+        .args(extra)
+        .env("FTVM_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+/// Wait until the primary's stdout shows memtouch progress (it runs protected by then).
+fn wait_for_progress(p: &mut Child) -> std::io::Lines<BufReader<std::process::ChildStdout>> {
+    let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
+    for line in lines.by_ref() {
+        if line.unwrap().contains("t=") {
+            break;
+        }
+    }
+    lines
+}
+
+fn finish(child: Child) -> Output {
+    child.wait_with_output().unwrap()
+}
+
+fn kill(child: &mut Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+fn checksum_of(out: &Output) -> Option<String> {
+    field(&stdout(out), "memtouch: done", "checksum")
+}
+
+fn took_over_at(err: &str) -> Option<u64> {
+    let line = err.lines().find(|l| l.contains("PRIMARY LOST"))?;
+    let at = line.split("epoch").nth(1)?;
+    at.trim_start_matches(|c: char| !c.is_ascii_digit()).split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+}
+
+const WORK: &str = "ws=16M pattern=random writes=60000000 report=100ms";
+
+#[test]
+fn memory_survives_failover() {
+    for (vcpus, delay_ms) in [(1, 400), (2, 700), (2, 1100)] {
+        let addr = free_addr();
+        let b = backup(&addr, &[]);
+        let mut p = primary(&addr, vcpus, WORK, &["--epoch-ms", "10"]).spawn().unwrap();
+        let _lines = wait_for_progress(&mut p);
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        kill(&mut p);
+        let out = finish(b);
+        let err = stderr(&out);
+        assert!(out.status.success(), "backup failed: {err}");
+        assert!(took_over_at(&err).is_some(), "no takeover: {err}");
+        assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(WORK, vcpus)), "{vcpus} vCPUs, killed after {delay_ms} ms");
+    }
+}
+
+fn run_with_fault(fault: &str) -> (Output, Output) {
+    let addr = free_addr();
+    let b = backup(&addr, &[]);
+    let p = primary(&addr, 1, WORK, &["--epoch-ms", "10"]).env("FTVM_TEST_FAULT", fault).spawn().unwrap();
+    let p_out = finish(p);
+    (p_out, finish(b))
+}
+
+#[test]
+fn truncated_checkpoint_is_discarded() {
+    let (p, b) = run_with_fault("truncate:6");
+    assert_eq!(p.status.code(), Some(137), "the primary 'crashed' mid-transfer: {}", stderr(&p));
+    let err = stderr(&b);
+    assert!(b.status.success(), "{err}");
+    assert_eq!(took_over_at(&err), Some(5), "stays at the last whole checkpoint: {err}");
+    assert_eq!(checksum_of(&b), Some(expected_memtouch_checksum(WORK, 1)));
+}
+
+#[test]
+fn corrupted_checkpoint_is_rejected() {
+    let (p, b) = run_with_fault("flip:6");
+    assert_eq!(p.status.code(), Some(137), "{}", stderr(&p));
+    let err = stderr(&b);
+    assert!(err.contains("rejected replication data") && err.contains("checksum mismatch"), "{err}");
+    assert_eq!(took_over_at(&err), Some(5), "stays at the last good checkpoint: {err}");
+    assert_eq!(checksum_of(&b), Some(expected_memtouch_checksum(WORK, 1)));
+}
+
+#[test]
+fn backup_refuses_other_versions_and_shapes() {
+    // A primary speaking protocol version 99.
+    let addr = free_addr();
+    let b = backup(&addr, &[]);
+    let mut s = loop {
+        if let Ok(s) = std::net::TcpStream::connect(&addr) {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut frame = b"FTVR".to_vec();
+    frame.extend_from_slice(&99u16.to_le_bytes());
+    frame.extend_from_slice(&1u16.to_le_bytes());
+    frame.extend_from_slice(&0u64.to_le_bytes());
+    let crc = crc32c_of(&frame);
+    frame.extend_from_slice(&crc.to_le_bytes());
+    s.write_all(&frame).unwrap();
+    let out = finish(b);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("ftvm: error: the peer speaks replication protocol version 99"), "{err}");
+
+    // A primary of another shape than the backup was given.
+    let addr = free_addr();
+    let b = backup(&addr, &["--memory", "128", "--vcpus", "1"]);
+    let p = primary(&addr, 2, WORK, &[]).output().unwrap();
+    let b = finish(b);
+    assert_eq!(p.status.code(), Some(1));
+    assert!(
+        stderr(&p).contains("the backup refused this primary: the primary's VM has 256 MiB and 2 vCPUs, this backup was started for 128 MiB and 1 vCPUs"),
+        "{}",
+        stderr(&p)
+    );
+    assert_eq!(b.status.code(), Some(1), "{}", stderr(&b));
+}
+
+fn crc32c_of(bytes: &[u8]) -> u32 {
+    // Castagnoli, bitwise: small and independent of the code under test.
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= b as u32;
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 { (crc >> 1) ^ 0x82F6_3B78 } else { crc >> 1 };
+        }
+    }
+    !crc
+}
+
+#[test]
+fn unreachable_backup_is_a_clear_error() {
+    let addr = free_addr(); // nobody listens here
+    let t0 = Instant::now();
+    let out = primary(&addr, 1, WORK, &["--connect-timeout-ms", "500"]).output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.lines().last().unwrap().starts_with(&format!("ftvm: error: cannot reach the backup at {addr}")), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(10));
+}
+
+fn status(socket: &Path) -> String {
+    let out = ftvm().args(["status", "--api-socket"]).arg(socket).output().unwrap();
+    stdout(&out)
+}
+
+#[test]
+fn primary_survives_backup_loss_and_is_protected_again() {
+    let dir = std::env::temp_dir().join(format!("ftvm-reprotect-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let socket = dir.join("api.sock");
+    let long = "ws=16M pattern=random writes=150000000 report=100ms";
+    let addr1 = free_addr();
+    let mut b1 = backup(&addr1, &[]);
+    let mut p = primary(&addr1, 1, long, &["--epoch-ms", "10", "--failure-timeout-ms", "300", "--api-socket"])
+        .arg(&socket)
+        .spawn()
+        .unwrap();
+    let _lines = wait_for_progress(&mut p);
+    assert!(status(&socket).contains("protected: yes"), "{}", status(&socket));
+    kill(&mut b1);
+    let t0 = Instant::now();
+    while !status(&socket).contains("protected: no") {
+        assert!(t0.elapsed() < Duration::from_secs(5), "backup loss not noticed: {}", status(&socket));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(status(&socket).contains("UNPROTECTED"), "{}", status(&socket));
+
+    // A new backup protects it again; then the primary dies and the new
+    // backup finishes the job with the right memory.
+    let addr2 = free_addr();
+    let b2 = backup(&addr2, &[]);
+    let out = ftvm().args(["protect", "--api-socket"]).arg(&socket).args(["--backup", &addr2]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let t0 = Instant::now();
+    while !status(&socket).contains("protected: yes") {
+        assert!(t0.elapsed() < Duration::from_secs(10), "not re-protected: {}", status(&socket));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    kill(&mut p);
+    let out = finish(b2);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(long, 1)));
+    let _ = std::fs::remove_dir_all(&dir);
+}
