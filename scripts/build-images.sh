@@ -6,7 +6,7 @@ set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 target=x86_64-unknown-linux-gnu
-apps=(memtouch probe)
+apps=(memtouch probe netprobe kv)
 
 # From inside guest/ so its .cargo/config.toml (static, no-libc link flags)
 # applies; the explicit --target keeps those flags off build scripts.

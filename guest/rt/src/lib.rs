@@ -4,7 +4,8 @@
 //! vCPU at once, at CPL3 with identity-mapped memory (see
 //! `docs/guest-abi.md`). This crate turns that into an ordinary `main` on
 //! vCPU 0 with a heap, a console, a clock and a fork-join helper for the
-//! other vCPUs:
+//! other vCPUs, and drivers for the VMM's virtio devices (`net`: a TCP/IP
+//! stack over virtio-net; `blk`: a disk over virtio-blk):
 //!
 //! ```ignore
 //! #![no_std]
@@ -20,20 +21,24 @@
 pub extern crate alloc;
 
 pub use ftvm_abi as abi;
+pub use smoltcp;
 pub use spin;
 pub use spin::{Mutex, MutexGuard, Once};
 
+pub mod blk;
 pub mod console;
 mod heap;
 mod hypercall;
 mod mem;
+pub mod net;
 mod panic;
 pub mod smp;
 mod start;
 pub mod time;
+pub mod virtio;
 
 pub use smp::{run_on_all, vcpu_count, vcpu_id};
-pub use start::Args;
+pub use start::{devices, Args};
 
 /// Most vCPUs a guest supports (per-vCPU tables are sized by it).
 pub const MAX_VCPUS: usize = 64;

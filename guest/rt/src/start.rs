@@ -1,8 +1,17 @@
 //! From the VMM's entry to `main`: every vCPU arrives here at once.
 
-use ftvm_abi::{BootInfo, MemRegion, ABI_VERSION, BOOT_MAGIC};
+use ftvm_abi::{BootInfo, Device, MemRegion, ABI_VERSION, BOOT_MAGIC};
+use spin::Once;
 
 use crate::{exit, heap, panic, smp, time, MAX_VCPUS};
+
+static DEVICES: Once<&'static [Device]> = Once::new();
+
+/// The devices the VMM attached (boot info device list); empty before
+/// `main` starts.
+pub fn devices() -> &'static [Device] {
+    DEVICES.get().copied().unwrap_or(&[])
+}
 
 /// What `main` learns about its VM.
 #[derive(Clone, Copy, Debug)]
@@ -68,6 +77,7 @@ pub unsafe extern "C" fn __start(
     );
     time::init(boot.clock_addr as *const _);
     smp::set_vcpu_count(vcpu_count);
+    DEVICES.call_once(|| device_list(boot));
     let args = Args {
         cmdline: cmdline(boot),
         vcpu_count,
@@ -93,6 +103,20 @@ fn memmap(boot: &BootInfo) -> &'static [MemRegion] {
     // SAFETY: the VMM places `count` regions at `addr` in memory it never
     // changes while the guest runs (alignment checked above).
     unsafe { core::slice::from_raw_parts(addr as *const MemRegion, count) }
+}
+
+fn device_list(boot: &BootInfo) -> &'static [Device] {
+    let (addr, count) = (boot.devices_addr, boot.device_count as usize);
+    if count == 0 {
+        return &[];
+    }
+    assert!(
+        addr != 0 && addr % 8 == 0,
+        "bad device list address {addr:#x}"
+    );
+    // SAFETY: the VMM places `count` devices at `addr` in memory it never
+    // changes while the guest runs (alignment checked above).
+    unsafe { core::slice::from_raw_parts(addr as *const Device, count) }
 }
 
 fn cmdline(boot: &BootInfo) -> &'static str {
