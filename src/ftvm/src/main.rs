@@ -112,6 +112,9 @@ struct BackupArgs {
     /// (default: five epochs, at least 200 ms).
     #[arg(long)]
     failure_timeout_ms: Option<u64>,
+    /// Log every applied checkpoint (epoch, guest time, wall-clock time) as JSON lines.
+    #[arg(long)]
+    metrics: Option<PathBuf>,
     #[command(flatten)]
     host: HostArgs,
 }
@@ -193,6 +196,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 prefault: args.host.prefault,
                 dirty_backend: args.host.dirty_backend,
                 console: Console::Stdout,
+                metrics: args.metrics,
             };
             run::run(run::Source::Backup(config), args.host.into_options(None))
         }

@@ -12,7 +12,7 @@ use vmm::devices::DeviceConfig;
 use vmm::{Console, DirtyBackend, Vm, VmConfig};
 
 use crate::checkpoint::{self, Checkpoint};
-use crate::metrics::StatusCell;
+use crate::metrics::{AppliedEpoch, MetricsLog, StatusCell};
 use crate::protocol::{self, Cursor, Hello, Kind, PageSet, ProtocolError, HANDSHAKE_LIMIT};
 use crate::ReplicationError;
 
@@ -30,6 +30,8 @@ pub struct BackupConfig {
     pub prefault: bool,
     pub dirty_backend: DirtyBackend,
     pub console: Console,
+    /// Log every applied checkpoint as a JSON line here.
+    pub metrics: Option<std::path::PathBuf>,
 }
 
 /// A backup waiting for, or following, its primary.
@@ -75,7 +77,8 @@ impl Backup {
             let mut st = self.status.lock();
             st.detail = format!("synchronizing from primary {peer}");
         }
-        let reason = follow(&mut stream, &mut replica, &self.status);
+        let log = MetricsLog::open(self.config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
+        let reason = follow(&mut stream, &mut replica, &self.status, &log);
         let Some((epoch, state)) = replica.committed.take() else {
             tracing::error!("primary lost ({reason}) before the first checkpoint");
             return Err(ReplicationError::NotSynchronized);
@@ -185,7 +188,7 @@ fn device_names(types: &[u32]) -> String {
 }
 
 /// Apply the stream until it ends; returns why it ended.
-fn follow(stream: &mut TcpStream, replica: &mut Replica, status: &StatusCell) -> String {
+fn follow(stream: &mut TcpStream, replica: &mut Replica, status: &StatusCell, log: &MetricsLog) -> String {
     let mem_size = replica.vm.config().mem_size;
     // A checkpoint holds at most every page once plus the epoch's disk writes.
     let limit = mem_size + mem_size / 256 + (256 << 20);
@@ -202,7 +205,7 @@ fn follow(stream: &mut TcpStream, replica: &mut Replica, status: &StatusCell) ->
         let result = match kind {
             Kind::Pages if replica.committed.is_none() => precopy_pages(replica, &buf),
             Kind::Disk if replica.committed.is_none() => precopy_disk(replica, &buf),
-            Kind::Checkpoint => apply_checkpoint(stream, replica, &buf, status),
+            Kind::Checkpoint => apply_checkpoint(stream, replica, &buf, status, log),
             Kind::Heartbeat => Ok(()),
             other => Err(ReplicationError::Protocol(ProtocolError::Corrupt(format!("unexpected {other:?}")))),
         };
@@ -233,16 +236,30 @@ fn precopy_disk(replica: &Replica, payload: &[u8]) -> Result<(), ReplicationErro
     disk.write_all_at(data, offset).map_err(ReplicationError::BackupDisk)
 }
 
-fn apply_checkpoint(stream: &mut TcpStream, replica: &mut Replica, payload: &[u8], status: &StatusCell) -> Result<(), ReplicationError> {
+fn apply_checkpoint(
+    stream: &mut TcpStream,
+    replica: &mut Replica,
+    payload: &[u8],
+    status: &StatusCell,
+    log: &MetricsLog,
+) -> Result<(), ReplicationError> {
     let t0 = Instant::now();
     let ckpt = Checkpoint::parse(payload, replica.vm.ram().pages(), replica.disk_size)?;
     if ckpt.epoch != replica.next_epoch {
         return Err(ProtocolError::Corrupt(format!("checkpoint {} arrived, {} was expected", ckpt.epoch, replica.next_epoch)).into());
     }
-    ckpt.vm_state()?; // a state that does not decode is rejected before anything changes
+    // A state that does not decode is rejected before anything changes.
+    let guest_ns = ckpt.vm_state()?.clock_ns;
     ckpt.apply(&replica.vm, replica.disk.as_ref())?;
     replica.committed = Some((ckpt.epoch, ckpt.state.to_vec()));
     replica.next_epoch = ckpt.epoch + 1;
+    log.record(&AppliedEpoch {
+        epoch: ckpt.epoch,
+        guest_ns,
+        applied_unix_ns: unix_ns(),
+        pages: ckpt.pages.len() as u64,
+        apply_us: t0.elapsed().as_micros() as u64,
+    });
     protocol::write_message(stream, Kind::Ack, &ckpt.epoch)?;
     // Input queued before this checkpoint is either in it or lost for good;
     // keep only what a new primary may still need.
@@ -253,6 +270,10 @@ fn apply_checkpoint(stream: &mut TcpStream, replica: &mut Replica, payload: &[u8
     st.protected = true;
     st.detail = format!("protecting; last applied epoch {}", ckpt.epoch);
     Ok(())
+}
+
+fn unix_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// Tell the L2 network that the guest's MAC now lives here: reverse-ARP
