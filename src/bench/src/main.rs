@@ -2,7 +2,9 @@
 //! subcommand prints a table, writes CSV and an SVG plot, and compares
 //! against a reference measured in the same run (never against constants).
 
+mod ft;
 mod report;
+mod topology;
 mod vm_costs;
 
 use std::path::PathBuf;
@@ -25,6 +27,9 @@ enum Command {
     /// The microVM itself: memtouch in the VM vs natively, pause/resume,
     /// state save/restore, and the cost of tracked first writes per backend.
     Vm(vm_costs::Options),
+    /// Fault tolerance: memtouch and kv under replication for several epoch
+    /// lengths against the unreplicated VM, per-epoch costs, failover time.
+    Ft(ft::Options),
 }
 
 fn main() -> ExitCode {
@@ -35,6 +40,7 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Command::Vm(opts) => vm_costs::run(&opts, &cli.out),
+        Command::Ft(opts) => ft::run(&opts, &cli.out),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
