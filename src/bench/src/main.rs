@@ -3,6 +3,7 @@
 //! against a reference measured in the same run (never against constants).
 
 mod ft;
+mod kv;
 mod report;
 mod topology;
 mod vm_costs;
@@ -30,6 +31,9 @@ enum Command {
     /// Fault tolerance: memtouch and kv under replication for several epoch
     /// lengths against the unreplicated VM, per-epoch costs, failover time.
     Ft(ft::Options),
+    /// The kv guest under redis-benchmark (SET/GET throughput, p50/p99
+    /// latency) against redis-server run natively in the same run.
+    Kv(kv::Options),
 }
 
 fn main() -> ExitCode {
@@ -41,6 +45,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Vm(opts) => vm_costs::run(&opts, &cli.out),
         Command::Ft(opts) => ft::run(&opts, &cli.out),
+        Command::Kv(opts) => kv::run(&opts, &cli.out),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

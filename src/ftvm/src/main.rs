@@ -2,6 +2,7 @@
 //! backup, as that backup, or alone; snapshot and restore them.
 
 mod api;
+mod demo;
 mod run;
 mod signals;
 
@@ -52,6 +53,8 @@ enum Command {
         #[arg(long)]
         api_socket: PathBuf,
     },
+    /// Show failover on this machine: a replicated kv VM loses its host under load, and no acknowledged write is lost.
+    Demo(demo::DemoArgs),
     /// Protect an unprotected primary again with a new backup.
     Protect {
         #[arg(long)]
@@ -213,6 +216,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
             print_status(&r);
             Ok(0)
         }
+        Command::Demo(args) => Ok(demo::run(args)),
         Command::Protect { api_socket, backup } => {
             api::client::call(&api_socket, &api::Request::Protect { backup: backup.clone() })?;
             println!("protecting with backup {backup}; `ftvm status` shows when it is synchronized");

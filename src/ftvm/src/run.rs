@@ -9,7 +9,7 @@ use std::sync::Arc;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
-use replication::{Backup, BackupConfig, Primary, PrimaryConfig, ReplicationError, StatusCell};
+use replication::{Backup, BackupConfig, Outcome, Primary, PrimaryConfig, ReplicationError, StatusCell};
 use vmm::snapshot::{self, SnapshotError};
 use vmm::{DirtyBackend, Vm, VmConfig, VmError, VmExit};
 
@@ -179,19 +179,28 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                 }
                 TAKEOVER => {
                     let _ = takeover_evt.read();
-                    if let Ok(result) = takeover_rx.try_recv() {
-                        let v = result?;
-                        watch(v.exit_event().as_raw_fd(), EXIT)?;
-                        vm = Some(v);
+                    match takeover_rx.try_recv() {
+                        Ok(Ok(Outcome::TookOver(v))) => {
+                            watch(v.exit_event().as_raw_fd(), EXIT)?;
+                            vm = Some(v);
+                        }
+                        Ok(Ok(Outcome::PrimaryFinished(status))) => {
+                            eprintln!("ftvm: the primary's guest exited with status {status}; backup done");
+                            return Ok(status);
+                        }
+                        Ok(Err(e)) => return Err(e.into()),
+                        Err(_) => {}
                     }
                 }
                 _ => {}
             }
         }
     }
-    drop(primary);
     let vm = vm.expect("the loop ends only with a VM");
     let exit = vm.wait();
+    if let Some(mut p) = primary {
+        p.finish(exit.status());
+    }
     match &exit {
         VmExit::Exited(_) => tracing::info!("{exit}"),
         VmExit::Stopped => eprintln!("ftvm: VM stopped"),

@@ -34,6 +34,20 @@ pub struct BackupConfig {
     pub metrics: Option<std::path::PathBuf>,
 }
 
+/// How following a primary ended.
+pub enum Outcome {
+    /// The primary failed; this VM, resumed from the last committed
+    /// checkpoint, is the VM now.
+    TookOver(Arc<Vm>),
+    /// The primary's guest stopped for good with this status; nothing to take over.
+    PrimaryFinished(i32),
+}
+
+enum Ended {
+    Lost(String),
+    Finished(i32),
+}
+
 /// A backup waiting for, or following, its primary.
 pub struct Backup {
     config: BackupConfig,
@@ -66,7 +80,7 @@ impl Backup {
 
     /// Follow a primary until it fails, then return the VM, resumed from the
     /// last committed checkpoint and announced on the network.
-    pub fn run(self) -> Result<Arc<Vm>, ReplicationError> {
+    pub fn run(self) -> Result<Outcome, ReplicationError> {
         let (mut stream, peer) = self.listener.accept().map_err(|err| ReplicationError::Listen { addr: self.config.listen.clone(), err })?;
         stream.set_nodelay(true).map_err(ReplicationError::Send)?;
         tracing::info!(%peer, "primary connected");
@@ -78,7 +92,13 @@ impl Backup {
             st.detail = format!("synchronizing from primary {peer}");
         }
         let log = MetricsLog::open(self.config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
-        let reason = follow(&mut stream, &mut replica, &self.status, &log);
+        let reason = match follow(&mut stream, &mut replica, &self.status, &log) {
+            Ended::Lost(reason) => reason,
+            Ended::Finished(status) => {
+                tracing::info!(status, "the primary's guest stopped; the backup stops too");
+                return Ok(Outcome::PrimaryFinished(status));
+            }
+        };
         let Some((epoch, state)) = replica.committed.take() else {
             tracing::error!("primary lost ({reason}) before the first checkpoint");
             return Err(ReplicationError::NotSynchronized);
@@ -96,7 +116,7 @@ impl Backup {
             st.epoch = epoch;
             st.detail = format!("took over at epoch {epoch} after the primary was lost: {reason}; UNPROTECTED");
         }
-        Ok(replica.vm)
+        Ok(Outcome::TookOver(replica.vm))
     }
 
     /// Handshake: check the primary against what this backup was given and
@@ -188,7 +208,7 @@ fn device_names(types: &[u32]) -> String {
 }
 
 /// Apply the stream until it ends; returns why it ended.
-fn follow(stream: &mut TcpStream, replica: &mut Replica, status: &StatusCell, log: &MetricsLog) -> String {
+fn follow(stream: &mut TcpStream, replica: &mut Replica, status: &StatusCell, log: &MetricsLog) -> Ended {
     let mem_size = replica.vm.config().mem_size;
     // A checkpoint holds at most every page once plus the epoch's disk writes.
     let limit = mem_size + mem_size / 256 + (256 << 20);
@@ -198,20 +218,24 @@ fn follow(stream: &mut TcpStream, replica: &mut Replica, status: &StatusCell, lo
             Ok(k) => k,
             Err(e @ (ProtocolError::Corrupt(_) | ProtocolError::Version { .. })) => {
                 tracing::error!("rejected replication data: {e}; staying at the last good checkpoint");
-                return format!("replication stream rejected: {e}");
+                return Ended::Lost(format!("replication stream rejected: {e}"));
             }
-            Err(e) => return e.to_string(),
+            Err(e) => return Ended::Lost(e.to_string()),
         };
         let result = match kind {
             Kind::Pages if replica.committed.is_none() => precopy_pages(replica, &buf),
             Kind::Disk if replica.committed.is_none() => precopy_disk(replica, &buf),
             Kind::Checkpoint => apply_checkpoint(stream, replica, &buf, status, log),
             Kind::Heartbeat => Ok(()),
+            Kind::Bye => match protocol::decode::<i32>(&buf) {
+                Ok(status) => return Ended::Finished(status),
+                Err(e) => Err(e.into()),
+            },
             other => Err(ReplicationError::Protocol(ProtocolError::Corrupt(format!("unexpected {other:?}")))),
         };
         if let Err(e) = result {
             tracing::error!("rejected replication data: {e}; staying at the last good checkpoint");
-            return format!("replication stream rejected: {e}");
+            return Ended::Lost(format!("replication stream rejected: {e}"));
         }
     }
 }

@@ -10,7 +10,7 @@ pub mod metrics;
 pub mod primary;
 pub mod protocol;
 
-pub use backup::{Backup, BackupConfig};
+pub use backup::{Backup, BackupConfig, Outcome};
 pub use metrics::{EpochMetrics, Status, StatusCell};
 pub use primary::{OnBackupLoss, Primary, PrimaryConfig};
 pub use protocol::{ProtocolError, PROTOCOL_VERSION};

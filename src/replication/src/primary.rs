@@ -8,7 +8,7 @@ use std::io::Write;
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -71,6 +71,7 @@ pub struct Primary {
     status: StatusCell,
     requests: Sender<String>,
     stop: Arc<AtomicBool>,
+    exit_status: Arc<AtomicI32>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -85,12 +86,22 @@ impl Primary {
         let session = Session::open(&vm, &config, &status, &metrics, &mut epoch)?;
         let (requests, rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
-        let worker = Worker { vm, config, status: status.clone(), metrics, stop: stop.clone(), requests: rx, epoch };
+        let exit_status = Arc::new(AtomicI32::new(0));
+        let worker = Worker {
+            vm,
+            config,
+            status: status.clone(),
+            metrics,
+            stop: stop.clone(),
+            exit_status: exit_status.clone(),
+            requests: rx,
+            epoch,
+        };
         let thread = std::thread::Builder::new()
             .name("replication".into())
             .spawn(move || worker.run(session))
             .map_err(ReplicationError::Thread)?;
-        Ok(Primary { status, requests, stop, thread: Some(thread) })
+        Ok(Primary { status, requests, stop, exit_status, thread: Some(thread) })
     }
 
     pub fn status(&self) -> Status {
@@ -106,7 +117,11 @@ impl Primary {
         let _ = self.requests.send(addr);
     }
 
-    pub fn stop(&mut self) {
+    /// The VM stopped for good with `status`: send a last checkpoint, wait
+    /// for its acknowledgement (so the guest's last output is released), and
+    /// tell the backup to stop too instead of taking over.
+    pub fn finish(&mut self, status: i32) {
+        self.exit_status.store(status, Ordering::SeqCst);
         self.stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -116,7 +131,7 @@ impl Primary {
 
 impl Drop for Primary {
     fn drop(&mut self) {
-        self.stop();
+        self.finish(0);
     }
 }
 
@@ -126,6 +141,7 @@ struct Worker {
     status: StatusCell,
     metrics: Arc<MetricsLog>,
     stop: Arc<AtomicBool>,
+    exit_status: Arc<AtomicI32>,
     requests: Receiver<String>,
     /// The next checkpoint's number; never reused, across backups.
     epoch: u64,
@@ -174,11 +190,12 @@ impl Worker {
                 return reason;
             }
             let now = Instant::now();
+            if self.stop.load(Ordering::SeqCst) {
+                self.farewell(session);
+                return "stopping".into();
+            }
             if now < next {
                 std::thread::sleep((next - now).min(Duration::from_millis(20)));
-                if self.stop.load(Ordering::SeqCst) {
-                    return "stopping".into();
-                }
                 continue;
             }
             let epoch = self.epoch;
@@ -195,6 +212,25 @@ impl Worker {
             let mut st = self.status.lock();
             st.epoch = epoch;
         }
+    }
+
+    /// Last checkpoint of the stopped VM, its acknowledgement, then Bye.
+    fn farewell(&mut self, session: &Session) {
+        let mut frame = Vec::new();
+        let mut dirty = DirtyBitmap::new(self.vm.ram().pages());
+        let epoch = self.epoch;
+        let Ok(taken) = checkpoint::take(&self.vm, epoch, &mut dirty, &mut frame, None) else { return };
+        self.epoch += 1;
+        if session.send_checkpoint(&taken, &frame, Instant::now()).is_err() {
+            return;
+        }
+        let deadline = Instant::now() + self.config.failure_timeout;
+        while session.lost().is_none() && !session.acked_all() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let status = self.exit_status.load(Ordering::SeqCst);
+        let mut stream = session.stream.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = protocol::write_message(&mut *stream, Kind::Bye, &status);
     }
 
     fn backup_lost(&mut self, reason: &str) {
@@ -286,6 +322,10 @@ impl Session {
             st.detail = format!("protected by {}", config.backup);
         }
         Ok(Session { stream: Mutex::new(stream), inflight, lost, reader: Some(reader) })
+    }
+
+    fn acked_all(&self) -> bool {
+        self.inflight.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
     }
 
     fn lost(&self) -> Option<String> {

@@ -29,6 +29,7 @@ pub enum Kind {
     Checkpoint = 6,
     Ack = 7,
     Heartbeat = 8,
+    Bye = 9,
 }
 
 impl Kind {
@@ -42,6 +43,7 @@ impl Kind {
             6 => Kind::Checkpoint,
             7 => Kind::Ack,
             8 => Kind::Heartbeat,
+            9 => Kind::Bye,
             _ => return None,
         })
     }

@@ -169,6 +169,8 @@ pub struct Vm {
     config: VmConfig,
     layout: OnceLock<BootLayout>,
     tracking: AtomicBool,
+    /// Outstanding `pause` calls; a new VM is held by one until `start`.
+    pause_holders: Mutex<u32>,
     // Kept last: the KVM system fd outlives the VM fds above.
     _kvm: Kvm,
 }
@@ -236,7 +238,7 @@ impl Vm {
             threads: Mutex::new(Vec::new()),
         });
         let vcpus = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
-        Ok(Vm { shared, vcpus, threads: Mutex::new(Vec::new()), msrs, config, layout: OnceLock::new(), tracking: AtomicBool::new(false), _kvm: kvm })
+        Ok(Vm { shared, vcpus, threads: Mutex::new(Vec::new()), msrs, config, layout: OnceLock::new(), tracking: AtomicBool::new(false), pause_holders: Mutex::new(1), _kvm: kvm })
     }
 
     pub fn config(&self) -> &VmConfig {
@@ -272,18 +274,19 @@ impl Vm {
         Ok(self.layout.get_or_init(|| layout))
     }
 
-    /// Start the vCPU threads (first time) or let them run again.
+    /// Start the vCPU and device threads; the guest runs.
     pub fn start(&self) -> std::io::Result<()> {
         self.shared.devices.start()?;
         let mut threads = lock(&self.threads);
-        if threads.is_empty() {
-            for (i, fd) in self.vcpus.iter().enumerate() {
-                let (fd, shared) = (fd.clone(), self.shared.clone());
-                let t = std::thread::Builder::new()
-                    .name(format!("vcpu{i}"))
-                    .spawn(move || crate::vcpu::thread_main(i as u32, fd, shared))?;
-                threads.push(t);
-            }
+        if !threads.is_empty() {
+            return Ok(());
+        }
+        for (i, fd) in self.vcpus.iter().enumerate() {
+            let (fd, shared) = (fd.clone(), self.shared.clone());
+            let t = std::thread::Builder::new()
+                .name(format!("vcpu{i}"))
+                .spawn(move || crate::vcpu::thread_main(i as u32, fd, shared))?;
+            threads.push(t);
         }
         drop(threads);
         self.resume();
@@ -291,8 +294,13 @@ impl Vm {
     }
 
     /// Stop every vCPU at an instruction boundary with its I/O completed.
+    ///
+    /// Pauses nest: a checkpoint and a snapshot may both hold the VM, and it
+    /// runs again only when every holder has resumed it.
     pub fn pause(&self) {
-        if self.shared.control.mode() != Mode::Run {
+        let mut holders = lock(&self.pause_holders);
+        *holders += 1;
+        if *holders > 1 || self.shared.control.mode() != Mode::Run {
             return;
         }
         self.shared.control.request(Mode::Pause);
@@ -302,8 +310,14 @@ impl Vm {
         self.shared.devices.pause();
     }
 
+    /// Release one pause (see `pause`); the VM runs when none is left.
     pub fn resume(&self) {
-        if self.shared.control.mode() == Mode::Pause {
+        let mut holders = lock(&self.pause_holders);
+        if *holders == 0 {
+            return;
+        }
+        *holders -= 1;
+        if *holders == 0 && self.shared.control.mode() == Mode::Pause {
             self.shared.devices.resume();
             self.shared.control.request(Mode::Run);
         }

@@ -41,7 +41,8 @@ pub struct Client {
 pub struct Ctx<'a> {
     pub server: &'a mut Server,
     pub log: &'a mut Log,
-    pub now_ms: u64,
+    /// The server's clock in microseconds (see `main`).
+    pub now_us: u64,
 }
 
 impl Client {
@@ -67,7 +68,7 @@ impl Client {
             let mut flow = Flow::Continue;
             let res = s.recv(|input| {
                 let n = slice_len(input, INPUT_SLICE, lines);
-                flow = cx.server.handle(&mut self.conn, &input[..n], cx.now_ms, cx.log, &mut self.out);
+                flow = cx.server.handle_us(&mut self.conn, &input[..n], cx.now_us, cx.log, &mut self.out);
                 (n, ())
             });
             if res.is_err() {

@@ -88,6 +88,9 @@ fn main(args: &Args) -> i32 {
         }
     };
     let now_ms = || opts.epoch_ms.saturating_add(time::now_ns() / NS_PER_MS);
+    // TIME reports this clock in microseconds: guest time since boot (plus
+    // the epoch_ms= offset), read once per pass over the connections.
+    let now_us = || opts.epoch_ms.saturating_mul(1000).saturating_add(time::now_ns() / 1000);
     let mut server = Server::new();
     let mut log = Log::Off;
     if opts.aof {
@@ -149,11 +152,12 @@ fn main(args: &Args) -> i32 {
             clients.push(Client::new(h));
             progress = true;
         }
-        let now = now_ms();
+        let now_us = now_us();
+        let now = now_us / 1000;
         let mut cx = Ctx {
             server: &mut server,
             log: &mut log,
-            now_ms: now,
+            now_us,
         };
         let mut i = 0;
         while i < clients.len() {

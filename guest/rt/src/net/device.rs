@@ -67,7 +67,34 @@ struct Inner {
     tx_free: Vec<Box<[u8]>>,
     rx_added: bool,
     tx_added: bool,
+    rx_index: RingIndex,
+    tx_index: RingIndex,
     stats: NetStats,
+}
+
+/// Our own count of a queue's available index. virtio-drivers 0.13's
+/// `should_notify` compares the 16-bit indices without wrap-around, so a
+/// batch that carries the index past 65535 can look like it needs no
+/// notification while the device waits for one (a ~100 ms stall until the
+/// device thread's timeout). Crossing the wrap forces a notification.
+#[derive(Default)]
+struct RingIndex {
+    now: u16,
+    checked: u16,
+}
+
+impl RingIndex {
+    fn added(&mut self) {
+        self.now = self.now.wrapping_add(1);
+    }
+
+    /// Whether the index wrapped since the last check (batches are far
+    /// shorter than 65536 additions).
+    fn wrapped(&mut self) -> bool {
+        let wrapped = self.now < self.checked;
+        self.checked = self.now;
+        wrapped
+    }
 }
 
 impl VirtioNet {
@@ -109,6 +136,8 @@ impl VirtioNet {
             tx_free: Vec::new(),
             rx_added: false,
             tx_added: false,
+            rx_index: RingIndex::default(),
+            tx_index: RingIndex::default(),
             stats: NetStats::default(),
         };
         for _ in 0..QUEUE_SIZE {
@@ -145,6 +174,7 @@ impl Inner {
         if let Ok(token) = unsafe { self.rx.add(&[], &mut [&mut buf[..]]) } {
             self.rx_posted[usize::from(token)] = Some(buf);
             self.rx_added = true;
+            self.rx_index.added();
         }
     }
 
@@ -176,6 +206,7 @@ impl Inner {
             Ok(token) => {
                 self.tx_posted[usize::from(token)] = Some((buf, len));
                 self.tx_added = true;
+                self.tx_index.added();
                 self.stats.tx_frames += 1;
             }
             Err(_) => {
@@ -186,10 +217,10 @@ impl Inner {
     }
 
     fn notify(&mut self) {
-        if core::mem::take(&mut self.rx_added) && self.rx.should_notify() {
+        if core::mem::take(&mut self.rx_added) && (self.rx_index.wrapped() | self.rx.should_notify()) {
             self.transport.notify(RX);
         }
-        if core::mem::take(&mut self.tx_added) && self.tx.should_notify() {
+        if core::mem::take(&mut self.tx_added) && (self.tx_index.wrapped() | self.tx.should_notify()) {
             self.transport.notify(TX);
         }
     }

@@ -1,0 +1,272 @@
+//! Acknowledged-write tracking: client connections that SET unique keys
+//! (key `PREFIX:CONN:I`, value derived from the key) and remember each key
+//! whose `+OK` arrived, then a reader that checks every remembered key.
+//! A write whose reply did not arrive (timeout, reset, closed connection)
+//! is not acknowledged and not remembered; the connection is replaced.
+//! Shared by `ftvm demo` and the failover tests
+//! (`src/ftvm/tests/failover.rs` includes this file, with `resp.rs` and
+//! `netns.rs` as its siblings).
+#![allow(dead_code)]
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::netns;
+use super::resp::{encode, Client, Reply};
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub addr: SocketAddr,
+    /// Network namespace the connections are made from.
+    pub netns: Option<String>,
+    pub connections: u32,
+    /// SETs sent back to back before reading their replies.
+    pub pipeline: u32,
+    pub value_len: usize,
+    /// Key prefix; keys are `PREFIX:CONN:I`.
+    pub prefix: String,
+    /// Connect, read and write timeout.
+    pub timeout: Duration,
+}
+
+/// The key of write `i` of connection `conn`.
+pub fn key(prefix: &str, conn: u32, i: u64) -> String {
+    format!("{prefix}:{conn}:{i}")
+}
+
+/// The value written under `key`: the key itself, then letters from a
+/// generator seeded by the key, `len` bytes in all.
+pub fn value(key: &str, len: usize) -> Vec<u8> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in key.as_bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+    }
+    let mut v = Vec::with_capacity(len);
+    v.extend_from_slice(&key.as_bytes()[..key.len().min(len)]);
+    while v.len() < len {
+        h ^= h << 13;
+        h ^= h >> 7;
+        h ^= h << 17;
+        v.push(b'a' + (h % 26) as u8);
+    }
+    v
+}
+
+#[derive(Default)]
+struct Shared {
+    stop: AtomicBool,
+    acked: AtomicU64,
+    sent: AtomicU64,
+    failures: AtomicU64,
+    /// A moment of interest (a kill) and the first acknowledgement of a
+    /// write sent after it.
+    mark: Mutex<Option<Instant>>,
+    first_after_mark: Mutex<Option<Instant>>,
+}
+
+/// Writers at work; `stop` returns what they got acknowledged.
+pub struct Writers {
+    config: Config,
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<Vec<u64>>>,
+}
+
+/// What a set of writers did.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// Acknowledged keys.
+    pub acked: Vec<String>,
+    /// Writes sent, acknowledged or not.
+    pub sent: u64,
+    /// Connections dropped on errors and timeouts.
+    pub failures: u64,
+}
+
+impl Writers {
+    pub fn start(config: Config) -> io::Result<Writers> {
+        let shared = Arc::new(Shared::default());
+        let mut threads = Vec::new();
+        for conn in 0..config.connections {
+            let (config, shared) = (config.clone(), shared.clone());
+            let t = std::thread::Builder::new().name(format!("writer-{conn}")).spawn(move || {
+                if let Some(ns) = &config.netns {
+                    if let Err(e) = netns::enter(ns) {
+                        eprintln!("writer {conn}: cannot enter netns {ns}: {e}");
+                        return Vec::new();
+                    }
+                }
+                write_loop(&config, conn, &shared)
+            })?;
+            threads.push(t);
+        }
+        Ok(Writers { config, shared, threads })
+    }
+
+    pub fn acked(&self) -> u64 {
+        self.shared.acked.load(Ordering::Relaxed)
+    }
+
+    pub fn sent(&self) -> u64 {
+        self.shared.sent.load(Ordering::Relaxed)
+    }
+
+    pub fn failures(&self) -> u64 {
+        self.shared.failures.load(Ordering::Relaxed)
+    }
+
+    /// Note `at` (a kill); see `first_ack_after_mark`.
+    pub fn mark(&self, at: Instant) {
+        *self.shared.first_after_mark.lock().unwrap() = None;
+        *self.shared.mark.lock().unwrap() = Some(at);
+    }
+
+    /// When the first write sent after the mark was acknowledged.
+    pub fn first_ack_after_mark(&self) -> Option<Instant> {
+        *self.shared.first_after_mark.lock().unwrap()
+    }
+
+    pub fn stop(self) -> Report {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        let mut report = Report::default();
+        for (conn, t) in self.threads.into_iter().enumerate() {
+            let acked = t.join().unwrap_or_default();
+            report.acked.extend(acked.into_iter().map(|i| key(&self.config.prefix, conn as u32, i)));
+        }
+        report.sent = self.shared.sent.load(Ordering::SeqCst);
+        report.failures = self.shared.failures.load(Ordering::SeqCst);
+        report
+    }
+}
+
+/// One connection's writes until stopped; returns the acknowledged indices.
+fn write_loop(config: &Config, conn: u32, shared: &Shared) -> Vec<u64> {
+    let mut acked = Vec::new();
+    let mut next = 0u64;
+    let mut client: Option<Client> = None;
+    let mut batch = Vec::new();
+    while !shared.stop.load(Ordering::SeqCst) {
+        let c = match client.as_mut() {
+            Some(c) => c,
+            None => match Client::connect(config.addr, config.timeout) {
+                Ok(c) => client.insert(c),
+                Err(_) => {
+                    shared.failures.fetch_add(1, Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            },
+        };
+        batch.clear();
+        let first = next;
+        for i in first..first + config.pipeline as u64 {
+            let k = key(&config.prefix, conn, i);
+            encode(&mut batch, &[b"SET", k.as_bytes(), &value(&k, config.value_len)]);
+        }
+        next += config.pipeline as u64;
+        let sent_at = Instant::now();
+        shared.sent.fetch_add(config.pipeline as u64, Ordering::Relaxed);
+        let mut ok = c.send(&batch).is_ok();
+        for i in first..next {
+            if !ok {
+                break;
+            }
+            match c.read() {
+                Ok(r) if r.is_ok() => {
+                    acked.push(i);
+                    shared.acked.fetch_add(1, Ordering::Relaxed);
+                    let mark = *shared.mark.lock().unwrap();
+                    if mark.is_some_and(|m| sent_at >= m) {
+                        let mut first = shared.first_after_mark.lock().unwrap();
+                        if first.is_none() {
+                            *first = Some(Instant::now());
+                        }
+                    }
+                }
+                _ => ok = false,
+            }
+        }
+        if !ok {
+            shared.failures.fetch_add(1, Ordering::Relaxed);
+            client = None;
+        }
+    }
+    acked
+}
+
+/// Outcome of reading every acknowledged key back.
+#[derive(Debug, Default)]
+pub struct Verified {
+    pub checked: usize,
+    pub missing: Vec<String>,
+    pub wrong: Vec<String>,
+}
+
+impl Verified {
+    pub fn lost(&self) -> usize {
+        self.missing.len() + self.wrong.len()
+    }
+}
+
+/// GET every key (pipelined, from `netns`) and compare it with the value
+/// it was written with. Connection trouble is retried until `deadline`.
+pub fn verify(
+    addr: SocketAddr,
+    netns_name: Option<&str>,
+    keys: &[String],
+    value_len: usize,
+    deadline: Instant,
+) -> io::Result<Verified> {
+    let keys = keys.to_vec();
+    let run = move || -> io::Result<Verified> {
+        let mut out = Verified::default();
+        let mut client: Option<Client> = None;
+        let mut at = 0;
+        while at < keys.len() {
+            let c = match client.as_mut() {
+                Some(c) => c,
+                None => match Client::connect(addr, Duration::from_secs(2)) {
+                    Ok(c) => client.insert(c),
+                    Err(e) if Instant::now() < deadline => {
+                        let _ = e;
+                        std::thread::sleep(Duration::from_millis(50));
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                },
+            };
+            let batch = &keys[at..keys.len().min(at + 64)];
+            let mut req = Vec::new();
+            for k in batch {
+                encode(&mut req, &[b"GET", k.as_bytes()]);
+            }
+            let replies: io::Result<Vec<Reply>> = c.send(&req).and_then(|_| batch.iter().map(|_| c.read()).collect());
+            match replies {
+                Ok(replies) => {
+                    for (k, r) in batch.iter().zip(replies) {
+                        match r {
+                            Reply::Bulk(Some(v)) if v == value(k, value_len) => {}
+                            Reply::Bulk(None) => out.missing.push(k.clone()),
+                            _ => out.wrong.push(k.clone()),
+                        }
+                    }
+                    out.checked += batch.len();
+                    at += batch.len();
+                }
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    client = None;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    };
+    match netns_name {
+        Some(ns) => netns::run_in(ns, run)?,
+        None => run(),
+    }
+}
