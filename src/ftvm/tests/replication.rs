@@ -184,13 +184,22 @@ fn status(socket: &Path) -> String {
 
 #[test]
 fn primary_survives_backup_loss_and_is_protected_again() {
-    let dir = std::env::temp_dir().join(format!("ftvm-reprotect-{}", std::process::id()));
+    backup_loss_then_reprotect("continue", "UNPROTECTED", "running");
+}
+
+#[test]
+fn primary_pauses_on_backup_loss_by_policy_until_protected_again() {
+    backup_loss_then_reprotect("pause", "PAUSED", "paused");
+}
+
+fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str) {
+    let dir = std::env::temp_dir().join(format!("ftvm-reprotect-{policy}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let socket = dir.join("api.sock");
     let long = "ws=16M pattern=random writes=150000000 report=100ms";
     let addr1 = free_addr();
     let mut b1 = backup(&addr1, &[]);
-    let mut p = primary(&addr1, 1, long, &["--epoch-ms", "10", "--failure-timeout-ms", "300", "--api-socket"])
+    let mut p = primary(&addr1, 1, long, &["--epoch-ms", "10", "--failure-timeout-ms", "300", "--on-backup-loss", policy, "--api-socket"])
         .arg(&socket)
         .spawn()
         .unwrap();
@@ -202,7 +211,8 @@ fn primary_survives_backup_loss_and_is_protected_again() {
         assert!(t0.elapsed() < Duration::from_secs(5), "backup loss not noticed: {}", status(&socket));
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert!(status(&socket).contains("UNPROTECTED"), "{}", status(&socket));
+    let st = status(&socket);
+    assert!(st.contains(detail) && st.contains(&format!("state: {state}")), "{st}");
 
     // A new backup protects it again; then the primary dies and the new
     // backup finishes the job with the right memory.
@@ -215,6 +225,7 @@ fn primary_survives_backup_loss_and_is_protected_again() {
         assert!(t0.elapsed() < Duration::from_secs(10), "not re-protected: {}", status(&socket));
         std::thread::sleep(Duration::from_millis(50));
     }
+    assert!(status(&socket).contains("state: running"), "runs again once protected: {}", status(&socket));
     std::thread::sleep(Duration::from_millis(300));
     kill(&mut p);
     let out = finish(b2);

@@ -96,6 +96,7 @@ impl Primary {
             exit_status: exit_status.clone(),
             requests: rx,
             epoch,
+            held_by_policy: false,
         };
         let thread = std::thread::Builder::new()
             .name("replication".into())
@@ -145,6 +146,8 @@ struct Worker {
     requests: Receiver<String>,
     /// The next checkpoint's number; never reused, across backups.
     epoch: u64,
+    /// The loss policy paused the VM (released once protected again).
+    held_by_policy: bool,
 }
 
 impl Worker {
@@ -164,7 +167,9 @@ impl Worker {
                     match Session::open(&self.vm, &config, &self.status, &self.metrics, &mut self.epoch) {
                         Ok(s) => {
                             self.config = config;
-                            self.vm.resume(); // in case the policy had paused it
+                            if std::mem::take(&mut self.held_by_policy) {
+                                self.vm.release();
+                            }
                             session = Some(s);
                         }
                         Err(e) => {
@@ -248,7 +253,8 @@ impl Worker {
                 st.detail = format!("UNPROTECTED: backup lost: {reason}");
             }
             OnBackupLoss::Pause => {
-                self.vm.pause();
+                self.vm.hold();
+                self.held_by_policy = true;
                 tracing::error!(held = output.held_frames(), "BACKUP LOST ({reason}): the VM is paused until a new backup protects it");
                 let mut st = self.status.lock();
                 st.protected = false;

@@ -171,6 +171,8 @@ pub struct Vm {
     tracking: AtomicBool,
     /// Outstanding `pause` calls; a new VM is held by one until `start`.
     pause_holders: Mutex<u32>,
+    /// The long-lived subset of `pause_holders` (see `hold`).
+    holds: Mutex<u32>,
     // Kept last: the KVM system fd outlives the VM fds above.
     _kvm: Kvm,
 }
@@ -238,7 +240,7 @@ impl Vm {
             threads: Mutex::new(Vec::new()),
         });
         let vcpus = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
-        Ok(Vm { shared, vcpus, threads: Mutex::new(Vec::new()), msrs, config, layout: OnceLock::new(), tracking: AtomicBool::new(false), pause_holders: Mutex::new(1), _kvm: kvm })
+        Ok(Vm { shared, vcpus, threads: Mutex::new(Vec::new()), msrs, config, layout: OnceLock::new(), tracking: AtomicBool::new(false), pause_holders: Mutex::new(1), holds: Mutex::new(0), _kvm: kvm })
     }
 
     pub fn config(&self) -> &VmConfig {
@@ -321,6 +323,29 @@ impl Vm {
             self.shared.devices.resume();
             self.shared.control.request(Mode::Run);
         }
+    }
+
+    /// Pause for an open-ended time (an operator's or a policy's pause, as
+    /// opposed to a checkpoint's); `is_held` reports it.
+    pub fn hold(&self) {
+        *lock(&self.holds) += 1;
+        self.pause();
+    }
+
+    /// End one `hold`.
+    pub fn release(&self) {
+        let mut holds = lock(&self.holds);
+        if *holds > 0 {
+            *holds -= 1;
+            drop(holds);
+            self.resume();
+        }
+    }
+
+    /// Whether an operator or a policy holds the VM paused (short pauses
+    /// for checkpoints do not count).
+    pub fn is_held(&self) -> bool {
+        *lock(&self.holds) > 0
     }
 
     pub fn is_running(&self) -> bool {

@@ -80,7 +80,7 @@ fn handle(request: Request, ctx: &ApiContext) -> (Response, bool) {
         let mut response = Response { ok: true, replication, ..Default::default() };
         match ctx.vm {
             Some(vm) => {
-                response.state = Some(if vm.is_running() { "running" } else { "paused" }.into());
+                response.state = Some(if vm.is_held() { "paused" } else { "running" }.into());
                 response.vcpus = Some(vm.config().vcpus);
                 response.memory_mib = Some(vm.config().mem_size >> 20);
             }
@@ -104,15 +104,14 @@ fn handle(request: Request, ctx: &ApiContext) -> (Response, bool) {
     match request {
         Request::Status | Request::Protect { .. } => unreachable!("handled above"),
         Request::Pause => {
-            vm.pause();
+            vm.hold();
             (Response { ok: true, state: Some("paused".into()), ..Default::default() }, false)
         }
         Request::Resume => {
-            vm.resume();
+            vm.release();
             (Response { ok: true, state: Some("running".into()), ..Default::default() }, false)
         }
         Request::Snapshot { path, stop } => {
-            let was_running = vm.is_running();
             let t0 = Instant::now();
             vm.pause();
             let result = vm.save_state().map_err(|e| e.to_string()).and_then(|state| {
@@ -121,7 +120,7 @@ fn handle(request: Request, ctx: &ApiContext) -> (Response, bool) {
                 snapshot::write(Path::new(&path), &header, vm.ram()).map_err(|e| e.to_string())
             });
             let pause_us = t0.elapsed().as_micros() as u64;
-            if was_running && !stop {
+            if !stop {
                 vm.resume();
             }
             match result {
