@@ -47,7 +47,15 @@ type Error = String;
 
 /// Entry point: prints the story, returns the exit status.
 pub fn run(args: DemoArgs) -> i32 {
-    match demo(&args) {
+    let dir = std::env::temp_dir().join(format!("ftvm-demo-{}", std::process::id()));
+    let result = demo(&args, &dir);
+    let keep = matches!(&result, Ok(false)) || matches!(&result, Err(e) if e != INTERRUPTED);
+    if keep && dir.exists() {
+        eprintln!("ftvm: demo: logs kept in {}", dir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    match result {
         Ok(true) => 0,
         Ok(false) => 1,
         Err(e) => {
@@ -56,6 +64,8 @@ pub fn run(args: DemoArgs) -> i32 {
         }
     }
 }
+
+const INTERRUPTED: &str = "interrupted";
 
 /// The repository: the binary is ROOT/target/release/ftvm (or .../debug).
 fn repo_root() -> Result<PathBuf, Error> {
@@ -82,6 +92,8 @@ impl Topology {
     fn up(script: PathBuf) -> Result<Topology, Error> {
         let name = format!("demo{:04x}", std::process::id() & 0xffff);
         let topo = Topology { script, name };
+        // A namespace of this name left by an interrupted demo goes first.
+        let _ = Command::new(&topo.script).arg("down").arg(&topo.name).output();
         let out = Command::new(&topo.script).arg("up").arg(&topo.name).output().map_err(|e| format!("netns.sh: {e}"))?;
         if !out.status.success() {
             return Err(format!("netns.sh up {}: {}", topo.name, String::from_utf8_lossy(&out.stderr).trim()));
@@ -99,11 +111,26 @@ impl Topology {
         c
     }
 
-    /// Links deleted by a kill come back.
+    /// Links deleted by a kill come back. A new bridge port forwards only
+    /// once the kernel has seen its carrier (linkwatch, up to a second
+    /// later); until then the LAN silently drops frames, so wait for it.
     fn restore(&self) -> Result<(), Error> {
         let out = Command::new(&self.script).arg("up").arg(&self.name).output().map_err(|e| e.to_string())?;
         if !out.status.success() {
             return Err(format!("netns.sh up: {}", String::from_utf8_lossy(&out.stderr).trim()));
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for (role, dev) in [("lan", "client"), ("lan", "h1"), ("lan", "h2"), ("h1", "uplink"), ("h2", "uplink")] {
+            loop {
+                let out = Command::new("bridge").args(["-n", &self.ns(role), "link", "show", "dev", dev]).output().map_err(|e| e.to_string())?;
+                if String::from_utf8_lossy(&out.stdout).contains("state forwarding") {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(format!("bridge port {dev} in {} does not forward", self.ns(role)));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
         Ok(())
     }
@@ -171,7 +198,7 @@ fn sleep(d: Duration) -> Result<(), Error> {
     let end = Instant::now() + d;
     while Instant::now() < end {
         if stop_requested() {
-            return Err("interrupted".into());
+            return Err(INTERRUPTED.into());
         }
         std::thread::sleep((end - Instant::now()).min(Duration::from_millis(20)));
     }
@@ -247,7 +274,7 @@ fn redis_cli(topo: &Topology, args: &[&str]) -> String {
     }
 }
 
-fn demo(args: &DemoArgs) -> Result<bool, Error> {
+fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return Err("needs root (network namespaces, TAP devices)".into());
@@ -263,8 +290,7 @@ fn demo(args: &DemoArgs) -> Result<bool, Error> {
         return Err(format!("{} missing: run scripts/build-images.sh", image.display()));
     }
     let ftvm = std::env::current_exe().map_err(|e| e.to_string())?;
-    let dir = std::env::temp_dir().join(format!("ftvm-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     stop_requested(); // install the handler before starting anything
 
     println!("== ftvm demo: a Redis-protocol VM that survives the death of its host");
@@ -280,7 +306,7 @@ fn demo(args: &DemoArgs) -> Result<bool, Error> {
         if args.trials > 1 {
             println!("\n== failover {trial} of {}", args.trials);
         }
-        let (ok, line) = trial_run(args, &topo, &ftvm, &image, &dir, trial)?;
+        let (ok, line) = trial_run(args, &topo, &ftvm, &image, dir, trial)?;
         all_ok &= ok;
         summary.push(line);
     }
@@ -290,10 +316,9 @@ fn demo(args: &DemoArgs) -> Result<bool, Error> {
     }
     drop(topo);
     if all_ok {
-        let _ = std::fs::remove_dir_all(&dir);
         println!("OK: every acknowledged write survived the loss of its host");
     } else {
-        println!("FAILED: acknowledged writes were lost; logs kept in {}", dir.display());
+        println!("FAILED: acknowledged writes were lost");
     }
     Ok(all_ok)
 }
@@ -417,7 +442,7 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
     let verified = writer::verify(addr, Some(&topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(10)).map_err(|e| format!("reading back: {e}"))?;
     let ok = verified.lost() == 0 && verified.checked == report.acked.len();
     println!(
-        "verify: acknowledged {}, verified {}, lost {}{}",
+        "verify: acknowledged {} ({acked_before} before the kill, the rest by the new primary), verified {}, lost {}{}",
         report.acked.len(),
         verified.checked - verified.lost(),
         verified.lost(),

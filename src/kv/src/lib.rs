@@ -1,7 +1,8 @@
 //! The core of a Redis-protocol (RESP2) key-value server, independent of any
 //! transport, clock or disk: the caller feeds each connection's bytes to
 //! [`Server::handle`] with the current time and a [`LogSink`], and sends
-//! back what it appends to `out`.
+//! back what it appends to `out`. [`Server::handle_us`] takes the time in
+//! microseconds, which only TIME reports at that resolution.
 //!
 //! Built `no_std` (with `alloc`) for ftvm guests; tested on the host.
 //!

@@ -125,12 +125,28 @@ impl Server {
         log: &mut impl LogSink,
         out: &mut Vec<u8>,
     ) -> Flow {
+        self.handle_us(conn, input, now_ms.saturating_mul(1000), log, out)
+    }
+
+    /// [`Server::handle`] with the clock in microseconds: expiry still
+    /// works in milliseconds (`now_us / 1000`), and TIME replies with
+    /// `now_us` split into seconds and microseconds.
+    pub fn handle_us(
+        &mut self,
+        conn: &mut Connection,
+        input: &[u8],
+        now_us: u64,
+        log: &mut impl LogSink,
+        out: &mut Vec<u8>,
+    ) -> Flow {
         if conn.closing {
             return Flow::Close;
         }
+        let now_ms = now_us / 1000;
         self.expire(now_ms);
         let mut cx = Ctx {
             now: clamp(now_ms),
+            now_us,
             log,
             out,
         };

@@ -2,7 +2,7 @@
 //! with what Redis 7 sends.
 
 mod common;
-use common::H;
+use common::{resp, words, H};
 
 #[test]
 fn ping_echo_select() {
@@ -442,7 +442,7 @@ fn info_config_command_client() {
     assert_eq!(h.cmd("COMMAND"), "*0\r\n");
     assert_eq!(h.cmd("COMMAND DOCS"), "*0\r\n");
     assert_eq!(h.cmd("COMMAND DOCS get"), "*0\r\n");
-    assert_eq!(h.cmd("COMMAND COUNT"), ":26\r\n");
+    assert_eq!(h.cmd("COMMAND COUNT"), ":27\r\n");
     assert_eq!(
         h.cmd("COMMAND FOO"),
         "-ERR unknown subcommand 'FOO'. Try COMMAND HELP.\r\n"
@@ -483,4 +483,41 @@ fn quit_closes_after_reply() {
     // Other connections carry on.
     h.conn = ftvm_kv::Connection::new();
     assert_eq!(h.cmd("GET a"), "$1\r\n1\r\n");
+}
+
+#[test]
+fn time_reports_the_clock_in_seconds_and_microseconds() {
+    let mut h = H::new();
+    // `handle` has millisecond resolution.
+    h.now = 12_345;
+    assert_eq!(h.cmd("TIME"), "*2\r\n$2\r\n12\r\n$6\r\n345000\r\n");
+    assert_eq!(h.cmd("time"), h.cmd("TIME"));
+    assert_eq!(
+        h.cmd("TIME now"),
+        "-ERR wrong number of arguments for 'time' command\r\n"
+    );
+    // `handle_us` passes microseconds through; expiry follows them in ms.
+    let mut out = Vec::new();
+    let mut run = |h: &mut H, cmd: &str, now_us: u64| {
+        out.clear();
+        let input = resp(&words(cmd));
+        h.srv
+            .handle_us(&mut h.conn, &input, now_us, &mut h.log, &mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    assert_eq!(run(&mut h, "SET k v PX 10", 5_000_000), "+OK\r\n");
+    assert_eq!(run(&mut h, "GET k", 5_009_999), "$1\r\nv\r\n");
+    assert_eq!(
+        run(&mut h, "GET k", 5_010_000),
+        "$-1\r\n",
+        "expired at 5010 ms"
+    );
+    for (now_us, reply) in [
+        (7_000_001, "*2\r\n$1\r\n7\r\n$1\r\n1\r\n"),
+        (0, "*2\r\n$1\r\n0\r\n$1\r\n0\r\n"),
+        (u64::MAX, "*2\r\n$14\r\n18446744073709\r\n$6\r\n551615\r\n"),
+    ] {
+        assert_eq!(run(&mut h, "TIME", now_us), reply, "at {now_us} us");
+    }
+    assert_eq!(h.log.records.len(), 1, "TIME logs nothing");
 }

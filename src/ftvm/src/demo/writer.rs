@@ -129,16 +129,23 @@ impl Writers {
         *self.shared.first_after_mark.lock().unwrap()
     }
 
-    pub fn stop(self) -> Report {
+    pub fn stop(mut self) -> Report {
         self.shared.stop.store(true, Ordering::SeqCst);
         let mut report = Report::default();
-        for (conn, t) in self.threads.into_iter().enumerate() {
+        for (conn, t) in std::mem::take(&mut self.threads).into_iter().enumerate() {
             let acked = t.join().unwrap_or_default();
             report.acked.extend(acked.into_iter().map(|i| key(&self.config.prefix, conn as u32, i)));
         }
         report.sent = self.shared.sent.load(Ordering::SeqCst);
         report.failures = self.shared.failures.load(Ordering::SeqCst);
         report
+    }
+}
+
+impl Drop for Writers {
+    /// Writers dropped without `stop` (a failing test) stop on their own.
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
     }
 }
 
@@ -230,8 +237,7 @@ pub fn verify(
                 Some(c) => c,
                 None => match Client::connect(addr, Duration::from_secs(2)) {
                     Ok(c) => client.insert(c),
-                    Err(e) if Instant::now() < deadline => {
-                        let _ = e;
+                    Err(_) if Instant::now() < deadline => {
                         std::thread::sleep(Duration::from_millis(50));
                         continue;
                     }
@@ -256,10 +262,7 @@ pub fn verify(
                     out.checked += batch.len();
                     at += batch.len();
                 }
-                Err(e) if Instant::now() < deadline => {
-                    let _ = e;
-                    client = None;
-                }
+                Err(_) if Instant::now() < deadline => client = None,
                 Err(e) => return Err(e),
             }
         }

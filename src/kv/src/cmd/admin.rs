@@ -1,5 +1,5 @@
 //! Connection and server commands: PING, SELECT, INFO, CONFIG, COMMAND,
-//! CLIENT. Enough for redis-cli and redis-benchmark to start and report.
+//! CLIENT, TIME. Enough for redis-cli and redis-benchmark to start and report.
 
 use alloc::vec::Vec;
 
@@ -147,4 +147,18 @@ pub fn client<L>(a: Args<'_>, cx: &mut Ctx<'_, L>) {
     } else {
         reply::ok(cx.out);
     }
+}
+
+/// TIME: the server's clock as `[seconds, microseconds]`, like Redis. The
+/// guest has no wall clock, so this is whatever clock the transport passes
+/// to [`Server::handle_us`] (the kv guest: guest time since boot, plus its
+/// `epoch_ms=` offset).
+pub fn time<L>(cx: &mut Ctx<'_, L>) {
+    let mut n = Vec::with_capacity(20);
+    reply::array_len(cx.out, 2);
+    push_u64(&mut n, cx.now_us / 1_000_000);
+    reply::bulk(cx.out, &n);
+    n.clear();
+    push_u64(&mut n, cx.now_us % 1_000_000);
+    reply::bulk(cx.out, &n);
 }

@@ -15,7 +15,10 @@ use crate::reply;
 use crate::server::{Flow, Server};
 
 pub(crate) struct Ctx<'a, L> {
+    /// The clock in milliseconds (what expiry uses).
     pub now: u64,
+    /// The same clock in microseconds (what TIME reports).
+    pub now_us: u64,
     pub log: &'a mut L,
     pub out: &'a mut Vec<u8>,
 }
@@ -48,6 +51,7 @@ pub(crate) const COMMANDS: &[(&str, i32)] = &[
     ("select", 2),
     ("set", -3),
     ("strlen", 2),
+    ("time", 1),
     ("ttl", 2),
 ];
 
@@ -93,6 +97,7 @@ pub(crate) fn execute<L: LogSink>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_
         "config" => admin::config(srv, a, cx),
         "command" => admin::command(a, cx),
         "client" => admin::client(a, cx),
+        "time" => admin::time(cx),
         "quit" => {
             reply::ok(cx.out);
             return Flow::Close;

@@ -1,0 +1,960 @@
+//! Failover of a replicated kv guest on the network test topology
+//! (`scripts/netns.sh`): real clients in the client namespace, a primary in
+//! h1 replicating over the `repl` link to a backup in h2, hosts killed by
+//! SIGKILL of their VMM and by deleting their links. Needs root, KVM,
+//! tcpdump and redis-cli (scripts/setup.sh).
+//!
+//! - `no_acknowledged_write_is_lost`: across many trials and kinds of host
+//!   death (some inside a checkpoint transfer), every write a client saw
+//!   acknowledged reads back from the new primary.
+//! - `output_commit_holds_every_reply_until_its_checkpoint_is_applied`: no
+//!   reply leaves the primary before the backup applied the checkpoint of
+//!   the epoch that produced it (guest clock in TIME replies against the
+//!   backup's apply log and client-side capture times).
+//! - `backup_loss_then_reprotection_then_failover`: the primary keeps
+//!   serving when its backup dies, is protected again by a new one, and
+//!   that one takes over with every write.
+
+mod common;
+
+#[path = "../src/demo/netns.rs"]
+mod netns;
+#[path = "../src/demo/resp.rs"]
+mod resp;
+#[path = "../src/demo/writer.rs"]
+mod writer;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::net::{SocketAddr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::net::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR};
+use common::{ftvm, image};
+use resp::{encode, Client, Reply};
+use writer::Writers;
+
+const KV_PORT: u16 = 6379;
+const REPL_PORT: u16 = 7000;
+const EPOCH_MS: u64 = 20;
+
+fn guest() -> SocketAddr {
+    SocketAddr::new(GUEST_ADDR.parse().unwrap(), KV_PORT)
+}
+
+fn repl_peer() -> SocketAddrV4 {
+    SocketAddrV4::new(H2_REPL_ADDR.parse().unwrap(), REPL_PORT)
+}
+
+fn backup_addr() -> String {
+    format!("{H2_REPL_ADDR}:{REPL_PORT}")
+}
+
+fn net_arg() -> String {
+    format!("tap=tap0,mac={GUEST_MAC}")
+}
+
+/// Deterministic randomness, printed seeds: xorshift64.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo + 1)
+    }
+}
+
+/// A child process killed (SIGKILL) and reaped on Drop, also on panic.
+struct Guarded {
+    child: Child,
+    what: String,
+    stderr: PathBuf,
+}
+
+impl Guarded {
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Still running? (false once it exited or was reaped)
+    fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A scratch directory for one test's files, removed when the test passes.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Scratch {
+        let d = std::env::temp_dir().join(format!("ftvm-failover-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        Scratch(d)
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("files of the failed test kept in {}", self.0.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+fn spawn(mut cmd: Command, what: &str, dir: &Scratch, log: &str) -> Guarded {
+    let stderr = dir.path(&format!("{log}.err"));
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(File::create(dir.path(&format!("{log}.out"))).unwrap())
+        .stderr(File::create(&stderr).unwrap())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
+    Guarded { child, what: what.into(), stderr }
+}
+
+fn start_backup(topo: &Topology, dir: &Scratch, tag: &str) -> Guarded {
+    let mut cmd = topo.command("h2", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.args(["backup", "--listen", &backup_addr(), "--net", &net_arg(), "--metrics"])
+        .arg(dir.path(&format!("{tag}.applied.jsonl")))
+        .env("FTVM_LOG", "info");
+    spawn(cmd, "backup", dir, tag)
+}
+
+fn start_primary(topo: &Topology, dir: &Scratch, tag: &str, extra: &[&str]) -> Guarded {
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.args(["run", "--image"])
+        .arg(image("kv"))
+        .args(["--net", &net_arg(), "--cmdline", &format!("ip={GUEST_ADDR}/24")])
+        .args(["--replicate-to", &backup_addr(), "--epoch-ms", &EPOCH_MS.to_string()])
+        .arg("--metrics")
+        .arg(dir.path(&format!("{tag}.epochs.jsonl")))
+        .arg("--api-socket")
+        .arg(dir.path(&format!("{tag}.sock")))
+        .args(extra)
+        .env("FTVM_LOG", "info");
+    spawn(cmd, "primary", dir, tag)
+}
+
+fn status(socket: &Path) -> String {
+    let out = ftvm().args(["status", "--api-socket"]).arg(socket).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Wait until `ftvm status` shows `want`, failing early if `vmm` dies.
+fn wait_status(socket: &Path, want: &str, vmm: &mut Guarded, timeout: Duration) {
+    let t0 = Instant::now();
+    loop {
+        let s = status(socket);
+        if s.contains(want) {
+            return;
+        }
+        assert!(vmm.running(), "{} exited while waiting for '{want}': {}", vmm.what, vmm.stderr());
+        assert!(t0.elapsed() < timeout, "no '{want}' after {timeout:?}: {s}\n{}", vmm.stderr());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Wait until `vmm`'s stderr contains `want`.
+fn wait_log(vmm: &mut Guarded, want: &str, timeout: Duration) -> String {
+    let t0 = Instant::now();
+    loop {
+        let err = vmm.stderr();
+        if err.contains(want) {
+            return err;
+        }
+        assert!(vmm.running(), "{} exited without '{want}': {err}", vmm.what);
+        assert!(t0.elapsed() < timeout, "no '{want}' from {} after {timeout:?}: {err}", vmm.what);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Rebuild links a previous trial deleted. A new bridge port forwards
+/// only once the kernel has seen its carrier (linkwatch, up to a second
+/// later); until then the LAN silently drops frames, so wait for it.
+fn restore_topology(topo: &Topology) {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/netns.sh");
+    let out = Command::new(script).arg("up").arg(&topo.name).output().unwrap();
+    assert!(out.status.success(), "netns.sh up: {}", String::from_utf8_lossy(&out.stderr));
+    let t0 = Instant::now();
+    for (role, dev) in [("lan", "client"), ("lan", "h1"), ("lan", "h2"), ("h1", "uplink"), ("h2", "uplink")] {
+        loop {
+            let out = Command::new("bridge").args(["-n", &topo.ns(role), "link", "show", "dev", dev]).output().unwrap();
+            let state = String::from_utf8_lossy(&out.stdout).into_owned();
+            if state.contains("state forwarding") {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(5), "bridge port {dev} in {} does not forward: {state}", topo.ns(role));
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Make the client forget where the guest was. Done once the new guest
+/// runs: connections of a previous trial still retransmit, and an ARP
+/// request they send while no guest answers leaves the client waiting a
+/// whole ARP retry (1 s) before its next connection gets out.
+fn forget_guest(topo: &Topology) {
+    let out = Command::new("ip").args(["-n", &topo.ns("client"), "neigh", "flush", "all"]).output().unwrap();
+    assert!(out.status.success(), "neigh flush: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A capture by tcpdump inside a namespace, started before returning.
+fn capture(topo: &Topology, role: &str, dir: &Scratch, name: &str, args: &[&str]) -> (Guarded, PathBuf) {
+    let file = dir.path(name);
+    let mut cmd = topo.command(role, "tcpdump");
+    cmd.args(["-U", "--immediate-mode", "-n", "-Z", "root", "--time-stamp-precision=nano", "-w"])
+        .arg(&file)
+        .args(args);
+    let mut g = spawn(cmd, "tcpdump", dir, name);
+    let t0 = Instant::now();
+    while !g.stderr().contains("listening on") {
+        assert!(g.running(), "tcpdump failed: {}", g.stderr());
+        assert!(t0.elapsed() < Duration::from_secs(10), "tcpdump not listening: {}", g.stderr());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (g, file)
+}
+
+/// Stop a capture cleanly (SIGTERM: tcpdump writes what it has and exits).
+fn stop_capture(mut g: Guarded) {
+    // SAFETY: signalling our own child, not yet reaped.
+    unsafe { libc::kill(g.pid(), libc::SIGTERM) };
+    let t0 = Instant::now();
+    while g.running() && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn jsonl(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+fn field(v: &serde_json::Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v}"))
+}
+
+/// The epoch the backup took over at, from its log line.
+fn took_over_at(err: &str) -> Option<u64> {
+    let line = err.lines().find(|l| l.contains("PRIMARY LOST"))?;
+    let at = line.split("epoch=").nth(1)?;
+    at.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
+}
+
+fn takeover_reason(err: &str) -> String {
+    let line = err.lines().find(|l| l.contains("PRIMARY LOST")).unwrap_or("");
+    line.split("reason=").nth(1).map(|r| r.split(" resume_us").next().unwrap_or(r).to_string()).unwrap_or_default()
+}
+
+/// First PONG from a fresh connection, trying from `from` on.
+fn probe_until_served(ns: String, from: Instant, timeout: Duration) -> std::thread::JoinHandle<std::io::Result<Option<Instant>>> {
+    netns::spawn_in(&ns, "prober", move || {
+        while Instant::now() < from {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        while from.elapsed() < timeout {
+            // Short timeouts: a SYN to the dead host is not worth waiting for.
+            if let Ok(mut c) = Client::connect(guest(), Duration::from_millis(10)) {
+                let _ = c.set_timeout(Duration::from_millis(100));
+                if matches!(c.call(&[b"PING"]), Ok(Reply::Simple(ref s)) if s == "PONG") {
+                    return Some(Instant::now());
+                }
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        None
+    })
+    .unwrap()
+}
+
+// ---------------------------------------------------------------- pcap
+
+/// One TCP segment from a capture.
+struct Segment {
+    ts_ns: u64,
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    seq: u32,
+    syn: bool,
+    /// Payload length on the wire (the capture may hold less).
+    len: u32,
+    data: Vec<u8>,
+}
+
+/// Ethernet/IPv4/TCP segments of a pcap file (micro- or nanosecond).
+fn read_pcap(path: &Path) -> Vec<Segment> {
+    let bytes = std::fs::read(path).unwrap_or_default();
+    if bytes.len() < 24 {
+        return Vec::new();
+    }
+    let u32_at = |b: &[u8], at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+    let nano = match u32_at(&bytes, 0) {
+        0xa1b2_c3d4 => false,
+        0xa1b2_3c4d => true,
+        m => panic!("{}: not a little-endian pcap file (magic {m:#x})", path.display()),
+    };
+    assert_eq!(u32_at(&bytes, 20), 1, "link type must be Ethernet");
+    let mut out = Vec::new();
+    let mut at = 24;
+    while at + 16 <= bytes.len() {
+        let (sec, frac, incl) = (u32_at(&bytes, at) as u64, u32_at(&bytes, at + 4) as u64, u32_at(&bytes, at + 8) as usize);
+        let ts_ns = sec * 1_000_000_000 + if nano { frac } else { frac * 1000 };
+        let Some(p) = bytes.get(at + 16..at + 16 + incl) else { break };
+        at += 16 + incl;
+        if p.len() < 14 + 20 || p[12..14] != [0x08, 0x00] {
+            continue;
+        }
+        let ip = &p[14..];
+        let ihl = (ip[0] & 0x0f) as usize * 4;
+        if ip[9] != 6 || ip.len() < ihl + 20 {
+            continue;
+        }
+        let total = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+        let tcp = &ip[ihl..];
+        let doff = (tcp[12] >> 4) as usize * 4;
+        let v4 = |b: &[u8]| std::net::Ipv4Addr::new(b[0], b[1], b[2], b[3]);
+        let src = SocketAddrV4::new(v4(&ip[12..16]), u16::from_be_bytes([tcp[0], tcp[1]]));
+        let dst = SocketAddrV4::new(v4(&ip[16..20]), u16::from_be_bytes([tcp[2], tcp[3]]));
+        let len = total.saturating_sub(ihl + doff) as u32;
+        let data = tcp.get(doff..).unwrap_or(&[]);
+        let data = data[..data.len().min(len as usize)].to_vec();
+        out.push(Segment { ts_ns, src, dst, seq: u32::from_be_bytes(tcp[4..8].try_into().unwrap()), syn: tcp[13] & 0x02 != 0, len, data });
+    }
+    out
+}
+
+/// One direction of a TCP connection, reassembled: each byte with the
+/// time it was first seen (only if `bytes`; else only how far it got when).
+#[derive(Default)]
+struct Stream {
+    bytes: bool,
+    isn: Option<u32>,
+    data: Vec<u8>,
+    seen: Vec<Option<u64>>,
+    /// Highest stream offset seen so far, as (time, offset end) steps.
+    extent: Vec<(u64, u64)>,
+}
+
+impl Stream {
+    fn add(&mut self, s: &Segment) {
+        if s.syn {
+            self.isn = Some(s.seq);
+            return;
+        }
+        let Some(isn) = self.isn else { return };
+        let off = s.seq.wrapping_sub(isn).wrapping_sub(1) as usize;
+        if off > 1 << 30 {
+            return; // before the SYN's sequence: not ours
+        }
+        let end = (off + s.len as usize) as u64;
+        if s.len > 0 && self.extent.last().is_none_or(|&(_, e)| end > e) {
+            self.extent.push((s.ts_ns, end));
+        }
+        if !self.bytes {
+            return;
+        }
+        if off + s.data.len() > self.data.len() {
+            self.data.resize(off + s.data.len(), 0);
+            self.seen.resize(off + s.data.len(), None);
+        }
+        for (i, &b) in s.data.iter().enumerate() {
+            if self.seen[off + i].is_none() {
+                self.data[off + i] = b;
+                self.seen[off + i] = Some(s.ts_ns);
+            }
+        }
+    }
+
+    /// Bytes from the start without a gap.
+    fn contiguous(&self) -> usize {
+        self.seen.iter().position(Option::is_none).unwrap_or(self.seen.len())
+    }
+
+    /// Stream offset reached by time `t`.
+    fn extent_at(&self, t: u64) -> u64 {
+        self.extent.iter().take_while(|&&(ts, _)| ts <= t).last().map_or(0, |&(_, e)| e)
+    }
+
+    fn extent_end(&self) -> u64 {
+        self.extent.last().map_or(0, |&(_, e)| e)
+    }
+}
+
+/// Reassemble every connection of a capture, per (source, destination);
+/// the bytes only of directions `keep_bytes` chooses.
+fn streams(segments: &[Segment], keep_bytes: impl Fn(SocketAddrV4, SocketAddrV4) -> bool) -> BTreeMap<(SocketAddrV4, SocketAddrV4), Stream> {
+    let mut m: BTreeMap<(SocketAddrV4, SocketAddrV4), Stream> = BTreeMap::new();
+    for s in segments {
+        m.entry((s.src, s.dst)).or_insert_with(|| Stream { bytes: keep_bytes(s.src, s.dst), ..Stream::default() }).add(s);
+    }
+    m
+}
+
+// ------------------------------------------------- (a) acknowledged writes
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kill {
+    /// SIGKILL only: the kernel closes the replication socket (instant detection).
+    Sigkill,
+    /// SIGKILL, then h1's links are deleted.
+    SigkillThenLinks,
+    /// h1's links are deleted, then SIGKILL: the backup detects it by timeout.
+    LinksThenSigkill,
+    /// Wait until a checkpoint is on its way (the primary's replication
+    /// socket has unacknowledged bytes), then links and SIGKILL.
+    InTransfer,
+}
+
+struct KillDone {
+    at: Instant,
+    /// Bytes of the replication socket the backup had not acknowledged,
+    /// just before the kill.
+    unacked: Option<u64>,
+}
+
+/// Kill the primary host from a thread inside h1 (netlink: no process to
+/// start, so the kill lands where it was aimed).
+fn kill_host(topo: &Topology, pid: i32, kind: Kill, in_transfer_delay_us: u64) -> KillDone {
+    netns::run_in(&topo.ns("h1"), move || {
+        let sigkill = || {
+            // SAFETY: our child, not yet reaped.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        };
+        let links = || {
+            netns::del_link("repl").expect("delete h1 repl");
+            netns::del_link("uplink").expect("delete h1 uplink");
+        };
+        let watch = netns::TcpWatch::find(repl_peer()).ok().flatten();
+        let unacked = || watch.as_ref().and_then(|w| w.unacked().ok().flatten());
+        if kind == Kill::InTransfer {
+            // Between checkpoints nothing is unacknowledged; wait for that,
+            // then for the next checkpoint to start, then a little more.
+            let unacked = || unacked().unwrap_or(0);
+            let deadline = Instant::now() + Duration::from_secs(3);
+            while unacked() > 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            while unacked() == 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            std::thread::sleep(Duration::from_micros(in_transfer_delay_us));
+        }
+        let unacked = unacked();
+        let at = Instant::now();
+        match kind {
+            Kill::Sigkill => sigkill(),
+            Kill::SigkillThenLinks => {
+                sigkill();
+                links();
+            }
+            Kill::LinksThenSigkill | Kill::InTransfer => {
+                links();
+                sigkill();
+            }
+        }
+        KillDone { at, unacked }
+    })
+    .unwrap()
+}
+
+/// What the backup had of the checkpoint after its last applied one when
+/// the primary died, from a capture on the backup's side of `repl`.
+#[derive(Debug)]
+struct Partial {
+    /// Bytes of the next checkpoint that reached the backup.
+    bytes: u64,
+    /// Acknowledgements at which the stream had reached exactly the end of
+    /// the checkpoint acknowledged, and those at which the next checkpoint
+    /// had already started arriving.
+    consistent: usize,
+    inconsistent: usize,
+}
+
+fn partial_checkpoint(pcap: &Path, took_over: u64, primary_epochs: &[serde_json::Value]) -> Option<Partial> {
+    let segs = read_pcap(pcap);
+    let peer = repl_peer();
+    // The backup's direction carries only acknowledgements: keep its bytes.
+    let all = streams(&segs, |src, _| src == peer);
+    // This trial's connection: the one whose SYN was captured (a primary
+    // of an earlier trial may still retransmit from an orphaned socket).
+    let (to_backup, from_backup) = {
+        let key = all.iter().find(|((_, d), st)| *d == peer && st.isn.is_some())?.0;
+        (&all[key], all.get(&(key.1, key.0))?)
+    };
+    // Acknowledgements in the backup's stream: FTVR frames of kind 7 whose
+    // payload is the epoch; each is sent only after the checkpoint was read whole.
+    let mut acks = Vec::new();
+    let (data, n) = (&from_backup.data, from_backup.contiguous());
+    let mut at = 0;
+    while at + 20 <= n {
+        let len = u64::from_le_bytes(data[at + 8..at + 16].try_into().unwrap()) as usize;
+        let end = at + 16 + len + 4;
+        if &data[at..at + 4] != b"FTVR" || end > n {
+            break;
+        }
+        if u16::from_le_bytes([data[at + 6], data[at + 7]]) == 7 && len == 8 {
+            let epoch = u64::from_le_bytes(data[at + 16..at + 24].try_into().unwrap());
+            acks.push((epoch, from_backup.seen[end - 1].unwrap()));
+        }
+        at = end;
+    }
+    let &(last_acked, last_ack_ts) = acks.last()?;
+    if last_acked + 1 == took_over {
+        // The backup had all of the last checkpoint and applied it, but its
+        // acknowledgement never made it onto the link: no partial checkpoint.
+        return Some(Partial { bytes: 0, consistent: 0, inconsistent: 0 });
+    }
+    if last_acked != took_over {
+        return None;
+    }
+    // Where checkpoint e ends in the primary's stream: the bytes before the
+    // first checkpoint (handshake, pre-copy) plus the sizes of checkpoints up
+    // to e (the primary logs each size). The backup acknowledges e only after
+    // reading it whole, so the stream had reached at least that end when
+    // Ack(e) left: the smallest (reached - sizes) over all acknowledgements
+    // bounds the leading bytes from above, and equals them whenever the next
+    // checkpoint had not started arriving before an Ack (the usual case).
+    // An overestimate could only make the partial checkpoint look smaller.
+    let sizes: BTreeMap<u64, u64> = primary_epochs.iter().map(|v| (field(v, "epoch"), field(v, "bytes"))).collect();
+    let mut prefix = BTreeMap::new();
+    let mut sum = 0;
+    for e in acks[0].0..=took_over {
+        let Some(s) = sizes.get(&e) else { break };
+        sum += s;
+        prefix.insert(e, sum);
+    }
+    let leads: Vec<u64> = acks
+        .iter()
+        .filter_map(|&(e, ts)| prefix.get(&e).map(|p| to_backup.extent_at(ts).saturating_sub(*p)))
+        .collect();
+    let lead = leads.iter().copied().min();
+    let exact = leads.iter().filter(|&&l| Some(l) == lead).count();
+    let end_of_last = match (lead, prefix.get(&took_over)) {
+        (Some(lead), Some(p)) => lead + p,
+        _ => to_backup.extent_at(last_ack_ts),
+    };
+    let (consistent, inconsistent) = (exact, leads.len() - exact);
+    Some(Partial { bytes: to_backup.extent_end().saturating_sub(end_of_last), consistent, inconsistent })
+}
+
+struct TrialResult {
+    kind: Kill,
+    acked: usize,
+    failover_ms: f64,
+    writes_resumed_ms: Option<f64>,
+    partial: Option<Partial>,
+}
+
+fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, kind: Kill) -> TrialResult {
+    let mut rng = Rng::new(seed);
+    let tag = format!("t{trial}");
+    restore_topology(topo);
+    // A gigabit replication link (veth alone moves a checkpoint in a few
+    // hundred microseconds): checkpoints spend milliseconds on the wire,
+    // long enough for kills to land inside their transfer.
+    let out = Command::new("tc")
+        .args(["-n", &topo.ns("h1"), "qdisc", "replace", "dev", "repl", "root", "tbf", "rate", "1gbit", "burst", "256kb", "latency", "100ms"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "tc: {}", String::from_utf8_lossy(&out.stderr));
+    let (cap, pcap) = capture(topo, "h2", dir, &format!("{tag}.repl.pcap"), &["-i", "repl", "-s", "256", "tcp", "port", "7000"]);
+    let mut backup = start_backup(topo, dir, &format!("{tag}.backup"));
+    let mut primary = start_primary(topo, dir, &format!("{tag}.primary"), &[]);
+    let socket = dir.path(&format!("{tag}.primary.sock"));
+    wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
+    forget_guest(topo);
+
+    // Big values, pipelined on many connections: every epoch dirties
+    // hundreds of pages, so checkpoints take a while to send.
+    let value_len = 16 * 1024;
+    let writers = Writers::start(writer::Config {
+        addr: guest(),
+        netns: Some(topo.ns("client")),
+        connections: 8,
+        pipeline: 4,
+        value_len,
+        prefix: format!("{tag}s{seed:x}"),
+        timeout: Duration::from_millis(300),
+    })
+    .unwrap();
+    let t0 = Instant::now();
+    while writers.acked() == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "no write acknowledged: {}", primary.stderr());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let delay = rng.range(300, 1500);
+    std::thread::sleep(Duration::from_millis(delay));
+    let done = kill_host(topo, primary.pid(), kind, rng.range(0, 4000));
+    writers.mark(done.at);
+    let prober = probe_until_served(topo.ns("client"), done.at, Duration::from_secs(20));
+    primary.kill(); // reap
+    let reaped_ms = done.at.elapsed().as_secs_f64() * 1e3;
+    let err = wait_log(&mut backup, "PRIMARY LOST", Duration::from_secs(10));
+    let served = prober.join().unwrap().unwrap().expect("the new primary never answered");
+    let failover = served - done.at;
+    // Keep writing on the new primary for a moment.
+    let t0 = Instant::now();
+    while writers.first_ack_after_mark().is_none() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let writes_resumed = writers.first_ack_after_mark().map(|t| (t - done.at).as_secs_f64() * 1e3);
+    let report = writers.stop();
+    let verified = writer::verify(guest(), Some(&topo.ns("client")), &report.acked, value_len, Instant::now() + Duration::from_secs(10))
+        .expect("read back the acknowledged writes");
+
+    let epoch = took_over_at(&err).expect("takeover epoch");
+    let applied = jsonl(&dir.path(&format!("{tag}.backup.applied.jsonl")));
+    assert_eq!(applied.last().map(|v| field(v, "epoch")), Some(epoch), "the backup took over at its last applied checkpoint");
+    let primary_epochs = jsonl(&dir.path(&format!("{tag}.primary.epochs.jsonl")));
+    backup.kill();
+    stop_capture(cap);
+    let partial = partial_checkpoint(&pcap, epoch, &primary_epochs);
+    let median = |k: &str| {
+        let mut v: Vec<u64> = primary_epochs.iter().filter(|v| field(v, "dirty_pages") > 64).map(|v| field(v, k)).collect();
+        v.sort_unstable();
+        v.get(v.len() / 2).copied().unwrap_or(0)
+    };
+    eprintln!(
+        "trial {trial:2} seed {seed:#x} {kind:?} after {delay} ms: unacked repl bytes at kill {:?}; VMM gone {reaped_ms:.0} ms after SIGKILL; took over at epoch {epoch} ({}); \
+         failover (kill -> first reply) {:.1} ms, writes resumed after {}; acknowledged {} of {} sent, verified {}, lost {}; \
+         next checkpoint bytes at the backup {}; median checkpoint {} pages {} bytes, transfer {} us, ack {} us \
+         (a checkpoint was unacknowledged {:.0}% of the time)",
+        done.unacked,
+        takeover_reason(&err),
+        failover.as_secs_f64() * 1e3,
+        writes_resumed.map_or("never".into(), |ms| format!("{ms:.1} ms")),
+        report.acked.len(),
+        report.sent,
+        verified.checked,
+        verified.lost(),
+        partial.as_ref().map_or("unknown".into(), |p| format!("{} (checkpoint ends exact at {} acks, overlapped at {})", p.bytes, p.consistent, p.inconsistent)),
+        median("dirty_pages"),
+        median("bytes"),
+        median("transfer_us"),
+        median("ack_us"),
+        primary_epochs.iter().map(|v| field(v, "ack_us")).sum::<u64>() as f64 / (primary_epochs.len().max(1) as f64 * EPOCH_MS as f64 * 10.0),
+    );
+    assert!(!report.acked.is_empty(), "trial {trial}: nothing acknowledged");
+    assert_eq!(
+        verified.lost(),
+        0,
+        "trial {trial} (seed {seed:#x}, {kind:?}): {} acknowledged writes missing, {} wrong; e.g. {:?} {:?}",
+        verified.missing.len(),
+        verified.wrong.len(),
+        verified.missing.iter().take(5).collect::<Vec<_>>(),
+        verified.wrong.iter().take(5).collect::<Vec<_>>()
+    );
+    TrialResult { kind, acked: report.acked.len(), failover_ms: failover.as_secs_f64() * 1e3, writes_resumed_ms: writes_resumed, partial }
+}
+
+#[test]
+fn no_acknowledged_write_is_lost() {
+    let topo = Topology::new("fail");
+    let dir = Scratch::new("writes");
+    let base: u64 = std::env::var("FTVM_FAILOVER_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed);
+    let kinds = [Kill::Sigkill, Kill::InTransfer, Kill::SigkillThenLinks, Kill::InTransfer, Kill::LinksThenSigkill, Kill::InTransfer];
+    let trials = 12;
+    let mut results = Vec::new();
+    for trial in 0..trials {
+        results.push(one_failover_trial(&topo, &dir, trial, base + trial as u64, kinds[trial % kinds.len()]));
+    }
+    let inside: Vec<_> = results.iter().filter(|r| r.partial.as_ref().is_some_and(|p| p.bytes > 0)).collect();
+    let random: Vec<_> = results.iter().filter(|r| r.kind != Kill::InTransfer).collect();
+    let random_inside = random.iter().filter(|r| r.partial.as_ref().is_some_and(|p| p.bytes > 0)).count();
+    let mut ms: Vec<f64> = results.iter().map(|r| r.failover_ms).collect();
+    ms.sort_by(f64::total_cmp);
+    eprintln!(
+        "{trials} trials: {} acknowledged writes, none lost; {} kills inside a checkpoint transfer ({} of {} aimed at one, {random_inside} of {} at random moments); \
+         failover ms min {:.1} median {:.1} max {:.1}; writes resumed ms {:?}",
+        results.iter().map(|r| r.acked).sum::<usize>(),
+        inside.len(),
+        inside.iter().filter(|r| r.kind == Kill::InTransfer).count(),
+        results.len() - random.len(),
+        random.len(),
+        ms[0],
+        ms[ms.len() / 2],
+        ms[ms.len() - 1],
+        results.iter().map(|r| r.writes_resumed_ms.map(|m| m.round() as u64)).collect::<Vec<_>>(),
+    );
+    assert!(inside.len() >= 3, "only {} kills landed inside a checkpoint transfer", inside.len());
+}
+
+// ------------------------------------------------------ (b) output commit
+
+/// A TIME reply as the client saw it: the guest clock when it was made,
+/// and when its first byte reached the client (CLOCK_REALTIME).
+struct TimeReply {
+    guest_us: u64,
+    arrival_ns: u64,
+}
+
+/// Every TIME reply in the server-to-client streams of a capture.
+fn time_replies(pcap: &Path) -> (Vec<TimeReply>, usize) {
+    let guest = SocketAddrV4::new(GUEST_ADDR.parse().unwrap(), KV_PORT);
+    let mut out = Vec::new();
+    let mut others = 0;
+    for ((src, _), s) in streams(&read_pcap(pcap), |src, _| src == guest) {
+        if src != guest {
+            continue;
+        }
+        let n = s.contiguous();
+        let mut rest = &s.data[..n];
+        loop {
+            let start = n - rest.len();
+            let Ok(reply) = resp::read_reply(&mut rest) else { break };
+            let end = n - rest.len();
+            let arrival_ns = s.seen[start..end].iter().map(|t| t.unwrap()).min().unwrap();
+            let digits = |r: &Reply| match r {
+                Reply::Bulk(Some(b)) if !b.is_empty() && b.iter().all(u8::is_ascii_digit) => std::str::from_utf8(b).ok()?.parse::<u64>().ok(),
+                _ => None,
+            };
+            match &reply {
+                Reply::Array(Some(v)) if v.len() == 2 => match (digits(&v[0]), digits(&v[1])) {
+                    (Some(secs), Some(us)) if us < 1_000_000 => out.push(TimeReply { guest_us: secs * 1_000_000 + us, arrival_ns }),
+                    _ => others += 1,
+                },
+                _ => others += 1,
+            }
+        }
+    }
+    (out, others)
+}
+
+#[test]
+fn output_commit_holds_every_reply_until_its_checkpoint_is_applied() {
+    let topo = Topology::new("ocom");
+    restore_topology(&topo);
+    let dir = Scratch::new("commit");
+    let mut backup = start_backup(&topo, &dir, "backup");
+    let mut primary = start_primary(&topo, &dir, "primary", &[]);
+    wait_status(&dir.path("primary.sock"), "protected: yes", &mut primary, Duration::from_secs(20));
+    let (cap, pcap) = capture(&topo, "client", &dir, "client.pcap", &["-i", "eth0", "-s", "2048", "src", "host", GUEST_ADDR, "and", "tcp", "src", "port", "6379"]);
+
+    // Memory-dirtying writes alongside.
+    let writers = Writers::start(writer::Config {
+        addr: guest(),
+        netns: Some(topo.ns("client")),
+        connections: 2,
+        pipeline: 4,
+        value_len: 4096,
+        prefix: "commit".into(),
+        timeout: Duration::from_secs(2),
+    })
+    .unwrap();
+    // TIME on several connections, a few requests in flight on each.
+    let run_for = Duration::from_secs(4);
+    let timers: Vec<_> = (0..4)
+        .map(|_| {
+            netns::spawn_in(&topo.ns("client"), "time", move || -> std::io::Result<u64> {
+                let mut c = Client::connect(guest(), Duration::from_secs(2))?;
+                let mut req = Vec::new();
+                for _ in 0..4 {
+                    encode(&mut req, &[b"TIME"]);
+                }
+                let t0 = Instant::now();
+                let mut n = 0;
+                while t0.elapsed() < run_for {
+                    c.send(&req)?;
+                    for _ in 0..4 {
+                        match c.read()? {
+                            Reply::Array(Some(v)) if v.len() == 2 => n += 1,
+                            r => panic!("TIME replied {r:?}"),
+                        }
+                    }
+                }
+                Ok(n)
+            })
+            .unwrap()
+        })
+        .collect();
+    let sent: u64 = timers.into_iter().map(|t| t.join().unwrap().unwrap().unwrap()).sum();
+    let report = writers.stop();
+    // Let the last replies' checkpoints be applied and logged.
+    std::thread::sleep(Duration::from_millis(300));
+    stop_capture(cap);
+    primary.kill();
+    backup.kill();
+
+    let applied = jsonl(&dir.path("backup.applied.jsonl"));
+    let epochs: Vec<(u64, u64, u64)> = applied.iter().map(|v| (field(v, "epoch"), field(v, "guest_ns"), field(v, "applied_unix_ns"))).collect();
+    assert!(epochs.windows(2).all(|w| w[1].0 == w[0].0 + 1 && w[1].1 > w[0].1), "applied epochs in order");
+    let released: u64 = jsonl(&dir.path("primary.epochs.jsonl")).iter().map(|v| field(v, "frames_released")).sum();
+    let (replies, others) = time_replies(&pcap);
+    let mut violations = Vec::new();
+    let mut covered = BTreeSet::new();
+    let mut slack_min = u64::MAX;
+    let mut slacks = Vec::new();
+    let mut before_protection = 0;
+    for r in &replies {
+        // Made at guest time g (rounded down to the microsecond, which can
+        // only pick an earlier epoch: a weaker, never a wrong, check). Epoch m
+        // is the first whose checkpoint was taken at or after g.
+        let g = r.guest_us * 1000;
+        if g <= epochs[0].1 {
+            before_protection += 1;
+            continue;
+        }
+        match epochs.iter().find(|e| e.1 >= g) {
+            None => violations.push(format!("reply made at guest {g} ns arrived at {} but no checkpoint covering it was applied", r.arrival_ns)),
+            Some(&(m, _, applied_ns)) => {
+                covered.insert(m);
+                if r.arrival_ns < applied_ns {
+                    violations.push(format!(
+                        "reply made at guest {g} ns in epoch {m} arrived {} us before the backup applied epoch {m}",
+                        (applied_ns - r.arrival_ns) / 1000
+                    ));
+                } else {
+                    slack_min = slack_min.min(r.arrival_ns - applied_ns);
+                    slacks.push(r.arrival_ns - applied_ns);
+                }
+            }
+        }
+    }
+    slacks.sort_unstable();
+    eprintln!(
+        "output commit: {} TIME replies captured ({sent} received by the clients, {others} other replies, {} SETs acknowledged), \
+         {before_protection} before protection; {} checked across {} epochs; arrival - apply of their epoch: min {} us, median {} us; \
+         {released} frames released; {} violations",
+        replies.len(),
+        report.acked.len(),
+        slacks.len(),
+        covered.len(),
+        slack_min / 1000,
+        slacks.get(slacks.len() / 2).copied().unwrap_or(0) / 1000,
+        violations.len()
+    );
+    assert!(violations.is_empty(), "{} replies left before their checkpoint was applied: {:#?}", violations.len(), &violations[..violations.len().min(10)]);
+    assert!(replies.len() as u64 >= sent * 9 / 10, "the capture missed replies: {} of {sent}", replies.len());
+    assert!(slacks.len() >= 1000, "only {} replies checked", slacks.len());
+    assert!(covered.len() >= 50, "replies from only {} epochs", covered.len());
+    assert!(released > 0, "the primary never released a frame");
+    assert!(!report.acked.is_empty(), "no SET acknowledged");
+}
+
+// ------------------------------------- (c) backup loss and re-protection
+
+#[test]
+fn backup_loss_then_reprotection_then_failover() {
+    let topo = Topology::new("rept");
+    restore_topology(&topo);
+    let dir = Scratch::new("reprotect");
+    let mut backup1 = start_backup(&topo, &dir, "backup1");
+    let mut primary = start_primary(&topo, &dir, "primary", &["--failure-timeout-ms", "300"]);
+    let socket = dir.path("primary.sock");
+    wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
+    let client_ns = topo.ns("client");
+    let config = |prefix: &str| writer::Config {
+        addr: guest(),
+        netns: Some(client_ns.clone()),
+        connections: 4,
+        pipeline: 2,
+        value_len: 1000,
+        prefix: prefix.into(),
+        timeout: Duration::from_secs(2),
+    };
+    let mut acked = Vec::new();
+
+    // Protected writes.
+    let w = Writers::start(config("before")).unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    acked.extend(w.stop().acked);
+    let (ok, out) = topo.redis_cli(GUEST_ADDR, &["SET", "cli-before", "1"]);
+    assert!(ok && out.trim() == "OK", "{out}");
+
+    // The backup dies; writes go on through it.
+    let w = Writers::start(config("through")).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    backup1.kill();
+    let t0 = Instant::now();
+    wait_status(&socket, "protected: no", &mut primary, Duration::from_secs(5));
+    let noticed = t0.elapsed();
+    let st = status(&socket);
+    assert!(st.contains("UNPROTECTED"), "{st}");
+    let (ok, out) = topo.redis_cli(GUEST_ADDR, &["SET", "cli-unprotected", "2"]);
+    assert!(ok && out.trim() == "OK", "redis-cli while unprotected: {out}");
+    let (ok, out) = topo.redis_cli(GUEST_ADDR, &["GET", "cli-before"]);
+    assert!(ok && out.trim() == "1", "{out}");
+    std::thread::sleep(Duration::from_millis(300));
+    let unprotected_acked = w.acked();
+
+    // A new backup on the same address protects it again.
+    let mut backup2 = start_backup(&topo, &dir, "backup2");
+    let out = ftvm().args(["protect", "--api-socket"]).arg(&socket).args(["--backup", &backup_addr()]).output().unwrap();
+    assert!(out.status.success(), "ftvm protect: {}", String::from_utf8_lossy(&out.stderr));
+    wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(500));
+    acked.extend(w.stop().acked);
+    let (ok, out) = topo.redis_cli(GUEST_ADDR, &["SET", "cli-reprotected", "3"]);
+    assert!(ok && out.trim() == "OK", "{out}");
+
+    // Writes during the final failover.
+    let w = Writers::start(config("after")).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let done = kill_host(&topo, primary.pid(), Kill::LinksThenSigkill, 0);
+    w.mark(done.at);
+    primary.kill();
+    let err = wait_log(&mut backup2, "PRIMARY LOST", Duration::from_secs(10));
+    let t0 = Instant::now();
+    while w.first_ack_after_mark().is_none() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let resumed = w.first_ack_after_mark().map(|t| t - done.at);
+    acked.extend(w.stop().acked);
+
+    let verified = writer::verify(guest(), Some(&client_ns), &acked, 1000, Instant::now() + Duration::from_secs(10)).unwrap();
+    for (k, v) in [("cli-before", "1"), ("cli-unprotected", "2"), ("cli-reprotected", "3")] {
+        let (ok, out) = topo.redis_cli(GUEST_ADDR, &["GET", k]);
+        assert!(ok && out.trim() == v, "{k} after failover: {out}");
+    }
+    eprintln!(
+        "backup loss noticed after {} ms; {unprotected_acked} writes acknowledged around the loss; new backup took over at epoch {:?} ({}); \
+         writes resumed {resumed:?} after the kill; acknowledged {}, verified {}, lost {}",
+        noticed.as_millis(),
+        took_over_at(&err),
+        takeover_reason(&err),
+        acked.len(),
+        verified.checked,
+        verified.lost()
+    );
+    assert_eq!(verified.lost(), 0, "missing {:?}, wrong {:?}", &verified.missing[..verified.missing.len().min(5)], &verified.wrong[..verified.wrong.len().min(5)]);
+    assert!(resumed.is_some(), "no write acknowledged by the new primary");
+    backup2.kill();
+}
