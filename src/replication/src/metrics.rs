@@ -16,7 +16,8 @@ pub struct EpochMetrics {
     pub disk_writes: u64,
     /// Size of the checkpoint on the wire.
     pub bytes: u64,
-    /// From resuming the guest until the checkpoint was written to the socket.
+    /// From resuming the guest until the checkpoint was handed to the socket
+    /// (or acknowledged, if that came first). Time on the wire is in `ack_us`.
     pub transfer_us: u64,
     /// From resuming the guest until the backup's acknowledgement arrived.
     pub ack_us: u64,

@@ -533,6 +533,11 @@ fn read_acks(
                 }
                 for mut f in done {
                     f.metrics.ack_us = f.resumed.elapsed().as_micros() as u64;
+                    if f.metrics.transfer_us == 0 {
+                        // Acknowledged before the sender finished its bookkeeping:
+                        // the transfer was over by then at the latest.
+                        f.metrics.transfer_us = f.metrics.ack_us;
+                    }
                     if f.metrics.epoch == epoch {
                         f.metrics.hold_us = released.max_hold_us;
                         f.metrics.frames_released = released.frames;
