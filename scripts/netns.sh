@@ -108,6 +108,22 @@ up() {
     ensure_veth "$name-h1" repl "$name-h2" repl
     ensure_addr "$name-h1" repl 192.168.100.1/24
     ensure_addr "$name-h2" repl 192.168.100.2/24
+    wait_forwarding "$lan" client h1 h2
+}
+
+# Recreated ports come up a moment after their link; frames sent before they
+# forward are dropped (a lost first ARP costs a client a 1 s retry).
+wait_forwarding() {
+    local ns=$1
+    shift
+    for _ in $(seq 100); do
+        local all=1
+        for port in "$@"; do
+            ip -n "$ns" -d link show dev "$port" 2>/dev/null | grep -q "state forwarding" || all=0
+        done
+        [ "$all" = 1 ] && return 0
+        sleep 0.02
+    done
 }
 
 down() {
