@@ -43,30 +43,19 @@ pub fn run_in<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'stati
     spawn_in(ns, "netns", f)?.join().map_err(|_| io::Error::other("thread panicked"))?
 }
 
-/// Delete link `ifname` of the calling thread's namespace (both ends, for
-/// a veth) with one RTM_DELLINK: the link is gone when this returns.
-pub fn del_link(ifname: &str) -> io::Result<()> {
-    let name = CString::new(ifname).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: a NUL-terminated name. The lookup uses a socket of this thread's namespace.
-    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    if index == 0 {
-        return Err(io::Error::last_os_error());
-    }
+fn netlink_socket(protocol: libc::c_int) -> io::Result<OwnedFd> {
     // SAFETY: plain socket(2); the fd is owned right away.
-    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE) };
+    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, protocol) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: fd is a fresh socket nobody else owns.
-    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-    // nlmsghdr (16 bytes) + ifinfomsg (16 bytes).
-    let mut msg = [0u8; 32];
-    msg[0..4].copy_from_slice(&32u32.to_ne_bytes());
-    msg[4..6].copy_from_slice(&libc::RTM_DELLINK.to_ne_bytes());
-    msg[6..8].copy_from_slice(&((libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16).to_ne_bytes());
-    msg[8..12].copy_from_slice(&1u32.to_ne_bytes());
-    msg[16] = libc::AF_UNSPEC as u8;
-    msg[20..24].copy_from_slice(&(index as i32).to_ne_bytes());
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Send one netlink request to the kernel and read its reply into `reply`;
+/// returns the reply's length.
+fn exchange(sock: &OwnedFd, msg: &[u8], reply: &mut [u8]) -> io::Result<usize> {
     // SAFETY: an all-zero sockaddr_nl is the kernel's address.
     let mut kernel: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
     kernel.nl_family = libc::AF_NETLINK as u16;
@@ -84,12 +73,34 @@ pub fn del_link(ifname: &str) -> io::Result<()> {
     if sent < 0 {
         return Err(io::Error::last_os_error());
     }
-    let mut reply = [0u8; 1024];
     // SAFETY: reply is valid for its length.
     let n = unsafe { libc::recv(sock.as_raw_fd(), reply.as_mut_ptr().cast(), reply.len(), 0) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
+    Ok(n as usize)
+}
+
+/// Delete link `ifname` of the calling thread's namespace (both ends, for
+/// a veth) with one RTM_DELLINK: the link is gone when this returns.
+pub fn del_link(ifname: &str) -> io::Result<()> {
+    let name = CString::new(ifname).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: a NUL-terminated name. The lookup uses a socket of this thread's namespace.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if index == 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let sock = netlink_socket(libc::NETLINK_ROUTE)?;
+    // nlmsghdr (16 bytes) + ifinfomsg (16 bytes).
+    let mut msg = [0u8; 32];
+    msg[0..4].copy_from_slice(&32u32.to_ne_bytes());
+    msg[4..6].copy_from_slice(&libc::RTM_DELLINK.to_ne_bytes());
+    msg[6..8].copy_from_slice(&((libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16).to_ne_bytes());
+    msg[8..12].copy_from_slice(&1u32.to_ne_bytes());
+    msg[16] = libc::AF_UNSPEC as u8;
+    msg[20..24].copy_from_slice(&(index as i32).to_ne_bytes());
+    let mut reply = [0u8; 1024];
+    let n = exchange(&sock, &msg, &mut reply)?;
     // NLMSG_ERROR carries the errno (0: success) right after the header.
     let kind = u16::from_ne_bytes([reply[4], reply[5]]);
     if n >= 20 && kind == libc::NLMSG_ERROR as u16 {
@@ -130,13 +141,7 @@ impl TcpWatch {
             Some(SocketAddrV4::new(ip.into(), u16::from_str_radix(port, 16).ok()?))
         });
         let Some(local) = local else { return Ok(None) };
-        // SAFETY: plain socket(2); the fd is owned right away.
-        let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_SOCK_DIAG) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd is a fresh socket nobody else owns.
-        Ok(Some(TcpWatch { sock: unsafe { OwnedFd::from_raw_fd(fd) }, local, peer }))
+        Ok(Some(TcpWatch { sock: netlink_socket(libc::NETLINK_SOCK_DIAG)?, local, peer }))
     }
 
     pub fn local(&self) -> SocketAddrV4 {
@@ -162,29 +167,8 @@ impl TcpWatch {
         msg[28..32].copy_from_slice(&self.local.ip().octets());
         msg[44..48].copy_from_slice(&self.peer.ip().octets());
         msg[64..72].copy_from_slice(&[0xff; 8]);
-        // SAFETY: an all-zero sockaddr_nl is the kernel's address.
-        let mut kernel: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
-        kernel.nl_family = libc::AF_NETLINK as u16;
-        // SAFETY: msg and kernel are valid for the lengths given.
-        let sent = unsafe {
-            libc::sendto(
-                self.sock.as_raw_fd(),
-                msg.as_ptr().cast(),
-                msg.len(),
-                0,
-                (&kernel as *const libc::sockaddr_nl).cast(),
-                std::mem::size_of::<libc::sockaddr_nl>() as u32,
-            )
-        };
-        if sent < 0 {
-            return Err(io::Error::last_os_error());
-        }
         let mut reply = [0u8; 2048];
-        // SAFETY: reply is valid for its length.
-        let n = unsafe { libc::recv(self.sock.as_raw_fd(), reply.as_mut_ptr().cast(), reply.len(), 0) };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let n = exchange(&self.sock, &msg, &mut reply)?;
         let kind = u16::from_ne_bytes([reply[4], reply[5]]);
         if kind == libc::NLMSG_ERROR as u16 {
             // ENOENT: no such connection (any more).

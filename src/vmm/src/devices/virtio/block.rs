@@ -9,7 +9,7 @@ use std::sync::Arc;
 use virtio_queue::{Queue, QueueT};
 
 use super::block_journal::DiskJournal;
-use super::{drain, VirtioDevice, VirtioError, TYPE_BLOCK};
+use super::{drain, read_config_bytes, VirtioDevice, VirtioError, TYPE_BLOCK};
 use crate::memory::GuestMemory;
 
 const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
@@ -162,10 +162,7 @@ impl VirtioDevice for Block {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         // capacity (u64, sectors) is the only field we offer.
-        let config = self.sectors.to_le_bytes();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = config.get(offset as usize + i).copied().unwrap_or(0);
-        }
+        read_config_bytes(&self.sectors.to_le_bytes(), offset, data);
     }
 
     fn process_queue(&mut self, index: usize, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, VirtioError> {

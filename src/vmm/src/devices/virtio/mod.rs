@@ -60,6 +60,14 @@ pub trait VirtioDevice: Send {
     fn discard_host_input(&mut self) {}
 }
 
+/// Copy the part of a device's config space at `offset` into `data`;
+/// bytes beyond the fields the device has read as zero.
+pub fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = config.get(offset as usize + i).copied().unwrap_or(0);
+    }
+}
+
 /// A virtqueue's state as saved in snapshots and checkpoints.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SavedQueue {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 
-use super::{drain, VirtioDevice, VirtioError, TYPE_NET};
+use super::{drain, read_config_bytes, VirtioDevice, VirtioError, TYPE_NET};
 use crate::memory::GuestMemory;
 pub use output::OutputBuffer;
 pub use tap::{Tap, TapError, VNET_HDR_LEN};
@@ -141,11 +141,7 @@ impl VirtioDevice for Net {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         // mac[6], then status and max_virtqueue_pairs (not offered: zero).
-        let mut config = [0u8; 12];
-        config[..6].copy_from_slice(&self.mac);
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = config.get(offset as usize + i).copied().unwrap_or(0);
-        }
+        read_config_bytes(&self.mac, offset, data);
     }
 
     fn process_queue(&mut self, index: usize, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, VirtioError> {
