@@ -17,15 +17,35 @@ fn free_addr() -> String {
     format!("127.0.0.1:{}", l.local_addr().unwrap().port())
 }
 
-fn backup(addr: &str, extra: &[&str]) -> Child {
-    ftvm()
+/// A VMM process, SIGKILLed on drop so a failing test leaves none behind.
+struct Vmm(Option<Child>);
+
+impl Vmm {
+    fn child(&mut self) -> &mut Child {
+        self.0.as_mut().expect("still owned")
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn spawn(cmd: &mut Command) -> Vmm {
+    Vmm(Some(cmd.spawn().unwrap()))
+}
+
+fn backup(addr: &str, extra: &[&str]) -> Vmm {
+    spawn(ftvm()
         .args(["backup", "--listen", addr])
         .args(extra)
         .env("FTVM_LOG", "info")
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+        .stderr(Stdio::piped()))
 }
 
 fn primary(addr: &str, vcpus: u32, cmdline: &str, extra: &[&str]) -> Command {
@@ -41,8 +61,8 @@ fn primary(addr: &str, vcpus: u32, cmdline: &str, extra: &[&str]) -> Command {
 }
 
 /// Wait until the primary's stdout shows memtouch progress (it runs protected by then).
-fn wait_for_progress(p: &mut Child) -> std::io::Lines<BufReader<std::process::ChildStdout>> {
-    let mut lines = BufReader::new(p.stdout.take().unwrap()).lines();
+fn wait_for_progress(p: &mut Vmm) -> std::io::Lines<BufReader<std::process::ChildStdout>> {
+    let mut lines = BufReader::new(p.child().stdout.take().unwrap()).lines();
     for line in lines.by_ref() {
         if line.unwrap().contains("t=") {
             break;
@@ -51,13 +71,13 @@ fn wait_for_progress(p: &mut Child) -> std::io::Lines<BufReader<std::process::Ch
     lines
 }
 
-fn finish(child: Child) -> Output {
-    child.wait_with_output().unwrap()
+fn finish(mut vmm: Vmm) -> Output {
+    vmm.0.take().expect("still owned").wait_with_output().unwrap()
 }
 
-fn kill(child: &mut Child) {
-    let _ = child.kill();
-    let _ = child.wait();
+fn kill(vmm: &mut Vmm) {
+    let _ = vmm.child().kill();
+    let _ = vmm.child().wait();
 }
 
 fn checksum_of(out: &Output) -> Option<String> {
@@ -77,7 +97,7 @@ fn memory_survives_failover() {
     for (vcpus, delay_ms) in [(1, 400), (2, 700), (2, 1100)] {
         let addr = free_addr();
         let b = backup(&addr, &[]);
-        let mut p = primary(&addr, vcpus, WORK, &["--epoch-ms", "10"]).spawn().unwrap();
+        let mut p = spawn(&mut primary(&addr, vcpus, WORK, &["--epoch-ms", "10"]));
         let _lines = wait_for_progress(&mut p);
         std::thread::sleep(Duration::from_millis(delay_ms));
         kill(&mut p);
@@ -92,7 +112,7 @@ fn memory_survives_failover() {
 fn run_with_fault(fault: &str) -> (Output, Output) {
     let addr = free_addr();
     let b = backup(&addr, &[]);
-    let p = primary(&addr, 1, WORK, &["--epoch-ms", "10"]).env("FTVM_TEST_FAULT", fault).spawn().unwrap();
+    let p = spawn(primary(&addr, 1, WORK, &["--epoch-ms", "10"]).env("FTVM_TEST_FAULT", fault));
     let p_out = finish(p);
     (p_out, finish(b))
 }
@@ -199,10 +219,10 @@ fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str) {
     let long = "ws=16M pattern=random writes=150000000 report=100ms";
     let addr1 = free_addr();
     let mut b1 = backup(&addr1, &[]);
-    let mut p = primary(&addr1, 1, long, &["--epoch-ms", "10", "--failure-timeout-ms", "300", "--on-backup-loss", policy, "--api-socket"])
-        .arg(&socket)
-        .spawn()
-        .unwrap();
+    let mut p = spawn(
+        primary(&addr1, 1, long, &["--epoch-ms", "10", "--failure-timeout-ms", "300", "--on-backup-loss", policy, "--api-socket"])
+            .arg(&socket),
+    );
     let _lines = wait_for_progress(&mut p);
     assert!(status(&socket).contains("protected: yes"), "{}", status(&socket));
     kill(&mut b1);
@@ -232,4 +252,20 @@ fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str) {
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(long, 1)));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn guest_exit_on_the_primary_ends_the_backup_too() {
+    for status in [0, 3] {
+        let addr = free_addr();
+        let b = backup(&addr, &[]);
+        let mut cmd = ftvm();
+        cmd.args(["run", "--cmdline", &format!("exit={status}"), "--replicate-to", &addr]).arg("--image").arg(image("probe"));
+        let p = cmd.output().unwrap();
+        assert_eq!(p.status.code(), Some(status), "{}", stderr(&p));
+        let out = finish(b);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(status), "the backup ends with the guest's status: {err}");
+        assert!(err.contains("backup done") && !err.contains("PRIMARY LOST"), "no takeover: {err}");
+    }
 }

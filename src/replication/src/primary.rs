@@ -153,13 +153,18 @@ struct Worker {
 impl Worker {
     fn run(mut self, first: Session) {
         let mut session = Some(first);
-        while !self.stop.load(Ordering::SeqCst) {
+        loop {
+            // `protect` also says goodbye when asked to stop, even if the
+            // guest exited before this thread got going.
             if let Some(s) = session.take() {
                 let reason = self.protect(&s);
                 if self.stop.load(Ordering::SeqCst) {
                     return;
                 }
                 self.backup_lost(&reason);
+            }
+            if self.stop.load(Ordering::SeqCst) {
+                return;
             }
             match self.requests.recv_timeout(Duration::from_millis(100)) {
                 Ok(addr) => {
