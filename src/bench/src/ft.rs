@@ -136,11 +136,14 @@ fn start_kv(topo: &Topology, epoch_ms: Option<u64>, metrics: &Path) -> Result<Pa
         backup = Some(Proc(b));
         cmd.args(["--replicate-to", "192.168.100.2:7000", "--epoch-ms", &e.to_string()]).arg("--metrics").arg(metrics);
     }
-    let primary = Proc(cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn()?);
+    let primary = Proc(cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?);
     let t0 = Instant::now();
     while !topo.redis_ok("PING") {
         if t0.elapsed() > Duration::from_secs(15) {
-            return Err("kv guest never answered".into());
+            let mut primary = primary;
+            let exited = primary.0.try_wait().ok().flatten();
+            let ping = topo.command("client", "ping").args(["-c1", "-W1", "10.0.0.2"]).output().map(|o| o.status.success()).unwrap_or(false);
+            return Err(format!("kv guest never answered (VMM exited: {exited:?}, ping: {ping})").into());
         }
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -2,7 +2,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
@@ -12,6 +12,14 @@ struct Running {
     child: Child,
     socket: std::path::PathBuf,
     _dir: TempDir,
+}
+
+impl Drop for Running {
+    /// A failing test must not leave a VMM behind.
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// A scratch directory removed on drop.
@@ -136,12 +144,13 @@ fn restored_guest_time_is_monotonic_and_counter_continues() {
 
 #[test]
 fn snapshot_without_stop_keeps_the_vm_running() {
-    let (vm, snap) = start("keep", "probe", 2, "ticker=10,count=60");
+    let (mut vm, snap) = start("keep", "probe", 2, "ticker=10,count=60");
     std::thread::sleep(Duration::from_millis(100));
     snapshot(&vm, &snap, false);
-    let out = vm.child.wait_with_output().unwrap();
-    assert!(out.status.success());
-    assert!(stdout(&out).contains("n=60 "), "VM ran to the end after the snapshot: {}", stdout(&out));
+    let mut text = String::new();
+    vm.child.stdout.take().unwrap().read_to_string(&mut text).unwrap();
+    assert!(vm.child.wait().unwrap().success());
+    assert!(text.contains("n=60 "), "VM ran to the end after the snapshot: {text}");
     assert!(std::fs::metadata(&snap).unwrap().len() > 0);
 }
 
