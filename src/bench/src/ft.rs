@@ -131,19 +131,17 @@ fn start_kv(topo: &Topology, epoch_ms: Option<u64>, metrics: &Path) -> Result<Pa
             .args(["backup", "--listen", "192.168.100.2:7000", "--net", net])
             .env("FTVM_LOG", "warn")
             .stdout(Stdio::null())
-            .stderr(Stdio::piped())
+            .stderr(std::fs::File::create(metrics.with_extension("backup.log"))?)
             .spawn()?;
         backup = Some(Proc(b));
         cmd.args(["--replicate-to", "192.168.100.2:7000", "--epoch-ms", &e.to_string()]).arg("--metrics").arg(metrics);
     }
-    let primary = Proc(cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?);
+    let primary = Proc(cmd.stdout(Stdio::null()).stderr(std::fs::File::create(metrics.with_extension("primary.log"))?).spawn()?);
     let t0 = Instant::now();
     while !topo.redis_ok("PING") {
         if t0.elapsed() > Duration::from_secs(15) {
-            let mut primary = primary;
-            let exited = primary.0.try_wait().ok().flatten();
-            let ping = topo.command("client", "ping").args(["-c1", "-W1", "10.0.0.2"]).output().map(|o| o.status.success()).unwrap_or(false);
-            return Err(format!("kv guest never answered (VMM exited: {exited:?}, ping: {ping})").into());
+            let log = |side| std::fs::read_to_string(metrics.with_extension(side)).unwrap_or_default();
+            return Err(format!("kv guest never answered; primary: {} backup: {}", log("primary.log"), log("backup.log")).into());
         }
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -144,6 +144,7 @@ impl Stack {
                 .add_default_ipv4_route(gw)
                 .map_err(|_| Error::Config("cannot add the default route"))?;
         }
+        announce(&mut device, mac, config.ip.address().octets());
         Ok(Stack {
             device,
             iface,
@@ -274,4 +275,24 @@ impl Stack {
             .iter_mut()
             .any(|l| l.release(&mut self.sockets, handle))
     }
+}
+
+/// Broadcast a gratuitous ARP for our address. A server that only ever
+/// answers would otherwise stay unknown to the switches until a client's
+/// frame reaches it, and frames for its MAC would go wherever it (or a VM
+/// with the same MAC, such as a replica) last spoke from.
+fn announce(device: &mut VirtioNet, mac: [u8; 6], ip: [u8; 4]) {
+    use smoltcp::phy::{Device, TxToken};
+    let Some(tx) = device.transmit(now()) else { return };
+    tx.consume(42, |f| {
+        f[0..6].fill(0xff);
+        f[6..12].copy_from_slice(&mac);
+        f[12..14].copy_from_slice(&[0x08, 0x06]); // ARP
+        f[14..22].copy_from_slice(&[0, 1, 0x08, 0x00, 6, 4, 0, 1]); // Ethernet/IPv4, request
+        f[22..28].copy_from_slice(&mac);
+        f[28..32].copy_from_slice(&ip);
+        f[32..38].fill(0);
+        f[38..42].copy_from_slice(&ip);
+    });
+    device.notify();
 }
