@@ -17,17 +17,22 @@ use crate::store::{Db, NEVER};
 /// Redis's proto-max-bulk-len: APPEND may not grow a value past it.
 const MAX_VALUE_LEN: usize = 512 << 20;
 
-pub fn get<L: LogSink>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
-    match srv.db.get_live(a.get(1), cx.now) {
+/// Reply with `key`'s value (or nil), counting the hit or miss.
+fn reply_value(srv: &mut Server, key: &[u8], now: u64, out: &mut alloc::vec::Vec<u8>) {
+    match srv.db.get_live(key, now) {
         Some(e) => {
             srv.stats.hits += 1;
-            reply::bulk(cx.out, &e.value);
+            reply::bulk(out, &e.value);
         }
         None => {
             srv.stats.misses += 1;
-            reply::nil(cx.out);
+            reply::nil(out);
         }
     }
+}
+
+pub fn get<L: LogSink>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
+    reply_value(srv, a.get(1), cx.now, cx.out);
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -277,15 +282,6 @@ pub fn mset<L: LogSink>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
 pub fn mget<L: LogSink>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
     reply::array_len(cx.out, a.len() - 1);
     for key in a.iter().skip(1) {
-        match srv.db.get_live(key, cx.now) {
-            Some(e) => {
-                srv.stats.hits += 1;
-                reply::bulk(cx.out, &e.value);
-            }
-            None => {
-                srv.stats.misses += 1;
-                reply::nil(cx.out);
-            }
-        }
+        reply_value(srv, key, cx.now, cx.out);
     }
 }
