@@ -92,31 +92,27 @@ pub unsafe extern "C" fn __start(
 }
 
 fn memmap(boot: &BootInfo) -> &'static [MemRegion] {
-    let (addr, count) = (boot.memmap_addr, boot.memmap_count as usize);
-    if count == 0 {
-        return &[];
-    }
-    assert!(
-        addr != 0 && addr % 8 == 0,
-        "bad memory map address {addr:#x}"
-    );
-    // SAFETY: the VMM places `count` regions at `addr` in memory it never
-    // changes while the guest runs (alignment checked above).
-    unsafe { core::slice::from_raw_parts(addr as *const MemRegion, count) }
+    // SAFETY: the VMM writes `memmap_count` regions at `memmap_addr`.
+    unsafe { boot_array(boot.memmap_addr, boot.memmap_count, "memory map") }
 }
 
 fn device_list(boot: &BootInfo) -> &'static [Device] {
-    let (addr, count) = (boot.devices_addr, boot.device_count as usize);
+    // SAFETY: the VMM writes `device_count` devices at `devices_addr`.
+    unsafe { boot_array(boot.devices_addr, boot.device_count, "device list") }
+}
+
+/// An array the boot information points at.
+///
+/// # Safety
+/// `count` values of `T` must live at `addr` for the whole run.
+unsafe fn boot_array<T>(addr: u64, count: u32, what: &str) -> &'static [T] {
     if count == 0 {
         return &[];
     }
-    assert!(
-        addr != 0 && addr % 8 == 0,
-        "bad device list address {addr:#x}"
-    );
-    // SAFETY: the VMM places `count` devices at `addr` in memory it never
-    // changes while the guest runs (alignment checked above).
-    unsafe { core::slice::from_raw_parts(addr as *const Device, count) }
+    assert!(addr != 0 && addr.is_multiple_of(8), "bad {what} address {addr:#x}");
+    // SAFETY: the caller vouches for the contents; the VMM never changes
+    // them while the guest runs (alignment checked above).
+    unsafe { core::slice::from_raw_parts(addr as *const T, count as usize) }
 }
 
 fn cmdline(boot: &BootInfo) -> &'static str {
