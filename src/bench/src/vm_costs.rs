@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ftvm_workloads::memtouch::{Config, Writer};
-use vmm::{Console, DirtyBackend, DirtyBitmap, Vm, VmConfig};
+use ftvm_vmm::{Console, DirtyBackend, DirtyBitmap, Vm, VmConfig};
 
 use crate::report::{self, Row};
 

@@ -12,9 +12,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-use replication::{BackupConfig, OnBackupLoss, PrimaryConfig};
-use vmm::devices::virtio::net::NetConfig;
-use vmm::{Console, DirtyBackend};
+use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig};
+use ftvm_vmm::devices::virtio::net::NetConfig;
+use ftvm_vmm::{Console, DirtyBackend};
 
 #[derive(Parser)]
 #[command(name = "ftvm", version, about = "A fault-tolerant virtual machine monitor on KVM")]
@@ -148,7 +148,7 @@ impl HostArgs {
             prefault: self.prefault,
             dirty_backend: self.dirty_backend,
             api_socket: self.api_socket,
-            devices: vmm::devices::DeviceConfig { net: self.net, disk: self.disk },
+            devices: ftvm_vmm::devices::DeviceConfig { net: self.net, disk: self.disk },
             replicate,
         }
     }
@@ -192,7 +192,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
         Command::Backup(args) => {
             let config = BackupConfig {
                 listen: args.listen,
-                devices: vmm::devices::DeviceConfig { net: args.host.net.clone(), disk: args.host.disk.clone() },
+                devices: ftvm_vmm::devices::DeviceConfig { net: args.host.net.clone(), disk: args.host.disk.clone() },
                 mem_size: args.memory.map(|m| m << 20),
                 vcpus: args.vcpus,
                 failure_timeout: args.failure_timeout_ms.map(Duration::from_millis),

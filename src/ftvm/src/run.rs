@@ -9,9 +9,9 @@ use std::sync::Arc;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
-use replication::{Backup, BackupConfig, Outcome, Primary, PrimaryConfig, ReplicationError, StatusCell};
-use vmm::snapshot::{self, SnapshotError};
-use vmm::{DirtyBackend, Vm, VmConfig, VmError, VmExit};
+use ftvm_replication::{Backup, BackupConfig, Outcome, Primary, PrimaryConfig, ReplicationError, StatusCell};
+use ftvm_vmm::snapshot::{self, SnapshotError};
+use ftvm_vmm::{DirtyBackend, Vm, VmConfig, VmError, VmExit};
 
 use crate::api::client::ClientError;
 use crate::api::server::{ApiContext, ApiServer};
@@ -44,7 +44,7 @@ pub struct HostOptions {
     pub prefault: bool,
     pub dirty_backend: DirtyBackend,
     pub api_socket: Option<PathBuf>,
-    pub devices: vmm::devices::DeviceConfig,
+    pub devices: ftvm_vmm::devices::DeviceConfig,
     /// Replicate to a backup (primary role).
     pub replicate: Option<PrimaryConfig>,
 }

@@ -8,8 +8,8 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vmm::devices::DeviceConfig;
-use vmm::{Console, DirtyBackend, Vm, VmConfig};
+use ftvm_vmm::devices::DeviceConfig;
+use ftvm_vmm::{Console, DirtyBackend, Vm, VmConfig};
 
 use crate::checkpoint::{self, Checkpoint};
 use crate::metrics::{AppliedEpoch, MetricsLog, StatusCell};
@@ -199,8 +199,8 @@ fn device_names(types: &[u32]) -> String {
     let names: Vec<&str> = types
         .iter()
         .map(|&t| match t {
-            vmm::devices::virtio::TYPE_NET => "net",
-            vmm::devices::virtio::TYPE_BLOCK => "disk",
+            ftvm_vmm::devices::virtio::TYPE_NET => "net",
+            ftvm_vmm::devices::virtio::TYPE_BLOCK => "disk",
             _ => "?",
         })
         .collect();
@@ -304,7 +304,7 @@ fn unix_ns() -> u64 {
 /// broadcasts need no IP address, and every switch learns the new port.
 fn announce(vm: &Vm) {
     let Some(mac) = vm.config().devices.net.as_ref().map(|n| n.mac) else { return };
-    let mut frame = vec![0u8; vmm::devices::virtio::net::VNET_HDR_LEN];
+    let mut frame = vec![0u8; ftvm_vmm::devices::virtio::net::VNET_HDR_LEN];
     frame.extend_from_slice(&[0xff; 6]);
     frame.extend_from_slice(&mac);
     frame.extend_from_slice(&[0x80, 0x35]); // RARP
@@ -313,7 +313,7 @@ fn announce(vm: &Vm) {
     frame.extend_from_slice(&[0; 4]);
     frame.extend_from_slice(&mac);
     frame.extend_from_slice(&[0; 4]);
-    frame.resize(vmm::devices::virtio::net::VNET_HDR_LEN + 60, 0);
+    frame.resize(ftvm_vmm::devices::virtio::net::VNET_HDR_LEN + 60, 0);
     for _ in 0..3 {
         vm.devices().output().submit(&frame);
     }

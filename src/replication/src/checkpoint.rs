@@ -8,7 +8,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
-use vmm::{DirtyBitmap, Vm, VmState};
+use ftvm_vmm::{DirtyBitmap, Vm, VmState};
 
 use crate::protocol::{self, Cursor, Kind, PageSet, ProtocolError, PAGE};
 use crate::ReplicationError;
@@ -57,7 +57,7 @@ pub fn take(
     Ok(Taken { epoch, pause, dirty_pages: dirty.count(), disk_writes: disk.len() as u64 })
 }
 
-type Captured = (VmState, Vec<vmm::devices::virtio::block_journal::DiskWrite>);
+type Captured = (VmState, Vec<ftvm_vmm::devices::virtio::block_journal::DiskWrite>);
 
 fn capture(vm: &Vm, epoch: u64, dirty: &mut DirtyBitmap, frame: &mut Vec<u8>) -> Result<Captured, ReplicationError> {
     dirty.clear();

@@ -38,5 +38,5 @@ pub enum ReplicationError {
     #[error("cannot start a replication thread: {0}")]
     Thread(std::io::Error),
     #[error(transparent)]
-    Vm(#[from] vmm::VmError),
+    Vm(#[from] ftvm_vmm::VmError),
 }

@@ -15,7 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use vmm::{DirtyBitmap, Vm};
+use ftvm_vmm::{DirtyBitmap, Vm};
 
 use crate::checkpoint;
 use crate::metrics::{EpochMetrics, MetricsLog, Status, StatusCell};
@@ -516,7 +516,7 @@ fn send_disk(stream: &mut TcpStream, path: &PathBuf, frame: &mut Vec<u8>) -> Res
 /// backup is gone.
 fn read_acks(
     mut stream: TcpStream,
-    output: &vmm::devices::virtio::net::OutputBuffer,
+    output: &ftvm_vmm::devices::virtio::net::OutputBuffer,
     inflight: &Mutex<BTreeMap<u64, InFlight>>,
     lost: &Mutex<Option<String>>,
     status: &StatusCell,

@@ -9,7 +9,7 @@ use std::io::{self, Read, Write};
 
 use serde::{Deserialize, Serialize};
 
-use vmm::devices::virtio::block_journal::DiskWrite;
+use ftvm_vmm::devices::virtio::block_journal::DiskWrite;
 
 pub const PROTOCOL_VERSION: u16 = 1;
 const MAGIC: &[u8; 4] = b"FTVR";
@@ -78,7 +78,7 @@ fn io_err(e: io::Error) -> ProtocolError {
 pub struct Hello {
     pub mem_size: u64,
     pub vcpus: u32,
-    /// Device types in slot order (see `vmm::devices`).
+    /// Device types in slot order (see `ftvm_vmm::devices`).
     pub devices: Vec<u32>,
     /// The guest's MAC address, if it has a network card.
     pub mac: Option<[u8; 6]>,

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use vm_memory::{Bytes, GuestAddress};
-use vmm::{Console, DirtyBackend, DirtyBitmap, Vm, VmConfig, VmExit};
+use ftvm_vmm::{Console, DirtyBackend, DirtyBitmap, Vm, VmConfig, VmExit};
 
 fn image(name: &str) -> PathBuf {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/images").join(format!("{name}.elf"));

@@ -33,7 +33,7 @@ pub struct Response {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pause_us: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub replication: Option<replication::Status>,
+    pub replication: Option<ftvm_replication::Status>,
 }
 
 impl Response {

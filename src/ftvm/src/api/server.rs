@@ -5,9 +5,9 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use replication::{Primary, StatusCell};
-use vmm::snapshot::{self, SnapshotHeader};
-use vmm::Vm;
+use ftvm_replication::{Primary, StatusCell};
+use ftvm_vmm::snapshot::{self, SnapshotHeader};
+use ftvm_vmm::Vm;
 
 use super::{Request, Response};
 
