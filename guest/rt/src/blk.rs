@@ -13,6 +13,8 @@
 use core::fmt;
 
 use ftvm_abi::device_kind;
+use ftvm_abi::virtio::blk::{F_FLUSH, S_IOERR, S_OK, S_UNSUPP, T_FLUSH, T_GET_ID, T_IN, T_OUT};
+use ftvm_abi::virtio::{F_RING_EVENT_IDX, F_VERSION_1};
 use virtio_drivers::queue::VirtQueue;
 use virtio_drivers::transport::mmio::MmioTransport;
 use virtio_drivers::transport::{DeviceStatus, DeviceType, Transport};
@@ -20,7 +22,7 @@ use virtio_drivers::transport::{DeviceStatus, DeviceType, Transport};
 use crate::time;
 use crate::virtio::{self, Claim, OpenError};
 
-pub const SECTOR_SIZE: usize = 512;
+pub use ftvm_abi::virtio::blk::{ID_LEN, SECTOR_SIZE};
 
 /// One request at a time needs three descriptors; the VMM offers more.
 const QUEUE_SIZE: usize = 16;
@@ -29,19 +31,6 @@ const QUEUE_SIZE: usize = 16;
 const MAX_REQUEST_BYTES: usize = 256 * 1024;
 /// A lost wakeup costs at most this much latency.
 const POLL_NS: u64 = 10 * time::NS_PER_MS;
-
-const F_FLUSH: u64 = 1 << 9;
-const F_RING_EVENT_IDX: u64 = 1 << 29;
-const F_VERSION_1: u64 = 1 << 32;
-
-const T_IN: u32 = 0;
-const T_OUT: u32 = 1;
-const T_FLUSH: u32 = 4;
-const T_GET_ID: u32 = 8;
-
-const S_OK: u8 = 0;
-const S_IOERR: u8 = 1;
-const S_UNSUPP: u8 = 2;
 
 #[derive(Debug)]
 pub enum Error {
@@ -129,16 +118,9 @@ impl Disk {
             Ok(u64::from(hi) << 32 | u64::from(lo))
         });
         let capacity = capacity.map_err(OpenError::Init)?;
-        let queue = VirtQueue::new(&mut t, 0, false, features & F_RING_EVENT_IDX != 0)
-            .map_err(OpenError::Init)?;
+        let queue = VirtQueue::new(&mut t, 0, false, features & F_RING_EVENT_IDX != 0).map_err(OpenError::Init)?;
         t.finish_init();
-        Ok(Disk {
-            transport: t,
-            queue,
-            _claim: claim,
-            capacity,
-            can_flush: features & F_FLUSH != 0,
-        })
+        Ok(Disk { transport: t, queue, _claim: claim, capacity, can_flush: features & F_FLUSH != 0 })
     }
 
     /// Size of the disk in 512-byte sectors.
@@ -177,9 +159,9 @@ impl Disk {
         self.request(T_FLUSH, 0, Data::None)
     }
 
-    /// The device's id string (NUL-padded ASCII, 20 bytes).
-    pub fn id(&mut self) -> Result<[u8; 20], Error> {
-        let mut id = [0u8; 20];
+    /// The device's id string (ASCII, NUL-padded).
+    pub fn id(&mut self) -> Result<[u8; ID_LEN], Error> {
+        let mut id = [0u8; ID_LEN];
         self.request(T_GET_ID, 0, Data::In(&mut id))?;
         Ok(id)
     }
@@ -219,11 +201,7 @@ impl Disk {
 
     /// Queue one descriptor chain, notify, and sleep until the device has
     /// used it.
-    fn submit<'a>(
-        &mut self,
-        inputs: &'a [&'a [u8]],
-        outputs: &'a mut [&'a mut [u8]],
-    ) -> Result<(), Error> {
+    fn submit<'a>(&mut self, inputs: &'a [&'a [u8]], outputs: &'a mut [&'a mut [u8]]) -> Result<(), Error> {
         // SAFETY: the buffers stay borrowed (and untouched) until pop_used
         // below hands them back: this function does not return in between.
         let token = unsafe { self.queue.add(inputs, &mut *outputs) }.map_err(Error::Queue)?;

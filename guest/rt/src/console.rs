@@ -29,11 +29,7 @@ pub(crate) enum Overflow {
 
 impl<const N: usize> BufWriter<N> {
     pub(crate) fn new(overflow: Overflow) -> Self {
-        BufWriter {
-            buf: [0; N],
-            len: 0,
-            overflow,
-        }
+        BufWriter { buf: [0; N], len: 0, overflow }
     }
 
     pub(crate) fn as_bytes(&self) -> &[u8] {

@@ -11,20 +11,12 @@ static HEAP: LockedHeap = LockedHeap::empty();
 /// Returns the region the heap covers (size 0 if there is no FREE memory,
 /// in which case every allocation fails).
 pub(crate) fn init(memmap: &[MemRegion]) -> MemRegion {
-    let Some(region) = memmap
-        .iter()
-        .filter(|r| r.kind == mem_kind::FREE)
-        .max_by_key(|r| r.size)
-        .copied()
-    else {
+    let Some(region) = memmap.iter().filter(|r| r.kind == mem_kind::FREE).max_by_key(|r| r.size).copied() else {
         return MemRegion::default();
     };
     // SAFETY: the VMM gives FREE regions to the guest exclusively; nothing
     // else (image, stacks, boot info) lives there, and init runs once, on
     // vCPU 0, before any allocation.
-    unsafe {
-        HEAP.lock()
-            .init(region.base as *mut u8, region.size as usize)
-    };
+    unsafe { HEAP.lock().init(region.base as *mut u8, region.size as usize) };
     region
 }

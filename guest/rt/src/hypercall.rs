@@ -19,51 +19,42 @@ unsafe fn call<T>(port: u16, block: &mut T) {
     // SAFETY: `out` to a hypercall port only exits to the VMM, which accesses
     // `block` (exclusively borrowed here) per the ABI; the missing `nomem`
     // makes the compiler treat the block as read and written.
-    unsafe {
-        asm!("out dx, eax", in("dx") port, in("eax") addr as u32, options(nostack, preserves_flags))
-    };
+    unsafe { asm!("out dx, eax", in("dx") port, in("eax") addr as u32, options(nostack, preserves_flags)) };
 }
 
 pub fn console_write(bytes: &[u8]) {
-    let mut b = ConsoleWrite {
-        buf: bytes.as_ptr() as u64,
-        len: bytes.len() as u64,
-    };
+    let mut b = ConsoleWrite { buf: bytes.as_ptr() as u64, len: bytes.len() as u64 };
     // SAFETY: the block describes a live, readable byte slice.
     unsafe { call(port::CONSOLE_WRITE, &mut b) };
 }
 
 /// Returns the VMM's event sequence number (see [`ftvm_abi::Wait`]).
 pub fn wait(deadline_ns: u64, seen: u64) -> u64 {
-    let mut b = Wait {
-        deadline_ns,
-        seen,
-        seq: 0,
-    };
-    // SAFETY: plain data block; the VMM only writes `seq`.
+    let mut b = Wait { deadline_ns, seen, seq: 0 };
+    // SAFETY: the block holds no addresses, so the VMM touches only the
+    // block itself (it writes `seq`).
     unsafe { call(port::WAIT, &mut b) };
     b.seq
 }
 
 pub fn kick() {
     let mut b = Kick::default();
-    // SAFETY: plain data block.
+    // SAFETY: the block holds no addresses, so the VMM touches only the
+    // block itself.
     unsafe { call(port::KICK, &mut b) };
 }
 
 /// Asks the VMM to stop the VM; it does not resume this vCPU normally.
 pub fn exit(status: u64) {
     let mut b = Exit { status };
-    // SAFETY: plain data block.
+    // SAFETY: the block holds no addresses, so the VMM touches only the
+    // block itself.
     unsafe { call(port::EXIT, &mut b) };
 }
 
 /// Like [`exit`], reporting a guest panic with `msg`.
 pub fn abort(msg: &[u8]) {
-    let mut b = Abort {
-        msg: msg.as_ptr() as u64,
-        len: msg.len() as u64,
-    };
+    let mut b = Abort { msg: msg.as_ptr() as u64, len: msg.len() as u64 };
     // SAFETY: the block describes a live, readable byte slice.
     unsafe { call(port::ABORT, &mut b) };
 }

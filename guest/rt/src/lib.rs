@@ -35,10 +35,12 @@ mod panic;
 pub mod smp;
 mod start;
 pub mod time;
+mod vcpu;
 pub mod virtio;
 
-pub use smp::{run_on_all, vcpu_count, vcpu_id};
+pub use smp::run_on_all;
 pub use start::{devices, Args};
+pub use vcpu::{vcpu_count, vcpu_id};
 
 /// Most vCPUs a guest supports (per-vCPU tables are sized by it).
 pub const MAX_VCPUS: usize = 64;

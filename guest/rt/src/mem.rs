@@ -12,7 +12,8 @@ use core::arch::asm;
 /// C `memcpy` contract: non-overlapping, valid ranges.
 #[no_mangle]
 pub unsafe extern "C" fn memcpy(dst: *mut u8, src: *const u8, n: usize) -> *mut u8 {
-    // SAFETY: forwarded contract.
+    // SAFETY: memcpy's contract (valid, non-overlapping ranges) is more than
+    // copy_forward needs.
     unsafe { copy_forward(dst, src, n) };
     dst
 }
@@ -36,7 +37,8 @@ pub unsafe extern "C" fn memmove(dst: *mut u8, src: *const u8, n: usize) -> *mut
     if (dst as usize).wrapping_sub(src as usize) >= n {
         // dst is below src or past its end: a forward copy never overwrites
         // bytes it has yet to read.
-        // SAFETY: forwarded contract; a forward copy handles this overlap.
+        // SAFETY: the caller guarantees both ranges are valid, and this is
+        // the overlap copy_forward allows.
         unsafe { copy_forward(dst, src, n) };
         return dst;
     }
@@ -84,7 +86,7 @@ pub unsafe extern "C" fn memcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
 /// As [`memcmp`]; only zero/non-zero of the result is meaningful.
 #[no_mangle]
 pub unsafe extern "C" fn bcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
-    // SAFETY: forwarded contract.
+    // SAFETY: bcmp's contract is memcmp's.
     unsafe { memcmp(a, b, n) }
 }
 

@@ -11,14 +11,7 @@ use crate::hypercall;
 fn panic(info: &PanicInfo) -> ! {
     let mut w = BufWriter::<1024>::new(Overflow::Truncate);
     let _ = match info.location() {
-        Some(l) => write!(
-            w,
-            "panicked at {}:{}:{}: {}",
-            l.file(),
-            l.line(),
-            l.column(),
-            info.message()
-        ),
+        Some(l) => write!(w, "panicked at {}:{}:{}: {}", l.file(), l.line(), l.column(), info.message()),
         None => write!(w, "panicked: {}", info.message()),
     };
     hypercall::abort(w.as_bytes());

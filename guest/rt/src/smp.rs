@@ -1,23 +1,13 @@
-//! vCPU identity and the fork-join helper.
+//! The fork-join helper: run one closure on several vCPUs at once.
 //!
-//! There is no TLS (no fs base at CPL3 without a kernel), so a vCPU finds its
-//! index from its stack pointer: every vCPU records the top of its entry stack
-//! at `_start`, and stays on that stack for good.
-//!
-//! Secondary vCPUs idle in [`secondary_loop`], sleeping in WAIT. vCPU 0
+//! Secondary vCPUs idle in `secondary_loop`, sleeping in WAIT. vCPU 0
 //! publishes a job and KICKs; participants run it and the last to finish
 //! KICKs vCPU 0 back.
 
-use core::arch::asm;
 use core::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 
-use ftvm_abi::layout::VCPU_STACK_SIZE;
-
-use crate::{hypercall, time, MAX_VCPUS};
-
-/// Entry `rsp + 8` of each vCPU, 0 until that vCPU has started.
-static STACK_TOP: [AtomicU64; MAX_VCPUS] = [const { AtomicU64::new(0) }; MAX_VCPUS];
-static VCPU_COUNT: AtomicUsize = AtomicUsize::new(0);
+use crate::vcpu::{vcpu_count, vcpu_id};
+use crate::{hypercall, time};
 
 /// The current job as `generation << 16 | participants`. One word, so a
 /// secondary can never pair one job's generation with another's size.
@@ -34,46 +24,12 @@ const IDLE_POLL_NS: u64 = 100 * time::NS_PER_MS;
 
 type Job<'a> = &'a (dyn Fn(usize) + Sync);
 
-pub(crate) fn register(vcpu: usize, entry_rsp: u64) {
-    STACK_TOP[vcpu].store(entry_rsp + 8, Ordering::Release);
-}
-
-pub(crate) fn set_vcpu_count(n: usize) {
-    VCPU_COUNT.store(n, Ordering::Release);
-}
-
-/// Number of vCPUs of the VM.
-pub fn vcpu_count() -> usize {
-    VCPU_COUNT.load(Ordering::Acquire)
-}
-
-/// Index of the calling vCPU (0..vcpu_count).
-pub fn vcpu_id() -> usize {
-    let rsp: u64;
-    // SAFETY: reads a register, touches nothing.
-    unsafe { asm!("mov {}, rsp", out(reg) rsp, options(nomem, nostack, preserves_flags)) };
-    for (i, top) in STACK_TOP.iter().enumerate() {
-        let top = top.load(Ordering::Relaxed);
-        if top != 0 && rsp < top && rsp >= top - VCPU_STACK_SIZE {
-            return i;
-        }
-    }
-    panic!("vcpu_id: rsp {rsp:#x} is on no vCPU's entry stack");
-}
-
 /// Run `job(cpu)` on vCPUs `0..n` concurrently (vCPU 0 runs `job(0)` itself)
 /// and return when all have finished. Call it from vCPU 0 only, not nested.
 pub fn run_on_all(n: usize, job: Job<'_>) {
-    assert!(
-        n >= 1 && n <= vcpu_count(),
-        "run_on_all: {n} vCPUs requested, VM has {}",
-        vcpu_count()
-    );
+    assert!(n >= 1 && n <= vcpu_count(), "run_on_all: {n} vCPUs requested, VM has {}", vcpu_count());
     assert_eq!(vcpu_id(), 0, "run_on_all must be called from vCPU 0");
-    assert!(
-        !JOB_RUNNING.swap(true, Ordering::Acquire),
-        "run_on_all is not reentrant"
-    );
+    assert!(!JOB_RUNNING.swap(true, Ordering::Acquire), "run_on_all is not reentrant");
     if n > 1 {
         JOB_DONE.store(0, Ordering::Relaxed);
         JOB_FN.store(&job as *const Job<'_> as *mut (), Ordering::Relaxed);

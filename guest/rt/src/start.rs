@@ -3,7 +3,7 @@
 use ftvm_abi::{BootInfo, Device, MemRegion, ABI_VERSION, BOOT_MAGIC};
 use spin::Once;
 
-use crate::{exit, heap, panic, smp, time, MAX_VCPUS};
+use crate::{exit, heap, panic, smp, time, vcpu, MAX_VCPUS};
 
 static DEVICES: Once<&'static [Device]> = Once::new();
 
@@ -28,9 +28,7 @@ pub struct Args {
 impl Args {
     /// FREE regions of guest RAM (including the heap's).
     pub fn free_regions(&self) -> impl Iterator<Item = &'static MemRegion> {
-        self.memmap
-            .iter()
-            .filter(|r| r.kind == ftvm_abi::mem_kind::FREE)
+        self.memmap.iter().filter(|r| r.kind == ftvm_abi::mem_kind::FREE)
     }
 }
 
@@ -43,12 +41,7 @@ impl Args {
 #[doc(hidden)]
 // `main` is only ever a Rust function's address loaded by our own `_start`.
 #[allow(improper_ctypes_definitions)]
-pub unsafe extern "C" fn __start(
-    boot: *const BootInfo,
-    vcpu: u64,
-    entry_rsp: u64,
-    main: fn(&Args) -> i32,
-) -> ! {
+pub unsafe extern "C" fn __start(boot: *const BootInfo, vcpu: u64, entry_rsp: u64, main: fn(&Args) -> i32) -> ! {
     let vcpu = vcpu as usize;
     // SAFETY: the VMM passes the address of the boot info page, mapped
     // readable and never changed while the guest runs.
@@ -60,34 +53,19 @@ pub unsafe extern "C" fn __start(
             // not run anything (vCPU 0 aborts on the count as well).
             panic::park();
         }
-        smp::register(vcpu, entry_rsp);
+        vcpu::register(vcpu, entry_rsp);
         time::init(boot.clock_addr as *const _);
         smp::secondary_loop(vcpu);
     }
-    smp::register(0, entry_rsp);
-    assert!(
-        sane,
-        "bad boot info: magic {:#x} abi_version {} (expected {:#x} {})",
-        boot.magic, boot.abi_version, BOOT_MAGIC, ABI_VERSION
-    );
+    vcpu::register(0, entry_rsp);
+    assert!(sane, "bad boot info: magic {:#x} abi_version {} (expected {:#x} {})", boot.magic, boot.abi_version, BOOT_MAGIC, ABI_VERSION);
     let vcpu_count = boot.vcpu_count as usize;
-    assert!(
-        (1..=MAX_VCPUS).contains(&vcpu_count),
-        "{vcpu_count} vCPUs, the runtime supports 1..={MAX_VCPUS}"
-    );
+    assert!((1..=MAX_VCPUS).contains(&vcpu_count), "{vcpu_count} vCPUs, the runtime supports 1..={MAX_VCPUS}");
     time::init(boot.clock_addr as *const _);
-    smp::set_vcpu_count(vcpu_count);
+    vcpu::set_vcpu_count(vcpu_count);
     DEVICES.call_once(|| device_list(boot));
-    let args = Args {
-        cmdline: cmdline(boot),
-        vcpu_count,
-        memmap: memmap(boot),
-        heap: MemRegion::default(),
-    };
-    let args = Args {
-        heap: heap::init(args.memmap),
-        ..args
-    };
+    let args = Args { cmdline: cmdline(boot), vcpu_count, memmap: memmap(boot), heap: MemRegion::default() };
+    let args = Args { heap: heap::init(args.memmap), ..args };
     exit(main(&args))
 }
 

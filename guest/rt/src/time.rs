@@ -10,7 +10,8 @@ use core::sync::atomic::{compiler_fence, AtomicPtr, AtomicU64, Ordering};
 
 use ftvm_abi::ClockPage;
 
-use crate::{hypercall, smp, MAX_VCPUS};
+use crate::vcpu::vcpu_id;
+use crate::{hypercall, MAX_VCPUS};
 
 pub const NS_PER_MS: u64 = 1_000_000;
 pub const NS_PER_SEC: u64 = 1_000_000_000;
@@ -54,7 +55,7 @@ pub fn now_ns() -> u64 {
             _rdtsc()
         };
         compiler_fence(Ordering::Acquire);
-        // SAFETY: as above.
+        // SAFETY: a clock page read, sound as the first one in this loop.
         let v2 = unsafe { read_volatile(addr_of!((*page).version)) };
         if v1 & 1 == 0 && v1 == v2 {
             return c.ns_at(tsc);
@@ -67,7 +68,7 @@ pub fn now_ns() -> u64 {
 /// device event arrives, or the VMM wakes the vCPU for its own reasons. Callers
 /// re-check their condition afterwards.
 pub fn wait(deadline_ns: u64) {
-    let slot = &SEEN[smp::vcpu_id()];
+    let slot = &SEEN[vcpu_id()];
     let seq = hypercall::wait(deadline_ns, slot.load(Ordering::Relaxed));
     slot.store(seq, Ordering::Relaxed);
 }

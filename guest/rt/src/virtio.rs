@@ -129,16 +129,14 @@ pub(crate) fn open(kind: u32, ty: DeviceType) -> Result<(MmioTransport<'static>,
 }
 
 fn transport(dev: &Device, ty: DeviceType) -> Result<MmioTransport<'static>, OpenError> {
-    let header = NonNull::new(dev.mmio_base as *mut VirtIOHeader)
-        .ok_or(OpenError::Unexpected("device at address 0"))?;
+    let header = NonNull::new(dev.mmio_base as *mut VirtIOHeader).ok_or(OpenError::Unexpected("device at address 0"))?;
     if !dev.mmio_base.is_multiple_of(PAGE_SIZE as u64) {
         return Err(OpenError::Unexpected("register block not page-aligned"));
     }
     // SAFETY: the VMM maps `mmio_size` bytes of device registers at
     // `mmio_base` (identity, user-accessible) for the VM's lifetime, and the
     // claim taken by the caller makes this the only transport on them.
-    let t = unsafe { MmioTransport::new(header, dev.mmio_size as usize) }
-        .map_err(OpenError::Transport)?;
+    let t = unsafe { MmioTransport::new(header, dev.mmio_size as usize) }.map_err(OpenError::Transport)?;
     if t.version() != MmioVersion::Modern {
         return Err(OpenError::Unexpected("legacy (version 1) transport"));
     }

@@ -153,6 +153,58 @@ pub struct Device {
     pub mmio_size: u64,
 }
 
+/// The virtio 1.x values that the guest's drivers and the VMM's devices
+/// must agree on (section numbers are the virtio 1.2 specification's).
+/// Feature bits are masks (`1 << bit`) over the 64-bit feature words the
+/// transport exchanges.
+pub mod virtio {
+    /// The device follows virtio 1.x rather than the legacy interface (6).
+    pub const F_VERSION_1: u64 = 1 << 32;
+    /// Notifications are suppressed through the rings' used and available
+    /// event indexes instead of their flags (2.7.10).
+    pub const F_RING_EVENT_IDX: u64 = 1 << 29;
+
+    /// virtio-net (5.1).
+    pub mod net {
+        /// The device's MAC address is in its configuration space.
+        pub const F_MAC: u64 = 1 << 5;
+        /// Bytes of the `virtio_net_hdr_v1` in front of every frame on both
+        /// queues: 12, because under VERSION_1 it always carries
+        /// `num_buffers` (5.1.6).
+        pub const HDR_LEN: usize = 12;
+    }
+
+    /// virtio-blk (5.2).
+    pub mod blk {
+        /// The device has a write cache that [`T_FLUSH`] writes back;
+        /// without it every completed write is already durable.
+        pub const F_FLUSH: u64 = 1 << 9;
+        /// The unit of a request's `sector` field, whatever the device's
+        /// block size.
+        pub const SECTOR_SIZE: usize = 512;
+        /// Bytes of the device id that [`T_GET_ID`] returns (an ASCII
+        /// string, NUL-padded when shorter).
+        pub const ID_LEN: usize = 20;
+
+        /// Request type (the header's `type`): read sectors.
+        pub const T_IN: u32 = 0;
+        /// Request type: write sectors.
+        pub const T_OUT: u32 = 1;
+        /// Request type: write the device's cache back to stable storage.
+        pub const T_FLUSH: u32 = 4;
+        /// Request type: read the device id.
+        pub const T_GET_ID: u32 = 8;
+
+        /// Request status (the last byte the device writes): success.
+        pub const S_OK: u8 = 0;
+        /// Request status: the device failed the request, e.g. on a full
+        /// host disk.
+        pub const S_IOERR: u8 = 1;
+        /// Request status: the device does not support the request type.
+        pub const S_UNSUPP: u8 = 2;
+    }
+}
+
 /// Clock page at [`layout::CLOCK_PAGE_ADDR`], maintained by the VMM.
 ///
 /// Guest time in nanoseconds is

@@ -11,10 +11,16 @@
 
 use alloc::vec::Vec;
 
-pub use crate::crc32::crc32;
-
 /// Bytes of framing before each payload.
 pub const HEADER_LEN: usize = 8;
+
+/// The checksum of a record's payload: CRC-32 (IEEE 802.3, reflected,
+/// initial value and final XOR all ones), the one zlib computes. Part of the
+/// on-disk format: logs written before stay readable only while it does not
+/// change.
+pub fn crc32(payload: &[u8]) -> u32 {
+    crc32fast::hash(payload)
+}
 
 /// Append the framed `payload` to `out`. An empty payload would read back
 /// as the end of the log, so callers must not log one (the server never

@@ -31,9 +31,8 @@ extern crate alloc;
 
 pub mod aof;
 mod cmd;
-mod crc32;
+mod connection;
 mod glob;
-mod hash;
 mod log;
 mod num;
 mod parse;
@@ -42,6 +41,8 @@ mod reply;
 mod server;
 mod store;
 
+pub use cmd::Flow;
+pub use connection::Connection;
 pub use log::{LogError, LogSink, NoLog, ReplayError};
 pub use parse::{MAX_ARGS, MAX_BULK_LEN, MAX_INLINE_LEN, MAX_REQUEST_LEN};
-pub use server::{Connection, Flow, Server};
+pub use server::Server;

@@ -46,10 +46,7 @@ pub struct Digits {
 
 impl Digits {
     pub fn u64(mut v: u64) -> Digits {
-        let mut d = Digits {
-            buf: [0; 20],
-            start: 20,
-        };
+        let mut d = Digits { buf: [0; 20], start: 20 };
         loop {
             d.start -= 1;
             d.buf[d.start] = b'0' + (v % 10) as u8;

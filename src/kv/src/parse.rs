@@ -131,10 +131,7 @@ impl Parser {
     /// the slice that was passed to `next`.
     pub fn args<'a>(&'a self, data: &'a [u8]) -> Args<'a> {
         let base = if self.inline { &self.scratch[..] } else { data };
-        Args {
-            base,
-            ranges: &self.ranges,
-        }
+        Args { base, ranges: &self.ranges }
     }
 
     /// Forget the finished command. Capacity is kept for the next one unless
@@ -308,18 +305,16 @@ fn split_args(line: &[u8], out: &mut Vec<u8>, ranges: &mut Vec<(usize, usize)>) 
                 Mode::Plain if is_space(c) => break,
                 Mode::Plain if c == b'"' => mode = Mode::Double,
                 Mode::Plain if c == b'\'' => mode = Mode::Single,
-                Mode::Double if c == b'\\' && p + 3 < n && line[p + 1] == b'x' => {
-                    match (hex(line[p + 2]), hex(line[p + 3])) {
-                        (Some(h), Some(l)) => {
-                            out.push(h << 4 | l);
-                            p += 3;
-                        }
-                        _ => {
-                            out.push(b'x');
-                            p += 1;
-                        }
+                Mode::Double if c == b'\\' && p + 3 < n && line[p + 1] == b'x' => match (hex(line[p + 2]), hex(line[p + 3])) {
+                    (Some(h), Some(l)) => {
+                        out.push(h << 4 | l);
+                        p += 3;
                     }
-                }
+                    _ => {
+                        out.push(b'x');
+                        p += 1;
+                    }
+                },
                 Mode::Double if c == b'\\' && p + 1 < n => {
                     p += 1;
                     out.push(match line[p] {
@@ -335,9 +330,7 @@ fn split_args(line: &[u8], out: &mut Vec<u8>, ranges: &mut Vec<(usize, usize)>) 
                     p += 1;
                     out.push(b'\'');
                 }
-                Mode::Double | Mode::Single
-                    if c == if mode == Mode::Double { b'"' } else { b'\'' } =>
-                {
+                Mode::Double | Mode::Single if c == if mode == Mode::Double { b'"' } else { b'\'' } => {
                     if p + 1 < n && !is_space(line[p + 1]) {
                         return Err(());
                     }

@@ -29,9 +29,7 @@ impl Server {
                 if eq_ignore_case(name, "set") {
                     let at = match a.len() {
                         3 => Some(NEVER),
-                        5 if eq_ignore_case(a.get(3), "pxat") => {
-                            parse_i64(a.get(4)).filter(|&t| t >= 0).map(|t| t as u64)
-                        }
+                        5 if eq_ignore_case(a.get(3), "pxat") => parse_i64(a.get(4)).filter(|&t| t >= 0).map(|t| t as u64),
                         _ => None,
                     };
                     match at {

@@ -44,10 +44,7 @@ pub fn bulk(out: &mut Vec<u8>, b: &[u8]) {
 pub fn error(out: &mut Vec<u8>, parts: &[&[u8]]) {
     out.push(b'-');
     for part in parts {
-        out.extend(
-            part.iter()
-                .map(|&c| if c == b'\r' || c == b'\n' { b' ' } else { c }),
-        );
+        out.extend(part.iter().map(|&c| if c == b'\r' || c == b'\n' { b' ' } else { c }));
     }
     out.extend_from_slice(b"\r\n");
 }

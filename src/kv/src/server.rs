@@ -1,21 +1,11 @@
-//! The server object and the per-connection request loop.
+//! The server object: the store and the server-wide state that commands
+//! read and change. The request loop that feeds it is in `connection`, log
+//! replay in `replay`.
 
 use alloc::vec::Vec;
 
-use crate::cmd::{self, Ctx};
-use crate::log::LogSink;
-use crate::parse::{Parser, Step};
+use crate::parse::Parser;
 use crate::store::{Db, NEVER};
-
-/// What the transport should do with a connection after [`Server::handle`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Flow {
-    /// Send the replies and keep reading.
-    Continue,
-    /// Send the replies, then close: the client sent QUIT or broke the
-    /// protocol. Later input on this connection is ignored.
-    Close,
-}
 
 /// The store and its configuration. One per guest; connections share it.
 pub struct Server {
@@ -35,40 +25,6 @@ pub(crate) struct Stats {
     pub hits: u64,
     pub misses: u64,
     pub expired: u64,
-}
-
-/// One client's state: the unparsed tail of its input and the closing flag.
-/// (Only database 0 exists, so there is no selected-database state.)
-#[derive(Default)]
-pub struct Connection {
-    /// Bytes of a request not yet complete; always starts at a request
-    /// boundary, so it is empty between whole requests.
-    pending: Vec<u8>,
-    parser: Parser,
-    closing: bool,
-}
-
-impl Connection {
-    pub fn new() -> Connection {
-        Connection::default()
-    }
-
-    /// Bytes buffered for an incomplete request. Bounded by
-    /// [`crate::MAX_REQUEST_LEN`] plus the size of the last input.
-    pub fn buffered_len(&self) -> usize {
-        self.pending.len()
-    }
-
-    /// Whether the connection has seen QUIT or a protocol error.
-    pub fn is_closing(&self) -> bool {
-        self.closing
-    }
-
-    fn close(&mut self) {
-        self.closing = true;
-        self.pending = Vec::new();
-        self.parser.reset();
-    }
 }
 
 impl Default for Server {
@@ -111,108 +67,6 @@ impl Server {
         let n = self.db.sweep(now);
         self.stats.expired += n as u64;
         n
-    }
-
-    /// Feed bytes that arrived on `conn`: run every complete request in
-    /// order, appending replies to `out`, and keep an incomplete tail for
-    /// the next call. Each mutating command is first passed to `log` as a
-    /// record and only applied if that succeeds.
-    pub fn handle(
-        &mut self,
-        conn: &mut Connection,
-        input: &[u8],
-        now_ms: u64,
-        log: &mut impl LogSink,
-        out: &mut Vec<u8>,
-    ) -> Flow {
-        self.handle_us(conn, input, now_ms.saturating_mul(1000), log, out)
-    }
-
-    /// [`Server::handle`] with the clock in microseconds: expiry still
-    /// works in milliseconds (`now_us / 1000`), and TIME replies with
-    /// `now_us` split into seconds and microseconds.
-    pub fn handle_us(
-        &mut self,
-        conn: &mut Connection,
-        input: &[u8],
-        now_us: u64,
-        log: &mut impl LogSink,
-        out: &mut Vec<u8>,
-    ) -> Flow {
-        if conn.closing {
-            return Flow::Close;
-        }
-        let now_ms = now_us / 1000;
-        self.expire(now_ms);
-        let mut cx = Ctx {
-            now: clamp(now_ms),
-            now_us,
-            log,
-            out,
-        };
-        let flow = if conn.pending.is_empty() {
-            // The usual case: parse in place and copy only an unfinished tail.
-            let (used, flow) = self.run(&mut conn.parser, input, &mut cx);
-            if flow == Flow::Continue {
-                conn.pending.extend_from_slice(&input[used..]);
-            }
-            flow
-        } else {
-            conn.pending.extend_from_slice(input);
-            let (used, flow) = self.run(&mut conn.parser, &conn.pending, &mut cx);
-            if used == conn.pending.len() {
-                conn.pending.clear();
-                if conn.pending.capacity() > 1 << 20 {
-                    // A big request has gone through; don't keep its buffer.
-                    conn.pending = Vec::new();
-                }
-            } else if used > 0 {
-                // The remainder is one unfinished request, moved to the
-                // front once: while it stays unfinished `used` is 0.
-                conn.pending.drain(..used);
-            }
-            flow
-        };
-        if flow == Flow::Close {
-            conn.close();
-        }
-        flow
-    }
-
-    /// Run the complete requests at the start of `data`; returns the bytes
-    /// consumed.
-    fn run<L: LogSink>(
-        &mut self,
-        parser: &mut Parser,
-        data: &[u8],
-        cx: &mut Ctx<'_, L>,
-    ) -> (usize, Flow) {
-        let mut off = 0;
-        while off < data.len() {
-            let request = &data[off..];
-            match parser.next(request) {
-                Step::Incomplete => break,
-                Step::Skip(n) => {
-                    parser.reset();
-                    off += n;
-                }
-                Step::Command(n) => {
-                    let flow = cmd::execute(self, parser.args(request), cx);
-                    parser.reset();
-                    off += n;
-                    if flow == Flow::Close {
-                        return (off, flow);
-                    }
-                }
-                Step::Error(e) => {
-                    cx.out.extend_from_slice(b"-ERR Protocol error: ");
-                    e.write(cx.out);
-                    cx.out.extend_from_slice(b"\r\n");
-                    return (off, Flow::Close);
-                }
-            }
-        }
-        (off, Flow::Continue)
     }
 }
 

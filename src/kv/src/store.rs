@@ -13,9 +13,8 @@ use alloc::collections::BinaryHeap;
 use alloc::vec::Vec;
 use core::cmp::Reverse;
 
+use foldhash::fast::FixedState;
 use hashbrown::HashMap;
-
-use crate::hash::FixedState;
 
 /// `expire_at` of a key without a time to live.
 pub const NEVER: u64 = u64::MAX;
@@ -35,6 +34,10 @@ impl Entry {
 
 #[derive(Default)]
 pub struct Db {
+    /// Hashed with a fixed seed: the guest has no random source to seed
+    /// from, and a fixed seed makes the table's layout (so KEYS order) a
+    /// function of its history alone. The price, no defence against
+    /// chosen-collision floods, is acceptable for a guest-internal store.
     map: HashMap<Vec<u8>, Entry, FixedState>,
     /// Keys with an expiry time.
     volatile: usize,
@@ -97,13 +100,7 @@ impl Db {
                 was != expire_at
             }
             None => {
-                self.map.insert(
-                    key.to_vec(),
-                    Entry {
-                        value: value.to_vec(),
-                        expire_at,
-                    },
-                );
+                self.map.insert(key.to_vec(), Entry { value: value.to_vec(), expire_at });
                 true
             }
         };
@@ -124,13 +121,7 @@ impl Db {
                 e.value.len()
             }
             None => {
-                self.map.insert(
-                    key.to_vec(),
-                    Entry {
-                        value: suffix.to_vec(),
-                        expire_at: NEVER,
-                    },
-                );
+                self.map.insert(key.to_vec(), Entry { value: suffix.to_vec(), expire_at: NEVER });
                 suffix.len()
             }
         }
@@ -189,12 +180,8 @@ impl Db {
         // Rebuild when stale timers dominate, so a loop re-setting one key
         // with a long TTL cannot grow the heap without bound.
         if self.timers.len() >= 1024 && self.timers.len() > 2 * self.volatile {
-            let timers = self
-                .map
-                .iter()
-                .filter(|(_, e)| e.expire_at != NEVER)
-                .map(|(k, e)| Reverse((e.expire_at, Box::from(&k[..]))))
-                .collect();
+            let timers =
+                self.map.iter().filter(|(_, e)| e.expire_at != NEVER).map(|(k, e)| Reverse((e.expire_at, Box::from(&k[..])))).collect();
             self.timers = timers;
             // The key being set is already in the map with its new expiry.
             return;

@@ -9,81 +9,36 @@ fn ping_echo_select() {
     let mut h = H::new();
     assert_eq!(h.cmd("PING"), "+PONG\r\n");
     assert_eq!(h.cmd("ping hello"), "$5\r\nhello\r\n");
-    assert_eq!(
-        h.cmd("PING a b"),
-        "-ERR wrong number of arguments for 'ping' command\r\n"
-    );
+    assert_eq!(h.cmd("PING a b"), "-ERR wrong number of arguments for 'ping' command\r\n");
     assert_eq!(h.cmd("ECHO hi"), "$2\r\nhi\r\n");
-    assert_eq!(
-        h.cmd("echo"),
-        "-ERR wrong number of arguments for 'echo' command\r\n"
-    );
+    assert_eq!(h.cmd("echo"), "-ERR wrong number of arguments for 'echo' command\r\n");
     assert_eq!(h.cmd("SELECT 0"), "+OK\r\n");
     assert_eq!(h.cmd("SELECT 1"), "-ERR DB index is out of range\r\n");
-    assert_eq!(
-        h.cmd("SELECT x"),
-        "-ERR value is not an integer or out of range\r\n"
-    );
+    assert_eq!(h.cmd("SELECT x"), "-ERR value is not an integer or out of range\r\n");
 }
 
 #[test]
 fn unknown_command_and_arity() {
     let mut h = H::new();
-    assert_eq!(
-        h.cmd("FOO"),
-        "-ERR unknown command 'FOO', with args beginning with: \r\n"
-    );
-    assert_eq!(
-        h.cmd("foo a b"),
-        "-ERR unknown command 'foo', with args beginning with: 'a' 'b' \r\n"
-    );
+    assert_eq!(h.cmd("FOO"), "-ERR unknown command 'FOO', with args beginning with: \r\n");
+    assert_eq!(h.cmd("foo a b"), "-ERR unknown command 'foo', with args beginning with: 'a' 'b' \r\n");
     let long = "x".repeat(200);
     let out = h.cmd(&format!("foo {long} y"));
-    assert_eq!(
-        out,
-        format!(
-            "-ERR unknown command 'foo', with args beginning with: '{}' \r\n",
-            "x".repeat(128)
-        )
-    );
+    assert_eq!(out, format!("-ERR unknown command 'foo', with args beginning with: '{}' \r\n", "x".repeat(128)));
     // Newlines in an error would break the reply framing.
     let out = h.args(&[b"bad\r\nname"]);
-    assert_eq!(
-        out,
-        "-ERR unknown command 'bad  name', with args beginning with: \r\n"
-    );
+    assert_eq!(out, "-ERR unknown command 'bad  name', with args beginning with: \r\n");
     assert_eq!(
         h.cmd("averyveryverylongcommandname"),
         "-ERR unknown command 'averyveryverylongcommandname', with args beginning with: \r\n"
     );
-    assert_eq!(
-        h.cmd("GET"),
-        "-ERR wrong number of arguments for 'get' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("GET a b"),
-        "-ERR wrong number of arguments for 'get' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("SET a"),
-        "-ERR wrong number of arguments for 'set' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("DEL"),
-        "-ERR wrong number of arguments for 'del' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("DBSIZE x"),
-        "-ERR wrong number of arguments for 'dbsize' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("MSET a"),
-        "-ERR wrong number of arguments for 'mset' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("MSET a 1 b"),
-        "-ERR wrong number of arguments for 'mset' command\r\n"
-    );
+    assert_eq!(h.cmd("GET"), "-ERR wrong number of arguments for 'get' command\r\n");
+    assert_eq!(h.cmd("GET a b"), "-ERR wrong number of arguments for 'get' command\r\n");
+    assert_eq!(h.cmd("SET a"), "-ERR wrong number of arguments for 'set' command\r\n");
+    assert_eq!(h.cmd("DEL"), "-ERR wrong number of arguments for 'del' command\r\n");
+    assert_eq!(h.cmd("DBSIZE x"), "-ERR wrong number of arguments for 'dbsize' command\r\n");
+    assert_eq!(h.cmd("MSET a"), "-ERR wrong number of arguments for 'mset' command\r\n");
+    assert_eq!(h.cmd("MSET a 1 b"), "-ERR wrong number of arguments for 'mset' command\r\n");
     assert!(h.log.records.is_empty());
 }
 
@@ -130,26 +85,11 @@ fn set_nx_xx_get_keepttl() {
     assert_eq!(h.cmd("TTL r"), ":20\r\n");
     assert_eq!(h.cmd("SET k v EX 1 KEEPTTL"), "-ERR syntax error\r\n");
     assert_eq!(h.cmd("SET k v KEEPTTL EX 1"), "-ERR syntax error\r\n");
-    assert_eq!(
-        h.cmd("SET k v EX x"),
-        "-ERR value is not an integer or out of range\r\n"
-    );
-    assert_eq!(
-        h.cmd("SET k v EX 0"),
-        "-ERR invalid expire time in 'set' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("SET k v PX -5"),
-        "-ERR invalid expire time in 'set' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("SET k v EX 9223372036854775807"),
-        "-ERR invalid expire time in 'set' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("SET k v PX 9223372036854775807"),
-        "-ERR invalid expire time in 'set' command\r\n"
-    );
+    assert_eq!(h.cmd("SET k v EX x"), "-ERR value is not an integer or out of range\r\n");
+    assert_eq!(h.cmd("SET k v EX 0"), "-ERR invalid expire time in 'set' command\r\n");
+    assert_eq!(h.cmd("SET k v PX -5"), "-ERR invalid expire time in 'set' command\r\n");
+    assert_eq!(h.cmd("SET k v EX 9223372036854775807"), "-ERR invalid expire time in 'set' command\r\n");
+    assert_eq!(h.cmd("SET k v PX 9223372036854775807"), "-ERR invalid expire time in 'set' command\r\n");
     assert_eq!(h.cmd("GET k"), "$1\r\nx\r\n");
     // KEEPTTL keeps, a plain SET clears.
     assert_eq!(h.cmd("SET t v EX 100"), "+OK\r\n");
@@ -175,9 +115,7 @@ fn expiry_follows_now() {
     assert_eq!(h.cmd("TTL nope"), ":-2\r\n");
     assert_eq!(h.cmd("PTTL nope"), ":-2\r\n");
     assert_eq!(h.cmd("DBSIZE"), ":5\r\n");
-    assert!(h
-        .cmd("INFO keyspace")
-        .contains("db0:keys=5,expires=4,avg_ttl=0\r\n"));
+    assert!(h.cmd("INFO keyspace").contains("db0:keys=5,expires=4,avg_ttl=0\r\n"));
 
     h.now = t0 + 1499;
     assert_eq!(h.cmd("GET b"), "$1\r\n2\r\n");
@@ -186,10 +124,7 @@ fn expiry_follows_now() {
     assert_eq!(h.cmd("EXISTS b"), ":0\r\n");
     assert_eq!(h.cmd("DBSIZE"), ":4\r\n");
     h.now = t0 + 3500;
-    assert_eq!(
-        h.cmd("MGET a b c d e"),
-        "*5\r\n$1\r\n1\r\n$-1\r\n$-1\r\n$1\r\n4\r\n$1\r\n5\r\n"
-    );
+    assert_eq!(h.cmd("MGET a b c d e"), "*5\r\n$1\r\n1\r\n$-1\r\n$-1\r\n$1\r\n4\r\n$1\r\n5\r\n");
     assert_eq!(h.srv.dbsize(), 3);
     h.now = t0 + 10_000;
     assert_eq!(h.cmd("DBSIZE"), ":1\r\n");
@@ -245,67 +180,30 @@ fn incr_family() {
     assert_eq!(h.cmd("DECR n"), ":10\r\n");
     assert_eq!(h.cmd("DECRBY n 20"), ":-10\r\n");
     assert_eq!(h.cmd("GET n"), "$3\r\n-10\r\n");
-    assert_eq!(
-        h.cmd("INCRBY n x"),
-        "-ERR value is not an integer or out of range\r\n"
-    );
-    assert_eq!(
-        h.cmd("INCRBY n 1.5"),
-        "-ERR value is not an integer or out of range\r\n"
-    );
-    assert_eq!(
-        h.cmd("INCRBY n 99999999999999999999"),
-        "-ERR value is not an integer or out of range\r\n"
-    );
+    assert_eq!(h.cmd("INCRBY n x"), "-ERR value is not an integer or out of range\r\n");
+    assert_eq!(h.cmd("INCRBY n 1.5"), "-ERR value is not an integer or out of range\r\n");
+    assert_eq!(h.cmd("INCRBY n 99999999999999999999"), "-ERR value is not an integer or out of range\r\n");
     for bad in ["abc", "01", " 1", "+1", "-0", "1 ", ""] {
         h.args(&[b"SET", b"s", bad.as_bytes()]);
-        assert_eq!(
-            h.cmd("INCR s"),
-            "-ERR value is not an integer or out of range\r\n",
-            "{bad:?}"
-        );
+        assert_eq!(h.cmd("INCR s"), "-ERR value is not an integer or out of range\r\n", "{bad:?}");
     }
     h.cmd("SET big 9223372036854775807");
-    assert_eq!(
-        h.cmd("INCR big"),
-        "-ERR increment or decrement would overflow\r\n"
-    );
-    assert_eq!(
-        h.cmd("DECRBY big -1"),
-        "-ERR increment or decrement would overflow\r\n"
-    );
+    assert_eq!(h.cmd("INCR big"), "-ERR increment or decrement would overflow\r\n");
+    assert_eq!(h.cmd("DECRBY big -1"), "-ERR increment or decrement would overflow\r\n");
     assert_eq!(h.cmd("GET big"), "$19\r\n9223372036854775807\r\n");
     h.cmd("SET small -9223372036854775808");
-    assert_eq!(
-        h.cmd("DECR small"),
-        "-ERR increment or decrement would overflow\r\n"
-    );
-    assert_eq!(
-        h.cmd("INCRBY small -1"),
-        "-ERR increment or decrement would overflow\r\n"
-    );
-    assert_eq!(
-        h.cmd("DECRBY x -9223372036854775808"),
-        "-ERR decrement would overflow\r\n"
-    );
+    assert_eq!(h.cmd("DECR small"), "-ERR increment or decrement would overflow\r\n");
+    assert_eq!(h.cmd("INCRBY small -1"), "-ERR increment or decrement would overflow\r\n");
+    assert_eq!(h.cmd("DECRBY x -9223372036854775808"), "-ERR decrement would overflow\r\n");
     assert_eq!(h.cmd("INCRBY small 9223372036854775807"), ":-1\r\n");
     h.cmd("SET huge 9223372036854775808");
-    assert_eq!(
-        h.cmd("INCR huge"),
-        "-ERR value is not an integer or out of range\r\n"
-    );
+    assert_eq!(h.cmd("INCR huge"), "-ERR value is not an integer or out of range\r\n");
     // INCR keeps the key's time to live.
     h.cmd("SET t 1 EX 50");
     assert_eq!(h.cmd("INCR t"), ":2\r\n");
     assert_eq!(h.cmd("TTL t"), ":50\r\n");
-    assert_eq!(
-        h.cmd("INCR"),
-        "-ERR wrong number of arguments for 'incr' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("INCRBY n"),
-        "-ERR wrong number of arguments for 'incrby' command\r\n"
-    );
+    assert_eq!(h.cmd("INCR"), "-ERR wrong number of arguments for 'incr' command\r\n");
+    assert_eq!(h.cmd("INCRBY n"), "-ERR wrong number of arguments for 'incrby' command\r\n");
 }
 
 #[test]
@@ -323,18 +221,9 @@ fn append_strlen_mset_mget() {
     assert_eq!(h.cmd("TTL t"), ":9\r\n");
     assert_eq!(h.cmd("MSET t 1"), "+OK\r\n");
     assert_eq!(h.cmd("TTL t"), ":-1\r\n");
-    assert_eq!(
-        h.cmd("MGET a b nope c"),
-        "*4\r\n$1\r\n1\r\n$1\r\n2\r\n$-1\r\n$1\r\n3\r\n"
-    );
-    assert_eq!(
-        h.cmd("MGET"),
-        "-ERR wrong number of arguments for 'mget' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("APPEND a"),
-        "-ERR wrong number of arguments for 'append' command\r\n"
-    );
+    assert_eq!(h.cmd("MGET a b nope c"), "*4\r\n$1\r\n1\r\n$1\r\n2\r\n$-1\r\n$1\r\n3\r\n");
+    assert_eq!(h.cmd("MGET"), "-ERR wrong number of arguments for 'mget' command\r\n");
+    assert_eq!(h.cmd("APPEND a"), "-ERR wrong number of arguments for 'append' command\r\n");
 }
 
 #[test]
@@ -343,31 +232,18 @@ fn keys_glob() {
     h.cmd("MSET hello 1 hallo 2 hxllo 3 hllo 4 heeeello 5 h*llo 6");
     fn keys_of(h: &mut H, p: &str) -> Vec<String> {
         let out = h.args(&[b"KEYS", p.as_bytes()]);
-        let mut v: Vec<String> = out
-            .split("\r\n")
-            .filter(|l| !l.is_empty() && !l.starts_with(['*', '$']))
-            .map(String::from)
-            .collect();
+        let mut v: Vec<String> = out.split("\r\n").filter(|l| !l.is_empty() && !l.starts_with(['*', '$'])).map(String::from).collect();
         v.sort();
         v
     }
-    assert_eq!(
-        keys_of(&mut h, "h?llo"),
-        ["h*llo", "hallo", "hello", "hxllo"]
-    );
-    assert_eq!(
-        keys_of(&mut h, "h*llo"),
-        ["h*llo", "hallo", "heeeello", "hello", "hllo", "hxllo"]
-    );
+    assert_eq!(keys_of(&mut h, "h?llo"), ["h*llo", "hallo", "hello", "hxllo"]);
+    assert_eq!(keys_of(&mut h, "h*llo"), ["h*llo", "hallo", "heeeello", "hello", "hllo", "hxllo"]);
     assert_eq!(keys_of(&mut h, "h[ae]llo"), ["hallo", "hello"]);
     assert_eq!(keys_of(&mut h, "h[^e]llo"), ["h*llo", "hallo", "hxllo"]);
     assert_eq!(keys_of(&mut h, "h[a-b]llo"), ["hallo"]);
     assert_eq!(keys_of(&mut h, "h[b-a]llo"), ["hallo"]);
     assert_eq!(keys_of(&mut h, "h\\*llo"), ["h*llo"]);
-    assert_eq!(
-        keys_of(&mut h, "*"),
-        ["h*llo", "hallo", "heeeello", "hello", "hllo", "hxllo"]
-    );
+    assert_eq!(keys_of(&mut h, "*"), ["h*llo", "hallo", "heeeello", "hello", "hllo", "hxllo"]);
     assert_eq!(keys_of(&mut h, "nomatch*"), Vec::<String>::new());
     assert_eq!(keys_of(&mut h, "h[ae"), Vec::<String>::new());
     // Pathological patterns stay fast.
@@ -397,14 +273,8 @@ fn info_config_command_client() {
     let info = h.cmd("INFO");
     let body = info.split_once("\r\n").unwrap().1;
     assert_eq!(info, format!("${}\r\n{body}", body.len() - 2));
-    assert!(
-        body.starts_with("# Server\r\nredis_version:7.0.0\r\n"),
-        "{body}"
-    );
-    assert!(
-        body.contains("\r\n\r\n# Keyspace\r\ndb0:keys=1,expires=0,avg_ttl=0\r\n"),
-        "{body}"
-    );
+    assert!(body.starts_with("# Server\r\nredis_version:7.0.0\r\n"), "{body}");
+    assert!(body.contains("\r\n\r\n# Keyspace\r\ndb0:keys=1,expires=0,avg_ttl=0\r\n"), "{body}");
     assert!(body.contains("aof_enabled:0\r\n"));
     assert!(body.contains("total_commands_processed:"));
     let server = h.cmd("info SERVER");
@@ -413,56 +283,29 @@ fn info_config_command_client() {
     assert!(h.cmd("INFO server keyspace").contains("# Keyspace"));
 
     assert_eq!(h.cmd("CONFIG GET save"), "*2\r\n$4\r\nsave\r\n$0\r\n\r\n");
-    assert_eq!(
-        h.cmd("CONFIG GET appendonly"),
-        "*2\r\n$10\r\nappendonly\r\n$2\r\nno\r\n"
-    );
+    assert_eq!(h.cmd("CONFIG GET appendonly"), "*2\r\n$10\r\nappendonly\r\n$2\r\nno\r\n");
     h.srv.set_appendonly(true);
-    assert_eq!(
-        h.cmd("config get APPENDONLY"),
-        "*2\r\n$10\r\nappendonly\r\n$3\r\nyes\r\n"
-    );
+    assert_eq!(h.cmd("config get APPENDONLY"), "*2\r\n$10\r\nappendonly\r\n$3\r\nyes\r\n");
     assert!(h.cmd("INFO persistence").contains("aof_enabled:1\r\n"));
     assert_eq!(h.cmd("CONFIG GET nosuch"), "*0\r\n");
     assert_eq!(h.cmd("CONFIG GET save appendonly").matches('$').count(), 4);
     assert_eq!(h.cmd("CONFIG GET *").matches('$').count(), 6);
-    assert_eq!(
-        h.cmd("CONFIG GET"),
-        "-ERR wrong number of arguments for 'config|get' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("CONFIG"),
-        "-ERR wrong number of arguments for 'config' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("CONFIG SET save x"),
-        "-ERR unknown subcommand 'SET'. Try CONFIG HELP.\r\n"
-    );
+    assert_eq!(h.cmd("CONFIG GET"), "-ERR wrong number of arguments for 'config|get' command\r\n");
+    assert_eq!(h.cmd("CONFIG"), "-ERR wrong number of arguments for 'config' command\r\n");
+    assert_eq!(h.cmd("CONFIG SET save x"), "-ERR unknown subcommand 'SET'. Try CONFIG HELP.\r\n");
 
     assert_eq!(h.cmd("COMMAND"), "*0\r\n");
     assert_eq!(h.cmd("COMMAND DOCS"), "*0\r\n");
     assert_eq!(h.cmd("COMMAND DOCS get"), "*0\r\n");
     assert_eq!(h.cmd("COMMAND COUNT"), ":27\r\n");
-    assert_eq!(
-        h.cmd("COMMAND FOO"),
-        "-ERR unknown subcommand 'FOO'. Try COMMAND HELP.\r\n"
-    );
+    assert_eq!(h.cmd("COMMAND FOO"), "-ERR unknown subcommand 'FOO'. Try COMMAND HELP.\r\n");
 
     assert_eq!(h.cmd("CLIENT SETNAME bench"), "+OK\r\n");
     assert_eq!(h.cmd("CLIENT SETINFO lib-name redis-py"), "+OK\r\n");
     assert_eq!(h.cmd("CLIENT GETNAME"), "$-1\r\n");
-    assert_eq!(
-        h.cmd("CLIENT SETNAME"),
-        "-ERR wrong number of arguments for 'client|setname' command\r\n"
-    );
-    assert_eq!(
-        h.cmd("CLIENT KILL x"),
-        "-ERR unknown subcommand 'KILL'. Try CLIENT HELP.\r\n"
-    );
-    assert_eq!(
-        h.cmd("CLIENT"),
-        "-ERR wrong number of arguments for 'client' command\r\n"
-    );
+    assert_eq!(h.cmd("CLIENT SETNAME"), "-ERR wrong number of arguments for 'client|setname' command\r\n");
+    assert_eq!(h.cmd("CLIENT KILL x"), "-ERR unknown subcommand 'KILL'. Try CLIENT HELP.\r\n");
+    assert_eq!(h.cmd("CLIENT"), "-ERR wrong number of arguments for 'client' command\r\n");
     assert!(h.log.records.len() == 1, "only the SET is logged");
 }
 
@@ -492,26 +335,18 @@ fn time_reports_the_clock_in_seconds_and_microseconds() {
     h.now = 12_345;
     assert_eq!(h.cmd("TIME"), "*2\r\n$2\r\n12\r\n$6\r\n345000\r\n");
     assert_eq!(h.cmd("time"), h.cmd("TIME"));
-    assert_eq!(
-        h.cmd("TIME now"),
-        "-ERR wrong number of arguments for 'time' command\r\n"
-    );
+    assert_eq!(h.cmd("TIME now"), "-ERR wrong number of arguments for 'time' command\r\n");
     // `handle_us` passes microseconds through; expiry follows them in ms.
     let mut out = Vec::new();
     let mut run = |h: &mut H, cmd: &str, now_us: u64| {
         out.clear();
         let input = resp(&words(cmd));
-        h.srv
-            .handle_us(&mut h.conn, &input, now_us, &mut h.log, &mut out);
+        h.srv.handle_us(&mut h.conn, &input, now_us, &mut h.log, &mut out);
         String::from_utf8_lossy(&out).into_owned()
     };
     assert_eq!(run(&mut h, "SET k v PX 10", 5_000_000), "+OK\r\n");
     assert_eq!(run(&mut h, "GET k", 5_009_999), "$1\r\nv\r\n");
-    assert_eq!(
-        run(&mut h, "GET k", 5_010_000),
-        "$-1\r\n",
-        "expired at 5010 ms"
-    );
+    assert_eq!(run(&mut h, "GET k", 5_010_000), "$-1\r\n", "expired at 5010 ms");
     for (now_us, reply) in [
         (7_000_001, "*2\r\n$1\r\n7\r\n$1\r\n1\r\n"),
         (0, "*2\r\n$1\r\n0\r\n$1\r\n0\r\n"),

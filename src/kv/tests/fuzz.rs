@@ -98,11 +98,7 @@ fn request(rng: &mut Rng) -> Vec<u8> {
 fn mutate(rng: &mut Rng, v: &mut Vec<u8>) {
     const BYTES: &[u8] = b"*$\r\n-0123456789 \"'\\x:+";
     for _ in 0..rng.below(4) {
-        let at = if v.is_empty() {
-            0
-        } else {
-            rng.below(v.len() + 1)
-        };
+        let at = if v.is_empty() { 0 } else { rng.below(v.len() + 1) };
         match rng.below(7) {
             0 if at < v.len() => v[at] = rng.next() as u8,
             1 if at < v.len() => v[at] = *rng.pick(BYTES),
@@ -137,23 +133,13 @@ fn well_formed(mut out: &[u8]) -> Result<(), String> {
     }
     fn one(b: &[u8]) -> Result<&[u8], String> {
         let (l, rest) = line(b)?;
-        let num = || {
-            std::str::from_utf8(l)
-                .ok()
-                .and_then(|s| s.parse::<i64>().ok())
-                .ok_or("bad number")
-        };
+        let num = || std::str::from_utf8(l).ok().and_then(|s| s.parse::<i64>().ok()).ok_or("bad number");
         match b[0] {
             b'+' | b'-' => Ok(rest),
             b':' => num().map(|_| rest).map_err(Into::into),
             b'$' => match num()? {
                 -1 => Ok(rest),
-                n if n >= 0
-                    && rest.len() >= n as usize + 2
-                    && &rest[n as usize..n as usize + 2] == b"\r\n" =>
-                {
-                    Ok(&rest[n as usize + 2..])
-                }
+                n if n >= 0 && rest.len() >= n as usize + 2 && &rest[n as usize..n as usize + 2] == b"\r\n" => Ok(&rest[n as usize + 2..]),
                 _ => Err("bad bulk".into()),
             },
             b'*' => {
@@ -188,11 +174,7 @@ fn fuzz_handle_never_panics() {
             // Pure noise, biased towards protocol bytes.
             0 => {
                 for _ in 0..rng.below(48) {
-                    let b = if rng.below(2) == 0 {
-                        *rng.pick(b"*$\r\n-0123456789 ")
-                    } else {
-                        rng.next() as u8
-                    };
+                    let b = if rng.below(2) == 0 { *rng.pick(b"*$\r\n-0123456789 ") } else { rng.next() as u8 };
                     input.push(b);
                 }
             }
@@ -218,18 +200,10 @@ fn fuzz_handle_never_panics() {
             let n = 1 + rng.below(rest.len());
             flow = srv.handle(&mut conn, &rest[..n], now, &mut log, &mut out);
             rest = &rest[n..];
-            assert!(
-                conn.buffered_len() <= MAX_REQUEST_LEN,
-                "iteration {iter}: {}",
-                conn.buffered_len()
-            );
+            assert!(conn.buffered_len() <= MAX_REQUEST_LEN, "iteration {iter}: {}", conn.buffered_len());
         }
         if let Err(e) = well_formed(&out) {
-            panic!(
-                "iteration {iter}: {e}: {:?} -> {:?}",
-                String::from_utf8_lossy(&input),
-                String::from_utf8_lossy(&out)
-            );
+            panic!("iteration {iter}: {e}: {:?} -> {:?}", String::from_utf8_lossy(&input), String::from_utf8_lossy(&out));
         }
         if flow == Flow::Close {
             closes += 1;
@@ -244,13 +218,7 @@ fn fuzz_handle_never_panics() {
             log.records.clear();
         }
         if srv.dbsize() > 10_000 {
-            srv.handle(
-                &mut conn,
-                b"FLUSHALL\r\n",
-                now,
-                &mut ftvm_kv::NoLog,
-                &mut out,
-            );
+            srv.handle(&mut conn, b"FLUSHALL\r\n", now, &mut ftvm_kv::NoLog, &mut out);
         }
     }
     // The mix exercises both outcomes.

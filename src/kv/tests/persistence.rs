@@ -8,36 +8,15 @@ use ftvm_kv::{aof, LogError, LogSink, NoLog, ReplayError, Server};
 fn dump(srv: &mut Server, now: u64) -> Vec<String> {
     let mut conn = ftvm_kv::Connection::new();
     let mut out = Vec::new();
-    srv.handle(
-        &mut conn,
-        &resp(&[b"KEYS", b"*"]),
-        now,
-        &mut NoLog,
-        &mut out,
-    );
+    srv.handle(&mut conn, &resp(&[b"KEYS", b"*"]), now, &mut NoLog, &mut out);
     let text = String::from_utf8(out).unwrap();
-    let mut keys: Vec<&str> = text
-        .split("\r\n")
-        .filter(|l| !l.is_empty() && !l.starts_with(['*', '$']))
-        .collect();
+    let mut keys: Vec<&str> = text.split("\r\n").filter(|l| !l.is_empty() && !l.starts_with(['*', '$'])).collect();
     keys.sort();
     keys.iter()
         .map(|k| {
             let mut out = Vec::new();
-            srv.handle(
-                &mut conn,
-                &resp(&[b"GET", k.as_bytes()]),
-                now,
-                &mut NoLog,
-                &mut out,
-            );
-            srv.handle(
-                &mut conn,
-                &resp(&[b"PTTL", k.as_bytes()]),
-                now,
-                &mut NoLog,
-                &mut out,
-            );
+            srv.handle(&mut conn, &resp(&[b"GET", k.as_bytes()]), now, &mut NoLog, &mut out);
+            srv.handle(&mut conn, &resp(&[b"PTTL", k.as_bytes()]), now, &mut NoLog, &mut out);
             format!("{k} {}", String::from_utf8_lossy(&out).replace("\r\n", " "))
         })
         .collect()
@@ -143,13 +122,7 @@ fn nolog_accepts_everything() {
     let mut srv = Server::new();
     let mut conn = ftvm_kv::Connection::new();
     let mut out = Vec::new();
-    srv.handle(
-        &mut conn,
-        &resp(&[b"SET", b"a", b"1"]),
-        0,
-        &mut NoLog,
-        &mut out,
-    );
+    srv.handle(&mut conn, &resp(&[b"SET", b"a", b"1"]), 0, &mut NoLog, &mut out);
     assert_eq!(out, b"+OK\r\n");
     assert_eq!(NoLog.append(b"x"), Ok(()));
 }
@@ -203,23 +176,12 @@ fn replay_reproduces_state() {
     h.cmd("INCR e2");
     let size_now = h.srv.dbsize();
 
-    for later in [
-        h.now,
-        h.now + 15,
-        h.now + 600,
-        h.now + 100_000,
-        h.now + 10_000_000,
-    ] {
+    for later in [h.now, h.now + 15, h.now + 600, h.now + 100_000, h.now + 10_000_000] {
         let mut fresh = Server::new();
         for r in &h.log.records {
             fresh.replay(r, later).unwrap();
         }
-        assert_eq!(
-            dump(&mut fresh, later),
-            dump(&mut h.srv, later),
-            "replayed at +{}",
-            later - t0
-        );
+        assert_eq!(dump(&mut fresh, later), dump(&mut h.srv, later), "replayed at +{}", later - t0);
     }
     let mut fresh = Server::new();
     for r in &h.log.records {
@@ -250,36 +212,19 @@ fn replay_rejects_bad_records_without_change() {
     for (rec, err) in [
         (b"".to_vec(), ReplayError::Malformed),
         (b"SET a 2\r\n".to_vec(), ReplayError::Malformed),
-        (
-            b"*3\r\n$3\r\nSET\r\n$1\r\na\r\n".to_vec(),
-            ReplayError::Malformed,
-        ),
-        (
-            [resp(&[b"SET", b"a", b"2"]), b"x".to_vec()].concat(),
-            ReplayError::Malformed,
-        ),
+        (b"*3\r\n$3\r\nSET\r\n$1\r\na\r\n".to_vec(), ReplayError::Malformed),
+        ([resp(&[b"SET", b"a", b"2"]), b"x".to_vec()].concat(), ReplayError::Malformed),
         (resp(&[b"GET", b"a"]), ReplayError::UnknownCommand),
         (resp(&[b"INCR", b"a"]), ReplayError::UnknownCommand),
-        (
-            resp(&[b"SET", b"a", b"2", b"EX", b"5"]),
-            ReplayError::BadArguments,
-        ),
-        (
-            resp(&[b"SET", b"a", b"2", b"PXAT", b"x"]),
-            ReplayError::BadArguments,
-        ),
+        (resp(&[b"SET", b"a", b"2", b"EX", b"5"]), ReplayError::BadArguments),
+        (resp(&[b"SET", b"a", b"2", b"PXAT", b"x"]), ReplayError::BadArguments),
         (resp(&[b"SET", b"a"]), ReplayError::BadArguments),
         (resp(&[b"MSET", b"a"]), ReplayError::BadArguments),
         (resp(&[b"DEL"]), ReplayError::BadArguments),
         (resp(&[b"FLUSHALL", b"x"]), ReplayError::BadArguments),
         (resp(&[b"APPEND", b"a"]), ReplayError::BadArguments),
     ] {
-        assert_eq!(
-            srv.replay(&rec, 0),
-            Err(err),
-            "{:?}",
-            String::from_utf8_lossy(&rec)
-        );
+        assert_eq!(srv.replay(&rec, 0), Err(err), "{:?}", String::from_utf8_lossy(&rec));
     }
     assert_eq!(dump(&mut srv, 0), ["a $1 1 :-1 "]);
     // Replay can go on after a rejected record.
@@ -289,9 +234,7 @@ fn replay_rejects_bad_records_without_change() {
 
 #[test]
 fn aof_roundtrip_and_torn_tails() {
-    let payloads: Vec<Vec<u8>> = (0..50)
-        .map(|i| resp(&[b"SET", format!("k{i}").as_bytes(), &vec![b'v'; i * 7 + 1]]))
-        .collect();
+    let payloads: Vec<Vec<u8>> = (0..50).map(|i| resp(&[b"SET", format!("k{i}").as_bytes(), &vec![b'v'; i * 7 + 1]])).collect();
     let mut dev = Vec::new();
     let mut ends = Vec::new();
     for p in &payloads {
@@ -312,11 +255,7 @@ fn aof_roundtrip_and_torn_tails() {
     // A truncation anywhere keeps exactly the whole records before it.
     for cut in 0..dev.len() {
         let n = aof::records(&dev[..cut]).count();
-        assert_eq!(
-            n,
-            ends.iter().filter(|&&e| e <= cut).count(),
-            "cut at {cut}"
-        );
+        assert_eq!(n, ends.iter().filter(|&&e| e <= cut).count(), "cut at {cut}");
     }
     // A flipped bit stops at the damaged record, even if later ones are fine.
     for (i, &end) in ends.iter().enumerate().step_by(7) {
@@ -334,32 +273,26 @@ fn aof_roundtrip_and_torn_tails() {
     assert_eq!(aof::records(&[]).count(), 0);
     assert_eq!(aof::records(&[1, 0, 0]).count(), 0);
     // A huge length field in garbage is just a torn tail.
-    assert_eq!(
-        aof::records(&[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0, 1]).count(),
-        0
-    );
+    assert_eq!(aof::records(&[0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0, 1]).count(), 0);
 }
 
 #[test]
 fn crc32_is_the_standard_one() {
+    // Known values, the catalogue check value for "123456789" among them:
+    // records carry this checksum, so logs written by earlier builds stay
+    // readable only while it is exactly this CRC-32.
     assert_eq!(aof::crc32(b""), 0);
     assert_eq!(aof::crc32(b"123456789"), 0xcbf4_3926);
-    assert_eq!(
-        aof::crc32(b"The quick brown fox jumps over the lazy dog"),
-        0x414f_a339
-    );
-    // Slicing-by-8 agrees with the bytewise definition at every length.
+    assert_eq!(aof::crc32(b"The quick brown fox jumps over the lazy dog"), 0x414f_a339);
+    // The bytewise definition agrees at every length, across the lengths at
+    // which an implementation switches between its bulk and tail loops.
     let data: Vec<u8> = (0..300u32).map(|i| (i * 31 + 7) as u8).collect();
     for n in 0..data.len() {
         let mut crc = !0u32;
         for &b in &data[..n] {
             crc ^= u32::from(b);
             for _ in 0..8 {
-                crc = if crc & 1 != 0 {
-                    0xedb8_8320 ^ (crc >> 1)
-                } else {
-                    crc >> 1
-                };
+                crc = if crc & 1 != 0 { 0xedb8_8320 ^ (crc >> 1) } else { crc >> 1 };
             }
         }
         assert_eq!(aof::crc32(&data[..n]), !crc);
@@ -387,13 +320,7 @@ fn log_device_to_replay() {
     loop {
         out.clear();
         let k = format!("k{}", i % 13);
-        srv.handle(
-            &mut conn,
-            &resp(&[b"APPEND", k.as_bytes(), b"0123456789"]),
-            i,
-            &mut dev,
-            &mut out,
-        );
+        srv.handle(&mut conn, &resp(&[b"APPEND", k.as_bytes(), b"0123456789"]), i, &mut dev, &mut out);
         if out.starts_with(b"-ERR disk full") {
             break;
         }

@@ -96,14 +96,8 @@ fn inline_commands() {
     assert_eq!(h.feed(b"ping\n").0, "+PONG\r\n");
     assert_eq!(h.feed(b"SET  a   b\r\nGET a\r\n").0, "+OK\r\n$1\r\nb\r\n");
     assert_eq!(h.feed(b"\r\n\n   \r\n").0, "");
-    assert_eq!(
-        h.feed(b"SET q \"x y\\n\\x41\"\r\nGET q\r\n").0,
-        "+OK\r\n$5\r\nx y\nA\r\n"
-    );
-    assert_eq!(
-        h.feed(b"SET q 'it\\'s'\r\nGET q\r\n").0,
-        "+OK\r\n$4\r\nit's\r\n"
-    );
+    assert_eq!(h.feed(b"SET q \"x y\\n\\x41\"\r\nGET q\r\n").0, "+OK\r\n$5\r\nx y\nA\r\n");
+    assert_eq!(h.feed(b"SET q 'it\\'s'\r\nGET q\r\n").0, "+OK\r\n$4\r\nit's\r\n");
     assert_eq!(h.feed(b"SET q \"\"\r\nSTRLEN q\r\n").0, "+OK\r\n:0\r\n");
     // Split inline line, then mixed with RESP.
     assert_eq!(h.feed(b"GE").0, "");
@@ -116,24 +110,13 @@ fn inline_commands() {
     assert_eq!(flow, Flow::Close);
     let mut h = H::new();
     let (out, flow) = h.feed(b"SET a \"b\"c\r\n");
-    assert_eq!(
-        (out.as_str(), flow),
-        (
-            "-ERR Protocol error: unbalanced quotes in request\r\n",
-            Flow::Close
-        )
-    );
+    assert_eq!((out.as_str(), flow), ("-ERR Protocol error: unbalanced quotes in request\r\n", Flow::Close));
 }
 
 fn error_closes(input: &[u8], msg: &str) {
     let mut h = H::new();
     let (out, flow) = h.feed(input);
-    assert_eq!(
-        out,
-        format!("+PONG\r\n-ERR Protocol error: {msg}\r\n"),
-        "{:?}",
-        String::from_utf8_lossy(input)
-    );
+    assert_eq!(out, format!("+PONG\r\n-ERR Protocol error: {msg}\r\n"), "{:?}", String::from_utf8_lossy(input));
     assert_eq!(flow, Flow::Close);
     assert_eq!(h.conn.buffered_len(), 0);
     assert_eq!(h.feed(b"PING\r\n"), (String::new(), Flow::Close));
@@ -147,25 +130,13 @@ fn protocol_errors_reply_then_close() {
     error_closes(&with_ping(b"*1\r\n$-1\r\n"), "invalid bulk length");
     error_closes(&with_ping(b"*1\r\n$x\r\n"), "invalid bulk length");
     error_closes(&with_ping(b"*1\r\n$536870913\r\n"), "invalid bulk length");
-    error_closes(
-        &with_ping(format!("*1\r\n${}\r\n", MAX_BULK_LEN + 1).as_bytes()),
-        "invalid bulk length",
-    );
+    error_closes(&with_ping(format!("*1\r\n${}\r\n", MAX_BULK_LEN + 1).as_bytes()), "invalid bulk length");
     error_closes(&with_ping(b"*1\r\n+PING\r\n"), "expected '$', got '+'");
     error_closes(&with_ping(b"*1\r\n$4\r\nPINGxx"), "expected CRLF");
     error_closes(&with_ping(b"*1\rx"), "expected CRLF");
-    error_closes(
-        &with_ping(&vec![b'x'; MAX_INLINE_LEN + 1]),
-        "too big inline request",
-    );
-    error_closes(
-        &with_ping(&[b"*".as_slice(), &vec![b'1'; MAX_INLINE_LEN + 1]].concat()),
-        "too big mbulk count string",
-    );
-    error_closes(
-        &with_ping(&[b"*1\r\n$".as_slice(), &vec![b'1'; MAX_INLINE_LEN + 1]].concat()),
-        "too big bulk count string",
-    );
+    error_closes(&with_ping(&vec![b'x'; MAX_INLINE_LEN + 1]), "too big inline request");
+    error_closes(&with_ping(&[b"*".as_slice(), &vec![b'1'; MAX_INLINE_LEN + 1]].concat()), "too big mbulk count string");
+    error_closes(&with_ping(&[b"*1\r\n$".as_slice(), &vec![b'1'; MAX_INLINE_LEN + 1]].concat()), "too big bulk count string");
     // Three 60 MiB arguments announced: refused before the data arrives.
     let mut big = b"*3\r\n".to_vec();
     for _ in 0..2 {
@@ -188,10 +159,7 @@ fn error_inside_split_input() {
     let mut h = H::new();
     assert_eq!(h.feed(b"*1\r\n$4\r\nPI").0, "");
     let (out, flow) = h.feed(b"NG\r\n*x\r\n");
-    assert_eq!(
-        out,
-        "+PONG\r\n-ERR Protocol error: invalid multibulk length\r\n"
-    );
+    assert_eq!(out, "+PONG\r\n-ERR Protocol error: invalid multibulk length\r\n");
     assert_eq!(flow, Flow::Close);
 }
 

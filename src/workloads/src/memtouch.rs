@@ -223,10 +223,9 @@ impl Writer {
     pub fn new(config: &Config, writer: u32, writers: u32) -> Writer {
         let (first_page, pages) = config.partition(writer, writers);
         let (hot_pages, hot_threshold) = match config.pattern {
-            Pattern::HotCold { hot_permille, hot_prob_permille } => (
-                (pages * hot_permille as u64 / 1000).clamp(1, pages.max(1)),
-                (1u64 << 16) * hot_prob_permille as u64 / 1000,
-            ),
+            Pattern::HotCold { hot_permille, hot_prob_permille } => {
+                ((pages * hot_permille as u64 / 1000).clamp(1, pages.max(1)), (1u64 << 16) * hot_prob_permille as u64 / 1000)
+            }
             _ => (0, 0),
         };
         Writer {
@@ -366,7 +365,8 @@ mod tests {
             let mut w = Writer::new(&c, 0, 1);
             // SAFETY: `ws` holds the whole working set and only this writer.
             unsafe { w.run(ws.as_mut_ptr(), 1000, |_| {}) };
-            // SAFETY: reinterpreting initialized u64s as bytes.
+            // SAFETY: the bytes of `ws`'s initialized u64s, borrowed while `ws`
+            // lives; u8 has no alignment or validity requirement.
             checksum(unsafe { core::slice::from_raw_parts(ws.as_ptr() as *const u8, ws.len() * 8) })
         };
         assert_eq!(run(1), run(1));

@@ -47,10 +47,7 @@ impl DiskLog {
     /// log positioned after the last one.
     pub fn open(mut disk: Disk, server: &mut Server, now_ms: u64) -> Result<(DiskLog, Replayed), blk::Error> {
         let capacity = disk.capacity_sectors().saturating_mul(SECTOR);
-        let mut stats = Replayed {
-            records: 0,
-            rejected: 0,
-        };
+        let mut stats = Replayed { records: 0, rejected: 0 };
         // `buf` holds the disk's bytes from `base` (sector-aligned) to
         // `next`; the records before `base + parsed` have been replayed.
         let mut buf: Vec<u8> = Vec::new();
@@ -85,14 +82,7 @@ impl DiskLog {
         let end = base + parsed as u64;
         let tail_start = (end / SECTOR * SECTOR - base) as usize;
         let tail = buf[tail_start..parsed].to_vec();
-        let log = DiskLog {
-            disk,
-            capacity,
-            end,
-            tail,
-            frame: Vec::new(),
-            scratch: Vec::new(),
-        };
+        let log = DiskLog { disk, capacity, end, tail, frame: Vec::new(), scratch: Vec::new() };
         Ok((log, stats))
     }
 

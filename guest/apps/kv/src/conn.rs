@@ -47,14 +47,7 @@ pub struct Ctx<'a> {
 
 impl Client {
     pub fn new(handle: SocketHandle) -> Client {
-        Client {
-            handle,
-            conn: Connection::new(),
-            out: Vec::new(),
-            sent: 0,
-            closing: false,
-            amplifying: false,
-        }
+        Client { handle, conn: Connection::new(), out: Vec::new(), sent: 0, closing: false, amplifying: false }
     }
 
     /// Move bytes both ways. Returns (progress, finished): finished means

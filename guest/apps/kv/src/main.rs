@@ -48,12 +48,7 @@ struct Options {
 }
 
 fn parse(cmdline: &str) -> Result<Options, &'static str> {
-    let mut o = Options {
-        port: 6379,
-        aof: false,
-        maxconn: 256,
-        epoch_ms: 0,
-    };
+    let mut o = Options { port: 6379, aof: false, maxconn: 256, epoch_ms: 0 };
     for word in cmdline.split_ascii_whitespace() {
         let (key, value) = word.split_once('=').ok_or("expected KEY=VALUE words")?;
         match key {
@@ -66,9 +61,7 @@ fn parse(cmdline: &str) -> Result<Options, &'static str> {
                     _ => return Err("aof= takes on or off"),
                 }
             }
-            "maxconn" => {
-                o.maxconn = value.parse().ok().filter(|&n| n != 0).ok_or("bad maxconn=")?
-            }
+            "maxconn" => o.maxconn = value.parse().ok().filter(|&n| n != 0).ok_or("bad maxconn=")?,
             "epoch_ms" => o.epoch_ms = value.parse().map_err(|_| "bad epoch_ms=")?,
             _ => return Err("unknown word (expected ip, gw, port, aof, maxconn, epoch_ms)"),
         }
@@ -108,11 +101,7 @@ fn main(args: &Args) -> i32 {
                 return 1;
             }
         };
-        println!(
-            "kv: replayed {} records, {} keys",
-            replayed.records,
-            server.dbsize()
-        );
+        println!("kv: replayed {} records, {} keys", replayed.records, server.dbsize());
         if replayed.rejected > 0 {
             println!("kv: warning: {} log records rejected", replayed.rejected);
         }
@@ -135,12 +124,7 @@ fn main(args: &Args) -> i32 {
         println!("kv: error: {e}");
         return 1;
     }
-    println!(
-        "kv: listening on {}:{} aof={}",
-        net.ip.address(),
-        opts.port,
-        if opts.aof { "on" } else { "off" }
-    );
+    println!("kv: listening on {}:{} aof={}", net.ip.address(), opts.port, if opts.aof { "on" } else { "off" });
 
     let mut clients: Vec<Client> = Vec::new();
     let mut last_expire = 0;
@@ -154,11 +138,7 @@ fn main(args: &Args) -> i32 {
         }
         let now_us = now_us();
         let now = now_us / 1000;
-        let mut cx = Ctx {
-            server: &mut server,
-            log: &mut log,
-            now_us,
-        };
+        let mut cx = Ctx { server: &mut server, log: &mut log, now_us };
         let mut i = 0;
         while i < clients.len() {
             let s = stack.sockets_mut().get_mut::<Socket>(clients[i].handle);

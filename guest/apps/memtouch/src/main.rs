@@ -45,38 +45,20 @@ fn main(args: &Args) -> i32 {
         Ok(c) => c,
         Err(e) => return error(format_args!("{e}")),
     };
-    let writers = if config.writers == 0 {
-        args.vcpu_count as u32
-    } else {
-        config.writers
-    };
+    let writers = if config.writers == 0 { args.vcpu_count as u32 } else { config.writers };
     if writers as usize > args.vcpu_count {
-        return error(format_args!(
-            "{writers} writers but the VM has {} vCPUs",
-            args.vcpu_count
-        ));
+        return error(format_args!("{writers} writers but the VM has {} vCPUs", args.vcpu_count));
     }
-    let Some(ws_bytes) = config
-        .ws_pages
-        .checked_mul(PAGE_SIZE)
-        .filter(|&b| b <= isize::MAX as u64)
-    else {
+    let Some(ws_bytes) = config.ws_pages.checked_mul(PAGE_SIZE).filter(|&b| b <= isize::MAX as u64) else {
         return error(format_args!("working set too large"));
     };
-    let layout = Layout::from_size_align(ws_bytes as usize, PAGE_SIZE as usize)
-        .expect("page-aligned layout");
+    let layout = Layout::from_size_align(ws_bytes as usize, PAGE_SIZE as usize).expect("page-aligned layout");
     // SAFETY: the layout has a non-zero size (parse rejects an empty set).
     let ws = unsafe { alloc_zeroed(layout) };
     if ws.is_null() {
-        return error(format_args!(
-            "cannot allocate a {ws_bytes}-byte working set (heap is {} bytes)",
-            args.heap.size
-        ));
+        return error(format_args!("cannot allocate a {ws_bytes}-byte working set (heap is {} bytes)", args.heap.size));
     }
-    println!(
-        "memtouch: start ws_addr={:#x} pages={} writers={writers} pattern={:?}",
-        ws as usize, config.ws_pages, config.pattern
-    );
+    println!("memtouch: start ws_addr={:#x} pages={} writers={writers} pattern={:?}", ws as usize, config.ws_pages, config.pattern);
 
     let start_ns = time::now_ns();
     let end_ns = match config.duration_ms {
@@ -96,11 +78,7 @@ fn main(args: &Args) -> i32 {
     let elapsed_ns = (time::now_ns() - start_ns).max(1);
 
     let total: u64 = run.writes.iter().map(|w| w.load(Relaxed)).sum();
-    println!(
-        "memtouch: writes={total} elapsed_ms={} writes/s={}",
-        elapsed_ns / NS_PER_MS,
-        per_second(total, elapsed_ns)
-    );
+    println!("memtouch: writes={total} elapsed_ms={} writes/s={}", elapsed_ns / NS_PER_MS, per_second(total, elapsed_ns));
     // SAFETY: `ws` is our allocation of `ws_bytes` zero-initialized bytes,
     // and every writer has finished.
     let bytes = unsafe { core::slice::from_raw_parts(ws, ws_bytes as usize) };
@@ -151,8 +129,7 @@ fn write_partition(run: &Run, w: u32) {
             batch = batch.min(config.writes - writer.done);
         }
         if config.rate > 0 {
-            let allowed =
-                (config.rate as u128 * (now - run.start_ns) as u128 / NS_PER_SEC as u128) as u64;
+            let allowed = (config.rate as u128 * (now - run.start_ns) as u128 / NS_PER_SEC as u128) as u64;
             if writer.done >= allowed {
                 // Ahead of the rate: sleep until a chunk worth ~1 ms is due,
                 // so a WAIT (a VM exit) is not paid per write.
@@ -171,7 +148,8 @@ fn write_partition(run: &Run, w: u32) {
         if report_ns == 0 {
             // Nothing to report: run the bare loop, the one the native
             // comparison in `ftvm-bench vm` runs too.
-            // SAFETY: as below.
+            // SAFETY: `ws` is the working set of `config.ws_pages` pages,
+            // and writer `w` is the only one writing partition `w`.
             unsafe { writer.run(ws, batch, |_| {}) };
             run.writes[w as usize].store(writer.done, Relaxed);
             continue;
@@ -208,13 +186,7 @@ struct Reporter {
 
 impl Reporter {
     fn new(start_ns: u64, interval_ns: u64) -> Reporter {
-        Reporter {
-            interval_ns,
-            reported: 0,
-            next_ns: start_ns + interval_ns,
-            last_ns: start_ns,
-            last_writes: 0,
-        }
+        Reporter { interval_ns, reported: 0, next_ns: start_ns + interval_ns, last_ns: start_ns, last_writes: 0 }
     }
 
     fn maybe_report(&mut self, run: &Run, now: u64) {
@@ -225,9 +197,7 @@ impl Reporter {
         // Intervals finished since the last line; after a stall longer than
         // the slot ring, only the newest ones still have their counts.
         let n = (current - self.reported).min(FRESH_SLOTS - 1);
-        let fresh: u64 = (current - n..current)
-            .map(|i| run.fresh_pages[slot(i)].swap(0, Relaxed))
-            .sum();
+        let fresh: u64 = (current - n..current).map(|i| run.fresh_pages[slot(i)].swap(0, Relaxed)).sum();
         let writes: u64 = run.writes.iter().map(|w| w.load(Relaxed)).sum();
         let tenths = current * self.interval_ns / (NS_PER_SEC / 10);
         println!(

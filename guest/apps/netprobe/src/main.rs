@@ -11,7 +11,7 @@ extern crate alloc;
 use alloc::vec;
 use alloc::vec::Vec;
 
-use ftvm_rt::blk::{self, Disk, SECTOR_SIZE};
+use ftvm_rt::blk::{self, Disk, ID_LEN, SECTOR_SIZE};
 use ftvm_rt::net::{ListenConfig, NetConfig, Stack};
 use ftvm_rt::smoltcp::iface::SocketHandle;
 use ftvm_rt::smoltcp::socket::tcp::{self, State};
@@ -69,10 +69,7 @@ fn main(args: &Args) -> i32 {
         }
     }
     let m = stack.mac().0;
-    println!(
-        "netprobe: up ip={} mac={:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}",
-        config.ip, m[0], m[1], m[2], m[3], m[4], m[5]
-    );
+    println!("netprobe: up ip={} mac={:02x}:{:02x}:{:02x}:{:02x}:{:02x}:{:02x}", config.ip, m[0], m[1], m[2], m[3], m[4], m[5]);
     let mut conns: Vec<SocketHandle> = Vec::new();
     loop {
         let mut progress = stack.poll();
@@ -146,16 +143,8 @@ fn blk_selftest() -> i32 {
     };
     match selftest(&mut disk) {
         Ok(id) => {
-            let id: Vec<u8> = id
-                .iter()
-                .take_while(|&&b| b != 0)
-                .map(|&b| if b.is_ascii_graphic() { b } else { b'?' })
-                .collect();
-            println!(
-                "netprobe: blk ok capacity={} id={}",
-                disk.capacity_sectors(),
-                core::str::from_utf8(&id).unwrap_or("?")
-            );
+            let id: Vec<u8> = id.iter().take_while(|&&b| b != 0).map(|&b| if b.is_ascii_graphic() { b } else { b'?' }).collect();
+            println!("netprobe: blk ok capacity={} id={}", disk.capacity_sectors(), core::str::from_utf8(&id).unwrap_or("?"));
             0
         }
         Err(e) => {
@@ -165,13 +154,10 @@ fn blk_selftest() -> i32 {
     }
 }
 
-fn selftest(disk: &mut Disk) -> Result<[u8; 20], blk::Error> {
+fn selftest(disk: &mut Disk) -> Result<[u8; ID_LEN], blk::Error> {
     let n = SELFTEST_SECTORS;
     if disk.capacity_sectors() < n as u64 {
-        return Err(blk::Error::OutOfRange {
-            sector: 0,
-            sectors: n as u64,
-        });
+        return Err(blk::Error::OutOfRange { sector: 0, sectors: n as u64 });
     }
     let mut data = vec![0u8; n * SECTOR_SIZE];
     for (i, b) in data.iter_mut().enumerate() {

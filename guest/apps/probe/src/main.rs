@@ -23,10 +23,7 @@ fn main(args: &Args) -> i32 {
     let (verb, value) = action.split_once('=').unwrap_or((action, ""));
     match (verb, value) {
         ("hello", "") => {
-            println!(
-                "probe: hello vcpus={} cmdline={}",
-                args.vcpu_count, args.cmdline
-            );
+            println!("probe: hello vcpus={} cmdline={}", args.vcpu_count, args.cmdline);
             0
         }
         ("exit", n) => match n.parse() {
@@ -99,9 +96,7 @@ fn smp(vcpus: usize) -> i32 {
 fn alloc_test() -> i32 {
     // A few MB in differently sized blocks, freed in a different order than
     // allocated so the free list has to merge holes.
-    let mut blocks: Vec<Vec<u8>> = (0..64)
-        .map(|i| alloc::vec![i as u8; 1024 + i * 997])
-        .collect();
+    let mut blocks: Vec<Vec<u8>> = (0..64).map(|i| alloc::vec![i as u8; 1024 + i * 997]).collect();
     let big: Vec<u64> = (0..(4 << 20) / 8).collect();
     let mut text = String::new();
     let mut map = BTreeMap::new();
@@ -251,9 +246,7 @@ fn sse() -> i32 {
     }
     // SAFETY: the VMM enables AVX for every guest (guest ABI).
     let sum = unsafe { vaddpd(&[pi, 1.0, 2.0, prod as f64], &[1.0, 2.0, 3.0, 0.5]) };
-    let ok = (pi - core::f64::consts::PI).abs() < 1e-4
-        && prod == 3543.75
-        && sum == [pi + 1.0, 3.0, 5.0, prod as f64 + 0.5];
+    let ok = (pi - core::f64::consts::PI).abs() < 1e-4 && prod == 3543.75 && sum == [pi + 1.0, 3.0, 5.0, prod as f64 + 0.5];
     if !ok {
         println!("probe: error: sse pi={pi} prod={prod} sum={sum:?}");
         return 1;

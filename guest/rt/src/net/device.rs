@@ -12,6 +12,8 @@ use alloc::vec::Vec;
 use core::cell::RefCell;
 
 use ftvm_abi::device_kind;
+use ftvm_abi::virtio::net::{F_MAC, HDR_LEN};
+use ftvm_abi::virtio::{F_RING_EVENT_IDX, F_VERSION_1};
 use smoltcp::phy::{self, DeviceCapabilities, Medium};
 use smoltcp::time::Instant;
 use virtio_drivers::queue::VirtQueue;
@@ -23,8 +25,6 @@ use crate::virtio::{self, Claim, OpenError};
 /// The VMM offers 256 (its QueueNumMax); a full ring of receive buffers
 /// absorbs bursts while the guest is busy elsewhere.
 pub const QUEUE_SIZE: usize = 256;
-/// `virtio_net_hdr_v1` (VERSION_1 always has `num_buffers`).
-const HDR_LEN: usize = 12;
 /// Ethernet frame without FCS at the standard 1500-byte MTU.
 const MAX_FRAME: usize = 1514;
 /// Header + largest frame, rounded up so buffers never share a page badly.
@@ -32,10 +32,6 @@ const BUF_LEN: usize = 2048;
 
 const RX: u16 = 0;
 const TX: u16 = 1;
-
-const F_MAC: u64 = 1 << 5;
-const F_RING_EVENT_IDX: u64 = 1 << 29;
-const F_VERSION_1: u64 = 1 << 32;
 
 /// Frames moved and frames lost, for progress detection and diagnostics.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -145,10 +141,7 @@ impl VirtioNet {
         }
         inner.transport.finish_init();
         inner.notify();
-        Ok(VirtioNet {
-            inner: RefCell::new(inner),
-            mac,
-        })
+        Ok(VirtioNet { inner: RefCell::new(inner), mac })
     }
 
     pub(crate) fn mac(&self) -> [u8; 6] {
@@ -181,8 +174,7 @@ impl Inner {
     /// Take back the frames the device has sent.
     fn reclaim_tx(&mut self) {
         while let Some(token) = self.tx.peek_used() {
-            let Some((buf, len)) = self.tx_posted.get_mut(usize::from(token)).and_then(Option::take)
-            else {
+            let Some((buf, len)) = self.tx_posted.get_mut(usize::from(token)).and_then(Option::take) else {
                 // A token we never queued: the ring is corrupt; stop using it
                 // rather than guess.
                 return;
@@ -252,14 +244,7 @@ impl phy::Device for VirtioNet {
             inner.stats.rx_frames += 1;
             let len = written.min(buf.len()) - HDR_LEN;
             let dev = &self.inner;
-            return Some((
-                RxToken {
-                    buf: Some(buf),
-                    len,
-                    dev,
-                },
-                TxToken { dev },
-            ));
+            return Some((RxToken { buf: Some(buf), len, dev }, TxToken { dev }));
         }
     }
 

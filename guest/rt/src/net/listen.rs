@@ -36,14 +36,7 @@ pub struct ListenConfig {
 impl ListenConfig {
     /// 16 listening, up to 256 connections, 64 KiB buffers, no Nagle.
     pub fn new(port: u16) -> ListenConfig {
-        ListenConfig {
-            port,
-            backlog: 16,
-            max_conns: 256,
-            rx_buffer: 64 * 1024,
-            tx_buffer: 64 * 1024,
-            nodelay: true,
-        }
+        ListenConfig { port, backlog: 16, max_conns: 256, rx_buffer: 64 * 1024, tx_buffer: 64 * 1024, nodelay: true }
     }
 }
 
@@ -66,13 +59,7 @@ fn tcp<'a>(sockets: &'a mut SocketSet<'static>, h: SocketHandle) -> &'a mut tcp:
 
 impl Listener {
     pub(crate) fn new(config: ListenConfig) -> Listener {
-        Listener {
-            config,
-            pending: Vec::new(),
-            ready: VecDeque::new(),
-            live: BTreeSet::new(),
-            dying: Vec::new(),
-        }
+        Listener { config, pending: Vec::new(), ready: VecDeque::new(), live: BTreeSet::new(), dying: Vec::new() }
     }
 
     pub(crate) fn port(&self) -> u16 {
@@ -176,9 +163,6 @@ impl Listener {
     }
 
     fn listening(&self, sockets: &SocketSet<'static>) -> usize {
-        self.pending
-            .iter()
-            .filter(|&&h| sockets.get::<tcp::Socket>(h).state() == State::Listen)
-            .count()
+        self.pending.iter().filter(|&&h| sockets.get::<tcp::Socket>(h).state() == State::Listen).count()
     }
 }

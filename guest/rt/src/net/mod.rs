@@ -139,19 +139,10 @@ impl Stack {
             let _ = addrs.push(IpCidr::Ipv4(config.ip));
         });
         if let Some(gw) = config.gateway {
-            iface
-                .routes_mut()
-                .add_default_ipv4_route(gw)
-                .map_err(|_| Error::Config("cannot add the default route"))?;
+            iface.routes_mut().add_default_ipv4_route(gw).map_err(|_| Error::Config("cannot add the default route"))?;
         }
         announce(&mut device, mac, config.ip.address().octets());
-        Ok(Stack {
-            device,
-            iface,
-            sockets: SocketSet::new(Vec::new()),
-            listeners: Vec::new(),
-            config,
-        })
+        Ok(Stack { device, iface, sockets: SocketSet::new(Vec::new()), listeners: Vec::new(), config })
     }
 
     pub fn config(&self) -> &NetConfig {
@@ -188,10 +179,7 @@ impl Stack {
         // One frame at a time so that listening sockets taken by SYNs are
         // replaced before the next SYN of a burst is processed.
         loop {
-            match self
-                .iface
-                .poll_ingress_single(now, &mut self.device, &mut self.sockets)
-            {
+            match self.iface.poll_ingress_single(now, &mut self.device, &mut self.sockets) {
                 PollIngressSingleResult::None => break,
                 PollIngressSingleResult::PacketProcessed => {}
                 PollIngressSingleResult::SocketStateChanged => {
@@ -206,9 +194,7 @@ impl Stack {
         // passes fill the TX ring, so one notification covers a whole window.
         for _ in 0..MAX_EGRESS_PASSES {
             let sent = self.device.stats().tx_frames;
-            if self.iface.poll_egress(now, &mut self.device, &mut self.sockets)
-                == PollResult::SocketStateChanged
-            {
+            if self.iface.poll_egress(now, &mut self.device, &mut self.sockets) == PollResult::SocketStateChanged {
                 changed = true;
             }
             if self.device.stats().tx_frames == sent {
@@ -236,9 +222,7 @@ impl Stack {
             Some(d) => d.total_micros().saturating_mul(1000),
             None => u64::MAX,
         };
-        let deadline = now_ns
-            .saturating_add(delay_ns.min(MAX_IDLE_NS))
-            .min(deadline_ns);
+        let deadline = now_ns.saturating_add(delay_ns.min(MAX_IDLE_NS)).min(deadline_ns);
         if deadline > now_ns {
             time::wait(deadline);
         }
@@ -271,9 +255,7 @@ impl Stack {
     /// reused for listening; one still connected is aborted (RST). Returns
     /// false for a handle `accept` did not return.
     pub fn release(&mut self, handle: SocketHandle) -> bool {
-        self.listeners
-            .iter_mut()
-            .any(|l| l.release(&mut self.sockets, handle))
+        self.listeners.iter_mut().any(|l| l.release(&mut self.sockets, handle))
     }
 }
 

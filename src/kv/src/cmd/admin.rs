@@ -30,12 +30,7 @@ const SECTIONS: &[&str] = &["server", "persistence", "stats", "keyspace"];
 
 pub fn info<L>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
     srv.expire(cx.now);
-    let everything = a.len() == 1
-        || a.iter().skip(1).any(|s| {
-            ["all", "default", "everything"]
-                .iter()
-                .any(|w| eq_ignore_case(s, w))
-        });
+    let everything = a.len() == 1 || a.iter().skip(1).any(|s| ["all", "default", "everything"].iter().any(|w| eq_ignore_case(s, w)));
     let mut text = Vec::with_capacity(512);
     for &section in SECTIONS {
         if !everything && !a.iter().skip(1).any(|s| eq_ignore_case(s, section)) {
@@ -52,9 +47,7 @@ pub fn info<L>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
         };
         match section {
             "server" => {
-                text.extend_from_slice(
-                    b"# Server\r\nredis_version:7.0.0\r\nredis_mode:standalone\r\nos:ftvm\r\narch_bits:64\r\n",
-                );
+                text.extend_from_slice(b"# Server\r\nredis_version:7.0.0\r\nredis_mode:standalone\r\nos:ftvm\r\narch_bits:64\r\n");
                 let up = cx.now.saturating_sub(srv.started_ms.unwrap_or(cx.now));
                 line(&mut text, "uptime_in_seconds", up / 1000);
             }
@@ -89,19 +82,9 @@ pub fn config<L>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
     if a.len() < 3 {
         return wrong_arity(cx.out, "config|get");
     }
-    let params: [(&str, &[u8]); 3] = [
-        ("save", b""),
-        ("appendonly", if srv.appendonly { b"yes" } else { b"no" }),
-        ("databases", b"1"),
-    ];
-    let hits: Vec<&(&str, &[u8])> = params
-        .iter()
-        .filter(|(name, _)| {
-            a.iter()
-                .skip(2)
-                .any(|pat| glob::matches(&pat.to_ascii_lowercase(), name.as_bytes()))
-        })
-        .collect();
+    let params: [(&str, &[u8]); 3] = [("save", b""), ("appendonly", if srv.appendonly { b"yes" } else { b"no" }), ("databases", b"1")];
+    let hits: Vec<&(&str, &[u8])> =
+        params.iter().filter(|(name, _)| a.iter().skip(2).any(|pat| glob::matches(&pat.to_ascii_lowercase(), name.as_bytes()))).collect();
     reply::array_len(cx.out, hits.len() * 2);
     for (name, value) in hits {
         reply::bulk(cx.out, name.as_bytes());
@@ -118,10 +101,7 @@ pub fn command<L>(a: Args<'_>, cx: &mut Ctx<'_, L>) {
     let sub = a.get(1);
     if eq_ignore_case(sub, "count") {
         reply::int(cx.out, COMMANDS.len() as i64);
-    } else if ["docs", "info", "list"]
-        .iter()
-        .any(|s| eq_ignore_case(sub, s))
-    {
+    } else if ["docs", "info", "list"].iter().any(|s| eq_ignore_case(sub, s)) {
         reply::array_len(cx.out, 0);
     } else {
         unknown_subcommand(cx.out, sub, "COMMAND");

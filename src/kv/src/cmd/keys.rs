@@ -12,11 +12,7 @@ use crate::store::NEVER;
 
 pub fn del<L: LogSink>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
     let now = cx.now;
-    let live = a
-        .iter()
-        .skip(1)
-        .filter(|k| srv.db.peek_live(k, now).is_some())
-        .count();
+    let live = a.iter().skip(1).filter(|k| srv.db.peek_live(k, now).is_some()).count();
     if live == 0 {
         return reply::int(cx.out, 0);
     }
@@ -33,20 +29,12 @@ pub fn del<L: LogSink>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
     if !ok {
         return;
     }
-    let removed = a
-        .iter()
-        .skip(1)
-        .filter(|k| srv.db.remove_live(k, now))
-        .count();
+    let removed = a.iter().skip(1).filter(|k| srv.db.remove_live(k, now)).count();
     reply::int(cx.out, removed as i64);
 }
 
 pub fn exists<L>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
-    let n = a
-        .iter()
-        .skip(1)
-        .filter(|k| srv.db.peek_live(k, cx.now).is_some())
-        .count();
+    let n = a.iter().skip(1).filter(|k| srv.db.peek_live(k, cx.now).is_some()).count();
     reply::int(cx.out, n as i64);
 }
 
@@ -69,12 +57,7 @@ pub fn ttl<L>(srv: &mut Server, a: Args<'_>, millis: bool, cx: &mut Ctx<'_, L>) 
 pub fn keys<L>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
     let pat = a.get(1);
     let all = pat == b"*";
-    let hits: Vec<&[u8]> = srv
-        .db
-        .iter()
-        .filter(|(k, e)| e.live(cx.now) && (all || glob::matches(pat, k)))
-        .map(|(k, _)| k)
-        .collect();
+    let hits: Vec<&[u8]> = srv.db.iter().filter(|(k, e)| e.live(cx.now) && (all || glob::matches(pat, k))).map(|(k, _)| k).collect();
     reply::array_len(cx.out, hits.len());
     for k in hits {
         reply::bulk(cx.out, k);

@@ -12,7 +12,17 @@ use alloc::vec::Vec;
 use crate::log::LogSink;
 use crate::parse::Args;
 use crate::reply;
-use crate::server::{Flow, Server};
+use crate::server::Server;
+
+/// What the transport should do with a connection after [`Server::handle`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    /// Send the replies and keep reading.
+    Continue,
+    /// Send the replies, then close: the client sent QUIT or broke the
+    /// protocol. Later input on this connection is ignored.
+    Close,
+}
 
 pub(crate) struct Ctx<'a, L> {
     /// The clock in milliseconds (what expiry uses).
@@ -116,9 +126,7 @@ fn lookup(name: &[u8], lower: &mut [u8; 16]) -> Option<usize> {
     for (l, c) in lower.iter_mut().zip(name) {
         *l = c.to_ascii_lowercase();
     }
-    COMMANDS
-        .binary_search_by(|(c, _)| c.as_bytes().cmp(lower))
-        .ok()
+    COMMANDS.binary_search_by(|(c, _)| c.as_bytes().cmp(lower)).ok()
 }
 
 pub(crate) fn eq_ignore_case(a: &[u8], b: &str) -> bool {
@@ -126,14 +134,7 @@ pub(crate) fn eq_ignore_case(a: &[u8], b: &str) -> bool {
 }
 
 pub(crate) fn wrong_arity(out: &mut Vec<u8>, cmd: &str) {
-    reply::error(
-        out,
-        &[
-            b"ERR wrong number of arguments for '",
-            cmd.as_bytes(),
-            b"' command",
-        ],
-    );
+    reply::error(out, &[b"ERR wrong number of arguments for '", cmd.as_bytes(), b"' command"]);
 }
 
 /// Redis 7's wording, including the quoting of up to 128 bytes of
@@ -158,25 +159,12 @@ fn unknown_command(name: &[u8], a: Args<'_>, out: &mut Vec<u8>) {
 }
 
 pub(crate) fn unknown_subcommand(out: &mut Vec<u8>, sub: &[u8], cmd: &str) {
-    reply::error(
-        out,
-        &[
-            b"ERR unknown subcommand '",
-            &sub[..sub.len().min(128)],
-            b"'. Try ",
-            cmd.as_bytes(),
-            b" HELP.",
-        ],
-    );
+    reply::error(out, &[b"ERR unknown subcommand '", &sub[..sub.len().min(128)], b"'. Try ", cmd.as_bytes(), b" HELP."]);
 }
 
 /// Hand the record built by `build` to the log; on failure reply with the
 /// error and return false, and the caller must then leave the store alone.
-pub(crate) fn logged<L: LogSink>(
-    record: &mut Vec<u8>,
-    cx: &mut Ctx<'_, L>,
-    build: impl FnOnce(&mut Vec<u8>),
-) -> bool {
+pub(crate) fn logged<L: LogSink>(record: &mut Vec<u8>, cx: &mut Ctx<'_, L>, build: impl FnOnce(&mut Vec<u8>)) -> bool {
     if !cx.log.enabled() {
         return true;
     }
@@ -189,14 +177,7 @@ pub(crate) fn logged<L: LogSink>(
     match res {
         Ok(()) => true,
         Err(e) => {
-            reply::error(
-                cx.out,
-                &[
-                    b"ERR ",
-                    e.as_str().as_bytes(),
-                    b": append-only log write failed, command not applied",
-                ],
-            );
+            reply::error(cx.out, &[b"ERR ", e.as_str().as_bytes(), b": append-only log write failed, command not applied"]);
             false
         }
     }

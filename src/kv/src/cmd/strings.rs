@@ -58,11 +58,7 @@ struct SetOptions {
 
 /// Parse SET's options after key and value. Errors are the reply text.
 fn set_options(a: Args<'_>, now: u64) -> Result<SetOptions, &'static str> {
-    let mut o = SetOptions {
-        cond: Cond::Always,
-        ttl: Ttl::Clear,
-        get: false,
-    };
+    let mut o = SetOptions { cond: Cond::Always, ttl: Ttl::Clear, get: false };
     // Relative units are resolved after the loop so that every syntax
     // error is reported before any number error, as Redis does.
     let mut expire: Option<(&[u8], u64, bool)> = None;
@@ -78,15 +74,8 @@ fn set_options(a: Args<'_>, now: u64) -> Result<SetOptions, &'static str> {
             o.get = true;
         } else if upper("KEEPTTL") && expire.is_none() {
             o.ttl = Ttl::Keep;
-        } else if (upper("EX") || upper("PX") || upper("EXAT") || upper("PXAT"))
-            && o.ttl != Ttl::Keep
-            && i + 1 < a.len()
-        {
-            let unit = if opt[0].eq_ignore_ascii_case(&b'e') {
-                1000
-            } else {
-                1
-            };
+        } else if (upper("EX") || upper("PX") || upper("EXAT") || upper("PXAT")) && o.ttl != Ttl::Keep && i + 1 < a.len() {
+            let unit = if opt[0].eq_ignore_ascii_case(&b'e') { 1000 } else { 1 };
             let absolute = opt.len() == 4;
             // Repeating the same option is allowed (the last one counts);
             // mixing two is not.
@@ -107,11 +96,7 @@ fn set_options(a: Args<'_>, now: u64) -> Result<SetOptions, &'static str> {
             return Err(INVALID);
         }
         let ms = (n as u64).checked_mul(unit).ok_or(INVALID)?;
-        let at = if absolute {
-            Some(ms)
-        } else {
-            ms.checked_add(now)
-        };
+        let at = if absolute { Some(ms) } else { ms.checked_add(now) };
         match at {
             Some(at) if at <= i64::MAX as u64 => o.ttl = Ttl::At(at),
             _ => return Err(INVALID),
@@ -209,9 +194,7 @@ pub fn incr_by<L: LogSink>(srv: &mut Server, key: &[u8], delta: i64, cx: &mut Ct
         return reply::err(cx.out, "ERR increment or decrement would overflow");
     };
     let digits = Digits::i64(new);
-    if !logged(&mut srv.record, cx, |r| {
-        record_set(r, key, digits.as_bytes(), at)
-    }) {
+    if !logged(&mut srv.record, cx, |r| record_set(r, key, digits.as_bytes(), at)) {
         return;
     }
     srv.db.set(key, digits.as_bytes(), at);
@@ -223,10 +206,7 @@ pub fn append<L: LogSink>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
     let old_len = srv.db.get_live(key, cx.now).map(|e| e.value.len());
     let new_len = old_len.unwrap_or(0) + suffix.len();
     if new_len > MAX_VALUE_LEN {
-        return reply::err(
-            cx.out,
-            "ERR string exceeds maximum allowed size (proto-max-bulk-len)",
-        );
+        return reply::err(cx.out, "ERR string exceeds maximum allowed size (proto-max-bulk-len)");
     }
     // Appending to nothing is a SET; logging it as one keeps replay from
     // appending to a stale value that had expired here.
@@ -252,10 +232,7 @@ pub fn append<L: LogSink>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
 }
 
 pub fn strlen<L: LogSink>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
-    let len = srv
-        .db
-        .get_live(a.get(1), cx.now)
-        .map_or(0, |e| e.value.len());
+    let len = srv.db.get_live(a.get(1), cx.now).map_or(0, |e| e.value.len());
     reply::int(cx.out, len as i64);
 }
 

@@ -44,20 +44,13 @@ pub struct H {
 
 impl H {
     pub fn new() -> H {
-        H {
-            srv: Server::new(),
-            conn: Connection::new(),
-            log: MemLog::default(),
-            now: 1_000_000,
-        }
+        H { srv: Server::new(), conn: Connection::new(), log: MemLog::default(), now: 1_000_000 }
     }
 
     /// Feed raw bytes; returns the replies as a lossy string and the flow.
     pub fn feed(&mut self, input: &[u8]) -> (String, Flow) {
         let mut out = Vec::new();
-        let flow = self
-            .srv
-            .handle(&mut self.conn, input, self.now, &mut self.log, &mut out);
+        let flow = self.srv.handle(&mut self.conn, input, self.now, &mut self.log, &mut out);
         (String::from_utf8_lossy(&out).into_owned(), flow)
     }
 
@@ -68,11 +61,7 @@ impl H {
 
     pub fn args(&mut self, args: &[&[u8]]) -> String {
         let (out, flow) = self.feed(&resp(args));
-        assert_eq!(
-            flow,
-            Flow::Continue,
-            "{args:?} closed the connection: {out}"
-        );
+        assert_eq!(flow, Flow::Continue, "{args:?} closed the connection: {out}");
         out
     }
 }
@@ -83,17 +72,11 @@ pub fn show(record: &[u8]) -> String {
     let mut rest = record;
     // Minimal RESP array reader for assertions.
     let nl = rest.iter().position(|&c| c == b'\n').unwrap();
-    let n: usize = std::str::from_utf8(&rest[1..nl - 1])
-        .unwrap()
-        .parse()
-        .unwrap();
+    let n: usize = std::str::from_utf8(&rest[1..nl - 1]).unwrap().parse().unwrap();
     rest = &rest[nl + 1..];
     for _ in 0..n {
         let nl = rest.iter().position(|&c| c == b'\n').unwrap();
-        let len: usize = std::str::from_utf8(&rest[1..nl - 1])
-            .unwrap()
-            .parse()
-            .unwrap();
+        let len: usize = std::str::from_utf8(&rest[1..nl - 1]).unwrap().parse().unwrap();
         h.push(String::from_utf8_lossy(&rest[nl + 1..nl + 1 + len]).into_owned());
         rest = &rest[nl + 1 + len + 2..];
     }
