@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ftvm_workloads::memtouch::{Config, Writer};
-use ftvm_vmm::{Console, DirtyBackend, DirtyBitmap, Vm, VmConfig};
+use ftvm_vmm::{Console, DirtyBackend, PageBitmap, Persist, Vm, VmConfig};
 
 use crate::report::{self, Row};
 
@@ -91,6 +91,8 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 fn pause_and_state(opts: &Options, vcpus: u32, rows: &mut Vec<Row>) -> Result<(), BoxError> {
     let (vm, _out) = memtouch_vm(opts, vcpus, DirtyBackend::Bitmap, "ws=16M duration=600s report=0")?;
+    // State is restored only into a VM that has not run: a twin that never starts.
+    let (mut twin, _) = memtouch_vm(opts, vcpus, DirtyBackend::Bitmap, "")?;
     vm.start()?;
     std::thread::sleep(Duration::from_millis(200));
     let (mut pause, mut resume, mut save, mut restore) = (vec![], vec![], vec![], vec![]);
@@ -99,10 +101,10 @@ fn pause_and_state(opts: &Options, vcpus: u32, rows: &mut Vec<Row>) -> Result<()
         vm.pause();
         pause.push(t.elapsed().as_secs_f64() * 1e6);
         let t = Instant::now();
-        let state = vm.save_state()?;
+        let state = vm.save()?;
         save.push(t.elapsed().as_secs_f64() * 1e6);
         let t = Instant::now();
-        vm.restore_state(&state)?;
+        twin.restore(&state)?;
         restore.push(t.elapsed().as_secs_f64() * 1e6);
         let t = Instant::now();
         vm.resume();
@@ -131,7 +133,8 @@ fn first_write_cost(opts: &Options, backend: DirtyBackend, untracked_rate: f64, 
     vm.start_dirty_tracking()?;
     let t0 = Instant::now();
     vm.start()?;
-    let mut dirty = DirtyBitmap::new(vm.ram().pages());
+    let mut dirty = PageBitmap::new(vm.ram().pages());
+    let keep_none = PageBitmap::new(vm.ram().pages());
     let (mut pages, mut paused, mut epochs, mut collect) = (0u64, Duration::ZERO, 0u32, Duration::ZERO);
     while vm.exit_reason().is_none() {
         std::thread::sleep(Duration::from_millis(opts.epoch_ms));
@@ -139,7 +142,7 @@ fn first_write_cost(opts: &Options, backend: DirtyBackend, untracked_rate: f64, 
         vm.pause();
         let c0 = Instant::now();
         dirty.clear();
-        vm.collect_dirty(&mut dirty)?;
+        vm.collect_dirty(&mut dirty, &keep_none)?;
         collect += c0.elapsed();
         vm.resume();
         paused += p0.elapsed();

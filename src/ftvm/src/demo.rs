@@ -259,7 +259,7 @@ fn progress_line(t0: Instant, socket: &Path, writers: &writer::Writers, bench: &
             m.hold_us as f64 / 1e3
         ),
         None => match rep {
-            Some(r) if r.role == "primary" && !r.protected => format!("new primary since epoch {}, UNPROTECTED (no backup left)", r.epoch),
+            Some(r) if r.role == ftvm_replication::Role::Primary && !r.protected => format!("new primary since epoch {}, UNPROTECTED (no backup left)", r.epoch),
             _ => "no epoch acknowledged yet".into(),
         },
     };

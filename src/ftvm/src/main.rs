@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig};
+use ftvm_replication::pipeline::{capture, encode, transport};
+use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig, Switches};
 use ftvm_vmm::devices::virtio::net::NetConfig;
 use ftvm_vmm::{Console, DirtyBackend};
 
@@ -96,6 +97,15 @@ struct RunArgs {
     /// Give up reaching the backup at start after this long.
     #[arg(long, default_value_t = 5000)]
     connect_timeout_ms: u64,
+    /// Checkpoint capture stage. pause: copy the dirty pages while the VM is paused.
+    #[arg(long, default_value = "pause", value_name = "pause")]
+    capture: capture::Mode,
+    /// Checkpoint page encoding. raw: whole pages, zero pages as a bare tag.
+    #[arg(long, default_value = "raw", value_name = "raw")]
+    encoding: encode::Encoding,
+    /// Replication transport. tcp: one TCP connection to the backup.
+    #[arg(long, default_value = "tcp", value_name = "tcp")]
+    transport: transport::Kind,
     #[command(flatten)]
     host: HostArgs,
 }
@@ -180,6 +190,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 connect_timeout: Duration::from_millis(args.connect_timeout_ms),
                 metrics: args.metrics,
                 disk: args.host.disk.clone(),
+                switches: Switches { capture: args.capture, encoding: args.encoding, transport: args.transport },
             });
             let source = run::Source::Image {
                 image: args.image,
@@ -198,7 +209,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 failure_timeout: args.failure_timeout_ms.map(Duration::from_millis),
                 prefault: args.host.prefault,
                 dirty_backend: args.host.dirty_backend,
-                console: Console::Stdout,
+                console: Console::default(),
                 metrics: args.metrics,
             };
             run::run(run::Source::Backup(config), args.host.into_options(None))

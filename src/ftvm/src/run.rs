@@ -11,7 +11,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use ftvm_replication::{Backup, BackupConfig, Outcome, Primary, PrimaryConfig, ReplicationError, StatusCell};
 use ftvm_vmm::snapshot::{self, SnapshotError};
-use ftvm_vmm::{DirtyBackend, Vm, VmConfig, VmError, VmExit};
+use ftvm_vmm::{DirtyBackend, Persist, Vm, VmConfig, VmError, VmExit};
 
 use crate::api::client::ClientError;
 use crate::api::server::{ApiContext, ApiServer};
@@ -63,8 +63,8 @@ fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
     let (mem_size, vcpus) = match source {
         Source::Image { mem_size, vcpus, .. } => (*mem_size, *vcpus),
         Source::Snapshot(path) => {
-            let header = snapshot::read_header(path)?;
-            (header.mem_size, header.vcpus)
+            let state = snapshot::read_state(path)?;
+            (state.memory.size, state.vcpus.len() as u32)
         }
         Source::Backup(_) => unreachable!("a backup's VM is built from its primary's shape"),
     };
@@ -76,14 +76,14 @@ fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
         devices: host.devices.clone(),
         ..Default::default()
     };
-    let vm = Vm::new(config)?;
+    let mut vm = Vm::new(config)?;
     match source {
         Source::Image { image, cmdline, .. } => {
             vm.boot(image, cmdline)?;
         }
         Source::Snapshot(path) => {
-            let header = snapshot::read(path, vm.ram())?;
-            vm.restore_state(&header.state)?;
+            let state = snapshot::read(path, vm.ram())?;
+            vm.restore(&state)?;
             tracing::info!(path = %path.display(), "restored snapshot");
         }
         Source::Backup(_) => {}

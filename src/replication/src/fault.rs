@@ -2,8 +2,10 @@
 //! a primary send checkpoint N cut in half or with one bit flipped, then die
 //! on the spot like a crashed host. Never set outside tests.
 
-use std::io::{self, Write};
+use std::io;
 use std::sync::OnceLock;
+
+use crate::pipeline::transport::Transport;
 
 pub const ENV: &str = "FTVM_TEST_FAULT";
 
@@ -33,18 +35,17 @@ pub fn for_epoch(epoch: u64) -> Option<Fault> {
 
 impl Fault {
     /// Send `frame` damaged, then end the process without any cleanup.
-    pub fn inject(self, w: &mut impl Write, frame: &[u8]) -> io::Result<()> {
+    pub fn inject(self, link: &mut dyn Transport, frame: &[u8]) -> io::Result<()> {
         tracing::warn!(fault = ?self, "test fault injected; the primary dies now");
         match self {
-            Fault::Truncate => w.write_all(&frame[..frame.len() / 2])?,
+            Fault::Truncate => link.send(&frame[..frame.len() / 2])?,
             Fault::Flip => {
                 let mut bad = frame.to_vec();
                 let mid = bad.len() / 2;
                 bad[mid] ^= 0x08;
-                w.write_all(&bad)?;
+                link.send(&bad)?;
             }
         }
-        w.flush()?;
         // SAFETY: _exit ends the process immediately, as a crash would.
         unsafe { libc::_exit(137) }
     }

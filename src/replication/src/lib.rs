@@ -7,12 +7,15 @@ pub mod backup;
 pub mod checkpoint;
 pub mod fault;
 pub mod metrics;
+pub mod output;
+pub mod pipeline;
 pub mod primary;
 pub mod protocol;
 
 pub use backup::{Backup, BackupConfig, Outcome};
-pub use metrics::{EpochMetrics, Status, StatusCell};
-pub use primary::{OnBackupLoss, Primary, PrimaryConfig};
+pub use metrics::{EpochMetrics, Role, Status, StatusCell};
+pub use pipeline::Switches;
+pub use primary::{BackupLoss, OnBackupLoss, Primary, PrimaryConfig};
 pub use protocol::{ProtocolError, PROTOCOL_VERSION};
 
 #[derive(Debug, thiserror::Error)]

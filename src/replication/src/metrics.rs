@@ -3,9 +3,12 @@
 use std::fs::File;
 use std::io::Write;
 use std::path::Path;
+use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
+
+use ftvm_vmm::sync::Lock;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct EpochMetrics {
@@ -26,10 +29,29 @@ pub struct EpochMetrics {
     pub frames_released: u64,
 }
 
+/// What this side of a replicated VM is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Runs the VM (and replicates it while it has a backup).
+    #[default]
+    Primary,
+    /// Follows a primary, ready to take over.
+    Backup,
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Role::Primary => "primary",
+            Role::Backup => "backup",
+        })
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Status {
-    /// "primary" or "backup".
-    pub role: String,
+    pub role: Role,
     /// Last epoch checkpointed (primary) or applied (backup).
     pub epoch: u64,
     pub protected: bool,
@@ -43,12 +65,12 @@ pub struct Status {
 pub struct StatusCell(Arc<Mutex<Status>>);
 
 impl StatusCell {
-    pub fn new(role: &str) -> StatusCell {
-        StatusCell(Arc::new(Mutex::new(Status { role: role.into(), ..Status::default() })))
+    pub fn new(role: Role) -> StatusCell {
+        StatusCell(Arc::new(Mutex::new(Status { role, ..Status::default() })))
     }
 
     pub fn lock(&self) -> MutexGuard<'_, Status> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.locked()
     }
 
     pub fn get(&self) -> Status {
@@ -81,7 +103,7 @@ impl MetricsLog {
         if let Some(f) = &self.0 {
             let mut line = serde_json::to_string(m).expect("metrics serialize");
             line.push('\n');
-            let _ = f.lock().unwrap_or_else(|p| p.into_inner()).write_all(line.as_bytes());
+            let _ = f.locked().write_all(line.as_bytes());
         }
     }
 }

@@ -5,16 +5,18 @@
 //! and payload). A frame is used only once it has arrived whole and its
 //! checksum matches, so a truncated or corrupted stream is never applied.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use ftvm_vmm::devices::virtio::block_journal::DiskWrite;
+use ftvm_vmm::devices::DeviceKind;
+use ftvm_vmm::pages::FormatError;
 
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Version 2: pages travel as tagged bundle entries, messages in postcard.
+pub const PROTOCOL_VERSION: u16 = 2;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
-pub const PAGE: usize = 4096;
 /// Frames before the VM's shape is known are small.
 pub const HANDSHAKE_LIMIT: u64 = 1 << 20;
 
@@ -28,7 +30,6 @@ pub enum Kind {
     Disk = 5,
     Checkpoint = 6,
     Ack = 7,
-    Heartbeat = 8,
     Bye = 9,
 }
 
@@ -42,7 +43,6 @@ impl Kind {
             5 => Kind::Disk,
             6 => Kind::Checkpoint,
             7 => Kind::Ack,
-            8 => Kind::Heartbeat,
             9 => Kind::Bye,
             _ => return None,
         })
@@ -65,6 +65,16 @@ pub enum ProtocolError {
     Io(io::Error),
 }
 
+impl From<FormatError> for ProtocolError {
+    fn from(e: FormatError) -> ProtocolError {
+        match e {
+            FormatError::Truncated => ProtocolError::Truncated,
+            FormatError::Corrupt(what) => ProtocolError::Corrupt(what),
+            FormatError::Io(e) => ProtocolError::Io(e),
+        }
+    }
+}
+
 fn io_err(e: io::Error) -> ProtocolError {
     match e.kind() {
         io::ErrorKind::UnexpectedEof => ProtocolError::Truncated,
@@ -78,8 +88,8 @@ fn io_err(e: io::Error) -> ProtocolError {
 pub struct Hello {
     pub mem_size: u64,
     pub vcpus: u32,
-    /// Device types in slot order (see `ftvm_vmm::devices`).
-    pub devices: Vec<u32>,
+    /// Devices in slot order.
+    pub devices: Vec<DeviceKind>,
     /// The guest's MAC address, if it has a network card.
     pub mac: Option<[u8; 6]>,
     /// The disk's size in bytes, if it has a disk.
@@ -106,20 +116,32 @@ pub fn finish_frame(buf: &mut Vec<u8>) {
     buf.extend_from_slice(&crc.to_le_bytes());
 }
 
-pub fn write_frame(w: &mut impl Write, kind: Kind, payload: &[u8]) -> Result<(), ProtocolError> {
-    let mut buf = Vec::with_capacity(HEADER + payload.len() + 4);
+/// A complete frame of `kind` carrying `msg`.
+pub fn message<T: Serialize>(kind: Kind, msg: &T) -> Vec<u8> {
+    let mut buf = Vec::new();
     begin_frame(&mut buf, kind);
-    buf.extend_from_slice(payload);
+    buf.extend_from_slice(&postcard::to_allocvec(msg).expect("messages serialize"));
     finish_frame(&mut buf);
-    w.write_all(&buf).map_err(io_err)
+    buf
 }
 
-pub fn write_message<T: Serialize>(w: &mut impl Write, kind: Kind, msg: &T) -> Result<(), ProtocolError> {
-    write_frame(w, kind, &bincode::serialize(msg).expect("messages serialize"))
+/// An acknowledgement: the epoch as a fixed u64, like the epoch that
+/// starts a checkpoint, so captures of the stream can read it.
+pub fn ack(epoch: u64) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(HEADER + 12);
+    begin_frame(&mut buf, Kind::Ack);
+    buf.extend_from_slice(&epoch.to_le_bytes());
+    finish_frame(&mut buf);
+    buf
 }
 
-pub fn decode<'a, T: Deserialize<'a>>(payload: &'a [u8]) -> Result<T, ProtocolError> {
-    bincode::deserialize(payload).map_err(|e| ProtocolError::Corrupt(format!("bad message: {e}")))
+pub fn read_ack(payload: &[u8]) -> Result<u64, ProtocolError> {
+    let bytes: [u8; 8] = payload.try_into().map_err(|_| ProtocolError::Corrupt(format!("acknowledgement of {} bytes", payload.len())))?;
+    Ok(u64::from_le_bytes(bytes))
+}
+
+pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, ProtocolError> {
+    postcard::from_bytes(payload).map_err(|e| ProtocolError::Corrupt(format!("bad message: {e}")))
 }
 
 /// Read one whole, verified frame whose payload is at most `limit` bytes.
@@ -161,105 +183,29 @@ pub fn read_frame(r: &mut impl Read, limit: u64, buf: &mut Vec<u8>) -> Result<Ki
     Ok(kind)
 }
 
-/// Bounds-checked reads from a payload.
-pub struct Cursor<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Cursor<'a> {
-    pub fn new(bytes: &'a [u8]) -> Cursor<'a> {
-        Cursor { bytes, at: 0 }
-    }
-
-    pub fn take(&mut self, n: usize) -> Result<&'a [u8], ProtocolError> {
-        let end = self.at.checked_add(n).filter(|&e| e <= self.bytes.len());
-        let end = end.ok_or_else(|| ProtocolError::Corrupt("message shorter than its contents".into()))?;
-        let s = &self.bytes[self.at..end];
-        self.at = end;
-        Ok(s)
-    }
-
-    pub fn u64(&mut self) -> Result<u64, ProtocolError> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.at == self.bytes.len()
-    }
-}
-
-/// A page set on the wire: `count u64 | count page numbers u64 | count pages`.
-pub struct PageSet<'a> {
-    pub numbers: &'a [u8],
-    pub data: &'a [u8],
-}
-
-impl<'a> PageSet<'a> {
-    pub fn read(c: &mut Cursor<'a>) -> Result<PageSet<'a>, ProtocolError> {
-        let count = c.u64()? as usize;
-        let numbers = c.take(count.checked_mul(8).ok_or_else(|| ProtocolError::Corrupt("page count".into()))?)?;
-        let data = c.take(count.checked_mul(PAGE).ok_or_else(|| ProtocolError::Corrupt("page count".into()))?)?;
-        Ok(PageSet { numbers, data })
-    }
-
-    pub fn len(&self) -> usize {
-        self.numbers.len() / 8
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.numbers.is_empty()
-    }
-
-    pub fn iter(&self) -> impl Iterator<Item = (u64, &'a [u8])> + '_ {
-        self.numbers
-            .chunks_exact(8)
-            .zip(self.data.chunks_exact(PAGE))
-            .map(|(n, d)| (u64::from_le_bytes(n.try_into().expect("8 bytes")), d))
-    }
-}
-
-/// Append a page set of `pages` read by `page_data` to `buf`.
-pub fn put_pages<'m>(buf: &mut Vec<u8>, pages: &[u64], mut page_data: impl FnMut(u64) -> &'m [u8]) {
-    buf.extend_from_slice(&(pages.len() as u64).to_le_bytes());
-    for p in pages {
-        buf.extend_from_slice(&p.to_le_bytes());
-    }
-    buf.reserve(pages.len() * PAGE);
-    for &p in pages {
-        buf.extend_from_slice(page_data(p));
-    }
-}
-
-pub fn put_disk_writes(buf: &mut Vec<u8>, writes: &[DiskWrite]) {
-    buf.extend_from_slice(&(writes.len() as u64).to_le_bytes());
-    for w in writes {
-        buf.extend_from_slice(&w.offset.to_le_bytes());
-        buf.extend_from_slice(&(w.data.len() as u64).to_le_bytes());
-        buf.extend_from_slice(&w.data);
-    }
-}
-
-/// Disk writes on the wire, as (offset, data).
-pub fn read_disk_writes<'a>(c: &mut Cursor<'a>) -> Result<Vec<(u64, &'a [u8])>, ProtocolError> {
-    let count = c.u64()?;
-    let mut writes = Vec::new();
-    for _ in 0..count {
-        let offset = c.u64()?;
-        let len = c.u64()? as usize;
-        writes.push((offset, c.take(len)?));
-    }
-    Ok(writes)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn frame(kind: Kind, payload: &[u8]) -> Vec<u8> {
         let mut v = Vec::new();
-        write_frame(&mut v, kind, payload).unwrap();
+        begin_frame(&mut v, kind);
+        v.extend_from_slice(payload);
+        finish_frame(&mut v);
         v
+    }
+
+    #[test]
+    fn messages_round_trip() {
+        let bytes = message(Kind::Refuse, &"no".to_string());
+        let mut buf = Vec::new();
+        assert_eq!(read_frame(&mut &bytes[..], 100, &mut buf).unwrap(), Kind::Refuse);
+        assert_eq!(decode::<String>(&buf).unwrap(), "no");
+        assert!(decode::<String>(&[0xff]).is_err());
+        let bytes = ack(7);
+        assert_eq!(read_frame(&mut &bytes[..], 100, &mut buf).unwrap(), Kind::Ack);
+        assert_eq!(read_ack(&buf).unwrap(), 7);
+        assert!(read_ack(&buf[..7]).is_err());
     }
 
     #[test]
@@ -306,21 +252,5 @@ mod tests {
     fn oversized_frames_are_refused_before_reading() {
         let bytes = frame(Kind::Pages, &[0u8; 64]);
         assert!(matches!(read_frame(&mut &bytes[..], 63, &mut Vec::new()), Err(ProtocolError::Corrupt(_))));
-    }
-
-    #[test]
-    fn page_sets_and_disk_writes_round_trip() {
-        let mem = vec![1u8; 3 * PAGE];
-        let mut buf = Vec::new();
-        put_pages(&mut buf, &[0, 2], |p| &mem[p as usize * PAGE..(p as usize + 1) * PAGE]);
-        put_disk_writes(&mut buf, &[DiskWrite { offset: 512, data: vec![7; 512] }]);
-        let mut c = Cursor::new(&buf);
-        let set = PageSet::read(&mut c).unwrap();
-        assert_eq!(set.iter().map(|(n, d)| (n, d.len())).collect::<Vec<_>>(), vec![(0, PAGE), (2, PAGE)]);
-        let writes = read_disk_writes(&mut c).unwrap();
-        assert_eq!(writes, vec![(512, &[7u8; 512][..])]);
-        assert!(c.is_empty());
-        let mut short = Cursor::new(&buf[..20]);
-        assert!(PageSet::read(&mut short).is_err());
     }
 }

@@ -7,12 +7,14 @@
 
 use std::time::{Duration, Instant};
 
+use serde::{Deserialize, Serialize};
 use vm_memory::{Bytes, GuestAddress};
 
 use ftvm_abi::layout::CLOCK_PAGE_ADDR;
 use ftvm_abi::ClockPage;
 
 use crate::memory::GuestMemory;
+use crate::persist::Persist;
 
 const SHIFT: u32 = 32;
 
@@ -75,6 +77,28 @@ impl GuestClock {
         mem.write_obj(p.ns_base, GuestAddress(CLOCK_PAGE_ADDR + 24))?;
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         mem.write_obj(p.version, addr)
+    }
+}
+
+/// The guest clock's saved state: the guest time when it was saved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClockState {
+    pub ns: u64,
+}
+
+impl Persist for GuestClock {
+    type State = ClockState;
+    type Error = std::convert::Infallible;
+
+    fn save(&self) -> Result<ClockState, Self::Error> {
+        Ok(ClockState { ns: self.now_ns() })
+    }
+
+    /// Guest time continues from the saved reading (the caller publishes
+    /// the page to the guest).
+    fn restore(&mut self, state: &ClockState) -> Result<(), Self::Error> {
+        self.rebase(state.ns);
+        Ok(())
     }
 }
 

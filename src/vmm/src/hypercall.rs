@@ -9,7 +9,7 @@ use vm_memory::{Bytes, GuestAddress};
 use ftvm_abi::port;
 
 use crate::exit::VmExit;
-use crate::vm::VmShared;
+use crate::shared::VmShared;
 
 /// Longest console write or panic message accepted in one call.
 const MAX_TEXT: u64 = 64 * 1024;
@@ -73,7 +73,9 @@ fn abort(shared: &VmShared, vcpu: u32, addr: u64) -> Result<Outcome, String> {
 fn wait(shared: &VmShared, addr: u64) -> Result<Outcome, String> {
     let (deadline_ns, seen) = (read_u64(shared, addr)?, read_u64(shared, addr + 8)?);
     let deadline = (deadline_ns != u64::MAX).then(|| std::time::Instant::now() + shared.clock().until(deadline_ns));
+    shared.enter_wait();
     let seq = shared.events.wait(seen, deadline, || shared.control.should_leave());
+    shared.leave_wait();
     shared.ram.memory().write_obj(seq, GuestAddress(addr + 16)).map_err(|e| e.to_string())?;
     Ok(Outcome::Continue)
 }

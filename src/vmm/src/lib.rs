@@ -7,19 +7,26 @@
 //! dirties tracked through KVM's dirty bitmap or dirty ring.
 
 pub mod arch;
-pub mod memory;
 pub mod boot;
 pub mod clock;
-pub mod console;
 pub mod devices;
 pub mod dirty;
 pub mod exit;
+pub mod hooks;
 mod hypercall;
+pub mod memory;
+pub mod pages;
+pub mod persist;
+mod run_control;
+mod shared;
 pub mod snapshot;
+pub mod sync;
 pub mod vcpu;
 pub mod vm;
 
-pub use console::Console;
-pub use dirty::{DirtyBackend, DirtyBitmap};
+pub use dirty::DirtyBackend;
 pub use exit::{GuestFault, VmExit};
+pub use hooks::{Console, Hooks};
+pub use memory::PageBitmap;
+pub use persist::Persist;
 pub use vm::{Vm, VmConfig, VmError, VmState};

@@ -1,28 +1,26 @@
 //! Snapshot files: a paused VM's state and memory, restorable in a fresh
 //! process.
 //!
-//! Layout (little-endian):
-//! `magic "FTVMSNAP" | version u32 | header length u32 | header (bincode) |
-//! page-presence bitmap (one bit per page) | the pages whose bit is set |
-//! crc32c u32 of everything before it`.
-//! All-zero pages are left out: a fresh VM's RAM is zero already.
+//! Layout (little-endian): `magic "FTVMSNAP" | format version u32 | bundle |
+//! crc32c u32 of everything before it`, where the bundle (see `pages`) holds
+//! the VM's state and every page that is not all zeros (a fresh VM's RAM is
+//! zero already).
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
-
-use ftvm_abi::PAGE_SIZE;
-
-use crate::dirty::DirtyBitmap;
-use crate::memory::GuestRam;
+use crate::memory::{GuestRam, PAGE};
+use crate::pages::{self, BundleWriter, FormatError, RawEncoder};
+use crate::persist;
 use crate::vm::VmState;
 
 const MAGIC: &[u8; 8] = b"FTVMSNAP";
-pub const FORMAT_VERSION: u32 = 1;
-/// A header larger than this is corruption, not a VM.
-const MAX_HEADER: u32 = 64 << 20;
+pub const FORMAT_VERSION: u32 = 2;
+/// A state larger than this is corruption, not a VM.
+const MAX_STATE: u64 = 64 << 20;
+/// Bytes gathered before each write to the file.
+const WRITE_CHUNK: usize = 1 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -36,14 +34,6 @@ pub enum SnapshotError {
     Truncated { path: String },
     #[error("snapshot {path} is corrupted: {what}")]
     Corrupted { path: String, what: String },
-}
-
-/// The shape of the VM a snapshot belongs to, and its non-memory state.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct SnapshotHeader {
-    pub mem_size: u64,
-    pub vcpus: u32,
-    pub state: VmState,
 }
 
 /// Writes through a running crc32c.
@@ -76,9 +66,9 @@ impl<R: Read> Read for CrcReader<R> {
     }
 }
 
-/// Write `header` and all of `ram` (the VM must be paused) to `path`.
+/// Write `state` and all of `ram` (the VM must be paused) to `path`.
 /// Returns the file size.
-pub fn write(path: &Path, header: &SnapshotHeader, ram: &GuestRam) -> Result<u64, SnapshotError> {
+pub fn write(path: &Path, state: &VmState, ram: &GuestRam) -> Result<u64, SnapshotError> {
     let name = path.display().to_string();
     let io = |op| {
         let name = name.clone();
@@ -88,31 +78,27 @@ pub fn write(path: &Path, header: &SnapshotHeader, ram: &GuestRam) -> Result<u64
     // leaves a half-written file under the final name.
     let tmp = path.with_extension("partial");
     let file = File::create(&tmp).map_err(io("create"))?;
-    let mut out = CrcWriter { inner: BufWriter::with_capacity(1 << 20, file), crc: 0 };
-    let head = bincode::serialize(header).expect("snapshot header serializes");
-    // SAFETY: the caller paused the VM, so guest memory is not changing.
-    let mem = unsafe { ram.as_slice() };
-    let mut present = DirtyBitmap::new(ram.pages());
-    for (start, end) in ram.populated_ranges() {
-        for page in start / PAGE_SIZE..end.div_ceil(PAGE_SIZE) {
-            let at = (page * PAGE_SIZE) as usize;
-            if !is_zero(&mem[at..at + PAGE_SIZE as usize]) {
-                present.set(page);
-            }
-        }
-    }
+    let mut out = CrcWriter { inner: BufWriter::with_capacity(WRITE_CHUNK, file), crc: 0 };
     let result = (|| {
         out.write_all(MAGIC)?;
         out.write_all(&FORMAT_VERSION.to_le_bytes())?;
-        out.write_all(&(head.len() as u32).to_le_bytes())?;
-        out.write_all(&head)?;
-        for w in present.words() {
-            out.write_all(&w.to_le_bytes())?;
+        let mut buf = Vec::with_capacity(2 * WRITE_CHUNK);
+        let mut encoder = RawEncoder;
+        let mut bundle = BundleWriter::begin(&mut buf, &persist::encode(state), &mut encoder, true);
+        let mut page = vec![0u8; PAGE];
+        for (start, end) in ram.populated_ranges() {
+            for p in start / PAGE as u64..end.div_ceil(PAGE as u64) {
+                ram.read_page(p, &mut page).map_err(std::io::Error::other)?;
+                bundle.page(p, &page);
+                if bundle.pending() >= WRITE_CHUNK {
+                    out.write_all(&bundle.take_output())?;
+                }
+            }
         }
-        for page in present.pages() {
-            let start = (page * PAGE_SIZE) as usize;
-            out.write_all(&mem[start..start + PAGE_SIZE as usize])?;
-        }
+        let rest = bundle.take_output();
+        bundle.finish();
+        out.write_all(&rest)?;
+        out.write_all(&buf)?;
         let crc = out.crc;
         out.inner.write_all(&crc.to_le_bytes())?;
         out.inner.flush()?;
@@ -126,27 +112,16 @@ pub fn write(path: &Path, header: &SnapshotHeader, ram: &GuestRam) -> Result<u64
     std::fs::metadata(path).map(|m| m.len()).map_err(io("stat"))
 }
 
-fn is_zero(page: &[u8]) -> bool {
-    page.chunks_exact(8).all(|c| u64::from_ne_bytes(c.try_into().expect("8 bytes")) == 0)
+fn format_error(name: &str, e: FormatError) -> SnapshotError {
+    match e {
+        FormatError::Truncated => SnapshotError::Truncated { path: name.into() },
+        FormatError::Corrupt(what) => SnapshotError::Corrupted { path: name.into(), what },
+        FormatError::Io(err) => SnapshotError::Io { op: "read", path: name.into(), err },
+    }
 }
 
-/// Read only the header of `path` (to size the VM before loading memory).
-pub fn read_header(path: &Path) -> Result<SnapshotHeader, SnapshotError> {
-    let name = path.display().to_string();
-    let file = File::open(path).map_err(|err| SnapshotError::Io { op: "open", path: name.clone(), err })?;
-    let mut input = CrcReader { inner: BufReader::new(file), crc: 0 };
-    read_header_from(&mut input, &name)
-}
-
-fn read_exact(input: &mut impl Read, buf: &mut [u8], name: &str) -> Result<(), SnapshotError> {
-    input.read_exact(buf).map_err(|err| match err.kind() {
-        std::io::ErrorKind::UnexpectedEof => SnapshotError::Truncated { path: name.into() },
-        _ => SnapshotError::Io { op: "read", path: name.into(), err },
-    })
-}
-
-fn read_header_from(input: &mut impl Read, name: &str) -> Result<SnapshotHeader, SnapshotError> {
-    let mut fixed = [0u8; 16];
+fn read_prefix(input: &mut impl Read, name: &str) -> Result<(), SnapshotError> {
+    let mut fixed = [0u8; 12];
     input.read_exact(&mut fixed).map_err(|_| SnapshotError::NotSnapshot(name.into()))?;
     if &fixed[..8] != MAGIC {
         return Err(SnapshotError::NotSnapshot(name.into()));
@@ -155,54 +130,121 @@ fn read_header_from(input: &mut impl Read, name: &str) -> Result<SnapshotHeader,
     if version != FORMAT_VERSION {
         return Err(SnapshotError::Version { path: name.into(), found: version });
     }
-    let len = u32::from_le_bytes(fixed[12..16].try_into().expect("4 bytes"));
-    if len > MAX_HEADER {
-        return Err(SnapshotError::Corrupted { path: name.into(), what: format!("header length {len}") });
+    Ok(())
+}
+
+fn decode_state(bytes: &[u8], name: &str) -> Result<VmState, SnapshotError> {
+    persist::decode(bytes).map_err(|e| SnapshotError::Corrupted { path: name.into(), what: format!("VM state: {e}") })
+}
+
+fn open(path: &Path) -> Result<(CrcReader<BufReader<File>>, String), SnapshotError> {
+    let name = path.display().to_string();
+    let file = File::open(path).map_err(|err| SnapshotError::Io { op: "open", path: name.clone(), err })?;
+    Ok((CrcReader { inner: BufReader::with_capacity(WRITE_CHUNK, file), crc: 0 }, name))
+}
+
+/// Read only the VM state of `path` (to size the VM before loading memory).
+/// The checksum covers the whole file and is checked by `read`.
+pub fn read_state(path: &Path) -> Result<VmState, SnapshotError> {
+    let (mut input, name) = open(path)?;
+    read_prefix(&mut input, &name)?;
+    let mut word = [0u8; 8];
+    input.read_exact(&mut word).map_err(|_| SnapshotError::Truncated { path: name.clone() })?;
+    let len = u64::from_le_bytes(word);
+    if len > MAX_STATE {
+        return Err(SnapshotError::Corrupted { path: name, what: format!("VM state of {len} bytes") });
     }
-    let mut head = vec![0u8; len as usize];
-    read_exact(input, &mut head, name)?;
-    bincode::deserialize(&head).map_err(|e| SnapshotError::Corrupted { path: name.into(), what: e.to_string() })
+    let mut state = vec![0u8; len as usize];
+    input.read_exact(&mut state).map_err(|_| SnapshotError::Truncated { path: name.clone() })?;
+    decode_state(&state, &name)
 }
 
 /// Read `path` into the fresh VM memory `ram`, verifying the checksum.
 /// On any error `ram` must be discarded (it may be partly written).
-pub fn read(path: &Path, ram: &GuestRam) -> Result<SnapshotHeader, SnapshotError> {
-    let name = path.display().to_string();
-    let file = File::open(path).map_err(|err| SnapshotError::Io { op: "open", path: name.clone(), err })?;
-    let mut input = CrcReader { inner: BufReader::with_capacity(1 << 20, file), crc: 0 };
-    let header = read_header_from(&mut input, &name)?;
-    if header.mem_size != ram.size() {
-        return Err(SnapshotError::Corrupted { path: name, what: "memory size differs from the header".into() });
-    }
-    let mut words = vec![0u8; ram.pages().div_ceil(64) as usize * 8];
-    read_exact(&mut input, &mut words, &name)?;
-    let mut present = DirtyBitmap::new(ram.pages());
-    for (i, w) in words.chunks_exact(8).enumerate() {
-        let w = u64::from_le_bytes(w.try_into().expect("8 bytes"));
-        for b in 0..64 {
-            if w & (1 << b) != 0 {
-                if i as u64 * 64 + b >= ram.pages() {
-                    return Err(SnapshotError::Corrupted { path: name, what: "page bitmap beyond RAM".into() });
-                }
-                present.set(i as u64 * 64 + b);
-            }
-        }
-    }
-    // SAFETY: the VM is being restored and has not run; nothing else
-    // accesses its memory.
-    let mem = unsafe { ram.as_mut_slice() };
-    for page in present.pages() {
-        let start = (page * PAGE_SIZE) as usize;
-        read_exact(&mut input, &mut mem[start..start + PAGE_SIZE as usize], &name)?;
-    }
+pub fn read(path: &Path, ram: &GuestRam) -> Result<VmState, SnapshotError> {
+    let (mut input, name) = open(path)?;
+    read_prefix(&mut input, &name)?;
+    let state = pages::read_bundle(&mut input, ram, MAX_STATE).map_err(|e| format_error(&name, e))?;
     let expected = input.crc;
     let mut crc = [0u8; 4];
-    read_exact(&mut input.inner, &mut crc, &name)?;
+    input.inner.read_exact(&mut crc).map_err(|_| SnapshotError::Truncated { path: name.clone() })?;
     if u32::from_le_bytes(crc) != expected {
         return Err(SnapshotError::Corrupted { path: name, what: "checksum mismatch".into() });
     }
     if input.inner.read(&mut [0u8; 1]).map_err(|err| SnapshotError::Io { op: "read", path: name.clone(), err })? != 0 {
         return Err(SnapshotError::Corrupted { path: name, what: "trailing data".into() });
     }
-    Ok(header)
+    let state = decode_state(&state, &name)?;
+    if state.memory.size != ram.size() {
+        return Err(SnapshotError::Corrupted { path: name, what: "memory size differs from the VM state".into() });
+    }
+    Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ClockState;
+    use crate::memory::MemoryState;
+    use crate::vcpu::VcpuState;
+
+    const RAM: u64 = 4 << 20;
+
+    fn scratch(tag: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("ftvm-snapshot-test-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn state() -> VmState {
+        VmState { memory: MemoryState { size: RAM }, vcpus: vec![VcpuState::default()], devices: vec![], clock: ClockState { ns: 42 } }
+    }
+
+    fn written(dir: &Path) -> (std::path::PathBuf, Vec<u8>) {
+        let ram = GuestRam::new(RAM, false).unwrap();
+        ram.write_page(1, &[3u8; PAGE]).unwrap();
+        ram.write_page(700, &[9u8; PAGE]).unwrap();
+        let path = dir.join("vm.snap");
+        write(&path, &state(), &ram).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        (path, bytes)
+    }
+
+    #[test]
+    fn round_trip_keeps_state_and_pages() {
+        let dir = scratch("rt");
+        let (path, bytes) = written(&dir);
+        assert!(bytes.len() < 3 * PAGE + 4096, "zero pages are left out: {} bytes", bytes.len());
+        assert_eq!(read_state(&path).unwrap().clock.ns, 42);
+        let ram = GuestRam::new(RAM, false).unwrap();
+        let st = read(&path, &ram).unwrap();
+        assert_eq!(st.vcpus.len(), 1);
+        let mut page = [0u8; PAGE];
+        ram.read_page(700, &mut page).unwrap();
+        assert_eq!(page, [9u8; PAGE]);
+        let small = GuestRam::new(RAM / 2, false).unwrap();
+        assert!(read(&path, &small).is_err(), "a VM of another size");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn every_truncation_and_bit_flip_is_refused() {
+        let dir = scratch("damage");
+        let (_, bytes) = written(&dir);
+        let bad = dir.join("bad.snap");
+        let ram = GuestRam::new(RAM, false).unwrap();
+        for cut in 0..bytes.len() {
+            std::fs::write(&bad, &bytes[..cut]).unwrap();
+            assert!(read(&bad, &ram).is_err(), "truncated to {cut} bytes and accepted");
+        }
+        for i in 0..bytes.len() {
+            let mut b = bytes.clone();
+            b[i] ^= 1 << (i % 8);
+            std::fs::write(&bad, &b).unwrap();
+            let r = read(&bad, &ram);
+            assert!(r.is_err(), "flip in byte {i} accepted");
+            assert!(!r.unwrap_err().to_string().ends_with(": "), "error says what is wrong");
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

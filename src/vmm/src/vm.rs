@@ -3,26 +3,28 @@
 
 use std::os::fd::AsRawFd;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
 use kvm_bindings::{kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use serde::{Deserialize, Serialize};
-use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::{cpu, layout, tables};
 use crate::boot::{self, BootError, BootLayout};
-use crate::clock::{self, GuestClock};
-use crate::console::Console;
+use crate::clock::{self, ClockState, GuestClock};
 use crate::devices::{DeviceConfig, DeviceError, DeviceState, Devices};
-use crate::dirty::{bitmap::BitmapLog, ring, DirtyBackend, DirtyBitmap, DirtyError, DirtyLog};
+use crate::dirty::{bitmap::BitmapLog, ring, DirtyBackend, DirtyError, DirtyLog};
 use crate::exit::VmExit;
-use crate::memory::{GuestRam, MemoryError};
-use crate::vcpu::control::{self, Events, Mode, RunControl};
-use crate::vcpu::state::{saveable_msrs, StateError, VcpuState};
+use crate::hooks::{Console, Hooks};
+use crate::memory::{GuestRam, MemoryError, MemoryState, PageBitmap};
+use crate::persist::Persist;
+use crate::run_control::{self, Events, Mode, RunControl};
+use crate::shared::VmShared;
+use crate::sync::Lock;
+use crate::vcpu::{saveable_msrs, StateError, Vcpu, VcpuState};
 
 /// Environment variable naming the KVM device (default `/dev/kvm`).
 pub const KVM_PATH_ENV: &str = "FTVM_KVM_DEVICE";
@@ -55,6 +57,8 @@ pub enum VmError {
     ShapeMismatch { got: usize, want: usize },
     #[error("the VM is running; pause it first")]
     Running,
+    #[error("the VM has run already; state can only be restored into a VM that has not")]
+    Started,
     #[error("{op} failed: {err}")]
     Os { op: &'static str, err: std::io::Error },
     #[error("cannot write guest memory: {0}")]
@@ -84,88 +88,26 @@ impl Default for VmConfig {
             vcpus: 1,
             prefault: false,
             dirty_backend: DirtyBackend::Bitmap,
-            console: Console::Stdout,
+            console: Console::default(),
             devices: DeviceConfig::default(),
         }
     }
 }
 
-/// vCPU and VM state apart from memory: what a snapshot or checkpoint adds
-/// to the pages.
+/// Everything a VM is apart from the contents of its memory: what a
+/// snapshot or checkpoint carries beside the pages.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct VmState {
+    pub memory: MemoryState,
     pub vcpus: Vec<VcpuState>,
     pub devices: Vec<DeviceState>,
-    /// Guest clock reading when the state was saved.
-    pub clock_ns: u64,
-}
-
-/// State shared between the VM owner and its vCPU threads.
-pub struct VmShared {
-    pub vm_fd: VmFd,
-    pub ram: GuestRam,
-    pub console: Console,
-    pub events: Arc<Events>,
-    pub control: RunControl,
-    pub devices: Devices,
-    clock: Mutex<GuestClock>,
-    dirty: Mutex<Box<dyn DirtyLog>>,
-    exit: Mutex<Option<VmExit>>,
-    exit_event: EventFd,
-    threads: Mutex<Vec<libc::pthread_t>>,
-}
-
-fn lock<T: ?Sized>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-impl VmShared {
-    pub fn clock(&self) -> GuestClock {
-        *lock(&self.clock)
-    }
-
-    pub fn read_u64(&self, addr: u64) -> Option<u64> {
-        self.ram.memory().read_obj(GuestAddress(addr)).ok()
-    }
-
-    pub fn register_thread(&self, id: libc::pthread_t) {
-        lock(&self.threads).push(id);
-    }
-
-    /// Get every vCPU thread out of KVM_RUN and out of the wait hypercall.
-    fn kick_all(&self) {
-        self.events.wake_all();
-        for &t in lock(&self.threads).iter() {
-            // SAFETY: `t` is a vCPU thread of this VM, which is joined only
-            // after `threads` stops being used (Vm::drop); the kick signal
-            // has a handler installed, so it cannot kill the process.
-            unsafe { libc::pthread_kill(t, control::kick_signal()) };
-        }
-    }
-
-    /// Stop the VM for `exit`; the first reason recorded wins.
-    pub fn stop(&self, exit: VmExit) {
-        {
-            let mut slot = lock(&self.exit);
-            if slot.is_none() {
-                *slot = Some(exit);
-            }
-        }
-        self.control.request(Mode::Stop);
-        self.kick_all();
-        let _ = self.exit_event.write(1);
-    }
-
-    pub fn dirty_ring_full(&self, vcpu: usize) -> Result<(), DirtyError> {
-        lock(&self.dirty).ring_full(&self.vm_fd, vcpu)
-    }
+    pub clock: ClockState,
 }
 
 pub struct Vm {
     shared: Arc<VmShared>,
-    vcpus: Vec<Arc<Mutex<VcpuFd>>>,
+    vcpus: Vec<Arc<Mutex<Vcpu>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
-    msrs: Vec<u32>,
     config: VmConfig,
     layout: OnceLock<BootLayout>,
     tracking: AtomicBool,
@@ -210,7 +152,8 @@ impl Vm {
         };
         let ram = GuestRam::new(config.mem_size, config.prefault)?;
         let events = Arc::new(Events::default());
-        let devices = Devices::new(&config.devices, &vm_fd, config.mem_size, ram.memory().clone(), events.clone())?;
+        let hooks = Arc::new(Hooks::default());
+        let devices = Devices::new(&config.devices, &vm_fd, config.mem_size, ram.memory().clone(), events.clone(), &hooks)?;
         tables::write_system_area(ram.memory(), config.vcpus, config.mem_size, devices.window())?;
         set_slot(&vm_fd, &ram, false)?;
 
@@ -221,26 +164,38 @@ impl Vm {
             None => Box::new(ring::RingLog::new(&vcpus.iter().collect::<Vec<_>>(), ram.pages())?),
         };
         let index_list = kvm.get_msr_index_list().map_err(kvm_err("KVM_GET_MSR_INDEX_LIST"))?;
-        let msrs = saveable_msrs(&vcpus[0], index_list.as_slice());
+        let msrs: Arc<[u32]> = saveable_msrs(&vcpus[0], index_list.as_slice()).into();
 
         let tsc_khz = vcpus[0].get_tsc_khz().ok();
         let clock = GuestClock::starting_at(clock::tsc_hz(tsc_khz), 0);
-        control::install_kick_handler().map_err(|e| VmError::Os { op: "install kick signal handler", err: e.into() })?;
+        run_control::install_kick_handler().map_err(|e| VmError::Os { op: "install kick signal handler", err: e.into() })?;
         let shared = Arc::new(VmShared {
             vm_fd,
             ram,
             console: config.console.clone(),
             events,
             devices,
+            hooks,
             control: RunControl::new(config.vcpus as usize, Mode::Pause),
             clock: Mutex::new(clock),
             dirty: Mutex::new(dirty),
             exit: Mutex::new(None),
             exit_event: EventFd::new(libc::EFD_NONBLOCK).map_err(|err| VmError::Os { op: "eventfd", err })?,
             threads: Mutex::new(Vec::new()),
+            waiting: AtomicUsize::new(0),
         });
-        let vcpus = vcpus.into_iter().map(|v| Arc::new(Mutex::new(v))).collect();
-        Ok(Vm { shared, vcpus, threads: Mutex::new(Vec::new()), msrs, config, layout: OnceLock::new(), tracking: AtomicBool::new(false), pause_holders: Mutex::new(1), holds: Mutex::new(0), _kvm: kvm })
+        let vcpus = vcpus.into_iter().map(|fd| Arc::new(Mutex::new(Vcpu::new(fd, msrs.clone())))).collect();
+        Ok(Vm {
+            shared,
+            vcpus,
+            threads: Mutex::new(Vec::new()),
+            config,
+            layout: OnceLock::new(),
+            tracking: AtomicBool::new(false),
+            pause_holders: Mutex::new(1),
+            holds: Mutex::new(0),
+            _kvm: kvm,
+        })
     }
 
     pub fn config(&self) -> &VmConfig {
@@ -255,6 +210,11 @@ impl Vm {
         &self.shared.devices
     }
 
+    /// Where the layers above see and steer what the VM does.
+    pub fn hooks(&self) -> &Hooks {
+        &self.shared.hooks
+    }
+
     pub fn layout(&self) -> Option<&BootLayout> {
         self.layout.get()
     }
@@ -265,21 +225,21 @@ impl Vm {
         let devices = self.shared.devices.abi_list();
         let layout = boot::boot(mem, image, self.config.mem_size, self.config.vcpus, cmdline, &devices)?;
         let xcr0 = {
-            let vcpu = lock(&self.vcpus[0]);
-            cpu::xcr0_for(&vcpu.get_cpuid2(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_CPUID2"))?)
+            let vcpu = self.vcpus[0].locked();
+            cpu::xcr0_for(&vcpu.fd.get_cpuid2(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_CPUID2"))?)
         };
         for (i, vcpu) in self.vcpus.iter().enumerate() {
             let i = i as u32;
-            cpu::setup_vcpu(&lock(vcpu), i, layout.image.entry, layout.stack_top(i), xcr0).map_err(kvm_err("vCPU setup"))?;
+            cpu::setup_vcpu(&vcpu.locked().fd, i, layout.image.entry, layout.stack_top(i), xcr0).map_err(kvm_err("vCPU setup"))?;
         }
-        lock(&self.shared.clock).publish(mem)?;
+        self.shared.clock.locked().publish(mem)?;
         Ok(self.layout.get_or_init(|| layout))
     }
 
     /// Start the vCPU and device threads; the guest runs.
     pub fn start(&self) -> std::io::Result<()> {
         self.shared.devices.start()?;
-        let mut threads = lock(&self.threads);
+        let mut threads = self.threads.locked();
         if !threads.is_empty() {
             return Ok(());
         }
@@ -300,7 +260,7 @@ impl Vm {
     /// Pauses nest: a checkpoint and a snapshot may both hold the VM, and it
     /// runs again only when every holder has resumed it.
     pub fn pause(&self) {
-        let mut holders = lock(&self.pause_holders);
+        let mut holders = self.pause_holders.locked();
         *holders += 1;
         if *holders > 1 || self.shared.control.mode() != Mode::Run {
             return;
@@ -314,7 +274,7 @@ impl Vm {
 
     /// Release one pause (see `pause`); the VM runs when none is left.
     pub fn resume(&self) {
-        let mut holders = lock(&self.pause_holders);
+        let mut holders = self.pause_holders.locked();
         if *holders == 0 {
             return;
         }
@@ -328,13 +288,13 @@ impl Vm {
     /// Pause for an open-ended time (an operator's or a policy's pause, as
     /// opposed to a checkpoint's); `is_held` reports it.
     pub fn hold(&self) {
-        *lock(&self.holds) += 1;
+        *self.holds.locked() += 1;
         self.pause();
     }
 
     /// End one `hold`.
     pub fn release(&self) {
-        let mut holds = lock(&self.holds);
+        let mut holds = self.holds.locked();
         if *holds > 0 {
             *holds -= 1;
             drop(holds);
@@ -345,39 +305,11 @@ impl Vm {
     /// Whether an operator or a policy holds the VM paused (short pauses
     /// for checkpoints do not count).
     pub fn is_held(&self) -> bool {
-        *lock(&self.holds) > 0
+        *self.holds.locked() > 0
     }
 
     pub fn is_running(&self) -> bool {
-        !lock(&self.threads).is_empty() && self.shared.control.mode() == Mode::Run
-    }
-
-    /// Save all vCPU and VM state; the VM must be paused (or never started).
-    pub fn save_state(&self) -> Result<VmState, VmError> {
-        if self.is_running() {
-            return Err(VmError::Running);
-        }
-        let vcpus = self.vcpus.iter().map(|v| VcpuState::save(&lock(v), &self.msrs)).collect::<Result<Vec<_>, _>>()?;
-        Ok(VmState { vcpus, devices: self.shared.devices.save(), clock_ns: self.shared.clock().now_ns() })
-    }
-
-    /// Load state saved by `save_state` (here or in another process) into
-    /// this VM before it runs; guest time continues from the saved time.
-    pub fn restore_state(&self, state: &VmState) -> Result<(), VmError> {
-        if self.is_running() {
-            return Err(VmError::Running);
-        }
-        if state.vcpus.len() != self.vcpus.len() {
-            return Err(VmError::ShapeMismatch { got: state.vcpus.len(), want: self.vcpus.len() });
-        }
-        self.shared.devices.restore(&state.devices)?;
-        for (vcpu, s) in self.vcpus.iter().zip(&state.vcpus) {
-            s.restore(&lock(vcpu))?;
-        }
-        let mut clock = lock(&self.shared.clock);
-        clock.rebase(state.clock_ns);
-        clock.publish(self.shared.ram.memory())?;
-        Ok(())
+        !self.threads.locked().is_empty() && self.shared.control.mode() == Mode::Run
     }
 
     /// Begin tracking the pages written from now on (guest and VMM writes).
@@ -385,15 +317,16 @@ impl Vm {
         if !self.tracking.swap(true, Ordering::SeqCst) {
             set_slot(&self.shared.vm_fd, &self.shared.ram, true)?;
         }
-        lock(&self.shared.dirty).start(&self.shared.vm_fd)?;
+        self.shared.dirty.locked().start(&self.shared.vm_fd)?;
         self.shared.ram.take_vmm_dirty();
         Ok(())
     }
 
     /// OR into `out` every page written since tracking started or since the
-    /// last collection, by the guest or by the VMM.
-    pub fn collect_dirty(&self, out: &mut DirtyBitmap) -> Result<(), VmError> {
-        lock(&self.shared.dirty).collect(&self.shared.vm_fd, out)?;
+    /// last collection, by the guest or by the VMM, and re-arm tracking for
+    /// them except for `leave_writable` (see `DirtyLog::collect`).
+    pub fn collect_dirty(&self, out: &mut PageBitmap, leave_writable: &PageBitmap) -> Result<(), VmError> {
+        self.shared.dirty.locked().collect(&self.shared.vm_fd, out, leave_writable)?;
         out.or_words(&self.shared.ram.take_vmm_dirty());
         Ok(())
     }
@@ -410,7 +343,7 @@ impl Vm {
 
     /// Why the VM stopped, if it has.
     pub fn exit_reason(&self) -> Option<VmExit> {
-        lock(&self.shared.exit).clone()
+        self.shared.exit.locked().clone()
     }
 
     /// Block until the VM stops, then join the vCPU threads.
@@ -428,11 +361,49 @@ impl Vm {
     fn join(&self) {
         self.shared.control.request(Mode::Stop);
         self.shared.kick_all();
-        let threads: Vec<_> = lock(&self.threads).drain(..).collect();
+        let threads: Vec<_> = self.threads.locked().drain(..).collect();
         for t in threads {
             let _ = t.join();
         }
         self.shared.devices.stop();
+    }
+}
+
+impl Persist for Vm {
+    type State = VmState;
+    type Error = VmError;
+
+    /// The VM must be paused (or never started).
+    fn save(&self) -> Result<VmState, VmError> {
+        if self.is_running() {
+            return Err(VmError::Running);
+        }
+        let vcpus = self.vcpus.iter().map(|v| v.locked().save()).collect::<Result<Vec<_>, _>>()?;
+        Ok(VmState {
+            memory: self.shared.ram.save()?,
+            vcpus,
+            devices: self.shared.devices.save()?,
+            clock: self.shared.clock.locked().save().unwrap_or_else(|never| match never {}),
+        })
+    }
+
+    /// Load state saved here or in another process into this VM, which has
+    /// never run; guest time continues from the saved time.
+    fn restore(&mut self, state: &VmState) -> Result<(), VmError> {
+        if state.vcpus.len() != self.vcpus.len() {
+            return Err(VmError::ShapeMismatch { got: state.vcpus.len(), want: self.vcpus.len() });
+        }
+        // Only the VM holds its shared part until `start` gives it to vCPU threads.
+        let shared = Arc::get_mut(&mut self.shared).ok_or(VmError::Started)?;
+        shared.ram.restore(&state.memory)?;
+        shared.devices.restore(&state.devices)?;
+        for (vcpu, s) in self.vcpus.iter().zip(&state.vcpus) {
+            vcpu.locked().restore(s)?;
+        }
+        let clock = shared.clock.get_mut().unwrap_or_else(|p| p.into_inner());
+        clock.restore(&state.clock).unwrap_or_else(|never| match never {});
+        clock.publish(shared.ram.memory())?;
+        Ok(())
     }
 }
 

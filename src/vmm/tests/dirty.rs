@@ -3,8 +3,8 @@
 
 use std::path::PathBuf;
 
+use ftvm_vmm::{Console, DirtyBackend, PageBitmap, Vm, VmConfig, VmExit};
 use vm_memory::{Bytes, GuestAddress};
-use ftvm_vmm::{Console, DirtyBackend, DirtyBitmap, Vm, VmConfig, VmExit};
 
 fn image(name: &str) -> PathBuf {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/images").join(format!("{name}.elf"));
@@ -35,8 +35,9 @@ fn check_backend(backend: DirtyBackend) {
     let base_page = field(&text, "base=") / 4096;
     let pages = vm.ram().pages();
 
-    let mut dirty = DirtyBitmap::new(pages);
-    vm.collect_dirty(&mut dirty).unwrap();
+    let none = PageBitmap::new(pages);
+    let mut dirty = PageBitmap::new(pages);
+    vm.collect_dirty(&mut dirty, &none).unwrap();
     let region = base_page..base_page + stride * count;
     let in_region: Vec<u64> = dirty.pages().filter(|p| region.contains(p)).collect();
     let expected: Vec<u64> = (0..count).map(|i| base_page + i * stride).collect();
@@ -52,11 +53,45 @@ fn check_backend(backend: DirtyBackend) {
     for p in vmm_pages {
         vm.ram().memory().write_obj(0xfeu8, GuestAddress(p * 4096 + 17)).unwrap();
     }
-    let mut again = DirtyBitmap::new(pages);
-    vm.collect_dirty(&mut again).unwrap();
+    let mut again = PageBitmap::new(pages);
+    vm.collect_dirty(&mut again, &none).unwrap();
     let mut want = vmm_pages.to_vec();
     want.sort();
     assert_eq!(again.pages().collect::<Vec<_>>(), want, "{backend}: VMM writes only");
+}
+
+/// Pages left writable at a collection stay reported by later ones (the
+/// write-prediction hook), with the bitmap backend; the ring re-protects all.
+#[test]
+fn pages_left_writable_are_reported_again() {
+    for backend in [DirtyBackend::Bitmap, DirtyBackend::Ring] {
+        let (console, out) = Console::capture();
+        let config = VmConfig { mem_size: 64 << 20, vcpus: 1, dirty_backend: backend, console, ..Default::default() };
+        let vm = Vm::new(config).unwrap();
+        vm.boot(&image("probe"), "dirty=1,32").unwrap();
+        vm.start_dirty_tracking().unwrap();
+        vm.start().unwrap();
+        assert_eq!(vm.wait(), VmExit::Exited(0));
+        let text = String::from_utf8(out.lock().unwrap().clone()).unwrap();
+        let base = field(&text, "base=") / 4096;
+        let pages = vm.ram().pages();
+        let mut keep = PageBitmap::new(pages);
+        keep.set(base);
+        keep.set(base + 5);
+        let mut first = PageBitmap::new(pages);
+        vm.collect_dirty(&mut first, &keep).unwrap();
+        assert!(first.is_set(base) && first.is_set(base + 5) && first.is_set(base + 6), "{backend}");
+        let mut second = PageBitmap::new(pages);
+        vm.collect_dirty(&mut second, &PageBitmap::new(pages)).unwrap();
+        let want: Vec<u64> = match backend {
+            DirtyBackend::Bitmap => vec![base, base + 5],
+            DirtyBackend::Ring => vec![],
+        };
+        assert_eq!(second.pages().collect::<Vec<_>>(), want, "{backend}");
+        let mut third = PageBitmap::new(pages);
+        vm.collect_dirty(&mut third, &PageBitmap::new(pages)).unwrap();
+        assert!(third.is_empty(), "{backend}: re-armed once no longer left writable");
+    }
 }
 
 #[test]
@@ -82,8 +117,8 @@ fn tracking_rearms_between_collections_of_a_running_guest() {
         let mut counts = Vec::new();
         for _ in 0..3 {
             vm.pause();
-            let mut d = DirtyBitmap::new(vm.ram().pages());
-            vm.collect_dirty(&mut d).unwrap();
+            let mut d = PageBitmap::new(vm.ram().pages());
+            vm.collect_dirty(&mut d, &PageBitmap::new(vm.ram().pages())).unwrap();
             counts.push(d.count());
             vm.resume();
             std::thread::sleep(std::time::Duration::from_millis(100));

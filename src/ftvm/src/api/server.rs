@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ftvm_replication::{Primary, StatusCell};
-use ftvm_vmm::snapshot::{self, SnapshotHeader};
+use ftvm_vmm::snapshot;
+use ftvm_vmm::Persist;
 use ftvm_vmm::Vm;
 
 use super::{Request, Response};
@@ -114,11 +115,10 @@ fn handle(request: Request, ctx: &ApiContext) -> (Response, bool) {
         Request::Snapshot { path, stop } => {
             let t0 = Instant::now();
             vm.pause();
-            let result = vm.save_state().map_err(|e| e.to_string()).and_then(|state| {
-                let cfg = vm.config();
-                let header = SnapshotHeader { mem_size: cfg.mem_size, vcpus: cfg.vcpus, state };
-                snapshot::write(Path::new(&path), &header, vm.ram()).map_err(|e| e.to_string())
-            });
+            let result = vm
+                .save()
+                .map_err(|e| e.to_string())
+                .and_then(|state| snapshot::write(Path::new(&path), &state, vm.ram()).map_err(|e| e.to_string()));
             let pause_us = t0.elapsed().as_micros() as u64;
             if !stop {
                 vm.resume();

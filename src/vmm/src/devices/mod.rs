@@ -1,24 +1,28 @@
 //! The VM's devices: virtio-mmio slots above guest RAM, each served by its
 //! own thread, which can be paused with the vCPUs and saved with the VM.
 
+mod gate;
+mod serve;
 pub mod virtio;
 
-use std::os::fd::AsRawFd;
+use std::fmt;
 use std::path::PathBuf;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use kvm_ioctls::{IoEventAddress, VmFd};
 use serde::{Deserialize, Serialize};
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::hooks::{FrameSink, Hooks};
 use crate::memory::GuestMemory;
-use crate::vcpu::control::Events;
+use crate::persist::Persist;
+use crate::run_control::Events;
+use crate::sync::Lock;
+use gate::Gate;
 use virtio::block::{Block, BlockError};
 use virtio::mmio::{MmioTransport, TransportState, REG_QUEUE_NOTIFY};
-use virtio::block_journal::DiskJournal;
-use virtio::net::{Net, NetConfig, OutputBuffer, TapError};
+use virtio::net::{Net, NetConfig, NetState, TapError};
 
 /// Each device's register block.
 pub const MMIO_SLOT_SIZE: u64 = 0x1000;
@@ -36,6 +40,51 @@ pub struct DeviceConfig {
     pub disk: Option<PathBuf>,
 }
 
+/// What a device is, as the VM's shape lists it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeviceKind {
+    Net,
+    Block,
+}
+
+impl DeviceKind {
+    /// The virtio device ID the transport reports.
+    pub fn virtio_id(self) -> u32 {
+        match self {
+            DeviceKind::Net => virtio_bindings::virtio_ids::VIRTIO_ID_NET,
+            DeviceKind::Block => virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK,
+        }
+    }
+
+    /// The kind the guest finds in its boot information.
+    pub fn abi_kind(self) -> u32 {
+        match self {
+            DeviceKind::Net => ftvm_abi::device_kind::VIRTIO_MMIO_NET,
+            DeviceKind::Block => ftvm_abi::device_kind::VIRTIO_MMIO_BLOCK,
+        }
+    }
+}
+
+/// The names the command line uses (`--net`, `--disk`).
+impl fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DeviceKind::Net => "net",
+            DeviceKind::Block => "disk",
+        })
+    }
+}
+
+/// A list of device kinds, printed as `[net, disk]`.
+pub struct KindList<'a>(pub &'a [DeviceKind]);
+
+impl fmt::Display for KindList<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<String> = self.0.iter().map(ToString::to_string).collect();
+        write!(f, "[{}]", names.join(", "))
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
     #[error(transparent)]
@@ -44,52 +93,25 @@ pub enum DeviceError {
     Block(#[from] BlockError),
     #[error("cannot set up device plumbing ({op}): {err}")]
     Os { op: &'static str, err: std::io::Error },
-    #[error("the saved VM has devices {saved:?}, this VM has {present:?}")]
-    Mismatch { saved: Vec<u32>, present: Vec<u32> },
-    #[error("cannot restore device state: {0}")]
-    Restore(String),
+    #[error("the saved VM has devices {}, this VM has {}", KindList(saved), KindList(present))]
+    Mismatch { saved: Vec<DeviceKind>, present: Vec<DeviceKind> },
+    #[error("cannot restore the {kind} device: {reason}")]
+    Restore { kind: DeviceKind, reason: String },
+}
+
+/// A device model's own state (the transport's is saved beside it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ModelState {
+    Net(NetState),
+    Block(virtio::block::BlockState),
 }
 
 /// One device's saved state.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceState {
-    pub device_type: u32,
+    pub kind: DeviceKind,
     pub transport: TransportState,
-}
-
-/// Lets the pauser stop every device thread between two pieces of work.
-#[derive(Default)]
-struct Gate {
-    state: Mutex<(bool, bool)>, // (paused, stopping)
-    changed: Condvar,
-}
-
-impl Gate {
-    fn lock(&self) -> MutexGuard<'_, (bool, bool)> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Block while paused; false once stopping.
-    fn wait_running(&self) -> bool {
-        let mut st = self.lock();
-        while st.0 && !st.1 {
-            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
-        }
-        !st.1
-    }
-
-    fn paused(&self) -> bool {
-        self.lock().0
-    }
-
-    fn set(&self, paused: Option<bool>, stopping: bool) {
-        let mut st = self.lock();
-        if let Some(p) = paused {
-            st.0 = p;
-        }
-        st.1 |= stopping;
-        self.changed.notify_all();
-    }
+    pub model: ModelState,
 }
 
 struct Slot {
@@ -102,7 +124,7 @@ struct Slot {
 
 impl Slot {
     fn lock(&self) -> MutexGuard<'_, MmioTransport> {
-        self.transport.lock().unwrap_or_else(|p| p.into_inner())
+        self.transport.locked()
     }
 }
 
@@ -112,20 +134,27 @@ pub struct Devices {
     threads: Mutex<Vec<JoinHandle<()>>>,
     mem: GuestMemory,
     events: Arc<Events>,
-    output: Arc<OutputBuffer>,
-    journal: Arc<DiskJournal>,
+    tap: Option<Arc<dyn FrameSink>>,
 }
 
 impl Devices {
-    pub fn new(config: &DeviceConfig, vm: &VmFd, mem_size: u64, mem: GuestMemory, events: Arc<Events>) -> Result<Devices, DeviceError> {
-        let output = Arc::new(OutputBuffer::default());
-        let journal = Arc::new(DiskJournal::default());
+    pub fn new(
+        config: &DeviceConfig,
+        vm: &VmFd,
+        mem_size: u64,
+        mem: GuestMemory,
+        events: Arc<Events>,
+        hooks: &Arc<Hooks>,
+    ) -> Result<Devices, DeviceError> {
         let mut models: Vec<Box<dyn virtio::VirtioDevice>> = Vec::new();
+        let mut tap = None;
         if let Some(net) = &config.net {
-            models.push(Box::new(Net::new(net, output.clone())?));
+            let net = Net::new(net, hooks.clone())?;
+            tap = Some(net.tap_sink());
+            models.push(Box::new(net));
         }
         if let Some(disk) = &config.disk {
-            models.push(Box::new(Block::open(disk, journal.clone())?));
+            models.push(Box::new(Block::open(disk, hooks.clone())?));
         }
         let os = |op| move |err| DeviceError::Os { op, err };
         let mut slots = Vec::new();
@@ -142,28 +171,26 @@ impl Devices {
             let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(os("eventfd"))?;
             slots.push(Arc::new(Slot { base, transport: Mutex::new(transport), notify, stop }));
         }
-        Ok(Devices { slots, gate: Arc::new(Gate::default()), threads: Mutex::new(Vec::new()), mem, events, output, journal })
+        Ok(Devices { slots, gate: Arc::new(Gate::default()), threads: Mutex::new(Vec::new()), mem, events, tap })
     }
 
-    /// Network output: held per epoch while the VM is protected.
-    pub fn output(&self) -> &Arc<OutputBuffer> {
-        &self.output
+    /// Writes frames straight to the network card's TAP, bypassing the TX
+    /// hook: for frames the host itself sends, and for a TX hook that
+    /// forwards frames when it decides to.
+    pub fn tap_sink(&self) -> Option<Arc<dyn FrameSink>> {
+        self.tap.clone()
     }
 
-    /// Disk writes per epoch, for the backup's disk replica.
-    pub fn disk_journal(&self) -> &Arc<DiskJournal> {
-        &self.journal
+    /// Device kinds in slot order (the VM's device shape).
+    pub fn kinds(&self) -> Vec<DeviceKind> {
+        self.slots.iter().map(|s| s.lock().kind()).collect()
     }
 
-    /// Device types in slot order (the VM's device shape).
-    pub fn types(&self) -> Vec<u32> {
-        self.slots.iter().map(|s| s.lock().device_type()).collect()
-    }
-
-    /// Throw away host-side input queued so far (see `VirtioDevice::discard_host_input`).
-    pub fn discard_host_input(&self) {
+    /// Throw away host input that is queued but not delivered (frames
+    /// waiting on a TAP of a VM that does not run yet).
+    pub fn drop_queued_host_input(&self) {
         for slot in &self.slots {
-            slot.lock().discard_host_input();
+            slot.lock().drop_queued_host_input();
         }
     }
 
@@ -171,15 +198,7 @@ impl Devices {
     pub fn abi_list(&self) -> Vec<ftvm_abi::Device> {
         self.slots
             .iter()
-            .map(|s| ftvm_abi::Device {
-                kind: match s.lock().device_type() {
-                    virtio::TYPE_NET => ftvm_abi::device_kind::VIRTIO_MMIO_NET,
-                    _ => ftvm_abi::device_kind::VIRTIO_MMIO_BLOCK,
-                },
-                reserved: 0,
-                mmio_base: s.base,
-                mmio_size: MMIO_SLOT_SIZE,
-            })
+            .map(|s| ftvm_abi::Device { kind: s.lock().kind().abi_kind(), reserved: 0, mmio_base: s.base, mmio_size: MMIO_SLOT_SIZE })
             .collect()
     }
 
@@ -215,13 +234,13 @@ impl Devices {
     }
 
     pub fn start(&self) -> std::io::Result<()> {
-        let mut threads = self.threads.lock().unwrap_or_else(|p| p.into_inner());
+        let mut threads = self.threads.locked();
         if !threads.is_empty() {
             return Ok(());
         }
         for (i, slot) in self.slots.iter().enumerate() {
             let (slot, gate, mem, events) = (slot.clone(), self.gate.clone(), self.mem.clone(), self.events.clone());
-            let t = std::thread::Builder::new().name(format!("device{i}")).spawn(move || serve(&slot, &gate, &mem, &events))?;
+            let t = std::thread::Builder::new().name(format!("device{i}")).spawn(move || serve::serve(&slot, &gate, &mem, &events))?;
             threads.push(t);
         }
         Ok(())
@@ -239,37 +258,36 @@ impl Devices {
         self.gate.set(Some(false), false);
     }
 
-    pub fn save(&self) -> Vec<DeviceState> {
-        self.slots
-            .iter()
-            .map(|s| {
-                let t = s.lock();
-                DeviceState { device_type: t.device_type(), transport: t.save() }
-            })
-            .collect()
-    }
-
-    pub fn restore(&self, states: &[DeviceState]) -> Result<(), DeviceError> {
-        let present = self.types();
-        let saved: Vec<u32> = states.iter().map(|s| s.device_type).collect();
-        if present != saved {
-            return Err(DeviceError::Mismatch { saved, present });
-        }
-        for (slot, state) in self.slots.iter().zip(states) {
-            slot.lock().restore(&state.transport).map_err(|e| DeviceError::Restore(e.to_string()))?;
-        }
-        Ok(())
-    }
-
     pub fn stop(&self) {
         self.gate.set(None, true);
         for slot in &self.slots {
             let _ = slot.stop.write(1);
         }
-        let threads: Vec<_> = self.threads.lock().unwrap_or_else(|p| p.into_inner()).drain(..).collect();
+        let threads: Vec<_> = self.threads.locked().drain(..).collect();
         for t in threads {
             let _ = t.join();
         }
+    }
+}
+
+impl Persist for Devices {
+    type State = Vec<DeviceState>;
+    type Error = DeviceError;
+
+    fn save(&self) -> Result<Vec<DeviceState>, DeviceError> {
+        self.slots.iter().map(|s| s.lock().save()).collect()
+    }
+
+    fn restore(&mut self, states: &Vec<DeviceState>) -> Result<(), DeviceError> {
+        let present = self.kinds();
+        let saved: Vec<DeviceKind> = states.iter().map(|s| s.kind).collect();
+        if present != saved {
+            return Err(DeviceError::Mismatch { saved, present });
+        }
+        for (slot, state) in self.slots.iter().zip(states) {
+            slot.lock().restore(state)?;
+        }
+        Ok(())
     }
 }
 
@@ -279,66 +297,21 @@ impl Drop for Devices {
     }
 }
 
-const TOKEN_HOST: u64 = 1 << 32;
-const TOKEN_STOP: u64 = 2 << 32;
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// A device thread: wait for doorbells or host I/O, then give the device a
-/// full pass (every queue and the host side), so no kick that arrived while
-/// paused is lost.
-fn serve(slot: &Slot, gate: &Gate, mem: &GuestMemory, events: &Events) {
-    let Ok(epoll) = Epoll::new() else {
-        tracing::error!("device thread cannot create epoll");
-        return;
-    };
-    let add = |fd, set, token| epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(set, token));
-    let mut ok = add(slot.stop.as_raw_fd(), EventSet::IN, TOKEN_STOP).is_ok();
-    for (q, evt) in slot.notify.iter().enumerate() {
-        ok &= add(evt.as_raw_fd(), EventSet::IN, q as u64).is_ok();
+    #[test]
+    fn kinds_print_as_the_command_line_names_them() {
+        assert_eq!(KindList(&[DeviceKind::Net, DeviceKind::Block]).to_string(), "[net, disk]");
+        let e = DeviceError::Mismatch { saved: vec![DeviceKind::Net], present: vec![] };
+        assert_eq!(e.to_string(), "the saved VM has devices [net], this VM has []");
     }
-    if let Some(fd) = slot.lock().host_fd() {
-        ok &= add(fd, EventSet::IN | EventSet::EDGE_TRIGGERED, TOKEN_HOST).is_ok();
-    }
-    if !ok {
-        tracing::error!("device thread cannot watch its descriptors");
-        return;
-    }
-    let mut ready = vec![EpollEvent::default(); 8];
-    while gate.wait_running() {
-        match epoll.wait(100, &mut ready) {
-            Ok(n) if ready[..n].iter().any(|e| e.data() == TOKEN_STOP) => return,
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                tracing::error!(error = %e, "device thread epoll failed");
-                return;
-            }
-        }
-        let mut transport = slot.lock();
-        if gate.paused() {
-            continue; // doorbells stay pending; the pass after resume serves them
-        }
-        for evt in &slot.notify {
-            let _ = evt.read();
-        }
-        let mut used = false;
-        let mut result = Ok(());
-        for q in 0..transport.queue_count() {
-            match transport.process_queue(q, mem) {
-                Ok(u) => used |= u,
-                Err(e) => result = Err(e),
-            }
-        }
-        match transport.process_host(mem) {
-            Ok(u) => used |= u,
-            Err(e) => result = Err(e),
-        }
-        if let Err(e) = result {
-            tracing::error!(error = %e, "device failed; marking it FAILED for the driver");
-            transport.fail();
-        }
-        drop(transport);
-        if used {
-            events.signal();
-        }
+
+    #[test]
+    fn kinds_match_virtio_and_the_guest_abi() {
+        assert_eq!(DeviceKind::Net.virtio_id(), 1);
+        assert_eq!(DeviceKind::Block.virtio_id(), 2);
+        assert_ne!(DeviceKind::Net.abi_kind(), DeviceKind::Block.abi_kind());
     }
 }

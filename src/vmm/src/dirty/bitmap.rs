@@ -4,7 +4,8 @@
 
 use kvm_ioctls::VmFd;
 
-use super::{ioctls, DirtyBitmap, DirtyError, DirtyLog};
+use super::{ioctls, DirtyError, DirtyLog};
+use crate::memory::PageBitmap;
 
 pub struct BitmapLog {
     slot: u32,
@@ -47,11 +48,15 @@ impl DirtyLog for BitmapLog {
         self.clear(vm, &mut all)
     }
 
-    fn collect(&mut self, vm: &VmFd, out: &mut DirtyBitmap) -> Result<(), DirtyError> {
+    fn collect(&mut self, vm: &VmFd, out: &mut PageBitmap, leave_writable: &PageBitmap) -> Result<(), DirtyError> {
         let mut bits = self.get(vm)?;
+        out.or_words(&bits);
+        // A page left writable is not cleared, so KVM keeps reporting it.
+        for (w, keep) in bits.iter_mut().zip(leave_writable.words()) {
+            *w &= !keep;
+        }
         if bits.iter().any(|&w| w != 0) {
             self.clear(vm, &mut bits)?;
-            out.or_words(&bits);
         }
         Ok(())
     }

@@ -15,6 +15,8 @@ use std::str::FromStr;
 
 use kvm_ioctls::VmFd;
 
+use crate::memory::PageBitmap;
+
 #[derive(Debug, thiserror::Error)]
 pub enum DirtyError {
     #[error("KVM does not support {0} on this host")]
@@ -52,61 +54,6 @@ impl FromStr for DirtyBackend {
     }
 }
 
-/// A page bitmap over guest RAM, 64 pages per word, page 0 in bit 0 of word 0.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct DirtyBitmap {
-    words: Vec<u64>,
-}
-
-impl DirtyBitmap {
-    pub fn new(pages: u64) -> DirtyBitmap {
-        DirtyBitmap { words: vec![0; pages.div_ceil(64) as usize] }
-    }
-
-    pub fn set(&mut self, page: u64) {
-        if let Some(w) = self.words.get_mut((page / 64) as usize) {
-            *w |= 1 << (page % 64);
-        }
-    }
-
-    pub fn is_set(&self, page: u64) -> bool {
-        self.words.get((page / 64) as usize).is_some_and(|w| w & (1 << (page % 64)) != 0)
-    }
-
-    pub fn or_words(&mut self, other: &[u64]) {
-        for (w, o) in self.words.iter_mut().zip(other) {
-            *w |= o;
-        }
-    }
-
-    pub fn count(&self) -> u64 {
-        self.words.iter().map(|w| w.count_ones() as u64).sum()
-    }
-
-    pub fn clear(&mut self) {
-        self.words.fill(0);
-    }
-
-    pub fn words(&self) -> &[u64] {
-        &self.words
-    }
-
-    /// Indices of set pages, ascending.
-    pub fn pages(&self) -> impl Iterator<Item = u64> + '_ {
-        self.words.iter().enumerate().flat_map(|(i, &w)| {
-            let mut bits = w;
-            std::iter::from_fn(move || {
-                if bits == 0 {
-                    return None;
-                }
-                let b = bits.trailing_zeros() as u64;
-                bits &= bits - 1;
-                Some(i as u64 * 64 + b)
-            })
-        })
-    }
-}
-
 /// A source of "pages the guest wrote since the last collection".
 pub trait DirtyLog: Send {
     /// Forget everything written so far and write-protect all pages, so the
@@ -114,8 +61,10 @@ pub trait DirtyLog: Send {
     /// was enabled on the memory slot.
     fn start(&mut self, vm: &VmFd) -> Result<(), DirtyError>;
     /// OR the pages written since the last `start`/`collect` into `out` and
-    /// re-arm tracking for them.
-    fn collect(&mut self, vm: &VmFd, out: &mut DirtyBitmap) -> Result<(), DirtyError>;
+    /// re-arm tracking for them, except for the pages in `leave_writable`
+    /// where the backend can: those stay writable and are reported again
+    /// by every later `collect` until they are re-armed.
+    fn collect(&mut self, vm: &VmFd, out: &mut PageBitmap, leave_writable: &PageBitmap) -> Result<(), DirtyError>;
     /// A vCPU exited because its ring is full (ring backend only).
     fn ring_full(&mut self, _vm: &VmFd, _vcpu: usize) -> Result<(), DirtyError> {
         Ok(())
@@ -125,18 +74,6 @@ pub trait DirtyLog: Send {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn bitmap_iterates_set_pages() {
-        let mut b = DirtyBitmap::new(200);
-        for p in [0, 63, 64, 199] {
-            b.set(p);
-        }
-        b.set(500); // out of range: ignored
-        assert_eq!(b.pages().collect::<Vec<_>>(), vec![0, 63, 64, 199]);
-        assert_eq!(b.count(), 4);
-        assert!(b.is_set(63) && !b.is_set(62));
-    }
 
     #[test]
     fn backend_names_round_trip() {

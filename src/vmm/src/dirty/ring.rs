@@ -8,7 +8,8 @@ use kvm_bindings::kvm_dirty_gfn;
 use kvm_ioctls::{VcpuFd, VmFd};
 
 use super::ioctls::{self, RingMapping};
-use super::{DirtyBitmap, DirtyError, DirtyLog};
+use super::{DirtyError, DirtyLog};
+use crate::memory::PageBitmap;
 
 const GFN_DIRTY: u32 = 1;
 const GFN_RESET: u32 = 2;
@@ -33,7 +34,7 @@ pub struct RingLog {
     rings: Vec<RingMapping>,
     next: Vec<u32>,
     /// Pages harvested early (ring-full exits) since the last collect.
-    pending: DirtyBitmap,
+    pending: PageBitmap,
 }
 
 impl RingLog {
@@ -43,7 +44,7 @@ impl RingLog {
             .map(|v| RingMapping::new(*v, RING_ENTRIES as usize))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|err| DirtyError::Ioctl { op: "mmap dirty ring", err })?;
-        Ok(RingLog { next: vec![0; rings.len()], rings, pending: DirtyBitmap::new(pages) })
+        Ok(RingLog { next: vec![0; rings.len()], rings, pending: PageBitmap::new(pages) })
     }
 
     fn harvest(&mut self, vcpu: usize) {
@@ -76,7 +77,9 @@ impl DirtyLog for RingLog {
         Ok(())
     }
 
-    fn collect(&mut self, vm: &VmFd, out: &mut DirtyBitmap) -> Result<(), DirtyError> {
+    /// Every harvested page is re-protected by the ring reset; leaving pages
+    /// writable needs another mechanism with this backend.
+    fn collect(&mut self, vm: &VmFd, out: &mut PageBitmap, _leave_writable: &PageBitmap) -> Result<(), DirtyError> {
         for vcpu in 0..self.rings.len() {
             self.harvest(vcpu);
         }

@@ -1,133 +1,39 @@
-//! vCPU threads: run the guest, dispatch its exits, park on request.
+//! vCPUs: their KVM descriptors, their threads, their state.
 
-pub mod control;
-pub mod state;
+mod state;
+mod thread;
 
-use std::sync::{Arc, Mutex};
+pub use state::{saveable_msrs, StateError, VcpuState};
+pub use thread::thread_main;
 
-use kvm_ioctls::{VcpuExit, VcpuFd};
+use std::sync::Arc;
 
-use crate::arch::tables::has_error_code;
-use crate::exit::{GuestFault, VmExit};
-use crate::hypercall::{self, Outcome};
-use crate::vm::VmShared;
+use kvm_ioctls::VcpuFd;
 
-/// KVM_EXIT_DIRTY_RING_FULL, which kvm-ioctls reports as unsupported.
-const EXIT_DIRTY_RING_FULL: u32 = 31;
+use crate::persist::Persist;
 
-/// Body of vCPU thread `index`.
-pub fn thread_main(index: u32, fd: Arc<Mutex<VcpuFd>>, shared: Arc<VmShared>) {
-    // SAFETY: pthread_self has no preconditions.
-    shared.register_thread(unsafe { libc::pthread_self() });
-    while shared.control.park_until_run() {
-        let mut vcpu = fd.lock().unwrap_or_else(|p| p.into_inner());
-        control::register_kvm_run(vcpu.get_kvm_run());
-        let stop = run_until_asked_to_leave(index, &mut vcpu, &shared);
-        control::register_kvm_run(std::ptr::null_mut());
-        drop(vcpu);
-        if let Some(exit) = stop {
-            shared.stop(exit);
-        }
-    }
-    shared.control.finished();
+/// One vCPU: its KVM descriptor and what saving its state needs.
+pub struct Vcpu {
+    pub fd: VcpuFd,
+    /// The MSRs that round-trip on this host (`state::saveable_msrs`).
+    msrs: Arc<[u32]>,
 }
 
-/// What an exit asks for, detached from the borrow of the vCPU.
-enum Action {
-    Outcome(Outcome),
-    Fault,
-    RingFull,
-}
-
-fn run_until_asked_to_leave(index: u32, vcpu: &mut VcpuFd, shared: &VmShared) -> Option<VmExit> {
-    // Whether the last exit was an I/O exit that KVM completes only on the
-    // next KVM_RUN; state must not be saved before that happens.
-    let mut io_pending = false;
-    loop {
-        if shared.control.should_leave() {
-            if io_pending {
-                complete_pending_io(vcpu);
-            }
-            return None;
-        }
-        let action = match vcpu.run() {
-            Ok(exit) => {
-                io_pending = true;
-                match exit {
-                    VcpuExit::IoOut(ftvm_abi::port::EXCEPTION, _) => Action::Fault,
-                    VcpuExit::IoOut(port, data) => Action::Outcome(hypercall::handle(shared, index, port, data).unwrap_or_else(|| {
-                        tracing::debug!(vcpu = index, port, "write to unassigned port ignored");
-                        Outcome::Continue
-                    })),
-                    VcpuExit::IoIn(port, data) => {
-                        tracing::debug!(vcpu = index, port, "read of unassigned port returns all ones");
-                        data.fill(0xff);
-                        Action::Outcome(Outcome::Continue)
-                    }
-                    VcpuExit::Unsupported(EXIT_DIRTY_RING_FULL) => Action::RingFull,
-                    VcpuExit::Shutdown => stop(format!("vCPU {index}: guest triple fault (shutdown)")),
-                    VcpuExit::MmioRead(addr, data) => mmio(index, addr, shared.devices.mmio_read(addr, data)),
-                    VcpuExit::MmioWrite(addr, data) => mmio(index, addr, shared.devices.mmio_write(addr, data)),
-                    VcpuExit::FailEntry(reason, _) => stop(format!("vCPU {index}: KVM entry failed, reason {reason:#x}")),
-                    other => stop(format!("vCPU {index}: unexpected exit {other:?}")),
-                }
-            }
-            Err(e) if e.errno() == libc::EINTR => {
-                vcpu.set_kvm_immediate_exit(0);
-                io_pending = false;
-                continue;
-            }
-            Err(e) if e.errno() == libc::EAGAIN => continue,
-            Err(e) => return Some(VmExit::Error(format!("vCPU {index}: KVM_RUN failed: {e}"))),
-        };
-        match action {
-            Action::Outcome(Outcome::Continue) => {}
-            Action::Outcome(Outcome::Stop(exit)) => return Some(exit),
-            Action::Fault => return Some(read_fault(index, vcpu, shared)),
-            Action::RingFull => {
-                if let Err(e) = shared.dirty_ring_full(index as usize) {
-                    return Some(VmExit::Error(format!("vCPU {index}: {e}")));
-                }
-            }
-        }
+impl Vcpu {
+    pub fn new(fd: VcpuFd, msrs: Arc<[u32]>) -> Vcpu {
+        Vcpu { fd, msrs }
     }
 }
 
-fn mmio(index: u32, addr: u64, handled: bool) -> Action {
-    if handled {
-        Action::Outcome(Outcome::Continue)
-    } else {
-        stop(format!("vCPU {index}: access to unassigned MMIO address {addr:#x}"))
+impl Persist for Vcpu {
+    type State = VcpuState;
+    type Error = StateError;
+
+    fn save(&self) -> Result<VcpuState, StateError> {
+        VcpuState::read(&self.fd, &self.msrs)
     }
-}
 
-fn stop(message: String) -> Action {
-    Action::Outcome(Outcome::Stop(VmExit::Error(message)))
-}
-
-/// Re-enter KVM with `immediate_exit` set: KVM finishes the pending I/O
-/// instruction (advancing RIP) and returns without running guest code.
-fn complete_pending_io(vcpu: &mut VcpuFd) {
-    vcpu.set_kvm_immediate_exit(1);
-    let _ = vcpu.run();
-    vcpu.set_kvm_immediate_exit(0);
-}
-
-/// Decode the exception frame the CPU pushed on the ring-0 stack.
-fn read_fault(index: u32, vcpu: &VcpuFd, shared: &VmShared) -> VmExit {
-    let (regs, sregs) = match (vcpu.get_regs(), vcpu.get_sregs()) {
-        (Ok(r), Ok(s)) => (r, s),
-        _ => return VmExit::Error(format!("vCPU {index}: guest fault, but its registers cannot be read")),
-    };
-    let vector = regs.rax as u8; // the stub loads the vector into al
-    let read = |slot: u64| shared.read_u64(regs.rsp + slot * 8).unwrap_or(0);
-    let (error_code, frame) = if has_error_code(vector) { (Some(read(0)), 1) } else { (None, 0) };
-    VmExit::Fault(GuestFault {
-        vcpu: index,
-        vector,
-        error_code,
-        rip: read(frame),
-        rsp: read(frame + 3),
-        cr2: (vector == 14).then_some(sregs.cr2),
-    })
+    fn restore(&mut self, state: &VcpuState) -> Result<(), StateError> {
+        state.load(&self.fd)
+    }
 }

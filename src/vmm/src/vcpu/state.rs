@@ -17,7 +17,7 @@ fn ctx<T>(op: &'static str, r: Result<T, kvm_ioctls::Error>) -> Result<T, StateE
     r.map_err(|err| StateError { op, err })
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Default, Serialize, Deserialize)]
 pub struct VcpuState {
     pub regs: kvm_regs,
     pub sregs: kvm_sregs,
@@ -51,7 +51,7 @@ pub fn saveable_msrs(vcpu: &VcpuFd, msr_index_list: &[u32]) -> Vec<u32> {
 
 impl VcpuState {
     /// Read the state of a vCPU that is not running (its I/O completed).
-    pub fn save(vcpu: &VcpuFd, msr_indices: &[u32]) -> Result<VcpuState, StateError> {
+    pub fn read(vcpu: &VcpuFd, msr_indices: &[u32]) -> Result<VcpuState, StateError> {
         let entries: Vec<_> = msr_indices.iter().map(|&index| kvm_msr_entry { index, ..Default::default() }).collect();
         let mut msrs = Msrs::from_entries(&entries).map_err(|_| StateError {
             op: "KVM_GET_MSRS",
@@ -76,7 +76,7 @@ impl VcpuState {
     /// Load this state into a vCPU that is not running. The order follows
     /// the dependencies: control registers before the registers and
     /// extended state that depend on them, events last.
-    pub fn restore(&self, vcpu: &VcpuFd) -> Result<(), StateError> {
+    pub fn load(&self, vcpu: &VcpuFd) -> Result<(), StateError> {
         ctx("KVM_SET_SREGS", vcpu.set_sregs(&self.sregs))?;
         ctx("KVM_SET_REGS", vcpu.set_regs(&self.regs))?;
         // SAFETY: the buffer came from KVM_GET_XSAVE on a vCPU of the same

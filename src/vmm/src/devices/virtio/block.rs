@@ -6,22 +6,26 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
+use virtio_bindings::virtio_blk as blk;
 use virtio_queue::{Queue, QueueT};
 
-use super::block_journal::DiskJournal;
-use super::{drain, read_config_bytes, VirtioDevice, VirtioError, TYPE_BLOCK};
+use super::{drain, read_config_bytes, VirtioDevice, VirtioError};
+use crate::devices::{DeviceError, DeviceKind, ModelState};
+use crate::hooks::Hooks;
 use crate::memory::GuestMemory;
+use crate::persist::Persist;
 
-const VIRTIO_BLK_F_FLUSH: u64 = 1 << 9;
+const VIRTIO_BLK_F_FLUSH: u64 = 1 << blk::VIRTIO_BLK_F_FLUSH;
 const SECTOR: u64 = 512;
-const REQ_IN: u32 = 0;
-const REQ_OUT: u32 = 1;
-const REQ_FLUSH: u32 = 4;
-const REQ_GET_ID: u32 = 8;
-const STATUS_OK: u8 = 0;
-const STATUS_IOERR: u8 = 1;
-const STATUS_UNSUPP: u8 = 2;
-const ID_LEN: usize = 20;
+const REQ_IN: u32 = blk::VIRTIO_BLK_T_IN;
+const REQ_OUT: u32 = blk::VIRTIO_BLK_T_OUT;
+const REQ_FLUSH: u32 = blk::VIRTIO_BLK_T_FLUSH;
+const REQ_GET_ID: u32 = blk::VIRTIO_BLK_T_GET_ID;
+const STATUS_OK: u8 = blk::VIRTIO_BLK_S_OK as u8;
+const STATUS_IOERR: u8 = blk::VIRTIO_BLK_S_IOERR as u8;
+const STATUS_UNSUPP: u8 = blk::VIRTIO_BLK_S_UNSUPP as u8;
+const ID_LEN: usize = blk::VIRTIO_BLK_ID_BYTES as usize;
 /// Largest single request we bounce through memory.
 const MAX_REQUEST: usize = 4 << 20;
 
@@ -33,17 +37,23 @@ pub enum BlockError {
     Size { path: String, len: u64 },
 }
 
+/// The disk's own saved state: its size, which the guest already knows.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockState {
+    pub sectors: u64,
+}
+
 pub struct Block {
     file: File,
     path: PathBuf,
     sectors: u64,
     id: [u8; ID_LEN],
     buf: Vec<u8>,
-    journal: Arc<DiskJournal>,
+    hooks: Arc<Hooks>,
 }
 
 impl Block {
-    pub fn open(path: &Path, journal: Arc<DiskJournal>) -> Result<Block, BlockError> {
+    pub fn open(path: &Path, hooks: Arc<Hooks>) -> Result<Block, BlockError> {
         let name = path.display().to_string();
         let file = OpenOptions::new()
             .read(true)
@@ -57,7 +67,7 @@ impl Block {
         let mut id = [0u8; ID_LEN];
         let label = format!("ftvm-{:x}", crc32c::crc32c(name.as_bytes()));
         id[..label.len().min(ID_LEN)].copy_from_slice(&label.as_bytes()[..label.len().min(ID_LEN)]);
-        Ok(Block { file, path: path.to_owned(), sectors: len / SECTOR, id, buf: Vec::new(), journal })
+        Ok(Block { file, path: path.to_owned(), sectors: len / SECTOR, id, buf: Vec::new(), hooks })
     }
 
     pub fn path(&self) -> &Path {
@@ -123,7 +133,9 @@ impl Block {
         }
         match self.file.write_all_at(&self.buf, sector * SECTOR) {
             Ok(()) => {
-                self.journal.record(sector * SECTOR, &self.buf);
+                if let Some(observer) = self.hooks.disk_writes() {
+                    observer.written(sector * SECTOR, &self.buf);
+                }
                 STATUS_OK
             }
             // ENOSPC on a full host disk lands here: the guest sees IOERR
@@ -148,8 +160,8 @@ impl Block {
 }
 
 impl VirtioDevice for Block {
-    fn device_type(&self) -> u32 {
-        TYPE_BLOCK
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Block
     }
 
     fn queue_count(&self) -> usize {
@@ -170,5 +182,29 @@ impl VirtioDevice for Block {
             return Ok(false);
         }
         drain(&mut queues[0], mem, 0, |q| self.serve(q, mem))
+    }
+}
+
+impl Persist for Block {
+    type State = ModelState;
+    type Error = DeviceError;
+
+    fn save(&self) -> Result<ModelState, DeviceError> {
+        Ok(ModelState::Block(BlockState { sectors: self.sectors }))
+    }
+
+    /// A disk of another size would contradict what the guest read from it.
+    fn restore(&mut self, state: &ModelState) -> Result<(), DeviceError> {
+        let bad = |reason| DeviceError::Restore { kind: DeviceKind::Block, reason };
+        match state {
+            ModelState::Block(s) if s.sectors == self.sectors => Ok(()),
+            ModelState::Block(s) => Err(bad(format!(
+                "the saved VM's disk has {} bytes, {} has {}",
+                s.sectors * SECTOR,
+                self.path.display(),
+                self.sectors * SECTOR
+            ))),
+            other => Err(bad(format!("saved state is not a disk's: {other:?}"))),
+        }
     }
 }

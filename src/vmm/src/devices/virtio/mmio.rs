@@ -1,43 +1,45 @@
 //! The virtio-mmio (version 2) register block in front of a device model.
 
 use serde::{Deserialize, Serialize};
+use virtio_bindings::virtio_config::{VIRTIO_CONFIG_S_DRIVER_OK, VIRTIO_CONFIG_S_FAILED};
+use virtio_bindings::virtio_mmio as reg;
 use virtio_queue::{Queue, QueueT};
 
-use super::{SavedQueue, VirtioDevice, VirtioError, QUEUE_SIZE, VIRTIO_F_RING_EVENT_IDX, VIRTIO_F_VERSION_1};
+use super::{SavedQueue, VirtioDevice, VirtioError, QUEUE_SIZE, TRANSPORT_FEATURES};
+use crate::devices::{DeviceError, DeviceKind, DeviceState};
 use crate::memory::GuestMemory;
+use crate::persist::Persist;
 
 const MAGIC: u32 = 0x7472_6976; // "virt"
 const VERSION: u32 = 2;
 const VENDOR: u32 = 0x4654_564d; // "FTVM"
+const EVENT_IDX: u64 = 1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 
-const STATUS_DRIVER_OK: u32 = 4;
-const STATUS_FAILED: u32 = 128;
-
-// Register offsets.
-const REG_MAGIC: u64 = 0x000;
-const REG_VERSION: u64 = 0x004;
-const REG_DEVICE_ID: u64 = 0x008;
-const REG_VENDOR_ID: u64 = 0x00c;
-const REG_DEVICE_FEATURES: u64 = 0x010;
-const REG_DEVICE_FEATURES_SEL: u64 = 0x014;
-const REG_DRIVER_FEATURES: u64 = 0x020;
-const REG_DRIVER_FEATURES_SEL: u64 = 0x024;
-const REG_QUEUE_SEL: u64 = 0x030;
-const REG_QUEUE_NUM_MAX: u64 = 0x034;
-const REG_QUEUE_NUM: u64 = 0x038;
-const REG_QUEUE_READY: u64 = 0x044;
-pub const REG_QUEUE_NOTIFY: u64 = 0x050;
-const REG_INTERRUPT_STATUS: u64 = 0x060;
-const REG_INTERRUPT_ACK: u64 = 0x064;
-const REG_STATUS: u64 = 0x070;
-const REG_QUEUE_DESC_LOW: u64 = 0x080;
-const REG_QUEUE_DESC_HIGH: u64 = 0x084;
-const REG_QUEUE_DRIVER_LOW: u64 = 0x090;
-const REG_QUEUE_DRIVER_HIGH: u64 = 0x094;
-const REG_QUEUE_DEVICE_LOW: u64 = 0x0a0;
-const REG_QUEUE_DEVICE_HIGH: u64 = 0x0a4;
-const REG_CONFIG_GENERATION: u64 = 0x0fc;
-const REG_CONFIG: u64 = 0x100;
+// Register offsets, as u64 for matching MMIO offsets.
+const REG_MAGIC: u64 = reg::VIRTIO_MMIO_MAGIC_VALUE as u64;
+const REG_VERSION: u64 = reg::VIRTIO_MMIO_VERSION as u64;
+const REG_DEVICE_ID: u64 = reg::VIRTIO_MMIO_DEVICE_ID as u64;
+const REG_VENDOR_ID: u64 = reg::VIRTIO_MMIO_VENDOR_ID as u64;
+const REG_DEVICE_FEATURES: u64 = reg::VIRTIO_MMIO_DEVICE_FEATURES as u64;
+const REG_DEVICE_FEATURES_SEL: u64 = reg::VIRTIO_MMIO_DEVICE_FEATURES_SEL as u64;
+const REG_DRIVER_FEATURES: u64 = reg::VIRTIO_MMIO_DRIVER_FEATURES as u64;
+const REG_DRIVER_FEATURES_SEL: u64 = reg::VIRTIO_MMIO_DRIVER_FEATURES_SEL as u64;
+const REG_QUEUE_SEL: u64 = reg::VIRTIO_MMIO_QUEUE_SEL as u64;
+const REG_QUEUE_NUM_MAX: u64 = reg::VIRTIO_MMIO_QUEUE_NUM_MAX as u64;
+const REG_QUEUE_NUM: u64 = reg::VIRTIO_MMIO_QUEUE_NUM as u64;
+const REG_QUEUE_READY: u64 = reg::VIRTIO_MMIO_QUEUE_READY as u64;
+pub const REG_QUEUE_NOTIFY: u64 = reg::VIRTIO_MMIO_QUEUE_NOTIFY as u64;
+const REG_INTERRUPT_STATUS: u64 = reg::VIRTIO_MMIO_INTERRUPT_STATUS as u64;
+const REG_INTERRUPT_ACK: u64 = reg::VIRTIO_MMIO_INTERRUPT_ACK as u64;
+const REG_STATUS: u64 = reg::VIRTIO_MMIO_STATUS as u64;
+const REG_QUEUE_DESC_LOW: u64 = reg::VIRTIO_MMIO_QUEUE_DESC_LOW as u64;
+const REG_QUEUE_DESC_HIGH: u64 = reg::VIRTIO_MMIO_QUEUE_DESC_HIGH as u64;
+const REG_QUEUE_DRIVER_LOW: u64 = reg::VIRTIO_MMIO_QUEUE_AVAIL_LOW as u64;
+const REG_QUEUE_DRIVER_HIGH: u64 = reg::VIRTIO_MMIO_QUEUE_AVAIL_HIGH as u64;
+const REG_QUEUE_DEVICE_LOW: u64 = reg::VIRTIO_MMIO_QUEUE_USED_LOW as u64;
+const REG_QUEUE_DEVICE_HIGH: u64 = reg::VIRTIO_MMIO_QUEUE_USED_HIGH as u64;
+const REG_CONFIG_GENERATION: u64 = reg::VIRTIO_MMIO_CONFIG_GENERATION as u64;
+const REG_CONFIG: u64 = reg::VIRTIO_MMIO_CONFIG as u64;
 
 /// Register state of the transport, saved with the VM.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,8 +64,8 @@ impl MmioTransport {
         MmioTransport { device, queues, regs: TransportState::default() }
     }
 
-    pub fn device_type(&self) -> u32 {
-        self.device.device_type()
+    pub fn kind(&self) -> DeviceKind {
+        self.device.kind()
     }
 
     pub fn queue_count(&self) -> usize {
@@ -71,16 +73,16 @@ impl MmioTransport {
     }
 
     fn offered_features(&self) -> u64 {
-        self.device.features() | VIRTIO_F_VERSION_1 | VIRTIO_F_RING_EVENT_IDX
+        self.device.features() | TRANSPORT_FEATURES
     }
 
     /// The driver finished setting up and the device may touch the queues.
     pub fn active(&self) -> bool {
-        self.regs.status & STATUS_DRIVER_OK != 0 && self.regs.status & STATUS_FAILED == 0
+        self.regs.status & VIRTIO_CONFIG_S_DRIVER_OK != 0 && self.regs.status & VIRTIO_CONFIG_S_FAILED == 0
     }
 
-    pub fn discard_host_input(&mut self) {
-        self.device.discard_host_input();
+    pub fn drop_queued_host_input(&mut self) {
+        self.device.drop_queued_host_input();
     }
 
     pub fn host_fd(&self) -> Option<std::os::fd::RawFd> {
@@ -100,7 +102,7 @@ impl MmioTransport {
         let value: u32 = match offset {
             REG_MAGIC => MAGIC,
             REG_VERSION => VERSION,
-            REG_DEVICE_ID => self.device.device_type(),
+            REG_DEVICE_ID => self.device.kind().virtio_id(),
             REG_VENDOR_ID => VENDOR,
             REG_DEVICE_FEATURES => match self.regs.device_features_sel {
                 0 => self.offered_features() as u32,
@@ -152,7 +154,7 @@ impl MmioTransport {
                 }
             }
             REG_QUEUE_READY if setup => {
-                let event_idx = self.regs.acked_features & VIRTIO_F_RING_EVENT_IDX != 0;
+                let event_idx = self.regs.acked_features & EVENT_IDX != 0;
                 if let Some(q) = self.selected() {
                     q.set_event_idx(event_idx);
                     q.set_ready(v == 1);
@@ -213,19 +215,30 @@ impl MmioTransport {
 
     /// A device error the driver must see: the device stops working.
     pub fn fail(&mut self) {
-        self.regs.status |= STATUS_FAILED;
+        self.regs.status |= VIRTIO_CONFIG_S_FAILED;
+    }
+}
+
+impl Persist for MmioTransport {
+    type State = DeviceState;
+    type Error = DeviceError;
+
+    fn save(&self) -> Result<DeviceState, DeviceError> {
+        let transport = TransportState { queues: self.queues.iter().map(SavedQueue::of).collect(), ..self.regs.clone() };
+        Ok(DeviceState { kind: self.kind(), transport, model: self.device.save()? })
     }
 
-    pub fn save(&self) -> TransportState {
-        TransportState { queues: self.queues.iter().map(SavedQueue::of).collect(), ..self.regs.clone() }
-    }
-
-    pub fn restore(&mut self, state: &TransportState) -> Result<(), virtio_queue::Error> {
-        if state.queues.len() != self.queues.len() {
-            return Err(virtio_queue::Error::InvalidSize);
+    fn restore(&mut self, state: &DeviceState) -> Result<(), DeviceError> {
+        let bad = |reason: String| DeviceError::Restore { kind: state.kind, reason };
+        if state.kind != self.kind() {
+            return Err(bad(format!("the saved device is a {} device", state.kind)));
         }
-        self.queues = state.queues.iter().map(|q| q.to_queue()).collect::<Result<_, _>>()?;
-        self.regs = TransportState { queues: Vec::new(), ..state.clone() };
-        Ok(())
+        let saved = &state.transport;
+        if saved.queues.len() != self.queues.len() {
+            return Err(bad(format!("{} saved queues, the device has {}", saved.queues.len(), self.queues.len())));
+        }
+        self.queues = saved.queues.iter().map(|q| q.to_queue()).collect::<Result<_, _>>().map_err(|e| bad(format!("queue: {e}")))?;
+        self.regs = TransportState { queues: Vec::new(), ..saved.clone() };
+        self.device.restore(&state.model)
     }
 }

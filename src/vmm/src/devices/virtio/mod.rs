@@ -5,22 +5,23 @@
 //! which wakes vCPUs blocked in the wait hypercall.
 
 pub mod block;
-pub mod block_journal;
 pub mod mmio;
 pub mod net;
+#[cfg(test)]
+mod test_util;
 
 use std::os::fd::RawFd;
 
 use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueState, QueueT};
 
+use super::{DeviceError, DeviceKind, ModelState};
 use crate::memory::GuestMemory;
+use crate::persist::Persist;
 
-pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
-pub const VIRTIO_F_RING_EVENT_IDX: u64 = 1 << 29;
-
-pub const TYPE_NET: u32 = 1;
-pub const TYPE_BLOCK: u32 = 2;
+/// Feature bits every device offers on top of its own.
+pub const TRANSPORT_FEATURES: u64 =
+    1 << virtio_bindings::virtio_config::VIRTIO_F_VERSION_1 | 1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 
 /// Largest queue any device offers.
 pub const QUEUE_SIZE: u16 = 256;
@@ -35,11 +36,12 @@ pub enum VirtioError {
     Io(#[from] std::io::Error),
 }
 
-/// What a device model provides; the transport does the rest.
-pub trait VirtioDevice: Send {
-    fn device_type(&self) -> u32;
+/// What a device model provides; the transport does the rest. Its state
+/// (`Persist`) is saved and restored with the transport's.
+pub trait VirtioDevice: Send + Persist<State = ModelState, Error = DeviceError> {
+    fn kind(&self) -> DeviceKind;
     fn queue_count(&self) -> usize;
-    /// Feature bits offered (the transport adds VERSION_1 and EVENT_IDX).
+    /// Feature bits offered (the transport adds `TRANSPORT_FEATURES`).
     fn features(&self) -> u64;
     fn read_config(&self, offset: u64, data: &mut [u8]);
     /// The driver kicked queue `index` (or the device is re-checking it).
@@ -55,9 +57,8 @@ pub trait VirtioDevice: Send {
     }
     /// The driver reset the device.
     fn reset(&mut self) {}
-    /// Drop host-side input queued while the VM was not running (a backup
-    /// keeps only what arrived since the last checkpoint it applied).
-    fn discard_host_input(&mut self) {}
+    /// Drop host-side input that is queued but not delivered.
+    fn drop_queued_host_input(&mut self) {}
 }
 
 /// Copy the part of a device's config space at `offset` into `data`;
@@ -129,5 +130,32 @@ pub fn drain(
         if !queue.enable_notification(mem).map_err(err)? {
             return Ok(used);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ftvm_abi::virtio as abi;
+    use virtio_bindings::{virtio_blk as blk, virtio_config as config, virtio_net as net, virtio_ring as ring};
+
+    /// The guest drivers use ftvm-abi's copies of the virtio constants (the
+    /// bindings crate needs std); they must equal the specification's.
+    #[test]
+    fn guest_abi_constants_match_virtio_bindings() {
+        assert_eq!(abi::F_VERSION_1, 1 << config::VIRTIO_F_VERSION_1);
+        assert_eq!(abi::F_RING_EVENT_IDX, 1 << ring::VIRTIO_RING_F_EVENT_IDX);
+        assert_eq!(abi::net::F_MAC, 1 << net::VIRTIO_NET_F_MAC);
+        assert_eq!(abi::net::HDR_LEN, std::mem::size_of::<net::virtio_net_hdr_v1>());
+        assert_eq!(abi::net::HDR_LEN, super::net::VNET_HDR_LEN);
+        assert_eq!(abi::blk::F_FLUSH, 1 << blk::VIRTIO_BLK_F_FLUSH);
+        assert_eq!(abi::blk::ID_LEN, blk::VIRTIO_BLK_ID_BYTES as usize);
+        assert_eq!(
+            [abi::blk::T_IN, abi::blk::T_OUT, abi::blk::T_FLUSH, abi::blk::T_GET_ID],
+            [blk::VIRTIO_BLK_T_IN, blk::VIRTIO_BLK_T_OUT, blk::VIRTIO_BLK_T_FLUSH, blk::VIRTIO_BLK_T_GET_ID]
+        );
+        assert_eq!(
+            [abi::blk::S_OK, abi::blk::S_IOERR, abi::blk::S_UNSUPP].map(u32::from),
+            [blk::VIRTIO_BLK_S_OK, blk::VIRTIO_BLK_S_IOERR, blk::VIRTIO_BLK_S_UNSUPP]
+        );
     }
 }

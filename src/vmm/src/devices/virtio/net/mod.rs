@@ -1,22 +1,25 @@
 //! virtio-net backed by a TAP device.
 
-pub mod output;
 pub mod tap;
 
+use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 
-use super::{drain, read_config_bytes, VirtioDevice, VirtioError, TYPE_NET};
+use super::{drain, read_config_bytes, VirtioDevice, VirtioError};
+use crate::devices::{DeviceError, DeviceKind, ModelState};
+use crate::hooks::{FrameSink, Hooks};
 use crate::memory::GuestMemory;
-pub use output::OutputBuffer;
+use crate::persist::Persist;
+use crate::sync::Lock;
 pub use tap::{Tap, TapError, VNET_HDR_LEN};
 
-const VIRTIO_NET_F_MAC: u64 = 1 << 5;
+const VIRTIO_NET_F_MAC: u64 = 1 << virtio_bindings::virtio_net::VIRTIO_NET_F_MAC;
 const RX: usize = 0;
 const TX: usize = 1;
 /// Largest frame with header we move (no offloads: MTU-sized frames).
@@ -53,20 +56,47 @@ fn parse_mac(s: &str) -> Result<[u8; 6], String> {
     parts.try_into().map_err(|_| bad())
 }
 
+/// The network card's own saved state: the MAC address the guest knows.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetState {
+    pub mac: [u8; 6],
+}
+
+fn mac_string(mac: &[u8; 6]) -> String {
+    mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+}
+
+/// Writes frames to the TAP (shared by the device and by host senders).
+struct TapWriter(Mutex<File>);
+
+impl FrameSink for TapWriter {
+    fn send(&self, frame: &[u8]) {
+        if let Err(e) = self.0.locked().write(frame) {
+            tracing::debug!(error = %e, "TAP write failed; frame dropped");
+        }
+    }
+}
+
 pub struct Net {
     tap: Tap,
+    tap_writer: Arc<TapWriter>,
     mac: [u8; 6],
     /// The TAP had a frame the last time we looked (it is polled edge-triggered).
     tap_readable: bool,
     frame: Vec<u8>,
-    output: Arc<OutputBuffer>,
+    hooks: Arc<Hooks>,
 }
 
 impl Net {
-    pub fn new(config: &NetConfig, output: Arc<OutputBuffer>) -> Result<Net, TapError> {
+    pub fn new(config: &NetConfig, hooks: Arc<Hooks>) -> Result<Net, TapError> {
         let tap = Tap::open(&config.tap)?;
-        output.attach(tap.try_clone_file()?);
-        Ok(Net { tap, mac: config.mac, tap_readable: true, frame: vec![0; MAX_FRAME], output })
+        let tap_writer = Arc::new(TapWriter(Mutex::new(tap.try_clone_file()?)));
+        Ok(Net { tap, tap_writer, mac: config.mac, tap_readable: true, frame: vec![0; MAX_FRAME], hooks })
+    }
+
+    /// Sends frames straight to the TAP.
+    pub fn tap_sink(&self) -> Arc<dyn FrameSink> {
+        self.tap_writer.clone()
     }
 
     /// Move frames from the TAP into the guest's receive buffers while both
@@ -94,6 +124,10 @@ impl Net {
                     return Err(e.into());
                 }
             };
+            if self.hooks.host_input().is_some_and(|f| !f.admit(&self.frame[..n])) {
+                q.go_to_previous_position();
+                continue;
+            }
             let head = chain.head_index();
             let mut writer = chain.writer(mem).map_err(|e| VirtioError::Chain(e.to_string()))?;
             if writer.available_bytes() < n {
@@ -117,7 +151,10 @@ impl Net {
             let len = reader.available_bytes().min(MAX_FRAME);
             reader.read_exact(&mut self.frame[..len])?;
             if len > VNET_HDR_LEN {
-                self.output.submit(&self.frame[..len]);
+                match self.hooks.tx() {
+                    Some(sink) => sink.send(&self.frame[..len]),
+                    None => self.tap_writer.send(&self.frame[..len]),
+                }
             }
             queue.add_used(mem, head, 0).map_err(|err| VirtioError::Queue { queue: TX, err })?;
             used = true;
@@ -127,8 +164,8 @@ impl Net {
 }
 
 impl VirtioDevice for Net {
-    fn device_type(&self) -> u32 {
-        TYPE_NET
+    fn kind(&self) -> DeviceKind {
+        DeviceKind::Net
     }
 
     fn queue_count(&self) -> usize {
@@ -169,8 +206,33 @@ impl VirtioDevice for Net {
         self.tap_readable = true;
     }
 
-    fn discard_host_input(&mut self) {
+    fn drop_queued_host_input(&mut self) {
         self.tap.drain();
+    }
+}
+
+impl Persist for Net {
+    type State = ModelState;
+    type Error = DeviceError;
+
+    fn save(&self) -> Result<ModelState, DeviceError> {
+        Ok(ModelState::Net(NetState { mac: self.mac }))
+    }
+
+    /// The guest already knows its MAC address: a card with another one
+    /// would leave it answering for an address the network no longer sends
+    /// it.
+    fn restore(&mut self, state: &ModelState) -> Result<(), DeviceError> {
+        let bad = |reason| DeviceError::Restore { kind: DeviceKind::Net, reason };
+        match state {
+            ModelState::Net(s) if s.mac == self.mac => Ok(()),
+            ModelState::Net(s) => Err(bad(format!(
+                "the saved VM's MAC address is {}, this card's is {} (--net mac=...)",
+                mac_string(&s.mac),
+                mac_string(&self.mac)
+            ))),
+            other => Err(bad(format!("saved state is not a network card's: {other:?}"))),
+        }
     }
 }
 

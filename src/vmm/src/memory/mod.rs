@@ -3,19 +3,30 @@
 //!
 //! The mapping carries a vm-memory `AtomicBitmap`: every write the VMM makes
 //! through the `GuestMemory` API marks the page, because KVM's dirty log only
-//! sees writes made by the guest.
+//! sees writes made by the guest. The VMM reaches guest RAM only through
+//! vm-memory's volatile accessors: vCPUs may be writing it at any time, so a
+//! Rust reference into it would be a data race.
+
+mod page_bitmap;
+
+pub use page_bitmap::PageBitmap;
 
 use std::fs::File;
 use std::num::NonZeroUsize;
 use std::os::fd::{AsRawFd, FromRawFd};
-
-use vm_memory::bitmap::AtomicBitmap;
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
+use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::mmap::{MmapRegion, MmapRegionBuilder};
-use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
 
 use ftvm_abi::PAGE_SIZE;
+
+use crate::persist::Persist;
+
+/// Bytes per guest page.
+pub const PAGE: usize = PAGE_SIZE as usize;
 
 pub type GuestMemory = GuestMemoryMmap<AtomicBitmap>;
 
@@ -29,6 +40,16 @@ pub enum MemoryError {
     Mmap(String),
     #[error("cannot pre-fault guest memory: {0}")]
     Prefault(std::io::Error),
+    #[error("page {page} is beyond guest RAM")]
+    OutOfRange { page: u64 },
+    #[error("the saved VM has {saved} bytes of RAM, this VM has {present}")]
+    SizeMismatch { saved: u64, present: u64 },
+}
+
+/// What guest memory contributes to a VM's saved state besides its pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryState {
+    pub size: u64,
 }
 
 /// Guest RAM starting at guest-physical address 0.
@@ -103,33 +124,31 @@ impl GuestRam {
         &self.memfd
     }
 
-    pub fn memfd_raw(&self) -> i32 {
-        self.memfd.as_raw_fd()
-    }
-
     /// Host address of guest-physical 0, for KVM memory slots.
     pub fn host_base(&self) -> *mut u8 {
         self.host_base
     }
 
-    /// The whole of guest RAM, for bulk copies into a snapshot.
-    ///
-    /// # Safety
-    /// The caller must make sure no vCPU or device writes guest memory while
-    /// the slice is alive (the VM is paused), or accept torn reads.
-    pub unsafe fn as_slice(&self) -> &[u8] {
-        // SAFETY: the mapping is `size` bytes long and lives as long as self.
-        unsafe { std::slice::from_raw_parts(self.host_base, self.size as usize) }
+    fn page_addr(&self, page: u64) -> Result<GuestAddress, MemoryError> {
+        if page >= self.pages() {
+            return Err(MemoryError::OutOfRange { page });
+        }
+        Ok(GuestAddress(page * PAGE_SIZE))
     }
 
-    /// Mutable view for bulk restore.
-    ///
-    /// # Safety
-    /// No vCPU may run and no other reference into guest memory may be in use.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
-        // SAFETY: as for `as_slice`, plus the caller's exclusivity promise.
-        unsafe { std::slice::from_raw_parts_mut(self.host_base, self.size as usize) }
+    /// Copy page `page` into `buf` (one page long). The guest may be
+    /// writing it meanwhile: the copy may then mix old and new bytes, which
+    /// callers accept only where dirty tracking will send the page again.
+    pub fn read_page(&self, page: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
+        let addr = self.page_addr(page)?;
+        self.mem.read_slice(&mut buf[..PAGE], addr).map_err(|_| MemoryError::OutOfRange { page })
+    }
+
+    /// Overwrite page `page` with `data` (one page long); the VMM dirty
+    /// bitmap records it.
+    pub fn write_page(&self, page: u64, data: &[u8]) -> Result<(), MemoryError> {
+        let addr = self.page_addr(page)?;
+        self.mem.write_slice(&data[..PAGE], addr).map_err(|_| MemoryError::OutOfRange { page })
     }
 
     /// Byte ranges of guest RAM that have ever been populated; the rest
@@ -160,9 +179,22 @@ impl GuestRam {
         self.mapping.bitmap().get_and_reset()
     }
 
-    /// Mark a range written by the VMM through a raw pointer (bulk restore).
-    pub fn mark_vmm_dirty(&self, addr: u64, len: u64) {
-        self.mapping.bitmap().set_addr_range(addr as usize, len as usize);
+}
+
+impl Persist for GuestRam {
+    type State = MemoryState;
+    type Error = MemoryError;
+
+    fn save(&self) -> Result<MemoryState, MemoryError> {
+        Ok(MemoryState { size: self.size })
+    }
+
+    /// Guest RAM keeps its size for life; its contents travel as pages.
+    fn restore(&mut self, state: &MemoryState) -> Result<(), MemoryError> {
+        if state.size != self.size {
+            return Err(MemoryError::SizeMismatch { saved: state.size, present: self.size });
+        }
+        Ok(())
     }
 }
 
@@ -191,6 +223,21 @@ mod tests {
         let covered = |a: u64| ranges.iter().any(|&(s, e)| (s..e).contains(&a));
         assert!(covered(0x5000) && covered(6 << 20));
         assert!(!covered(3 << 20), "untouched memory is a hole: {ranges:x?}");
+    }
+
+    #[test]
+    fn pages_round_trip_and_are_bounds_checked() {
+        let mut ram = GuestRam::new(1 << 20, false).unwrap();
+        let page = vec![0x5au8; PAGE];
+        ram.write_page(3, &page).unwrap();
+        let mut back = vec![0u8; PAGE];
+        ram.read_page(3, &mut back).unwrap();
+        assert_eq!(back, page);
+        assert!(matches!(ram.read_page(256, &mut back), Err(MemoryError::OutOfRange { page: 256 })));
+        assert!(ram.write_page(u64::MAX, &page).is_err());
+        assert_eq!(ram.take_vmm_dirty()[0], 1 << 3, "VMM writes are tracked");
+        assert!(ram.restore(&MemoryState { size: 2 << 20 }).is_err());
+        ram.restore(&ram.save().unwrap()).unwrap();
     }
 
     #[test]

@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use kvm_bindings::kvm_run;
 
+use crate::sync::{self, Lock};
+
 thread_local! {
     static KVM_RUN: Cell<*mut kvm_run> = const { Cell::new(std::ptr::null_mut()) };
 }
@@ -73,7 +75,11 @@ impl RunControl {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.locked()
+    }
+
+    pub fn vcpus(&self) -> usize {
+        self.vcpus
     }
 
     /// Whether vCPU threads should leave KVM_RUN now.
@@ -100,7 +106,7 @@ impl RunControl {
     pub fn wait_parked(&self) {
         let mut st = self.lock();
         while st.parked + st.finished < self.vcpus && st.mode == Mode::Pause {
-            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+            st = sync::wait(&self.changed, st);
         }
     }
 
@@ -119,7 +125,7 @@ impl RunControl {
                 }
                 Mode::Pause => {}
             }
-            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+            st = sync::wait(&self.changed, st);
         }
         if counted {
             st.parked -= 1;
@@ -143,20 +149,20 @@ pub struct Events {
 
 impl Events {
     pub fn signal(&self) {
-        *self.seq.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        *self.seq.locked() += 1;
         self.changed.notify_all();
     }
 
     /// Wake every waiter without an event (they re-check why they wait).
     pub fn wake_all(&self) {
-        let _guard = self.seq.lock().unwrap_or_else(|p| p.into_inner());
+        let _guard = self.seq.locked();
         self.changed.notify_all();
     }
 
     /// Block until the sequence moves past `seen`, `deadline` passes or
     /// `interrupted` says so; returns the current sequence.
     pub fn wait(&self, seen: u64, deadline: Option<Instant>, interrupted: impl Fn() -> bool) -> u64 {
-        let mut seq = self.seq.lock().unwrap_or_else(|p| p.into_inner());
+        let mut seq = self.seq.locked();
         while *seq == seen && !interrupted() {
             let timeout = match deadline {
                 Some(d) => match d.checked_duration_since(Instant::now()) {
@@ -166,7 +172,7 @@ impl Events {
                 // Wake now and then anyway: cheap insurance against a lost wake-up.
                 None => Duration::from_secs(1),
             };
-            seq = self.changed.wait_timeout(seq, timeout).unwrap_or_else(|p| p.into_inner()).0;
+            seq = sync::wait_timeout(&self.changed, seq, timeout);
         }
         *seq
     }

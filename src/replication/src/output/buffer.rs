@@ -6,10 +6,11 @@
 //! client ever sees output whose state could be lost in a failover.
 
 use std::collections::VecDeque;
-use std::fs::File;
-use std::io::Write;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
+
+use ftvm_vmm::hooks::FrameSink;
+use ftvm_vmm::sync::Lock;
 
 #[derive(Default)]
 struct Held {
@@ -19,7 +20,6 @@ struct Held {
 }
 
 struct Inner {
-    tap: Option<File>,
     protected: bool,
     /// The epoch the guest is running in (frames submitted now belong to it).
     open: Held,
@@ -36,45 +36,23 @@ pub struct Released {
     pub max_hold_us: u64,
 }
 
+/// The VM's transmit hook while it is replicated; released frames go on
+/// to `network` (the TAP).
 pub struct OutputBuffer {
     inner: Mutex<Inner>,
-}
-
-impl Default for OutputBuffer {
-    fn default() -> Self {
-        OutputBuffer {
-            inner: Mutex::new(Inner { tap: None, protected: false, open: Held::default(), closed: VecDeque::new(), released_frames: 0 }),
-        }
-    }
-}
-
-fn send(tap: &mut Option<File>, frame: &[u8]) {
-    if let Some(tap) = tap {
-        if let Err(e) = tap.write(frame) {
-            tracing::debug!(error = %e, "TAP write failed; frame dropped");
-        }
-    }
+    network: Arc<dyn FrameSink>,
 }
 
 impl OutputBuffer {
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Where released frames go (a handle on the TAP).
-    pub fn attach(&self, tap: File) {
-        self.lock().tap = Some(tap);
-    }
-
-    /// A frame (with its virtio-net header) the guest transmitted.
-    pub fn submit(&self, frame: &[u8]) {
-        let mut inner = self.lock();
-        if !inner.protected {
-            send(&mut inner.tap, frame);
-            return;
+    pub fn new(network: Arc<dyn FrameSink>) -> OutputBuffer {
+        OutputBuffer {
+            inner: Mutex::new(Inner { protected: false, open: Held::default(), closed: VecDeque::new(), released_frames: 0 }),
+            network,
         }
-        inner.open.first_at.get_or_insert_with(Instant::now);
-        inner.open.frames.push(frame.to_vec());
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.locked()
     }
 
     /// Start holding output; the guest is now running in epoch `epoch`.
@@ -104,8 +82,9 @@ impl OutputBuffer {
             if let Some(t) = held.first_at {
                 released.max_hold_us = released.max_hold_us.max(t.elapsed().as_micros() as u64);
             }
+            // Sent under the lock: frames of later epochs must not overtake these.
             for frame in &held.frames {
-                send(&mut inner.tap, frame);
+                self.network.send(frame);
             }
             released.frames += held.frames.len() as u64;
         }
@@ -138,48 +117,59 @@ impl OutputBuffer {
     }
 }
 
+impl FrameSink for OutputBuffer {
+    /// A frame (with its virtio-net header) the guest transmitted.
+    fn send(&self, frame: &[u8]) {
+        let mut inner = self.lock();
+        if !inner.protected {
+            drop(inner);
+            self.network.send(frame);
+            return;
+        }
+        inner.open.first_at.get_or_insert_with(Instant::now);
+        inner.open.frames.push(frame.to_vec());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn pipe() -> (File, File) {
-        let mut fds = [0; 2];
-        // SAFETY: pipe2 fills two descriptors, which we take ownership of.
-        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK) }, 0);
-        // SAFETY: fresh descriptors owned by nobody else.
-        unsafe { (std::os::fd::FromRawFd::from_raw_fd(fds[0]), std::os::fd::FromRawFd::from_raw_fd(fds[1])) }
+    #[derive(Default)]
+    struct Wire(Mutex<Vec<u8>>);
+
+    impl FrameSink for Wire {
+        fn send(&self, frame: &[u8]) {
+            self.0.locked().extend_from_slice(frame);
+        }
     }
 
-    fn drain(r: &mut File) -> Vec<u8> {
-        let mut out = vec![0u8; 4096];
-        let n = std::io::Read::read(r, &mut out).unwrap_or(0);
-        out.truncate(n);
-        out
+    fn drain(wire: &Wire) -> Vec<u8> {
+        std::mem::take(&mut *wire.0.locked())
     }
 
     #[test]
     fn frames_leave_only_after_their_epoch_is_acknowledged() {
-        let (mut r, w) = pipe();
-        let out = OutputBuffer::default();
-        out.attach(w);
-        out.submit(b"a");
-        assert_eq!(drain(&mut r), b"a", "unprotected output is immediate");
+        let wire = Arc::new(Wire::default());
+        let out = OutputBuffer::new(wire.clone());
+        out.send(b"a");
+        assert_eq!(drain(&wire), b"a", "unprotected output is immediate");
         out.protect(1);
-        out.submit(b"b");
+        out.send(b"b");
         assert_eq!(out.close_epoch(), 1);
-        out.submit(b"c");
+        out.send(b"c");
         assert_eq!(out.close_epoch(), 2);
-        assert!(drain(&mut r).is_empty(), "held until acknowledged");
+        assert!(drain(&wire).is_empty(), "held until acknowledged");
         assert_eq!(out.release_through(1).frames, 1);
-        assert_eq!(drain(&mut r), b"b");
+        assert_eq!(drain(&wire), b"b");
         assert_eq!(out.held_frames(), 1);
-        out.submit(b"d"); // epoch 3, open
+        out.send(b"d"); // epoch 3, open
         assert_eq!(out.release_through(2).frames, 1);
-        assert_eq!(drain(&mut r), b"c");
+        assert_eq!(drain(&wire), b"c");
         assert_eq!(out.release_through(2).frames, 0, "releasing again is a no-op");
         assert_eq!(out.unprotect().frames, 1);
-        assert_eq!(drain(&mut r), b"d");
-        out.submit(b"e");
-        assert_eq!(drain(&mut r), b"e");
+        assert_eq!(drain(&wire), b"d");
+        out.send(b"e");
+        assert_eq!(drain(&wire), b"e");
     }
 }

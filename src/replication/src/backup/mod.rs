@@ -1,0 +1,223 @@
+//! The backup: takes the VM's shape from the primary, applies its pre-copy
+//! and then one checkpoint per epoch (whole or not at all), acknowledges
+//! each, and takes the VM over when the primary falls silent.
+
+mod replica;
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ftvm_vmm::devices::DeviceConfig;
+use ftvm_vmm::{Console, DirtyBackend, Persist, Vm};
+
+use crate::metrics::{AppliedEpoch, MetricsLog, Role, StatusCell};
+use crate::pipeline::apply::{Apply, InPlace};
+use crate::pipeline::transport::{self, Transport};
+use crate::protocol::{self, Hello, Kind, ProtocolError, HANDSHAKE_LIMIT};
+use crate::ReplicationError;
+pub use replica::Replica;
+
+#[derive(Clone, Debug)]
+pub struct BackupConfig {
+    pub listen: String,
+    pub devices: DeviceConfig,
+    /// The shape this backup was explicitly given, if any; a primary of
+    /// another shape is refused.
+    pub mem_size: Option<u64>,
+    pub vcpus: Option<u32>,
+    /// Silence from the primary for this long means it is dead (default:
+    /// five epochs, at least 200 ms).
+    pub failure_timeout: Option<Duration>,
+    pub prefault: bool,
+    pub dirty_backend: DirtyBackend,
+    pub console: Console,
+    /// Log every applied checkpoint as a JSON line here.
+    pub metrics: Option<std::path::PathBuf>,
+}
+
+/// How following a primary ended.
+pub enum Outcome {
+    /// The primary failed; this VM, resumed from the last committed
+    /// checkpoint, is the VM now.
+    TookOver(Arc<Vm>),
+    /// The primary's guest stopped for good with this status; nothing to take over.
+    PrimaryFinished(i32),
+}
+
+enum Ended {
+    Lost(String),
+    Finished(i32),
+}
+
+/// A backup waiting for, or following, its primary.
+pub struct Backup {
+    config: BackupConfig,
+    listener: TcpListener,
+    status: StatusCell,
+}
+
+impl Backup {
+    pub fn bind(config: BackupConfig) -> Result<Backup, ReplicationError> {
+        let listener =
+            TcpListener::bind(&config.listen).map_err(|err| ReplicationError::Listen { addr: config.listen.clone(), err })?;
+        let status = StatusCell::new(Role::Backup);
+        status.lock().detail = format!("waiting for a primary on {}", config.listen);
+        Ok(Backup { config, listener, status })
+    }
+
+    pub fn status(&self) -> StatusCell {
+        self.status.clone()
+    }
+
+    /// Follow a primary until it fails, then return the VM, resumed from the
+    /// last committed checkpoint and announced on the network.
+    pub fn run(self) -> Result<Outcome, ReplicationError> {
+        let mut link = transport::accept(&self.listener).map_err(|err| ReplicationError::Listen { addr: self.config.listen.clone(), err })?;
+        let peer = link.peer();
+        tracing::info!(%peer, "primary connected");
+        let (mut replica, hello) = self.welcome(&mut link)?;
+        let timeout = self.config.failure_timeout.unwrap_or(Duration::from_millis((5 * hello.epoch_ms).max(200)));
+        link.set_recv_timeout(Some(timeout)).map_err(ReplicationError::Send)?;
+        self.status.lock().detail = format!("synchronizing from primary {peer}");
+        let log = MetricsLog::open(self.config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
+        let reason = match follow(&mut link, &mut replica, &self.status, &log) {
+            Ended::Lost(reason) => reason,
+            Ended::Finished(status) => {
+                tracing::info!(status, "the primary's guest stopped; the backup stops too");
+                return Ok(Outcome::PrimaryFinished(status));
+            }
+        };
+        let Some((epoch, state)) = replica.committed.take() else {
+            tracing::error!("primary lost ({reason}) before the first checkpoint");
+            return Err(ReplicationError::NotSynchronized);
+        };
+        let t0 = Instant::now();
+        let mut vm = replica.vm;
+        vm.restore(&state)?;
+        let vm = Arc::new(vm);
+        vm.start().map_err(ReplicationError::Thread)?;
+        announce(&vm);
+        tracing::warn!(epoch, reason, resume_us = t0.elapsed().as_micros() as u64, "PRIMARY LOST: took over from the last committed checkpoint");
+        {
+            let mut st = self.status.lock();
+            st.role = Role::Primary;
+            st.protected = false;
+            st.epoch = epoch;
+            st.detail = format!("took over at epoch {epoch} after the primary was lost: {reason}; UNPROTECTED");
+        }
+        Ok(Outcome::TookOver(vm))
+    }
+
+    /// Handshake: check the primary against what this backup was given and
+    /// build the replica VM in the primary's shape.
+    fn welcome(&self, link: &mut dyn Transport) -> Result<(Replica, Hello), ReplicationError> {
+        link.set_recv_timeout(Some(Duration::from_secs(30))).map_err(ReplicationError::Send)?;
+        let mut buf = Vec::new();
+        let kind = match link.recv(HANDSHAKE_LIMIT, &mut buf) {
+            Ok(k) => k,
+            Err(e @ ProtocolError::Version { .. }) => {
+                // Tell the primary in words it can read (the frame header is versioned, the refusal text is not).
+                let _ = link.send(&protocol::message(Kind::Refuse, &e.to_string()));
+                return Err(e.into());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if kind != Kind::Hello {
+            return Err(ProtocolError::Corrupt(format!("expected Hello, got {kind:?}")).into());
+        }
+        let hello: Hello = protocol::decode(&buf)?;
+        match Replica::for_primary(&self.config, &hello) {
+            Ok(replica) => {
+                link.send(&protocol::message(Kind::Welcome, &())).map_err(ReplicationError::Send)?;
+                Ok((replica, hello))
+            }
+            Err(refusal) => {
+                let _ = link.send(&protocol::message(Kind::Refuse, &refusal));
+                Err(ReplicationError::Refused(refusal))
+            }
+        }
+    }
+}
+
+/// Apply the stream until it ends; returns why it ended.
+fn follow(link: &mut dyn Transport, replica: &mut Replica, status: &StatusCell, log: &MetricsLog) -> Ended {
+    let mem_size = replica.vm.config().mem_size;
+    // A checkpoint holds at most every page once (with its entry header)
+    // plus the VM state and the epoch's disk writes.
+    let limit = mem_size + mem_size / 256 + (256 << 20);
+    let mut apply = InPlace;
+    let mut buf = Vec::new();
+    loop {
+        let kind = match link.recv(limit, &mut buf) {
+            Ok(k) => k,
+            Err(e @ (ProtocolError::Corrupt(_) | ProtocolError::Version { .. })) => {
+                tracing::error!("rejected replication data: {e}; staying at the last good checkpoint");
+                return Ended::Lost(format!("replication stream rejected: {e}"));
+            }
+            Err(e) => return Ended::Lost(e.to_string()),
+        };
+        let result = match kind {
+            Kind::Pages if replica.committed.is_none() => replica.precopy_pages(&buf),
+            Kind::Disk if replica.committed.is_none() => replica.precopy_disk(&buf),
+            Kind::Checkpoint => apply_checkpoint(link, &mut apply, replica, &buf, status, log),
+            Kind::Bye => match protocol::decode::<i32>(&buf) {
+                Ok(status) => return Ended::Finished(status),
+                Err(e) => Err(e.into()),
+            },
+            other => Err(ReplicationError::Protocol(ProtocolError::Corrupt(format!("unexpected {other:?}")))),
+        };
+        if let Err(e) = result {
+            tracing::error!("rejected replication data: {e}; staying at the last good checkpoint");
+            return Ended::Lost(format!("replication stream rejected: {e}"));
+        }
+    }
+}
+
+fn apply_checkpoint(
+    link: &mut dyn Transport,
+    apply: &mut dyn Apply,
+    replica: &mut Replica,
+    payload: &[u8],
+    status: &StatusCell,
+    log: &MetricsLog,
+) -> Result<(), ReplicationError> {
+    let t0 = Instant::now();
+    let staged = apply.stage(replica, payload)?;
+    let (epoch, pages, guest_ns) = (staged.epoch, staged.pages.len(), staged.state.vm.clock.ns);
+    apply.commit(replica, staged)?;
+    log.record(&AppliedEpoch { epoch, guest_ns, applied_unix_ns: unix_ns(), pages, apply_us: t0.elapsed().as_micros() as u64 });
+    link.send(&protocol::ack(epoch)).map_err(ReplicationError::Send)?;
+    // Input queued before this checkpoint is either in it or lost for good;
+    // keep only what a new primary may still need.
+    replica.vm.devices().drop_queued_host_input();
+    tracing::debug!(epoch, pages, apply_us = t0.elapsed().as_micros() as u64, "applied checkpoint");
+    let mut st = status.lock();
+    st.epoch = epoch;
+    st.protected = true;
+    st.detail = format!("protecting; last applied epoch {epoch}");
+    Ok(())
+}
+
+fn unix_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Tell the L2 network that the guest's MAC now lives here: reverse-ARP
+/// broadcasts need no IP address, and every switch learns the new port.
+fn announce(vm: &Vm) {
+    let (Some(mac), Some(tap)) = (vm.config().devices.net.as_ref().map(|n| n.mac), vm.devices().tap_sink()) else { return };
+    let mut frame = vec![0u8; ftvm_vmm::devices::virtio::net::VNET_HDR_LEN];
+    frame.extend_from_slice(&[0xff; 6]);
+    frame.extend_from_slice(&mac);
+    frame.extend_from_slice(&[0x80, 0x35]); // RARP
+    frame.extend_from_slice(&[0, 1, 0x08, 0x00, 6, 4, 0, 3]); // Ethernet/IPv4, reverse request
+    frame.extend_from_slice(&mac);
+    frame.extend_from_slice(&[0; 4]);
+    frame.extend_from_slice(&mac);
+    frame.extend_from_slice(&[0; 4]);
+    frame.resize(ftvm_vmm::devices::virtio::net::VNET_HDR_LEN + 60, 0);
+    for _ in 0..3 {
+        tap.send(&frame);
+    }
+}

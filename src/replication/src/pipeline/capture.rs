@@ -1,0 +1,97 @@
+//! Capture: the dirty pages as they were at the freeze.
+
+use ftvm_vmm::memory::PAGE;
+use ftvm_vmm::{PageBitmap, Vm};
+
+use crate::ReplicationError;
+
+/// `--capture`: how pages are captured.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Mode {
+    /// Copy every dirty page while the VM is paused.
+    #[default]
+    Pause,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "pause" => Ok(Mode::Pause),
+            _ => Err(format!("unknown value '{s}' (expected pause)")),
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mode::Pause => "pause",
+        })
+    }
+}
+
+pub fn new(mode: Mode) -> Box<dyn Capture> {
+    match mode {
+        Mode::Pause => Box::<CopyInPause>::default(),
+    }
+}
+
+/// Copies of pages, in ascending page order.
+#[derive(Default)]
+pub struct Captured {
+    numbers: Vec<u64>,
+    data: Vec<u8>,
+}
+
+impl Captured {
+    pub fn len(&self) -> usize {
+        self.numbers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.numbers.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u64, &[u8])> {
+        self.numbers.iter().copied().zip(self.data.chunks_exact(PAGE))
+    }
+
+    /// Replace the contents with copies of `pages` read from `vm` now.
+    fn copy_from(&mut self, vm: &Vm, pages: &PageBitmap) -> Result<(), ReplicationError> {
+        self.numbers.clear();
+        self.numbers.extend(pages.pages());
+        // Grows once to the largest epoch and is reused: no zeroing per epoch.
+        let len = self.numbers.len() * PAGE;
+        if self.data.len() < len {
+            self.data.resize(len, 0);
+        }
+        for (&p, buf) in self.numbers.iter().zip(self.data.chunks_exact_mut(PAGE)) {
+            vm.ram().read_page(p, buf).map_err(ftvm_vmm::VmError::from)?;
+        }
+        Ok(())
+    }
+}
+
+pub trait Capture: Send {
+    /// The VM is paused and `dirty` is the checkpoint's dirty set.
+    fn in_pause(&mut self, vm: &Vm, dirty: &PageBitmap) -> Result<(), ReplicationError>;
+    /// The VM runs again; hand over the pages as they were at the freeze.
+    fn finish(&mut self, vm: &Vm) -> Result<&Captured, ReplicationError>;
+}
+
+/// Today's capture: every page copied inside the pause.
+#[derive(Default)]
+pub struct CopyInPause {
+    pages: Captured,
+}
+
+impl Capture for CopyInPause {
+    fn in_pause(&mut self, vm: &Vm, dirty: &PageBitmap) -> Result<(), ReplicationError> {
+        self.pages.copy_from(vm, dirty)
+    }
+
+    fn finish(&mut self, _vm: &Vm) -> Result<&Captured, ReplicationError> {
+        Ok(&self.pages)
+    }
+}

@@ -1,0 +1,96 @@
+//! Freeze: stop the VM, harvest what changed, save its state, close the
+//! output epoch, all in one pause.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ftvm_vmm::{PageBitmap, Persist, Vm};
+
+use crate::checkpoint::CheckpointState;
+use crate::output::{DiskJournal, OutputBuffer};
+use crate::ReplicationError;
+
+/// The VM is paused while this lives; `thaw` resumes it (so does dropping it).
+pub struct Frozen<'vm> {
+    pause: Paused<'vm>,
+    pub epoch: u64,
+    /// Pages written since the previous freeze, by the guest or the VMM.
+    pub dirty: PageBitmap,
+    pub state: CheckpointState,
+}
+
+/// What the freeze leaves for the stages after it.
+pub struct Thawed {
+    pub state: CheckpointState,
+    /// How long the guest was stopped.
+    pub pause: Duration,
+}
+
+impl Frozen<'_> {
+    /// Let the guest run again.
+    pub fn thaw(self) -> Thawed {
+        let Frozen { pause, state, .. } = self;
+        Thawed { state, pause: pause.end() }
+    }
+}
+
+struct Paused<'vm> {
+    vm: &'vm Vm,
+    since: Instant,
+    resumed: bool,
+}
+
+impl Paused<'_> {
+    fn end(mut self) -> Duration {
+        self.vm.resume();
+        self.resumed = true;
+        self.since.elapsed()
+    }
+}
+
+impl Drop for Paused<'_> {
+    fn drop(&mut self) {
+        if !self.resumed {
+            self.vm.resume();
+        }
+    }
+}
+
+pub trait Freeze: Send {
+    /// Pause `vm` and collect checkpoint `epoch`'s dirty set and state.
+    fn freeze<'vm>(&mut self, vm: &'vm Vm, epoch: u64) -> Result<Frozen<'vm>, ReplicationError>;
+}
+
+/// Today's freeze: everything inside one pause.
+pub struct PauseAndSave {
+    output: Arc<OutputBuffer>,
+    journal: Arc<DiskJournal>,
+    /// Pages to leave write-enabled at re-protection (write-fault
+    /// prediction fills it; empty means re-protect everything).
+    leave_writable: PageBitmap,
+    ram_pages: u64,
+}
+
+impl PauseAndSave {
+    pub fn new(ram_pages: u64, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> PauseAndSave {
+        PauseAndSave { output, journal, leave_writable: PageBitmap::new(ram_pages), ram_pages }
+    }
+}
+
+impl Freeze for PauseAndSave {
+    fn freeze<'vm>(&mut self, vm: &'vm Vm, epoch: u64) -> Result<Frozen<'vm>, ReplicationError> {
+        vm.pause();
+        let pause = Paused { vm, since: Instant::now(), resumed: false };
+        let mut dirty = PageBitmap::new(self.ram_pages);
+        vm.collect_dirty(&mut dirty, &self.leave_writable)?;
+        let state = CheckpointState { vm: vm.save()?, disk: self.journal.take() };
+        // Inside the pause: frames the guest sends after resuming belong to
+        // the next epoch. The first checkpoint starts holding output.
+        if self.output.is_protected() {
+            self.output.close_epoch();
+        } else {
+            self.output.protect(epoch + 1);
+        }
+        Ok(Frozen { pause, epoch, dirty, state })
+    }
+}

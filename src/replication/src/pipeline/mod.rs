@@ -1,0 +1,81 @@
+//! One checkpoint as a chain of stages with typed hand-offs:
+//!
+//! ```text
+//!  primary                                                       backup
+//!  Freeze ──Frozen──▶ Capture ──Captured──▶ Encode ──frame──▶ Transport ──▶ Apply
+//!  (pause, dirty set,  (copy the pages      (PageEncoder per   (TCP)         (stage,
+//!   state, output       as they were at      page, tagged)                    then commit)
+//!   epoch)              the freeze)
+//! ```
+//!
+//! Each stage is a trait with today's behaviour as its implementation; a
+//! later mechanism (copy-on-write capture, XOR-diff encoding, a shared-memory
+//! transport, a double-buffered apply) is one more implementation chosen by
+//! a switch (`Switches`), so it can be measured on and off in one run.
+
+pub mod apply;
+pub mod capture;
+pub mod encode;
+pub mod freeze;
+pub mod transport;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ftvm_vmm::pages::PageEncoder;
+use ftvm_vmm::Vm;
+
+use crate::output::{DiskJournal, OutputBuffer};
+use crate::ReplicationError;
+use capture::Capture;
+use freeze::Freeze;
+
+/// Which implementation each stage uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Switches {
+    pub capture: capture::Mode,
+    pub encoding: encode::Encoding,
+    pub transport: transport::Kind,
+}
+
+/// What taking one checkpoint cost.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Taken {
+    pub epoch: u64,
+    pub pause: Duration,
+    pub dirty_pages: u64,
+    pub disk_writes: u64,
+}
+
+/// The primary's half of the pipeline: from the running VM to a frame.
+pub struct Pipeline {
+    freeze: Box<dyn Freeze>,
+    capture: Box<dyn Capture>,
+    encoder: Box<dyn PageEncoder>,
+    frame: Vec<u8>,
+}
+
+impl Pipeline {
+    pub fn new(switches: &Switches, ram_pages: u64, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> Pipeline {
+        Pipeline {
+            freeze: Box::new(freeze::PauseAndSave::new(ram_pages, output, journal)),
+            capture: capture::new(switches.capture),
+            encoder: encode::new(switches.encoding),
+            frame: Vec::new(),
+        }
+    }
+
+    /// Take checkpoint `epoch`: the VM is paused only for the freeze (and
+    /// whatever the capture does before the guest runs again). Returns the
+    /// figures and the frame to send.
+    pub fn take(&mut self, vm: &Vm, epoch: u64) -> Result<(Taken, &[u8]), ReplicationError> {
+        let frozen = self.freeze.freeze(vm, epoch)?;
+        let captured = self.capture.in_pause(vm, &frozen.dirty);
+        let thawed = frozen.thaw();
+        captured?;
+        let pages = self.capture.finish(vm)?;
+        encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
+        let taken = Taken { epoch, pause: thawed.pause, dirty_pages: pages.len() as u64, disk_writes: thawed.state.disk.len() as u64 };
+        Ok((taken, &self.frame))
+    }
+}

@@ -1,0 +1,309 @@
+//! The primary: brings a backup up to date with live pre-copy, then takes a
+//! checkpoint every epoch and releases each epoch's output when the backup
+//! acknowledges it.
+
+mod precopy;
+mod session;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use ftvm_vmm::hooks::FrameSink;
+use ftvm_vmm::Vm;
+
+use crate::metrics::{MetricsLog, Role, Status, StatusCell};
+use crate::output::{DiskJournal, OutputBuffer};
+use crate::pipeline::{Pipeline, Switches};
+use crate::protocol::{Kind, ProtocolError};
+use crate::ReplicationError;
+use session::{Context, Session};
+
+/// What the primary does when it loses its backup.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OnBackupLoss {
+    /// Release what the backup acknowledged, then run unprotected.
+    #[default]
+    Continue,
+    /// Pause the guest (outputs stay held) until a new backup protects it.
+    Pause,
+}
+
+impl std::str::FromStr for OnBackupLoss {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "continue" => Ok(OnBackupLoss::Continue),
+            "pause" => Ok(OnBackupLoss::Pause),
+            _ => Err(format!("unknown policy '{s}' (expected continue or pause)")),
+        }
+    }
+}
+
+/// Why the primary lost its backup.
+#[derive(Debug, thiserror::Error)]
+pub enum BackupLoss {
+    #[error("no acknowledgement within the failure timeout")]
+    Silent,
+    #[error("{0}")]
+    Stream(ProtocolError),
+    #[error("unexpected {0:?} from the backup")]
+    Unexpected(Kind),
+    #[error("malformed acknowledgement")]
+    MalformedAck,
+    #[error("sending checkpoint {epoch} failed: {err}")]
+    Send { epoch: u64, err: std::io::Error },
+    #[error("checkpoint {epoch} failed: {err}")]
+    Checkpoint { epoch: u64, err: ReplicationError },
+}
+
+#[derive(Clone, Debug)]
+pub struct PrimaryConfig {
+    /// The backup's replication address.
+    pub backup: String,
+    pub epoch_ms: u64,
+    /// No acknowledgement for this long means the backup is gone.
+    pub failure_timeout: Duration,
+    pub on_backup_loss: OnBackupLoss,
+    /// How long to keep trying to reach the backup at start.
+    pub connect_timeout: Duration,
+    pub metrics: Option<PathBuf>,
+    /// The primary's disk image, copied to the backup during pre-copy.
+    pub disk: Option<PathBuf>,
+    /// Which implementation each checkpoint stage uses.
+    pub switches: Switches,
+}
+
+/// Where output goes for a VM without a network card: nowhere.
+struct NoNetwork;
+
+impl FrameSink for NoNetwork {
+    fn send(&self, _frame: &[u8]) {}
+}
+
+/// A running primary's replication.
+pub struct Primary {
+    status: StatusCell,
+    requests: Sender<String>,
+    stop: Arc<AtomicBool>,
+    exit_status: Arc<AtomicI32>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Primary {
+    /// Reach the backup and synchronize it (pre-copy and the first
+    /// checkpoint) before returning, so a bad backup is an error here; then
+    /// keep checkpointing in the background.
+    pub fn start(vm: Arc<Vm>, config: PrimaryConfig) -> Result<Primary, ReplicationError> {
+        let status = StatusCell::new(Role::Primary);
+        let metrics = Arc::new(MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?);
+        // Output commit plugs into the VM's hooks: frames through the
+        // buffer, disk writes into the journal.
+        let network = vm.devices().tap_sink().unwrap_or_else(|| Arc::new(NoNetwork));
+        let output = Arc::new(OutputBuffer::new(network));
+        let journal = Arc::new(DiskJournal::default());
+        vm.hooks().set_tx(Some(output.clone()));
+        vm.hooks().set_disk_writes(Some(journal.clone()));
+        let mut pipeline = Pipeline::new(&config.switches, vm.ram().pages(), output.clone(), journal.clone());
+        let mut epoch = 0;
+        let cx = Context { vm: &vm, config: &config, status: &status, metrics: &metrics, output: &output, journal: &journal };
+        let session = Session::open(&cx, &mut pipeline, &mut epoch)?;
+        let (requests, rx) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let exit_status = Arc::new(AtomicI32::new(0));
+        let worker = Worker {
+            vm,
+            config,
+            status: status.clone(),
+            metrics,
+            output,
+            journal,
+            pipeline,
+            stop: stop.clone(),
+            exit_status: exit_status.clone(),
+            requests: rx,
+            epoch,
+            held_by_policy: false,
+        };
+        let thread = std::thread::Builder::new()
+            .name("replication".into())
+            .spawn(move || worker.run(session))
+            .map_err(ReplicationError::Thread)?;
+        Ok(Primary { status, requests, stop, exit_status, thread: Some(thread) })
+    }
+
+    pub fn status(&self) -> Status {
+        self.status.get()
+    }
+
+    pub fn status_cell(&self) -> StatusCell {
+        self.status.clone()
+    }
+
+    /// Protect the VM again with a new backup at `addr` (after losing one).
+    pub fn protect(&self, addr: String) {
+        let _ = self.requests.send(addr);
+    }
+
+    /// The VM stopped for good with `status`: send a last checkpoint, wait
+    /// for its acknowledgement (so the guest's last output is released), and
+    /// tell the backup to stop too instead of taking over.
+    pub fn finish(&mut self, status: i32) {
+        self.exit_status.store(status, Ordering::SeqCst);
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Primary {
+    fn drop(&mut self) {
+        self.finish(0);
+    }
+}
+
+struct Worker {
+    vm: Arc<Vm>,
+    config: PrimaryConfig,
+    status: StatusCell,
+    metrics: Arc<MetricsLog>,
+    output: Arc<OutputBuffer>,
+    journal: Arc<DiskJournal>,
+    pipeline: Pipeline,
+    stop: Arc<AtomicBool>,
+    exit_status: Arc<AtomicI32>,
+    requests: Receiver<String>,
+    /// The next checkpoint's number; never reused, across backups.
+    epoch: u64,
+    /// The loss policy paused the VM (released once protected again).
+    held_by_policy: bool,
+}
+
+impl Worker {
+    fn run(mut self, first: Session) {
+        let mut session = Some(first);
+        loop {
+            // `protect` also says goodbye when asked to stop, even if the
+            // guest exited before this thread got going.
+            if let Some(s) = session.take() {
+                let loss = self.protect(&s);
+                drop(s);
+                match loss {
+                    Some(loss) if !self.stop.load(Ordering::SeqCst) => self.backup_lost(&loss),
+                    _ => return,
+                }
+            }
+            if self.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            match self.requests.recv_timeout(Duration::from_millis(100)) {
+                Ok(addr) => {
+                    let config = PrimaryConfig { backup: addr, ..self.config.clone() };
+                    let cx = Context {
+                        vm: &self.vm,
+                        config: &config,
+                        status: &self.status,
+                        metrics: &self.metrics,
+                        output: &self.output,
+                        journal: &self.journal,
+                    };
+                    match Session::open(&cx, &mut self.pipeline, &mut self.epoch) {
+                        Ok(s) => {
+                            self.config = config;
+                            if std::mem::take(&mut self.held_by_policy) {
+                                self.vm.release();
+                            }
+                            session = Some(s);
+                        }
+                        Err(e) => {
+                            tracing::error!("re-protection failed: {e}");
+                            self.status.lock().detail = format!("unprotected: re-protection failed: {e}");
+                        }
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+    }
+
+    /// Checkpoint every epoch until the backup is lost (returns why) or
+    /// the primary stops (returns None after saying goodbye).
+    fn protect(&mut self, session: &Session) -> Option<BackupLoss> {
+        let epoch_len = Duration::from_millis(self.config.epoch_ms);
+        let mut next = Instant::now() + epoch_len;
+        loop {
+            if let Some(loss) = session.take_loss() {
+                return Some(loss);
+            }
+            if self.stop.load(Ordering::SeqCst) {
+                self.farewell(session);
+                return None;
+            }
+            let now = Instant::now();
+            if now < next {
+                std::thread::sleep((next - now).min(Duration::from_millis(20)));
+                continue;
+            }
+            let epoch = self.epoch;
+            let (taken, frame) = match self.pipeline.take(&self.vm, epoch) {
+                Ok(t) => t,
+                Err(err) => return Some(BackupLoss::Checkpoint { epoch, err }),
+            };
+            let resumed = Instant::now();
+            next = resumed + epoch_len;
+            self.epoch += 1;
+            if let Err(loss) = session.send_checkpoint(&taken, frame, resumed) {
+                return Some(loss);
+            }
+            self.status.lock().epoch = epoch;
+        }
+    }
+
+    /// Last checkpoint of the stopped VM, its acknowledgement, then Bye.
+    fn farewell(&mut self, session: &Session) {
+        let epoch = self.epoch;
+        let Ok((taken, frame)) = self.pipeline.take(&self.vm, epoch) else { return };
+        self.epoch += 1;
+        if session.send_checkpoint(&taken, frame, Instant::now()).is_err() {
+            return;
+        }
+        let deadline = Instant::now() + self.config.failure_timeout;
+        while !session.is_lost() && !session.acked_all() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        session.bye(self.exit_status.load(Ordering::SeqCst));
+    }
+
+    fn backup_lost(&mut self, reason: &BackupLoss) {
+        let output = &self.output;
+        match self.config.on_backup_loss {
+            OnBackupLoss::Continue => {
+                let released = output.unprotect();
+                self.journal.stop();
+                tracing::error!(
+                    frames_released = released.frames,
+                    "BACKUP LOST ({reason}): the VM now runs UNPROTECTED; attach a new backup to protect it again"
+                );
+                let mut st = self.status.lock();
+                st.protected = false;
+                st.detail = format!("UNPROTECTED: backup lost: {reason}");
+            }
+            OnBackupLoss::Pause => {
+                self.vm.hold();
+                self.held_by_policy = true;
+                tracing::error!(held = output.held_frames(), "BACKUP LOST ({reason}): the VM is paused until a new backup protects it");
+                let mut st = self.status.lock();
+                st.protected = false;
+                st.detail = format!("PAUSED: backup lost: {reason}");
+            }
+        }
+    }
+}
+

@@ -1,0 +1,98 @@
+//! Live pre-copy: bring a new backup's memory and disk up to date while the
+//! guest keeps running, so the first checkpoint (the stop-and-copy) is small.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use ftvm_vmm::memory::PAGE;
+use ftvm_vmm::pages::{BundleWriter, RawEncoder};
+use ftvm_vmm::{PageBitmap, Vm};
+
+use crate::output::DiskJournal;
+use crate::pipeline::transport::Transport;
+use crate::protocol::{self, Kind};
+use crate::ReplicationError;
+
+/// Pages per pre-copy message.
+const BATCH_PAGES: usize = 256;
+/// Pre-copy stops iterating when a round finds this few dirty pages...
+const DONE_PAGES: u64 = 512;
+/// ... or after this many rounds.
+const ROUNDS: usize = 8;
+const DISK_CHUNK: usize = 1 << 20;
+
+/// Copy memory and disk while the guest runs, then re-copy what it dirtied
+/// until little is left. Returns the bytes sent.
+pub fn run(link: &mut dyn Transport, vm: &Vm, journal: &DiskJournal, disk: Option<&Path>) -> Result<u64, ReplicationError> {
+    journal.start();
+    vm.start_dirty_tracking()?;
+    let mut sent = 0u64;
+    let mut frame = Vec::new();
+    // Round 0: every page that is not zero (the backup's RAM starts zeroed).
+    let populated: Vec<u64> =
+        vm.ram().populated_ranges().into_iter().flat_map(|(s, e)| s / PAGE as u64..e.div_ceil(PAGE as u64)).collect();
+    sent += send_pages(link, vm, &populated, true, &mut frame)?;
+    if let Some(path) = disk {
+        sent += send_disk(link, path, &mut frame)?;
+    }
+    let mut dirty = PageBitmap::new(vm.ram().pages());
+    let keep_none = PageBitmap::new(vm.ram().pages());
+    for _ in 0..ROUNDS {
+        dirty.clear();
+        vm.collect_dirty(&mut dirty, &keep_none)?;
+        let pages: Vec<u64> = dirty.pages().collect();
+        sent += send_pages(link, vm, &pages, false, &mut frame)?;
+        if (pages.len() as u64) < DONE_PAGES {
+            break;
+        }
+    }
+    Ok(sent)
+}
+
+/// `fresh`: the backup has never had these pages, so zero pages are left out.
+fn send_pages(link: &mut dyn Transport, vm: &Vm, pages: &[u64], fresh: bool, frame: &mut Vec<u8>) -> Result<u64, ReplicationError> {
+    let mut sent = 0;
+    let mut page = vec![0u8; PAGE];
+    let mut encoder = RawEncoder;
+    for batch in pages.chunks(BATCH_PAGES) {
+        protocol::begin_frame(frame, Kind::Pages);
+        let mut bundle = BundleWriter::begin(frame, &[], &mut encoder, fresh);
+        for &p in batch {
+            // A torn read is harmless: dirty tracking was armed before it,
+            // so a page written meanwhile is sent again.
+            vm.ram().read_page(p, &mut page).map_err(ftvm_vmm::VmError::from)?;
+            bundle.page(p, &page);
+        }
+        if bundle.finish() == 0 {
+            continue;
+        }
+        protocol::finish_frame(frame);
+        link.send(frame).map_err(ReplicationError::Send)?;
+        sent += frame.len() as u64;
+    }
+    Ok(sent)
+}
+
+/// The disk's data regions in chunks, skipping all-zero chunks.
+fn send_disk(link: &mut dyn Transport, path: &Path, frame: &mut Vec<u8>) -> Result<u64, ReplicationError> {
+    let file = File::open(path).map_err(ReplicationError::PrimaryDisk)?;
+    let len = file.metadata().map_err(ReplicationError::PrimaryDisk)?.len();
+    let mut chunk = vec![0u8; DISK_CHUNK];
+    let mut sent = 0;
+    let mut offset = 0u64;
+    while offset < len {
+        let n = (len - offset).min(DISK_CHUNK as u64) as usize;
+        file.read_exact_at(&mut chunk[..n], offset).map_err(ReplicationError::PrimaryDisk)?;
+        if !ftvm_vmm::pages::is_zero(&chunk[..n]) {
+            protocol::begin_frame(frame, Kind::Disk);
+            frame.extend_from_slice(&offset.to_le_bytes());
+            frame.extend_from_slice(&chunk[..n]);
+            protocol::finish_frame(frame);
+            link.send(frame).map_err(ReplicationError::Send)?;
+            sent += frame.len() as u64;
+        }
+        offset += n as u64;
+    }
+    Ok(sent)
+}

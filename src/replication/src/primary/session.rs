@@ -1,0 +1,217 @@
+//! One connection to one backup: handshake, pre-copy, checkpoints out,
+//! acknowledgements in.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ftvm_vmm::sync::Lock;
+use ftvm_vmm::Vm;
+
+use super::{precopy, BackupLoss, PrimaryConfig};
+use crate::fault;
+use crate::metrics::{EpochMetrics, MetricsLog, StatusCell};
+use crate::output::{DiskJournal, OutputBuffer};
+use crate::pipeline::transport::{self, Transport};
+use crate::pipeline::{Pipeline, Taken};
+use crate::protocol::{self, Hello, Kind, ProtocolError, HANDSHAKE_LIMIT};
+use crate::ReplicationError;
+
+/// Partial metrics of a checkpoint waiting for its acknowledgement.
+struct InFlight {
+    metrics: EpochMetrics,
+    resumed: Instant,
+}
+
+/// What the sender and the acknowledgement reader share.
+#[derive(Default)]
+struct Shared {
+    inflight: Mutex<BTreeMap<u64, InFlight>>,
+    lost: Mutex<Option<BackupLoss>>,
+}
+
+pub struct Session {
+    link: Mutex<Box<dyn Transport>>,
+    shared: Arc<Shared>,
+    reader: Option<JoinHandle<()>>,
+}
+
+/// What a session needs from the primary.
+pub struct Context<'a> {
+    pub vm: &'a Vm,
+    pub config: &'a PrimaryConfig,
+    pub status: &'a StatusCell,
+    pub metrics: &'a Arc<MetricsLog>,
+    pub output: &'a Arc<OutputBuffer>,
+    pub journal: &'a DiskJournal,
+}
+
+impl Session {
+    /// Connect, handshake, pre-copy and send the first checkpoint (`*epoch`,
+    /// advanced past it).
+    pub fn open(cx: &Context, pipeline: &mut Pipeline, epoch: &mut u64) -> Result<Session, ReplicationError> {
+        let mut link: Box<dyn Transport> = Box::new(transport::connect(&cx.config.backup, cx.config.connect_timeout)?);
+        cx.status.lock().detail = format!("synchronizing backup {}", cx.config.backup);
+        handshake(link.as_mut(), cx.vm, cx.config, *epoch)?;
+        let t0 = Instant::now();
+        let sent = precopy::run(link.as_mut(), cx.vm, cx.journal, cx.config.disk.as_deref())?;
+        // The stop-and-copy: the first checkpoint, which also starts output commit.
+        let (taken, frame) = pipeline.take(cx.vm, *epoch)?;
+        let resumed = Instant::now();
+        link.send(frame).map_err(ReplicationError::Send)?;
+        let first = *epoch;
+        *epoch += 1;
+        tracing::info!(
+            backup = %cx.config.backup,
+            precopy_bytes = sent,
+            precopy_ms = t0.elapsed().as_millis() as u64,
+            pause_us = taken.pause.as_micros() as u64,
+            "backup synchronized; the VM is protected"
+        );
+        let shared = Arc::new(Shared::default());
+        shared.inflight.locked().insert(first, InFlight { metrics: metrics_of(&taken, frame.len(), resumed.elapsed()), resumed });
+        let reader = {
+            let mut acks = link.try_clone().map_err(ReplicationError::Send)?;
+            acks.set_recv_timeout(Some(cx.config.failure_timeout)).map_err(ReplicationError::Send)?;
+            let (output, shared, status, metrics) = (cx.output.clone(), shared.clone(), cx.status.clone(), cx.metrics.clone());
+            std::thread::Builder::new()
+                .name("replication-acks".into())
+                .spawn(move || read_acks(acks.as_mut(), &output, &shared, &status, &metrics))
+                .map_err(ReplicationError::Thread)?
+        };
+        {
+            let mut st = cx.status.lock();
+            st.protected = true;
+            st.epoch = first;
+            st.detail = format!("protected by {}", cx.config.backup);
+        }
+        Ok(Session { link: Mutex::new(link), shared, reader: Some(reader) })
+    }
+
+    pub fn acked_all(&self) -> bool {
+        self.shared.inflight.locked().is_empty()
+    }
+
+    pub fn is_lost(&self) -> bool {
+        self.shared.lost.locked().is_some()
+    }
+
+    /// Why the backup was lost, once it was.
+    pub fn take_loss(&self) -> Option<BackupLoss> {
+        self.shared.lost.locked().take()
+    }
+
+    pub fn send_checkpoint(&self, taken: &Taken, frame: &[u8], resumed: Instant) -> Result<(), BackupLoss> {
+        let mut link = self.link.locked();
+        // Register before sending: the acknowledgement can beat our bookkeeping.
+        self.shared.inflight.locked().insert(taken.epoch, InFlight { metrics: metrics_of(taken, frame.len(), Duration::ZERO), resumed });
+        let result = match fault::for_epoch(taken.epoch) {
+            Some(fault) => fault.inject(link.as_mut(), frame),
+            None => link.send(frame),
+        };
+        result.map_err(|err| BackupLoss::Send { epoch: taken.epoch, err })?;
+        if let Some(f) = self.shared.inflight.locked().get_mut(&taken.epoch) {
+            f.metrics.transfer_us = resumed.elapsed().as_micros() as u64;
+        }
+        Ok(())
+    }
+
+    /// Tell the backup the guest stopped for good with `status`.
+    pub fn bye(&self, status: i32) {
+        let _ = self.link.locked().send(&protocol::message(Kind::Bye, &status));
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.link.locked().shutdown();
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+    }
+}
+
+fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
+    EpochMetrics {
+        epoch: taken.epoch,
+        pause_us: taken.pause.as_micros() as u64,
+        dirty_pages: taken.dirty_pages,
+        disk_writes: taken.disk_writes,
+        bytes: bytes as u64,
+        transfer_us: transfer.as_micros() as u64,
+        ..EpochMetrics::default()
+    }
+}
+
+fn handshake(link: &mut dyn Transport, vm: &Vm, config: &PrimaryConfig, first_epoch: u64) -> Result<(), ReplicationError> {
+    let disk_size = match &config.disk {
+        Some(p) => Some(std::fs::metadata(p).map_err(ReplicationError::PrimaryDisk)?.len()),
+        None => None,
+    };
+    let hello = Hello {
+        mem_size: vm.config().mem_size,
+        vcpus: vm.config().vcpus,
+        devices: vm.devices().kinds(),
+        mac: vm.config().devices.net.as_ref().map(|n| n.mac),
+        disk_size,
+        epoch_ms: config.epoch_ms,
+        first_epoch,
+    };
+    link.send(&protocol::message(Kind::Hello, &hello)).map_err(ReplicationError::Send)?;
+    link.set_recv_timeout(Some(Duration::from_secs(30))).map_err(ReplicationError::Send)?;
+    let mut buf = Vec::new();
+    let kind = link.recv(HANDSHAKE_LIMIT, &mut buf)?;
+    link.set_recv_timeout(None).map_err(ReplicationError::Send)?;
+    match kind {
+        Kind::Welcome => Ok(()),
+        Kind::Refuse => Err(ReplicationError::Refused(protocol::decode::<String>(&buf)?)),
+        other => Err(ProtocolError::Corrupt(format!("expected Welcome, got {other:?}")).into()),
+    }
+}
+
+/// Acknowledgements release output; silence or a closed stream means the
+/// backup is gone.
+fn read_acks(link: &mut dyn Transport, output: &OutputBuffer, shared: &Shared, status: &StatusCell, metrics: &MetricsLog) {
+    let mut buf = Vec::new();
+    let loss = loop {
+        match link.recv(HANDSHAKE_LIMIT, &mut buf) {
+            Ok(Kind::Ack) => {
+                let Ok(epoch) = protocol::read_ack(&buf) else { break BackupLoss::MalformedAck };
+                let released = output.release_through(epoch);
+                let mut done = Vec::new();
+                {
+                    let mut inflight = shared.inflight.locked();
+                    while inflight.first_key_value().is_some_and(|(&e, _)| e <= epoch) {
+                        let (_, f) = inflight.pop_first().expect("non-empty");
+                        done.push(f);
+                    }
+                }
+                for mut f in done {
+                    f.metrics.ack_us = f.resumed.elapsed().as_micros() as u64;
+                    if f.metrics.transfer_us == 0 {
+                        // Acknowledged before the sender finished its bookkeeping:
+                        // the transfer was over by then at the latest.
+                        f.metrics.transfer_us = f.metrics.ack_us;
+                    }
+                    if f.metrics.epoch == epoch {
+                        f.metrics.hold_us = released.max_hold_us;
+                        f.metrics.frames_released = released.frames;
+                    }
+                    metrics.record(&f.metrics);
+                    status.lock().last = Some(f.metrics);
+                }
+            }
+            Ok(other) => break BackupLoss::Unexpected(other),
+            Err(ProtocolError::Timeout) => {
+                if shared.inflight.locked().is_empty() {
+                    continue;
+                }
+                break BackupLoss::Silent;
+            }
+            Err(e) => break BackupLoss::Stream(e),
+        }
+    };
+    link.shutdown();
+    *shared.lost.locked() = Some(loss);
+}

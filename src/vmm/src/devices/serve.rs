@@ -1,0 +1,74 @@
+//! The device thread: doorbells and host I/O in, used buffers out.
+
+use std::os::fd::AsRawFd;
+
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+
+use super::gate::Gate;
+use super::Slot;
+use crate::memory::GuestMemory;
+use crate::run_control::Events;
+
+const TOKEN_HOST: u64 = 1 << 32;
+const TOKEN_STOP: u64 = 2 << 32;
+
+/// A device thread: wait for doorbells or host I/O, then give the device a
+/// full pass (every queue and the host side), so no kick that arrived while
+/// paused is lost.
+pub fn serve(slot: &Slot, gate: &Gate, mem: &GuestMemory, events: &Events) {
+    let Ok(epoll) = Epoll::new() else {
+        tracing::error!("device thread cannot create epoll");
+        return;
+    };
+    let add = |fd, set, token| epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(set, token));
+    let mut ok = add(slot.stop.as_raw_fd(), EventSet::IN, TOKEN_STOP).is_ok();
+    for (q, evt) in slot.notify.iter().enumerate() {
+        ok &= add(evt.as_raw_fd(), EventSet::IN, q as u64).is_ok();
+    }
+    if let Some(fd) = slot.lock().host_fd() {
+        ok &= add(fd, EventSet::IN | EventSet::EDGE_TRIGGERED, TOKEN_HOST).is_ok();
+    }
+    if !ok {
+        tracing::error!("device thread cannot watch its descriptors");
+        return;
+    }
+    let mut ready = vec![EpollEvent::default(); 8];
+    while gate.wait_running() {
+        match epoll.wait(100, &mut ready) {
+            Ok(n) if ready[..n].iter().any(|e| e.data() == TOKEN_STOP) => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                tracing::error!(error = %e, "device thread epoll failed");
+                return;
+            }
+        }
+        let mut transport = slot.lock();
+        if gate.paused() {
+            continue; // doorbells stay pending; the pass after resume serves them
+        }
+        for evt in &slot.notify {
+            let _ = evt.read();
+        }
+        let mut used = false;
+        let mut result = Ok(());
+        for q in 0..transport.queue_count() {
+            match transport.process_queue(q, mem) {
+                Ok(u) => used |= u,
+                Err(e) => result = Err(e),
+            }
+        }
+        match transport.process_host(mem) {
+            Ok(u) => used |= u,
+            Err(e) => result = Err(e),
+        }
+        if let Err(e) = result {
+            tracing::error!(error = %e, "device failed; marking it FAILED for the driver");
+            transport.fail();
+        }
+        drop(transport);
+        if used {
+            events.signal();
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! Where the layers above the VMM (fault tolerance, benchmarks, tests) see
+//! and steer what a VM does, without the VMM knowing why.
+//!
+//! The VMM calls a hook when one is installed and otherwise does the plain
+//! thing: frames go to the TAP, host input reaches the guest, idle and disk
+//! writes pass unremarked.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex, RwLock};
+
+use crate::sync::Lock;
+
+/// Receives every frame the guest transmits (with its virtio-net header).
+pub trait FrameSink: Send + Sync {
+    fn send(&self, frame: &[u8]);
+}
+
+/// Told of every guest disk write once it reached the disk image.
+pub trait DiskWriteObserver: Send + Sync {
+    fn written(&self, offset: u64, data: &[u8]);
+}
+
+/// Sees every frame from the host network before the guest does.
+pub trait HostInputFilter: Send + Sync {
+    /// Whether to deliver `frame` to the guest.
+    fn admit(&self, frame: &[u8]) -> bool;
+}
+
+/// Told when every vCPU waits in the wait hypercall (nothing to run).
+pub trait IdleObserver: Send + Sync {
+    fn all_idle(&self);
+}
+
+/// Where guest console output goes.
+pub trait ConsoleSink: Send + Sync {
+    fn write(&self, bytes: &[u8]);
+}
+
+type Slot<T> = RwLock<Option<Arc<T>>>;
+
+fn get<T: ?Sized>(slot: &Slot<T>) -> Option<Arc<T>> {
+    slot.read().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+fn set<T: ?Sized>(slot: &Slot<T>, value: Option<Arc<T>>) {
+    *slot.write().unwrap_or_else(|p| p.into_inner()) = value;
+}
+
+/// The hooks of one VM; each may be installed or removed at any time.
+#[derive(Default)]
+pub struct Hooks {
+    tx: Slot<dyn FrameSink>,
+    disk_writes: Slot<dyn DiskWriteObserver>,
+    host_input: Slot<dyn HostInputFilter>,
+    idle: Slot<dyn IdleObserver>,
+}
+
+impl Hooks {
+    /// Frames the guest sends go to `sink` instead of straight to the TAP.
+    pub fn set_tx(&self, sink: Option<Arc<dyn FrameSink>>) {
+        set(&self.tx, sink);
+    }
+
+    pub fn tx(&self) -> Option<Arc<dyn FrameSink>> {
+        get(&self.tx)
+    }
+
+    pub fn set_disk_writes(&self, observer: Option<Arc<dyn DiskWriteObserver>>) {
+        set(&self.disk_writes, observer);
+    }
+
+    pub fn disk_writes(&self) -> Option<Arc<dyn DiskWriteObserver>> {
+        get(&self.disk_writes)
+    }
+
+    pub fn set_host_input(&self, filter: Option<Arc<dyn HostInputFilter>>) {
+        set(&self.host_input, filter);
+    }
+
+    pub fn host_input(&self) -> Option<Arc<dyn HostInputFilter>> {
+        get(&self.host_input)
+    }
+
+    pub fn set_idle(&self, observer: Option<Arc<dyn IdleObserver>>) {
+        set(&self.idle, observer);
+    }
+
+    pub fn idle(&self) -> Option<Arc<dyn IdleObserver>> {
+        get(&self.idle)
+    }
+}
+
+/// A console sink chosen when the VM is built.
+#[derive(Clone)]
+pub struct Console(Arc<dyn ConsoleSink>);
+
+impl Console {
+    pub fn new(sink: Arc<dyn ConsoleSink>) -> Console {
+        Console(sink)
+    }
+
+    /// An in-memory buffer (tests and benchmarks read it back).
+    pub fn capture() -> (Console, Arc<Mutex<Vec<u8>>>) {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        (Console(Arc::new(Capture(buf.clone()))), buf)
+    }
+
+    pub fn write(&self, bytes: &[u8]) {
+        self.0.write(bytes);
+    }
+}
+
+/// The VMM's standard output: the normal case for `ftvm run`.
+impl Default for Console {
+    fn default() -> Self {
+        Console(Arc::new(Stdout))
+    }
+}
+
+impl std::fmt::Debug for Console {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Console")
+    }
+}
+
+struct Stdout;
+
+impl ConsoleSink for Stdout {
+    fn write(&self, bytes: &[u8]) {
+        let mut out = std::io::stdout().lock();
+        // A closed stdout must not stop the guest.
+        let _ = out.write_all(bytes).and_then(|_| out.flush());
+    }
+}
+
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl ConsoleSink for Capture {
+    fn write(&self, bytes: &[u8]) {
+        self.0.locked().extend_from_slice(bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Count(Mutex<usize>);
+
+    impl FrameSink for Count {
+        fn send(&self, _frame: &[u8]) {
+            *self.0.locked() += 1;
+        }
+    }
+
+    #[test]
+    fn hooks_install_and_remove() {
+        let hooks = Hooks::default();
+        assert!(hooks.tx().is_none());
+        let count = Arc::new(Count(Mutex::new(0)));
+        hooks.set_tx(Some(count.clone()));
+        hooks.tx().expect("installed").send(b"x");
+        assert_eq!(*count.0.locked(), 1);
+        hooks.set_tx(None);
+        assert!(hooks.tx().is_none());
+    }
+
+    #[test]
+    fn captured_console_reads_back() {
+        let (console, buf) = Console::capture();
+        console.write(b"hello ");
+        console.clone().write(b"world");
+        assert_eq!(&*buf.locked(), b"hello world");
+    }
+}

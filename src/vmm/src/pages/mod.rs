@@ -1,0 +1,223 @@
+//! The one encoding of "state plus a set of pages": snapshot files,
+//! pre-copy rounds and checkpoints all carry guest memory this way.
+//!
+//! ```text
+//! bundle := state_len u64 | state | entry* | end
+//! entry  := tag u8 | page u64 | body_len u32 | body
+//! end    := tag u8 0
+//! ```
+//! (little-endian). The tag says how the body encodes the page, per page,
+//! so encodings mix inside one bundle: a zero page has no body, a raw page
+//! is its 4096 bytes; later encoders (XOR diff, compression) add tags.
+//! Readers check every entry (known tag, page inside guest RAM, body length
+//! fits the tag) before anything is applied.
+
+mod decode;
+mod encode;
+
+pub use decode::{read_bundle, Bundle, Entry};
+pub use encode::{is_zero, BundleWriter, PageEncoder, RawEncoder};
+
+use crate::memory::PAGE;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FormatError {
+    #[error("data ends in the middle of a bundle")]
+    Truncated,
+    #[error("{0}")]
+    Corrupt(String),
+    #[error("I/O error: {0}")]
+    Io(std::io::Error),
+}
+
+/// How an entry's body encodes its page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum PageTag {
+    /// The page is all zeros; no body.
+    Zero = 1,
+    /// The body is the page.
+    Raw = 2,
+}
+
+const END: u8 = 0;
+const ENTRY_HEADER: usize = 1 + 8 + 4;
+
+impl PageTag {
+    fn from_u8(v: u8) -> Option<PageTag> {
+        match v {
+            1 => Some(PageTag::Zero),
+            2 => Some(PageTag::Raw),
+            _ => None,
+        }
+    }
+
+    fn body_fits(self, len: usize) -> bool {
+        match self {
+            PageTag::Zero => len == 0,
+            PageTag::Raw => len == PAGE,
+        }
+    }
+}
+
+/// An entry header, checked against a guest RAM of `ram_pages` pages.
+fn check_entry(raw_tag: u8, page: u64, len: u32, ram_pages: u64) -> Result<PageTag, FormatError> {
+    let tag = PageTag::from_u8(raw_tag).ok_or_else(|| FormatError::Corrupt(format!("unknown page encoding {raw_tag}")))?;
+    if page >= ram_pages {
+        return Err(FormatError::Corrupt(format!("page {page} is beyond guest RAM ({ram_pages} pages)")));
+    }
+    if !tag.body_fits(len as usize) {
+        return Err(FormatError::Corrupt(format!("page {page}: a {tag:?} body of {len} bytes")));
+    }
+    Ok(tag)
+}
+
+/// Bounds-checked reads from a byte string that arrived whole (a verified
+/// frame): running short is corruption, not truncation.
+pub struct Cursor<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    pub fn new(bytes: &'a [u8]) -> Cursor<'a> {
+        Cursor { bytes, at: 0 }
+    }
+
+    pub fn take(&mut self, n: usize) -> Result<&'a [u8], FormatError> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.bytes.len());
+        let end = end.ok_or_else(|| FormatError::Corrupt("message shorter than its contents".into()))?;
+        let s = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    pub fn u8(&mut self) -> Result<u8, FormatError> {
+        Ok(self.take(1)?[0])
+    }
+
+    pub fn u32(&mut self) -> Result<u32, FormatError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+
+    pub fn u64(&mut self) -> Result<u64, FormatError> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+
+    /// Everything not read yet.
+    pub fn rest(&mut self) -> &'a [u8] {
+        let s = &self.bytes[self.at..];
+        self.at = self.bytes.len();
+        s
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.at == self.bytes.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::GuestRam;
+
+    const RAM_PAGES: u64 = 64;
+
+    fn page(fill: u8) -> Vec<u8> {
+        vec![fill; PAGE]
+    }
+
+    /// A bundle with state "st" and pages 3 (raw), 5 (zero), 9 (raw).
+    fn sample() -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut enc = RawEncoder;
+        let mut w = BundleWriter::begin(&mut out, b"st", &mut enc, false);
+        w.page(3, &page(7));
+        w.page(5, &page(0));
+        w.page(9, &page(1));
+        assert_eq!(w.finish(), 3);
+        out
+    }
+
+    #[test]
+    fn bundles_round_trip_with_mixed_encodings() {
+        let bytes = sample();
+        let mut c = Cursor::new(&bytes);
+        let b = Bundle::parse(&mut c, RAM_PAGES).unwrap();
+        assert!(c.is_empty());
+        assert_eq!(b.state, b"st");
+        let entries: Vec<_> = b.entries().map(|e| (e.page, e.tag, e.body.len())).collect();
+        assert_eq!(entries, vec![(3, PageTag::Raw, PAGE), (5, PageTag::Zero, 0), (9, PageTag::Raw, PAGE)]);
+
+        let ram = GuestRam::new(RAM_PAGES * PAGE as u64, false).unwrap();
+        ram.write_page(5, &page(0xee)).unwrap();
+        b.apply(&ram).unwrap();
+        let mut got = page(0);
+        for (p, fill) in [(3, 7), (5, 0), (9, 1), (4, 0)] {
+            ram.read_page(p, &mut got).unwrap();
+            assert_eq!(got, page(fill), "page {p}");
+        }
+
+        let streamed = GuestRam::new(RAM_PAGES * PAGE as u64, false).unwrap();
+        assert_eq!(read_bundle(&mut &bytes[..], &streamed, 100).unwrap(), b"st");
+        streamed.read_page(9, &mut got).unwrap();
+        assert_eq!(got, page(1));
+    }
+
+    #[test]
+    fn zero_pages_are_left_out_for_a_fresh_reader() {
+        let mut out = Vec::new();
+        let mut enc = RawEncoder;
+        let mut w = BundleWriter::begin(&mut out, b"", &mut enc, true);
+        w.page(1, &page(0));
+        w.page(2, &page(2));
+        assert_eq!(w.finish(), 1);
+        assert_eq!(Bundle::parse(&mut Cursor::new(&out), RAM_PAGES).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn what_follows_a_bundle_stays_with_the_caller() {
+        let mut bytes = sample();
+        bytes.extend_from_slice(b"tail");
+        let mut c = Cursor::new(&bytes);
+        Bundle::parse(&mut c, RAM_PAGES).unwrap();
+        assert_eq!(c.rest(), b"tail");
+    }
+
+    #[test]
+    fn every_truncation_is_an_error() {
+        let bytes = sample();
+        let ram = GuestRam::new(RAM_PAGES * PAGE as u64, false).unwrap();
+        for cut in 0..bytes.len() {
+            assert!(Bundle::parse(&mut Cursor::new(&bytes[..cut]), RAM_PAGES).is_err(), "cut at {cut}");
+            assert!(matches!(read_bundle(&mut &bytes[..cut], &ram, 100), Err(FormatError::Truncated)), "streamed cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn bad_entries_are_rejected_before_anything_is_applied() {
+        let bytes = sample();
+        let first_entry = 8 + 2;
+        let mut beyond = bytes.clone();
+        beyond[first_entry + 1..first_entry + 9].copy_from_slice(&RAM_PAGES.to_le_bytes());
+        let mut unknown = bytes.clone();
+        unknown[first_entry] = 0x7f;
+        let mut short_body = bytes.clone();
+        short_body[first_entry + 9..first_entry + 13].copy_from_slice(&100u32.to_le_bytes());
+        for (what, bad) in [("page beyond RAM", beyond), ("unknown tag", unknown), ("raw body of 100 bytes", short_body)] {
+            let r = Bundle::parse(&mut Cursor::new(&bad), RAM_PAGES);
+            assert!(matches!(r, Err(FormatError::Corrupt(_))), "{what}: {r:?}");
+            let ram = GuestRam::new(RAM_PAGES * PAGE as u64, false).unwrap();
+            assert!(read_bundle(&mut &bad[..], &ram, 100).is_err(), "{what} streamed");
+        }
+    }
+
+    #[test]
+    fn zero_check() {
+        assert!(is_zero(&page(0)));
+        let mut p = page(0);
+        p[PAGE - 1] = 1;
+        assert!(!is_zero(&p));
+        assert!(!is_zero(&p[1..]), "unaligned views are checked too");
+    }
+}

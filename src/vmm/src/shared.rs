@@ -1,0 +1,98 @@
+//! What the VM's owner (`Vm`) and its vCPU threads share.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kvm_ioctls::VmFd;
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::clock::GuestClock;
+use crate::devices::Devices;
+use crate::dirty::{DirtyError, DirtyLog};
+use crate::exit::VmExit;
+use crate::hooks::{Console, Hooks};
+use crate::memory::GuestRam;
+use crate::run_control::{self, Events, Mode, RunControl};
+use crate::sync::Lock;
+
+/// State shared between the VM owner and its vCPU threads.
+pub struct VmShared {
+    pub vm_fd: VmFd,
+    pub ram: GuestRam,
+    pub console: Console,
+    pub events: Arc<Events>,
+    pub control: RunControl,
+    pub devices: Devices,
+    pub hooks: Arc<Hooks>,
+    pub clock: Mutex<GuestClock>,
+    pub dirty: Mutex<Box<dyn DirtyLog>>,
+    pub exit: Mutex<Option<VmExit>>,
+    pub exit_event: EventFd,
+    pub threads: Mutex<Vec<libc::pthread_t>>,
+    /// vCPUs blocked in the wait hypercall right now.
+    pub(crate) waiting: AtomicUsize,
+}
+
+impl VmShared {
+    pub fn clock(&self) -> GuestClock {
+        *self.clock.locked()
+    }
+
+    pub fn read_u64(&self, addr: u64) -> Option<u64> {
+        self.ram.memory().read_obj(GuestAddress(addr)).ok()
+    }
+
+    pub fn register_thread(&self, id: libc::pthread_t) {
+        self.threads.locked().push(id);
+    }
+
+    /// A vCPU thread is ending: it must not be signalled any more (its id
+    /// may be reused once it is joined).
+    pub fn unregister_thread(&self, id: libc::pthread_t) {
+        self.threads.locked().retain(|&t| t != id);
+    }
+
+    /// A vCPU enters the wait hypercall; the last one to do so makes the
+    /// whole VM idle, which the idle hook hears about.
+    pub fn enter_wait(&self) {
+        if self.waiting.fetch_add(1, Ordering::AcqRel) + 1 == self.control.vcpus() {
+            if let Some(observer) = self.hooks.idle() {
+                observer.all_idle();
+            }
+        }
+    }
+
+    pub fn leave_wait(&self) {
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Get every vCPU thread out of KVM_RUN and out of the wait hypercall.
+    pub fn kick_all(&self) {
+        self.events.wake_all();
+        for &t in self.threads.locked().iter() {
+            // SAFETY: `t` is a live vCPU thread of this VM: threads remove
+            // themselves from the list (under this lock) before they end; the
+            // kick signal has a handler installed, so it cannot kill the process.
+            unsafe { libc::pthread_kill(t, run_control::kick_signal()) };
+        }
+    }
+
+    /// Stop the VM for `exit`; the first reason recorded wins.
+    pub fn stop(&self, exit: VmExit) {
+        {
+            let mut slot = self.exit.locked();
+            if slot.is_none() {
+                *slot = Some(exit);
+            }
+        }
+        self.control.request(Mode::Stop);
+        self.kick_all();
+        let _ = self.exit_event.write(1);
+    }
+
+    pub fn dirty_ring_full(&self, vcpu: usize) -> Result<(), DirtyError> {
+        self.dirty.locked().ring_full(&self.vm_fd, vcpu)
+    }
+}
+

@@ -1,0 +1,112 @@
+//! The VMM's hooks through real KVM and real devices: disk writes reach the
+//! observer after the disk has them; the idle hook fires when every vCPU
+//! waits; a snapshot of a VM restores only onto the same devices.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use ftvm_vmm::devices::DeviceConfig;
+use ftvm_vmm::hooks::{DiskWriteObserver, IdleObserver};
+use ftvm_vmm::{Console, Persist, Vm, VmConfig, VmError, VmExit};
+
+fn image(name: &str) -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/images").join(format!("{name}.elf"));
+    assert!(path.exists(), "guest image {} missing: run scripts/build-images.sh", path.display());
+    path
+}
+
+fn disk(tag: &str, bytes: u64) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("ftvm-hooks-{tag}-{}.img", std::process::id()));
+    std::fs::File::create(&path).unwrap().set_len(bytes).unwrap();
+    path
+}
+
+#[derive(Default)]
+struct Writes(Mutex<Vec<(u64, usize)>>);
+
+impl DiskWriteObserver for Writes {
+    fn written(&self, offset: u64, data: &[u8]) {
+        self.0.lock().unwrap().push((offset, data.len()));
+    }
+}
+
+#[test]
+fn disk_writes_reach_the_observer() {
+    let path = disk("writes", 1 << 20);
+    let (console, out) = Console::capture();
+    let devices = DeviceConfig { disk: Some(path.clone()), ..Default::default() };
+    let vm = Vm::new(VmConfig { mem_size: 64 << 20, console, devices, ..Default::default() }).unwrap();
+    let writes = Arc::new(Writes::default());
+    vm.hooks().set_disk_writes(Some(writes.clone()));
+    vm.boot(&image("netprobe"), "blk=selftest").unwrap();
+    vm.start().unwrap();
+    assert_eq!(vm.wait(), VmExit::Exited(0), "{}", String::from_utf8_lossy(&out.lock().unwrap()));
+    let seen = writes.0.lock().unwrap().clone();
+    // The self-test writes a run of sectors from 0, then sector 7 alone.
+    assert!(seen.len() >= 2, "{seen:?}");
+    assert_eq!(seen[0].0, 0);
+    assert!(seen.contains(&(7 * 512, 512)), "{seen:?}");
+    std::fs::remove_file(path).unwrap();
+}
+
+struct Idle(AtomicUsize);
+
+impl IdleObserver for Idle {
+    fn all_idle(&self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn the_idle_hook_fires_when_every_vcpu_waits() {
+    let (console, _out) = Console::capture();
+    let vm = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console, ..Default::default() }).unwrap();
+    let idle = Arc::new(Idle(AtomicUsize::new(0)));
+    vm.hooks().set_idle(Some(idle.clone()));
+    // A ticker sleeps in the wait hypercall between its ticks.
+    vm.boot(&image("probe"), "ticker=5,count=10").unwrap();
+    vm.start().unwrap();
+    assert_eq!(vm.wait(), VmExit::Exited(0));
+    assert!(idle.0.load(Ordering::SeqCst) >= 5, "idle {} times", idle.0.load(Ordering::SeqCst));
+
+    // A memory-bound guest that never waits is never idle.
+    let (console, _out) = Console::capture();
+    let vm = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console, ..Default::default() }).unwrap();
+    let busy = Arc::new(Idle(AtomicUsize::new(0)));
+    vm.hooks().set_idle(Some(busy.clone()));
+    vm.boot(&image("memtouch"), "ws=1M writes=2000000 report=0").unwrap();
+    vm.start().unwrap();
+    assert_eq!(vm.wait(), VmExit::Exited(0));
+    assert_eq!(busy.0.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn state_restores_only_onto_a_vm_of_the_same_shape_and_devices() {
+    let (console, _out) = Console::capture();
+    let path = disk("shape", 1 << 20);
+    let devices = DeviceConfig { disk: Some(path.clone()), ..Default::default() };
+    let vm = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console: console.clone(), devices: devices.clone(), ..Default::default() }).unwrap();
+    vm.boot(&image("probe"), "hello").unwrap();
+    let state = vm.save().unwrap();
+
+    let mut same = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console: console.clone(), devices, ..Default::default() }).unwrap();
+    same.restore(&state).unwrap();
+
+    let mut no_disk = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console: console.clone(), ..Default::default() }).unwrap();
+    let e = no_disk.restore(&state).unwrap_err();
+    assert_eq!(e.to_string(), "the saved VM has devices [disk], this VM has []");
+
+    let other = disk("shape-other", 2 << 20);
+    let devices = DeviceConfig { disk: Some(other.clone()), ..Default::default() };
+    let mut bigger = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console: console.clone(), devices, ..Default::default() }).unwrap();
+    assert!(bigger.restore(&state).unwrap_err().to_string().contains("disk has 1048576 bytes"));
+
+    let mut two = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 2, console: console.clone(), ..Default::default() }).unwrap();
+    assert!(matches!(two.restore(&state), Err(VmError::ShapeMismatch { got: 1, want: 2 })));
+
+    let mut smaller = Vm::new(VmConfig { mem_size: 32 << 20, vcpus: 1, console, ..Default::default() }).unwrap();
+    assert!(smaller.restore(&state).is_err());
+    std::fs::remove_file(path).unwrap();
+    std::fs::remove_file(other).unwrap();
+}
