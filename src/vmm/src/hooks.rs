@@ -8,7 +8,7 @@
 use std::io::Write;
 use std::sync::{Arc, Mutex, RwLock};
 
-use crate::sync::Lock;
+use crate::sync::{Lock, ReadWrite};
 
 /// Receives every frame the guest transmits (with its virtio-net header).
 pub trait FrameSink: Send + Sync {
@@ -39,11 +39,11 @@ pub trait ConsoleSink: Send + Sync {
 type Slot<T> = RwLock<Option<Arc<T>>>;
 
 fn get<T: ?Sized>(slot: &Slot<T>) -> Option<Arc<T>> {
-    slot.read().unwrap_or_else(|p| p.into_inner()).clone()
+    slot.read_locked().clone()
 }
 
 fn set<T: ?Sized>(slot: &Slot<T>, value: Option<Arc<T>>) {
-    *slot.write().unwrap_or_else(|p| p.into_inner()) = value;
+    *slot.write_locked() = value;
 }
 
 /// The hooks of one VM; each may be installed or removed at any time.

@@ -5,7 +5,7 @@
 //! panic, so a poisoned lock carries no torn state; refusing it would turn
 //! one thread's bug into a VMM that cannot pause, checkpoint or stop.
 
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 /// `lock()` that ignores poisoning (see the module documentation).
@@ -13,9 +13,30 @@ pub trait Lock<T: ?Sized> {
     fn locked(&self) -> MutexGuard<'_, T>;
 }
 
+/// What `Mutex::get_mut` gives, poisoned or not.
+pub fn get_mut<T: ?Sized>(m: &mut Mutex<T>) -> &mut T {
+    m.get_mut().unwrap_or_else(|p| p.into_inner())
+}
+
 impl<T: ?Sized> Lock<T> for Mutex<T> {
     fn locked(&self) -> MutexGuard<'_, T> {
         self.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// `read()` and `write()` that ignore poisoning.
+pub trait ReadWrite<T: ?Sized> {
+    fn read_locked(&self) -> RwLockReadGuard<'_, T>;
+    fn write_locked(&self) -> RwLockWriteGuard<'_, T>;
+}
+
+impl<T: ?Sized> ReadWrite<T> for RwLock<T> {
+    fn read_locked(&self) -> RwLockReadGuard<'_, T> {
+        self.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write_locked(&self) -> RwLockWriteGuard<'_, T> {
+        self.write().unwrap_or_else(|p| p.into_inner())
     }
 }
 

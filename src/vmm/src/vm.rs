@@ -400,7 +400,7 @@ impl Persist for Vm {
         for (vcpu, s) in self.vcpus.iter().zip(&state.vcpus) {
             vcpu.locked().restore(s)?;
         }
-        let clock = shared.clock.get_mut().unwrap_or_else(|p| p.into_inner());
+        let clock = crate::sync::get_mut(&mut shared.clock);
         clock.restore(&state.clock).unwrap_or_else(|never| match never {});
         clock.publish(shared.ram.memory())?;
         Ok(())

@@ -72,7 +72,7 @@ unsafe impl Sync for GuestRam {}
 impl GuestRam {
     /// Create `size` bytes of zeroed guest RAM. With `prefault`, every page is
     /// populated up front so first guest touches do not take host page faults
-    /// (and userfaultfd write-protection later covers every page).
+    /// (tracking and write protection then see every page as present).
     pub fn new(size: u64, prefault: bool) -> Result<GuestRam, MemoryError> {
         // SAFETY: memfd_create with a valid NUL-terminated name; the result is
         // checked before use.
