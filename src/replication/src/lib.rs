@@ -11,6 +11,7 @@ pub mod output;
 pub mod pipeline;
 pub mod primary;
 pub mod protocol;
+mod switch;
 
 pub use backup::{Backup, BackupConfig, Outcome};
 pub use metrics::{EpochMetrics, Role, Status, StatusCell};

@@ -3,31 +3,14 @@
 use ftvm_vmm::memory::PAGE;
 use ftvm_vmm::{PageBitmap, Vm};
 
+use crate::switch::switch;
 use crate::ReplicationError;
 
-/// `--capture`: how pages are captured.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Mode {
-    /// Copy every dirty page while the VM is paused.
-    #[default]
-    Pause,
-}
-
-impl std::str::FromStr for Mode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "pause" => Ok(Mode::Pause),
-            _ => Err(format!("unknown value '{s}' (expected pause)")),
-        }
-    }
-}
-
-impl std::fmt::Display for Mode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Mode::Pause => "pause",
-        })
+switch! {
+    /// `--capture`: how pages are captured.
+    pub enum Mode {
+        /// Copy every dirty page while the VM is paused.
+        Pause = "pause",
     }
 }
 

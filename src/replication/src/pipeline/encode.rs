@@ -6,30 +6,13 @@ use ftvm_vmm::pages::{BundleWriter, PageEncoder, RawEncoder};
 use super::capture::Captured;
 use crate::checkpoint::CheckpointState;
 use crate::protocol::{self, Kind};
+use crate::switch::switch;
 
-/// `--encoding`: how pages are encoded.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Encoding {
-    /// Whole pages; all-zero pages as a bare tag.
-    #[default]
-    Raw,
-}
-
-impl std::str::FromStr for Encoding {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "raw" => Ok(Encoding::Raw),
-            _ => Err(format!("unknown value '{s}' (expected raw)")),
-        }
-    }
-}
-
-impl std::fmt::Display for Encoding {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Encoding::Raw => "raw",
-        })
+switch! {
+    /// `--encoding`: how pages are encoded.
+    pub enum Encoding {
+        /// Whole pages; all-zero pages as a bare tag.
+        Raw = "raw",
     }
 }
 

@@ -12,8 +12,6 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
 use ftvm_vmm::hooks::FrameSink;
 use ftvm_vmm::Vm;
 
@@ -21,27 +19,17 @@ use crate::metrics::{MetricsLog, Role, Status, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::pipeline::{Pipeline, Switches};
 use crate::protocol::{Kind, ProtocolError};
+use crate::switch::switch;
 use crate::ReplicationError;
 use session::{Context, Session};
 
-/// What the primary does when it loses its backup.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub enum OnBackupLoss {
-    /// Release what the backup acknowledged, then run unprotected.
-    #[default]
-    Continue,
-    /// Pause the guest (outputs stay held) until a new backup protects it.
-    Pause,
-}
-
-impl std::str::FromStr for OnBackupLoss {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "continue" => Ok(OnBackupLoss::Continue),
-            "pause" => Ok(OnBackupLoss::Pause),
-            _ => Err(format!("unknown policy '{s}' (expected continue or pause)")),
-        }
+switch! {
+    /// `--on-backup-loss`: what the primary does when it loses its backup.
+    pub enum OnBackupLoss {
+        /// Release what the backup acknowledged, then run unprotected.
+        Continue = "continue",
+        /// Pause the guest (outputs stay held) until a new backup protects it.
+        Pause = "pause",
     }
 }
 

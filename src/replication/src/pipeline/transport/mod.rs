@@ -10,29 +10,13 @@ use std::time::Duration;
 pub use tcp::{accept, connect, TcpTransport};
 
 use crate::protocol::{Kind as FrameKind, ProtocolError};
+use crate::switch::switch;
 
-/// `--transport`: how frames travel.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Kind {
-    #[default]
-    Tcp,
-}
-
-impl std::str::FromStr for Kind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "tcp" => Ok(Kind::Tcp),
-            _ => Err(format!("unknown value '{s}' (expected tcp)")),
-        }
-    }
-}
-
-impl std::fmt::Display for Kind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Kind::Tcp => "tcp",
-        })
+switch! {
+    /// `--transport`: how frames travel.
+    pub enum Kind {
+        /// One TCP connection to the backup.
+        Tcp = "tcp",
     }
 }
 

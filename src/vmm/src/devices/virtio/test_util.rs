@@ -32,7 +32,7 @@ const RINGS: GuestAddress = GuestAddress(0x1000);
 /// The used ring, on a page of its own: the mock's own used ring starts
 /// `QUEUE_LEN` bytes after the available ring's entries begin, inside the
 /// `2 * QUEUE_LEN + 2` bytes those take, so a device writing it would
-/// overwrite available entries from the ninth on.
+/// overwrite available entries from the ninth on (rust-vmm/vm-virtio#400).
 const USED_RING: GuestAddress = GuestAddress(0x3000);
 /// Where the driver's data buffers start.
 const BUFFERS: u64 = 0x10000;
@@ -87,9 +87,10 @@ impl Drop for TempDisk {
     }
 }
 
-/// Bytes that differ from their neighbours, so a misplaced copy shows.
+/// Bytes that do not repeat every sector (or any power of two), so a
+/// misplaced copy shows; `seed` makes patterns that differ from each other.
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..len as u32).map(|i| (i.wrapping_mul(0x9e37_79b9) >> 24) as u8 ^ seed).collect()
 }
 
 /// A guest buffer that one descriptor points at.
@@ -182,8 +183,7 @@ impl<'m> Driver<'m> {
             .map(|(i, buf)| {
                 let index = head + i as u16;
                 let last = i + 1 == bufs.len();
-                let flags = if buf.device_writes { VRING_DESC_F_WRITE as u16 } else { 0 }
-                    | if last { 0 } else { VRING_DESC_F_NEXT as u16 };
+                let flags = if buf.device_writes { VRING_DESC_F_WRITE as u16 } else { 0 } | if last { 0 } else { VRING_DESC_F_NEXT as u16 };
                 RawDescriptor::from(Descriptor::new(buf.addr, buf.len, flags, if last { 0 } else { index + 1 }))
             })
             .collect();
