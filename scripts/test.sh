@@ -10,7 +10,7 @@ scripts/setup.sh
 # Style and lints are part of the suite: CI fails on a formatting diff or
 # on any clippy warning, in the host workspace and in the guest workspace.
 cargo fmt --all --check
-(cd guest && cargo fmt --all --check)
+(cd guest && cargo fmt --check)
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 (cd guest && cargo clippy --release --target x86_64-unknown-linux-gnu --all-targets --quiet -- -D warnings)
 
