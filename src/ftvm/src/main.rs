@@ -192,12 +192,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 disk: args.host.disk.clone(),
                 switches: Switches { capture: args.capture, encoding: args.encoding, transport: args.transport },
             });
-            let source = run::Source::Image {
-                image: args.image,
-                mem_size: args.memory << 20,
-                vcpus: args.vcpus,
-                cmdline: args.cmdline,
-            };
+            let source = run::Source::Image { image: args.image, mem_size: args.memory << 20, vcpus: args.vcpus, cmdline: args.cmdline };
             run::run(source, args.host.into_options(replicate))
         }
         Command::Backup(args) => {

@@ -34,7 +34,12 @@ pub enum RunError {
 }
 
 pub enum Source {
-    Image { image: PathBuf, mem_size: u64, vcpus: u32, cmdline: String },
+    Image {
+        image: PathBuf,
+        mem_size: u64,
+        vcpus: u32,
+        cmdline: String,
+    },
     Snapshot(PathBuf),
     /// Wait for a primary and take its VM over when it fails.
     Backup(BackupConfig),

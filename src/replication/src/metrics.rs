@@ -1,9 +1,9 @@
 //! Per-epoch figures: logged as JSON lines on request, shown by `ftvm status`.
 
+use std::fmt;
 use std::fs::File;
 use std::io::Write;
 use std::path::Path;
-use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};

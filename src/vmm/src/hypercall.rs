@@ -28,11 +28,7 @@ fn read_text(shared: &VmShared, buf: u64, len: u64) -> Result<Vec<u8>, String> {
         return Err(format!("text of {len} bytes exceeds the {MAX_TEXT}-byte limit"));
     }
     let mut bytes = vec![0u8; len as usize];
-    shared
-        .ram
-        .memory()
-        .read_slice(&mut bytes, GuestAddress(buf))
-        .map_err(|_| format!("text at {buf:#x}+{len} is outside guest memory"))?;
+    shared.ram.memory().read_slice(&mut bytes, GuestAddress(buf)).map_err(|_| format!("text at {buf:#x}+{len} is outside guest memory"))?;
     Ok(bytes)
 }
 

@@ -95,4 +95,3 @@ impl VmShared {
         self.dirty.locked().ring_full(&self.vm_fd, vcpu)
     }
 }
-

@@ -245,9 +245,7 @@ impl Vm {
         }
         for (i, fd) in self.vcpus.iter().enumerate() {
             let (fd, shared) = (fd.clone(), self.shared.clone());
-            let t = std::thread::Builder::new()
-                .name(format!("vcpu{i}"))
-                .spawn(move || crate::vcpu::thread_main(i as u32, fd, shared))?;
+            let t = std::thread::Builder::new().name(format!("vcpu{i}")).spawn(move || crate::vcpu::thread_main(i as u32, fd, shared))?;
             threads.push(t);
         }
         drop(threads);

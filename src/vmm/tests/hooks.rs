@@ -86,7 +86,8 @@ fn state_restores_only_onto_a_vm_of_the_same_shape_and_devices() {
     let (console, _out) = Console::capture();
     let path = disk("shape", 1 << 20);
     let devices = DeviceConfig { disk: Some(path.clone()), ..Default::default() };
-    let vm = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console: console.clone(), devices: devices.clone(), ..Default::default() }).unwrap();
+    let vm = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console: console.clone(), devices: devices.clone(), ..Default::default() })
+        .unwrap();
     vm.boot(&image("probe"), "hello").unwrap();
     let state = vm.save().unwrap();
 

@@ -27,8 +27,7 @@ pub fn call(socket: &Path, request: &Request) -> Result<Response, ClientError> {
     stream.write_all(line.as_bytes()).map_err(io)?;
     let mut reply = String::new();
     BufReader::new(&stream).read_line(&mut reply).map_err(io)?;
-    let response: Response =
-        serde_json::from_str(&reply).map_err(|e| ClientError::Protocol { path: path.clone(), err: e.to_string() })?;
+    let response: Response = serde_json::from_str(&reply).map_err(|e| ClientError::Protocol { path: path.clone(), err: e.to_string() })?;
     if !response.ok {
         return Err(ClientError::Refused(response.error.unwrap_or_else(|| "unknown error".into())));
     }

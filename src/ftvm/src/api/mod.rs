@@ -12,9 +12,14 @@ pub enum Request {
     Pause,
     Resume,
     /// Pause, write a snapshot to `path`, then resume (or stop if `stop`).
-    Snapshot { path: String, stop: bool },
+    Snapshot {
+        path: String,
+        stop: bool,
+    },
     /// Protect a running primary again with the backup at `backup`.
-    Protect { backup: String },
+    Protect {
+        backup: String,
+    },
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]

@@ -59,8 +59,7 @@ pub struct Backup {
 
 impl Backup {
     pub fn bind(config: BackupConfig) -> Result<Backup, ReplicationError> {
-        let listener =
-            TcpListener::bind(&config.listen).map_err(|err| ReplicationError::Listen { addr: config.listen.clone(), err })?;
+        let listener = TcpListener::bind(&config.listen).map_err(|err| ReplicationError::Listen { addr: config.listen.clone(), err })?;
         let status = StatusCell::new(Role::Backup);
         status.lock().detail = format!("waiting for a primary on {}", config.listen);
         Ok(Backup { config, listener, status })
@@ -73,7 +72,8 @@ impl Backup {
     /// Follow a primary until it fails, then return the VM, resumed from the
     /// last committed checkpoint and announced on the network.
     pub fn run(self) -> Result<Outcome, ReplicationError> {
-        let mut link = transport::accept(&self.listener).map_err(|err| ReplicationError::Listen { addr: self.config.listen.clone(), err })?;
+        let mut link =
+            transport::accept(&self.listener).map_err(|err| ReplicationError::Listen { addr: self.config.listen.clone(), err })?;
         let peer = link.peer();
         tracing::info!(%peer, "primary connected");
         let (mut replica, hello) = self.welcome(&mut link)?;
@@ -98,7 +98,12 @@ impl Backup {
         let vm = Arc::new(vm);
         vm.start().map_err(ReplicationError::Thread)?;
         announce(&vm);
-        tracing::warn!(epoch, reason, resume_us = t0.elapsed().as_micros() as u64, "PRIMARY LOST: took over from the last committed checkpoint");
+        tracing::warn!(
+            epoch,
+            reason,
+            resume_us = t0.elapsed().as_micros() as u64,
+            "PRIMARY LOST: took over from the last committed checkpoint"
+        );
         {
             let mut st = self.status.lock();
             st.role = Role::Primary;

@@ -118,10 +118,8 @@ impl Primary {
             epoch,
             held_by_policy: false,
         };
-        let thread = std::thread::Builder::new()
-            .name("replication".into())
-            .spawn(move || worker.run(session))
-            .map_err(ReplicationError::Thread)?;
+        let thread =
+            std::thread::Builder::new().name("replication".into()).spawn(move || worker.run(session)).map_err(ReplicationError::Thread)?;
         Ok(Primary { status, requests, stop, exit_status, thread: Some(thread) })
     }
 
@@ -294,4 +292,3 @@ impl Worker {
         }
     }
 }
-

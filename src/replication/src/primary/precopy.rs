@@ -30,8 +30,7 @@ pub fn run(link: &mut dyn Transport, vm: &Vm, journal: &DiskJournal, disk: Optio
     let mut sent = 0u64;
     let mut frame = Vec::new();
     // Round 0: every page that is not zero (the backup's RAM starts zeroed).
-    let populated: Vec<u64> =
-        vm.ram().populated_ranges().into_iter().flat_map(|(s, e)| s / PAGE as u64..e.div_ceil(PAGE as u64)).collect();
+    let populated: Vec<u64> = vm.ram().populated_ranges().into_iter().flat_map(|(s, e)| s / PAGE as u64..e.div_ceil(PAGE as u64)).collect();
     sent += send_pages(link, vm, &populated, true, &mut frame)?;
     if let Some(path) = disk {
         sent += send_disk(link, path, &mut frame)?;

@@ -92,13 +92,6 @@ pub fn setup_vcpu(vcpu: &VcpuFd, index: u32, entry: u64, stack_top: u64, xcr0: O
         xcrs.xcrs[0].value = xcr0;
         vcpu.set_xcrs(&xcrs)?;
     }
-    let regs = kvm_regs {
-        rip: entry,
-        rsp: stack_top - 8,
-        rdi: BOOT_INFO_ADDR,
-        rsi: index as u64,
-        rflags: 0x2,
-        ..Default::default()
-    };
+    let regs = kvm_regs { rip: entry, rsp: stack_top - 8, rdi: BOOT_INFO_ADDR, rsi: index as u64, rflags: 0x2, ..Default::default() };
     vcpu.set_regs(&regs)
 }

@@ -18,7 +18,12 @@ pub const fn has_error_code(vector: u8) -> bool {
 
 /// Write every system structure for `vcpus` vCPUs and `mem_size` bytes of RAM.
 /// `mmio` is the device window (base, size) to map for CPL3 next to RAM.
-pub fn write_system_area(mem: &GuestMemory, vcpus: u32, mem_size: u64, mmio: Option<(u64, u64)>) -> Result<(), vm_memory::GuestMemoryError> {
+pub fn write_system_area(
+    mem: &GuestMemory,
+    vcpus: u32,
+    mem_size: u64,
+    mmio: Option<(u64, u64)>,
+) -> Result<(), vm_memory::GuestMemoryError> {
     write_gdt(mem, vcpus)?;
     write_idt_and_stubs(mem)?;
     for vcpu in 0..vcpus {
@@ -113,9 +118,7 @@ fn write_page_tables(mem: &GuestMemory, mem_size: u64, mmio: Option<(u64, u64)>)
             BOOT_INFO_ADDR..CLOCK_PAGE_ADDR | CLOCK_PAGE_ADDR => addr | PTE_PRESENT | PTE_USER,
             GDT_ADDR | IDT_ADDR | STUBS_ADDR => addr | PTE_PRESENT,
             _ if (PML4_ADDR..KSTACKS_ADDR).contains(&addr) => addr | PTE_PRESENT,
-            _ if (KSTACKS_ADDR..TSS_ADDR + MAX_VCPUS as u64 * TSS_STRIDE).contains(&addr) => {
-                addr | PTE_PRESENT | PTE_WRITE
-            }
+            _ if (KSTACKS_ADDR..TSS_ADDR + MAX_VCPUS as u64 * TSS_STRIDE).contains(&addr) => addr | PTE_PRESENT | PTE_WRITE,
             _ => 0,
         };
         mem.write_obj(entry, GuestAddress(PT0_ADDR + page * 8))?;

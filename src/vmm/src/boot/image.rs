@@ -87,9 +87,7 @@ pub fn inspect(path: &Path, mem_size: u64) -> Result<LoadedImage, ImageError> {
         return Err(malformed("bad program header table"));
     }
     let mut phdrs = vec![0u8; phnum * PHDR_SIZE];
-    file.seek(SeekFrom::Start(phoff))
-        .and_then(|_| file.read_exact(&mut phdrs))
-        .map_err(|_| malformed("truncated program header table"))?;
+    file.seek(SeekFrom::Start(phoff)).and_then(|_| file.read_exact(&mut phdrs)).map_err(|_| malformed("truncated program header table"))?;
     let file_len = file.metadata().map(|m| m.len()).unwrap_or(0);
     let (mut start, mut end) = (u64::MAX, 0u64);
     for ph in phdrs.chunks_exact(PHDR_SIZE) {

@@ -71,14 +71,7 @@ pub fn plan(image: LoadedImage, mem_size: u64, vcpus: u32) -> Result<BootLayout,
 }
 
 /// Load `path` and write the boot info for `vcpus` vCPUs.
-pub fn boot(
-    mem: &GuestMemory,
-    path: &Path,
-    mem_size: u64,
-    vcpus: u32,
-    cmdline: &str,
-    devices: &[Device],
-) -> Result<BootLayout, BootError> {
+pub fn boot(mem: &GuestMemory, path: &Path, mem_size: u64, vcpus: u32, cmdline: &str, devices: &[Device]) -> Result<BootLayout, BootError> {
     let image = image::inspect(path, mem_size)?;
     let layout = plan(image, mem_size, vcpus)?;
     image::load(mem, path, mem_size)?;
@@ -113,14 +106,8 @@ fn write_boot_info(mem: &GuestMemory, layout: &BootLayout, cmdline: &str, device
     // is sound.
     let bytes = |p: *const u8, len| unsafe { std::slice::from_raw_parts(p, len) };
     mem.write_slice(bytes(&info as *const _ as *const u8, size_of::<BootInfo>()), GuestAddress(BOOT_INFO_ADDR))?;
-    mem.write_slice(
-        bytes(regions.as_ptr() as *const u8, regions.len() * size_of::<MemRegion>()),
-        GuestAddress(memmap_addr),
-    )?;
-    mem.write_slice(
-        bytes(devices.as_ptr() as *const u8, std::mem::size_of_val(devices)),
-        GuestAddress(devices_addr),
-    )?;
+    mem.write_slice(bytes(regions.as_ptr() as *const u8, regions.len() * size_of::<MemRegion>()), GuestAddress(memmap_addr))?;
+    mem.write_slice(bytes(devices.as_ptr() as *const u8, std::mem::size_of_val(devices)), GuestAddress(devices_addr))?;
     mem.write_slice(cmdline.as_bytes(), GuestAddress(cmdline_addr))?;
     Ok(())
 }

@@ -38,4 +38,3 @@ impl Gate {
         self.changed.notify_all();
     }
 }
-

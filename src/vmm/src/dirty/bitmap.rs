@@ -17,12 +17,7 @@ impl BitmapLog {
     pub fn new(vm: &VmFd, slot: u32, mem_size: u64) -> Result<BitmapLog, DirtyError> {
         let cap = kvm_bindings::kvm_enable_cap {
             cap: kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
-            args: [
-                (kvm_bindings::KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE | kvm_bindings::KVM_DIRTY_LOG_INITIALLY_SET) as u64,
-                0,
-                0,
-                0,
-            ],
+            args: [(kvm_bindings::KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE | kvm_bindings::KVM_DIRTY_LOG_INITIALLY_SET) as u64, 0, 0, 0],
             ..Default::default()
         };
         vm.enable_cap(&cap).map_err(|_| DirtyError::Unsupported("KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2"))?;
@@ -30,8 +25,7 @@ impl BitmapLog {
     }
 
     fn get(&self, vm: &VmFd) -> Result<Vec<u64>, DirtyError> {
-        vm.get_dirty_log(self.slot, self.mem_size as usize)
-            .map_err(|e| DirtyError::Ioctl { op: "KVM_GET_DIRTY_LOG", err: e.into() })
+        vm.get_dirty_log(self.slot, self.mem_size as usize).map_err(|e| DirtyError::Ioctl { op: "KVM_GET_DIRTY_LOG", err: e.into() })
     }
 
     fn clear(&self, vm: &VmFd, bits: &mut [u64]) -> Result<(), DirtyError> {

@@ -19,14 +19,22 @@ pub fn clear_dirty_log(vm: &impl AsRawFd, slot: u32, bitmap: &mut [u64]) -> io::
     // SAFETY: `arg` points at a bitmap of exactly `num_pages` bits that lives
     // across the call; the kernel only reads it.
     let ret = unsafe { ioctl_with_ref(vm, KVM_CLEAR_DIRTY_LOG(), &arg) };
-    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
 }
 
 /// Re-protect every page harvested (flagged RESET) from all vCPUs' rings.
 pub fn reset_dirty_rings(vm: &impl AsRawFd) -> io::Result<u32> {
     // SAFETY: KVM_RESET_DIRTY_RINGS takes no argument.
     let ret = unsafe { ioctl(vm, KVM_RESET_DIRTY_RINGS()) };
-    if ret < 0 { Err(io::Error::last_os_error()) } else { Ok(ret as u32) }
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret as u32)
+    }
 }
 
 /// One vCPU's dirty ring, shared with the kernel.

@@ -178,7 +178,6 @@ impl GuestRam {
     pub fn take_vmm_dirty(&self) -> Vec<u64> {
         self.mapping.bitmap().get_and_reset()
     }
-
 }
 
 impl Persist for GuestRam {

@@ -1,8 +1,6 @@
 //! Complete architectural state of one vCPU, for snapshots and checkpoints.
 
-use kvm_bindings::{
-    kvm_debugregs, kvm_mp_state, kvm_msr_entry, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, Msrs,
-};
+use kvm_bindings::{kvm_debugregs, kvm_mp_state, kvm_msr_entry, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, Msrs};
 use kvm_ioctls::VcpuFd;
 use serde::{Deserialize, Serialize};
 
@@ -53,10 +51,8 @@ impl VcpuState {
     /// Read the state of a vCPU that is not running (its I/O completed).
     pub fn read(vcpu: &VcpuFd, msr_indices: &[u32]) -> Result<VcpuState, StateError> {
         let entries: Vec<_> = msr_indices.iter().map(|&index| kvm_msr_entry { index, ..Default::default() }).collect();
-        let mut msrs = Msrs::from_entries(&entries).map_err(|_| StateError {
-            op: "KVM_GET_MSRS",
-            err: kvm_ioctls::Error::new(libc::E2BIG),
-        })?;
+        let mut msrs =
+            Msrs::from_entries(&entries).map_err(|_| StateError { op: "KVM_GET_MSRS", err: kvm_ioctls::Error::new(libc::E2BIG) })?;
         let read = ctx("KVM_GET_MSRS", vcpu.get_msrs(&mut msrs))?;
         if read != entries.len() {
             return Err(StateError { op: "KVM_GET_MSRS (partial)", err: kvm_ioctls::Error::new(libc::EIO) });
@@ -84,8 +80,8 @@ impl VcpuState {
         // 4 KiB layout that KVM_SET_XSAVE expects.
         ctx("KVM_SET_XSAVE", unsafe { vcpu.set_xsave(&self.xsave) })?;
         ctx("KVM_SET_XCRS", vcpu.set_xcrs(&self.xcrs))?;
-        let msrs = Msrs::from_entries(&self.msrs)
-            .map_err(|_| StateError { op: "KVM_SET_MSRS", err: kvm_ioctls::Error::new(libc::E2BIG) })?;
+        let msrs =
+            Msrs::from_entries(&self.msrs).map_err(|_| StateError { op: "KVM_SET_MSRS", err: kvm_ioctls::Error::new(libc::E2BIG) })?;
         let written = ctx("KVM_SET_MSRS", vcpu.set_msrs(&msrs))?;
         if written != self.msrs.len() {
             return Err(StateError { op: "KVM_SET_MSRS (partial)", err: kvm_ioctls::Error::new(libc::EIO) });

@@ -43,10 +43,7 @@ impl FromStr for NetConfig {
                 _ => return Err(format!("unknown --net option '{part}' (expected tap=NAME,mac=MAC)")),
             }
         }
-        Ok(NetConfig {
-            tap: tap.ok_or("--net needs tap=NAME")?,
-            mac: mac.unwrap_or([0x52, 0x54, 0x00, 0x12, 0x34, 0x56]),
-        })
+        Ok(NetConfig { tap: tap.ok_or("--net needs tap=NAME")?, mac: mac.unwrap_or([0x52, 0x54, 0x00, 0x12, 0x34, 0x56]) })
     }
 }
 
