@@ -10,8 +10,9 @@ command -v cargo >/dev/null || { echo "setup: cargo not found: install Rust (rus
 [ -e /dev/kvm ] || echo "setup: warning: /dev/kvm is missing; VMs cannot run on this host" >&2
 
 # The network tests drive real clients (redis-cli, ping) against guests in
-# network namespaces; redis-server is there for native baselines.
-apt_packages=(redis-tools redis-server iproute2 iputils-ping tcpdump)
+# network namespaces; redis-server is there for native baselines; etcd is
+# the replication arbiter (tests and the demo start their own instances).
+apt_packages=(redis-tools redis-server iproute2 iputils-ping tcpdump etcd-server etcd-client)
 missing=()
 for p in "${apt_packages[@]}"; do
     # Not `dpkg -s` alone: it succeeds for removed packages that left config files.
@@ -24,15 +25,19 @@ if [ "${#missing[@]}" -gt 0 ]; then
     echo "setup: installing ${missing[*]}" >&2
     "${sudo[@]}" apt-get update -qq
     "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    # The package starts a daemon on :6379 where an init system allows it;
-    # tests start their own servers, so a stray one would only confuse them.
-    if [ -d /run/systemd/system ]; then
-        "${sudo[@]}" systemctl disable --now redis-server >/dev/null 2>&1 || true
-    else
-        "${sudo[@]}" service redis-server stop >/dev/null 2>&1 || true
-        "${sudo[@]}" update-rc.d redis-server disable >/dev/null 2>&1 || true
-    fi
+    # The packages start daemons (redis on :6379, etcd on :2379) where an
+    # init system allows it; tests start their own servers, so stray ones
+    # would only confuse them.
+    for daemon in redis-server etcd; do
+        if [ -d /run/systemd/system ]; then
+            "${sudo[@]}" systemctl disable --now "$daemon" >/dev/null 2>&1 || true
+        else
+            "${sudo[@]}" service "$daemon" stop >/dev/null 2>&1 || true
+            "${sudo[@]}" update-rc.d "$daemon" disable >/dev/null 2>&1 || true
+        fi
+    done
     "${sudo[@]}" pkill -x redis-server || true
+    "${sudo[@]}" pkill -x etcd || true
 fi
 
 cargo build --release --workspace --quiet

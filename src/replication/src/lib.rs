@@ -3,6 +3,7 @@
 //! acknowledged it; the backup applies checkpoints atomically and takes the
 //! VM over when the primary disappears.
 
+pub mod arbiter;
 pub mod backup;
 pub mod checkpoint;
 pub mod fault;
