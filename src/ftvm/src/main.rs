@@ -85,9 +85,11 @@ struct RunArgs {
     /// Checkpoint interval in milliseconds.
     #[arg(long, default_value_t = 20)]
     epoch_ms: u64,
-    /// When the backup is lost: keep running unprotected, or pause.
-    #[arg(long, default_value = "continue")]
-    on_backup_loss: OnBackupLoss,
+    /// When the backup is lost: keep running unprotected (continue), or pause with
+    /// output held (pause). Default: continue with --arbiter (after winning
+    /// ownership), pause without (a cut link must not leave two VMs running).
+    #[arg(long, value_name = "continue|pause")]
+    on_backup_loss: Option<OnBackupLoss>,
     /// Declare the backup lost after this long without an acknowledgement.
     #[arg(long, default_value_t = 1000)]
     failure_timeout_ms: u64,
@@ -107,7 +109,31 @@ struct RunArgs {
     #[arg(long, default_value = "tcp", value_name = "tcp")]
     transport: transport::Kind,
     #[command(flatten)]
+    arbiter: ArbiterArgs,
+    #[command(flatten)]
     host: HostArgs,
+}
+
+/// Who owns a replicated VM when primary and backup lose each other.
+#[derive(Args)]
+struct ArbiterArgs {
+    /// etcd endpoint deciding ownership (http://HOST:PORT); both sides must name the same one.
+    #[arg(long, value_name = "URL")]
+    arbiter: Option<String>,
+    /// The VM's name at the arbiter (default: from its MAC address).
+    #[arg(long, requires = "arbiter")]
+    name: Option<String>,
+}
+
+impl ArbiterArgs {
+    fn arbiter(&self, net: Option<&NetConfig>) -> Option<ftvm_replication::arbiter::Arbiter> {
+        let endpoint = self.arbiter.as_deref()?;
+        let name = self.name.clone().unwrap_or_else(|| match net {
+            Some(n) => format!("vm-{}", n.mac.iter().map(|b| format!("{b:02x}")).collect::<String>()),
+            None => "vm".into(),
+        });
+        Some(ftvm_replication::arbiter::Arbiter::new(endpoint, &name))
+    }
 }
 
 #[derive(Args)]
@@ -128,6 +154,8 @@ struct BackupArgs {
     /// Log every applied checkpoint (epoch, guest time, wall-clock time) as JSON lines.
     #[arg(long)]
     metrics: Option<PathBuf>,
+    #[command(flatten)]
+    arbiter: ArbiterArgs,
     #[command(flatten)]
     host: HostArgs,
 }
@@ -182,11 +210,15 @@ fn main() -> ExitCode {
 fn dispatch(command: Command) -> Result<i32, run::RunError> {
     match command {
         Command::Run(args) => {
+            let arbiter = args.arbiter.arbiter(args.host.net.as_ref());
+            let on_backup_loss =
+                args.on_backup_loss.unwrap_or(if arbiter.is_some() { OnBackupLoss::Continue } else { OnBackupLoss::Pause });
             let replicate = args.replicate_to.map(|backup| PrimaryConfig {
                 backup,
                 epoch_ms: args.epoch_ms.max(1),
                 failure_timeout: Duration::from_millis(args.failure_timeout_ms),
-                on_backup_loss: args.on_backup_loss,
+                on_backup_loss,
+                arbiter,
                 connect_timeout: Duration::from_millis(args.connect_timeout_ms),
                 metrics: args.metrics,
                 disk: args.host.disk.clone(),
@@ -206,6 +238,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 dirty_backend: args.host.dirty_backend,
                 console: Console::default(),
                 metrics: args.metrics,
+                arbiter: args.arbiter.arbiter(args.host.net.as_ref()),
             };
             run::run(run::Source::Backup(config), args.host.into_options(None))
         }

@@ -877,7 +877,7 @@ fn backup_loss_then_reprotection_then_failover() {
     restore_topology(&topo);
     let dir = Scratch::new("reprotect");
     let mut backup1 = start_backup(&topo, &dir, "backup1");
-    let mut primary = start_primary(&topo, &dir, "primary", &["--failure-timeout-ms", "300"]);
+    let mut primary = start_primary(&topo, &dir, "primary", &["--failure-timeout-ms", "300", "--on-backup-loss", "continue"]);
     let socket = dir.path("primary.sock");
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
     let client_ns = topo.ns("client");

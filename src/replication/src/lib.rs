@@ -44,4 +44,16 @@ pub enum ReplicationError {
     Thread(std::io::Error),
     #[error(transparent)]
     Vm(#[from] ftvm_vmm::VmError),
+    #[error(transparent)]
+    Arbiter(#[from] arbiter::ArbiterError),
+    #[error("this side lost ownership of the VM to {owner} (arbiter generation {generation}); it stops without emitting anything")]
+    Fenced { owner: String, generation: u64 },
+    #[error("the primary was lost before this backup had read the VM's ownership from the arbiter; not taking over")]
+    NoOwnershipView,
+}
+
+/// How this process names itself to the arbiter.
+pub fn identity(role: Role) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("{role} pid {} on {}", std::process::id(), host.trim())
 }

@@ -329,6 +329,12 @@ impl Vm {
         Ok(())
     }
 
+    /// Stop the VM for good because of `reason`; `wait` then returns
+    /// `VmExit::Error`.
+    pub fn fail(&self, reason: String) {
+        self.shared.stop(VmExit::Error(reason));
+    }
+
     /// Ask the VM to stop (as Ctrl-C does); `wait` then returns `Stopped`.
     pub fn request_stop(&self) {
         self.shared.stop(VmExit::Stopped);

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use ftvm_vmm::devices::DeviceConfig;
 use ftvm_vmm::{Console, DirtyBackend, Persist, Vm};
 
+use crate::arbiter::{Arbiter, Claim};
 use crate::metrics::{AppliedEpoch, MetricsLog, Role, StatusCell};
 use crate::pipeline::apply::{Apply, InPlace};
 use crate::pipeline::transport::{self, Transport};
@@ -34,7 +35,13 @@ pub struct BackupConfig {
     pub console: Console,
     /// Log every applied checkpoint as a JSON line here.
     pub metrics: Option<std::path::PathBuf>,
+    /// Decides who owns the VM when primary and backup lose each other;
+    /// without one, the backup takes over on silence alone.
+    pub arbiter: Option<Arbiter>,
 }
+
+/// How often the backup retries an arbiter it cannot reach.
+const ARBITER_RETRY: Duration = Duration::from_millis(200);
 
 /// How following a primary ended.
 pub enum Outcome {
@@ -81,7 +88,7 @@ impl Backup {
         link.set_recv_timeout(Some(timeout)).map_err(ReplicationError::Send)?;
         self.status.lock().detail = format!("synchronizing from primary {peer}");
         let log = MetricsLog::open(self.config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
-        let reason = match follow(&mut link, &mut replica, &self.status, &log) {
+        let reason = match follow(&mut link, &mut replica, self.config.arbiter.as_ref(), &self.status, &log) {
             Ended::Lost(reason) => reason,
             Ended::Finished(status) => {
                 tracing::info!(status, "the primary's guest stopped; the backup stops too");
@@ -92,6 +99,9 @@ impl Backup {
             tracing::error!("primary lost ({reason}) before the first checkpoint");
             return Err(ReplicationError::NotSynchronized);
         };
+        if let Some(arbiter) = &self.config.arbiter {
+            self.win_ownership(arbiter, &replica, &reason)?;
+        }
         let t0 = Instant::now();
         let mut vm = replica.vm;
         vm.restore(&state)?;
@@ -112,6 +122,39 @@ impl Backup {
             st.detail = format!("took over at epoch {epoch} after the primary was lost: {reason}; UNPROTECTED");
         }
         Ok(Outcome::TookOver(vm))
+    }
+
+    /// Take the VM over only as its owner: the primary may be alive and
+    /// have claimed it first (then this backup stops). An unreachable
+    /// arbiter means waiting, never a takeover.
+    fn win_ownership(&self, arbiter: &Arbiter, replica: &Replica, reason: &str) -> Result<(), ReplicationError> {
+        let Some(seen) = &replica.owner_seen else {
+            tracing::error!("primary lost ({reason}); {}", ReplicationError::NoOwnershipView);
+            return Err(ReplicationError::NoOwnershipView);
+        };
+        let me = crate::identity(Role::Backup);
+        let mut logged = false;
+        loop {
+            match arbiter.claim(seen, &me) {
+                Ok(Claim::Won(ownership)) => {
+                    tracing::info!(generation = ownership.generation, "this backup owns the VM now");
+                    return Ok(());
+                }
+                Ok(Claim::Lost(owner)) => {
+                    let e = ReplicationError::Fenced { owner: owner.owner, generation: owner.generation };
+                    tracing::error!("primary lost ({reason}) but it kept the VM: {e}");
+                    return Err(e);
+                }
+                Err(e) => {
+                    if !logged {
+                        tracing::error!("primary lost ({reason}) and {e}: not taking over until the arbiter answers");
+                        self.status.lock().detail = format!("primary lost; waiting for the arbiter: {e}");
+                        logged = true;
+                    }
+                    std::thread::sleep(ARBITER_RETRY);
+                }
+            }
+        }
     }
 
     /// Handshake: check the primary against what this backup was given and
@@ -146,7 +189,7 @@ impl Backup {
 }
 
 /// Apply the stream until it ends; returns why it ended.
-fn follow(link: &mut dyn Transport, replica: &mut Replica, status: &StatusCell, log: &MetricsLog) -> Ended {
+fn follow(link: &mut dyn Transport, replica: &mut Replica, arbiter: Option<&Arbiter>, status: &StatusCell, log: &MetricsLog) -> Ended {
     let mem_size = replica.vm.config().mem_size;
     // A checkpoint holds at most every page once (with its entry header)
     // plus the VM state and the epoch's disk writes.
@@ -175,6 +218,14 @@ fn follow(link: &mut dyn Transport, replica: &mut Replica, status: &StatusCell, 
         if let Err(e) = result {
             tracing::error!("rejected replication data: {e}; staying at the last good checkpoint");
             return Ended::Lost(format!("replication stream rejected: {e}"));
+        }
+        // Ownership as it stands while the primary replicates is what a
+        // takeover must swap out; read once synchronized (after the Ack).
+        if let (Some(arbiter), None, Some(_)) = (arbiter, &replica.owner_seen, &replica.committed) {
+            match arbiter.read() {
+                Ok(ownership) => replica.owner_seen = Some(ownership),
+                Err(e) => tracing::warn!("cannot read the VM's ownership yet: {e}"),
+            }
         }
     }
 }

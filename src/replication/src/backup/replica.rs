@@ -8,6 +8,7 @@ use ftvm_vmm::pages::{Bundle, Cursor};
 use ftvm_vmm::{Vm, VmConfig, VmState};
 
 use super::BackupConfig;
+use crate::arbiter::Ownership;
 use crate::protocol::{Hello, ProtocolError};
 use crate::ReplicationError;
 
@@ -19,6 +20,8 @@ pub struct Replica {
     /// The last checkpoint applied: its epoch and its VM state.
     pub committed: Option<(u64, VmState)>,
     pub next_epoch: u64,
+    /// Who owned the VM (per the arbiter) while the primary replicated to us.
+    pub owner_seen: Option<Ownership>,
 }
 
 impl Replica {
@@ -60,7 +63,7 @@ impl Replica {
             }
             _ => (None, 0),
         };
-        Ok(Replica { vm, disk, disk_size, committed: None, next_epoch: hello.first_epoch })
+        Ok(Replica { vm, disk, disk_size, committed: None, next_epoch: hello.first_epoch, owner_seen: None })
     }
 
     /// A pre-copy round's pages (a bundle without state).

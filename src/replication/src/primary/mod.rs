@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use ftvm_vmm::hooks::FrameSink;
 use ftvm_vmm::Vm;
 
+use crate::arbiter::{Arbiter, Claim, Ownership};
 use crate::metrics::{MetricsLog, Role, Status, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::pipeline::{Pipeline, Switches};
@@ -65,7 +66,12 @@ pub struct PrimaryConfig {
     pub disk: Option<PathBuf>,
     /// Which implementation each checkpoint stage uses.
     pub switches: Switches,
+    /// Decides who owns the VM's output when primary and backup lose each other.
+    pub arbiter: Option<Arbiter>,
 }
+
+/// How often a side retries an arbiter it cannot reach.
+const ARBITER_RETRY: Duration = Duration::from_millis(200);
 
 /// Where output goes for a VM without a network card: nowhere.
 struct NoNetwork;
@@ -89,6 +95,11 @@ impl Primary {
     /// keep checkpointing in the background.
     pub fn start(vm: Arc<Vm>, config: PrimaryConfig) -> Result<Primary, ReplicationError> {
         let status = StatusCell::new(Role::Primary);
+        let me = crate::identity(Role::Primary);
+        let ownership = match &config.arbiter {
+            Some(arbiter) => Some(claim_at_start(arbiter, &me)?),
+            None => None,
+        };
         let metrics = Arc::new(MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?);
         // Output commit plugs into the VM's hooks: frames through the
         // buffer, disk writes into the journal.
@@ -117,6 +128,9 @@ impl Primary {
             requests: rx,
             epoch,
             held_by_policy: false,
+            me,
+            ownership,
+            fenced: false,
         };
         let thread =
             std::thread::Builder::new().name("replication".into()).spawn(move || worker.run(session)).map_err(ReplicationError::Thread)?;
@@ -169,6 +183,12 @@ struct Worker {
     epoch: u64,
     /// The loss policy paused the VM (released once protected again).
     held_by_policy: bool,
+    /// How this primary names itself to the arbiter.
+    me: String,
+    /// This primary's ownership as last won from the arbiter.
+    ownership: Option<Ownership>,
+    /// The backup won ownership: this primary must never emit again.
+    fenced: bool,
 }
 
 impl Worker {
@@ -183,6 +203,9 @@ impl Worker {
                 match loss {
                     Some(loss) if !self.stop.load(Ordering::SeqCst) => self.backup_lost(&loss),
                     _ => return,
+                }
+                if self.fenced {
+                    return;
                 }
             }
             if self.stop.load(Ordering::SeqCst) {
@@ -267,7 +290,52 @@ impl Worker {
         session.bye(self.exit_status.load(Ordering::SeqCst));
     }
 
+    /// With an arbiter, keep the VM (and so its output) held until this side
+    /// owns the VM again: the backup may be taking it over right now. Returns
+    /// whether this primary still owns the VM.
+    fn reclaim(&mut self, reason: &BackupLoss) -> bool {
+        let (Some(arbiter), Some(seen)) = (self.config.arbiter.clone(), self.ownership.clone()) else { return true };
+        self.vm.hold();
+        let mut logged = false;
+        loop {
+            match arbiter.claim(&seen, &self.me) {
+                Ok(Claim::Won(ownership)) => {
+                    tracing::warn!(generation = ownership.generation, "backup lost ({reason}); this primary still owns the VM");
+                    self.ownership = Some(ownership);
+                    self.vm.release();
+                    return true;
+                }
+                Ok(Claim::Lost(owner)) => {
+                    let e = ReplicationError::Fenced { owner: owner.owner, generation: owner.generation };
+                    tracing::error!("FENCED: {e}");
+                    self.status.lock().detail = format!("FENCED: {e}");
+                    self.fenced = true;
+                    // Held output is never released: the VM stops where it is.
+                    self.vm.fail(e.to_string());
+                    return false;
+                }
+                Err(e) => {
+                    if !logged {
+                        tracing::error!(
+                            "backup lost ({reason}) and {e}: the VM stays paused with its output held until the arbiter answers"
+                        );
+                        self.status.lock().detail = format!("PAUSED: backup lost, arbiter unreachable: {e}");
+                        logged = true;
+                    }
+                    if self.stop.load(Ordering::SeqCst) {
+                        self.fenced = true;
+                        return false;
+                    }
+                    std::thread::sleep(ARBITER_RETRY);
+                }
+            }
+        }
+    }
+
     fn backup_lost(&mut self, reason: &BackupLoss) {
+        if !self.reclaim(reason) {
+            return;
+        }
         let output = &self.output;
         match self.config.on_backup_loss {
             OnBackupLoss::Continue => {
@@ -290,5 +358,17 @@ impl Worker {
                 st.detail = format!("PAUSED: backup lost: {reason}");
             }
         }
+    }
+}
+
+/// Become the VM's owner before protecting it.
+fn claim_at_start(arbiter: &Arbiter, me: &str) -> Result<Ownership, ReplicationError> {
+    let seen = arbiter.read()?;
+    match arbiter.claim(&seen, me)? {
+        Claim::Won(ownership) => {
+            tracing::info!(generation = ownership.generation, arbiter = arbiter.endpoint(), "this primary owns the VM");
+            Ok(ownership)
+        }
+        Claim::Lost(owner) => Err(ReplicationError::Fenced { owner: owner.owner, generation: owner.generation }),
     }
 }
