@@ -240,7 +240,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 metrics: args.metrics,
                 arbiter: args.arbiter.arbiter(args.host.net.as_ref()),
             };
-            run::run(run::Source::Backup(config), args.host.into_options(None))
+            run::run(run::Source::Backup(Box::new(config)), args.host.into_options(None))
         }
         Command::Restore { snapshot, host } => run::run(run::Source::Snapshot(snapshot), host.into_options(None)),
         Command::Snapshot { api_socket, output, stop } => {

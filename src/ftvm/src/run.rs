@@ -42,7 +42,7 @@ pub enum Source {
     },
     Snapshot(PathBuf),
     /// Wait for a primary and take its VM over when it fails.
-    Backup(BackupConfig),
+    Backup(Box<BackupConfig>),
 }
 
 pub struct HostOptions {
@@ -118,7 +118,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
     let (takeover_tx, takeover_rx) = mpsc::channel();
     match source {
         Source::Backup(config) => {
-            let backup = Backup::bind(config)?;
+            let backup = Backup::bind(*config)?;
             status = Some(backup.status());
             watch(takeover_evt.as_raw_fd(), TAKEOVER)?;
             let evt = takeover_evt.try_clone().map_err(os("eventfd"))?;
