@@ -46,19 +46,13 @@ impl Vmm {
     /// exec` execs the program, so the child is the VMM itself.)
     fn start(topo: &Topology, image_name: &str, cmdline: &str, disk: Option<&Path>) -> Vmm {
         let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
-        cmd.arg("run")
-            .arg("--image")
-            .arg(image(image_name))
-            .args(["--net", &format!("tap={TAP},mac={GUEST_MAC}"), "--cmdline", cmdline]);
+        cmd.arg("run").arg("--image").arg(image(image_name)).args(["--net", &format!("tap={TAP},mac={GUEST_MAC}"), "--cmdline", cmdline]);
         if let Some(disk) = disk {
             cmd.arg("--disk").arg(disk);
         }
         let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("ftvm spawns");
         let (stdout, stderr) = (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
-        let readers = vec![
-            collect(child.stdout.take().unwrap(), stdout.clone()),
-            collect(child.stderr.take().unwrap(), stderr.clone()),
-        ];
+        let readers = vec![collect(child.stdout.take().unwrap(), stdout.clone()), collect(child.stderr.take().unwrap(), stderr.clone())];
         Vmm { child, stdout, stderr, readers }
     }
 
@@ -289,10 +283,7 @@ fn redis_cli_commands_get_exact_replies() {
     assert_eq!(cli1(&topo, &["EXISTS", "a"]), "0");
     assert_eq!(cli(&topo, &["GET", "a"]), "\n");
     assert_eq!(cli1(&topo, &["DBSIZE"]), "4");
-    assert_eq!(
-        cli1(&topo, &["GET"]),
-        "ERR wrong number of arguments for 'get' command"
-    );
+    assert_eq!(cli1(&topo, &["GET"]), "ERR wrong number of arguments for 'get' command");
     // A value bigger than a socket buffer goes both ways intact (from
     // stdin with -x: an argument is limited to 128 KiB).
     let big: String = (0..300_000).map(|i| (b'a' + (i % 26) as u8) as char).collect();
@@ -385,11 +376,7 @@ fn aof_survives_sigkill_and_replays_every_key() {
 
     let vmm = kv(&topo, "aof=on", Some(&disk));
     let records = N + 3;
-    assert!(
-        vmm.stdout().contains(&format!("kv: replayed {records} records, {} keys", N - 1)),
-        "{}",
-        vmm.output()
-    );
+    assert!(vmm.stdout().contains(&format!("kv: replayed {records} records, {} keys", N - 1)), "{}", vmm.output());
     assert_eq!(cli1(&topo, &["DBSIZE"]), (N - 1).to_string());
     let keys: Vec<&str> = pairs.iter().map(|(k, _)| k.as_str()).collect();
     let got = mget_all(&topo, &keys);
@@ -419,10 +406,8 @@ fn malformed_requests_get_errors_and_the_server_keeps_serving() {
 
     // Unknown commands, multibulk and inline, are errors on a connection
     // that keeps working.
-    let (replies, closed) = raw_exchange(
-        &topo,
-        "*2\r\n$7\r\nNOSUCHX\r\n$1\r\na\r\nGET before\r\nfrobnicate 1 2\r\n*1\r\n$4\r\nPING\r\nQUIT\r\n",
-    );
+    let (replies, closed) =
+        raw_exchange(&topo, "*2\r\n$7\r\nNOSUCHX\r\n$1\r\na\r\nGET before\r\nfrobnicate 1 2\r\n*1\r\n$4\r\nPING\r\nQUIT\r\n");
     assert_eq!(
         replies,
         "-ERR unknown command 'NOSUCHX', with args beginning with: 'a' \r\n$4\r\nkept\r\n\
@@ -455,6 +440,64 @@ fn malformed_requests_get_errors_and_the_server_keeps_serving() {
     assert_eq!(cli1(&topo, &["DBSIZE"]), "2");
 }
 
+/// The file system holding `path`, as statvfs and stat report it.
+struct FileSystem {
+    /// Device number of the file system (stat's st_dev).
+    dev: u64,
+    /// Size in bytes.
+    size: u64,
+    /// Unit of allocation in bytes (a page on tmpfs).
+    unit: u64,
+}
+
+fn file_system(path: &Path) -> FileSystem {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::MetadataExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("no NUL in the path");
+    // SAFETY: statvfs is plain old data; all zeroes is a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` is a valid, writable statvfs.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    assert_eq!(rc, 0, "statvfs {}: {}", path.display(), std::io::Error::last_os_error());
+    let dev = std::fs::metadata(path).unwrap_or_else(|e| panic!("stat {}: {e}", path.display())).dev();
+    FileSystem { dev, size: st.f_blocks * st.f_frsize, unit: st.f_frsize }
+}
+
+/// How many of the log records `frames` (framed lengths, in order) the kv
+/// guest appends before one does not fit on a disk file whose file system
+/// has `fs.size` bytes: the log starts at byte 0, each append rewrites
+/// whole 512-byte sectors up to its end, and the host allocates whole
+/// `fs.unit` blocks, so a record fits when the blocks up to its padded end
+/// do.
+fn records_that_fit(frames: impl IntoIterator<Item = usize>, fs: &FileSystem) -> usize {
+    let mut end = 0u64;
+    let mut n = 0;
+    for len in frames {
+        let new_end = end + len as u64;
+        let blocks = new_end.next_multiple_of(512).div_ceil(fs.unit);
+        if blocks * fs.unit > fs.size {
+            return n;
+        }
+        end = new_end;
+        n += 1;
+    }
+    n
+}
+
+/// The framed length of the log record the kv guest writes for `args`
+/// (a RESP array of bulk strings in `ftvm_kv::aof` framing).
+fn aof_frame_len(args: &[&[u8]]) -> usize {
+    let mut resp = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        resp.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        resp.extend_from_slice(a);
+        resp.extend_from_slice(b"\r\n");
+    }
+    let mut frame = Vec::new();
+    ftvm_kv::aof::encode(&resp, &mut frame);
+    frame.len()
+}
+
 #[test]
 fn full_host_disk_fails_the_write_and_keeps_earlier_data() {
     let topo = Topology::new("full");
@@ -464,12 +507,24 @@ fn full_host_disk_fails_the_write_and_keeps_earlier_data() {
     let disk = fs.dir.disk("kv.disk", 16 << 20);
     let mut vmm = kv(&topo, "aof=on", Some(&disk));
 
+    // The VMM must write that file on that tmpfs: look at it from the VMM's
+    // own mount namespace (`ip netns exec` gave it a copy of ours).
+    let tmpfs = file_system(&fs.dir.0);
+    assert_eq!(tmpfs.size, 2 << 20, "the tmpfs at {} is not 2 MiB", fs.dir.0.display());
+    let seen_by_vmm = PathBuf::from(format!("/proc/{}/root", vmm.child.id())).join(disk.strip_prefix("/").unwrap());
+    assert_eq!(file_system(&seen_by_vmm).dev, tmpfs.dev, "the VMM does not see {} on the tmpfs", disk.display());
+
+    // Exactly the SETs whose records fit are acknowledged; the next one
+    // fails. ~60-80 KB values: the first failure comes after ~28 of them.
     let value = |i: usize| format!("{i}:{}", (b'a' + (i % 26) as u8) as char).repeat(20_000);
+    let key = |i: usize| format!("big:{i}");
+    let frames = (0..).map(|i| aof_frame_len(&[b"SET", key(i).as_bytes(), value(i).as_bytes()]));
+    let fit = records_that_fit(frames, &tmpfs);
+    assert!(fit >= 10, "only {fit} SETs fit: the test needs a few before the disk is full");
     let mut acked = Vec::new();
     let mut error = None;
-    for i in 0..100 {
-        let key = format!("big:{i}");
-        let reply = cli1(&topo, &["SET", &key, &value(i)]);
+    for i in 0..=fit {
+        let reply = cli1(&topo, &["SET", &key(i), &value(i)]);
         if reply == "OK" {
             acked.push(i);
         } else {
@@ -477,22 +532,23 @@ fn full_host_disk_fails_the_write_and_keeps_earlier_data() {
             break;
         }
     }
-    let (failed, reply) = error.unwrap_or_else(|| panic!("100 SETs of ~100 KB fit on a 2 MiB tmpfs?\n{}", vmm.output()));
+    let (failed, reply) =
+        error.unwrap_or_else(|| panic!("all {} SETs acknowledged, but only {fit} fit on the 2 MiB tmpfs\n{}", fit + 1, vmm.output()));
     assert_eq!(reply, "ERR I/O error: append-only log write failed, command not applied");
-    assert!(acked.len() >= 10, "only {} SETs before the error", acked.len());
+    assert_eq!(failed, fit, "SET {failed} failed, but the first {fit} fit on the 2 MiB tmpfs");
     assert!(vmm.output().contains("No space left on device"), "{}", vmm.output());
     vmm.assert_running();
 
     let check = |topo: &Topology, extra: usize| {
         assert_eq!(cli1(topo, &["DBSIZE"]), (acked.len() + extra).to_string());
-        assert_eq!(cli(topo, &["GET", &format!("big:{failed}")]), "\n", "the failed SET was applied");
+        assert_eq!(cli(topo, &["GET", &key(failed)]), "\n", "the failed SET was applied");
         for &i in &acked {
-            assert!(cli1(topo, &["GET", &format!("big:{i}")]) == value(i), "big:{i} lost or changed");
+            assert!(cli1(topo, &["GET", &key(i)]) == value(i), "big:{i} lost or changed");
         }
     };
     check(&topo, 0);
     // Still full: the same write fails again, and reads still work.
-    assert_eq!(cli1(&topo, &["SET", &format!("big:{failed}"), &value(failed)]), reply);
+    assert_eq!(cli1(&topo, &["SET", &key(failed), &value(failed)]), reply);
     assert_eq!(cli1(&topo, &["PING"]), "PONG");
     // A small record may still fit in the host's last allocated page (it
     // overwrites the torn start of the failed one); either way the reply
