@@ -59,7 +59,11 @@ fn metric_means(path: &Path, fields: &[&str]) -> Vec<f64> {
         .iter()
         .map(|f| {
             let v: Vec<f64> = lines.iter().filter_map(|l| l[*f].as_f64()).collect();
-            if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 }
+            if v.is_empty() {
+                0.0
+            } else {
+                v.iter().sum::<f64>() / v.len() as f64
+            }
         })
         .collect()
 }
@@ -194,9 +198,21 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         for &e in &opts.epochs {
             let (rate, m) = memtouch_run(cmdline, Some(e), &scratch)?;
             let group = format!("memtouch {name}");
-            rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: writes/s"), value: rate, unit: "writes/s", reference: Some(base) });
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("epoch {e} ms: writes/s"),
+                value: rate,
+                unit: "writes/s",
+                reference: Some(base),
+            });
             rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: pause"), value: m[0], unit: "us", reference: None });
-            rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: dirty pages/epoch"), value: m[1], unit: "pages", reference: None });
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("epoch {e} ms: dirty pages/epoch"),
+                value: m[1],
+                unit: "pages",
+                reference: None,
+            });
             rows.push(Row { group, case: format!("epoch {e} ms: bytes/epoch"), value: m[2], unit: "bytes", reference: None });
         }
     }
@@ -216,14 +232,38 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 let m = metric_means(&metrics, &["pause_us", "dirty_pages", "bytes", "hold_us"]);
                 for ((test, rps, p50, p99), (_, brps, bp50, bp99)) in ft.iter().zip(&base) {
                     let group = format!("kv {test} -P {pipeline} -c 50");
-                    rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: requests/s"), value: *rps, unit: "req/s", reference: Some(*brps) });
-                    rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: p50"), value: *p50, unit: "ms", reference: Some(*bp50) });
+                    rows.push(Row {
+                        group: group.clone(),
+                        case: format!("epoch {e} ms: requests/s"),
+                        value: *rps,
+                        unit: "req/s",
+                        reference: Some(*brps),
+                    });
+                    rows.push(Row {
+                        group: group.clone(),
+                        case: format!("epoch {e} ms: p50"),
+                        value: *p50,
+                        unit: "ms",
+                        reference: Some(*bp50),
+                    });
                     rows.push(Row { group, case: format!("epoch {e} ms: p99"), value: *p99, unit: "ms", reference: Some(*bp99) });
                 }
                 let group = format!("kv epochs -P {pipeline}");
                 rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: pause"), value: m[0], unit: "us", reference: None });
-                rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: dirty pages/epoch"), value: m[1], unit: "pages", reference: None });
-                rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: bytes/epoch"), value: m[2], unit: "bytes", reference: None });
+                rows.push(Row {
+                    group: group.clone(),
+                    case: format!("epoch {e} ms: dirty pages/epoch"),
+                    value: m[1],
+                    unit: "pages",
+                    reference: None,
+                });
+                rows.push(Row {
+                    group: group.clone(),
+                    case: format!("epoch {e} ms: bytes/epoch"),
+                    value: m[2],
+                    unit: "bytes",
+                    reference: None,
+                });
                 rows.push(Row { group, case: format!("epoch {e} ms: output hold"), value: m[3] / 1e3, unit: "ms", reference: None });
             }
         }
@@ -249,20 +289,22 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     report::print_table(&rows);
     let csv = out.join("ft.csv");
     report::write_csv(&csv, &rows)?;
-    let ratios: Vec<Row> = rows
+    let bars = rows
         .iter()
-        .filter_map(|r| {
-            r.ratio().filter(|_| r.unit == "writes/s" || r.unit == "req/s").map(|ratio| Row {
-                group: r.group.clone(),
-                case: r.case.clone(),
-                value: ratio,
-                unit: "ratio",
-                reference: None,
-            })
-        })
+        .filter(|r| r.unit == "writes/s" || r.unit == "req/s")
+        .filter_map(|r| r.ratio().map(|ratio| (format!("{} {}", r.group, r.case), ratio)))
         .collect();
     let svg = out.join("ft.svg");
-    report::write_bar_chart(&svg, "throughput under FT relative to the unreplicated VM", &ratios.iter().collect::<Vec<_>>())?;
+    report::write_bar_chart(
+        &svg,
+        &report::BarChart {
+            title: "throughput under FT relative to the unreplicated VM",
+            category: "workload, epoch length",
+            quantity: "throughput / unreplicated throughput (ratio)",
+            bars,
+            reference: Some(1.0),
+        },
+    )?;
     println!("\nwrote {} and {}", csv.display(), svg.display());
     Ok(())
 }

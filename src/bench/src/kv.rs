@@ -210,11 +210,29 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         }
         for (test, guest_f, native_f) in [("SET", median(g_set), median(n_set)), ("GET", median(g_get), median(n_get))] {
             let group = format!("kv {test} -P {p} -c {}", opts.clients);
-            rows.push(Row { group: group.clone(), case: "throughput (ref: native redis)".into(), value: guest_f.rps, unit: "req/s", reference: Some(native_f.rps) });
-            rows.push(Row { group: group.clone(), case: "latency p50 (ref: native redis)".into(), value: guest_f.p50_ms, unit: "ms", reference: Some(native_f.p50_ms) });
-            rows.push(Row { group: group.clone(), case: "latency p99 (ref: native redis)".into(), value: guest_f.p99_ms, unit: "ms", reference: Some(native_f.p99_ms) });
-            chart.push(Row { group: group.clone(), case: "ftvm guest".into(), value: guest_f.rps, unit: "req/s", reference: None });
-            chart.push(Row { group, case: "native redis-server".into(), value: native_f.rps, unit: "req/s", reference: None });
+            rows.push(Row {
+                group: group.clone(),
+                case: "throughput (ref: native redis)".into(),
+                value: guest_f.rps,
+                unit: "req/s",
+                reference: Some(native_f.rps),
+            });
+            rows.push(Row {
+                group: group.clone(),
+                case: "latency p50 (ref: native redis)".into(),
+                value: guest_f.p50_ms,
+                unit: "ms",
+                reference: Some(native_f.p50_ms),
+            });
+            rows.push(Row {
+                group: group.clone(),
+                case: "latency p99 (ref: native redis)".into(),
+                value: guest_f.p99_ms,
+                unit: "ms",
+                reference: Some(native_f.p99_ms),
+            });
+            chart.push((format!("{group}: ftvm guest"), guest_f.rps));
+            chart.push((format!("{group}: native redis-server"), native_f.rps));
         }
     }
     drop(guest);
@@ -225,8 +243,16 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let csv = out.join("kv.csv");
     report::write_csv(&csv, &rows)?;
     let svg = out.join("kv.svg");
-    let bars: Vec<&Row> = chart.iter().collect();
-    report::write_bar_chart(&svg, &format!("redis-benchmark requests/s, -n {} (kv in ftvm vs native redis-server)", opts.requests), &bars)?;
+    report::write_bar_chart(
+        &svg,
+        &report::BarChart {
+            title: &format!("redis-benchmark, -n {}: kv in ftvm vs native redis-server", opts.requests),
+            category: "test, pipeline depth, connections; server",
+            quantity: "throughput (requests/s)",
+            bars: chart,
+            reference: None,
+        },
+    )?;
     println!("\nwrote {} and {}", csv.display(), svg.display());
     Ok(())
 }
