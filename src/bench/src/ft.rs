@@ -5,11 +5,17 @@
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use ftvm_testkit::netns;
+use ftvm_testkit::process::Process;
+use ftvm_testkit::resp::{Client, Reply};
+use ftvm_testkit::scratch::Scratch;
+use ftvm_testkit::topology::{Topology, GUEST_ADDR};
+
+use crate::paths;
 use crate::report::{self, Row};
-use crate::topology::{self, Topology};
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -32,18 +38,8 @@ pub struct Options {
     no_network: bool,
 }
 
-/// A child process killed when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn ftvm_bin() -> PathBuf {
-    topology::sibling_binary("ftvm")
+    paths::sibling_binary("ftvm")
 }
 
 fn free_port() -> u16 {
@@ -77,15 +73,16 @@ fn memtouch_rate(out: &str) -> Option<f64> {
 
 /// memtouch alone or as a primary replicating to a backup on loopback.
 fn memtouch_run(cmdline: &str, epoch_ms: Option<u64>, dir: &Path) -> Result<(f64, Vec<f64>), BoxError> {
-    let image = topology::images().join("memtouch.elf");
+    let image = paths::images().join("memtouch.elf");
     let metrics = dir.join(format!("memtouch-{}.jsonl", epoch_ms.unwrap_or(0)));
     let mut _backup = None;
     let mut cmd = Command::new(ftvm_bin());
     cmd.args(["run", "--memory", "512", "--cmdline", cmdline]).arg("--image").arg(&image);
     if let Some(e) = epoch_ms {
         let addr = format!("127.0.0.1:{}", free_port());
-        let b = Command::new(ftvm_bin()).args(["backup", "--listen", &addr]).stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
-        _backup = Some(Proc(b));
+        let mut b = Command::new(ftvm_bin());
+        b.args(["backup", "--listen", &addr]).stdout(Stdio::null()).stderr(Stdio::null());
+        _backup = Some(Process::spawn("ftvm backup", &mut b)?);
         cmd.args(["--replicate-to", &addr, "--epoch-ms", &e.to_string()]).arg("--metrics").arg(&metrics);
     }
     let out = cmd.output()?;
@@ -117,57 +114,68 @@ fn redis_benchmark(topo: &Topology, pipeline: u32, requests: u64) -> Result<Vec<
     Ok(rows)
 }
 
+/// A kv guest and, when replicated, its backup; both killed when dropped.
 struct Pair {
-    _backup: Option<Proc>,
-    primary: Proc,
+    _backup: Option<Process>,
+    primary: Process,
 }
 
-/// kv in h1 (replicating to h2 when `epoch_ms` is set), ready to serve.
-fn start_kv(topo: &Topology, epoch_ms: Option<u64>, metrics: &Path) -> Result<Pair, BoxError> {
+/// Send one command from the client namespace with short timeouts (a dead
+/// or silent guest is an answer here too): its reply, if one came.
+fn redis(topo: &Topology, args: &[&str]) -> Option<Reply> {
+    let args: Vec<Vec<u8>> = args.iter().map(|a| a.as_bytes().to_vec()).collect();
+    let addr = format!("{GUEST_ADDR}:6379").parse().expect("valid address");
+    netns::run_in(&topo.ns("client"), move || {
+        let mut c = Client::connect(addr, Duration::from_millis(100)).ok()?;
+        c.set_timeout(Duration::from_millis(200)).ok()?;
+        c.call(&args.iter().map(Vec::as_slice).collect::<Vec<_>>()).ok()
+    })
+    .ok()
+    .flatten()
+}
+
+/// kv in h1 (replicating to h2 when `epoch_ms` is set), ready to serve;
+/// their stderr goes to `LOG.primary.err` and `LOG.backup.err` in `dir`.
+fn start_kv(topo: &Topology, epoch_ms: Option<u64>, dir: &Path, log: &str, metrics: &Path) -> Result<Pair, BoxError> {
     let net = "tap=tap0,mac=52:54:00:12:34:56";
-    let image = topology::images().join("kv.elf");
+    let image = paths::images().join("kv.elf");
     let mut backup = None;
     let mut cmd = topo.command("h1", ftvm_bin());
     cmd.args(["run", "--net", net, "--cmdline", "ip=10.0.0.2/24", "--image"]).arg(&image);
     if let Some(e) = epoch_ms {
-        let b = topo
-            .command("h2", ftvm_bin())
-            .args(["backup", "--listen", "192.168.100.2:7000", "--net", net])
-            .env("FTVM_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(metrics.with_extension("backup.log"))?)
-            .spawn()?;
-        backup = Some(Proc(b));
+        let mut b = topo.command("h2", ftvm_bin());
+        b.args(["backup", "--listen", "192.168.100.2:7000", "--net", net]).env("FTVM_LOG", "warn");
+        backup = Some(Process::spawn_logged("ftvm backup", &mut b, dir, &format!("{log}.backup"))?);
         cmd.args(["--replicate-to", "192.168.100.2:7000", "--epoch-ms", &e.to_string()]).arg("--metrics").arg(metrics);
     }
-    let primary = Proc(cmd.stdout(Stdio::null()).stderr(std::fs::File::create(metrics.with_extension("primary.log"))?).spawn()?);
+    let primary = Process::spawn_logged("ftvm run", &mut cmd, dir, &format!("{log}.primary"))?;
+    let pair = Pair { _backup: backup, primary };
     let t0 = Instant::now();
-    while !topo.redis_ok("PING") {
+    while !matches!(redis(topo, &["PING"]), Some(Reply::Simple(_))) {
         if t0.elapsed() > Duration::from_secs(15) {
-            let log = |side| std::fs::read_to_string(metrics.with_extension(side)).unwrap_or_default();
-            return Err(format!("kv guest never answered; primary: {} backup: {}", log("primary.log"), log("backup.log")).into());
+            let backup = pair._backup.as_ref().map(Process::stderr).unwrap_or_default();
+            return Err(format!("kv guest never answered; primary: {} backup: {backup}", pair.primary.stderr()).into());
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    Ok(Pair { _backup: backup, primary })
+    Ok(pair)
 }
 
 /// Kill the primary's host and time until the backup answers a client.
-fn failover_once(topo: &mut Topology, epoch_ms: u64, cut_links: bool, dir: &Path) -> Result<f64, BoxError> {
+fn failover_once(topo: &Topology, epoch_ms: u64, cut_links: bool, dir: &Path) -> Result<f64, BoxError> {
     let metrics = dir.join("failover.jsonl");
-    let mut pair = start_kv(topo, Some(epoch_ms), &metrics)?;
+    let mut pair = start_kv(topo, Some(epoch_ms), dir, "failover", &metrics)?;
     // Let it settle into protected operation.
     std::thread::sleep(Duration::from_millis(500));
-    if !topo.redis_ok("SET failover-key v") {
+    if !matches!(redis(topo, &["SET", "failover-key", "v"]), Some(Reply::Simple(_))) {
         return Err("write before failover failed".into());
     }
     let t0 = Instant::now();
     if cut_links {
-        topo.cut_host("h1");
+        topo.cut_host("h1")?;
     }
-    let _ = pair.primary.0.kill();
-    let _ = pair.primary.0.wait();
-    while !topo.redis_get_is("failover-key", "v") {
+    pair.primary.kill();
+    while redis(topo, &["GET", "failover-key"]) != Some(Reply::Bulk(Some(b"v".to_vec()))) {
         if t0.elapsed() > Duration::from_secs(20) {
             return Err("the backup never answered".into());
         }
@@ -182,8 +190,8 @@ fn failover_once(topo: &mut Topology, epoch_ms: u64, cut_links: bool, dir: &Path
 
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let mut rows = Vec::new();
-    let scratch = std::env::temp_dir().join(format!("ftvm-bench-ft-{}", std::process::id()));
-    std::fs::create_dir_all(&scratch)?;
+    let scratch = Scratch::new("bench-ft")?;
+    let scratch = scratch.path();
     let secs = opts.seconds;
     // Dirty rates: writes per second into random pages of a 64 MiB set
     // (almost every write dirties a new page), and an unthrottled sweep.
@@ -194,9 +202,9 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         ("unthrottled 4 MiB hot set", format!("ws=4M pattern=random duration={secs}s report=0")),
     ];
     for (name, cmdline) in &loads {
-        let (base, _) = memtouch_run(cmdline, None, &scratch)?;
+        let (base, _) = memtouch_run(cmdline, None, scratch)?;
         for &e in &opts.epochs {
-            let (rate, m) = memtouch_run(cmdline, Some(e), &scratch)?;
+            let (rate, m) = memtouch_run(cmdline, Some(e), scratch)?;
             let group = format!("memtouch {name}");
             rows.push(Row {
                 group: group.clone(),
@@ -217,16 +225,16 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         }
     }
     if !opts.no_network {
-        let mut topo = Topology::up("ftb")?;
+        let topo = Topology::new("ftb")?;
         let metrics = scratch.join("kv.jsonl");
         for pipeline in [1, 16] {
             let base = {
-                let _vm = start_kv(&topo, None, &metrics)?;
+                let _vm = start_kv(&topo, None, scratch, "kv", &metrics)?;
                 redis_benchmark(&topo, pipeline, opts.requests)?
             };
             for &e in &opts.epochs {
                 let ft = {
-                    let _vm = start_kv(&topo, Some(e), &metrics)?;
+                    let _vm = start_kv(&topo, Some(e), scratch, "kv", &metrics)?;
                     redis_benchmark(&topo, pipeline, opts.requests)?
                 };
                 let m = metric_means(&metrics, &["pause_us", "dirty_pages", "bytes", "hold_us"]);
@@ -271,7 +279,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             for cut in [false, true] {
                 let mut times = Vec::new();
                 for _ in 0..opts.failovers {
-                    times.push(failover_once(&mut topo, e, cut, &scratch)?);
+                    times.push(failover_once(&topo, e, cut, scratch)?);
                 }
                 times.sort_by(f64::total_cmp);
                 let how = if cut { "host cut (detected by timeout)" } else { "VMM killed (socket closed)" };
@@ -285,7 +293,6 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&scratch);
     report::print_table(&rows);
     let csv = out.join("ft.csv");
     report::write_csv(&csv, &rows)?;

@@ -4,8 +4,8 @@
 
 mod ft;
 mod kv;
+mod paths;
 mod report;
-mod topology;
 mod vm_costs;
 
 use std::path::PathBuf;

@@ -122,8 +122,7 @@ mod tests {
 
     #[test]
     fn bars_sit_on_their_labels_and_axes_have_titles() {
-        let dir = std::env::temp_dir().join(format!("ftvm-bench-report-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = ftvm_testkit::scratch::Scratch::new("bench-report").unwrap();
         let path = dir.join("chart.svg");
         let bars = vec![("first case".to_owned(), 1.0), ("second, a longer one".to_owned(), 0.5), ("third".to_owned(), 0.8)];
         let chart = BarChart {
@@ -135,7 +134,6 @@ mod tests {
         };
         write_bar_chart(&path, &chart).unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
 
         assert!(svg.contains(">\nworkload and epoch\n</text>"), "no x axis title");
         assert!(svg.contains(">\nthroughput relative to the unreplicated VM (ratio)\n</text>"), "no y axis title");
