@@ -24,11 +24,13 @@ impl Row {
 }
 
 pub fn print_table(rows: &[Row]) {
-    println!("{:<26} {:<34} {:>16} {:<10} {:>16} {:>8}", "group", "case", "value", "unit", "reference", "ratio");
+    let width = |f: fn(&Row) -> usize, title: &str| rows.iter().map(f).max().unwrap_or(0).max(title.len());
+    let (g, c) = (width(|r| r.group.len(), "group"), width(|r| r.case.len(), "case"));
+    println!("{:<g$} {:<c$} {:>16} {:<10} {:>16} {:>8}", "group", "case", "value", "unit", "reference", "ratio");
     for r in rows {
         let reference = r.reference.map_or(String::new(), |v| format!("{v:.3}"));
         let ratio = r.ratio().map_or(String::new(), |v| format!("{v:.3}"));
-        println!("{:<26} {:<34} {:>16.3} {:<10} {:>16} {:>8}", r.group, r.case, r.value, r.unit, reference, ratio);
+        println!("{:<g$} {:<c$} {:>16.3} {:<10} {:>16} {:>8}", r.group, r.case, r.value, r.unit, reference, ratio);
     }
 }
 
@@ -57,7 +59,7 @@ pub struct BarChart<'a> {
 const LABEL_FONT: u32 = 13;
 /// Generous width of one label character at LABEL_FONT (no font metrics
 /// without a font backend).
-const LABEL_CHAR_PX: u32 = 7;
+const LABEL_CHAR_PX: u32 = 6;
 
 /// Write `chart` as SVG. Each bar is centred on its own label, which hangs
 /// below the axis (rotated, read bottom to top).
@@ -67,8 +69,9 @@ pub fn write_bar_chart(path: &Path, chart: &BarChart) -> Result<(), Box<dyn std:
     }
     let n = chart.bars.len();
     let longest = chart.bars.iter().map(|(l, _)| l.chars().count()).max().unwrap_or(0) as u32;
-    let label_area = LABEL_CHAR_PX * longest + 60;
-    let width = (140 + 40 * n as u32).max(520);
+    let label_area = LABEL_CHAR_PX * longest + 50;
+    // Room for every bar, and for the title (20 px type, about 11 px a character).
+    let width = (140 + 40 * n as u32).max(520).max(11 * chart.title.chars().count() as u32 + 40);
     let root = SVGBackend::new(path, (width, 380 + label_area)).into_drawing_area();
     root.fill(&WHITE)?;
     let top = chart.bars.iter().map(|(_, v)| *v).chain(chart.reference).fold(0.0f64, f64::max).max(1e-9) * 1.15;
