@@ -7,14 +7,15 @@
 //! `NAME-client`. Both servers are reached over the same path (client veth,
 //! LAN bridge, host veth, host bridge); the guest adds the TAP and the VMM.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
+use ftvm_testkit::process::Process;
+use ftvm_testkit::topology::Topology;
+
+use crate::paths::sibling_binary;
 use crate::report::{self, Row};
-use crate::topology::{sibling_binary, Topology};
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -53,41 +54,11 @@ struct Figures {
     p99_ms: f64,
 }
 
-/// A server process, SIGKILLed and reaped on Drop.
-struct Server {
-    child: Child,
-    output: Arc<Mutex<String>>,
-}
-
-impl Server {
-    fn spawn(mut cmd: Command) -> Result<Server, BoxError> {
-        let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
-        let output = Arc::new(Mutex::new(String::new()));
-        for pipe in [Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>, Box::new(child.stderr.take().unwrap())] {
-            let output = output.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                    let mut o = output.lock().unwrap();
-                    o.push_str(&line);
-                    o.push('\n');
-                }
-            });
-        }
-        Ok(Server { child, output })
-    }
-
-    fn check_alive(&mut self, what: &str) -> Result<(), BoxError> {
-        match self.child.try_wait()? {
-            Some(status) => Err(format!("{what} exited ({status}): {}", self.output.lock().unwrap()).into()),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+/// Fails if `server` has exited.
+fn check_alive(server: &mut Process) -> Result<(), BoxError> {
+    match server.try_wait() {
+        Some(status) => Err(format!("{} exited ({status}): {}", server.name(), server.output()).into()),
+        None => Ok(()),
     }
 }
 
@@ -96,16 +67,15 @@ fn text(o: &Output) -> String {
 }
 
 /// Wait until redis-cli PING at `addr` answers PONG.
-fn wait_serving(topo: &Topology, addr: &str, server: &mut Server, what: &str) -> Result<(), BoxError> {
+fn wait_serving(topo: &Topology, addr: &str, server: &mut Process) -> Result<(), BoxError> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        server.check_alive(what)?;
-        let out = topo.command("client", "timeout").args(["2", "redis-cli", "-h", addr, "-p", PORT, "PING"]).output()?;
-        if String::from_utf8_lossy(&out.stdout).trim() == "PONG" {
+        check_alive(server)?;
+        if topo.redis_cli(addr, &["PING"]).1.trim() == "PONG" {
             return Ok(());
         }
         if Instant::now() > deadline {
-            return Err(format!("{what} at {addr} does not answer PING: {}", server.output.lock().unwrap()).into());
+            return Err(format!("{} at {addr} does not answer PING: {}", server.name(), server.output()).into());
         }
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -173,7 +143,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     if opts.repeat == 0 || opts.pipeline.is_empty() {
         return Err("--repeat and --pipeline need at least one run".into());
     }
-    let topo = Topology::up("kvb")?;
+    let topo = Topology::new("kvb")?;
 
     // The reference: redis-server on h2's bridge, no persistence.
     let addr = topo.command("h2", "ip").args(["addr", "add", &format!("{NATIVE_ADDR}/24"), "dev", "br0"]).output()?;
@@ -183,16 +153,16 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let mut redis = topo.command("h2", "redis-server");
     redis.args(["--port", PORT, "--bind", NATIVE_ADDR, "--save", "", "--appendonly", "no", "--protected-mode", "no"]);
     redis.args(["--daemonize", "no", "--dir", "/tmp", "--logfile", ""]);
-    let mut native = Server::spawn(redis).map_err(|e| format!("redis-server (scripts/setup.sh installs it): {e}"))?;
+    let mut native = Process::spawn_collected("redis-server", &mut redis).map_err(|e| format!("{e} (scripts/setup.sh installs it)"))?;
 
     // The guest: kv without persistence, one vCPU (the default).
     let mut vmm = topo.command("h1", &ftvm);
     vmm.arg("run").arg("--image").arg(&image);
     vmm.args(["--net", &format!("tap=tap0,mac={GUEST_MAC}"), "--cmdline", &format!("ip={GUEST_ADDR}/24")]);
-    let mut guest = Server::spawn(vmm)?;
+    let mut guest = Process::spawn_collected("ftvm (kv.elf)", &mut vmm)?;
 
-    wait_serving(&topo, NATIVE_ADDR, &mut native, "redis-server")?;
-    wait_serving(&topo, GUEST_ADDR, &mut guest, "ftvm (kv.elf)")?;
+    wait_serving(&topo, NATIVE_ADDR, &mut native)?;
+    wait_serving(&topo, GUEST_ADDR, &mut guest)?;
 
     let mut rows = Vec::new();
     let mut chart = Vec::new();
@@ -203,18 +173,36 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             let (s, g) = benchmark(&topo, GUEST_ADDR, opts, p)?;
             g_set.push(s);
             g_get.push(g);
-            guest.check_alive("ftvm (kv.elf)")?;
+            check_alive(&mut guest)?;
             let (s, g) = benchmark(&topo, NATIVE_ADDR, opts, p)?;
             n_set.push(s);
             n_get.push(g);
         }
         for (test, guest_f, native_f) in [("SET", median(g_set), median(n_set)), ("GET", median(g_get), median(n_get))] {
             let group = format!("kv {test} -P {p} -c {}", opts.clients);
-            rows.push(Row { group: group.clone(), case: "throughput (ref: native redis)".into(), value: guest_f.rps, unit: "req/s", reference: Some(native_f.rps) });
-            rows.push(Row { group: group.clone(), case: "latency p50 (ref: native redis)".into(), value: guest_f.p50_ms, unit: "ms", reference: Some(native_f.p50_ms) });
-            rows.push(Row { group: group.clone(), case: "latency p99 (ref: native redis)".into(), value: guest_f.p99_ms, unit: "ms", reference: Some(native_f.p99_ms) });
-            chart.push(Row { group: group.clone(), case: "ftvm guest".into(), value: guest_f.rps, unit: "req/s", reference: None });
-            chart.push(Row { group, case: "native redis-server".into(), value: native_f.rps, unit: "req/s", reference: None });
+            rows.push(Row {
+                group: group.clone(),
+                case: "throughput (ref: native redis)".into(),
+                value: guest_f.rps,
+                unit: "req/s",
+                reference: Some(native_f.rps),
+            });
+            rows.push(Row {
+                group: group.clone(),
+                case: "latency p50 (ref: native redis)".into(),
+                value: guest_f.p50_ms,
+                unit: "ms",
+                reference: Some(native_f.p50_ms),
+            });
+            rows.push(Row {
+                group: group.clone(),
+                case: "latency p99 (ref: native redis)".into(),
+                value: guest_f.p99_ms,
+                unit: "ms",
+                reference: Some(native_f.p99_ms),
+            });
+            chart.push((format!("{group}: ftvm guest"), guest_f.rps));
+            chart.push((format!("{group}: native redis-server"), native_f.rps));
         }
     }
     drop(guest);
@@ -225,8 +213,16 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let csv = out.join("kv.csv");
     report::write_csv(&csv, &rows)?;
     let svg = out.join("kv.svg");
-    let bars: Vec<&Row> = chart.iter().collect();
-    report::write_bar_chart(&svg, &format!("redis-benchmark requests/s, -n {} (kv in ftvm vs native redis-server)", opts.requests), &bars)?;
+    report::write_bar_chart(
+        &svg,
+        &report::BarChart {
+            title: &format!("redis-benchmark, -n {}: kv in ftvm vs native redis-server", opts.requests),
+            category: "test, pipeline depth, connections; server",
+            quantity: "throughput (requests/s)",
+            bars: chart,
+            reference: None,
+        },
+    )?;
     println!("\nwrote {} and {}", csv.display(), svg.display());
     Ok(())
 }

@@ -4,8 +4,8 @@
 
 mod ft;
 mod kv;
+mod paths;
 mod report;
-mod topology;
 mod vm_costs;
 
 use std::path::PathBuf;
@@ -29,7 +29,8 @@ enum Command {
     /// state save/restore, and the cost of tracked first writes per backend.
     Vm(vm_costs::Options),
     /// Fault tolerance: memtouch and kv under replication for several epoch
-    /// lengths against the unreplicated VM, per-epoch costs, failover time.
+    /// lengths against the unreplicated VM, per-epoch costs, failover time;
+    /// with --ablation, each optimisation switch on and off instead.
     Ft(ft::Options),
     /// The kv guest under redis-benchmark (SET/GET throughput, p50/p99
     /// latency) against redis-server run natively in the same run.

@@ -3,7 +3,9 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
+use plotters::coord::ranged1d::SegmentValue;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 /// One measured figure.
 pub struct Row {
@@ -22,11 +24,13 @@ impl Row {
 }
 
 pub fn print_table(rows: &[Row]) {
-    println!("{:<26} {:<34} {:>16} {:<10} {:>16} {:>8}", "group", "case", "value", "unit", "reference", "ratio");
+    let width = |f: fn(&Row) -> usize, title: &str| rows.iter().map(f).max().unwrap_or(0).max(title.len());
+    let (g, c) = (width(|r| r.group.len(), "group"), width(|r| r.case.len(), "case"));
+    println!("{:<g$} {:<c$} {:>16} {:<10} {:>16} {:>8}", "group", "case", "value", "unit", "reference", "ratio");
     for r in rows {
         let reference = r.reference.map_or(String::new(), |v| format!("{v:.3}"));
         let ratio = r.ratio().map_or(String::new(), |v| format!("{v:.3}"));
-        println!("{:<26} {:<34} {:>16.3} {:<10} {:>16} {:>8}", r.group, r.case, r.value, r.unit, reference, ratio);
+        println!("{:<g$} {:<c$} {:>16.3} {:<10} {:>16} {:>8}", r.group, r.case, r.value, r.unit, reference, ratio);
     }
 }
 
@@ -39,28 +43,117 @@ pub fn write_csv(path: &Path, rows: &[Row]) -> std::io::Result<()> {
     std::fs::write(path, s)
 }
 
-/// Horizontal bars of `rows` that share `unit`, one chart.
-pub fn write_bar_chart(path: &Path, title: &str, rows: &[&Row]) -> Result<(), Box<dyn std::error::Error>> {
-    let height = 80 + 36 * rows.len() as u32;
-    let root = SVGBackend::new(path, (900, height)).into_drawing_area();
+/// A bar chart of one quantity: one vertical bar per category.
+pub struct BarChart<'a> {
+    pub title: &'a str,
+    /// What the categories are (the x axis title).
+    pub category: &'a str,
+    /// What the bars measure, with the unit (the y axis title).
+    pub quantity: &'a str,
+    /// (category label, value), left to right.
+    pub bars: Vec<(String, f64)>,
+    /// A value to mark with a horizontal line (1 for ratios).
+    pub reference: Option<f64>,
+}
+
+const LABEL_FONT: u32 = 13;
+/// Generous width of one label character at LABEL_FONT (no font metrics
+/// without a font backend).
+const LABEL_CHAR_PX: u32 = 6;
+
+/// Write `chart` as SVG. Each bar is centred on its own label, which hangs
+/// below the axis (rotated, read bottom to top).
+pub fn write_bar_chart(path: &Path, chart: &BarChart) -> Result<(), Box<dyn std::error::Error>> {
+    if chart.bars.is_empty() {
+        return Err(format!("no bars for {}", path.display()).into());
+    }
+    let n = chart.bars.len();
+    let longest = chart.bars.iter().map(|(l, _)| l.chars().count()).max().unwrap_or(0) as u32;
+    let label_area = LABEL_CHAR_PX * longest + 50;
+    // Room for every bar, and for the title (20 px type, about 11 px a character).
+    let width = (140 + 40 * n as u32).max(520).max(11 * chart.title.chars().count() as u32 + 40);
+    let root = SVGBackend::new(path, (width, 380 + label_area)).into_drawing_area();
     root.fill(&WHITE)?;
-    let max = rows.iter().map(|r| r.value).fold(0.0f64, f64::max).max(1e-9) * 1.15;
-    let labels: Vec<String> = rows.iter().map(|r| format!("{} {}", r.group, r.case)).collect();
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 20))
-        .margin(10)
-        .x_label_area_size(30)
-        .y_label_area_size(330)
-        .build_cartesian_2d(0.0..max, 0..rows.len())?;
-    chart
-        .configure_mesh()
-        .disable_y_mesh()
-        .y_labels(rows.len())
-        .y_label_formatter(&|i| labels.get(*i).cloned().unwrap_or_default())
+    let top = chart.bars.iter().map(|(_, v)| *v).chain(chart.reference).fold(0.0f64, f64::max).max(1e-9) * 1.15;
+    // Segments 0..=n-1: bar i fills segment i, its label sits at the centre.
+    let mut c = ChartBuilder::on(&root)
+        .caption(chart.title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(label_area)
+        .y_label_area_size(80)
+        .build_cartesian_2d((0..n - 1).into_segmented(), 0.0..top)?;
+    c.configure_mesh()
+        .disable_x_mesh()
+        // Ticks at the segment centres; the labels are drawn below, rotated.
+        .x_labels(n)
+        .x_label_formatter(&|_| String::new())
+        .x_desc(chart.category)
+        .y_desc(chart.quantity)
+        .axis_desc_style(("sans-serif", 15))
         .draw()?;
-    chart.draw_series(rows.iter().enumerate().map(|(i, r)| {
-        Rectangle::new([(0.0, i), (r.value, i + 1)], BLUE.mix(0.6).filled())
+    // Bar i spans segment i, from its left end to the next one's.
+    let gap = ((width - 140) / n as u32 / 8).max(2);
+    c.draw_series(chart.bars.iter().enumerate().map(|(i, (_, v))| {
+        let right = if i + 1 < n { SegmentValue::Exact(i + 1) } else { SegmentValue::Last };
+        let mut bar = Rectangle::new([(SegmentValue::Exact(i), 0.0), (right, *v)], BLUE.mix(0.6).filled());
+        bar.set_margin(0, 0, gap, gap);
+        bar
     }))?;
+    if let Some(r) = chart.reference {
+        c.draw_series(LineSeries::new([(SegmentValue::Exact(0), r), (SegmentValue::Last, r)], BLACK.stroke_width(1)))?;
+    }
+    let style = TextStyle::from(("sans-serif", LABEL_FONT).into_font())
+        .transform(FontTransform::Rotate270)
+        .pos(Pos::new(HPos::Right, VPos::Center));
+    for (i, (label, _)) in chart.bars.iter().enumerate() {
+        let (x, y) = c.backend_coord(&(SegmentValue::CenterOf(i), 0.0));
+        root.draw(&Text::new(label.as_str(), (x, y + 10), style.clone()))?;
+    }
     root.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The value of attribute `name` in the SVG element `tag`.
+    fn attr(tag: &str, name: &str) -> Option<f64> {
+        let at = tag.find(&format!(" {name}=\""))? + name.len() + 3;
+        tag[at..].split('"').next()?.parse().ok()
+    }
+
+    #[test]
+    fn bars_sit_on_their_labels_and_axes_have_titles() {
+        let dir = ftvm_testkit::scratch::Scratch::new("bench-report").unwrap();
+        let path = dir.join("chart.svg");
+        let bars = vec![("first case".to_owned(), 1.0), ("second, a longer one".to_owned(), 0.5), ("third".to_owned(), 0.8)];
+        let chart = BarChart {
+            title: "a small chart",
+            category: "workload and epoch",
+            quantity: "throughput relative to the unreplicated VM (ratio)",
+            bars,
+            reference: Some(1.0),
+        };
+        write_bar_chart(&path, &chart).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+
+        assert!(svg.contains(">\nworkload and epoch\n</text>"), "no x axis title");
+        assert!(svg.contains(">\nthroughput relative to the unreplicated VM (ratio)\n</text>"), "no y axis title");
+        // Bars: the semi-transparent blue rectangles, left to right.
+        let mut centres: Vec<(f64, f64)> = svg
+            .split('<')
+            .filter(|t| t.starts_with("rect") && t.contains("fill=\"#0000FF\""))
+            .map(|t| (attr(t, "x").unwrap() + attr(t, "width").unwrap() / 2.0, attr(t, "height").unwrap()))
+            .collect();
+        centres.sort_by(|a, b| a.0.total_cmp(&b.0));
+        assert_eq!(centres.len(), 3, "{svg}");
+        // Heights in proportion to the values.
+        assert!((centres[1].1 / centres[0].1 - 0.5).abs() < 0.02, "{centres:?}");
+        for (i, (label, _)) in chart.bars.iter().enumerate() {
+            let text = svg.split('<').find(|t| t.starts_with("text") && t.ends_with(&format!(">\n{label}\n"))).expect("label drawn");
+            let x = attr(text, "x").unwrap();
+            assert!((x - centres[i].0).abs() <= 1.0, "label {label:?} at x={x}, its bar centred at {}", centres[i].0);
+        }
+    }
 }

@@ -11,17 +11,18 @@
 //! SIGKILLed), the backup takes over, and every acknowledged write is read
 //! back from it. Exit status 0 only if none was lost.
 
-pub mod netns;
-pub mod resp;
-pub mod writer;
-
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use ftvm_testkit::process::Process;
+use ftvm_testkit::scratch::Scratch;
+use ftvm_testkit::topology::{Topology, GUEST_ADDR as GUEST, GUEST_MAC as MAC};
+use ftvm_testkit::{netns, resp, writers};
 
 use crate::api;
 
@@ -38,8 +39,6 @@ pub struct DemoArgs {
     seconds: f64,
 }
 
-const GUEST: &str = "10.0.0.2";
-const MAC: &str = "52:54:00:12:34:56";
 const BACKUP_ADDR: &str = "192.168.100.2:7000";
 const VALUE_LEN: usize = 1024;
 
@@ -47,13 +46,18 @@ type Error = String;
 
 /// Entry point: prints the story, returns the exit status.
 pub fn run(args: DemoArgs) -> i32 {
-    let dir = std::env::temp_dir().join(format!("ftvm-demo-{}", std::process::id()));
-    let result = demo(&args, &dir);
-    let keep = matches!(&result, Ok(false)) || matches!(&result, Err(e) if e != INTERRUPTED);
-    if keep && dir.exists() {
-        eprintln!("ftvm: demo: logs kept in {}", dir.display());
-    } else {
-        let _ = std::fs::remove_dir_all(&dir);
+    let dir = match Scratch::new("demo") {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("ftvm: error: demo: cannot create a directory for the logs: {e}");
+            return 1;
+        }
+    };
+    let result = demo(&args, dir.path());
+    let failed = matches!(&result, Ok(false)) || matches!(&result, Err(e) if e != INTERRUPTED);
+    let has_logs = std::fs::read_dir(dir.path()).is_ok_and(|mut d| d.next().is_some());
+    if failed && has_logs {
+        eprintln!("ftvm: demo: logs kept in {}", dir.keep().display());
     }
     match result {
         Ok(true) => 0,
@@ -67,125 +71,12 @@ pub fn run(args: DemoArgs) -> i32 {
 
 const INTERRUPTED: &str = "interrupted";
 
-/// The repository: the binary is ROOT/target/release/ftvm (or .../debug).
-fn repo_root() -> Result<PathBuf, Error> {
-    let exe = std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?;
-    let candidates = [
-        exe.parent().and_then(Path::parent).and_then(Path::parent).map(Path::to_path_buf),
-        Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")),
-    ];
-    candidates
-        .into_iter()
-        .flatten()
-        .find(|r| r.join("scripts/netns.sh").exists())
-        .ok_or_else(|| "cannot find scripts/netns.sh next to this ftvm (run it as target/release/ftvm of a checkout)".into())
-}
-
 fn which(program: &str) -> bool {
     std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
 }
 
-/// The namespaces, torn down on Drop.
-struct Topology {
-    script: PathBuf,
-    name: String,
-}
-
-impl Topology {
-    fn up(script: PathBuf) -> Result<Topology, Error> {
-        let name = format!("demo{:04x}", std::process::id() & 0xffff);
-        let topo = Topology { script, name };
-        // A namespace of this name left by an interrupted demo goes first.
-        let _ = Command::new(&topo.script).arg("down").arg(&topo.name).output();
-        let out = Command::new(&topo.script).arg("up").arg(&topo.name).output().map_err(|e| format!("netns.sh: {e}"))?;
-        if !out.status.success() {
-            return Err(format!("netns.sh up {}: {}", topo.name, String::from_utf8_lossy(&out.stderr).trim()));
-        }
-        Ok(topo)
-    }
-
-    fn ns(&self, role: &str) -> String {
-        format!("{}-{role}", self.name)
-    }
-
-    fn command(&self, role: &str, program: impl AsRef<std::ffi::OsStr>) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.ns(role)]).arg(program);
-        c
-    }
-
-    /// Links deleted by a kill come back. A new bridge port forwards only
-    /// once the kernel has seen its carrier (linkwatch, up to a second
-    /// later); until then the LAN silently drops frames, so wait for it.
-    fn restore(&self) -> Result<(), Error> {
-        let out = Command::new(&self.script).arg("up").arg(&self.name).output().map_err(|e| e.to_string())?;
-        if !out.status.success() {
-            return Err(format!("netns.sh up: {}", String::from_utf8_lossy(&out.stderr).trim()));
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        for (role, dev) in [("lan", "client"), ("lan", "h1"), ("lan", "h2"), ("h1", "uplink"), ("h2", "uplink")] {
-            loop {
-                let out =
-                    Command::new("bridge").args(["-n", &self.ns(role), "link", "show", "dev", dev]).output().map_err(|e| e.to_string())?;
-                if String::from_utf8_lossy(&out.stdout).contains("state forwarding") {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    return Err(format!("bridge port {dev} in {} does not forward", self.ns(role)));
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-        Ok(())
-    }
-
-    /// The client forgets where the guest was (once a new guest runs:
-    /// connections of a previous failover still retransmit, and an ARP
-    /// request nobody answers would hold new connections for a second).
-    fn forget_guest(&self) {
-        let _ = Command::new("ip").args(["-n", &self.ns("client"), "neigh", "flush", "all"]).output();
-    }
-}
-
-impl Drop for Topology {
-    fn drop(&mut self) {
-        let _ = Command::new(&self.script).arg("down").arg(&self.name).output();
-    }
-}
-
-/// A child process SIGKILLed and reaped on Drop.
-struct Proc {
-    child: Child,
-    stderr: PathBuf,
-}
-
-impl Proc {
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-fn spawn(mut cmd: Command, dir: &Path, name: &str) -> Result<Proc, Error> {
-    let stderr = dir.join(format!("{name}.err"));
-    let out = File::create(dir.join(format!("{name}.out"))).map_err(|e| e.to_string())?;
-    let err = File::create(&stderr).map_err(|e| e.to_string())?;
-    let child = cmd.stdin(Stdio::null()).stdout(out).stderr(err).spawn().map_err(|e| format!("cannot start {name}: {e}"))?;
-    Ok(Proc { child, stderr })
+fn spawn(mut cmd: Command, dir: &Path, name: &str) -> Result<Process, Error> {
+    Process::spawn_logged(name, &mut cmd, dir, name).map_err(|e| format!("cannot start {name}: {e}"))
 }
 
 fn status(socket: &Path) -> Option<api::Response> {
@@ -211,7 +102,7 @@ fn sleep(d: Duration) -> Result<(), Error> {
 
 /// redis-benchmark in the client namespace, its latest progress line kept.
 struct Benchmark {
-    proc: Proc,
+    proc: Process,
     last: Arc<Mutex<String>>,
 }
 
@@ -220,9 +111,9 @@ impl Benchmark {
         let mut cmd = topo.command("client", "redis-benchmark");
         // One long SET test: 8 connections, random keys, 256-byte values.
         cmd.args(["-h", GUEST, "-t", "set", "-c", "8", "-d", "256", "-r", "1000000", "-n", "100000000"]);
-        let mut child =
-            cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().map_err(|e| format!("redis-benchmark: {e}"))?;
-        let out = child.stdout.take().expect("piped");
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null());
+        let mut proc = Process::spawn("redis-benchmark", &mut cmd).map_err(|e| e.to_string())?;
+        let out = proc.child_mut().stdout.take().expect("piped");
         let last = Arc::new(Mutex::new(String::new()));
         let l = last.clone();
         std::thread::spawn(move || {
@@ -237,7 +128,7 @@ impl Benchmark {
                 buf.clear();
             }
         });
-        Ok(Benchmark { proc: Proc { child, stderr: PathBuf::new() }, last })
+        Ok(Benchmark { proc, last })
     }
 
     /// "rps=…, avg …" from the latest progress line.
@@ -249,7 +140,7 @@ impl Benchmark {
     }
 }
 
-fn progress_line(t0: Instant, socket: &Path, writers: &writer::Writers, bench: &Benchmark) -> String {
+fn progress_line(t0: Instant, socket: &Path, writers: &writers::Writers, bench: &Benchmark) -> String {
     let rep = status(socket).and_then(|r| r.replication);
     let vm = match rep.as_ref().and_then(|r| r.last.map(|m| (r, m))) {
         Some((r, m)) => format!(
@@ -273,11 +164,11 @@ fn progress_line(t0: Instant, socket: &Path, writers: &writer::Writers, bench: &
     format!("  t={:4.1}s  {vm} | {} acknowledged writes | {}", t0.elapsed().as_secs_f64(), writers.acked(), bench.progress())
 }
 
+/// redis-cli's reply to `args`, or why there is none.
 fn redis_cli(topo: &Topology, args: &[&str]) -> String {
-    let out = topo.command("client", "timeout").args(["10", "redis-cli", "-h", GUEST]).args(args).stdin(Stdio::null()).output();
-    match out {
-        Ok(o) => String::from_utf8_lossy(&o.stdout).trim().to_string(),
-        Err(e) => format!("(redis-cli failed: {e})"),
+    match topo.redis_cli(GUEST, args) {
+        (true, out) => out.trim().to_owned(),
+        (false, out) => format!("(no reply) {}", out.trim()),
     }
 }
 
@@ -291,21 +182,20 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
             return Err(format!("{tool} not found: run scripts/setup.sh"));
         }
     }
-    let root = repo_root()?;
+    let root = ftvm_testkit::repo_root().map_err(|e| e.to_string())?;
     let image = root.join("target/images/kv.elf");
     if !image.exists() {
         return Err(format!("{} missing: run scripts/build-images.sh", image.display()));
     }
     let ftvm = std::env::current_exe().map_err(|e| e.to_string())?;
-    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
     stop_requested(); // install the handler before starting anything
 
     println!("== ftvm demo: a Redis-protocol VM that survives the death of its host");
-    let topo = Topology::up(root.join("scripts/netns.sh"))?;
+    let topo = Topology::new("demo").map_err(|e| e.to_string())?;
     println!(
         "network: namespaces {0}-{{client,h1,h2,lan}}; client 10.0.0.1 and the guest {GUEST} on one LAN, \
          hosts h1 and h2 joined by a replication link 192.168.100.1 <-> 192.168.100.2",
-        topo.name
+        topo.name()
     );
     let mut all_ok = true;
     let mut summary = Vec::new();
@@ -331,7 +221,7 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
 }
 
 fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &Path, trial: u32) -> Result<(bool, String), Error> {
-    topo.restore()?;
+    topo.restore().map_err(|e| e.to_string())?;
     let backup_sock = dir.join(format!("backup{trial}.sock"));
     let primary_sock = dir.join(format!("primary{trial}.sock"));
     let net = format!("tap=tap0,mac={MAC}");
@@ -356,18 +246,18 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
             break;
         }
         if !primary.running() || !backup.running() || t_start.elapsed() > Duration::from_secs(20) {
-            return Err(format!("the primary did not get protected:\n{}\n{}", primary.log(), backup.log()));
+            return Err(format!("the primary did not get protected:\n{}\n{}", primary.stderr(), backup.stderr()));
         }
         sleep(Duration::from_millis(20))?;
     }
     println!("     protected after {} ms (pre-copy, then the first checkpoint)", t_start.elapsed().as_millis());
-    topo.forget_guest();
+    topo.forget_guest().map_err(|e| e.to_string())?;
     let t = Instant::now();
     let reply = redis_cli(topo, &["SET", "demo:greeting", "hello"]);
     println!("[client] redis-cli SET demo:greeting hello -> {reply} ({} ms)", t.elapsed().as_millis());
 
     let addr: SocketAddr = format!("{GUEST}:6379").parse().expect("address");
-    let writers = writer::Writers::start(writer::Config {
+    let writers = writers::Writers::start(writers::Config {
         addr,
         netns: Some(topo.ns("client")),
         connections: 4,
@@ -386,12 +276,13 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
     }
 
     // The host dies: its network first, then its VMM.
-    let pid = primary.child.id() as i32;
+    let pid = primary.id() as i32;
     let killed_at = netns::run_in(&topo.ns("h1"), move || {
         let _ = netns::del_link("repl");
         let _ = netns::del_link("uplink");
         let at = Instant::now();
-        // SAFETY: signalling our own child, not yet reaped.
+        // SAFETY: kill(2) has no memory-safety preconditions; `pid` is our
+        // child, not reaped yet, so the number cannot name another process.
         unsafe { libc::kill(pid, libc::SIGKILL) };
         at
     })
@@ -419,7 +310,7 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
         None
     })
     .map_err(|e| e.to_string())?;
-    let took_over = backup.log().lines().find(|l| l.contains("PRIMARY LOST")).map(|l| {
+    let took_over = backup.stderr().lines().find(|l| l.contains("PRIMARY LOST")).map(|l| {
         let l = l.split("PRIMARY LOST").nth(1).unwrap_or(l);
         format!("PRIMARY LOST{l}")
     });
@@ -429,7 +320,7 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
             println!("     first reply from the new primary {:.0} ms after the kill", (*t - killed_at).as_secs_f64() * 1e3);
         }
         _ => {
-            return Err(format!("the backup did not take over:\n{}", backup.log()));
+            return Err(format!("the backup did not take over:\n{}", backup.stderr()));
         }
     }
     let t1 = Instant::now();
@@ -449,7 +340,7 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
     );
     println!("[client] redis-cli GET demo:greeting -> {}", redis_cli(topo, &["GET", "demo:greeting"]));
 
-    let verified = writer::verify(addr, Some(&topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(10))
+    let verified = writers::verify(addr, Some(&topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(10))
         .map_err(|e| format!("reading back: {e}"))?;
     let ok = verified.lost() == 0 && verified.checked == report.acked.len();
     println!(

@@ -5,10 +5,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-
-fn scratch(name: &str) -> std::path::PathBuf {
-    std::env::temp_dir().join(format!("ftvm-err-{}-{name}", std::process::id()))
-}
+use ftvm_testkit::process::Process;
+use ftvm_testkit::scratch::Scratch;
 
 fn assert_one_line_error(out: &std::process::Output, want: &str, case: &str) {
     let err = stderr(out);
@@ -23,42 +21,38 @@ fn run_with(image: &std::path::Path, args: &[&str]) -> std::process::Output {
     ftvm().arg("run").arg("--image").arg(image).args(args).output().unwrap()
 }
 
-/// A copy of the probe image with `patch` applied to its bytes.
-fn patched(name: &str, patch: impl FnOnce(&mut Vec<u8>)) -> std::path::PathBuf {
+/// A copy of the probe image in `dir` with `patch` applied to its bytes.
+fn patched(dir: &Scratch, name: &str, patch: impl FnOnce(&mut Vec<u8>)) -> std::path::PathBuf {
     let mut bytes = std::fs::read(image("probe")).unwrap();
     patch(&mut bytes);
-    let path = scratch(name);
+    let path = dir.join(name);
     std::fs::write(&path, bytes).unwrap();
     path
 }
 
 #[test]
 fn missing_kvm_device() {
-    let out = ftvm()
-        .env("FTVM_KVM_DEVICE", "/nonexistent/kvm")
-        .args(["run", "--image"])
-        .arg(image("probe"))
-        .output()
-        .unwrap();
+    let out = ftvm().env("FTVM_KVM_DEVICE", "/nonexistent/kvm").args(["run", "--image"]).arg(image("probe")).output().unwrap();
     assert_one_line_error(&out, "/nonexistent/kvm does not exist", "missing /dev/kvm");
 }
 
 #[test]
 fn bad_images() {
-    let text = scratch("text");
+    let dir = Scratch::new("errors").unwrap();
+    let text = dir.join("text");
     std::fs::write(&text, "#!/bin/sh\necho not a guest\n").unwrap();
     let u64_at = |b: &[u8], o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
-    let arm = patched("arm", |b| b[18] = 183); // EM_AARCH64
-    let elf32 = patched("elf32", |b| b[4] = 1);
-    let huge = patched("huge", |b| {
+    let arm = patched(&dir, "arm", |b| b[18] = 183); // EM_AARCH64
+    let elf32 = patched(&dir, "elf32", |b| b[4] = 1);
+    let huge = patched(&dir, "huge", |b| {
         // Grow the last loadable segment's memory size to 1 GiB.
         let (phoff, phnum) = (u64_at(b, 32) as usize, u16::from_le_bytes([b[56], b[57]]) as usize);
         let last = (0..phnum).map(|i| phoff + i * 56).rfind(|&o| b[o] == 1).unwrap();
         b[last + 40..last + 48].copy_from_slice(&(1u64 << 30).to_le_bytes());
     });
-    let truncated = patched("trunc", |b| b.truncate(2000));
+    let truncated = patched(&dir, "trunc", |b| b.truncate(2000));
     let cases = [
-        (scratch("missing"), "cannot open image"),
+        (dir.join("missing"), "cannot open image"),
         (text, "is not an ELF file"),
         (arm, "machine is not x86-64"),
         (elf32, "not ELF64"),
@@ -67,7 +61,6 @@ fn bad_images() {
     ];
     for (path, want) in cases {
         assert_one_line_error(&run_with(&path, &[]), want, &path.display().to_string());
-        let _ = std::fs::remove_file(&path);
     }
 }
 
@@ -95,18 +88,16 @@ fn unreachable_control_socket() {
 #[test]
 fn sigterm_and_sigint_stop_the_vm_cleanly() {
     for sig in [libc::SIGTERM, libc::SIGINT] {
-        let child = ftvm()
-            .args(["run", "--vcpus", "2", "--cmdline", "ticker=10", "--image"])
+        let mut cmd = ftvm();
+        cmd.args(["run", "--vcpus", "2", "--cmdline", "ticker=10", "--image"])
             .arg(image("probe"))
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+            .stderr(std::process::Stdio::piped());
+        let mut vmm = Process::spawn("ftvm", &mut cmd).unwrap();
         std::thread::sleep(Duration::from_millis(300));
-        // SAFETY: sending a signal to our own child process.
-        unsafe { libc::kill(child.id() as i32, sig) };
+        vmm.signal(sig).unwrap();
         let t0 = Instant::now();
-        let out = child.wait_with_output().unwrap();
+        let out = vmm.wait_with_output().unwrap();
         assert!(t0.elapsed() < Duration::from_secs(5), "stopping took {:?}", t0.elapsed());
         assert_eq!(out.status.code(), Some(0), "signal {sig}: {}", stderr(&out));
         assert!(stderr(&out).contains("VM stopped"), "{}", stderr(&out));

@@ -17,24 +17,19 @@
 
 mod common;
 
-#[path = "../src/demo/netns.rs"]
-mod netns;
-#[path = "../src/demo/resp.rs"]
-mod resp;
-#[path = "../src/demo/writer.rs"]
-mod writer;
-
 use std::collections::{BTreeMap, BTreeSet};
-use std::fs::File;
 use std::net::{SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::net::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR};
 use common::{ftvm, image};
-use resp::{encode, Client, Reply};
-use writer::Writers;
+use ftvm_testkit::netns;
+use ftvm_testkit::process::{Process, WaitError};
+use ftvm_testkit::resp::{self, encode, Client, Reply};
+use ftvm_testkit::scratch::Scratch;
+use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR};
+use ftvm_testkit::writers::{self, Writers};
 
 const KV_PORT: u16 = 6379;
 const REPL_PORT: u16 = 7000;
@@ -76,94 +71,35 @@ impl Rng {
     }
 }
 
-/// A child process killed (SIGKILL) and reaped on Drop, also on panic.
-struct Guarded {
-    child: Child,
-    what: String,
-    stderr: PathBuf,
+/// A scratch directory for one test's files, kept if the test fails.
+fn scratch(tag: &str) -> Scratch {
+    Scratch::new(&format!("failover-{tag}")).unwrap().keep_on_panic()
 }
 
-impl Guarded {
-    fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// Still running? (false once it exited or was reaped)
-    fn running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-
-    fn stderr(&self) -> String {
-        std::fs::read_to_string(&self.stderr).unwrap_or_default()
-    }
+/// `cmd` with its stdout and stderr in `dir` (`LOG.out`, `LOG.err`),
+/// killed when dropped.
+fn spawn(mut cmd: Command, what: &str, dir: &Scratch, log: &str) -> Process {
+    Process::spawn_logged(what, &mut cmd, dir.path(), log).unwrap_or_else(|e| panic!("{e}"))
 }
 
-impl Drop for Guarded {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// A scratch directory for one test's files, removed when the test passes.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let d = std::env::temp_dir().join(format!("ftvm-failover-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        Scratch(d)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("files of the failed test kept in {}", self.0.display());
-        } else {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
-
-fn spawn(mut cmd: Command, what: &str, dir: &Scratch, log: &str) -> Guarded {
-    let stderr = dir.path(&format!("{log}.err"));
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(File::create(dir.path(&format!("{log}.out"))).unwrap())
-        .stderr(File::create(&stderr).unwrap())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
-    Guarded { child, what: what.into(), stderr }
-}
-
-fn start_backup(topo: &Topology, dir: &Scratch, tag: &str) -> Guarded {
+fn start_backup(topo: &Topology, dir: &Scratch, tag: &str) -> Process {
     let mut cmd = topo.command("h2", env!("CARGO_BIN_EXE_ftvm"));
     cmd.args(["backup", "--listen", &backup_addr(), "--net", &net_arg(), "--metrics"])
-        .arg(dir.path(&format!("{tag}.applied.jsonl")))
+        .arg(dir.join(format!("{tag}.applied.jsonl")))
         .env("FTVM_LOG", "info");
     spawn(cmd, "backup", dir, tag)
 }
 
-fn start_primary(topo: &Topology, dir: &Scratch, tag: &str, extra: &[&str]) -> Guarded {
+fn start_primary(topo: &Topology, dir: &Scratch, tag: &str, extra: &[&str]) -> Process {
     let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
     cmd.args(["run", "--image"])
         .arg(image("kv"))
         .args(["--net", &net_arg(), "--cmdline", &format!("ip={GUEST_ADDR}/24")])
         .args(["--replicate-to", &backup_addr(), "--epoch-ms", &EPOCH_MS.to_string()])
         .arg("--metrics")
-        .arg(dir.path(&format!("{tag}.epochs.jsonl")))
+        .arg(dir.join(format!("{tag}.epochs.jsonl")))
         .arg("--api-socket")
-        .arg(dir.path(&format!("{tag}.sock")))
+        .arg(dir.join(format!("{tag}.sock")))
         .args(extra)
         .env("FTVM_LOG", "info");
     spawn(cmd, "primary", dir, tag)
@@ -175,70 +111,33 @@ fn status(socket: &Path) -> String {
 }
 
 /// Wait until `ftvm status` shows `want`, failing early if `vmm` dies.
-fn wait_status(socket: &Path, want: &str, vmm: &mut Guarded, timeout: Duration) {
+fn wait_status(socket: &Path, want: &str, vmm: &mut Process, timeout: Duration) {
     let t0 = Instant::now();
     loop {
         let s = status(socket);
         if s.contains(want) {
             return;
         }
-        assert!(vmm.running(), "{} exited while waiting for '{want}': {}", vmm.what, vmm.stderr());
+        assert!(vmm.running(), "{} exited while waiting for '{want}': {}", vmm.name(), vmm.stderr());
         assert!(t0.elapsed() < timeout, "no '{want}' after {timeout:?}: {s}\n{}", vmm.stderr());
         std::thread::sleep(Duration::from_millis(20));
     }
 }
 
 /// Wait until `vmm`'s stderr contains `want`.
-fn wait_log(vmm: &mut Guarded, want: &str, timeout: Duration) -> String {
-    let t0 = Instant::now();
-    loop {
-        let err = vmm.stderr();
-        if err.contains(want) {
-            return err;
-        }
-        assert!(vmm.running(), "{} exited without '{want}': {err}", vmm.what);
-        assert!(t0.elapsed() < timeout, "no '{want}' from {} after {timeout:?}: {err}", vmm.what);
-        std::thread::sleep(Duration::from_millis(5));
+fn wait_log(vmm: &mut Process, want: &str, timeout: Duration) -> String {
+    match vmm.wait_until(timeout, |p| p.stderr().contains(want)) {
+        Ok(()) => vmm.stderr(),
+        Err(WaitError::Exited(_)) => panic!("{} exited without '{want}': {}", vmm.name(), vmm.stderr()),
+        Err(WaitError::TimedOut(_)) => panic!("no '{want}' from {} after {timeout:?}: {}", vmm.name(), vmm.stderr()),
     }
-}
-
-/// Rebuild links a previous trial deleted. A new bridge port forwards
-/// only once the kernel has seen its carrier (linkwatch, up to a second
-/// later); until then the LAN silently drops frames, so wait for it.
-fn restore_topology(topo: &Topology) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/netns.sh");
-    let out = Command::new(script).arg("up").arg(&topo.name).output().unwrap();
-    assert!(out.status.success(), "netns.sh up: {}", String::from_utf8_lossy(&out.stderr));
-    let t0 = Instant::now();
-    for (role, dev) in [("lan", "client"), ("lan", "h1"), ("lan", "h2"), ("h1", "uplink"), ("h2", "uplink")] {
-        loop {
-            let out = Command::new("bridge").args(["-n", &topo.ns(role), "link", "show", "dev", dev]).output().unwrap();
-            let state = String::from_utf8_lossy(&out.stdout).into_owned();
-            if state.contains("state forwarding") {
-                break;
-            }
-            assert!(t0.elapsed() < Duration::from_secs(5), "bridge port {dev} in {} does not forward: {state}", topo.ns(role));
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-/// Make the client forget where the guest was. Done once the new guest
-/// runs: connections of a previous trial still retransmit, and an ARP
-/// request they send while no guest answers leaves the client waiting a
-/// whole ARP retry (1 s) before its next connection gets out.
-fn forget_guest(topo: &Topology) {
-    let out = Command::new("ip").args(["-n", &topo.ns("client"), "neigh", "flush", "all"]).output().unwrap();
-    assert!(out.status.success(), "neigh flush: {}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// A capture by tcpdump inside a namespace, started before returning.
-fn capture(topo: &Topology, role: &str, dir: &Scratch, name: &str, args: &[&str]) -> (Guarded, PathBuf) {
-    let file = dir.path(name);
+fn capture(topo: &Topology, role: &str, dir: &Scratch, name: &str, args: &[&str]) -> (Process, PathBuf) {
+    let file = dir.join(name);
     let mut cmd = topo.command(role, "tcpdump");
-    cmd.args(["-U", "--immediate-mode", "-n", "-Z", "root", "--time-stamp-precision=nano", "-w"])
-        .arg(&file)
-        .args(args);
+    cmd.args(["-U", "--immediate-mode", "-n", "-Z", "root", "--time-stamp-precision=nano", "-w"]).arg(&file).args(args);
     let mut g = spawn(cmd, "tcpdump", dir, name);
     let t0 = Instant::now();
     while !g.stderr().contains("listening on") {
@@ -250,9 +149,8 @@ fn capture(topo: &Topology, role: &str, dir: &Scratch, name: &str, args: &[&str]
 }
 
 /// Stop a capture cleanly (SIGTERM: tcpdump writes what it has and exits).
-fn stop_capture(mut g: Guarded) {
-    // SAFETY: signalling our own child, not yet reaped.
-    unsafe { libc::kill(g.pid(), libc::SIGTERM) };
+fn stop_capture(mut g: Process) {
+    g.signal(libc::SIGTERM).expect("SIGTERM to tcpdump");
     let t0 = Instant::now();
     while g.running() && t0.elapsed() < Duration::from_secs(5) {
         std::thread::sleep(Duration::from_millis(10));
@@ -260,11 +158,7 @@ fn stop_capture(mut g: Guarded) {
 }
 
 fn jsonl(path: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
+    std::fs::read_to_string(path).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
 }
 
 fn field(v: &serde_json::Value, k: &str) -> u64 {
@@ -419,7 +313,10 @@ impl Stream {
 
 /// Reassemble every connection of a capture, per (source, destination);
 /// the bytes only of directions `keep_bytes` chooses.
-fn streams(segments: &[Segment], keep_bytes: impl Fn(SocketAddrV4, SocketAddrV4) -> bool) -> BTreeMap<(SocketAddrV4, SocketAddrV4), Stream> {
+fn streams(
+    segments: &[Segment],
+    keep_bytes: impl Fn(SocketAddrV4, SocketAddrV4) -> bool,
+) -> BTreeMap<(SocketAddrV4, SocketAddrV4), Stream> {
     let mut m: BTreeMap<(SocketAddrV4, SocketAddrV4), Stream> = BTreeMap::new();
     for s in segments {
         m.entry((s.src, s.dst)).or_insert_with(|| Stream { bytes: keep_bytes(s.src, s.dst), ..Stream::default() }).add(s);
@@ -560,10 +457,7 @@ fn partial_checkpoint(pcap: &Path, took_over: u64, primary_epochs: &[serde_json:
         sum += s;
         prefix.insert(e, sum);
     }
-    let leads: Vec<u64> = acks
-        .iter()
-        .filter_map(|&(e, ts)| prefix.get(&e).map(|p| to_backup.extent_at(ts).saturating_sub(*p)))
-        .collect();
+    let leads: Vec<u64> = acks.iter().filter_map(|&(e, ts)| prefix.get(&e).map(|p| to_backup.extent_at(ts).saturating_sub(*p))).collect();
     let lead = leads.iter().copied().min();
     let exact = leads.iter().filter(|&&l| Some(l) == lead).count();
     let end_of_last = match (lead, prefix.get(&took_over)) {
@@ -585,26 +479,41 @@ struct TrialResult {
 fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, kind: Kill) -> TrialResult {
     let mut rng = Rng::new(seed);
     let tag = format!("t{trial}");
-    restore_topology(topo);
+    topo.restore().unwrap();
     // A gigabit replication link (veth alone moves a checkpoint in a few
     // hundred microseconds): checkpoints spend milliseconds on the wire,
     // long enough for kills to land inside their transfer.
     let out = Command::new("tc")
-        .args(["-n", &topo.ns("h1"), "qdisc", "replace", "dev", "repl", "root", "tbf", "rate", "1gbit", "burst", "256kb", "latency", "100ms"])
+        .args([
+            "-n",
+            &topo.ns("h1"),
+            "qdisc",
+            "replace",
+            "dev",
+            "repl",
+            "root",
+            "tbf",
+            "rate",
+            "1gbit",
+            "burst",
+            "256kb",
+            "latency",
+            "100ms",
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "tc: {}", String::from_utf8_lossy(&out.stderr));
     let (cap, pcap) = capture(topo, "h2", dir, &format!("{tag}.repl.pcap"), &["-i", "repl", "-s", "256", "tcp", "port", "7000"]);
     let mut backup = start_backup(topo, dir, &format!("{tag}.backup"));
     let mut primary = start_primary(topo, dir, &format!("{tag}.primary"), &[]);
-    let socket = dir.path(&format!("{tag}.primary.sock"));
+    let socket = dir.join(format!("{tag}.primary.sock"));
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
-    forget_guest(topo);
+    topo.forget_guest().unwrap();
 
     // Big values, pipelined on many connections: every epoch dirties
     // hundreds of pages, so checkpoints take a while to send.
     let value_len = 16 * 1024;
-    let writers = Writers::start(writer::Config {
+    let writers = Writers::start(writers::Config {
         addr: guest(),
         netns: Some(topo.ns("client")),
         connections: 8,
@@ -621,7 +530,7 @@ fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, k
     }
     let delay = rng.range(300, 1500);
     std::thread::sleep(Duration::from_millis(delay));
-    let done = kill_host(topo, primary.pid(), kind, rng.range(0, 4000));
+    let done = kill_host(topo, primary.id() as i32, kind, rng.range(0, 4000));
     writers.mark(done.at);
     let prober = probe_until_served(topo.ns("client"), done.at, Duration::from_secs(20));
     primary.kill(); // reap
@@ -637,13 +546,13 @@ fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, k
     std::thread::sleep(Duration::from_millis(200));
     let writes_resumed = writers.first_ack_after_mark().map(|t| (t - done.at).as_secs_f64() * 1e3);
     let report = writers.stop();
-    let verified = writer::verify(guest(), Some(&topo.ns("client")), &report.acked, value_len, Instant::now() + Duration::from_secs(10))
+    let verified = writers::verify(guest(), Some(&topo.ns("client")), &report.acked, value_len, Instant::now() + Duration::from_secs(10))
         .expect("read back the acknowledged writes");
 
     let epoch = took_over_at(&err).expect("takeover epoch");
-    let applied = jsonl(&dir.path(&format!("{tag}.backup.applied.jsonl")));
+    let applied = jsonl(&dir.join(format!("{tag}.backup.applied.jsonl")));
     assert_eq!(applied.last().map(|v| field(v, "epoch")), Some(epoch), "the backup took over at its last applied checkpoint");
-    let primary_epochs = jsonl(&dir.path(&format!("{tag}.primary.epochs.jsonl")));
+    let primary_epochs = jsonl(&dir.join(format!("{tag}.primary.epochs.jsonl")));
     backup.kill();
     stop_capture(cap);
     let partial = partial_checkpoint(&pcap, epoch, &primary_epochs);
@@ -687,8 +596,8 @@ fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, k
 
 #[test]
 fn no_acknowledged_write_is_lost() {
-    let topo = Topology::new("fail");
-    let dir = Scratch::new("writes");
+    let topo = Topology::new("fail").unwrap();
+    let dir = scratch("writes");
     let base: u64 = std::env::var("FTVM_FAILOVER_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed);
     let kinds = [Kill::Sigkill, Kill::InTransfer, Kill::SigkillThenLinks, Kill::InTransfer, Kill::LinksThenSigkill, Kill::InTransfer];
     let trials = 12;
@@ -743,7 +652,9 @@ fn time_replies(pcap: &Path) -> (Vec<TimeReply>, usize) {
             let end = n - rest.len();
             let arrival_ns = s.seen[start..end].iter().map(|t| t.unwrap()).min().unwrap();
             let digits = |r: &Reply| match r {
-                Reply::Bulk(Some(b)) if !b.is_empty() && b.iter().all(u8::is_ascii_digit) => std::str::from_utf8(b).ok()?.parse::<u64>().ok(),
+                Reply::Bulk(Some(b)) if !b.is_empty() && b.iter().all(u8::is_ascii_digit) => {
+                    std::str::from_utf8(b).ok()?.parse::<u64>().ok()
+                }
                 _ => None,
             };
             match &reply {
@@ -760,16 +671,22 @@ fn time_replies(pcap: &Path) -> (Vec<TimeReply>, usize) {
 
 #[test]
 fn output_commit_holds_every_reply_until_its_checkpoint_is_applied() {
-    let topo = Topology::new("ocom");
-    restore_topology(&topo);
-    let dir = Scratch::new("commit");
+    let topo = Topology::new("ocom").unwrap();
+    topo.restore().unwrap();
+    let dir = scratch("commit");
     let mut backup = start_backup(&topo, &dir, "backup");
     let mut primary = start_primary(&topo, &dir, "primary", &[]);
-    wait_status(&dir.path("primary.sock"), "protected: yes", &mut primary, Duration::from_secs(20));
-    let (cap, pcap) = capture(&topo, "client", &dir, "client.pcap", &["-i", "eth0", "-s", "2048", "src", "host", GUEST_ADDR, "and", "tcp", "src", "port", "6379"]);
+    wait_status(&dir.join("primary.sock"), "protected: yes", &mut primary, Duration::from_secs(20));
+    let (cap, pcap) = capture(
+        &topo,
+        "client",
+        &dir,
+        "client.pcap",
+        &["-i", "eth0", "-s", "2048", "src", "host", GUEST_ADDR, "and", "tcp", "src", "port", "6379"],
+    );
 
     // Memory-dirtying writes alongside.
-    let writers = Writers::start(writer::Config {
+    let writers = Writers::start(writers::Config {
         addr: guest(),
         netns: Some(topo.ns("client")),
         connections: 2,
@@ -813,10 +730,11 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied() {
     primary.kill();
     backup.kill();
 
-    let applied = jsonl(&dir.path("backup.applied.jsonl"));
-    let epochs: Vec<(u64, u64, u64)> = applied.iter().map(|v| (field(v, "epoch"), field(v, "guest_ns"), field(v, "applied_unix_ns"))).collect();
+    let applied = jsonl(&dir.join("backup.applied.jsonl"));
+    let epochs: Vec<(u64, u64, u64)> =
+        applied.iter().map(|v| (field(v, "epoch"), field(v, "guest_ns"), field(v, "applied_unix_ns"))).collect();
     assert!(epochs.windows(2).all(|w| w[1].0 == w[0].0 + 1 && w[1].1 > w[0].1), "applied epochs in order");
-    let released: u64 = jsonl(&dir.path("primary.epochs.jsonl")).iter().map(|v| field(v, "frames_released")).sum();
+    let released: u64 = jsonl(&dir.join("primary.epochs.jsonl")).iter().map(|v| field(v, "frames_released")).sum();
     let (replies, others) = time_replies(&pcap);
     let mut violations = Vec::new();
     let mut covered = BTreeSet::new();
@@ -833,7 +751,9 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied() {
             continue;
         }
         match epochs.iter().find(|e| e.1 >= g) {
-            None => violations.push(format!("reply made at guest {g} ns arrived at {} but no checkpoint covering it was applied", r.arrival_ns)),
+            None => {
+                violations.push(format!("reply made at guest {g} ns arrived at {} but no checkpoint covering it was applied", r.arrival_ns))
+            }
             Some(&(m, _, applied_ns)) => {
                 covered.insert(m);
                 if r.arrival_ns < applied_ns {
@@ -861,7 +781,12 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied() {
         slacks.get(slacks.len() / 2).copied().unwrap_or(0) / 1000,
         violations.len()
     );
-    assert!(violations.is_empty(), "{} replies left before their checkpoint was applied: {:#?}", violations.len(), &violations[..violations.len().min(10)]);
+    assert!(
+        violations.is_empty(),
+        "{} replies left before their checkpoint was applied: {:#?}",
+        violations.len(),
+        &violations[..violations.len().min(10)]
+    );
     assert!(replies.len() as u64 >= sent * 9 / 10, "the capture missed replies: {} of {sent}", replies.len());
     assert!(slacks.len() >= 1000, "only {} replies checked", slacks.len());
     assert!(covered.len() >= 50, "replies from only {} epochs", covered.len());
@@ -873,15 +798,15 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied() {
 
 #[test]
 fn backup_loss_then_reprotection_then_failover() {
-    let topo = Topology::new("rept");
-    restore_topology(&topo);
-    let dir = Scratch::new("reprotect");
+    let topo = Topology::new("rept").unwrap();
+    topo.restore().unwrap();
+    let dir = scratch("reprotect");
     let mut backup1 = start_backup(&topo, &dir, "backup1");
     let mut primary = start_primary(&topo, &dir, "primary", &["--failure-timeout-ms", "300", "--on-backup-loss", "continue"]);
-    let socket = dir.path("primary.sock");
+    let socket = dir.join("primary.sock");
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
     let client_ns = topo.ns("client");
-    let config = |prefix: &str| writer::Config {
+    let config = |prefix: &str| writers::Config {
         addr: guest(),
         netns: Some(client_ns.clone()),
         connections: 4,
@@ -928,7 +853,7 @@ fn backup_loss_then_reprotection_then_failover() {
     // Writes during the final failover.
     let w = Writers::start(config("after")).unwrap();
     std::thread::sleep(Duration::from_millis(500));
-    let done = kill_host(&topo, primary.pid(), Kill::LinksThenSigkill, 0);
+    let done = kill_host(&topo, primary.id() as i32, Kill::LinksThenSigkill, 0);
     w.mark(done.at);
     primary.kill();
     let err = wait_log(&mut backup2, "PRIMARY LOST", Duration::from_secs(10));
@@ -939,7 +864,7 @@ fn backup_loss_then_reprotection_then_failover() {
     let resumed = w.first_ack_after_mark().map(|t| t - done.at);
     acked.extend(w.stop().acked);
 
-    let verified = writer::verify(guest(), Some(&client_ns), &acked, 1000, Instant::now() + Duration::from_secs(10)).unwrap();
+    let verified = writers::verify(guest(), Some(&client_ns), &acked, 1000, Instant::now() + Duration::from_secs(10)).unwrap();
     for (k, v) in [("cli-before", "1"), ("cli-unprotected", "2"), ("cli-reprotected", "3")] {
         let (ok, out) = topo.redis_cli(GUEST_ADDR, &["GET", k]);
         assert!(ok && out.trim() == v, "{k} after failover: {out}");
@@ -954,7 +879,13 @@ fn backup_loss_then_reprotection_then_failover() {
         verified.checked,
         verified.lost()
     );
-    assert_eq!(verified.lost(), 0, "missing {:?}, wrong {:?}", &verified.missing[..verified.missing.len().min(5)], &verified.wrong[..verified.wrong.len().min(5)]);
+    assert_eq!(
+        verified.lost(),
+        0,
+        "missing {:?}, wrong {:?}",
+        &verified.missing[..verified.missing.len().min(5)],
+        &verified.wrong[..verified.wrong.len().min(5)]
+    );
     assert!(resumed.is_some(), "no write acknowledged by the new primary");
     backup2.kill();
 }

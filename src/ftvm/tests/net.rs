@@ -1,124 +1,65 @@
 //! Networking and storage end to end: the real `ftvm` binary on real KVM,
-//! a real TAP in a network namespace (`common::net::Topology`), and real
+//! a real TAP in a network namespace (`ftvm_testkit::topology::Topology`), and real
 //! Debian clients (ping, redis-cli, redis-benchmark, bash's /dev/tcp) in
 //! the client namespace talking to the guest at 10.0.0.2. Needs root and
 //! scripts/setup.sh (redis-tools, iproute2, guest images).
 
 mod common;
 
-use std::fs::File;
-use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::sync::{Arc, Mutex};
+use std::path::Path;
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::net::{Topology, GUEST_ADDR, GUEST_MAC, TAP};
 use common::*;
+use ftvm_testkit::netns;
+use ftvm_testkit::process::{Process, WaitError};
+use ftvm_testkit::resp::{Client, Reply};
+use ftvm_testkit::scratch::Scratch;
+use ftvm_testkit::tmpfs::{self, FileSystem, Tmpfs};
+use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, TAP};
+
+/// The kv guest's address from the client namespace.
+fn guest() -> std::net::SocketAddr {
+    format!("{GUEST_ADDR}:6379").parse().expect("valid address")
+}
 
 /// How long a guest may take from spawn to serving.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// A VMM running inside `<topo>-h1`, killed (SIGKILL) and reaped on Drop,
-/// also when the test panics. Its stdout and stderr are collected by
-/// threads, so the pipes never fill and the test can wait for lines.
-struct Vmm {
-    child: Child,
-    stdout: Arc<Mutex<String>>,
-    stderr: Arc<Mutex<String>>,
-    readers: Vec<std::thread::JoinHandle<()>>,
+/// `ftvm run --image NAME.elf --net tap=tap0,mac=GUEST_MAC --cmdline
+/// CMDLINE [--disk DISK]` in the topology's h1 namespace, its output
+/// collected (`ip netns exec` execs the program, so the process is the VMM
+/// itself).
+fn start_vmm(topo: &Topology, image_name: &str, cmdline: &str, disk: Option<&Path>) -> Process {
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.arg("run").arg("--image").arg(image(image_name)).args(["--net", &format!("tap={TAP},mac={GUEST_MAC}"), "--cmdline", cmdline]);
+    if let Some(disk) = disk {
+        cmd.arg("--disk").arg(disk);
+    }
+    Process::spawn_collected("ftvm", &mut cmd).expect("ftvm spawns")
 }
 
-fn collect(pipe: impl Read + Send + 'static, into: Arc<Mutex<String>>) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        for line in BufReader::new(pipe).lines() {
-            let Ok(line) = line else { break };
-            let mut s = into.lock().unwrap();
-            s.push_str(&line);
-            s.push('\n');
-        }
-    })
-}
-
-impl Vmm {
-    /// `ftvm run --image NAME.elf --net tap=tap0,mac=GUEST_MAC --cmdline
-    /// CMDLINE [--disk DISK]` in the topology's h1 namespace. (`ip netns
-    /// exec` execs the program, so the child is the VMM itself.)
-    fn start(topo: &Topology, image_name: &str, cmdline: &str, disk: Option<&Path>) -> Vmm {
-        let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
-        cmd.arg("run")
-            .arg("--image")
-            .arg(image(image_name))
-            .args(["--net", &format!("tap={TAP},mac={GUEST_MAC}"), "--cmdline", cmdline]);
-        if let Some(disk) = disk {
-            cmd.arg("--disk").arg(disk);
-        }
-        let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("ftvm spawns");
-        let (stdout, stderr) = (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
-        let readers = vec![
-            collect(child.stdout.take().unwrap(), stdout.clone()),
-            collect(child.stderr.take().unwrap(), stderr.clone()),
-        ];
-        Vmm { child, stdout, stderr, readers }
-    }
-
-    fn stdout(&self) -> String {
-        self.stdout.lock().unwrap().clone()
-    }
-
-    fn output(&self) -> String {
-        format!("stdout:\n{}stderr:\n{}", self.stdout(), self.stderr.lock().unwrap())
-    }
-
-    /// Wait until the guest prints a line containing `text`; panics with
-    /// the VMM's output if it exits first or the time runs out.
-    fn wait_for_line(&mut self, text: &str) {
-        let deadline = Instant::now() + BOOT_TIMEOUT;
-        loop {
-            if self.stdout().lines().any(|l| l.contains(text)) {
-                return;
-            }
-            if let Some(status) = self.child.try_wait().unwrap() {
-                // Let the readers drain what the VMM printed last.
-                for r in self.readers.drain(..) {
-                    let _ = r.join();
-                }
-                panic!("ftvm exited ({status}) before printing {text:?}:\n{}", self.output());
-            }
-            assert!(Instant::now() < deadline, "no {text:?} from the guest within {BOOT_TIMEOUT:?}:\n{}", self.output());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn assert_running(&mut self) {
-        if let Some(status) = self.child.try_wait().unwrap() {
-            panic!("ftvm died ({status}):\n{}", self.output());
-        }
-    }
-
-    /// SIGKILL, as a host crash would; returns how it ended and its output.
-    fn kill(mut self) -> (ExitStatus, String) {
-        let _ = self.child.kill();
-        let status = self.child.wait().expect("ftvm reaped");
-        for r in self.readers.drain(..) {
-            let _ = r.join();
-        }
-        (status, self.output())
+/// Wait until the guest prints a line containing `text`; panics with the
+/// VMM's output if it exits first or the time runs out.
+fn wait_for_line(vmm: &mut Process, text: &str) {
+    match vmm.wait_until(BOOT_TIMEOUT, |p| p.stdout().lines().any(|l| l.contains(text))) {
+        Ok(()) => {}
+        Err(WaitError::Exited(status)) => panic!("ftvm exited ({status}) before printing {text:?}:\n{}", vmm.output()),
+        Err(WaitError::TimedOut(_)) => panic!("no {text:?} from the guest within {BOOT_TIMEOUT:?}:\n{}", vmm.output()),
     }
 }
 
-impl Drop for Vmm {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+fn assert_running(vmm: &mut Process) {
+    if let Some(status) = vmm.try_wait() {
+        panic!("ftvm died ({status}):\n{}", vmm.output());
     }
 }
 
 /// The kv guest in `topo` (command line `ip=10.0.0.2/24 EXTRA`), serving.
-fn kv(topo: &Topology, cmdline_extra: &str, disk: Option<&Path>) -> Vmm {
+fn kv(topo: &Topology, cmdline_extra: &str, disk: Option<&Path>) -> Process {
     let cmdline = format!("ip={GUEST_ADDR}/24 {cmdline_extra}");
-    let mut vmm = Vmm::start(topo, "kv", cmdline.trim(), disk);
-    vmm.wait_for_line("kv: listening on 10.0.0.2:6379");
+    let mut vmm = start_vmm(topo, "kv", cmdline.trim(), disk);
+    wait_for_line(&mut vmm, "kv: listening on 10.0.0.2:6379");
     vmm
 }
 
@@ -186,63 +127,11 @@ echo "<cat status $?>""#;
     (replies.to_owned(), status.trim() == "0>")
 }
 
-/// A scratch directory removed on Drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("ftvm-net-{tag}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-
-    /// A fresh sparse disk image of `size` bytes.
-    fn disk(&self, name: &str, size: u64) -> PathBuf {
-        let path = self.0.join(name);
-        File::create(&path).unwrap().set_len(size).unwrap();
-        path
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A small tmpfs mounted on a scratch directory, unmounted on Drop (after
-/// the VMMs using it: declare it before them).
-struct Tmpfs {
-    dir: Scratch,
-}
-
-impl Tmpfs {
-    fn mount(tag: &str, size: &str) -> Tmpfs {
-        let dir = Scratch::new(tag);
-        let out = Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"]).arg(&dir.0).output().unwrap();
-        assert!(out.status.success(), "mount tmpfs: {}", stderr(&out));
-        Tmpfs { dir }
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        // Before `dir` is removed (fields drop after this).
-        let ok = Command::new("umount").arg(&self.dir.0).status().is_ok_and(|s| s.success());
-        if !ok {
-            let _ = Command::new("umount").arg("-l").arg(&self.dir.0).status();
-        }
-    }
-}
-
 #[test]
 fn guest_answers_ping_and_tcp_echo() {
-    let topo = Topology::new("ping");
-    let mut vmm = Vmm::start(&topo, "netprobe", &format!("ip={GUEST_ADDR}/24 echo"), None);
-    vmm.wait_for_line("netprobe: up ip=10.0.0.2/24 mac=52:54:00:12:34:56");
+    let topo = Topology::new("ping").unwrap();
+    let mut vmm = start_vmm(&topo, "netprobe", &format!("ip={GUEST_ADDR}/24 echo"), None);
+    wait_for_line(&mut vmm, "netprobe: up ip=10.0.0.2/24 mac=52:54:00:12:34:56");
     assert!(topo.wait_for_ping(GUEST_ADDR, Duration::from_secs(10)), "no ping answer:\n{}", vmm.output());
     // Every echo request of a short burst is answered.
     let out = topo.command("client", "ping").args(["-n", "-q", "-c", "20", "-i", "0.01", "-W", "2", GUEST_ADDR]).output().unwrap();
@@ -260,12 +149,12 @@ printf 'hello through the tap\n' >&3
 read -r -t 5 line <&3 && printf '%s' "$line""#;
     let out = topo.command("client", "bash").args(["-c", script, GUEST_ADDR]).output().unwrap();
     assert_eq!(stdout(&out), "hello through the tap", "{}", stderr(&out));
-    vmm.assert_running();
+    assert_running(&mut vmm);
 }
 
 #[test]
 fn redis_cli_commands_get_exact_replies() {
-    let topo = Topology::new("cli");
+    let topo = Topology::new("cli").unwrap();
     let mut vmm = kv(&topo, "", None);
     assert_eq!(cli1(&topo, &["PING"]), "PONG");
     assert_eq!(cli1(&topo, &["SET", "greeting", "hello"]), "OK");
@@ -289,10 +178,7 @@ fn redis_cli_commands_get_exact_replies() {
     assert_eq!(cli1(&topo, &["EXISTS", "a"]), "0");
     assert_eq!(cli(&topo, &["GET", "a"]), "\n");
     assert_eq!(cli1(&topo, &["DBSIZE"]), "4");
-    assert_eq!(
-        cli1(&topo, &["GET"]),
-        "ERR wrong number of arguments for 'get' command"
-    );
+    assert_eq!(cli1(&topo, &["GET"]), "ERR wrong number of arguments for 'get' command");
     // A value bigger than a socket buffer goes both ways intact (from
     // stdin with -x: an argument is limited to 128 KiB).
     let big: String = (0..300_000).map(|i| (b'a' + (i % 26) as u8) as char).collect();
@@ -300,12 +186,12 @@ fn redis_cli_commands_get_exact_replies() {
     assert_eq!(stdout(&out), "OK\n", "{}", stderr(&out));
     assert_eq!(cli1(&topo, &["STRLEN", "big"]), "300000");
     assert!(cli1(&topo, &["GET", "big"]) == big, "GET big returned another value");
-    vmm.assert_running();
+    assert_running(&mut vmm);
 }
 
 #[test]
 fn redis_benchmark_pipelined_runs_without_errors() {
-    let topo = Topology::new("bench");
+    let topo = Topology::new("bench").unwrap();
     let mut vmm = kv(&topo, "", None);
     let t0 = Instant::now();
     let out = topo
@@ -331,7 +217,7 @@ fn redis_benchmark_pipelined_runs_without_errors() {
     assert_eq!(seen, ["SET", "GET"], "{text}");
     // The server survived 100000 pipelined SETs and GETs, with the data
     // redis-benchmark wrote (one key, its default 3-byte value).
-    vmm.assert_running();
+    assert_running(&mut vmm);
     assert_eq!(cli1(&topo, &["DBSIZE"]), "1");
     assert_eq!(cli1(&topo, &["STRLEN", "key:__rand_int__"]), "3");
     assert_eq!(cli1(&topo, &["PING"]), "PONG");
@@ -359,10 +245,10 @@ fn mget_all(topo: &Topology, keys: &[&str]) -> Vec<String> {
 #[test]
 fn aof_survives_sigkill_and_replays_every_key() {
     const N: usize = 3000;
-    let topo = Topology::new("aof");
-    let scratch = Scratch::new("aof");
-    let disk = scratch.disk("kv.disk", 64 << 20);
-    let vmm = kv(&topo, "aof=on", Some(&disk));
+    let topo = Topology::new("aof").unwrap();
+    let scratch = Scratch::new("net-aof").unwrap();
+    let disk = scratch.sparse_file("kv.disk", 64 << 20).unwrap();
+    let mut vmm = kv(&topo, "aof=on", Some(&disk));
     assert!(vmm.stdout().contains("kv: replayed 0 records, 0 keys"), "{}", vmm.output());
 
     let pairs = keys_and_values(N);
@@ -379,17 +265,13 @@ fn aof_survives_sigkill_and_replays_every_key() {
     assert_eq!(cli1(&topo, &["APPEND", "key:2", "+more"]), (pairs[2].1.len() + 5).to_string());
     assert_eq!(cli1(&topo, &["DBSIZE"]), (N - 2 + 1).to_string());
 
-    let (status, output) = vmm.kill();
+    let status = vmm.kill().expect("reaped");
     use std::os::unix::process::ExitStatusExt;
-    assert_eq!(status.signal(), Some(9), "{output}");
+    assert_eq!(status.signal(), Some(9), "{}", vmm.output());
 
-    let vmm = kv(&topo, "aof=on", Some(&disk));
+    let mut vmm = kv(&topo, "aof=on", Some(&disk));
     let records = N + 3;
-    assert!(
-        vmm.stdout().contains(&format!("kv: replayed {records} records, {} keys", N - 1)),
-        "{}",
-        vmm.output()
-    );
+    assert!(vmm.stdout().contains(&format!("kv: replayed {records} records, {} keys", N - 1)), "{}", vmm.output());
     assert_eq!(cli1(&topo, &["DBSIZE"]), (N - 1).to_string());
     let keys: Vec<&str> = pairs.iter().map(|(k, _)| k.as_str()).collect();
     let got = mget_all(&topo, &keys);
@@ -413,16 +295,14 @@ fn aof_survives_sigkill_and_replays_every_key() {
 
 #[test]
 fn malformed_requests_get_errors_and_the_server_keeps_serving() {
-    let topo = Topology::new("malf");
+    let topo = Topology::new("malf").unwrap();
     let mut vmm = kv(&topo, "", None);
     assert_eq!(cli1(&topo, &["SET", "before", "kept"]), "OK");
 
     // Unknown commands, multibulk and inline, are errors on a connection
     // that keeps working.
-    let (replies, closed) = raw_exchange(
-        &topo,
-        "*2\r\n$7\r\nNOSUCHX\r\n$1\r\na\r\nGET before\r\nfrobnicate 1 2\r\n*1\r\n$4\r\nPING\r\nQUIT\r\n",
-    );
+    let (replies, closed) =
+        raw_exchange(&topo, "*2\r\n$7\r\nNOSUCHX\r\n$1\r\na\r\nGET before\r\nfrobnicate 1 2\r\n*1\r\n$4\r\nPING\r\nQUIT\r\n");
     assert_eq!(
         replies,
         "-ERR unknown command 'NOSUCHX', with args beginning with: 'a' \r\n$4\r\nkept\r\n\
@@ -448,28 +328,75 @@ fn malformed_requests_get_errors_and_the_server_keeps_serving() {
     assert_eq!(replies, "+OK\r\n-ERR Protocol error: invalid bulk length\r\n");
     assert!(closed);
 
-    vmm.assert_running();
+    assert_running(&mut vmm);
     assert_eq!(cli1(&topo, &["PING"]), "PONG");
     assert_eq!(cli1(&topo, &["GET", "before"]), "kept");
     assert_eq!(cli1(&topo, &["GET", "during"]), "ok");
     assert_eq!(cli1(&topo, &["DBSIZE"]), "2");
 }
 
+/// How many of the log records `frames` (framed lengths, in order) the kv
+/// guest appends before one does not fit on a disk file whose file system
+/// has `fs.size` bytes: the log starts at byte 0, each append rewrites
+/// whole 512-byte sectors up to its end, and the host allocates whole
+/// `fs.unit` blocks, so a record fits when the blocks up to its padded end
+/// do.
+fn records_that_fit(frames: impl IntoIterator<Item = usize>, fs: &FileSystem) -> usize {
+    let mut end = 0u64;
+    let mut n = 0;
+    for len in frames {
+        let new_end = end + len as u64;
+        let blocks = new_end.next_multiple_of(512).div_ceil(fs.unit);
+        if blocks * fs.unit > fs.size {
+            return n;
+        }
+        end = new_end;
+        n += 1;
+    }
+    n
+}
+
+/// The framed length of the log record the kv guest writes for `args`
+/// (a RESP array of bulk strings in `ftvm_kv::aof` framing).
+fn aof_frame_len(args: &[&[u8]]) -> usize {
+    let mut resp = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        resp.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        resp.extend_from_slice(a);
+        resp.extend_from_slice(b"\r\n");
+    }
+    let mut frame = Vec::new();
+    ftvm_kv::aof::encode(&resp, &mut frame);
+    frame.len()
+}
+
 #[test]
 fn full_host_disk_fails_the_write_and_keeps_earlier_data() {
-    let topo = Topology::new("full");
+    let topo = Topology::new("full").unwrap();
     // 2 MiB of real space under a 16 MiB disk: writes past ~2 MiB of log
     // fail with ENOSPC on the host, IOERR in the guest.
-    let fs = Tmpfs::mount("full", "2M");
-    let disk = fs.dir.disk("kv.disk", 16 << 20);
+    let fs = Tmpfs::mount("net-full", "2M").unwrap();
+    let disk = fs.sparse_file("kv.disk", 16 << 20).unwrap();
     let mut vmm = kv(&topo, "aof=on", Some(&disk));
 
+    // The VMM must write that file on that tmpfs: look at it from the VMM's
+    // own mount namespace (`ip netns exec` gave it a copy of ours).
+    let tmpfs = tmpfs::file_system(fs.path()).unwrap();
+    assert_eq!(tmpfs.size, 2 << 20, "the tmpfs at {} is not 2 MiB", fs.path().display());
+    let seen_by_vmm = Path::new(&format!("/proc/{}/root", vmm.id())).join(disk.strip_prefix("/").unwrap());
+    assert_eq!(tmpfs::file_system(&seen_by_vmm).unwrap().dev, tmpfs.dev, "the VMM does not see {} on the tmpfs", disk.display());
+
+    // Exactly the SETs whose records fit are acknowledged; the next one
+    // fails. ~60-80 KB values: the first failure comes after ~28 of them.
     let value = |i: usize| format!("{i}:{}", (b'a' + (i % 26) as u8) as char).repeat(20_000);
+    let key = |i: usize| format!("big:{i}");
+    let frames = (0..).map(|i| aof_frame_len(&[b"SET", key(i).as_bytes(), value(i).as_bytes()]));
+    let fit = records_that_fit(frames, &tmpfs);
+    assert!(fit >= 10, "only {fit} SETs fit: the test needs a few before the disk is full");
     let mut acked = Vec::new();
     let mut error = None;
-    for i in 0..100 {
-        let key = format!("big:{i}");
-        let reply = cli1(&topo, &["SET", &key, &value(i)]);
+    for i in 0..=fit {
+        let reply = cli1(&topo, &["SET", &key(i), &value(i)]);
         if reply == "OK" {
             acked.push(i);
         } else {
@@ -477,22 +404,23 @@ fn full_host_disk_fails_the_write_and_keeps_earlier_data() {
             break;
         }
     }
-    let (failed, reply) = error.unwrap_or_else(|| panic!("100 SETs of ~100 KB fit on a 2 MiB tmpfs?\n{}", vmm.output()));
+    let (failed, reply) =
+        error.unwrap_or_else(|| panic!("all {} SETs acknowledged, but only {fit} fit on the 2 MiB tmpfs\n{}", fit + 1, vmm.output()));
     assert_eq!(reply, "ERR I/O error: append-only log write failed, command not applied");
-    assert!(acked.len() >= 10, "only {} SETs before the error", acked.len());
+    assert_eq!(failed, fit, "SET {failed} failed, but the first {fit} fit on the 2 MiB tmpfs");
     assert!(vmm.output().contains("No space left on device"), "{}", vmm.output());
-    vmm.assert_running();
+    assert_running(&mut vmm);
 
     let check = |topo: &Topology, extra: usize| {
         assert_eq!(cli1(topo, &["DBSIZE"]), (acked.len() + extra).to_string());
-        assert_eq!(cli(topo, &["GET", &format!("big:{failed}")]), "\n", "the failed SET was applied");
+        assert_eq!(cli(topo, &["GET", &key(failed)]), "\n", "the failed SET was applied");
         for &i in &acked {
-            assert!(cli1(topo, &["GET", &format!("big:{i}")]) == value(i), "big:{i} lost or changed");
+            assert!(cli1(topo, &["GET", &key(i)]) == value(i), "big:{i} lost or changed");
         }
     };
     check(&topo, 0);
     // Still full: the same write fails again, and reads still work.
-    assert_eq!(cli1(&topo, &["SET", &format!("big:{failed}"), &value(failed)]), reply);
+    assert_eq!(cli1(&topo, &["SET", &key(failed), &value(failed)]), reply);
     assert_eq!(cli1(&topo, &["PING"]), "PONG");
     // A small record may still fit in the host's last allocated page (it
     // overwrites the torn start of the failed one); either way the reply
@@ -512,21 +440,6 @@ fn full_host_disk_fails_the_write_and_keeps_earlier_data() {
     drop(vmm);
 }
 
-/// Run `f` on a thread that lives in the topology's client namespace.
-fn in_client_ns<T: Send + 'static>(topo: &Topology, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let ns = File::open(Path::new("/run/netns").join(topo.ns("client"))).expect("client netns");
-    std::thread::spawn(move || {
-        use std::os::fd::AsRawFd;
-        // SAFETY: setns on a namespace descriptor we opened; it moves only
-        // this thread into the namespace.
-        let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
-        f()
-    })
-    .join()
-    .expect("client thread")
-}
-
 /// Regression: virtio-drivers 0.13's `VirtQueue::should_notify` compares
 /// `avail_idx >= avail_event + 1` without wrapping, so a batch of frames
 /// carrying the ring's u16 index across 65535 -> 0 skipped the TX kick and
@@ -534,82 +447,54 @@ fn in_client_ns<T: Send + 'static>(topo: &Topology, f: impl FnOnce() -> T + Send
 /// frames). ftvm-rt now forces the kick when its own index count wraps.
 #[test]
 fn no_stall_when_the_guest_tx_ring_index_wraps() {
-    use std::io::Write;
-    let topo = Topology::new("wrap");
+    let topo = Topology::new("wrap").unwrap();
     let mut vmm = kv(&topo, "", None);
     const SIZE: usize = 100_000;
     // ~70 frames per reply: 3000 replies carry the index past 65536 three times.
-    let slow = in_client_ns(&topo, || {
-        let mut s = std::net::TcpStream::connect((GUEST_ADDR, 6379)).unwrap();
-        s.set_nodelay(true).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let value = vec![b'w'; SIZE];
-        let mut set = format!("*3\r\n$3\r\nSET\r\n$1\r\nk\r\n${SIZE}\r\n").into_bytes();
-        set.extend_from_slice(&value);
-        set.extend_from_slice(b"\r\n");
-        s.write_all(&set).unwrap();
-        let mut ok = [0u8; 5];
-        s.read_exact(&mut ok).unwrap();
-        assert_eq!(&ok, b"+OK\r\n");
-        let reply_len = format!("${SIZE}\r\n").len() + SIZE + 2;
-        let mut reply = vec![0u8; reply_len];
+    let slow = netns::run_in(&topo.ns("client"), || {
+        let mut c = Client::connect(guest(), Duration::from_secs(5)).unwrap();
+        assert_eq!(c.call(&[b"SET", b"k", &[b'w'; SIZE]]).unwrap(), Reply::Simple("OK".into()));
         let mut slow = Vec::new();
         for i in 0..3000 {
             let t = Instant::now();
-            s.write_all(b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n").unwrap();
-            s.read_exact(&mut reply).unwrap();
+            let reply = c.call(&[b"GET", b"k"]).unwrap();
+            assert!(matches!(&reply, Reply::Bulk(Some(v)) if v.len() == SIZE), "GET {i} got another reply");
             let ms = t.elapsed().as_secs_f64() * 1e3;
             if ms > 50.0 {
                 slow.push((i, ms));
             }
         }
         slow
-    });
-    vmm.assert_running();
+    })
+    .expect("client thread");
+    assert_running(&mut vmm);
     assert!(slow.is_empty(), "GETs (index, ms) that stalled: {slow:?}");
-}
-
-/// Send one RESP command on `s` and return the raw reply.
-fn request(s: &mut std::net::TcpStream, args: &[&str]) -> String {
-    use std::io::Write;
-    let mut req = format!("*{}\r\n", args.len());
-    for a in args {
-        req += &format!("${}\r\n{a}\r\n", a.len());
-    }
-    s.write_all(req.as_bytes()).expect("request sent");
-    let mut buf = [0u8; 256];
-    let n = s.read(&mut buf).expect("reply");
-    String::from_utf8_lossy(&buf[..n]).into_owned()
 }
 
 #[test]
 fn snapshot_and_restore_keep_device_state_and_tcp_connections() {
-    let topo = Topology::new("snap");
-    let scratch = Scratch::new("snapnet");
-    let (socket, snap) = (scratch.0.join("api.sock"), scratch.0.join("vm.snap"));
+    let topo = Topology::new("snap").unwrap();
+    let scratch = Scratch::new("net-snap").unwrap();
+    let (socket, snap) = (scratch.join("api.sock"), scratch.join("vm.snap"));
     let net = format!("tap={TAP},mac={GUEST_MAC}");
     let mut first = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
     first.args(["run", "--net", &net, "--cmdline", "ip=10.0.0.2/24", "--api-socket"]).arg(&socket).arg("--image").arg(image("kv"));
-    let mut first = first.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut first = Process::spawn_collected("ftvm run", &mut first).expect("ftvm spawns");
     assert!(topo.wait_for_ping(GUEST_ADDR, BOOT_TIMEOUT), "guest never came up");
     // One connection, kept open across the snapshot and the restore.
-    let mut conn = in_client_ns(&topo, || {
-        let s = std::net::TcpStream::connect(("10.0.0.2", 6379)).expect("connect");
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s
-    });
-    assert_eq!(request(&mut conn, &["SET", "before", "1"]), "+OK\r\n");
+    let mut conn =
+        netns::run_in(&topo.ns("client"), || Client::connect(guest(), Duration::from_secs(10)).expect("connect")).expect("client thread");
+    assert_eq!(conn.call(&[b"SET", b"before", b"1"]).unwrap(), Reply::Simple("OK".into()));
     let out = ftvm().args(["snapshot", "--stop", "--api-socket"]).arg(&socket).arg("--output").arg(&snap).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(first.wait().unwrap().success());
 
     let mut restored = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
     restored.args(["restore", "--net", &net, "--snapshot"]).arg(&snap);
-    let restored = restored.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    let _guard = Vmm { child: restored, stdout: Default::default(), stderr: Default::default(), readers: Vec::new() };
+    let _restored = Process::spawn_collected("ftvm restore", &mut restored).expect("ftvm spawns");
     // The same TCP connection carries on: the guest's sockets, the virtio
     // rings and the device's queue positions all came back.
-    assert_eq!(request(&mut conn, &["GET", "before"]), "$1\r\n1\r\n");
-    assert_eq!(request(&mut conn, &["SET", "after", "2"]), "+OK\r\n");
+    assert_eq!(conn.call(&[b"GET", b"before"]).unwrap(), Reply::Bulk(Some(b"1".to_vec())));
+    assert_eq!(conn.call(&[b"SET", b"after", b"2"]).unwrap(), Reply::Simple("OK".into()));
     assert_eq!(cli1(&topo, &["MGET", "before", "after"]), "1\n2");
 }

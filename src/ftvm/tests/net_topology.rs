@@ -1,15 +1,11 @@
 //! The network test topology itself (scripts/netns.sh through
-//! `common::net`): every network test trusts that it is connected, isolated
-//! and cleaned up. Needs root, iproute2 and ping (scripts/setup.sh).
-
-// Included directly rather than through `common`, which pulls in the guest
-// workload helpers this test does not need.
-#[path = "common/net.rs"]
-mod net;
+//! `ftvm_testkit::topology`): every network test trusts that it is
+//! connected, isolated and cleaned up. Needs root, iproute2 and ping
+//! (scripts/setup.sh).
 
 use std::time::Duration;
 
-use net::{netns_exists, Topology, ROLES};
+use ftvm_testkit::topology::{netns_exists, Topology, ROLES};
 
 fn sh(topo: &Topology, role: &str, args: &[&str]) -> String {
     let out = topo.command(role, args[0]).args(&args[1..]).output().expect("command runs");
@@ -24,7 +20,7 @@ fn stand_in(topo: &Topology, host: &str, addr: &str) {
 
 #[test]
 fn topology_is_built_as_documented() {
-    let topo = Topology::new("shape");
+    let topo = Topology::new("shape").unwrap();
     for role in ROLES {
         assert!(netns_exists(&topo.ns(role)), "{} missing", topo.ns(role));
         let v6 = sh(&topo, role, &["sysctl", "-n", "net.ipv6.conf.all.disable_ipv6"]);
@@ -49,7 +45,7 @@ fn topology_is_built_as_documented() {
 
 #[test]
 fn client_reaches_both_hosts_and_hosts_reach_each_other() {
-    let topo = Topology::new("ping");
+    let topo = Topology::new("ping").unwrap();
     assert!(!topo.wait_for_ping("10.0.0.9", Duration::from_millis(500)), "nothing should answer yet");
     stand_in(&topo, "h1", "10.0.0.9");
     stand_in(&topo, "h2", "10.0.0.8");
@@ -63,13 +59,13 @@ fn client_reaches_both_hosts_and_hosts_reach_each_other() {
 
 #[test]
 fn topologies_are_isolated_and_dropped() {
-    let a = Topology::new("iso");
-    let b = Topology::new("iso");
-    assert_ne!(a.name, b.name);
+    let a = Topology::new("iso").unwrap();
+    let b = Topology::new("iso").unwrap();
+    assert_ne!(a.name(), b.name());
     // The same address in both: each client must see only its own LAN.
     stand_in(&a, "h1", "10.0.0.9");
     assert!(a.wait_for_ping("10.0.0.9", Duration::from_secs(5)));
-    assert!(!b.wait_for_ping("10.0.0.9", Duration::from_millis(1500)), "{} sees {}'s LAN", b.name, a.name);
+    assert!(!b.wait_for_ping("10.0.0.9", Duration::from_millis(1500)), "{} sees {}'s LAN", b.name(), a.name());
     stand_in(&b, "h2", "10.0.0.9");
     assert!(b.wait_for_ping("10.0.0.9", Duration::from_secs(5)));
 
@@ -89,7 +85,7 @@ fn dropped_on_panic() {
     let names = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let seen = names.clone();
     let result = std::thread::spawn(move || {
-        let topo = Topology::new("panic");
+        let topo = Topology::new("panic").unwrap();
         seen.lock().unwrap().extend(ROLES.map(|r| topo.ns(r)));
         panic!("test failure inside a topology");
     })

@@ -6,10 +6,12 @@ mod common;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
+use ftvm_testkit::process::Process;
+use ftvm_testkit::scratch::Scratch;
 
 /// A free loopback port for a backup to listen on.
 fn free_addr() -> String {
@@ -18,34 +20,12 @@ fn free_addr() -> String {
 }
 
 /// A VMM process, SIGKILLed on drop so a failing test leaves none behind.
-struct Vmm(Option<Child>);
-
-impl Vmm {
-    fn child(&mut self) -> &mut Child {
-        self.0.as_mut().expect("still owned")
-    }
+fn spawn(cmd: &mut Command) -> Process {
+    Process::spawn("ftvm", cmd).unwrap()
 }
 
-impl Drop for Vmm {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn spawn(cmd: &mut Command) -> Vmm {
-    Vmm(Some(cmd.spawn().unwrap()))
-}
-
-fn backup(addr: &str, extra: &[&str]) -> Vmm {
-    spawn(ftvm()
-        .args(["backup", "--listen", addr])
-        .args(extra)
-        .env("FTVM_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped()))
+fn backup(addr: &str, extra: &[&str]) -> Process {
+    spawn(ftvm().args(["backup", "--listen", addr]).args(extra).env("FTVM_LOG", "info").stdout(Stdio::piped()).stderr(Stdio::piped()))
 }
 
 fn primary(addr: &str, vcpus: u32, cmdline: &str, extra: &[&str]) -> Command {
@@ -61,8 +41,8 @@ fn primary(addr: &str, vcpus: u32, cmdline: &str, extra: &[&str]) -> Command {
 }
 
 /// Wait until the primary's stdout shows memtouch progress (it runs protected by then).
-fn wait_for_progress(p: &mut Vmm) -> std::io::Lines<BufReader<std::process::ChildStdout>> {
-    let mut lines = BufReader::new(p.child().stdout.take().unwrap()).lines();
+fn wait_for_progress(p: &mut Process) -> std::io::Lines<BufReader<std::process::ChildStdout>> {
+    let mut lines = BufReader::new(p.child_mut().stdout.take().unwrap()).lines();
     for line in lines.by_ref() {
         if line.unwrap().contains("t=") {
             break;
@@ -71,13 +51,12 @@ fn wait_for_progress(p: &mut Vmm) -> std::io::Lines<BufReader<std::process::Chil
     lines
 }
 
-fn finish(mut vmm: Vmm) -> Output {
-    vmm.0.take().expect("still owned").wait_with_output().unwrap()
+fn finish(vmm: Process) -> Output {
+    vmm.wait_with_output().unwrap()
 }
 
-fn kill(vmm: &mut Vmm) {
-    let _ = vmm.child().kill();
-    let _ = vmm.child().wait();
+fn kill(vmm: &mut Process) {
+    vmm.kill();
 }
 
 fn checksum_of(out: &Output) -> Option<String> {
@@ -167,7 +146,9 @@ fn backup_refuses_other_versions_and_shapes() {
     let b = finish(b);
     assert_eq!(p.status.code(), Some(1));
     assert!(
-        stderr(&p).contains("the backup refused this primary: the primary's VM has 256 MiB and 2 vCPUs, this backup was started for 128 MiB and 1 vCPUs"),
+        stderr(&p).contains(
+            "the backup refused this primary: the primary's VM has 256 MiB and 2 vCPUs, this backup was started for 128 MiB and 1 vCPUs"
+        ),
         "{}",
         stderr(&p)
     );
@@ -213,8 +194,7 @@ fn primary_pauses_on_backup_loss_by_policy_until_protected_again() {
 }
 
 fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str) {
-    let dir = std::env::temp_dir().join(format!("ftvm-reprotect-{policy}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = Scratch::new(&format!("reprotect-{policy}")).unwrap().keep_on_panic();
     let socket = dir.join("api.sock");
     let long = "ws=16M pattern=random writes=150000000 report=100ms";
     let addr1 = free_addr();
@@ -251,7 +231,6 @@ fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str) {
     let out = finish(b2);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(long, 1)));
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -3,62 +3,40 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Stdio};
+use std::path::PathBuf;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::*;
+use ftvm_testkit::process::Process;
+use ftvm_testkit::scratch::Scratch;
 
+/// A VMM with a control socket in a scratch directory (the VMM dies
+/// first: a failing test must not leave it behind).
 struct Running {
-    child: Child,
-    socket: std::path::PathBuf,
-    _dir: TempDir,
+    vmm: Process,
+    socket: PathBuf,
+    _dir: Scratch,
 }
 
-impl Drop for Running {
-    /// A failing test must not leave a VMM behind.
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A scratch directory removed on drop.
-struct TempDir(std::path::PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("ftvm-test-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn start(tag: &str, image_name: &str, vcpus: u32, cmdline: &str) -> (Running, std::path::PathBuf) {
-    let dir = TempDir::new(tag);
-    let socket = dir.0.join("api.sock");
-    let snap = dir.0.join("vm.snap");
-    let child = ftvm()
-        .args(["run", "--vcpus", &vcpus.to_string(), "--cmdline", cmdline, "--api-socket"])
+fn start(tag: &str, image_name: &str, vcpus: u32, cmdline: &str) -> (Running, PathBuf) {
+    let dir = Scratch::new(&format!("snapshot-{tag}")).unwrap();
+    let socket = dir.join("api.sock");
+    let snap = dir.join("vm.snap");
+    let mut cmd = ftvm();
+    cmd.args(["run", "--vcpus", &vcpus.to_string(), "--cmdline", cmdline, "--api-socket"])
         .arg(&socket)
         .arg("--image")
         .arg(image(image_name))
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stderr(Stdio::piped());
+    let vmm = Process::spawn("ftvm", &mut cmd).unwrap();
     let t0 = Instant::now();
     while !socket.exists() {
         assert!(t0.elapsed() < Duration::from_secs(10), "control socket never appeared");
         std::thread::sleep(Duration::from_millis(10));
     }
-    (Running { child, socket, _dir: dir }, snap)
+    (Running { vmm, socket, _dir: dir }, snap)
 }
 
 fn snapshot(vm: &Running, snap: &std::path::Path, stop: bool) {
@@ -78,7 +56,7 @@ fn restored_memtouch_finishes_with_the_uninterrupted_checksum() {
         let cmdline = "ws=32M pattern=random writes=150000000 report=200ms";
         let (mut vm, snap) = start(&format!("mt{vcpus}"), "memtouch", vcpus, cmdline);
         // Wait for a progress line so the snapshot is taken mid-run.
-        let mut lines = BufReader::new(vm.child.stdout.take().unwrap()).lines();
+        let mut lines = BufReader::new(vm.vmm.child_mut().stdout.take().unwrap()).lines();
         let mut before = String::new();
         for line in lines.by_ref() {
             let line = line.unwrap();
@@ -90,7 +68,7 @@ fn restored_memtouch_finishes_with_the_uninterrupted_checksum() {
         }
         snapshot(&vm, &snap, true);
         let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
-        let status = vm.child.wait().unwrap();
+        let status = vm.vmm.wait().unwrap();
         assert!(status.success());
         assert!(!rest.iter().any(|l| l.contains("done checksum")), "snapshot came too late: the first run finished");
 
@@ -106,7 +84,7 @@ fn restored_memtouch_finishes_with_the_uninterrupted_checksum() {
 #[test]
 fn restored_guest_time_is_monotonic_and_counter_continues() {
     let (mut vm, snap) = start("ticker", "probe", 1, "ticker=20,count=40");
-    let mut lines = BufReader::new(vm.child.stdout.take().unwrap()).lines();
+    let mut lines = BufReader::new(vm.vmm.child_mut().stdout.take().unwrap()).lines();
     let mut last = (0u64, 0u64);
     for line in lines.by_ref() {
         let line = line.unwrap();
@@ -124,7 +102,7 @@ fn restored_guest_time_is_monotonic_and_counter_continues() {
             last = (n.parse().unwrap(), field(&line, "probe: tick", "t_ns").unwrap().parse().unwrap());
         }
     }
-    assert!(vm.child.wait().unwrap().success());
+    assert!(vm.vmm.wait().unwrap().success());
     // Let host time run on: the guest clock must not jump by this gap.
     std::thread::sleep(Duration::from_millis(300));
     let out = ftvm().arg("restore").arg("--snapshot").arg(&snap).output().unwrap();
@@ -148,8 +126,8 @@ fn snapshot_without_stop_keeps_the_vm_running() {
     std::thread::sleep(Duration::from_millis(100));
     snapshot(&vm, &snap, false);
     let mut text = String::new();
-    vm.child.stdout.take().unwrap().read_to_string(&mut text).unwrap();
-    assert!(vm.child.wait().unwrap().success());
+    vm.vmm.child_mut().stdout.take().unwrap().read_to_string(&mut text).unwrap();
+    assert!(vm.vmm.wait().unwrap().success());
     assert!(text.contains("n=60 "), "VM ran to the end after the snapshot: {text}");
     assert!(std::fs::metadata(&snap).unwrap().len() > 0);
 }
@@ -160,14 +138,31 @@ fn corrupted_or_truncated_snapshots_are_refused() {
     std::thread::sleep(Duration::from_millis(50));
     snapshot(&vm, &snap, true);
     let mut vm = vm;
-    vm.child.wait().unwrap();
+    vm.vmm.wait().unwrap();
     let good = std::fs::read(&snap).unwrap();
     let bad = snap.with_extension("bad");
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         ("truncated", good[..good.len() / 2].to_vec(), "truncated"),
-        ("bit flip", { let mut b = good.clone(); let i = b.len() - 100; b[i] ^= 0x10; b }, "checksum mismatch"),
+        (
+            "bit flip",
+            {
+                let mut b = good.clone();
+                let i = b.len() - 100;
+                b[i] ^= 0x10;
+                b
+            },
+            "checksum mismatch",
+        ),
         ("not a snapshot", b"hello world, not a snapshot".to_vec(), "not an ftvm snapshot"),
-        ("wrong version", { let mut b = good.clone(); b[8] = 99; b }, "format version 99"),
+        (
+            "wrong version",
+            {
+                let mut b = good.clone();
+                b[8] = 99;
+                b
+            },
+            "format version 99",
+        ),
     ];
     for (what, bytes, msg) in cases {
         std::fs::write(&bad, bytes).unwrap();

@@ -1,4 +1,6 @@
-//! Helpers for end-to-end tests that run the real `ftvm` binary on real KVM.
+//! Helpers for end-to-end tests that run the real `ftvm` binary on real KVM
+//! (processes, scratch directories, topologies and the Redis client come
+//! from `ftvm-testkit`).
 #![allow(dead_code)]
 
 use std::path::PathBuf;
@@ -35,9 +37,10 @@ pub fn stderr(o: &Output) -> String {
 
 /// The value of `key=` on the line starting with `prefix`.
 pub fn field(output: &str, prefix: &str, key: &str) -> Option<String> {
-    output.lines().filter(|l| l.starts_with(prefix)).find_map(|l| {
-        l.split_whitespace().find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('=')).map(str::to_owned))
-    })
+    output
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('=')).map(str::to_owned)))
 }
 
 /// The checksum memtouch prints for `cmdline` when every writer does
@@ -55,4 +58,3 @@ pub fn expected_memtouch_checksum(cmdline: &str, writers: u32) -> String {
     let bytes = unsafe { std::slice::from_raw_parts(ws.as_ptr() as *const u8, ws.len() * 8) };
     format!("{:016x}", memtouch::checksum(bytes))
 }
-pub mod net;

@@ -1,7 +1,6 @@
 //! A small blocking Redis (RESP2) client with timeouts: enough to write
-//! keys, read them back and ask for TIME. Shared by `ftvm demo` and the
-//! failover tests (`src/ftvm/tests/failover.rs` includes this file).
-#![allow(dead_code)]
+//! keys, read them back and ask for TIME, and the reply parser on its own
+//! (for replies read from a capture).
 
 use std::io::{self, BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -144,5 +143,65 @@ mod tests {
         let mut v = Vec::new();
         encode(&mut v, &[b"SET", b"k", b""]);
         assert_eq!(v, b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$0\r\n\r\n");
+    }
+
+    fn parse(bytes: &[u8]) -> io::Result<Reply> {
+        read_reply(&mut &bytes[..])
+    }
+
+    #[test]
+    fn nested_empty_and_binary_replies_parse() {
+        assert_eq!(
+            parse(b"*2\r\n*1\r\n:0\r\n$0\r\n\r\n").unwrap(),
+            Reply::Array(Some(vec![Reply::Array(Some(vec![Reply::Int(0)])), Reply::Bulk(Some(Vec::new()))]))
+        );
+        assert_eq!(parse(b"*0\r\n").unwrap(), Reply::Array(Some(Vec::new())));
+        // Bulk strings are binary: CR, LF and NUL inside are data.
+        assert_eq!(parse(b"$4\r\na\r\n\0\r\n").unwrap(), Reply::Bulk(Some(b"a\r\n\0".to_vec())));
+        assert_eq!(parse(b"+\r\n").unwrap(), Reply::Simple(String::new()));
+        assert!(!Reply::Simple("PONG".into()).is_ok() && Reply::Simple("OK".into()).is_ok());
+    }
+
+    #[test]
+    fn malformed_and_cut_replies_are_errors() {
+        use io::ErrorKind::{InvalidData, UnexpectedEof};
+        for (bytes, kind) in [
+            (&b"+OK\n"[..], InvalidData),
+            (b"+OK", InvalidData),
+            (b":12x\r\n", InvalidData),
+            (b"$abc\r\n", InvalidData),
+            (b"!3\r\n", InvalidData),
+            (b"$3\r\nabcXY", InvalidData),
+            (b"$10\r\nabc\r\n", UnexpectedEof),
+            (b"*2\r\n:1\r\n", UnexpectedEof),
+            (b"", UnexpectedEof),
+        ] {
+            assert_eq!(parse(bytes).map_err(|e| e.kind()), Err(kind), "{:?}", String::from_utf8_lossy(bytes));
+        }
+    }
+
+    #[test]
+    fn a_client_sends_requests_and_reads_replies_with_a_timeout() {
+        use std::io::Read;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let want = b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n";
+            let mut got = vec![0u8; want.len()];
+            s.read_exact(&mut got).unwrap();
+            assert_eq!(got, want);
+            s.write_all(b"$2\r\nv1\r\n").unwrap();
+            // Then silence: the next call must time out, not hang.
+            let mut rest = Vec::new();
+            let _ = s.read_to_end(&mut rest);
+        });
+        let mut c = Client::connect(addr, Duration::from_secs(5)).unwrap();
+        assert_eq!(c.call(&[b"GET", b"k"]).unwrap(), Reply::Bulk(Some(b"v1".to_vec())));
+        c.set_timeout(Duration::from_millis(50)).unwrap();
+        let e = c.call(&[b"PING"]).unwrap_err();
+        assert!(matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut), "{e}");
+        drop(c);
+        server.join().unwrap();
     }
 }

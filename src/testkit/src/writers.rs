@@ -3,10 +3,6 @@
 //! whose `+OK` arrived, then a reader that checks every remembered key.
 //! A write whose reply did not arrive (timeout, reset, closed connection)
 //! is not acknowledged and not remembered; the connection is replaced.
-//! Shared by `ftvm demo` and the failover tests
-//! (`src/ftvm/tests/failover.rs` includes this file, with `resp.rs` and
-//! `netns.rs` as its siblings).
-#![allow(dead_code)]
 
 use std::io;
 use std::net::SocketAddr;
@@ -15,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::netns;
-use super::resp::{encode, Client, Reply};
+use crate::netns;
+use crate::resp::{encode, Client, Reply};
 
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -265,5 +261,22 @@ pub fn verify(addr: SocketAddr, netns_name: Option<&str>, keys: &[String], value
     match netns_name {
         Some(ns) => netns::run_in(ns, run)?,
         None => run(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_derived_from_their_keys() {
+        assert_eq!(key("demo1", 3, 42), "demo1:3:42");
+        let v = value("demo1:3:42", 64);
+        assert_eq!(v.len(), 64);
+        assert!(v.starts_with(b"demo1:3:42"));
+        assert!(v[10..].iter().all(u8::is_ascii_lowercase));
+        assert_eq!(v, value("demo1:3:42", 64), "the same key gives the same value");
+        assert_ne!(v, value("demo1:3:43", 64));
+        assert_eq!(value("a-long-key", 4), b"a-lo", "a value shorter than its key is the key's start");
     }
 }

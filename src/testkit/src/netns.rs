@@ -1,9 +1,7 @@
 //! Network namespaces from inside this process, one thread at a time:
 //! enter one (`setns` affects only the calling thread), delete a link at
-//! once (netlink, no `ip` process to start), and read a TCP socket's send
-//! queue. Shared by `ftvm demo` and the failover tests
-//! (`src/ftvm/tests/failover.rs` includes this file). Needs root.
-#![allow(dead_code)]
+//! once (netlink, no `ip` process to start, so a host dies exactly when
+//! asked), and read a TCP socket's send queue. Needs root.
 
 use std::ffi::CString;
 use std::fs::File;

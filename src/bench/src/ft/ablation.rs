@@ -1,0 +1,159 @@
+//! The ablation: the same short workloads once per value of every
+//! optimisation switch, each against the unreplicated VM measured in the
+//! same run, so a switch's effect shows as the difference between ratios
+//! measured minutes apart on the same host.
+
+use std::path::Path;
+
+use ftvm_testkit::scratch::Scratch;
+use ftvm_testkit::topology::Topology;
+
+use super::runs::{self, BoxError, EpochMeans, Replicated};
+use super::Options;
+use crate::report::{self, Row};
+
+/// An optimisation switch of `ftvm run`: its values, each with the
+/// arguments it adds to the primary's `ftvm run` (the first value is
+/// ftvm's default).
+pub struct Switch {
+    pub name: &'static str,
+    pub values: &'static [(&'static str, &'static [&'static str])],
+}
+
+/// Every switch the ablation measures: one line per switch.
+pub const SWITCHES: &[Switch] =
+    &[Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] }];
+
+/// The epoch length measured unless `--epochs` says otherwise.
+pub const DEFAULT_EPOCH_MS: u64 = 20;
+/// The memtouch workload: random writes into 64 MiB, almost every write a
+/// new dirty page.
+const MEMTOUCH: (&str, &str) = ("memtouch 10k pages/s", "ws=64M pattern=random rate=10000 report=0");
+/// redis-benchmark's pipeline depth for the kv workload.
+const KV_PIPELINE: u32 = 16;
+
+/// What `--ablation` measures, for `--help`.
+pub fn long_help() -> String {
+    let switches: Vec<String> =
+        SWITCHES.iter().map(|s| format!("--{} {}", s.name, s.values.iter().map(|(v, _)| *v).collect::<Vec<_>>().join("|"))).collect();
+    format!(
+        "Measure each optimisation switch on and off instead of sweeping epoch lengths. The same short workloads ({}: \
+         random writes into 64 MiB, almost every one a new dirty page; the kv guest under redis-benchmark SET and GET, \
+         -P {KV_PIPELINE} -c 50) run replicated with epochs of {DEFAULT_EPOCH_MS} ms (or --epochs) once per value of each \
+         switch of `ftvm run` ({}), the other switches at their defaults, and once on the unreplicated VM in the same run. \
+         Prints, per switch value: throughput and latency with the unreplicated figure and their ratio, and the mean pause, \
+         dirty pages, bytes and output hold per epoch; writes ablation.csv and ablation.svg (the throughput ratios).",
+        MEMTOUCH.0,
+        switches.join(", ")
+    )
+}
+
+/// The rows of one replicated run: its throughput figures against the
+/// unreplicated ones, then its per-epoch figures (with the output hold if
+/// the workload has network output).
+fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'static str, f64)], m: &EpochMeans, output: bool) -> Vec<Row> {
+    let row = |figure: &str, value, unit, reference| Row {
+        group: group.to_owned(),
+        case: format!("{workload}, epoch {e} ms: {figure}"),
+        value,
+        unit,
+        reference,
+    };
+    let mut rows: Vec<Row> = figures.iter().map(|(f, v, unit, r)| row(f, *v, unit, Some(*r))).collect();
+    rows.push(row("pause", m.pause_us, "us", None));
+    rows.push(row("dirty pages/epoch", m.dirty_pages, "pages", None));
+    rows.push(row("bytes/epoch", m.bytes, "bytes", None));
+    if output {
+        rows.push(row("output hold", m.hold_us / 1e3, "ms", None));
+    }
+    rows
+}
+
+/// Every (switch, value, arguments) to measure, in table order.
+fn settings() -> impl Iterator<Item = (String, &'static [&'static str])> {
+    SWITCHES.iter().flat_map(|s| s.values.iter().map(move |(value, args)| (format!("{}={value}", s.name), *args)))
+}
+
+pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
+    let epochs = opts.epochs.clone().unwrap_or(vec![DEFAULT_EPOCH_MS]);
+    let scratch = Scratch::new("bench-ablation")?;
+    let scratch = scratch.path();
+    let mut rows = Vec::new();
+
+    let (workload, load) = MEMTOUCH;
+    let cmdline = format!("{load} duration={}s", opts.seconds);
+    let (base, _) = runs::memtouch(&cmdline, None, scratch)?;
+    for (setting, args) in settings() {
+        for &e in &epochs {
+            let (rate, m) = runs::memtouch(&cmdline, Some(Replicated { epoch_ms: e, args }), scratch)?;
+            rows.extend(rows_of(&setting, workload, e, &[("writes/s".into(), rate, "writes/s", base)], &m.unwrap_or_default(), false));
+        }
+    }
+
+    if !opts.no_network {
+        let topo = Topology::new("abl")?;
+        let metrics = scratch.join("kv.jsonl");
+        // The unreplicated VM serves some 20 times faster: ten times the
+        // requests keep its run from being over in a few tens of ms.
+        let base = {
+            let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
+            runs::redis_benchmark(&topo, KV_PIPELINE, opts.requests * 10)?
+        };
+        for (setting, args) in settings() {
+            for &e in &epochs {
+                let ft = {
+                    let _vm = runs::start_kv(&topo, Some(Replicated { epoch_ms: e, args }), scratch, "kv", &metrics)?;
+                    runs::redis_benchmark(&topo, KV_PIPELINE, opts.requests)?
+                };
+                let m = runs::epoch_means(&metrics);
+                let workload = format!("kv -P {KV_PIPELINE}");
+                let mut figures = Vec::new();
+                for (b, r) in ft.iter().zip(&base) {
+                    figures.push((format!("{} requests/s", b.test), b.rps, "req/s", r.rps));
+                    figures.push((format!("{} p50", b.test), b.p50_ms, "ms", r.p50_ms));
+                    figures.push((format!("{} p99", b.test), b.p99_ms, "ms", r.p99_ms));
+                }
+                rows.extend(rows_of(&setting, &workload, e, &figures, &m, true));
+            }
+        }
+    }
+
+    println!("each switch value against the unreplicated VM of the same run (reference; ratio = value / reference)\n");
+    report::print_table(&rows);
+    let csv = out.join("ablation.csv");
+    report::write_csv(&csv, &rows)?;
+    let bars = rows
+        .iter()
+        .filter(|r| r.unit == "writes/s" || r.unit == "req/s")
+        .filter_map(|r| r.ratio().map(|ratio| (format!("{}: {}", r.group, r.case), ratio)))
+        .collect();
+    let svg = out.join("ablation.svg");
+    report::write_bar_chart(
+        &svg,
+        &report::BarChart {
+            title: "ablation: throughput under FT relative to the unreplicated VM, per switch value",
+            category: "switch=value: workload, epoch length, figure",
+            quantity: "throughput / unreplicated throughput (ratio)",
+            bars,
+            reference: Some(1.0),
+        },
+    )?;
+    println!("\nwrote {} and {}", csv.display(), svg.display());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_switch_value_is_one_setting_with_its_arguments() {
+        let all: Vec<(String, &[&str])> = settings().collect();
+        assert_eq!(all.len(), SWITCHES.iter().map(|s| s.values.len()).sum::<usize>());
+        assert_eq!(all[0], ("dirty-backend=bitmap".to_owned(), &["--dirty-backend", "bitmap"][..]));
+        assert!(all.iter().any(|(s, a)| s == "dirty-backend=ring" && a == &["--dirty-backend", "ring"]));
+        for s in SWITCHES {
+            assert!(s.values.len() >= 2, "{}: a switch needs something to compare", s.name);
+        }
+    }
+}

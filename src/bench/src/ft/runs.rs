@@ -1,0 +1,225 @@
+//! One measured run each: memtouch in a VM, the kv guest under
+//! redis-benchmark, a failover; alone or replicated with extra `ftvm run`
+//! arguments.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ftvm_testkit::netns;
+use ftvm_testkit::process::Process;
+use ftvm_testkit::resp::{Client, Reply};
+use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR};
+
+use crate::paths;
+
+pub type BoxError = Box<dyn std::error::Error>;
+
+/// How a run is protected: replicated to a backup every `epoch_ms`, the
+/// primary's `ftvm run` given `args` on top (the switches under test).
+#[derive(Clone, Copy)]
+pub struct Replicated<'a> {
+    pub epoch_ms: u64,
+    pub args: &'a [&'a str],
+}
+
+/// Per-epoch figures of a replicated run: means over its metrics file.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EpochMeans {
+    pub pause_us: f64,
+    pub dirty_pages: f64,
+    pub bytes: f64,
+    /// How long output was held for its checkpoint.
+    pub hold_us: f64,
+}
+
+/// One redis-benchmark test (SET or GET).
+#[derive(Clone, Debug)]
+pub struct Bench {
+    pub test: String,
+    pub rps: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+fn ftvm_bin() -> PathBuf {
+    paths::sibling_binary("ftvm")
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_or(7700, |a| a.port())
+}
+
+/// Means over the JSON-lines metrics file, skipping the first epochs
+/// (pre-copy aftermath).
+pub fn epoch_means(path: &Path) -> EpochMeans {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).skip(3).collect();
+    let mean = |f: &str| {
+        let v: Vec<f64> = lines.iter().filter_map(|l| l[f].as_f64()).collect();
+        if v.is_empty() {
+            0.0
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
+    };
+    EpochMeans { pause_us: mean("pause_us"), dirty_pages: mean("dirty_pages"), bytes: mean("bytes"), hold_us: mean("hold_us") }
+}
+
+fn memtouch_rate(out: &str) -> Option<f64> {
+    out.lines().find_map(|l| {
+        let rest = l.strip_prefix("memtouch: writes=")?;
+        rest.split_whitespace().find_map(|w| w.strip_prefix("writes/s=")).and_then(|v| v.parse().ok())
+    })
+}
+
+/// memtouch with `cmdline`, alone or as a primary replicating to a backup
+/// on loopback: its writes/s, and the epoch figures when replicated.
+pub fn memtouch(cmdline: &str, ft: Option<Replicated>, dir: &Path) -> Result<(f64, Option<EpochMeans>), BoxError> {
+    let image = paths::images().join("memtouch.elf");
+    let metrics = dir.join("memtouch.jsonl");
+    let _ = std::fs::remove_file(&metrics);
+    let mut _backup = None;
+    let mut cmd = Command::new(ftvm_bin());
+    cmd.args(["run", "--memory", "512", "--cmdline", cmdline]).arg("--image").arg(&image);
+    if let Some(ft) = ft {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let mut b = Command::new(ftvm_bin());
+        b.args(["backup", "--listen", &addr]).stdout(Stdio::null()).stderr(Stdio::null());
+        _backup = Some(Process::spawn("ftvm backup", &mut b)?);
+        cmd.args(["--replicate-to", &addr, "--epoch-ms", &ft.epoch_ms.to_string()]).arg("--metrics").arg(&metrics).args(ft.args);
+    }
+    let out = cmd.output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rate = memtouch_rate(&text).ok_or_else(|| format!("memtouch printed no rate: {text}{}", String::from_utf8_lossy(&out.stderr)))?;
+    Ok((rate, ft.map(|_| epoch_means(&metrics))))
+}
+
+/// Parse redis-benchmark --csv: "test","rps","avg_latency_ms","min","p50",
+/// "p95","p99","max" (redis-benchmark 7).
+fn parse_benchmark_csv(text: &str) -> Vec<Bench> {
+    text.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split(',').map(|s| s.trim_matches('"')).collect();
+            Some(Bench {
+                test: f.first()?.to_string(),
+                rps: f.get(1)?.parse().ok()?,
+                p50_ms: f.get(4)?.parse().ok()?,
+                p99_ms: f.get(6)?.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+/// redis-benchmark SET and GET against the guest, 50 connections.
+pub fn redis_benchmark(topo: &Topology, pipeline: u32, requests: u64) -> Result<Vec<Bench>, BoxError> {
+    let out = topo
+        .command("client", "redis-benchmark")
+        .args(["-h", GUEST_ADDR, "-t", "set,get", "-c", "50", "--csv"])
+        .args(["-P", &pipeline.to_string(), "-n", &requests.to_string()])
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rows = parse_benchmark_csv(&text);
+    if rows.len() < 2 {
+        return Err(format!("redis-benchmark failed: {text}{}", String::from_utf8_lossy(&out.stderr)).into());
+    }
+    Ok(rows)
+}
+
+/// A kv guest and, when replicated, its backup; both killed when dropped.
+pub struct Kv {
+    _backup: Option<Process>,
+    primary: Process,
+}
+
+/// Send one command from the client namespace with short timeouts (a dead
+/// or silent guest is an answer here too): its reply, if one came.
+fn redis(topo: &Topology, args: &[&str]) -> Option<Reply> {
+    let args: Vec<Vec<u8>> = args.iter().map(|a| a.as_bytes().to_vec()).collect();
+    let addr = format!("{GUEST_ADDR}:6379").parse().expect("valid address");
+    netns::run_in(&topo.ns("client"), move || {
+        let mut c = Client::connect(addr, Duration::from_millis(100)).ok()?;
+        c.set_timeout(Duration::from_millis(200)).ok()?;
+        c.call(&args.iter().map(Vec::as_slice).collect::<Vec<_>>()).ok()
+    })
+    .ok()
+    .flatten()
+}
+
+/// kv in h1 (replicating to h2 when `ft` is set, epoch figures into
+/// `metrics`), ready to serve; stderr goes to `LOG.primary.err` and
+/// `LOG.backup.err` in `dir`.
+pub fn start_kv(topo: &Topology, ft: Option<Replicated>, dir: &Path, log: &str, metrics: &Path) -> Result<Kv, BoxError> {
+    let net = format!("tap=tap0,mac={GUEST_MAC}");
+    let backup_addr = format!("{H2_REPL_ADDR}:7000");
+    let image = paths::images().join("kv.elf");
+    let mut backup = None;
+    let mut cmd = topo.command("h1", ftvm_bin());
+    cmd.args(["run", "--net", &net, "--cmdline", &format!("ip={GUEST_ADDR}/24"), "--image"]).arg(&image);
+    if let Some(ft) = ft {
+        let _ = std::fs::remove_file(metrics);
+        let mut b = topo.command("h2", ftvm_bin());
+        b.args(["backup", "--listen", &backup_addr, "--net", &net]).env("FTVM_LOG", "warn");
+        backup = Some(Process::spawn_logged("ftvm backup", &mut b, dir, &format!("{log}.backup"))?);
+        cmd.args(["--replicate-to", &backup_addr, "--epoch-ms", &ft.epoch_ms.to_string()]).arg("--metrics").arg(metrics).args(ft.args);
+    }
+    let primary = Process::spawn_logged("ftvm run", &mut cmd, dir, &format!("{log}.primary"))?;
+    let kv = Kv { _backup: backup, primary };
+    let t0 = Instant::now();
+    while !matches!(redis(topo, &["PING"]), Some(Reply::Simple(_))) {
+        if t0.elapsed() > Duration::from_secs(15) {
+            let backup = kv._backup.as_ref().map(Process::stderr).unwrap_or_default();
+            return Err(format!("kv guest never answered; primary: {} backup: {backup}", kv.primary.stderr()).into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(kv)
+}
+
+/// Kill the primary's host and time until the backup answers a client.
+pub fn failover(topo: &Topology, epoch_ms: u64, cut_links: bool, dir: &Path) -> Result<f64, BoxError> {
+    let metrics = dir.join("failover.jsonl");
+    let mut kv = start_kv(topo, Some(Replicated { epoch_ms, args: &[] }), dir, "failover", &metrics)?;
+    // Let it settle into protected operation.
+    std::thread::sleep(Duration::from_millis(500));
+    if !matches!(redis(topo, &["SET", "failover-key", "v"]), Some(Reply::Simple(_))) {
+        return Err("write before failover failed".into());
+    }
+    let t0 = Instant::now();
+    if cut_links {
+        topo.cut_host("h1")?;
+    }
+    kv.primary.kill();
+    while redis(topo, &["GET", "failover-key"]) != Some(Reply::Bulk(Some(b"v".to_vec()))) {
+        if t0.elapsed() > Duration::from_secs(20) {
+            return Err("the backup never answered".into());
+        }
+    }
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    drop(kv);
+    if cut_links {
+        topo.reset()?;
+    }
+    Ok(ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_redis_benchmark_csv_and_memtouch_rates() {
+        let csv = "\"test\",\"rps\",\"avg_latency_ms\",\"min_latency_ms\",\"p50_latency_ms\",\"p95_latency_ms\",\"p99_latency_ms\",\"max_latency_ms\"\n\
+                   \"SET\",\"55555.55\",\"0.795\",\"0.312\",\"0.815\",\"1.127\",\"1.375\",\"24.191\"\n\
+                   \"GET\",\"66666.66\",\"0.768\",\"0.336\",\"0.799\",\"1.103\",\"1.679\",\"2.063\"\n";
+        let rows = parse_benchmark_csv(csv);
+        assert_eq!(rows.len(), 2);
+        assert_eq!((rows[0].test.as_str(), rows[0].rps, rows[0].p50_ms, rows[0].p99_ms), ("SET", 55555.55, 0.815, 1.375));
+        assert_eq!(rows[1].test, "GET");
+        let out = "memtouch: t=1.0s writes/s=9000 pages/s=9000\nmemtouch: writes=30000 elapsed_ms=3000 writes/s=10001.5\nmemtouch: done checksum=00\n";
+        assert_eq!(memtouch_rate(out), Some(10001.5));
+        assert_eq!(memtouch_rate("nothing"), None);
+    }
+}
