@@ -51,8 +51,10 @@ fn wait_for_progress(p: &mut Process) -> std::io::Lines<BufReader<std::process::
     lines
 }
 
+/// Wait for a VMM to end by itself; one that is still running after two
+/// minutes is a failure, not a hung suite.
 fn finish(vmm: Process) -> Output {
-    vmm.wait_with_output().unwrap()
+    vmm.wait_with_output_within(Duration::from_secs(120)).unwrap()
 }
 
 fn kill(vmm: &mut Process) {

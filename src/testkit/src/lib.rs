@@ -9,6 +9,7 @@
 //! - [`topology::Topology`]: one private network (client, two hosts, a
 //!   replication link) built by `scripts/netns.sh`, torn down on drop, and
 //!   [`netns`], to enter its namespaces from a thread and cut its links;
+//! - [`etcd::Etcd`]: a private etcd, the replication arbiter;
 //! - [`resp`]: a small blocking Redis (RESP2) client, and [`writers`], client
 //!   connections that record every write acknowledged to them.
 //!
@@ -16,6 +17,7 @@
 //! standard library and `libc`. Needing root (mounts, namespaces) is the
 //! caller's business.
 
+pub mod etcd;
 pub mod netns;
 pub mod process;
 pub mod resp;

@@ -180,6 +180,41 @@ impl Process {
         self.child.take().expect("the child was handed out already").wait_with_output()
     }
 
+    /// `wait_with_output`, but a process (group) still running after
+    /// `timeout` is killed and the wait fails with what it printed: a test
+    /// that went wrong ends with its output instead of hanging the suite.
+    pub fn wait_with_output_within(mut self, timeout: Duration) -> io::Result<Output> {
+        let child = self.child.take().expect("the child was handed out already");
+        let pid = child.id() as i32;
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let watchdog = std::thread::spawn(move || {
+            if finished.recv_timeout(timeout).is_err() {
+                // SAFETY: kill(2) has no memory-safety preconditions; the
+                // group is our child's, which is not reaped yet: the waiter
+                // reaps it only once it ended, and tells us before anything else.
+                unsafe { libc::kill(-pid, libc::SIGKILL) };
+                return true;
+            }
+            false
+        });
+        let output = child.wait_with_output();
+        let _ = done.send(());
+        let timed_out = watchdog.join().unwrap_or(false);
+        let output = output?;
+        if timed_out {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "{} still running after {timeout:?}, killed\nstdout:\n{}stderr:\n{}",
+                    self.name,
+                    String::from_utf8_lossy(&output.stdout),
+                    String::from_utf8_lossy(&output.stderr)
+                ),
+            ));
+        }
+        Ok(output)
+    }
+
     /// Poll every 10 ms until `done(self)`; fails when the process ends
     /// first or `timeout` passes.
     pub fn wait_until(&mut self, timeout: Duration, mut done: impl FnMut(&Process) -> bool) -> Result<(), WaitError> {
