@@ -113,7 +113,9 @@ impl Arbiter {
         }
     }
 
-    /// Become the owner as `me`, provided ownership is still as `seen`.
+    /// Become the owner as `me` (unique to this process: see `identity`),
+    /// provided ownership is still as `seen`. Retrying after an error is
+    /// safe: a claim of ours that did reach etcd counts as won.
     pub fn claim(&self, seen: &Ownership, me: &str) -> Result<Claim, ArbiterError> {
         let key = B64.encode(&self.key);
         let next = Record { generation: seen.generation + 1, owner: me.to_string() };
@@ -139,6 +141,12 @@ impl Arbiter {
         if current.is_null() {
             return Ok(Claim::Lost(Ownership { generation: 0, owner: String::new(), revision: 0 }));
         }
-        Ok(Claim::Lost(self.decode(&current)?))
+        let current = self.decode(&current)?;
+        // A retry after a request that timed out on our side but reached
+        // etcd: the earlier attempt won, and it was ours.
+        if current.owner == me && current.generation == next.generation {
+            return Ok(Claim::Won(current));
+        }
+        Ok(Claim::Lost(current))
     }
 }

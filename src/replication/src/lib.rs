@@ -52,8 +52,10 @@ pub enum ReplicationError {
     NoOwnershipView,
 }
 
-/// How this process names itself to the arbiter.
+/// How this process names itself to the arbiter: unique to it (a random
+/// tag besides host and pid), so a claim it retries is recognised as its own.
 pub fn identity(role: Role) -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    format!("{role} pid {} on {}", std::process::id(), host.trim())
+    let read = |path| std::fs::read_to_string(path).unwrap_or_default();
+    let tag: String = read("/proc/sys/kernel/random/uuid").chars().filter(char::is_ascii_hexdigit).take(8).collect();
+    format!("{role} pid {} on {} ({tag})", std::process::id(), read("/proc/sys/kernel/hostname").trim())
 }

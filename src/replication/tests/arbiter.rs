@@ -3,62 +3,25 @@
 //! racing sides wins, an unreachable arbiter is an error and never a win.
 
 use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use ftvm_replication::arbiter::{Arbiter, ArbiterError, Claim};
-
-/// A private etcd on free loopback ports, killed on drop.
-struct Etcd {
-    child: Child,
-    endpoint: String,
-    dir: std::path::PathBuf,
-}
+use ftvm_testkit::etcd::Etcd;
+use ftvm_testkit::scratch::Scratch;
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-impl Etcd {
-    fn start(tag: &str) -> Etcd {
-        let dir = std::env::temp_dir().join(format!("ftvm-etcd-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let (client, peer) = (free_port(), free_port());
-        let endpoint = format!("http://127.0.0.1:{client}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
-        let child = Command::new("etcd")
-            .args(["--name", "arbiter", "--data-dir"])
-            .arg(&dir)
-            .args(["--listen-client-urls", &endpoint, "--advertise-client-urls", &endpoint])
-            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("arbiter={peer_url}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("etcd runs (scripts/setup.sh installs etcd-server)");
-        let etcd = Etcd { child, endpoint, dir };
-        let probe = Arbiter::new(&etcd.endpoint, "probe");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while probe.read().is_err() {
-            assert!(Instant::now() < deadline, "etcd did not come up");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        etcd
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+fn etcd(tag: &str) -> (Scratch, Etcd) {
+    let dir = Scratch::new(tag).unwrap();
+    let etcd = Etcd::start(dir.path()).unwrap();
+    (dir, etcd)
 }
 
 #[test]
 fn ownership_moves_only_by_compare_and_swap() {
-    let etcd = Etcd::start("cas");
-    let arbiter = Arbiter::new(&etcd.endpoint, "vm1");
+    let (_dir, etcd) = etcd("arbiter-cas");
+    let arbiter = Arbiter::new(etcd.endpoint(), "vm1");
     let nobody = arbiter.read().unwrap();
     assert_eq!((nobody.generation, nobody.revision), (0, 0));
 
@@ -73,15 +36,17 @@ fn ownership_moves_only_by_compare_and_swap() {
     }
     let Claim::Won(backup) = arbiter.claim(&primary, "backup").unwrap() else { panic!("claim from the current view lost") };
     assert_eq!(backup.generation, 2);
+    // The same claim again (a retry after a timeout that did reach etcd) is still won.
+    assert_eq!(arbiter.claim(&primary, "backup").unwrap(), Claim::Won(backup.clone()));
     assert!(matches!(arbiter.claim(&primary, "primary").unwrap(), Claim::Lost(o) if o.owner == "backup"));
     // Other VMs' keys are separate.
-    assert_eq!(Arbiter::new(&etcd.endpoint, "vm2").read().unwrap().generation, 0);
+    assert_eq!(Arbiter::new(etcd.endpoint(), "vm2").read().unwrap().generation, 0);
 }
 
 #[test]
 fn of_two_racing_claims_exactly_one_wins() {
-    let etcd = Etcd::start("race");
-    let arbiter = Arbiter::new(&etcd.endpoint, "vm");
+    let (_dir, etcd) = etcd("arbiter-race");
+    let arbiter = Arbiter::new(etcd.endpoint(), "vm");
     let Claim::Won(seen) = arbiter.claim(&arbiter.read().unwrap(), "start").unwrap() else { panic!() };
     for round in 0..20 {
         let seen = arbiter.read().unwrap();
