@@ -40,12 +40,7 @@ fn spawn(cmd: &mut Command) -> Vmm {
 }
 
 fn backup(addr: &str, extra: &[&str]) -> Vmm {
-    spawn(ftvm()
-        .args(["backup", "--listen", addr])
-        .args(extra)
-        .env("FTVM_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped()))
+    spawn(ftvm().args(["backup", "--listen", addr]).args(extra).env("FTVM_LOG", "info").stdout(Stdio::piped()).stderr(Stdio::piped()))
 }
 
 fn primary(addr: &str, vcpus: u32, cmdline: &str, extra: &[&str]) -> Command {
@@ -167,7 +162,9 @@ fn backup_refuses_other_versions_and_shapes() {
     let b = finish(b);
     assert_eq!(p.status.code(), Some(1));
     assert!(
-        stderr(&p).contains("the backup refused this primary: the primary's VM has 256 MiB and 2 vCPUs, this backup was started for 128 MiB and 1 vCPUs"),
+        stderr(&p).contains(
+            "the backup refused this primary: the primary's VM has 256 MiB and 2 vCPUs, this backup was started for 128 MiB and 1 vCPUs"
+        ),
         "{}",
         stderr(&p)
     );

@@ -172,8 +172,7 @@ pub fn read_frame(r: &mut impl Read, limit: u64, buf: &mut Vec<u8>) -> Result<Ki
     if len > limit {
         return Err(ProtocolError::Corrupt(format!("{kind:?} of {len} bytes exceeds the {limit}-byte limit")));
     }
-    buf.resize(len as usize, 0);
-    r.read_exact(buf).map_err(io_err)?;
+    read_payload(r, len as usize, buf)?;
     let mut crc = [0u8; 4];
     r.read_exact(&mut crc).map_err(io_err)?;
     let expected = crc32c::crc32c_append(crc32c::crc32c(&header), buf);
@@ -181,6 +180,28 @@ pub fn read_frame(r: &mut impl Read, limit: u64, buf: &mut Vec<u8>) -> Result<Ki
         return Err(ProtocolError::Corrupt(format!("{kind:?} checksum mismatch")));
     }
     Ok(kind)
+}
+
+/// The payload is read in chunks of at most this many bytes, so a header
+/// claiming a huge length costs memory only as the bytes really arrive.
+const READ_CHUNK: usize = 1 << 20;
+
+/// Read exactly `len` bytes into `buf` (cleared first), growing it with the
+/// data: never more than one chunk ahead of what arrived (plus doubling),
+/// and never beyond `len`.
+fn read_payload(r: &mut impl Read, len: usize, buf: &mut Vec<u8>) -> Result<(), ProtocolError> {
+    buf.clear();
+    while buf.len() < len {
+        let start = buf.len();
+        let want = (len - start).min(READ_CHUNK);
+        if buf.capacity() < start + want {
+            let target = (2 * buf.capacity()).max(start + want).min(len);
+            buf.reserve_exact(target - start);
+        }
+        buf.resize(start + want, 0);
+        r.read_exact(&mut buf[start..]).map_err(io_err)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -246,6 +267,37 @@ mod tests {
         bytes[4] = 9;
         let r = read_frame(&mut &bytes[..], 100, &mut Vec::new());
         assert!(matches!(r, Err(ProtocolError::Version { found: 9 })), "{r:?}");
+    }
+
+    /// A reader that yields `avail` bytes of zeros, then ends.
+    struct Trickle {
+        avail: usize,
+    }
+
+    impl Read for Trickle {
+        fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+            let n = out.len().min(self.avail);
+            out[..n].fill(0);
+            self.avail -= n;
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_claimed_length_costs_memory_only_as_bytes_arrive() {
+        let claimed = 1u64 << 30;
+        let mut header = Vec::new();
+        begin_frame(&mut header, Kind::Checkpoint);
+        header[8..16].copy_from_slice(&claimed.to_le_bytes());
+        let mut r = (&header[..]).chain(Trickle { avail: 3 << 20 });
+        let mut buf = Vec::new();
+        assert!(matches!(read_frame(&mut r, claimed, &mut buf), Err(ProtocolError::Truncated)));
+        assert!(buf.capacity() <= 8 << 20, "allocated {} bytes for 3 MiB received", buf.capacity());
+        // A frame that does arrive whole is read whole, across chunks.
+        let big = frame(Kind::Pages, &vec![3u8; 3 * READ_CHUNK + 5]);
+        assert_eq!(read_frame(&mut &big[..], 4 << 20, &mut buf).unwrap(), Kind::Pages);
+        assert_eq!(buf.len(), 3 * READ_CHUNK + 5);
+        assert!(buf.iter().all(|&b| b == 3));
     }
 
     #[test]
