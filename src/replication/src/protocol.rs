@@ -31,6 +31,14 @@ pub enum Kind {
     Checkpoint = 6,
     Ack = 7,
     Bye = 9,
+    /// On an authenticated channel, before every frame: its sequence
+    /// number and tag (`pipeline::transport::auth`).
+    Seal = 10,
+    /// Authentication handshake (`pipeline::transport::auth`), before Hello.
+    AuthHello = 11,
+    AuthChallenge = 12,
+    AuthProof = 13,
+    AuthAccept = 14,
 }
 
 impl Kind {
@@ -44,6 +52,11 @@ impl Kind {
             6 => Kind::Checkpoint,
             7 => Kind::Ack,
             9 => Kind::Bye,
+            10 => Kind::Seal,
+            11 => Kind::AuthHello,
+            12 => Kind::AuthChallenge,
+            13 => Kind::AuthProof,
+            14 => Kind::AuthAccept,
             _ => return None,
         })
     }
@@ -59,6 +72,8 @@ pub enum ProtocolError {
     Version { found: u16 },
     #[error("corrupted replication stream: {0}")]
     Corrupt(String),
+    #[error("unauthenticated replication data: {0}")]
+    Unauthenticated(String),
     #[error("replication stream timed out")]
     Timeout,
     #[error("replication stream I/O error: {0}")]
@@ -115,6 +130,44 @@ pub fn finish_frame(buf: &mut Vec<u8>) {
     let crc = crc32c::crc32c(buf);
     buf.extend_from_slice(&crc.to_le_bytes());
 }
+
+/// A complete frame of `kind` carrying `payload`.
+pub fn frame(kind: Kind, payload: &[u8]) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(HEADER + payload.len() + 4);
+    begin_frame(&mut buf, kind);
+    buf.extend_from_slice(payload);
+    finish_frame(&mut buf);
+    buf
+}
+
+/// The raw kind and the payload of a complete frame whose length field
+/// matches its size (the checksum is not checked), or None.
+pub fn split_frame(frame: &[u8]) -> Option<(u16, &[u8])> {
+    if frame.len() < HEADER + 4 || &frame[..4] != MAGIC {
+        return None;
+    }
+    let len = u64::from_le_bytes(frame[8..16].try_into().expect("8 bytes"));
+    if len != (frame.len() - HEADER - 4) as u64 {
+        return None;
+    }
+    Some((u16::from_le_bytes([frame[6], frame[7]]), &frame[HEADER..frame.len() - 4]))
+}
+
+/// Whether a complete frame's checksum matches its header and payload.
+pub fn checksum_ok(frame: &[u8]) -> bool {
+    let (body, crc) = frame.split_at(frame.len() - 4);
+    crc32c::crc32c(body).to_le_bytes() == crc
+}
+
+/// Recompute the checksum of a complete frame whose payload was changed in place.
+pub fn refresh_checksum(frame: &mut [u8]) {
+    let at = frame.len() - 4;
+    let crc = crc32c::crc32c(&frame[..at]);
+    frame[at..].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Where a complete frame's payload starts.
+pub const PAYLOAD_OFFSET: usize = HEADER;
 
 /// A complete frame of `kind` carrying `msg`.
 pub fn message<T: Serialize>(kind: Kind, msg: &T) -> Vec<u8> {
