@@ -107,7 +107,30 @@ struct RunArgs {
     #[arg(long, default_value = "tcp", value_name = "tcp")]
     transport: transport::Kind,
     #[command(flatten)]
+    channel: ChannelArgs,
+    #[command(flatten)]
     host: HostArgs,
+}
+
+/// Options that secure the replication channel (both sides).
+#[derive(Args)]
+struct ChannelArgs {
+    /// Authenticate the replication channel with the secret in this file
+    /// (both sides use the same file; it must not be accessible by group or
+    /// others). Without it the channel is unauthenticated.
+    #[arg(long, value_name = "PATH")]
+    secret_file: Option<PathBuf>,
+    /// Encrypt the replication channel too (needs --secret-file; on a
+    /// backup: refuse a primary that does not encrypt).
+    #[arg(long, requires = "secret_file")]
+    encrypt: bool,
+}
+
+impl ChannelArgs {
+    fn auth(&self) -> Result<Option<transport::Auth>, run::RunError> {
+        let Some(path) = &self.secret_file else { return Ok(None) };
+        Ok(Some(transport::Auth { secret: transport::Secret::from_file(path)?, encrypt: self.encrypt }))
+    }
 }
 
 #[derive(Args)]
@@ -128,6 +151,11 @@ struct BackupArgs {
     /// Log every applied checkpoint (epoch, guest time, wall-clock time) as JSON lines.
     #[arg(long)]
     metrics: Option<PathBuf>,
+    /// Drop a connection that has not authenticated and said Hello within this long.
+    #[arg(long, default_value_t = 5000)]
+    handshake_timeout_ms: u64,
+    #[command(flatten)]
+    channel: ChannelArgs,
     #[command(flatten)]
     host: HostArgs,
 }
@@ -182,6 +210,10 @@ fn main() -> ExitCode {
 fn dispatch(command: Command) -> Result<i32, run::RunError> {
     match command {
         Command::Run(args) => {
+            if args.channel.secret_file.is_some() && args.replicate_to.is_none() {
+                return Err(run::RunError::Usage("--secret-file secures replication: it needs --replicate-to"));
+            }
+            let auth = args.channel.auth()?;
             let replicate = args.replicate_to.map(|backup| PrimaryConfig {
                 backup,
                 epoch_ms: args.epoch_ms.max(1),
@@ -191,6 +223,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 metrics: args.metrics,
                 disk: args.host.disk.clone(),
                 switches: Switches { capture: args.capture, encoding: args.encoding, transport: args.transport },
+                auth,
             });
             let source = run::Source::Image { image: args.image, mem_size: args.memory << 20, vcpus: args.vcpus, cmdline: args.cmdline };
             run::run(source, args.host.into_options(replicate))
@@ -206,6 +239,8 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 dirty_backend: args.host.dirty_backend,
                 console: Console::default(),
                 metrics: args.metrics,
+                auth: args.channel.auth()?,
+                handshake_timeout: Duration::from_millis(args.handshake_timeout_ms.max(1)),
             };
             run::run(run::Source::Backup(config), args.host.into_options(None))
         }

@@ -2,6 +2,7 @@
 //! and then one checkpoint per epoch (whole or not at all), acknowledges
 //! each, and takes the VM over when the primary falls silent.
 
+mod gate;
 mod replica;
 
 use std::net::TcpListener;
@@ -13,8 +14,8 @@ use ftvm_vmm::{Console, DirtyBackend, Persist, Vm};
 
 use crate::metrics::{AppliedEpoch, MetricsLog, Role, StatusCell};
 use crate::pipeline::apply::{Apply, InPlace};
-use crate::pipeline::transport::{self, Transport};
-use crate::protocol::{self, Hello, Kind, ProtocolError, HANDSHAKE_LIMIT};
+use crate::pipeline::transport::{self, Auth, Transport};
+use crate::protocol::{self, Hello, Kind, ProtocolError};
 use crate::ReplicationError;
 pub use replica::Replica;
 
@@ -34,7 +35,16 @@ pub struct BackupConfig {
     pub console: Console,
     /// Log every applied checkpoint as a JSON line here.
     pub metrics: Option<std::path::PathBuf>,
+    /// Accept only a primary that proves it holds this secret (and, with
+    /// `encrypt`, only an encrypted channel).
+    pub auth: Option<Auth>,
+    /// A connection that has not completed its handshake (authentication
+    /// and Hello) within this long is dropped.
+    pub handshake_timeout: Duration,
 }
+
+/// Default of `BackupConfig::handshake_timeout`.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How following a primary ended.
 pub enum Outcome {
@@ -72,16 +82,14 @@ impl Backup {
     /// Follow a primary until it fails, then return the VM, resumed from the
     /// last committed checkpoint and announced on the network.
     pub fn run(self) -> Result<Outcome, ReplicationError> {
-        let mut link =
-            transport::accept(&self.listener).map_err(|err| ReplicationError::Listen { addr: self.config.listen.clone(), err })?;
-        let peer = link.peer();
+        let Backup { config, listener, status } = self;
+        let (mut link, mut replica, hello, peer) = admit(&config, listener)?;
         tracing::info!(%peer, "primary connected");
-        let (mut replica, hello) = self.welcome(&mut link)?;
-        let timeout = self.config.failure_timeout.unwrap_or(Duration::from_millis((5 * hello.epoch_ms).max(200)));
+        let timeout = config.failure_timeout.unwrap_or(Duration::from_millis((5 * hello.epoch_ms).max(200)));
         link.set_recv_timeout(Some(timeout)).map_err(ReplicationError::Send)?;
-        self.status.lock().detail = format!("synchronizing from primary {peer}");
-        let log = MetricsLog::open(self.config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
-        let reason = match follow(&mut link, &mut replica, &self.status, &log) {
+        status.lock().detail = format!("synchronizing from primary {peer}");
+        let log = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
+        let reason = match follow(link.as_mut(), &mut replica, &status, &log) {
             Ended::Lost(reason) => reason,
             Ended::Finished(status) => {
                 tracing::info!(status, "the primary's guest stopped; the backup stops too");
@@ -105,7 +113,7 @@ impl Backup {
             "PRIMARY LOST: took over from the last committed checkpoint"
         );
         {
-            let mut st = self.status.lock();
+            let mut st = status.lock();
             st.role = Role::Primary;
             st.protected = false;
             st.epoch = epoch;
@@ -113,33 +121,25 @@ impl Backup {
         }
         Ok(Outcome::TookOver(vm))
     }
+}
 
-    /// Handshake: check the primary against what this backup was given and
-    /// build the replica VM in the primary's shape.
-    fn welcome(&self, link: &mut dyn Transport) -> Result<(Replica, Hello), ReplicationError> {
-        link.set_recv_timeout(Some(Duration::from_secs(30))).map_err(ReplicationError::Send)?;
-        let mut buf = Vec::new();
-        let kind = match link.recv(HANDSHAKE_LIMIT, &mut buf) {
-            Ok(k) => k,
-            Err(e @ ProtocolError::Version { .. }) => {
-                // Tell the primary in words it can read (the frame header is versioned, the refusal text is not).
-                let _ = link.send(&protocol::message(Kind::Refuse, &e.to_string()));
-                return Err(e.into());
-            }
-            Err(e) => return Err(e.into()),
-        };
-        if kind != Kind::Hello {
-            return Err(ProtocolError::Corrupt(format!("expected Hello, got {kind:?}")).into());
-        }
-        let hello: Hello = protocol::decode(&buf)?;
-        match Replica::for_primary(&self.config, &hello) {
-            Ok(replica) => {
-                link.send(&protocol::message(Kind::Welcome, &())).map_err(ReplicationError::Send)?;
-                Ok((replica, hello))
-            }
+/// Wait for the primary: accept connections until one completes the
+/// handshake with a VM this backup can follow; build the replica VM in its
+/// shape and welcome it. Every other connection is logged and dropped (a
+/// refused primary is told why); the listening socket closes once the
+/// primary is in.
+fn admit(config: &BackupConfig, listener: TcpListener) -> Result<(Box<dyn Transport>, Replica, Hello, String), ReplicationError> {
+    let gate = gate::Gate::open(listener, config.auth.clone(), config.handshake_timeout)?;
+    loop {
+        let gate::Candidate { mut link, hello, peer } = gate.next()?;
+        match Replica::for_primary(config, &hello) {
+            Ok(replica) => match link.send(&protocol::message(Kind::Welcome, &())) {
+                Ok(()) => return Ok((link, replica, hello, peer)),
+                Err(e) => tracing::warn!(%peer, "the primary left before it was welcomed: {e}"),
+            },
             Err(refusal) => {
-                let _ = link.send(&protocol::message(Kind::Refuse, &refusal));
-                Err(ReplicationError::Refused(refusal))
+                transport::refuse(link.as_mut(), &refusal);
+                tracing::warn!(%peer, "refused a primary: {refusal}");
             }
         }
     }

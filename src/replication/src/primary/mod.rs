@@ -17,6 +17,7 @@ use ftvm_vmm::Vm;
 
 use crate::metrics::{MetricsLog, Role, Status, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
+use crate::pipeline::transport::Auth;
 use crate::pipeline::{Pipeline, Switches};
 use crate::protocol::{Kind, ProtocolError};
 use crate::switch::switch;
@@ -65,6 +66,9 @@ pub struct PrimaryConfig {
     pub disk: Option<PathBuf>,
     /// Which implementation each checkpoint stage uses.
     pub switches: Switches,
+    /// Authenticate to the backup with this secret (and make it
+    /// authenticate to us), and encrypt the channel if asked.
+    pub auth: Option<Auth>,
 }
 
 /// Where output goes for a VM without a network card: nowhere.

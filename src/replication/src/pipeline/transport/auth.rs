@@ -628,7 +628,7 @@ mod tests {
     fn large_frames_and_damaged_frames() {
         for encrypt in [false, true] {
             let big = protocol::frame(Kind::Checkpoint, &vec![7u8; 2 * COALESCE]);
-            let got = opened(&sealed(&[big.clone()], encrypt).concat(), encrypt);
+            let got = opened(&sealed(std::slice::from_ref(&big), encrypt).concat(), encrypt);
             assert_eq!(got[0].as_ref().unwrap().1, &big[protocol::PAYLOAD_OFFSET..big.len() - 4]);
             // A frame cut short or flipped before sealing (the test faults)
             // is refused by the backup, never applied.
