@@ -156,7 +156,7 @@ fn follow(link: &mut dyn Transport, replica: &mut Replica, status: &StatusCell, 
     loop {
         let kind = match link.recv(limit, &mut buf) {
             Ok(k) => k,
-            Err(e @ (ProtocolError::Corrupt(_) | ProtocolError::Version { .. })) => {
+            Err(e @ (ProtocolError::Corrupt(_) | ProtocolError::Version { .. } | ProtocolError::Unauthenticated(_))) => {
                 tracing::error!("rejected replication data: {e}; staying at the last good checkpoint");
                 return Ended::Lost(format!("replication stream rejected: {e}"));
             }
