@@ -239,21 +239,24 @@ pub fn read_frame(r: &mut impl Read, limit: u64, buf: &mut Vec<u8>) -> Result<Ki
 /// claiming a huge length costs memory only as the bytes really arrive.
 const READ_CHUNK: usize = 1 << 20;
 
-/// Read exactly `len` bytes into `buf` (cleared first), growing it with the
-/// data: never more than one chunk ahead of what arrived (plus doubling),
-/// and never beyond `len`.
+/// Read exactly `len` bytes into `buf`, growing it with the data: never
+/// more than one chunk ahead of what arrived (plus doubling), and never
+/// beyond `len`. What `buf` already holds is overwritten, not zeroed first.
 fn read_payload(r: &mut impl Read, len: usize, buf: &mut Vec<u8>) -> Result<(), ProtocolError> {
-    buf.clear();
-    while buf.len() < len {
-        let start = buf.len();
-        let want = (len - start).min(READ_CHUNK);
-        if buf.capacity() < start + want {
-            let target = (2 * buf.capacity()).max(start + want).min(len);
-            buf.reserve_exact(target - start);
+    let mut filled = 0;
+    while filled < len {
+        let want = (len - filled).min(READ_CHUNK);
+        if buf.len() < filled + want {
+            if buf.capacity() < filled + want {
+                let target = (2 * buf.capacity()).max(filled + want).min(len);
+                buf.reserve_exact(target - buf.len());
+            }
+            buf.resize(filled + want, 0);
         }
-        buf.resize(start + want, 0);
-        r.read_exact(&mut buf[start..]).map_err(io_err)?;
+        r.read_exact(&mut buf[filled..filled + want]).map_err(io_err)?;
+        filled += want;
     }
+    buf.truncate(len);
     Ok(())
 }
 
