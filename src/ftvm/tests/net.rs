@@ -46,13 +46,19 @@ impl Vmm {
     /// exec` execs the program, so the child is the VMM itself.)
     fn start(topo: &Topology, image_name: &str, cmdline: &str, disk: Option<&Path>) -> Vmm {
         let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
-        cmd.arg("run").arg("--image").arg(image(image_name)).args(["--net", &format!("tap={TAP},mac={GUEST_MAC}"), "--cmdline", cmdline]);
+        cmd.arg("run")
+            .arg("--image")
+            .arg(image(image_name))
+            .args(["--net", &format!("tap={TAP},mac={GUEST_MAC}"), "--cmdline", cmdline]);
         if let Some(disk) = disk {
             cmd.arg("--disk").arg(disk);
         }
         let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("ftvm spawns");
         let (stdout, stderr) = (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
-        let readers = vec![collect(child.stdout.take().unwrap(), stdout.clone()), collect(child.stderr.take().unwrap(), stderr.clone())];
+        let readers = vec![
+            collect(child.stdout.take().unwrap(), stdout.clone()),
+            collect(child.stderr.take().unwrap(), stderr.clone()),
+        ];
         Vmm { child, stdout, stderr, readers }
     }
 
@@ -283,7 +289,10 @@ fn redis_cli_commands_get_exact_replies() {
     assert_eq!(cli1(&topo, &["EXISTS", "a"]), "0");
     assert_eq!(cli(&topo, &["GET", "a"]), "\n");
     assert_eq!(cli1(&topo, &["DBSIZE"]), "4");
-    assert_eq!(cli1(&topo, &["GET"]), "ERR wrong number of arguments for 'get' command");
+    assert_eq!(
+        cli1(&topo, &["GET"]),
+        "ERR wrong number of arguments for 'get' command"
+    );
     // A value bigger than a socket buffer goes both ways intact (from
     // stdin with -x: an argument is limited to 128 KiB).
     let big: String = (0..300_000).map(|i| (b'a' + (i % 26) as u8) as char).collect();
@@ -376,7 +385,11 @@ fn aof_survives_sigkill_and_replays_every_key() {
 
     let vmm = kv(&topo, "aof=on", Some(&disk));
     let records = N + 3;
-    assert!(vmm.stdout().contains(&format!("kv: replayed {records} records, {} keys", N - 1)), "{}", vmm.output());
+    assert!(
+        vmm.stdout().contains(&format!("kv: replayed {records} records, {} keys", N - 1)),
+        "{}",
+        vmm.output()
+    );
     assert_eq!(cli1(&topo, &["DBSIZE"]), (N - 1).to_string());
     let keys: Vec<&str> = pairs.iter().map(|(k, _)| k.as_str()).collect();
     let got = mget_all(&topo, &keys);
@@ -406,8 +419,10 @@ fn malformed_requests_get_errors_and_the_server_keeps_serving() {
 
     // Unknown commands, multibulk and inline, are errors on a connection
     // that keeps working.
-    let (replies, closed) =
-        raw_exchange(&topo, "*2\r\n$7\r\nNOSUCHX\r\n$1\r\na\r\nGET before\r\nfrobnicate 1 2\r\n*1\r\n$4\r\nPING\r\nQUIT\r\n");
+    let (replies, closed) = raw_exchange(
+        &topo,
+        "*2\r\n$7\r\nNOSUCHX\r\n$1\r\na\r\nGET before\r\nfrobnicate 1 2\r\n*1\r\n$4\r\nPING\r\nQUIT\r\n",
+    );
     assert_eq!(
         replies,
         "-ERR unknown command 'NOSUCHX', with args beginning with: 'a' \r\n$4\r\nkept\r\n\

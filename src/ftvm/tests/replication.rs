@@ -40,7 +40,12 @@ fn spawn(cmd: &mut Command) -> Vmm {
 }
 
 fn backup(addr: &str, extra: &[&str]) -> Vmm {
-    spawn(ftvm().args(["backup", "--listen", addr]).args(extra).env("FTVM_LOG", "info").stdout(Stdio::piped()).stderr(Stdio::piped()))
+    spawn(ftvm()
+        .args(["backup", "--listen", addr])
+        .args(extra)
+        .env("FTVM_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped()))
 }
 
 fn primary(addr: &str, vcpus: u32, cmdline: &str, extra: &[&str]) -> Command {

@@ -35,10 +35,9 @@ pub fn stderr(o: &Output) -> String {
 
 /// The value of `key=` on the line starting with `prefix`.
 pub fn field(output: &str, prefix: &str, key: &str) -> Option<String> {
-    output
-        .lines()
-        .filter(|l| l.starts_with(prefix))
-        .find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('=')).map(str::to_owned)))
+    output.lines().filter(|l| l.starts_with(prefix)).find_map(|l| {
+        l.split_whitespace().find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('=')).map(str::to_owned))
+    })
 }
 
 /// The checksum memtouch prints for `cmdline` when every writer does
