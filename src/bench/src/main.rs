@@ -2,6 +2,7 @@
 //! subcommand prints a table, writes CSV and an SVG plot, and compares
 //! against a reference measured in the same run (never against constants).
 
+mod channel;
 mod ft;
 mod kv;
 mod paths;
@@ -32,6 +33,9 @@ enum Command {
     /// lengths against the unreplicated VM, per-epoch costs, failover time;
     /// with --ablation, each optimisation switch on and off instead.
     Ft(ft::Options),
+    /// The replication channel: checkpoint frames through TCP in clear,
+    /// authenticated and encrypted (throughput and round trip).
+    Channel(channel::Options),
     /// The kv guest under redis-benchmark (SET/GET throughput, p50/p99
     /// latency) against redis-server run natively in the same run.
     Kv(kv::Options),
@@ -47,6 +51,7 @@ fn main() -> ExitCode {
         Command::Vm(opts) => vm_costs::run(&opts, &cli.out),
         Command::Ft(opts) => ft::run(&opts, &cli.out),
         Command::Kv(opts) => kv::run(&opts, &cli.out),
+        Command::Channel(opts) => channel::run(&opts, &cli.out),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

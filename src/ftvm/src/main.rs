@@ -111,6 +111,8 @@ struct RunArgs {
     #[command(flatten)]
     arbiter: ArbiterArgs,
     #[command(flatten)]
+    channel: ChannelArgs,
+    #[command(flatten)]
     host: HostArgs,
 }
 
@@ -136,6 +138,27 @@ impl ArbiterArgs {
     }
 }
 
+/// Options that secure the replication channel (both sides).
+#[derive(Args)]
+struct ChannelArgs {
+    /// Authenticate the replication channel with the secret in this file
+    /// (both sides use the same file; it must not be accessible by group or
+    /// others). Without it the channel is unauthenticated.
+    #[arg(long, value_name = "PATH")]
+    secret_file: Option<PathBuf>,
+    /// Encrypt the replication channel too (needs --secret-file; on a
+    /// backup: refuse a primary that does not encrypt).
+    #[arg(long, requires = "secret_file")]
+    encrypt: bool,
+}
+
+impl ChannelArgs {
+    fn auth(&self) -> Result<Option<transport::Auth>, run::RunError> {
+        let Some(path) = &self.secret_file else { return Ok(None) };
+        Ok(Some(transport::Auth { secret: transport::Secret::from_file(path)?, encrypt: self.encrypt }))
+    }
+}
+
 #[derive(Args)]
 struct BackupArgs {
     /// Address to accept the primary on (host:port).
@@ -154,6 +177,11 @@ struct BackupArgs {
     /// Log every applied checkpoint (epoch, guest time, wall-clock time) as JSON lines.
     #[arg(long)]
     metrics: Option<PathBuf>,
+    /// Drop a connection that has not authenticated and said Hello within this long.
+    #[arg(long, default_value_t = 5000)]
+    handshake_timeout_ms: u64,
+    #[command(flatten)]
+    channel: ChannelArgs,
     #[command(flatten)]
     arbiter: ArbiterArgs,
     #[command(flatten)]
@@ -210,6 +238,10 @@ fn main() -> ExitCode {
 fn dispatch(command: Command) -> Result<i32, run::RunError> {
     match command {
         Command::Run(args) => {
+            if args.channel.secret_file.is_some() && args.replicate_to.is_none() {
+                return Err(run::RunError::Usage("--secret-file secures replication: it needs --replicate-to"));
+            }
+            let auth = args.channel.auth()?;
             let arbiter = args.arbiter.arbiter(args.host.net.as_ref());
             let on_backup_loss =
                 args.on_backup_loss.unwrap_or(if arbiter.is_some() { OnBackupLoss::Continue } else { OnBackupLoss::Pause });
@@ -223,6 +255,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 metrics: args.metrics,
                 disk: args.host.disk.clone(),
                 switches: Switches { capture: args.capture, encoding: args.encoding, transport: args.transport },
+                auth,
             });
             let source = run::Source::Image { image: args.image, mem_size: args.memory << 20, vcpus: args.vcpus, cmdline: args.cmdline };
             run::run(source, args.host.into_options(replicate))
@@ -239,6 +272,8 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 console: Console::default(),
                 metrics: args.metrics,
                 arbiter: args.arbiter.arbiter(args.host.net.as_ref()),
+                auth: args.channel.auth()?,
+                handshake_timeout: Duration::from_millis(args.handshake_timeout_ms.max(1)),
             };
             run::run(run::Source::Backup(Box::new(config)), args.host.into_options(None))
         }

@@ -31,6 +31,10 @@ pub enum RunError {
     Api { path: String, err: std::io::Error },
     #[error("{op}: {err}")]
     Os { op: &'static str, err: std::io::Error },
+    #[error(transparent)]
+    Secret(#[from] ftvm_replication::pipeline::transport::SecretError),
+    #[error("{0}")]
+    Usage(&'static str),
 }
 
 pub enum Source {

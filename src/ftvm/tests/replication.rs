@@ -119,10 +119,10 @@ fn corrupted_checkpoint_is_rejected() {
 }
 
 #[test]
-fn backup_refuses_other_versions_and_shapes() {
-    // A primary speaking protocol version 99.
+fn backup_refuses_other_versions_and_shapes_and_keeps_waiting() {
     let addr = free_addr();
-    let b = backup(&addr, &[]);
+    let mut b = backup(&addr, &["--memory", "128", "--vcpus", "1"]);
+    // A primary speaking protocol version 99 is told so, in words.
     let mut s = loop {
         if let Ok(s) = std::net::TcpStream::connect(&addr) {
             break s;
@@ -136,16 +136,13 @@ fn backup_refuses_other_versions_and_shapes() {
     let crc = crc32c_of(&frame);
     frame.extend_from_slice(&crc.to_le_bytes());
     s.write_all(&frame).unwrap();
-    let out = finish(b);
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("ftvm: error: the peer speaks replication protocol version 99"), "{err}");
+    let mut answer = Vec::new();
+    std::io::Read::read_to_end(&mut s, &mut answer).unwrap();
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.contains("the peer speaks replication protocol version 99"), "{text}");
 
     // A primary of another shape than the backup was given.
-    let addr = free_addr();
-    let b = backup(&addr, &["--memory", "128", "--vcpus", "1"]);
     let p = primary(&addr, 2, WORK, &[]).output().unwrap();
-    let b = finish(b);
     assert_eq!(p.status.code(), Some(1));
     assert!(
         stderr(&p).contains(
@@ -154,7 +151,18 @@ fn backup_refuses_other_versions_and_shapes() {
         "{}",
         stderr(&p)
     );
-    assert_eq!(b.status.code(), Some(1), "{}", stderr(&b));
+
+    // The backup is still waiting, and follows the primary it was meant for.
+    assert!(b.running(), "the backup stopped after refusing");
+    let short = "ws=4M pattern=seq writes=100000 report=100ms";
+    let p = primary(&addr, 1, short, &["--memory", "128"]).output().unwrap();
+    assert!(p.status.success(), "{}", stderr(&p));
+    let out = finish(b);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("refused a connection") && err.contains("version 99"), "{err}");
+    assert!(err.contains("refused a primary") && err.contains("256 MiB and 2 vCPUs"), "{err}");
+    assert!(err.contains("the primary's guest exited with status 0"), "{err}");
 }
 
 fn crc32c_of(bytes: &[u8]) -> u32 {

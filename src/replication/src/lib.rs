@@ -28,6 +28,8 @@ pub enum ReplicationError {
     Listen { addr: String, err: std::io::Error },
     #[error("the backup refused this primary: {0}")]
     Refused(String),
+    #[error("authentication failed: {0}")]
+    Auth(String),
     #[error("the primary failed before the backup had a complete checkpoint; nothing to take over")]
     NotSynchronized,
     #[error(transparent)]

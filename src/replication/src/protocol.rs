@@ -31,6 +31,14 @@ pub enum Kind {
     Checkpoint = 6,
     Ack = 7,
     Bye = 9,
+    /// On an authenticated channel, before every frame: its sequence
+    /// number and tag (`pipeline::transport::auth`).
+    Seal = 10,
+    /// Authentication handshake (`pipeline::transport::auth`), before Hello.
+    AuthHello = 11,
+    AuthChallenge = 12,
+    AuthProof = 13,
+    AuthAccept = 14,
 }
 
 impl Kind {
@@ -44,6 +52,11 @@ impl Kind {
             6 => Kind::Checkpoint,
             7 => Kind::Ack,
             9 => Kind::Bye,
+            10 => Kind::Seal,
+            11 => Kind::AuthHello,
+            12 => Kind::AuthChallenge,
+            13 => Kind::AuthProof,
+            14 => Kind::AuthAccept,
             _ => return None,
         })
     }
@@ -59,6 +72,8 @@ pub enum ProtocolError {
     Version { found: u16 },
     #[error("corrupted replication stream: {0}")]
     Corrupt(String),
+    #[error("unauthenticated replication data: {0}")]
+    Unauthenticated(String),
     #[error("replication stream timed out")]
     Timeout,
     #[error("replication stream I/O error: {0}")]
@@ -116,6 +131,44 @@ pub fn finish_frame(buf: &mut Vec<u8>) {
     buf.extend_from_slice(&crc.to_le_bytes());
 }
 
+/// A complete frame of `kind` carrying `payload`.
+pub fn frame(kind: Kind, payload: &[u8]) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(HEADER + payload.len() + 4);
+    begin_frame(&mut buf, kind);
+    buf.extend_from_slice(payload);
+    finish_frame(&mut buf);
+    buf
+}
+
+/// The raw kind and the payload of a complete frame whose length field
+/// matches its size (the checksum is not checked), or None.
+pub fn split_frame(frame: &[u8]) -> Option<(u16, &[u8])> {
+    if frame.len() < HEADER + 4 || &frame[..4] != MAGIC {
+        return None;
+    }
+    let len = u64::from_le_bytes(frame[8..16].try_into().expect("8 bytes"));
+    if len != (frame.len() - HEADER - 4) as u64 {
+        return None;
+    }
+    Some((u16::from_le_bytes([frame[6], frame[7]]), &frame[HEADER..frame.len() - 4]))
+}
+
+/// Whether a complete frame's checksum matches its header and payload.
+pub fn checksum_ok(frame: &[u8]) -> bool {
+    let (body, crc) = frame.split_at(frame.len() - 4);
+    crc32c::crc32c(body).to_le_bytes() == crc
+}
+
+/// Recompute the checksum of a complete frame whose payload was changed in place.
+pub fn refresh_checksum(frame: &mut [u8]) {
+    let at = frame.len() - 4;
+    let crc = crc32c::crc32c(&frame[..at]);
+    frame[at..].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Where a complete frame's payload starts.
+pub const PAYLOAD_OFFSET: usize = HEADER;
+
 /// A complete frame of `kind` carrying `msg`.
 pub fn message<T: Serialize>(kind: Kind, msg: &T) -> Vec<u8> {
     let mut buf = Vec::new();
@@ -172,8 +225,7 @@ pub fn read_frame(r: &mut impl Read, limit: u64, buf: &mut Vec<u8>) -> Result<Ki
     if len > limit {
         return Err(ProtocolError::Corrupt(format!("{kind:?} of {len} bytes exceeds the {limit}-byte limit")));
     }
-    buf.resize(len as usize, 0);
-    r.read_exact(buf).map_err(io_err)?;
+    read_payload(r, len as usize, buf)?;
     let mut crc = [0u8; 4];
     r.read_exact(&mut crc).map_err(io_err)?;
     let expected = crc32c::crc32c_append(crc32c::crc32c(&header), buf);
@@ -181,6 +233,31 @@ pub fn read_frame(r: &mut impl Read, limit: u64, buf: &mut Vec<u8>) -> Result<Ki
         return Err(ProtocolError::Corrupt(format!("{kind:?} checksum mismatch")));
     }
     Ok(kind)
+}
+
+/// The payload is read in chunks of at most this many bytes, so a header
+/// claiming a huge length costs memory only as the bytes really arrive.
+const READ_CHUNK: usize = 1 << 20;
+
+/// Read exactly `len` bytes into `buf`, growing it with the data: never
+/// more than one chunk ahead of what arrived (plus doubling), and never
+/// beyond `len`. What `buf` already holds is overwritten, not zeroed first.
+fn read_payload(r: &mut impl Read, len: usize, buf: &mut Vec<u8>) -> Result<(), ProtocolError> {
+    let mut filled = 0;
+    while filled < len {
+        let want = (len - filled).min(READ_CHUNK);
+        if buf.len() < filled + want {
+            if buf.capacity() < filled + want {
+                let target = (2 * buf.capacity()).max(filled + want).min(len);
+                buf.reserve_exact(target - buf.len());
+            }
+            buf.resize(filled + want, 0);
+        }
+        r.read_exact(&mut buf[filled..filled + want]).map_err(io_err)?;
+        filled += want;
+    }
+    buf.truncate(len);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -246,6 +323,37 @@ mod tests {
         bytes[4] = 9;
         let r = read_frame(&mut &bytes[..], 100, &mut Vec::new());
         assert!(matches!(r, Err(ProtocolError::Version { found: 9 })), "{r:?}");
+    }
+
+    /// A reader that yields `avail` bytes of zeros, then ends.
+    struct Trickle {
+        avail: usize,
+    }
+
+    impl Read for Trickle {
+        fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+            let n = out.len().min(self.avail);
+            out[..n].fill(0);
+            self.avail -= n;
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_claimed_length_costs_memory_only_as_bytes_arrive() {
+        let claimed = 1u64 << 30;
+        let mut header = Vec::new();
+        begin_frame(&mut header, Kind::Checkpoint);
+        header[8..16].copy_from_slice(&claimed.to_le_bytes());
+        let mut r = (&header[..]).chain(Trickle { avail: 3 << 20 });
+        let mut buf = Vec::new();
+        assert!(matches!(read_frame(&mut r, claimed, &mut buf), Err(ProtocolError::Truncated)));
+        assert!(buf.capacity() <= 8 << 20, "allocated {} bytes for 3 MiB received", buf.capacity());
+        // A frame that does arrive whole is read whole, across chunks.
+        let big = frame(Kind::Pages, &vec![3u8; 3 * READ_CHUNK + 5]);
+        assert_eq!(read_frame(&mut &big[..], 4 << 20, &mut buf).unwrap(), Kind::Pages);
+        assert_eq!(buf.len(), 3 * READ_CHUNK + 5);
+        assert!(buf.iter().all(|&b| b == 3));
     }
 
     #[test]

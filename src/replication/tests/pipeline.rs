@@ -48,6 +48,8 @@ fn replica(first_epoch: u64) -> Replica {
         console,
         metrics: None,
         arbiter: None,
+        auth: None,
+        handshake_timeout: Duration::from_secs(5),
     };
     let hello = Hello { mem_size: MEM, vcpus: 1, devices: vec![], mac: None, disk_size: None, epoch_ms: 20, first_epoch };
     Replica::for_primary(&config, &hello).unwrap()

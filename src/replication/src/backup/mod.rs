@@ -2,6 +2,7 @@
 //! and then one checkpoint per epoch (whole or not at all), acknowledges
 //! each, and takes the VM over when the primary falls silent.
 
+mod gate;
 mod replica;
 
 use std::net::TcpListener;
@@ -14,8 +15,8 @@ use ftvm_vmm::{Console, DirtyBackend, Persist, Vm};
 use crate::arbiter::{Arbiter, Claim};
 use crate::metrics::{AppliedEpoch, MetricsLog, Role, StatusCell};
 use crate::pipeline::apply::{Apply, InPlace};
-use crate::pipeline::transport::{self, Transport};
-use crate::protocol::{self, Hello, Kind, ProtocolError, HANDSHAKE_LIMIT};
+use crate::pipeline::transport::{self, Auth, Transport};
+use crate::protocol::{self, Hello, Kind, ProtocolError};
 use crate::ReplicationError;
 pub use replica::Replica;
 
@@ -38,7 +39,16 @@ pub struct BackupConfig {
     /// Decides who owns the VM when primary and backup lose each other;
     /// without one, the backup takes over on silence alone.
     pub arbiter: Option<Arbiter>,
+    /// Accept only a primary that proves it holds this secret (and, with
+    /// `encrypt`, only an encrypted channel).
+    pub auth: Option<Auth>,
+    /// A connection that has not completed its handshake (authentication
+    /// and Hello) within this long is dropped.
+    pub handshake_timeout: Duration,
 }
+
+/// Default of `BackupConfig::handshake_timeout`.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How often the backup retries an arbiter it cannot reach.
 const ARBITER_RETRY: Duration = Duration::from_millis(200);
@@ -79,16 +89,14 @@ impl Backup {
     /// Follow a primary until it fails, then return the VM, resumed from the
     /// last committed checkpoint and announced on the network.
     pub fn run(self) -> Result<Outcome, ReplicationError> {
-        let mut link =
-            transport::accept(&self.listener).map_err(|err| ReplicationError::Listen { addr: self.config.listen.clone(), err })?;
-        let peer = link.peer();
+        let Backup { config, listener, status } = self;
+        let (mut link, mut replica, hello, peer) = admit(&config, listener)?;
         tracing::info!(%peer, "primary connected");
-        let (mut replica, hello) = self.welcome(&mut link)?;
-        let timeout = self.config.failure_timeout.unwrap_or(Duration::from_millis((5 * hello.epoch_ms).max(200)));
+        let timeout = config.failure_timeout.unwrap_or(Duration::from_millis((5 * hello.epoch_ms).max(200)));
         link.set_recv_timeout(Some(timeout)).map_err(ReplicationError::Send)?;
-        self.status.lock().detail = format!("synchronizing from primary {peer}");
-        let log = MetricsLog::open(self.config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
-        let reason = match follow(&mut link, &mut replica, self.config.arbiter.as_ref(), &self.status, &log) {
+        status.lock().detail = format!("synchronizing from primary {peer}");
+        let log = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
+        let reason = match follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log) {
             Ended::Lost(reason) => reason,
             Ended::Finished(status) => {
                 tracing::info!(status, "the primary's guest stopped; the backup stops too");
@@ -99,8 +107,8 @@ impl Backup {
             tracing::error!("primary lost ({reason}) before the first checkpoint");
             return Err(ReplicationError::NotSynchronized);
         };
-        if let Some(arbiter) = &self.config.arbiter {
-            self.win_ownership(arbiter, &replica, &reason)?;
+        if let Some(arbiter) = &config.arbiter {
+            win_ownership(arbiter, &replica, &reason, &status)?;
         }
         let t0 = Instant::now();
         let mut vm = replica.vm;
@@ -115,7 +123,7 @@ impl Backup {
             "PRIMARY LOST: took over from the last committed checkpoint"
         );
         {
-            let mut st = self.status.lock();
+            let mut st = status.lock();
             st.role = Role::Primary;
             st.protected = false;
             st.epoch = epoch;
@@ -123,66 +131,58 @@ impl Backup {
         }
         Ok(Outcome::TookOver(vm))
     }
+}
 
-    /// Take the VM over only as its owner: the primary may be alive and
-    /// have claimed it first (then this backup stops). An unreachable
-    /// arbiter means waiting, never a takeover.
-    fn win_ownership(&self, arbiter: &Arbiter, replica: &Replica, reason: &str) -> Result<(), ReplicationError> {
-        let Some(seen) = &replica.owner_seen else {
-            tracing::error!("primary lost ({reason}); {}", ReplicationError::NoOwnershipView);
-            return Err(ReplicationError::NoOwnershipView);
-        };
-        let me = crate::identity(Role::Backup);
-        let mut logged = false;
-        loop {
-            match arbiter.claim(seen, &me) {
-                Ok(Claim::Won(ownership)) => {
-                    tracing::info!(generation = ownership.generation, "this backup owns the VM now");
-                    return Ok(());
+/// Take the VM over only as its owner: the primary may be alive and
+/// have claimed it first (then this backup stops). An unreachable
+/// arbiter means waiting, never a takeover.
+fn win_ownership(arbiter: &Arbiter, replica: &Replica, reason: &str, status: &StatusCell) -> Result<(), ReplicationError> {
+    let Some(seen) = &replica.owner_seen else {
+        tracing::error!("primary lost ({reason}); {}", ReplicationError::NoOwnershipView);
+        return Err(ReplicationError::NoOwnershipView);
+    };
+    let me = crate::identity(Role::Backup);
+    let mut logged = false;
+    loop {
+        match arbiter.claim(seen, &me) {
+            Ok(Claim::Won(ownership)) => {
+                tracing::info!(generation = ownership.generation, "this backup owns the VM now");
+                return Ok(());
+            }
+            Ok(Claim::Lost(owner)) => {
+                let e = ReplicationError::Fenced { owner: owner.owner, generation: owner.generation };
+                tracing::error!("primary lost ({reason}) but it kept the VM: {e}");
+                return Err(e);
+            }
+            Err(e) => {
+                if !logged {
+                    tracing::error!("primary lost ({reason}) and {e}: not taking over until the arbiter answers");
+                    status.lock().detail = format!("primary lost; waiting for the arbiter: {e}");
+                    logged = true;
                 }
-                Ok(Claim::Lost(owner)) => {
-                    let e = ReplicationError::Fenced { owner: owner.owner, generation: owner.generation };
-                    tracing::error!("primary lost ({reason}) but it kept the VM: {e}");
-                    return Err(e);
-                }
-                Err(e) => {
-                    if !logged {
-                        tracing::error!("primary lost ({reason}) and {e}: not taking over until the arbiter answers");
-                        self.status.lock().detail = format!("primary lost; waiting for the arbiter: {e}");
-                        logged = true;
-                    }
-                    std::thread::sleep(ARBITER_RETRY);
-                }
+                std::thread::sleep(ARBITER_RETRY);
             }
         }
     }
+}
 
-    /// Handshake: check the primary against what this backup was given and
-    /// build the replica VM in the primary's shape.
-    fn welcome(&self, link: &mut dyn Transport) -> Result<(Replica, Hello), ReplicationError> {
-        link.set_recv_timeout(Some(Duration::from_secs(30))).map_err(ReplicationError::Send)?;
-        let mut buf = Vec::new();
-        let kind = match link.recv(HANDSHAKE_LIMIT, &mut buf) {
-            Ok(k) => k,
-            Err(e @ ProtocolError::Version { .. }) => {
-                // Tell the primary in words it can read (the frame header is versioned, the refusal text is not).
-                let _ = link.send(&protocol::message(Kind::Refuse, &e.to_string()));
-                return Err(e.into());
-            }
-            Err(e) => return Err(e.into()),
-        };
-        if kind != Kind::Hello {
-            return Err(ProtocolError::Corrupt(format!("expected Hello, got {kind:?}")).into());
-        }
-        let hello: Hello = protocol::decode(&buf)?;
-        match Replica::for_primary(&self.config, &hello) {
-            Ok(replica) => {
-                link.send(&protocol::message(Kind::Welcome, &())).map_err(ReplicationError::Send)?;
-                Ok((replica, hello))
-            }
+/// Wait for the primary: accept connections until one completes the
+/// handshake with a VM this backup can follow; build the replica VM in its
+/// shape and welcome it. Every other connection is logged and dropped (a
+/// refused primary is told why); the listening socket closes once the
+/// primary is in.
+fn admit(config: &BackupConfig, listener: TcpListener) -> Result<(Box<dyn Transport>, Replica, Hello, String), ReplicationError> {
+    let gate = gate::Gate::open(listener, config.auth.clone(), config.handshake_timeout)?;
+    loop {
+        let gate::Candidate { mut link, hello, peer } = gate.next()?;
+        match Replica::for_primary(config, &hello) {
+            Ok(replica) => match link.send(&protocol::message(Kind::Welcome, &())) {
+                Ok(()) => return Ok((link, replica, hello, peer)),
+                Err(e) => tracing::warn!(%peer, "the primary left before it was welcomed: {e}"),
+            },
             Err(refusal) => {
-                let _ = link.send(&protocol::message(Kind::Refuse, &refusal));
-                Err(ReplicationError::Refused(refusal))
+                transport::refuse(link.as_mut(), &refusal);
+                tracing::warn!(%peer, "refused a primary: {refusal}");
             }
         }
     }
@@ -199,7 +199,7 @@ fn follow(link: &mut dyn Transport, replica: &mut Replica, arbiter: Option<&Arbi
     loop {
         let kind = match link.recv(limit, &mut buf) {
             Ok(k) => k,
-            Err(e @ (ProtocolError::Corrupt(_) | ProtocolError::Version { .. })) => {
+            Err(e @ (ProtocolError::Corrupt(_) | ProtocolError::Version { .. } | ProtocolError::Unauthenticated(_))) => {
                 tracing::error!("rejected replication data: {e}; staying at the last good checkpoint");
                 return Ended::Lost(format!("replication stream rejected: {e}"));
             }

@@ -18,6 +18,7 @@ use ftvm_vmm::Vm;
 use crate::arbiter::{Arbiter, Claim, Ownership};
 use crate::metrics::{MetricsLog, Role, Status, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
+use crate::pipeline::transport::Auth;
 use crate::pipeline::{Pipeline, Switches};
 use crate::protocol::{Kind, ProtocolError};
 use crate::switch::switch;
@@ -68,6 +69,9 @@ pub struct PrimaryConfig {
     pub switches: Switches,
     /// Decides who owns the VM's output when primary and backup lose each other.
     pub arbiter: Option<Arbiter>,
+    /// Authenticate to the backup with this secret (and make it
+    /// authenticate to us), and encrypt the channel if asked.
+    pub auth: Option<Auth>,
 }
 
 /// How often a side retries an arbiter it cannot reach.

@@ -13,7 +13,7 @@ use super::{precopy, BackupLoss, PrimaryConfig};
 use crate::fault;
 use crate::metrics::{EpochMetrics, MetricsLog, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
-use crate::pipeline::transport::{self, Transport};
+use crate::pipeline::transport::{self, AuthTransport, Transport};
 use crate::pipeline::{Pipeline, Taken};
 use crate::protocol::{self, Hello, Kind, ProtocolError, HANDSHAKE_LIMIT};
 use crate::ReplicationError;
@@ -51,7 +51,11 @@ impl Session {
     /// Connect, handshake, pre-copy and send the first checkpoint (`*epoch`,
     /// advanced past it).
     pub fn open(cx: &Context, pipeline: &mut Pipeline, epoch: &mut u64) -> Result<Session, ReplicationError> {
-        let mut link: Box<dyn Transport> = Box::new(transport::connect(&cx.config.backup, cx.config.connect_timeout)?);
+        let tcp = transport::connect(&cx.config.backup, cx.config.connect_timeout)?;
+        let mut link: Box<dyn Transport> = match &cx.config.auth {
+            Some(auth) => Box::new(AuthTransport::initiate(tcp, auth)?),
+            None => Box::new(tcp),
+        };
         cx.status.lock().detail = format!("synchronizing backup {}", cx.config.backup);
         handshake(link.as_mut(), cx.vm, cx.config, *epoch)?;
         let t0 = Instant::now();

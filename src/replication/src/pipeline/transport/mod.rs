@@ -1,12 +1,18 @@
 //! Transport: frames between primary and backup. TCP today; a shared-memory
 //! transport for two processes on one host, or RDMA verbs, implement the
-//! same trait and nothing around it changes.
+//! same trait and nothing around it changes. `AuthTransport` wraps any of
+//! them into an authenticated (and optionally encrypted) channel.
 
+mod auth;
+mod secret;
 mod tcp;
 
 use std::io;
 use std::time::Duration;
 
+pub(crate) use auth::refuse;
+pub use auth::{Auth, AuthTransport};
+pub use secret::{Secret, SecretError};
 pub use tcp::{accept, connect, TcpTransport};
 
 use crate::protocol::{Kind as FrameKind, ProtocolError};
@@ -35,4 +41,30 @@ pub trait Transport: Send {
     fn shutdown(&self);
     /// The other end, for messages.
     fn peer(&self) -> String;
+}
+
+impl Transport for Box<dyn Transport> {
+    fn send(&mut self, frame: &[u8]) -> io::Result<()> {
+        (**self).send(frame)
+    }
+
+    fn recv(&mut self, limit: u64, buf: &mut Vec<u8>) -> Result<FrameKind, ProtocolError> {
+        (**self).recv(limit, buf)
+    }
+
+    fn set_recv_timeout(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        (**self).set_recv_timeout(timeout)
+    }
+
+    fn try_clone(&self) -> io::Result<Box<dyn Transport>> {
+        (**self).try_clone()
+    }
+
+    fn shutdown(&self) {
+        (**self).shutdown()
+    }
+
+    fn peer(&self) -> String {
+        (**self).peer()
+    }
 }

@@ -13,7 +13,7 @@ pub struct TcpTransport {
 }
 
 impl TcpTransport {
-    fn new(stream: TcpStream) -> io::Result<TcpTransport> {
+    pub(crate) fn new(stream: TcpStream) -> io::Result<TcpTransport> {
         // Checkpoints and acknowledgements are latency-bound: no Nagle.
         stream.set_nodelay(true)?;
         Ok(TcpTransport { stream })

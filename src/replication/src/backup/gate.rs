@@ -1,0 +1,212 @@
+//! The backup's door: it accepts connections until one of them turns out to
+//! be its primary. Each connection is handshaken on its own thread within a
+//! deadline (authentication with a secret, then the primary's Hello), so a
+//! stranger (a port probe, an HTTP request, garbage, an idle socket, a
+//! wrong secret) is logged with its address and dropped, and never keeps
+//! the real primary waiting.
+
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::pipeline::transport::{self, Auth, AuthTransport, TcpTransport, Transport};
+use crate::protocol::{self, Hello, Kind, ProtocolError, HANDSHAKE_LIMIT};
+use crate::ReplicationError;
+
+/// Connections in their handshake at once; more are dropped on arrival.
+const MAX_PENDING: usize = 16;
+/// How often the door checks deadlines and whether it should close.
+const TICK_MS: i32 = 100;
+
+/// A peer that completed the handshake and said Hello.
+pub struct Candidate {
+    pub link: Box<dyn Transport>,
+    pub hello: Hello,
+    pub peer: String,
+}
+
+/// The accepting thread; closed (and the listening socket with it) on drop.
+pub struct Gate {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    candidates: Receiver<Candidate>,
+}
+
+impl Gate {
+    pub fn open(listener: TcpListener, auth: Option<Auth>, timeout: Duration) -> Result<Gate, ReplicationError> {
+        listener.set_nonblocking(true).map_err(ReplicationError::Thread)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, candidates) = mpsc::channel();
+        let door = Door { listener, auth, timeout, candidates: tx, pending: Vec::new() };
+        let thread = {
+            let stop = stop.clone();
+            std::thread::Builder::new().name("backup-accept".into()).spawn(move || door.run(&stop)).map_err(ReplicationError::Thread)?
+        };
+        Ok(Gate { stop, thread: Some(thread), candidates })
+    }
+
+    /// The next peer that passed the handshake.
+    pub fn next(&self) -> Result<Candidate, ReplicationError> {
+        self.candidates.recv().map_err(|_| ReplicationError::Thread(std::io::Error::other("the accepting thread ended")))
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A connection in its handshake: shut down at its deadline.
+struct Pending {
+    stream: TcpStream,
+    deadline: Instant,
+    done: Arc<AtomicBool>,
+}
+
+struct Door {
+    listener: TcpListener,
+    auth: Option<Auth>,
+    timeout: Duration,
+    candidates: Sender<Candidate>,
+    pending: Vec<Pending>,
+}
+
+impl Door {
+    fn run(mut self, stop: &AtomicBool) {
+        while !stop.load(Ordering::SeqCst) {
+            self.wait_readable();
+            let now = Instant::now();
+            self.pending.retain(|p| {
+                if p.done.load(Ordering::SeqCst) {
+                    return false;
+                }
+                if now >= p.deadline {
+                    // Its thread, blocked on the socket, sees it end.
+                    let _ = p.stream.shutdown(Shutdown::Both);
+                    return false;
+                }
+                true
+            });
+            loop {
+                match self.listener.accept() {
+                    Ok((stream, peer)) => self.admit(stream, peer),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        // Out of descriptors and the like: try again next tick.
+                        tracing::warn!("accepting a connection failed: {e}");
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sleep until a connection arrives or a tick passes.
+    fn wait_readable(&self) {
+        let mut fd = libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd that outlives the call; poll only writes `revents`.
+        unsafe { libc::poll(&mut fd, 1, TICK_MS) };
+    }
+
+    fn admit(&mut self, stream: TcpStream, peer: SocketAddr) {
+        if self.pending.len() >= MAX_PENDING {
+            tracing::warn!(%peer, "dropped a connection: {MAX_PENDING} others are still in their handshake");
+            return;
+        }
+        let deadline = Instant::now() + self.timeout;
+        let done = Arc::new(AtomicBool::new(false));
+        let watch = match stream.try_clone() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(%peer, "dropped a connection: {e}");
+                return;
+            }
+        };
+        let (auth, timeout, candidates, finished) = (self.auth.clone(), self.timeout, self.candidates.clone(), done.clone());
+        let spawned = std::thread::Builder::new().name("backup-handshake".into()).spawn(move || {
+            let raw = stream.try_clone();
+            let result = handshake(stream, auth.as_ref(), deadline);
+            if let (Err(_), Ok(raw)) = (&result, &raw) {
+                close_gently(raw);
+            }
+            finished.store(true, Ordering::SeqCst);
+            match result {
+                Ok((link, hello)) => {
+                    tracing::info!(%peer, "a primary completed the handshake");
+                    let _ = candidates.send(Candidate { link, hello, peer: peer.to_string() });
+                }
+                Err(e) if Instant::now() >= deadline => {
+                    tracing::warn!(%peer, "refused a connection: no complete handshake within {} ms ({e})", timeout.as_millis())
+                }
+                Err(e) => tracing::warn!(%peer, "refused a connection: {e}"),
+            }
+        });
+        match spawned {
+            Ok(_) => self.pending.push(Pending { stream: watch, deadline, done }),
+            Err(e) => tracing::warn!(%peer, "dropped a connection: cannot start its handshake: {e}"),
+        }
+    }
+}
+
+/// Authenticate the peer (with a secret) and read its Hello.
+fn handshake(stream: TcpStream, auth: Option<&Auth>, deadline: Instant) -> Result<(Box<dyn Transport>, Hello), ReplicationError> {
+    // Accepted sockets do not inherit the listener's non-blocking mode on
+    // Linux; make sure, since the handshake relies on read timeouts.
+    stream.set_nonblocking(false).map_err(ReplicationError::Send)?;
+    let mut link = TcpTransport::new(stream).map_err(ReplicationError::Send)?;
+    link.set_recv_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))
+        .map_err(ReplicationError::Send)?;
+    let mut buf = Vec::new();
+    let first = match link.recv(HANDSHAKE_LIMIT, &mut buf) {
+        Ok(kind) => kind,
+        Err(e @ ProtocolError::Version { .. }) => {
+            // Tell the primary in words it can read (the frame header is versioned, the refusal text is not).
+            transport::refuse(&mut link, &e.to_string());
+            return Err(e.into());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let (mut link, kind): (Box<dyn Transport>, Kind) = match auth {
+        Some(auth) => {
+            let mut secure = AuthTransport::respond(link, first, &buf, auth)?;
+            let kind = secure.recv(HANDSHAKE_LIMIT, &mut buf)?;
+            (Box::new(secure), kind)
+        }
+        None if first == Kind::AuthHello => {
+            transport::refuse(&mut link, "this backup has no --secret-file: start it with the primary's secret");
+            return Err(ReplicationError::Auth("the peer wants to authenticate; this backup has no --secret-file".into()));
+        }
+        None => (Box::new(link), first),
+    };
+    if kind != Kind::Hello {
+        return Err(ProtocolError::Corrupt(format!("expected Hello, got {kind:?}")).into());
+    }
+    let hello = protocol::decode(&buf)?;
+    link.set_recv_timeout(None).map_err(ReplicationError::Send)?;
+    Ok((link, hello))
+}
+
+/// Close a refused connection so that the refusal reaches the peer: a
+/// socket closed with unread input is reset, and a reset can discard the
+/// refusal before the peer read it. Reads (and drops) what is left for a
+/// moment, at most 64 KiB.
+fn close_gently(stream: &TcpStream) {
+    let _ = stream.shutdown(Shutdown::Write);
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(100)));
+    let mut sink = [0u8; 4096];
+    for _ in 0..16 {
+        match std::io::Read::read(&mut &*stream, &mut sink) {
+            Ok(n) if n > 0 => {}
+            _ => break,
+        }
+    }
+}
