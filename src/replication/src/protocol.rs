@@ -116,6 +116,11 @@ pub fn finish_frame(buf: &mut Vec<u8>) {
     buf.extend_from_slice(&crc.to_le_bytes());
 }
 
+/// The payload length of a complete frame.
+pub fn payload_len(frame: &[u8]) -> u64 {
+    (frame.len() - HEADER - 4) as u64
+}
+
 /// A complete frame of `kind` carrying `msg`.
 pub fn message<T: Serialize>(kind: Kind, msg: &T) -> Vec<u8> {
     let mut buf = Vec::new();
