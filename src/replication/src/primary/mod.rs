@@ -190,9 +190,11 @@ impl Worker {
             if let Some(s) = session.take() {
                 let loss = self.protect(&s);
                 drop(s);
+                // Also when the VM is stopping: the loss is logged and the
+                // policy decides what happens to the output still held.
                 match loss {
-                    Some(loss) if !self.stop.load(Ordering::SeqCst) => self.backup_lost(&loss),
-                    _ => return,
+                    Some(loss) => self.backup_lost(&loss),
+                    None => return,
                 }
             }
             if self.stop.load(Ordering::SeqCst) {
