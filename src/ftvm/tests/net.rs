@@ -8,12 +8,13 @@ mod common;
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::path::Path;
+use std::process::{Child, ExitStatus, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::net::{Topology, GUEST_ADDR, GUEST_MAC, TAP};
+use common::scratch::{Scratch, Tmpfs};
 use common::*;
 
 /// How long a guest may take from spawn to serving.
@@ -46,19 +47,13 @@ impl Vmm {
     /// exec` execs the program, so the child is the VMM itself.)
     fn start(topo: &Topology, image_name: &str, cmdline: &str, disk: Option<&Path>) -> Vmm {
         let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
-        cmd.arg("run")
-            .arg("--image")
-            .arg(image(image_name))
-            .args(["--net", &format!("tap={TAP},mac={GUEST_MAC}"), "--cmdline", cmdline]);
+        cmd.arg("run").arg("--image").arg(image(image_name)).args(["--net", &format!("tap={TAP},mac={GUEST_MAC}"), "--cmdline", cmdline]);
         if let Some(disk) = disk {
             cmd.arg("--disk").arg(disk);
         }
         let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("ftvm spawns");
         let (stdout, stderr) = (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
-        let readers = vec![
-            collect(child.stdout.take().unwrap(), stdout.clone()),
-            collect(child.stderr.take().unwrap(), stderr.clone()),
-        ];
+        let readers = vec![collect(child.stdout.take().unwrap(), stdout.clone()), collect(child.stderr.take().unwrap(), stderr.clone())];
         Vmm { child, stdout, stderr, readers }
     }
 
@@ -186,58 +181,6 @@ echo "<cat status $?>""#;
     (replies.to_owned(), status.trim() == "0>")
 }
 
-/// A scratch directory removed on Drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("ftvm-net-{tag}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-
-    /// A fresh sparse disk image of `size` bytes.
-    fn disk(&self, name: &str, size: u64) -> PathBuf {
-        let path = self.0.join(name);
-        File::create(&path).unwrap().set_len(size).unwrap();
-        path
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A small tmpfs mounted on a scratch directory, unmounted on Drop (after
-/// the VMMs using it: declare it before them).
-struct Tmpfs {
-    dir: Scratch,
-}
-
-impl Tmpfs {
-    fn mount(tag: &str, size: &str) -> Tmpfs {
-        let dir = Scratch::new(tag);
-        let out = Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"]).arg(&dir.0).output().unwrap();
-        assert!(out.status.success(), "mount tmpfs: {}", stderr(&out));
-        Tmpfs { dir }
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        // Before `dir` is removed (fields drop after this).
-        let ok = Command::new("umount").arg(&self.dir.0).status().is_ok_and(|s| s.success());
-        if !ok {
-            let _ = Command::new("umount").arg("-l").arg(&self.dir.0).status();
-        }
-    }
-}
-
 #[test]
 fn guest_answers_ping_and_tcp_echo() {
     let topo = Topology::new("ping");
@@ -289,10 +232,7 @@ fn redis_cli_commands_get_exact_replies() {
     assert_eq!(cli1(&topo, &["EXISTS", "a"]), "0");
     assert_eq!(cli(&topo, &["GET", "a"]), "\n");
     assert_eq!(cli1(&topo, &["DBSIZE"]), "4");
-    assert_eq!(
-        cli1(&topo, &["GET"]),
-        "ERR wrong number of arguments for 'get' command"
-    );
+    assert_eq!(cli1(&topo, &["GET"]), "ERR wrong number of arguments for 'get' command");
     // A value bigger than a socket buffer goes both ways intact (from
     // stdin with -x: an argument is limited to 128 KiB).
     let big: String = (0..300_000).map(|i| (b'a' + (i % 26) as u8) as char).collect();
@@ -385,11 +325,7 @@ fn aof_survives_sigkill_and_replays_every_key() {
 
     let vmm = kv(&topo, "aof=on", Some(&disk));
     let records = N + 3;
-    assert!(
-        vmm.stdout().contains(&format!("kv: replayed {records} records, {} keys", N - 1)),
-        "{}",
-        vmm.output()
-    );
+    assert!(vmm.stdout().contains(&format!("kv: replayed {records} records, {} keys", N - 1)), "{}", vmm.output());
     assert_eq!(cli1(&topo, &["DBSIZE"]), (N - 1).to_string());
     let keys: Vec<&str> = pairs.iter().map(|(k, _)| k.as_str()).collect();
     let got = mget_all(&topo, &keys);
@@ -419,10 +355,8 @@ fn malformed_requests_get_errors_and_the_server_keeps_serving() {
 
     // Unknown commands, multibulk and inline, are errors on a connection
     // that keeps working.
-    let (replies, closed) = raw_exchange(
-        &topo,
-        "*2\r\n$7\r\nNOSUCHX\r\n$1\r\na\r\nGET before\r\nfrobnicate 1 2\r\n*1\r\n$4\r\nPING\r\nQUIT\r\n",
-    );
+    let (replies, closed) =
+        raw_exchange(&topo, "*2\r\n$7\r\nNOSUCHX\r\n$1\r\na\r\nGET before\r\nfrobnicate 1 2\r\n*1\r\n$4\r\nPING\r\nQUIT\r\n");
     assert_eq!(
         replies,
         "-ERR unknown command 'NOSUCHX', with args beginning with: 'a' \r\n$4\r\nkept\r\n\

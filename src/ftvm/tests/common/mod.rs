@@ -35,9 +35,10 @@ pub fn stderr(o: &Output) -> String {
 
 /// The value of `key=` on the line starting with `prefix`.
 pub fn field(output: &str, prefix: &str, key: &str) -> Option<String> {
-    output.lines().filter(|l| l.starts_with(prefix)).find_map(|l| {
-        l.split_whitespace().find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('=')).map(str::to_owned))
-    })
+    output
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix(key).and_then(|v| v.strip_prefix('=')).map(str::to_owned)))
 }
 
 /// The checksum memtouch prints for `cmdline` when every writer does
@@ -56,3 +57,4 @@ pub fn expected_memtouch_checksum(cmdline: &str, writers: u32) -> String {
     format!("{:016x}", memtouch::checksum(bytes))
 }
 pub mod net;
+pub mod scratch;

@@ -126,12 +126,7 @@ impl Drop for Topology {
         // Never panic here: a panic during unwinding aborts the test binary.
         match Command::new(script()).arg("down").arg(&self.name).output() {
             Ok(out) if out.status.success() => {}
-            Ok(out) => eprintln!(
-                "scripts/netns.sh down {} failed ({}): {}",
-                self.name,
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            ),
+            Ok(out) => eprintln!("scripts/netns.sh down {} failed ({}): {}", self.name, out.status, String::from_utf8_lossy(&out.stderr)),
             Err(e) => eprintln!("scripts/netns.sh down {}: {e}", self.name),
         }
     }
