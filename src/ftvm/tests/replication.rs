@@ -413,3 +413,75 @@ fn a_replica_disk_smaller_than_the_primarys_is_refused_untouched() {
     assert_eq!(b.status.code(), Some(0), "{}", stderr(&b));
     assert!(std::fs::read(&replica).unwrap() == std::fs::read(&disk).unwrap(), "the replica differs from the primary's disk");
 }
+
+/// Wait for `vmm` to end, at most `limit` (then kill it and fail).
+fn finish_within(mut vmm: Vmm, limit: Duration, what: &str) -> Output {
+    let t0 = Instant::now();
+    while vmm.child().try_wait().unwrap().is_none() {
+        if t0.elapsed() > limit {
+            kill(&mut vmm);
+            let out = finish(vmm);
+            panic!("{what} did not end within {limit:?}: {}", stderr(&out));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    finish(vmm)
+}
+
+/// Poll `ftvm status` until it contains `text`.
+fn wait_for_status(socket: &Path, text: &str) -> String {
+    let t0 = Instant::now();
+    loop {
+        let st = status(socket);
+        if st.contains(text) {
+            return st;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "status never showed {text:?}: {st}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_failed_reprotection_leaves_the_vm_running_unprotected() {
+    const DISK: u64 = 128 << 20;
+    let primary_fs = Tmpfs::mount("reprotect", "320M");
+    let disk = primary_fs.dir.disk("primary.img", DISK);
+    // Data for pre-copy to send: far more than the second backup has room for
+    // (and than socket buffers hold, so its refusal stops pre-copy).
+    std::fs::OpenOptions::new().write(true).open(&disk).unwrap().write_all(&vec![0x77; 64 << 20]).unwrap();
+    let replica1 = primary_fs.dir.disk("replica1.img", DISK);
+    let small_fs = Tmpfs::mount("reprotectsmall", "4M");
+    let replica2 = small_fs.dir.disk("replica2.img", DISK);
+    let socket = primary_fs.dir.0.join("api.sock");
+
+    let addr1 = free_addr();
+    let mut b1 = backup(&addr1, &["--disk", path_str(&replica1), "--failure-timeout-ms", "5000"]);
+    // The guest writes its disk (the whole of it) only once all this happened.
+    let extra = ["--memory", "64", "--disk", path_str(&disk), "--api-socket", path_str(&socket), "--failure-timeout-ms", "10000"];
+    let p = spawn(&mut primary_of("netprobe", &addr1, 1, "blk=fill delay=8000", &extra));
+    wait_for_status(&socket, "protected: yes");
+    kill(&mut b1);
+    wait_for_status(&socket, "protected: no");
+
+    // The new backup's disk fills during pre-copy: it refuses, and the primary runs on as before.
+    let addr2 = free_addr();
+    let b2 = backup(&addr2, &["--disk", path_str(&replica2), "--failure-timeout-ms", "5000"]);
+    let out = ftvm().args(["protect", "--api-socket", path_str(&socket), "--backup", &addr2]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let st = wait_for_status(&socket, "re-protection failed");
+    assert!(
+        st.contains("UNPROTECTED: re-protection failed: the backup refused this primary: the backup cannot apply the primary's stream and stops: pre-copy: cannot write the disk replica: No space left on device"),
+        "{st}"
+    );
+    assert!(st.contains("protected: no") && st.contains("state: running"), "{st}");
+    let b2 = finish_within(b2, Duration::from_secs(30), "the refusing backup");
+    assert_eq!(b2.status.code(), Some(1), "{}", stderr(&b2));
+    assert!(!stderr(&b2).contains("PRIMARY LOST"), "{}", stderr(&b2));
+
+    // What the attempt started was undone: the disk journal it began does not
+    // hold the guest's disk once full, and the guest writes all of it.
+    let p = finish_within(p, Duration::from_secs(120), "the primary");
+    assert_eq!(p.status.code(), Some(0), "{}", stderr(&p));
+    assert!(stdout(&p).contains(&format!("netprobe: blk fill wrote={} result=ok", DISK / 512)), "{}", stdout(&p));
+    assert!(std::fs::read(&disk).unwrap() == filled(DISK));
+}

@@ -53,9 +53,9 @@ enum Ended {
     CannotApply(ApplyError),
 }
 
-/// How long a backup that cannot apply waits for the primary to read its
-/// reason and hang up, before it closes the stream itself.
-const LINGER: Duration = Duration::from_secs(2);
+/// How long a backup that cannot apply keeps the stream open for its reason
+/// to reach the primary (less if the primary hangs up first).
+const LINGER: Duration = Duration::from_secs(1);
 
 /// A backup waiting for, or following, its primary.
 pub struct Backup {
@@ -204,7 +204,10 @@ fn follow(link: &mut dyn Transport, replica: &mut Replica, status: &StatusCell, 
             Ok(()) => {}
             Err(Stop::Lost(reason)) => return Ended::Lost(reason),
             Err(Stop::CannotApply(e)) => {
-                refuse(link, &e, limit, &mut buf);
+                // Synchronized, the primary reads what this backup sends at
+                // once; before that it only sends.
+                let reading = replica.committed.is_some();
+                refuse(link, &e, reading, limit, &mut buf);
                 return Ended::CannotApply(e);
             }
         }
@@ -212,11 +215,19 @@ fn follow(link: &mut dyn Transport, replica: &mut Replica, status: &StatusCell, 
 }
 
 /// Tell the primary why this backup stops (it handles that as a lost
-/// backup), then wait a little for it to hang up, so the reason is read
-/// before the stream closes.
-fn refuse(link: &mut dyn Transport, e: &ApplyError, limit: u64, buf: &mut Vec<u8>) {
+/// backup), and keep the stream open a little so the reason arrives whole
+/// before the close. A primary that reads (`reading`: it is synchronized)
+/// hangs up on it, and what it sends meanwhile is drained. One that is
+/// still bringing this backup up to date only sends: nothing is read, so
+/// its sends stall, and fail once the stream closes; it then reads the
+/// reason (the kernel keeps what arrived before the reset).
+fn refuse(link: &mut dyn Transport, e: &ApplyError, reading: bool, limit: u64, buf: &mut Vec<u8>) {
     let reason = format!("the backup cannot apply the primary's stream and stops: {e}");
     if link.send(&protocol::message(Kind::Refuse, &reason)).is_err() {
+        return;
+    }
+    if !reading {
+        std::thread::sleep(LINGER);
         return;
     }
     let _ = link.set_recv_timeout(Some(Duration::from_millis(100)));
