@@ -104,6 +104,8 @@ fn a_checkpoint_applies_whole_into_the_replica() {
     let mut apply = InPlace::default();
     let staged = apply.stage(&replica, &payload).unwrap();
     assert_eq!(staged.pages.len(), 3);
+    let state = staged.pages.state.len() as u64;
+    assert!(state * 8 < bounds::vm_state_limit(1), "a vCPU's state of {state} bytes leaves little room in the bound");
     apply.commit(&mut replica, staged).unwrap();
     let mut page = vec![0u8; PAGE];
     for (p, fill) in [(1000, 0xab), (1001, 0), (2000, 1), (1002, 0)] {
