@@ -59,7 +59,11 @@ fn metric_means(path: &Path, fields: &[&str]) -> Vec<f64> {
         .iter()
         .map(|f| {
             let v: Vec<f64> = lines.iter().filter_map(|l| l[*f].as_f64()).collect();
-            if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 }
+            if v.is_empty() {
+                0.0
+            } else {
+                v.iter().sum::<f64>() / v.len() as f64
+            }
         })
         .collect()
 }
@@ -194,9 +198,21 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         for &e in &opts.epochs {
             let (rate, m) = memtouch_run(cmdline, Some(e), &scratch)?;
             let group = format!("memtouch {name}");
-            rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: writes/s"), value: rate, unit: "writes/s", reference: Some(base) });
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("epoch {e} ms: writes/s"),
+                value: rate,
+                unit: "writes/s",
+                reference: Some(base),
+            });
             rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: pause"), value: m[0], unit: "us", reference: None });
-            rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: dirty pages/epoch"), value: m[1], unit: "pages", reference: None });
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("epoch {e} ms: dirty pages/epoch"),
+                value: m[1],
+                unit: "pages",
+                reference: None,
+            });
             rows.push(Row { group, case: format!("epoch {e} ms: bytes/epoch"), value: m[2], unit: "bytes", reference: None });
         }
     }
@@ -216,14 +232,38 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 let m = metric_means(&metrics, &["pause_us", "dirty_pages", "bytes", "hold_us"]);
                 for ((test, rps, p50, p99), (_, brps, bp50, bp99)) in ft.iter().zip(&base) {
                     let group = format!("kv {test} -P {pipeline} -c 50");
-                    rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: requests/s"), value: *rps, unit: "req/s", reference: Some(*brps) });
-                    rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: p50"), value: *p50, unit: "ms", reference: Some(*bp50) });
+                    rows.push(Row {
+                        group: group.clone(),
+                        case: format!("epoch {e} ms: requests/s"),
+                        value: *rps,
+                        unit: "req/s",
+                        reference: Some(*brps),
+                    });
+                    rows.push(Row {
+                        group: group.clone(),
+                        case: format!("epoch {e} ms: p50"),
+                        value: *p50,
+                        unit: "ms",
+                        reference: Some(*bp50),
+                    });
                     rows.push(Row { group, case: format!("epoch {e} ms: p99"), value: *p99, unit: "ms", reference: Some(*bp99) });
                 }
                 let group = format!("kv epochs -P {pipeline}");
                 rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: pause"), value: m[0], unit: "us", reference: None });
-                rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: dirty pages/epoch"), value: m[1], unit: "pages", reference: None });
-                rows.push(Row { group: group.clone(), case: format!("epoch {e} ms: bytes/epoch"), value: m[2], unit: "bytes", reference: None });
+                rows.push(Row {
+                    group: group.clone(),
+                    case: format!("epoch {e} ms: dirty pages/epoch"),
+                    value: m[1],
+                    unit: "pages",
+                    reference: None,
+                });
+                rows.push(Row {
+                    group: group.clone(),
+                    case: format!("epoch {e} ms: bytes/epoch"),
+                    value: m[2],
+                    unit: "bytes",
+                    reference: None,
+                });
                 rows.push(Row { group, case: format!("epoch {e} ms: output hold"), value: m[3] / 1e3, unit: "ms", reference: None });
             }
         }

@@ -210,9 +210,27 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         }
         for (test, guest_f, native_f) in [("SET", median(g_set), median(n_set)), ("GET", median(g_get), median(n_get))] {
             let group = format!("kv {test} -P {p} -c {}", opts.clients);
-            rows.push(Row { group: group.clone(), case: "throughput (ref: native redis)".into(), value: guest_f.rps, unit: "req/s", reference: Some(native_f.rps) });
-            rows.push(Row { group: group.clone(), case: "latency p50 (ref: native redis)".into(), value: guest_f.p50_ms, unit: "ms", reference: Some(native_f.p50_ms) });
-            rows.push(Row { group: group.clone(), case: "latency p99 (ref: native redis)".into(), value: guest_f.p99_ms, unit: "ms", reference: Some(native_f.p99_ms) });
+            rows.push(Row {
+                group: group.clone(),
+                case: "throughput (ref: native redis)".into(),
+                value: guest_f.rps,
+                unit: "req/s",
+                reference: Some(native_f.rps),
+            });
+            rows.push(Row {
+                group: group.clone(),
+                case: "latency p50 (ref: native redis)".into(),
+                value: guest_f.p50_ms,
+                unit: "ms",
+                reference: Some(native_f.p50_ms),
+            });
+            rows.push(Row {
+                group: group.clone(),
+                case: "latency p99 (ref: native redis)".into(),
+                value: guest_f.p99_ms,
+                unit: "ms",
+                reference: Some(native_f.p99_ms),
+            });
             chart.push(Row { group: group.clone(), case: "ftvm guest".into(), value: guest_f.rps, unit: "req/s", reference: None });
             chart.push(Row { group, case: "native redis-server".into(), value: native_f.rps, unit: "req/s", reference: None });
         }

@@ -58,9 +58,7 @@ pub fn write_bar_chart(path: &Path, title: &str, rows: &[&Row]) -> Result<(), Bo
         .y_labels(rows.len())
         .y_label_formatter(&|i| labels.get(*i).cloned().unwrap_or_default())
         .draw()?;
-    chart.draw_series(rows.iter().enumerate().map(|(i, r)| {
-        Rectangle::new([(0.0, i), (r.value, i + 1)], BLUE.mix(0.6).filled())
-    }))?;
+    chart.draw_series(rows.iter().enumerate().map(|(i, r)| Rectangle::new([(0.0, i), (r.value, i + 1)], BLUE.mix(0.6).filled())))?;
     root.present()?;
     Ok(())
 }

@@ -4,8 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ftvm_workloads::memtouch::{Config, Writer};
 use ftvm_vmm::{Console, DirtyBackend, PageBitmap, Persist, Vm, VmConfig};
+use ftvm_workloads::memtouch::{Config, Writer};
 
 use crate::report::{self, Row};
 
@@ -114,7 +114,9 @@ fn pause_and_state(opts: &Options, vcpus: u32, rows: &mut Vec<Row>) -> Result<()
     vm.request_stop();
     vm.wait();
     let group = format!("state, {vcpus} vCPU");
-    for (name, mut v) in [("pause (all vCPUs parked)", pause), ("resume", resume), ("save full state", save), ("restore full state", restore)] {
+    for (name, mut v) in
+        [("pause (all vCPUs parked)", pause), ("resume", resume), ("save full state", save), ("restore full state", restore)]
+    {
         v.sort_by(f64::total_cmp);
         for (stat, p) in [("p50", 0.5), ("p99", 0.99)] {
             rows.push(Row { group: group.clone(), case: format!("{name} {stat}"), value: percentile(&v, p), unit: "us", reference: None });
@@ -127,7 +129,13 @@ fn pause_and_state(opts: &Options, vcpus: u32, rows: &mut Vec<Row>) -> Result<()
 /// it: memtouch sweeps a working set while the VMM collects the dirty set
 /// every epoch; the time lost against the untracked rate, minus the time the
 /// VM spent paused, divided by the pages collected.
-fn first_write_cost(opts: &Options, backend: DirtyBackend, untracked_rate: f64, cmdline: &str, rows: &mut Vec<Row>) -> Result<(), BoxError> {
+fn first_write_cost(
+    opts: &Options,
+    backend: DirtyBackend,
+    untracked_rate: f64,
+    cmdline: &str,
+    rows: &mut Vec<Row>,
+) -> Result<(), BoxError> {
     let cmdline = format!("{cmdline} duration={}s report=0", opts.seconds);
     let (vm, out) = memtouch_vm(opts, 1, backend, &cmdline)?;
     vm.start_dirty_tracking()?;
@@ -154,10 +162,34 @@ fn first_write_cost(opts: &Options, backend: DirtyBackend, untracked_rate: f64, 
     let writes = total_writes(&out.lock().unwrap())?;
     let lost = elapsed - writes as f64 / untracked_rate - paused.as_secs_f64();
     let group = format!("dirty {backend}");
-    rows.push(Row { group: group.clone(), case: "first write after re-protect".into(), value: lost / pages.max(1) as f64 * 1e6, unit: "us/page", reference: None });
-    rows.push(Row { group: group.clone(), case: "dirty pages per epoch".into(), value: pages as f64 / epochs.max(1) as f64, unit: "pages", reference: None });
-    rows.push(Row { group: group.clone(), case: "collect per epoch".into(), value: collect.as_secs_f64() / epochs.max(1) as f64 * 1e6, unit: "us", reference: None });
-    rows.push(Row { group, case: "guest speed vs untracked".into(), value: writes as f64 / opts.seconds as f64, unit: "writes/s", reference: Some(untracked_rate) });
+    rows.push(Row {
+        group: group.clone(),
+        case: "first write after re-protect".into(),
+        value: lost / pages.max(1) as f64 * 1e6,
+        unit: "us/page",
+        reference: None,
+    });
+    rows.push(Row {
+        group: group.clone(),
+        case: "dirty pages per epoch".into(),
+        value: pages as f64 / epochs.max(1) as f64,
+        unit: "pages",
+        reference: None,
+    });
+    rows.push(Row {
+        group: group.clone(),
+        case: "collect per epoch".into(),
+        value: collect.as_secs_f64() / epochs.max(1) as f64 * 1e6,
+        unit: "us",
+        reference: None,
+    });
+    rows.push(Row {
+        group,
+        case: "guest speed vs untracked".into(),
+        value: writes as f64 / opts.seconds as f64,
+        unit: "writes/s",
+        reference: Some(untracked_rate),
+    });
     Ok(())
 }
 
@@ -171,7 +203,13 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         let cmdline = format!("ws=64M pattern={pattern}");
         let vm = vm_writes_per_sec(opts, &cmdline, vcpus)?;
         let native = native_writes_per_sec(&cmdline, vcpus, opts.seconds);
-        rows.push(Row { group: "memtouch VM/native".into(), case: format!("{pattern}, {vcpus} writer(s), 64 MiB"), value: vm, unit: "writes/s", reference: Some(native) });
+        rows.push(Row {
+            group: "memtouch VM/native".into(),
+            case: format!("{pattern}, {vcpus} writer(s), 64 MiB"),
+            value: vm,
+            unit: "writes/s",
+            reference: Some(native),
+        });
     }
     for vcpus in [1, 2] {
         pause_and_state(opts, vcpus, &mut rows)?;

@@ -70,7 +70,10 @@ const INTERRUPTED: &str = "interrupted";
 /// The repository: the binary is ROOT/target/release/ftvm (or .../debug).
 fn repo_root() -> Result<PathBuf, Error> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?;
-    let candidates = [exe.parent().and_then(Path::parent).and_then(Path::parent).map(Path::to_path_buf), Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))];
+    let candidates = [
+        exe.parent().and_then(Path::parent).and_then(Path::parent).map(Path::to_path_buf),
+        Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")),
+    ];
     candidates
         .into_iter()
         .flatten()
@@ -122,7 +125,8 @@ impl Topology {
         let deadline = Instant::now() + Duration::from_secs(5);
         for (role, dev) in [("lan", "client"), ("lan", "h1"), ("lan", "h2"), ("h1", "uplink"), ("h2", "uplink")] {
             loop {
-                let out = Command::new("bridge").args(["-n", &self.ns(role), "link", "show", "dev", dev]).output().map_err(|e| e.to_string())?;
+                let out =
+                    Command::new("bridge").args(["-n", &self.ns(role), "link", "show", "dev", dev]).output().map_err(|e| e.to_string())?;
                 if String::from_utf8_lossy(&out.stdout).contains("state forwarding") {
                     break;
                 }
@@ -216,7 +220,8 @@ impl Benchmark {
         let mut cmd = topo.command("client", "redis-benchmark");
         // One long SET test: 8 connections, random keys, 256-byte values.
         cmd.args(["-h", GUEST, "-t", "set", "-c", "8", "-d", "256", "-r", "1000000", "-n", "100000000"]);
-        let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().map_err(|e| format!("redis-benchmark: {e}"))?;
+        let mut child =
+            cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().map_err(|e| format!("redis-benchmark: {e}"))?;
         let out = child.stdout.take().expect("piped");
         let last = Arc::new(Mutex::new(String::new()));
         let l = last.clone();
@@ -259,7 +264,9 @@ fn progress_line(t0: Instant, socket: &Path, writers: &writer::Writers, bench: &
             m.hold_us as f64 / 1e3
         ),
         None => match rep {
-            Some(r) if r.role == ftvm_replication::Role::Primary && !r.protected => format!("new primary since epoch {}, UNPROTECTED (no backup left)", r.epoch),
+            Some(r) if r.role == ftvm_replication::Role::Primary && !r.protected => {
+                format!("new primary since epoch {}, UNPROTECTED (no backup left)", r.epoch)
+            }
             _ => "no epoch acknowledged yet".into(),
         },
     };
@@ -392,7 +399,10 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
     writers.mark(killed_at);
     primary.kill();
     let acked_before = writers.acked();
-    println!("[h1] HOST DIES at t={:.1}s: links repl and uplink deleted, VMM SIGKILLed ({acked_before} writes acknowledged so far)", t0.elapsed().as_secs_f64());
+    println!(
+        "[h1] HOST DIES at t={:.1}s: links repl and uplink deleted, VMM SIGKILLed ({acked_before} writes acknowledged so far)",
+        t0.elapsed().as_secs_f64()
+    );
 
     // Time to the first reply from the new primary, on fresh connections.
     let served = netns::run_in(&topo.ns("client"), move || {
@@ -439,14 +449,19 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
     );
     println!("[client] redis-cli GET demo:greeting -> {}", redis_cli(topo, &["GET", "demo:greeting"]));
 
-    let verified = writer::verify(addr, Some(&topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(10)).map_err(|e| format!("reading back: {e}"))?;
+    let verified = writer::verify(addr, Some(&topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(10))
+        .map_err(|e| format!("reading back: {e}"))?;
     let ok = verified.lost() == 0 && verified.checked == report.acked.len();
     println!(
         "verify: acknowledged {} ({acked_before} before the kill, the rest by the new primary), verified {}, lost {}{}",
         report.acked.len(),
         verified.checked - verified.lost(),
         verified.lost(),
-        if verified.lost() > 0 { format!(" (e.g. {:?})", verified.missing.iter().chain(&verified.wrong).take(3).collect::<Vec<_>>()) } else { String::new() }
+        if verified.lost() > 0 {
+            format!(" (e.g. {:?})", verified.missing.iter().chain(&verified.wrong).take(3).collect::<Vec<_>>())
+        } else {
+            String::new()
+        }
     );
     if let Some(r) = status(&backup_sock).and_then(|r| r.replication) {
         println!("[h2] ftvm status: role {}, protected {}: {}", r.role, if r.protected { "yes" } else { "no" }, r.detail);

@@ -34,12 +34,7 @@ fn patched(name: &str, patch: impl FnOnce(&mut Vec<u8>)) -> std::path::PathBuf {
 
 #[test]
 fn missing_kvm_device() {
-    let out = ftvm()
-        .env("FTVM_KVM_DEVICE", "/nonexistent/kvm")
-        .args(["run", "--image"])
-        .arg(image("probe"))
-        .output()
-        .unwrap();
+    let out = ftvm().env("FTVM_KVM_DEVICE", "/nonexistent/kvm").args(["run", "--image"]).arg(image("probe")).output().unwrap();
     assert_one_line_error(&out, "/nonexistent/kvm does not exist", "missing /dev/kvm");
 }
 

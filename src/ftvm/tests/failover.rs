@@ -236,9 +236,7 @@ fn forget_guest(topo: &Topology) {
 fn capture(topo: &Topology, role: &str, dir: &Scratch, name: &str, args: &[&str]) -> (Guarded, PathBuf) {
     let file = dir.path(name);
     let mut cmd = topo.command(role, "tcpdump");
-    cmd.args(["-U", "--immediate-mode", "-n", "-Z", "root", "--time-stamp-precision=nano", "-w"])
-        .arg(&file)
-        .args(args);
+    cmd.args(["-U", "--immediate-mode", "-n", "-Z", "root", "--time-stamp-precision=nano", "-w"]).arg(&file).args(args);
     let mut g = spawn(cmd, "tcpdump", dir, name);
     let t0 = Instant::now();
     while !g.stderr().contains("listening on") {
@@ -260,11 +258,7 @@ fn stop_capture(mut g: Guarded) {
 }
 
 fn jsonl(path: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect()
+    std::fs::read_to_string(path).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
 }
 
 fn field(v: &serde_json::Value, k: &str) -> u64 {
@@ -419,7 +413,10 @@ impl Stream {
 
 /// Reassemble every connection of a capture, per (source, destination);
 /// the bytes only of directions `keep_bytes` chooses.
-fn streams(segments: &[Segment], keep_bytes: impl Fn(SocketAddrV4, SocketAddrV4) -> bool) -> BTreeMap<(SocketAddrV4, SocketAddrV4), Stream> {
+fn streams(
+    segments: &[Segment],
+    keep_bytes: impl Fn(SocketAddrV4, SocketAddrV4) -> bool,
+) -> BTreeMap<(SocketAddrV4, SocketAddrV4), Stream> {
     let mut m: BTreeMap<(SocketAddrV4, SocketAddrV4), Stream> = BTreeMap::new();
     for s in segments {
         m.entry((s.src, s.dst)).or_insert_with(|| Stream { bytes: keep_bytes(s.src, s.dst), ..Stream::default() }).add(s);
@@ -560,10 +557,7 @@ fn partial_checkpoint(pcap: &Path, took_over: u64, primary_epochs: &[serde_json:
         sum += s;
         prefix.insert(e, sum);
     }
-    let leads: Vec<u64> = acks
-        .iter()
-        .filter_map(|&(e, ts)| prefix.get(&e).map(|p| to_backup.extent_at(ts).saturating_sub(*p)))
-        .collect();
+    let leads: Vec<u64> = acks.iter().filter_map(|&(e, ts)| prefix.get(&e).map(|p| to_backup.extent_at(ts).saturating_sub(*p))).collect();
     let lead = leads.iter().copied().min();
     let exact = leads.iter().filter(|&&l| Some(l) == lead).count();
     let end_of_last = match (lead, prefix.get(&took_over)) {
@@ -590,7 +584,22 @@ fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, k
     // hundred microseconds): checkpoints spend milliseconds on the wire,
     // long enough for kills to land inside their transfer.
     let out = Command::new("tc")
-        .args(["-n", &topo.ns("h1"), "qdisc", "replace", "dev", "repl", "root", "tbf", "rate", "1gbit", "burst", "256kb", "latency", "100ms"])
+        .args([
+            "-n",
+            &topo.ns("h1"),
+            "qdisc",
+            "replace",
+            "dev",
+            "repl",
+            "root",
+            "tbf",
+            "rate",
+            "1gbit",
+            "burst",
+            "256kb",
+            "latency",
+            "100ms",
+        ])
         .output()
         .unwrap();
     assert!(out.status.success(), "tc: {}", String::from_utf8_lossy(&out.stderr));
@@ -743,7 +752,9 @@ fn time_replies(pcap: &Path) -> (Vec<TimeReply>, usize) {
             let end = n - rest.len();
             let arrival_ns = s.seen[start..end].iter().map(|t| t.unwrap()).min().unwrap();
             let digits = |r: &Reply| match r {
-                Reply::Bulk(Some(b)) if !b.is_empty() && b.iter().all(u8::is_ascii_digit) => std::str::from_utf8(b).ok()?.parse::<u64>().ok(),
+                Reply::Bulk(Some(b)) if !b.is_empty() && b.iter().all(u8::is_ascii_digit) => {
+                    std::str::from_utf8(b).ok()?.parse::<u64>().ok()
+                }
                 _ => None,
             };
             match &reply {
@@ -766,7 +777,13 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied() {
     let mut backup = start_backup(&topo, &dir, "backup");
     let mut primary = start_primary(&topo, &dir, "primary", &[]);
     wait_status(&dir.path("primary.sock"), "protected: yes", &mut primary, Duration::from_secs(20));
-    let (cap, pcap) = capture(&topo, "client", &dir, "client.pcap", &["-i", "eth0", "-s", "2048", "src", "host", GUEST_ADDR, "and", "tcp", "src", "port", "6379"]);
+    let (cap, pcap) = capture(
+        &topo,
+        "client",
+        &dir,
+        "client.pcap",
+        &["-i", "eth0", "-s", "2048", "src", "host", GUEST_ADDR, "and", "tcp", "src", "port", "6379"],
+    );
 
     // Memory-dirtying writes alongside.
     let writers = Writers::start(writer::Config {
@@ -814,7 +831,8 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied() {
     backup.kill();
 
     let applied = jsonl(&dir.path("backup.applied.jsonl"));
-    let epochs: Vec<(u64, u64, u64)> = applied.iter().map(|v| (field(v, "epoch"), field(v, "guest_ns"), field(v, "applied_unix_ns"))).collect();
+    let epochs: Vec<(u64, u64, u64)> =
+        applied.iter().map(|v| (field(v, "epoch"), field(v, "guest_ns"), field(v, "applied_unix_ns"))).collect();
     assert!(epochs.windows(2).all(|w| w[1].0 == w[0].0 + 1 && w[1].1 > w[0].1), "applied epochs in order");
     let released: u64 = jsonl(&dir.path("primary.epochs.jsonl")).iter().map(|v| field(v, "frames_released")).sum();
     let (replies, others) = time_replies(&pcap);
@@ -833,7 +851,9 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied() {
             continue;
         }
         match epochs.iter().find(|e| e.1 >= g) {
-            None => violations.push(format!("reply made at guest {g} ns arrived at {} but no checkpoint covering it was applied", r.arrival_ns)),
+            None => {
+                violations.push(format!("reply made at guest {g} ns arrived at {} but no checkpoint covering it was applied", r.arrival_ns))
+            }
             Some(&(m, _, applied_ns)) => {
                 covered.insert(m);
                 if r.arrival_ns < applied_ns {
@@ -861,7 +881,12 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied() {
         slacks.get(slacks.len() / 2).copied().unwrap_or(0) / 1000,
         violations.len()
     );
-    assert!(violations.is_empty(), "{} replies left before their checkpoint was applied: {:#?}", violations.len(), &violations[..violations.len().min(10)]);
+    assert!(
+        violations.is_empty(),
+        "{} replies left before their checkpoint was applied: {:#?}",
+        violations.len(),
+        &violations[..violations.len().min(10)]
+    );
     assert!(replies.len() as u64 >= sent * 9 / 10, "the capture missed replies: {} of {sent}", replies.len());
     assert!(slacks.len() >= 1000, "only {} replies checked", slacks.len());
     assert!(covered.len() >= 50, "replies from only {} epochs", covered.len());
@@ -954,7 +979,13 @@ fn backup_loss_then_reprotection_then_failover() {
         verified.checked,
         verified.lost()
     );
-    assert_eq!(verified.lost(), 0, "missing {:?}, wrong {:?}", &verified.missing[..verified.missing.len().min(5)], &verified.wrong[..verified.wrong.len().min(5)]);
+    assert_eq!(
+        verified.lost(),
+        0,
+        "missing {:?}, wrong {:?}",
+        &verified.missing[..verified.missing.len().min(5)],
+        &verified.wrong[..verified.wrong.len().min(5)]
+    );
     assert!(resumed.is_some(), "no write acknowledged by the new primary");
     backup2.kill();
 }

@@ -165,9 +165,26 @@ fn corrupted_or_truncated_snapshots_are_refused() {
     let bad = snap.with_extension("bad");
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         ("truncated", good[..good.len() / 2].to_vec(), "truncated"),
-        ("bit flip", { let mut b = good.clone(); let i = b.len() - 100; b[i] ^= 0x10; b }, "checksum mismatch"),
+        (
+            "bit flip",
+            {
+                let mut b = good.clone();
+                let i = b.len() - 100;
+                b[i] ^= 0x10;
+                b
+            },
+            "checksum mismatch",
+        ),
         ("not a snapshot", b"hello world, not a snapshot".to_vec(), "not an ftvm snapshot"),
-        ("wrong version", { let mut b = good.clone(); b[8] = 99; b }, "format version 99"),
+        (
+            "wrong version",
+            {
+                let mut b = good.clone();
+                b[8] = 99;
+                b
+            },
+            "format version 99",
+        ),
     ];
     for (what, bytes, msg) in cases {
         std::fs::write(&bad, bytes).unwrap();

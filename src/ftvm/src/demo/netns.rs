@@ -26,11 +26,7 @@ pub fn enter(ns: &str) -> io::Result<()> {
 }
 
 /// Run `f` on a new thread inside network namespace `ns`.
-pub fn spawn_in<T: Send + 'static>(
-    ns: &str,
-    name: &str,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> io::Result<JoinHandle<io::Result<T>>> {
+pub fn spawn_in<T: Send + 'static>(ns: &str, name: &str, f: impl FnOnce() -> T + Send + 'static) -> io::Result<JoinHandle<io::Result<T>>> {
     let ns = ns.to_owned();
     std::thread::Builder::new().name(name.into()).spawn(move || {
         enter(&ns)?;

@@ -220,13 +220,7 @@ impl Verified {
 
 /// GET every key (pipelined, from `netns`) and compare it with the value
 /// it was written with. Connection trouble is retried until `deadline`.
-pub fn verify(
-    addr: SocketAddr,
-    netns_name: Option<&str>,
-    keys: &[String],
-    value_len: usize,
-    deadline: Instant,
-) -> io::Result<Verified> {
+pub fn verify(addr: SocketAddr, netns_name: Option<&str>, keys: &[String], value_len: usize, deadline: Instant) -> io::Result<Verified> {
     let keys = keys.to_vec();
     let run = move || -> io::Result<Verified> {
         let mut out = Verified::default();
