@@ -5,6 +5,7 @@
 
 pub mod arbiter;
 pub mod backup;
+pub mod bounds;
 pub mod checkpoint;
 pub mod fault;
 pub mod metrics;
@@ -38,8 +39,10 @@ pub enum ReplicationError {
     Send(std::io::Error),
     #[error("cannot read the primary's disk: {0}")]
     PrimaryDisk(std::io::Error),
-    #[error("cannot write the backup's disk replica: {0}")]
-    BackupDisk(std::io::Error),
+    #[error("this backup cannot apply the primary's stream ({0}); it told the primary and stops without taking over")]
+    CannotApply(#[from] pipeline::apply::ApplyError),
+    #[error("checkpoint {epoch} would be {bytes} bytes, over the {limit}-byte limit of this VM's shape")]
+    CheckpointTooLarge { epoch: u64, bytes: u64, limit: u64 },
     #[error("cannot write metrics: {0}")]
     Metrics(std::io::Error),
     #[error("cannot start a replication thread: {0}")]

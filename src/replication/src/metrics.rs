@@ -17,6 +17,11 @@ pub struct EpochMetrics {
     pub pause_us: u64,
     pub dirty_pages: u64,
     pub disk_writes: u64,
+    /// Bytes of disk data the checkpoint carries.
+    pub disk_bytes: u64,
+    /// Taken before its epoch ended because a bound was reached (the disk
+    /// journal's early mark).
+    pub early: bool,
     /// Size of the checkpoint on the wire.
     pub bytes: u64,
     /// From resuming the guest until the checkpoint was handed to the socket

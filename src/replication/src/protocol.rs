@@ -169,6 +169,11 @@ pub fn refresh_checksum(frame: &mut [u8]) {
 /// Where a complete frame's payload starts.
 pub const PAYLOAD_OFFSET: usize = HEADER;
 
+/// The payload length of a complete frame.
+pub fn payload_len(frame: &[u8]) -> u64 {
+    (frame.len() - HEADER - 4) as u64
+}
+
 /// A complete frame of `kind` carrying `msg`.
 pub fn message<T: Serialize>(kind: Kind, msg: &T) -> Vec<u8> {
     let mut buf = Vec::new();

@@ -1,23 +1,31 @@
 //! The checkpoint pipeline end to end in one process, on real KVM: a
 //! primary VM's checkpoint, taken by the stages, applied by the backup's
-//! apply stage into a replica; and every damaged checkpoint refused before
-//! anything changes.
+//! apply stage into a replica; every damaged checkpoint refused before
+//! anything changes; and a commit that fails midway (a full replica disk)
+//! undone, byte for byte.
 
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
 use ftvm_replication::backup::{BackupConfig, Replica};
+use ftvm_replication::bounds;
 use ftvm_replication::checkpoint::Checkpoint;
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
-use ftvm_replication::pipeline::apply::{Apply, InPlace};
+use ftvm_replication::pipeline::apply::{Apply, ApplyError, DiskImage, InPlace};
 use ftvm_replication::pipeline::{Pipeline, Switches};
 use ftvm_replication::protocol::{self, Hello, Kind};
-use ftvm_vmm::devices::DeviceConfig;
-use ftvm_vmm::hooks::FrameSink;
+use ftvm_vmm::devices::{DeviceConfig, DeviceKind};
+use ftvm_vmm::hooks::{DiskWriteObserver, FrameSink};
 use ftvm_vmm::memory::PAGE;
 use ftvm_vmm::{Console, DirtyBackend, Vm, VmConfig};
 
 const MEM: u64 = 16 << 20;
+const DISK: u64 = 16 << 20;
 
 struct Nowhere;
 
@@ -30,16 +38,16 @@ fn vm() -> Vm {
     Vm::new(VmConfig { mem_size: MEM, vcpus: 1, console, ..Default::default() }).unwrap()
 }
 
-fn pipeline(vm: &Vm) -> Pipeline {
-    let output = Arc::new(OutputBuffer::new(Arc::new(Nowhere)));
-    Pipeline::new(&Switches::default(), vm.ram().pages(), output, Arc::new(DiskJournal::default()))
+fn replica(first_epoch: u64) -> Replica {
+    replica_with_disk(first_epoch, None)
 }
 
-fn replica(first_epoch: u64) -> Replica {
+/// A replica, with a disk replica at `disk` of `DISK` bytes if given.
+fn replica_with_disk(first_epoch: u64, disk: Option<&Path>) -> Replica {
     let (console, _) = Console::capture();
     let config = BackupConfig {
         listen: String::new(),
-        devices: DeviceConfig::default(),
+        devices: DeviceConfig { net: None, disk: disk.map(Path::to_owned) },
         mem_size: None,
         vcpus: None,
         failure_timeout: Some(Duration::from_secs(1)),
@@ -51,19 +59,35 @@ fn replica(first_epoch: u64) -> Replica {
         auth: None,
         handshake_timeout: Duration::from_secs(5),
     };
-    let hello = Hello { mem_size: MEM, vcpus: 1, devices: vec![], mac: None, disk_size: None, epoch_ms: 20, first_epoch };
+    let (devices, disk_size) = match disk {
+        Some(_) => (vec![DeviceKind::Block], Some(DISK)),
+        None => (vec![], None),
+    };
+    let hello = Hello { mem_size: MEM, vcpus: 1, devices, mac: None, disk_size, epoch_ms: 20, first_epoch };
     Replica::for_primary(&config, &hello).unwrap()
 }
 
 /// Checkpoint 5 of a VM whose pages 1000 (data), 1001 (zeroed again) and 2000 changed (above the system area).
 fn checkpoint_frame(vm: &Vm) -> Vec<u8> {
+    checkpoint_with_writes(vm, &[])
+}
+
+/// Checkpoint 5 as `checkpoint_frame`, carrying the disk writes `writes` (offset, data).
+fn checkpoint_with_writes(vm: &Vm, writes: &[(u64, Vec<u8>)]) -> Vec<u8> {
     vm.start_dirty_tracking().unwrap();
     vm.ram().write_page(1000, &[0xab; PAGE]).unwrap();
     vm.ram().write_page(1001, &[0; PAGE]).unwrap();
     vm.ram().write_page(2000, &[0x01; PAGE]).unwrap();
-    let mut pipeline = pipeline(vm);
+    let output = Arc::new(OutputBuffer::new(Arc::new(Nowhere)));
+    let journal = Arc::new(DiskJournal::default());
+    journal.start();
+    for (offset, data) in writes {
+        journal.written(*offset, data);
+    }
+    let mut pipeline = Pipeline::new(&Switches::default(), vm, output, journal);
     let (taken, frame) = pipeline.take(vm, 5).unwrap();
-    assert_eq!((taken.epoch, taken.dirty_pages), (5, 3));
+    assert_eq!((taken.epoch, taken.dirty_pages, taken.disk_writes), (5, 3, writes.len() as u64));
+    assert!(protocol::payload_len(frame) <= bounds::checkpoint_limit(MEM, 1));
     frame.to_vec()
 }
 
@@ -80,9 +104,11 @@ fn a_checkpoint_applies_whole_into_the_replica() {
     let payload = payload(&frame);
     let mut replica = replica(5);
     replica.vm.ram().write_page(1001, &[0x77; PAGE]).unwrap();
-    let mut apply = InPlace;
+    let mut apply = InPlace::default();
     let staged = apply.stage(&replica, &payload).unwrap();
     assert_eq!(staged.pages.len(), 3);
+    let state = staged.pages.state.len() as u64;
+    assert!(state * 8 < bounds::vm_state_limit(1), "a vCPU's state of {state} bytes leaves little room in the bound");
     apply.commit(&mut replica, staged).unwrap();
     let mut page = vec![0u8; PAGE];
     for (p, fill) in [(1000, 0xab), (1001, 0), (2000, 1), (1002, 0)] {
@@ -98,13 +124,13 @@ fn out_of_order_checkpoints_are_refused_before_anything_changes() {
     let primary = vm();
     let payload = payload(&checkpoint_frame(&primary));
     let mut replica = replica(4);
-    assert!(InPlace.stage(&replica, &payload).is_err(), "checkpoint 5 when 4 is next");
+    assert!(InPlace::default().stage(&replica, &payload).is_err(), "checkpoint 5 when 4 is next");
     let mut page = vec![0u8; PAGE];
     replica.vm.ram().read_page(1000, &mut page).unwrap();
     assert!(page.iter().all(|&b| b == 0));
     assert!(replica.committed.is_none());
     replica.next_epoch = 5;
-    assert!(InPlace.stage(&replica, &payload).is_ok());
+    assert!(InPlace::default().stage(&replica, &payload).is_ok());
 }
 
 #[test]
@@ -126,4 +152,127 @@ fn every_truncation_and_bit_flip_of_a_checkpoint_is_refused() {
     for cut in 0..payload.len() {
         assert!(Checkpoint::parse(&payload[..cut], pages, 0).is_err(), "payload cut at {cut}");
     }
+}
+
+/// A tmpfs of `size` mounted on a fresh directory, unmounted on Drop.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(size: &str) -> Tmpfs {
+        let dir = std::env::temp_dir().join(format!("ftvm-pipeline-{}-{size}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = Command::new("mount").args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"]).arg(&dir).output().unwrap();
+        assert!(out.status.success(), "mount tmpfs (the tests run as root): {}", String::from_utf8_lossy(&out.stderr));
+        Tmpfs(dir)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn file_bytes(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap()
+}
+
+fn ram_bytes(vm: &Vm) -> Vec<u8> {
+    let mut all = vec![0u8; MEM as usize];
+    for (p, page) in all.chunks_exact_mut(PAGE).enumerate() {
+        vm.ram().read_page(p as u64, page).unwrap();
+    }
+    all
+}
+
+#[test]
+fn a_commit_that_fills_the_replica_disk_is_undone_byte_for_byte() {
+    // 1 MiB of space under a 16 MiB sparse replica.
+    let fs = Tmpfs::mount("1M");
+    let path = fs.0.join("replica.img");
+    File::create(&path).unwrap();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(DISK).unwrap();
+    let mut replica = replica_with_disk(5, Some(&path));
+    // What the previous checkpoints left: data in the disk and in RAM.
+    let disk = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    disk.write_all_at(&[0x11; 64 << 10], 0).unwrap();
+    disk.write_all_at(&[0x22; 64 << 10], 4 << 20).unwrap();
+    replica.vm.ram().write_page(1000, &[0x77; PAGE]).unwrap();
+    replica.vm.ram().write_page(1001, &[0x78; PAGE]).unwrap();
+    let (disk_before, ram_before) = (file_bytes(&path), ram_bytes(&replica.vm));
+
+    // Overwrite both data ranges (partly), fill zeros, then more than fits.
+    let writes = vec![
+        (4096, vec![0xa1; 8192]),
+        ((4 << 20) - 512, vec![0xa2; 4096]),
+        (1 << 20, vec![0xa3; 512 << 10]),
+        (2 << 20, vec![0xa4; 2 << 20]),
+        (8 << 20, vec![0xa5; 4096]),
+    ];
+    let primary = vm();
+    let too_big = payload(&checkpoint_with_writes(&primary, &writes));
+    let mut apply = InPlace::default();
+    let staged = apply.stage(&replica, &too_big).unwrap();
+    match apply.commit(&mut replica, staged) {
+        Err(ApplyError::Undone { epoch: 5, err }) => assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}"),
+        Err(e) => panic!("{e}"),
+        Ok(()) => panic!("2.5 MiB of writes fit on a 1 MiB tmpfs?"),
+    }
+    assert!(file_bytes(&path) == disk_before, "the disk replica changed");
+    assert!(ram_bytes(&replica.vm) == ram_before, "the replica's RAM changed");
+    assert!(replica.usable && replica.committed.is_none() && replica.next_epoch == 5);
+
+    // The undo gave the space back: a checkpoint that fits still applies.
+    let smaller = payload(&checkpoint_with_writes(&primary, &writes[..2]));
+    let staged = apply.stage(&replica, &smaller).unwrap();
+    apply.commit(&mut replica, staged).unwrap();
+    let mut expected = disk_before.clone();
+    for (offset, data) in &writes[..2] {
+        expected[*offset as usize..*offset as usize + data.len()].copy_from_slice(data);
+    }
+    assert!(file_bytes(&path) == expected);
+    assert_eq!(replica.committed.as_ref().map(|c| c.0), Some(5));
+}
+
+/// A disk image whose writes all fail: neither the checkpoint nor its undo can be written.
+struct Broken;
+
+impl DiskImage for Broken {
+    fn read_at(&self, buf: &mut [u8], _offset: u64) -> io::Result<()> {
+        buf.fill(0x33);
+        Ok(())
+    }
+
+    fn write_at(&self, _data: &[u8], _offset: u64) -> io::Result<()> {
+        Err(io::Error::from_raw_os_error(libc::EIO))
+    }
+
+    fn zero(&self, _offset: u64, _len: u64) -> io::Result<()> {
+        Err(io::Error::from_raw_os_error(libc::EIO))
+    }
+}
+
+#[test]
+fn a_commit_whose_undo_fails_discards_the_replica() {
+    let fs = Tmpfs::mount("4M");
+    let path = fs.0.join("replica.img");
+    File::create(&path).unwrap().set_len(DISK).unwrap();
+    let mut replica = replica_with_disk(5, Some(&path));
+    // An earlier checkpoint was committed...
+    let primary = vm();
+    let earlier = payload(&checkpoint_with_writes(&primary, &[]));
+    let mut apply = InPlace::default();
+    let staged = apply.stage(&replica, &earlier).unwrap();
+    apply.commit(&mut replica, staged).unwrap();
+    assert!(replica.committed.is_some());
+    // ... then the disk breaks under the next one.
+    replica.disk = Some(Box::new(Broken));
+    replica.next_epoch = 5;
+    let with_writes = payload(&checkpoint_with_writes(&primary, &[(0, vec![1; 512]), (4096, vec![2; 512])]));
+    let staged = apply.stage(&replica, &with_writes).unwrap();
+    let e = apply.commit(&mut replica, staged).unwrap_err();
+    assert!(matches!(e, ApplyError::Unusable { epoch: 5, .. }), "{e}");
+    assert!(!replica.usable, "never to be taken over");
+    assert!(replica.committed.is_none(), "nothing left to take over");
 }

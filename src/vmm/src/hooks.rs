@@ -13,11 +13,26 @@ use crate::sync::{Lock, ReadWrite};
 /// Receives every frame the guest transmits (with its virtio-net header).
 pub trait FrameSink: Send + Sync {
     fn send(&self, frame: &[u8]);
+
+    /// Whether the sink takes another frame now. While it says no, the
+    /// network card leaves the guest's frames in its transmit queue (the
+    /// guest sees a full ring, as behind a slow link) until the sink wakes
+    /// the device ([`crate::devices::Waker`]).
+    fn accepting(&self) -> bool {
+        true
+    }
 }
 
 /// Told of every guest disk write once it reached the disk image.
 pub trait DiskWriteObserver: Send + Sync {
     fn written(&self, offset: u64, data: &[u8]);
+
+    /// Whether the disk may serve another request now. While it says no,
+    /// requests stay in the guest's queue until the observer wakes the
+    /// device ([`crate::devices::Waker`]).
+    fn accepting(&self) -> bool {
+        true
+    }
 }
 
 /// Sees every frame from the host network before the guest does.

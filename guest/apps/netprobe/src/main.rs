@@ -2,7 +2,7 @@
 //! line is a set of words (see `guest/README.md`): `ip=A.B.C.D/N [gw=..]
 //! [echo]` brings the network up and serves (ICMP echo always, a TCP echo
 //! server on port 7 with `echo`) forever; `blk=selftest|fill` exercises the
-//! disk and exits.
+//! disk and exits (after `delay=MS` milliseconds, if given).
 #![no_std]
 #![no_main]
 
@@ -25,16 +25,21 @@ const SELFTEST_SECTORS: usize = 64;
 fn main(args: &Args) -> i32 {
     let mut echo = false;
     let mut blk_action = None;
+    let mut delay_ms = 0;
     for word in args.cmdline.split_ascii_whitespace() {
         match word.split_once('=') {
             None if word == "echo" => echo = true,
             Some(("blk", action)) => blk_action = Some(action),
+            Some(("delay", ms)) if ms.parse::<u64>().is_ok() => delay_ms = ms.parse().unwrap_or(0),
             Some(("ip" | "gw", _)) => {}
             _ => {
                 println!("netprobe: error: unknown word {word}");
                 return 2;
             }
         }
+    }
+    if blk_action.is_some() {
+        ftvm_rt::time::sleep_ns(delay_ms * 1_000_000);
     }
     match blk_action {
         Some("selftest") => return blk_selftest(),
@@ -186,18 +191,26 @@ fn selftest(disk: &mut Disk) -> Result<[u8; ID_LEN], blk::Error> {
 }
 
 /// Write 64 KiB chunks from sector 0 until the disk ends or a write fails
-/// (a full host disk answers IOERR), then report how far it got.
+/// (a full host disk answers IOERR), then report how far it got. Every
+/// sector is stamped with its number: its first 8 bytes are the number
+/// (little-endian), the others its low byte xor 0xa5, so a write that lands
+/// in the wrong place shows.
 fn blk_fill() -> i32 {
     let Some(mut disk) = open_disk() else {
         return 1;
     };
-    let chunk = vec![0xeeu8; 64 * 1024];
+    let mut chunk = vec![0u8; 64 * 1024];
     let per = (chunk.len() / SECTOR_SIZE) as u64;
     let cap = disk.capacity_sectors();
     let mut at = 0u64;
     let mut result = Ok(());
     while at < cap && result.is_ok() {
         let n = per.min(cap - at);
+        for (i, sector) in chunk.chunks_exact_mut(SECTOR_SIZE).enumerate() {
+            let number = at + i as u64;
+            sector[..8].copy_from_slice(&number.to_le_bytes());
+            sector[8..].fill(number as u8 ^ 0xa5);
+        }
         result = disk.write(at, &chunk[..n as usize * SECTOR_SIZE]);
         if result.is_ok() {
             at += n;

@@ -13,8 +13,9 @@ use ftvm_vmm::devices::DeviceConfig;
 use ftvm_vmm::{Console, DirtyBackend, Persist, Vm};
 
 use crate::arbiter::{Arbiter, Claim};
+use crate::bounds;
 use crate::metrics::{AppliedEpoch, MetricsLog, Role, StatusCell};
-use crate::pipeline::apply::{Apply, InPlace};
+use crate::pipeline::apply::{Apply, ApplyError, InPlace};
 use crate::pipeline::transport::{self, Auth, Transport};
 use crate::protocol::{self, Hello, Kind, ProtocolError};
 use crate::ReplicationError;
@@ -65,7 +66,13 @@ pub enum Outcome {
 enum Ended {
     Lost(String),
     Finished(i32),
+    /// This backup cannot apply what the primary sent; the primary was told.
+    CannotApply(ApplyError),
 }
+
+/// How long a backup that cannot apply keeps the stream open for its reason
+/// to reach the primary (less if the primary hangs up first).
+const LINGER: Duration = Duration::from_secs(1);
 
 /// A backup waiting for, or following, its primary.
 pub struct Backup {
@@ -102,7 +109,19 @@ impl Backup {
                 tracing::info!(status, "the primary's guest stopped; the backup stops too");
                 return Ok(Outcome::PrimaryFinished(status));
             }
+            Ended::CannotApply(e) => {
+                // Never a takeover: the primary is alive and runs on as it
+                // does after losing a backup (it may have released output
+                // of the epoch this replica lacks).
+                let mut st = status.lock();
+                st.protected = false;
+                st.detail = format!("stopped: cannot apply the primary's stream: {e}");
+                return Err(ReplicationError::CannotApply(e));
+            }
         };
+        if !replica.usable {
+            return Err(ReplicationError::NotSynchronized);
+        }
         let Some((epoch, state)) = replica.committed.take() else {
             tracing::error!("primary lost ({reason}) before the first checkpoint");
             return Err(ReplicationError::NotSynchronized);
@@ -188,15 +207,23 @@ fn admit(config: &BackupConfig, listener: TcpListener) -> Result<(Box<dyn Transp
     }
 }
 
+/// What handling one message came to, when not simply done.
+enum Stop {
+    /// The stream broke: the primary is presumed dead.
+    Lost(String),
+    /// A whole, verified message this backup cannot apply.
+    CannotApply(ApplyError),
+}
+
 /// Apply the stream until it ends; returns why it ended.
 fn follow(link: &mut dyn Transport, replica: &mut Replica, arbiter: Option<&Arbiter>, status: &StatusCell, log: &MetricsLog) -> Ended {
-    let mem_size = replica.vm.config().mem_size;
-    // A checkpoint holds at most every page once (with its entry header)
-    // plus the VM state and the epoch's disk writes.
-    let limit = mem_size + mem_size / 256 + (256 << 20);
-    let mut apply = InPlace;
+    // What the primary may send, computed as the primary does.
+    let limit = bounds::checkpoint_limit(replica.vm.config().mem_size, replica.vm.config().vcpus);
+    let mut apply = InPlace::default();
     let mut buf = Vec::new();
     loop {
+        // Frames cut short or damaged are what a primary dying mid-send
+        // leaves: this replica stays at its last checkpoint and takes over.
         let kind = match link.recv(limit, &mut buf) {
             Ok(k) => k,
             Err(e @ (ProtocolError::Corrupt(_) | ProtocolError::Version { .. } | ProtocolError::Unauthenticated(_))) => {
@@ -205,27 +232,62 @@ fn follow(link: &mut dyn Transport, replica: &mut Replica, arbiter: Option<&Arbi
             }
             Err(e) => return Ended::Lost(e.to_string()),
         };
+        let unexpected = |what: String| Err(Stop::CannotApply(ProtocolError::Corrupt(what).into()));
         let result = match kind {
-            Kind::Pages if replica.committed.is_none() => replica.precopy_pages(&buf),
-            Kind::Disk if replica.committed.is_none() => replica.precopy_disk(&buf),
+            Kind::Pages if replica.committed.is_none() => replica.precopy_pages(&buf).map_err(Stop::CannotApply),
+            Kind::Disk if replica.committed.is_none() => replica.precopy_disk(&buf).map_err(Stop::CannotApply),
             Kind::Checkpoint => apply_checkpoint(link, &mut apply, replica, &buf, status, log),
             Kind::Bye => match protocol::decode::<i32>(&buf) {
                 Ok(status) => return Ended::Finished(status),
-                Err(e) => Err(e.into()),
+                Err(e) => Err(Stop::CannotApply(e.into())),
             },
-            other => Err(ReplicationError::Protocol(ProtocolError::Corrupt(format!("unexpected {other:?}")))),
+            other => unexpected(format!("unexpected {other:?}")),
         };
-        if let Err(e) = result {
-            tracing::error!("rejected replication data: {e}; staying at the last good checkpoint");
-            return Ended::Lost(format!("replication stream rejected: {e}"));
-        }
-        // Ownership as it stands while the primary replicates is what a
-        // takeover must swap out; read once synchronized (after the Ack).
-        if let (Some(arbiter), None, Some(_)) = (arbiter, &replica.owner_seen, &replica.committed) {
-            match arbiter.read() {
-                Ok(ownership) => replica.owner_seen = Some(ownership),
-                Err(e) => tracing::warn!("cannot read the VM's ownership yet: {e}"),
+        match result {
+            Ok(()) => {
+                // Ownership as it stands while the primary replicates is what a
+                // takeover must swap out; read once synchronized (after the Ack).
+                if let (Some(arbiter), None, Some(_)) = (arbiter, &replica.owner_seen, &replica.committed) {
+                    match arbiter.read() {
+                        Ok(ownership) => replica.owner_seen = Some(ownership),
+                        Err(e) => tracing::warn!("cannot read the VM's ownership yet: {e}"),
+                    }
+                }
             }
+            Err(Stop::Lost(reason)) => return Ended::Lost(reason),
+            Err(Stop::CannotApply(e)) => {
+                // Synchronized, the primary reads what this backup sends at
+                // once; before that it only sends.
+                let reading = replica.committed.is_some();
+                refuse(link, &e, reading, limit, &mut buf);
+                return Ended::CannotApply(e);
+            }
+        }
+    }
+}
+
+/// Tell the primary why this backup stops (it handles that as a lost
+/// backup), and keep the stream open a little so the reason arrives whole
+/// before the close. A primary that reads (`reading`: it is synchronized)
+/// hangs up on it, and what it sends meanwhile is drained. One that is
+/// still bringing this backup up to date only sends: nothing is read, so
+/// its sends stall, and fail once the stream closes; it then reads the
+/// reason (the kernel keeps what arrived before the reset).
+fn refuse(link: &mut dyn Transport, e: &ApplyError, reading: bool, limit: u64, buf: &mut Vec<u8>) {
+    let reason = format!("the backup cannot apply the primary's stream and stops: {e}");
+    if link.send(&protocol::message(Kind::Refuse, &reason)).is_err() {
+        return;
+    }
+    if !reading {
+        std::thread::sleep(LINGER);
+        return;
+    }
+    let _ = link.set_recv_timeout(Some(Duration::from_millis(100)));
+    let deadline = Instant::now() + LINGER;
+    while Instant::now() < deadline {
+        match link.recv(limit, buf) {
+            Ok(_) | Err(ProtocolError::Timeout) => {}
+            Err(_) => break, // hung up
         }
     }
 }
@@ -237,13 +299,13 @@ fn apply_checkpoint(
     payload: &[u8],
     status: &StatusCell,
     log: &MetricsLog,
-) -> Result<(), ReplicationError> {
+) -> Result<(), Stop> {
     let t0 = Instant::now();
-    let staged = apply.stage(replica, payload)?;
+    let staged = apply.stage(replica, payload).map_err(Stop::CannotApply)?;
     let (epoch, pages, guest_ns) = (staged.epoch, staged.pages.len(), staged.state.vm.clock.ns);
-    apply.commit(replica, staged)?;
+    apply.commit(replica, staged).map_err(Stop::CannotApply)?;
     log.record(&AppliedEpoch { epoch, guest_ns, applied_unix_ns: unix_ns(), pages, apply_us: t0.elapsed().as_micros() as u64 });
-    link.send(&protocol::ack(epoch)).map_err(ReplicationError::Send)?;
+    link.send(&protocol::ack(epoch)).map_err(|e| Stop::Lost(format!("cannot acknowledge checkpoint {epoch}: {e}")))?;
     // Input queued before this checkpoint is either in it or lost for good;
     // keep only what a new primary may still need.
     replica.vm.devices().drop_queued_host_input();

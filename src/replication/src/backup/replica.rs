@@ -1,7 +1,7 @@
 //! The backup's copy of the VM between checkpoints.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
+use std::fs::OpenOptions;
+use std::path::Path;
 
 use ftvm_vmm::devices::KindList;
 use ftvm_vmm::pages::{Bundle, Cursor};
@@ -9,19 +9,22 @@ use ftvm_vmm::{Vm, VmConfig, VmState};
 
 use super::BackupConfig;
 use crate::arbiter::Ownership;
+use crate::pipeline::apply::{ApplyError, DiskImage};
 use crate::protocol::{Hello, ProtocolError};
-use crate::ReplicationError;
 
 pub struct Replica {
     /// Never runs until it takes over.
     pub vm: Vm,
-    pub disk: Option<File>,
+    pub disk: Option<Box<dyn DiskImage>>,
     pub disk_size: u64,
     /// The last checkpoint applied: its epoch and its VM state.
     pub committed: Option<(u64, VmState)>,
     pub next_epoch: u64,
     /// Who owned the VM (per the arbiter) while the primary replicated to us.
     pub owner_seen: Option<Ownership>,
+    /// False once an apply failed and could not be undone: RAM or disk
+    /// match no checkpoint, and the replica must never run.
+    pub usable: bool,
 }
 
 impl Replica {
@@ -41,6 +44,19 @@ impl Replica {
                 return Err("the primary's network card has another MAC address than this backup's --net".into());
             }
         }
+        // Devices are compared before the disk replica is touched.
+        let ours = c.devices.kinds();
+        if ours != hello.devices {
+            return Err(format!("the primary's VM has devices {} but this backup was given {}", KindList(&hello.devices), KindList(&ours)));
+        }
+        let disk_size = match (&c.devices.disk, hello.disk_size) {
+            (Some(path), Some(size)) => {
+                prepare_disk(path, size)?;
+                size
+            }
+            _ => 0,
+        };
+        // Built after the disk is sized: the VM's disk takes the file's size.
         let config = VmConfig {
             mem_size: hello.mem_size,
             vcpus: hello.vcpus,
@@ -50,41 +66,60 @@ impl Replica {
             devices: c.devices.clone(),
         };
         let vm = Vm::new(config).map_err(|e| format!("cannot build the replica VM: {e}"))?;
-        let ours = vm.devices().kinds();
-        if ours != hello.devices {
-            return Err(format!("the primary's VM has devices {} but this backup was given {}", KindList(&hello.devices), KindList(&ours)));
+        if vm.devices().kinds() != ours {
+            return Err(format!("this backup's VM has devices {} instead of {}", KindList(&vm.devices().kinds()), KindList(&ours)));
         }
-        let (disk, disk_size) = match (&c.devices.disk, hello.disk_size) {
-            (Some(path), Some(size)) => {
-                // The replica starts empty: pre-copy sends everything that is not zero.
-                let f = OpenOptions::new().write(true).open(path).map_err(|e| format!("cannot open the disk replica: {e}"))?;
-                f.set_len(0).and_then(|_| f.set_len(size)).map_err(|e| format!("cannot size the disk replica: {e}"))?;
-                (Some(f), size)
+        let disk = match &c.devices.disk {
+            Some(path) if hello.disk_size.is_some() => {
+                let f = OpenOptions::new().read(true).write(true).open(path).map_err(|e| format!("cannot open the disk replica: {e}"))?;
+                Some(Box::new(f) as Box<dyn DiskImage>)
             }
-            _ => (None, 0),
+            _ => None,
         };
-        Ok(Replica { vm, disk, disk_size, committed: None, next_epoch: hello.first_epoch, owner_seen: None })
+        Ok(Replica { vm, disk, disk_size, committed: None, next_epoch: hello.first_epoch, usable: true, owner_seen: None })
+    }
+
+    /// The replica matches no checkpoint any more: forget the last one, so
+    /// there is nothing to take over.
+    pub fn discard(&mut self) {
+        self.committed = None;
+        self.usable = false;
     }
 
     /// A pre-copy round's pages (a bundle without state).
-    pub fn precopy_pages(&self, payload: &[u8]) -> Result<(), ReplicationError> {
+    pub fn precopy_pages(&self, payload: &[u8]) -> Result<(), ApplyError> {
         let mut c = Cursor::new(payload);
         let pages = Bundle::parse(&mut c, self.vm.ram().pages()).map_err(ProtocolError::from)?;
         if !c.is_empty() || !pages.state.is_empty() {
             return Err(ProtocolError::Corrupt("malformed pre-copy pages".into()).into());
         }
-        pages.apply(self.vm.ram()).map_err(ftvm_vmm::VmError::from)?;
+        // Cannot fail: every page was checked against RAM.
+        pages.apply(self.vm.ram()).map_err(|e| ProtocolError::Corrupt(e.to_string()))?;
         Ok(())
     }
 
     /// A pre-copy chunk of the disk: `offset u64 | data`.
-    pub fn precopy_disk(&self, payload: &[u8]) -> Result<(), ReplicationError> {
+    pub fn precopy_disk(&self, payload: &[u8]) -> Result<(), ApplyError> {
         let mut c = Cursor::new(payload);
         let offset = c.u64().map_err(ProtocolError::from)?;
         let data = c.rest();
         let (Some(disk), true) = (&self.disk, offset.checked_add(data.len() as u64).is_some_and(|e| e <= self.disk_size)) else {
             return Err(ProtocolError::Corrupt("pre-copy disk data beyond the disk".into()).into());
         };
-        disk.write_all_at(data, offset).map_err(ReplicationError::BackupDisk)
+        disk.write_at(data, offset).map_err(ApplyError::Precopy)
     }
+}
+
+/// Make the file at `path` an empty replica of a `size`-byte disk, or say
+/// why it cannot be one. A file smaller than the primary's disk is refused
+/// untouched; otherwise it is emptied (pre-copy sends everything that is
+/// not zero) and given exactly the primary's size.
+fn prepare_disk(path: &Path, size: u64) -> Result<(), String> {
+    let name = path.display();
+    let f = OpenOptions::new().read(true).write(true).open(path).map_err(|e| format!("cannot open the disk replica {name}: {e}"))?;
+    let ours = f.metadata().map_err(|e| format!("cannot read the size of the disk replica {name}: {e}"))?.len();
+    if ours < size {
+        return Err(format!("the primary's disk has {size} bytes, this backup's --disk {name} only {ours}"));
+    }
+    f.set_len(0).and_then(|_| f.set_len(size)).map_err(|e| format!("cannot size the disk replica {name}: {e}"))
 }

@@ -4,19 +4,32 @@
 //! to the TAP. Protected, each frame joins the open epoch's queue and leaves
 //! only when the backup has acknowledged that epoch's checkpoint, so no
 //! client ever sees output whose state could be lost in a failover.
+//!
+//! What is held is bounded (`bounds::HELD_OUTPUT_BOUND`): at the bound the
+//! buffer stops taking frames, so they wait in the guest's transmit queue
+//! (back-pressure, as behind a slow link) until a release makes room and
+//! wakes the network card.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use ftvm_vmm::devices::Waker;
 use ftvm_vmm::hooks::FrameSink;
 use ftvm_vmm::sync::Lock;
+
+use crate::bounds::{FRAME_OVERHEAD, HELD_OUTPUT_BOUND};
 
 #[derive(Default)]
 struct Held {
     epoch: u64,
     frames: Vec<Vec<u8>>,
     first_at: Option<Instant>,
+}
+
+/// What a held frame counts against the bound.
+fn cost(frame: &[u8]) -> u64 {
+    frame.len() as u64 + FRAME_OVERHEAD
 }
 
 struct Inner {
@@ -26,6 +39,10 @@ struct Inner {
     /// Closed epochs waiting for their acknowledgement, oldest first.
     closed: VecDeque<Held>,
     released_frames: u64,
+    /// What every held frame costs together.
+    held_cost: u64,
+    /// The network card was told to wait: wake it when there is room.
+    refused: bool,
 }
 
 /// What one release let out.
@@ -41,14 +58,20 @@ pub struct Released {
 pub struct OutputBuffer {
     inner: Mutex<Inner>,
     network: Arc<dyn FrameSink>,
+    waker: Waker,
 }
 
 impl OutputBuffer {
     pub fn new(network: Arc<dyn FrameSink>) -> OutputBuffer {
-        OutputBuffer {
-            inner: Mutex::new(Inner { protected: false, open: Held::default(), closed: VecDeque::new(), released_frames: 0 }),
-            network,
-        }
+        let inner =
+            Inner { protected: false, open: Held::default(), closed: VecDeque::new(), released_frames: 0, held_cost: 0, refused: false };
+        OutputBuffer { inner: Mutex::new(inner), network, waker: Waker::default() }
+    }
+
+    /// Wake the network card with `waker` when a release makes room.
+    pub fn with_waker(mut self, waker: Waker) -> OutputBuffer {
+        self.waker = waker;
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -85,10 +108,16 @@ impl OutputBuffer {
             // Sent under the lock: frames of later epochs must not overtake these.
             for frame in &held.frames {
                 self.network.send(frame);
+                inner.held_cost -= cost(frame);
             }
             released.frames += held.frames.len() as u64;
         }
         inner.released_frames += released.frames;
+        let wake = released.frames > 0 && std::mem::take(&mut inner.refused);
+        drop(inner);
+        if wake {
+            self.waker.wake();
+        }
         released
     }
 
@@ -112,6 +141,11 @@ impl OutputBuffer {
         inner.open.frames.len() + inner.closed.iter().map(|h| h.frames.len()).sum::<usize>()
     }
 
+    /// What the held frames count against `HELD_OUTPUT_BOUND`.
+    pub fn held_cost(&self) -> u64 {
+        self.lock().held_cost
+    }
+
     pub fn is_protected(&self) -> bool {
         self.lock().protected
     }
@@ -128,6 +162,17 @@ impl FrameSink for OutputBuffer {
         }
         inner.open.first_at.get_or_insert_with(Instant::now);
         inner.open.frames.push(frame.to_vec());
+        inner.held_cost += cost(frame);
+    }
+
+    /// Unprotected, always; protected, until the held frames reach the bound.
+    fn accepting(&self) -> bool {
+        let mut inner = self.lock();
+        if !inner.protected || inner.held_cost < HELD_OUTPUT_BOUND {
+            return true;
+        }
+        inner.refused = true;
+        false
     }
 }
 
@@ -171,5 +216,33 @@ mod tests {
         assert_eq!(drain(&wire), b"d");
         out.send(b"e");
         assert_eq!(drain(&wire), b"e");
+    }
+
+    #[test]
+    fn held_output_is_bounded_and_a_release_makes_room() {
+        let wire = Arc::new(Wire::default());
+        let out = OutputBuffer::new(wire.clone());
+        let frame = vec![0x5a; 1500];
+        out.protect(1);
+        let mut held = 0;
+        while out.accepting() {
+            out.send(&frame);
+            held += 1;
+        }
+        assert_eq!(out.held_cost(), held * cost(&frame));
+        assert!(out.held_cost() >= HELD_OUTPUT_BOUND && out.held_cost() < HELD_OUTPUT_BOUND + cost(&frame));
+        assert!(!out.accepting(), "full until a release");
+        out.close_epoch();
+        assert_eq!(out.release_through(1).frames, held);
+        assert_eq!(out.held_cost(), 0);
+        assert!(out.accepting());
+        assert_eq!(drain(&wire).len() as u64, held * 1500);
+        out.send(&frame);
+        assert_eq!(out.unprotect().frames, 1);
+        assert_eq!(out.held_cost(), 0);
+        for _ in 0..held + 10 {
+            out.send(&frame);
+        }
+        assert!(out.accepting(), "unprotected output is never held");
     }
 }

@@ -1,12 +1,21 @@
 //! The disk writes of each epoch, which travel to the backup with that
 //! epoch's checkpoint so the backup's disk always matches its memory.
+//!
+//! The journal is bounded (`bounds`): past `JOURNAL_EARLY` bytes in one
+//! epoch it asks the primary for the checkpoint now (`Trigger`), and at
+//! `JOURNAL_BOUND` it stops the guest's disk from taking more requests
+//! until that checkpoint has taken the journal (then it wakes the disk).
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
 
+use ftvm_vmm::devices::Waker;
 use ftvm_vmm::hooks::DiskWriteObserver;
 use ftvm_vmm::sync::Lock;
+
+use crate::bounds::{JOURNAL_BOUND, JOURNAL_EARLY, WRITE_OVERHEAD};
+use crate::pipeline::trigger::Trigger;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DiskWrite {
@@ -15,37 +24,88 @@ pub struct DiskWrite {
     pub data: Vec<u8>,
 }
 
+#[derive(Default)]
+struct Inner {
+    /// None while not replicating.
+    writes: Option<Vec<DiskWrite>>,
+    /// What `writes` costs, data plus `WRITE_OVERHEAD` per write.
+    cost: u64,
+    /// The disk was told to wait: wake it when there is room.
+    refused: bool,
+}
+
 /// Records completed guest disk writes while replication is on.
 #[derive(Default)]
 pub struct DiskJournal {
-    writes: Mutex<Option<Vec<DiskWrite>>>,
+    inner: Mutex<Inner>,
+    trigger: Arc<Trigger>,
+    waker: Waker,
 }
 
 impl DiskJournal {
-    fn lock(&self) -> MutexGuard<'_, Option<Vec<DiskWrite>>> {
-        self.writes.locked()
+    /// A journal that asks `trigger` for early checkpoints and wakes the
+    /// disk with `waker`.
+    pub fn new(trigger: Arc<Trigger>, waker: Waker) -> DiskJournal {
+        DiskJournal { inner: Mutex::default(), trigger, waker }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.locked()
+    }
+
+    /// Replace the contents; wake the disk if it was waiting for room.
+    fn reset(&self, writes: Option<Vec<DiskWrite>>) -> Vec<DiskWrite> {
+        let mut inner = self.lock();
+        let old = std::mem::replace(&mut inner.writes, writes);
+        inner.cost = 0;
+        let wake = std::mem::take(&mut inner.refused);
+        drop(inner);
+        if wake {
+            self.waker.wake();
+        }
+        old.unwrap_or_default()
     }
 
     /// Begin recording (replication starts); anything recorded before is dropped.
     pub fn start(&self) {
-        *self.lock() = Some(Vec::new());
+        self.reset(Some(Vec::new()));
     }
 
     pub fn stop(&self) {
-        *self.lock() = None;
+        self.reset(None);
     }
 
     /// The writes since the last take, in the order they completed.
     pub fn take(&self) -> Vec<DiskWrite> {
-        self.lock().as_mut().map(std::mem::take).unwrap_or_default()
+        let recording = self.lock().writes.is_some();
+        self.reset(recording.then(Vec::new))
+    }
+
+    /// What the writes recorded since the last take cost (see `bounds`).
+    pub fn cost(&self) -> u64 {
+        self.lock().cost
     }
 }
 
 impl DiskWriteObserver for DiskJournal {
     fn written(&self, offset: u64, data: &[u8]) {
-        if let Some(w) = self.lock().as_mut() {
-            w.push(DiskWrite { offset, data: data.to_vec() });
+        let mut inner = self.lock();
+        let Some(w) = inner.writes.as_mut() else { return };
+        w.push(DiskWrite { offset, data: data.to_vec() });
+        let before = inner.cost;
+        inner.cost += data.len() as u64 + WRITE_OVERHEAD;
+        if before < JOURNAL_EARLY && inner.cost >= JOURNAL_EARLY {
+            self.trigger.fire();
         }
+    }
+
+    fn accepting(&self) -> bool {
+        let mut inner = self.lock();
+        if inner.writes.is_none() || inner.cost < JOURNAL_BOUND {
+            return true;
+        }
+        inner.refused = true;
+        false
     }
 }
 
@@ -60,10 +120,44 @@ mod tests {
         j.start();
         j.written(512, b"a");
         j.written(1024, b"b");
+        assert_eq!(j.cost(), 2 + 2 * WRITE_OVERHEAD);
         assert_eq!(j.take(), vec![DiskWrite { offset: 512, data: b"a".to_vec() }, DiskWrite { offset: 1024, data: b"b".to_vec() }]);
         assert!(j.take().is_empty());
+        assert_eq!(j.cost(), 0);
         j.stop();
         j.written(0, b"after");
         assert!(j.take().is_empty());
+    }
+
+    #[test]
+    fn a_full_epoch_asks_for_its_checkpoint_then_makes_the_disk_wait() {
+        let trigger = Arc::new(Trigger::default());
+        let j = DiskJournal::new(trigger.clone(), Waker::default());
+        j.start();
+        let chunk = vec![7u8; 1 << 20];
+        let mut offset = 0;
+        while j.cost() + chunk.len() as u64 + WRITE_OVERHEAD < JOURNAL_EARLY {
+            assert!(j.accepting());
+            j.written(offset, &chunk);
+            offset += chunk.len() as u64;
+        }
+        assert!(!trigger.is_pending(), "below the early mark");
+        j.written(offset, &chunk);
+        assert!(trigger.is_pending(), "the early mark asks for the checkpoint");
+        while j.accepting() {
+            offset += chunk.len() as u64;
+            j.written(offset, &chunk);
+        }
+        assert!(j.cost() >= JOURNAL_BOUND && j.cost() < JOURNAL_BOUND + chunk.len() as u64 + WRITE_OVERHEAD);
+        assert!(!j.accepting(), "the disk waits until the checkpoint takes the journal");
+        let taken = j.take();
+        assert_eq!(taken.len() as u64, offset / chunk.len() as u64 + 1);
+        assert!(j.accepting(), "room again");
+        // Not recording: never in the way.
+        j.stop();
+        for _ in 0..100 {
+            j.written(0, &chunk);
+        }
+        assert!(j.accepting());
     }
 }

@@ -18,6 +18,7 @@ pub mod capture;
 pub mod encode;
 pub mod freeze;
 pub mod transport;
+pub mod trigger;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,6 +27,7 @@ use ftvm_vmm::pages::PageEncoder;
 use ftvm_vmm::Vm;
 
 use crate::output::{DiskJournal, OutputBuffer};
+use crate::protocol;
 use crate::ReplicationError;
 use capture::Capture;
 use freeze::Freeze;
@@ -45,6 +47,11 @@ pub struct Taken {
     pub pause: Duration,
     pub dirty_pages: u64,
     pub disk_writes: u64,
+    /// Bytes of disk data the checkpoint carries.
+    pub disk_bytes: u64,
+    /// Taken before the end of its epoch, because a bound was reached (set
+    /// by whoever triggered it).
+    pub early: bool,
 }
 
 /// The primary's half of the pipeline: from the running VM to a frame.
@@ -53,15 +60,18 @@ pub struct Pipeline {
     capture: Box<dyn Capture>,
     encoder: Box<dyn PageEncoder>,
     frame: Vec<u8>,
+    /// The largest checkpoint payload the backup accepts from this VM.
+    limit: u64,
 }
 
 impl Pipeline {
-    pub fn new(switches: &Switches, ram_pages: u64, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> Pipeline {
+    pub fn new(switches: &Switches, vm: &Vm, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> Pipeline {
         Pipeline {
-            freeze: Box::new(freeze::PauseAndSave::new(ram_pages, output, journal)),
+            freeze: Box::new(freeze::PauseAndSave::new(vm.ram().pages(), output, journal)),
             capture: capture::new(switches.capture),
             encoder: encode::new(switches.encoding),
             frame: Vec::new(),
+            limit: crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus),
         }
     }
 
@@ -75,7 +85,19 @@ impl Pipeline {
         captured?;
         let pages = self.capture.finish(vm)?;
         encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
-        let taken = Taken { epoch, pause: thawed.pause, dirty_pages: pages.len() as u64, disk_writes: thawed.state.disk.len() as u64 };
+        let bytes = protocol::payload_len(&self.frame);
+        if bytes > self.limit {
+            // The bounds make this impossible; sending it would make the backup give up on us.
+            return Err(ReplicationError::CheckpointTooLarge { epoch, bytes, limit: self.limit });
+        }
+        let taken = Taken {
+            epoch,
+            pause: thawed.pause,
+            dirty_pages: pages.len() as u64,
+            disk_writes: thawed.state.disk.len() as u64,
+            disk_bytes: thawed.state.disk.iter().map(|w| w.data.len() as u64).sum(),
+            early: false,
+        };
         Ok((taken, &self.frame))
     }
 }

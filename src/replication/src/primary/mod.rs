@@ -19,6 +19,7 @@ use crate::arbiter::{Arbiter, Claim, Ownership};
 use crate::metrics::{MetricsLog, Role, Status, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::pipeline::transport::Auth;
+use crate::pipeline::trigger::Trigger;
 use crate::pipeline::{Pipeline, Switches};
 use crate::protocol::{Kind, ProtocolError};
 use crate::switch::switch;
@@ -42,6 +43,8 @@ pub enum BackupLoss {
     Silent,
     #[error("{0}")]
     Stream(ProtocolError),
+    #[error("{0}")]
+    Refused(String),
     #[error("unexpected {0:?} from the backup")]
     Unexpected(Kind),
     #[error("malformed acknowledgement")]
@@ -107,14 +110,19 @@ impl Primary {
         let metrics = Arc::new(MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?);
         // Output commit plugs into the VM's hooks: frames through the
         // buffer, disk writes into the journal.
+        // Both are bounded: at their bounds they make the device wait and
+        // wake it when there is room again; the journal asks for early
+        // checkpoints through the trigger.
         let network = vm.devices().tap_sink().unwrap_or_else(|| Arc::new(NoNetwork));
-        let output = Arc::new(OutputBuffer::new(network));
-        let journal = Arc::new(DiskJournal::default());
+        let output = Arc::new(OutputBuffer::new(network).with_waker(vm.devices().waker()));
+        let trigger = Arc::new(Trigger::default());
+        let journal = Arc::new(DiskJournal::new(trigger.clone(), vm.devices().waker()));
         vm.hooks().set_tx(Some(output.clone()));
         vm.hooks().set_disk_writes(Some(journal.clone()));
-        let mut pipeline = Pipeline::new(&config.switches, vm.ram().pages(), output.clone(), journal.clone());
+        let mut pipeline = Pipeline::new(&config.switches, &vm, output.clone(), journal.clone());
         let mut epoch = 0;
-        let cx = Context { vm: &vm, config: &config, status: &status, metrics: &metrics, output: &output, journal: &journal };
+        let cx =
+            Context { vm: &vm, config: &config, status: &status, metrics: &metrics, output: &output, journal: &journal, trigger: &trigger };
         let session = Session::open(&cx, &mut pipeline, &mut epoch)?;
         let (requests, rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
@@ -126,6 +134,7 @@ impl Primary {
             metrics,
             output,
             journal,
+            trigger,
             pipeline,
             stop: stop.clone(),
             exit_status: exit_status.clone(),
@@ -179,6 +188,7 @@ struct Worker {
     metrics: Arc<MetricsLog>,
     output: Arc<OutputBuffer>,
     journal: Arc<DiskJournal>,
+    trigger: Arc<Trigger>,
     pipeline: Pipeline,
     stop: Arc<AtomicBool>,
     exit_status: Arc<AtomicI32>,
@@ -204,9 +214,11 @@ impl Worker {
             if let Some(s) = session.take() {
                 let loss = self.protect(&s);
                 drop(s);
+                // Also when the VM is stopping: the loss is logged and the
+                // policy decides what happens to the output still held.
                 match loss {
-                    Some(loss) if !self.stop.load(Ordering::SeqCst) => self.backup_lost(&loss),
-                    _ => return,
+                    Some(loss) => self.backup_lost(&loss),
+                    None => return,
                 }
                 if self.fenced {
                     return;
@@ -225,6 +237,7 @@ impl Worker {
                         metrics: &self.metrics,
                         output: &self.output,
                         journal: &self.journal,
+                        trigger: &self.trigger,
                     };
                     match Session::open(&cx, &mut self.pipeline, &mut self.epoch) {
                         Ok(s) => {
@@ -234,10 +247,7 @@ impl Worker {
                             }
                             session = Some(s);
                         }
-                        Err(e) => {
-                            tracing::error!("re-protection failed: {e}");
-                            self.status.lock().detail = format!("unprotected: re-protection failed: {e}");
-                        }
+                        Err(e) => self.reprotection_failed(&e),
                     }
                 }
                 Err(RecvTimeoutError::Timeout) => {}
@@ -259,21 +269,24 @@ impl Worker {
                 self.farewell(session);
                 return None;
             }
+            // The epoch ends on time, or early when the disk journal asks.
             let now = Instant::now();
-            if now < next {
-                std::thread::sleep((next - now).min(Duration::from_millis(20)));
+            let early = now < next && self.trigger.wait_until(next.min(now + Duration::from_millis(20)));
+            if !early && Instant::now() < next {
                 continue;
             }
+            self.trigger.clear();
             let epoch = self.epoch;
-            let (taken, frame) = match self.pipeline.take(&self.vm, epoch) {
+            self.epoch += 1;
+            let (mut taken, frame) = match self.pipeline.take(&self.vm, epoch) {
                 Ok(t) => t,
                 Err(err) => return Some(BackupLoss::Checkpoint { epoch, err }),
             };
+            taken.early = early;
             let resumed = Instant::now();
             next = resumed + epoch_len;
-            self.epoch += 1;
             if let Err(loss) = session.send_checkpoint(&taken, frame, resumed) {
-                return Some(loss);
+                return Some(session.loss_after(loss));
             }
             self.status.lock().epoch = epoch;
         }
@@ -334,6 +347,30 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// A new backup could not be brought up to date. What the attempt
+    /// started is undone as the loss policy has it: with `continue` the
+    /// output it began to hold goes out (this VM is the only copy) instead
+    /// of waiting for an acknowledgement that will never come; with `pause`
+    /// it stays held with the paused guest.
+    fn reprotection_failed(&mut self, e: &ReplicationError) {
+        let detail = match self.config.on_backup_loss {
+            OnBackupLoss::Continue => {
+                let released = self.output.unprotect();
+                self.journal.stop();
+                tracing::error!(frames_released = released.frames, "re-protection failed: {e}; the VM runs UNPROTECTED");
+                format!("UNPROTECTED: re-protection failed: {e}")
+            }
+            OnBackupLoss::Pause => {
+                self.journal.stop();
+                tracing::error!("re-protection failed: {e}; the VM stays paused");
+                format!("PAUSED: re-protection failed: {e}")
+            }
+        };
+        let mut st = self.status.lock();
+        st.protected = false;
+        st.detail = detail;
     }
 
     fn backup_lost(&mut self, reason: &BackupLoss) {

@@ -11,6 +11,7 @@ use ftvm_vmm::{PageBitmap, Vm};
 
 use crate::output::DiskJournal;
 use crate::pipeline::transport::Transport;
+use crate::pipeline::trigger::Trigger;
 use crate::protocol::{self, Kind};
 use crate::ReplicationError;
 
@@ -23,8 +24,15 @@ const ROUNDS: usize = 8;
 const DISK_CHUNK: usize = 1 << 20;
 
 /// Copy memory and disk while the guest runs, then re-copy what it dirtied
-/// until little is left. Returns the bytes sent.
-pub fn run(link: &mut dyn Transport, vm: &Vm, journal: &DiskJournal, disk: Option<&Path>) -> Result<u64, ReplicationError> {
+/// until little is left, or until the disk journal asks for the first
+/// checkpoint (`trigger`: the guest writes its disk fast). Returns the bytes sent.
+pub fn run(
+    link: &mut dyn Transport,
+    vm: &Vm,
+    journal: &DiskJournal,
+    trigger: &Trigger,
+    disk: Option<&Path>,
+) -> Result<u64, ReplicationError> {
     journal.start();
     vm.start_dirty_tracking()?;
     let mut sent = 0u64;
@@ -42,7 +50,7 @@ pub fn run(link: &mut dyn Transport, vm: &Vm, journal: &DiskJournal, disk: Optio
         vm.collect_dirty(&mut dirty, &keep_none)?;
         let pages: Vec<u64> = dirty.pages().collect();
         sent += send_pages(link, vm, &pages, false, &mut frame)?;
-        if (pages.len() as u64) < DONE_PAGES {
+        if (pages.len() as u64) < DONE_PAGES || trigger.is_pending() {
             break;
         }
     }

@@ -14,6 +14,7 @@ use crate::fault;
 use crate::metrics::{EpochMetrics, MetricsLog, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::pipeline::transport::{self, AuthTransport, Transport};
+use crate::pipeline::trigger::Trigger;
 use crate::pipeline::{Pipeline, Taken};
 use crate::protocol::{self, Hello, Kind, ProtocolError, HANDSHAKE_LIMIT};
 use crate::ReplicationError;
@@ -45,6 +46,7 @@ pub struct Context<'a> {
     pub metrics: &'a Arc<MetricsLog>,
     pub output: &'a Arc<OutputBuffer>,
     pub journal: &'a DiskJournal,
+    pub trigger: &'a Trigger,
 }
 
 impl Session {
@@ -59,13 +61,16 @@ impl Session {
         cx.status.lock().detail = format!("synchronizing backup {}", cx.config.backup);
         handshake(link.as_mut(), cx.vm, cx.config, *epoch)?;
         let t0 = Instant::now();
-        let sent = precopy::run(link.as_mut(), cx.vm, cx.journal, cx.config.disk.as_deref())?;
+        let sent = precopy::run(link.as_mut(), cx.vm, cx.journal, cx.trigger, cx.config.disk.as_deref())
+            .map_err(|e| refusal_behind(link.as_mut(), e))?;
         // The stop-and-copy: the first checkpoint, which also starts output commit.
-        let (taken, frame) = pipeline.take(cx.vm, *epoch)?;
-        let resumed = Instant::now();
-        link.send(frame).map_err(ReplicationError::Send)?;
+        cx.trigger.clear();
         let first = *epoch;
+        // Its number is used even if sending fails: numbers never repeat.
         *epoch += 1;
+        let (taken, frame) = pipeline.take(cx.vm, first)?;
+        let resumed = Instant::now();
+        link.send(frame).map_err(|e| refusal_behind(link.as_mut(), ReplicationError::Send(e)))?;
         tracing::info!(
             backup = %cx.config.backup,
             precopy_bytes = sent,
@@ -106,6 +111,20 @@ impl Session {
         self.shared.lost.locked().take()
     }
 
+    /// Why the backup was lost, given that sending to it failed with
+    /// `failed`: what the acknowledgement reader found (the backup may have
+    /// said why it stopped) if it finds it soon, else `failed`.
+    pub fn loss_after(&self, failed: BackupLoss) -> BackupLoss {
+        let deadline = Instant::now() + Duration::from_millis(200);
+        while Instant::now() < deadline {
+            if let Some(loss) = self.take_loss() {
+                return loss;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        failed
+    }
+
     pub fn send_checkpoint(&self, taken: &Taken, frame: &[u8], resumed: Instant) -> Result<(), BackupLoss> {
         let mut link = self.link.locked();
         // Register before sending: the acknowledgement can beat our bookkeeping.
@@ -136,12 +155,27 @@ impl Drop for Session {
     }
 }
 
+/// Sending to a new backup failed with `e`: if the backup said why it
+/// stopped (a `Refuse`, say its disk is full), that is the error.
+fn refusal_behind(link: &mut dyn Transport, e: ReplicationError) -> ReplicationError {
+    if !matches!(e, ReplicationError::Send(_)) || link.set_recv_timeout(Some(Duration::from_millis(200))).is_err() {
+        return e;
+    }
+    let mut buf = Vec::new();
+    match link.recv(HANDSHAKE_LIMIT, &mut buf) {
+        Ok(Kind::Refuse) => protocol::decode::<String>(&buf).map_or(e, ReplicationError::Refused),
+        _ => e,
+    }
+}
+
 fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
     EpochMetrics {
         epoch: taken.epoch,
         pause_us: taken.pause.as_micros() as u64,
         dirty_pages: taken.dirty_pages,
         disk_writes: taken.disk_writes,
+        disk_bytes: taken.disk_bytes,
+        early: taken.early,
         bytes: bytes as u64,
         transfer_us: transfer.as_micros() as u64,
         ..EpochMetrics::default()
@@ -206,6 +240,7 @@ fn read_acks(link: &mut dyn Transport, output: &OutputBuffer, shared: &Shared, s
                     status.lock().last = Some(f.metrics);
                 }
             }
+            Ok(Kind::Refuse) => break BackupLoss::Refused(protocol::decode::<String>(&buf).unwrap_or_else(|e| e.to_string())),
             Ok(other) => break BackupLoss::Unexpected(other),
             Err(ProtocolError::Timeout) => {
                 if shared.inflight.locked().is_empty() {

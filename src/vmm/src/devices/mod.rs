@@ -40,6 +40,34 @@ pub struct DeviceConfig {
     pub disk: Option<PathBuf>,
 }
 
+impl DeviceConfig {
+    /// The devices this configuration gives a VM, in slot order.
+    pub fn kinds(&self) -> Vec<DeviceKind> {
+        let mut kinds = Vec::new();
+        if self.net.is_some() {
+            kinds.push(DeviceKind::Net);
+        }
+        if self.disk.is_some() {
+            kinds.push(DeviceKind::Block);
+        }
+        kinds
+    }
+}
+
+/// Makes every device thread take another full pass over its queues: for a
+/// hook that asked a device to wait (`accepting`) and has room again.
+#[derive(Clone, Default)]
+pub struct Waker(Arc<[EventFd]>);
+
+impl Waker {
+    pub fn wake(&self) {
+        for doorbell in self.0.iter() {
+            // A doorbell that is already rung stays rung: nothing to do.
+            let _ = doorbell.write(1);
+        }
+    }
+}
+
 /// What a device is, as the VM's shape lists it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum DeviceKind {
@@ -135,6 +163,7 @@ pub struct Devices {
     mem: GuestMemory,
     events: Arc<Events>,
     tap: Option<Arc<dyn FrameSink>>,
+    waker: Waker,
 }
 
 impl Devices {
@@ -146,6 +175,7 @@ impl Devices {
         events: Arc<Events>,
         hooks: &Arc<Hooks>,
     ) -> Result<Devices, DeviceError> {
+        // In the order `DeviceConfig::kinds` lists them.
         let mut models: Vec<Box<dyn virtio::VirtioDevice>> = Vec::new();
         let mut tap = None;
         if let Some(net) = &config.net {
@@ -171,7 +201,16 @@ impl Devices {
             let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(os("eventfd"))?;
             slots.push(Arc::new(Slot { base, transport: Mutex::new(transport), notify, stop }));
         }
-        Ok(Devices { slots, gate: Arc::new(Gate::default()), threads: Mutex::new(Vec::new()), mem, events, tap })
+        // A device thread's pass serves every queue: ringing the first
+        // doorbell is enough to bring it back.
+        let doorbells = slots.iter().map(|s| s.notify[0].try_clone()).collect::<Result<Vec<_>, _>>().map_err(os("eventfd"))?;
+        let waker = Waker(doorbells.into());
+        Ok(Devices { slots, gate: Arc::new(Gate::default()), threads: Mutex::new(Vec::new()), mem, events, tap, waker })
+    }
+
+    /// Wakes the device threads (for hooks that made a device wait).
+    pub fn waker(&self) -> Waker {
+        self.waker.clone()
     }
 
     /// Writes frames straight to the network card's TAP, bypassing the TX

@@ -60,6 +60,14 @@ impl PageTag {
     }
 }
 
+/// The most bytes a bundle takes whose state is at most `state_len` bytes
+/// and which holds at most `pages` pages, each once: the state with its
+/// length, every entry's header with a whole page of body (no tag's body is
+/// longer, `check_entry` enforces it) and the end tag.
+pub fn max_bundle_len(state_len: u64, pages: u64) -> u64 {
+    8 + state_len + pages * (ENTRY_HEADER + PAGE) as u64 + 1
+}
+
 /// An entry header, checked against a guest RAM of `ram_pages` pages.
 fn check_entry(raw_tag: u8, page: u64, len: u32, ram_pages: u64) -> Result<PageTag, FormatError> {
     let tag = PageTag::from_u8(raw_tag).ok_or_else(|| FormatError::Corrupt(format!("unknown page encoding {raw_tag}")))?;
@@ -137,6 +145,18 @@ mod tests {
         w.page(9, &page(1));
         assert_eq!(w.finish(), 3);
         out
+    }
+
+    #[test]
+    fn the_largest_bundle_is_within_its_bound() {
+        let mut out = Vec::new();
+        let mut enc = RawEncoder;
+        let mut w = BundleWriter::begin(&mut out, b"state", &mut enc, false);
+        for p in 0..RAM_PAGES {
+            w.page(p, &page(p as u8 + 1));
+        }
+        w.finish();
+        assert_eq!(out.len() as u64, max_bundle_len(5, RAM_PAGES), "every page raw is the worst case, exactly");
     }
 
     #[test]

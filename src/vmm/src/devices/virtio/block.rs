@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_blk as blk;
 use virtio_queue::{Queue, QueueT};
 
-use super::{drain, read_config_bytes, VirtioDevice, VirtioError};
+use super::{drain, read_config_bytes, Pass, VirtioDevice, VirtioError};
 use crate::devices::{DeviceError, DeviceKind, ModelState};
 use crate::hooks::Hooks;
 use crate::memory::GuestMemory;
@@ -26,8 +26,9 @@ const STATUS_OK: u8 = blk::VIRTIO_BLK_S_OK as u8;
 const STATUS_IOERR: u8 = blk::VIRTIO_BLK_S_IOERR as u8;
 const STATUS_UNSUPP: u8 = blk::VIRTIO_BLK_S_UNSUPP as u8;
 const ID_LEN: usize = blk::VIRTIO_BLK_ID_BYTES as usize;
-/// Largest single request we bounce through memory.
-const MAX_REQUEST: usize = 4 << 20;
+/// Largest single request we bounce through memory (and so the most one
+/// request adds to what a disk-write observer records).
+pub const MAX_REQUEST: usize = 4 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BlockError {
@@ -143,15 +144,22 @@ impl Block {
         }
     }
 
-    fn serve(&mut self, queue: &mut Queue, mem: &GuestMemory) -> Result<bool, VirtioError> {
-        let mut used = false;
-        while let Some(chain) = queue.pop_descriptor_chain(mem) {
+    /// Serve requests until the queue is empty or the write observer asks
+    /// to wait (it bounds what it records between two of its wake-ups).
+    fn serve(&mut self, queue: &mut Queue, mem: &GuestMemory) -> Result<Pass, VirtioError> {
+        let observer = self.hooks.disk_writes();
+        let mut pass = Pass::default();
+        loop {
+            if observer.as_ref().is_some_and(|o| !o.accepting()) {
+                pass.deferred = true;
+                return Ok(pass);
+            }
+            let Some(chain) = queue.pop_descriptor_chain(mem) else { return Ok(pass) };
             let head = chain.head_index();
             let len = self.request(chain, mem)?;
             queue.add_used(mem, head, len).map_err(|err| VirtioError::Queue { queue: 0, err })?;
-            used = true;
+            pass.used = true;
         }
-        Ok(used)
     }
 }
 
@@ -207,6 +215,7 @@ impl Persist for Block {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Mutex;
 
     use super::*;
@@ -233,13 +242,18 @@ mod tests {
         contents
     }
 
-    /// What the disk-write hook is told, in order.
+    /// What the disk-write hook is told, in order; `wait` makes it refuse
+    /// more requests.
     #[derive(Default)]
-    struct WriteLog(Mutex<Vec<(u64, Vec<u8>)>>);
+    struct WriteLog(Mutex<Vec<(u64, Vec<u8>)>>, AtomicBool);
 
     impl DiskWriteObserver for WriteLog {
         fn written(&self, offset: u64, data: &[u8]) {
             self.0.locked().push((offset, data.to_vec()));
+        }
+
+        fn accepting(&self) -> bool {
+            !self.1.load(Ordering::SeqCst)
         }
     }
 
@@ -301,6 +315,26 @@ mod tests {
         assert_eq!(rig.disk.contents(), contents_after_write(2, &data));
         // Only the status byte was written into guest buffers.
         assert_eq!(rig.driver.used(), [(0, 1)]);
+    }
+
+    #[test]
+    fn requests_wait_in_the_queue_while_the_write_hook_asks_to() {
+        let ram = guest_ram();
+        let mut rig = Rig::new(&ram);
+        rig.writes.1.store(true, Ordering::SeqCst);
+        let data = pattern(SECTOR as usize, 60);
+        let buf = rig.driver.readable(&data);
+        let request = rig.offer(REQ_OUT, 1, &[buf]);
+        assert!(!rig.kick().unwrap(), "nothing is served while the hook says wait");
+        assert_eq!(rig.status(request), NO_STATUS);
+        assert_eq!(rig.disk.contents(), original_contents());
+        assert!(rig.written_to_hook().is_empty());
+        // The hook has room again and wakes the device: the request was kept.
+        rig.writes.1.store(false, Ordering::SeqCst);
+        assert!(rig.kick().unwrap());
+        assert_eq!(rig.status(request), STATUS_OK);
+        assert_eq!(rig.disk.contents(), contents_after_write(1, &data));
+        assert_eq!(rig.written_to_hook(), [(SECTOR, data)]);
     }
 
     #[test]

@@ -113,21 +113,34 @@ impl SavedQueue {
     }
 }
 
+/// What one pass over a queue did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Pass {
+    /// Used buffers were added.
+    pub used: bool,
+    /// A hook asked the device to wait (`accepting`): requests are left in
+    /// the queue until the hook wakes the device.
+    pub deferred: bool,
+}
+
 /// Drain a queue the way event-index suppression requires: process with
 /// notifications off, then re-enable them and go again if the driver added
-/// buffers in between (otherwise its next kick would never come).
+/// buffers in between (otherwise its next kick would never come). A pass
+/// that was deferred leaves notifications off: the hook's wake-up brings
+/// the device back, and the driver's kicks meanwhile would change nothing.
 pub fn drain(
     queue: &mut Queue,
     mem: &GuestMemory,
     index: usize,
-    mut process: impl FnMut(&mut Queue) -> Result<bool, VirtioError>,
+    mut process: impl FnMut(&mut Queue) -> Result<Pass, VirtioError>,
 ) -> Result<bool, VirtioError> {
     let err = |err| VirtioError::Queue { queue: index, err };
     let mut used = false;
     loop {
         queue.disable_notification(mem).map_err(err)?;
-        used |= process(queue)?;
-        if !queue.enable_notification(mem).map_err(err)? {
+        let pass = process(queue)?;
+        used |= pass.used;
+        if pass.deferred || !queue.enable_notification(mem).map_err(err)? {
             return Ok(used);
         }
     }

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 
-use super::{drain, read_config_bytes, VirtioDevice, VirtioError};
+use super::{drain, read_config_bytes, Pass, VirtioDevice, VirtioError};
 use crate::devices::{DeviceError, DeviceKind, ModelState};
 use crate::hooks::{FrameSink, Hooks};
 use crate::memory::GuestMemory;
@@ -140,23 +140,30 @@ impl Net {
         Ok(used)
     }
 
-    fn transmit(&mut self, queue: &mut Queue, mem: &GuestMemory) -> Result<bool, VirtioError> {
-        let mut used = false;
-        while let Some(chain) = queue.pop_descriptor_chain(mem) {
+    /// Send frames until the queue is empty or the TX hook asks to wait
+    /// (it bounds what it holds between two of its wake-ups).
+    fn transmit(&mut self, queue: &mut Queue, mem: &GuestMemory) -> Result<Pass, VirtioError> {
+        let sink = self.hooks.tx();
+        let mut pass = Pass::default();
+        loop {
+            if sink.as_ref().is_some_and(|s| !s.accepting()) {
+                pass.deferred = true;
+                return Ok(pass);
+            }
+            let Some(chain) = queue.pop_descriptor_chain(mem) else { return Ok(pass) };
             let head = chain.head_index();
             let mut reader = chain.reader(mem).map_err(|e| VirtioError::Chain(e.to_string()))?;
             let len = reader.available_bytes().min(MAX_FRAME);
             reader.read_exact(&mut self.frame[..len])?;
             if len > VNET_HDR_LEN {
-                match self.hooks.tx() {
+                match &sink {
                     Some(sink) => sink.send(&self.frame[..len]),
                     None => self.tap_writer.send(&self.frame[..len]),
                 }
             }
             queue.add_used(mem, head, 0).map_err(|err| VirtioError::Queue { queue: TX, err })?;
-            used = true;
+            pass.used = true;
         }
-        Ok(used)
     }
 }
 
