@@ -90,9 +90,15 @@ struct RunArgs {
     /// ownership), pause without (a cut link must not leave two VMs running).
     #[arg(long, value_name = "continue|pause")]
     on_backup_loss: Option<OnBackupLoss>,
-    /// Declare the backup lost after this long without an acknowledgement.
+    /// Declare the backup lost after this long without hearing from it (no
+    /// heartbeat, no acknowledgement).
     #[arg(long, default_value_t = 1000)]
     failure_timeout_ms: u64,
+    /// Declare the backup lost when a checkpoint stays unacknowledged this
+    /// long after it was sent, though the backup still beats (its apply
+    /// hangs). At least the failure timeout.
+    #[arg(long, default_value_t = 2000)]
+    ack_timeout_ms: u64,
     /// Write per-epoch metrics as JSON lines to this file.
     #[arg(long)]
     metrics: Option<PathBuf>,
@@ -150,6 +156,10 @@ struct ChannelArgs {
     /// backup: refuse a primary that does not encrypt).
     #[arg(long, requires = "secret_file")]
     encrypt: bool,
+    /// Send the other side a heartbeat (a UDP datagram to the same address
+    /// and port as the stream) this often, in milliseconds.
+    #[arg(long, default_value_t = ftvm_replication::liveness::DEFAULT_INTERVAL.as_millis() as u64)]
+    heartbeat_ms: u64,
 }
 
 impl ChannelArgs {
@@ -170,8 +180,8 @@ struct BackupArgs {
     /// Refuse a primary whose VM has another number of vCPUs.
     #[arg(long)]
     vcpus: Option<u32>,
-    /// Take over after this long without hearing from the primary
-    /// (default: five epochs, at least 200 ms).
+    /// Take over after this long without hearing from the primary (no
+    /// heartbeat, no byte of the stream; default: five epochs, at least 200 ms).
     #[arg(long)]
     failure_timeout_ms: Option<u64>,
     /// Log every applied checkpoint (epoch, guest time, wall-clock time) as JSON lines.
@@ -248,7 +258,9 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
             let replicate = args.replicate_to.map(|backup| PrimaryConfig {
                 backup,
                 epoch_ms: args.epoch_ms.max(1),
-                failure_timeout: Duration::from_millis(args.failure_timeout_ms),
+                failure_timeout: Duration::from_millis(args.failure_timeout_ms.max(1)),
+                ack_timeout: Duration::from_millis(args.ack_timeout_ms.max(args.failure_timeout_ms).max(1)),
+                heartbeat: Duration::from_millis(args.channel.heartbeat_ms.max(1)),
                 on_backup_loss,
                 arbiter,
                 connect_timeout: Duration::from_millis(args.connect_timeout_ms),
@@ -266,7 +278,8 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 devices: ftvm_vmm::devices::DeviceConfig { net: args.host.net.clone(), disk: args.host.disk.clone() },
                 mem_size: args.memory.map(|m| m << 20),
                 vcpus: args.vcpus,
-                failure_timeout: args.failure_timeout_ms.map(Duration::from_millis),
+                failure_timeout: args.failure_timeout_ms.map(|ms| Duration::from_millis(ms.max(1))),
+                heartbeat: Duration::from_millis(args.channel.heartbeat_ms.max(1)),
                 prefault: args.host.prefault,
                 dirty_backend: args.host.dirty_backend,
                 console: Console::default(),

@@ -139,10 +139,17 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
             v.start().map_err(os("start vCPU threads"))?;
             watch(v.exit_event().as_raw_fd(), EXIT)?;
             if let Some(config) = host.replicate.clone() {
-                match Primary::start(v.clone(), config) {
+                // A stop signal while the backup is brought up to date ends that.
+                match Primary::start(v.clone(), config, signals::stop_requested()) {
                     Ok(p) => {
                         status = Some(p.status_cell());
                         primary = Some(p);
+                    }
+                    Err(ReplicationError::Stopped) => {
+                        v.request_stop();
+                        v.wait();
+                        eprintln!("ftvm: VM stopped while its backup was being brought up to date");
+                        return Ok(0);
                     }
                     Err(e) => {
                         v.request_stop();

@@ -1,13 +1,22 @@
-//! SIGINT/SIGTERM become a readable eventfd for the event loop.
+//! SIGINT/SIGTERM become a readable eventfd for the event loop, and a flag
+//! for work that runs before the loop does (bringing a backup up to date).
 
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 use vmm_sys_util::eventfd::EventFd;
 
 static STOP_FD: AtomicI32 = AtomicI32::new(-1);
+static STOP_REQUESTED: AtomicBool = AtomicBool::new(false);
+
+/// Set once SIGINT or SIGTERM arrived.
+pub fn stop_requested() -> &'static AtomicBool {
+    &STOP_REQUESTED
+}
 
 extern "C" fn on_stop_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // An atomic store is async-signal-safe.
+    STOP_REQUESTED.store(true, Ordering::SeqCst);
     let fd = STOP_FD.load(Ordering::Relaxed);
     if fd >= 0 {
         let one = 1u64;

@@ -13,7 +13,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use common::*;
-use ftvm_replication::protocol::{self, Hello, Kind};
+use ftvm_replication::protocol::{self, Heartbeat, Hello, Kind};
 use ftvm_testkit::process::Process;
 
 /// Long enough (seconds) that the primary is still running when it is killed.
@@ -195,7 +195,10 @@ fn a_claimed_length_costs_the_backup_only_what_arrives() {
     let addr = free_addr();
     let b = backup(&addr, &[]);
     let mut s = connect(&addr);
-    let hello = Hello { mem_size: 256 << 20, vcpus: 1, devices: vec![], mac: None, disk_size: None, epoch_ms: 2000, first_epoch: 0 };
+    // It sends no heartbeats: the backup's failure timeout (five epochs) is far off.
+    let heartbeat = Heartbeat { session: [0; 8], port: 0, interval_ms: 5 };
+    let hello =
+        Hello { mem_size: 256 << 20, vcpus: 1, devices: vec![], mac: None, disk_size: None, epoch_ms: 2000, first_epoch: 0, heartbeat };
     s.write_all(&protocol::message(Kind::Hello, &hello)).unwrap();
     let mut buf = Vec::new();
     assert_eq!(protocol::read_frame(&mut s, 1 << 20, &mut buf).unwrap(), Kind::Welcome);

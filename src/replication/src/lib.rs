@@ -8,6 +8,7 @@ pub mod backup;
 pub mod bounds;
 pub mod checkpoint;
 pub mod fault;
+pub mod liveness;
 pub mod metrics;
 pub mod output;
 pub mod pipeline;
@@ -47,6 +48,12 @@ pub enum ReplicationError {
     Metrics(std::io::Error),
     #[error("cannot start a replication thread: {0}")]
     Thread(std::io::Error),
+    #[error("cannot set up heartbeats: {0}")]
+    Heartbeat(std::io::Error),
+    #[error("stopped while bringing the backup up to date")]
+    Stopped,
+    #[error("the backup was lost while being brought up to date: {0}")]
+    LostDuringSync(String),
     #[error(transparent)]
     Vm(#[from] ftvm_vmm::VmError),
     #[error(transparent)]

@@ -14,7 +14,9 @@ use ftvm_vmm::devices::DeviceKind;
 use ftvm_vmm::pages::FormatError;
 
 /// Version 2: pages travel as tagged bundle entries, messages in postcard.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Version 3: Hello and Welcome carry each side's heartbeat path
+/// ([`Heartbeat`]; `liveness`).
+pub const PROTOCOL_VERSION: u16 = 3;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.
@@ -112,6 +114,28 @@ pub struct Hello {
     pub epoch_ms: u64,
     /// Number of the first checkpoint this backup will receive.
     pub first_epoch: u64,
+    /// Where and how often the primary's heartbeats come from.
+    pub heartbeat: Heartbeat,
+}
+
+/// The backup's answer to a Hello it accepts.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    pub heartbeat: Heartbeat,
+}
+
+/// One side's heartbeat path, told to the other in Hello and Welcome
+/// (`liveness`): heartbeats travel as UDP datagrams between the two hosts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// This side's half of the session id, fresh and random for every
+    /// connection: a heartbeat counts only if it carries both halves.
+    pub session: [u8; 8],
+    /// The UDP port this side receives heartbeats on, at the address of its
+    /// end of the stream.
+    pub port: u16,
+    /// How often this side sends heartbeats.
+    pub interval_ms: u64,
 }
 
 /// Start a frame in `buf` (cleared); finish it with [`finish_frame`].

@@ -18,7 +18,7 @@ use ftvm_replication::checkpoint::Checkpoint;
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
 use ftvm_replication::pipeline::apply::{Apply, ApplyError, DiskImage, InPlace};
 use ftvm_replication::pipeline::{Pipeline, Switches};
-use ftvm_replication::protocol::{self, Hello, Kind};
+use ftvm_replication::protocol::{self, Heartbeat, Hello, Kind};
 use ftvm_vmm::devices::{DeviceConfig, DeviceKind};
 use ftvm_vmm::hooks::{DiskWriteObserver, FrameSink};
 use ftvm_vmm::memory::PAGE;
@@ -51,6 +51,7 @@ fn replica_with_disk(first_epoch: u64, disk: Option<&Path>) -> Replica {
         mem_size: None,
         vcpus: None,
         failure_timeout: Some(Duration::from_secs(1)),
+        heartbeat: Duration::from_millis(5),
         prefault: false,
         dirty_backend: DirtyBackend::Bitmap,
         console,
@@ -63,7 +64,8 @@ fn replica_with_disk(first_epoch: u64, disk: Option<&Path>) -> Replica {
         Some(_) => (vec![DeviceKind::Block], Some(DISK)),
         None => (vec![], None),
     };
-    let hello = Hello { mem_size: MEM, vcpus: 1, devices, mac: None, disk_size, epoch_ms: 20, first_epoch };
+    let heartbeat = Heartbeat { session: [0; 8], port: 0, interval_ms: 5 };
+    let hello = Hello { mem_size: MEM, vcpus: 1, devices, mac: None, disk_size, epoch_ms: 20, first_epoch, heartbeat };
     Replica::for_primary(&config, &hello).unwrap()
 }
 

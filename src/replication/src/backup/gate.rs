@@ -7,6 +7,7 @@
 
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
@@ -32,6 +33,8 @@ pub struct Candidate {
 /// The accepting thread; closed (and the listening socket with it) on drop.
 pub struct Gate {
     stop: Arc<AtomicBool>,
+    /// Closed on drop: wakes the thread at once (it polls the other end).
+    wake: Option<UnixStream>,
     thread: Option<JoinHandle<()>>,
     candidates: Receiver<Candidate>,
 }
@@ -40,13 +43,14 @@ impl Gate {
     pub fn open(listener: TcpListener, auth: Option<Auth>, timeout: Duration) -> Result<Gate, ReplicationError> {
         listener.set_nonblocking(true).map_err(ReplicationError::Thread)?;
         let stop = Arc::new(AtomicBool::new(false));
+        let (wake, woken) = UnixStream::pair().map_err(ReplicationError::Thread)?;
         let (tx, candidates) = mpsc::channel();
-        let door = Door { listener, auth, timeout, candidates: tx, pending: Vec::new() };
+        let door = Door { listener, woken, auth, timeout, candidates: tx, pending: Vec::new() };
         let thread = {
             let stop = stop.clone();
             std::thread::Builder::new().name("backup-accept".into()).spawn(move || door.run(&stop)).map_err(ReplicationError::Thread)?
         };
-        Ok(Gate { stop, thread: Some(thread), candidates })
+        Ok(Gate { stop, wake: Some(wake), thread: Some(thread), candidates })
     }
 
     /// The next peer that passed the handshake.
@@ -58,6 +62,7 @@ impl Gate {
 impl Drop for Gate {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+        drop(self.wake.take());
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -73,6 +78,8 @@ struct Pending {
 
 struct Door {
     listener: TcpListener,
+    /// Readable (closed) when the gate closes.
+    woken: UnixStream,
     auth: Option<Auth>,
     timeout: Duration,
     candidates: Sender<Candidate>,
@@ -110,11 +117,14 @@ impl Door {
         }
     }
 
-    /// Sleep until a connection arrives or a tick passes.
+    /// Sleep until a connection arrives, the gate closes or a tick passes.
     fn wait_readable(&self) {
-        let mut fd = libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd that outlives the call; poll only writes `revents`.
-        unsafe { libc::poll(&mut fd, 1, TICK_MS) };
+        let mut fds = [
+            libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: self.woken.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        // SAFETY: two valid pollfds that outlive the call; poll only writes `revents`.
+        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, TICK_MS) };
     }
 
     fn admit(&mut self, stream: TcpStream, peer: SocketAddr) {
@@ -135,19 +145,21 @@ impl Door {
         let spawned = std::thread::Builder::new().name("backup-handshake".into()).spawn(move || {
             let raw = stream.try_clone();
             let result = handshake(stream, auth.as_ref(), deadline);
-            if let (Err(_), Ok(raw)) = (&result, &raw) {
-                close_gently(raw);
-            }
-            finished.store(true, Ordering::SeqCst);
-            match result {
-                Ok((link, hello)) => {
-                    tracing::info!(%peer, "a primary completed the handshake");
-                    let _ = candidates.send(Candidate { link, hello, peer: peer.to_string() });
-                }
+            // Logged before the gentle close, which takes a while: the
+            // refusal is on its way, and so is the line saying why.
+            match &result {
+                Ok(_) => tracing::info!(%peer, "a primary completed the handshake"),
                 Err(e) if Instant::now() >= deadline => {
                     tracing::warn!(%peer, "refused a connection: no complete handshake within {} ms ({e})", timeout.as_millis())
                 }
                 Err(e) => tracing::warn!(%peer, "refused a connection: {e}"),
+            }
+            if let (Err(_), Ok(raw)) = (&result, &raw) {
+                close_gently(raw);
+            }
+            finished.store(true, Ordering::SeqCst);
+            if let Ok((link, hello)) = result {
+                let _ = candidates.send(Candidate { link, hello, peer: peer.to_string() });
             }
         });
         match spawned {

@@ -5,19 +5,21 @@
 mod gate;
 mod replica;
 
-use std::net::TcpListener;
-use std::sync::Arc;
+use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ftvm_vmm::devices::DeviceConfig;
+use ftvm_vmm::sync::Lock;
 use ftvm_vmm::{Console, DirtyBackend, Persist, Vm};
 
 use crate::arbiter::{Arbiter, Claim};
 use crate::bounds;
+use crate::liveness::{self, Heartbeats, Observer, Pulse, SessionHalf, Timing};
 use crate::metrics::{AppliedEpoch, MetricsLog, Role, StatusCell};
 use crate::pipeline::apply::{Apply, ApplyError, InPlace};
 use crate::pipeline::transport::{self, Auth, Transport};
-use crate::protocol::{self, Hello, Kind, ProtocolError};
+use crate::protocol::{self, Heartbeat, Hello, Kind, ProtocolError, Welcome};
 use crate::ReplicationError;
 pub use replica::Replica;
 
@@ -29,9 +31,11 @@ pub struct BackupConfig {
     /// another shape is refused.
     pub mem_size: Option<u64>,
     pub vcpus: Option<u32>,
-    /// Silence from the primary for this long means it is dead (default:
-    /// five epochs, at least 200 ms).
+    /// Nothing heard from the primary (no heartbeat, no byte of the stream)
+    /// for this long means it is dead (default: five epochs, at least 200 ms).
     pub failure_timeout: Option<Duration>,
+    /// How often to send the primary a heartbeat.
+    pub heartbeat: Duration,
     pub prefault: bool,
     pub dirty_backend: DirtyBackend,
     pub console: Console,
@@ -78,15 +82,40 @@ const LINGER: Duration = Duration::from_secs(1);
 pub struct Backup {
     config: BackupConfig,
     listener: TcpListener,
+    /// Where the primary's heartbeats arrive: the listening address, over UDP.
+    heartbeats: UdpSocket,
     status: StatusCell,
+}
+
+/// Why the heartbeat thread found the primary lost, once it did.
+type Verdict = Arc<Mutex<Option<String>>>;
+
+/// The backup's side of the heartbeat thread: a silent primary is lost; the
+/// stream is cut so that following it ends.
+struct Silence {
+    verdict: Verdict,
+    link: Box<dyn Transport>,
+}
+
+impl Observer for Silence {
+    fn silent(&mut self, silence: Duration, timeout: Duration) {
+        *self.verdict.locked() = Some(format!(
+            "nothing heard from the primary for {} ms, no heartbeat and no stream (failure timeout {} ms)",
+            silence.as_millis(),
+            timeout.as_millis()
+        ));
+        self.link.shutdown();
+    }
 }
 
 impl Backup {
     pub fn bind(config: BackupConfig) -> Result<Backup, ReplicationError> {
-        let listener = TcpListener::bind(&config.listen).map_err(|err| ReplicationError::Listen { addr: config.listen.clone(), err })?;
+        let listen_err = |err| ReplicationError::Listen { addr: config.listen.clone(), err };
+        let listener = TcpListener::bind(&config.listen).map_err(listen_err)?;
+        let heartbeats = listener.local_addr().and_then(liveness::bind_backup).map_err(listen_err)?;
         let status = StatusCell::new(Role::Backup);
         status.lock().detail = format!("waiting for a primary on {}", config.listen);
-        Ok(Backup { config, listener, status })
+        Ok(Backup { config, listener, heartbeats, status })
     }
 
     pub fn status(&self) -> StatusCell {
@@ -96,15 +125,18 @@ impl Backup {
     /// Follow a primary until it fails, then return the VM, resumed from the
     /// last committed checkpoint and announced on the network.
     pub fn run(self) -> Result<Outcome, ReplicationError> {
-        let Backup { config, listener, status } = self;
-        let (mut link, mut replica, hello, peer) = admit(&config, listener)?;
+        let Backup { config, listener, heartbeats: socket, status } = self;
+        let Admitted { mut link, mut replica, peer, beats, verdict } = admit(&config, listener, &socket)?;
         tracing::info!(%peer, "primary connected");
-        let timeout = config.failure_timeout.unwrap_or(Duration::from_millis((5 * hello.epoch_ms).max(200)));
-        link.set_recv_timeout(Some(timeout)).map_err(ReplicationError::Send)?;
         status.lock().detail = format!("synchronizing from primary {peer}");
         let log = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
-        let reason = match follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log) {
-            Ended::Lost(reason) => reason,
+        let ended = follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log);
+        // Following ended: no more heartbeats to this primary.
+        drop(beats);
+        let lost_unix_us = unix_ns() / 1000;
+        let reason = match ended {
+            // The heartbeat thread's finding, if it cut the stream.
+            Ended::Lost(reason) => verdict.locked().take().unwrap_or(reason),
             Ended::Finished(status) => {
                 tracing::info!(status, "the primary's guest stopped; the backup stops too");
                 return Ok(Outcome::PrimaryFinished(status));
@@ -138,6 +170,7 @@ impl Backup {
         tracing::warn!(
             epoch,
             reason,
+            lost_unix_us,
             resume_us = t0.elapsed().as_micros() as u64,
             "PRIMARY LOST: took over from the last committed checkpoint"
         );
@@ -190,21 +223,74 @@ fn win_ownership(arbiter: &Arbiter, replica: &Replica, reason: &str, status: &St
 /// shape and welcome it. Every other connection is logged and dropped (a
 /// refused primary is told why); the listening socket closes once the
 /// primary is in.
-fn admit(config: &BackupConfig, listener: TcpListener) -> Result<(Box<dyn Transport>, Replica, Hello, String), ReplicationError> {
+/// Heartbeats (on `socket`) start before the Welcome that tells the primary
+/// where they come from, so the first one is on its way when the primary
+/// starts listening for them.
+fn admit(config: &BackupConfig, listener: TcpListener, socket: &UdpSocket) -> Result<Admitted, ReplicationError> {
     let gate = gate::Gate::open(listener, config.auth.clone(), config.handshake_timeout)?;
     loop {
         let gate::Candidate { mut link, hello, peer } = gate.next()?;
         match Replica::for_primary(config, &hello) {
-            Ok(replica) => match link.send(&protocol::message(Kind::Welcome, &())) {
-                Ok(()) => return Ok((link, replica, hello, peer)),
-                Err(e) => tracing::warn!(%peer, "the primary left before it was welcomed: {e}"),
-            },
+            Ok(replica) => {
+                let session = liveness::session_half().map_err(ReplicationError::Heartbeat)?;
+                let port = socket.local_addr().map_err(ReplicationError::Heartbeat)?.port();
+                let heartbeat = Heartbeat { session, port, interval_ms: config.heartbeat.as_millis() as u64 };
+                let (beats, verdict) = watch(config, link.as_mut(), &hello, session, socket)?;
+                match link.send(&protocol::message(Kind::Welcome, &Welcome { heartbeat })) {
+                    Ok(()) => return Ok(Admitted { link, replica, peer, beats, verdict }),
+                    Err(e) => tracing::warn!(%peer, "the primary left before it was welcomed: {e}"),
+                }
+            }
             Err(refusal) => {
                 transport::refuse(link.as_mut(), &refusal);
                 tracing::warn!(%peer, "refused a primary: {refusal}");
             }
         }
     }
+}
+
+/// The primary, welcomed.
+struct Admitted {
+    link: Box<dyn Transport>,
+    replica: Replica,
+    peer: String,
+    /// Heartbeats with it, and what they found.
+    beats: Heartbeats,
+    verdict: Verdict,
+}
+
+/// Start heartbeats with the primary of `link` (which said `hello`), this
+/// backup's half of the session id being `mine`, and watch it: when neither
+/// heartbeats nor stream bytes arrived for the failure timeout, the verdict
+/// is set and the stream cut.
+fn watch(
+    config: &BackupConfig,
+    link: &mut dyn Transport,
+    hello: &Hello,
+    mine: SessionHalf,
+    socket: &UdpSocket,
+) -> Result<(Heartbeats, Verdict), ReplicationError> {
+    let timeout = config.failure_timeout.unwrap_or(Duration::from_millis((5 * hello.epoch_ms).max(200)));
+    // No timeout on the stream: a large checkpoint or a quiet pre-copy may
+    // keep it silent for long.
+    link.set_recv_timeout(None).map_err(ReplicationError::Send)?;
+    let pulse = Pulse::new();
+    link.observe(pulse.clone());
+    liveness::check_interval(Role::Primary, hello.heartbeat.interval_ms, timeout);
+    let no_ip = || ReplicationError::Heartbeat(std::io::Error::other("the transport has no IP addresses"));
+    let (_, remote) = link.addrs().ok_or_else(no_ip)?;
+    let path = liveness::Path {
+        socket: socket.try_clone().map_err(ReplicationError::Heartbeat)?,
+        peer: SocketAddr::new(remote.ip(), hello.heartbeat.port),
+        session: liveness::session_id(hello.heartbeat.session, mine),
+        role: Role::Backup,
+        keys: link.heartbeat_keys(),
+    };
+    let verdict = Arc::new(Mutex::new(None));
+    let silence = Silence { verdict: verdict.clone(), link: link.try_clone().map_err(ReplicationError::Send)? };
+    let timing = Timing { interval: config.heartbeat, timeout };
+    let beats = Heartbeats::start(path, timing, pulse, silence).map_err(ReplicationError::Thread)?;
+    Ok((beats, verdict))
 }
 
 /// What handling one message came to, when not simply done.

@@ -39,8 +39,10 @@ switch! {
 /// Why the primary lost its backup.
 #[derive(Debug, thiserror::Error)]
 pub enum BackupLoss {
-    #[error("no acknowledgement within the failure timeout")]
-    Silent,
+    #[error("nothing heard from the backup for {silence_ms} ms, no heartbeat and no acknowledgement (failure timeout {timeout_ms} ms)")]
+    Silent { silence_ms: u64, timeout_ms: u64 },
+    #[error("checkpoint {epoch} still unacknowledged {waited_ms} ms after it was sent, though the backup beats (acknowledgement timeout)")]
+    Unacknowledged { epoch: u64, waited_ms: u64 },
     #[error("{0}")]
     Stream(ProtocolError),
     #[error("{0}")]
@@ -60,8 +62,14 @@ pub struct PrimaryConfig {
     /// The backup's replication address.
     pub backup: String,
     pub epoch_ms: u64,
-    /// No acknowledgement for this long means the backup is gone.
+    /// Nothing heard from the backup (no heartbeat, no byte of the stream)
+    /// for this long means it is gone.
     pub failure_timeout: Duration,
+    /// A checkpoint unacknowledged this long after it was sent means the
+    /// backup is gone even though it beats (its apply hangs, say).
+    pub ack_timeout: Duration,
+    /// How often to send the backup a heartbeat.
+    pub heartbeat: Duration,
     pub on_backup_loss: OnBackupLoss,
     /// How long to keep trying to reach the backup at start.
     pub connect_timeout: Duration,
@@ -99,8 +107,9 @@ pub struct Primary {
 impl Primary {
     /// Reach the backup and synchronize it (pre-copy and the first
     /// checkpoint) before returning, so a bad backup is an error here; then
-    /// keep checkpointing in the background.
-    pub fn start(vm: Arc<Vm>, config: PrimaryConfig) -> Result<Primary, ReplicationError> {
+    /// keep checkpointing in the background. Once `cancel` is set (a stop
+    /// signal, say), synchronizing gives up with `ReplicationError::Stopped`.
+    pub fn start(vm: Arc<Vm>, config: PrimaryConfig, cancel: &AtomicBool) -> Result<Primary, ReplicationError> {
         let status = StatusCell::new(Role::Primary);
         let me = crate::identity(Role::Primary);
         let ownership = match &config.arbiter {
@@ -121,8 +130,16 @@ impl Primary {
         vm.hooks().set_disk_writes(Some(journal.clone()));
         let mut pipeline = Pipeline::new(&config.switches, &vm, output.clone(), journal.clone());
         let mut epoch = 0;
-        let cx =
-            Context { vm: &vm, config: &config, status: &status, metrics: &metrics, output: &output, journal: &journal, trigger: &trigger };
+        let cx = Context {
+            vm: &vm,
+            config: &config,
+            status: &status,
+            metrics: &metrics,
+            output: &output,
+            journal: &journal,
+            trigger: &trigger,
+            stop: cancel,
+        };
         let session = Session::open(&cx, &mut pipeline, &mut epoch)?;
         let (requests, rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
@@ -238,6 +255,7 @@ impl Worker {
                         output: &self.output,
                         journal: &self.journal,
                         trigger: &self.trigger,
+                        stop: &self.stop,
                     };
                     match Session::open(&cx, &mut self.pipeline, &mut self.epoch) {
                         Ok(s) => {
@@ -300,7 +318,7 @@ impl Worker {
         if session.send_checkpoint(&taken, frame, Instant::now()).is_err() {
             return;
         }
-        let deadline = Instant::now() + self.config.failure_timeout;
+        let deadline = Instant::now() + self.config.ack_timeout;
         while !session.is_lost() && !session.acked_all() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
         }

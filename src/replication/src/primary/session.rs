@@ -2,6 +2,8 @@
 //! acknowledgements in.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -11,31 +13,79 @@ use ftvm_vmm::Vm;
 
 use super::{precopy, BackupLoss, PrimaryConfig};
 use crate::fault;
-use crate::metrics::{EpochMetrics, MetricsLog, StatusCell};
+use crate::liveness::{self, Heartbeats, Observer, Pulse, Timing};
+use crate::metrics::{EpochMetrics, MetricsLog, Role, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::pipeline::transport::{self, AuthTransport, Transport};
 use crate::pipeline::trigger::Trigger;
 use crate::pipeline::{Pipeline, Taken};
-use crate::protocol::{self, Hello, Kind, ProtocolError, HANDSHAKE_LIMIT};
+use crate::protocol::{self, Heartbeat, Hello, Kind, ProtocolError, Welcome, HANDSHAKE_LIMIT};
 use crate::ReplicationError;
 
 /// Partial metrics of a checkpoint waiting for its acknowledgement.
 struct InFlight {
     metrics: EpochMetrics,
     resumed: Instant,
+    /// When the transport took all of it (the acknowledgement timeout runs from here).
+    sent: Option<Instant>,
 }
 
-/// What the sender and the acknowledgement reader share.
+/// What the sender, the acknowledgement reader and the heartbeat thread share.
 #[derive(Default)]
 struct Shared {
     inflight: Mutex<BTreeMap<u64, InFlight>>,
     lost: Mutex<Option<BackupLoss>>,
 }
 
+impl Shared {
+    /// Record why the backup was lost, unless a reason was found first.
+    fn lose(&self, loss: BackupLoss) {
+        let mut lost = self.lost.locked();
+        if lost.is_none() {
+            *lost = Some(loss);
+        }
+    }
+}
+
 pub struct Session {
     link: Mutex<Box<dyn Transport>>,
     shared: Arc<Shared>,
     reader: Option<JoinHandle<()>>,
+    heartbeats: Option<Heartbeats>,
+}
+
+/// The primary's side of the heartbeat thread: a silent backup is lost, and
+/// so is one that leaves a checkpoint unacknowledged for the (longer)
+/// acknowledgement timeout while it still beats (its apply hangs, say).
+/// Either way the stream is cut, so a send blocked on it returns.
+struct Watch {
+    shared: Arc<Shared>,
+    link: Box<dyn Transport>,
+    ack_timeout: Duration,
+}
+
+impl Observer for Watch {
+    fn lost_otherwise(&mut self) -> bool {
+        if self.shared.lost.locked().is_some() {
+            return true;
+        }
+        let overdue = self
+            .shared
+            .inflight
+            .locked()
+            .iter()
+            .find_map(|(&epoch, f)| f.sent.map(|sent| (epoch, sent.elapsed())))
+            .filter(|(_, waited)| *waited > self.ack_timeout);
+        let Some((epoch, waited)) = overdue else { return false };
+        self.shared.lose(BackupLoss::Unacknowledged { epoch, waited_ms: waited.as_millis() as u64 });
+        self.link.shutdown();
+        true
+    }
+
+    fn silent(&mut self, silence: Duration, timeout: Duration) {
+        self.shared.lose(BackupLoss::Silent { silence_ms: silence.as_millis() as u64, timeout_ms: timeout.as_millis() as u64 });
+        self.link.shutdown();
+    }
 }
 
 /// What a session needs from the primary.
@@ -47,6 +97,8 @@ pub struct Context<'a> {
     pub output: &'a Arc<OutputBuffer>,
     pub journal: &'a DiskJournal,
     pub trigger: &'a Trigger,
+    /// Set when the primary is asked to stop: pre-copy gives up.
+    pub stop: &'a AtomicBool,
 }
 
 impl Session {
@@ -58,11 +110,36 @@ impl Session {
             Some(auth) => Box::new(AuthTransport::initiate(tcp, auth)?),
             None => Box::new(tcp),
         };
+        let no_ip = || ReplicationError::Heartbeat(std::io::Error::other("the transport has no IP addresses"));
+        let (local, remote) = link.addrs().ok_or_else(no_ip)?;
+        let socket = liveness::bind_primary(local.ip()).map_err(ReplicationError::Heartbeat)?;
+        let mine = Heartbeat {
+            session: liveness::session_half().map_err(ReplicationError::Heartbeat)?,
+            port: socket.local_addr().map_err(ReplicationError::Heartbeat)?.port(),
+            interval_ms: cx.config.heartbeat.as_millis() as u64,
+        };
         cx.status.lock().detail = format!("synchronizing backup {}", cx.config.backup);
-        handshake(link.as_mut(), cx.vm, cx.config, *epoch)?;
+        let theirs = handshake(link.as_mut(), cx.vm, cx.config, *epoch, mine)?.heartbeat;
+        // Heartbeats both ways from here on, pre-copy included.
+        let shared = Arc::new(Shared::default());
+        let pulse = Pulse::new();
+        link.observe(pulse.clone());
+        liveness::check_interval(Role::Backup, theirs.interval_ms, cx.config.failure_timeout);
+        let path = liveness::Path {
+            socket,
+            peer: SocketAddr::new(remote.ip(), theirs.port),
+            session: liveness::session_id(mine.session, theirs.session),
+            role: Role::Primary,
+            keys: link.heartbeat_keys(),
+        };
+        let watch =
+            Watch { shared: shared.clone(), link: link.try_clone().map_err(ReplicationError::Send)?, ack_timeout: cx.config.ack_timeout };
+        let timing = Timing { interval: cx.config.heartbeat, timeout: cx.config.failure_timeout };
+        let heartbeats = Heartbeats::start(path, timing, pulse, watch).map_err(ReplicationError::Thread)?;
+        tracing::info!(backup = %cx.config.backup, "bringing the backup up to date (pre-copy)");
         let t0 = Instant::now();
-        let sent = precopy::run(link.as_mut(), cx.vm, cx.journal, cx.trigger, cx.config.disk.as_deref())
-            .map_err(|e| refusal_behind(link.as_mut(), e))?;
+        let sent = precopy::run(link.as_mut(), cx.vm, cx.journal, cx.trigger, cx.config.disk.as_deref(), cx.stop)
+            .map_err(|e| sync_failed(link.as_mut(), &shared, e))?;
         // The stop-and-copy: the first checkpoint, which also starts output commit.
         cx.trigger.clear();
         let first = *epoch;
@@ -70,7 +147,7 @@ impl Session {
         *epoch += 1;
         let (taken, frame) = pipeline.take(cx.vm, first)?;
         let resumed = Instant::now();
-        link.send(frame).map_err(|e| refusal_behind(link.as_mut(), ReplicationError::Send(e)))?;
+        link.send(frame).map_err(|e| sync_failed(link.as_mut(), &shared, ReplicationError::Send(e)))?;
         tracing::info!(
             backup = %cx.config.backup,
             precopy_bytes = sent,
@@ -78,11 +155,15 @@ impl Session {
             pause_us = taken.pause.as_micros() as u64,
             "backup synchronized; the VM is protected"
         );
-        let shared = Arc::new(Shared::default());
-        shared.inflight.locked().insert(first, InFlight { metrics: metrics_of(&taken, frame.len(), resumed.elapsed()), resumed });
+        shared
+            .inflight
+            .locked()
+            .insert(first, InFlight { metrics: metrics_of(&taken, frame.len(), resumed.elapsed()), resumed, sent: Some(Instant::now()) });
         let reader = {
+            // No timeout: the heartbeat thread decides when the backup is lost
+            // and cuts the stream then.
             let mut acks = link.try_clone().map_err(ReplicationError::Send)?;
-            acks.set_recv_timeout(Some(cx.config.failure_timeout)).map_err(ReplicationError::Send)?;
+            acks.set_recv_timeout(None).map_err(ReplicationError::Send)?;
             let (output, shared, status, metrics) = (cx.output.clone(), shared.clone(), cx.status.clone(), cx.metrics.clone());
             std::thread::Builder::new()
                 .name("replication-acks".into())
@@ -95,7 +176,7 @@ impl Session {
             st.epoch = first;
             st.detail = format!("protected by {}", cx.config.backup);
         }
-        Ok(Session { link: Mutex::new(link), shared, reader: Some(reader) })
+        Ok(Session { link: Mutex::new(link), shared, reader: Some(reader), heartbeats: Some(heartbeats) })
     }
 
     pub fn acked_all(&self) -> bool {
@@ -128,7 +209,10 @@ impl Session {
     pub fn send_checkpoint(&self, taken: &Taken, frame: &[u8], resumed: Instant) -> Result<(), BackupLoss> {
         let mut link = self.link.locked();
         // Register before sending: the acknowledgement can beat our bookkeeping.
-        self.shared.inflight.locked().insert(taken.epoch, InFlight { metrics: metrics_of(taken, frame.len(), Duration::ZERO), resumed });
+        self.shared
+            .inflight
+            .locked()
+            .insert(taken.epoch, InFlight { metrics: metrics_of(taken, frame.len(), Duration::ZERO), resumed, sent: None });
         let result = match fault::for_epoch(taken.epoch) {
             Some(fault) => fault.inject(link.as_mut(), frame),
             None => link.send(frame),
@@ -136,6 +220,7 @@ impl Session {
         result.map_err(|err| BackupLoss::Send { epoch: taken.epoch, err })?;
         if let Some(f) = self.shared.inflight.locked().get_mut(&taken.epoch) {
             f.metrics.transfer_us = resumed.elapsed().as_micros() as u64;
+            f.sent = Some(Instant::now());
         }
         Ok(())
     }
@@ -148,10 +233,32 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
+        // No more heartbeats: this primary no longer follows this backup.
+        drop(self.heartbeats.take());
         self.link.locked().shutdown();
         if let Some(r) = self.reader.take() {
             let _ = r.join();
         }
+    }
+}
+
+/// Bringing a new backup up to date failed with `e`. Asked to stop, the
+/// primary tells the backup goodbye (it stops too instead of waiting for a
+/// stream that will not come). Otherwise: if the backup said why it stopped
+/// (a `Refuse`, say its disk is full), that is the error; if the heartbeat
+/// thread found it lost (and cut the stream), that.
+fn sync_failed(link: &mut dyn Transport, shared: &Shared, e: ReplicationError) -> ReplicationError {
+    if matches!(e, ReplicationError::Stopped) {
+        let _ = link.send(&protocol::message(Kind::Bye, &0i32));
+        return e;
+    }
+    let e = refusal_behind(link, e);
+    if matches!(e, ReplicationError::Refused(_)) {
+        return e;
+    }
+    match shared.lost.locked().take() {
+        Some(loss) => ReplicationError::LostDuringSync(loss.to_string()),
+        None => e,
     }
 }
 
@@ -182,7 +289,13 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
     }
 }
 
-fn handshake(link: &mut dyn Transport, vm: &Vm, config: &PrimaryConfig, first_epoch: u64) -> Result<(), ReplicationError> {
+fn handshake(
+    link: &mut dyn Transport,
+    vm: &Vm,
+    config: &PrimaryConfig,
+    first_epoch: u64,
+    heartbeat: Heartbeat,
+) -> Result<Welcome, ReplicationError> {
     let disk_size = match &config.disk {
         Some(p) => Some(std::fs::metadata(p).map_err(ReplicationError::PrimaryDisk)?.len()),
         None => None,
@@ -195,6 +308,7 @@ fn handshake(link: &mut dyn Transport, vm: &Vm, config: &PrimaryConfig, first_ep
         disk_size,
         epoch_ms: config.epoch_ms,
         first_epoch,
+        heartbeat,
     };
     link.send(&protocol::message(Kind::Hello, &hello)).map_err(ReplicationError::Send)?;
     link.set_recv_timeout(Some(Duration::from_secs(30))).map_err(ReplicationError::Send)?;
@@ -202,7 +316,7 @@ fn handshake(link: &mut dyn Transport, vm: &Vm, config: &PrimaryConfig, first_ep
     let kind = link.recv(HANDSHAKE_LIMIT, &mut buf)?;
     link.set_recv_timeout(None).map_err(ReplicationError::Send)?;
     match kind {
-        Kind::Welcome => Ok(()),
+        Kind::Welcome => Ok(protocol::decode::<Welcome>(&buf)?),
         Kind::Refuse => Err(ReplicationError::Refused(protocol::decode::<String>(&buf)?)),
         other => Err(ProtocolError::Corrupt(format!("expected Welcome, got {other:?}")).into()),
     }
@@ -242,15 +356,10 @@ fn read_acks(link: &mut dyn Transport, output: &OutputBuffer, shared: &Shared, s
             }
             Ok(Kind::Refuse) => break BackupLoss::Refused(protocol::decode::<String>(&buf).unwrap_or_else(|e| e.to_string())),
             Ok(other) => break BackupLoss::Unexpected(other),
-            Err(ProtocolError::Timeout) => {
-                if shared.inflight.locked().is_empty() {
-                    continue;
-                }
-                break BackupLoss::Silent;
-            }
             Err(e) => break BackupLoss::Stream(e),
         }
     };
+    // A reason the heartbeat thread found first (it cut the stream) stays.
+    shared.lose(loss);
     link.shutdown();
-    *shared.lost.locked() = Some(loss);
 }

@@ -28,6 +28,7 @@
 //! `tag` is the Poly1305 tag (16 bytes).
 
 use std::io;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -37,6 +38,7 @@ use chacha20poly1305::{ChaCha20Poly1305, KeyInit};
 use ftvm_vmm::sync::Lock;
 
 use super::{Secret, Transport};
+use crate::liveness::{self, Pulse};
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::ReplicationError;
 
@@ -48,6 +50,8 @@ const PRIMARY_PROOF: &[u8] = b"primary proof";
 const BACKUP_PROOF: &[u8] = b"backup proof";
 const PRIMARY_TO_BACKUP: &str = "ftvm replication 2025 session key primary to backup";
 const BACKUP_TO_PRIMARY: &str = "ftvm replication 2025 session key backup to primary";
+const HEARTBEAT_PRIMARY_TO_BACKUP: &str = "ftvm replication 2025 heartbeat key primary to backup";
+const HEARTBEAT_BACKUP_TO_PRIMARY: &str = "ftvm replication 2025 heartbeat key backup to primary";
 /// Handshake frames are tiny.
 const HANDSHAKE_FRAME_LIMIT: u64 = 256;
 /// How long the primary waits for each handshake answer.
@@ -132,12 +136,18 @@ pub struct AuthTransport<T> {
     inner: T,
     tx: Arc<Mutex<Sealer>>,
     rx: Arc<Mutex<Opener>>,
+    /// This end's keys for the connection's heartbeats (`liveness`); set
+    /// by the handshake.
+    heartbeat: Option<liveness::Keys>,
 }
 
-/// Session keys of one connection, per direction.
+/// Session keys of one connection, per direction: for its frames and for
+/// its heartbeats.
 struct Keys {
     primary_to_backup: [u8; 32],
     backup_to_primary: [u8; 32],
+    heartbeat_primary_to_backup: [u8; 32],
+    heartbeat_backup_to_primary: [u8; 32],
 }
 
 struct Transcript([u8; TRANSCRIPT_LABEL.len() + 2 * NONCE + 1]);
@@ -167,7 +177,12 @@ impl Transcript {
             h.update(&self.0);
             *h.finalize().as_bytes()
         };
-        Keys { primary_to_backup: derive(PRIMARY_TO_BACKUP), backup_to_primary: derive(BACKUP_TO_PRIMARY) }
+        Keys {
+            primary_to_backup: derive(PRIMARY_TO_BACKUP),
+            backup_to_primary: derive(BACKUP_TO_PRIMARY),
+            heartbeat_primary_to_backup: derive(HEARTBEAT_PRIMARY_TO_BACKUP),
+            heartbeat_backup_to_primary: derive(HEARTBEAT_BACKUP_TO_PRIMARY),
+        }
     }
 }
 
@@ -221,7 +236,8 @@ impl<T: Transport> AuthTransport<T> {
         }
         inner.set_recv_timeout(None).map_err(ReplicationError::Send)?;
         let keys = transcript.keys(&auth.secret);
-        Ok(AuthTransport::new(inner, keys.primary_to_backup, keys.backup_to_primary, auth.encrypt))
+        let heartbeat = liveness::Keys { send: keys.heartbeat_primary_to_backup, recv: keys.heartbeat_backup_to_primary };
+        Ok(AuthTransport::new(inner, keys.primary_to_backup, keys.backup_to_primary, auth.encrypt).with_heartbeat(heartbeat))
     }
 
     /// The backup's side, once the first frame (`kind`, `payload`) arrived
@@ -261,13 +277,18 @@ impl<T: Transport> AuthTransport<T> {
         }
         send(&mut inner, &protocol::frame(Kind::AuthAccept, transcript.proof(&auth.secret, BACKUP_PROOF).as_bytes()))?;
         let keys = transcript.keys(&auth.secret);
-        Ok(AuthTransport::new(inner, keys.backup_to_primary, keys.primary_to_backup, encrypt))
+        let heartbeat = liveness::Keys { send: keys.heartbeat_backup_to_primary, recv: keys.heartbeat_primary_to_backup };
+        Ok(AuthTransport::new(inner, keys.backup_to_primary, keys.primary_to_backup, encrypt).with_heartbeat(heartbeat))
     }
 
     fn new(inner: T, send_key: [u8; 32], recv_key: [u8; 32], encrypt: bool) -> AuthTransport<T> {
         let tx = Sealer { protection: Protection::new(send_key, encrypt), seq: 0, scratch: Vec::new() };
         let rx = Opener { protection: Protection::new(recv_key, encrypt), seq: 0, pending: None, seal: Vec::new() };
-        AuthTransport { inner, tx: Arc::new(Mutex::new(tx)), rx: Arc::new(Mutex::new(rx)) }
+        AuthTransport { inner, tx: Arc::new(Mutex::new(tx)), rx: Arc::new(Mutex::new(rx)), heartbeat: None }
+    }
+
+    fn with_heartbeat(self, heartbeat: liveness::Keys) -> AuthTransport<T> {
+        AuthTransport { heartbeat: Some(heartbeat), ..self }
     }
 }
 
@@ -374,7 +395,12 @@ impl<T: Transport> Transport for AuthTransport<T> {
     }
 
     fn try_clone(&self) -> io::Result<Box<dyn Transport>> {
-        Ok(Box::new(AuthTransport { inner: self.inner.try_clone()?, tx: self.tx.clone(), rx: self.rx.clone() }))
+        Ok(Box::new(AuthTransport {
+            inner: self.inner.try_clone()?,
+            tx: self.tx.clone(),
+            rx: self.rx.clone(),
+            heartbeat: self.heartbeat.clone(),
+        }))
     }
 
     fn shutdown(&self) {
@@ -383,6 +409,18 @@ impl<T: Transport> Transport for AuthTransport<T> {
 
     fn peer(&self) -> String {
         self.inner.peer()
+    }
+
+    fn addrs(&self) -> Option<(SocketAddr, SocketAddr)> {
+        self.inner.addrs()
+    }
+
+    fn observe(&mut self, pulse: Arc<Pulse>) {
+        self.inner.observe(pulse)
+    }
+
+    fn heartbeat_keys(&self) -> Option<liveness::Keys> {
+        self.heartbeat.clone()
     }
 }
 
@@ -447,6 +485,22 @@ mod tests {
                 assert_eq!(protocol::read_ack(&buf).unwrap(), round);
             }
         }
+    }
+
+    #[test]
+    fn heartbeat_keys_are_per_connection_and_per_direction() {
+        let mut seen = Vec::new();
+        for _ in 0..2 {
+            let (addr, b) = backup(auth(b"s3cret", false));
+            let p = AuthTransport::initiate(connect(&addr, Duration::from_secs(5)).unwrap(), &auth(b"s3cret", false)).unwrap();
+            let b = b.join().unwrap().unwrap();
+            let (pk, bk) = (p.heartbeat_keys().unwrap(), b.heartbeat_keys().unwrap());
+            assert_eq!((pk.send, pk.recv), (bk.recv, bk.send), "each side opens what the other tags");
+            assert_ne!(pk.send, pk.recv, "one key per direction");
+            assert!(p.try_clone().unwrap().heartbeat_keys().is_some_and(|k| k.send == pk.send));
+            seen.push(pk.send);
+        }
+        assert_ne!(seen[0], seen[1], "fresh keys for every connection");
     }
 
     #[test]

@@ -8,6 +8,8 @@ mod secret;
 mod tcp;
 
 use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 pub(crate) use auth::refuse;
@@ -15,6 +17,7 @@ pub use auth::{Auth, AuthTransport};
 pub use secret::{Secret, SecretError};
 pub use tcp::{accept, connect, TcpTransport};
 
+use crate::liveness::{self, Pulse};
 use crate::protocol::{Kind as FrameKind, ProtocolError};
 use crate::switch::switch;
 
@@ -41,6 +44,18 @@ pub trait Transport: Send {
     fn shutdown(&self);
     /// The other end, for messages.
     fn peer(&self) -> String;
+    /// This end's address and the other end's, where heartbeats go
+    /// (`liveness`), if the transport runs over IP.
+    fn addrs(&self) -> Option<(SocketAddr, SocketAddr)> {
+        None
+    }
+    /// Beat `pulse` whenever bytes arrive on this handle (and on handles
+    /// cloned from it afterwards): the stream, too, shows the peer alive.
+    fn observe(&mut self, _pulse: Arc<Pulse>) {}
+    /// Keys for tagging this connection's heartbeats, if it is authenticated.
+    fn heartbeat_keys(&self) -> Option<liveness::Keys> {
+        None
+    }
 }
 
 impl Transport for Box<dyn Transport> {
@@ -66,5 +81,17 @@ impl Transport for Box<dyn Transport> {
 
     fn peer(&self) -> String {
         (**self).peer()
+    }
+
+    fn addrs(&self) -> Option<(SocketAddr, SocketAddr)> {
+        (**self).addrs()
+    }
+
+    fn observe(&mut self, pulse: Arc<Pulse>) {
+        (**self).observe(pulse)
+    }
+
+    fn heartbeat_keys(&self) -> Option<liveness::Keys> {
+        (**self).heartbeat_keys()
     }
 }

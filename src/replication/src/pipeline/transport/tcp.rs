@@ -1,22 +1,42 @@
 //! Frames over one TCP connection.
 
-use std::io::{self, Write};
-use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Transport;
+use crate::liveness::Pulse;
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::ReplicationError;
 
 pub struct TcpTransport {
     stream: TcpStream,
+    /// Beaten by every read that brings bytes.
+    pulse: Option<Arc<Pulse>>,
 }
 
 impl TcpTransport {
     pub(crate) fn new(stream: TcpStream) -> io::Result<TcpTransport> {
         // Checkpoints and acknowledgements are latency-bound: no Nagle.
         stream.set_nodelay(true)?;
-        Ok(TcpTransport { stream })
+        Ok(TcpTransport { stream, pulse: None })
+    }
+}
+
+/// The stream, read through: every read that brings bytes beats the pulse.
+struct Observed<'a> {
+    stream: &'a mut TcpStream,
+    pulse: &'a Pulse,
+}
+
+impl Read for Observed<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.stream.read(buf)?;
+        if n > 0 {
+            self.pulse.beat();
+        }
+        Ok(n)
     }
 }
 
@@ -52,7 +72,10 @@ impl Transport for TcpTransport {
     }
 
     fn recv(&mut self, limit: u64, buf: &mut Vec<u8>) -> Result<Kind, ProtocolError> {
-        protocol::read_frame(&mut self.stream, limit, buf)
+        match &self.pulse {
+            Some(pulse) => protocol::read_frame(&mut Observed { stream: &mut self.stream, pulse }, limit, buf),
+            None => protocol::read_frame(&mut self.stream, limit, buf),
+        }
     }
 
     fn set_recv_timeout(&mut self, timeout: Option<Duration>) -> io::Result<()> {
@@ -60,7 +83,7 @@ impl Transport for TcpTransport {
     }
 
     fn try_clone(&self) -> io::Result<Box<dyn Transport>> {
-        Ok(Box::new(TcpTransport { stream: self.stream.try_clone()? }))
+        Ok(Box::new(TcpTransport { stream: self.stream.try_clone()?, pulse: self.pulse.clone() }))
     }
 
     fn shutdown(&self) {
@@ -69,6 +92,14 @@ impl Transport for TcpTransport {
 
     fn peer(&self) -> String {
         self.stream.peer_addr().map_or_else(|_| "an unknown peer".into(), |a| a.to_string())
+    }
+
+    fn addrs(&self) -> Option<(SocketAddr, SocketAddr)> {
+        Some((self.stream.local_addr().ok()?, self.stream.peer_addr().ok()?))
+    }
+
+    fn observe(&mut self, pulse: Arc<Pulse>) {
+        self.pulse = Some(pulse);
     }
 }
 
