@@ -54,7 +54,7 @@ enum Command {
         #[arg(long)]
         api_socket: PathBuf,
     },
-    /// Show failover on this machine: a replicated kv VM loses its host under load, and no acknowledged write is lost.
+    /// Show failover on this machine: a replicated kv VM loses its host, then its primary stalls and is fenced, under load; no acknowledged write is lost.
     Demo(demo::DemoArgs),
     /// Protect an unprotected primary again with a new backup.
     Protect {
