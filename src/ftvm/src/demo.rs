@@ -25,22 +25,25 @@ use ftvm_testkit::topology::{Topology, GUEST_ADDR as GUEST, GUEST_MAC as MAC};
 use ftvm_testkit::{netns, resp, writers};
 
 use crate::api;
+use crate::output::{errln, outln};
 
 #[derive(clap::Args)]
 pub struct DemoArgs {
-    /// Failovers to run, each with a fresh primary and backup.
-    #[arg(long, default_value_t = 1)]
+    /// Failovers to run, each with a fresh primary and backup (at least 1).
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::at_least_one)]
     trials: u32,
     /// Checkpoint interval of the primary, in milliseconds.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_name = "MS", value_parser = crate::cli::epoch_ms)]
     epoch_ms: u64,
     /// Seconds of load before the primary's host is killed.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS", value_parser = crate::cli::positive_seconds)]
     seconds: f64,
 }
 
 const BACKUP_ADDR: &str = "192.168.100.2:7000";
 const VALUE_LEN: usize = 1024;
+/// How long the demo waits for a VMM's `status`.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(5);
 
 type Error = String;
 
@@ -49,7 +52,7 @@ pub fn run(args: DemoArgs) -> i32 {
     let dir = match Scratch::new("demo") {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("ftvm: error: demo: cannot create a directory for the logs: {e}");
+            errln!("ftvm: error: demo: cannot create a directory for the logs: {e}");
             return 1;
         }
     };
@@ -57,13 +60,13 @@ pub fn run(args: DemoArgs) -> i32 {
     let failed = matches!(&result, Ok(false)) || matches!(&result, Err(e) if e != INTERRUPTED);
     let has_logs = std::fs::read_dir(dir.path()).is_ok_and(|mut d| d.next().is_some());
     if failed && has_logs {
-        eprintln!("ftvm: demo: logs kept in {}", dir.keep().display());
+        errln!("ftvm: demo: logs kept in {}", dir.keep().display());
     }
     match result {
         Ok(true) => 0,
         Ok(false) => 1,
         Err(e) => {
-            eprintln!("ftvm: error: demo: {e}");
+            errln!("ftvm: error: demo: {e}");
             1
         }
     }
@@ -80,7 +83,7 @@ fn spawn(mut cmd: Command, dir: &Path, name: &str) -> Result<Process, Error> {
 }
 
 fn status(socket: &Path) -> Option<api::Response> {
-    api::client::call(socket, &api::Request::Status).ok()
+    api::client::call(socket, &api::Request::Status, STATUS_TIMEOUT).ok()
 }
 
 fn stop_requested() -> bool {
@@ -190,9 +193,9 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
     let ftvm = std::env::current_exe().map_err(|e| e.to_string())?;
     stop_requested(); // install the handler before starting anything
 
-    println!("== ftvm demo: a Redis-protocol VM that survives the death of its host");
+    outln!("== ftvm demo: a Redis-protocol VM that survives the death of its host");
     let topo = Topology::new("demo").map_err(|e| e.to_string())?;
-    println!(
+    outln!(
         "network: namespaces {0}-{{client,h1,h2,lan}}; client 10.0.0.1 and the guest {GUEST} on one LAN, \
          hosts h1 and h2 joined by a replication link 192.168.100.1 <-> 192.168.100.2",
         topo.name()
@@ -201,21 +204,21 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
     let mut summary = Vec::new();
     for trial in 1..=args.trials {
         if args.trials > 1 {
-            println!("\n== failover {trial} of {}", args.trials);
+            outln!("\n== failover {trial} of {}", args.trials);
         }
         let (ok, line) = trial_run(args, &topo, &ftvm, &image, dir, trial)?;
         all_ok &= ok;
         summary.push(line);
     }
-    println!();
+    outln!();
     for s in &summary {
-        println!("{s}");
+        outln!("{s}");
     }
     drop(topo);
     if all_ok {
-        println!("OK: every acknowledged write survived the loss of its host");
+        outln!("OK: every acknowledged write survived the loss of its host");
     } else {
-        println!("FAILED: acknowledged writes were lost");
+        outln!("FAILED: acknowledged writes were lost");
     }
     Ok(all_ok)
 }
@@ -228,7 +231,7 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
     let mut cmd = topo.command("h2", ftvm);
     cmd.args(["backup", "--listen", BACKUP_ADDR, "--net", &net, "--api-socket"]).arg(&backup_sock).env("FTVM_LOG", "info");
     let mut backup = spawn(cmd, dir, &format!("backup{trial}"))?;
-    println!("[h2] ftvm backup --listen {BACKUP_ADDR} --net {net}");
+    outln!("[h2] ftvm backup --listen {BACKUP_ADDR} --net {net}");
     let mut cmd = topo.command("h1", ftvm);
     cmd.args(["run", "--image"])
         .arg(image)
@@ -240,7 +243,7 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
         .env("FTVM_LOG", "info");
     let t_start = Instant::now();
     let mut primary = spawn(cmd, dir, &format!("primary{trial}"))?;
-    println!("[h1] ftvm run --image kv.elf --net {net} --replicate-to {BACKUP_ADDR} --epoch-ms {}", args.epoch_ms);
+    outln!("[h1] ftvm run --image kv.elf --net {net} --replicate-to {BACKUP_ADDR} --epoch-ms {}", args.epoch_ms);
     loop {
         if status(&primary_sock).and_then(|r| r.replication).is_some_and(|r| r.protected) {
             break;
@@ -250,11 +253,11 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
         }
         sleep(Duration::from_millis(20))?;
     }
-    println!("     protected after {} ms (pre-copy, then the first checkpoint)", t_start.elapsed().as_millis());
+    outln!("     protected after {} ms (pre-copy, then the first checkpoint)", t_start.elapsed().as_millis());
     topo.forget_guest().map_err(|e| e.to_string())?;
     let t = Instant::now();
     let reply = redis_cli(topo, &["SET", "demo:greeting", "hello"]);
-    println!("[client] redis-cli SET demo:greeting hello -> {reply} ({} ms)", t.elapsed().as_millis());
+    outln!("[client] redis-cli SET demo:greeting hello -> {reply} ({} ms)", t.elapsed().as_millis());
 
     let addr: SocketAddr = format!("{GUEST}:6379").parse().expect("address");
     let writers = writers::Writers::start(writers::Config {
@@ -268,11 +271,11 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
     })
     .map_err(|e| e.to_string())?;
     let bench = Benchmark::start(topo)?;
-    println!("[client] load: redis-benchmark (8 connections of SETs) and 4 tracked writers (unique keys, each +OK recorded)");
+    outln!("[client] load: redis-benchmark (8 connections of SETs) and 4 tracked writers (unique keys, each +OK recorded)");
     let t0 = Instant::now();
     while t0.elapsed().as_secs_f64() < args.seconds {
         sleep(Duration::from_millis(1000).min(Duration::from_secs_f64((args.seconds - t0.elapsed().as_secs_f64()).max(0.0))))?;
-        println!("{}", progress_line(t0, &primary_sock, &writers, &bench));
+        outln!("{}", progress_line(t0, &primary_sock, &writers, &bench));
     }
 
     // The host dies: its network first, then its VMM.
@@ -290,7 +293,7 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
     writers.mark(killed_at);
     primary.kill();
     let acked_before = writers.acked();
-    println!(
+    outln!(
         "[h1] HOST DIES at t={:.1}s: links repl and uplink deleted, VMM SIGKILLed ({acked_before} writes acknowledged so far)",
         t0.elapsed().as_secs_f64()
     );
@@ -316,8 +319,8 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
     });
     match (&served, &took_over) {
         (Some(t), Some(line)) => {
-            println!("[h2] {line}");
-            println!("     first reply from the new primary {:.0} ms after the kill", (*t - killed_at).as_secs_f64() * 1e3);
+            outln!("[h2] {line}");
+            outln!("     first reply from the new primary {:.0} ms after the kill", (*t - killed_at).as_secs_f64() * 1e3);
         }
         _ => {
             return Err(format!("the backup did not take over:\n{}", backup.stderr()));
@@ -326,24 +329,24 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
     let t1 = Instant::now();
     while t1.elapsed() < Duration::from_secs(2) {
         sleep(Duration::from_millis(500))?;
-        println!("{}", progress_line(t0, &backup_sock, &writers, &bench));
+        outln!("{}", progress_line(t0, &backup_sock, &writers, &bench));
     }
     let resumed = writers.first_ack_after_mark().map(|t| (t - killed_at).as_secs_f64() * 1e3);
     let report = writers.stop();
     let mut bench = bench;
     bench.proc.kill();
-    println!(
+    outln!(
         "[client] tracked writers: first write acknowledged by the new primary {} after the kill; {} of {} writes acknowledged",
         resumed.map_or("never".into(), |ms| format!("{ms:.0} ms")),
         report.acked.len(),
         report.sent
     );
-    println!("[client] redis-cli GET demo:greeting -> {}", redis_cli(topo, &["GET", "demo:greeting"]));
+    outln!("[client] redis-cli GET demo:greeting -> {}", redis_cli(topo, &["GET", "demo:greeting"]));
 
     let verified = writers::verify(addr, Some(&topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(10))
         .map_err(|e| format!("reading back: {e}"))?;
     let ok = verified.lost() == 0 && verified.checked == report.acked.len();
-    println!(
+    outln!(
         "verify: acknowledged {} ({acked_before} before the kill, the rest by the new primary), verified {}, lost {}{}",
         report.acked.len(),
         verified.checked - verified.lost(),
@@ -355,7 +358,7 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
         }
     );
     if let Some(r) = status(&backup_sock).and_then(|r| r.replication) {
-        println!("[h2] ftvm status: role {}, protected {}: {}", r.role, if r.protected { "yes" } else { "no" }, r.detail);
+        outln!("[h2] ftvm status: role {}, protected {}: {}", r.role, if r.protected { "yes" } else { "no" }, r.detail);
     }
     backup.kill();
     let mut dump = String::new();
