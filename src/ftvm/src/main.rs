@@ -37,6 +37,8 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // Its complaint about a closed stderr would go to stderr with eprintln!, which panics.
+        .log_internal_errors(false)
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FTVM_LOG").unwrap_or_else(|_| "warn".into()))
         .init();
     match dispatch(cli::parse().command) {

@@ -149,9 +149,17 @@ fn exit_with_closed_output(args: &[&str], signal_after: Option<Duration>) -> Opt
         std::thread::sleep(after);
         p.signal(libc::SIGTERM).unwrap();
     }
+    wait_code(p, args)
+}
+
+fn within_status(cmd: &mut std::process::Command) -> Option<i32> {
+    wait_code(Process::spawn("ftvm", cmd).unwrap(), cmd.get_args())
+}
+
+fn wait_code(mut p: Process, what: impl std::fmt::Debug) -> Option<i32> {
     match p.wait_until(HANG, |_| false) {
         Err(ftvm_testkit::process::WaitError::Exited(status)) => status.code(),
-        other => panic!("ftvm {args:?} did not end: {other:?}"),
+        other => panic!("ftvm {what:?} did not end: {other:?}"),
     }
 }
 
@@ -163,6 +171,12 @@ fn closed_stdout_and_stderr_do_not_panic() {
     // The guest prints and exits 7: its status is still ftvm's.
     assert_eq!(exit_with_closed_output(&["run", "--image", probe, "--cmdline", "hello"], None), Some(0));
     assert_eq!(exit_with_closed_output(&["run", "--image", probe, "--cmdline", "exit=7"], None), Some(7));
+    // The VMM's logs on a closed stderr.
+    let logged = ["run", "--image", probe, "--cmdline", "exit=3"];
+    let pipe = closed_pipe();
+    let mut cmd = ftvm();
+    cmd.args(logged).env("FTVM_LOG", "debug").stdin(Stdio::null()).stdout(pipe.try_clone().unwrap()).stderr(pipe);
+    assert_eq!(within_status(&mut cmd), Some(3), "FTVM_LOG=debug");
     // "VM stopped" on a closed stderr.
     assert_eq!(exit_with_closed_output(&["run", "--image", probe, "--cmdline", "ticker=10"], Some(Duration::from_millis(500))), Some(0));
     // An error line on a closed stderr.
