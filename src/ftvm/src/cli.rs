@@ -117,8 +117,8 @@ pub struct RunArgs {
     /// Command line passed to the guest.
     #[arg(long, default_value = "")]
     pub cmdline: String,
-    /// Replicate to the backup listening at this address (host:port); the
-    /// options below up to --transport, --arbiter and --name need it.
+    /// Replicate to the backup listening at this address (host:port). The
+    /// replication options (--epoch-ms to --transport, --arbiter, --name) need it.
     #[arg(long, value_name = "ADDR")]
     pub replicate_to: Option<String>,
     /// Checkpoint interval in milliseconds (5 to 60000).
