@@ -38,23 +38,26 @@ use ftvm_testkit::topology::{Topology, GUEST_ADDR as GUEST, GUEST_MAC as MAC, H2
 use ftvm_testkit::{netns, resp, writers};
 
 use crate::api;
+use crate::output::{errln, outln};
 
 #[derive(clap::Args)]
 pub struct DemoArgs {
-    /// Rounds to run; each runs both scenarios (the primary's host dies,
-    /// then the primary stalls), each with a fresh primary and backup.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Rounds to run (at least 1); each runs both scenarios (the primary's
+    /// host dies, then the primary stalls), each with a fresh primary and backup.
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::at_least_one)]
     trials: u32,
     /// Checkpoint interval of the primary, in milliseconds.
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, default_value_t = 20, value_name = "MS", value_parser = crate::cli::epoch_ms)]
     epoch_ms: u64,
     /// Seconds of load before each failure.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS", value_parser = crate::cli::positive_seconds)]
     seconds: f64,
 }
 
 const BACKUP_ADDR: &str = "192.168.100.2:7000";
 const VALUE_LEN: usize = 1024;
+/// How long the demo waits for a VMM's `status`.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(5);
 
 type Error = String;
 
@@ -63,7 +66,7 @@ pub fn run(args: DemoArgs) -> i32 {
     let dir = match Scratch::new("demo") {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("ftvm: error: demo: cannot create a directory for the logs: {e}");
+            errln!("ftvm: error: demo: cannot create a directory for the logs: {e}");
             return 1;
         }
     };
@@ -71,13 +74,13 @@ pub fn run(args: DemoArgs) -> i32 {
     let failed = matches!(&result, Ok(false)) || matches!(&result, Err(e) if e != INTERRUPTED);
     let has_logs = std::fs::read_dir(dir.path()).is_ok_and(|mut d| d.next().is_some());
     if failed && has_logs {
-        eprintln!("ftvm: demo: logs kept in {}", dir.keep().display());
+        errln!("ftvm: demo: logs kept in {}", dir.keep().display());
     }
     match result {
         Ok(true) => 0,
         Ok(false) => 1,
         Err(e) => {
-            eprintln!("ftvm: error: demo: {e}");
+            errln!("ftvm: error: demo: {e}");
             1
         }
     }
@@ -94,7 +97,7 @@ fn spawn(mut cmd: Command, dir: &Path, name: &str) -> Result<Process, Error> {
 }
 
 fn status(socket: &Path) -> Option<api::Response> {
-    api::client::call(socket, &api::Request::Status).ok()
+    api::client::call(socket, &api::Request::Status, STATUS_TIMEOUT).ok()
 }
 
 fn stop_requested() -> bool {
@@ -271,9 +274,9 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
     let ftvm = std::env::current_exe().map_err(|e| e.to_string())?;
     stop_requested(); // install the handler before starting anything
 
-    println!("== ftvm demo: a Redis-protocol VM that survives the death of its host, and a stalled primary fenced by the arbiter");
+    outln!("== ftvm demo: a Redis-protocol VM that survives the death of its host, and a stalled primary fenced by the arbiter");
     let topo = Topology::new("demo").map_err(|e| e.to_string())?;
-    println!(
+    outln!(
         "network: namespaces {0}-{{client,h1,h2,lan}}; client 10.0.0.1 and the guest {GUEST} on one LAN, \
          hosts h1 and h2 joined by a replication link 192.168.100.1 <-> {H2_REPL_ADDR}",
         topo.name()
@@ -289,10 +292,10 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
     // the primary cannot reach the arbiter and keeps its output held.
     let etcd = Etcd::start_in(dir, &topo.ns("h2"), &[H2_REPL_ADDR, "127.0.0.1"]).map_err(|e| e.to_string())?;
     let (arbiter_h1, arbiter_h2) = (etcd.endpoint().to_owned(), etcd.endpoint_on("127.0.0.1"));
-    println!("arbiter: etcd in {}, reached by h1 at {arbiter_h1} and by h2 at {arbiter_h2}", topo.ns("h2"));
+    outln!("arbiter: etcd in {}, reached by h1 at {arbiter_h1} and by h2 at {arbiter_h2}", topo.ns("h2"));
     let secret = dir.join("secret");
     write_secret(&secret)?;
-    println!("secret: 32 random bytes in {} (mode 0600): both sides authenticate the replication channel with it", secret.display());
+    outln!("secret: 32 random bytes in {} (mode 0600): both sides authenticate the replication channel with it", secret.display());
     let setup =
         Setup { args, topo: &topo, ftvm, image, dir, secret, arbiter_h1, arbiter_h2, backup_timeout_ms: (5 * args.epoch_ms).max(200) };
 
@@ -301,21 +304,21 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
     for trial in 1..=args.trials {
         for (i, scenario) in Scenario::ALL.into_iter().enumerate() {
             let round = if args.trials > 1 { format!(", round {trial} of {}", args.trials) } else { String::new() };
-            println!("\n== scenario {}{round}: {}", i + 1, scenario.title());
+            outln!("\n== scenario {}{round}: {}", i + 1, scenario.title());
             let outcome = scenario_run(&setup, trial, scenario)?;
             lost += outcome.lost;
             unfenced += usize::from(!outcome.fenced);
             summary.push(outcome.summary);
         }
     }
-    println!();
+    outln!();
     for s in &summary {
-        println!("{s}");
+        outln!("{s}");
     }
     drop(etcd);
     drop(topo);
     if lost == 0 && unfenced == 0 {
-        println!(
+        outln!(
             "OK: every acknowledged write survived the loss of its host and the stall of its primary, and the stalled primary was fenced"
         );
         return Ok(true);
@@ -327,7 +330,7 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
     if unfenced > 0 {
         why.push(format!("{unfenced} stalled primaries were not fenced"));
     }
-    println!("FAILED: {}", why.join("; "));
+    outln!("FAILED: {}", why.join("; "));
     Ok(false)
 }
 
@@ -389,7 +392,7 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
         .arg(&backup_sock)
         .env("FTVM_LOG", "info");
     let mut backup = spawn(cmd, dir, &format!("backup-{tag}"))?;
-    println!(
+    outln!(
         "[h2] ftvm backup --listen {BACKUP_ADDR} --net {net} --failure-timeout-ms {timeout} --arbiter {} --secret-file {secret}",
         s.arbiter_h2
     );
@@ -404,9 +407,10 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
         .env("FTVM_LOG", "info");
     let t_start = Instant::now();
     let mut primary = spawn(cmd, dir, &format!("primary-{tag}"))?;
-    println!(
+    outln!(
         "[h1] ftvm run --image kv.elf --net {net} --replicate-to {BACKUP_ADDR} --epoch-ms {} --arbiter {} --secret-file {secret}",
-        args.epoch_ms, s.arbiter_h1
+        args.epoch_ms,
+        s.arbiter_h1
     );
     loop {
         if status(&primary_sock).and_then(|r| r.replication).is_some_and(|r| r.protected) {
@@ -418,11 +422,11 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
         sleep(Duration::from_millis(20))?;
     }
     let owner = log_line(&primary.stderr(), "this primary owns the VM").unwrap_or_default();
-    println!("     protected after {} ms (authenticated, pre-copy, then the first checkpoint); {owner}", t_start.elapsed().as_millis());
+    outln!("     protected after {} ms (authenticated, pre-copy, then the first checkpoint); {owner}", t_start.elapsed().as_millis());
     topo.forget_guest().map_err(|e| e.to_string())?;
     let t = Instant::now();
     let reply = redis_cli(topo, &["SET", "demo:greeting", "hello"]);
-    println!("[client] redis-cli SET demo:greeting hello -> {reply} ({} ms)", t.elapsed().as_millis());
+    outln!("[client] redis-cli SET demo:greeting hello -> {reply} ({} ms)", t.elapsed().as_millis());
 
     let addr: SocketAddr = format!("{GUEST}:6379").parse().expect("address");
     let writers = writers::Writers::start(writers::Config {
@@ -436,11 +440,11 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
     })
     .map_err(|e| e.to_string())?;
     let bench = Benchmark::start(topo)?;
-    println!("[client] load: redis-benchmark (8 connections of SETs) and 4 tracked writers (unique keys, each +OK recorded)");
+    outln!("[client] load: redis-benchmark (8 connections of SETs) and 4 tracked writers (unique keys, each +OK recorded)");
     let t0 = Instant::now();
     while t0.elapsed().as_secs_f64() < args.seconds {
         sleep(Duration::from_millis(1000).min(Duration::from_secs_f64((args.seconds - t0.elapsed().as_secs_f64()).max(0.0))))?;
-        println!("{}", progress_line(t0, &primary_sock, &writers, &bench));
+        outln!("{}", progress_line(t0, &primary_sock, &writers, &bench));
     }
 
     let pid = primary.id() as i32;
@@ -474,11 +478,11 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
     let stall = Duration::from_millis((s.backup_timeout_ms + 800).max(1000));
     let event = match scenario {
         Scenario::HostDies => {
-            println!("[h1] HOST DIES at {when}: links repl and uplink deleted, VMM SIGKILLed ({acked_before} writes acknowledged so far)");
+            outln!("[h1] HOST DIES at {when}: links repl and uplink deleted, VMM SIGKILLed ({acked_before} writes acknowledged so far)");
             "the kill"
         }
         Scenario::PrimaryStalls => {
-            println!(
+            outln!(
                 "[h1] PRIMARY STALLS at {when}: VMM SIGSTOPped for {} ms, longer than the backup's failure timeout ({} ms); \
                  its links stay up ({acked_before} writes acknowledged so far)",
                 stall.as_millis(),
@@ -493,9 +497,9 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
     match (&served, &took_over) {
         (Some(t), Some(line)) => {
             let won = log_line(&backup.stderr(), "this backup owns the VM now").unwrap_or_default();
-            println!("[h2] {line}");
-            println!("[h2] {won} (won at the arbiter before taking over)");
-            println!("     first reply from the new primary {:.0} ms after {event}", (*t - failed_at).as_secs_f64() * 1e3);
+            outln!("[h2] {line}");
+            outln!("[h2] {won} (won at the arbiter before taking over)");
+            outln!("     first reply from the new primary {:.0} ms after {event}", (*t - failed_at).as_secs_f64() * 1e3);
         }
         _ => {
             return Err(format!("the backup did not take over:\n{}", backup.stderr()));
@@ -509,7 +513,7 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
         Scenario::PrimaryStalls => {
             primary.signal(libc::SIGCONT).map_err(|e| format!("SIGCONT to the primary: {e}"))?;
             let resumed = Instant::now();
-            println!("[h1] VMM SIGCONTed after {} ms: the old primary resumes with its links up", (resumed - failed_at).as_millis());
+            outln!("[h1] VMM SIGCONTed after {} ms: the old primary resumes with its links up", (resumed - failed_at).as_millis());
             let exit = exited_within(&mut primary, Duration::from_secs(10))?;
             let err = primary.stderr();
             let line = err
@@ -522,11 +526,8 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
             match (exit, &line) {
                 (Some(status), Some(line)) if !status.success() && !released => {
                     let code = status.code().map_or_else(|| format!("signal {}", status.signal().unwrap_or(0)), |c| c.to_string());
-                    println!("[h1] {line}");
-                    println!(
-                        "     FENCED: the old primary exited with status {code}, {} ms after it resumed",
-                        resumed.elapsed().as_millis()
-                    );
+                    outln!("[h1] {line}");
+                    outln!("     FENCED: the old primary exited with status {code}, {} ms after it resumed", resumed.elapsed().as_millis());
                     fence_note = format!("old primary fenced (exit {code}); ");
                     true
                 }
@@ -535,7 +536,7 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
                         None => "is still running 10 s after it resumed".to_string(),
                         Some(status) => format!("exited ({status}) without saying it lost ownership"),
                     };
-                    println!("[h1] NOT FENCED: the old primary {how}{}", if released { " and ran on as BACKUP LOST" } else { "" });
+                    outln!("[h1] NOT FENCED: the old primary {how}{}", if released { " and ran on as BACKUP LOST" } else { "" });
                     fence_note = "old primary NOT FENCED; ".into();
                     primary.kill();
                     false
@@ -547,25 +548,25 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
     let t1 = Instant::now();
     while t1.elapsed() < Duration::from_secs(2) {
         sleep(Duration::from_millis(500))?;
-        println!("{}", progress_line(t0, &backup_sock, &writers, &bench));
+        outln!("{}", progress_line(t0, &backup_sock, &writers, &bench));
     }
     let resumed = writers.first_ack_after_mark().map(|t| (t - failed_at).as_secs_f64() * 1e3);
     let report = writers.stop();
     let mut bench = bench;
     bench.proc.kill();
-    println!(
+    outln!(
         "[client] tracked writers: first write acknowledged by the new primary {} after {event}; {} of {} writes acknowledged",
         resumed.map_or("never".into(), |ms| format!("{ms:.0} ms")),
         report.acked.len(),
         report.sent
     );
-    println!("[client] redis-cli GET demo:greeting -> {}", redis_cli(topo, &["GET", "demo:greeting"]));
+    outln!("[client] redis-cli GET demo:greeting -> {}", redis_cli(topo, &["GET", "demo:greeting"]));
 
     let verified = writers::verify(addr, Some(&topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(10))
         .map_err(|e| format!("reading back: {e}"))?;
     // A key not checked counts as lost.
     let lost = verified.lost() + report.acked.len().saturating_sub(verified.checked);
-    println!(
+    outln!(
         "verify: acknowledged {} ({acked_before} before {event}, the rest by the new primary), verified {}, lost {lost}{}",
         report.acked.len(),
         verified.checked - verified.lost(),
@@ -576,7 +577,7 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
         }
     );
     if let Some(r) = status(&backup_sock).and_then(|r| r.replication) {
-        println!("[h2] ftvm status: role {}, protected {}: {}", r.role, if r.protected { "yes" } else { "no" }, r.detail);
+        outln!("[h2] ftvm status: role {}, protected {}: {}", r.role, if r.protected { "yes" } else { "no" }, r.detail);
     }
     backup.kill();
     let mut dump = String::new();
