@@ -223,14 +223,13 @@ fn secret_files_are_checked() {
     let empty = secret_file(&dir, "empty", b"", 0o600);
     let missing = dir.join("missing").display().to_string();
     let good = secret_file(&dir, "good", b"secret", 0o600);
-    let cases: [(&[&str], String); 4] = [
+    let cases: [(&[&str], String); 3] = [
         (
             &["backup", "--listen", "127.0.0.1:0", "--secret-file", &shared],
             format!("secret file {shared} is accessible by group or others (mode 644)"),
         ),
         (&["backup", "--listen", "127.0.0.1:0", "--secret-file", &empty], format!("secret file {empty} is empty")),
         (&["backup", "--listen", "127.0.0.1:0", "--secret-file", &missing], format!("cannot read secret file {missing}")),
-        (&["run", "--image", "/nonexistent", "--secret-file", &good], "--secret-file secures replication: it needs --replicate-to".into()),
     ];
     for (args, expected) in cases {
         let out = ftvm().args(args).output().unwrap();
@@ -239,6 +238,10 @@ fn secret_files_are_checked() {
         assert_eq!(err.lines().count(), 1, "{err}");
         assert!(err.starts_with(&format!("ftvm: error: {expected}")), "{args:?}: {err}");
     }
+    // A usage error: the option means nothing without replication.
+    let out = ftvm().args(["run", "--image", "/nonexistent", "--secret-file", &good]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--secret-file applies only to a replicating primary"), "{}", stderr(&out));
     let out = ftvm().args(["backup", "--listen", "127.0.0.1:0", "--encrypt"]).output().unwrap();
     assert!(!out.status.success() && stderr(&out).contains("--secret-file"), "{}", stderr(&out));
     let _ = std::fs::remove_dir_all(&dir);
