@@ -79,12 +79,16 @@ fn took_over_at(err: &str) -> Option<u64> {
 
 const WORK: &str = "ws=16M pattern=random writes=60000000 report=100ms";
 
+/// Long enough (seconds even unreplicated) that every kill below lands
+/// while the guest still works.
+const LONG_WORK: &str = "ws=16M pattern=random writes=500000000 report=100ms";
+
 #[test]
 fn memory_survives_failover() {
     for (vcpus, delay_ms) in [(1, 400), (2, 700), (2, 1100)] {
         let addr = free_addr();
         let b = backup(&addr, &[]);
-        let mut p = spawn(&mut primary(&addr, vcpus, WORK, &["--epoch-ms", "10"]));
+        let mut p = spawn(&mut primary(&addr, vcpus, LONG_WORK, &["--epoch-ms", "10"]));
         let _lines = wait_for_progress(&mut p);
         std::thread::sleep(Duration::from_millis(delay_ms));
         kill(&mut p);
@@ -92,7 +96,7 @@ fn memory_survives_failover() {
         let err = stderr(&out);
         assert!(out.status.success(), "backup failed: {err}");
         assert!(took_over_at(&err).is_some(), "no takeover: {err}");
-        assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(WORK, vcpus)), "{vcpus} vCPUs, killed after {delay_ms} ms");
+        assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(LONG_WORK, vcpus)), "{vcpus} vCPUs, killed after {delay_ms} ms");
     }
 }
 
