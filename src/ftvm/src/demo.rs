@@ -1,46 +1,63 @@
 //! `ftvm demo`: a replicated Redis-protocol VM survives the death of its
-//! host, on this machine.
+//! host, and a stalled primary is fenced, on this machine.
 //!
 //! It builds a private network from namespaces (`scripts/netns.sh`): a
 //! client, two hosts h1 and h2 on one LAN, and a replication link between
-//! the hosts. A backup waits in h2; the primary runs the kv guest in h1 and
-//! checkpoints it to h2 every epoch, holding the guest's network output
-//! until the backup has the state that produced it. From the client,
-//! redis-benchmark loads the guest while tracked writers record every write
-//! whose `+OK` arrived. Then h1 dies (its links are cut and its VMM is
-//! SIGKILLed), the backup takes over, and every acknowledged write is read
-//! back from it. Exit status 0 only if none was lost.
+//! the hosts, and starts a private etcd, the arbiter that decides who owns
+//! the VM. A backup waits in h2; the primary runs the kv guest in h1 and
+//! checkpoints it to h2 every epoch over an authenticated channel (a shared
+//! secret file), holding the guest's network output until the backup has
+//! the state that produced it. From the client, redis-benchmark loads the
+//! guest while tracked writers record every write whose `+OK` arrived.
+//! Then one of two failures, each with a fresh primary and backup:
+//!
+//! - the host dies: h1's links are cut and its VMM is SIGKILLed; the backup
+//!   wins ownership from the arbiter and takes over;
+//! - the primary stalls: its VMM is SIGSTOPped for about a second while its
+//!   links stay up; the backup takes over as above, and when the old primary
+//!   is SIGCONTed it finds it lost ownership and stops (`lost ownership of
+//!   the VM`, non-zero exit) without emitting anything.
+//!
+//! After each, every acknowledged write is read back from the new primary.
+//! Exit status 0 only if none was lost and the stalled primary was fenced.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
-use ftvm_testkit::topology::{Topology, GUEST_ADDR as GUEST, GUEST_MAC as MAC};
+use ftvm_testkit::topology::{Topology, GUEST_ADDR as GUEST, GUEST_MAC as MAC, H2_REPL_ADDR};
 use ftvm_testkit::{netns, resp, writers};
 
 use crate::api;
+use crate::output::{errln, outln};
 
 #[derive(clap::Args)]
 pub struct DemoArgs {
-    /// Failovers to run, each with a fresh primary and backup.
-    #[arg(long, default_value_t = 1)]
+    /// Rounds to run (at least 1); each runs both scenarios (the primary's
+    /// host dies, then the primary stalls), each with a fresh primary and backup.
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::at_least_one)]
     trials: u32,
     /// Checkpoint interval of the primary, in milliseconds.
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = 20, value_name = "MS", value_parser = crate::cli::epoch_ms)]
     epoch_ms: u64,
-    /// Seconds of load before the primary's host is killed.
-    #[arg(long, default_value_t = 5.0)]
+    /// Seconds of load before each failure.
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS", value_parser = crate::cli::positive_seconds)]
     seconds: f64,
 }
 
 const BACKUP_ADDR: &str = "192.168.100.2:7000";
 const VALUE_LEN: usize = 1024;
+/// How long the demo waits for a VMM's `status`.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(5);
 
 type Error = String;
 
@@ -49,7 +66,7 @@ pub fn run(args: DemoArgs) -> i32 {
     let dir = match Scratch::new("demo") {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("ftvm: error: demo: cannot create a directory for the logs: {e}");
+            errln!("ftvm: error: demo: cannot create a directory for the logs: {e}");
             return 1;
         }
     };
@@ -57,13 +74,13 @@ pub fn run(args: DemoArgs) -> i32 {
     let failed = matches!(&result, Ok(false)) || matches!(&result, Err(e) if e != INTERRUPTED);
     let has_logs = std::fs::read_dir(dir.path()).is_ok_and(|mut d| d.next().is_some());
     if failed && has_logs {
-        eprintln!("ftvm: demo: logs kept in {}", dir.keep().display());
+        errln!("ftvm: demo: logs kept in {}", dir.keep().display());
     }
     match result {
         Ok(true) => 0,
         Ok(false) => 1,
         Err(e) => {
-            eprintln!("ftvm: error: demo: {e}");
+            errln!("ftvm: error: demo: {e}");
             1
         }
     }
@@ -80,7 +97,7 @@ fn spawn(mut cmd: Command, dir: &Path, name: &str) -> Result<Process, Error> {
 }
 
 fn status(socket: &Path) -> Option<api::Response> {
-    api::client::call(socket, &api::Request::Status).ok()
+    api::client::call(socket, &api::Request::Status, STATUS_TIMEOUT).ok()
 }
 
 fn stop_requested() -> bool {
@@ -172,12 +189,79 @@ fn redis_cli(topo: &Topology, args: &[&str]) -> String {
     }
 }
 
+/// The failures the demo shows.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Scenario {
+    /// h1 dies: its links are cut and its VMM is SIGKILLed.
+    HostDies,
+    /// The primary's VMM is SIGSTOPped, its links up, then SIGCONTed.
+    PrimaryStalls,
+}
+
+impl Scenario {
+    const ALL: [Scenario; 2] = [Scenario::HostDies, Scenario::PrimaryStalls];
+
+    fn title(self) -> &'static str {
+        match self {
+            Scenario::HostDies => "the primary's host dies",
+            Scenario::PrimaryStalls => "the primary stalls",
+        }
+    }
+
+    /// For file names and writer keys.
+    fn tag(self) -> &'static str {
+        match self {
+            Scenario::HostDies => "hostdeath",
+            Scenario::PrimaryStalls => "stall",
+        }
+    }
+}
+
+/// What every scenario runs with.
+struct Setup<'a> {
+    args: &'a DemoArgs,
+    topo: &'a Topology,
+    ftvm: PathBuf,
+    image: PathBuf,
+    dir: &'a Path,
+    secret: PathBuf,
+    /// The arbiter as the primary on h1 reaches it, and as the backup on h2 does.
+    arbiter_h1: String,
+    arbiter_h2: String,
+    /// The backup's failure timeout (ms), passed explicitly so the stall can
+    /// be made longer than it.
+    backup_timeout_ms: u64,
+}
+
+/// How one scenario ended.
+struct Outcome {
+    lost: usize,
+    /// The stalled primary stopped on its own, non-zero, for lost
+    /// ownership (always true for a host death).
+    fenced: bool,
+    summary: String,
+}
+
+/// A shared secret for the replication channel: 32 random bytes in a new
+/// file only its owner can read (ftvm refuses one that group or others can).
+fn write_secret(path: &Path) -> Result<(), Error> {
+    let mut bytes = [0u8; 32];
+    File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)).map_err(|e| format!("reading /dev/urandom: {e}"))?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .and_then(|mut f| f.write_all(&bytes))
+        .map_err(|e| format!("writing the secret {}: {e}", path.display()))
+}
+
 fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return Err("needs root (network namespaces, TAP devices)".into());
     }
-    for tool in ["ip", "redis-cli", "redis-benchmark"] {
+    for tool in ["ip", "redis-cli", "redis-benchmark", "etcd"] {
         if !which(tool) {
             return Err(format!("{tool} not found: run scripts/setup.sh"));
         }
@@ -190,115 +274,76 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
     let ftvm = std::env::current_exe().map_err(|e| e.to_string())?;
     stop_requested(); // install the handler before starting anything
 
-    println!("== ftvm demo: a Redis-protocol VM that survives the death of its host");
+    outln!("== ftvm demo: a Redis-protocol VM that survives the death of its host, and a stalled primary fenced by the arbiter");
     let topo = Topology::new("demo").map_err(|e| e.to_string())?;
-    println!(
+    outln!(
         "network: namespaces {0}-{{client,h1,h2,lan}}; client 10.0.0.1 and the guest {GUEST} on one LAN, \
-         hosts h1 and h2 joined by a replication link 192.168.100.1 <-> 192.168.100.2",
+         hosts h1 and h2 joined by a replication link 192.168.100.1 <-> {H2_REPL_ADDR}",
         topo.name()
     );
-    let mut all_ok = true;
+    // The arbiter runs in h2's namespace: the namespaces share no link with
+    // the root namespace, and h2 is the one host every scenario keeps. It
+    // serves the primary on h2's replication-link address, the only one h1
+    // can reach (the hosts have no address on the LAN), and the backup on
+    // h2's loopback: when h1 dies its end of the link is deleted, the veth
+    // goes with it, and the backup, which must win ownership at the arbiter
+    // before taking over, would lose the replication-link address with it.
+    // Next to the backup it also decides a cut link right: the backup wins,
+    // the primary cannot reach the arbiter and keeps its output held.
+    let etcd = Etcd::start_in(dir, &topo.ns("h2"), &[H2_REPL_ADDR, "127.0.0.1"]).map_err(|e| e.to_string())?;
+    let (arbiter_h1, arbiter_h2) = (etcd.endpoint().to_owned(), etcd.endpoint_on("127.0.0.1"));
+    outln!("arbiter: etcd in {}, reached by h1 at {arbiter_h1} and by h2 at {arbiter_h2}", topo.ns("h2"));
+    let secret = dir.join("secret");
+    write_secret(&secret)?;
+    outln!("secret: 32 random bytes in {} (mode 0600): both sides authenticate the replication channel with it", secret.display());
+    let setup =
+        Setup { args, topo: &topo, ftvm, image, dir, secret, arbiter_h1, arbiter_h2, backup_timeout_ms: (5 * args.epoch_ms).max(200) };
+
+    let (mut lost, mut unfenced) = (0, 0);
     let mut summary = Vec::new();
     for trial in 1..=args.trials {
-        if args.trials > 1 {
-            println!("\n== failover {trial} of {}", args.trials);
+        for (i, scenario) in Scenario::ALL.into_iter().enumerate() {
+            let round = if args.trials > 1 { format!(", round {trial} of {}", args.trials) } else { String::new() };
+            outln!("\n== scenario {}{round}: {}", i + 1, scenario.title());
+            let outcome = scenario_run(&setup, trial, scenario)?;
+            lost += outcome.lost;
+            unfenced += usize::from(!outcome.fenced);
+            summary.push(outcome.summary);
         }
-        let (ok, line) = trial_run(args, &topo, &ftvm, &image, dir, trial)?;
-        all_ok &= ok;
-        summary.push(line);
     }
-    println!();
+    outln!();
     for s in &summary {
-        println!("{s}");
+        outln!("{s}");
     }
+    drop(etcd);
     drop(topo);
-    if all_ok {
-        println!("OK: every acknowledged write survived the loss of its host");
-    } else {
-        println!("FAILED: acknowledged writes were lost");
+    if lost == 0 && unfenced == 0 {
+        outln!(
+            "OK: every acknowledged write survived the loss of its host and the stall of its primary, and the stalled primary was fenced"
+        );
+        return Ok(true);
     }
-    Ok(all_ok)
+    let mut why = Vec::new();
+    if lost > 0 {
+        why.push(format!("{lost} acknowledged writes were lost"));
+    }
+    if unfenced > 0 {
+        why.push(format!("{unfenced} stalled primaries were not fenced"));
+    }
+    outln!("FAILED: {}", why.join("; "));
+    Ok(false)
 }
 
-fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &Path, trial: u32) -> Result<(bool, String), Error> {
-    topo.restore().map_err(|e| e.to_string())?;
-    let backup_sock = dir.join(format!("backup{trial}.sock"));
-    let primary_sock = dir.join(format!("primary{trial}.sock"));
-    let net = format!("tap=tap0,mac={MAC}");
-    let mut cmd = topo.command("h2", ftvm);
-    cmd.args(["backup", "--listen", BACKUP_ADDR, "--net", &net, "--api-socket"]).arg(&backup_sock).env("FTVM_LOG", "info");
-    let mut backup = spawn(cmd, dir, &format!("backup{trial}"))?;
-    println!("[h2] ftvm backup --listen {BACKUP_ADDR} --net {net}");
-    let mut cmd = topo.command("h1", ftvm);
-    cmd.args(["run", "--image"])
-        .arg(image)
-        .args(["--net", &net, "--cmdline", &format!("ip={GUEST}/24"), "--replicate-to", BACKUP_ADDR])
-        .args(["--epoch-ms", &args.epoch_ms.to_string(), "--api-socket"])
-        .arg(&primary_sock)
-        .arg("--metrics")
-        .arg(dir.join(format!("primary{trial}.jsonl")))
-        .env("FTVM_LOG", "info");
-    let t_start = Instant::now();
-    let mut primary = spawn(cmd, dir, &format!("primary{trial}"))?;
-    println!("[h1] ftvm run --image kv.elf --net {net} --replicate-to {BACKUP_ADDR} --epoch-ms {}", args.epoch_ms);
-    loop {
-        if status(&primary_sock).and_then(|r| r.replication).is_some_and(|r| r.protected) {
-            break;
-        }
-        if !primary.running() || !backup.running() || t_start.elapsed() > Duration::from_secs(20) {
-            return Err(format!("the primary did not get protected:\n{}\n{}", primary.stderr(), backup.stderr()));
-        }
-        sleep(Duration::from_millis(20))?;
-    }
-    println!("     protected after {} ms (pre-copy, then the first checkpoint)", t_start.elapsed().as_millis());
-    topo.forget_guest().map_err(|e| e.to_string())?;
-    let t = Instant::now();
-    let reply = redis_cli(topo, &["SET", "demo:greeting", "hello"]);
-    println!("[client] redis-cli SET demo:greeting hello -> {reply} ({} ms)", t.elapsed().as_millis());
-
-    let addr: SocketAddr = format!("{GUEST}:6379").parse().expect("address");
-    let writers = writers::Writers::start(writers::Config {
-        addr,
-        netns: Some(topo.ns("client")),
-        connections: 4,
-        pipeline: 4,
-        value_len: VALUE_LEN,
-        prefix: format!("demo{trial}"),
-        timeout: Duration::from_millis(500),
-    })
-    .map_err(|e| e.to_string())?;
-    let bench = Benchmark::start(topo)?;
-    println!("[client] load: redis-benchmark (8 connections of SETs) and 4 tracked writers (unique keys, each +OK recorded)");
-    let t0 = Instant::now();
-    while t0.elapsed().as_secs_f64() < args.seconds {
-        sleep(Duration::from_millis(1000).min(Duration::from_secs_f64((args.seconds - t0.elapsed().as_secs_f64()).max(0.0))))?;
-        println!("{}", progress_line(t0, &primary_sock, &writers, &bench));
-    }
-
-    // The host dies: its network first, then its VMM.
-    let pid = primary.id() as i32;
-    let killed_at = netns::run_in(&topo.ns("h1"), move || {
-        let _ = netns::del_link("repl");
-        let _ = netns::del_link("uplink");
-        let at = Instant::now();
-        // SAFETY: kill(2) has no memory-safety preconditions; `pid` is our
-        // child, not reaped yet, so the number cannot name another process.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        at
-    })
-    .map_err(|e| e.to_string())?;
-    writers.mark(killed_at);
-    primary.kill();
-    let acked_before = writers.acked();
-    println!(
-        "[h1] HOST DIES at t={:.1}s: links repl and uplink deleted, VMM SIGKILLed ({acked_before} writes acknowledged so far)",
-        t0.elapsed().as_secs_f64()
-    );
-
-    // Time to the first reply from the new primary, on fresh connections.
-    let served = netns::run_in(&topo.ns("client"), move || {
-        while killed_at.elapsed() < Duration::from_secs(20) {
-            // Short timeouts: a SYN to the dead host is not worth waiting for.
+/// From the client, on fresh connections, until one gets PONG: when the
+/// new primary served its first reply (None after 20 s).
+fn first_reply(
+    topo: &Topology,
+    addr: SocketAddr,
+    since: Instant,
+) -> Result<std::thread::JoinHandle<std::io::Result<Option<Instant>>>, Error> {
+    netns::spawn_in(&topo.ns("client"), "first-reply", move || {
+        while since.elapsed() < Duration::from_secs(20) {
+            // Short timeouts: a SYN to the dead or stopped VMM is not worth waiting for.
             if let Ok(mut c) = resp::Client::connect(addr, Duration::from_millis(10)) {
                 let _ = c.set_timeout(Duration::from_millis(100));
                 if matches!(c.call(&[b"PING"]), Ok(resp::Reply::Simple(ref s)) if s == "PONG") {
@@ -309,45 +354,222 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
         }
         None
     })
+    .map_err(|e| e.to_string())
+}
+
+/// The first line of `log` mentioning `what`, from `what` on (without the
+/// log's time and level).
+fn log_line(log: &str, what: &str) -> Option<String> {
+    log.lines().find_map(|l| l.find(what).map(|i| l[i..].trim().to_owned()))
+}
+
+/// Wait up to `timeout` for `p` to exit by itself.
+fn exited_within(p: &mut Process, timeout: Duration) -> Result<Option<std::process::ExitStatus>, Error> {
+    let t0 = Instant::now();
+    loop {
+        if let Some(status) = p.try_wait() {
+            return Ok(Some(status));
+        }
+        if t0.elapsed() >= timeout {
+            return Ok(None);
+        }
+        sleep(Duration::from_millis(20))?;
+    }
+}
+
+fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Error> {
+    let (args, topo, dir) = (s.args, s.topo, s.dir);
+    let tag = format!("{}{trial}", scenario.tag());
+    topo.restore().map_err(|e| e.to_string())?;
+    let backup_sock = dir.join(format!("backup-{tag}.sock"));
+    let primary_sock = dir.join(format!("primary-{tag}.sock"));
+    let net = format!("tap=tap0,mac={MAC}");
+    let secret = s.secret.display().to_string();
+    let timeout = s.backup_timeout_ms.to_string();
+    let mut cmd = topo.command("h2", &s.ftvm);
+    cmd.args(["backup", "--listen", BACKUP_ADDR, "--net", &net, "--failure-timeout-ms", &timeout])
+        .args(["--arbiter", &s.arbiter_h2, "--secret-file", &secret, "--api-socket"])
+        .arg(&backup_sock)
+        .env("FTVM_LOG", "info");
+    let mut backup = spawn(cmd, dir, &format!("backup-{tag}"))?;
+    outln!(
+        "[h2] ftvm backup --listen {BACKUP_ADDR} --net {net} --failure-timeout-ms {timeout} --arbiter {} --secret-file {secret}",
+        s.arbiter_h2
+    );
+    let mut cmd = topo.command("h1", &s.ftvm);
+    cmd.args(["run", "--image"])
+        .arg(&s.image)
+        .args(["--net", &net, "--cmdline", &format!("ip={GUEST}/24"), "--replicate-to", BACKUP_ADDR])
+        .args(["--epoch-ms", &args.epoch_ms.to_string(), "--arbiter", &s.arbiter_h1, "--secret-file", &secret, "--api-socket"])
+        .arg(&primary_sock)
+        .arg("--metrics")
+        .arg(dir.join(format!("primary-{tag}.jsonl")))
+        .env("FTVM_LOG", "info");
+    let t_start = Instant::now();
+    let mut primary = spawn(cmd, dir, &format!("primary-{tag}"))?;
+    outln!(
+        "[h1] ftvm run --image kv.elf --net {net} --replicate-to {BACKUP_ADDR} --epoch-ms {} --arbiter {} --secret-file {secret}",
+        args.epoch_ms,
+        s.arbiter_h1
+    );
+    loop {
+        if status(&primary_sock).and_then(|r| r.replication).is_some_and(|r| r.protected) {
+            break;
+        }
+        if !primary.running() || !backup.running() || t_start.elapsed() > Duration::from_secs(20) {
+            return Err(format!("the primary did not get protected:\n{}\n{}", primary.stderr(), backup.stderr()));
+        }
+        sleep(Duration::from_millis(20))?;
+    }
+    let owner = log_line(&primary.stderr(), "this primary owns the VM").unwrap_or_default();
+    outln!("     protected after {} ms (authenticated, pre-copy, then the first checkpoint); {owner}", t_start.elapsed().as_millis());
+    topo.forget_guest().map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    let reply = redis_cli(topo, &["SET", "demo:greeting", "hello"]);
+    outln!("[client] redis-cli SET demo:greeting hello -> {reply} ({} ms)", t.elapsed().as_millis());
+
+    let addr: SocketAddr = format!("{GUEST}:6379").parse().expect("address");
+    let writers = writers::Writers::start(writers::Config {
+        addr,
+        netns: Some(topo.ns("client")),
+        connections: 4,
+        pipeline: 4,
+        value_len: VALUE_LEN,
+        prefix: format!("demo-{tag}"),
+        timeout: Duration::from_millis(500),
+    })
     .map_err(|e| e.to_string())?;
-    let took_over = backup.stderr().lines().find(|l| l.contains("PRIMARY LOST")).map(|l| {
-        let l = l.split("PRIMARY LOST").nth(1).unwrap_or(l);
-        format!("PRIMARY LOST{l}")
-    });
+    let bench = Benchmark::start(topo)?;
+    outln!("[client] load: redis-benchmark (8 connections of SETs) and 4 tracked writers (unique keys, each +OK recorded)");
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < args.seconds {
+        sleep(Duration::from_millis(1000).min(Duration::from_secs_f64((args.seconds - t0.elapsed().as_secs_f64()).max(0.0))))?;
+        outln!("{}", progress_line(t0, &primary_sock, &writers, &bench));
+    }
+
+    let pid = primary.id() as i32;
+    let failed_at = match scenario {
+        // The host dies: its network first, then its VMM.
+        Scenario::HostDies => {
+            let at = netns::run_in(&topo.ns("h1"), move || {
+                let _ = netns::del_link("repl");
+                let _ = netns::del_link("uplink");
+                let at = Instant::now();
+                // SAFETY: kill(2) has no memory-safety preconditions; `pid` is our
+                // child, not reaped yet, so the number cannot name another process.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                at
+            })
+            .map_err(|e| e.to_string())?;
+            primary.kill();
+            at
+        }
+        // The VMM stops where it is; its host and links stay up.
+        Scenario::PrimaryStalls => {
+            let at = Instant::now();
+            primary.signal(libc::SIGSTOP).map_err(|e| format!("SIGSTOP to the primary: {e}"))?;
+            at
+        }
+    };
+    writers.mark(failed_at);
+    let probe = first_reply(topo, addr, failed_at)?;
+    let acked_before = writers.acked();
+    let when = format!("t={:.1}s", (failed_at - t0).as_secs_f64());
+    let stall = Duration::from_millis((s.backup_timeout_ms + 800).max(1000));
+    let event = match scenario {
+        Scenario::HostDies => {
+            outln!("[h1] HOST DIES at {when}: links repl and uplink deleted, VMM SIGKILLed ({acked_before} writes acknowledged so far)");
+            "the kill"
+        }
+        Scenario::PrimaryStalls => {
+            outln!(
+                "[h1] PRIMARY STALLS at {when}: VMM SIGSTOPped for {} ms, longer than the backup's failure timeout ({} ms); \
+                 its links stay up ({acked_before} writes acknowledged so far)",
+                stall.as_millis(),
+                s.backup_timeout_ms
+            );
+            sleep(stall)?;
+            "the stall began"
+        }
+    };
+    let served = probe.join().map_err(|_| "the first-reply probe panicked".to_string())?.map_err(|e| e.to_string())?;
+    let took_over = log_line(&backup.stderr(), "PRIMARY LOST");
     match (&served, &took_over) {
         (Some(t), Some(line)) => {
-            println!("[h2] {line}");
-            println!("     first reply from the new primary {:.0} ms after the kill", (*t - killed_at).as_secs_f64() * 1e3);
+            let won = log_line(&backup.stderr(), "this backup owns the VM now").unwrap_or_default();
+            outln!("[h2] {line}");
+            outln!("[h2] {won} (won at the arbiter before taking over)");
+            outln!("     first reply from the new primary {:.0} ms after {event}", (*t - failed_at).as_secs_f64() * 1e3);
         }
         _ => {
             return Err(format!("the backup did not take over:\n{}", backup.stderr()));
         }
     }
+
+    // The stalled primary resumes: it must find it lost the VM and stop.
+    let mut fence_note = String::new();
+    let fenced = match scenario {
+        Scenario::HostDies => true,
+        Scenario::PrimaryStalls => {
+            primary.signal(libc::SIGCONT).map_err(|e| format!("SIGCONT to the primary: {e}"))?;
+            let resumed = Instant::now();
+            outln!("[h1] VMM SIGCONTed after {} ms: the old primary resumes with its links up", (resumed - failed_at).as_millis());
+            let exit = exited_within(&mut primary, Duration::from_secs(10))?;
+            let err = primary.stderr();
+            let line = err
+                .lines()
+                // Its last words: `ftvm: VM failed: this side lost ownership of the VM ...`.
+                .find(|l| l.starts_with("ftvm:") && l.contains("lost ownership of the VM"))
+                .map(str::to_owned)
+                .or_else(|| log_line(&err, "lost ownership of the VM"));
+            let released = err.contains("BACKUP LOST");
+            match (exit, &line) {
+                (Some(status), Some(line)) if !status.success() && !released => {
+                    let code = status.code().map_or_else(|| format!("signal {}", status.signal().unwrap_or(0)), |c| c.to_string());
+                    outln!("[h1] {line}");
+                    outln!("     FENCED: the old primary exited with status {code}, {} ms after it resumed", resumed.elapsed().as_millis());
+                    fence_note = format!("old primary fenced (exit {code}); ");
+                    true
+                }
+                (exit, _) => {
+                    let how = match exit {
+                        None => "is still running 10 s after it resumed".to_string(),
+                        Some(status) => format!("exited ({status}) without saying it lost ownership"),
+                    };
+                    outln!("[h1] NOT FENCED: the old primary {how}{}", if released { " and ran on as BACKUP LOST" } else { "" });
+                    fence_note = "old primary NOT FENCED; ".into();
+                    primary.kill();
+                    false
+                }
+            }
+        }
+    };
+
     let t1 = Instant::now();
     while t1.elapsed() < Duration::from_secs(2) {
         sleep(Duration::from_millis(500))?;
-        println!("{}", progress_line(t0, &backup_sock, &writers, &bench));
+        outln!("{}", progress_line(t0, &backup_sock, &writers, &bench));
     }
-    let resumed = writers.first_ack_after_mark().map(|t| (t - killed_at).as_secs_f64() * 1e3);
+    let resumed = writers.first_ack_after_mark().map(|t| (t - failed_at).as_secs_f64() * 1e3);
     let report = writers.stop();
     let mut bench = bench;
     bench.proc.kill();
-    println!(
-        "[client] tracked writers: first write acknowledged by the new primary {} after the kill; {} of {} writes acknowledged",
+    outln!(
+        "[client] tracked writers: first write acknowledged by the new primary {} after {event}; {} of {} writes acknowledged",
         resumed.map_or("never".into(), |ms| format!("{ms:.0} ms")),
         report.acked.len(),
         report.sent
     );
-    println!("[client] redis-cli GET demo:greeting -> {}", redis_cli(topo, &["GET", "demo:greeting"]));
+    outln!("[client] redis-cli GET demo:greeting -> {}", redis_cli(topo, &["GET", "demo:greeting"]));
 
     let verified = writers::verify(addr, Some(&topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(10))
         .map_err(|e| format!("reading back: {e}"))?;
-    let ok = verified.lost() == 0 && verified.checked == report.acked.len();
-    println!(
-        "verify: acknowledged {} ({acked_before} before the kill, the rest by the new primary), verified {}, lost {}{}",
+    // A key not checked counts as lost.
+    let lost = verified.lost() + report.acked.len().saturating_sub(verified.checked);
+    outln!(
+        "verify: acknowledged {} ({acked_before} before {event}, the rest by the new primary), verified {}, lost {lost}{}",
         report.acked.len(),
         verified.checked - verified.lost(),
-        verified.lost(),
         if verified.lost() > 0 {
             format!(" (e.g. {:?})", verified.missing.iter().chain(&verified.wrong).take(3).collect::<Vec<_>>())
         } else {
@@ -355,18 +577,19 @@ fn trial_run(args: &DemoArgs, topo: &Topology, ftvm: &Path, image: &Path, dir: &
         }
     );
     if let Some(r) = status(&backup_sock).and_then(|r| r.replication) {
-        println!("[h2] ftvm status: role {}, protected {}: {}", r.role, if r.protected { "yes" } else { "no" }, r.detail);
+        outln!("[h2] ftvm status: role {}, protected {}: {}", r.role, if r.protected { "yes" } else { "no" }, r.detail);
     }
     backup.kill();
     let mut dump = String::new();
-    let _ = File::open(dir.join(format!("primary{trial}.jsonl"))).and_then(|mut f| f.read_to_string(&mut dump));
+    let _ = File::open(dir.join(format!("primary-{tag}.jsonl"))).and_then(|mut f| f.read_to_string(&mut dump));
     let epochs = dump.lines().count();
-    let line = format!(
-        "failover {trial}: {epochs} epochs checkpointed, first reply {:.0} ms after the kill; acknowledged {}, verified {}, lost {}",
-        served.map_or(f64::NAN, |t| (t - killed_at).as_secs_f64() * 1e3),
+    let round = if args.trials > 1 { format!(" (round {trial})") } else { String::new() };
+    let summary = format!(
+        "{:<24} {epochs} epochs checkpointed, first reply {:.0} ms after {event}; {fence_note}acknowledged {}, verified {}, lost {lost}",
+        format!("{}{round}:", scenario.title()),
+        served.map_or(f64::NAN, |t| (t - failed_at).as_secs_f64() * 1e3),
         report.acked.len(),
         verified.checked - verified.lost(),
-        verified.lost()
     );
-    Ok((ok, line))
+    Ok(Outcome { lost, fenced, summary })
 }

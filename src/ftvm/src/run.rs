@@ -14,7 +14,8 @@ use ftvm_vmm::snapshot::{self, SnapshotError};
 use ftvm_vmm::{DirtyBackend, Persist, Vm, VmConfig, VmError, VmExit};
 
 use crate::api::client::ClientError;
-use crate::api::server::{ApiContext, ApiServer};
+use crate::api::server::{Action, ApiContext, ApiServer};
+use crate::output::errln;
 use crate::signals;
 
 #[derive(Debug, thiserror::Error)]
@@ -33,8 +34,6 @@ pub enum RunError {
     Os { op: &'static str, err: std::io::Error },
     #[error(transparent)]
     Secret(#[from] ftvm_replication::pipeline::transport::SecretError),
-    #[error("{0}")]
-    Usage(&'static str),
 }
 
 pub enum Source {
@@ -62,6 +61,7 @@ const EXIT: u64 = 0;
 const SIGNAL: u64 = 1;
 const API: u64 = 2;
 const TAKEOVER: u64 = 3;
+const API_REQUESTS: u64 = 4;
 
 fn os(op: &'static str) -> impl Fn(std::io::Error) -> RunError {
     move |err| RunError::Os { op, err }
@@ -102,6 +102,11 @@ fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
 
 /// Run until the VM stops; returns the exit status for this process.
 pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
+    if let Source::Backup(config) = &source {
+        // What a primary's arrival would find wrong, found now.
+        ftvm_vmm::vm::check_shape(config.mem_size, config.vcpus)?;
+        config.devices.check().map_err(VmError::from)?;
+    }
     let api = host
         .api_socket
         .as_ref()
@@ -113,6 +118,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
     watch(stop_signal.as_raw_fd(), SIGNAL)?;
     if let Some(api) = &api {
         watch(api.listener().as_raw_fd(), API)?;
+        watch(api.requests_event().as_raw_fd(), API_REQUESTS)?;
     }
 
     let mut vm: Option<Arc<Vm>> = None;
@@ -148,7 +154,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                     Err(ReplicationError::Stopped) => {
                         v.request_stop();
                         v.wait();
-                        eprintln!("ftvm: VM stopped while its backup was being brought up to date");
+                        errln!("ftvm: VM stopped while its backup was being brought up to date");
                         return Ok(0);
                     }
                     Err(e) => {
@@ -180,16 +186,25 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                     match &vm {
                         Some(v) => v.request_stop(),
                         None => {
-                            eprintln!("ftvm: backup stopped before taking over");
+                            errln!("ftvm: backup stopped before taking over");
                             return Ok(0);
                         }
                     }
                 }
                 API => {
+                    if let Some(api) = &api {
+                        api.accept_all();
+                    }
+                }
+                API_REQUESTS => {
                     let ctx = ApiContext { vm: vm.as_deref(), status: status.as_ref(), primary: primary.as_ref() };
-                    if api.as_ref().is_some_and(|a| a.accept_all(&ctx)) {
-                        if let Some(v) = &vm {
-                            v.request_stop();
+                    if api.as_ref().map(|a| a.serve_requests(&ctx)) == Some(Action::Stop) {
+                        match &vm {
+                            Some(v) => v.request_stop(),
+                            None => {
+                                errln!("ftvm: backup stopped before taking over");
+                                return Ok(0);
+                            }
                         }
                     }
                 }
@@ -201,7 +216,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                             vm = Some(v);
                         }
                         Ok(Ok(Outcome::PrimaryFinished(status))) => {
-                            eprintln!("ftvm: the primary's guest exited with status {status}; backup done");
+                            errln!("ftvm: the primary's guest exited with status {status}; backup done");
                             return Ok(status);
                         }
                         Ok(Err(e)) => return Err(e.into()),
@@ -219,8 +234,8 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
     }
     match &exit {
         VmExit::Exited(_) => tracing::info!("{exit}"),
-        VmExit::Stopped => eprintln!("ftvm: VM stopped"),
-        _ => eprintln!("ftvm: {exit}"),
+        VmExit::Stopped => errln!("ftvm: VM stopped"),
+        _ => errln!("ftvm: {exit}"),
     }
     Ok(exit.status())
 }

@@ -9,7 +9,8 @@
 //! - [`topology::Topology`]: one private network (client, two hosts, a
 //!   replication link) built by `scripts/netns.sh`, torn down on drop, and
 //!   [`netns`], to enter its namespaces from a thread and cut its links;
-//! - [`etcd::Etcd`]: a private etcd, the replication arbiter;
+//! - [`etcd::Etcd`]: a private etcd, the replication arbiter (on loopback,
+//!   or inside a namespace of a topology);
 //! - [`resp`]: a small blocking Redis (RESP2) client, and [`writers`], client
 //!   connections that record every write acknowledged to them.
 //!

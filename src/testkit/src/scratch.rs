@@ -2,7 +2,7 @@
 //! drop.
 
 use std::fs::File;
-use std::io;
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -77,7 +77,8 @@ impl Scratch {
 impl Drop for Scratch {
     fn drop(&mut self) {
         if self.keep == Keep::OnPanic && std::thread::panicking() {
-            eprintln!("files of the failed test kept in {}", self.path.display());
+            // Not eprintln!: a closed stderr must not panic again while unwinding.
+            let _ = writeln!(io::stderr(), "files of the failed test kept in {}", self.path.display());
         } else {
             let _ = std::fs::remove_dir_all(&self.path);
         }

@@ -5,7 +5,7 @@
 //! at once. Needs root and iproute2.
 
 use std::ffi::OsStr;
-use std::io;
+use std::io::{self, Write};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -197,7 +197,8 @@ impl Drop for Topology {
     fn drop(&mut self) {
         // Never panic here: a panic while unwinding aborts a test binary.
         if let Err(e) = self.script("down") {
-            eprintln!("{e}");
+            // Nor on a closed stderr (eprintln! would).
+            let _ = writeln!(io::stderr(), "{e}");
         }
     }
 }

@@ -4,7 +4,7 @@
 //! A write whose reply did not arrive (timeout, reset, closed connection)
 //! is not acknowledged and not remembered; the connection is replaced.
 
-use std::io;
+use std::io::{self, Write};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -91,7 +91,7 @@ impl Writers {
             let t = std::thread::Builder::new().name(format!("writer-{conn}")).spawn(move || {
                 if let Some(ns) = &config.netns {
                     if let Err(e) = netns::enter(ns) {
-                        eprintln!("writer {conn}: cannot enter netns {ns}: {e}");
+                        let _ = writeln!(io::stderr(), "writer {conn}: cannot enter netns {ns}: {e}");
                         return Vec::new();
                     }
                 }

@@ -129,18 +129,42 @@ fn open_kvm() -> Result<Kvm, VmError> {
     })
 }
 
+fn check_vcpus(kvm: &Kvm, vcpus: u32) -> Result<(), VmError> {
+    let max = (kvm.get_max_vcpus() as u32).min(layout::MAX_VCPUS);
+    if vcpus == 0 || vcpus > max {
+        return Err(VmError::BadVcpuCount { requested: vcpus, max });
+    }
+    Ok(())
+}
+
+fn check_memory(mem_size: u64) -> Result<(), VmError> {
+    let mib = mem_size >> 20;
+    if !mem_size.is_multiple_of(2 << 20) || mib < 4 || mem_size > layout::MAX_RAM_GIB << 30 {
+        return Err(VmError::BadMemorySize { mib, max_gib: layout::MAX_RAM_GIB });
+    }
+    Ok(())
+}
+
+/// Check, before any VM exists, what [`Vm::new`] would check first: that
+/// KVM can be opened, and the vCPU count and memory size where given. The
+/// errors are the ones `Vm::new` returns.
+pub fn check_shape(mem_size: Option<u64>, vcpus: Option<u32>) -> Result<(), VmError> {
+    let kvm = open_kvm()?;
+    if let Some(vcpus) = vcpus {
+        check_vcpus(&kvm, vcpus)?;
+    }
+    if let Some(mem_size) = mem_size {
+        check_memory(mem_size)?;
+    }
+    Ok(())
+}
+
 impl Vm {
     /// Create the VM with its memory and vCPUs, not yet running.
     pub fn new(config: VmConfig) -> Result<Vm, VmError> {
         let kvm = open_kvm()?;
-        let max_vcpus = (kvm.get_max_vcpus() as u32).min(layout::MAX_VCPUS);
-        if config.vcpus == 0 || config.vcpus > max_vcpus {
-            return Err(VmError::BadVcpuCount { requested: config.vcpus, max: max_vcpus });
-        }
-        let mib = config.mem_size >> 20;
-        if !config.mem_size.is_multiple_of(2 << 20) || mib < 4 || config.mem_size > layout::MAX_RAM_GIB << 30 {
-            return Err(VmError::BadMemorySize { mib, max_gib: layout::MAX_RAM_GIB });
-        }
+        check_vcpus(&kvm, config.vcpus)?;
+        check_memory(config.mem_size)?;
         let vm_fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
         // Dirty-logging capabilities must be enabled before slots and vCPUs.
         let bitmap_log = match config.dirty_backend {

@@ -1,33 +1,74 @@
-//! Client side of the control socket, used by `ftvm snapshot` and `ftvm status`.
+//! Client side of the control socket: one request, one reply, all of it
+//! (connecting included) within a timeout.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
-use super::{Request, Response};
+use super::{LineError, LineReader, Request, Response, API_VERSION};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     #[error("cannot reach the VMM at {path}: {err}")]
     Connect { path: String, err: std::io::Error },
+    #[error("the VMM at {path} did not answer within {}", seconds(*.timeout))]
+    Timeout { path: String, timeout: Duration },
     #[error("control socket {path}: {err}")]
     Io { path: String, err: std::io::Error },
-    #[error("control socket {path} sent an invalid response: {err}")]
+    #[error("control socket {path} sent an invalid reply: {err}")]
     Protocol { path: String, err: String },
+    #[error("the VMM at {path} speaks control API version {theirs}, this ftvm speaks version {API_VERSION}")]
+    Version { path: String, theirs: u32 },
     #[error("the VMM refused: {0}")]
     Refused(String),
 }
 
-pub fn call(socket: &Path, request: &Request) -> Result<Response, ClientError> {
+/// `5 s`, `1.5 s`.
+fn seconds(d: Duration) -> String {
+    format!("{} s", d.as_secs_f64())
+}
+
+/// Connect, giving up at `deadline` (a listener whose backlog is full
+/// would block `connect` for good).
+fn connect(socket: &Path, deadline: Instant) -> Result<Option<UnixStream>, std::io::Error> {
+    let (tx, rx) = mpsc::channel();
+    let path = socket.to_owned();
+    std::thread::Builder::new().name("api-connect".into()).spawn(move || {
+        let _ = tx.send(UnixStream::connect(path));
+    })?;
+    match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        Ok(result) => result.map(Some),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Send `request` to the VMM serving `socket` and return its reply; every
+/// step counts against `timeout`.
+pub fn call(socket: &Path, request: &Request, timeout: Duration) -> Result<Response, ClientError> {
     let path = socket.display().to_string();
-    let io = |err| ClientError::Io { path: path.clone(), err };
-    let mut stream = UnixStream::connect(socket).map_err(|err| ClientError::Connect { path: path.clone(), err })?;
-    let mut line = serde_json::to_string(request).expect("requests serialize");
-    line.push('\n');
-    stream.write_all(line.as_bytes()).map_err(io)?;
-    let mut reply = String::new();
-    BufReader::new(&stream).read_line(&mut reply).map_err(io)?;
+    let deadline = Instant::now() + timeout;
+    let timed_out = || ClientError::Timeout { path: path.clone(), timeout };
+    let io = |err: std::io::Error| match err.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => timed_out(),
+        _ => ClientError::Io { path: path.clone(), err },
+    };
+    let stream = connect(socket, deadline).map_err(|err| ClientError::Connect { path: path.clone(), err })?.ok_or_else(timed_out)?;
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    stream.set_write_timeout(Some(left)).map_err(io)?;
+    (&stream).write_all(request.to_line().as_bytes()).map_err(io)?;
+    let reply = match LineReader::new(&stream).next_line(deadline) {
+        Ok(Some(line)) => line,
+        Ok(None) => return Err(ClientError::Protocol { path, err: "the VMM closed the connection without a reply".into() }),
+        Err(LineError::TimedOut) => return Err(timed_out()),
+        Err(LineError::TooLong) => return Err(ClientError::Protocol { path, err: "reply too long".into() }),
+        Err(LineError::Io(err)) => return Err(io(err)),
+    };
     let response: Response = serde_json::from_str(&reply).map_err(|e| ClientError::Protocol { path: path.clone(), err: e.to_string() })?;
+    if response.version != API_VERSION {
+        return Err(ClientError::Version { path, theirs: response.version });
+    }
     if !response.ok {
         return Err(ClientError::Refused(response.error.unwrap_or_else(|| "unknown error".into())));
     }

@@ -1,20 +1,59 @@
-//! Server side of the control socket, served from the VMM's event loop.
+//! Server side of the control socket. The VMM's event loop accepts
+//! connections; each client is then read and answered on a thread of its
+//! own, with deadlines, so a silent or slow client holds up nobody else.
+//! Requests themselves are carried out on the event loop, one at a time
+//! (`ApiServer::serve_requests`), where the VM lives.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
+
+use vmm_sys_util::eventfd::EventFd;
 
 use ftvm_replication::{Primary, StatusCell};
 use ftvm_vmm::snapshot;
 use ftvm_vmm::Persist;
 use ftvm_vmm::Vm;
 
-use super::{Request, Response};
+use super::{LineError, LineReader, Request, Response};
+
+/// A client has this long to send each complete request line.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
+/// And this long to take each reply.
+const REPLY_DEADLINE: Duration = Duration::from_secs(5);
+/// Clients connected at once; more are answered with an error and closed.
+pub const MAX_CLIENTS: usize = 64;
+/// How long a stopping VMM waits for replies still on their way.
+const DRAIN: Duration = Duration::from_secs(2);
+
+/// A request read by a client thread, waiting for the event loop.
+struct Pending {
+    request: Request,
+    reply: mpsc::Sender<Response>,
+}
 
 pub struct ApiServer {
     listener: UnixListener,
     path: PathBuf,
+    requests: mpsc::Receiver<Pending>,
+    submit: mpsc::Sender<Pending>,
+    /// Readable when requests wait in `requests`.
+    wake: Arc<EventFd>,
+    clients: Arc<AtomicUsize>,
+    /// Requests handed to the event loop whose reply is not written yet.
+    in_flight: Arc<AtomicUsize>,
+    /// The VM is held paused by `ftvm pause` (replication may hold it too).
+    paused_by_operator: AtomicBool,
+}
+
+/// What the event loop must do after a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    None,
+    Stop,
 }
 
 impl ApiServer {
@@ -28,26 +67,151 @@ impl ApiServer {
         }
         let listener = UnixListener::bind(path)?;
         listener.set_nonblocking(true)?;
-        Ok(ApiServer { listener, path: path.to_owned() })
+        let (submit, requests) = mpsc::channel();
+        Ok(ApiServer {
+            listener,
+            path: path.to_owned(),
+            requests,
+            submit,
+            wake: Arc::new(EventFd::new(libc::EFD_NONBLOCK)?),
+            clients: Arc::new(AtomicUsize::new(0)),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+            paused_by_operator: AtomicBool::new(false),
+        })
     }
 
+    /// Readable when connections wait to be accepted.
     pub fn listener(&self) -> &UnixListener {
         &self.listener
     }
 
-    /// Serve every pending connection. Returns true if the VM should stop.
-    pub fn accept_all(&self, ctx: &ApiContext) -> bool {
-        let mut stop = false;
+    /// Readable when requests wait for [`ApiServer::serve_requests`].
+    pub fn requests_event(&self) -> &EventFd {
+        &self.wake
+    }
+
+    /// Accept every pending connection and start a thread for each.
+    pub fn accept_all(&self) {
         while let Ok((stream, _)) = self.listener.accept() {
-            stop |= serve(stream, ctx);
+            if self.clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
+                self.clients.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!("control socket: {MAX_CLIENTS} clients connected already; refusing one");
+                let _ = stream.set_nonblocking(true);
+                let _ = (&stream).write_all(Response::error(format!("too many control clients ({MAX_CLIENTS})")).to_line().as_bytes());
+                continue;
+            }
+            let client = Client {
+                stream,
+                submit: self.submit.clone(),
+                wake: self.wake.clone(),
+                clients: self.clients.clone(),
+                in_flight: self.in_flight.clone(),
+            };
+            if let Err(e) = std::thread::Builder::new().name("api-client".into()).spawn(move || client.serve()) {
+                tracing::warn!("control socket: cannot start a client thread: {e}");
+            }
         }
-        stop
+    }
+
+    /// Carry out every request waiting, in order.
+    pub fn serve_requests(&self, ctx: &ApiContext) -> Action {
+        let _ = self.wake.read();
+        let mut action = Action::None;
+        while let Ok(pending) = self.requests.try_recv() {
+            let (response, a) = self.handle(pending.request, ctx);
+            let _ = pending.reply.send(response);
+            if a == Action::Stop {
+                action = Action::Stop;
+            }
+        }
+        action
     }
 }
 
 impl Drop for ApiServer {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+        // Requests still queued get no answer from a VMM that is going away;
+        // their clients hear so. Replies already given get written.
+        let t0 = Instant::now();
+        loop {
+            while let Ok(pending) = self.requests.try_recv() {
+                let _ = pending.reply.send(Response::error("the VMM is stopping"));
+            }
+            if self.in_flight.load(Ordering::SeqCst) == 0 || t0.elapsed() >= DRAIN {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// One connected client, served on its own thread.
+struct Client {
+    stream: UnixStream,
+    submit: mpsc::Sender<Pending>,
+    wake: Arc<EventFd>,
+    clients: Arc<AtomicUsize>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl Client {
+    fn serve(self) {
+        let mut reader = LineReader::new(&self.stream);
+        loop {
+            let line = match reader.next_line(Instant::now() + REQUEST_DEADLINE) {
+                Ok(Some(line)) => line,
+                Ok(None) => break,
+                Err(LineError::TimedOut) => {
+                    tracing::debug!("control socket: no complete request within {REQUEST_DEADLINE:?}; closing");
+                    break;
+                }
+                Err(LineError::TooLong) => {
+                    self.reply(&Response::error("bad request: line too long"));
+                    break;
+                }
+                Err(LineError::Io(e)) => {
+                    tracing::debug!("control socket: {e}");
+                    break;
+                }
+            };
+            if line.trim().is_empty() {
+                continue;
+            }
+            let replied = match Request::from_line(&line) {
+                Ok(request) => {
+                    self.in_flight.fetch_add(1, Ordering::SeqCst);
+                    let replied = self.reply(&self.carry_out(request));
+                    self.in_flight.fetch_sub(1, Ordering::SeqCst);
+                    replied
+                }
+                Err(e) => self.reply(&Response::error(e)),
+            };
+            if !replied {
+                break;
+            }
+        }
+    }
+
+    /// Hand `request` to the event loop and wait for its reply.
+    fn carry_out(&self, request: Request) -> Response {
+        let (tx, rx) = mpsc::channel();
+        if self.submit.send(Pending { request, reply: tx }).is_err() {
+            return Response::error("the VMM is stopping");
+        }
+        let _ = self.wake.write(1);
+        rx.recv().unwrap_or_else(|_| Response::error("the VMM is stopping"))
+    }
+
+    /// Write one reply by its deadline; false if the client is gone.
+    fn reply(&self, response: &Response) -> bool {
+        self.stream.set_write_timeout(Some(REPLY_DEADLINE)).is_ok() && (&self.stream).write_all(response.to_line().as_bytes()).is_ok()
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.clients.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -58,77 +222,69 @@ pub struct ApiContext<'a> {
     pub primary: Option<&'a Primary>,
 }
 
-fn serve(stream: UnixStream, ctx: &ApiContext) -> bool {
-    let _ = stream.set_nonblocking(false);
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-    let mut line = String::new();
-    if BufReader::new(&stream).read_line(&mut line).is_err() {
-        return false;
-    }
-    let (response, stop) = match serde_json::from_str::<Request>(&line) {
-        Ok(request) => handle(request, ctx),
-        Err(e) => (Response::error(format!("bad request: {e}")), false),
-    };
-    let mut reply = serde_json::to_string(&response).expect("responses serialize");
-    reply.push('\n');
-    let _ = (&stream).write_all(reply.as_bytes());
-    stop
-}
-
-fn handle(request: Request, ctx: &ApiContext) -> (Response, bool) {
-    let replication = ctx.status.map(|s| s.get());
-    if let Request::Status = request {
-        let mut response = Response { ok: true, replication, ..Default::default() };
-        match ctx.vm {
-            Some(vm) => {
-                response.state = Some(if vm.is_held() { "paused" } else { "running" }.into());
-                response.vcpus = Some(vm.config().vcpus);
-                response.memory_mib = Some(vm.config().mem_size >> 20);
-            }
-            None => response.state = Some("standby".into()),
-        }
-        return (response, false);
-    }
-    if let Request::Protect { backup } = request {
-        return match (ctx.primary, replication) {
-            (Some(_), Some(st)) if st.protected => (Response::error("the VM is already protected"), false),
-            (Some(p), _) => {
-                p.protect(backup);
-                (Response { ok: true, ..Default::default() }, false)
-            }
-            (None, _) => (Response::error("this VMM is not a replicating primary"), false),
-        };
-    }
-    let Some(vm) = ctx.vm else {
-        return (Response::error("no VM is running here yet (a backup before takeover)"), false);
-    };
-    match request {
-        Request::Status | Request::Protect { .. } => unreachable!("handled above"),
-        Request::Pause => {
-            vm.hold();
-            (Response { ok: true, state: Some("paused".into()), ..Default::default() }, false)
-        }
-        Request::Resume => {
-            vm.release();
-            (Response { ok: true, state: Some("running".into()), ..Default::default() }, false)
-        }
-        Request::Snapshot { path, stop } => {
-            let t0 = Instant::now();
-            vm.pause();
-            let result = vm
-                .save()
-                .map_err(|e| e.to_string())
-                .and_then(|state| snapshot::write(Path::new(&path), &state, vm.ram()).map_err(|e| e.to_string()));
-            let pause_us = t0.elapsed().as_micros() as u64;
-            if !stop {
-                vm.resume();
-            }
-            match result {
-                Ok(bytes) => {
-                    tracing::info!(path, bytes, pause_us, "snapshot written");
-                    (Response { ok: true, bytes: Some(bytes), pause_us: Some(pause_us), ..Default::default() }, stop)
+impl ApiServer {
+    fn handle(&self, request: Request, ctx: &ApiContext) -> (Response, Action) {
+        let replication = ctx.status.map(|s| s.get());
+        let state = |s: &str| Response { state: Some(s.into()), ..Response::ok() };
+        match (request, ctx.vm) {
+            (Request::Status, vm) => {
+                let mut response = Response { replication, ..Response::ok() };
+                match vm {
+                    Some(vm) => {
+                        response.state = Some(if vm.is_held() { "paused" } else { "running" }.into());
+                        response.vcpus = Some(vm.config().vcpus);
+                        response.memory_mib = Some(vm.config().mem_size >> 20);
+                    }
+                    None => response.state = Some("standby".into()),
                 }
-                Err(e) => (Response::error(e), false),
+                (response, Action::None)
+            }
+            (Request::Protect { backup }, _) => match (ctx.primary, replication) {
+                (Some(_), Some(st)) if st.protected => (Response::error("the VM is already protected"), Action::None),
+                (Some(p), _) => {
+                    p.protect(backup);
+                    (Response::ok(), Action::None)
+                }
+                (None, _) => (Response::error("this VMM is not a replicating primary"), Action::None),
+            },
+            (Request::Stop, _) => (state("stopping"), Action::Stop),
+            (_, None) => (Response::error("no VM is running here yet (a backup before takeover)"), Action::None),
+            (Request::Pause, Some(vm)) => {
+                if !self.paused_by_operator.swap(true, Ordering::SeqCst) {
+                    vm.hold();
+                }
+                (state("paused"), Action::None)
+            }
+            (Request::Resume, Some(vm)) => {
+                if self.paused_by_operator.swap(false, Ordering::SeqCst) {
+                    vm.release();
+                }
+                if vm.is_held() {
+                    // Only replication holds it now (its backup is lost, or it
+                    // waits for the arbiter); that hold is not the operator's to end.
+                    return (Response::error("the VM stays paused: replication holds it (see `ftvm status`)"), Action::None);
+                }
+                (state("running"), Action::None)
+            }
+            (Request::Snapshot { path, stop }, Some(vm)) => {
+                let t0 = Instant::now();
+                vm.pause();
+                let result = vm
+                    .save()
+                    .map_err(|e| e.to_string())
+                    .and_then(|state| snapshot::write(Path::new(&path), &state, vm.ram()).map_err(|e| e.to_string()));
+                let pause_us = t0.elapsed().as_micros() as u64;
+                if !stop {
+                    vm.resume();
+                }
+                match result {
+                    Ok(bytes) => {
+                        tracing::info!(path, bytes, pause_us, "snapshot written");
+                        let action = if stop { Action::Stop } else { Action::None };
+                        (Response { bytes: Some(bytes), pause_us: Some(pause_us), ..Response::ok() }, action)
+                    }
+                    Err(e) => (Response::error(e), Action::None),
+                }
             }
         }
     }

@@ -166,6 +166,22 @@ pub struct Devices {
     waker: Waker,
 }
 
+impl DeviceConfig {
+    /// Check the host side of every device without building it: the TAP
+    /// can be attached to (it is created if absent, as the VM would), the
+    /// disk file opens for reading and writing. The errors are the ones
+    /// building the devices returns.
+    pub fn check(&self) -> Result<(), DeviceError> {
+        if let Some(net) = &self.net {
+            drop(virtio::net::Tap::open(&net.tap)?);
+        }
+        if let Some(disk) = &self.disk {
+            Block::check_file(disk)?;
+        }
+        Ok(())
+    }
+}
+
 impl Devices {
     pub fn new(
         config: &DeviceConfig,

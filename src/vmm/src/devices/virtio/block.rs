@@ -56,7 +56,7 @@ pub struct Block {
 impl Block {
     pub fn open(path: &Path, hooks: Arc<Hooks>) -> Result<Block, BlockError> {
         let name = path.display().to_string();
-        let file = OpenOptions::new().read(true).write(true).open(path).map_err(|err| BlockError::Open { path: name.clone(), err })?;
+        let file = Block::open_file(path)?;
         let len = file.metadata().map_err(|err| BlockError::Open { path: name.clone(), err })?.len();
         if len % SECTOR != 0 {
             return Err(BlockError::Size { path: name, len });
@@ -65,6 +65,16 @@ impl Block {
         let label = format!("ftvm-{:x}", crc32c::crc32c(name.as_bytes()));
         id[..label.len().min(ID_LEN)].copy_from_slice(&label.as_bytes()[..label.len().min(ID_LEN)]);
         Ok(Block { file, path: path.to_owned(), sectors: len / SECTOR, id, buf: Vec::new(), hooks })
+    }
+
+    fn open_file(path: &Path) -> Result<File, BlockError> {
+        OpenOptions::new().read(true).write(true).open(path).map_err(|err| BlockError::Open { path: path.display().to_string(), err })
+    }
+
+    /// Whether `path` can serve as a disk (its size aside: a backup's
+    /// replica takes the primary's).
+    pub fn check_file(path: &Path) -> Result<(), BlockError> {
+        Block::open_file(path).map(drop)
     }
 
     pub fn path(&self) -> &Path {

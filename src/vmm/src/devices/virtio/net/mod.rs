@@ -25,6 +25,10 @@ const TX: usize = 1;
 /// Largest frame with header we move (no offloads: MTU-sized frames).
 const MAX_FRAME: usize = 65562;
 
+/// The MAC address of a card given none (`--net tap=NAME`): QEMU's default,
+/// in the locally administered range of its vendor prefix 52:54:00.
+pub const DEFAULT_MAC: [u8; 6] = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
+
 /// `--net tap=NAME,mac=MAC`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetConfig {
@@ -43,14 +47,24 @@ impl FromStr for NetConfig {
                 _ => return Err(format!("unknown --net option '{part}' (expected tap=NAME,mac=MAC)")),
             }
         }
-        Ok(NetConfig { tap: tap.ok_or("--net needs tap=NAME")?, mac: mac.unwrap_or([0x52, 0x54, 0x00, 0x12, 0x34, 0x56]) })
+        Ok(NetConfig { tap: tap.ok_or("--net needs tap=NAME")?, mac: mac.unwrap_or(DEFAULT_MAC) })
     }
 }
 
 fn parse_mac(s: &str) -> Result<[u8; 6], String> {
     let bad = || format!("bad MAC address '{s}' (expected six hex bytes like 52:54:00:12:34:56)");
     let parts: Vec<u8> = s.split(':').map(|p| u8::from_str_radix(p, 16)).collect::<Result<_, _>>().map_err(|_| bad())?;
-    parts.try_into().map_err(|_| bad())
+    let mac: [u8; 6] = parts.try_into().map_err(|_| bad())?;
+    // A card's own address must be one a frame can be sent to alone.
+    if mac[0] & 1 != 0 {
+        return Err(format!(
+            "MAC address {s} is multicast (the low bit of its first byte is set): a network card needs a unicast address like 52:54:00:12:34:56"
+        ));
+    }
+    if mac == [0; 6] {
+        return Err(format!("MAC address {s} is all zero: a network card needs a unicast address like 52:54:00:12:34:56"));
+    }
+    Ok(mac)
 }
 
 /// The network card's own saved state: the MAC address the guest knows.
@@ -252,5 +266,12 @@ mod tests {
         assert!("mac=52:54:00:aa:bb:0c".parse::<NetConfig>().is_err());
         assert!("tap=t,mac=52:54".parse::<NetConfig>().is_err());
         assert!("tap=t,speed=10".parse::<NetConfig>().is_err());
+        assert_eq!("tap=t".parse::<NetConfig>().unwrap().mac, DEFAULT_MAC);
+        for multicast in ["01:00:5e:00:00:01", "ff:ff:ff:ff:ff:ff", "33:33:00:00:00:01", "53:54:00:12:34:56"] {
+            let e = format!("tap=t,mac={multicast}").parse::<NetConfig>().unwrap_err();
+            assert!(e.contains("multicast"), "{e}");
+        }
+        assert!("tap=t,mac=00:00:00:00:00:00".parse::<NetConfig>().unwrap_err().contains("all zero"));
+        assert!("tap=t,mac=02:00:00:00:00:01".parse::<NetConfig>().is_ok());
     }
 }

@@ -1,0 +1,363 @@
+//! The command line: subcommands, their options, and the checks on values
+//! that clap runs before anything starts.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::error::ErrorKind;
+use clap::parser::ValueSource;
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+
+use ftvm_replication::pipeline::{capture, encode, transport};
+use ftvm_replication::OnBackupLoss;
+use ftvm_vmm::devices::virtio::net::NetConfig;
+use ftvm_vmm::DirtyBackend;
+
+use crate::demo;
+
+/// Shortest checkpoint interval: every epoch pauses the guest and waits for
+/// a round trip, so shorter ones spend the VM's time on checkpoints.
+pub const MIN_EPOCH_MS: u64 = 5;
+/// Longest: output waits up to an epoch before it leaves.
+pub const MAX_EPOCH_MS: u64 = 60_000;
+
+#[derive(Parser)]
+#[command(name = "ftvm", version, about = "A fault-tolerant virtual machine monitor on KVM")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Boot a guest image and run it until it exits (as a primary with --replicate-to).
+    Run(RunArgs),
+    /// Wait for a primary, follow its checkpoints, and take its VM over when it fails.
+    Backup(BackupArgs),
+    /// Write a running VM's complete state to a file.
+    Snapshot {
+        /// Control socket of the VM (the --api-socket it runs with).
+        #[arg(long, value_name = "PATH")]
+        api_socket: PathBuf,
+        /// Give up when the VMM has not answered within this many seconds.
+        #[arg(long, value_name = "SECONDS", default_value = "600", value_parser = timeout)]
+        timeout: Duration,
+        /// Snapshot file to write.
+        #[arg(long, short, value_name = "PATH")]
+        output: PathBuf,
+        /// Stop the VM after the snapshot instead of resuming it.
+        #[arg(long)]
+        stop: bool,
+    },
+    /// Continue a VM from a snapshot file in this process.
+    Restore {
+        /// Snapshot file to continue from (written by `ftvm snapshot`).
+        #[arg(long, value_name = "PATH")]
+        snapshot: PathBuf,
+        #[command(flatten)]
+        host: HostArgs,
+    },
+    /// Show a VM's state and replication figures.
+    Status {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// Print the VMM's reply as one JSON object (docs/api.md) instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Hold a running VM paused (its vCPUs and devices) until `ftvm resume`.
+    Pause {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Resume a VM paused by `ftvm pause`.
+    Resume {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Stop a VM (its VMM exits 0), or a backup that has not taken over.
+    Stop {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Protect an unprotected primary again with a new backup.
+    Protect {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The new backup's replication address (its --listen).
+        #[arg(long, value_name = "ADDR")]
+        backup: String,
+    },
+    /// Show failover on this machine: a replicated kv VM loses its host, then its primary stalls and is fenced, under load; no acknowledged write is lost.
+    Demo(demo::DemoArgs),
+}
+
+/// How a command reaches a running VMM.
+#[derive(Args)]
+pub struct ClientArgs {
+    /// Control socket of the VM (the --api-socket it runs with).
+    #[arg(long, value_name = "PATH")]
+    pub api_socket: PathBuf,
+    /// Give up when the VMM has not answered within this many seconds.
+    #[arg(long, value_name = "SECONDS", default_value = "5", value_parser = timeout)]
+    pub timeout: Duration,
+}
+
+#[derive(Args)]
+pub struct RunArgs {
+    /// Guest image: a static x86-64 ELF built for the ftvm guest ABI.
+    #[arg(long, value_name = "PATH")]
+    pub image: PathBuf,
+    /// Guest memory in MiB (a multiple of 2).
+    #[arg(long, value_name = "MIB", default_value_t = 256)]
+    pub memory: u64,
+    /// Number of vCPUs (1 to 32).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub vcpus: u32,
+    /// Command line passed to the guest.
+    #[arg(long, default_value = "")]
+    pub cmdline: String,
+    /// Replicate to the backup listening at this address (host:port). The
+    /// replication options (--epoch-ms to --transport, --arbiter, --name) need it.
+    #[arg(long, value_name = "ADDR")]
+    pub replicate_to: Option<String>,
+    /// Checkpoint interval in milliseconds (5 to 60000).
+    #[arg(long, value_name = "MS", default_value_t = 20, value_parser = epoch_ms)]
+    pub epoch_ms: u64,
+    /// When the backup is lost: keep running unprotected (continue), or pause with
+    /// output held (pause). Default: continue with --arbiter (after winning
+    /// ownership), pause without (a cut link must not leave two VMs running).
+    #[arg(long, value_name = "continue|pause")]
+    pub on_backup_loss: Option<OnBackupLoss>,
+    /// Declare the backup lost after this long without hearing from it: no
+    /// heartbeat, no acknowledgement.
+    #[arg(long, value_name = "MS", default_value_t = 1000, value_parser = positive_ms)]
+    pub failure_timeout_ms: u64,
+    /// Declare the backup lost when a checkpoint stays unacknowledged this
+    /// long after it was sent, though the backup still sends heartbeats (its
+    /// apply hangs, say). At least the failure timeout.
+    #[arg(long, value_name = "MS", default_value_t = 2000, value_parser = positive_ms)]
+    pub ack_timeout_ms: u64,
+    /// Send the backup a heartbeat (a UDP datagram) this often.
+    #[arg(long, value_name = "MS", default_value_t = DEFAULT_HEARTBEAT_MS, value_parser = positive_ms)]
+    pub heartbeat_ms: u64,
+    /// Write per-epoch metrics as JSON lines to this file.
+    #[arg(long, value_name = "PATH")]
+    pub metrics: Option<PathBuf>,
+    /// Give up reaching the backup at start after this long.
+    #[arg(long, value_name = "MS", default_value_t = 5000)]
+    pub connect_timeout_ms: u64,
+    /// Checkpoint capture stage. pause: copy the dirty pages while the VM is paused.
+    #[arg(long, default_value = "pause", value_name = "pause")]
+    pub capture: capture::Mode,
+    /// Checkpoint page encoding. raw: whole pages, zero pages as a bare tag.
+    #[arg(long, default_value = "raw", value_name = "raw")]
+    pub encoding: encode::Encoding,
+    /// Replication transport. tcp: one TCP connection to the backup.
+    #[arg(long, default_value = "tcp", value_name = "tcp")]
+    pub transport: transport::Kind,
+    #[command(flatten)]
+    pub arbiter: ArbiterArgs,
+    #[command(flatten)]
+    pub channel: ChannelArgs,
+    #[command(flatten)]
+    pub host: HostArgs,
+}
+
+/// Options that secure the replication channel (both sides).
+#[derive(Args)]
+pub struct ChannelArgs {
+    /// Authenticate the replication channel with the secret in this file
+    /// (both sides use the same file; it must not be accessible by group or
+    /// others). Without it the channel is unauthenticated.
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<PathBuf>,
+    /// Encrypt the replication channel too (needs --secret-file; on a
+    /// backup: refuse a primary that does not encrypt).
+    #[arg(long, requires = "secret_file")]
+    pub encrypt: bool,
+}
+
+/// Who owns a replicated VM when primary and backup lose each other.
+#[derive(Args)]
+pub struct ArbiterArgs {
+    /// etcd endpoint deciding ownership (http://HOST:PORT); both sides must name the same one.
+    #[arg(long, value_name = "URL")]
+    pub arbiter: Option<String>,
+    /// The VM's name at the arbiter (default: from its MAC address).
+    #[arg(long, requires = "arbiter")]
+    pub name: Option<String>,
+}
+
+impl ArbiterArgs {
+    pub fn arbiter(&self, net: Option<&NetConfig>) -> Option<ftvm_replication::arbiter::Arbiter> {
+        let endpoint = self.arbiter.as_deref()?;
+        let name = self.name.clone().unwrap_or_else(|| match net {
+            Some(n) => format!("vm-{}", n.mac.iter().map(|b| format!("{b:02x}")).collect::<String>()),
+            None => "vm".into(),
+        });
+        Some(ftvm_replication::arbiter::Arbiter::new(endpoint, &name))
+    }
+}
+
+#[derive(Args)]
+pub struct BackupArgs {
+    /// Address to accept the primary on (host:port).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: String,
+    /// Refuse a primary whose VM has another memory size (MiB, a multiple of 2).
+    #[arg(long, value_name = "MIB")]
+    pub memory: Option<u64>,
+    /// Refuse a primary whose VM has another number of vCPUs.
+    #[arg(long, value_name = "N")]
+    pub vcpus: Option<u32>,
+    /// Take over after this long without hearing from the primary: no
+    /// heartbeat, no byte of its stream (default: five epochs, at least 200 ms).
+    #[arg(long, value_name = "MS", value_parser = positive_ms)]
+    pub failure_timeout_ms: Option<u64>,
+    /// Send the primary a heartbeat (a UDP datagram from the --listen port) this often.
+    #[arg(long, value_name = "MS", default_value_t = DEFAULT_HEARTBEAT_MS, value_parser = positive_ms)]
+    pub heartbeat_ms: u64,
+    /// Log every applied checkpoint (epoch, guest time, wall-clock time) as JSON lines.
+    #[arg(long, value_name = "PATH")]
+    pub metrics: Option<PathBuf>,
+    /// Drop a connection that has not authenticated and said Hello within this long.
+    #[arg(long, value_name = "MS", default_value_t = 5000)]
+    pub handshake_timeout_ms: u64,
+    #[command(flatten)]
+    pub arbiter: ArbiterArgs,
+    #[command(flatten)]
+    pub channel: ChannelArgs,
+    #[command(flatten)]
+    pub host: HostArgs,
+}
+
+/// Options about how this host runs the VM (not part of the VM's shape).
+#[derive(Args)]
+pub struct HostArgs {
+    /// Populate all guest memory before the guest starts.
+    #[arg(long)]
+    pub prefault: bool,
+    /// Dirty-page tracking backend: bitmap or ring.
+    #[arg(long, value_name = "bitmap|ring", default_value = "bitmap")]
+    pub dirty_backend: DirtyBackend,
+    /// Serve the control API on this Unix socket (for `ftvm status`, `pause`, `resume`, `stop`, `snapshot`, `protect`).
+    #[arg(long, value_name = "PATH")]
+    pub api_socket: Option<PathBuf>,
+    /// Network card on TAP device NAME (created if absent) with MAC address MAC
+    /// (default 52:54:00:12:34:56; unicast and not all zero).
+    #[arg(long, value_name = "tap=NAME[,mac=MAC]")]
+    pub net: Option<NetConfig>,
+    /// Disk backed by a raw file (its size must be a multiple of 512 bytes).
+    #[arg(long, value_name = "PATH")]
+    pub disk: Option<PathBuf>,
+}
+
+/// `ftvm run` options that only a replicating primary uses (argument ids).
+const PRIMARY_ONLY: [&str; 14] = [
+    "epoch_ms",
+    "on_backup_loss",
+    "failure_timeout_ms",
+    "ack_timeout_ms",
+    "heartbeat_ms",
+    "metrics",
+    "connect_timeout_ms",
+    "capture",
+    "encoding",
+    "transport",
+    "arbiter",
+    "name",
+    "secret_file",
+    "encrypt",
+];
+
+/// Parse the command line (exits with clap's usage error on a mistake).
+pub fn parse() -> Cli {
+    let mut command = Cli::command();
+    let matches = command.get_matches_mut();
+    if let Some(("run", run)) = matches.subcommand() {
+        // Given without --replicate-to, these would be silently ignored.
+        if let Some(id) = PRIMARY_ONLY.iter().find(|id| run.value_source(id) == Some(ValueSource::CommandLine)) {
+            if run.get_one::<String>("replicate_to").is_none() {
+                let run = command.find_subcommand_mut("run").expect("ftvm run exists");
+                let flag = run.get_arguments().find(|a| a.get_id() == id).and_then(|a| a.get_long()).unwrap_or(id);
+                let msg = format!("--{flag} applies only to a replicating primary: add --replicate-to ADDR");
+                run.error(ErrorKind::MissingRequiredArgument, msg).exit();
+            }
+        }
+    }
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// `--epoch-ms`: an interval between [`MIN_EPOCH_MS`] and [`MAX_EPOCH_MS`].
+pub fn epoch_ms(s: &str) -> Result<u64, String> {
+    let ms: u64 = s.parse().map_err(|e| format!("not a number of milliseconds: {e}"))?;
+    if !(MIN_EPOCH_MS..=MAX_EPOCH_MS).contains(&ms) {
+        return Err(format!(
+            "the checkpoint interval must be at least {MIN_EPOCH_MS} ms (each epoch pauses the guest for a checkpoint) and at most {MAX_EPOCH_MS} ms"
+        ));
+    }
+    Ok(ms)
+}
+
+/// Default of `--heartbeat-ms` (both sides).
+const DEFAULT_HEARTBEAT_MS: u64 = ftvm_replication::liveness::DEFAULT_INTERVAL.as_millis() as u64;
+
+/// A number of milliseconds that must be at least 1.
+pub fn positive_ms(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(0) => Err("must be at least 1 ms".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("not a number of milliseconds: {e}")),
+    }
+}
+
+/// A count that must be at least 1.
+pub fn at_least_one(s: &str) -> Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A number of seconds greater than zero.
+pub fn positive_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x > 0.0 && x.is_finite() => Ok(x),
+        Ok(_) => Err("must be a number of seconds greater than 0".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A client timeout in seconds (fractions allowed), at most a day.
+pub fn timeout(s: &str) -> Result<Duration, String> {
+    let secs = positive_seconds(s)?;
+    Duration::try_from_secs_f64(secs)
+        .ok()
+        .filter(|d| *d <= Duration::from_secs(86_400))
+        .ok_or_else(|| "must be at most 86400 seconds".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn value_checks() {
+        assert!(epoch_ms("0").unwrap_err().contains("at least 5 ms"));
+        assert!(epoch_ms("4").is_err());
+        assert_eq!(epoch_ms("5"), Ok(5));
+        assert!(epoch_ms("60001").is_err());
+        assert!(at_least_one("0").is_err());
+        assert_eq!(at_least_one("3"), Ok(3));
+        assert!(positive_seconds("0").is_err() && positive_seconds("-1").is_err() && positive_seconds("nan").is_err());
+        assert_eq!(timeout("1.5"), Ok(Duration::from_millis(1500)));
+        assert!(timeout("inf").is_err() && timeout("1e9").is_err());
+    }
+}

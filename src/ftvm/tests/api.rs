@@ -1,0 +1,209 @@
+//! The control API (`docs/api.md`) through the real binary: versioned
+//! requests, timeouts on both sides, clients served at once, and the CLI
+//! commands for every operation.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use ftvm_testkit::process::{Process, WaitError};
+use ftvm_testkit::scratch::Scratch;
+
+/// Long enough that only a hang reaches it.
+const HANG: Duration = Duration::from_secs(30);
+
+/// A probe VM ticking every `ms` with its control socket in a scratch directory.
+struct Vm {
+    vmm: Process,
+    socket: PathBuf,
+    _dir: Scratch,
+}
+
+fn start(tag: &str, ms: u32) -> Vm {
+    let dir = Scratch::new(&format!("api-{tag}")).unwrap();
+    let socket = dir.join("api.sock");
+    let mut cmd = ftvm();
+    cmd.args(["run", "--cmdline", &format!("ticker={ms}"), "--api-socket"]).arg(&socket).arg("--image").arg(image("probe"));
+    let mut vmm = Process::spawn_collected("ftvm", &mut cmd).unwrap();
+    vmm.wait_until(Duration::from_secs(10), |p| p.stdout().contains("probe: tick")).unwrap_or_else(|e| panic!("{e}: {}", vmm.output()));
+    Vm { vmm, socket, _dir: dir }
+}
+
+/// `ftvm ARGS --api-socket SOCKET`, killed (and failed) if it hangs.
+fn client(args: &[&str], socket: &Path) -> Output {
+    let mut cmd = ftvm();
+    cmd.args(args).arg("--api-socket").arg(socket).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    Process::spawn(args[0], &mut cmd).unwrap().wait_with_output_within(HANG).unwrap_or_else(|e| panic!("ftvm {args:?}: {e}"))
+}
+
+fn ticks(vm: &Vm) -> usize {
+    vm.vmm.stdout().lines().filter(|l| l.starts_with("probe: tick")).count()
+}
+
+#[test]
+fn silent_and_slow_clients_do_not_delay_others() {
+    let vm = start("silent", 50);
+    // One client connects and never sends anything; another sends a request
+    // one byte at a time and never finishes it.
+    let _silent = UnixStream::connect(&vm.socket).unwrap();
+    let trickling = Arc::new(AtomicBool::new(true));
+    let sent = Arc::new(AtomicU32::new(0));
+    let mut slow = UnixStream::connect(&vm.socket).unwrap();
+    let (t, s) = (trickling.clone(), sent.clone());
+    let trickler = std::thread::spawn(move || {
+        while t.load(Ordering::SeqCst) {
+            if slow.write_all(if s.load(Ordering::SeqCst) == 0 { b"{" } else { b" " }).is_err() {
+                break;
+            }
+            s.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    while sent.load(Ordering::SeqCst) < 3 {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Several clients at once, while both are still connected.
+    let others: Vec<_> = (0..4)
+        .map(|_| {
+            let socket = vm.socket.clone();
+            std::thread::spawn(move || client(&["status"], &socket))
+        })
+        .collect();
+    for other in others {
+        let out = other.join().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        assert!(stdout(&out).contains("state: running"), "{}", stdout(&out));
+    }
+    // The server has not hung up on the slow client to get to the others.
+    assert!(!trickler.is_finished(), "the slow client was disconnected");
+    trickling.store(false, Ordering::SeqCst);
+    trickler.join().unwrap();
+}
+
+#[test]
+fn a_server_that_never_answers_is_one_clear_error() {
+    let dir = Scratch::new("api-mute").unwrap();
+    let socket = dir.join("mute.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    // Accept and hold every connection, never answering.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming() {
+            held.push(stream);
+        }
+    });
+    let cases: [&'static [&'static str]; 4] = [&["status"], &["pause"], &["stop"], &["status", "--timeout", "1"]];
+    let clients: Vec<_> = cases
+        .into_iter()
+        .map(|args| {
+            let socket = socket.clone();
+            (args, std::thread::spawn(move || client(args, &socket)))
+        })
+        .collect();
+    for (args, out) in clients {
+        let out = out.join().unwrap();
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: one line: {err}");
+        assert!(err.starts_with("ftvm: error: ") && err.contains("did not answer within"), "{args:?}: {err}");
+        let want = if args.len() > 1 { "within 1 s" } else { "within 5 s" };
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn pause_resume_stop_and_json_status() {
+    let mut vm = start("ops", 20);
+    let json = |vm: &Vm| -> serde_json::Value {
+        let out = client(&["status", "--json"], &vm.socket);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        serde_json::from_str(stdout(&out).trim()).unwrap_or_else(|e| panic!("status --json is not JSON ({e}): {}", stdout(&out)))
+    };
+    let status = json(&vm);
+    assert_eq!(status["state"], "running", "{status}");
+    assert_eq!(status["version"], 1, "{status}");
+    assert_eq!(status["vcpus"], 1, "{status}");
+
+    let out = client(&["pause"], &vm.socket);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(json(&vm)["state"], "paused");
+    std::thread::sleep(Duration::from_millis(200));
+    let paused_at = ticks(&vm);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(ticks(&vm), paused_at, "the guest ran while paused");
+
+    let out = client(&["resume"], &vm.socket);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(json(&vm)["state"], "running");
+    vm.vmm.wait_until(Duration::from_secs(10), |p| p.stdout().matches("probe: tick").count() > paused_at + 5).unwrap();
+
+    let out = client(&["stop"], &vm.socket);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(stdout(&out).contains("stopping"), "{}", stdout(&out));
+    let status = vm.vmm.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{}", vm.vmm.output());
+    assert!(vm.vmm.stderr().contains("VM stopped"), "{}", vm.vmm.output());
+    assert!(!vm.socket.exists(), "the socket is removed when the VMM stops");
+}
+
+#[test]
+fn requests_are_versioned() {
+    let vm = start("version", 100);
+    let stream = UnixStream::connect(&vm.socket).unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut ask = |line: &str| -> serde_json::Value {
+        (&stream).write_all(format!("{line}\n").as_bytes()).unwrap();
+        let mut reply = String::new();
+        reader.read_line(&mut reply).unwrap();
+        serde_json::from_str(&reply).unwrap_or_else(|e| panic!("{line}: reply is not JSON ({e}): {reply}"))
+    };
+    let r = ask(r#"{"version":2,"op":"status"}"#);
+    assert_eq!(r["ok"], false, "{r}");
+    assert_eq!(r["version"], 1, "{r}");
+    let err = r["error"].as_str().unwrap();
+    assert!(err.contains("version 2") && err.contains("version 1"), "{err}");
+    let r = ask(r#"{"op":"status"}"#);
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("version"), "{r}");
+    let r = ask(r#"{"version":1,"op":"fly"}"#);
+    assert_eq!(r["ok"], false, "{r}");
+    assert!(r["error"].as_str().unwrap().contains("fly"), "{r}");
+    let r = ask("not json");
+    assert_eq!(r["ok"], false, "{r}");
+    // The connection still serves requests of the right version.
+    let r = ask(r#"{"version":1,"op":"status"}"#);
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["state"], "running", "{r}");
+}
+
+#[test]
+fn stop_ends_a_backup_waiting_for_its_primary() {
+    let dir = Scratch::new("api-backup").unwrap();
+    let socket = dir.join("b.sock");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    drop(listener);
+    let mut cmd = ftvm();
+    cmd.args(["backup", "--listen", &addr, "--api-socket"]).arg(&socket);
+    let mut backup = Process::spawn_collected("backup", &mut cmd).unwrap();
+    let t0 = Instant::now();
+    while !socket.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "control socket never appeared: {}", backup.output());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let out = client(&["status"], &socket);
+    assert!(stdout(&out).contains("state: standby"), "{}{}", stdout(&out), stderr(&out));
+    let out = client(&["stop"], &socket);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    match backup.wait_until(HANG, |_| false) {
+        Err(WaitError::Exited(status)) => assert_eq!(status.code(), Some(0), "{}", backup.output()),
+        other => panic!("the backup did not stop: {other:?}"),
+    }
+}

@@ -1,0 +1,283 @@
+//! The command line: mistakes are refused with a message naming them,
+//! every option is described, and a closed stdout or stderr never turns
+//! into a panic.
+
+mod common;
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use common::*;
+use ftvm_testkit::process::Process;
+use ftvm_testkit::scratch::Scratch;
+
+/// Long enough that only a hang reaches it.
+const HANG: Duration = Duration::from_secs(30);
+
+fn within(cmd: &mut std::process::Command, what: &str) -> Output {
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    Process::spawn(what, cmd).unwrap().wait_with_output_within(HANG).unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+fn ftvm_args(args: &[&str]) -> Output {
+    within(ftvm().args(args), &format!("ftvm {args:?}"))
+}
+
+/// A usage error from the parser: exit 2, the message names every `want`.
+fn assert_refused(out: &Output, wants: &[&str], case: &str) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(2), "{case}: {err}{}", stdout(out));
+    for want in wants {
+        assert!(err.contains(want), "{case}: expected '{want}' in: {err}");
+    }
+    assert!(!err.contains("panicked"), "{case}: {err}");
+}
+
+/// One `ftvm: error: ` line and exit 1.
+fn assert_one_line_error(out: &Output, want: &str, case: &str) -> String {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(1), "{case}: {err}");
+    assert_eq!(err.lines().count(), 1, "{case}: exactly one line: {err}");
+    assert!(err.starts_with("ftvm: error: ") && err.contains(want), "{case}: expected '{want}' in: {err}");
+    err
+}
+
+#[test]
+fn replication_flags_need_replicate_to() {
+    let probe = image("probe");
+    let probe = probe.to_str().unwrap();
+    let cases: [&[&str]; 11] = [
+        &["--epoch-ms", "10"],
+        &["--metrics", "/tmp/ftvm-never-written.jsonl"],
+        &["--on-backup-loss", "pause"],
+        &["--failure-timeout-ms", "500"],
+        &["--connect-timeout-ms", "500"],
+        &["--arbiter", "http://127.0.0.1:2379"],
+        &["--arbiter", "http://127.0.0.1:2379", "--name", "vm1"],
+        &["--capture", "pause"],
+        &["--encoding", "raw"],
+        &["--transport", "tcp"],
+        &["--epoch-ms", "10", "--failure-timeout-ms", "500"],
+    ];
+    for flags in cases {
+        let mut args = vec!["run", "--image", probe, "--cmdline", "exit=0"];
+        args.extend_from_slice(flags);
+        assert_refused(&ftvm_args(&args), &[flags[0], "--replicate-to"], &format!("{flags:?}"));
+    }
+}
+
+#[test]
+fn epoch_ms_has_a_minimum() {
+    let probe = image("probe");
+    for epoch in ["0", "4"] {
+        let out = ftvm_args(&["run", "--image", probe.to_str().unwrap(), "--replicate-to", "127.0.0.1:1", "--epoch-ms", epoch]);
+        assert_refused(&out, &["--epoch-ms", "at least 5 ms"], epoch);
+    }
+}
+
+#[test]
+fn backup_checks_its_flags_at_start() {
+    let dir = Scratch::new("cli-backup").unwrap();
+    let missing = dir.join("missing.img");
+    let missing = missing.to_str().unwrap();
+    let probe = image("probe");
+    let cases: [(&[&str], &str); 5] = [
+        (&["--memory", "3"], "multiple of 2 MiB"),
+        (&["--memory", "1000000"], "multiple of 2 MiB"),
+        (&["--vcpus", "0"], "0 vCPUs requested"),
+        (&["--disk", missing], "cannot open disk"),
+        (&["--net", "tap=a-name-too-long-for-linux"], "longer than 15 bytes"),
+    ];
+    for (flags, want) in cases {
+        // No primary ever connects: the error must come at start.
+        let mut args = vec!["backup", "--listen", "127.0.0.1:0"];
+        args.extend_from_slice(flags);
+        let backup = assert_one_line_error(&ftvm_args(&args), want, &format!("backup {flags:?}"));
+        let mut args = vec!["run", "--image", probe.to_str().unwrap()];
+        args.extend_from_slice(flags);
+        let run = assert_one_line_error(&ftvm_args(&args), want, &format!("run {flags:?}"));
+        assert_eq!(backup, run, "ftvm backup and ftvm run word {flags:?} alike");
+    }
+}
+
+#[test]
+fn mac_addresses_must_be_unicast_and_not_zero() {
+    let probe = image("probe");
+    let cases = [
+        ("01:00:5e:00:00:01", "multicast"),
+        ("ff:ff:ff:ff:ff:ff", "multicast"),
+        ("33:33:00:00:00:01", "multicast"),
+        ("00:00:00:00:00:00", "all zero"),
+    ];
+    for (mac, want) in cases {
+        let net = format!("tap=ftvmmac0,mac={mac}");
+        let out = ftvm_args(&["run", "--image", probe.to_str().unwrap(), "--cmdline", "exit=0", "--net", &net]);
+        assert_refused(&out, &[want, mac], mac);
+        let out = ftvm_args(&["backup", "--listen", "127.0.0.1:0", "--net", &net]);
+        assert_refused(&out, &[want, mac], mac);
+    }
+    let help = ftvm_args(&["run", "--help"]);
+    assert!(stdout(&help).contains("52:54:00:12:34:56"), "the default MAC is documented: {}", stdout(&help));
+}
+
+#[test]
+fn demo_refuses_zero_trials() {
+    let out = ftvm_args(&["demo", "--trials", "0"]);
+    assert_refused(&out, &["--trials", "at least 1"], "--trials 0");
+    assert!(!stdout(&out).contains("OK"), "{}", stdout(&out));
+}
+
+/// A pipe whose reading end is already closed: every write fails with EPIPE.
+fn closed_pipe() -> OwnedFd {
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) fills two descriptors, which we own from here on.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: both are fresh descriptors nobody else owns.
+    let (read, write) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    drop(read);
+    write
+}
+
+/// Run `ftvm ARGS` with stdout and stderr both on a closed pipe; its exit code.
+fn exit_with_closed_output(args: &[&str], signal_after: Option<Duration>) -> Option<i32> {
+    let pipe = closed_pipe();
+    let mut cmd = ftvm();
+    cmd.args(args).stdin(Stdio::null()).stdout(pipe.try_clone().unwrap()).stderr(pipe);
+    let mut p = Process::spawn("ftvm", &mut cmd).unwrap();
+    if let Some(after) = signal_after {
+        std::thread::sleep(after);
+        p.signal(libc::SIGTERM).unwrap();
+    }
+    wait_code(p, args)
+}
+
+fn within_status(cmd: &mut std::process::Command) -> Option<i32> {
+    wait_code(Process::spawn("ftvm", cmd).unwrap(), cmd.get_args())
+}
+
+fn wait_code(mut p: Process, what: impl std::fmt::Debug) -> Option<i32> {
+    match p.wait_until(HANG, |_| false) {
+        Err(ftvm_testkit::process::WaitError::Exited(status)) => status.code(),
+        other => panic!("ftvm {what:?} did not end: {other:?}"),
+    }
+}
+
+#[test]
+fn closed_stdout_and_stderr_do_not_panic() {
+    let dir = Scratch::new("cli-epipe").unwrap();
+    let probe = image("probe");
+    let probe = probe.to_str().unwrap();
+    // The guest prints and exits 7: its status is still ftvm's.
+    assert_eq!(exit_with_closed_output(&["run", "--image", probe, "--cmdline", "hello"], None), Some(0));
+    assert_eq!(exit_with_closed_output(&["run", "--image", probe, "--cmdline", "exit=7"], None), Some(7));
+    // The VMM's logs on a closed stderr.
+    let logged = ["run", "--image", probe, "--cmdline", "exit=3"];
+    let pipe = closed_pipe();
+    let mut cmd = ftvm();
+    cmd.args(logged).env("FTVM_LOG", "debug").stdin(Stdio::null()).stdout(pipe.try_clone().unwrap()).stderr(pipe);
+    assert_eq!(within_status(&mut cmd), Some(3), "FTVM_LOG=debug");
+    // "VM stopped" on a closed stderr.
+    assert_eq!(exit_with_closed_output(&["run", "--image", probe, "--cmdline", "ticker=10"], Some(Duration::from_millis(500))), Some(0));
+    // An error line on a closed stderr.
+    let missing = dir.join("missing.elf");
+    assert_eq!(exit_with_closed_output(&["run", "--image", missing.to_str().unwrap()], None), Some(1));
+    assert_eq!(exit_with_closed_output(&["status", "--api-socket", missing.to_str().unwrap()], None), Some(1));
+    assert_eq!(exit_with_closed_output(&["help"], None), Some(0));
+    assert_eq!(exit_with_closed_output(&["run", "--help"], None), Some(0));
+
+    // `ftvm status | head -0` against a live VM.
+    let socket = dir.join("api.sock");
+    let mut cmd = ftvm();
+    cmd.args(["run", "--cmdline", "ticker=50", "--image", probe, "--api-socket"]).arg(&socket);
+    let mut vm = Process::spawn_collected("vm", &mut cmd).unwrap();
+    vm.wait_until(Duration::from_secs(10), |p| p.stdout().contains("probe: tick")).unwrap();
+    let socket = socket.to_str().unwrap();
+    for args in [&["status", "--api-socket", socket][..], &["status", "--json", "--api-socket", socket]] {
+        assert_eq!(exit_with_closed_output(args, None), Some(0), "{args:?}");
+    }
+    assert_eq!(exit_with_closed_output(&["stop", "--api-socket", socket], None), Some(0));
+    assert_eq!(vm.wait().unwrap().code(), Some(0), "{}", vm.output());
+}
+
+/// The options and positionals of one help text that have no description.
+fn undescribed(help: &str) -> Vec<String> {
+    let mut missing = Vec::new();
+    let mut in_args = false;
+    let lines: Vec<&str> = help.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        if !line.starts_with(' ') {
+            in_args = matches!(line.trim_end(), "Options:" | "Arguments:");
+            continue;
+        }
+        let entry = line.trim_start();
+        let indent = line.len() - entry.len();
+        // Entries are indented 2 (6 for a long option without a short one).
+        if !in_args || indent > 6 || !(entry.starts_with('-') || entry.starts_with('<') || entry.starts_with('[')) {
+            continue;
+        }
+        // The signature has no double space; a description follows on the
+        // same line after two or more, or on the next, indented deeper.
+        let same_line = entry.split_once("  ").map(|(_, rest)| rest.trim()).unwrap_or("");
+        let next_line = lines.get(i + 1).filter(|l| l.len() - l.trim_start().len() > 6 && !l.trim().is_empty()).map_or("", |l| l.trim());
+        let text = if same_line.is_empty() { next_line } else { same_line };
+        if strip_specs(text).is_empty() {
+            missing.push(entry.split("  ").next().unwrap_or(entry).to_string());
+        }
+    }
+    missing
+}
+
+/// A description without clap's `[default: ..]` and `[possible values: ..]`.
+fn strip_specs(text: &str) -> String {
+    let mut out = String::new();
+    let mut depth = 0;
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if depth == 0 && (rest.starts_with("[default:") || rest.starts_with("[possible values:") || rest.starts_with("[aliases:")) {
+            depth = 1;
+        } else if depth > 0 && c == '[' {
+            depth += 1;
+        } else if depth > 0 && c == ']' {
+            depth -= 1;
+        } else if depth == 0 {
+            out.push(c);
+        }
+        rest = &rest[c.len_utf8()..];
+    }
+    out.trim().to_string()
+}
+
+#[test]
+fn undescribed_finds_missing_descriptions() {
+    let help = "Usage: x\n\nArguments:\n  <FILE>  the file\n\nOptions:\n      --vcpus <VCPUS>  [default: 1]\n      --memory <M>  Guest memory [default: 256]\n  -h, --help\n          Print help\n      --bare\n";
+    assert_eq!(undescribed(help), vec!["--vcpus <VCPUS>", "--bare"]);
+}
+
+#[test]
+fn every_option_has_help_text() {
+    let top = ftvm_args(&["help"]);
+    assert_eq!(top.status.code(), Some(0), "{}", stderr(&top));
+    let top = stdout(&top);
+    let commands: Vec<String> = top
+        .lines()
+        .skip_while(|l| l.trim_end() != "Commands:")
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+        .filter(|c| c != "help")
+        .collect();
+    for want in ["run", "backup", "snapshot", "restore", "status", "protect", "pause", "resume", "stop", "demo"] {
+        assert!(commands.iter().any(|c| c == want), "ftvm help lists {want}: {top}");
+    }
+    let mut missing = undescribed(&top).into_iter().map(|o| format!("ftvm {o}")).collect::<Vec<_>>();
+    for command in &commands {
+        for help in [&["help", command.as_str()][..], &[command.as_str(), "-h"]] {
+            let out = ftvm_args(help);
+            assert_eq!(out.status.code(), Some(0), "{help:?}: {}", stderr(&out));
+            missing.extend(undescribed(&stdout(&out)).into_iter().map(|o| format!("ftvm {command} {o}")));
+        }
+    }
+    missing.dedup();
+    assert!(missing.is_empty(), "options without a description:\n{}", missing.join("\n"));
+}
