@@ -354,6 +354,9 @@ mod tests {
         assert!(epoch_ms("4").is_err());
         assert_eq!(epoch_ms("5"), Ok(5));
         assert!(epoch_ms("60001").is_err());
+        assert!(positive_ms("0").unwrap_err().contains("at least 1 ms"));
+        assert!(positive_ms("x").is_err());
+        assert_eq!(positive_ms("30"), Ok(30));
         assert!(at_least_one("0").is_err());
         assert_eq!(at_least_one("3"), Ok(3));
         assert!(positive_seconds("0").is_err() && positive_seconds("-1").is_err() && positive_seconds("nan").is_err());

@@ -47,8 +47,10 @@ fn assert_one_line_error(out: &Output, want: &str, case: &str) -> String {
 fn replication_flags_need_replicate_to() {
     let probe = image("probe");
     let probe = probe.to_str().unwrap();
-    let cases: [&[&str]; 11] = [
+    let cases: [&[&str]; 13] = [
         &["--epoch-ms", "10"],
+        &["--ack-timeout-ms", "500"],
+        &["--heartbeat-ms", "2"],
         &["--metrics", "/tmp/ftvm-never-written.jsonl"],
         &["--on-backup-loss", "pause"],
         &["--failure-timeout-ms", "500"],

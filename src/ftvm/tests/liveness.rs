@@ -113,7 +113,10 @@ fn no_false_failures(tag: &str, secs: u64) {
         std::thread::sleep(Duration::from_secs(1));
         let st = ftvm().args(["status", "--api-socket"]).arg(&socket).output().unwrap();
         let st = String::from_utf8_lossy(&st.stdout).into_owned();
-        assert!(st.contains("protected: yes") && st.contains("state: running"), "after {:?}: {st}\n{}", t0.elapsed(), p.output());
+        if !(st.contains("protected: yes") && st.contains("state: running")) {
+            let _ = b.wait_until(Duration::from_secs(2), |b| b.stderr().contains("heartbeats ended"));
+            panic!("after {:?}: {st}\nprimary: {}\nbackup: {}", t0.elapsed(), p.output(), b.output());
+        }
         assert!(b.running() && !b.output().contains("PRIMARY LOST"), "the backup stopped following:\n{}", b.output());
         checks += 1;
     }
@@ -300,4 +303,23 @@ fn sigterm_during_precopy_stops_the_primary_promptly() {
     assert!(stopped_after < Duration::from_secs(10), "{stopped_after:?}");
     assert!(exit_status(&mut b, Duration::from_secs(30)).success(), "{}", b.output());
     assert!(b.stderr().contains("backup done") && !b.stderr().contains("PRIMARY LOST"), "{}", b.output());
+}
+
+/// A backup whose apply hangs (a test fault) still sends heartbeats, so its
+/// silence never shows it; the primary finds it lost when a checkpoint stays
+/// unacknowledged for the acknowledgement timeout, and runs on.
+#[test]
+fn a_backup_whose_apply_hangs_is_lost_after_the_acknowledgement_timeout() {
+    let addr = free_addr();
+    let mut b = vmm(ftvm().args(["backup", "--listen", &addr, "--failure-timeout-ms", TIMEOUT]).env("FTVM_TEST_FAULT", "stall-apply:30"));
+    let mut p = primary(&addr, WORK, &["--epoch-ms", "10", "--ack-timeout-ms", "500", "--on-backup-loss", "continue"]);
+    wait_for(&mut b, "backup", "this backup's apply hangs", Duration::from_secs(30));
+    wait_for(&mut p, "primary", "BACKUP LOST", Duration::from_secs(10));
+    let log = p.stderr();
+    let lost = log.lines().find(|l| l.contains("BACKUP LOST")).unwrap();
+    assert!(lost.contains("BACKUP LOST (checkpoint 30 still unacknowledged"), "{log}");
+    assert!(lost.contains("the VM now runs UNPROTECTED"), "{log}");
+    assert!(exit_status(&mut p, Duration::from_secs(60)).success(), "{}", p.output());
+    assert_eq!(field(&p.stdout(), "memtouch: done", "checksum"), Some(expected_memtouch_checksum(WORK, 1)), "{}", p.output());
+    assert!(!b.stderr().contains("PRIMARY LOST"), "{}", b.output());
 }

@@ -1,6 +1,8 @@
 //! Fault injection for tests: `FTVM_TEST_FAULT=truncate:N` or `flip:N` makes
 //! a primary send checkpoint N cut in half or with one bit flipped, then die
-//! on the spot like a crashed host. Never set outside tests.
+//! on the spot like a crashed host; `stall-apply:N` makes a backup hang
+//! before it applies checkpoint N, while the rest of it (its heartbeats)
+//! runs on. Never set outside tests.
 
 use std::io;
 use std::sync::OnceLock;
@@ -13,6 +15,8 @@ pub const ENV: &str = "FTVM_TEST_FAULT";
 pub enum Fault {
     Truncate,
     Flip,
+    /// The backup's apply hangs (handled by the backup, not `inject`).
+    StallApply,
 }
 
 fn configured() -> Option<(Fault, u64)> {
@@ -23,14 +27,26 @@ fn configured() -> Option<(Fault, u64)> {
         let fault = match kind {
             "truncate" => Fault::Truncate,
             "flip" => Fault::Flip,
+            "stall-apply" => Fault::StallApply,
             _ => return None,
         };
         Some((fault, epoch.parse().ok()?))
     })
 }
 
+/// The fault a primary injects when it sends checkpoint `epoch`.
 pub fn for_epoch(epoch: u64) -> Option<Fault> {
-    configured().filter(|&(_, e)| e == epoch).map(|(f, _)| f)
+    configured().filter(|&(f, e)| e == epoch && f != Fault::StallApply).map(|(f, _)| f)
+}
+
+/// On a backup about to apply checkpoint `epoch`: hang forever if told to.
+pub fn stall_apply(epoch: u64) {
+    if configured() == Some((Fault::StallApply, epoch)) {
+        tracing::warn!(epoch, "test fault injected; this backup's apply hangs");
+        loop {
+            std::thread::park();
+        }
+    }
 }
 
 impl Fault {
@@ -38,6 +54,7 @@ impl Fault {
     pub fn inject(self, link: &mut dyn Transport, frame: &[u8]) -> io::Result<()> {
         tracing::warn!(fault = ?self, "test fault injected; the primary dies now");
         match self {
+            Fault::StallApply => return Err(io::Error::other("a backup's fault")),
             Fault::Truncate => link.send(&frame[..frame.len() / 2])?,
             Fault::Flip => {
                 let mut bad = frame.to_vec();

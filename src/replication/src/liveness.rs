@@ -106,6 +106,11 @@ impl Pulse {
         self.last.fetch_max(self.base.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 
+    /// When the peer was last heard from (nanoseconds after the pulse began).
+    fn last(&self) -> u64 {
+        self.last.load(Ordering::Relaxed)
+    }
+
     /// How long ago the peer was last heard from.
     pub fn silence(&self) -> Duration {
         self.base.elapsed().saturating_sub(Duration::from_nanos(self.last.load(Ordering::Relaxed)))
@@ -299,85 +304,184 @@ fn decode(path: &Path, d: &[u8]) -> Result<u64, Reject> {
     Ok(u64::from_le_bytes(d[24..32].try_into().expect("8 bytes")))
 }
 
-/// A running heartbeat thread; stopped (and joined) on drop.
+/// Running heartbeat threads; stopped (and joined) on drop.
 pub struct Heartbeats {
     stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl Heartbeats {
     /// Start sending heartbeats on `path` and watching `pulse` (which valid
-    /// heartbeats beat) for the peer's silence.
+    /// heartbeats beat) for the peer's silence. One thread sends, receives
+    /// and judges; with two CPUs or more a second one, on another CPU, sends
+    /// too (half an interval later), so a CPU that stops for a while (a
+    /// hypervisor that runs something else on it, say) does not silence
+    /// this side.
     pub fn start(path: Path, timing: Timing, pulse: Arc<Pulse>, observer: impl Observer) -> io::Result<Heartbeats> {
+        path.socket.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
+        let sender = Sender { path: Arc::new(path), seq: Arc::new(AtomicU64::new(0)), stats: Arc::new(SendStats::default()) };
+        let (first, second) = match two_cpus() {
+            Some((a, b)) => (Some(a), Some(b)),
+            None => (None, None),
+        };
+        let mut threads = Vec::new();
+        if let Some(cpu) = second {
+            let (sender, stop, interval) = (sender.clone(), stop.clone(), timing.interval);
+            threads.push(std::thread::Builder::new().name("heartbeat-send".into()).spawn(move || sender.run(interval, cpu, &stop))?);
+        }
         let beat = Beat {
-            path,
+            sender,
             timing,
             pulse,
             observer,
             stop: stop.clone(),
-            seq: 0,
+            cpu: first,
             last_seen: None,
             stats: Stats::default(),
             last_heartbeat: None,
-            send_failed: false,
             rejected_logged: false,
         };
-        beat.path.socket.set_nonblocking(true)?;
-        let thread = std::thread::Builder::new().name("heartbeat".into()).spawn(move || beat.run())?;
-        Ok(Heartbeats { stop, thread: Some(thread) })
+        match std::thread::Builder::new().name("heartbeat".into()).spawn(move || beat.run()) {
+            Ok(t) => threads.push(t),
+            Err(e) => {
+                // Do not leave the other sender behind.
+                drop(Heartbeats { stop, threads });
+                return Err(e);
+            }
+        }
+        Ok(Heartbeats { stop, threads })
     }
 }
 
 impl Drop for Heartbeats {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
+        for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+    }
+}
+
+/// What every sending thread counts.
+#[derive(Default)]
+struct SendStats {
+    sent: AtomicU64,
+    /// Longest delay of a heartbeat after its time, in µs (its thread was late).
+    latest_us: AtomicU64,
+    failed: AtomicBool,
+}
+
+/// One side's heartbeats out, from any of its threads: numbered in one
+/// sequence.
+#[derive(Clone)]
+struct Sender {
+    path: Arc<Path>,
+    seq: Arc<AtomicU64>,
+    stats: Arc<SendStats>,
+}
+
+impl Sender {
+    /// Send the heartbeat due at `due`.
+    fn send(&self, due: Instant) {
+        let late = Instant::now().saturating_duration_since(due).as_micros() as u64;
+        self.stats.latest_us.fetch_max(late, Ordering::Relaxed);
+        let mut out = [0u8; BODY + TAG];
+        let n = encode(&self.path, self.seq.fetch_add(1, Ordering::Relaxed), &mut out);
+        match self.path.socket.send_to(&out[..n], self.path.peer) {
+            Ok(_) => {
+                self.stats.sent.fetch_add(1, Ordering::Relaxed);
+                self.stats.failed.store(false, Ordering::Relaxed);
+            }
+            Err(e) => {
+                if !self.stats.failed.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(peer = %self.path.peer, "cannot send a heartbeat: {e}");
+                }
+            }
+        }
+    }
+
+    /// The second sender: every `interval`, half an interval after the
+    /// first, on `cpu`, until `stop`.
+    fn run(self, interval: Duration, cpu: usize, stop: &AtomicBool) {
+        pin(cpu);
+        raise_priority();
+        let mut next = Instant::now() + interval / 2;
+        while !stop.load(Ordering::SeqCst) {
+            let now = Instant::now();
+            if now >= next {
+                self.send(next);
+                next += interval;
+                if next <= now {
+                    next = now + interval;
+                }
+            }
+            std::thread::sleep(next.saturating_duration_since(Instant::now()).max(MIN_WAIT));
         }
     }
 }
 
 #[derive(Default)]
 struct Stats {
-    sent: u64,
     received: u64,
+    /// Datagrams that are not heartbeats of this session's peer.
     rejected: u64,
+    /// Heartbeats older than one already counted (reordered, or replayed).
+    stale: u64,
     /// Longest time between two heartbeats received.
     longest_gap: Duration,
+    /// Longest time this thread itself was held up (not counted as the peer's silence).
+    longest_stall: Duration,
 }
 
+/// The sending, receiving and judging thread.
 struct Beat<O> {
-    path: Path,
+    sender: Sender,
     timing: Timing,
     pulse: Arc<Pulse>,
     observer: O,
     stop: Arc<AtomicBool>,
-    /// The next heartbeat's number.
-    seq: u64,
+    cpu: Option<usize>,
     /// The newest heartbeat number received.
     last_seen: Option<u64>,
     stats: Stats,
     last_heartbeat: Option<Instant>,
-    send_failed: bool,
     rejected_logged: bool,
 }
 
 impl<O: Observer> Beat<O> {
     fn run(mut self) {
+        if let Some(cpu) = self.cpu {
+            pin(cpu);
+        }
         raise_priority();
-        let peer = peer_role(self.path.role);
+        let peer = peer_role(self.sender.path.role);
         let started = Instant::now();
         let mut next_send = started;
         let mut warned = false;
         let mut buf = [0u8; 256];
+        // Time this thread was held up beyond what it asked to wait (its CPU
+        // taken away, the host stalled) does not count as the peer's
+        // silence: what the peer sent meanwhile may not have been processed
+        // yet. Reset whenever the peer is heard from.
+        let tolerance = self.timing.interval.max(Duration::from_millis(2));
+        let (mut excused, mut excused_since) = (Duration::ZERO, self.pulse.last());
+        let (mut woke, mut asked) = (started, Duration::ZERO);
         let ended = loop {
             if self.stop.load(Ordering::SeqCst) {
                 break "stopped";
             }
             let now = Instant::now();
+            let held = (now - woke).saturating_sub(asked);
+            if self.pulse.last() != excused_since {
+                (excused, excused_since) = (Duration::ZERO, self.pulse.last());
+            }
+            if held > tolerance {
+                excused += held;
+                self.stats.longest_stall = self.stats.longest_stall.max(held);
+            }
             if now >= next_send {
-                self.send();
+                self.sender.send(next_send);
                 next_send += self.timing.interval;
                 if next_send <= now {
                     // Woken late: keep the interval from now on.
@@ -387,12 +491,11 @@ impl<O: Observer> Beat<O> {
             if self.observer.lost_otherwise() {
                 break "the peer was lost";
             }
-            if self.pulse.silence() >= self.timing.timeout {
-                // Maybe it is this thread that was late: what already
-                // arrived counts first.
+            if self.pulse.silence().saturating_sub(excused) >= self.timing.timeout {
+                // What already arrived counts first.
                 self.drain(&mut buf);
                 let silence = self.pulse.silence();
-                if silence >= self.timing.timeout {
+                if self.pulse.last() == excused_since && silence.saturating_sub(excused) >= self.timing.timeout {
                     tracing::debug!(silence_us = silence.as_micros() as u64, "nothing heard from the {peer}");
                     self.observer.silent(silence, self.timing.timeout);
                     break "the peer fell silent";
@@ -403,46 +506,34 @@ impl<O: Observer> Beat<O> {
                 tracing::warn!(
                     "no heartbeat from the {peer} after {} ms (UDP to {} or back blocked?): until one arrives, only its stream shows it alive",
                     FIRST_WARNING.as_millis(),
-                    self.path.peer
+                    self.sender.path.peer
                 );
             }
-            let deadline = self.timing.timeout.saturating_sub(self.pulse.silence());
-            let wait = next_send.saturating_duration_since(Instant::now()).min(deadline).max(MIN_WAIT);
-            wait_readable(&self.path.socket, wait);
+            let deadline = (self.timing.timeout + excused).saturating_sub(self.pulse.silence());
+            asked = next_send.saturating_duration_since(Instant::now()).min(deadline).max(MIN_WAIT);
+            woke = Instant::now();
+            wait_readable(&self.sender.path.socket, asked);
             self.drain(&mut buf);
         };
+        self.stop.store(true, Ordering::SeqCst);
+        let sent = &self.sender.stats;
         tracing::info!(
-            peer = %self.path.peer,
-            sent = self.stats.sent,
+            peer = %self.sender.path.peer,
+            sent = sent.sent.load(Ordering::Relaxed),
             received = self.stats.received,
             rejected = self.stats.rejected,
+            stale = self.stats.stale,
             longest_gap_us = self.stats.longest_gap.as_micros() as u64,
+            latest_send_us = sent.latest_us.load(Ordering::Relaxed),
+            longest_stall_us = self.stats.longest_stall.as_micros() as u64,
             "heartbeats ended: {ended}"
         );
-    }
-
-    fn send(&mut self) {
-        let mut out = [0u8; BODY + TAG];
-        let n = encode(&self.path, self.seq, &mut out);
-        self.seq += 1;
-        match self.path.socket.send_to(&out[..n], self.path.peer) {
-            Ok(_) => {
-                self.stats.sent += 1;
-                self.send_failed = false;
-            }
-            Err(e) => {
-                if !self.send_failed {
-                    tracing::warn!(peer = %self.path.peer, "cannot send a heartbeat: {e}");
-                }
-                self.send_failed = true;
-            }
-        }
     }
 
     /// Everything queued on the (non-blocking) socket, without waiting.
     fn drain(&mut self, buf: &mut [u8]) {
         loop {
-            match self.path.socket.recv_from(buf) {
+            match self.sender.path.socket.recv_from(buf) {
                 Ok((n, from)) => self.received(&buf[..n], from),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
@@ -456,7 +547,7 @@ impl<O: Observer> Beat<O> {
     }
 
     fn received(&mut self, d: &[u8], from: SocketAddr) {
-        let result = decode(&self.path, d).and_then(|seq| match self.last_seen {
+        let result = decode(&self.sender.path, d).and_then(|seq| match self.last_seen {
             Some(last) if seq <= last => Err(Reject::Stale(seq)),
             _ => Ok(seq),
         });
@@ -468,14 +559,15 @@ impl<O: Observer> Beat<O> {
                 if let Some(prev) = self.last_heartbeat.replace(now) {
                     self.stats.longest_gap = self.stats.longest_gap.max(now - prev);
                 } else {
-                    tracing::debug!(%from, "first heartbeat from the {}", peer_role(self.path.role));
+                    tracing::debug!(%from, "first heartbeat from the {}", peer_role(self.sender.path.role));
                 }
                 self.stats.received += 1;
             }
+            // The peer's two senders overtake each other; a replay is no news either.
+            Err(Reject::Stale(_)) => self.stats.stale += 1,
             Err(e) => {
                 self.stats.rejected += 1;
-                // Reordering is normal; anything else is worth one line, not a flood.
-                if matches!(e, Reject::Stale(_)) || self.rejected_logged {
+                if self.rejected_logged {
                     tracing::debug!(%from, "ignored a datagram: {e}");
                 } else {
                     tracing::warn!(%from, "ignored a datagram: {e} (further ones are counted, not logged)");
@@ -483,6 +575,36 @@ impl<O: Observer> Beat<O> {
                 }
             }
         }
+    }
+}
+
+/// Two different CPUs this process may run on, if it has two: where the
+/// two sending threads go (spread over the host by process id).
+fn two_cpus() -> Option<(usize, usize)> {
+    // SAFETY: a cpu_set_t is plain data; all zeros is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: the calling thread's mask into a cpu_set_t of the size given.
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
+        return None;
+    }
+    // SAFETY: CPU_ISSET only reads the set, for CPUs within its size.
+    let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect();
+    if cpus.len() < 2 {
+        return None;
+    }
+    let i = std::process::id() as usize % cpus.len();
+    Some((cpus[i], cpus[(i + 1) % cpus.len()]))
+}
+
+/// Keep the calling thread on `cpu` (best effort).
+fn pin(cpu: usize) {
+    // SAFETY: a cpu_set_t is plain data; all zeros is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: CPU_SET writes one bit of the set; `cpu` is below CPU_SETSIZE (it came from CPU_ISSET).
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: sets the calling thread's mask from a valid cpu_set_t of the size given.
+    if unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) } != 0 {
+        tracing::debug!(cpu, "heartbeats not pinned: {}", io::Error::last_os_error());
     }
 }
 

@@ -389,6 +389,7 @@ fn apply_checkpoint(
     let t0 = Instant::now();
     let staged = apply.stage(replica, payload).map_err(Stop::CannotApply)?;
     let (epoch, pages, guest_ns) = (staged.epoch, staged.pages.len(), staged.state.vm.clock.ns);
+    crate::fault::stall_apply(epoch);
     apply.commit(replica, staged).map_err(Stop::CannotApply)?;
     log.record(&AppliedEpoch { epoch, guest_ns, applied_unix_ns: unix_ns(), pages, apply_us: t0.elapsed().as_micros() as u64 });
     link.send(&protocol::ack(epoch)).map_err(|e| Stop::Lost(format!("cannot acknowledge checkpoint {epoch}: {e}")))?;
