@@ -1,7 +1,7 @@
 //! Liveness: heartbeats both ways on their own path, and failure detection.
 //!
-//! Each side sends the other a heartbeat every `--heartbeat-ms` from a
-//! dedicated thread, as a UDP datagram between the two hosts (the backup
+//! Each side sends the other a heartbeat every `--heartbeat-ms` from
+//! dedicated threads, as a UDP datagram between the two hosts (the backup
 //! receives on its `--listen` address, the same port over UDP; the primary
 //! on the address its stream leaves from), so no checkpoint, pre-copy or
 //! stalled stream ever queues one behind it, and a lost datagram is
@@ -25,11 +25,12 @@
 //! (`pipeline::transport::auth`), and untagged or wrongly tagged datagrams
 //! are refused: nobody without the secret keeps a dead primary alive.
 //!
-//! The thread runs at real-time priority when the host allows it (ftvm runs
-//! as root for KVM and TAP), so a busy host does not delay heartbeats; and
-//! before it declares the peer lost it reads every datagram already queued
-//! on its socket, so its own late wake-up is never taken for the peer's
-//! silence.
+//! The threads run at real-time priority when the host allows it (ftvm runs
+//! as root for KVM and TAP), so a busy host does not delay heartbeats; with
+//! two CPUs a second sending thread on the other CPU covers a CPU that
+//! stalls. The judging thread does not count time it was itself held up as
+//! the peer's silence, and before it declares the peer lost it reads every
+//! datagram already queued on its socket.
 
 use std::io;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
