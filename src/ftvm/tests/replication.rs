@@ -224,7 +224,8 @@ fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str) {
             .arg(&socket),
     );
     let _lines = wait_for_progress(&mut p);
-    assert!(status(&socket).contains("protected: yes"), "{}", status(&socket));
+    // Protected from the backup's first acknowledgement on.
+    wait_for_status(&socket, "protected: yes");
     kill(&mut b1);
     let t0 = Instant::now();
     while !status(&socket).contains("protected: no") {
@@ -484,4 +485,25 @@ fn a_failed_reprotection_leaves_the_vm_running_unprotected() {
     assert_eq!(p.status.code(), Some(0), "{}", stderr(&p));
     assert!(stdout(&p).contains(&format!("netprobe: blk fill wrote={} result=ok", DISK / 512)), "{}", stdout(&p));
     assert!(std::fs::read(&disk).unwrap() == filled(DISK));
+}
+
+/// `ftvm status` says protected only once the backup acknowledged a
+/// checkpoint: a backup stuck applying the first one leaves it unprotected.
+#[test]
+fn protected_only_from_the_first_acknowledgement() {
+    let dir = Scratch::new("firstack").unwrap();
+    let socket = dir.join("api.sock");
+    let addr = free_addr();
+    let mut b = spawn(
+        ftvm().args(["backup", "--listen", &addr]).env("FTVM_TEST_FAULT", "stall-apply:0").stdout(Stdio::null()).stderr(Stdio::null()),
+    );
+    let mut p =
+        spawn(&mut primary(&addr, 1, LONG_WORK, &["--epoch-ms", "10", "--ack-timeout-ms", "60000", "--api-socket", path_str(&socket)]));
+    let st = wait_for_status(&socket, "waiting for its first acknowledgement");
+    assert!(st.contains("protected: no"), "{st}");
+    std::thread::sleep(Duration::from_millis(300));
+    let st = status(&socket);
+    assert!(st.contains("protected: no"), "still unacknowledged: {st}");
+    kill(&mut p);
+    kill(&mut b);
 }

@@ -165,16 +165,18 @@ impl Session {
             let mut acks = link.try_clone().map_err(ReplicationError::Send)?;
             acks.set_recv_timeout(None).map_err(ReplicationError::Send)?;
             let (output, shared, status, metrics) = (cx.output.clone(), shared.clone(), cx.status.clone(), cx.metrics.clone());
+            let backup = cx.config.backup.clone();
             std::thread::Builder::new()
                 .name("replication-acks".into())
-                .spawn(move || read_acks(acks.as_mut(), &output, &shared, &status, &metrics))
+                .spawn(move || read_acks(acks.as_mut(), &output, &shared, &status, &metrics, &backup))
                 .map_err(ReplicationError::Thread)?
         };
         {
+            // Protected only once the backup acknowledged a checkpoint (the
+            // acknowledgement reader says so).
             let mut st = cx.status.lock();
-            st.protected = true;
             st.epoch = first;
-            st.detail = format!("protected by {}", cx.config.backup);
+            st.detail = format!("backup {} synchronized; waiting for its first acknowledgement", cx.config.backup);
         }
         Ok(Session { link: Mutex::new(link), shared, reader: Some(reader), heartbeats: Some(heartbeats) })
     }
@@ -324,13 +326,20 @@ fn handshake(
 
 /// Acknowledgements release output; silence or a closed stream means the
 /// backup is gone.
-fn read_acks(link: &mut dyn Transport, output: &OutputBuffer, shared: &Shared, status: &StatusCell, metrics: &MetricsLog) {
+fn read_acks(link: &mut dyn Transport, output: &OutputBuffer, shared: &Shared, status: &StatusCell, metrics: &MetricsLog, backup: &str) {
     let mut buf = Vec::new();
     let loss = loop {
         match link.recv(HANDSHAKE_LIMIT, &mut buf) {
             Ok(Kind::Ack) => {
                 let Ok(epoch) = protocol::read_ack(&buf) else { break BackupLoss::MalformedAck };
                 let released = output.release_through(epoch);
+                {
+                    let mut st = status.lock();
+                    if !st.protected {
+                        st.protected = true;
+                        st.detail = format!("protected by {backup}");
+                    }
+                }
                 let mut done = Vec::new();
                 {
                     let mut inflight = shared.inflight.locked();
