@@ -283,3 +283,20 @@ fn every_option_has_help_text() {
     missing.dedup();
     assert!(missing.is_empty(), "options without a description:\n{}", missing.join("\n"));
 }
+
+/// `--api-socket` names a socket: a file of the user's at that path is
+/// neither deleted nor replaced (it was, before).
+#[test]
+fn api_socket_never_replaces_a_file_that_is_not_a_socket() {
+    let dir = Scratch::new("apisock").unwrap();
+    let precious = dir.join("notes.txt");
+    std::fs::write(&precious, b"keep me").unwrap();
+    let probe = image("probe");
+    for command in [&["run", "--image", probe.to_str().unwrap(), "--cmdline", "exit=0"][..], &["backup", "--listen", "127.0.0.1:0"][..]] {
+        let mut args = command.to_vec();
+        args.extend(["--api-socket", precious.to_str().unwrap()]);
+        let out = ftvm_args(&args);
+        assert_one_line_error(&out, "is not a socket", &format!("{command:?}"));
+        assert_eq!(std::fs::read(&precious).unwrap(), b"keep me", "{command:?}");
+    }
+}

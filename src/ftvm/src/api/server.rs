@@ -58,8 +58,16 @@ pub enum Action {
 
 impl ApiServer {
     pub fn bind(path: &Path) -> std::io::Result<ApiServer> {
-        // A socket file left by a VMM that died is stale; a live one is not ours to take.
-        if path.exists() {
+        // A socket file left by a VMM that died is stale; a live one is not
+        // ours to take, and anything that is not a socket is not ours at all.
+        if let Ok(meta) = std::fs::symlink_metadata(path) {
+            use std::os::unix::fs::FileTypeExt;
+            if !meta.file_type().is_socket() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    "the path exists and is not a socket; not replacing it",
+                ));
+            }
             if UnixStream::connect(path).is_ok() {
                 return Err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "another VMM is serving this socket"));
             }
