@@ -108,7 +108,24 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 auth: args.channel.auth()?,
                 handshake_timeout: Duration::from_millis(args.handshake_timeout_ms.max(1)),
             };
-            run::run(run::Source::Backup(Box::new(config)), args.host.into_options(None))
+            // Once it took over, `ftvm protect` makes it a primary with these
+            // settings (the defaults of `ftvm run`, this backup's arbiter,
+            // secret and disk).
+            let promotion = PrimaryConfig {
+                backup: String::new(),
+                epoch_ms: 20,
+                failure_timeout: Duration::from_millis(1000),
+                ack_timeout: Duration::from_millis(2000),
+                heartbeat: config.heartbeat,
+                on_backup_loss: if config.arbiter.is_some() { OnBackupLoss::Continue } else { OnBackupLoss::Pause },
+                arbiter: config.arbiter.clone(),
+                connect_timeout: Duration::from_millis(5000),
+                metrics: None,
+                disk: config.devices.disk.clone(),
+                switches: Switches::default(),
+                auth: config.auth.clone(),
+            };
+            run::run(run::Source::Backup(Box::new(config)), args.host.into_options(Some(promotion)))
         }
         Command::Restore { snapshot, host } => run::run(run::Source::Snapshot(snapshot), host.into_options(None)),
         Command::Snapshot { api_socket, timeout, output, stop } => {

@@ -62,6 +62,7 @@ const SIGNAL: u64 = 1;
 const API: u64 = 2;
 const TAKEOVER: u64 = 3;
 const API_REQUESTS: u64 = 4;
+const PROMOTED: u64 = 5;
 
 fn os(op: &'static str) -> impl Fn(std::io::Error) -> RunError {
     move |err| RunError::Os { op, err }
@@ -126,6 +127,13 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
     let mut status: Option<StatusCell> = None;
     let takeover_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(os("eventfd"))?;
     let (takeover_tx, takeover_rx) = mpsc::channel();
+    // A backup that took over may be protected again: it starts a primary of
+    // its own, off the event loop (pre-copy takes a while).
+    let promoted_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(os("eventfd"))?;
+    watch(promoted_evt.as_raw_fd(), PROMOTED)?;
+    let (promoted_tx, promoted_rx) = mpsc::channel::<Result<Primary, ReplicationError>>();
+    let mut promoting = false;
+    let promotion = if matches!(source, Source::Backup(_)) { host.replicate.clone() } else { None };
     match source {
         Source::Backup(config) => {
             let backup = Backup::bind(*config)?;
@@ -198,13 +206,39 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                 }
                 API_REQUESTS => {
                     let ctx = ApiContext { vm: vm.as_deref(), status: status.as_ref(), primary: primary.as_ref() };
-                    if api.as_ref().map(|a| a.serve_requests(&ctx)) == Some(Action::Stop) {
+                    let action = api.as_ref().map_or(Action::None, |a| a.serve_requests(&ctx));
+                    if let (Action::Protect(addr), Some(v), Some(template), false) = (&action, &vm, &promotion, promoting) {
+                        promoting = true;
+                        let config = PrimaryConfig { backup: addr.clone(), ..template.clone() };
+                        let (v, tx, evt) = (v.clone(), promoted_tx.clone(), promoted_evt.try_clone().map_err(os("eventfd"))?);
+                        std::thread::Builder::new()
+                            .name("protect".into())
+                            .spawn(move || {
+                                let _ = tx.send(Primary::start(v, config, signals::stop_requested()));
+                                let _ = evt.write(1);
+                            })
+                            .map_err(os("start protection thread"))?;
+                    }
+                    if action == Action::Stop {
                         match &vm {
                             Some(v) => v.request_stop(),
                             None => {
                                 errln!("ftvm: backup stopped before taking over");
                                 return Ok(0);
                             }
+                        }
+                    }
+                }
+                PROMOTED => {
+                    let _ = promoted_evt.read();
+                    if let Ok(result) = promoted_rx.try_recv() {
+                        promoting = false;
+                        match result {
+                            Ok(p) => {
+                                status = Some(p.status_cell());
+                                primary = Some(p);
+                            }
+                            Err(e) => tracing::error!("protecting the promoted VM failed: {e}"),
                         }
                     }
                 }

@@ -507,3 +507,29 @@ fn protected_only_from_the_first_acknowledgement() {
     kill(&mut p);
     kill(&mut b);
 }
+
+/// A backup that took over is protected again by `ftvm protect`: it
+/// becomes a primary, brings a new backup up to date, and that backup takes
+/// the guest over in turn with its memory intact.
+#[test]
+fn a_promoted_backup_is_protected_again() {
+    let dir = Scratch::new("promote").unwrap();
+    let socket = dir.join("b1.sock");
+    let (addr1, addr2) = (free_addr(), free_addr());
+    let b1 = backup(&addr1, &["--api-socket", path_str(&socket)]);
+    let mut p = spawn(&mut primary(&addr1, 1, LONG_WORK, &["--epoch-ms", "10"]));
+    let _lines = wait_for_progress(&mut p);
+    kill(&mut p);
+    wait_for_status(&socket, "role: primary");
+    let b2 = backup(&addr2, &[]);
+    let out = ftvm().args(["protect", "--api-socket", path_str(&socket), "--backup", &addr2]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    wait_for_status(&socket, "protected: yes");
+    let mut b1 = b1;
+    kill(&mut b1);
+    let out = finish(b2);
+    let err = stderr(&out);
+    assert!(out.status.success(), "second backup failed: {err}");
+    assert!(took_over_at(&err).is_some(), "no second takeover: {err}");
+    assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(LONG_WORK, 1)), "{err}");
+}

@@ -50,10 +50,12 @@ pub struct ApiServer {
 }
 
 /// What the event loop must do after a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     None,
     Stop,
+    /// Protect this VM (a promoted backup's) with a backup at this address.
+    Protect(String),
 }
 
 impl ApiServer {
@@ -128,8 +130,8 @@ impl ApiServer {
         while let Ok(pending) = self.requests.try_recv() {
             let (response, a) = self.handle(pending.request, ctx);
             let _ = pending.reply.send(response);
-            if a == Action::Stop {
-                action = Action::Stop;
+            if action != Action::Stop && a != Action::None {
+                action = a;
             }
         }
         action
@@ -252,6 +254,11 @@ impl ApiServer {
                 (Some(p), _) => {
                     p.protect(backup);
                     (Response::ok(), Action::None)
+                }
+                // A backup that took over runs the VM alone: it becomes a
+                // replicating primary (run.rs starts one).
+                (None, Some(st)) if ctx.vm.is_some() && st.role == ftvm_replication::Role::Primary => {
+                    (Response::ok(), Action::Protect(backup))
                 }
                 (None, _) => (Response::error("this VMM is not a replicating primary"), Action::None),
             },
