@@ -533,3 +533,21 @@ fn a_promoted_backup_is_protected_again() {
     assert!(took_over_at(&err).is_some(), "no second takeover: {err}");
     assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(LONG_WORK, 1)), "{err}");
 }
+
+/// Console output is output too: a primary whose backup never acknowledges
+/// prints nothing of its guest's (the progress lines stay held).
+#[test]
+fn console_output_waits_for_the_acknowledgement() {
+    let addr = free_addr();
+    let mut b = spawn(
+        ftvm().args(["backup", "--listen", &addr]).env("FTVM_TEST_FAULT", "stall-apply:0").stdout(Stdio::null()).stderr(Stdio::null()),
+    );
+    let mut p =
+        Process::spawn_collected("primary", &mut primary(&addr, 1, LONG_WORK, &["--epoch-ms", "10", "--ack-timeout-ms", "60000"])).unwrap();
+    p.wait_until(Duration::from_secs(20), |p| p.stderr().contains("synchronized")).unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(p.running(), "{}", p.output());
+    assert!(!p.stdout().contains("t="), "console output left before its checkpoint was acknowledged:\n{}", p.output());
+    p.kill();
+    b.kill();
+}

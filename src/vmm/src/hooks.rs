@@ -68,6 +68,7 @@ pub struct Hooks {
     disk_writes: Slot<dyn DiskWriteObserver>,
     host_input: Slot<dyn HostInputFilter>,
     idle: Slot<dyn IdleObserver>,
+    console: Slot<dyn ConsoleSink>,
 }
 
 impl Hooks {
@@ -94,6 +95,15 @@ impl Hooks {
 
     pub fn host_input(&self) -> Option<Arc<dyn HostInputFilter>> {
         get(&self.host_input)
+    }
+
+    /// Guest console output goes to `sink` instead of the VM's console.
+    pub fn set_console(&self, sink: Option<Arc<dyn ConsoleSink>>) {
+        set(&self.console, sink);
+    }
+
+    pub fn console(&self) -> Option<Arc<dyn ConsoleSink>> {
+        get(&self.console)
     }
 
     pub fn set_idle(&self, observer: Option<Arc<dyn IdleObserver>>) {

@@ -56,7 +56,11 @@ pub fn handle(shared: &VmShared, vcpu: u32, port: u16, data: &[u8]) -> Option<Ou
 
 fn console_write(shared: &VmShared, addr: u64) -> Result<Outcome, String> {
     let (buf, len) = (read_u64(shared, addr)?, read_u64(shared, addr + 8)?);
-    shared.console.write(&read_text(shared, buf, len)?);
+    let text = read_text(shared, buf, len)?;
+    match shared.hooks.console() {
+        Some(sink) => sink.write(&text),
+        None => shared.console.write(&text),
+    }
     Ok(Outcome::Continue)
 }
 

@@ -1,9 +1,10 @@
-//! Output commit for network frames.
+//! Output commit for network frames and console lines.
 //!
-//! Frames the guest transmits go through here. Unprotected, they go straight
-//! to the TAP. Protected, each frame joins the open epoch's queue and leaves
-//! only when the backup has acknowledged that epoch's checkpoint, so no
-//! client ever sees output whose state could be lost in a failover.
+//! Frames the guest transmits and what it writes to its console go through
+//! here. Unprotected, they go straight out (TAP, console). Protected, each
+//! joins the open epoch's queue, in the order the guest produced them, and
+//! leaves only when the backup has acknowledged that epoch's checkpoint, so
+//! nobody ever sees output whose state could be lost in a failover.
 //!
 //! What is held is bounded (`bounds::HELD_OUTPUT_BOUND`): at the bound the
 //! buffer stops taking frames, so they wait in the guest's transmit queue
@@ -15,15 +16,22 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use ftvm_vmm::devices::Waker;
-use ftvm_vmm::hooks::FrameSink;
+use ftvm_vmm::hooks::{Console, ConsoleSink, FrameSink};
 use ftvm_vmm::sync::Lock;
 
 use crate::bounds::{FRAME_OVERHEAD, HELD_OUTPUT_BOUND};
 
+/// One piece of held output.
+enum Out {
+    Frame(Vec<u8>),
+    Console(Vec<u8>),
+}
+
 #[derive(Default)]
 struct Held {
     epoch: u64,
-    frames: Vec<Vec<u8>>,
+    items: Vec<Out>,
+    frames: usize,
     first_at: Option<Instant>,
 }
 
@@ -58,6 +66,7 @@ pub struct Released {
 pub struct OutputBuffer {
     inner: Mutex<Inner>,
     network: Arc<dyn FrameSink>,
+    console: Console,
     waker: Waker,
 }
 
@@ -65,7 +74,13 @@ impl OutputBuffer {
     pub fn new(network: Arc<dyn FrameSink>) -> OutputBuffer {
         let inner =
             Inner { protected: false, open: Held::default(), closed: VecDeque::new(), released_frames: 0, held_cost: 0, refused: false };
-        OutputBuffer { inner: Mutex::new(inner), network, waker: Waker::default() }
+        OutputBuffer { inner: Mutex::new(inner), network, console: Console::default(), waker: Waker::default() }
+    }
+
+    /// Released console output goes to `console` (the VM's own).
+    pub fn with_console(mut self, console: Console) -> OutputBuffer {
+        self.console = console;
+        self
     }
 
     /// Wake the network card with `waker` when a release makes room.
@@ -105,12 +120,17 @@ impl OutputBuffer {
             if let Some(t) = held.first_at {
                 released.max_hold_us = released.max_hold_us.max(t.elapsed().as_micros() as u64);
             }
-            // Sent under the lock: frames of later epochs must not overtake these.
-            for frame in &held.frames {
-                self.network.send(frame);
-                inner.held_cost -= cost(frame);
+            // Sent under the lock: output of later epochs must not overtake this.
+            for item in &held.items {
+                match item {
+                    Out::Frame(frame) => {
+                        self.network.send(frame);
+                        inner.held_cost -= cost(frame);
+                    }
+                    Out::Console(text) => self.console.write(text),
+                }
             }
-            released.frames += held.frames.len() as u64;
+            released.frames += held.frames as u64;
         }
         inner.released_frames += released.frames;
         let wake = released.frames > 0 && std::mem::take(&mut inner.refused);
@@ -138,7 +158,7 @@ impl OutputBuffer {
     /// Frames held right now (all unacknowledged epochs).
     pub fn held_frames(&self) -> usize {
         let inner = self.lock();
-        inner.open.frames.len() + inner.closed.iter().map(|h| h.frames.len()).sum::<usize>()
+        inner.open.frames + inner.closed.iter().map(|h| h.frames).sum::<usize>()
     }
 
     /// What the held frames count against `HELD_OUTPUT_BOUND`.
@@ -161,7 +181,8 @@ impl FrameSink for OutputBuffer {
             return;
         }
         inner.open.first_at.get_or_insert_with(Instant::now);
-        inner.open.frames.push(frame.to_vec());
+        inner.open.items.push(Out::Frame(frame.to_vec()));
+        inner.open.frames += 1;
         inner.held_cost += cost(frame);
     }
 
@@ -173,6 +194,21 @@ impl FrameSink for OutputBuffer {
         }
         inner.refused = true;
         false
+    }
+}
+
+impl ConsoleSink for OutputBuffer {
+    /// Guest console output: held with its epoch like frames (a console
+    /// cannot be made to wait, so it is not bounded).
+    fn write(&self, bytes: &[u8]) {
+        let mut inner = self.lock();
+        if !inner.protected {
+            drop(inner);
+            self.console.write(bytes);
+            return;
+        }
+        inner.open.first_at.get_or_insert_with(Instant::now);
+        inner.open.items.push(Out::Console(bytes.to_vec()));
     }
 }
 
@@ -244,5 +280,36 @@ mod tests {
             out.send(&frame);
         }
         assert!(out.accepting(), "unprotected output is never held");
+    }
+
+    #[derive(Default)]
+    struct Screen(Mutex<Vec<u8>>);
+
+    impl ConsoleSink for Screen {
+        fn write(&self, bytes: &[u8]) {
+            self.0.locked().extend_from_slice(bytes);
+        }
+    }
+
+    #[test]
+    fn console_output_is_held_with_its_epoch_in_order_with_frames() {
+        let (wire, screen) = (Arc::new(Wire::default()), Arc::new(Screen::default()));
+        let out = OutputBuffer::new(wire.clone()).with_console(Console::new(screen.clone()));
+        ConsoleSink::write(&out, b"boot\n");
+        assert_eq!(&*screen.0.locked(), b"boot\n", "unprotected console output is immediate");
+        out.protect(1);
+        ConsoleSink::write(&out, b"one\n");
+        out.send(b"f1");
+        ConsoleSink::write(&out, b"two\n");
+        assert_eq!(out.close_epoch(), 1);
+        ConsoleSink::write(&out, b"three\n");
+        assert_eq!(&*screen.0.locked(), b"boot\n", "held until acknowledged");
+        assert!(drain(&wire).is_empty());
+        out.release_through(1);
+        assert_eq!(&*screen.0.locked(), b"boot\none\ntwo\n");
+        assert_eq!(drain(&wire), b"f1");
+        assert_eq!(out.held_frames(), 0, "console lines are not frames");
+        out.unprotect();
+        assert_eq!(&*screen.0.locked(), b"boot\none\ntwo\nthree\n");
     }
 }

@@ -123,10 +123,11 @@ impl Primary {
         // wake it when there is room again; the journal asks for early
         // checkpoints through the trigger.
         let network = vm.devices().tap_sink().unwrap_or_else(|| Arc::new(NoNetwork));
-        let output = Arc::new(OutputBuffer::new(network).with_waker(vm.devices().waker()));
+        let output = Arc::new(OutputBuffer::new(network).with_waker(vm.devices().waker()).with_console(vm.config().console.clone()));
         let trigger = Arc::new(Trigger::default());
         let journal = Arc::new(DiskJournal::new(trigger.clone(), vm.devices().waker()));
         vm.hooks().set_tx(Some(output.clone()));
+        vm.hooks().set_console(Some(output.clone()));
         vm.hooks().set_disk_writes(Some(journal.clone()));
         let mut pipeline = Pipeline::new(&config.switches, &vm, output.clone(), journal.clone());
         let mut epoch = 0;
