@@ -193,13 +193,11 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             });
         }
     }
-    report::print_table(&rows);
-    let csv = out.join("channel.csv");
-    report::write_csv(&csv, &rows)?;
     let bars = rows.iter().filter(|r| r.unit == "MB/s").map(|r| (format!("{} {}", r.group, r.case), r.value)).collect();
-    let svg = out.join("channel.svg");
-    report::write_bar_chart(
-        &svg,
+    report::publish(
+        out,
+        "channel",
+        &rows,
         &report::BarChart {
             title: "replication channel: checkpoint frames in clear, authenticated, encrypted",
             category: "frame size; channel",
@@ -208,6 +206,5 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             reference: None,
         },
     )?;
-    println!("\nwrote {} and {}", csv.display(), svg.display());
     Ok(())
 }

@@ -15,6 +15,7 @@ use ftvm_testkit::process::Process;
 use ftvm_testkit::topology::Topology;
 
 use crate::paths::sibling_binary;
+use crate::redis_benchmark::{self, Figures};
 use crate::report::{self, Row};
 
 type BoxError = Box<dyn std::error::Error>;
@@ -46,14 +47,6 @@ pub struct Options {
     ftvm: Option<PathBuf>,
 }
 
-/// One redis-benchmark CSV line.
-#[derive(Clone, Copy, Debug)]
-struct Figures {
-    rps: f64,
-    p50_ms: f64,
-    p99_ms: f64,
-}
-
 /// Fails if `server` has exited.
 fn check_alive(server: &mut Process) -> Result<(), BoxError> {
     match server.try_wait() {
@@ -83,23 +76,6 @@ fn wait_serving(topo: &Topology, addr: &str, server: &mut Process) -> Result<(),
 
 /// Parse redis-benchmark --csv: a header naming the columns, then one line
 /// per test. Returns (test, figures) in order.
-fn parse_csv(csv: &str) -> Result<Vec<(String, Figures)>, BoxError> {
-    let unquote = |s: &str| s.trim().trim_matches('"').to_owned();
-    let mut lines = csv.lines().filter(|l| !l.trim().is_empty());
-    let header: Vec<String> = lines.next().ok_or("redis-benchmark printed nothing")?.split(',').map(unquote).collect();
-    let col = |name: &str| header.iter().position(|h| h == name).ok_or_else(|| format!("no {name} column in {header:?}"));
-    let (rps, p50, p99) = (col("rps")?, col("p50_latency_ms")?, col("p99_latency_ms")?);
-    let mut rows = Vec::new();
-    for line in lines {
-        let cols: Vec<String> = line.split(',').map(unquote).collect();
-        let num = |i: usize| -> Result<f64, BoxError> {
-            cols.get(i).and_then(|v| v.parse().ok()).ok_or_else(|| format!("bad redis-benchmark line {line:?}").into())
-        };
-        rows.push((cols[0].clone(), Figures { rps: num(rps)?, p50_ms: num(p50)?, p99_ms: num(p99)? }));
-    }
-    Ok(rows)
-}
-
 /// One redis-benchmark run of SET and GET against `addr`.
 fn benchmark(topo: &Topology, addr: &str, opts: &Options, pipeline: u32) -> Result<(Figures, Figures), BoxError> {
     let out = topo
@@ -112,15 +88,15 @@ fn benchmark(topo: &Topology, addr: &str, opts: &Options, pipeline: u32) -> Resu
     if !out.status.success() || all.to_lowercase().contains("error") {
         return Err(format!("redis-benchmark against {addr} failed ({}): {all}", out.status).into());
     }
-    let rows = parse_csv(&String::from_utf8_lossy(&out.stdout))?;
-    let find = |t: &str| rows.iter().find(|(n, _)| n == t).map(|(_, f)| *f).ok_or_else(|| format!("no {t} line: {all}"));
+    let rows = redis_benchmark::parse(&String::from_utf8_lossy(&out.stdout))?;
+    let find = |t: &str| rows.iter().find(|f| f.test == t).cloned().ok_or_else(|| format!("no {t} line: {all}"));
     Ok((find("SET")?, find("GET")?))
 }
 
 /// The run with the median rps of `runs`.
 fn median(mut runs: Vec<Figures>) -> Figures {
     runs.sort_by(|a, b| a.rps.total_cmp(&b.rps));
-    runs[runs.len() / 2]
+    runs.swap_remove(runs.len() / 2)
 }
 
 fn ftvm_path(opts: &Options) -> Result<PathBuf, BoxError> {
@@ -209,12 +185,10 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     drop(native);
     drop(topo);
 
-    report::print_table(&rows);
-    let csv = out.join("kv.csv");
-    report::write_csv(&csv, &rows)?;
-    let svg = out.join("kv.svg");
-    report::write_bar_chart(
-        &svg,
+    report::publish(
+        out,
+        "kv",
+        &rows,
         &report::BarChart {
             title: &format!("redis-benchmark, -n {}: kv in ftvm vs native redis-server", opts.requests),
             category: "test, pipeline depth, connections; server",
@@ -223,25 +197,5 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             reference: None,
         },
     )?;
-    println!("\nwrote {} and {}", csv.display(), svg.display());
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_redis_benchmark_7_csv() {
-        let csv = "\"test\",\"rps\",\"avg_latency_ms\",\"min_latency_ms\",\"p50_latency_ms\",\"p95_latency_ms\",\"p99_latency_ms\",\"max_latency_ms\"\n\
-                   \"SET\",\"714285.69\",\"0.795\",\"0.312\",\"0.815\",\"1.127\",\"1.375\",\"24.191\"\n\
-                   \"GET\",\"746268.62\",\"0.768\",\"0.336\",\"0.799\",\"1.103\",\"1.679\",\"2.063\"\n";
-        let rows = parse_csv(csv).unwrap();
-        assert_eq!(rows.len(), 2);
-        assert_eq!(rows[0].0, "SET");
-        assert_eq!(rows[1].1.rps, 746268.62);
-        assert_eq!(rows[0].1.p50_ms, 0.815);
-        assert_eq!(rows[1].1.p99_ms, 1.679);
-        assert!(parse_csv("\"test\",\"rps\"\n").is_err());
-    }
 }

@@ -6,6 +6,7 @@ mod channel;
 mod ft;
 mod kv;
 mod paths;
+mod redis_benchmark;
 mod report;
 mod vm_costs;
 

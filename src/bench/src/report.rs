@@ -43,6 +43,17 @@ pub fn write_csv(path: &Path, rows: &[Row]) -> std::io::Result<()> {
     std::fs::write(path, s)
 }
 
+/// What every benchmark ends with: the table on stdout, `out/NAME.csv` and
+/// `out/NAME.svg` with `chart`, and where they went.
+pub fn publish(out: &Path, name: &str, rows: &[Row], chart: &BarChart) -> Result<(), Box<dyn std::error::Error>> {
+    print_table(rows);
+    let (csv, svg) = (out.join(format!("{name}.csv")), out.join(format!("{name}.svg")));
+    write_csv(&csv, rows)?;
+    write_bar_chart(&svg, chart)?;
+    println!("\nwrote {} and {}", csv.display(), svg.display());
+    Ok(())
+}
+
 /// A bar chart of one quantity: one vertical bar per category.
 pub struct BarChart<'a> {
     pub title: &'a str,

@@ -222,19 +222,16 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         first_write_cost(opts, backend, untracked, sweep, &mut rows)?;
     }
 
-    report::print_table(&rows);
-    let csv = out.join("vm.csv");
-    report::write_csv(&csv, &rows)?;
     let bars = rows
         .iter()
         .filter(|r| r.unit == "us" || r.unit == "us/page")
         .map(|r| (format!("{} {} ({})", r.group, r.case, r.unit), r.value))
         .collect();
-    let svg = out.join("vm.svg");
-    report::write_bar_chart(
-        &svg,
+    report::publish(
+        out,
+        "vm",
+        &rows,
         &report::BarChart { title: "ftvm microVM costs", category: "operation", quantity: "time (microseconds)", bars, reference: None },
     )?;
-    println!("\nwrote {} and {}", csv.display(), svg.display());
     Ok(())
 }

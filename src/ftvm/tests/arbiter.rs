@@ -5,9 +5,8 @@
 
 mod common;
 
-use std::net::TcpListener;
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use ftvm_testkit::etcd::Etcd;
@@ -16,11 +15,6 @@ use ftvm_testkit::scratch::Scratch;
 
 /// About 4 s of guest work at full speed, bounded so its checksum is known.
 const WORK: &str = "ws=16M pattern=random writes=900000000 report=100ms";
-
-fn free_addr() -> String {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("127.0.0.1:{}", l.local_addr().unwrap().port())
-}
 
 fn vmm(cmd: &mut Command) -> Process {
     Process::spawn_collected("ftvm", cmd.env("FTVM_LOG", "info").stdin(Stdio::null())).unwrap()
@@ -38,27 +32,9 @@ fn primary(addr: &str, extra: &[&str]) -> Process {
         .args(extra))
 }
 
-fn wait_for(p: &mut Process, what: &str, text: &str, timeout: Duration) {
-    if let Err(e) = p.wait_until(timeout, |p| p.output().contains(text)) {
-        panic!("{what}: no {text:?} ({e}):\n{}", p.output());
-    }
-}
-
 fn protected(p: &mut Process) {
     wait_for(p, "primary", "the VM is protected", Duration::from_secs(20));
     wait_for(p, "primary", "t=", Duration::from_secs(10));
-}
-
-/// Wait for `p` to exit by itself within `timeout`.
-fn exit_status(p: &mut Process, timeout: Duration) -> std::process::ExitStatus {
-    let t0 = Instant::now();
-    loop {
-        if let Some(status) = p.try_wait() {
-            return status;
-        }
-        assert!(t0.elapsed() < timeout, "still running after {timeout:?}:\n{}", p.output());
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn checksum(p: &Process) -> Option<String> {

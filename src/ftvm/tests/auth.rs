@@ -6,7 +6,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -18,11 +18,6 @@ use ftvm_testkit::process::Process;
 
 /// Long enough (seconds) that the primary is still running when it is killed.
 const WORK: &str = "ws=16M pattern=random writes=250000000 report=100ms";
-
-fn free_addr() -> String {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("127.0.0.1:{}", l.local_addr().unwrap().port())
-}
 
 /// Resident memory of a process in KiB (VmRSS).
 fn rss_kib(p: &Process) -> u64 {

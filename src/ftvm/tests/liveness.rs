@@ -12,7 +12,7 @@
 
 mod common;
 
-use std::net::{TcpListener, UdpSocket};
+use std::net::UdpSocket;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -26,11 +26,6 @@ use ftvm_testkit::tmpfs::Tmpfs;
 /// The failure timeout every test here gives both sides.
 const TIMEOUT_MS: u64 = 30;
 const TIMEOUT: &str = "30";
-
-fn free_addr() -> String {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("127.0.0.1:{}", l.local_addr().unwrap().port())
-}
 
 fn vmm(cmd: &mut Command) -> Process {
     Process::spawn_collected("ftvm", cmd.env("FTVM_LOG", "info")).unwrap()
@@ -46,26 +41,6 @@ fn primary(addr: &str, cmdline: &str, extra: &[&str]) -> Process {
         .arg("--image")
         .arg(image("memtouch"))
         .args(extra))
-}
-
-fn wait_for(p: &mut Process, what: &str, text: &str, timeout: Duration) {
-    if let Err(e) = p.wait_until(timeout, |p| p.output().contains(text)) {
-        panic!("{what}: no {text:?} ({e}):\n{}", p.output());
-    }
-}
-
-/// Wait for `p` to exit by itself within `timeout`.
-fn exit_status(p: &mut Process, timeout: Duration) -> std::process::ExitStatus {
-    let t0 = Instant::now();
-    loop {
-        if let Some(status) = p.try_wait() {
-            // Let the output readers catch up with its last lines.
-            let _ = p.wait_until(Duration::from_secs(2), |_| false);
-            return status;
-        }
-        assert!(t0.elapsed() < timeout, "still running after {timeout:?}:\n{}", p.output());
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn unix_us() -> u64 {

@@ -4,7 +4,6 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -14,12 +13,6 @@ use ftvm_replication::bounds::{checkpoint_limit, JOURNAL_MAX};
 use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::tmpfs::Tmpfs;
-
-/// A free loopback port for a backup to listen on.
-fn free_addr() -> String {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("127.0.0.1:{}", l.local_addr().unwrap().port())
-}
 
 /// A VMM process, SIGKILLed on drop so a failing test leaves none behind.
 fn spawn(cmd: &mut Command) -> Process {

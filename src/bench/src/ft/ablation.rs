@@ -119,17 +119,15 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     }
 
     println!("each switch value against the unreplicated VM of the same run (reference; ratio = value / reference)\n");
-    report::print_table(&rows);
-    let csv = out.join("ablation.csv");
-    report::write_csv(&csv, &rows)?;
     let bars = rows
         .iter()
         .filter(|r| r.unit == "writes/s" || r.unit == "req/s")
         .filter_map(|r| r.ratio().map(|ratio| (format!("{}: {}", r.group, r.case), ratio)))
         .collect();
-    let svg = out.join("ablation.svg");
-    report::write_bar_chart(
-        &svg,
+    report::publish(
+        out,
+        "ablation",
+        &rows,
         &report::BarChart {
             title: "ablation: throughput under FT relative to the unreplicated VM, per switch value",
             category: "switch=value: workload, epoch length, figure",
@@ -138,7 +136,6 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             reference: Some(1.0),
         },
     )?;
-    println!("\nwrote {} and {}", csv.display(), svg.display());
     Ok(())
 }
 

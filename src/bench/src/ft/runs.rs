@@ -13,6 +13,7 @@ use ftvm_testkit::resp::{Client, Reply};
 use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR};
 
 use crate::paths;
+use crate::redis_benchmark::{self, Figures};
 
 pub type BoxError = Box<dyn std::error::Error>;
 
@@ -32,15 +33,6 @@ pub struct EpochMeans {
     pub bytes: f64,
     /// How long output was held for its checkpoint.
     pub hold_us: f64,
-}
-
-/// One redis-benchmark test (SET or GET).
-#[derive(Clone, Debug)]
-pub struct Bench {
-    pub test: String,
-    pub rps: f64,
-    pub p50_ms: f64,
-    pub p99_ms: f64,
 }
 
 fn ftvm_bin() -> PathBuf {
@@ -98,30 +90,15 @@ pub fn memtouch(cmdline: &str, ft: Option<Replicated>, dir: &Path) -> Result<(f6
 
 /// Parse redis-benchmark --csv: "test","rps","avg_latency_ms","min","p50",
 /// "p95","p99","max" (redis-benchmark 7).
-fn parse_benchmark_csv(text: &str) -> Vec<Bench> {
-    text.lines()
-        .skip(1)
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split(',').map(|s| s.trim_matches('"')).collect();
-            Some(Bench {
-                test: f.first()?.to_string(),
-                rps: f.get(1)?.parse().ok()?,
-                p50_ms: f.get(4)?.parse().ok()?,
-                p99_ms: f.get(6)?.parse().ok()?,
-            })
-        })
-        .collect()
-}
-
 /// redis-benchmark SET and GET against the guest, 50 connections.
-pub fn redis_benchmark(topo: &Topology, pipeline: u32, requests: u64) -> Result<Vec<Bench>, BoxError> {
+pub fn redis_benchmark(topo: &Topology, pipeline: u32, requests: u64) -> Result<Vec<Figures>, BoxError> {
     let out = topo
         .command("client", "redis-benchmark")
         .args(["-h", GUEST_ADDR, "-t", "set,get", "-c", "50", "--csv"])
         .args(["-P", &pipeline.to_string(), "-n", &requests.to_string()])
         .output()?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let rows = parse_benchmark_csv(&text);
+    let rows = redis_benchmark::parse(&text).unwrap_or_default();
     if rows.len() < 2 {
         return Err(format!("redis-benchmark failed: {text}{}", String::from_utf8_lossy(&out.stderr)).into());
     }
@@ -210,14 +187,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_redis_benchmark_csv_and_memtouch_rates() {
-        let csv = "\"test\",\"rps\",\"avg_latency_ms\",\"min_latency_ms\",\"p50_latency_ms\",\"p95_latency_ms\",\"p99_latency_ms\",\"max_latency_ms\"\n\
-                   \"SET\",\"55555.55\",\"0.795\",\"0.312\",\"0.815\",\"1.127\",\"1.375\",\"24.191\"\n\
-                   \"GET\",\"66666.66\",\"0.768\",\"0.336\",\"0.799\",\"1.103\",\"1.679\",\"2.063\"\n";
-        let rows = parse_benchmark_csv(csv);
-        assert_eq!(rows.len(), 2);
-        assert_eq!((rows[0].test.as_str(), rows[0].rps, rows[0].p50_ms, rows[0].p99_ms), ("SET", 55555.55, 0.815, 1.375));
-        assert_eq!(rows[1].test, "GET");
+    fn reads_memtouch_rates() {
         let out = "memtouch: t=1.0s writes/s=9000 pages/s=9000\nmemtouch: writes=30000 elapsed_ms=3000 writes/s=10001.5\nmemtouch: done checksum=00\n";
         assert_eq!(memtouch_rate(out), Some(10001.5));
         assert_eq!(memtouch_rate("nothing"), None);

@@ -102,17 +102,15 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             }
         }
     }
-    report::print_table(&rows);
-    let csv = out.join("ft.csv");
-    report::write_csv(&csv, &rows)?;
     let bars = rows
         .iter()
         .filter(|r| r.unit == "writes/s" || r.unit == "req/s")
         .filter_map(|r| r.ratio().map(|ratio| (format!("{} {}", r.group, r.case), ratio)))
         .collect();
-    let svg = out.join("ft.svg");
-    report::write_bar_chart(
-        &svg,
+    report::publish(
+        out,
+        "ft",
+        &rows,
         &report::BarChart {
             title: "throughput under FT relative to the unreplicated VM",
             category: "workload, epoch length",
@@ -121,6 +119,5 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             reference: Some(1.0),
         },
     )?;
-    println!("\nwrote {} and {}", csv.display(), svg.display());
     Ok(())
 }

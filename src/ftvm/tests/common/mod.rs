@@ -3,9 +3,12 @@
 //! from `ftvm-testkit`).
 #![allow(dead_code)]
 
+use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Command, ExitStatus, Output};
+use std::time::{Duration, Instant};
 
+use ftvm_testkit::process::Process;
 use ftvm_workloads::memtouch::{self, Config, Writer};
 
 /// A guest image built by `scripts/build-images.sh`. Missing images are a
@@ -57,4 +60,32 @@ pub fn expected_memtouch_checksum(cmdline: &str, writers: u32) -> String {
     // SAFETY: viewing initialized u64s as bytes.
     let bytes = unsafe { std::slice::from_raw_parts(ws.as_ptr() as *const u8, ws.len() * 8) };
     format!("{:016x}", memtouch::checksum(bytes))
+}
+
+/// A free loopback port for a backup to listen on.
+pub fn free_addr() -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("127.0.0.1:{}", l.local_addr().unwrap().port())
+}
+
+/// Wait until `p`'s output contains `text`; panics with the output (naming
+/// `what`) if it exits first or `timeout` passes.
+pub fn wait_for(p: &mut Process, what: &str, text: &str, timeout: Duration) {
+    if let Err(e) = p.wait_until(timeout, |p| p.output().contains(text)) {
+        panic!("{what}: no {text:?} ({e}):\n{}", p.output());
+    }
+}
+
+/// Wait for `p` to exit by itself within `timeout`.
+pub fn exit_status(p: &mut Process, timeout: Duration) -> ExitStatus {
+    let t0 = Instant::now();
+    loop {
+        if let Some(status) = p.try_wait() {
+            // Let the output readers catch up with its last lines.
+            let _ = p.wait_until(Duration::from_secs(2), |_| false);
+            return status;
+        }
+        assert!(t0.elapsed() < timeout, "still running after {timeout:?}:\n{}", p.output());
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
