@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Build the guest programs (guest/ workspace) and copy them to
-# target/images/NAME.elf, where the VMM and its tests look for them.
-# Idempotent; runs from any directory.
+# target/images/NAME.elf, where the VMM and its tests look for them; the
+# runtime's Linux personality is linux.elf. The static C test programs of
+# the Linux personality (guest/linux/programs/NAME.c) become
+# target/images/linux-NAME (musl-gcc, from Debian's musl-tools). Idempotent;
+# runs from any directory.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 target=x86_64-unknown-linux-gnu
-apps=(memtouch probe netprobe kv)
+apps=(memtouch probe netprobe kv linux)
 
 # From inside guest/ so its .cargo/config.toml (static, no-libc link flags)
 # applies; the explicit --target keeps those flags off build scripts.
@@ -21,4 +24,16 @@ for app in "${apps[@]}"; do
     cp "$root/guest/target/$target/release/$app" "$out/$app.elf.tmp"
     mv "$out/$app.elf.tmp" "$out/$app.elf"
     echo "built $out/$app.elf ($(stat -c %s "$out/$app.elf") bytes)"
+done
+
+# Unmodified static Linux programs (no ftvm ABI note): rebuilt only when the
+# source is newer than the binary.
+command -v musl-gcc >/dev/null || { echo "build-images: musl-gcc not found (install musl-tools: scripts/setup.sh)" >&2; exit 1; }
+for src in "$root"/guest/linux/programs/*.c; do
+    name="linux-$(basename "$src" .c)"
+    if [ ! -e "$out/$name" ] || [ "$src" -nt "$out/$name" ]; then
+        musl-gcc -static -O2 -Wall -Werror -o "$out/$name.tmp" "$src"
+        mv "$out/$name.tmp" "$out/$name"
+        echo "built $out/$name ($(stat -c %s "$out/$name") bytes)"
+    fi
 done

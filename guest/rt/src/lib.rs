@@ -56,12 +56,59 @@ pub fn kick() {
     hypercall::kick();
 }
 
+/// The ftvm ABI note (`ftvm_abi::note`) as it sits in the image: header,
+/// name and descriptor with 4-byte ELF note alignment, so packed.
+#[doc(hidden)]
+#[repr(C, packed(4))]
+pub struct AbiNote {
+    pub namesz: u32,
+    pub descsz: u32,
+    pub kind: u32,
+    pub name: [u8; 8],
+    pub abi_version: u32,
+    pub flags: u32,
+    pub syscall_entry: Option<unsafe extern "C" fn()>,
+}
+
+impl AbiNote {
+    #[doc(hidden)]
+    pub const fn new(flags: u32, syscall_entry: Option<unsafe extern "C" fn()>) -> AbiNote {
+        let n = abi::note::NAME;
+        AbiNote {
+            namesz: n.len() as u32,
+            descsz: abi::note::DESC_SIZE as u32,
+            kind: abi::note::TYPE_ABI,
+            name: [n[0], n[1], n[2], n[3], n[4], 0, 0, 0],
+            abi_version: abi::ABI_VERSION,
+            flags,
+            syscall_entry,
+        }
+    }
+}
+
 /// Define the program's entry point: `entry!(main)` with
 /// `fn main(args: &ftvm_rt::Args) -> i32`. `main` runs on vCPU 0; its return
-/// value becomes the VM's exit status.
+/// value becomes the VM's exit status. The image gets the ftvm ABI note.
+///
+/// `entry!(main, linux_syscall_entry = handler)` marks the image as a runtime
+/// with a Linux personality: the VMM loads a Linux program next to it and
+/// points `syscall` at `handler`.
 #[macro_export]
 macro_rules! entry {
     ($main:path) => {
+        $crate::entry!(@note 0, None);
+        $crate::entry!(@start $main);
+    };
+    ($main:path, linux_syscall_entry = $handler:path) => {
+        $crate::entry!(@note $crate::abi::note::FLAG_LINUX_PERSONALITY, Some($handler));
+        $crate::entry!(@start $main);
+    };
+    (@note $flags:expr, $handler:expr) => {
+        #[used]
+        #[unsafe(link_section = ".note.ftvm")]
+        static __FTVM_ABI_NOTE: $crate::AbiNote = $crate::AbiNote::new($flags, $handler);
+    };
+    (@start $main:path) => {
         /// The VMM jumps here on every vCPU; see `ftvm_rt::start`.
         #[unsafe(no_mangle)]
         #[unsafe(naked)]

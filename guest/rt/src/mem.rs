@@ -94,3 +94,12 @@ pub unsafe extern "C" fn bcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
 /// still names it, so it must resolve.
 #[no_mangle]
 pub extern "C" fn rust_eh_personality() {}
+
+/// Landing pads in the precompiled `alloc` (built to unwind) end in this
+/// call; with `panic = "abort"` no unwind ever starts, so it is never
+/// reached, but some of those functions (`String::from_utf8_lossy`, ...)
+/// still name it.
+#[no_mangle]
+pub extern "C" fn _Unwind_Resume() -> ! {
+    crate::panic::park()
+}

@@ -23,6 +23,9 @@ pub struct Args {
     pub memmap: &'static [MemRegion],
     /// The FREE region the global allocator manages (size 0: no heap).
     pub heap: MemRegion,
+    /// The Linux program the VMM loaded for a Linux personality (all zero
+    /// otherwise).
+    pub program: ftvm_abi::Program,
 }
 
 impl Args {
@@ -64,7 +67,7 @@ pub unsafe extern "C" fn __start(boot: *const BootInfo, vcpu: u64, entry_rsp: u6
     time::init(boot.clock_addr as *const _);
     vcpu::set_vcpu_count(vcpu_count);
     DEVICES.call_once(|| device_list(boot));
-    let args = Args { cmdline: cmdline(boot), vcpu_count, memmap: memmap(boot), heap: MemRegion::default() };
+    let args = Args { cmdline: cmdline(boot), vcpu_count, memmap: memmap(boot), heap: MemRegion::default(), program: boot.program };
     let args = Args { heap: heap::init(args.memmap), ..args };
     exit(main(&args))
 }

@@ -28,8 +28,13 @@ pub fn vcpu_count() -> usize {
     VCPU_COUNT.load(Ordering::Acquire)
 }
 
-/// Index of the calling vCPU (0..vcpu_count).
+/// Index of the calling vCPU (0..vcpu_count). With a single vCPU it is 0
+/// whatever the stack, so code may then run on stacks of its own (the Linux
+/// personality's threads do).
 pub fn vcpu_id() -> usize {
+    if vcpu_count() == 1 {
+        return 0;
+    }
     let rsp: u64;
     // SAFETY: reads a register, touches nothing.
     unsafe { asm!("mov {}, rsp", out(reg) rsp, options(nomem, nostack, preserves_flags)) };

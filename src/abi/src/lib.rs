@@ -115,6 +115,57 @@ pub struct BootInfo {
     pub cmdline_addr: u64,
     pub cmdline_len: u64,
     pub clock_addr: u64,
+    /// The Linux program a Linux-personality runtime is to run; all zero for
+    /// ordinary guests (see [`Program`]).
+    pub program: Program,
+}
+
+/// A static Linux program the VMM loaded next to a runtime with a Linux
+/// personality (an image whose [`note::AbiNote`] has
+/// [`note::FLAG_LINUX_PERSONALITY`]). Its segments are already in memory
+/// (memory map region [`mem_kind::PROGRAM`]); the runtime builds the
+/// process start-up stack and jumps to `entry` at CPL3.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Program {
+    pub entry: u64,
+    /// Address of the program headers in memory (`AT_PHDR`).
+    pub phdr: u64,
+    /// Number of program headers (`AT_PHNUM`) and the size of one (`AT_PHENT`).
+    pub phnum: u32,
+    pub phent: u32,
+    /// Lowest and one-past-highest address of the loaded segments (bss included).
+    pub start: u64,
+    pub end: u64,
+}
+
+/// The ELF note by which the VMM tells a guest built for this ABI from an
+/// unmodified Linux program: a `PT_NOTE` segment holding a note of name
+/// [`note::NAME`] and type [`note::TYPE_ABI`] whose descriptor is an
+/// [`note::AbiNote`]. `ftvm_rt::entry!` emits it.
+pub mod note {
+    /// Note name, NUL included (the ELF `namesz` is 5).
+    pub const NAME: &[u8; 5] = b"ftvm\0";
+    pub const TYPE_ABI: u32 = 1;
+    /// The image is a runtime with a Linux personality: it runs programs
+    /// without the note (`BootInfo::program`).
+    pub const FLAG_LINUX_PERSONALITY: u32 = 1;
+
+    /// Descriptor of the ABI note.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct AbiNote {
+        /// [`super::ABI_VERSION`] the image was built for.
+        pub abi_version: u32,
+        pub flags: u32,
+        /// Where `syscall` goes (the VMM sets `EFER.SCE` and `LSTAR`): on
+        /// these hosts it stays at CPL3, so the guest's own handler runs
+        /// natively and returns by jump. 0: `syscall` faults (#UD).
+        pub syscall_entry: u64,
+    }
+
+    /// Bytes of the descriptor (`descsz`).
+    pub const DESC_SIZE: usize = core::mem::size_of::<AbiNote>();
 }
 
 /// `MemRegion::kind`
@@ -127,6 +178,8 @@ pub mod mem_kind {
     pub const STACK: u32 = 3;
     /// Free RAM for the guest's heap.
     pub const FREE: u32 = 4;
+    /// The segments of the Linux program ([`super::Program`]), if any.
+    pub const PROGRAM: u32 = 5;
 }
 
 #[repr(C)]

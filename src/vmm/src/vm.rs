@@ -248,13 +248,17 @@ impl Vm {
         let mem = self.shared.ram.memory();
         let devices = self.shared.devices.abi_list();
         let layout = boot::boot(mem, image, self.config.mem_size, self.config.vcpus, cmdline, &devices)?;
-        let xcr0 = {
+        let features = {
             let vcpu = self.vcpus[0].locked();
-            cpu::xcr0_for(&vcpu.fd.get_cpuid2(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_CPUID2"))?)
+            let cpuid = vcpu.fd.get_cpuid2(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_CPUID2"))?;
+            let syscall_entry = layout.image.note.map(|n| n.syscall_entry).filter(|&e| e != 0);
+            // Only Linux programs need their own fs base.
+            let fsgsbase = layout.program.is_some() && cpu::has_fsgsbase(&cpuid);
+            cpu::CpuFeatures { xcr0: cpu::xcr0_for(&cpuid), syscall_entry, fsgsbase }
         };
         for (i, vcpu) in self.vcpus.iter().enumerate() {
             let i = i as u32;
-            cpu::setup_vcpu(&vcpu.locked().fd, i, layout.image.entry, layout.stack_top(i), xcr0).map_err(kvm_err("vCPU setup"))?;
+            cpu::setup_vcpu(&vcpu.locked().fd, i, layout.image.entry, layout.stack_top(i), features).map_err(kvm_err("vCPU setup"))?;
         }
         self.shared.clock.locked().publish(mem)?;
         Ok(self.layout.get_or_init(|| layout))

@@ -9,6 +9,7 @@ use linux_loader::loader::{Elf, KernelLoader};
 use vm_memory::GuestAddress;
 
 use ftvm_abi::layout::SYSTEM_AREA_END;
+use ftvm_abi::note::{self, AbiNote};
 
 use crate::memory::GuestMemory;
 
@@ -37,11 +38,24 @@ pub struct LoadedImage {
     /// Lowest and one-past-highest address of any loadable segment (incl. bss).
     pub start: u64,
     pub end: u64,
+    /// The ftvm ABI note; `None` for a plain Linux program.
+    pub note: Option<AbiNote>,
+    /// Address of the program header table once loaded (0: no loadable
+    /// segment covers it) and its entry count.
+    pub phdr: u64,
+    pub phnum: u16,
+    /// Every loadable segment has its virtual address equal to its physical
+    /// one (the guest runs identity-mapped, and Linux programs are linked by
+    /// virtual address).
+    pub identity: bool,
 }
 
 const EHDR_SIZE: usize = 64;
-const PHDR_SIZE: usize = 56;
+pub(crate) const PHDR_SIZE: usize = 56;
 const PT_LOAD: u32 = 1;
+const PT_NOTE: u32 = 4;
+/// Larger note segments are not read (ours is 32 bytes).
+const MAX_NOTE_SEGMENT: u64 = 4096;
 const ET_EXEC: u16 = 2;
 const EM_X86_64: u16 = 62;
 
@@ -90,17 +104,33 @@ pub fn inspect(path: &Path, mem_size: u64) -> Result<LoadedImage, ImageError> {
     file.seek(SeekFrom::Start(phoff)).and_then(|_| file.read_exact(&mut phdrs)).map_err(|_| malformed("truncated program header table"))?;
     let file_len = file.metadata().map(|m| m.len()).unwrap_or(0);
     let (mut start, mut end) = (u64::MAX, 0u64);
+    let (mut abi_note, mut phdr, mut identity) = (None, 0, true);
+    let phdrs_len = (phnum * PHDR_SIZE) as u64;
     for ph in phdrs.chunks_exact(PHDR_SIZE) {
-        if u32_at(ph, 0) != PT_LOAD {
-            continue;
+        let (offset, vaddr, paddr, filesz, memsz) = (u64_at(ph, 8), u64_at(ph, 16), u64_at(ph, 24), u64_at(ph, 32), u64_at(ph, 40));
+        if offset.checked_add(filesz).is_none_or(|e| e > file_len) {
+            return Err(malformed("segment extends past the end of the file"));
         }
-        let (offset, paddr, filesz, memsz) = (u64_at(ph, 8), u64_at(ph, 24), u64_at(ph, 32), u64_at(ph, 40));
-        if filesz > memsz || offset.checked_add(filesz).is_none_or(|e| e > file_len) {
+        match u32_at(ph, 0) {
+            PT_LOAD => {}
+            PT_NOTE if abi_note.is_none() && filesz <= MAX_NOTE_SEGMENT => {
+                let mut notes = vec![0u8; filesz as usize];
+                file.seek(SeekFrom::Start(offset)).and_then(|_| file.read_exact(&mut notes)).map_err(|_| malformed("truncated note"))?;
+                abi_note = find_abi_note(&notes);
+                continue;
+            }
+            _ => continue,
+        }
+        if filesz > memsz {
             return Err(malformed("segment extends past the end of the file"));
         }
         let seg_end = paddr.checked_add(memsz).ok_or_else(|| malformed("segment address overflows"))?;
         start = start.min(paddr);
         end = end.max(seg_end);
+        identity &= vaddr == paddr;
+        if phdr == 0 && offset <= phoff && phoff.saturating_add(phdrs_len) <= offset + filesz {
+            phdr = paddr + (phoff - offset);
+        }
     }
     if end == 0 {
         return Err(malformed("no loadable segment"));
@@ -114,7 +144,27 @@ pub fn inspect(path: &Path, mem_size: u64) -> Result<LoadedImage, ImageError> {
     if !(start..end).contains(&entry) {
         return Err(malformed("entry point outside the loadable segments"));
     }
-    Ok(LoadedImage { entry, start, end })
+    Ok(LoadedImage { entry, start, end, note: abi_note, phdr, phnum: phnum as u16, identity })
+}
+
+/// The ftvm ABI descriptor among the ELF notes of one `PT_NOTE` segment.
+fn find_abi_note(mut notes: &[u8]) -> Option<AbiNote> {
+    // Each note: namesz, descsz, type (u32 each), then name and descriptor,
+    // each padded to 4 bytes.
+    while notes.len() >= 12 {
+        let (namesz, descsz, kind) = (u32_at(notes, 0) as usize, u32_at(notes, 4) as usize, u32_at(notes, 8));
+        let name_end = 12 + namesz.next_multiple_of(4);
+        let desc_end = name_end.checked_add(descsz.next_multiple_of(4))?;
+        if desc_end > notes.len() {
+            return None;
+        }
+        if kind == note::TYPE_ABI && &notes[12..12 + namesz] == note::NAME && descsz >= note::DESC_SIZE {
+            let d = &notes[name_end..];
+            return Some(AbiNote { abi_version: u32_at(d, 0), flags: u32_at(d, 4), syscall_entry: u64_at(d, 8) });
+        }
+        notes = &notes[desc_end..];
+    }
+    None
 }
 
 /// Validate and copy the image's segments into guest memory. Memory beyond

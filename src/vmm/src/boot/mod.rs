@@ -1,14 +1,21 @@
 //! Guest boot: load the image, carve per-vCPU stacks, write the boot info.
+//!
+//! An image with the ftvm ABI note is the guest. An image without it is an
+//! unmodified static Linux program: the VMM loads the runtime's Linux
+//! personality (`linux.elf`, see [`linux_runtime`]) as the guest and the
+//! program next to it, and tells the runtime where the program is
+//! (`BootInfo::program`).
 
 pub mod image;
 
 use std::mem::size_of;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use vm_memory::{Bytes, GuestAddress};
 
 use ftvm_abi::layout::{BOOT_INFO_ADDR, BOOT_INFO_SIZE, CLOCK_PAGE_ADDR, SYSTEM_AREA_END, VCPU_STACK_SIZE};
-use ftvm_abi::{mem_kind, BootInfo, Device, MemRegion, ABI_VERSION, BOOT_MAGIC, PAGE_SIZE};
+use ftvm_abi::note::FLAG_LINUX_PERSONALITY;
+use ftvm_abi::{mem_kind, BootInfo, Device, MemRegion, Program, ABI_VERSION, BOOT_MAGIC, PAGE_SIZE};
 
 use crate::memory::GuestMemory;
 pub use image::{ImageError, LoadedImage};
@@ -26,12 +33,37 @@ pub enum BootError {
     CmdlineTooLong { len: usize, max: usize },
     #[error("cannot write boot information: {0}")]
     Write(#[from] vm_memory::GuestMemoryError),
+    #[error("image {image} is built for ftvm guest ABI {found}, this VMM speaks {ABI_VERSION}")]
+    AbiVersion { image: String, found: u32 },
+    #[error("{program} is a Linux program (no ftvm ABI note), but the Linux runtime {runtime} {why}; build it with scripts/build-images.sh or set {RUNTIME_ENV}")]
+    NoLinuxRuntime { program: String, runtime: String, why: String },
+    #[error("Linux program {program}: {what}")]
+    Program { program: String, what: String },
+}
+
+/// Environment variable naming the Linux personality image; by default it
+/// is `../images/linux.elf` next to the `ftvm` executable (where
+/// `scripts/build-images.sh` puts it: `target/images/`).
+pub const RUNTIME_ENV: &str = "FTVM_LINUX_RUNTIME";
+
+/// Where the Linux personality image is expected.
+pub fn linux_runtime() -> PathBuf {
+    if let Some(p) = std::env::var_os(RUNTIME_ENV) {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().unwrap_or_default();
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    dir.join("../images/linux.elf")
 }
 
 /// Where everything of a booted guest lives.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BootLayout {
+    /// The image the vCPUs enter.
     pub image: LoadedImage,
+    /// A Linux program loaded next to it (the image is then the Linux
+    /// personality of the runtime).
+    pub program: Option<LoadedImage>,
     pub stacks_start: u64,
     pub heap_start: u64,
     pub mem_size: u64,
@@ -43,14 +75,26 @@ impl BootLayout {
         self.stacks_start + (vcpu as u64 + 1) * VCPU_STACK_SIZE
     }
 
-    pub fn regions(&self) -> [MemRegion; 4] {
+    pub fn regions(&self) -> Vec<MemRegion> {
         let region = |base, end, kind| MemRegion { base, size: end - base, kind, reserved: 0 };
-        [
-            region(0, SYSTEM_AREA_END, mem_kind::RESERVED),
-            region(self.image.start, self.image.end, mem_kind::IMAGE),
-            region(self.stacks_start, self.stacks_start + self.vcpus as u64 * VCPU_STACK_SIZE, mem_kind::STACK),
-            region(self.heap_start, self.mem_size, mem_kind::FREE),
-        ]
+        let mut regions = vec![region(0, SYSTEM_AREA_END, mem_kind::RESERVED), region(self.image.start, self.image.end, mem_kind::IMAGE)];
+        if let Some(p) = &self.program {
+            regions.push(region(p.start, p.end, mem_kind::PROGRAM));
+        }
+        regions.push(region(self.stacks_start, self.stacks_start + self.vcpus as u64 * VCPU_STACK_SIZE, mem_kind::STACK));
+        regions.push(region(self.heap_start, self.mem_size, mem_kind::FREE));
+        regions
+    }
+
+    fn program_info(&self) -> Program {
+        self.program.map_or_else(Program::default, |p| Program {
+            entry: p.entry,
+            phdr: p.phdr,
+            phnum: p.phnum.into(),
+            phent: image::PHDR_SIZE as u32,
+            start: p.start,
+            end: p.end,
+        })
     }
 }
 
@@ -58,25 +102,85 @@ fn align_up(v: u64, a: u64) -> u64 {
     v.div_ceil(a) * a
 }
 
-/// Decide where stacks and heap go for `image`, or say why it does not fit.
-pub fn plan(image: LoadedImage, mem_size: u64, vcpus: u32) -> Result<BootLayout, BootError> {
-    let stacks_start = align_up(image.end, PAGE_SIZE);
+/// Decide where stacks and heap go for `image` (and `program`), or say why
+/// it does not fit.
+pub fn plan(image: LoadedImage, program: Option<LoadedImage>, mem_size: u64, vcpus: u32) -> Result<BootLayout, BootError> {
+    let end = program.map_or(image.end, |p| p.end.max(image.end));
+    let stacks_start = align_up(end, PAGE_SIZE);
     let heap_start = stacks_start + vcpus as u64 * VCPU_STACK_SIZE;
     let needed = heap_start + MIN_HEAP;
     // Hypercall argument blocks live on the stacks and must be below 4 GiB.
     if needed > mem_size || heap_start > 1 << 32 {
         return Err(BootError::TooLittleMemory { needed: needed.div_ceil(1 << 20), have: mem_size >> 20, vcpus });
     }
-    Ok(BootLayout { image, stacks_start, heap_start, mem_size, vcpus })
+    Ok(BootLayout { image, program, stacks_start, heap_start, mem_size, vcpus })
 }
 
-/// Load `path` and write the boot info for `vcpus` vCPUs.
+/// Load `path` (and, for a Linux program, the runtime that runs it) and
+/// write the boot info for `vcpus` vCPUs.
 pub fn boot(mem: &GuestMemory, path: &Path, mem_size: u64, vcpus: u32, cmdline: &str, devices: &[Device]) -> Result<BootLayout, BootError> {
     let image = image::inspect(path, mem_size)?;
-    let layout = plan(image, mem_size, vcpus)?;
-    image::load(mem, path, mem_size)?;
+    let layout = match image.note {
+        Some(note) => {
+            check_abi(path, note.abi_version)?;
+            let layout = plan(image, None, mem_size, vcpus)?;
+            image::load(mem, path, mem_size)?;
+            layout
+        }
+        None => {
+            let runtime_path = linux_runtime();
+            let runtime = linux_personality(path, &runtime_path, mem_size)?;
+            check_program(path, &image, &runtime)?;
+            let layout = plan(runtime, Some(image), mem_size, vcpus)?;
+            image::load(mem, &runtime_path, mem_size)?;
+            image::load(mem, path, mem_size)?;
+            layout
+        }
+    };
     write_boot_info(mem, &layout, cmdline, devices)?;
     Ok(layout)
+}
+
+fn check_abi(path: &Path, found: u32) -> Result<(), BootError> {
+    if found != ABI_VERSION {
+        return Err(BootError::AbiVersion { image: path.display().to_string(), found });
+    }
+    Ok(())
+}
+
+/// Inspect the Linux personality image that is to run `program`.
+fn linux_personality(program: &Path, runtime: &Path, mem_size: u64) -> Result<LoadedImage, BootError> {
+    let missing =
+        |why: String| BootError::NoLinuxRuntime { program: program.display().to_string(), runtime: runtime.display().to_string(), why };
+    if !runtime.exists() {
+        return Err(missing("does not exist".into()));
+    }
+    let image = image::inspect(runtime, mem_size).map_err(|e| missing(format!("is unusable ({e})")))?;
+    match image.note {
+        Some(n) if n.flags & FLAG_LINUX_PERSONALITY != 0 && n.syscall_entry != 0 => {
+            check_abi(runtime, n.abi_version)?;
+            Ok(image)
+        }
+        _ => Err(missing("is not a runtime with a Linux personality".into())),
+    }
+}
+
+/// What the Linux personality needs of a program.
+fn check_program(path: &Path, program: &LoadedImage, runtime: &LoadedImage) -> Result<(), BootError> {
+    let bad = |what: String| BootError::Program { program: path.display().to_string(), what };
+    if !program.identity {
+        return Err(bad("segments with physical addresses different from their virtual ones".into()));
+    }
+    if program.phdr == 0 {
+        return Err(bad("its program headers are not inside a loadable segment".into()));
+    }
+    if program.start < runtime.end && runtime.start < program.end {
+        return Err(bad(format!(
+            "its segments {:#x}..{:#x} overlap the Linux runtime's {:#x}..{:#x} (programs must be linked at or above {:#x}, as GNU ld does by default)",
+            program.start, program.end, runtime.start, runtime.end, runtime.end
+        )));
+    }
+    Ok(())
 }
 
 fn write_boot_info(mem: &GuestMemory, layout: &BootLayout, cmdline: &str, devices: &[Device]) -> Result<(), BootError> {
@@ -100,6 +204,7 @@ fn write_boot_info(mem: &GuestMemory, layout: &BootLayout, cmdline: &str, device
         cmdline_addr,
         cmdline_len: cmdline.len() as u64,
         clock_addr: CLOCK_PAGE_ADDR,
+        program: layout.program_info(),
     };
     // SAFETY: BootInfo, MemRegion and Device are repr(C) structs of plain
     // integers with no padding-sensitive invariants; viewing them as bytes
@@ -117,12 +222,12 @@ mod tests {
     use super::*;
 
     fn image() -> LoadedImage {
-        LoadedImage { entry: 0x20_1000, start: 0x20_0000, end: 0x21_0123 }
+        LoadedImage { entry: 0x20_1000, start: 0x20_0000, end: 0x21_0123, note: None, phdr: 0, phnum: 0, identity: true }
     }
 
     #[test]
     fn plan_puts_stacks_above_image_and_heap_above_stacks() {
-        let l = plan(image(), 64 << 20, 2).unwrap();
+        let l = plan(image(), None, 64 << 20, 2).unwrap();
         assert_eq!(l.stacks_start, 0x21_1000);
         assert_eq!(l.stack_top(1), 0x21_1000 + 2 * VCPU_STACK_SIZE);
         assert_eq!(l.heap_start, l.stack_top(1));
@@ -131,7 +236,17 @@ mod tests {
     }
 
     #[test]
+    fn plan_puts_stacks_above_the_program_too() {
+        let program = LoadedImage { entry: 0x40_1000, start: 0x40_0000, end: 0x58_0123, ..image() };
+        let l = plan(image(), Some(program), 64 << 20, 1).unwrap();
+        assert_eq!(l.stacks_start, 0x58_1000);
+        let r = l.regions();
+        assert_eq!(r[2], MemRegion { base: 0x40_0000, size: 0x18_0123, kind: mem_kind::PROGRAM, reserved: 0 });
+        assert_eq!(l.program_info().entry, 0x40_1000);
+    }
+
+    #[test]
     fn plan_rejects_too_little_memory() {
-        assert!(matches!(plan(image(), 4 << 20, 4), Err(BootError::TooLittleMemory { .. })));
+        assert!(matches!(plan(image(), None, 4 << 20, 4), Err(BootError::TooLittleMemory { .. })));
     }
 }

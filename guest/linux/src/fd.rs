@@ -1,0 +1,184 @@
+//! The file descriptor table: numbers to open file descriptions, which
+//! `dup` shares, and the readiness of each kind of object for epoll.
+
+use alloc::sync::Arc;
+use alloc::vec::Vec;
+use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use spin::Mutex;
+
+use crate::errno::{Errno, EBADF, EMFILE};
+use crate::{fs, net, pipe};
+
+/// Most descriptors at once (RLIMIT_NOFILE).
+pub const MAX_FDS: usize = 10_240;
+
+pub const O_ACCMODE: u32 = 3;
+pub const O_WRONLY: u32 = 1;
+pub const O_RDWR: u32 = 2;
+pub const O_CREAT: u32 = 0o100;
+pub const O_EXCL: u32 = 0o200;
+pub const O_TRUNC: u32 = 0o1000;
+pub const O_APPEND: u32 = 0o2000;
+pub const O_NONBLOCK: u32 = 0o4000;
+pub const O_DIRECTORY: u32 = 0o200000;
+pub const O_CLOEXEC: u32 = 0o2000000;
+
+pub const EPOLLIN: u32 = 0x1;
+pub const EPOLLPRI: u32 = 0x2;
+pub const EPOLLOUT: u32 = 0x4;
+pub const EPOLLERR: u32 = 0x8;
+pub const EPOLLHUP: u32 = 0x10;
+pub const EPOLLRDHUP: u32 = 0x2000;
+
+pub enum Object {
+    Stdin,
+    /// stdout (1) or stderr (2): the VM console.
+    Console,
+    Dev(fs::Dev),
+    File(fs::Ino),
+    Dir(fs::Ino),
+    PipeRead(u32),
+    PipeWrite(u32),
+    Socket(u32),
+    Epoll(u32),
+}
+
+/// An open file description.
+pub struct Desc {
+    pub obj: Object,
+    /// Status flags (O_APPEND, O_NONBLOCK, access mode).
+    pub flags: AtomicU32,
+    pub offset: AtomicU64,
+}
+
+impl Desc {
+    pub fn new(obj: Object, flags: u32) -> Arc<Desc> {
+        Arc::new(Desc { obj, flags: AtomicU32::new(flags & !O_CLOEXEC), offset: AtomicU64::new(0) })
+    }
+
+    pub fn nonblocking(&self) -> bool {
+        self.flags.load(Ordering::Relaxed) & O_NONBLOCK != 0
+    }
+}
+
+impl Drop for Desc {
+    /// The last descriptor of it is gone: release the object.
+    fn drop(&mut self) {
+        match self.obj {
+            Object::PipeRead(id) => pipe::close(id, false),
+            Object::PipeWrite(id) => pipe::close(id, true),
+            Object::Socket(id) => net::close(id),
+            Object::Epoll(id) => crate::sys::epoll::drop_instance(id),
+            Object::File(ino) => fs::release(ino),
+            _ => {}
+        }
+    }
+}
+
+struct Slot {
+    desc: Arc<Desc>,
+    cloexec: bool,
+}
+
+static TABLE: Mutex<Vec<Option<Slot>>> = Mutex::new(Vec::new());
+
+pub fn init_stdio() {
+    let mut t = TABLE.lock();
+    t.clear();
+    t.push(Some(Slot { desc: Desc::new(Object::Stdin, 0), cloexec: false }));
+    let console = Desc::new(Object::Console, O_WRONLY);
+    t.push(Some(Slot { desc: console.clone(), cloexec: false }));
+    t.push(Some(Slot { desc: console, cloexec: false }));
+}
+
+pub fn get(fd: u64) -> Result<Arc<Desc>, Errno> {
+    let t = TABLE.lock();
+    t.get(fd as usize).and_then(|s| s.as_ref()).map(|s| s.desc.clone()).ok_or(EBADF)
+}
+
+/// Install `desc` at the lowest free number at or above `min`.
+pub fn install_from(desc: Arc<Desc>, cloexec: bool, min: usize) -> Result<u64, Errno> {
+    let mut t = TABLE.lock();
+    let free = (min..t.len()).find(|&i| t[i].is_none());
+    let i = match free {
+        Some(i) => i,
+        None if t.len().max(min) < MAX_FDS => {
+            while t.len() < min {
+                t.push(None);
+            }
+            t.push(None);
+            t.len() - 1
+        }
+        None => return Err(EMFILE),
+    };
+    t[i] = Some(Slot { desc, cloexec });
+    Ok(i as u64)
+}
+
+pub fn install(desc: Arc<Desc>, flags: u32) -> Result<u64, Errno> {
+    install_from(desc, flags & O_CLOEXEC != 0, 0)
+}
+
+/// Put `desc` at `fd`, closing what was there (dup2).
+pub fn install_at(desc: Arc<Desc>, fd: u64, cloexec: bool) -> Result<u64, Errno> {
+    let fd = fd as usize;
+    if fd >= MAX_FDS {
+        return Err(EBADF);
+    }
+    let old = {
+        let mut t = TABLE.lock();
+        while t.len() <= fd {
+            t.push(None);
+        }
+        t[fd].replace(Slot { desc, cloexec })
+    };
+    if old.is_some() {
+        crate::sys::epoll::forget_fd(fd as u64);
+    }
+    drop(old);
+    Ok(fd as u64)
+}
+
+pub fn close(fd: u64) -> Result<(), Errno> {
+    let slot = {
+        let mut t = TABLE.lock();
+        t.get_mut(fd as usize).and_then(Option::take).ok_or(EBADF)?
+    };
+    crate::sys::epoll::forget_fd(fd);
+    // Dropped outside the table lock: the object's release may take others.
+    drop(slot);
+    Ok(())
+}
+
+pub fn cloexec(fd: u64) -> Result<bool, Errno> {
+    let t = TABLE.lock();
+    t.get(fd as usize).and_then(|s| s.as_ref()).map(|s| s.cloexec).ok_or(EBADF)
+}
+
+pub fn set_cloexec(fd: u64, on: bool) -> Result<(), Errno> {
+    let mut t = TABLE.lock();
+    let s = t.get_mut(fd as usize).and_then(|s| s.as_mut()).ok_or(EBADF)?;
+    s.cloexec = on;
+    Ok(())
+}
+
+/// What the object behind `fd` is ready for (EPOLL* bits), or None if
+/// `fd` is not open.
+pub fn readiness(fd: u64) -> Option<u32> {
+    let d = get(fd).ok()?;
+    Some(match d.obj {
+        Object::Stdin => EPOLLHUP,
+        Object::Console | Object::Dev(_) | Object::File(_) | Object::Dir(_) => EPOLLIN | EPOLLOUT,
+        Object::PipeRead(id) => pipe::readiness(id, false),
+        Object::PipeWrite(id) => pipe::readiness(id, true),
+        Object::Socket(id) => net::readiness(id),
+        Object::Epoll(id) => {
+            if crate::sys::epoll::has_ready(id) {
+                EPOLLIN
+            } else {
+                0
+            }
+        }
+    })
+}

@@ -1,0 +1,106 @@
+//! `linux.elf`: the Linux personality of the ftvm guest runtime.
+//!
+//! The VMM boots this image when `ftvm run --image` is given an unmodified
+//! static x86-64 Linux program (an ELF without the ftvm ABI note), after
+//! loading that program's segments next to it (`BootInfo::program`, see
+//! `docs/guest-abi.md`). This runtime sets aside the program's memory,
+//! brings up the devices the command line asks for, lays out the Linux
+//! start-up stack and jumps to the program's entry at CPL3. From then on the
+//! program's `syscall` instructions land in [`entry`] and are served by
+//! [`sys`]: memory, time, threads (cooperative, [`sched`]), files, pipes,
+//! sockets over the runtime's TCP/IP stack, and epoll.
+//!
+//! Command line: `RUNTIME-OPTIONS -- [NAME=VALUE...] PROGRAM ARGS...`
+//! ([`cmdline`]); runtime options are in [`options`].
+#![no_std]
+#![no_main]
+
+extern crate alloc;
+
+mod cmdline;
+mod entry;
+mod errno;
+mod fd;
+mod fs;
+mod mm;
+mod net;
+mod options;
+mod pipe;
+mod random;
+mod sched;
+mod start;
+mod sys;
+
+use core::alloc::Layout;
+
+use ftvm_rt::{println, Args};
+
+ftvm_rt::entry!(main, linux_syscall_entry = entry::ftvm_linux_syscall_entry);
+
+/// The initial thread's stack, as Linux's default RLIMIT_STACK.
+const MAIN_STACK: u64 = 8 << 20;
+/// Program memory is carved out of the heap on this boundary (the VMM maps
+/// RAM with 2 MiB pages).
+const REGION_ALIGN: usize = 2 << 20;
+
+fn main(args: &Args) -> i32 {
+    match run(args) {
+        Ok(never) => match never {},
+        Err(msg) => {
+            println!("linux: error: {msg}");
+            2
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> {
+    use alloc::format;
+    let program = args.program;
+    if program.entry == 0 {
+        return Err("no Linux program was loaded (run one with ftvm run --image PROGRAM)".into());
+    }
+    if args.vcpu_count != 1 {
+        return Err(format!("Linux programs run on one vCPU (threads are scheduled in the runtime), the VM has {}", args.vcpu_count));
+    }
+    let ram_end = args.memmap.iter().map(|r| r.base + r.size).max().unwrap_or(0);
+    sys::user::init(ram_end);
+    let cmd = cmdline::parse(args.cmdline)?;
+    let opts = options::Options::parse(&cmd.options)?;
+
+    // The program's share of the heap, taken before anything else is
+    // allocated so that it is untouched (zero) memory.
+    let heap = args.heap.size;
+    let runtime_share = opts.runtime_mem.unwrap_or((heap / 4).clamp(16 << 20, 128 << 20));
+    let size =
+        heap.checked_sub(runtime_share + REGION_ALIGN as u64).ok_or_else(|| format!("too little memory: {} MiB of heap", heap >> 20))?;
+    let size = size & !(REGION_ALIGN as u64 - 1);
+    if size < MAIN_STACK * 2 {
+        return Err(format!("too little memory for the program: {} MiB", size >> 20));
+    }
+    let layout = Layout::from_size_align(size as usize, REGION_ALIGN).expect("valid layout");
+    // SAFETY: a non-zero-sized layout; the block is never freed.
+    let base = unsafe { alloc::alloc::alloc(layout) } as u64;
+    if base == 0 {
+        return Err("cannot set aside the program's memory".into());
+    }
+    // The allocator kept its bookkeeping in the first bytes of the heap,
+    // which may be the start of this block: the rest was never touched.
+    // SAFETY: the first page of the block we own.
+    unsafe { core::ptr::write_bytes(base as *mut u8, 0, mm::PAGE as usize) };
+    let mut memory = mm::Memory::new(base, base + size);
+    let stack = memory.map(0, MAIN_STACK, false).map_err(|e| format!("cannot map the stack: errno {e}"))?;
+    sys::mem::init(memory);
+    sys::time::set_epoch(opts.epoch_ns);
+    fs::init(&opts)?;
+    if let Some(net) = opts.net {
+        net::init(net).map_err(|e| format!("network: {e}"))?;
+    }
+    fd::init_stdio();
+    let frame = start::initial_frame(&program, &cmd.argv, &cmd.env, stack, stack + MAIN_STACK);
+    sched::start(frame)
+}
+
+/// The program is done (exit_group, or its last thread exited).
+pub fn exit_program(status: i32) -> ! {
+    ftvm_rt::exit(status & 0xff)
+}

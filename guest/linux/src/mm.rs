@@ -1,0 +1,198 @@
+//! The program's memory: `brk` and anonymous `mmap` in one region of guest
+//! RAM that the runtime sets aside at start.
+//!
+//! Memory is identity-mapped and readable, writable and executable
+//! everywhere (2 MiB pages set up by the VMM), so a mapping is only a claim
+//! on addresses: `mprotect` has nothing to change. The heap (`brk`) grows up
+//! from the bottom of the region and mappings are placed top-down, as on
+//! Linux. Every page that is not mapped is zero (pages are zeroed when they
+//! are unmapped, never when mapped), so fresh mappings cost nothing and
+//! untouched memory is never dirtied (which a checkpoint would copy).
+
+use alloc::collections::BTreeMap;
+
+use crate::errno::{Errno, EINVAL, ENOMEM};
+
+pub const PAGE: u64 = 4096;
+
+pub fn page_up(v: u64) -> u64 {
+    v.div_ceil(PAGE) * PAGE
+}
+
+pub struct Memory {
+    base: u64,
+    end: u64,
+    brk_start: u64,
+    brk: u64,
+    /// Free ranges, start -> end, disjoint and not adjacent.
+    free: BTreeMap<u64, u64>,
+}
+
+impl Memory {
+    /// Manage `[base, end)` (page-aligned), all of it zero and unused.
+    pub fn new(base: u64, end: u64) -> Memory {
+        let mut free = BTreeMap::new();
+        free.insert(base, end);
+        Memory { base, end, brk_start: base, brk: base, free }
+    }
+
+    /// The free range containing `addr`, if any.
+    pub fn size(&self) -> u64 {
+        self.end - self.base
+    }
+
+    fn free_at(&self, addr: u64) -> Option<(u64, u64)> {
+        self.free.range(..=addr).next_back().map(|(&s, &e)| (s, e)).filter(|&(_, e)| addr < e)
+    }
+
+    fn is_free(&self, start: u64, end: u64) -> bool {
+        start == end || self.free_at(start).is_some_and(|(_, e)| end <= e)
+    }
+
+    /// Claim `[start, end)`, which must be free.
+    fn take(&mut self, start: u64, end: u64) {
+        let (s, e) = self.free_at(start).expect("take: range is free");
+        debug_assert!(end <= e);
+        self.free.remove(&s);
+        if s < start {
+            self.free.insert(s, start);
+        }
+        if end < e {
+            self.free.insert(end, e);
+        }
+    }
+
+    /// Release `[start, end)`: zero the parts in use and merge them into
+    /// the free ranges.
+    fn release(&mut self, start: u64, end: u64) {
+        let mut at = start;
+        while at < end {
+            if let Some((_, e)) = self.free_at(at) {
+                at = e.min(end);
+                continue;
+            }
+            let next_free = self.free.range(at..).next().map_or(end, |(&s, _)| s.min(end));
+            // SAFETY: [at, next_free) is inside the program region, mapped
+            // by the VMM and claimed by the program, which gave it up.
+            unsafe { core::ptr::write_bytes(at as *mut u8, 0, (next_free - at) as usize) };
+            at = next_free;
+        }
+        // Merge [start, end) with every free range it touches.
+        let (mut s, mut e) = (start, end);
+        let touching: alloc::vec::Vec<(u64, u64)> =
+            self.free.range(..=end).rev().take_while(|&(_, &fe)| fe >= start).map(|(&a, &b)| (a, b)).collect();
+        for (a, b) in touching {
+            self.free.remove(&a);
+            s = s.min(a);
+            e = e.max(b);
+        }
+        self.free.insert(s, e);
+    }
+
+    fn in_region(&self, start: u64, len: u64) -> bool {
+        start >= self.base && start.checked_add(len).is_some_and(|e| e <= self.end)
+    }
+
+    pub fn brk(&mut self, new: u64) -> u64 {
+        if new < self.brk_start {
+            return self.brk;
+        }
+        let (old_top, new_top) = (page_up(self.brk), page_up(new));
+        if new_top > old_top {
+            if new_top > self.end || !self.is_free(old_top, new_top) {
+                return self.brk;
+            }
+            self.take(old_top, new_top);
+        } else if new_top < old_top {
+            self.release(new_top, old_top);
+        }
+        self.brk = new;
+        new
+    }
+
+    /// An anonymous mapping of `len` bytes; at `addr` exactly if `fixed`
+    /// (replacing what is there), else wherever it fits.
+    pub fn map(&mut self, addr: u64, len: u64, fixed: bool) -> Result<u64, Errno> {
+        if len == 0 {
+            return Err(EINVAL);
+        }
+        let len = page_up(len);
+        if fixed {
+            if addr % PAGE != 0 || !self.in_region(addr, len) {
+                return Err(if addr % PAGE != 0 { EINVAL } else { ENOMEM });
+            }
+            // MAP_FIXED discards what was there: zero it and claim it again.
+            self.release(addr, addr + len);
+            self.take(addr, addr + len);
+            return Ok(addr);
+        }
+        // Top-down, leaving the heap room to grow.
+        let (&s, &e) = self.free.iter().rev().find(|&(&s, &e)| e - s >= len && s >= page_up(self.brk)).ok_or(ENOMEM)?;
+        let _ = s;
+        let start = e - len;
+        self.take(start, e);
+        Ok(start)
+    }
+
+    pub fn unmap(&mut self, addr: u64, len: u64) -> Result<(), Errno> {
+        if addr % PAGE != 0 || len == 0 {
+            return Err(EINVAL);
+        }
+        let len = page_up(len);
+        if !self.in_region(addr, len) {
+            // Not ours (the program image, say): nothing to release.
+            return Ok(());
+        }
+        self.release(addr, addr + len);
+        Ok(())
+    }
+
+    /// `madvise(MADV_DONTNEED)`: the range reads as zero afterwards.
+    pub fn discard(&mut self, addr: u64, len: u64) -> Result<(), Errno> {
+        if addr % PAGE != 0 {
+            return Err(EINVAL);
+        }
+        let len = page_up(len);
+        if self.in_region(addr, len) {
+            self.release(addr, addr + len);
+            // Still mapped: claim the now-zero pages again.
+            let mut at = addr;
+            while at < addr + len {
+                let (_, e) = self.free_at(at).expect("just released");
+                let e = e.min(addr + len);
+                self.take(at, e);
+                at = e;
+            }
+        }
+        Ok(())
+    }
+
+    /// `mremap`: grow or shrink in place when possible, else move if allowed.
+    pub fn remap(&mut self, old: u64, old_len: u64, new_len: u64, may_move: bool) -> Result<u64, Errno> {
+        if old % PAGE != 0 || new_len == 0 {
+            return Err(EINVAL);
+        }
+        let (old_len, new_len) = (page_up(old_len), page_up(new_len));
+        if !self.in_region(old, old_len) {
+            return Err(EINVAL);
+        }
+        if new_len <= old_len {
+            self.release(old + new_len, old + old_len);
+            return Ok(old);
+        }
+        let (tail, end) = (old + old_len, old + new_len);
+        if end <= self.end && self.is_free(tail, end) {
+            self.take(tail, end);
+            return Ok(old);
+        }
+        if !may_move {
+            return Err(ENOMEM);
+        }
+        let new = self.map(0, new_len, false)?;
+        // SAFETY: both ranges are claimed by the program and do not overlap
+        // (the new one was free).
+        unsafe { core::ptr::copy_nonoverlapping(old as *const u8, new as *mut u8, old_len as usize) };
+        self.release(old, old + old_len);
+        Ok(new)
+    }
+}

@@ -1,0 +1,418 @@
+//! TCP sockets over the runtime's TCP/IP stack (smoltcp on virtio-net).
+//!
+//! A listening socket is a `ftvm_rt::net` listener (a pool of smoltcp
+//! sockets in LISTEN; smoltcp has no accept queue) whose connected sockets
+//! are moved into the socket's own accept queue. A closed connection sends
+//! its FIN and lingers in `closing` until TCP is done with it (at most
+//! [`LINGER_NS`]), then goes back to its listener's pool.
+
+use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
+use alloc::vec;
+use alloc::vec::Vec;
+use core::net::Ipv4Addr;
+
+use ftvm_rt::net::{ListenConfig, NetConfig, Stack};
+use ftvm_rt::time;
+use smoltcp::iface::SocketHandle;
+use smoltcp::socket::tcp::{self, State};
+use smoltcp::wire::{IpAddress, IpEndpoint};
+use spin::Mutex;
+
+use crate::errno::*;
+use crate::fd::{EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, EPOLLRDHUP};
+
+const LINGER_NS: u64 = 60 * time::NS_PER_SEC;
+/// Buffers of a connection this side opens.
+const CONNECT_BUFFER: usize = 64 * 1024;
+const FIRST_EPHEMERAL_PORT: u16 = 49152;
+
+enum Sock {
+    /// Created, maybe bound (port 0: not bound).
+    New {
+        port: u16,
+        nodelay: bool,
+    },
+    Listening {
+        port: u16,
+        queue: VecDeque<SocketHandle>,
+    },
+    /// `accepted`: from a listener (given back to it when done), else
+    /// opened by `connect` (removed from the socket set when done).
+    Conn {
+        handle: SocketHandle,
+        accepted: bool,
+    },
+}
+
+struct Closing {
+    handle: SocketHandle,
+    accepted: bool,
+    deadline: u64,
+}
+
+struct Net {
+    stack: Stack,
+    socks: BTreeMap<u32, Sock>,
+    next_id: u32,
+    closing: Vec<Closing>,
+    /// Ports with a listener in the stack, and those whose socket closed
+    /// (their new connections are refused with RST).
+    listeners: BTreeSet<u16>,
+    orphaned: BTreeSet<u16>,
+    next_port: u16,
+}
+
+static NET: Mutex<Option<Net>> = Mutex::new(None);
+
+pub fn init(config: NetConfig) -> Result<(), ftvm_rt::net::Error> {
+    let stack = Stack::new(config)?;
+    let ip = config.ip;
+    *NET.lock() = Some(Net {
+        stack,
+        socks: BTreeMap::new(),
+        next_id: 1,
+        closing: Vec::new(),
+        listeners: BTreeSet::new(),
+        orphaned: BTreeSet::new(),
+        next_port: FIRST_EPHEMERAL_PORT,
+    });
+    ftvm_rt::println!("linux: network up ip={ip}");
+    Ok(())
+}
+
+fn tcp_mut(net: &mut Net, h: SocketHandle) -> &mut tcp::Socket<'static> {
+    net.stack.sockets_mut().get_mut::<tcp::Socket>(h)
+}
+
+impl Net {
+    /// Move connections the stack accepted into their sockets' queues, and
+    /// give lingering closed sockets back.
+    fn maintain(&mut self) {
+        for (_, s) in self.socks.iter_mut() {
+            if let Sock::Listening { port, queue } = s {
+                while let Some(h) = self.stack.accept(*port) {
+                    queue.push_back(h);
+                }
+            }
+        }
+        for &port in &self.orphaned {
+            while let Some(h) = self.stack.accept(port) {
+                self.stack.release(h);
+            }
+        }
+        let now = time::now_ns();
+        let mut i = 0;
+        while i < self.closing.len() {
+            let c = &self.closing[i];
+            let s = self.stack.sockets_mut().get_mut::<tcp::Socket>(c.handle);
+            let done = matches!(s.state(), State::Closed | State::TimeWait);
+            if done || now >= c.deadline {
+                let c = self.closing.swap_remove(i);
+                self.finish(c.handle, c.accepted);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn finish(&mut self, h: SocketHandle, accepted: bool) {
+        if accepted {
+            self.stack.release(h);
+        } else {
+            self.stack.sockets_mut().get_mut::<tcp::Socket>(h).abort();
+            self.stack.sockets_mut().remove(h);
+        }
+    }
+}
+
+/// Run the stack: frames in and out. True if anything happened.
+pub fn poll() -> bool {
+    let mut g = NET.lock();
+    let Some(net) = g.as_mut() else { return false };
+    let progress = net.stack.poll();
+    net.maintain();
+    progress
+}
+
+/// Sleep until guest time `deadline`, a device event, or the stack's next
+/// timer.
+pub fn wait_idle_until(deadline: u64) {
+    let mut g = NET.lock();
+    match g.as_mut() {
+        Some(net) => net.stack.wait_idle_until(deadline),
+        None => {
+            drop(g);
+            time::wait(deadline);
+        }
+    }
+}
+
+fn with<R>(f: impl FnOnce(&mut Net) -> Result<R, Errno>) -> Result<R, Errno> {
+    let mut g = NET.lock();
+    let net = g.as_mut().ok_or(ENETDOWN)?;
+    f(net)
+}
+
+pub fn available() -> bool {
+    NET.lock().is_some()
+}
+
+pub fn socket() -> Result<u32, Errno> {
+    with(|net| {
+        let id = net.next_id;
+        net.next_id += 1;
+        net.socks.insert(id, Sock::New { port: 0, nodelay: false });
+        Ok(id)
+    })
+}
+
+pub fn close(id: u32) {
+    let mut g = NET.lock();
+    let Some(net) = g.as_mut() else { return };
+    match net.socks.remove(&id) {
+        Some(Sock::Conn { handle, accepted }) => {
+            tcp_mut(net, handle).close();
+            net.closing.push(Closing { handle, accepted, deadline: time::now_ns().saturating_add(LINGER_NS) });
+        }
+        Some(Sock::Listening { port, queue }) => {
+            for h in queue {
+                net.stack.release(h);
+            }
+            net.orphaned.insert(port);
+        }
+        _ => {}
+    }
+    drop(g);
+    crate::sched::wake_io();
+}
+
+pub fn bind(id: u32, addr: Ipv4Addr, port: u16) -> Result<(), Errno> {
+    with(|net| {
+        if !addr.is_unspecified() && addr != net.stack.config().ip.address() {
+            return Err(EADDRNOTAVAIL);
+        }
+        let in_use =
+            net.socks.values().any(|s| matches!(s, Sock::Listening { port: p, .. } | Sock::New { port: p, .. } if *p == port && port != 0));
+        match net.socks.get_mut(&id) {
+            Some(Sock::New { port: p, .. }) if *p == 0 => {
+                if in_use {
+                    return Err(EADDRINUSE);
+                }
+                *p = port;
+                Ok(())
+            }
+            Some(_) => Err(EINVAL),
+            None => Err(EBADF),
+        }
+    })
+}
+
+pub fn listen(id: u32, backlog: i32) -> Result<(), Errno> {
+    with(|net| {
+        let port = match net.socks.get(&id) {
+            Some(Sock::New { port, .. }) if *port != 0 => *port,
+            Some(Sock::Listening { .. }) => return Ok(()),
+            Some(_) => return Err(EINVAL),
+            None => return Err(EBADF),
+        };
+        if !net.listeners.contains(&port) {
+            let mut config = ListenConfig::new(port);
+            config.backlog = (backlog.max(1) as usize).min(config.backlog);
+            net.stack.listen(config).map_err(|_| EADDRINUSE)?;
+            net.listeners.insert(port);
+        }
+        net.orphaned.remove(&port);
+        net.socks.insert(id, Sock::Listening { port, queue: VecDeque::new() });
+        Ok(())
+    })
+}
+
+/// A connection from `id`'s queue: (new socket id, peer).
+pub fn accept(id: u32) -> Result<(u32, IpEndpoint), Errno> {
+    with(|net| {
+        net.maintain();
+        let h = match net.socks.get_mut(&id) {
+            Some(Sock::Listening { queue, .. }) => queue.pop_front().ok_or(EAGAIN)?,
+            Some(_) => return Err(EINVAL),
+            None => return Err(EBADF),
+        };
+        let peer = tcp_mut(net, h).remote_endpoint().unwrap_or(IpEndpoint::new(IpAddress::v4(0, 0, 0, 0), 0));
+        let nid = net.next_id;
+        net.next_id += 1;
+        net.socks.insert(nid, Sock::Conn { handle: h, accepted: true });
+        Ok((nid, peer))
+    })
+}
+
+pub fn connect(id: u32, addr: Ipv4Addr, port: u16) -> Result<(), Errno> {
+    with(|net| {
+        let nodelay = match net.socks.get(&id) {
+            Some(Sock::New { nodelay, .. }) => *nodelay,
+            Some(Sock::Conn { .. }) => return Err(EISCONN),
+            Some(_) => return Err(EINVAL),
+            None => return Err(EBADF),
+        };
+        let rx = tcp::SocketBuffer::new(vec![0u8; CONNECT_BUFFER]);
+        let tx = tcp::SocketBuffer::new(vec![0u8; CONNECT_BUFFER]);
+        let mut s = tcp::Socket::new(rx, tx);
+        s.set_nagle_enabled(!nodelay);
+        let local = net.next_port;
+        net.next_port = if local == u16::MAX { FIRST_EPHEMERAL_PORT } else { local + 1 };
+        let remote = IpEndpoint::new(IpAddress::Ipv4(addr), port);
+        let cx = net.stack.iface_mut().context();
+        s.connect(cx, remote, local).map_err(|_| ENETUNREACH)?;
+        let h = net.stack.sockets_mut().add(s);
+        net.socks.insert(id, Sock::Conn { handle: h, accepted: false });
+        Ok(())
+    })
+}
+
+/// Where a connect stands: Ok(true) connected, Ok(false) in progress.
+pub fn connect_state(id: u32) -> Result<bool, Errno> {
+    with(|net| match net.socks.get(&id) {
+        Some(Sock::Conn { handle, .. }) => {
+            let h = *handle;
+            match tcp_mut(net, h).state() {
+                State::SynSent | State::SynReceived => Ok(false),
+                State::Closed => Err(ECONNREFUSED),
+                _ => Ok(true),
+            }
+        }
+        _ => Err(ENOTCONN),
+    })
+}
+
+fn conn(net: &Net, id: u32) -> Result<SocketHandle, Errno> {
+    match net.socks.get(&id) {
+        Some(Sock::Conn { handle, .. }) => Ok(*handle),
+        Some(_) => Err(ENOTCONN),
+        None => Err(EBADF),
+    }
+}
+
+/// Read what has arrived; `Ok(0)` once the peer has closed.
+pub fn recv(id: u32, out: &mut [u8]) -> Result<usize, Errno> {
+    with(|net| {
+        let h = conn(net, id)?;
+        let s = tcp_mut(net, h);
+        if s.can_recv() {
+            return s.recv_slice(out).map_err(|_| ECONNRESET);
+        }
+        match s.state() {
+            State::SynSent | State::SynReceived => Err(EAGAIN),
+            _ if s.may_recv() => Err(EAGAIN),
+            _ => Ok(0),
+        }
+    })
+}
+
+pub fn send(id: u32, data: &[u8]) -> Result<usize, Errno> {
+    with(|net| {
+        let h = conn(net, id)?;
+        let s = tcp_mut(net, h);
+        if matches!(s.state(), State::SynSent | State::SynReceived) {
+            return Err(EAGAIN);
+        }
+        if !s.may_send() {
+            return Err(EPIPE);
+        }
+        match s.send_slice(data) {
+            Ok(0) if !data.is_empty() => Err(EAGAIN),
+            Ok(n) => Ok(n),
+            Err(_) => Err(EPIPE),
+        }
+    })
+}
+
+pub fn shutdown(id: u32, how: u64) -> Result<(), Errno> {
+    with(|net| {
+        let h = conn(net, id)?;
+        if how >= 1 {
+            tcp_mut(net, h).close();
+        }
+        Ok(())
+    })
+}
+
+pub fn set_nodelay(id: u32, on: bool) -> Result<(), Errno> {
+    with(|net| {
+        match net.socks.get_mut(&id) {
+            Some(Sock::New { nodelay, .. }) => *nodelay = on,
+            Some(Sock::Conn { handle, .. }) => {
+                let h = *handle;
+                tcp_mut(net, h).set_nagle_enabled(!on);
+            }
+            Some(Sock::Listening { .. }) => {}
+            None => return Err(EBADF),
+        }
+        Ok(())
+    })
+}
+
+/// (local, peer) endpoints; the peer is None for sockets without one.
+pub fn endpoints(id: u32) -> Result<(IpEndpoint, Option<IpEndpoint>), Errno> {
+    with(|net| {
+        let ip = IpAddress::Ipv4(net.stack.config().ip.address());
+        match net.socks.get(&id) {
+            Some(Sock::New { port, .. }) => Ok((IpEndpoint::new(IpAddress::v4(0, 0, 0, 0), *port), None)),
+            Some(Sock::Listening { port, .. }) => Ok((IpEndpoint::new(IpAddress::v4(0, 0, 0, 0), *port), None)),
+            Some(Sock::Conn { handle, .. }) => {
+                let h = *handle;
+                let s = tcp_mut(net, h);
+                let local = s.local_endpoint().unwrap_or(IpEndpoint::new(ip, 0));
+                Ok((local, s.remote_endpoint()))
+            }
+            None => Err(EBADF),
+        }
+    })
+}
+
+pub fn readiness(id: u32) -> u32 {
+    let mut g = NET.lock();
+    let Some(net) = g.as_mut() else { return EPOLLERR };
+    match net.socks.get(&id) {
+        None => EPOLLERR,
+        Some(Sock::New { .. }) => EPOLLOUT | EPOLLHUP,
+        Some(Sock::Listening { port, queue }) => {
+            let port = *port;
+            if !queue.is_empty() {
+                return EPOLLIN;
+            }
+            // The stack may hold connections not moved yet.
+            let mut moved = VecDeque::new();
+            while let Some(h) = net.stack.accept(port) {
+                moved.push_back(h);
+            }
+            let ready = !moved.is_empty();
+            if let Some(Sock::Listening { queue, .. }) = net.socks.get_mut(&id) {
+                queue.extend(moved);
+            }
+            if ready {
+                EPOLLIN
+            } else {
+                0
+            }
+        }
+        Some(Sock::Conn { handle, .. }) => {
+            let h = *handle;
+            let s = tcp_mut(net, h);
+            let mut r = 0;
+            if matches!(s.state(), State::SynSent | State::SynReceived) {
+                return 0;
+            }
+            if s.can_recv() {
+                r |= EPOLLIN;
+            }
+            if !s.may_recv() {
+                r |= EPOLLIN | EPOLLRDHUP;
+            }
+            if s.can_send() {
+                r |= EPOLLOUT;
+            }
+            if !s.is_open() {
+                r |= EPOLLHUP;
+            }
+            r
+        }
+    }
+}

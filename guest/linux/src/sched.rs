@@ -1,0 +1,295 @@
+//! Threads: the program's threads run one at a time on vCPU 0 and switch
+//! only when one blocks (a futex wait, a wait for I/O, a sleep) or yields.
+//!
+//! Why cooperative on one vCPU rather than a vCPU per thread: the programs
+//! this runs (redis-server first) keep their work on one thread and park the
+//! others (background I/O) in futex waits; there is no parallelism to gain
+//! on a 2-core host, while vCPUs would cost a VM exit for every wake-up and
+//! lock every structure of the system-call layer. Here a system call is a
+//! function call, a wake-up is a list operation, and a checkpoint sees one
+//! running vCPU. A thread that spins without a system call starves the
+//! others (no preemption); so does one on Linux with one CPU and
+//! SCHED_FIFO.
+//!
+//! When no thread can run, the scheduler polls the network, and if nothing
+//! moved sleeps in WAIT until the earliest deadline or a device event.
+
+use alloc::boxed::Box;
+use alloc::vec;
+use alloc::vec::Vec;
+use core::mem::size_of;
+
+use ftvm_rt::time;
+use spin::Mutex;
+
+use crate::entry::{self, Frame, SwitchFrame};
+
+/// Kernel stack of a thread: the system-call layer runs on it.
+const KSTACK_SIZE: usize = 128 * 1024;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// Woken by FUTEX_WAKE on this address (or its deadline).
+    Futex(u64),
+    /// Waiting for I/O readiness: re-checked whenever the network moved or
+    /// another thread changed a pipe or socket (or at its deadline).
+    Io,
+    /// Only the deadline.
+    Sleep,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Runnable,
+    Blocked(Wait, u64),
+    Dead,
+}
+
+pub struct Thread {
+    pub tid: u32,
+    kstack: Box<[u8]>,
+    /// rsp saved by `entry::switch` while switched out.
+    ksp: u64,
+    pub fs_base: u64,
+    /// `set_tid_address` / CLONE_CHILD_CLEARTID: zeroed and woken at exit.
+    pub clear_child_tid: u64,
+    state: State,
+    /// Set by a futex wake, cleared by the waiter.
+    pub woken: bool,
+}
+
+impl Thread {
+    fn new(tid: u32) -> Box<Thread> {
+        Box::new(Thread {
+            tid,
+            kstack: vec![0u8; KSTACK_SIZE].into_boxed_slice(),
+            ksp: 0,
+            fs_base: 0,
+            clear_child_tid: 0,
+            state: State::Runnable,
+            woken: false,
+        })
+    }
+
+    fn kstack_top(&self) -> u64 {
+        // 16-byte aligned: the entry's pushes keep fxsave64's alignment.
+        (self.kstack.as_ptr() as u64 + KSTACK_SIZE as u64) & !15
+    }
+
+    fn first_frame(&mut self) -> *mut Frame {
+        (self.kstack_top() - size_of::<Frame>() as u64) as *mut Frame
+    }
+}
+
+struct Sched {
+    threads: Vec<Box<Thread>>,
+    current: usize,
+    next_tid: u32,
+    /// Threads that exited; their stacks are freed once another runs.
+    zombies: Vec<Box<Thread>>,
+}
+
+static SCHED: Mutex<Sched> = Mutex::new(Sched { threads: Vec::new(), current: 0, next_tid: 1, zombies: Vec::new() });
+
+/// The process id (= the main thread's tid).
+pub const PID: u32 = 1;
+
+/// Enter the program as its main thread: never returns.
+pub fn start(frame: Frame) -> ! {
+    let (top, f) = {
+        let mut s = SCHED.lock();
+        assert!(s.threads.is_empty(), "the program is started once");
+        let mut t = Thread::new(PID);
+        s.next_tid = PID + 1;
+        let f = t.first_frame();
+        // SAFETY: `f` is the top of the new thread's own kernel stack,
+        // aligned for Frame, unused by anything else.
+        unsafe { f.write(frame) };
+        let top = t.kstack_top();
+        s.threads.push(t);
+        s.current = 0;
+        (top, f)
+    };
+    // SAFETY: single vCPU, no system call in flight: nothing else reads it.
+    unsafe { entry::FTVM_LINUX_KSTACK_TOP = top };
+    // SAFETY: `f` is the frame at the top of that kernel stack.
+    unsafe { entry::enter(f) }
+}
+
+/// The running thread's id.
+pub fn current_tid() -> u32 {
+    let s = SCHED.lock();
+    s.threads[s.current].tid
+}
+
+/// Run `f` on the running thread.
+pub fn with_current<R>(f: impl FnOnce(&mut Thread) -> R) -> R {
+    let mut s = SCHED.lock();
+    let i = s.current;
+    f(&mut s.threads[i])
+}
+
+/// A new thread that starts by returning from the system call in `parent`
+/// with 0, on stack `rsp`, with thread pointer `fs_base`. Returns its tid.
+pub fn spawn(parent: &Frame, rsp: u64, fs_base: u64, clear_child_tid: u64) -> u32 {
+    let mut s = SCHED.lock();
+    let tid = s.next_tid;
+    s.next_tid += 1;
+    let mut t = Thread::new(tid);
+    t.fs_base = fs_base;
+    t.clear_child_tid = clear_child_tid;
+    let f = t.first_frame();
+    let sf = (f as u64 - size_of::<SwitchFrame>() as u64) as *mut SwitchFrame;
+    // SAFETY: both lie at the top of the new thread's own kernel stack
+    // (Frame is 16-aligned, SwitchFrame needs 8), which nothing else uses.
+    unsafe {
+        core::ptr::copy_nonoverlapping(parent, f, 1);
+        (*f).rax = 0;
+        (*f).rsp = rsp;
+        sf.write(SwitchFrame::to_user());
+    }
+    t.ksp = sf as u64;
+    s.threads.push(t);
+    tid
+}
+
+/// Block the running thread until woken (see [`Wait`]) or guest time
+/// reaches `deadline` (`u64::MAX`: never). Returns when it may run again;
+/// the caller re-checks its condition.
+pub fn block(wait: Wait, deadline: u64) {
+    {
+        let mut s = SCHED.lock();
+        let i = s.current;
+        s.threads[i].state = State::Blocked(wait, deadline);
+    }
+    schedule();
+}
+
+/// Let other runnable threads run first.
+pub fn yield_now() {
+    schedule();
+}
+
+/// Wake `n` threads waiting on futex `addr`; returns how many.
+pub fn futex_wake(addr: u64, n: usize) -> usize {
+    let mut s = SCHED.lock();
+    let mut woken = 0;
+    for t in s.threads.iter_mut() {
+        if woken == n {
+            break;
+        }
+        if let State::Blocked(Wait::Futex(a), _) = t.state {
+            if a == addr {
+                t.state = State::Runnable;
+                t.woken = true;
+                woken += 1;
+            }
+        }
+    }
+    woken
+}
+
+/// Move up to `n` waiters of futex `from` to futex `to`; returns how many.
+pub fn futex_requeue(from: u64, to: u64, n: usize) -> usize {
+    let mut s = SCHED.lock();
+    let mut moved = 0;
+    for t in s.threads.iter_mut() {
+        if moved == n {
+            break;
+        }
+        if let State::Blocked(Wait::Futex(a), d) = t.state {
+            if a == from {
+                t.state = State::Blocked(Wait::Futex(to), d);
+                moved += 1;
+            }
+        }
+    }
+    moved
+}
+
+/// Something threads in [`Wait::Io`] may be waiting for happened.
+pub fn wake_io() {
+    let mut s = SCHED.lock();
+    for t in s.threads.iter_mut() {
+        if let State::Blocked(Wait::Io, _) = t.state {
+            t.state = State::Runnable;
+        }
+    }
+}
+
+/// End the running thread (the exit system call). When it was the last,
+/// the program, and with it the VM, exits with `status`.
+pub fn exit_thread(status: i32) -> ! {
+    let last = {
+        let mut s = SCHED.lock();
+        let i = s.current;
+        s.threads[i].state = State::Dead;
+        s.threads.iter().all(|t| t.state == State::Dead)
+    };
+    if last {
+        crate::exit_program(status);
+    }
+    schedule();
+    unreachable!("a dead thread was scheduled");
+}
+
+fn wake_expired(s: &mut Sched, now: u64) {
+    for t in s.threads.iter_mut() {
+        if let State::Blocked(_, deadline) = t.state {
+            if deadline <= now {
+                t.state = State::Runnable;
+            }
+        }
+    }
+}
+
+/// Give the vCPU to the next runnable thread (round robin), or wait until
+/// one is runnable. The running thread's state says whether it may be
+/// picked itself.
+fn schedule() {
+    loop {
+        let mut s = SCHED.lock();
+        let cur = s.current;
+        // Freed here, on a stack that is not theirs.
+        s.zombies.retain(|_| false);
+        wake_expired(&mut s, time::now_ns());
+        let n = s.threads.len();
+        let next = (1..=n).map(|k| (cur + k) % n).find(|&i| s.threads[i].state == State::Runnable);
+        if let Some(next) = next {
+            if next == cur {
+                return;
+            }
+            let (ksp, top, fs) = {
+                let t = &s.threads[next];
+                (t.ksp, t.kstack_top(), t.fs_base)
+            };
+            let save = &mut s.threads[cur].ksp as *mut u64;
+            s.current = next;
+            if s.threads[cur].state == State::Dead {
+                let dead = s.threads.remove(cur);
+                s.zombies.push(dead);
+                s.current = if cur < next { next - 1 } else { next };
+            }
+            drop(s);
+            // SAFETY: single vCPU: only the entry reads these, and the next
+            // thread's kernel stack and thread pointer are its own. A dead
+            // thread's `save` slot lives in its Box, freed only after this
+            // switch (zombies), by another thread.
+            unsafe {
+                entry::FTVM_LINUX_KSTACK_TOP = top;
+                core::arch::asm!("wrfsbase {}", in(reg) fs, options(nostack, preserves_flags));
+                entry::switch(save, ksp);
+            }
+            return;
+        }
+        let deadline = s.threads.iter().filter_map(|t| if let State::Blocked(_, d) = t.state { Some(d) } else { None }).min();
+        drop(s);
+        let deadline = deadline.unwrap_or(u64::MAX);
+        if crate::net::poll() {
+            wake_io();
+            continue;
+        }
+        crate::net::wait_idle_until(deadline);
+        // A device event may have brought data: the poll above finds out.
+    }
+}

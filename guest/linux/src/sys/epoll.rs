@@ -1,0 +1,179 @@
+//! epoll (level-triggered; EPOLLONESHOT honoured, EPOLLET served as
+//! level-triggered) and poll/ppoll, over the readiness of descriptors.
+
+use alloc::collections::BTreeMap;
+use alloc::vec::Vec;
+
+use ftvm_rt::time::now_ns;
+use spin::Mutex;
+
+use super::{time, user, SysResult};
+use crate::errno::*;
+use crate::fd::{self, Desc, Object, EPOLLERR, EPOLLHUP};
+use crate::sched::{self, Wait};
+
+const EPOLL_CTL_ADD: u64 = 1;
+const EPOLL_CTL_DEL: u64 = 2;
+const EPOLL_CTL_MOD: u64 = 3;
+const EPOLLONESHOT: u32 = 1 << 30;
+const EPOLL_CLOEXEC: u64 = 0o2000000;
+const POLLNVAL: i16 = 0x20;
+
+/// Interest list: fd -> (events, data).
+type Interest = BTreeMap<u64, (u32, u64)>;
+
+static EPOLLS: Mutex<(u32, BTreeMap<u32, Interest>)> = Mutex::new((0, BTreeMap::new()));
+
+pub fn create(flags: u64) -> SysResult {
+    let id = {
+        let mut e = EPOLLS.lock();
+        e.0 += 1;
+        let id = e.0;
+        e.1.insert(id, BTreeMap::new());
+        id
+    };
+    let flags = if flags & EPOLL_CLOEXEC != 0 { fd::O_CLOEXEC } else { 0 };
+    fd::install(Desc::new(Object::Epoll(id), flags | fd::O_RDWR), flags)
+}
+
+pub fn drop_instance(id: u32) {
+    EPOLLS.lock().1.remove(&id);
+}
+
+/// `fd` was closed: it leaves every interest list.
+pub fn forget_fd(fd: u64) {
+    for interest in EPOLLS.lock().1.values_mut() {
+        interest.remove(&fd);
+    }
+}
+
+fn epoll_id(epfd: u64) -> Result<u32, Errno> {
+    match fd::get(epfd)?.obj {
+        Object::Epoll(id) => Ok(id),
+        _ => Err(EINVAL),
+    }
+}
+
+pub fn ctl(epfd: u64, op: u64, fd: u64, event: u64) -> SysResult {
+    let id = epoll_id(epfd)?;
+    if fd == epfd {
+        return Err(EINVAL);
+    }
+    fd::get(fd)?;
+    let ev = if op == EPOLL_CTL_DEL {
+        None
+    } else {
+        let raw = user::bytes(event, 12)?;
+        Some((u32::from_le_bytes(raw[0..4].try_into().expect("4 bytes")), u64::from_le_bytes(raw[4..12].try_into().expect("8 bytes"))))
+    };
+    let mut e = EPOLLS.lock();
+    let interest = e.1.get_mut(&id).ok_or(EBADF)?;
+    match (op, ev) {
+        (EPOLL_CTL_ADD, Some(ev)) => {
+            if interest.contains_key(&fd) {
+                return Err(EEXIST);
+            }
+            interest.insert(fd, ev);
+        }
+        (EPOLL_CTL_MOD, Some(ev)) => *interest.get_mut(&fd).ok_or(ENOENT)? = ev,
+        (EPOLL_CTL_DEL, None) => {
+            interest.remove(&fd).ok_or(ENOENT)?;
+        }
+        _ => return Err(EINVAL),
+    }
+    Ok(0)
+}
+
+/// Ready (fd, events, data) of instance `id`, at most `max`.
+fn collect(id: u32, max: usize) -> Vec<(u64, u32, u64)> {
+    let list: Vec<(u64, (u32, u64))> = match EPOLLS.lock().1.get(&id) {
+        Some(i) => i.iter().map(|(&f, &v)| (f, v)).collect(),
+        None => return Vec::new(),
+    };
+    let mut ready = Vec::new();
+    for (f, (events, data)) in list {
+        if ready.len() == max {
+            break;
+        }
+        let Some(r) = fd::readiness(f) else { continue };
+        let r = r & (events | EPOLLERR | EPOLLHUP);
+        if r != 0 {
+            ready.push((f, r, data));
+        }
+    }
+    ready
+}
+
+pub fn has_ready(id: u32) -> bool {
+    !collect(id, 1).is_empty()
+}
+
+pub fn wait(epfd: u64, events: u64, max: u64, timeout_ms: i32) -> SysResult {
+    let id = epoll_id(epfd)?;
+    if max == 0 || max > 1 << 20 {
+        return Err(EINVAL);
+    }
+    let out = user::bytes_mut(events, max * 12)?;
+    let deadline = time::timeout_ms(timeout_ms);
+    loop {
+        crate::net::poll();
+        let ready = collect(id, max as usize);
+        if !ready.is_empty() {
+            let mut e = EPOLLS.lock();
+            for (i, &(f, r, data)) in ready.iter().enumerate() {
+                out[i * 12..i * 12 + 4].copy_from_slice(&r.to_le_bytes());
+                out[i * 12 + 4..i * 12 + 12].copy_from_slice(&data.to_le_bytes());
+                if let Some(ev) = e.1.get_mut(&id).and_then(|i| i.get_mut(&f)) {
+                    if ev.0 & EPOLLONESHOT != 0 {
+                        ev.0 = 0;
+                    }
+                }
+            }
+            return Ok(ready.len() as u64);
+        }
+        if now_ns() >= deadline {
+            return Ok(0);
+        }
+        sched::block(Wait::Io, deadline);
+    }
+}
+
+fn poll_until(fds: u64, n: u64, deadline: u64) -> SysResult {
+    if n > fd::MAX_FDS as u64 {
+        return Err(EINVAL);
+    }
+    let raw = user::bytes_mut(fds, n * 8)?;
+    loop {
+        crate::net::poll();
+        let mut count = 0;
+        for p in raw.chunks_exact_mut(8) {
+            let f = i32::from_le_bytes(p[0..4].try_into().expect("4 bytes"));
+            let events = i16::from_le_bytes(p[4..6].try_into().expect("2 bytes"));
+            let revents = if f < 0 {
+                0
+            } else {
+                match fd::readiness(f as u64) {
+                    None => POLLNVAL,
+                    Some(r) => (r as i16) & (events | EPOLLERR as i16 | EPOLLHUP as i16),
+                }
+            };
+            p[6..8].copy_from_slice(&revents.to_le_bytes());
+            if revents != 0 {
+                count += 1;
+            }
+        }
+        if count > 0 || now_ns() >= deadline {
+            return Ok(count);
+        }
+        sched::block(Wait::Io, deadline);
+    }
+}
+
+pub fn poll(fds: u64, n: u64, deadline: u64) -> SysResult {
+    poll_until(fds, n, deadline)
+}
+
+pub fn ppoll(fds: u64, n: u64, ts: u64) -> SysResult {
+    let deadline = if ts == 0 { u64::MAX } else { now_ns().saturating_add(time::read_timespec(ts)?) };
+    poll_until(fds, n, deadline)
+}

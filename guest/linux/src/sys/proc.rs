@@ -1,0 +1,155 @@
+//! The process: identity, limits, exit, signals (accepted and ignored:
+//! nothing here ever delivers one), the thread pointer, randomness.
+
+use core::sync::atomic::{AtomicU64, Ordering};
+
+use super::{user, SysResult};
+use crate::errno::{EINVAL, EPERM};
+use crate::{random, sched};
+
+const ARCH_SET_GS: u64 = 0x1001;
+const ARCH_SET_FS: u64 = 0x1002;
+const ARCH_GET_FS: u64 = 0x1003;
+const ARCH_GET_GS: u64 = 0x1004;
+const RLIMIT_STACK: u64 = 3;
+const RLIMIT_NOFILE: u64 = 7;
+const RLIM_INFINITY: u64 = u64::MAX;
+
+pub fn exit_group(status: u64) -> SysResult {
+    crate::exit_program(status as i32)
+}
+
+pub fn arch_prctl(code: u64, addr: u64) -> SysResult {
+    match code {
+        ARCH_SET_FS => {
+            sched::with_current(|t| t.fs_base = addr);
+            // SAFETY: CR4.FSGSBASE is set by the VMM for Linux programs
+            // (checked at start); the runtime itself never uses fs.
+            unsafe { core::arch::asm!("wrfsbase {}", in(reg) addr, options(nostack, preserves_flags)) };
+            Ok(0)
+        }
+        ARCH_GET_FS => {
+            let fs = sched::with_current(|t| t.fs_base);
+            user::write(addr, fs)?;
+            Ok(0)
+        }
+        ARCH_SET_GS | ARCH_GET_GS => Err(EPERM),
+        _ => Err(EINVAL),
+    }
+}
+
+/// Signals are never delivered: handlers are recorded nowhere and masks
+/// mean nothing, which is what a program that only installs handlers for
+/// SIGPIPE, SIGTERM and crashes needs. The old action reads as SIG_DFL.
+pub fn rt_sigaction(_sig: u64, _act: u64, old: u64) -> SysResult {
+    if old != 0 {
+        user::bytes_mut(old, 32)?.fill(0);
+    }
+    Ok(0)
+}
+
+pub fn rt_sigprocmask(_how: u64, _set: u64, old: u64, size: u64) -> SysResult {
+    if old != 0 {
+        user::bytes_mut(old, size.min(128))?.fill(0);
+    }
+    Ok(0)
+}
+
+pub fn kill() -> SysResult {
+    Err(EPERM)
+}
+
+pub fn sched_yield() -> SysResult {
+    sched::yield_now();
+    Ok(0)
+}
+
+pub fn sched_getaffinity(size: u64, mask: u64) -> SysResult {
+    if size < 8 {
+        return Err(EINVAL);
+    }
+    user::write(mask, 1u64)?;
+    Ok(8)
+}
+
+pub fn uname(buf: u64) -> SysResult {
+    let out = user::bytes_mut(buf, 6 * 65)?;
+    out.fill(0);
+    for (i, s) in ["Linux", "ftvm", "5.15.0-ftvm", "#1 ftvm", "x86_64", "(none)"].iter().enumerate() {
+        out[i * 65..i * 65 + s.len()].copy_from_slice(s.as_bytes());
+    }
+    Ok(0)
+}
+
+pub fn sysinfo(buf: u64) -> SysResult {
+    let out = user::bytes_mut(buf, 112)?;
+    out.fill(0);
+    let uptime = ftvm_rt::time::now_ns() / ftvm_rt::time::NS_PER_SEC;
+    let total = super::mem::total();
+    out[0..8].copy_from_slice(&uptime.to_le_bytes());
+    out[32..40].copy_from_slice(&total.to_le_bytes());
+    out[40..48].copy_from_slice(&(total / 2).to_le_bytes());
+    out[80..82].copy_from_slice(&1u16.to_le_bytes());
+    out[104..108].copy_from_slice(&1u32.to_le_bytes());
+    Ok(0)
+}
+
+static UMASK: AtomicU64 = AtomicU64::new(0o022);
+
+pub fn umask(mask: u64) -> SysResult {
+    Ok(UMASK.swap(mask & 0o777, Ordering::Relaxed))
+}
+
+pub fn prctl(option: u64) -> SysResult {
+    const PR_SET_NAME: u64 = 15;
+    const PR_GET_NAME: u64 = 16;
+    match option {
+        PR_SET_NAME | PR_GET_NAME => Ok(0),
+        _ => Err(EINVAL),
+    }
+}
+
+fn limit(resource: u64) -> [u64; 2] {
+    match resource {
+        RLIMIT_NOFILE => [crate::fd::MAX_FDS as u64; 2],
+        RLIMIT_STACK => [8 << 20, RLIM_INFINITY],
+        _ => [RLIM_INFINITY; 2],
+    }
+}
+
+pub fn getrlimit(resource: u64, out: u64) -> SysResult {
+    user::write(out, limit(resource))?;
+    Ok(0)
+}
+
+/// Limits are fixed: setting one is accepted if it does not ask for more.
+pub fn prlimit64(pid: u64, resource: u64, new: u64, old: u64) -> SysResult {
+    if pid != 0 && pid != u64::from(sched::PID) {
+        return Err(crate::errno::EPERM);
+    }
+    if old != 0 {
+        user::write(old, limit(resource))?;
+    }
+    if new != 0 {
+        let [cur, _]: [u64; 2] = user::read(new)?;
+        if cur > limit(resource)[1] {
+            return Err(EPERM);
+        }
+    }
+    Ok(0)
+}
+
+pub fn getrusage(out: u64) -> SysResult {
+    let ru = user::bytes_mut(out, 144)?;
+    ru.fill(0);
+    let ns = ftvm_rt::time::now_ns();
+    ru[0..8].copy_from_slice(&((ns / 1_000_000_000) as i64).to_le_bytes());
+    ru[8..16].copy_from_slice(&(((ns % 1_000_000_000) / 1000) as i64).to_le_bytes());
+    Ok(0)
+}
+
+pub fn getrandom(buf: u64, len: u64) -> SysResult {
+    let out = user::bytes_mut(buf, len)?;
+    random::fill(out);
+    Ok(len)
+}
