@@ -176,7 +176,7 @@ pub struct SwitchFrame {
 impl SwitchFrame {
     /// Ends in the entry's return path, which pops the frame above it.
     pub fn to_user() -> SwitchFrame {
-        SwitchFrame { r15: 0, r14: 0, r13: 0, r12: 0, rbx: 0, rbp: 0, ret: ftvm_linux_return_to_user as usize as u64 }
+        SwitchFrame { r15: 0, r14: 0, r13: 0, r12: 0, rbx: 0, rbp: 0, ret: ftvm_linux_return_to_user as *const () as u64 }
     }
 }
 

@@ -13,7 +13,6 @@ use crate::{fs, net, pipe};
 /// Most descriptors at once (RLIMIT_NOFILE).
 pub const MAX_FDS: usize = 10_240;
 
-pub const O_ACCMODE: u32 = 3;
 pub const O_WRONLY: u32 = 1;
 pub const O_RDWR: u32 = 2;
 pub const O_CREAT: u32 = 0o100;
@@ -25,7 +24,6 @@ pub const O_DIRECTORY: u32 = 0o200000;
 pub const O_CLOEXEC: u32 = 0o2000000;
 
 pub const EPOLLIN: u32 = 0x1;
-pub const EPOLLPRI: u32 = 0x2;
 pub const EPOLLOUT: u32 = 0x4;
 pub const EPOLLERR: u32 = 0x8;
 pub const EPOLLHUP: u32 = 0x10;

@@ -42,7 +42,6 @@ struct Fs {
 
 const ROOT: Ino = 1;
 
-pub const S_IFMT: u32 = 0o170000;
 pub const S_IFREG: u32 = 0o100000;
 pub const S_IFDIR: u32 = 0o040000;
 pub const S_IFCHR: u32 = 0o020000;

@@ -118,8 +118,8 @@ impl Memory {
         }
         let len = page_up(len);
         if fixed {
-            if addr % PAGE != 0 || !self.in_region(addr, len) {
-                return Err(if addr % PAGE != 0 { EINVAL } else { ENOMEM });
+            if !addr.is_multiple_of(PAGE) || !self.in_region(addr, len) {
+                return Err(if !addr.is_multiple_of(PAGE) { EINVAL } else { ENOMEM });
             }
             // MAP_FIXED discards what was there: zero it and claim it again.
             self.release(addr, addr + len);
@@ -127,15 +127,15 @@ impl Memory {
             return Ok(addr);
         }
         // Top-down, leaving the heap room to grow.
-        let (&s, &e) = self.free.iter().rev().find(|&(&s, &e)| e - s >= len && s >= page_up(self.brk)).ok_or(ENOMEM)?;
-        let _ = s;
+        let brk_top = page_up(self.brk);
+        let (_, &e) = self.free.iter().rev().find(|&(&s, &e)| e - s >= len && s >= brk_top).ok_or(ENOMEM)?;
         let start = e - len;
         self.take(start, e);
         Ok(start)
     }
 
     pub fn unmap(&mut self, addr: u64, len: u64) -> Result<(), Errno> {
-        if addr % PAGE != 0 || len == 0 {
+        if !addr.is_multiple_of(PAGE) || len == 0 {
             return Err(EINVAL);
         }
         let len = page_up(len);
@@ -149,7 +149,7 @@ impl Memory {
 
     /// `madvise(MADV_DONTNEED)`: the range reads as zero afterwards.
     pub fn discard(&mut self, addr: u64, len: u64) -> Result<(), Errno> {
-        if addr % PAGE != 0 {
+        if !addr.is_multiple_of(PAGE) {
             return Err(EINVAL);
         }
         let len = page_up(len);
@@ -169,7 +169,7 @@ impl Memory {
 
     /// `mremap`: grow or shrink in place when possible, else move if allowed.
     pub fn remap(&mut self, old: u64, old_len: u64, new_len: u64, may_move: bool) -> Result<u64, Errno> {
-        if old % PAGE != 0 || new_len == 0 {
+        if !old.is_multiple_of(PAGE) || new_len == 0 {
             return Err(EINVAL);
         }
         let (old_len, new_len) = (page_up(old_len), page_up(new_len));

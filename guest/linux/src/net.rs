@@ -153,10 +153,6 @@ fn with<R>(f: impl FnOnce(&mut Net) -> Result<R, Errno>) -> Result<R, Errno> {
     f(net)
 }
 
-pub fn available() -> bool {
-    NET.lock().is_some()
-}
-
 pub fn socket() -> Result<u32, Errno> {
     with(|net| {
         let id = net.next_id;

@@ -81,6 +81,9 @@ impl Thread {
     }
 }
 
+// Boxed: `schedule` keeps a pointer to the outgoing thread's `ksp` across
+// the switch, and a dead thread moves from `threads` to `zombies` first.
+#[allow(clippy::vec_box)]
 struct Sched {
     threads: Vec<Box<Thread>>,
     current: usize,

@@ -105,7 +105,9 @@ pub struct ClientArgs {
 
 #[derive(Args)]
 pub struct RunArgs {
-    /// Guest image: a static x86-64 ELF built for the ftvm guest ABI.
+    /// Guest image: a static x86-64 ELF built for the ftvm guest ABI, or an
+    /// unmodified static Linux program (run on the runtime's Linux
+    /// personality, linux.elf; --cmdline "OPTIONS -- PROGRAM ARGS...").
     #[arg(long, value_name = "PATH")]
     pub image: PathBuf,
     /// Guest memory in MiB (a multiple of 2).

@@ -40,6 +40,35 @@ fn hello_gets_argv_env_tls_and_auxv_and_exits_with_its_status() {
 }
 
 #[test]
+fn threads_share_memory_through_futexes_and_join() {
+    let out = run_program("threads", "-- threads");
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    assert!(text.contains("threads: slept ok\n"), "{text}");
+    // The condition variable hands the turn over in id order.
+    let order: Vec<&str> = text.lines().filter(|l| l.contains("done mine=")).collect();
+    assert_eq!(order, (0..4).map(|i| format!("threads: worker {i} done mine=10000")).collect::<Vec<_>>(), "{text}");
+    assert!(text.contains("threads: counter=40000 joined=60 main_tls=0\n"), "{text}");
+}
+
+#[test]
+fn memory_files_pipes_and_epoll_behave_as_on_linux() {
+    let out = run_program("memfiles", "-- memfiles");
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    assert_eq!(text, "memfiles: memory ok\nmemfiles: files ok\nmemfiles: pipe ok\n");
+}
+
+#[test]
+fn a_fault_in_the_program_is_reported_like_a_guest_fault() {
+    let out = run_program("fault", "-- fault");
+    assert_eq!(out.status.code(), Some(1), "{}{}", stdout(&out), stderr(&out));
+    assert!(stdout(&out).contains("fault: about to fault"), "{}", stdout(&out));
+    let err = stderr(&out);
+    assert!(err.contains("guest fault on vCPU 0: vector 14 (#PF page fault) at rip 0x40") && err.contains("address 0x0"), "{err}");
+}
+
+#[test]
 fn a_bad_command_line_is_one_line_and_status_2() {
     let out = run_program("hello", "hello without separator");
     assert_eq!(out.status.code(), Some(2));
@@ -116,7 +145,22 @@ fn redis_benchmark_pipelined_runs_without_errors() {
     let mut vmm = redis(&topo, "");
     let out = topo
         .command("client", "timeout")
-        .args(["120", "redis-benchmark", "-h", GUEST_ADDR, "-t", "set,get,lpush,lpop,incr", "-n", "100000", "-P", "16", "-c", "50", "-q", "--csv"])
+        .args([
+            "120",
+            "redis-benchmark",
+            "-h",
+            GUEST_ADDR,
+            "-t",
+            "set,get,lpush,lpop,incr",
+            "-n",
+            "100000",
+            "-P",
+            "16",
+            "-c",
+            "50",
+            "-q",
+            "--csv",
+        ])
         .stdin(Stdio::null())
         .output()
         .expect("redis-benchmark runs");

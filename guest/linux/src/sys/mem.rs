@@ -47,7 +47,7 @@ pub fn munmap(addr: u64, len: u64) -> SysResult {
 /// Every page is readable, writable and executable (one identity map for
 /// runtime and program); protections are accepted and not enforced.
 pub fn mprotect(addr: u64, _len: u64, _prot: u64) -> SysResult {
-    if addr % crate::mm::PAGE != 0 {
+    if !addr.is_multiple_of(crate::mm::PAGE) {
         return Err(EINVAL);
     }
     Ok(0)

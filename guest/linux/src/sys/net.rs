@@ -1,7 +1,6 @@
 //! Sockets: IPv4 TCP over the runtime's stack (see `crate::net`).
 
 use core::net::Ipv4Addr;
-use core::sync::atomic::Ordering;
 
 use smoltcp::wire::{IpAddress, IpEndpoint};
 
@@ -162,7 +161,7 @@ pub fn setsockopt(fd: u64, level: u64, opt: u64, val: u64, len: u64) -> SysResul
 }
 
 pub fn getsockopt(fd: u64, level: u64, opt: u64, val: u64, lenp: u64) -> SysResult {
-    let (d, id) = sock(fd)?;
+    let (_, id) = sock(fd)?;
     let v: i32 = match (level, opt) {
         (SOL_SOCKET, SO_ERROR) => match net::connect_state(id) {
             Err(ECONNREFUSED) => ECONNREFUSED as i32,
@@ -174,7 +173,6 @@ pub fn getsockopt(fd: u64, level: u64, opt: u64, val: u64, lenp: u64) -> SysResu
         (IPPROTO_TCP, TCP_NODELAY) => 1,
         _ => 0,
     };
-    let _ = d.flags.load(Ordering::Relaxed);
     user::write(val, v)?;
     user::write(lenp, 4u32)?;
     Ok(0)

@@ -6,7 +6,7 @@ use ftvm_rt::time::now_ns;
 
 use super::{time, user, SysResult};
 use crate::entry::Frame;
-use crate::errno::{EAGAIN, EFAULT, EINVAL, ENOSYS, ETIMEDOUT};
+use crate::errno::{EAGAIN, EINVAL, ENOSYS, ETIMEDOUT};
 use crate::sched::{self, Wait};
 
 const CLONE_VM: u64 = 0x100;
@@ -63,7 +63,7 @@ pub fn exit(status: u64) -> SysResult {
 }
 
 fn word(addr: u64) -> Result<&'static AtomicU32, crate::errno::Errno> {
-    if addr % 4 != 0 {
+    if !addr.is_multiple_of(4) {
         return Err(EINVAL);
     }
     user::bytes(addr, 4)?;
@@ -115,9 +115,6 @@ pub fn futex(addr: u64, op: u64, val: u64, timeout: u64, addr2: u64, val3: u64) 
             let moved = sched::futex_requeue(addr, addr2, timeout as usize);
             Ok((woken + moved) as u64)
         }
-        _ => {
-            let _ = EFAULT;
-            Err(ENOSYS)
-        }
+        _ => Err(ENOSYS),
     }
 }
