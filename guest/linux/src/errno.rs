@@ -4,12 +4,15 @@ pub type Errno = u64;
 
 pub const EPERM: Errno = 1;
 pub const ENOENT: Errno = 2;
+pub const EIO: Errno = 5;
 pub const EBADF: Errno = 9;
 pub const ECHILD: Errno = 10;
 pub const EAGAIN: Errno = 11;
 pub const ENOMEM: Errno = 12;
 pub const EFAULT: Errno = 14;
+pub const EBUSY: Errno = 16;
 pub const EEXIST: Errno = 17;
+pub const EXDEV: Errno = 18;
 pub const ENODEV: Errno = 19;
 pub const ENOTDIR: Errno = 20;
 pub const EISDIR: Errno = 21;

@@ -1,16 +1,28 @@
 //! The file system: a tree in memory with what programs expect to find
-//! (`/dev/null`, `/dev/zero`, `/dev/urandom`, `/tmp`), created at boot.
+//! (`/dev/null`, `/dev/zero`, `/dev/urandom`, `/tmp`), created at boot,
+//! and with `disk=PATH` the virtio-blk disk's file system mounted at PATH
+//! ([`disk`](crate::disk)).
+//!
+//! Inode numbers name both: the disk's nodes are numbered from
+//! [`DISK_INO`] up (the disk's root, the mount point, is `DISK_INO`
+//! itself), so descriptors and the system calls never need to know which
+//! file system a file lives on.
 
 use alloc::collections::BTreeMap;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 
+use ftvm_diskfs::{Kind, NodeId};
 use spin::Mutex;
 
+use crate::disk;
 use crate::errno::*;
 use crate::options::Options;
 
 pub type Ino = u32;
+
+/// The disk's node `n` is inode `DISK_INO + n`.
+const DISK_INO: Ino = 0x8000_0000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dev {
@@ -34,10 +46,19 @@ struct Inode {
     mtime_ns: u64,
 }
 
+/// What an inode is, on either file system.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum What {
+    Dir,
+    File,
+    Dev(Dev),
+}
+
 struct Fs {
     inodes: BTreeMap<Ino, Inode>,
     next: Ino,
     cwd: String,
+    disk: Option<disk::Fs>,
 }
 
 const ROOT: Ino = 1;
@@ -54,11 +75,16 @@ fn with<R>(f: impl FnOnce(&mut Fs) -> R) -> R {
     f(FS.lock().as_mut().expect("fs initialised"))
 }
 
+fn on_disk(ino: Ino) -> Option<NodeId> {
+    ino.checked_sub(DISK_INO)
+}
+
+fn now() -> u64 {
+    crate::sys::time::realtime_ns()
+}
+
 pub fn init(opts: &Options) -> Result<(), String> {
-    if opts.disk.is_some() {
-        return Err("disk= is not supported yet: files live in memory only".into());
-    }
-    let mut fs = Fs { inodes: BTreeMap::new(), next: ROOT + 1, cwd: "/".into() };
+    let mut fs = Fs { inodes: BTreeMap::new(), next: ROOT + 1, cwd: "/".into(), disk: None };
     fs.inodes.insert(ROOT, Inode { node: Node::Dir(BTreeMap::new()), links: 1, opens: 0, mtime_ns: 0 });
     for dir in ["/dev", "/tmp", "/etc", "/data"] {
         fs.mkdir(dir).map_err(|e| alloc::format!("mkdir {dir}: errno {e}"))?;
@@ -68,7 +94,10 @@ pub fn init(opts: &Options) -> Result<(), String> {
         let ino = fs.alloc(Node::Dev(dev));
         fs.link(parent, &name, ino);
     }
-    if let Some(cwd) = &opts.cwd {
+    if let Some(path) = &opts.disk {
+        fs.mount(path)?;
+    }
+    if let Some(cwd) = opts.cwd.as_ref().or(opts.disk.as_ref()) {
         fs.chdir(cwd).map_err(|e| alloc::format!("cwd={cwd}: errno {e}"))?;
     }
     *FS.lock() = Some(fs);
@@ -92,10 +121,36 @@ fn absolute(cwd: &str, path: &str) -> Vec<String> {
 }
 
 impl Fs {
+    /// Mount the disk at `path` (a directory in memory, made if absent,
+    /// whose entry then names the disk's root).
+    fn mount(&mut self, path: &str) -> Result<(), String> {
+        let parts = absolute("/", path);
+        if parts.is_empty() {
+            return Err("disk=/: the disk cannot be the root; mount it at a directory such as /data".into());
+        }
+        let mut at = String::new();
+        for p in &parts[..parts.len() - 1] {
+            at = alloc::format!("{at}/{p}");
+            match self.mkdir(&at) {
+                Ok(()) | Err(EEXIST) => {}
+                Err(e) => return Err(alloc::format!("disk={path}: mkdir {at}: errno {e}")),
+            }
+        }
+        let (parent, name) = self.parent_of(path).map_err(|e| alloc::format!("disk={path}: errno {e}"))?;
+        self.disk = Some(disk::mount(path)?);
+        self.unlink_entry(parent, &name);
+        self.link(parent, &name, DISK_INO);
+        Ok(())
+    }
+
+    fn disk(&mut self) -> &mut disk::Fs {
+        self.disk.as_mut().expect("disk inodes exist only with a disk")
+    }
+
     fn alloc(&mut self, node: Node) -> Ino {
         let ino = self.next;
         self.next += 1;
-        self.inodes.insert(ino, Inode { node, links: 0, opens: 0, mtime_ns: crate::sys::time::realtime_ns() });
+        self.inodes.insert(ino, Inode { node, links: 0, opens: 0, mtime_ns: now() });
         ino
     }
 
@@ -108,13 +163,35 @@ impl Fs {
         }
     }
 
+    fn what(&self, ino: Ino) -> Option<What> {
+        if let Some(id) = on_disk(ino) {
+            return Some(match self.disk.as_ref()?.stat(id)?.kind {
+                Kind::Dir => What::Dir,
+                Kind::File => What::File,
+            });
+        }
+        Some(match self.inodes.get(&ino)?.node {
+            Node::Dir(_) => What::Dir,
+            Node::File(_) => What::File,
+            Node::Dev(d) => What::Dev(d),
+        })
+    }
+
+    fn child(&self, dir: Ino, name: &str) -> Result<Ino, Errno> {
+        if let Some(id) = on_disk(dir) {
+            let disk = self.disk.as_ref().ok_or(ENOENT)?;
+            return disk.lookup(id, name).map(|n| DISK_INO + n).map_err(disk::errno);
+        }
+        match &self.inodes.get(&dir).ok_or(ENOENT)?.node {
+            Node::Dir(entries) => entries.get(name).copied().ok_or(ENOENT),
+            _ => Err(ENOTDIR),
+        }
+    }
+
     fn lookup_parts(&self, parts: &[String]) -> Result<Ino, Errno> {
         let mut at = ROOT;
         for p in parts {
-            match &self.inodes[&at].node {
-                Node::Dir(entries) => at = *entries.get(p).ok_or(ENOENT)?,
-                _ => return Err(ENOTDIR),
-            }
+            at = self.child(at, p)?;
         }
         Ok(at)
     }
@@ -134,8 +211,8 @@ impl Fs {
             return Err(ENAMETOOLONG);
         }
         let dir = self.lookup_parts(&parts)?;
-        match self.inodes[&dir].node {
-            Node::Dir(_) => Ok((dir, name)),
+        match self.what(dir) {
+            Some(What::Dir) => Ok((dir, name)),
             _ => Err(ENOTDIR),
         }
     }
@@ -149,6 +226,9 @@ impl Fs {
 
     fn mkdir(&mut self, path: &str) -> Result<(), Errno> {
         let (parent, name) = self.parent_of(path)?;
+        if let Some(id) = on_disk(parent) {
+            return self.disk().create(id, &name, Kind::Dir, now()).map(|_| ()).map_err(disk::errno);
+        }
         if self.entries(parent).contains_key(&name) {
             return Err(EEXIST);
         }
@@ -159,7 +239,7 @@ impl Fs {
 
     fn chdir(&mut self, path: &str) -> Result<(), Errno> {
         let ino = self.lookup(path)?;
-        if !matches!(self.inodes[&ino].node, Node::Dir(_)) {
+        if self.what(ino) != Some(What::Dir) {
             return Err(ENOTDIR);
         }
         let parts = absolute(&self.cwd, path);
@@ -169,7 +249,7 @@ impl Fs {
 
     fn unlink_entry(&mut self, dir: Ino, name: &str) {
         if let Some(ino) = self.entries(dir).remove(name) {
-            let i = self.inodes.get_mut(&ino).expect("linked inode exists");
+            let Some(i) = self.inodes.get_mut(&ino) else { return };
             i.links -= 1;
             if i.links == 0 && i.opens == 0 {
                 self.inodes.remove(&ino);
@@ -192,32 +272,47 @@ pub fn open(path: &str, create: bool, exclusive: bool, truncate: bool) -> Result
             Ok(ino) => ino,
             Err(ENOENT) if create => {
                 let (parent, name) = fs.parent_of(path)?;
-                let ino = fs.alloc(Node::File(Vec::new()));
-                fs.link(parent, &name, ino);
-                ino
+                if let Some(id) = on_disk(parent) {
+                    DISK_INO + fs.disk().create(id, &name, Kind::File, now()).map_err(disk::errno)?
+                } else {
+                    let ino = fs.alloc(Node::File(Vec::new()));
+                    fs.link(parent, &name, ino);
+                    ino
+                }
             }
             Err(e) => return Err(e),
         };
-        let now = crate::sys::time::realtime_ns();
-        let inode = fs.inodes.get_mut(&ino).expect("looked up");
-        match &mut inode.node {
-            Node::Dir(_) => Ok(Opened::Dir(ino)),
-            Node::Dev(d) => Ok(Opened::Dev(*d)),
-            Node::File(data) => {
+        match fs.what(ino).ok_or(ENOENT)? {
+            What::Dir => return Ok(Opened::Dir(ino)),
+            What::Dev(d) => return Ok(Opened::Dev(d)),
+            What::File => {}
+        }
+        if let Some(id) = on_disk(ino) {
+            let disk = fs.disk();
+            if truncate {
+                disk.truncate(id, 0, now()).map_err(disk::errno)?;
+            }
+            disk.open(id);
+        } else {
+            let inode = fs.inodes.get_mut(&ino).expect("looked up");
+            if let Node::File(data) = &mut inode.node {
                 if truncate {
                     data.clear();
-                    inode.mtime_ns = now;
+                    inode.mtime_ns = now();
                 }
-                inode.opens += 1;
-                Ok(Opened::File(ino))
             }
+            inode.opens += 1;
         }
+        Ok(Opened::File(ino))
     })
 }
 
 /// An open description of `ino` is gone.
 pub fn release(ino: Ino) {
     with(|fs| {
+        if let Some(id) = on_disk(ino) {
+            return fs.disk().release(id);
+        }
         if let Some(i) = fs.inodes.get_mut(&ino) {
             i.opens -= 1;
             if i.opens == 0 && i.links == 0 {
@@ -227,21 +322,36 @@ pub fn release(ino: Ino) {
     })
 }
 
-pub fn read_at(ino: Ino, offset: u64, out: &mut [u8]) -> usize {
-    with(|fs| match fs.inodes.get(&ino).map(|i| &i.node) {
-        Some(Node::File(data)) => {
-            let start = (offset as usize).min(data.len());
-            let n = out.len().min(data.len() - start);
-            out[..n].copy_from_slice(&data[start..start + n]);
-            n
+pub fn read_at(ino: Ino, offset: u64, out: &mut [u8]) -> Result<usize, Errno> {
+    with(|fs| {
+        if let Some(id) = on_disk(ino) {
+            return fs.disk().read(id, offset, out).map_err(disk::errno);
         }
-        _ => 0,
+        Ok(match fs.inodes.get(&ino).map(|i| &i.node) {
+            Some(Node::File(data)) => {
+                let start = (offset as usize).min(data.len());
+                let n = out.len().min(data.len() - start);
+                out[..n].copy_from_slice(&data[start..start + n]);
+                n
+            }
+            _ => 0,
+        })
     })
 }
 
+/// Write at `offset` (None: at the end); the bytes written and the offset
+/// after them.
 pub fn write_at(ino: Ino, offset: Option<u64>, bytes: &[u8]) -> Result<(usize, u64), Errno> {
     with(|fs| {
-        let now = crate::sys::time::realtime_ns();
+        if let Some(id) = on_disk(ino) {
+            let disk = fs.disk();
+            let at = match offset {
+                Some(o) => o,
+                None => disk.stat(id).ok_or(EBADF)?.size,
+            };
+            disk.write(id, at, bytes, now()).map_err(disk::errno)?;
+            return Ok((bytes.len(), at + bytes.len() as u64));
+        }
         let inode = fs.inodes.get_mut(&ino).ok_or(EBADF)?;
         let Node::File(data) = &mut inode.node else { return Err(EBADF) };
         let at = offset.map_or(data.len(), |o| o as usize);
@@ -251,17 +361,37 @@ pub fn write_at(ino: Ino, offset: Option<u64>, bytes: &[u8]) -> Result<(usize, u
             data.resize(end, 0);
         }
         data[at..end].copy_from_slice(bytes);
-        inode.mtime_ns = now;
+        inode.mtime_ns = now();
         Ok((bytes.len(), end as u64))
     })
 }
 
 pub fn truncate(ino: Ino, len: u64) -> Result<(), Errno> {
     with(|fs| {
+        if let Some(id) = on_disk(ino) {
+            return fs.disk().truncate(id, len, now()).map_err(disk::errno);
+        }
         let inode = fs.inodes.get_mut(&ino).ok_or(EBADF)?;
         let Node::File(data) = &mut inode.node else { return Err(EINVAL) };
         data.resize(len as usize, 0);
         Ok(())
+    })
+}
+
+/// fsync/fdatasync: the file's data and size on the disk (files in memory
+/// have nowhere to go).
+pub fn sync(ino: Ino) -> Result<(), Errno> {
+    with(|fs| match on_disk(ino) {
+        Some(id) if fs.what(ino) == Some(What::File) => fs.disk().sync(id).map_err(disk::errno),
+        _ => Ok(()),
+    })
+}
+
+/// sync(2), and the program's exit: everything written reaches the disk.
+pub fn sync_all() -> Result<(), Errno> {
+    with(|fs| match fs.disk.as_mut() {
+        Some(disk) => disk.sync_all().map_err(disk::errno),
+        None => Ok(()),
     })
 }
 
@@ -276,6 +406,14 @@ pub struct Stat {
 
 pub fn stat_ino(ino: Ino) -> Option<Stat> {
     with(|fs| {
+        if let Some(id) = on_disk(ino) {
+            let st = fs.disk.as_ref()?.stat(id)?;
+            let mode = match st.kind {
+                Kind::Dir => S_IFDIR | 0o755,
+                Kind::File => S_IFREG | 0o644,
+            };
+            return Some(Stat { mode, size: st.size, ino: ino.into(), nlink: 1, mtime_ns: st.mtime_ns });
+        }
         let i = fs.inodes.get(&ino)?;
         let (mode, size) = match &i.node {
             Node::Dir(e) => (S_IFDIR | 0o755, e.len() as u64),
@@ -298,7 +436,13 @@ pub fn size(ino: Ino) -> u64 {
 pub fn unlink(path: &str, dir: bool) -> Result<(), Errno> {
     with(|fs| {
         let (parent, name) = fs.parent_of(path)?;
-        let ino = *fs.entries(parent).get(&name).ok_or(ENOENT)?;
+        let ino = fs.child(parent, &name)?;
+        if ino == DISK_INO {
+            return Err(EBUSY);
+        }
+        if let Some(id) = on_disk(parent) {
+            return fs.disk().remove(id, &name, dir, now()).map_err(disk::errno);
+        }
         match (&fs.inodes[&ino].node, dir) {
             (Node::Dir(e), true) if !e.is_empty() => return Err(ENOTEMPTY),
             (Node::Dir(_), false) => return Err(EISDIR),
@@ -318,8 +462,16 @@ pub fn mkdir(path: &str) -> Result<(), Errno> {
 pub fn rename(from: &str, to: &str) -> Result<(), Errno> {
     with(|fs| {
         let (fp, fname) = fs.parent_of(from)?;
-        let ino = *fs.entries(fp).get(&fname).ok_or(ENOENT)?;
+        let ino = fs.child(fp, &fname)?;
         let (tp, tname) = fs.parent_of(to)?;
+        if ino == DISK_INO || fs.child(tp, &tname) == Ok(DISK_INO) {
+            return Err(EBUSY);
+        }
+        match (on_disk(fp), on_disk(tp)) {
+            (Some(f), Some(t)) => return fs.disk().rename(f, &fname, t, &tname, now()).map_err(disk::errno),
+            (None, None) => {}
+            _ => return Err(EXDEV),
+        }
         if fs.entries(tp).get(&tname) == Some(&ino) {
             return Ok(());
         }
@@ -338,20 +490,29 @@ pub fn cwd() -> String {
     with(|fs| fs.cwd.clone())
 }
 
-/// Names in a directory, for getdents64: (name, ino, is_dir).
+/// Names in a directory, for getdents64: (name, ino, d_type).
 pub fn list(dir: Ino) -> Vec<(String, Ino, u8)> {
-    with(|fs| match &fs.inodes.get(&dir).map(|i| &i.node) {
-        Some(Node::Dir(e)) => e
-            .iter()
-            .map(|(n, &i)| {
-                let kind = match fs.inodes[&i].node {
-                    Node::Dir(_) => 4,
-                    Node::File(_) => 8,
-                    Node::Dev(_) => 2,
-                };
-                (n.clone(), i, kind)
-            })
-            .collect(),
-        _ => Vec::new(),
+    const DT_CHR: u8 = 2;
+    const DT_DIR: u8 = 4;
+    const DT_REG: u8 = 8;
+    with(|fs| {
+        if let Some(id) = on_disk(dir) {
+            let entries = fs.disk.as_ref().and_then(|d| d.list(id).ok()).unwrap_or_default();
+            return entries.into_iter().map(|(n, i, k)| (n, DISK_INO + i, if k == Kind::Dir { DT_DIR } else { DT_REG })).collect();
+        }
+        match &fs.inodes.get(&dir).map(|i| &i.node) {
+            Some(Node::Dir(e)) => e
+                .iter()
+                .map(|(n, &i)| {
+                    let kind = match fs.what(i) {
+                        Some(What::Dir) => DT_DIR,
+                        Some(What::Dev(_)) => DT_CHR,
+                        _ => DT_REG,
+                    };
+                    (n.clone(), i, kind)
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
     })
 }

@@ -18,6 +18,7 @@
 extern crate alloc;
 
 mod cmdline;
+mod disk;
 mod entry;
 mod errno;
 mod fd;
@@ -102,5 +103,10 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
 
 /// The program is done (exit_group, or its last thread exited).
 pub fn exit_program(status: i32) -> ! {
+    // As the kernel writes dirty pages back eventually: what the program
+    // wrote to the disk's files is on the disk when the VM stops.
+    if let Err(e) = fs::sync_all() {
+        println!("linux: writing files back to the disk at exit failed: errno {e}");
+    }
     ftvm_rt::exit(status & 0xff)
 }

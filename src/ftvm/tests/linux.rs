@@ -69,6 +69,44 @@ fn a_fault_in_the_program_is_reported_like_a_guest_fault() {
 }
 
 #[test]
+fn files_on_the_disk_survive_the_vm_and_a_foreign_disk_is_left_alone() {
+    use ftvm_testkit::scratch::Scratch;
+    let dir = Scratch::new("linux-disk").unwrap();
+    let disk = dir.sparse_file("disk.img", 32 << 20).unwrap();
+    let run = |args: &str, disk: &std::path::Path| {
+        let image = program("linux-diskfiles");
+        ftvm()
+            .arg("run")
+            .arg("--image")
+            .arg(image)
+            .arg("--disk")
+            .arg(disk)
+            .arg(format!("--cmdline=disk=/data -- diskfiles {args}"))
+            .output()
+            .unwrap()
+    };
+    let out = run("write", &disk);
+    assert_eq!(out.status.code(), Some(0), "{}{}", stdout(&out), stderr(&out));
+    assert_eq!(stdout(&out), "linux: disk mounted at /data (31 MiB free, formatted now: it was blank)\ndiskfiles: wrote\n");
+    let out = run("check", &disk);
+    assert_eq!(out.status.code(), Some(0), "{}{}", stdout(&out), stderr(&out));
+    assert_eq!(stdout(&out), "linux: disk mounted at /data (31 MiB free)\ndiskfiles: check ok\n");
+
+    // A disk that holds something else is refused, untouched.
+    let foreign = dir.join("foreign.img");
+    let content: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8 + 1).collect();
+    std::fs::write(&foreign, &content).unwrap();
+    let out = run("check", &foreign);
+    assert_eq!(out.status.code(), Some(2), "{}{}", stdout(&out), stderr(&out));
+    assert!(stdout(&out).contains("linux: error: disk=/data: the disk holds something other than an ftvm file system"), "{}", stdout(&out));
+    assert!(std::fs::read(&foreign).unwrap() == content, "the foreign disk was written");
+    // No disk at all.
+    let out = run_program("hello", "disk=/data -- hello");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stdout(&out).contains("linux: error: disk=/data: block device"), "{}", stdout(&out));
+}
+
+#[test]
 fn a_bad_command_line_is_one_line_and_status_2() {
     let out = run_program("hello", "hello without separator");
     assert_eq!(out.status.code(), Some(2));
@@ -83,9 +121,19 @@ const BOOT_TIMEOUT: Duration = Duration::from_secs(30);
 /// redis-server in ftvm in the topology's h1 namespace, serving on
 /// GUEST_ADDR:6379.
 fn redis(topo: &Topology, extra_args: &str) -> Process {
-    let cmdline = format!("ip={GUEST_ADDR}/24 -- redis-server --port 6379 --save '' --protected-mode no {extra_args}");
+    redis_on_disk(topo, extra_args, None)
+}
+
+/// redis-server as [`redis`], with `disk` as its virtio-blk disk mounted
+/// at /data, its working directory.
+fn redis_on_disk(topo: &Topology, extra_args: &str, disk: Option<&std::path::Path>) -> Process {
+    let runtime = if disk.is_some() { "disk=/data" } else { "" };
+    let cmdline = format!("ip={GUEST_ADDR}/24 {runtime} -- redis-server --port 6379 --save '' --protected-mode no {extra_args}");
     let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
     cmd.arg("run").arg("--image").arg(program("redis-server")).args(["--memory", "512", "--net", &format!("tap={TAP},mac={GUEST_MAC}")]);
+    if let Some(disk) = disk {
+        cmd.arg("--disk").arg(disk);
+    }
     cmd.arg(format!("--cmdline={cmdline}"));
     let mut vmm = Process::spawn_collected("ftvm", &mut cmd).expect("ftvm spawns");
     match vmm.wait_until(BOOT_TIMEOUT, |p| p.stdout().contains("Ready to accept connections")) {
@@ -173,6 +221,44 @@ fn redis_benchmark_pipelined_runs_without_errors() {
     }
     assert!(!text.contains("ERR") && !stderr(&out).contains("Error"), "{text}{}", stderr(&out));
     assert!(!cli(&topo, &["GET", "counter:__rand_int__"]).is_empty());
+    assert_running(&mut vmm);
+}
+
+/// redis-server with its append-only file on the disk, fsynced on every
+/// write: the VMM SIGKILLed (as a host crash) and started again on the same
+/// disk file, redis replays the file and every acknowledged write is there.
+#[test]
+fn redis_append_only_file_survives_a_sigkilled_vmm() {
+    use ftvm_testkit::scratch::Scratch;
+    let topo = Topology::new("lxaof").unwrap();
+    let dir = Scratch::new("linux-aof").unwrap();
+    let disk = dir.sparse_file("disk.img", 64 << 20).unwrap();
+    let aof = "--appendonly yes --appendfsync always";
+    let mut vmm = redis_on_disk(&topo, aof, Some(&disk));
+    for i in 0..20 {
+        assert_eq!(cli(&topo, &["SET", &format!("key:{i}"), &format!("value {i}")]), "OK");
+    }
+    assert_eq!(cli(&topo, &["RPUSH", "list", "a", "b", "c"]), "3");
+    assert_eq!(cli(&topo, &["INCRBY", "counter", "42"]), "42");
+    assert_eq!(cli(&topo, &["DEL", "key:7"]), "1");
+    assert_running(&mut vmm);
+    vmm.kill();
+
+    let mut vmm = redis_on_disk(&topo, aof, Some(&disk));
+    assert!(vmm.stdout().contains("DB loaded from append only file"), "{}", vmm.stdout());
+    assert_eq!(cli(&topo, &["DBSIZE"]), "21");
+    for i in (0..20).filter(|&i| i != 7) {
+        assert_eq!(cli(&topo, &["GET", &format!("key:{i}")]), format!("value {i}"));
+    }
+    assert_eq!(cli(&topo, &["EXISTS", "key:7"]), "0");
+    assert_eq!(cli(&topo, &["LRANGE", "list", "0", "-1"]), "a\nb\nc");
+    assert_eq!(cli(&topo, &["GET", "counter"]), "42");
+    // And it keeps appending to the replayed file.
+    assert_eq!(cli(&topo, &["SET", "after", "restart"]), "OK");
+    vmm.kill();
+    let mut vmm = redis_on_disk(&topo, aof, Some(&disk));
+    assert_eq!(cli(&topo, &["GET", "after"]), "restart");
+    assert_eq!(cli(&topo, &["DBSIZE"]), "22");
     assert_running(&mut vmm);
 }
 

@@ -1,5 +1,5 @@
 //! Reading and writing descriptors: read/write and their vector and
-//! positioned forms, close, dup, fcntl, ioctl, pipe, lseek, fsync.
+//! positioned forms, close, dup, fcntl, ioctl, pipe, lseek, fsync, sync.
 
 use alloc::vec::Vec;
 use core::sync::atomic::Ordering;
@@ -25,7 +25,7 @@ fn read_desc(d: &Desc, buf: &mut [u8], may_block: bool) -> Result<usize, Errno> 
         }
         Object::File(ino) => {
             let off = d.offset.load(Ordering::Relaxed);
-            let n = fs::read_at(ino, off, buf);
+            let n = fs::read_at(ino, off, buf)?;
             d.offset.store(off + n as u64, Ordering::Relaxed);
             Ok(n)
         }
@@ -116,7 +116,7 @@ pub fn writev(fd: u64, iov: u64, count: u64) -> SysResult {
 pub fn pread(fd: u64, buf: u64, len: u64, off: u64) -> SysResult {
     let d = fd::get(fd)?;
     match d.obj {
-        Object::File(ino) => Ok(fs::read_at(ino, off, user::bytes_mut(buf, len)?) as u64),
+        Object::File(ino) => Ok(fs::read_at(ino, off, user::bytes_mut(buf, len)?)? as u64),
         _ => Err(ESPIPE),
     }
 }
@@ -226,9 +226,18 @@ pub fn pipe(fds: u64, flags: u64) -> SysResult {
     Ok(0)
 }
 
+/// fsync and fdatasync: a file on the disk is written back and its size
+/// committed (`ftvm-diskfs`); anything else has nowhere to go.
 pub fn fsync(fd: u64) -> SysResult {
-    fd::get(fd)?;
-    Ok(0)
+    match fd::get(fd)?.obj {
+        Object::File(ino) => fs::sync(ino).map(|_| 0),
+        _ => Ok(0),
+    }
+}
+
+/// sync and syncfs.
+pub fn sync() -> SysResult {
+    fs::sync_all().map(|_| 0)
 }
 
 pub fn ftruncate(fd: u64, len: u64) -> SysResult {
