@@ -47,7 +47,7 @@ pub fn mount(path: &str) -> Result<Fs, alloc::string::String> {
     let (fs, formatted) = DiskFs::mount_or_format(Blk(disk), crate::sys::time::realtime_ns()).map_err(|e| format!("disk={path}: {e}"))?;
     ftvm_rt::println!(
         "linux: disk mounted at {path} ({} MiB free{})",
-        fs.free_blocks() * BLOCK as u64 >> 20,
+        (fs.free_blocks() * BLOCK as u64) >> 20,
         if formatted { ", formatted now: it was blank" } else { "" }
     );
     Ok(fs)
