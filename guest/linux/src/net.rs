@@ -55,10 +55,8 @@ struct Net {
     socks: BTreeMap<u32, Sock>,
     next_id: u32,
     closing: Vec<Closing>,
-    /// Ports with a listener in the stack, and those whose socket closed
-    /// (their new connections are refused with RST).
+    /// Ports with a listener in the stack.
     listeners: BTreeSet<u16>,
-    orphaned: BTreeSet<u16>,
     next_port: u16,
 }
 
@@ -73,7 +71,6 @@ pub fn init(config: NetConfig) -> Result<(), ftvm_rt::net::Error> {
         next_id: 1,
         closing: Vec::new(),
         listeners: BTreeSet::new(),
-        orphaned: BTreeSet::new(),
         next_port: FIRST_EPHEMERAL_PORT,
     });
     ftvm_rt::println!("linux: network up ip={ip}");
@@ -93,11 +90,6 @@ impl Net {
                 while let Some(h) = self.stack.accept(*port) {
                     queue.push_back(h);
                 }
-            }
-        }
-        for &port in &self.orphaned {
-            while let Some(h) = self.stack.accept(port) {
-                self.stack.release(h);
             }
         }
         let now = time::now_ns();
@@ -171,10 +163,12 @@ pub fn close(id: u32) {
             net.closing.push(Closing { handle, accepted, deadline: time::now_ns().saturating_add(LINGER_NS) });
         }
         Some(Sock::Listening { port, queue }) => {
+            // Queued connections are reset; new ones refused (RST).
             for h in queue {
                 net.stack.release(h);
             }
-            net.orphaned.insert(port);
+            net.stack.unlisten(port);
+            net.listeners.remove(&port);
         }
         _ => {}
     }
@@ -217,7 +211,6 @@ pub fn listen(id: u32, backlog: i32) -> Result<(), Errno> {
             net.stack.listen(config).map_err(|_| EADDRINUSE)?;
             net.listeners.insert(port);
         }
-        net.orphaned.remove(&port);
         net.socks.insert(id, Sock::Listening { port, queue: VecDeque::new() });
         Ok(())
     })

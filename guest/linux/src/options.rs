@@ -3,7 +3,7 @@
 //! | word | meaning |
 //! |---|---|
 //! | `ip=A.B.C.D/N`, `gw=A.B.C.D` | bring up the network (virtio-net) with this address |
-//! | `epoch=SECONDS` | wall-clock time (CLOCK_REALTIME) at boot; default 0 (guest time) |
+//! | `epoch=SECONDS` | wall-clock time (CLOCK_REALTIME) at boot; default the host's wall clock |
 //! | `rtmem=MIB` | memory the runtime keeps for itself; the program gets the rest |
 //! | `disk=PATH` | mount the virtio-blk disk's file system at PATH (e.g. `/data`) |
 //! | `cwd=PATH` | the program's working directory (default `/`, or the disk's mount point) |
@@ -16,7 +16,7 @@ use ftvm_rt::net::NetConfig;
 
 pub struct Options {
     pub net: Option<NetConfig>,
-    pub epoch_ns: u64,
+    pub epoch_ns: Option<u64>,
     pub runtime_mem: Option<u64>,
     pub disk: Option<String>,
     pub cwd: Option<String>,
@@ -24,14 +24,14 @@ pub struct Options {
 
 impl Options {
     pub fn parse(words: &[String]) -> Result<Options, String> {
-        let mut o = Options { net: None, epoch_ns: 0, runtime_mem: None, disk: None, cwd: None };
+        let mut o = Options { net: None, epoch_ns: None, runtime_mem: None, disk: None, cwd: None };
         let mut net_words: Vec<&str> = Vec::new();
         for w in words {
             let (k, v) = w.split_once('=').ok_or_else(|| format!("bad runtime option {w:?} (expected NAME=VALUE before --)"))?;
             let num = || v.parse::<u64>().map_err(|_| format!("bad {k}= value {v:?}"));
             match k {
                 "ip" | "gw" => net_words.push(w),
-                "epoch" => o.epoch_ns = num()?.saturating_mul(1_000_000_000),
+                "epoch" => o.epoch_ns = Some(num()?.saturating_mul(1_000_000_000).min(u64::MAX - 1)),
                 "rtmem" => o.runtime_mem = Some(num()?.checked_mul(1 << 20).ok_or("rtmem= too large")?),
                 "disk" if v.starts_with('/') => o.disk = Some(v.trim_end_matches('/').to_string()),
                 "cwd" if v.starts_with('/') => o.cwd = Some(v.to_string()),

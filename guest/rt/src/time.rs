@@ -29,6 +29,20 @@ pub(crate) fn init(clock: *const ClockPage) {
 
 /// Nanoseconds of guest time.
 pub fn now_ns() -> u64 {
+    let (c, tsc) = read_clock();
+    c.ns_at(tsc)
+}
+
+/// The host's wall clock, nanoseconds since the UNIX epoch: guest time plus
+/// the page's `realtime_base` (rebased with guest time after a restore or a
+/// failover, so it follows the host the VM runs on).
+pub fn realtime_ns() -> u64 {
+    let (c, tsc) = read_clock();
+    c.ns_at(tsc).saturating_add(c.realtime_base)
+}
+
+/// A consistent copy of the clock page and a TSC reading taken with it.
+fn read_clock() -> (ClockPage, u64) {
     let page = CLOCK.load(Ordering::Acquire);
     assert!(!page.is_null(), "now_ns before the clock page is known");
     loop {
@@ -44,6 +58,7 @@ pub fn now_ns() -> u64 {
                 tsc_mul: read_volatile(addr_of!((*page).tsc_mul)),
                 tsc_base: read_volatile(addr_of!((*page).tsc_base)),
                 ns_base: read_volatile(addr_of!((*page).ns_base)),
+                realtime_base: read_volatile(addr_of!((*page).realtime_base)),
             };
             (v1, c)
         };
@@ -58,7 +73,7 @@ pub fn now_ns() -> u64 {
         // SAFETY: a clock page read, sound as the first one in this loop.
         let v2 = unsafe { read_volatile(addr_of!((*page).version)) };
         if v1 & 1 == 0 && v1 == v2 {
-            return c.ns_at(tsc);
+            return (c, tsc);
         }
         core::hint::spin_loop();
     }

@@ -266,6 +266,10 @@ pub mod virtio {
 /// continues from where it stopped instead of jumping with the host TSC.
 /// A writer makes `version` odd while updating; readers retry while it is odd
 /// or changed across their read (a seqlock).
+///
+/// `realtime_base` is the host's wall clock (nanoseconds since the UNIX
+/// epoch) minus guest time, set whenever the VMM (re)bases the clock: wall
+/// time is guest time plus it (0 when the host's clock is unknown).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ClockPage {
@@ -274,6 +278,7 @@ pub struct ClockPage {
     pub tsc_mul: u64,
     pub tsc_base: u64,
     pub ns_base: u64,
+    pub realtime_base: u64,
 }
 
 impl ClockPage {
@@ -291,7 +296,7 @@ mod tests {
     #[test]
     fn clock_converts_with_base() {
         // 2 GHz: 0.5 ns per tick.
-        let c = ClockPage { version: 0, tsc_shift: 32, tsc_mul: 1 << 31, tsc_base: 1000, ns_base: 7 };
+        let c = ClockPage { version: 0, tsc_shift: 32, tsc_mul: 1 << 31, tsc_base: 1000, ns_base: 7, realtime_base: 0 };
         assert_eq!(c.ns_at(1000), 7);
         assert_eq!(c.ns_at(3000), 1007);
         assert_eq!(c.ns_at(10), 7);

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::*;
 use ftvm_testkit::process::{Process, WaitError};
-use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, TAP};
+use ftvm_testkit::topology::{Topology, CLIENT_ADDR, GUEST_ADDR, GUEST_MAC, TAP};
 
 /// A static Linux program built by the project's scripts.
 fn program(name: &str) -> PathBuf {
@@ -35,6 +35,13 @@ fn hello_gets_argv_env_tls_and_auxv_and_exits_with_its_status() {
     assert!(text.contains("hello: argc=4 argv[1]=[a] argv[2]=[b c] argv[3]=[]\n"), "{text}");
     assert!(text.contains("hello: env GREETING=hi there tls=42 pagesz=4096 random=yes\n"), "{text}");
     assert!(text.contains("hello: to stderr\n"), "{text}");
+    // The wall clock is the host's (from the clock page), or epoch=.
+    let host = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let guest: u64 = field(&text, "hello: time", "time").and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{text}"));
+    assert!(guest.abs_diff(host) < 60, "guest wall clock {guest}, host {host}");
+    let text = stdout(&run_program("hello", "epoch=1000 -- hello"));
+    let guest: u64 = field(&text, "hello: time", "time").and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{text}"));
+    assert!((1000..1060).contains(&guest), "epoch=1000 read as {guest}");
     let out = run_program("hello", "-- hello fail");
     assert_eq!(out.status.code(), Some(3), "{}{}", stdout(&out), stderr(&out));
 }
@@ -222,6 +229,41 @@ fn redis_benchmark_pipelined_runs_without_errors() {
     assert!(!text.contains("ERR") && !stderr(&out).contains("Error"), "{text}{}", stderr(&out));
     assert!(!cli(&topo, &["GET", "counter:__rand_int__"]).is_empty());
     assert_running(&mut vmm);
+}
+
+/// `bash -c SCRIPT` in the client namespace: (success, stdout + stderr).
+fn client_shell(topo: &Topology, script: &str) -> (bool, String) {
+    let out = topo.command("client", "timeout").args(["10", "bash", "-c", script]).stdin(Stdio::null()).output().unwrap();
+    (out.status.success(), format!("{}{}", stdout(&out), stderr(&out)))
+}
+
+/// connect from the guest to a server outside it (a native redis-server),
+/// and a listener that is closed: new connections to it are refused, while
+/// the next listener works.
+#[test]
+fn connect_works_and_a_closed_listener_refuses_connections() {
+    let topo = Topology::new("lxsock").unwrap();
+    let mut server = Process::spawn_collected(
+        "redis-server",
+        topo.command("client", "redis-server").args(["--port", "6390", "--bind", CLIENT_ADDR, "--save", "", "--protected-mode", "no"]),
+    )
+    .unwrap();
+    wait_for(&mut server, "native redis-server", "Ready to accept connections", BOOT_TIMEOUT);
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.arg("run").arg("--image").arg(program("linux-sockets")).args(["--net", &format!("tap={TAP},mac={GUEST_MAC}")]);
+    cmd.arg(format!("--cmdline=ip={GUEST_ADDR}/24 -- sockets {CLIENT_ADDR} 6390"));
+    let mut vmm = Process::spawn_collected("ftvm", &mut cmd).unwrap();
+    wait_for(&mut vmm, "sockets", "sockets: listening 7000", BOOT_TIMEOUT);
+    assert!(vmm.stdout().contains("sockets: connect ok"), "{}", vmm.output());
+    let (ok, text) = client_shell(&topo, &format!("exec 3<>/dev/tcp/{GUEST_ADDR}/7000 && head -c 6 <&3"));
+    assert!(ok && text == "hello\n", "{text}");
+    wait_for(&mut vmm, "sockets", "sockets: listening 7001", BOOT_TIMEOUT);
+    let (ok, text) = client_shell(&topo, &format!("exec 3<>/dev/tcp/{GUEST_ADDR}/7000"));
+    assert!(!ok && text.contains("Connection refused"), "a closed listener accepted a connection: {text}");
+    let (ok, text) = client_shell(&topo, &format!("exec 3<>/dev/tcp/{GUEST_ADDR}/7001 && exec 3>&-"));
+    assert!(ok, "{text}");
+    assert_eq!(exit_status(&mut vmm, BOOT_TIMEOUT).code(), Some(0), "{}", vmm.output());
+    assert!(vmm.stdout().ends_with("sockets: done\n"), "{}", vmm.output());
 }
 
 /// redis-server with its append-only file on the disk, fsynced on every

@@ -5,7 +5,7 @@
 //! by the VMM. After a restore the VMM re-bases the function at the guest
 //! time the snapshot was taken, so guest time neither jumps nor goes back.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use serde::{Deserialize, Serialize};
 use vm_memory::{Bytes, GuestAddress};
@@ -44,7 +44,9 @@ impl GuestClock {
     /// A clock reading `ns` now.
     pub fn starting_at(tsc_hz: u64, ns: u64) -> GuestClock {
         let tsc_mul = ((1_000_000_000u128 << SHIFT) / tsc_hz as u128) as u64;
-        GuestClock { page: ClockPage { version: 0, tsc_shift: SHIFT, tsc_mul, tsc_base: rdtsc(), ns_base: ns } }
+        let mut clock = GuestClock { page: ClockPage { version: 0, tsc_shift: SHIFT, tsc_mul, tsc_base: 0, ns_base: 0, realtime_base: 0 } };
+        clock.rebase(ns);
+        clock
     }
 
     pub fn now_ns(&self) -> u64 {
@@ -56,10 +58,14 @@ impl GuestClock {
         Duration::from_nanos(deadline_ns.saturating_sub(self.now_ns()))
     }
 
-    /// Continue from guest time `ns` (the time a snapshot was taken).
+    /// Continue from guest time `ns` (the time a snapshot was taken), with
+    /// wall time from this host's clock (a restored or failed-over guest
+    /// reads the time of day of the host it now runs on).
     pub fn rebase(&mut self, ns: u64) {
         self.page.tsc_base = rdtsc();
         self.page.ns_base = ns;
+        let wall = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        self.page.realtime_base = wall.saturating_sub(ns);
     }
 
     /// Publish the page to the guest. The version goes odd, then even, so a
@@ -75,6 +81,7 @@ impl GuestClock {
         mem.write_obj(p.tsc_mul, GuestAddress(CLOCK_PAGE_ADDR + 8))?;
         mem.write_obj(p.tsc_base, GuestAddress(CLOCK_PAGE_ADDR + 16))?;
         mem.write_obj(p.ns_base, GuestAddress(CLOCK_PAGE_ADDR + 24))?;
+        mem.write_obj(p.realtime_base, GuestAddress(CLOCK_PAGE_ADDR + 32))?;
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         mem.write_obj(p.version, addr)
     }
@@ -128,5 +135,7 @@ mod tests {
         assert_eq!(read(0) as u32, 4, "version");
         assert_eq!(read(8), 1 << 31, "tsc_mul");
         assert_eq!(read(24), 5, "ns_base");
+        let wall = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        assert!(read(32) <= wall && read(32) > wall - 60_000_000_000, "realtime_base is this host's wall clock");
     }
 }

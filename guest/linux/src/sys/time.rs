@@ -19,15 +19,19 @@ const CLOCK_MONOTONIC_COARSE: u64 = 6;
 const CLOCK_BOOTTIME: u64 = 7;
 const TIMER_ABSTIME: u64 = 1;
 
-/// CLOCK_REALTIME at guest time 0 (the `epoch=` runtime option).
-static EPOCH_NS: AtomicU64 = AtomicU64::new(0);
+/// CLOCK_REALTIME at guest time 0 when the `epoch=` runtime option set it;
+/// `u64::MAX`: the host's wall clock from the clock page.
+static EPOCH_NS: AtomicU64 = AtomicU64::new(u64::MAX);
 
-pub fn set_epoch(ns: u64) {
-    EPOCH_NS.store(ns, Ordering::Relaxed);
+pub fn set_epoch(ns: Option<u64>) {
+    EPOCH_NS.store(ns.unwrap_or(u64::MAX), Ordering::Relaxed);
 }
 
 pub fn realtime_ns() -> u64 {
-    EPOCH_NS.load(Ordering::Relaxed) + now_ns()
+    match EPOCH_NS.load(Ordering::Relaxed) {
+        u64::MAX => ftvm_rt::time::realtime_ns(),
+        epoch => epoch + now_ns(),
+    }
 }
 
 fn clock_ns(clock: u64) -> Result<u64, crate::errno::Errno> {

@@ -51,6 +51,9 @@ pub(crate) struct Listener {
     /// Released while still connected: aborted, and kept until the RST is
     /// out (smoltcp forgets the peer once it has sent it).
     dying: Vec<SocketHandle>,
+    /// False once closed: no socket listens, and the listener is gone when
+    /// its last connection is released and reset.
+    open: bool,
 }
 
 fn tcp<'a>(sockets: &'a mut SocketSet<'static>, h: SocketHandle) -> &'a mut tcp::Socket<'static> {
@@ -59,7 +62,39 @@ fn tcp<'a>(sockets: &'a mut SocketSet<'static>, h: SocketHandle) -> &'a mut tcp:
 
 impl Listener {
     pub(crate) fn new(config: ListenConfig) -> Listener {
-        Listener { config, pending: Vec::new(), ready: VecDeque::new(), live: BTreeSet::new(), dying: Vec::new() }
+        Listener { config, pending: Vec::new(), ready: VecDeque::new(), live: BTreeSet::new(), dying: Vec::new(), open: true }
+    }
+
+    /// Stop listening: new SYNs find no socket and are refused with RST;
+    /// handshakes under way and connections not yet accepted are reset.
+    /// Accepted connections live on until released.
+    pub(crate) fn close(&mut self, sockets: &mut SocketSet<'static>) {
+        self.open = false;
+        for h in self.pending.drain(..).chain(self.ready.drain(..)) {
+            let s = tcp(sockets, h);
+            if s.state() == State::Listen {
+                sockets.remove(h);
+            } else {
+                s.abort();
+                self.dying.push(h);
+            }
+        }
+    }
+
+    /// Listen again (after [`Listener::close`]) with `config`.
+    pub(crate) fn reopen(&mut self, config: ListenConfig, sockets: &mut SocketSet<'static>) {
+        self.config = config;
+        self.open = true;
+        self.maintain(sockets);
+    }
+
+    pub(crate) fn is_open(&self) -> bool {
+        self.open
+    }
+
+    /// Closed, with nothing left to release or reset.
+    pub(crate) fn is_gone(&self) -> bool {
+        !self.open && self.total() == 0
     }
 
     pub(crate) fn port(&self) -> u16 {
@@ -104,7 +139,7 @@ impl Listener {
                 i += 1;
             }
         }
-        while listening < self.config.backlog && self.total() < self.config.max_conns {
+        while self.open && listening < self.config.backlog && self.total() < self.config.max_conns {
             let rx = tcp::SocketBuffer::new(vec![0u8; self.config.rx_buffer]);
             let tx = tcp::SocketBuffer::new(vec![0u8; self.config.tx_buffer]);
             let mut s = tcp::Socket::new(rx, tx);
@@ -120,7 +155,7 @@ impl Listener {
 
     /// Put a closed socket back in LISTEN if the pool needs one, else free it.
     fn reuse(&mut self, sockets: &mut SocketSet<'static>, h: SocketHandle, listening: &mut usize) {
-        if *listening < self.config.backlog && self.total() < self.config.max_conns {
+        if self.open && *listening < self.config.backlog && self.total() < self.config.max_conns {
             let s = tcp(sockets, h);
             // Forgets the peer without sending anything (listen resets the
             // socket), which is all a TIME-WAIT socket has left to do.

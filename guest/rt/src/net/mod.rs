@@ -204,6 +204,7 @@ impl Stack {
         for l in &mut self.listeners {
             l.maintain(&mut self.sockets);
         }
+        self.listeners.retain(|l| !l.is_gone());
         self.device.notify();
         changed || self.device.stats() != before
     }
@@ -234,8 +235,13 @@ impl Stack {
         if config.port == 0 || config.backlog == 0 || config.max_conns == 0 {
             return Err(Error::Config("listen: port, backlog and max_conns must be non-zero"));
         }
-        if self.listeners.iter().any(|l| l.port() == config.port) {
-            return Err(Error::Config("listen: port already listening"));
+        if let Some(l) = self.listeners.iter_mut().find(|l| l.port() == config.port) {
+            if l.is_open() {
+                return Err(Error::Config("listen: port already listening"));
+            }
+            // Closed, with connections still to release: listen again.
+            l.reopen(config, &mut self.sockets);
+            return Ok(());
         }
         let mut l = Listener::new(config);
         l.maintain(&mut self.sockets);
@@ -249,6 +255,19 @@ impl Stack {
         let l = self.listeners.iter_mut().find(|l| l.port() == port)?;
         l.maintain(&mut self.sockets);
         l.accept()
+    }
+
+    /// Stop accepting connections on `port`: SYNs are refused with RST from
+    /// now on; connections already accepted stay until released. Returns
+    /// false if nothing listens there.
+    pub fn unlisten(&mut self, port: u16) -> bool {
+        match self.listeners.iter_mut().find(|l| l.port() == port && l.is_open()) {
+            Some(l) => {
+                l.close(&mut self.sockets);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Give back an accepted socket once done with it: closed sockets are
