@@ -75,8 +75,7 @@ pub struct OutputBuffer {
 
 impl OutputBuffer {
     pub fn new(network: Arc<dyn FrameSink>) -> OutputBuffer {
-        let inner =
-            Inner {
+        let inner = Inner {
             protected: false,
             open: Held::default(),
             closed: VecDeque::new(),
