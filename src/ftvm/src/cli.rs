@@ -158,6 +158,12 @@ pub struct RunArgs {
     /// Replication transport. tcp: one TCP connection to the backup.
     #[arg(long, default_value = "tcp", value_name = "tcp")]
     pub transport: transport::Kind,
+    /// Send the backup a copy of every frame the guest sends and receives
+    /// (UDP), so that after a takeover it replays them and clients need not
+    /// wait for TCP retransmissions (on); or only checkpoints (off). Not
+    /// with --encrypt.
+    #[arg(long, default_value = "on", value_name = "on|off")]
+    pub mirror: ftvm_replication::mirror::Mode,
     #[command(flatten)]
     pub arbiter: ArbiterArgs,
     #[command(flatten)]
@@ -256,7 +262,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 14] = [
+const PRIMARY_ONLY: [&str; 15] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -267,6 +273,7 @@ const PRIMARY_ONLY: [&str; 14] = [
     "capture",
     "encoding",
     "transport",
+    "mirror",
     "arbiter",
     "name",
     "secret_file",

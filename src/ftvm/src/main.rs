@@ -83,6 +83,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 disk: args.host.disk.clone(),
                 switches: Switches { capture: args.capture, encoding: args.encoding, transport: args.transport },
                 auth,
+                mirror: args.mirror,
             });
             let source = run::Source::Image {
                 image: args.image,
@@ -124,6 +125,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 disk: config.devices.disk.clone(),
                 switches: Switches::default(),
                 auth: config.auth.clone(),
+                mirror: Default::default(),
             };
             run::run(run::Source::Backup(Box::new(config)), args.host.into_options(Some(promotion)))
         }

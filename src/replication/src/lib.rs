@@ -10,6 +10,8 @@ pub mod checkpoint;
 pub mod fault;
 pub mod liveness;
 pub mod metrics;
+pub mod mirror;
+
 pub mod output;
 pub mod pipeline;
 pub mod primary;
