@@ -7,6 +7,7 @@
 
 mod api;
 mod cli;
+mod config;
 mod demo;
 mod output;
 mod run;
