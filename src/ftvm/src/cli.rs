@@ -269,6 +269,11 @@ pub struct HostArgs {
     /// Disk backed by a raw file (its size must be a multiple of 512 bytes).
     #[arg(long, value_name = "PATH")]
     pub disk: Option<PathBuf>,
+    /// Serve Prometheus metrics (checkpoints, pause and acknowledgement
+    /// times, dirty pages, bytes, held output, failovers, role) on
+    /// http://ADDR/metrics (host:port).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<String>,
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).

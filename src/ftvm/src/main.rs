@@ -9,6 +9,7 @@ mod api;
 mod cli;
 mod config;
 mod demo;
+mod exporter;
 mod output;
 mod run;
 mod signals;
@@ -28,6 +29,7 @@ impl HostArgs {
             prefault: self.prefault,
             dirty_backend: self.dirty_backend,
             api_socket: self.api_socket,
+            metrics_listen: self.metrics_listen,
             devices: ftvm_vmm::devices::DeviceConfig { net: self.net, disk: self.disk },
             replicate,
         }

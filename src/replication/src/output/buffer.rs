@@ -20,6 +20,7 @@ use ftvm_vmm::hooks::{Console, ConsoleSink, FrameSink};
 use ftvm_vmm::sync::Lock;
 
 use crate::bounds::{FRAME_OVERHEAD, HELD_OUTPUT_BOUND};
+use crate::telemetry::telemetry;
 
 /// One piece of held output.
 enum Out {
@@ -133,6 +134,7 @@ impl OutputBuffer {
             released.frames += held.frames as u64;
         }
         inner.released_frames += released.frames;
+        telemetry().held(-(released.frames as i64));
         let wake = released.frames > 0 && std::mem::take(&mut inner.refused);
         drop(inner);
         if wake {
@@ -184,6 +186,7 @@ impl FrameSink for OutputBuffer {
         inner.open.items.push(Out::Frame(frame.to_vec()));
         inner.open.frames += 1;
         inner.held_cost += cost(frame);
+        telemetry().held(1);
     }
 
     /// Unprotected, always; protected, until the held frames reach the bound.

@@ -360,6 +360,7 @@ fn read_acks(link: &mut dyn Transport, output: &OutputBuffer, shared: &Shared, s
                         f.metrics.frames_released = released.frames;
                     }
                     metrics.record(&f.metrics);
+                    crate::telemetry::telemetry().acknowledged(&f.metrics);
                     status.lock().last = Some(f.metrics);
                 }
             }
