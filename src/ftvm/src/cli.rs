@@ -269,6 +269,9 @@ pub struct HostArgs {
     /// Disk backed by a raw file (its size must be a multiple of 512 bytes).
     #[arg(long, value_name = "PATH")]
     pub disk: Option<PathBuf>,
+    /// Run the VMM's threads without their seccomp filters (docs/seccomp.md).
+    #[arg(long)]
+    pub no_seccomp: bool,
     /// Serve Prometheus metrics (checkpoints, pause and acknowledgement
     /// times, dirty pages, bytes, held output, failovers, role) on
     /// http://ADDR/metrics (host:port).

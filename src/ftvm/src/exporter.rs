@@ -58,6 +58,7 @@ impl Exporter {
         std::thread::Builder::new()
             .name("metrics".into())
             .spawn(move || {
+                ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Api);
                 for conn in listener.incoming() {
                     match conn {
                         Ok(conn) => {

@@ -29,6 +29,7 @@ impl HostArgs {
             prefault: self.prefault,
             dirty_backend: self.dirty_backend,
             api_socket: self.api_socket,
+            seccomp: !self.no_seccomp,
             metrics_listen: self.metrics_listen,
             devices: ftvm_vmm::devices::DeviceConfig { net: self.net, disk: self.disk },
             replicate,

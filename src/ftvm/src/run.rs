@@ -10,6 +10,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use ftvm_replication::{Backup, BackupConfig, Outcome, Primary, PrimaryConfig, ReplicationError, StatusCell};
+use ftvm_vmm::seccomp::{self, ThreadKind};
 use ftvm_vmm::snapshot::{self, SnapshotError};
 use ftvm_vmm::{DirtyBackend, Persist, Vm, VmConfig, VmError, VmExit};
 
@@ -36,6 +37,8 @@ pub enum RunError {
     #[error(transparent)]
     Metrics(#[from] ExporterError),
     #[error(transparent)]
+    Seccomp(#[from] ftvm_vmm::seccomp::SeccompError),
+    #[error(transparent)]
     Secret(#[from] ftvm_replication::pipeline::transport::SecretError),
 }
 
@@ -55,6 +58,8 @@ pub struct HostOptions {
     pub prefault: bool,
     pub dirty_backend: DirtyBackend,
     pub api_socket: Option<PathBuf>,
+    /// Filter the VMM's system calls (docs/seccomp.md).
+    pub seccomp: bool,
     /// Serve Prometheus metrics here.
     pub metrics_listen: Option<String>,
     pub devices: ftvm_vmm::devices::DeviceConfig,
@@ -108,6 +113,12 @@ fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
 
 /// Run until the VM stops; returns the exit status for this process.
 pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
+    if host.seccomp {
+        // This thread creates every other: its filter is the widest, and
+        // each thread narrows it to its kind's as it starts.
+        seccomp::enable()?;
+        seccomp::install(ThreadKind::Vmm)?;
+    }
     if let Source::Backup(config) = &source {
         // What a primary's arrival would find wrong, found now.
         ftvm_vmm::vm::check_shape(config.mem_size, config.vcpus)?;
