@@ -236,6 +236,15 @@ mod tests {
                 });
                 assert!(named, "{} does not describe `{long}`", path.display());
             }
+            // And every key it shows, commented out or not, is an option.
+            for line in text.lines().filter(|l| l.starts_with('#')) {
+                let Some((key, _)) = line.trim_start_matches(['#', ' ']).split_once(" = ") else { continue };
+                let key = key.trim();
+                if !key.is_empty() && key.chars().all(|c| c.is_ascii_lowercase() || c == '-') {
+                    options(sub, &path, &format!("{key} = {}", line.split_once(" = ").unwrap().1.split('#').next().unwrap()))
+                        .unwrap_or_else(|e| panic!("{}: {line}: {e}", path.display()));
+                }
+            }
         }
     }
 }

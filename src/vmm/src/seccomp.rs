@@ -8,10 +8,10 @@
 //! threads that build and start a backup's VM) needs what its children need
 //! too; the narrow filters are those of the threads that run guest-driven
 //! code or face clients: vCPUs, devices, the control socket and metrics.
-//! The lists come from `strace -f` of real runs (every test scenario: VMs
-//! with net and disk, snapshots, the control API, primary and backup,
-//! failover, re-protection, etcd, authenticated channels) and are
-//! documented in `docs/seccomp.md`.
+//! The lists come from `strace -f` of real runs (VMs with net and disk,
+//! snapshots, the control API, primary and backup, failover, etcd,
+//! authenticated channels) and the whole test suite runs under them; they
+//! are documented in `docs/seccomp.md`.
 //!
 //! A system call outside its thread's list raises SIGSYS; the handler
 //! prints one line naming the thread and the call and ends the process
