@@ -7,7 +7,9 @@
 
 mod api;
 mod cli;
+mod config;
 mod demo;
+mod exporter;
 mod output;
 mod run;
 mod signals;
@@ -27,6 +29,8 @@ impl HostArgs {
             prefault: self.prefault,
             dirty_backend: self.dirty_backend,
             api_socket: self.api_socket,
+            seccomp: !self.no_seccomp,
+            metrics_listen: self.metrics_listen,
             devices: ftvm_vmm::devices::DeviceConfig { net: self.net, disk: self.disk },
             replicate,
         }

@@ -17,6 +17,7 @@ pub mod pipeline;
 pub mod primary;
 pub mod protocol;
 mod switch;
+pub mod telemetry;
 
 pub use backup::{Backup, BackupConfig, Outcome};
 pub use metrics::{EpochMetrics, Role, Status, StatusCell};

@@ -191,6 +191,7 @@ impl Backup {
             replayed_in,
             "PRIMARY LOST: took over from the last committed checkpoint"
         );
+        crate::telemetry::telemetry().took_over();
         {
             let mut st = status.lock();
             st.role = Role::Primary;
@@ -441,7 +442,9 @@ fn apply_checkpoint(
     let (epoch, pages, guest_ns) = (staged.epoch, staged.pages.len(), staged.state.vm.clock.ns);
     crate::fault::stall_apply(epoch);
     apply.commit(replica, staged).map_err(Stop::CannotApply)?;
-    log.record(&AppliedEpoch { epoch, guest_ns, applied_unix_ns: unix_ns(), pages, apply_us: t0.elapsed().as_micros() as u64 });
+    let applied = AppliedEpoch { epoch, guest_ns, applied_unix_ns: unix_ns(), pages, apply_us: t0.elapsed().as_micros() as u64 };
+    log.record(&applied);
+    crate::telemetry::telemetry().applied(&applied);
     link.send(&protocol::ack(epoch)).map_err(|e| Stop::Lost(format!("cannot acknowledge checkpoint {epoch}: {e}")))?;
     // Input queued before this checkpoint is either in it or lost for good;
     // keep only what a new primary may still need.

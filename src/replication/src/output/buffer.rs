@@ -21,6 +21,7 @@ use ftvm_vmm::sync::Lock;
 
 use crate::bounds::{FRAME_OVERHEAD, HELD_OUTPUT_BOUND};
 use crate::mirror;
+use crate::telemetry::telemetry;
 
 /// One piece of held output.
 enum Out {
@@ -155,6 +156,7 @@ impl OutputBuffer {
             released.frames += held.frames as u64;
         }
         inner.released_frames += released.frames;
+        telemetry().held(-(released.frames as i64));
         released
     }
 
@@ -219,6 +221,7 @@ impl FrameSink for OutputBuffer {
         inner.open.items.push(Out::Frame(frame.to_vec()));
         inner.open.frames += 1;
         inner.held_cost += cost(frame);
+        telemetry().held(1);
         let (mirror, epoch) = (inner.mirror.clone(), inner.open.epoch);
         drop(inner);
         if let Some(m) = mirror {

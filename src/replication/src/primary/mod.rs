@@ -395,6 +395,7 @@ impl Worker {
     }
 
     fn backup_lost(&mut self, reason: &BackupLoss) {
+        crate::telemetry::telemetry().backup_lost();
         if !self.reclaim(reason) {
             return;
         }

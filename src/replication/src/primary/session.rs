@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use ftvm_vmm::seccomp;
 use ftvm_vmm::sync::Lock;
 use ftvm_vmm::Vm;
 
@@ -174,7 +175,10 @@ impl Session {
             let backup = cx.config.backup.clone();
             std::thread::Builder::new()
                 .name("replication-acks".into())
-                .spawn(move || read_acks(acks.as_mut(), &output, &shared, &status, &metrics, &backup))
+                .spawn(move || {
+                    seccomp::install_or_exit(seccomp::ThreadKind::Replication);
+                    read_acks(acks.as_mut(), &output, &shared, &status, &metrics, &backup)
+                })
                 .map_err(ReplicationError::Thread)?
         };
         {
@@ -393,6 +397,7 @@ fn read_acks(link: &mut dyn Transport, output: &OutputBuffer, shared: &Shared, s
                         f.metrics.frames_released = released.frames;
                     }
                     metrics.record(&f.metrics);
+                    crate::telemetry::telemetry().acknowledged(&f.metrics);
                     status.lock().last = Some(f.metrics);
                 }
             }
