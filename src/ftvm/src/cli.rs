@@ -13,7 +13,8 @@ use ftvm_replication::OnBackupLoss;
 use ftvm_vmm::devices::virtio::net::NetConfig;
 use ftvm_vmm::DirtyBackend;
 
-use crate::demo;
+use crate::output::errln;
+use crate::{config, demo};
 
 /// Shortest checkpoint interval: every epoch pauses the guest and waits for
 /// a round trip, so shorter ones spend the VM's time on checkpoints.
@@ -31,8 +32,11 @@ pub struct Cli {
 #[derive(Subcommand)]
 pub enum Command {
     /// Boot a guest image and run it until it exits (as a primary with --replicate-to).
+    // A later option replaces an earlier one: the command line's replace --config's.
+    #[command(args_override_self = true)]
     Run(RunArgs),
     /// Wait for a primary, follow its checkpoints, and take its VM over when it fails.
+    #[command(args_override_self = true)]
     Backup(BackupArgs),
     /// Write a running VM's complete state to a file.
     Snapshot {
@@ -103,8 +107,20 @@ pub struct ClientArgs {
     pub timeout: Duration,
 }
 
+/// `--config FILE` (src/config.rs): the subcommand's options from a TOML file.
+#[derive(Args)]
+pub struct ConfigArgs {
+    /// Read options from this TOML file: each key is an option's long name
+    /// (`epoch-ms = 20`); options given on the command line override it
+    /// (examples: docs/config/).
+    #[arg(long = config::CONFIG, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+}
+
 #[derive(Args)]
 pub struct RunArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
     /// Guest image: a static x86-64 ELF built for the ftvm guest ABI, or an
     /// unmodified static Linux program (run on the runtime's Linux
     /// personality, linux.elf; --cmdline "OPTIONS -- PROGRAM ARGS...").
@@ -158,6 +174,12 @@ pub struct RunArgs {
     /// Replication transport. tcp: one TCP connection to the backup.
     #[arg(long, default_value = "tcp", value_name = "tcp")]
     pub transport: transport::Kind,
+    /// Send the backup a copy of every frame the guest sends and receives
+    /// (UDP), so that after a takeover it replays them and clients need not
+    /// wait for TCP retransmissions (on); or only checkpoints (off). Not
+    /// with --encrypt.
+    #[arg(long, default_value = "on", value_name = "on|off")]
+    pub mirror: ftvm_replication::mirror::Mode,
     #[command(flatten)]
     pub arbiter: ArbiterArgs,
     #[command(flatten)]
@@ -204,6 +226,8 @@ impl ArbiterArgs {
 
 #[derive(Args)]
 pub struct BackupArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
     /// Address to accept the primary on (host:port).
     #[arg(long, value_name = "ADDR")]
     pub listen: String,
@@ -253,10 +277,18 @@ pub struct HostArgs {
     /// Disk backed by a raw file (its size must be a multiple of 512 bytes).
     #[arg(long, value_name = "PATH")]
     pub disk: Option<PathBuf>,
+    /// Run the VMM's threads without their seccomp filters (docs/seccomp.md).
+    #[arg(long)]
+    pub no_seccomp: bool,
+    /// Serve Prometheus metrics (checkpoints, pause and acknowledgement
+    /// times, dirty pages, bytes, held output, failovers, role) on
+    /// http://ADDR/metrics (host:port).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<String>,
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 14] = [
+const PRIMARY_ONLY: [&str; 15] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -267,6 +299,7 @@ const PRIMARY_ONLY: [&str; 14] = [
     "capture",
     "encoding",
     "transport",
+    "mirror",
     "arbiter",
     "name",
     "secret_file",
@@ -276,14 +309,25 @@ const PRIMARY_ONLY: [&str; 14] = [
 /// Parse the command line (exits with clap's usage error on a mistake).
 pub fn parse() -> Cli {
     let mut command = Cli::command();
-    let matches = command.get_matches_mut();
+    let expanded = config::expand(&command, std::env::args_os().collect()).unwrap_or_else(|e| {
+        // Exit status 2, like the same mistake on the command line.
+        errln!("ftvm: error: {e}");
+        std::process::exit(2)
+    });
+    let matches = command.try_get_matches_from_mut(expanded.args).unwrap_or_else(|e| e.exit());
     if let Some(("run", run)) = matches.subcommand() {
         // Given without --replicate-to, these would be silently ignored.
         if let Some(id) = PRIMARY_ONLY.iter().find(|id| run.value_source(id) == Some(ValueSource::CommandLine)) {
             if run.get_one::<String>("replicate_to").is_none() {
                 let run = command.find_subcommand_mut("run").expect("ftvm run exists");
                 let flag = run.get_arguments().find(|a| a.get_id() == id).and_then(|a| a.get_long()).unwrap_or(id);
-                let msg = format!("--{flag} applies only to a replicating primary: add --replicate-to ADDR");
+                let msg = match &expanded.path {
+                    Some(path) if expanded.from_file.iter().any(|f| f == id) => format!(
+                        "`{flag}` in config file {} applies only to a replicating primary: add `replicate-to` (or --replicate-to ADDR)",
+                        path.display()
+                    ),
+                    _ => format!("--{flag} applies only to a replicating primary: add --replicate-to ADDR"),
+                };
                 run.error(ErrorKind::MissingRequiredArgument, msg).exit();
             }
         }

@@ -7,7 +7,9 @@
 
 mod api;
 mod cli;
+mod config;
 mod demo;
+mod exporter;
 mod output;
 mod run;
 mod signals;
@@ -27,6 +29,8 @@ impl HostArgs {
             prefault: self.prefault,
             dirty_backend: self.dirty_backend,
             api_socket: self.api_socket,
+            seccomp: !self.no_seccomp,
+            metrics_listen: self.metrics_listen,
             devices: ftvm_vmm::devices::DeviceConfig { net: self.net, disk: self.disk },
             replicate,
         }
@@ -83,6 +87,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 disk: args.host.disk.clone(),
                 switches: Switches { capture: args.capture, encoding: args.encoding, transport: args.transport },
                 auth,
+                mirror: args.mirror,
             });
             let source = run::Source::Image {
                 image: args.image,
@@ -124,6 +129,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 disk: config.devices.disk.clone(),
                 switches: Switches::default(),
                 auth: config.auth.clone(),
+                mirror: Default::default(),
             };
             run::run(run::Source::Backup(Box::new(config)), args.host.into_options(Some(promotion)))
         }

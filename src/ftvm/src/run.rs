@@ -10,11 +10,13 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use ftvm_replication::{Backup, BackupConfig, Outcome, Primary, PrimaryConfig, ReplicationError, StatusCell};
+use ftvm_vmm::seccomp::{self, ThreadKind};
 use ftvm_vmm::snapshot::{self, SnapshotError};
 use ftvm_vmm::{DirtyBackend, Persist, Vm, VmConfig, VmError, VmExit};
 
 use crate::api::client::ClientError;
 use crate::api::server::{Action, ApiContext, ApiServer};
+use crate::exporter::{Exporter, ExporterError};
 use crate::output::errln;
 use crate::signals;
 
@@ -32,6 +34,10 @@ pub enum RunError {
     Api { path: String, err: std::io::Error },
     #[error("{op}: {err}")]
     Os { op: &'static str, err: std::io::Error },
+    #[error(transparent)]
+    Metrics(#[from] ExporterError),
+    #[error(transparent)]
+    Seccomp(#[from] ftvm_vmm::seccomp::SeccompError),
     #[error(transparent)]
     Secret(#[from] ftvm_replication::pipeline::transport::SecretError),
 }
@@ -52,6 +58,10 @@ pub struct HostOptions {
     pub prefault: bool,
     pub dirty_backend: DirtyBackend,
     pub api_socket: Option<PathBuf>,
+    /// Filter the VMM's system calls (docs/seccomp.md).
+    pub seccomp: bool,
+    /// Serve Prometheus metrics here.
+    pub metrics_listen: Option<String>,
     pub devices: ftvm_vmm::devices::DeviceConfig,
     /// Replicate to a backup (primary role).
     pub replicate: Option<PrimaryConfig>,
@@ -103,6 +113,12 @@ fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
 
 /// Run until the VM stops; returns the exit status for this process.
 pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
+    if host.seccomp {
+        // This thread creates every other: its filter is the widest, and
+        // each thread narrows it to its kind's as it starts.
+        seccomp::enable()?;
+        seccomp::install(ThreadKind::Vmm)?;
+    }
     if let Source::Backup(config) = &source {
         // What a primary's arrival would find wrong, found now.
         ftvm_vmm::vm::check_shape(config.mem_size, config.vcpus)?;
@@ -113,6 +129,12 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
         .as_ref()
         .map(|p| ApiServer::bind(p).map_err(|err| RunError::Api { path: p.display().to_string(), err }))
         .transpose()?;
+    let exporter = host.metrics_listen.as_deref().map(Exporter::start).transpose()?;
+    let follow = |status: Option<&StatusCell>| {
+        if let Some(e) = &exporter {
+            e.follow(status);
+        }
+    };
     let stop_signal = signals::install().map_err(os("install signal handlers"))?;
     let epoll = Epoll::new().map_err(os("epoll"))?;
     let watch = |fd, token| epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN, token)).map_err(os("epoll_ctl"));
@@ -138,6 +160,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
         Source::Backup(config) => {
             let backup = Backup::bind(*config)?;
             status = Some(backup.status());
+            follow(status.as_ref());
             watch(takeover_evt.as_raw_fd(), TAKEOVER)?;
             let evt = takeover_evt.try_clone().map_err(os("eventfd"))?;
             std::thread::Builder::new()
@@ -157,6 +180,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                 match Primary::start(v.clone(), config, signals::stop_requested()) {
                     Ok(p) => {
                         status = Some(p.status_cell());
+                        follow(status.as_ref());
                         primary = Some(p);
                     }
                     Err(ReplicationError::Stopped) => {
@@ -236,6 +260,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                         match result {
                             Ok(p) => {
                                 status = Some(p.status_cell());
+                                follow(status.as_ref());
                                 primary = Some(p);
                             }
                             Err(e) => tracing::error!("protecting the promoted VM failed: {e}"),

@@ -300,3 +300,50 @@ fn api_socket_never_replaces_a_file_that_is_not_a_socket() {
         assert_eq!(std::fs::read(&precious).unwrap(), b"keep me", "{command:?}");
     }
 }
+
+/// `--config FILE`: the file's keys are the options' long names, the command
+/// line overrides them, and a mistake in the file is one line naming its key.
+#[test]
+fn config_file_options_and_overrides() {
+    let dir = Scratch::new("cli-config").unwrap();
+    let config = dir.join("vm.toml");
+    let probe = image("probe");
+    std::fs::write(&config, format!("# a probe that exits 3\nimage = {:?}\ncmdline = \"exit=3\"\nvcpus = 2\n", probe.to_str().unwrap()))
+        .unwrap();
+    let config = config.to_str().unwrap();
+    assert_eq!(ftvm_args(&["run", "--config", config]).status.code(), Some(3));
+    assert_eq!(ftvm_args(&["run", "--config", config, "--cmdline", "exit=4"]).status.code(), Some(4));
+    assert_eq!(ftvm_args(&["run", "--cmdline", "exit=5", &format!("--config={config}")]).status.code(), Some(5));
+
+    let bad = |name: &str, text: &str, want: &[&str]| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        let out = ftvm_args(&["run", "--config", path.to_str().unwrap(), "--image", probe.to_str().unwrap()]);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(2), "{name}: {err}");
+        assert_eq!(err.lines().count(), 1, "{name}: one line: {err}");
+        for w in want {
+            assert!(err.contains(w), "{name}: expected '{w}' in: {err}");
+        }
+    };
+    bad("unknown.toml", "vcpu = 2\n", &["ftvm: error: config file", "unknown.toml", "unknown key `vcpu`"]);
+    bad("value.toml", "memory = \"lots\"\n", &["`memory`", "invalid digit"]);
+    bad("type.toml", "prefault = 1\n", &["`prefault` is a switch"]);
+    bad("syntax.toml", "memory = 64\ncmdline = \"unterminated\n", &["line 2"]);
+    let out = ftvm_args(&["run", "--config", dir.join("missing.toml").to_str().unwrap()]);
+    assert!(stderr(&out).contains("cannot read config file"), "{}", stderr(&out));
+    // Replication options in the file need replicate-to like their flags.
+    let path = dir.join("primary-only.toml");
+    std::fs::write(&path, "epoch-ms = 30\n").unwrap();
+    let out = ftvm_args(&["run", "--config", path.to_str().unwrap(), "--image", probe.to_str().unwrap()]);
+    assert_refused(&out, &["`epoch-ms` in config file", "replicate-to"], "primary-only");
+}
+
+#[test]
+fn backup_takes_a_config_file() {
+    let dir = Scratch::new("cli-config-backup").unwrap();
+    let path = dir.join("backup.toml");
+    std::fs::write(&path, "listen = \"127.0.0.1:1\"\nmemory = 3\n").unwrap();
+    let out = ftvm_args(&["backup", "--config", path.to_str().unwrap()]);
+    assert_one_line_error(&out, "memory", "backup config with a bad memory size");
+}

@@ -172,6 +172,13 @@ fn took_over_at(err: &str) -> Option<u64> {
     at.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
 }
 
+/// How many mirrored frames the takeover replayed: (output, input).
+fn replayed(err: &str) -> (u64, u64) {
+    let line = err.lines().find(|l| l.contains("PRIMARY LOST")).unwrap_or("");
+    let num = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).and_then(|v| v.parse().ok()).unwrap_or(0);
+    (num("replayed_out="), num("replayed_in="))
+}
+
 fn takeover_reason(err: &str) -> String {
     let line = err.lines().find(|l| l.contains("PRIMARY LOST")).unwrap_or("");
     line.split("reason=").nth(1).map(|r| r.split(" resume_us").next().unwrap_or(r).to_string()).unwrap_or_default()
@@ -474,6 +481,8 @@ struct TrialResult {
     failover_ms: f64,
     writes_resumed_ms: Option<f64>,
     partial: Option<Partial>,
+    /// Mirrored frames the takeover replayed: (output, input).
+    replayed: (u64, u64),
 }
 
 fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, kind: Kill) -> TrialResult {
@@ -591,7 +600,14 @@ fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, k
         verified.missing.iter().take(5).collect::<Vec<_>>(),
         verified.wrong.iter().take(5).collect::<Vec<_>>()
     );
-    TrialResult { kind, acked: report.acked.len(), failover_ms: failover.as_secs_f64() * 1e3, writes_resumed_ms: writes_resumed, partial }
+    TrialResult {
+        kind,
+        acked: report.acked.len(),
+        failover_ms: failover.as_secs_f64() * 1e3,
+        writes_resumed_ms: writes_resumed,
+        partial,
+        replayed: replayed(&err),
+    }
 }
 
 #[test]
@@ -624,6 +640,12 @@ fn no_acknowledged_write_is_lost() {
         results.iter().map(|r| r.writes_resumed_ms.map(|m| m.round() as u64)).collect::<Vec<_>>(),
     );
     assert!(inside.len() >= 3, "only {} kills landed inside a checkpoint transfer", inside.len());
+    // The primary mirrors frames (--mirror on, the default): takeovers
+    // replayed input it got after the last checkpoint, and these writes
+    // (served twice if the checkpoint had them after all) lost nothing.
+    let (out, inp): (u64, u64) = (results.iter().map(|r| r.replayed.0).sum(), results.iter().map(|r| r.replayed.1).sum());
+    eprintln!("mirrored frames replayed at takeover: {out} output, {inp} input");
+    assert!(inp > 0, "no takeover replayed mirrored input");
 }
 
 // ------------------------------------------------------ (b) output commit

@@ -2,7 +2,8 @@
 //! a primary send checkpoint N cut in half or with one bit flipped, then die
 //! on the spot like a crashed host; `stall-apply:N` makes a backup hang
 //! before it applies checkpoint N, while the rest of it (its heartbeats)
-//! runs on. Never set outside tests.
+//! runs on. (`forbidden-syscall:KIND` is `ftvm_vmm::seccomp`'s.) Never set
+//! outside tests.
 
 use std::io;
 use std::sync::OnceLock;

@@ -10,11 +10,14 @@ pub mod checkpoint;
 pub mod fault;
 pub mod liveness;
 pub mod metrics;
+pub mod mirror;
+
 pub mod output;
 pub mod pipeline;
 pub mod primary;
 pub mod protocol;
 mod switch;
+pub mod telemetry;
 
 pub use backup::{Backup, BackupConfig, Outcome};
 pub use metrics::{EpochMetrics, Role, Status, StatusCell};

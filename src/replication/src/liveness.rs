@@ -40,6 +40,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use ftvm_vmm::seccomp;
+
 use crate::metrics::Role;
 use crate::protocol::PROTOCOL_VERSION;
 
@@ -329,7 +331,10 @@ impl Heartbeats {
         let mut threads = Vec::new();
         if let Some(cpu) = second {
             let (sender, stop, interval) = (sender.clone(), stop.clone(), timing.interval);
-            threads.push(std::thread::Builder::new().name("heartbeat-send".into()).spawn(move || sender.run(interval, cpu, &stop))?);
+            threads.push(std::thread::Builder::new().name("heartbeat-send".into()).spawn(move || {
+                seccomp::install_or_exit(seccomp::ThreadKind::Replication);
+                sender.run(interval, cpu, &stop)
+            })?);
         }
         let beat = Beat {
             sender,
@@ -343,7 +348,10 @@ impl Heartbeats {
             last_heartbeat: None,
             rejected_logged: false,
         };
-        match std::thread::Builder::new().name("heartbeat".into()).spawn(move || beat.run()) {
+        match std::thread::Builder::new().name("heartbeat".into()).spawn(move || {
+            seccomp::install_or_exit(seccomp::ThreadKind::Replication);
+            beat.run()
+        }) {
             Ok(t) => threads.push(t),
             Err(e) => {
                 // Do not leave the other sender behind.

@@ -16,7 +16,8 @@ use ftvm_vmm::pages::FormatError;
 /// Version 2: pages travel as tagged bundle entries, messages in postcard.
 /// Version 3: Hello and Welcome carry each side's heartbeat path
 /// ([`Heartbeat`]; `liveness`).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// Version 4: Welcome carries the backup's mirror port (`mirror`).
+pub const PROTOCOL_VERSION: u16 = 4;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.
@@ -122,6 +123,9 @@ pub struct Hello {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Welcome {
     pub heartbeat: Heartbeat,
+    /// The UDP port (at the address of the backup's end of the stream) that
+    /// receives mirrored frames (`mirror`).
+    pub mirror_port: u16,
 }
 
 /// One side's heartbeat path, told to the other in Hello and Welcome

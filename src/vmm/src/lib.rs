@@ -18,6 +18,7 @@ pub mod memory;
 pub mod pages;
 pub mod persist;
 mod run_control;
+pub mod seccomp;
 mod shared;
 pub mod snapshot;
 pub mod sync;

@@ -21,8 +21,10 @@ pub struct Switch {
 }
 
 /// Every switch the ablation measures: one line per switch.
-pub const SWITCHES: &[Switch] =
-    &[Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] }];
+pub const SWITCHES: &[Switch] = &[
+    Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] },
+    Switch { name: "mirror", values: &[("on", &["--mirror", "on"]), ("off", &["--mirror", "off"])] },
+];
 
 /// The epoch length measured unless `--epochs` says otherwise.
 pub const DEFAULT_EPOCH_MS: u64 = 20;

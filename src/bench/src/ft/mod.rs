@@ -3,6 +3,7 @@
 //! (`sweep`) and the ablation of the optimisation switches (`ablation`).
 
 mod ablation;
+mod failover;
 mod runs;
 mod sweep;
 
@@ -22,9 +23,17 @@ pub struct Options {
     /// Requests per redis-benchmark run.
     #[arg(long, default_value_t = 20000)]
     requests: u64,
-    /// Failover trials per epoch length (not with --ablation).
+    /// Failover trials per kind of failure and epoch length (not with
+    /// --ablation).
     #[arg(long, default_value_t = 3)]
     failovers: usize,
+    /// Failure timeout of both sides in the failover runs, in milliseconds.
+    #[arg(long, default_value_t = 30)]
+    failure_timeout_ms: u64,
+    /// Only the failovers: per kind of failure (VMM killed, host cut,
+    /// primary stalled), detection, first reply and client-seen gap.
+    #[arg(long, conflicts_with = "ablation")]
+    failover: bool,
     /// Skip the network (kv and failover) measurements.
     #[arg(long)]
     no_network: bool,
@@ -37,6 +46,8 @@ pub struct Options {
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     if opts.ablation {
         ablation::run(opts, out)
+    } else if opts.failover {
+        failover::run(opts, out)
     } else {
         sweep::run(opts, out)
     }

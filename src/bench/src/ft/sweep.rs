@@ -1,12 +1,14 @@
 //! The epoch sweep: for each epoch length, and for the unreplicated VM in
 //! the same run, memtouch at several dirty rates, kv under redis-benchmark,
-//! per-epoch pause, dirty pages and bytes, and failover time.
+//! per-epoch pause, dirty pages and bytes, and failover per kind of failure
+//! (`failover`).
 
 use std::path::Path;
 
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::Topology;
 
+use super::failover;
 use super::runs::{self, BoxError, Replicated};
 use super::Options;
 use crate::report::{self, Row};
@@ -85,21 +87,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             }
         }
         for &e in &epochs {
-            for cut in [false, true] {
-                let mut times = Vec::new();
-                for _ in 0..opts.failovers {
-                    times.push(runs::failover(&topo, e, cut, scratch)?);
-                }
-                times.sort_by(f64::total_cmp);
-                let how = if cut { "host cut (detected by timeout)" } else { "VMM killed (socket closed)" };
-                rows.push(Row {
-                    group: "failover".into(),
-                    case: format!("epoch {e} ms, {how}: median"),
-                    value: times[times.len() / 2],
-                    unit: "ms",
-                    reference: None,
-                });
-            }
+            rows.extend(failover::measure(&topo, scratch, e, opts.failure_timeout_ms, opts.failovers)?);
         }
     }
     let bars = rows

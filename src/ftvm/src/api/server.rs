@@ -117,7 +117,10 @@ impl ApiServer {
                 clients: self.clients.clone(),
                 in_flight: self.in_flight.clone(),
             };
-            if let Err(e) = std::thread::Builder::new().name("api-client".into()).spawn(move || client.serve()) {
+            if let Err(e) = std::thread::Builder::new().name("api-client".into()).spawn(move || {
+                ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Api);
+                client.serve()
+            }) {
                 tracing::warn!("control socket: cannot start a client thread: {e}");
             }
         }

@@ -17,6 +17,7 @@ use crate::arbiter::{Arbiter, Claim};
 use crate::bounds;
 use crate::liveness::{self, Heartbeats, Observer, Pulse, SessionHalf, Timing};
 use crate::metrics::{AppliedEpoch, MetricsLog, Role, StatusCell};
+use crate::mirror::{self, Mirror};
 use crate::pipeline::apply::{Apply, ApplyError, InPlace};
 use crate::pipeline::transport::{self, Auth, Transport};
 use crate::protocol::{self, Heartbeat, Hello, Kind, ProtocolError, Welcome};
@@ -84,6 +85,8 @@ pub struct Backup {
     listener: TcpListener,
     /// Where the primary's heartbeats arrive: the listening address, over UDP.
     heartbeats: UdpSocket,
+    /// Where its mirrored frames arrive (`mirror`).
+    mirror: UdpSocket,
     status: StatusCell,
 }
 
@@ -113,9 +116,10 @@ impl Backup {
         let listen_err = |err| ReplicationError::Listen { addr: config.listen.clone(), err };
         let listener = TcpListener::bind(&config.listen).map_err(listen_err)?;
         let heartbeats = listener.local_addr().and_then(liveness::bind_backup).map_err(listen_err)?;
+        let mirror = listener.local_addr().and_then(|a| mirror::bind_backup(a.ip())).map_err(listen_err)?;
         let status = StatusCell::new(Role::Backup);
         status.lock().detail = format!("waiting for a primary on {}", config.listen);
-        Ok(Backup { config, listener, heartbeats, status })
+        Ok(Backup { config, listener, heartbeats, mirror, status })
     }
 
     pub fn status(&self) -> StatusCell {
@@ -125,12 +129,12 @@ impl Backup {
     /// Follow a primary until it fails, then return the VM, resumed from the
     /// last committed checkpoint and announced on the network.
     pub fn run(self) -> Result<Outcome, ReplicationError> {
-        let Backup { config, listener, heartbeats: socket, status } = self;
-        let Admitted { mut link, mut replica, peer, beats, verdict } = admit(&config, listener, &socket)?;
+        let Backup { config, listener, heartbeats: socket, mirror: mirror_socket, status } = self;
+        let Admitted { mut link, mut replica, peer, beats, verdict, mirror } = admit(&config, listener, &socket, &mirror_socket)?;
         tracing::info!(%peer, "primary connected");
         status.lock().detail = format!("synchronizing from primary {peer}");
         let log = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
-        let ended = follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log);
+        let ended = follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log, &mirror.frames);
         // Following ended: no more heartbeats to this primary.
         drop(beats);
         let lost_unix_us = unix_ns() / 1000;
@@ -164,16 +168,30 @@ impl Backup {
         let t0 = Instant::now();
         let mut vm = replica.vm;
         vm.restore(&state)?;
+        announce(&vm);
+        // What the primary may not have released of this epoch goes out
+        // first (in the order the guest sent it); then the guest runs, and
+        // the input the primary got after this checkpoint reaches it first.
+        let replay = mirror.frames.take(epoch);
+        let (replayed_out, replayed_in) = (replay.output.len(), replay.input.len());
+        if let Some(tap) = vm.devices().tap_sink() {
+            for frame in &replay.output {
+                tap.send(frame);
+            }
+        }
+        vm.devices().inject_host_input(replay.input);
         let vm = Arc::new(vm);
         vm.start().map_err(ReplicationError::Thread)?;
-        announce(&vm);
         tracing::warn!(
             epoch,
             reason,
             lost_unix_us,
             resume_us = t0.elapsed().as_micros() as u64,
+            replayed_out,
+            replayed_in,
             "PRIMARY LOST: took over from the last committed checkpoint"
         );
+        crate::telemetry::telemetry().took_over();
         {
             let mut st = status.lock();
             st.role = Role::Primary;
@@ -226,7 +244,12 @@ fn win_ownership(arbiter: &Arbiter, replica: &Replica, reason: &str, status: &St
 /// Heartbeats (on `socket`) start before the Welcome that tells the primary
 /// where they come from, so the first one is on its way when the primary
 /// starts listening for them.
-fn admit(config: &BackupConfig, listener: TcpListener, socket: &UdpSocket) -> Result<Admitted, ReplicationError> {
+fn admit(
+    config: &BackupConfig,
+    listener: TcpListener,
+    socket: &UdpSocket,
+    mirror_socket: &UdpSocket,
+) -> Result<Admitted, ReplicationError> {
     let gate = gate::Gate::open(listener, config.auth.clone(), config.handshake_timeout)?;
     loop {
         let gate::Candidate { mut link, hello, peer } = gate.next()?;
@@ -236,8 +259,10 @@ fn admit(config: &BackupConfig, listener: TcpListener, socket: &UdpSocket) -> Re
                 let port = socket.local_addr().map_err(ReplicationError::Heartbeat)?.port();
                 let heartbeat = Heartbeat { session, port, interval_ms: config.heartbeat.as_millis() as u64 };
                 let (beats, verdict) = watch(config, link.as_mut(), &hello, session, socket)?;
-                match link.send(&protocol::message(Kind::Welcome, &Welcome { heartbeat })) {
-                    Ok(()) => return Ok(Admitted { link, replica, peer, beats, verdict }),
+                let mirror = Mirroring::start(link.as_ref(), &hello, session, mirror_socket)?;
+                let mirror_port = mirror_socket.local_addr().map_err(ReplicationError::Heartbeat)?.port();
+                match link.send(&protocol::message(Kind::Welcome, &Welcome { heartbeat, mirror_port })) {
+                    Ok(()) => return Ok(Admitted { link, replica, peer, beats, verdict, mirror }),
                     Err(e) => tracing::warn!(%peer, "the primary left before it was welcomed: {e}"),
                 }
             }
@@ -257,6 +282,25 @@ struct Admitted {
     /// Heartbeats with it, and what they found.
     beats: Heartbeats,
     verdict: Verdict,
+    mirror: Mirroring,
+}
+
+/// The frames the primary mirrors, and the thread receiving them.
+struct Mirroring {
+    frames: Arc<Mirror>,
+    _receiver: mirror::Receiver,
+}
+
+impl Mirroring {
+    /// Receive the mirrored frames of the session of `link` (whose primary
+    /// said `hello`; this backup's half of the session id is `mine`) on `socket`.
+    fn start(link: &dyn Transport, hello: &Hello, mine: SessionHalf, socket: &UdpSocket) -> Result<Mirroring, ReplicationError> {
+        let codec = mirror::Codec { session: liveness::session_id(hello.heartbeat.session, mine), keys: link.heartbeat_keys() };
+        let frames = Arc::new(Mirror::default());
+        let socket = socket.try_clone().map_err(ReplicationError::Heartbeat)?;
+        let receiver = mirror::Receiver::start(socket, codec, frames.clone()).map_err(ReplicationError::Thread)?;
+        Ok(Mirroring { frames, _receiver: receiver })
+    }
 }
 
 /// Start heartbeats with the primary of `link` (which said `hello`), this
@@ -302,7 +346,14 @@ enum Stop {
 }
 
 /// Apply the stream until it ends; returns why it ended.
-fn follow(link: &mut dyn Transport, replica: &mut Replica, arbiter: Option<&Arbiter>, status: &StatusCell, log: &MetricsLog) -> Ended {
+fn follow(
+    link: &mut dyn Transport,
+    replica: &mut Replica,
+    arbiter: Option<&Arbiter>,
+    status: &StatusCell,
+    log: &MetricsLog,
+    mirror: &Mirror,
+) -> Ended {
     // What the primary may send, computed as the primary does.
     let limit = bounds::checkpoint_limit(replica.vm.config().mem_size, replica.vm.config().vcpus);
     let mut apply = InPlace::default();
@@ -322,7 +373,7 @@ fn follow(link: &mut dyn Transport, replica: &mut Replica, arbiter: Option<&Arbi
         let result = match kind {
             Kind::Pages if replica.committed.is_none() => replica.precopy_pages(&buf).map_err(Stop::CannotApply),
             Kind::Disk if replica.committed.is_none() => replica.precopy_disk(&buf).map_err(Stop::CannotApply),
-            Kind::Checkpoint => apply_checkpoint(link, &mut apply, replica, &buf, status, log),
+            Kind::Checkpoint => apply_checkpoint(link, &mut apply, replica, &buf, status, log).map(|epoch| mirror.applied(epoch)),
             Kind::Bye => match protocol::decode::<i32>(&buf) {
                 Ok(status) => return Ended::Finished(status),
                 Err(e) => Err(Stop::CannotApply(e.into())),
@@ -385,13 +436,15 @@ fn apply_checkpoint(
     payload: &[u8],
     status: &StatusCell,
     log: &MetricsLog,
-) -> Result<(), Stop> {
+) -> Result<u64, Stop> {
     let t0 = Instant::now();
     let staged = apply.stage(replica, payload).map_err(Stop::CannotApply)?;
     let (epoch, pages, guest_ns) = (staged.epoch, staged.pages.len(), staged.state.vm.clock.ns);
     crate::fault::stall_apply(epoch);
     apply.commit(replica, staged).map_err(Stop::CannotApply)?;
-    log.record(&AppliedEpoch { epoch, guest_ns, applied_unix_ns: unix_ns(), pages, apply_us: t0.elapsed().as_micros() as u64 });
+    let applied = AppliedEpoch { epoch, guest_ns, applied_unix_ns: unix_ns(), pages, apply_us: t0.elapsed().as_micros() as u64 };
+    log.record(&applied);
+    crate::telemetry::telemetry().applied(&applied);
     link.send(&protocol::ack(epoch)).map_err(|e| Stop::Lost(format!("cannot acknowledge checkpoint {epoch}: {e}")))?;
     // Input queued before this checkpoint is either in it or lost for good;
     // keep only what a new primary may still need.
@@ -401,7 +454,7 @@ fn apply_checkpoint(
     st.epoch = epoch;
     st.protected = true;
     st.detail = format!("protecting; last applied epoch {epoch}");
-    Ok(())
+    Ok(epoch)
 }
 
 fn unix_ns() -> u64 {

@@ -20,6 +20,8 @@ use ftvm_vmm::hooks::{Console, ConsoleSink, FrameSink};
 use ftvm_vmm::sync::Lock;
 
 use crate::bounds::{FRAME_OVERHEAD, HELD_OUTPUT_BOUND};
+use crate::mirror;
+use crate::telemetry::telemetry;
 
 /// One piece of held output.
 enum Out {
@@ -51,6 +53,8 @@ struct Inner {
     held_cost: u64,
     /// The network card was told to wait: wake it when there is room.
     refused: bool,
+    /// Where protected frames are copied to, with their epoch (the backup).
+    mirror: Option<Arc<mirror::Sender>>,
 }
 
 /// What one release let out.
@@ -72,8 +76,15 @@ pub struct OutputBuffer {
 
 impl OutputBuffer {
     pub fn new(network: Arc<dyn FrameSink>) -> OutputBuffer {
-        let inner =
-            Inner { protected: false, open: Held::default(), closed: VecDeque::new(), released_frames: 0, held_cost: 0, refused: false };
+        let inner = Inner {
+            protected: false,
+            open: Held::default(),
+            closed: VecDeque::new(),
+            released_frames: 0,
+            held_cost: 0,
+            refused: false,
+            mirror: None,
+        };
         OutputBuffer { inner: Mutex::new(inner), network, console: Console::default(), waker: Waker::default() }
     }
 
@@ -114,13 +125,25 @@ impl OutputBuffer {
     /// The backup acknowledged every epoch up to `epoch`: let their frames out, in order.
     pub fn release_through(&self, epoch: u64) -> Released {
         let mut inner = self.lock();
+        let released = self.release_locked(&mut inner, epoch);
+        let wake = released.frames > 0 && std::mem::take(&mut inner.refused);
+        drop(inner);
+        if wake {
+            self.waker.wake();
+        }
+        released
+    }
+
+    /// Let out every closed epoch up to `epoch`, under the lock: output of
+    /// later epochs, and frames sent unprotected afterwards, must not
+    /// overtake it.
+    fn release_locked(&self, inner: &mut Inner, epoch: u64) -> Released {
         let mut released = Released::default();
         while inner.closed.front().is_some_and(|h| h.epoch <= epoch) {
             let held = inner.closed.pop_front().expect("front exists");
             if let Some(t) = held.first_at {
                 released.max_hold_us = released.max_hold_us.max(t.elapsed().as_micros() as u64);
             }
-            // Sent under the lock: output of later epochs must not overtake this.
             for item in &held.items {
                 match item {
                     Out::Frame(frame) => {
@@ -133,7 +156,23 @@ impl OutputBuffer {
             released.frames += held.frames as u64;
         }
         inner.released_frames += released.frames;
-        let wake = released.frames > 0 && std::mem::take(&mut inner.refused);
+        telemetry().held(-(released.frames as i64));
+        released
+    }
+
+    /// Stop protecting (the backup is gone and the policy is to continue):
+    /// everything held goes out, because this VM is now the only copy.
+    pub fn unprotect(&self) -> Released {
+        let mut inner = self.lock();
+        let open = std::mem::take(&mut inner.open);
+        let last = open.epoch;
+        inner.closed.push_back(open);
+        inner.protected = false;
+        inner.mirror = None;
+        // Released before the lock is let go: a frame the guest sends now
+        // goes straight out, and must not overtake the held ones.
+        let released = self.release_locked(&mut inner, last);
+        let wake = std::mem::take(&mut inner.refused);
         drop(inner);
         if wake {
             self.waker.wake();
@@ -141,18 +180,16 @@ impl OutputBuffer {
         released
     }
 
-    /// Stop protecting (the backup is gone and the policy is to continue):
-    /// everything held goes out, because this VM is now the only copy.
-    pub fn unprotect(&self) -> Released {
-        let last = {
-            let mut inner = self.lock();
-            let open = std::mem::take(&mut inner.open);
-            let epoch = open.epoch;
-            inner.closed.push_back(open);
-            inner.protected = false;
-            epoch
-        };
-        self.release_through(last)
+    /// Copy every frame held from now on, with its epoch, to `mirror` (or
+    /// stop copying).
+    pub fn set_mirror(&self, mirror: Option<Arc<mirror::Sender>>) {
+        self.lock().mirror = mirror;
+    }
+
+    /// The epoch the guest runs in, while output is held.
+    pub fn open_epoch(&self) -> Option<u64> {
+        let inner = self.lock();
+        inner.protected.then_some(inner.open.epoch)
     }
 
     /// Frames held right now (all unacknowledged epochs).
@@ -184,6 +221,12 @@ impl FrameSink for OutputBuffer {
         inner.open.items.push(Out::Frame(frame.to_vec()));
         inner.open.frames += 1;
         inner.held_cost += cost(frame);
+        telemetry().held(1);
+        let (mirror, epoch) = (inner.mirror.clone(), inner.open.epoch);
+        drop(inner);
+        if let Some(m) = mirror {
+            m.send(false, epoch, frame);
+        }
     }
 
     /// Unprotected, always; protected, until the held frames reach the bound.
@@ -280,6 +323,47 @@ mod tests {
             out.send(&frame);
         }
         assert!(out.accepting(), "unprotected output is never held");
+    }
+
+    /// Frames as numbers, in the order they reached the network.
+    #[derive(Default)]
+    struct Numbered(Mutex<Vec<u32>>);
+
+    impl FrameSink for Numbered {
+        fn send(&self, frame: &[u8]) {
+            self.0.locked().push(u32::from_le_bytes(frame.try_into().expect("4-byte frames")));
+        }
+    }
+
+    #[test]
+    fn unprotect_keeps_frame_order_against_a_sending_guest() {
+        // The guest keeps sending while the primary gives its backup up:
+        // a frame sent after the switch to unprotected must not overtake the
+        // held ones still being released.
+        for _ in 0..500 {
+            let wire = Arc::new(Numbered::default());
+            let out = Arc::new(OutputBuffer::new(wire.clone()));
+            out.protect(1);
+            let running = Arc::new(std::sync::Barrier::new(2));
+            let guest = {
+                let (out, running) = (out.clone(), running.clone());
+                std::thread::spawn(move || {
+                    running.wait();
+                    for n in 0..2000u32 {
+                        out.send(&n.to_le_bytes());
+                    }
+                })
+            };
+            running.wait();
+            while out.held_frames() < 8 {
+                std::hint::spin_loop();
+            }
+            out.unprotect();
+            guest.join().unwrap();
+            let seen = wire.0.locked().clone();
+            assert_eq!(seen.len(), 2000);
+            assert!(seen.windows(2).all(|w| w[0] < w[1]), "frames reordered: {seen:?}");
+        }
     }
 
     #[derive(Default)]

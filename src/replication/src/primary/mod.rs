@@ -83,6 +83,8 @@ pub struct PrimaryConfig {
     /// Authenticate to the backup with this secret (and make it
     /// authenticate to us), and encrypt the channel if asked.
     pub auth: Option<Auth>,
+    /// Copy the guest's frames to the backup, so a takeover replays them.
+    pub mirror: crate::mirror::Mode,
 }
 
 /// How often a side retries an arbiter it cannot reach.
@@ -393,6 +395,7 @@ impl Worker {
     }
 
     fn backup_lost(&mut self, reason: &BackupLoss) {
+        crate::telemetry::telemetry().backup_lost();
         if !self.reclaim(reason) {
             return;
         }

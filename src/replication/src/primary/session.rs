@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use ftvm_vmm::seccomp;
 use ftvm_vmm::sync::Lock;
 use ftvm_vmm::Vm;
 
@@ -15,6 +16,7 @@ use super::{precopy, BackupLoss, PrimaryConfig};
 use crate::fault;
 use crate::liveness::{self, Heartbeats, Observer, Pulse, Timing};
 use crate::metrics::{EpochMetrics, MetricsLog, Role, StatusCell};
+use crate::mirror;
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::pipeline::transport::{self, AuthTransport, Transport};
 use crate::pipeline::trigger::Trigger;
@@ -52,6 +54,8 @@ pub struct Session {
     shared: Arc<Shared>,
     reader: Option<JoinHandle<()>>,
     heartbeats: Option<Heartbeats>,
+    /// Copies of the guest's frames to this backup, if mirroring.
+    mirror: Option<Arc<mirror::Sender>>,
 }
 
 /// The primary's side of the heartbeat thread: a silent backup is lost, and
@@ -119,16 +123,19 @@ impl Session {
             interval_ms: cx.config.heartbeat.as_millis() as u64,
         };
         cx.status.lock().detail = format!("synchronizing backup {}", cx.config.backup);
-        let theirs = handshake(link.as_mut(), cx.vm, cx.config, *epoch, mine)?.heartbeat;
+        let welcome = handshake(link.as_mut(), cx.vm, cx.config, *epoch, mine)?;
+        let theirs = welcome.heartbeat;
         // Heartbeats both ways from here on, pre-copy included.
         let shared = Arc::new(Shared::default());
         let pulse = Pulse::new();
         link.observe(pulse.clone());
         liveness::check_interval(Role::Backup, theirs.interval_ms, cx.config.failure_timeout);
+        let session = liveness::session_id(mine.session, theirs.session);
+        let mirror = start_mirror(cx, link.as_ref(), SocketAddr::new(remote.ip(), welcome.mirror_port), session)?;
         let path = liveness::Path {
             socket,
             peer: SocketAddr::new(remote.ip(), theirs.port),
-            session: liveness::session_id(mine.session, theirs.session),
+            session,
             role: Role::Primary,
             keys: link.heartbeat_keys(),
         };
@@ -168,7 +175,10 @@ impl Session {
             let backup = cx.config.backup.clone();
             std::thread::Builder::new()
                 .name("replication-acks".into())
-                .spawn(move || read_acks(acks.as_mut(), &output, &shared, &status, &metrics, &backup))
+                .spawn(move || {
+                    seccomp::install_or_exit(seccomp::ThreadKind::Replication);
+                    read_acks(acks.as_mut(), &output, &shared, &status, &metrics, &backup)
+                })
                 .map_err(ReplicationError::Thread)?
         };
         {
@@ -178,7 +188,7 @@ impl Session {
             st.epoch = first;
             st.detail = format!("backup {} synchronized; waiting for its first acknowledgement", cx.config.backup);
         }
-        Ok(Session { link: Mutex::new(link), shared, reader: Some(reader), heartbeats: Some(heartbeats) })
+        Ok(Session { link: Mutex::new(link), shared, reader: Some(reader), heartbeats: Some(heartbeats), mirror })
     }
 
     pub fn acked_all(&self) -> bool {
@@ -235,8 +245,11 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        // No more heartbeats: this primary no longer follows this backup.
+        // No more heartbeats or frames: this primary no longer follows this backup.
         drop(self.heartbeats.take());
+        if let Some(m) = &self.mirror {
+            m.stop();
+        }
         self.link.locked().shutdown();
         if let Some(r) = self.reader.take() {
             let _ = r.join();
@@ -289,6 +302,30 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         transfer_us: transfer.as_micros() as u64,
         ..EpochMetrics::default()
     }
+}
+
+/// With `--mirror on` (and no `--encrypt`), copy the guest's frames to the
+/// backup's mirror socket at `peer` from now on: output through the output
+/// buffer, input through the VM's input hook (`mirror`).
+fn start_mirror(
+    cx: &Context,
+    link: &dyn Transport,
+    peer: SocketAddr,
+    session: liveness::SessionId,
+) -> Result<Option<Arc<mirror::Sender>>, ReplicationError> {
+    if cx.config.mirror == mirror::Mode::Off {
+        return Ok(None);
+    }
+    if cx.config.auth.as_ref().is_some_and(|a| a.encrypt) {
+        tracing::info!("not mirroring frames to the backup: they would travel unencrypted (--encrypt)");
+        return Ok(None);
+    }
+    let Some((local, _)) = link.addrs() else { return Ok(None) };
+    let codec = mirror::Codec { session, keys: link.heartbeat_keys() };
+    let sender = Arc::new(mirror::Sender::new(local.ip(), peer, codec).map_err(ReplicationError::Heartbeat)?);
+    cx.output.set_mirror(Some(sender.clone()));
+    cx.vm.hooks().set_host_input(Some(Arc::new(mirror::InputMirror { sender: sender.clone(), output: cx.output.clone() })));
+    Ok(Some(sender))
 }
 
 fn handshake(
@@ -360,6 +397,7 @@ fn read_acks(link: &mut dyn Transport, output: &OutputBuffer, shared: &Shared, s
                         f.metrics.frames_released = released.frames;
                     }
                     metrics.record(&f.metrics);
+                    crate::telemetry::telemetry().acknowledged(&f.metrics);
                     status.lock().last = Some(f.metrics);
                 }
             }

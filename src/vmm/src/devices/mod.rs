@@ -249,6 +249,20 @@ impl Devices {
         }
     }
 
+    /// Deliver `frames` (each with its virtio-net header, as the TAP gives
+    /// them) to the guest's network card before any frame from its TAP:
+    /// input that reached another host (a primary that failed) on its way
+    /// to this VM. Without a network card they are dropped.
+    pub fn inject_host_input(&self, mut frames: Vec<Vec<u8>>) {
+        for slot in &self.slots {
+            let mut transport = slot.lock();
+            if transport.kind() == DeviceKind::Net {
+                transport.inject_host_input(std::mem::take(&mut frames));
+            }
+        }
+        self.waker.wake();
+    }
+
     /// The device list for the guest's boot information.
     pub fn abi_list(&self) -> Vec<ftvm_abi::Device> {
         self.slots

@@ -16,6 +16,7 @@ const TOKEN_STOP: u64 = 2 << 32;
 /// full pass (every queue and the host side), so no kick that arrived while
 /// paused is lost.
 pub fn serve(slot: &Slot, gate: &Gate, mem: &GuestMemory, events: &Events) {
+    crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Device);
     let Ok(epoll) = Epoll::new() else {
         tracing::error!("device thread cannot create epoll");
         return;

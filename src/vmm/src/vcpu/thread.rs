@@ -20,6 +20,7 @@ pub fn thread_main(index: u32, vcpu: Arc<Mutex<Vcpu>>, shared: Arc<VmShared>) {
     // SAFETY: pthread_self has no preconditions.
     let me = unsafe { libc::pthread_self() };
     shared.register_thread(me);
+    crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Vcpu);
     while shared.control.park_until_run() {
         let mut vcpu = vcpu.locked();
         run_control::register_kvm_run(vcpu.fd.get_kvm_run());

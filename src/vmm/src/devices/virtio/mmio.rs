@@ -85,6 +85,10 @@ impl MmioTransport {
         self.device.drop_queued_host_input();
     }
 
+    pub fn inject_host_input(&mut self, frames: Vec<Vec<u8>>) {
+        self.device.inject_host_input(frames);
+    }
+
     pub fn host_fd(&self) -> Option<std::os::fd::RawFd> {
         self.device.host_fd()
     }

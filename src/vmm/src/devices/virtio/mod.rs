@@ -59,6 +59,9 @@ pub trait VirtioDevice: Send + Persist<State = ModelState, Error = DeviceError> 
     fn reset(&mut self) {}
     /// Drop host-side input that is queued but not delivered.
     fn drop_queued_host_input(&mut self) {}
+    /// Queue `frames` as host input, delivered before anything else the
+    /// host sends (devices without host input ignore them).
+    fn inject_host_input(&mut self, _frames: Vec<Vec<u8>>) {}
 }
 
 /// Copy the part of a device's config space at `offset` into `data`;

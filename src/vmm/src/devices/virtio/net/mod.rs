@@ -2,6 +2,7 @@
 
 pub mod tap;
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
@@ -94,6 +95,8 @@ pub struct Net {
     mac: [u8; 6],
     /// The TAP had a frame the last time we looked (it is polled edge-triggered).
     tap_readable: bool,
+    /// Frames the host injected, delivered before the TAP's.
+    injected: VecDeque<Vec<u8>>,
     frame: Vec<u8>,
     hooks: Arc<Hooks>,
 }
@@ -102,7 +105,7 @@ impl Net {
     pub fn new(config: &NetConfig, hooks: Arc<Hooks>) -> Result<Net, TapError> {
         let tap = Tap::open(&config.tap)?;
         let tap_writer = Arc::new(TapWriter(Mutex::new(tap.try_clone_file()?)));
-        Ok(Net { tap, tap_writer, mac: config.mac, tap_readable: true, frame: vec![0; MAX_FRAME], hooks })
+        Ok(Net { tap, tap_writer, mac: config.mac, tap_readable: true, injected: VecDeque::new(), frame: vec![0; MAX_FRAME], hooks })
     }
 
     /// Sends frames straight to the TAP.
@@ -110,25 +113,32 @@ impl Net {
         self.tap_writer.clone()
     }
 
-    /// Move frames from the TAP into the guest's receive buffers while both
-    /// exist. With no buffer left, ask the driver to kick us when it posts one.
+    /// Move frames (injected ones first, then the TAP's) into the guest's
+    /// receive buffers while both exist. With no buffer left, ask the driver
+    /// to kick us when it posts one.
     fn receive(&mut self, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, VirtioError> {
         let q = &mut queues[RX];
         let err = |err| VirtioError::Queue { queue: RX, err };
         let mut used = false;
-        while self.tap_readable {
+        while self.tap_readable || !self.injected.is_empty() {
             let Some(chain) = q.pop_descriptor_chain(mem) else {
                 if q.enable_notification(mem).map_err(err)? {
                     continue; // the driver posted buffers meanwhile
                 }
                 break;
             };
+            if let Some(frame) = self.injected.pop_front() {
+                let n = frame.len().min(MAX_FRAME);
+                self.frame[..n].copy_from_slice(&frame[..n]);
+                used |= deliver(chain, mem, &self.frame[..n], q)?;
+                continue;
+            }
             let n = match self.tap.read_frame(&mut self.frame) {
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     q.go_to_previous_position();
                     self.tap_readable = false;
-                    break;
+                    continue;
                 }
                 Err(e) => {
                     q.go_to_previous_position();
@@ -139,17 +149,7 @@ impl Net {
                 q.go_to_previous_position();
                 continue;
             }
-            let head = chain.head_index();
-            let mut writer = chain.writer(mem).map_err(|e| VirtioError::Chain(e.to_string()))?;
-            if writer.available_bytes() < n {
-                // A frame larger than the posted buffer: drop it, keep the buffer.
-                tracing::debug!(len = n, room = writer.available_bytes(), "dropping oversized RX frame");
-                q.go_to_previous_position();
-                continue;
-            }
-            writer.write_all(&self.frame[..n])?;
-            q.add_used(mem, head, n as u32).map_err(err)?;
-            used = true;
+            used |= deliver(chain, mem, &self.frame[..n], q)?;
         }
         Ok(used)
     }
@@ -179,6 +179,27 @@ impl Net {
             pass.used = true;
         }
     }
+}
+
+/// Write `frame` into the receive buffer `chain` and hand it to the guest;
+/// false (and the buffer kept) if the frame does not fit.
+fn deliver(
+    chain: virtio_queue::DescriptorChain<&GuestMemory>,
+    mem: &GuestMemory,
+    frame: &[u8],
+    q: &mut Queue,
+) -> Result<bool, VirtioError> {
+    let head = chain.head_index();
+    let mut writer = chain.writer(mem).map_err(|e| VirtioError::Chain(e.to_string()))?;
+    if writer.available_bytes() < frame.len() {
+        // A frame larger than the posted buffer: drop it, keep the buffer.
+        tracing::debug!(len = frame.len(), room = writer.available_bytes(), "dropping oversized RX frame");
+        q.go_to_previous_position();
+        return Ok(false);
+    }
+    writer.write_all(frame)?;
+    q.add_used(mem, head, frame.len() as u32).map_err(|err| VirtioError::Queue { queue: RX, err })?;
+    Ok(true)
 }
 
 impl VirtioDevice for Net {
@@ -226,6 +247,10 @@ impl VirtioDevice for Net {
 
     fn drop_queued_host_input(&mut self) {
         self.tap.drain();
+    }
+
+    fn inject_host_input(&mut self, frames: Vec<Vec<u8>>) {
+        self.injected.extend(frames);
     }
 }
 

@@ -1,0 +1,250 @@
+//! `--config FILE`: the options of a subcommand, read from a TOML file.
+//!
+//! The file's keys are the long names of the subcommand's options
+//! (`epoch-ms = 20` is `--epoch-ms 20`), so every option, including one added
+//! later, has its key without a list kept by hand: the mapping is read from
+//! clap's own description of the command. The file's options are placed
+//! before the command line's, and the subcommand lets a later option replace
+//! an earlier one, so the command line wins. Values go through the option's
+//! own parser: a bad value in the file is refused with the same check as on
+//! the command line, named by its key and the file.
+
+use std::ffi::{OsStr, OsString};
+use std::path::{Path, PathBuf};
+
+use clap::error::ErrorKind;
+use clap::{Arg, Command};
+
+/// The option that names the file (on every subcommand that takes one).
+pub const CONFIG: &str = "config";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {err}")]
+    Read { path: String, err: std::io::Error },
+    #[error("config file {path}, line {line}, column {column}: {message}")]
+    Syntax { path: String, line: usize, column: usize, message: String },
+    #[error("config file {path}: unknown key `{key}` (`ftvm {command}` has no --{key})")]
+    UnknownKey { path: String, key: String, command: String },
+    #[error("config file {path}: `{key}` {problem}")]
+    Value { path: String, key: String, problem: String },
+}
+
+/// The command line with the options of its `--config FILE` put in.
+pub struct Expanded {
+    pub args: Vec<OsString>,
+    /// Argument ids that the file set.
+    pub from_file: Vec<String>,
+    pub path: Option<PathBuf>,
+}
+
+/// Put the options of the `--config FILE` in `args` (a whole command line,
+/// program name first) before the subcommand's own options. A command line
+/// without one, or whose subcommand takes none, is returned as it is.
+pub fn expand(cli: &Command, args: Vec<OsString>) -> Result<Expanded, ConfigError> {
+    let unchanged = |args| Ok(Expanded { args, from_file: Vec::new(), path: None });
+    let Some(sub) = args.get(1).and_then(|a| a.to_str()).and_then(|name| cli.find_subcommand(name)) else { return unchanged(args) };
+    if !sub.get_arguments().any(|a| a.get_id() == CONFIG) {
+        return unchanged(args);
+    }
+    let Some(path) = config_path(&args[2..]) else { return unchanged(args) };
+    let text = std::fs::read_to_string(&path).map_err(|err| ConfigError::Read { path: path.display().to_string(), err })?;
+    let (options, from_file) = options(sub, &path, &text)?;
+    let mut expanded = args[..2].to_vec();
+    expanded.extend(options);
+    expanded.extend_from_slice(&args[2..]);
+    Ok(Expanded { args: expanded, from_file, path: Some(path) })
+}
+
+/// The last `--config FILE` or `--config=FILE` among a subcommand's arguments.
+fn config_path(args: &[OsString]) -> Option<PathBuf> {
+    let flag = format!("--{CONFIG}");
+    let mut path = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let bytes = a.as_encoded_bytes();
+        if a == flag.as_str() {
+            path = it.next().map(PathBuf::from);
+        } else if let Some(value) = bytes.strip_prefix(format!("{flag}=").as_bytes()) {
+            // SAFETY: `value` is the tail of an `OsStr`'s encoded bytes after
+            // an ASCII prefix, so it is itself a valid encoding.
+            path = Some(PathBuf::from(unsafe { OsStr::from_encoded_bytes_unchecked(value) }));
+        } else if a == "--" {
+            break;
+        }
+    }
+    path
+}
+
+/// The command-line options that `text`, the TOML file at `path`, stands
+/// for, and the ids of the arguments they set.
+pub fn options(sub: &Command, path: &Path, text: &str) -> Result<(Vec<OsString>, Vec<String>), ConfigError> {
+    let shown = path.display().to_string();
+    let table: toml::Table = toml::from_str(text).map_err(|e| syntax_error(&shown, text, &e))?;
+    let mut options = Vec::new();
+    let mut ids = Vec::new();
+    for (key, value) in &table {
+        let value_error = |problem: String| ConfigError::Value { path: shown.clone(), key: key.clone(), problem };
+        let arg = sub
+            .get_arguments()
+            .find(|a| a.get_long() == Some(key.as_str()) && configurable(a))
+            .ok_or_else(|| ConfigError::UnknownKey { path: shown.clone(), key: key.clone(), command: sub.get_name().to_owned() })?;
+        let flag = format!("--{key}");
+        if !arg.get_action().takes_values() {
+            match value {
+                toml::Value::Boolean(true) => options.push(OsString::from(&flag)),
+                toml::Value::Boolean(false) => {}
+                other => return Err(value_error(format!("is a switch: true or false, not {}", describe(other)))),
+            }
+        } else {
+            let value = scalar(value).map_err(value_error)?;
+            let option = OsString::from(format!("{flag}={value}"));
+            check(sub, &option).map_err(|e| value_error(format!("= {}: {e}", toml::Value::String(value.clone()))))?;
+            options.push(option);
+        }
+        ids.push(arg.get_id().to_string());
+    }
+    Ok((options, ids))
+}
+
+/// Options a file may set: not `--config` itself, `--help` or `--version`.
+fn configurable(arg: &Arg) -> bool {
+    !matches!(arg.get_id().as_str(), CONFIG | "help" | "version")
+}
+
+/// A TOML value as the text an option takes.
+fn scalar(value: &toml::Value) -> Result<String, String> {
+    match value {
+        toml::Value::String(s) => Ok(s.clone()),
+        toml::Value::Integer(i) => Ok(i.to_string()),
+        toml::Value::Float(f) => Ok(f.to_string()),
+        toml::Value::Boolean(b) => Ok(b.to_string()),
+        other => Err(format!("takes one value, not {}", describe(other))),
+    }
+}
+
+fn describe(value: &toml::Value) -> &'static str {
+    match value {
+        toml::Value::String(_) => "a string",
+        toml::Value::Integer(_) => "a number",
+        toml::Value::Float(_) => "a number",
+        toml::Value::Boolean(_) => "true or false",
+        toml::Value::Datetime(_) => "a date",
+        toml::Value::Array(_) => "a list",
+        toml::Value::Table(_) => "a table",
+    }
+}
+
+/// Run the option's own value check (the subcommand parsed with this one
+/// option: errors about other options, such as a missing required one, are
+/// for the whole command line to report).
+fn check(sub: &Command, option: &OsStr) -> Result<(), String> {
+    let argv = [OsStr::new(sub.get_name()), option];
+    match sub.clone().try_get_matches_from(argv) {
+        Err(e) if matches!(e.kind(), ErrorKind::InvalidValue | ErrorKind::ValueValidation | ErrorKind::InvalidUtf8) => {
+            // clap's message, without its "error: " and the usage lines.
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or_default();
+            Err(first.strip_prefix("error: ").unwrap_or(first).to_owned())
+        }
+        _ => Ok(()),
+    }
+}
+
+fn syntax_error(path: &str, text: &str, e: &toml::de::Error) -> ConfigError {
+    let offset = e.span().map_or(0, |s| s.start).min(text.len());
+    let before = &text[..offset];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    ConfigError::Syntax { path: path.to_owned(), line, column, message: e.message().trim().to_owned() }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, FromArgMatches};
+
+    use super::*;
+    use crate::cli::{Cli, Command as Sub};
+
+    fn parse(file: &str, command_line: &[&str]) -> Result<Cli, String> {
+        let dir = std::env::temp_dir().join(format!("ftvm-config-test-{}-{}", std::process::id(), file.len()));
+        std::fs::write(&dir, file).unwrap();
+        let mut args: Vec<OsString> = vec!["ftvm".into(), command_line[0].into(), "--config".into(), dir.clone().into()];
+        args.extend(command_line[1..].iter().map(OsString::from));
+        let expanded = expand(&Cli::command(), args);
+        std::fs::remove_file(&dir).unwrap();
+        let expanded = expanded.map_err(|e| e.to_string())?;
+        let matches = Cli::command().try_get_matches_from(expanded.args).map_err(|e| e.to_string())?;
+        Cli::from_arg_matches(&matches).map_err(|e| e.to_string())
+    }
+
+    fn run_args(cli: Cli) -> crate::cli::RunArgs {
+        match cli.command {
+            Sub::Run(args) => args,
+            _ => panic!("not ftvm run"),
+        }
+    }
+
+    #[test]
+    fn keys_are_long_option_names_and_the_command_line_wins() {
+        let file = "image = \"/vm.elf\"\nmemory = 64\ncmdline = \"-x\"\nreplicate-to = \"h:1\"\nepoch-ms = 30\nprefault = true\n";
+        let args = run_args(parse(file, &["run"]).unwrap());
+        assert_eq!((args.memory, args.epoch_ms, args.cmdline.as_str()), (64, 30, "-x"));
+        assert!(args.host.prefault);
+        let args = run_args(parse(file, &["run", "--epoch-ms", "40", "--memory=128"]).unwrap());
+        assert_eq!((args.memory, args.epoch_ms), (128, 40));
+        assert_eq!(args.image, PathBuf::from("/vm.elf"));
+    }
+
+    #[test]
+    fn mistakes_name_the_key() {
+        let e = parse("image = \"/vm.elf\"\nepoch_ms = 30\n", &["run"]).err().expect("refused");
+        assert!(e.contains("unknown key `epoch_ms`") && e.contains("ftvm run"), "{e}");
+        let e = parse("image = \"/vm.elf\"\nreplicate-to = \"h:1\"\nepoch-ms = 0\n", &["run"]).err().expect("refused");
+        assert!(e.contains("`epoch-ms` = \"0\"") && e.contains("at least 5 ms"), "{e}");
+        assert_eq!(e.lines().count(), 1, "{e}");
+        let e = parse("image = \"/vm.elf\"\nprefault = \"yes\"\n", &["run"]).err().expect("refused");
+        assert!(e.contains("`prefault` is a switch"), "{e}");
+        let e = parse("image = [\"/a\", \"/b\"]\n", &["run"]).err().expect("refused");
+        assert!(e.contains("`image` takes one value, not a list"), "{e}");
+        let e = parse("image = \"/vm.elf\"\ndirty-backend = \"log\"\n", &["run"]).err().expect("refused");
+        assert!(e.contains("`dirty-backend`") && e.contains("bitmap"), "{e}");
+        let e = parse("image = \"/vm.elf\"\nmemory = \n", &["run"]).err().expect("refused");
+        assert!(e.contains("line 2, column 10"), "{e}");
+        assert_eq!(e.lines().count(), 1, "{e}");
+        let e = parse("config = \"/other.toml\"\n", &["backup"]).err().expect("refused");
+        assert!(e.contains("unknown key `config`"), "{e}");
+    }
+
+    /// The commented examples in docs/config/ parse, and each names every
+    /// option of its command (commented out or not), so they cannot rot.
+    #[test]
+    fn documented_examples_parse_and_are_complete() {
+        let docs = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/config");
+        for (file, command) in [("run.toml", "run"), ("backup.toml", "backup")] {
+            let path = docs.join(file);
+            let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            let cli = Cli::command();
+            let sub = cli.find_subcommand(command).unwrap();
+            options(sub, &path, &text).unwrap_or_else(|e| panic!("{e}"));
+            parse(&text, &[command]).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            for arg in sub.get_arguments().filter(|a| configurable(a)) {
+                let long = arg.get_long().expect("options are long");
+                let named = text.lines().any(|l| {
+                    let l = l.trim_start_matches(['#', ' ']);
+                    l.strip_prefix(long).is_some_and(|rest| rest.trim_start().starts_with('='))
+                });
+                assert!(named, "{} does not describe `{long}`", path.display());
+            }
+            // And every key it shows, commented out or not, is an option.
+            for line in text.lines().filter(|l| l.starts_with('#')) {
+                let Some((key, _)) = line.trim_start_matches(['#', ' ']).split_once(" = ") else { continue };
+                let key = key.trim();
+                if !key.is_empty() && key.chars().all(|c| c.is_ascii_lowercase() || c == '-') {
+                    options(sub, &path, &format!("{key} = {}", line.split_once(" = ").unwrap().1.split('#').next().unwrap()))
+                        .unwrap_or_else(|e| panic!("{}: {line}: {e}", path.display()));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,152 @@
+//! Counters and histograms of replication for Prometheus (`--metrics-listen`).
+//!
+//! Like Firecracker's `METRICS`, one set per process ([`telemetry`]): an
+//! ftvm process runs one VM, and the places that count (the acknowledgement
+//! reader, the backup's apply, the output buffer) need no handle passed down
+//! to them. Updating one is an atomic add. The set is encoded by whoever
+//! serves it ([`Telemetry::register`]); state that is not counted here
+//! (role, protection, epoch) is read from the side's [`crate::StatusCell`]
+//! at scrape time.
+
+use std::sync::LazyLock;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::metrics::{AppliedEpoch, EpochMetrics};
+
+pub struct Telemetry {
+    checkpoints: Counter,
+    early_checkpoints: Counter,
+    pause: Histogram,
+    transfer: Histogram,
+    ack: Histogram,
+    dirty_pages: Counter,
+    last_dirty_pages: Gauge,
+    bytes: Counter,
+    disk_writes: Counter,
+    disk_bytes: Counter,
+    frames_released: Counter,
+    hold: Histogram,
+    held_frames: Gauge,
+    backup_losses: Counter,
+    applied: Counter,
+    applied_pages: Counter,
+    apply: Histogram,
+    takeovers: Counter,
+}
+
+/// From 50 us to about 50 s: a pause is tens of microseconds to tens of
+/// milliseconds, an acknowledgement up to the acknowledgement timeout.
+fn seconds() -> Histogram {
+    Histogram::new(exponential_buckets(50e-6, 2.0, 21))
+}
+
+fn us(us: u64) -> f64 {
+    us as f64 / 1e6
+}
+
+static TELEMETRY: LazyLock<Telemetry> = LazyLock::new(|| Telemetry {
+    checkpoints: Counter::default(),
+    early_checkpoints: Counter::default(),
+    pause: seconds(),
+    transfer: seconds(),
+    ack: seconds(),
+    dirty_pages: Counter::default(),
+    last_dirty_pages: Gauge::default(),
+    bytes: Counter::default(),
+    disk_writes: Counter::default(),
+    disk_bytes: Counter::default(),
+    frames_released: Counter::default(),
+    hold: seconds(),
+    held_frames: Gauge::default(),
+    backup_losses: Counter::default(),
+    applied: Counter::default(),
+    applied_pages: Counter::default(),
+    apply: seconds(),
+    takeovers: Counter::default(),
+});
+
+/// This process's replication figures.
+pub fn telemetry() -> &'static Telemetry {
+    &TELEMETRY
+}
+
+impl Telemetry {
+    /// The primary's checkpoint `m` was acknowledged (its figures are complete).
+    pub fn acknowledged(&self, m: &EpochMetrics) {
+        self.checkpoints.inc();
+        if m.early {
+            self.early_checkpoints.inc();
+        }
+        self.pause.observe(us(m.pause_us));
+        self.transfer.observe(us(m.transfer_us));
+        self.ack.observe(us(m.ack_us));
+        self.dirty_pages.inc_by(m.dirty_pages);
+        self.last_dirty_pages.set(m.dirty_pages as i64);
+        self.bytes.inc_by(m.bytes);
+        self.disk_writes.inc_by(m.disk_writes);
+        self.disk_bytes.inc_by(m.disk_bytes);
+        self.frames_released.inc_by(m.frames_released);
+        if m.frames_released > 0 {
+            self.hold.observe(us(m.hold_us));
+        }
+    }
+
+    /// The output buffer now holds `delta` more (or fewer) frames.
+    pub fn held(&self, delta: i64) {
+        self.held_frames.inc_by(delta);
+    }
+
+    /// The primary lost its backup.
+    pub fn backup_lost(&self) {
+        self.backup_losses.inc();
+    }
+
+    /// The backup applied a checkpoint.
+    pub fn applied(&self, a: &AppliedEpoch) {
+        self.applied.inc();
+        self.applied_pages.inc_by(a.pages);
+        self.apply.observe(us(a.apply_us));
+    }
+
+    /// The backup took the VM over from a lost primary.
+    pub fn took_over(&self) {
+        self.takeovers.inc();
+    }
+
+    /// Add every figure to `registry` (prefix it `ftvm`).
+    pub fn register(&'static self, registry: &mut Registry) {
+        let r = registry;
+        r.register("checkpoints", "Checkpoints the backup acknowledged (primary)", self.checkpoints.clone());
+        r.register("checkpoints_early", "Checkpoints taken before their epoch ended (disk journal bound)", self.early_checkpoints.clone());
+        r.register_with_unit("checkpoint_pause", "Time the guest was paused per checkpoint", Unit::Seconds, self.pause.clone());
+        r.register_with_unit(
+            "checkpoint_transfer",
+            "From resuming the guest until the checkpoint was handed to the transport",
+            Unit::Seconds,
+            self.transfer.clone(),
+        );
+        r.register_with_unit(
+            "checkpoint_ack",
+            "From resuming the guest until the backup acknowledged the checkpoint",
+            Unit::Seconds,
+            self.ack.clone(),
+        );
+        r.register("dirty_pages", "Dirty pages carried by acknowledged checkpoints", self.dirty_pages.clone());
+        r.register("checkpoint_dirty_pages", "Dirty pages of the last acknowledged checkpoint", self.last_dirty_pages.clone());
+        r.register_with_unit("checkpoint", "Checkpoint bytes on the wire", Unit::Bytes, self.bytes.clone());
+        r.register("disk_writes", "Guest disk writes carried by checkpoints", self.disk_writes.clone());
+        r.register_with_unit("checkpoint_disk", "Disk data carried by checkpoints", Unit::Bytes, self.disk_bytes.clone());
+        r.register("output_frames_released", "Network frames released after their epoch was acknowledged", self.frames_released.clone());
+        r.register_with_unit("output_hold", "Longest time a frame of an epoch was held before release", Unit::Seconds, self.hold.clone());
+        r.register("output_held_frames", "Network frames held now, waiting for an acknowledgement", self.held_frames.clone());
+        r.register("backup_losses", "Times the primary lost its backup", self.backup_losses.clone());
+        r.register("checkpoints_applied", "Checkpoints the backup applied", self.applied.clone());
+        r.register("applied_pages", "Pages the backup applied", self.applied_pages.clone());
+        r.register_with_unit("checkpoint_apply", "Time the backup took to apply a checkpoint", Unit::Seconds, self.apply.clone());
+        r.register("takeovers", "Failovers: times this backup took the VM over from a lost primary", self.takeovers.clone());
+    }
+}
