@@ -126,8 +126,11 @@ const EVERY_THREAD: &[Syscall] = syscalls![
 /// KVM_RUN and the vCPU state ioctls.
 const VCPU: &[Syscall] = syscalls![SYS_ioctl];
 
-/// Queues over eventfds and epoll; the TAP and the disk file.
+/// Queues over eventfds and epoll; the TAP and the disk file; the copy of
+/// each received frame a protected primary mirrors to its backup (a UDP
+/// datagram sent from the device thread, `ftvm_replication::mirror`).
 const DEVICE: &[Syscall] = syscalls![
+    SYS_sendto,
     SYS_epoll_create1,
     SYS_epoll_ctl,
     SYS_epoll_wait,
