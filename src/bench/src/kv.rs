@@ -1,18 +1,26 @@
-//! The kv guest under redis-benchmark, against redis-server run natively
-//! in the same run as the ceiling.
+//! A Redis-protocol guest under redis-benchmark, against redis-server run
+//! natively in the same run as the ceiling, and the same guest protected
+//! against itself unreplicated.
 //!
-//! One private topology (scripts/netns.sh): the VMM runs kv.elf in
-//! `NAME-h1` (guest 10.0.0.2 behind tap0 on br0), redis-server runs in
-//! `NAME-h2` with 10.0.0.3 on that host's br0, and redis-benchmark runs in
-//! `NAME-client`. Both servers are reached over the same path (client veth,
-//! LAN bridge, host veth, host bridge); the guest adds the TAP and the VMM.
+//! `--app kv` (the default): the kv guest, against Debian's redis-server.
+//! `--app redis`: the static redis-server of scripts/build-redis.sh on the
+//! Linux personality, against the very same binary run natively.
+//!
+//! One private topology (scripts/netns.sh): the VMM runs the guest in
+//! `NAME-h1` (guest 10.0.0.2 behind tap0 on br0), the native redis-server
+//! runs in `NAME-h2` with 10.0.0.3 on that host's br0, and redis-benchmark
+//! runs in `NAME-client`. Both servers are reached over the same path
+//! (client veth, LAN bridge, host veth, host bridge); the guest adds the TAP
+//! and the VMM. Protected, the guest replicates to a backup in `NAME-h2`
+//! over the hosts' replication link.
 
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use ftvm_testkit::process::Process;
-use ftvm_testkit::topology::Topology;
+use ftvm_testkit::scratch::Scratch;
+use ftvm_testkit::topology::{Topology, H2_REPL_ADDR};
 
 use crate::paths::sibling_binary;
 use crate::redis_benchmark::{self, Figures};
@@ -39,12 +47,115 @@ pub struct Options {
     /// Runs per configuration and server; the median run (by rps) is kept.
     #[arg(long, default_value_t = 3)]
     repeat: usize,
-    /// Directory holding kv.elf.
+    /// The guest: `kv` (the ftvm runtime's server, against Debian's
+    /// redis-server) or `redis` (the static redis-server on the Linux
+    /// personality, against the same binary run natively).
+    #[arg(long, value_enum, default_value_t = App::Kv)]
+    app: App,
+    /// Checkpoint interval of the protected runs, in milliseconds.
+    #[arg(long, default_value_t = 20)]
+    epoch_ms: u64,
+    /// Directory holding kv.elf and redis-server.
     #[arg(long, default_value = "target/images")]
     images: PathBuf,
     /// The ftvm binary (default: next to ftvm-bench).
     #[arg(long)]
     ftvm: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum App {
+    Kv,
+    Redis,
+}
+
+impl App {
+    fn name(self) -> &'static str {
+        match self {
+            App::Kv => "kv",
+            App::Redis => "redis",
+        }
+    }
+
+    /// The guest image and what builds it.
+    fn image(self, images: &Path) -> (PathBuf, &'static str) {
+        match self {
+            App::Kv => (images.join("kv.elf"), "scripts/build-images.sh"),
+            App::Redis => (images.join("redis-server"), "scripts/build-redis.sh"),
+        }
+    }
+
+    /// `ftvm run` arguments after the image: memory and command line.
+    fn run_args(self) -> Vec<String> {
+        match self {
+            App::Kv => vec!["--cmdline".into(), format!("ip={GUEST_ADDR}/24")],
+            App::Redis => vec![
+                "--memory".into(),
+                "512".into(),
+                "--cmdline".into(),
+                format!("ip={GUEST_ADDR}/24 -- redis-server {}", REDIS_ARGS.join(" ")),
+            ],
+        }
+    }
+}
+
+/// redis-server's options, in the guest and natively: no persistence.
+const REDIS_ARGS: [&str; 8] = ["--port", PORT, "--save", "''", "--appendonly", "no", "--protected-mode", "no"];
+const BACKUP_ADDR_PORT: &str = "7000";
+
+/// The guest's VMM, and with protection its backup.
+struct Guest {
+    vmm: Process,
+    backup: Option<Process>,
+}
+
+impl Guest {
+    fn start(topo: &Topology, ftvm: &Path, image: &Path, app: App, protect: Option<(&Scratch, u64)>) -> Result<Guest, BoxError> {
+        let net = format!("tap=tap0,mac={GUEST_MAC}");
+        let backup_addr = format!("{H2_REPL_ADDR}:{BACKUP_ADDR_PORT}");
+        let backup = match protect {
+            Some(_) => {
+                let mut cmd = topo.command("h2", ftvm);
+                cmd.args(["backup", "--listen", &backup_addr, "--net", &net]);
+                Some(Process::spawn_collected("ftvm backup", &mut cmd)?)
+            }
+            None => None,
+        };
+        let mut cmd = topo.command("h1", ftvm);
+        cmd.arg("run").arg("--image").arg(image).args(app.run_args()).args(["--net", &net]);
+        if let Some((dir, epoch_ms)) = protect {
+            cmd.args(["--replicate-to", &backup_addr, "--epoch-ms", &epoch_ms.to_string(), "--api-socket"]).arg(dir.join("primary.sock"));
+        }
+        let vmm = Process::spawn_collected(&format!("ftvm ({})", app.name()), &mut cmd)?;
+        let mut guest = Guest { vmm, backup };
+        if let Some((dir, _)) = protect {
+            guest.wait_protected(ftvm, &dir.join("primary.sock"))?;
+        }
+        Ok(guest)
+    }
+
+    fn wait_protected(&mut self, ftvm: &Path, socket: &Path) -> Result<(), BoxError> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            self.check_alive()?;
+            let out = std::process::Command::new(ftvm).args(["status", "--api-socket"]).arg(socket).output()?;
+            if String::from_utf8_lossy(&out.stdout).contains("protected: yes") {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("the guest was not protected within 30 s: {}", self.vmm.output()).into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn check_alive(&mut self) -> Result<(), BoxError> {
+        check_alive(&mut self.vmm)?;
+        if let Some(b) = &mut self.backup {
+            check_alive(b)?;
+        }
+        Ok(())
+    }
 }
 
 /// Fails if `server` has exited.
@@ -111,86 +222,115 @@ fn ftvm_path(opts: &Options) -> Result<PathBuf, BoxError> {
 }
 
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
-    let image = opts.images.join("kv.elf");
+    let app = opts.app;
+    let (image, build) = app.image(&opts.images);
     if !image.exists() {
-        return Err(format!("{} missing: run scripts/build-images.sh", image.display()).into());
+        return Err(format!("{} missing: run {build}", image.display()).into());
     }
+    // Absolute: the native server runs it from inside a namespace.
+    let image = image.canonicalize()?;
     let ftvm = ftvm_path(opts)?;
     if opts.repeat == 0 || opts.pipeline.is_empty() {
         return Err("--repeat and --pipeline need at least one run".into());
     }
     let topo = Topology::new("kvb")?;
+    let dir = Scratch::new("bench-kv")?;
 
-    // The reference: redis-server on h2's bridge, no persistence.
+    // The reference: redis-server on h2's bridge, no persistence: Debian's
+    // for kv, the guest's own binary for redis.
     let addr = topo.command("h2", "ip").args(["addr", "add", &format!("{NATIVE_ADDR}/24"), "dev", "br0"]).output()?;
     if !addr.status.success() {
         return Err(format!("cannot give h2's br0 {NATIVE_ADDR}: {}", text(&addr)).into());
     }
-    let mut redis = topo.command("h2", "redis-server");
-    redis.args(["--port", PORT, "--bind", NATIVE_ADDR, "--save", "", "--appendonly", "no", "--protected-mode", "no"]);
+    let mut redis = match app {
+        App::Kv => topo.command("h2", "redis-server"),
+        App::Redis => topo.command("h2", &image),
+    };
+    redis.args(REDIS_ARGS.map(|a| if a == "''" { "" } else { a })).args(["--bind", NATIVE_ADDR]);
     redis.args(["--daemonize", "no", "--dir", "/tmp", "--logfile", ""]);
     let mut native = Process::spawn_collected("redis-server", &mut redis).map_err(|e| format!("{e} (scripts/setup.sh installs it)"))?;
-
-    // The guest: kv without persistence, one vCPU (the default).
-    let mut vmm = topo.command("h1", &ftvm);
-    vmm.arg("run").arg("--image").arg(&image);
-    vmm.args(["--net", &format!("tap=tap0,mac={GUEST_MAC}"), "--cmdline", &format!("ip={GUEST_ADDR}/24")]);
-    let mut guest = Process::spawn_collected("ftvm (kv.elf)", &mut vmm)?;
-
     wait_serving(&topo, NATIVE_ADDR, &mut native)?;
-    wait_serving(&topo, GUEST_ADDR, &mut guest)?;
 
-    let mut rows = Vec::new();
-    let mut chart = Vec::new();
+    // Unreplicated, one vCPU (the default), alternating with the native
+    // server so that drift on the host hits both alike.
+    let mut guest = Guest::start(&topo, &ftvm, &image, app, None)?;
+    wait_serving(&topo, GUEST_ADDR, &mut guest.vmm)?;
+    let mut figures = Vec::new();
     for &p in &opts.pipeline {
         let (mut g_set, mut g_get, mut n_set, mut n_get) = (vec![], vec![], vec![], vec![]);
-        // Alternate the servers so drift on the host hits both alike.
         for _ in 0..opts.repeat {
             let (s, g) = benchmark(&topo, GUEST_ADDR, opts, p)?;
             g_set.push(s);
             g_get.push(g);
-            check_alive(&mut guest)?;
+            guest.check_alive()?;
             let (s, g) = benchmark(&topo, NATIVE_ADDR, opts, p)?;
             n_set.push(s);
             n_get.push(g);
         }
-        for (test, guest_f, native_f) in [("SET", median(g_set), median(n_set)), ("GET", median(g_get), median(n_get))] {
-            let group = format!("kv {test} -P {p} -c {}", opts.clients);
-            rows.push(Row {
-                group: group.clone(),
-                case: "throughput (ref: native redis)".into(),
-                value: guest_f.rps,
-                unit: "req/s",
-                reference: Some(native_f.rps),
-            });
-            rows.push(Row {
-                group: group.clone(),
-                case: "latency p50 (ref: native redis)".into(),
-                value: guest_f.p50_ms,
-                unit: "ms",
-                reference: Some(native_f.p50_ms),
-            });
-            rows.push(Row {
-                group: group.clone(),
-                case: "latency p99 (ref: native redis)".into(),
-                value: guest_f.p99_ms,
-                unit: "ms",
-                reference: Some(native_f.p99_ms),
-            });
-            chart.push((format!("{group}: ftvm guest"), guest_f.rps));
-            chart.push((format!("{group}: native redis-server"), native_f.rps));
-        }
+        figures.push((p, [median(g_set), median(g_get)], [median(n_set), median(n_get)]));
     }
     drop(guest);
     drop(native);
+
+    // Protected: a backup in h2, checkpoints every --epoch-ms.
+    let mut guest = Guest::start(&topo, &ftvm, &image, app, Some((&dir, opts.epoch_ms)))?;
+    wait_serving(&topo, GUEST_ADDR, &mut guest.vmm)?;
+    let mut protected = Vec::new();
+    for &p in &opts.pipeline {
+        let (mut set, mut get) = (vec![], vec![]);
+        for _ in 0..opts.repeat {
+            let (s, g) = benchmark(&topo, GUEST_ADDR, opts, p)?;
+            set.push(s);
+            get.push(g);
+            guest.check_alive()?;
+        }
+        protected.push([median(set), median(get)]);
+    }
+    drop(guest);
     drop(topo);
 
+    let mut rows = Vec::new();
+    let mut chart = Vec::new();
+    let name = app.name();
+    for ((p, unrep, native), prot) in figures.into_iter().zip(protected) {
+        for (i, test) in ["SET", "GET"].into_iter().enumerate() {
+            let group = format!("{name} {test} -P {p} -c {}", opts.clients);
+            let (g, n, pr) = (&unrep[i], &native[i], &prot[i]);
+            for (what, unit, guest_v, native_v, prot_v) in [
+                ("throughput", "req/s", g.rps, n.rps, pr.rps),
+                ("latency p50", "ms", g.p50_ms, n.p50_ms, pr.p50_ms),
+                ("latency p99", "ms", g.p99_ms, n.p99_ms, pr.p99_ms),
+            ] {
+                rows.push(Row {
+                    group: group.clone(),
+                    case: format!("{what} unreplicated (ref: native)"),
+                    value: guest_v,
+                    unit,
+                    reference: Some(native_v),
+                });
+                rows.push(Row {
+                    group: group.clone(),
+                    case: format!("{what} protected, {} ms epochs (ref: unreplicated)", opts.epoch_ms),
+                    value: prot_v,
+                    unit,
+                    reference: Some(guest_v),
+                });
+            }
+            chart.push((format!("{group}: native"), n.rps));
+            chart.push((format!("{group}: ftvm"), g.rps));
+            chart.push((format!("{group}: ftvm protected"), pr.rps));
+        }
+    }
+    let (file, title) = match app {
+        App::Kv => ("kv", format!("redis-benchmark, -n {}: kv in ftvm vs native redis-server", opts.requests)),
+        App::Redis => ("kv-redis", format!("redis-benchmark, -n {}: redis-server in ftvm vs the same binary natively", opts.requests)),
+    };
     report::publish(
         out,
-        "kv",
+        file,
         &rows,
         &report::BarChart {
-            title: &format!("redis-benchmark, -n {}: kv in ftvm vs native redis-server", opts.requests),
+            title: &title,
             category: "test, pipeline depth, connections; server",
             quantity: "throughput (requests/s)",
             bars: chart,

@@ -4,7 +4,9 @@
 //! It builds a private network from namespaces (`scripts/netns.sh`): a
 //! client, two hosts h1 and h2 on one LAN, and a replication link between
 //! the hosts, and starts a private etcd, the arbiter that decides who owns
-//! the VM. A backup waits in h2; the primary runs the kv guest in h1 and
+//! the VM. A backup waits in h2; the primary runs the guest in h1 (the kv
+//! guest, or with `--app redis` the unmodified static redis-server on the
+//! runtime's Linux personality) and
 //! checkpoints it to h2 every epoch over an authenticated channel (a shared
 //! secret file), holding the guest's network output until the backup has
 //! the state that produced it. From the client, redis-benchmark loads the
@@ -52,6 +54,48 @@ pub struct DemoArgs {
     /// Seconds of load before each failure.
     #[arg(long, default_value_t = 5.0, value_name = "SECONDS", value_parser = crate::cli::positive_seconds)]
     seconds: f64,
+    /// The guest: `kv` (the ftvm runtime's Redis-protocol server) or `redis`
+    /// (the unmodified static redis-server 6.2 built by
+    /// scripts/build-redis.sh, on the runtime's Linux personality).
+    #[arg(long, value_enum, default_value_t = App::Kv)]
+    app: App,
+}
+
+/// The guest the demo protects; both serve Redis's protocol on port 6379.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum App {
+    Kv,
+    Redis,
+}
+
+impl App {
+    /// The image under the repository root, and what builds it.
+    fn image(self) -> (&'static str, &'static str) {
+        match self {
+            App::Kv => ("target/images/kv.elf", "scripts/build-images.sh"),
+            App::Redis => ("target/images/redis-server", "scripts/build-redis.sh"),
+        }
+    }
+
+    /// `ftvm run` arguments after the image: memory and command line.
+    fn run_args(self) -> Vec<String> {
+        match self {
+            App::Kv => vec!["--cmdline".into(), format!("ip={GUEST}/24")],
+            App::Redis => vec![
+                "--memory".into(),
+                "512".into(),
+                "--cmdline".into(),
+                format!("ip={GUEST}/24 -- redis-server --port 6379 --save '' --protected-mode no"),
+            ],
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            App::Kv => "a Redis-protocol VM (the kv guest)",
+            App::Redis => "an unmodified redis-server in a VM",
+        }
+    }
 }
 
 const BACKUP_ADDR: &str = "192.168.100.2:7000";
@@ -267,14 +311,15 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
         }
     }
     let root = ftvm_testkit::repo_root().map_err(|e| e.to_string())?;
-    let image = root.join("target/images/kv.elf");
+    let (image, build) = args.app.image();
+    let image = root.join(image);
     if !image.exists() {
-        return Err(format!("{} missing: run scripts/build-images.sh", image.display()));
+        return Err(format!("{} missing: run {build}", image.display()));
     }
     let ftvm = std::env::current_exe().map_err(|e| e.to_string())?;
     stop_requested(); // install the handler before starting anything
 
-    outln!("== ftvm demo: a Redis-protocol VM that survives the death of its host, and a stalled primary fenced by the arbiter");
+    outln!("== ftvm demo: {} that survives the death of its host, and a stalled primary fenced by the arbiter", args.app.what());
     let topo = Topology::new("demo").map_err(|e| e.to_string())?;
     outln!(
         "network: namespaces {0}-{{client,h1,h2,lan}}; client 10.0.0.1 and the guest {GUEST} on one LAN, \
@@ -397,9 +442,11 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
         s.arbiter_h2
     );
     let mut cmd = topo.command("h1", &s.ftvm);
+    let app_args = args.app.run_args();
     cmd.args(["run", "--image"])
         .arg(&s.image)
-        .args(["--net", &net, "--cmdline", &format!("ip={GUEST}/24"), "--replicate-to", BACKUP_ADDR])
+        .args(&app_args)
+        .args(["--net", &net, "--replicate-to", BACKUP_ADDR])
         .args(["--epoch-ms", &args.epoch_ms.to_string(), "--arbiter", &s.arbiter_h1, "--secret-file", &secret, "--api-socket"])
         .arg(&primary_sock)
         .arg("--metrics")
@@ -407,8 +454,11 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
         .env("FTVM_LOG", "info");
     let t_start = Instant::now();
     let mut primary = spawn(cmd, dir, &format!("primary-{tag}"))?;
+    let shown: Vec<String> = app_args.iter().map(|a| if a.contains(' ') { format!("\"{a}\"") } else { a.clone() }).collect();
     outln!(
-        "[h1] ftvm run --image kv.elf --net {net} --replicate-to {BACKUP_ADDR} --epoch-ms {} --arbiter {} --secret-file {secret}",
+        "[h1] ftvm run --image {} {} --net {net} --replicate-to {BACKUP_ADDR} --epoch-ms {} --arbiter {} --secret-file {secret}",
+        s.image.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned()),
+        shown.join(" "),
         args.epoch_ms,
         s.arbiter_h1
     );
