@@ -126,7 +126,8 @@ const EVERY_THREAD: &[Syscall] = syscalls![
 /// KVM_RUN and the vCPU state ioctls.
 const VCPU: &[Syscall] = syscalls![SYS_ioctl];
 
-/// Queues over eventfds and epoll; the TAP and the disk file.
+/// Queues over eventfds and epoll; the TAP and the disk file; a protected
+/// VM's frames copied to the backup over UDP (frame mirroring).
 const DEVICE: &[Syscall] = syscalls![
     SYS_epoll_create1,
     SYS_epoll_ctl,
@@ -141,6 +142,7 @@ const DEVICE: &[Syscall] = syscalls![
     SYS_fdatasync,
     SYS_fsync,
     SYS_fcntl,
+    SYS_sendto,
 ];
 
 /// One client on a socket that is already open.
