@@ -15,7 +15,7 @@ mod signals;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig, Switches};
+use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig, Switches, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::Console;
 
 use cli::{ChannelArgs, ClientArgs, Command, HostArgs};
@@ -81,7 +81,8 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 connect_timeout: Duration::from_millis(args.connect_timeout_ms),
                 metrics: args.metrics,
                 disk: args.host.disk.clone(),
-                switches: Switches { capture: args.capture, encoding: args.encoding, transport: args.transport },
+                switches: Switches { capture: args.capture, encoding: args.encoding, transport: args.transport, trigger: args.trigger },
+                pipeline_depth: args.pipeline_depth as usize,
                 auth,
             });
             let source = run::Source::Image {
@@ -123,6 +124,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 metrics: None,
                 disk: config.devices.disk.clone(),
                 switches: Switches::default(),
+                pipeline_depth: DEFAULT_PIPELINE_DEPTH as usize,
                 auth: config.auth.clone(),
             };
             run::run(run::Source::Backup(Box::new(config)), args.host.into_options(Some(promotion)))

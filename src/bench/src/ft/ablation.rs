@@ -21,8 +21,14 @@ pub struct Switch {
 }
 
 /// Every switch the ablation measures: one line per switch.
-pub const SWITCHES: &[Switch] =
-    &[Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] }];
+pub const SWITCHES: &[Switch] = &[
+    Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] },
+    Switch { name: "trigger", values: &[("output", &["--trigger", "output"]), ("periodic", &["--trigger", "periodic"])] },
+    Switch {
+        name: "pipeline-depth",
+        values: &[("2", &["--pipeline-depth", "2"]), ("1", &["--pipeline-depth", "1"]), ("4", &["--pipeline-depth", "4"])],
+    },
+];
 
 /// The epoch length measured unless `--epochs` says otherwise.
 pub const DEFAULT_EPOCH_MS: u64 = 20;

@@ -20,6 +20,7 @@ use ftvm_vmm::hooks::{Console, ConsoleSink, FrameSink};
 use ftvm_vmm::sync::Lock;
 
 use crate::bounds::{FRAME_OVERHEAD, HELD_OUTPUT_BOUND};
+use crate::pipeline::trigger::Trigger;
 
 /// One piece of held output.
 enum Out {
@@ -68,13 +69,22 @@ pub struct OutputBuffer {
     network: Arc<dyn FrameSink>,
     console: Console,
     waker: Waker,
+    /// Told when the open epoch holds its first output (an output-triggered
+    /// checkpoint may be due).
+    trigger: Option<Arc<Trigger>>,
 }
 
 impl OutputBuffer {
     pub fn new(network: Arc<dyn FrameSink>) -> OutputBuffer {
         let inner =
             Inner { protected: false, open: Held::default(), closed: VecDeque::new(), released_frames: 0, held_cost: 0, refused: false };
-        OutputBuffer { inner: Mutex::new(inner), network, console: Console::default(), waker: Waker::default() }
+        OutputBuffer { inner: Mutex::new(inner), network, console: Console::default(), waker: Waker::default(), trigger: None }
+    }
+
+    /// Poke `trigger` when an epoch starts holding output.
+    pub fn with_trigger(mut self, trigger: Arc<Trigger>) -> OutputBuffer {
+        self.trigger = Some(trigger);
+        self
     }
 
     /// Released console output goes to `console` (the VM's own).
@@ -91,6 +101,25 @@ impl OutputBuffer {
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.locked()
+    }
+
+    /// Hold `item` in the open epoch; the first one of an epoch pokes the
+    /// trigger (after the lock is dropped: the trigger looks at the buffer).
+    fn hold(&self, mut inner: MutexGuard<'_, Inner>, item: Out) {
+        let first = inner.open.first_at.is_none();
+        if first {
+            inner.open.first_at = Some(Instant::now());
+        }
+        inner.open.items.push(item);
+        drop(inner);
+        if let (true, Some(trigger)) = (first, &self.trigger) {
+            trigger.poke();
+        }
+    }
+
+    /// When the open epoch's first output was held (None: it holds nothing).
+    pub fn held_since(&self) -> Option<Instant> {
+        self.lock().open.first_at
     }
 
     /// Start holding output; the guest is now running in epoch `epoch`.
@@ -180,10 +209,9 @@ impl FrameSink for OutputBuffer {
             self.network.send(frame);
             return;
         }
-        inner.open.first_at.get_or_insert_with(Instant::now);
-        inner.open.items.push(Out::Frame(frame.to_vec()));
         inner.open.frames += 1;
         inner.held_cost += cost(frame);
+        self.hold(inner, Out::Frame(frame.to_vec()));
     }
 
     /// Unprotected, always; protected, until the held frames reach the bound.
@@ -201,14 +229,13 @@ impl ConsoleSink for OutputBuffer {
     /// Guest console output: held with its epoch like frames (a console
     /// cannot be made to wait, so it is not bounded).
     fn write(&self, bytes: &[u8]) {
-        let mut inner = self.lock();
+        let inner = self.lock();
         if !inner.protected {
             drop(inner);
             self.console.write(bytes);
             return;
         }
-        inner.open.first_at.get_or_insert_with(Instant::now);
-        inner.open.items.push(Out::Console(bytes.to_vec()));
+        self.hold(inner, Out::Console(bytes.to_vec()));
     }
 }
 
