@@ -183,8 +183,18 @@ fn print_status(r: &api::Response) {
         outln!("detail: {}", rep.detail);
         if let Some(m) = &rep.last {
             outln!(
-                "last epoch {}: pause {} us, {} dirty pages, {} bytes, transfer {} us, ack after {} us, {} frames released (held up to {} us)",
-                m.epoch, m.pause_us, m.dirty_pages, m.bytes, m.transfer_us, m.ack_us, m.frames_released, m.hold_us
+                "last epoch {}: started by {}, ran {} us (at most {} us), pause {} us, {} dirty pages, {} bytes, transfer {} us, ack after {} us, {} frames released (held up to {} us)",
+                m.epoch,
+                m.trigger,
+                m.epoch_us,
+                m.max_epoch_us,
+                m.pause_us,
+                m.dirty_pages,
+                m.bytes,
+                m.transfer_us,
+                m.ack_us,
+                m.frames_released,
+                m.hold_us
             );
         }
     }
