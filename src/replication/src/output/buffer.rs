@@ -309,6 +309,49 @@ mod tests {
         assert!(out.accepting(), "unprotected output is never held");
     }
 
+    /// The trigger's view of a guest that is always idle, its held output
+    /// read from `out`.
+    struct IdleGuest(Arc<OutputBuffer>);
+
+    impl crate::pipeline::trigger::Guest for IdleGuest {
+        fn held_since(&self) -> Option<Instant> {
+            self.0.held_since()
+        }
+        fn idle(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn the_first_output_of_an_epoch_wakes_the_trigger() {
+        use crate::pipeline::trigger::{Mode, Plan, Reason};
+        use std::time::Duration;
+
+        let trigger = Arc::new(Trigger::default());
+        let out = Arc::new(OutputBuffer::new(Arc::new(Wire::default())).with_trigger(trigger.clone()));
+        out.send(b"unprotected");
+        assert_eq!(out.held_since(), None, "nothing held unprotected");
+        out.protect(1);
+        let long = Duration::from_secs(60);
+        let plan = Plan { mode: Mode::Output, since: Instant::now(), spacing: Duration::ZERO, hold_bound: long, max_epoch: long };
+        let sender = {
+            let out = out.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                ConsoleSink::write(out.as_ref(), b"a line\n");
+            })
+        };
+        let t0 = Instant::now();
+        assert_eq!(trigger.wait(&plan, &IdleGuest(out.clone()), || true, t0 + long), Some(Reason::Idle));
+        assert!(t0.elapsed() < long);
+        sender.join().unwrap();
+        let since = out.held_since().expect("held");
+        out.send(b"f");
+        assert_eq!(out.held_since(), Some(since), "from the epoch's first output");
+        out.close_epoch();
+        assert_eq!(out.held_since(), None, "the next epoch holds nothing yet");
+    }
+
     #[derive(Default)]
     struct Screen(Mutex<Vec<u8>>);
 
