@@ -8,8 +8,8 @@ use clap::error::ErrorKind;
 use clap::parser::ValueSource;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use ftvm_replication::pipeline::{capture, encode, transport};
-use ftvm_replication::OnBackupLoss;
+use ftvm_replication::pipeline::{capture, encode, transport, trigger};
+use ftvm_replication::{OnBackupLoss, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::devices::virtio::net::NetConfig;
 use ftvm_vmm::DirtyBackend;
 
@@ -139,7 +139,9 @@ pub struct RunArgs {
     /// replication options (--epoch-ms to --transport, --arbiter, --name) need it.
     #[arg(long, value_name = "ADDR")]
     pub replicate_to: Option<String>,
-    /// Checkpoint interval in milliseconds (5 to 60000).
+    /// Longest epoch in milliseconds (5 to 60000): the checkpoint interval
+    /// with --trigger periodic; with --trigger output, the most an epoch
+    /// runs without output (less when checkpoints are cheap).
     #[arg(long, value_name = "MS", default_value_t = 20, value_parser = epoch_ms)]
     pub epoch_ms: u64,
     /// When the backup is lost: keep running unprotected (continue), or pause with
@@ -180,6 +182,15 @@ pub struct RunArgs {
     /// with --encrypt.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub mirror: ftvm_replication::mirror::Mode,
+    /// What starts a checkpoint. output: output is held and the guest idle,
+    /// or held output waited its bound, or the epoch reached its maximum;
+    /// periodic: every --epoch-ms.
+    #[arg(long, default_value = "output", value_name = "output|periodic")]
+    pub trigger: trigger::Mode,
+    /// Checkpoints sent and not yet acknowledged at most (1 to 64): the next
+    /// checkpoint may be taken while this many are in flight.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PIPELINE_DEPTH, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub pipeline_depth: u64,
     #[command(flatten)]
     pub arbiter: ArbiterArgs,
     #[command(flatten)]
@@ -288,7 +299,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 15] = [
+const PRIMARY_ONLY: [&str; 17] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -300,6 +311,8 @@ const PRIMARY_ONLY: [&str; 15] = [
     "encoding",
     "transport",
     "mirror",
+    "trigger",
+    "pipeline_depth",
     "arbiter",
     "name",
     "secret_file",

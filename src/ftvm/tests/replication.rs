@@ -339,6 +339,9 @@ fn fast_disk_writes_give_bounded_checkpoints_and_an_equal_replica() {
         path_str(&disk),
         "--epoch-ms",
         "5000",
+        // Epochs of exactly 5 s (output-triggered ones may be shorter).
+        "--trigger",
+        "periodic",
         "--metrics",
         path_str(&metrics),
         "--failure-timeout-ms",
@@ -361,7 +364,7 @@ fn fast_disk_writes_give_bounded_checkpoints_and_an_equal_replica() {
         assert!(field(e, "bytes") <= limit, "checkpoint over the backup's limit: {e}");
         assert!(field(e, "disk_bytes") <= JOURNAL_MAX, "journal over its bound: {e}");
     }
-    let early = epochs.iter().filter(|e| e["early"].as_bool() == Some(true)).count();
+    let early = epochs.iter().filter(|e| e["trigger"] == "journal").count();
     let journaled: u64 = epochs.iter().map(|e| field(e, "disk_bytes")).sum();
     assert!(early >= 1 && journaled > JOURNAL_MAX, "{early} early checkpoints carried {journaled} bytes: {epochs:?}");
 
@@ -543,4 +546,58 @@ fn console_output_waits_for_the_acknowledgement() {
     assert!(!p.stdout().contains("t="), "console output left before its checkpoint was acknowledged:\n{}", p.output());
     p.kill();
     b.kill();
+}
+
+/// `--trigger output`: a guest that prints a line and then waits (a
+/// ticker) is checkpointed as soon as it is idle with the line held, long
+/// before its epoch would end, and its maximum epoch adapts below
+/// `--epoch-ms` (its checkpoints are cheap); `--trigger periodic` waits for
+/// the end of every epoch. The metrics and `ftvm status` say what started
+/// each checkpoint and how long its epoch ran.
+#[test]
+fn held_output_and_an_idle_guest_start_a_checkpoint() {
+    const EPOCH_US: u64 = 500_000;
+    for trigger in ["output", "periodic"] {
+        let dir = Scratch::new(&format!("trigger-{trigger}")).unwrap();
+        let (socket, metrics) = (dir.join("api.sock"), dir.join("epochs.jsonl"));
+        let addr = free_addr();
+        let b = backup(&addr, &[]);
+        let extra = ["--epoch-ms", "500", "--trigger", trigger, "--metrics", path_str(&metrics), "--api-socket", path_str(&socket)];
+        let p = spawn(&mut primary_of("probe", &addr, 1, "ticker=20,count=60", &extra));
+        let st = wait_for_status(&socket, if trigger == "output" { "started by idle" } else { "started by epoch" });
+        assert!(st.contains("(at most "), "{st}");
+        let out = finish(p);
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(stdout(&out).contains("probe: ticker done n=60"), "{}", stdout(&out));
+        finish(b);
+        let epochs: Vec<serde_json::Value> =
+            std::fs::read_to_string(&metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let by = |reason: &str| epochs.iter().filter(|e| e["trigger"] == reason).collect::<Vec<_>>();
+        let us = |e: &serde_json::Value, k: &str| e[k].as_u64().unwrap();
+        assert_eq!((by("sync").len(), by("stop").len()), (1, 1), "{trigger}: {epochs:?}");
+        eprintln!(
+            "{trigger}: {} checkpoints: {} idle, {} hold, {} epoch; maximum epoch {:?} to {:?} us",
+            epochs.len(),
+            by("idle").len(),
+            by("hold").len(),
+            by("epoch").len(),
+            epochs.iter().map(|e| us(e, "max_epoch_us")).filter(|&m| m > 0).min(),
+            epochs.iter().map(|e| us(e, "max_epoch_us")).max(),
+        );
+        if trigger == "output" {
+            let idle = by("idle");
+            assert!(idle.len() >= 30, "only {} of 60 ticks started a checkpoint: {epochs:?}", idle.len());
+            assert!(idle.iter().all(|e| us(e, "epoch_us") < us(e, "max_epoch_us")), "idle epochs end early: {idle:?}");
+            let max: Vec<u64> = epochs.iter().map(|e| us(e, "max_epoch_us")).filter(|&m| m > 0).collect();
+            assert!(max.iter().all(|&m| (5000..=EPOCH_US).contains(&m)), "within [5 ms, --epoch-ms]: {max:?}");
+            assert!(max.iter().any(|&m| m < EPOCH_US), "a cheap guest's maximum epoch adapts below --epoch-ms: {max:?}");
+        } else {
+            let epoch = by("epoch");
+            assert_eq!(epoch.len() + 2, epochs.len(), "only the end of an epoch starts a periodic checkpoint: {epochs:?}");
+            assert!(
+                !epoch.is_empty() && epoch.iter().all(|e| us(e, "max_epoch_us") == EPOCH_US && us(e, "epoch_us") >= EPOCH_US),
+                "{epoch:?}"
+            );
+        }
+    }
 }

@@ -10,6 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use ftvm_vmm::sync::Lock;
 
+use crate::pipeline::trigger::Reason;
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct EpochMetrics {
     pub epoch: u64,
@@ -19,9 +21,15 @@ pub struct EpochMetrics {
     pub disk_writes: u64,
     /// Bytes of disk data the checkpoint carries.
     pub disk_bytes: u64,
-    /// Taken before its epoch ended because a bound was reached (the disk
-    /// journal's early mark).
-    pub early: bool,
+    /// Why the checkpoint was taken: `epoch` (its epoch reached the
+    /// maximum), `journal` (the disk journal's early mark), `idle` (output
+    /// held and the guest idle), `hold` (output held for the hold bound),
+    /// `sync` (a new backup's first), `stop` (the last).
+    pub trigger: Reason,
+    /// How long the epoch ran: from the previous checkpoint's resume to this pause.
+    pub epoch_us: u64,
+    /// The longest it could have run (`--epoch-ms`, or less when adapted).
+    pub max_epoch_us: u64,
     /// Size of the checkpoint on the wire.
     pub bytes: u64,
     /// From resuming the guest until the checkpoint was handed to the socket

@@ -334,6 +334,12 @@ impl Vm {
         *self.holds.locked() > 0
     }
 
+    /// Whether the guest has nothing to run: every vCPU waits in the wait
+    /// hypercall right now (the idle hook hears when this becomes true).
+    pub fn is_idle(&self) -> bool {
+        self.shared.all_waiting()
+    }
+
     pub fn is_running(&self) -> bool {
         !self.threads.locked().is_empty() && self.shared.control.mode() == Mode::Run
     }

@@ -24,6 +24,11 @@ pub struct Switch {
 pub const SWITCHES: &[Switch] = &[
     Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] },
     Switch { name: "mirror", values: &[("on", &["--mirror", "on"]), ("off", &["--mirror", "off"])] },
+    Switch { name: "trigger", values: &[("output", &["--trigger", "output"]), ("periodic", &["--trigger", "periodic"])] },
+    Switch {
+        name: "pipeline-depth",
+        values: &[("2", &["--pipeline-depth", "2"]), ("1", &["--pipeline-depth", "1"]), ("4", &["--pipeline-depth", "4"])],
+    },
 ];
 
 /// The epoch length measured unless `--epochs` says otherwise.

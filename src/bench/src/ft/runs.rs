@@ -33,6 +33,10 @@ pub struct EpochMeans {
     pub bytes: f64,
     /// How long output was held for its checkpoint.
     pub hold_us: f64,
+    /// How long epochs ran (from one checkpoint's resume to the next pause).
+    pub epoch_us: f64,
+    /// Share of the checkpoints that held output started (`idle` or `hold`).
+    pub output_share: f64,
 }
 
 fn ftvm_bin() -> PathBuf {
@@ -56,7 +60,15 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
             v.iter().sum::<f64>() / v.len() as f64
         }
     };
-    EpochMeans { pause_us: mean("pause_us"), dirty_pages: mean("dirty_pages"), bytes: mean("bytes"), hold_us: mean("hold_us") }
+    let by_output = lines.iter().filter(|l| matches!(l["trigger"].as_str(), Some("idle" | "hold"))).count();
+    EpochMeans {
+        pause_us: mean("pause_us"),
+        dirty_pages: mean("dirty_pages"),
+        bytes: mean("bytes"),
+        hold_us: mean("hold_us"),
+        epoch_us: mean("epoch_us"),
+        output_share: if lines.is_empty() { 0.0 } else { by_output as f64 / lines.len() as f64 },
+    }
 }
 
 fn memtouch_rate(out: &str) -> Option<f64> {

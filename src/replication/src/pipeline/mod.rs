@@ -38,6 +38,7 @@ pub struct Switches {
     pub capture: capture::Mode,
     pub encoding: encode::Encoding,
     pub transport: transport::Kind,
+    pub trigger: trigger::Mode,
 }
 
 /// What taking one checkpoint cost.
@@ -49,9 +50,11 @@ pub struct Taken {
     pub disk_writes: u64,
     /// Bytes of disk data the checkpoint carries.
     pub disk_bytes: u64,
-    /// Taken before the end of its epoch, because a bound was reached (set
-    /// by whoever triggered it).
-    pub early: bool,
+    /// Why it was taken, how long its epoch ran (from the previous resume)
+    /// and the longest it could have run: set by whoever triggered it.
+    pub trigger: trigger::Reason,
+    pub epoch_len: Duration,
+    pub max_epoch: Duration,
 }
 
 /// The primary's half of the pipeline: from the running VM to a frame.
@@ -96,7 +99,7 @@ impl Pipeline {
             dirty_pages: pages.len() as u64,
             disk_writes: thawed.state.disk.len() as u64,
             disk_bytes: thawed.state.disk.iter().map(|w| w.data.len() as u64).sum(),
-            early: false,
+            ..Taken::default()
         };
         Ok((taken, &self.frame))
     }
