@@ -8,7 +8,7 @@ use clap::error::ErrorKind;
 use clap::parser::ValueSource;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use ftvm_replication::pipeline::{capture, encode, transport};
+use ftvm_replication::pipeline::{capture, encode, predict, transport};
 use ftvm_replication::OnBackupLoss;
 use ftvm_vmm::devices::virtio::net::NetConfig;
 use ftvm_vmm::DirtyBackend;
@@ -156,6 +156,13 @@ pub struct RunArgs {
     /// Replication transport. tcp: one TCP connection to the backup.
     #[arg(long, default_value = "tcp", value_name = "tcp")]
     pub transport: transport::Kind,
+    /// Write-fault prediction: leave pages likely to be written again
+    /// writable at each checkpoint (no tracked first write for them); pages
+    /// left writable but unchanged are not sent. off, histase (HBFT's
+    /// stride and history predictor) or adaptive (per-region rewrite rate).
+    /// Needs --dirty-backend bitmap.
+    #[arg(long, default_value = "off", value_name = "off|histase|adaptive")]
+    pub predict_writes: predict::Mode,
     #[command(flatten)]
     pub arbiter: ArbiterArgs,
     #[command(flatten)]
@@ -254,7 +261,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 14] = [
+const PRIMARY_ONLY: [&str; 15] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -265,6 +272,7 @@ const PRIMARY_ONLY: [&str; 14] = [
     "capture",
     "encoding",
     "transport",
+    "predict_writes",
     "arbiter",
     "name",
     "secret_file",

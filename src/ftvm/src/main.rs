@@ -81,7 +81,12 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 connect_timeout: Duration::from_millis(args.connect_timeout_ms),
                 metrics: args.metrics,
                 disk: args.host.disk.clone(),
-                switches: Switches { capture: args.capture, encoding: args.encoding, transport: args.transport },
+                switches: Switches {
+                    capture: args.capture,
+                    encoding: args.encoding,
+                    transport: args.transport,
+                    predict_writes: args.predict_writes,
+                },
                 auth,
             });
             let source = run::Source::Image {
@@ -184,6 +189,15 @@ fn print_status(r: &api::Response) {
                 "last epoch {}: pause {} us, {} dirty pages, {} bytes, transfer {} us, ack after {} us, {} frames released (held up to {} us)",
                 m.epoch, m.pause_us, m.dirty_pages, m.bytes, m.transfer_us, m.ack_us, m.frames_released, m.hold_us
             );
+            if m.predicted > 0 || m.first_writes > 0 {
+                outln!(
+                    "write prediction: {} pages left writable, {} of them written, {} unchanged (not sent), {} tracked first writes",
+                    m.predicted,
+                    m.predicted_written,
+                    m.fake_dirty,
+                    m.first_writes
+                );
+            }
         }
     }
 }

@@ -22,6 +22,20 @@ pub struct EpochMetrics {
     /// Taken before its epoch ended because a bound was reached (the disk
     /// journal's early mark).
     pub early: bool,
+    /// Write-fault prediction (`--predict-writes`; zero without it): pages
+    /// left writable through the epoch,
+    #[serde(default)]
+    pub predicted: u64,
+    /// of those, pages whose content changed (sent),
+    #[serde(default)]
+    pub predicted_written: u64,
+    /// and pages whose content had not (filtered out: not sent);
+    #[serde(default)]
+    pub fake_dirty: u64,
+    /// pages dirtied that were not left writable (each took a tracked
+    /// first-write fault, or was written by the VMM).
+    #[serde(default)]
+    pub first_writes: u64,
     /// Size of the checkpoint on the wire.
     pub bytes: u64,
     /// From resuming the guest until the checkpoint was handed to the socket

@@ -20,30 +20,49 @@ pub fn new(mode: Mode) -> Box<dyn Capture> {
     }
 }
 
-/// Copies of pages, in ascending page order.
+/// Copies of pages, in ascending page order, some of them perhaps dropped
+/// (not to be sent).
 #[derive(Default)]
 pub struct Captured {
     numbers: Vec<u64>,
     data: Vec<u8>,
+    /// Per entry of `numbers`: dropped by `retain`.
+    dropped: Vec<bool>,
+    kept: usize,
 }
 
 impl Captured {
+    /// Pages to send.
     pub fn len(&self) -> usize {
-        self.numbers.len()
+        self.kept
     }
 
     pub fn is_empty(&self) -> bool {
-        self.numbers.is_empty()
+        self.kept == 0
     }
 
+    /// The pages to send.
     pub fn iter(&self) -> impl Iterator<Item = (u64, &[u8])> {
-        self.numbers.iter().copied().zip(self.data.chunks_exact(PAGE))
+        self.numbers.iter().copied().zip(self.data.chunks_exact(PAGE)).zip(&self.dropped).filter(|(_, &d)| !d).map(|(e, _)| e)
+    }
+
+    /// Drop the pages for which `keep` says false.
+    pub fn retain(&mut self, mut keep: impl FnMut(u64, &[u8]) -> bool) {
+        for ((&p, data), dropped) in self.numbers.iter().zip(self.data.chunks_exact(PAGE)).zip(self.dropped.iter_mut()) {
+            if !*dropped && !keep(p, data) {
+                *dropped = true;
+                self.kept -= 1;
+            }
+        }
     }
 
     /// Replace the contents with copies of `pages` read from `vm` now.
     fn copy_from(&mut self, vm: &Vm, pages: &PageBitmap) -> Result<(), ReplicationError> {
         self.numbers.clear();
         self.numbers.extend(pages.pages());
+        self.dropped.clear();
+        self.dropped.resize(self.numbers.len(), false);
+        self.kept = self.numbers.len();
         // Grows once to the largest epoch and is reused: no zeroing per epoch.
         let len = self.numbers.len() * PAGE;
         if self.data.len() < len {
@@ -60,7 +79,7 @@ pub trait Capture: Send {
     /// The VM is paused and `dirty` is the checkpoint's dirty set.
     fn in_pause(&mut self, vm: &Vm, dirty: &PageBitmap) -> Result<(), ReplicationError>;
     /// The VM runs again; hand over the pages as they were at the freeze.
-    fn finish(&mut self, vm: &Vm) -> Result<&Captured, ReplicationError>;
+    fn finish(&mut self, vm: &Vm) -> Result<&mut Captured, ReplicationError>;
 }
 
 /// Today's capture: every page copied inside the pause.
@@ -74,7 +93,7 @@ impl Capture for CopyInPause {
         self.pages.copy_from(vm, dirty)
     }
 
-    fn finish(&mut self, _vm: &Vm) -> Result<&Captured, ReplicationError> {
-        Ok(&self.pages)
+    fn finish(&mut self, _vm: &Vm) -> Result<&mut Captured, ReplicationError> {
+        Ok(&mut self.pages)
     }
 }

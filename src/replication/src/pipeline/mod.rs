@@ -17,6 +17,7 @@ pub mod apply;
 pub mod capture;
 pub mod encode;
 pub mod freeze;
+pub mod predict;
 pub mod transport;
 pub mod trigger;
 
@@ -24,13 +25,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ftvm_vmm::pages::PageEncoder;
-use ftvm_vmm::Vm;
+use ftvm_vmm::{DirtyBackend, Vm};
 
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::protocol;
 use crate::ReplicationError;
 use capture::Capture;
 use freeze::Freeze;
+use predict::{LeaveNone, LeaveWritable, Prediction};
 
 /// Which implementation each stage uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -38,6 +40,7 @@ pub struct Switches {
     pub capture: capture::Mode,
     pub encoding: encode::Encoding,
     pub transport: transport::Kind,
+    pub predict_writes: predict::Mode,
 }
 
 /// What taking one checkpoint cost.
@@ -52,11 +55,17 @@ pub struct Taken {
     /// Taken before the end of its epoch, because a bound was reached (set
     /// by whoever triggered it).
     pub early: bool,
+    /// Write-fault prediction (all zero without it).
+    pub predict: predict::Figures,
 }
 
 /// The primary's half of the pipeline: from the running VM to a frame.
 pub struct Pipeline {
     freeze: Box<dyn Freeze>,
+    /// Write-fault prediction, if switched on.
+    predict: Option<Prediction>,
+    /// What the freeze leaves writable without it: nothing.
+    leave_none: LeaveNone,
     capture: Box<dyn Capture>,
     encoder: Box<dyn PageEncoder>,
     frame: Vec<u8>,
@@ -65,13 +74,28 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    pub fn new(switches: &Switches, vm: &Vm, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> Pipeline {
-        Pipeline {
-            freeze: Box::new(freeze::PauseAndSave::new(vm.ram().pages(), output, journal)),
+    pub fn new(switches: &Switches, vm: &Vm, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> Result<Pipeline, ReplicationError> {
+        let pages = vm.ram().pages();
+        if switches.predict_writes != predict::Mode::Off && vm.config().dirty_backend != DirtyBackend::Bitmap {
+            // The ring re-protects every page it harvested.
+            return Err(ReplicationError::Unsupported("--predict-writes needs --dirty-backend bitmap"));
+        }
+        Ok(Pipeline {
+            freeze: Box::new(freeze::PauseAndSave::new(pages, output, journal)),
+            predict: Prediction::new(switches.predict_writes, pages),
+            leave_none: LeaveNone::new(pages),
             capture: capture::new(switches.capture),
             encoder: encode::new(switches.encoding),
             frame: Vec::new(),
             limit: crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus),
+        })
+    }
+
+    /// Dirty tracking restarts for a new backup: forget what was left
+    /// writable and what the old backup holds.
+    pub fn restart(&mut self) {
+        if let Some(p) = &mut self.predict {
+            p.reset();
         }
     }
 
@@ -79,11 +103,16 @@ impl Pipeline {
     /// whatever the capture does before the guest runs again). Returns the
     /// figures and the frame to send.
     pub fn take(&mut self, vm: &Vm, epoch: u64) -> Result<(Taken, &[u8]), ReplicationError> {
-        let frozen = self.freeze.freeze(vm, epoch)?;
+        let leave: &mut dyn LeaveWritable = match &mut self.predict {
+            Some(p) => p,
+            None => &mut self.leave_none,
+        };
+        let frozen = self.freeze.freeze(vm, epoch, leave)?;
         let captured = self.capture.in_pause(vm, &frozen.dirty);
         let thawed = frozen.thaw();
         captured?;
         let pages = self.capture.finish(vm)?;
+        let predicted = self.predict.as_mut().map(|p| p.filter(pages)).unwrap_or_default();
         encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
         let bytes = protocol::payload_len(&self.frame);
         if bytes > self.limit {
@@ -97,6 +126,7 @@ impl Pipeline {
             disk_writes: thawed.state.disk.len() as u64,
             disk_bytes: thawed.state.disk.iter().map(|w| w.data.len() as u64).sum(),
             early: false,
+            predict: predicted,
         };
         Ok((taken, &self.frame))
     }

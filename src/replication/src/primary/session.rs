@@ -138,6 +138,8 @@ impl Session {
         let heartbeats = Heartbeats::start(path, timing, pulse, watch).map_err(ReplicationError::Thread)?;
         tracing::info!(backup = %cx.config.backup, "bringing the backup up to date (pre-copy)");
         let t0 = Instant::now();
+        // Pre-copy restarts dirty tracking.
+        pipeline.restart();
         let sent = precopy::run(link.as_mut(), cx.vm, cx.journal, cx.trigger, cx.config.disk.as_deref(), cx.stop)
             .map_err(|e| sync_failed(link.as_mut(), &shared, e))?;
         // The stop-and-copy: the first checkpoint, which also starts output commit.
@@ -285,6 +287,10 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         disk_writes: taken.disk_writes,
         disk_bytes: taken.disk_bytes,
         early: taken.early,
+        predicted: taken.predict.predicted,
+        predicted_written: taken.predict.predicted_written,
+        fake_dirty: taken.predict.fake_dirty,
+        first_writes: taken.predict.first_writes,
         bytes: bytes as u64,
         transfer_us: transfer.as_micros() as u64,
         ..EpochMetrics::default()
