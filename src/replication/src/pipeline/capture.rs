@@ -56,6 +56,17 @@ impl Captured {
         }
     }
 
+    /// Copies of the given pages (ascending), for tests of later stages.
+    #[cfg(test)]
+    pub(crate) fn from_pages(pages: &[(u64, &[u8])]) -> Captured {
+        Captured {
+            numbers: pages.iter().map(|(p, _)| *p).collect(),
+            data: pages.iter().flat_map(|(_, d)| d.iter().copied()).collect(),
+            dropped: vec![false; pages.len()],
+            kept: pages.len(),
+        }
+    }
+
     /// Replace the contents with copies of `pages` read from `vm` now.
     fn copy_from(&mut self, vm: &Vm, pages: &PageBitmap) -> Result<(), ReplicationError> {
         self.numbers.clear();

@@ -173,3 +173,60 @@ impl LeaveWritable for Prediction {
         &self.now
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ftvm_vmm::memory::PAGE;
+
+    fn set(pages: &[u64]) -> PageBitmap {
+        let mut b = PageBitmap::new(256);
+        pages.iter().for_each(|&p| b.set(p));
+        b
+    }
+
+    #[test]
+    fn pages_left_writable_are_sent_only_when_changed() {
+        let mut p = Prediction::new(Mode::Adaptive, 256).unwrap();
+        let page = |v: u8| vec![v; PAGE];
+        let (a, b, b2, c, d) = (page(1), page(2), page(9), page(3), page(4));
+
+        // Epoch 1: three first writes, all left writable (nothing known yet).
+        assert_eq!(p.choose(&set(&[1, 2, 3])).pages().collect::<Vec<_>>(), vec![1, 2, 3]);
+        let mut pages = Captured::from_pages(&[(1, &a), (2, &b), (3, &c)]);
+        let f = p.filter(&mut pages);
+        assert_eq!(f, Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3 });
+        assert_eq!(pages.len(), 3);
+
+        // Epoch 2: 1..3 reported again though only 2 changed; 4 is new.
+        p.choose(&set(&[1, 2, 3, 4]));
+        let mut pages = Captured::from_pages(&[(1, &a), (2, &b2), (3, &c), (4, &d)]);
+        let f = p.filter(&mut pages);
+        assert_eq!(f, Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1 });
+        assert_eq!(pages.iter().map(|(n, data)| (n, data[0])).collect::<Vec<_>>(), vec![(2, 9), (4, 4)]);
+
+        // A new backup holds nothing this side knows of: everything is sent.
+        p.reset();
+        p.choose(&set(&[1, 2]));
+        let mut pages = Captured::from_pages(&[(1, &a), (2, &b2)]);
+        assert_eq!(p.filter(&mut pages).fake_dirty, 0);
+        assert_eq!(pages.len(), 2);
+    }
+
+    #[test]
+    fn only_harvested_pages_are_left_writable() {
+        let mut p = Prediction::new(Mode::Histase, 256).unwrap();
+        // Sweeps of pages 0..64 teach Histase long strides in region 0.
+        let sweep: Vec<u64> = (0..64).collect();
+        for e in 0..6u8 {
+            p.choose(&set(&sweep));
+            let data: Vec<Vec<u8>> = sweep.iter().map(|_| vec![e; PAGE]).collect();
+            let pages: Vec<(u64, &[u8])> = sweep.iter().zip(&data).map(|(&n, d)| (n, d.as_slice())).collect();
+            p.filter(&mut Captured::from_pages(&pages));
+        }
+        // Its window around the sweep reaches far beyond page 70, but only
+        // what is writable now can be left writable.
+        assert_eq!(p.choose(&set(&[3, 70])).pages().collect::<Vec<_>>(), vec![3, 70]);
+        assert!(Prediction::new(Mode::Off, 256).is_none());
+    }
+}
