@@ -21,8 +21,17 @@ pub struct Switch {
 }
 
 /// Every switch the ablation measures: one line per switch.
-pub const SWITCHES: &[Switch] =
-    &[Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] }];
+pub const SWITCHES: &[Switch] = &[
+    Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] },
+    Switch {
+        name: "predict-writes",
+        values: &[
+            ("off", &["--predict-writes", "off"]),
+            ("histase", &["--predict-writes", "histase"]),
+            ("adaptive", &["--predict-writes", "adaptive"]),
+        ],
+    },
+];
 
 /// The epoch length measured unless `--epochs` says otherwise.
 pub const DEFAULT_EPOCH_MS: u64 = 20;
@@ -70,11 +79,14 @@ fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'stati
 }
 
 /// Every (switch, value, arguments) to measure, in table order.
-fn settings() -> impl Iterator<Item = (String, &'static [&'static str])> {
+pub fn settings() -> impl Iterator<Item = (String, &'static [&'static str])> {
     SWITCHES.iter().flat_map(|s| s.values.iter().map(move |(value, args)| (format!("{}={value}", s.name), *args)))
 }
 
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
+    if opts.matrix {
+        return super::matrix::run(opts, out);
+    }
     let epochs = opts.epochs.clone().unwrap_or(vec![DEFAULT_EPOCH_MS]);
     let scratch = Scratch::new("bench-ablation")?;
     let scratch = scratch.path();

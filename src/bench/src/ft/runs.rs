@@ -33,6 +33,14 @@ pub struct EpochMeans {
     pub bytes: f64,
     /// How long output was held for its checkpoint.
     pub hold_us: f64,
+    /// 99th percentile of the pause.
+    pub pause_p99_us: f64,
+    /// Write prediction (`--predict-writes`): pages left writable, tracked
+    /// first writes (dirty pages not left writable), predicted pages not
+    /// sent because unchanged.
+    pub predicted: f64,
+    pub first_writes: f64,
+    pub fake_dirty: f64,
 }
 
 fn ftvm_bin() -> PathBuf {
@@ -56,7 +64,21 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
             v.iter().sum::<f64>() / v.len() as f64
         }
     };
-    EpochMeans { pause_us: mean("pause_us"), dirty_pages: mean("dirty_pages"), bytes: mean("bytes"), hold_us: mean("hold_us") }
+    let p99 = |f: &str| {
+        let mut v: Vec<f64> = lines.iter().filter_map(|l| l[f].as_f64()).collect();
+        v.sort_by(f64::total_cmp);
+        v.get(((v.len() as f64 - 1.0) * 0.99).round().max(0.0) as usize).copied().unwrap_or(0.0)
+    };
+    EpochMeans {
+        pause_us: mean("pause_us"),
+        dirty_pages: mean("dirty_pages"),
+        bytes: mean("bytes"),
+        hold_us: mean("hold_us"),
+        pause_p99_us: p99("pause_us"),
+        predicted: mean("predicted"),
+        first_writes: mean("first_writes"),
+        fake_dirty: mean("fake_dirty"),
+    }
 }
 
 fn memtouch_rate(out: &str) -> Option<f64> {
@@ -69,12 +91,17 @@ fn memtouch_rate(out: &str) -> Option<f64> {
 /// memtouch with `cmdline`, alone or as a primary replicating to a backup
 /// on loopback: its writes/s, and the epoch figures when replicated.
 pub fn memtouch(cmdline: &str, ft: Option<Replicated>, dir: &Path) -> Result<(f64, Option<EpochMeans>), BoxError> {
+    memtouch_on(1, cmdline, ft, dir)
+}
+
+/// `memtouch` on a VM of `vcpus` vCPUs (memtouch writes from all of them).
+pub fn memtouch_on(vcpus: u32, cmdline: &str, ft: Option<Replicated>, dir: &Path) -> Result<(f64, Option<EpochMeans>), BoxError> {
     let image = paths::images().join("memtouch.elf");
     let metrics = dir.join("memtouch.jsonl");
     let _ = std::fs::remove_file(&metrics);
     let mut _backup = None;
     let mut cmd = Command::new(ftvm_bin());
-    cmd.args(["run", "--memory", "512", "--cmdline", cmdline]).arg("--image").arg(&image);
+    cmd.args(["run", "--memory", "512", "--vcpus", &vcpus.to_string(), "--cmdline", cmdline]).arg("--image").arg(&image);
     if let Some(ft) = ft {
         let addr = format!("127.0.0.1:{}", free_port());
         let mut b = Command::new(ftvm_bin());

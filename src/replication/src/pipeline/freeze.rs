@@ -81,8 +81,19 @@ impl Freeze for PauseAndSave {
         vm.pause();
         let pause = Paused { vm, since: Instant::now(), resumed: false };
         let mut dirty = PageBitmap::new(self.ram_pages);
+        let t0 = Instant::now();
         vm.harvest_dirty(&mut dirty)?;
-        vm.rearm_dirty(leave.choose(&dirty))?;
+        let t1 = Instant::now();
+        let keep = leave.choose(&dirty);
+        let t2 = Instant::now();
+        vm.rearm_dirty(keep)?;
+        tracing::debug!(
+            stop_us = (t0 - pause.since).as_micros() as u64,
+            harvest_us = (t1 - t0).as_micros() as u64,
+            choose_us = (t2 - t1).as_micros() as u64,
+            rearm_us = t2.elapsed().as_micros() as u64,
+            "freeze"
+        );
         let state = CheckpointState { vm: vm.save()?, disk: self.journal.take() };
         // Inside the pause: frames the guest sends after resuming belong to
         // the next epoch. The first checkpoint starts holding output.

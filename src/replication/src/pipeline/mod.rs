@@ -108,7 +108,9 @@ impl Pipeline {
             None => &mut self.leave_none,
         };
         let frozen = self.freeze.freeze(vm, epoch, leave)?;
+        let t0 = std::time::Instant::now();
         let captured = self.capture.in_pause(vm, &frozen.dirty);
+        tracing::debug!(copy_us = t0.elapsed().as_micros() as u64, pages = frozen.dirty.count(), "capture");
         let thawed = frozen.thaw();
         captured?;
         let pages = self.capture.finish(vm)?;

@@ -76,7 +76,7 @@ impl Predictor for Histase {
         }
     }
 
-    fn observe(&mut self, written: &PageBitmap) {
+    fn observe(&mut self, _left: &PageBitmap, written: &PageBitmap) {
         self.recent.copy_from(written);
         let words_per_region = (REGION / 64) as usize;
         for (his, words) in self.his.iter_mut().zip(written.words().chunks(words_per_region)) {
@@ -104,7 +104,7 @@ mod tests {
         let mut sweep = PageBitmap::new(pages);
         sweep.set_range(0, 511);
         for _ in 0..5 {
-            h.observe(&sweep);
+            h.observe(&PageBitmap::new(pages), &sweep);
         }
         assert!(h.his[0] > 400.0 && h.his[1] == 0.0, "{:?}", &h.his[..2]);
         // One new fault at 100 predicts the whole region after it.
@@ -118,7 +118,7 @@ mod tests {
         assert!(!keep.is_set(512), "windows stay inside their region");
         assert!(keep.is_set(600) && !keep.is_set(601), "no history in region 1: the page itself");
         for _ in 0..20 {
-            h.observe(&PageBitmap::new(pages));
+            h.observe(&PageBitmap::new(pages), &PageBitmap::new(pages));
         }
         assert!(h.his[0] < 1.0, "an idle region forgets: {}", h.his[0]);
     }

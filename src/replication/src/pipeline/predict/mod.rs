@@ -31,7 +31,7 @@ switch! {
         Off = "off",
         /// HBFT's Histase: stride and history per 512-page region.
         Histase = "histase",
-        /// A page's region rewrites enough of its pages from one epoch to the next (or the page was written twice running).
+        /// Pages written in the last 8 epochs, in regions where enough of the pages kept are written.
         Adaptive = "adaptive",
     }
 }
@@ -44,10 +44,11 @@ pub trait Predictor: Send {
     /// ended. Add the pages to leave writable to `keep` (it is cut down to
     /// `harvested` afterwards).
     fn choose(&mut self, harvested: &PageBitmap, new_faults: &PageBitmap, keep: &mut PageBitmap);
-    /// The pages found really written in the epoch that ended at the last
-    /// freeze (known once its checkpoint is filtered, after `choose` for the
-    /// next freeze may already have run).
-    fn observe(&mut self, written: &PageBitmap);
+    /// The pages left writable through the epoch that ended at the last
+    /// freeze, and the pages found really written in it (known once its
+    /// checkpoint is filtered, after `choose` for the next freeze may
+    /// already have run).
+    fn observe(&mut self, left: &PageBitmap, written: &PageBitmap);
 }
 
 /// What the freeze asks about re-protection.
@@ -156,7 +157,7 @@ impl Prediction {
             }
             send
         });
-        self.predictor.observe(&self.written);
+        self.predictor.observe(&self.before, &self.written);
         figures
     }
 }
