@@ -231,7 +231,13 @@ fn reads_after_rearm(opts: &Options, rearm: bool, rows: &mut Vec<Row>) -> Result
     };
     let group = if rearm { format!("after re-arming {} pages", dirty.count()) } else { "without re-arming (control)".into() };
     for (key, case) in [("read_ns", "first read of a page"), ("read_again_ns", "second read"), ("write_ns", "first write")] {
-        rows.push(Row { group: group.clone(), case: case.into(), value: figure(key)? / PAGES as f64 / 1e3, unit: "us/page", reference: None });
+        rows.push(Row {
+            group: group.clone(),
+            case: case.into(),
+            value: figure(key)? / PAGES as f64 / 1e3,
+            unit: "us/page",
+            reference: None,
+        });
     }
     Ok(())
 }
