@@ -4,7 +4,6 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
@@ -32,15 +31,13 @@ fn primary(addr: &str, vcpus: u32, cmdline: &str, metrics: &Path, switches: &[&s
     Process::spawn("ftvm run", &mut cmd).unwrap()
 }
 
-/// Wait until the primary's guest reports progress (it runs protected by then).
-fn wait_for_progress(p: &mut Process) -> std::io::Lines<BufReader<std::process::ChildStdout>> {
-    let mut lines = BufReader::new(p.child_mut().stdout.take().unwrap()).lines();
-    for line in lines.by_ref() {
-        if line.unwrap().contains("t=") {
-            break;
-        }
+/// Wait until the backup acknowledged `epochs` checkpoints (the primary
+/// records an epoch's metrics on its acknowledgement): the VM is protected.
+fn wait_for_acks(p: &mut Process, metrics: &Path, epochs: usize) {
+    let acked = |_: &Process| std::fs::read_to_string(metrics).is_ok_and(|t| t.lines().count() >= epochs);
+    if let Err(e) = p.wait_until(Duration::from_secs(60), acked) {
+        panic!("never protected ({e}):\n{}", p.output());
     }
-    lines
 }
 
 fn checksum_of(out: &Output) -> Option<String> {
@@ -54,13 +51,13 @@ fn totals(metrics: &Path, fields: &[&str]) -> Vec<u64> {
     fields.iter().map(|f| epochs.iter().map(|e| e[f].as_u64().unwrap_or_else(|| panic!("no {f} in {e}"))).sum()).collect()
 }
 
-/// Kill the primary `after` its guest got going; the backup takes over and
+/// Kill the primary `after` it was protected; the backup takes over and
 /// finishes the guest's writes. Returns the backup's output.
 fn fail_over(vcpus: u32, cmdline: &str, after: Duration, switches: &[&str], metrics: &Path) -> Output {
     let addr = free_addr();
     let b = backup(&addr);
     let mut p = primary(&addr, vcpus, cmdline, metrics, switches);
-    let _lines = wait_for_progress(&mut p);
+    wait_for_acks(&mut p, metrics, 3);
     std::thread::sleep(after);
     p.kill();
     let out = b.wait_with_output_within(Duration::from_secs(120)).unwrap();
@@ -72,14 +69,14 @@ fn fail_over(vcpus: u32, cmdline: &str, after: Duration, switches: &[&str], metr
 /// Hot and cold pages at a modest rate: some pages left writable are
 /// written again in the next epoch and some are not, so the filter both
 /// sends and drops pages.
-const MIXED: &str = "ws=16M pattern=hotcold hot=0.1 hotprob=0.9 rate=40000 writes=80000 report=100ms";
+const MIXED: &str = "ws=16M pattern=hotcold hot=0.1 hotprob=0.9 rate=40000 writes=120000 report=100ms";
 
 #[test]
 fn memory_survives_failover_with_write_prediction() {
     let dir = Scratch::new("predict-failover").unwrap().keep_on_panic();
     for (mode, vcpus) in [("histase", 1), ("histase", 2), ("adaptive", 1), ("adaptive", 2)] {
         let metrics = dir.path().join(format!("{mode}-{vcpus}.jsonl"));
-        let out = fail_over(vcpus, MIXED, Duration::from_millis(700), &["--predict-writes", mode], &metrics);
+        let out = fail_over(vcpus, MIXED, Duration::from_millis(300), &["--predict-writes", mode], &metrics);
         assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(MIXED, vcpus)), "{mode}, {vcpus} vCPUs");
         // The run exercised both outcomes of the filter.
         let [predicted, written, fake] = totals(&metrics, &["predicted", "predicted_written", "fake_dirty"])[..] else { unreachable!() };
@@ -98,7 +95,7 @@ fn memory_survives_failover_when_every_page_is_rewritten() {
     let work = "ws=4M pattern=seq writes=1500000000 report=100ms";
     for vcpus in [1, 2] {
         let metrics = dir.path().join(format!("{vcpus}.jsonl"));
-        let out = fail_over(vcpus, work, Duration::from_millis(300), &["--predict-writes", "adaptive"], &metrics);
+        let out = fail_over(vcpus, work, Duration::from_millis(100), &["--predict-writes", "adaptive"], &metrics);
         assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(work, vcpus)), "{vcpus} vCPUs");
         let [predicted, written, faults] = totals(&metrics, &["predicted", "predicted_written", "first_writes"])[..] else {
             unreachable!()
