@@ -11,8 +11,9 @@ command -v cargo >/dev/null || { echo "setup: cargo not found: install Rust (rus
 
 # The network tests drive real clients (redis-cli, ping) against guests in
 # network namespaces; redis-server is there for native baselines; etcd is
-# the replication arbiter (tests and the demo start their own instances).
-apt_packages=(redis-tools redis-server iproute2 iputils-ping tcpdump etcd-server etcd-client)
+# the replication arbiter (tests and the demo start their own instances);
+# libclang-dev is for the userfaultfd crate's bindings (bindgen).
+apt_packages=(redis-tools redis-server iproute2 iputils-ping tcpdump etcd-server etcd-client libclang-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
     # Not `dpkg -s` alone: it succeeds for removed packages that left config files.

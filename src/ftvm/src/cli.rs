@@ -147,8 +147,11 @@ pub struct RunArgs {
     /// Give up reaching the backup at start after this long.
     #[arg(long, value_name = "MS", default_value_t = 5000)]
     pub connect_timeout_ms: u64,
-    /// Checkpoint capture stage. pause: copy the dirty pages while the VM is paused.
-    #[arg(long, default_value = "pause", value_name = "pause")]
+    /// Checkpoint capture stage. pause: copy the dirty pages while the VM is
+    /// paused. cow: resume at once and copy each dirty page before it is
+    /// written again (userfaultfd write protection; with --predict-writes the
+    /// pages left writable are copied in the pause).
+    #[arg(long, default_value = "pause", value_name = "pause|cow")]
     pub capture: capture::Mode,
     /// Checkpoint page encoding. raw: whole pages, zero pages as a bare tag.
     #[arg(long, default_value = "raw", value_name = "raw")]

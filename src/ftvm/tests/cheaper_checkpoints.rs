@@ -1,6 +1,7 @@
-//! The switches that make checkpoints cheaper (`--predict-writes`), end to
-//! end on loopback: the backup's memory after a failover is exactly what
-//! the guest wrote, with each switch value, on 1 and 2 vCPUs.
+//! The switches that make checkpoints cheaper (`--predict-writes`,
+//! `--capture cow`), end to end on loopback: the backup's memory after a
+//! failover is exactly what the guest wrote, with each switch and with all
+//! of them, on 1 and 2 vCPUs.
 
 mod common;
 
@@ -71,40 +72,60 @@ fn fail_over(vcpus: u32, cmdline: &str, after: Duration, switches: &[&str], metr
 /// sends and drops pages.
 const MIXED: &str = "ws=16M pattern=hotcold hot=0.1 hotprob=0.9 rate=40000 writes=120000 report=100ms";
 
+/// Every switch value alone, and all together.
+const SWITCHES: [&[&str]; 4] = [
+    &["--predict-writes", "histase"],
+    &["--predict-writes", "adaptive"],
+    &["--capture", "cow"],
+    &["--capture", "cow", "--predict-writes", "adaptive"],
+];
+
 #[test]
-fn memory_survives_failover_with_write_prediction() {
-    let dir = Scratch::new("predict-failover").unwrap().keep_on_panic();
-    for (mode, vcpus) in [("histase", 1), ("histase", 2), ("adaptive", 1), ("adaptive", 2)] {
-        let metrics = dir.path().join(format!("{mode}-{vcpus}.jsonl"));
-        let out = fail_over(vcpus, MIXED, Duration::from_millis(300), &["--predict-writes", mode], &metrics);
-        assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(MIXED, vcpus)), "{mode}, {vcpus} vCPUs");
-        // The run exercised both outcomes of the filter.
-        let [predicted, written, fake] = totals(&metrics, &["predicted", "predicted_written", "fake_dirty"])[..] else { unreachable!() };
-        assert!(
-            written > 0 && fake > 0 && written + fake <= predicted,
-            "{mode}, {vcpus} vCPUs: {predicted} predicted, {written} written, {fake} fake"
-        );
+fn memory_survives_failover_with_each_switch() {
+    let dir = Scratch::new("cheaper-failover").unwrap().keep_on_panic();
+    for (n, switches) in SWITCHES.iter().enumerate() {
+        for vcpus in [1, 2] {
+            let metrics = dir.path().join(format!("{n}-{vcpus}.jsonl"));
+            let out = fail_over(vcpus, MIXED, Duration::from_millis(300), switches, &metrics);
+            assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(MIXED, vcpus)), "{switches:?}, {vcpus} vCPUs");
+            if switches.contains(&"--predict-writes") {
+                // The run exercised both outcomes of the filter.
+                let [predicted, written, fake] = totals(&metrics, &["predicted", "predicted_written", "fake_dirty"])[..] else {
+                    unreachable!()
+                };
+                assert!(
+                    written > 0 && fake > 0 && written + fake <= predicted,
+                    "{switches:?}, {vcpus} vCPUs: {predicted} predicted, {written} written, {fake} fake"
+                );
+            }
+        }
     }
 }
 
 /// The guest rewrites its whole working set continuously, right after
-/// every resume: every page left writable is written again.
+/// every resume: every page left writable is written again, and with
+/// copy-on-write every protected page is written before the copier gets
+/// to most of them (the worst case).
 #[test]
 fn memory_survives_failover_when_every_page_is_rewritten() {
-    let dir = Scratch::new("predict-rewrite").unwrap().keep_on_panic();
-    let work = "ws=4M pattern=seq writes=1500000000 report=100ms";
-    for vcpus in [1, 2] {
-        let metrics = dir.path().join(format!("{vcpus}.jsonl"));
-        let out = fail_over(vcpus, work, Duration::from_millis(100), &["--predict-writes", "adaptive"], &metrics);
-        assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(work, vcpus)), "{vcpus} vCPUs");
-        let [predicted, written, faults] = totals(&metrics, &["predicted", "predicted_written", "first_writes"])[..] else {
-            unreachable!()
-        };
-        assert!(
-            written > faults,
-            "{vcpus} vCPUs: most rewrites need no tracked first write: {written} predicted and written, {faults} not predicted"
-        );
-        assert!(written <= predicted);
+    let dir = Scratch::new("cheaper-rewrite").unwrap().keep_on_panic();
+    let work = "ws=4M pattern=seq writes=600000000 report=100ms";
+    for (n, switches) in SWITCHES[1..].iter().enumerate() {
+        for vcpus in [1, 2] {
+            let metrics = dir.path().join(format!("{n}-{vcpus}.jsonl"));
+            let out = fail_over(vcpus, work, Duration::from_millis(100), switches, &metrics);
+            assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(work, vcpus)), "{switches:?}, {vcpus} vCPUs");
+            if switches.contains(&"--predict-writes") {
+                let [predicted, written, faults] = totals(&metrics, &["predicted", "predicted_written", "first_writes"])[..] else {
+                    unreachable!()
+                };
+                assert!(
+                    written > faults,
+                    "{switches:?}, {vcpus} vCPUs: most rewrites need no tracked first write: {written} predicted and written, {faults} not predicted"
+                );
+                assert!(written <= predicted);
+            }
+        }
     }
 }
 

@@ -20,7 +20,7 @@ pub fn long_help() -> String {
         "Run memtouch (unthrottled writes, one qword a write, from every vCPU) for each working set (--pages), pattern \
          (--patterns: seq writes each page in turn, random any page, hotcold 90% of writes into 10% of the pages), vCPU \
          count (--vcpus) and epoch length (--epochs, default {EPOCHS_MS:?} ms): once unreplicated, then replicated once per \
-         value of each switch (--switches, default all of {}). Prints per case: writes/s against the unreplicated run \
+         value of each switch (--switches, default all of {}) and per combination of them in the COMBINATIONS table. Prints per case: writes/s against the unreplicated run \
          (ratio), pause mean and p99, dirty pages, tracked first writes (dirty pages not left writable), pages left \
          writable and fake-dirty pages filtered per epoch; writes ablation-matrix.csv and .svg (the ratios). Each run \
          lasts --seconds.",
@@ -30,7 +30,10 @@ pub fn long_help() -> String {
 
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let epochs = opts.epochs.clone().unwrap_or(EPOCHS_MS.to_vec());
-    let wanted = |setting: &str| opts.switches.as_ref().is_none_or(|only| only.iter().any(|s| setting.starts_with(&format!("{s}="))));
+    // A combination counts as each switch it sets.
+    let wanted = |setting: &str| {
+        opts.switches.as_ref().is_none_or(|only| only.iter().any(|s| setting.split(' ').any(|part| part.starts_with(&format!("{s}=")))))
+    };
     let settings: Vec<_> = settings().filter(|(s, _)| wanted(s)).collect();
     if settings.is_empty() {
         return Err(

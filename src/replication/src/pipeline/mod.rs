@@ -84,7 +84,7 @@ impl Pipeline {
             freeze: Box::new(freeze::PauseAndSave::new(pages, output, journal)),
             predict: Prediction::new(switches.predict_writes, pages),
             leave_none: LeaveNone::new(pages),
-            capture: capture::new(switches.capture),
+            capture: capture::new(switches.capture, vm)?,
             encoder: encode::new(switches.encoding),
             frame: Vec::new(),
             limit: crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus),
@@ -109,7 +109,11 @@ impl Pipeline {
         };
         let frozen = self.freeze.freeze(vm, epoch, leave)?;
         let t0 = std::time::Instant::now();
-        let captured = self.capture.in_pause(vm, &frozen.dirty);
+        let hot = match &self.predict {
+            Some(p) => p.left_writable(),
+            None => self.leave_none.choose(&frozen.dirty),
+        };
+        let captured = self.capture.in_pause(vm, &frozen.dirty, hot);
         tracing::debug!(copy_us = t0.elapsed().as_micros() as u64, pages = frozen.dirty.count(), "capture");
         let thawed = frozen.thaw();
         captured?;

@@ -127,6 +127,11 @@ impl Prediction {
         self.filter.reset();
     }
 
+    /// The pages left writable at the last freeze.
+    pub fn left_writable(&self) -> &PageBitmap {
+        &self.now
+    }
+
     /// Drop from `pages` (the capture of the last freeze) the predicted
     /// pages the backup already holds, follow the content of the pages left
     /// writable, and teach the predictor what was really written.

@@ -1,5 +1,7 @@
 //! Capture: the dirty pages as they were at the freeze.
 
+mod cow;
+
 use ftvm_vmm::memory::PAGE;
 use ftvm_vmm::{PageBitmap, Vm};
 
@@ -11,13 +13,16 @@ switch! {
     pub enum Mode {
         /// Copy every dirty page while the VM is paused.
         Pause = "pause",
+        /// Resume at once; copy each dirty page before the guest writes it again (userfaultfd write protection).
+        Cow = "cow",
     }
 }
 
-pub fn new(mode: Mode) -> Box<dyn Capture> {
-    match mode {
+pub fn new(mode: Mode, vm: &Vm) -> Result<Box<dyn Capture>, ReplicationError> {
+    Ok(match mode {
         Mode::Pause => Box::<CopyInPause>::default(),
-    }
+        Mode::Cow => Box::new(cow::CopyOnWrite::new(vm)?),
+    })
 }
 
 /// Copies of pages, in ascending page order, some of them perhaps dropped
@@ -67,8 +72,8 @@ impl Captured {
         }
     }
 
-    /// Replace the contents with copies of `pages` read from `vm` now.
-    fn copy_from(&mut self, vm: &Vm, pages: &PageBitmap) -> Result<(), ReplicationError> {
+    /// Make room for copies of `pages` (contents unspecified until filled).
+    fn prepare(&mut self, pages: &PageBitmap) {
         self.numbers.clear();
         self.numbers.extend(pages.pages());
         self.dropped.clear();
@@ -79,6 +84,21 @@ impl Captured {
         if self.data.len() < len {
             self.data.resize(len, 0);
         }
+    }
+
+    fn numbers(&self) -> &[u64] {
+        &self.numbers
+    }
+
+    /// Where slot `i` (page `numbers()[i]`) starts, for threads filling the
+    /// slots concurrently.
+    fn slots_mut(&mut self) -> *mut u8 {
+        self.data.as_mut_ptr()
+    }
+
+    /// Replace the contents with copies of `pages` read from `vm` now.
+    fn copy_from(&mut self, vm: &Vm, pages: &PageBitmap) -> Result<(), ReplicationError> {
+        self.prepare(pages);
         for (&p, buf) in self.numbers.iter().zip(self.data.chunks_exact_mut(PAGE)) {
             vm.ram().read_page(p, buf).map_err(ftvm_vmm::VmError::from)?;
         }
@@ -87,8 +107,10 @@ impl Captured {
 }
 
 pub trait Capture: Send {
-    /// The VM is paused and `dirty` is the checkpoint's dirty set.
-    fn in_pause(&mut self, vm: &Vm, dirty: &PageBitmap) -> Result<(), ReplicationError>;
+    /// The VM is paused and `dirty` is the checkpoint's dirty set; `hot`
+    /// are those of its pages left writable (the guest is likely to write
+    /// them again at once).
+    fn in_pause(&mut self, vm: &Vm, dirty: &PageBitmap, hot: &PageBitmap) -> Result<(), ReplicationError>;
     /// The VM runs again; hand over the pages as they were at the freeze.
     fn finish(&mut self, vm: &Vm) -> Result<&mut Captured, ReplicationError>;
 }
@@ -100,7 +122,7 @@ pub struct CopyInPause {
 }
 
 impl Capture for CopyInPause {
-    fn in_pause(&mut self, vm: &Vm, dirty: &PageBitmap) -> Result<(), ReplicationError> {
+    fn in_pause(&mut self, vm: &Vm, dirty: &PageBitmap, _hot: &PageBitmap) -> Result<(), ReplicationError> {
         self.pages.copy_from(vm, dirty)
     }
 
