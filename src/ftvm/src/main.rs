@@ -189,7 +189,7 @@ fn print_status(r: &api::Response) {
                 "last epoch {}: pause {} us, {} dirty pages, {} bytes, transfer {} us, ack after {} us, {} frames released (held up to {} us)",
                 m.epoch, m.pause_us, m.dirty_pages, m.bytes, m.transfer_us, m.ack_us, m.frames_released, m.hold_us
             );
-            if m.predicted > 0 || m.first_writes > 0 {
+            if m.predicted > 0 {
                 outln!(
                     "write prediction: {} pages left writable, {} of them written, {} unchanged (not sent), {} tracked first writes",
                     m.predicted,

@@ -22,8 +22,9 @@ pub struct EpochMetrics {
     /// Taken before its epoch ended because a bound was reached (the disk
     /// journal's early mark).
     pub early: bool,
-    /// Write-fault prediction (`--predict-writes`; zero without it): pages
-    /// left writable through the epoch,
+    /// Write-fault prediction (`--predict-writes`; without it, only
+    /// `first_writes`, equal to the dirty pages): pages left writable
+    /// through the epoch,
     #[serde(default)]
     pub predicted: u64,
     /// of those, pages whose content changed (sent),

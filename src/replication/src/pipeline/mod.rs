@@ -118,7 +118,11 @@ impl Pipeline {
         let thawed = frozen.thaw();
         captured?;
         let pages = self.capture.finish(vm)?;
-        let predicted = self.predict.as_mut().map(|p| p.filter(pages)).unwrap_or_default();
+        let predicted = match &mut self.predict {
+            Some(p) => p.filter(pages),
+            // Nothing left writable: every dirty page took a first write.
+            None => predict::Figures { first_writes: pages.len() as u64, ..predict::Figures::default() },
+        };
         encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
         let bytes = protocol::payload_len(&self.frame);
         if bytes > self.limit {

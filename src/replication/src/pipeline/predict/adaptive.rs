@@ -65,9 +65,8 @@ impl Predictor for Adaptive {
         let mut out = vec![0u64; keep.words().len()];
         for (r, precision) in self.precision.iter().enumerate() {
             if *precision >= THRESHOLD {
-                for i in region_words(r, out.len()) {
-                    out[i] = self.candidates.words()[i];
-                }
+                let words = region_words(r, out.len());
+                out[words.clone()].copy_from_slice(&self.candidates.words()[words]);
             }
         }
         keep.or_words(&out);
