@@ -8,7 +8,7 @@ use clap::error::ErrorKind;
 use clap::parser::ValueSource;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use ftvm_replication::pipeline::{capture, encode, transport, trigger};
+use ftvm_replication::pipeline::{capture, encode, predict, transport, trigger};
 use ftvm_replication::{OnBackupLoss, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::devices::virtio::net::NetConfig;
 use ftvm_vmm::DirtyBackend;
@@ -167,8 +167,11 @@ pub struct RunArgs {
     /// Give up reaching the backup at start after this long.
     #[arg(long, value_name = "MS", default_value_t = 5000)]
     pub connect_timeout_ms: u64,
-    /// Checkpoint capture stage. pause: copy the dirty pages while the VM is paused.
-    #[arg(long, default_value = "pause", value_name = "pause")]
+    /// Checkpoint capture stage. pause: copy the dirty pages while the VM is
+    /// paused. cow: resume at once and copy each dirty page before it is
+    /// written again (userfaultfd write protection; with --predict-writes the
+    /// pages left writable are copied in the pause).
+    #[arg(long, default_value = "pause", value_name = "pause|cow")]
     pub capture: capture::Mode,
     /// Checkpoint page encoding. raw: whole pages, zero pages as a bare tag.
     #[arg(long, default_value = "raw", value_name = "raw")]
@@ -191,6 +194,13 @@ pub struct RunArgs {
     /// checkpoint may be taken while this many are in flight.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_PIPELINE_DEPTH, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub pipeline_depth: u64,
+    /// Write-fault prediction: leave pages likely to be written again
+    /// writable at each checkpoint (no tracked first write for them); pages
+    /// left writable but unchanged are not sent. off, histase (HBFT's
+    /// stride and history predictor) or adaptive (per-region rewrite rate).
+    /// Needs --dirty-backend bitmap.
+    #[arg(long, default_value = "off", value_name = "off|histase|adaptive")]
+    pub predict_writes: predict::Mode,
     #[command(flatten)]
     pub arbiter: ArbiterArgs,
     #[command(flatten)]
@@ -299,7 +309,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 17] = [
+const PRIMARY_ONLY: [&str; 18] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -313,6 +323,7 @@ const PRIMARY_ONLY: [&str; 17] = [
     "mirror",
     "trigger",
     "pipeline_depth",
+    "predict_writes",
     "arbiter",
     "name",
     "secret_file",

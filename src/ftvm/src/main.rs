@@ -85,7 +85,13 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 connect_timeout: Duration::from_millis(args.connect_timeout_ms),
                 metrics: args.metrics,
                 disk: args.host.disk.clone(),
-                switches: Switches { capture: args.capture, encoding: args.encoding, transport: args.transport, trigger: args.trigger },
+                switches: Switches {
+                    capture: args.capture,
+                    encoding: args.encoding,
+                    transport: args.transport,
+                    trigger: args.trigger,
+                    predict_writes: args.predict_writes,
+                },
                 pipeline_depth: args.pipeline_depth as usize,
                 auth,
                 mirror: args.mirror,
@@ -202,6 +208,15 @@ fn print_status(r: &api::Response) {
                 m.frames_released,
                 m.hold_us
             );
+            if m.predicted > 0 {
+                outln!(
+                    "write prediction: {} pages left writable, {} of them written, {} unchanged (not sent), {} tracked first writes",
+                    m.predicted,
+                    m.predicted_written,
+                    m.fake_dirty,
+                    m.first_writes
+                );
+            }
         }
     }
 }

@@ -30,6 +30,21 @@ pub struct EpochMetrics {
     pub epoch_us: u64,
     /// The longest it could have run (`--epoch-ms`, or less when adapted).
     pub max_epoch_us: u64,
+    /// Write-fault prediction (`--predict-writes`; without it, only
+    /// `first_writes`, equal to the dirty pages): pages left writable
+    /// through the epoch,
+    #[serde(default)]
+    pub predicted: u64,
+    /// of those, pages whose content changed (sent),
+    #[serde(default)]
+    pub predicted_written: u64,
+    /// and pages whose content had not (filtered out: not sent);
+    #[serde(default)]
+    pub fake_dirty: u64,
+    /// pages dirtied that were not left writable (each took a tracked
+    /// first-write fault, or was written by the VMM).
+    #[serde(default)]
+    pub first_writes: u64,
     /// Size of the checkpoint on the wire.
     pub bytes: u64,
     /// From resuming the guest until the checkpoint was handed to the socket

@@ -86,7 +86,7 @@ fn checkpoint_with_writes(vm: &Vm, writes: &[(u64, Vec<u8>)]) -> Vec<u8> {
     for (offset, data) in writes {
         journal.written(*offset, data);
     }
-    let mut pipeline = Pipeline::new(&Switches::default(), vm, output, journal);
+    let mut pipeline = Pipeline::new(&Switches::default(), vm, output, journal).unwrap();
     let (taken, frame) = pipeline.take(vm, 5).unwrap();
     assert_eq!((taken.epoch, taken.dirty_pages, taken.disk_writes), (5, 3, writes.len() as u64));
     assert!(protocol::payload_len(frame) <= bounds::checkpoint_limit(MEM, 1));

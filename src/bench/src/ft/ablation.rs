@@ -29,7 +29,20 @@ pub const SWITCHES: &[Switch] = &[
         name: "pipeline-depth",
         values: &[("2", &["--pipeline-depth", "2"]), ("1", &["--pipeline-depth", "1"]), ("4", &["--pipeline-depth", "4"])],
     },
+    Switch { name: "capture", values: &[("pause", &["--capture", "pause"]), ("cow", &["--capture", "cow"])] },
+    Switch {
+        name: "predict-writes",
+        values: &[
+            ("off", &["--predict-writes", "off"]),
+            ("histase", &["--predict-writes", "histase"]),
+            ("adaptive", &["--predict-writes", "adaptive"]),
+        ],
+    },
 ];
+
+/// Switch values measured together too (each is also measured alone above).
+pub const COMBINATIONS: &[(&str, &[&str])] =
+    &[("capture=cow predict-writes=adaptive", &["--capture", "cow", "--predict-writes", "adaptive"])];
 
 /// The epoch length measured unless `--epochs` says otherwise.
 pub const DEFAULT_EPOCH_MS: u64 = 20;
@@ -47,7 +60,8 @@ pub fn long_help() -> String {
         "Measure each optimisation switch on and off instead of sweeping epoch lengths. The same short workloads ({}: \
          random writes into 64 MiB, almost every one a new dirty page; the kv guest under redis-benchmark SET and GET, \
          -P {KV_PIPELINE} -c 50) run replicated with epochs of {DEFAULT_EPOCH_MS} ms (or --epochs) once per value of each \
-         switch of `ftvm run` ({}), the other switches at their defaults, and once on the unreplicated VM in the same run. \
+         switch of `ftvm run` ({}) and for each combination in COMBINATIONS, the other switches at their defaults, and once \
+         on the unreplicated VM in the same run. \
          Prints, per switch value: throughput and latency with the unreplicated figure and their ratio, and the mean pause, \
          dirty pages, bytes and output hold per epoch; writes ablation.csv and ablation.svg (the throughput ratios).",
         MEMTOUCH.0,
@@ -77,11 +91,17 @@ fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'stati
 }
 
 /// Every (switch, value, arguments) to measure, in table order.
-fn settings() -> impl Iterator<Item = (String, &'static [&'static str])> {
-    SWITCHES.iter().flat_map(|s| s.values.iter().map(move |(value, args)| (format!("{}={value}", s.name), *args)))
+pub fn settings() -> impl Iterator<Item = (String, &'static [&'static str])> {
+    SWITCHES
+        .iter()
+        .flat_map(|s| s.values.iter().map(move |(value, args)| (format!("{}={value}", s.name), *args)))
+        .chain(COMBINATIONS.iter().map(|(name, args)| (name.to_string(), *args)))
 }
 
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
+    if opts.matrix {
+        return super::matrix::run(opts, out);
+    }
     let epochs = opts.epochs.clone().unwrap_or(vec![DEFAULT_EPOCH_MS]);
     let scratch = Scratch::new("bench-ablation")?;
     let scratch = scratch.path();
@@ -153,7 +173,7 @@ mod tests {
     #[test]
     fn every_switch_value_is_one_setting_with_its_arguments() {
         let all: Vec<(String, &[&str])> = settings().collect();
-        assert_eq!(all.len(), SWITCHES.iter().map(|s| s.values.len()).sum::<usize>());
+        assert_eq!(all.len(), SWITCHES.iter().map(|s| s.values.len()).sum::<usize>() + COMBINATIONS.len());
         assert_eq!(all[0], ("dirty-backend=bitmap".to_owned(), &["--dirty-backend", "bitmap"][..]));
         assert!(all.iter().any(|(s, a)| s == "dirty-backend=ring" && a == &["--dirty-backend", "ring"]));
         for s in SWITCHES {

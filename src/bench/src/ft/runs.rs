@@ -37,6 +37,14 @@ pub struct EpochMeans {
     pub epoch_us: f64,
     /// Share of the checkpoints that held output started (`idle` or `hold`).
     pub output_share: f64,
+    /// 99th percentile of the pause.
+    pub pause_p99_us: f64,
+    /// Write prediction (`--predict-writes`): pages left writable, tracked
+    /// first writes (dirty pages not left writable), predicted pages not
+    /// sent because unchanged.
+    pub predicted: f64,
+    pub first_writes: f64,
+    pub fake_dirty: f64,
 }
 
 fn ftvm_bin() -> PathBuf {
@@ -61,6 +69,11 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
         }
     };
     let by_output = lines.iter().filter(|l| matches!(l["trigger"].as_str(), Some("idle" | "hold"))).count();
+    let p99 = |f: &str| {
+        let mut v: Vec<f64> = lines.iter().filter_map(|l| l[f].as_f64()).collect();
+        v.sort_by(f64::total_cmp);
+        v.get(((v.len() as f64 - 1.0) * 0.99).round().max(0.0) as usize).copied().unwrap_or(0.0)
+    };
     EpochMeans {
         pause_us: mean("pause_us"),
         dirty_pages: mean("dirty_pages"),
@@ -68,6 +81,10 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
         hold_us: mean("hold_us"),
         epoch_us: mean("epoch_us"),
         output_share: if lines.is_empty() { 0.0 } else { by_output as f64 / lines.len() as f64 },
+        pause_p99_us: p99("pause_us"),
+        predicted: mean("predicted"),
+        first_writes: mean("first_writes"),
+        fake_dirty: mean("fake_dirty"),
     }
 }
 
@@ -81,12 +98,17 @@ fn memtouch_rate(out: &str) -> Option<f64> {
 /// memtouch with `cmdline`, alone or as a primary replicating to a backup
 /// on loopback: its writes/s, and the epoch figures when replicated.
 pub fn memtouch(cmdline: &str, ft: Option<Replicated>, dir: &Path) -> Result<(f64, Option<EpochMeans>), BoxError> {
+    memtouch_on(1, cmdline, ft, dir)
+}
+
+/// `memtouch` on a VM of `vcpus` vCPUs (memtouch writes from all of them).
+pub fn memtouch_on(vcpus: u32, cmdline: &str, ft: Option<Replicated>, dir: &Path) -> Result<(f64, Option<EpochMeans>), BoxError> {
     let image = paths::images().join("memtouch.elf");
     let metrics = dir.join("memtouch.jsonl");
     let _ = std::fs::remove_file(&metrics);
     let mut _backup = None;
     let mut cmd = Command::new(ftvm_bin());
-    cmd.args(["run", "--memory", "512", "--cmdline", cmdline]).arg("--image").arg(&image);
+    cmd.args(["run", "--memory", "512", "--vcpus", &vcpus.to_string(), "--cmdline", cmdline]).arg("--image").arg(&image);
     if let Some(ft) = ft {
         let addr = format!("127.0.0.1:{}", free_port());
         let mut b = Command::new(ftvm_bin());

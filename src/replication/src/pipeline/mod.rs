@@ -17,6 +17,7 @@ pub mod apply;
 pub mod capture;
 pub mod encode;
 pub mod freeze;
+pub mod predict;
 pub mod transport;
 pub mod trigger;
 
@@ -24,13 +25,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ftvm_vmm::pages::PageEncoder;
-use ftvm_vmm::Vm;
+use ftvm_vmm::{DirtyBackend, Vm};
 
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::protocol;
 use crate::ReplicationError;
 use capture::Capture;
 use freeze::Freeze;
+use predict::{LeaveNone, LeaveWritable, Prediction};
 
 /// Which implementation each stage uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -39,6 +41,7 @@ pub struct Switches {
     pub encoding: encode::Encoding,
     pub transport: transport::Kind,
     pub trigger: trigger::Mode,
+    pub predict_writes: predict::Mode,
 }
 
 /// What taking one checkpoint cost.
@@ -55,11 +58,17 @@ pub struct Taken {
     pub trigger: trigger::Reason,
     pub epoch_len: Duration,
     pub max_epoch: Duration,
+    /// Write-fault prediction (all zero without it).
+    pub predict: predict::Figures,
 }
 
 /// The primary's half of the pipeline: from the running VM to a frame.
 pub struct Pipeline {
     freeze: Box<dyn Freeze>,
+    /// Write-fault prediction, if switched on.
+    predict: Option<Prediction>,
+    /// What the freeze leaves writable without it: nothing.
+    leave_none: LeaveNone,
     capture: Box<dyn Capture>,
     encoder: Box<dyn PageEncoder>,
     frame: Vec<u8>,
@@ -68,13 +77,28 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    pub fn new(switches: &Switches, vm: &Vm, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> Pipeline {
-        Pipeline {
-            freeze: Box::new(freeze::PauseAndSave::new(vm.ram().pages(), output, journal)),
-            capture: capture::new(switches.capture),
+    pub fn new(switches: &Switches, vm: &Vm, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> Result<Pipeline, ReplicationError> {
+        let pages = vm.ram().pages();
+        if switches.predict_writes != predict::Mode::Off && vm.config().dirty_backend != DirtyBackend::Bitmap {
+            // The ring re-protects every page it harvested.
+            return Err(ReplicationError::Unsupported("--predict-writes needs --dirty-backend bitmap"));
+        }
+        Ok(Pipeline {
+            freeze: Box::new(freeze::PauseAndSave::new(pages, output, journal)),
+            predict: Prediction::new(switches.predict_writes, pages),
+            leave_none: LeaveNone::new(pages),
+            capture: capture::new(switches.capture, vm)?,
             encoder: encode::new(switches.encoding),
             frame: Vec::new(),
             limit: crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus),
+        })
+    }
+
+    /// Dirty tracking restarts for a new backup: forget what was left
+    /// writable and what the old backup holds.
+    pub fn restart(&mut self) {
+        if let Some(p) = &mut self.predict {
+            p.reset();
         }
     }
 
@@ -82,11 +106,26 @@ impl Pipeline {
     /// whatever the capture does before the guest runs again). Returns the
     /// figures and the frame to send.
     pub fn take(&mut self, vm: &Vm, epoch: u64) -> Result<(Taken, &[u8]), ReplicationError> {
-        let frozen = self.freeze.freeze(vm, epoch)?;
-        let captured = self.capture.in_pause(vm, &frozen.dirty);
+        let leave: &mut dyn LeaveWritable = match &mut self.predict {
+            Some(p) => p,
+            None => &mut self.leave_none,
+        };
+        let frozen = self.freeze.freeze(vm, epoch, leave)?;
+        let t0 = std::time::Instant::now();
+        let hot = match &self.predict {
+            Some(p) => p.left_writable(),
+            None => self.leave_none.choose(&frozen.dirty),
+        };
+        let captured = self.capture.in_pause(vm, &frozen.dirty, hot);
+        tracing::debug!(copy_us = t0.elapsed().as_micros() as u64, pages = frozen.dirty.count(), "capture");
         let thawed = frozen.thaw();
         captured?;
         let pages = self.capture.finish(vm)?;
+        let predicted = match &mut self.predict {
+            Some(p) => p.filter(pages),
+            // Nothing left writable: every dirty page took a first write.
+            None => predict::Figures { first_writes: pages.len() as u64, ..predict::Figures::default() },
+        };
         encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
         let bytes = protocol::payload_len(&self.frame);
         if bytes > self.limit {
@@ -99,6 +138,7 @@ impl Pipeline {
             dirty_pages: pages.len() as u64,
             disk_writes: thawed.state.disk.len() as u64,
             disk_bytes: thawed.state.disk.iter().map(|w| w.data.len() as u64).sum(),
+            predict: predicted,
             ..Taken::default()
         };
         Ok((taken, &self.frame))

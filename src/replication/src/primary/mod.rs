@@ -161,7 +161,7 @@ impl Primary {
         vm.hooks().set_tx(Some(output.clone()));
         vm.hooks().set_console(Some(output.clone()));
         vm.hooks().set_disk_writes(Some(journal.clone()));
-        let mut pipeline = Pipeline::new(&config.switches, &vm, output.clone(), journal.clone());
+        let mut pipeline = Pipeline::new(&config.switches, &vm, output.clone(), journal.clone())?;
         let mut epoch = 0;
         let cx = Context {
             vm: &vm,

@@ -145,6 +145,8 @@ impl Session {
         let heartbeats = Heartbeats::start(path, timing, pulse, watch).map_err(ReplicationError::Thread)?;
         tracing::info!(backup = %cx.config.backup, "bringing the backup up to date (pre-copy)");
         let t0 = Instant::now();
+        // Pre-copy restarts dirty tracking.
+        pipeline.restart();
         let sent = precopy::run(link.as_mut(), cx.vm, cx.journal, cx.trigger, cx.config.disk.as_deref(), cx.stop)
             .map_err(|e| sync_failed(link.as_mut(), &shared, e))?;
         // The stop-and-copy: the first checkpoint, which also starts output commit.
@@ -306,6 +308,10 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         trigger: taken.trigger,
         epoch_us: taken.epoch_len.as_micros() as u64,
         max_epoch_us: taken.max_epoch.as_micros() as u64,
+        predicted: taken.predict.predicted,
+        predicted_written: taken.predict.predicted_written,
+        fake_dirty: taken.predict.fake_dirty,
+        first_writes: taken.predict.first_writes,
         bytes: bytes as u64,
         transfer_us: transfer.as_micros() as u64,
         ..EpochMetrics::default()
