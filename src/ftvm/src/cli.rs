@@ -153,6 +153,11 @@ pub struct RunArgs {
     /// Checkpoint page encoding. raw: whole pages, zero pages as a bare tag.
     #[arg(long, default_value = "raw", value_name = "raw")]
     pub encoding: encode::Encoding,
+    /// Send a page the backup has an earlier version of as a diff: off (whole
+    /// pages), xor (the XOR of its changed 64-byte blocks; `--diff` alone), lz4
+    /// (each diff LZ4-compressed when that is smaller).
+    #[arg(long, default_value = "off", value_name = "off|xor|lz4", num_args = 0..=1, default_missing_value = "xor")]
+    pub diff: encode::Diff,
     /// Replication transport. tcp: one TCP connection to the backup.
     #[arg(long, default_value = "tcp", value_name = "tcp")]
     pub transport: transport::Kind,
@@ -254,7 +259,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 14] = [
+const PRIMARY_ONLY: [&str; 15] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -264,6 +269,7 @@ const PRIMARY_ONLY: [&str; 14] = [
     "connect_timeout_ms",
     "capture",
     "encoding",
+    "diff",
     "transport",
     "arbiter",
     "name",

@@ -17,6 +17,7 @@ pub mod apply;
 pub mod capture;
 pub mod encode;
 pub mod freeze;
+pub mod last_sent;
 pub mod transport;
 pub mod trigger;
 
@@ -37,6 +38,7 @@ use freeze::Freeze;
 pub struct Switches {
     pub capture: capture::Mode,
     pub encoding: encode::Encoding,
+    pub diff: encode::Diff,
     pub transport: transport::Kind,
 }
 
@@ -52,6 +54,16 @@ pub struct Taken {
     /// Taken before the end of its epoch, because a bound was reached (set
     /// by whoever triggered it).
     pub early: bool,
+    /// Pages the checkpoint carries.
+    pub commit_pages: u64,
+    /// Bytes its pages took (entry headers included).
+    pub page_bytes: u64,
+    /// Bytes diffs saved against sending their pages whole.
+    pub diff_bytes_saved: u64,
+    /// Bytes of its state (VM state and disk writes).
+    pub state_bytes: u64,
+    /// Time spent encoding its pages.
+    pub encode_ns: u64,
 }
 
 /// The primary's half of the pipeline: from the running VM to a frame.
@@ -69,10 +81,16 @@ impl Pipeline {
         Pipeline {
             freeze: Box::new(freeze::PauseAndSave::new(vm.ram().pages(), output, journal)),
             capture: capture::new(switches.capture),
-            encoder: encode::new(switches.encoding),
+            encoder: encode::new(switches.encoding, switches.diff, vm.ram().pages()),
             frame: Vec::new(),
             limit: crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus),
         }
+    }
+
+    /// The next checkpoint goes to a new backup, which has nothing but what
+    /// pre-copy sent it: forget what was assumed about the previous one.
+    pub fn new_backup(&mut self) {
+        self.encoder.reset();
     }
 
     /// Take checkpoint `epoch`: the VM is paused only for the freeze (and
@@ -84,7 +102,7 @@ impl Pipeline {
         let thawed = frozen.thaw();
         captured?;
         let pages = self.capture.finish(vm)?;
-        encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
+        let encoded = encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
         let bytes = protocol::payload_len(&self.frame);
         if bytes > self.limit {
             // The bounds make this impossible; sending it would make the backup give up on us.
@@ -97,6 +115,11 @@ impl Pipeline {
             disk_writes: thawed.state.disk.len() as u64,
             disk_bytes: thawed.state.disk.iter().map(|w| w.data.len() as u64).sum(),
             early: false,
+            commit_pages: encoded.pages.pages,
+            page_bytes: encoded.pages.bytes,
+            diff_bytes_saved: encoded.pages.diff_saved,
+            state_bytes: encoded.state_bytes,
+            encode_ns: encoded.pages_ns,
         };
         Ok((taken, &self.frame))
     }

@@ -8,15 +8,17 @@
 //! ```
 //! (little-endian). The tag says how the body encodes the page, per page,
 //! so encodings mix inside one bundle: a zero page has no body, a raw page
-//! is its 4096 bytes; later encoders (XOR diff, compression) add tags.
-//! Readers check every entry (known tag, page inside guest RAM, body length
-//! fits the tag) before anything is applied.
+//! is its 4096 bytes, a diff is the XOR of the changed 64-byte blocks
+//! against the version the reader has (`diff`), plain or LZ4-compressed.
+//! Readers check every entry (known tag, page inside guest RAM, a body that
+//! decodes as its tag says) before anything is applied.
 
 mod decode;
+pub mod diff;
 mod encode;
 
 pub use decode::{read_bundle, Bundle, Entry};
-pub use encode::{is_zero, BundleWriter, PageEncoder, RawEncoder};
+pub use encode::{is_zero, BundleWriter, PageEncoder, RawEncoder, Written};
 
 use crate::memory::PAGE;
 
@@ -38,6 +40,10 @@ pub enum PageTag {
     Zero = 1,
     /// The body is the page.
     Raw = 2,
+    /// The body is a diff against the reader's version of the page (`diff`).
+    Diff = 3,
+    /// The body is a diff compressed as one LZ4 block.
+    DiffLz4 = 4,
 }
 
 const END: u8 = 0;
@@ -48,14 +54,32 @@ impl PageTag {
         match v {
             1 => Some(PageTag::Zero),
             2 => Some(PageTag::Raw),
+            3 => Some(PageTag::Diff),
+            4 => Some(PageTag::DiffLz4),
             _ => None,
         }
     }
 
+    /// Whether a body of `len` bytes can be of this tag (checked before
+    /// the body is read).
     fn body_fits(self, len: usize) -> bool {
         match self {
             PageTag::Zero => len == 0,
             PageTag::Raw => len == PAGE,
+            PageTag::Diff | PageTag::DiffLz4 => (1..=PAGE).contains(&len),
+        }
+    }
+
+    /// Whether `body` decodes as this tag says (after `body_fits`).
+    fn check_body(self, page: u64, body: &[u8]) -> Result<(), FormatError> {
+        let in_page = |e: FormatError| match e {
+            FormatError::Corrupt(what) => FormatError::Corrupt(format!("page {page}: {what}")),
+            other => other,
+        };
+        match self {
+            PageTag::Zero | PageTag::Raw => Ok(()),
+            PageTag::Diff => diff::parse(body).map(drop).map_err(in_page),
+            PageTag::DiffLz4 => diff::decompress(body, &mut [0u8; PAGE]).map(drop).map_err(in_page),
         }
     }
 }
@@ -143,7 +167,7 @@ mod tests {
         w.page(3, &page(7));
         w.page(5, &page(0));
         w.page(9, &page(1));
-        assert_eq!(w.finish(), 3);
+        assert_eq!(w.finish().pages, 3);
         out
     }
 
@@ -191,7 +215,7 @@ mod tests {
         let mut w = BundleWriter::begin(&mut out, b"", &mut enc, true);
         w.page(1, &page(0));
         w.page(2, &page(2));
-        assert_eq!(w.finish(), 1);
+        assert_eq!(w.finish().pages, 1);
         assert_eq!(Bundle::parse(&mut Cursor::new(&out), RAM_PAGES).unwrap().len(), 1);
     }
 
