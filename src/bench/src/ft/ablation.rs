@@ -21,8 +21,10 @@ pub struct Switch {
 }
 
 /// Every switch the ablation measures: one line per switch.
-pub const SWITCHES: &[Switch] =
-    &[Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] }];
+pub const SWITCHES: &[Switch] = &[
+    Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] },
+    Switch { name: "diff", values: &[("off", &["--diff", "off"]), ("xor", &["--diff", "xor"]), ("lz4", &["--diff", "lz4"])] },
+];
 
 /// The epoch length measured unless `--epochs` says otherwise.
 pub const DEFAULT_EPOCH_MS: u64 = 20;
@@ -31,6 +33,8 @@ pub const DEFAULT_EPOCH_MS: u64 = 20;
 const MEMTOUCH: (&str, &str) = ("memtouch 10k pages/s", "ws=64M pattern=random rate=10000 report=0");
 /// redis-benchmark's pipeline depth for the kv workload.
 const KV_PIPELINE: u32 = 16;
+/// Value sizes of the kv workload (redis-benchmark -d).
+const KV_VALUES: [u32; 3] = [3, 100, 1000];
 
 /// What `--ablation` measures, for `--help`.
 pub fn long_help() -> String {
@@ -39,11 +43,13 @@ pub fn long_help() -> String {
     format!(
         "Measure each optimisation switch on and off instead of sweeping epoch lengths. The same short workloads ({}: \
          random writes into 64 MiB, almost every one a new dirty page; the kv guest under redis-benchmark SET and GET, \
-         -P {KV_PIPELINE} -c 50) run replicated with epochs of {DEFAULT_EPOCH_MS} ms (or --epochs) once per value of each \
-         switch of `ftvm run` ({}), the other switches at their defaults, and once on the unreplicated VM in the same run. \
-         Prints, per switch value: throughput and latency with the unreplicated figure and their ratio, and the mean pause, \
-         dirty pages, bytes and output hold per epoch; writes ablation.csv and ablation.svg (the throughput ratios).",
+         -P {KV_PIPELINE} -c 50, with values of {} bytes) run replicated with epochs of {DEFAULT_EPOCH_MS} ms (or --epochs) \
+         once per value of each switch of `ftvm run` ({}), the other switches at their defaults, and once on the \
+         unreplicated VM in the same run. Prints, per switch value: throughput and latency with the unreplicated figure and \
+         their ratio, and per epoch the mean pause, dirty pages, bytes, bytes per byte of dirty page, bytes saved by diffs, \
+         encoding time per page and output hold; writes ablation.csv and ablation.svg (the throughput ratios).",
         MEMTOUCH.0,
+        KV_VALUES.map(|v| v.to_string()).join(", "),
         switches.join(", ")
     )
 }
@@ -63,6 +69,9 @@ fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'stati
     rows.push(row("pause", m.pause_us, "us", None));
     rows.push(row("dirty pages/epoch", m.dirty_pages, "pages", None));
     rows.push(row("bytes/epoch", m.bytes, "bytes", None));
+    rows.push(row("bytes per dirty-page byte", m.bytes_per_dirty_byte(), "ratio", None));
+    rows.push(row("diff bytes saved/epoch", m.diff_bytes_saved, "bytes", None));
+    rows.push(row("encode/page", m.encode_ns_per_page(), "ns", None));
     if output {
         rows.push(row("output hold", m.hold_us / 1e3, "ms", None));
     }
@@ -93,27 +102,29 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     if !opts.no_network {
         let topo = Topology::new("abl")?;
         let metrics = scratch.join("kv.jsonl");
-        // The unreplicated VM serves some 20 times faster: ten times the
-        // requests keep its run from being over in a few tens of ms.
-        let base = {
-            let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
-            runs::redis_benchmark(&topo, KV_PIPELINE, opts.requests * 10)?
-        };
-        for (setting, args) in settings() {
-            for &e in &epochs {
-                let ft = {
-                    let _vm = runs::start_kv(&topo, Some(Replicated { epoch_ms: e, args }), scratch, "kv", &metrics)?;
-                    runs::redis_benchmark(&topo, KV_PIPELINE, opts.requests)?
-                };
-                let m = runs::epoch_means(&metrics);
-                let workload = format!("kv -P {KV_PIPELINE}");
-                let mut figures = Vec::new();
-                for (b, r) in ft.iter().zip(&base) {
-                    figures.push((format!("{} requests/s", b.test), b.rps, "req/s", r.rps));
-                    figures.push((format!("{} p50", b.test), b.p50_ms, "ms", r.p50_ms));
-                    figures.push((format!("{} p99", b.test), b.p99_ms, "ms", r.p99_ms));
+        for value in KV_VALUES {
+            // The unreplicated VM serves some 20 times faster: ten times the
+            // requests keep its run from being over in a few tens of ms.
+            let base = {
+                let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
+                runs::redis_benchmark(&topo, KV_PIPELINE, opts.requests * 10, value)?
+            };
+            for (setting, args) in settings() {
+                for &e in &epochs {
+                    let ft = {
+                        let _vm = runs::start_kv(&topo, Some(Replicated { epoch_ms: e, args }), scratch, "kv", &metrics)?;
+                        runs::redis_benchmark(&topo, KV_PIPELINE, opts.requests, value)?
+                    };
+                    let m = runs::epoch_means(&metrics);
+                    let workload = format!("kv -P {KV_PIPELINE} -d {value}");
+                    let mut figures = Vec::new();
+                    for (b, r) in ft.iter().zip(&base) {
+                        figures.push((format!("{} requests/s", b.test), b.rps, "req/s", r.rps));
+                        figures.push((format!("{} p50", b.test), b.p50_ms, "ms", r.p50_ms));
+                        figures.push((format!("{} p99", b.test), b.p99_ms, "ms", r.p99_ms));
+                    }
+                    rows.extend(rows_of(&setting, &workload, e, &figures, &m, true));
                 }
-                rows.extend(rows_of(&setting, &workload, e, &figures, &m, true));
             }
         }
     }

@@ -51,12 +51,12 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         for pipeline in [1, 16] {
             let base = {
                 let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
-                runs::redis_benchmark(&topo, pipeline, opts.requests)?
+                runs::redis_benchmark(&topo, pipeline, opts.requests, 3)?
             };
             for &e in &epochs {
                 let ft = {
                     let _vm = runs::start_kv(&topo, Some(Replicated { epoch_ms: e, args: &[] }), scratch, "kv", &metrics)?;
-                    runs::redis_benchmark(&topo, pipeline, opts.requests)?
+                    runs::redis_benchmark(&topo, pipeline, opts.requests, 3)?
                 };
                 let m = runs::epoch_means(&metrics);
                 for (b, r) in ft.iter().zip(&base) {
