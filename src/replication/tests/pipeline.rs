@@ -14,9 +14,10 @@ use std::time::Duration;
 
 use ftvm_replication::backup::{BackupConfig, Replica};
 use ftvm_replication::bounds;
-use ftvm_replication::checkpoint::Checkpoint;
+use ftvm_replication::checkpoint::{Checkpoint, CheckpointState};
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
 use ftvm_replication::pipeline::apply::{Apply, ApplyError, DiskImage, InPlace};
+use ftvm_replication::pipeline::encode::Diff;
 use ftvm_replication::pipeline::{Pipeline, Switches};
 use ftvm_replication::protocol::{self, Heartbeat, Hello, Kind};
 use ftvm_vmm::devices::{DeviceConfig, DeviceKind};
@@ -277,4 +278,65 @@ fn a_commit_whose_undo_fails_discards_the_replica() {
     assert!(matches!(e, ApplyError::Unusable { epoch: 5, .. }), "{e}");
     assert!(!replica.usable, "never to be taken over");
     assert!(replica.committed.is_none(), "nothing left to take over");
+}
+
+/// Checkpoints of the diff encoders, epoch after epoch, rebuild the
+/// primary's memory exactly in the replica; a checkpoint whose commit is
+/// undone (a full replica disk) leaves the replica at the previous one.
+#[test]
+fn diff_checkpoints_rebuild_the_primarys_memory_and_an_undone_one_changes_nothing() {
+    for diff in [Diff::Xor, Diff::Lz4] {
+        // (A size of its own: mounts are named by process and size.)
+        let fs = Tmpfs::mount("1024k");
+        let path = fs.0.join("replica.img");
+        File::create(&path).unwrap().set_len(DISK).unwrap();
+        let mut replica = replica_with_disk(1, Some(&path));
+        let pages = |vm: &Vm| ram_bytes(vm)[1000 * PAGE..1040 * PAGE].to_vec();
+        let primary = vm();
+        primary.start_dirty_tracking().unwrap();
+        let output = Arc::new(OutputBuffer::new(Arc::new(Nowhere)));
+        let journal = Arc::new(DiskJournal::default());
+        journal.start();
+        let switches = Switches { diff, ..Switches::default() };
+        let mut pipeline = Pipeline::new(&switches, &primary, output, journal.clone());
+        let mut apply = InPlace::default();
+        let mut saved = 0;
+        for epoch in 1..=6u64 {
+            // Whole pages first, then a few bytes of each, a page zeroed.
+            for p in 1000..1040u64 {
+                let mut page = vec![0u8; PAGE];
+                primary.ram().read_page(p, &mut page).unwrap();
+                match epoch {
+                    1 => page.iter_mut().enumerate().for_each(|(i, b)| *b = (i as u64 * p) as u8),
+                    _ if p == 1039 => page.fill(0),
+                    _ => (0..epoch as usize).for_each(|k| page[(p as usize * 97 + k * 613) % PAGE] ^= epoch as u8),
+                }
+                primary.ram().write_page(p, &page).unwrap();
+            }
+            if epoch == 4 {
+                // More than the replica's tmpfs holds: this commit is undone.
+                journal.written(0, &vec![0xa5; 2 << 20]);
+            }
+            let (taken, frame) = pipeline.take(&primary, epoch).unwrap();
+            saved += taken.diff_bytes_saved;
+            let payload = payload(frame);
+            let before = pages(&replica.vm);
+            let staged = apply.stage(&replica, &payload).unwrap();
+            if epoch == 4 {
+                assert!(matches!(apply.commit(&mut replica, staged), Err(ApplyError::Undone { epoch: 4, .. })));
+                assert!(pages(&replica.vm) == before, "{diff}: an undone commit changed the replica's RAM");
+                assert_eq!(replica.next_epoch, 4);
+                // A backup stops here (and the primary starts over with a
+                // new one); this test carries on from the undone checkpoint
+                // by applying it again without its disk write.
+                let staged = apply.stage(&replica, &payload).unwrap();
+                let staged = Checkpoint { state: CheckpointState { disk: Vec::new(), ..staged.state }, ..staged };
+                apply.commit(&mut replica, staged).unwrap();
+            } else {
+                apply.commit(&mut replica, staged).unwrap();
+            }
+            assert!(pages(&replica.vm) == pages(&primary), "{diff}: the replica's RAM after checkpoint {epoch}");
+        }
+        assert!(saved > 30 * (PAGE as u64 - 200), "{diff}: the later checkpoints went as diffs ({saved} bytes saved)");
+    }
 }
