@@ -158,6 +158,10 @@ pub struct RunArgs {
     /// (each diff LZ4-compressed when that is smaller).
     #[arg(long, default_value = "off", value_name = "off|xor|lz4", num_args = 0..=1, default_missing_value = "xor")]
     pub diff: encode::Diff,
+    /// Which vCPU and device state each checkpoint carries: all, or changed
+    /// (only what differs from the previous checkpoint; the backup keeps the rest).
+    #[arg(long, default_value = "all", value_name = "all|changed")]
+    pub device_state: encode::States,
     /// Replication transport. tcp: one TCP connection to the backup.
     #[arg(long, default_value = "tcp", value_name = "tcp")]
     pub transport: transport::Kind,
@@ -259,7 +263,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 15] = [
+const PRIMARY_ONLY: [&str; 16] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -270,6 +274,7 @@ const PRIMARY_ONLY: [&str; 15] = [
     "capture",
     "encoding",
     "diff",
+    "device_state",
     "transport",
     "arbiter",
     "name",

@@ -81,7 +81,13 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 connect_timeout: Duration::from_millis(args.connect_timeout_ms),
                 metrics: args.metrics,
                 disk: args.host.disk.clone(),
-                switches: Switches { capture: args.capture, encoding: args.encoding, diff: args.diff, transport: args.transport },
+                switches: Switches {
+                    capture: args.capture,
+                    encoding: args.encoding,
+                    diff: args.diff,
+                    device_state: args.device_state,
+                    transport: args.transport,
+                },
                 auth,
             });
             let source = run::Source::Image {

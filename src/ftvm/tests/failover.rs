@@ -476,7 +476,7 @@ struct TrialResult {
     partial: Option<Partial>,
 }
 
-fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, kind: Kill) -> TrialResult {
+fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, kind: Kill, extra: &[&str]) -> TrialResult {
     let mut rng = Rng::new(seed);
     let tag = format!("t{trial}");
     topo.restore().unwrap();
@@ -505,7 +505,7 @@ fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, k
     assert!(out.status.success(), "tc: {}", String::from_utf8_lossy(&out.stderr));
     let (cap, pcap) = capture(topo, "h2", dir, &format!("{tag}.repl.pcap"), &["-i", "repl", "-s", "256", "tcp", "port", "7000"]);
     let mut backup = start_backup(topo, dir, &format!("{tag}.backup"));
-    let mut primary = start_primary(topo, dir, &format!("{tag}.primary"), &[]);
+    let mut primary = start_primary(topo, dir, &format!("{tag}.primary"), extra);
     let socket = dir.join(format!("{tag}.primary.sock"));
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
     topo.forget_guest().unwrap();
@@ -603,7 +603,7 @@ fn no_acknowledged_write_is_lost() {
     let trials = 12;
     let mut results = Vec::new();
     for trial in 0..trials {
-        results.push(one_failover_trial(&topo, &dir, trial, base + trial as u64, kinds[trial % kinds.len()]));
+        results.push(one_failover_trial(&topo, &dir, trial, base + trial as u64, kinds[trial % kinds.len()], &[]));
     }
     let inside: Vec<_> = results.iter().filter(|r| r.partial.as_ref().is_some_and(|p| p.bytes > 0)).collect();
     let random: Vec<_> = results.iter().filter(|r| r.kind != Kill::InTransfer).collect();
@@ -624,6 +624,21 @@ fn no_acknowledged_write_is_lost() {
         results.iter().map(|r| r.writes_resumed_ms.map(|m| m.round() as u64)).collect::<Vec<_>>(),
     );
     assert!(inside.len() >= 3, "only {} kills landed inside a checkpoint transfer", inside.len());
+}
+
+/// The same with pages sent as compressed diffs and only the vCPU and
+/// device state that changed: the backup still resumes the VM whole (its
+/// network card and TCP connections included) with every acknowledged write.
+#[test]
+fn no_acknowledged_write_is_lost_with_diffs_and_only_changed_state() {
+    let topo = Topology::new("faild").unwrap();
+    let dir = scratch("writes-diff");
+    let extra = ["--diff", "lz4", "--device-state", "changed"];
+    for (trial, kind) in [Kill::Sigkill, Kill::InTransfer, Kill::LinksThenSigkill].into_iter().enumerate() {
+        one_failover_trial(&topo, &dir, trial, 0xd1ff + trial as u64, kind, &extra);
+        let epochs = jsonl(&dir.join(format!("t{trial}.primary.epochs.jsonl")));
+        assert!(epochs.iter().any(|e| field(e, "diff_bytes_saved") > 0), "trial {trial}: diffs were sent");
+    }
 }
 
 // ------------------------------------------------------ (b) output commit

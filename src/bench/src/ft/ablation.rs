@@ -24,6 +24,7 @@ pub struct Switch {
 pub const SWITCHES: &[Switch] = &[
     Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] },
     Switch { name: "diff", values: &[("off", &["--diff", "off"]), ("xor", &["--diff", "xor"]), ("lz4", &["--diff", "lz4"])] },
+    Switch { name: "device-state", values: &[("all", &["--device-state", "all"]), ("changed", &["--device-state", "changed"])] },
 ];
 
 /// The epoch length measured unless `--epochs` says otherwise.

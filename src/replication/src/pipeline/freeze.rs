@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use ftvm_vmm::{PageBitmap, Persist, Vm};
 
-use crate::checkpoint::CheckpointState;
+use crate::checkpoint::{CheckpointState, StateDelta};
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::ReplicationError;
 
@@ -83,7 +83,7 @@ impl Freeze for PauseAndSave {
         let pause = Paused { vm, since: Instant::now(), resumed: false };
         let mut dirty = PageBitmap::new(self.ram_pages);
         vm.collect_dirty(&mut dirty, &self.leave_writable)?;
-        let state = CheckpointState { vm: vm.save()?, disk: self.journal.take() };
+        let state = CheckpointState { vm: StateDelta::whole(vm.save()?), disk: self.journal.take() };
         // Inside the pause: frames the guest sends after resuming belong to
         // the next epoch. The first checkpoint starts holding output.
         if self.output.is_protected() {

@@ -39,6 +39,7 @@ pub struct Switches {
     pub capture: capture::Mode,
     pub encoding: encode::Encoding,
     pub diff: encode::Diff,
+    pub device_state: encode::States,
     pub transport: transport::Kind,
 }
 
@@ -71,6 +72,7 @@ pub struct Pipeline {
     freeze: Box<dyn Freeze>,
     capture: Box<dyn Capture>,
     encoder: Box<dyn PageEncoder>,
+    sent_state: encode::SentState,
     frame: Vec<u8>,
     /// The largest checkpoint payload the backup accepts from this VM.
     limit: u64,
@@ -82,6 +84,7 @@ impl Pipeline {
             freeze: Box::new(freeze::PauseAndSave::new(vm.ram().pages(), output, journal)),
             capture: capture::new(switches.capture),
             encoder: encode::new(switches.encoding, switches.diff, vm.ram().pages()),
+            sent_state: encode::SentState::new(switches.device_state),
             frame: Vec::new(),
             limit: crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus),
         }
@@ -91,6 +94,7 @@ impl Pipeline {
     /// pre-copy sent it: forget what was assumed about the previous one.
     pub fn new_backup(&mut self) {
         self.encoder.reset();
+        self.sent_state.reset();
     }
 
     /// Take checkpoint `epoch`: the VM is paused only for the freeze (and
@@ -99,9 +103,10 @@ impl Pipeline {
     pub fn take(&mut self, vm: &Vm, epoch: u64) -> Result<(Taken, &[u8]), ReplicationError> {
         let frozen = self.freeze.freeze(vm, epoch)?;
         let captured = self.capture.in_pause(vm, &frozen.dirty);
-        let thawed = frozen.thaw();
+        let mut thawed = frozen.thaw();
         captured?;
         let pages = self.capture.finish(vm)?;
+        self.sent_state.filter(&mut thawed.state.vm);
         let encoded = encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
         let bytes = protocol::payload_len(&self.frame);
         if bytes > self.limit {

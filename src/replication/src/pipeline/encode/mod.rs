@@ -4,6 +4,7 @@
 //! with the block compare in `xor`), whole where it has none.
 
 mod diff;
+pub mod state;
 pub mod xor;
 
 use std::time::Instant;
@@ -16,6 +17,7 @@ use crate::checkpoint::CheckpointState;
 use crate::protocol::{self, Kind};
 use crate::switch::switch;
 pub use diff::DiffEncoder;
+pub use state::{SentState, States};
 
 switch! {
     /// `--encoding`: how pages are encoded.
