@@ -16,7 +16,10 @@ use ftvm_vmm::pages::FormatError;
 /// Version 2: pages travel as tagged bundle entries, messages in postcard.
 /// Version 3: Hello and Welcome carry each side's heartbeat path
 /// ([`Heartbeat`]; `liveness`).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// Version 4: bundle entries may be sub-page diffs (`Diff`, `DiffLz4`); a
+/// checkpoint's VM state may leave out components that did not change
+/// (`checkpoint::StateDelta`).
+pub const PROTOCOL_VERSION: u16 = 4;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

@@ -72,6 +72,7 @@ fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'stati
     rows.push(row("bytes/epoch", m.bytes, "bytes", None));
     rows.push(row("bytes per dirty-page byte", m.bytes_per_dirty_byte(), "ratio", None));
     rows.push(row("diff bytes saved/epoch", m.diff_bytes_saved, "bytes", None));
+    rows.push(row("state bytes/epoch", m.state_bytes, "bytes", None));
     rows.push(row("encode/page", m.encode_ns_per_page(), "ns", None));
     if output {
         rows.push(row("output hold", m.hold_us / 1e3, "ms", None));
@@ -130,6 +131,8 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         }
     }
 
+    rows.extend(diff_kernels());
+
     println!("each switch value against the unreplicated VM of the same run (reference; ratio = value / reference)\n");
     let bars = rows
         .iter()
@@ -149,6 +152,52 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         },
     )?;
     Ok(())
+}
+
+/// The diff encoder's block compare per page, for every kernel this CPU
+/// runs, against the scalar one: on 64 pages that stay in cache (the
+/// compute) and on a 64 MiB pool (mostly out of cache, as in a checkpoint),
+/// each page with two bytes changed; the best of three passes.
+fn diff_kernels() -> Vec<Row> {
+    use ftvm_replication::pipeline::encode::xor::Kernel;
+    use ftvm_vmm::memory::PAGE;
+    let mut rows = Vec::new();
+    for (what, pages, passes) in [("in cache", 64, 2000), ("64 MiB of pages", 16384, 1)] {
+        let old: Vec<[u8; PAGE]> = (0..pages).map(|i| [i as u8; PAGE]).collect();
+        let mut new = old.clone();
+        for (i, p) in new.iter_mut().enumerate() {
+            p[(i * 61) % PAGE] ^= 1;
+            p[(i * 997) % PAGE] ^= 2;
+        }
+        let mut out = Box::new([0u8; PAGE]);
+        let mut timed = |k: Kernel| {
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let t0 = std::time::Instant::now();
+                let mut blocks = 0u64;
+                for _ in 0..passes {
+                    for (o, n) in old.iter().zip(&new) {
+                        blocks += u64::from(k.diff(o, n, &mut out).count_ones());
+                    }
+                }
+                assert!(blocks >= (pages * passes) as u64, "every page changed");
+                best = best.min(t0.elapsed().as_nanos() as f64 / (pages * passes) as f64);
+            }
+            best
+        };
+        let scalar = timed(Kernel::SCALAR);
+        for k in Kernel::available() {
+            let value = timed(k);
+            rows.push(Row {
+                group: "diff kernel".into(),
+                case: format!("{}: block compare, {what}", k.name()),
+                value,
+                unit: "ns/page",
+                reference: Some(scalar),
+            });
+        }
+    }
+    rows
 }
 
 #[cfg(test)]

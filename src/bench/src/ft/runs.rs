@@ -38,6 +38,8 @@ pub struct EpochMeans {
     /// Pages the checkpoint carried.
     pub commit_pages: f64,
     pub diff_bytes_saved: f64,
+    /// Bytes of vCPU, device and clock state (and disk writes).
+    pub state_bytes: f64,
     /// Time encoding the checkpoint's pages.
     pub encode_ns: f64,
 }
@@ -83,6 +85,7 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
         hold_us: mean("hold_us"),
         commit_pages: mean("commit_pages"),
         diff_bytes_saved: mean("diff_bytes_saved"),
+        state_bytes: mean("state_bytes"),
         encode_ns: mean("encode_ns"),
     }
 }
