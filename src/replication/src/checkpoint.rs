@@ -41,7 +41,7 @@ pub struct StateDelta {
 /// otherwise unchanged carries its counter alone.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum VcpuDelta {
-    Whole(VcpuState),
+    Whole(Box<VcpuState>),
     /// As the previous checkpoint left it, but for `IA32_TSC`.
     Tsc(u64),
 }
@@ -54,7 +54,7 @@ impl StateDelta {
     pub fn whole(state: VmState) -> StateDelta {
         StateDelta {
             memory: Some(state.memory),
-            vcpus: state.vcpus.into_iter().map(VcpuDelta::Whole).collect(),
+            vcpus: state.vcpus.into_iter().map(|v| VcpuDelta::Whole(Box::new(v))).collect(),
             devices: state.devices.into_iter().map(Some).collect(),
             clock: Some(state.clock),
         }
@@ -96,7 +96,7 @@ impl StateDelta {
                     .vcpus
                     .into_iter()
                     .map(|v| match v {
-                        VcpuDelta::Whole(v) => v,
+                        VcpuDelta::Whole(v) => *v,
                         VcpuDelta::Tsc(_) => unreachable!("{whole}"),
                     })
                     .collect(),
@@ -109,7 +109,7 @@ impl StateDelta {
         }
         for (slot, v) in base.vcpus.iter_mut().zip(self.vcpus) {
             match v {
-                VcpuDelta::Whole(v) => *slot = v,
+                VcpuDelta::Whole(v) => *slot = *v,
                 VcpuDelta::Tsc(tsc) => slot.msrs.iter_mut().filter(|m| m.index == MSR_IA32_TSC).for_each(|m| m.data = tsc),
             }
         }

@@ -166,7 +166,7 @@ mod tests {
             self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
         }
 
-        fn page(&mut self) -> Box<[u8; PAGE]> {
+        fn page(&mut self) -> Page {
             let mut p = Box::new([0u8; PAGE]);
             p.iter_mut().for_each(|b| *b = self.next() as u8);
             p
@@ -176,7 +176,9 @@ mod tests {
     /// Pairs of pages (old, new) that stress the kernels: random, equal,
     /// all different, one bit flipped at every block edge, every other
     /// block, the first and last byte only, and random blocks changed.
-    fn cases() -> Vec<(Box<[u8; PAGE]>, Box<[u8; PAGE]>)> {
+    type Page = Box<[u8; PAGE]>;
+
+    fn cases() -> Vec<(Page, Page)> {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         let mut cases = Vec::new();
         for _ in 0..32 {
