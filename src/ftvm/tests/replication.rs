@@ -89,8 +89,11 @@ fn memory_survives_failover_with(extra: &[&str], runs: &[(u32, u32, u64)], key: 
         let metrics = dir.join(format!("{vcpus}-{writers}-{delay_ms}.jsonl"));
         let work = format!("{LONG_WORK} vcpus={writers}");
         let b = backup(&addr, &[]);
-        let mut p = spawn(primary(&addr, vcpus, &work, &["--epoch-ms", "10"]).args(extra).arg("--metrics").arg(&metrics));
-        let _lines = wait_for_progress(&mut p);
+        let mut cmd = primary(&addr, vcpus, &work, &["--epoch-ms", "10"]);
+        let mut p = Process::spawn_collected("ftvm run", cmd.args(extra).arg("--metrics").arg(&metrics)).unwrap();
+        // The delay runs from the first checkpoint: pre-copy takes as long
+        // as it takes on a loaded host.
+        wait_for(&mut p, "primary", "the VM is protected", Duration::from_secs(60));
         std::thread::sleep(Duration::from_millis(delay_ms));
         kill(&mut p);
         let out = finish(b);
