@@ -1,8 +1,8 @@
 //! The block compare of the diff encoder: XOR a page against the version
 //! the backup has, 64 bytes at a time, and keep the XOR of every block that
-//! differs. Three kernels give the same output: AVX-512 (one register per
-//! block), AVX2 (two) and a portable one (eight 64-bit words); the best
-//! the CPU has is chosen at run time.
+//! differs. Three compare kernels give the same output: AVX-512 (one
+//! register per block), AVX2 (two) and a portable one (eight 64-bit words);
+//! the widest the CPU has is chosen at run time.
 
 use ftvm_vmm::memory::PAGE;
 use ftvm_vmm::pages::diff::{BLOCK, BLOCKS};
@@ -54,85 +54,73 @@ impl Kernel {
     /// Compare `new` with `old` block by block: bit `b` of the result is set
     /// when block `b` differs, and `out` starts with `old ^ new` of each such
     /// block, in page order (64 bytes times the number of bits set).
+    ///
+    /// Two passes: the compare reads both pages with nothing but the mask
+    /// carried from block to block (a store per block at a position that
+    /// depends on the blocks before it would chain them); then the few
+    /// changed blocks, in L1 by then, are XORed out.
     pub fn diff(self, old: &[u8; PAGE], new: &[u8; PAGE], out: &mut [u8; PAGE]) -> u64 {
-        match self.0 {
-            Isa::Scalar => diff_scalar(old, new, out),
+        let mask = match self.0 {
+            Isa::Scalar => changed_scalar(old, new),
             // SAFETY: only `available` makes this kernel, after it found
             // AVX2 on this CPU.
-            Isa::Avx2 => unsafe { diff_avx2(old, new, out) },
+            Isa::Avx2 => unsafe { changed_avx2(old, new) },
             // SAFETY: only `available` makes this kernel, after it found
             // AVX-512F on this CPU.
-            Isa::Avx512 => unsafe { diff_avx512(old, new, out) },
+            Isa::Avx512 => unsafe { changed_avx512(old, new) },
+        };
+        let blocks = (0..BLOCKS).filter(|b| mask & 1 << b != 0);
+        for (dst, b) in out.chunks_exact_mut(BLOCK).zip(blocks) {
+            let range = b * BLOCK..(b + 1) * BLOCK;
+            for ((d, o), n) in dst.iter_mut().zip(&old[range.clone()]).zip(&new[range]) {
+                *d = o ^ n;
+            }
         }
+        mask
     }
 }
 
-fn diff_scalar(old: &[u8; PAGE], new: &[u8; PAGE], out: &mut [u8; PAGE]) -> u64 {
+fn changed_scalar(old: &[u8; PAGE], new: &[u8; PAGE]) -> u64 {
     let mut mask = 0u64;
-    let mut len = 0;
     for (b, (o, n)) in old.chunks_exact(BLOCK).zip(new.chunks_exact(BLOCK)).enumerate() {
-        let mut words = [0u64; BLOCK / 8];
-        let mut any = 0u64;
-        for ((w, o), n) in words.iter_mut().zip(o.chunks_exact(8)).zip(n.chunks_exact(8)) {
-            *w = u64::from_ne_bytes(o.try_into().expect("8 bytes")) ^ u64::from_ne_bytes(n.try_into().expect("8 bytes"));
-            any |= *w;
-        }
-        if any != 0 {
-            for (dst, w) in out[len..len + BLOCK].chunks_exact_mut(8).zip(words) {
-                dst.copy_from_slice(&w.to_ne_bytes());
-            }
-            mask |= 1 << b;
-            len += BLOCK;
-        }
+        let any = o.chunks_exact(8).zip(n.chunks_exact(8)).fold(0u64, |any, (o, n)| {
+            any | (u64::from_ne_bytes(o.try_into().expect("8 bytes")) ^ u64::from_ne_bytes(n.try_into().expect("8 bytes")))
+        });
+        mask |= u64::from(any != 0) << b;
     }
     mask
 }
 
-/// Every block's XOR is stored at the end of the output so far, which moves
-/// on only if the block differs: no branch on the data. The store of the
-/// last block ends at most at `PAGE` (63 blocks before it at most).
 #[target_feature(enable = "avx2")]
-fn diff_avx2(old: &[u8; PAGE], new: &[u8; PAGE], out: &mut [u8; PAGE]) -> u64 {
-    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_or_si256, _mm256_storeu_si256, _mm256_testz_si256, _mm256_xor_si256};
-    let (o, n, d) = (old.as_ptr().cast::<__m256i>(), new.as_ptr().cast::<__m256i>(), out.as_mut_ptr());
+fn changed_avx2(old: &[u8; PAGE], new: &[u8; PAGE]) -> u64 {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_or_si256, _mm256_testz_si256, _mm256_xor_si256};
+    let (o, n) = (old.as_ptr().cast::<__m256i>(), new.as_ptr().cast::<__m256i>());
     let mut mask = 0u64;
-    let mut len = 0usize;
     for b in 0..BLOCKS {
-        // SAFETY: block `b` is bytes 64b..64b+64 of both pages (b < 64), two
-        // unaligned 32-byte loads each; the stores go to out[len..len + 64]
-        // with len <= 64 * b, inside `out`.
-        unsafe {
+        // SAFETY: block `b` is bytes 64b..64b+64 of both pages (b < 64): two
+        // unaligned 32-byte loads from each.
+        let changed = unsafe {
             let lo = _mm256_xor_si256(_mm256_loadu_si256(o.add(2 * b)), _mm256_loadu_si256(n.add(2 * b)));
             let hi = _mm256_xor_si256(_mm256_loadu_si256(o.add(2 * b + 1)), _mm256_loadu_si256(n.add(2 * b + 1)));
-            _mm256_storeu_si256(d.add(len).cast(), lo);
-            _mm256_storeu_si256(d.add(len + 32).cast(), hi);
             let both = _mm256_or_si256(lo, hi);
-            let changed = (_mm256_testz_si256(both, both) == 0) as u64;
-            mask |= changed << b;
-            len += BLOCK * changed as usize;
-        }
+            _mm256_testz_si256(both, both) == 0
+        };
+        mask |= u64::from(changed) << b;
     }
     mask
 }
 
-/// As `diff_avx2`, one 512-bit register per block.
+/// As `changed_avx2`, one 512-bit compare per block.
 #[target_feature(enable = "avx512f")]
-fn diff_avx512(old: &[u8; PAGE], new: &[u8; PAGE], out: &mut [u8; PAGE]) -> u64 {
-    use std::arch::x86_64::{__m512i, _mm512_loadu_si512, _mm512_storeu_si512, _mm512_test_epi64_mask, _mm512_xor_si512};
-    let (o, n, d) = (old.as_ptr().cast::<__m512i>(), new.as_ptr().cast::<__m512i>(), out.as_mut_ptr());
+fn changed_avx512(old: &[u8; PAGE], new: &[u8; PAGE]) -> u64 {
+    use std::arch::x86_64::{__m512i, _mm512_cmpneq_epi64_mask, _mm512_loadu_si512};
+    let (o, n) = (old.as_ptr().cast::<__m512i>(), new.as_ptr().cast::<__m512i>());
     let mut mask = 0u64;
-    let mut len = 0usize;
     for b in 0..BLOCKS {
-        // SAFETY: block `b` is bytes 64b..64b+64 of both pages (b < 64), one
-        // unaligned 64-byte load each; the store goes to out[len..len + 64]
-        // with len <= 64 * b, inside `out`.
-        unsafe {
-            let x = _mm512_xor_si512(_mm512_loadu_si512(o.add(b)), _mm512_loadu_si512(n.add(b)));
-            _mm512_storeu_si512(d.add(len).cast(), x);
-            let changed = (_mm512_test_epi64_mask(x, x) != 0) as u64;
-            mask |= changed << b;
-            len += BLOCK * changed as usize;
-        }
+        // SAFETY: block `b` is bytes 64b..64b+64 of both pages (b < 64): one
+        // unaligned 64-byte load from each.
+        let lanes = unsafe { _mm512_cmpneq_epi64_mask(_mm512_loadu_si512(o.add(b)), _mm512_loadu_si512(n.add(b))) };
+        mask |= u64::from(lanes != 0) << b;
     }
     mask
 }
