@@ -176,6 +176,15 @@ pub struct RunArgs {
     /// Checkpoint page encoding. raw: whole pages, zero pages as a bare tag.
     #[arg(long, default_value = "raw", value_name = "raw")]
     pub encoding: encode::Encoding,
+    /// Send a page the backup has an earlier version of as a diff: off (whole
+    /// pages), xor (the XOR of its changed 64-byte blocks; `--diff` alone), lz4
+    /// (each diff LZ4-compressed when that is smaller).
+    #[arg(long, default_value = "off", value_name = "off|xor|lz4", num_args = 0..=1, default_missing_value = "xor")]
+    pub diff: encode::Diff,
+    /// Which vCPU and device state each checkpoint carries: all, or changed
+    /// (only what differs from the previous checkpoint; the backup keeps the rest).
+    #[arg(long, default_value = "all", value_name = "all|changed")]
+    pub device_state: encode::States,
     /// Replication transport. tcp: one TCP connection to the backup.
     #[arg(long, default_value = "tcp", value_name = "tcp")]
     pub transport: transport::Kind,
@@ -309,7 +318,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 18] = [
+const PRIMARY_ONLY: [&str; 20] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -319,6 +328,8 @@ const PRIMARY_ONLY: [&str; 18] = [
     "connect_timeout_ms",
     "capture",
     "encoding",
+    "diff",
+    "device_state",
     "transport",
     "mirror",
     "trigger",

@@ -88,6 +88,8 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 switches: Switches {
                     capture: args.capture,
                     encoding: args.encoding,
+                    diff: args.diff,
+                    device_state: args.device_state,
                     transport: args.transport,
                     trigger: args.trigger,
                     predict_writes: args.predict_writes,

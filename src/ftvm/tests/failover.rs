@@ -698,6 +698,21 @@ fn no_acknowledged_write_is_lost_with_cheaper_checkpoints() {
     }
 }
 
+/// The same with pages sent as compressed diffs and only the vCPU and
+/// device state that changed: the backup still resumes the VM whole (its
+/// network card and TCP connections included) with every acknowledged write.
+#[test]
+fn no_acknowledged_write_is_lost_with_diffs_and_only_changed_state() {
+    let topo = Topology::new("faild").unwrap();
+    let dir = scratch("writes-diff");
+    let extra = ["--diff", "lz4", "--device-state", "changed"];
+    for (trial, kind) in [Kill::Sigkill, Kill::InTransfer, Kill::LinksThenSigkill].into_iter().enumerate() {
+        one_failover_trial(&topo, &dir, trial, 0xd1ff + trial as u64, kind, &extra);
+        let epochs = jsonl(&dir.join(format!("t{trial}.primary.epochs.jsonl")));
+        assert!(epochs.iter().any(|e| field(e, "diff_bytes_saved") > 0), "trial {trial}: diffs were sent");
+    }
+}
+
 // ------------------------------------------------------ (b) output commit
 
 /// A TIME reply as the client saw it: the guest clock when it was made,

@@ -76,21 +76,62 @@ const WORK: &str = "ws=16M pattern=random writes=60000000 report=100ms";
 /// while the guest still works.
 const LONG_WORK: &str = "ws=16M pattern=random writes=500000000 report=100ms";
 
-#[test]
-fn memory_survives_failover() {
-    for (vcpus, delay_ms) in [(1, 400), (2, 700), (2, 1100)] {
+/// Kill a primary (with `extra` options) after each delay; the backup's
+/// memory must be exactly the primary's at its last checkpoint, which the
+/// guest's final checksum proves. Each run is (vCPUs, memtouch writers,
+/// delay): with fewer writers than vCPUs the rest idle. Returns the mean
+/// of `key` over the primary's epochs of each run.
+fn memory_survives_failover_with(extra: &[&str], runs: &[(u32, u32, u64)], key: &str) -> Vec<f64> {
+    let dir = Scratch::new("failover-memory").unwrap().keep_on_panic();
+    let mut means = Vec::new();
+    for &(vcpus, writers, delay_ms) in runs {
         let addr = free_addr();
+        let metrics = dir.join(format!("{vcpus}-{writers}-{delay_ms}.jsonl"));
+        let work = format!("{LONG_WORK} vcpus={writers}");
         let b = backup(&addr, &[]);
-        let mut p = spawn(&mut primary(&addr, vcpus, LONG_WORK, &["--epoch-ms", "10"]));
-        let _lines = wait_for_progress(&mut p);
+        let mut cmd = primary(&addr, vcpus, &work, &["--epoch-ms", "10"]);
+        let mut p = Process::spawn_collected("ftvm run", cmd.args(extra).arg("--metrics").arg(&metrics)).unwrap();
+        // The delay runs from the first checkpoint: pre-copy takes as long
+        // as it takes on a loaded host.
+        wait_for(&mut p, "primary", "the VM is protected", Duration::from_secs(60));
         std::thread::sleep(Duration::from_millis(delay_ms));
         kill(&mut p);
         let out = finish(b);
         let err = stderr(&out);
         assert!(out.status.success(), "backup failed: {err}");
         assert!(took_over_at(&err).is_some(), "no takeover: {err}");
-        assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(LONG_WORK, vcpus)), "{vcpus} vCPUs, killed after {delay_ms} ms");
+        let what = format!("{vcpus} vCPUs, {writers} writing, {extra:?}, killed after {delay_ms} ms");
+        assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(&work, writers)), "{what}");
+        let text = std::fs::read_to_string(&metrics).unwrap();
+        let values: Vec<u64> = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()[key].as_u64().unwrap()).collect();
+        assert!(!values.is_empty(), "{what}: no epoch metrics");
+        means.push(values.iter().sum::<u64>() as f64 / values.len() as f64);
     }
+    means
+}
+
+#[test]
+fn memory_survives_failover() {
+    let saved = memory_survives_failover_with(&[], &[(1, 1, 400), (2, 2, 700), (2, 2, 1100)], "diff_bytes_saved");
+    assert!(saved.iter().all(|&s| s == 0.0), "no diffs unless asked: {saved:?}");
+}
+
+#[test]
+fn memory_survives_failover_with_diffs() {
+    for (diff, runs) in [("xor", &[(1, 1, 700), (2, 2, 1100)][..]), ("lz4", &[(2, 2, 900)])] {
+        let saved = memory_survives_failover_with(&["--diff", diff], runs, "diff_bytes_saved");
+        assert!(saved.iter().all(|&s| s > 0.0), "--diff {diff}: pages went as diffs: {saved:?}");
+    }
+}
+
+/// With only changed vCPU and device state sent (one vCPU idles, so its
+/// state mostly stays behind), the backup still resumes the whole VM.
+#[test]
+fn memory_survives_failover_with_only_changed_state_sent() {
+    let runs = [(2, 1, 800)];
+    let all = memory_survives_failover_with(&[], &runs, "state_bytes")[0];
+    let changed = memory_survives_failover_with(&["--device-state", "changed", "--diff", "lz4"], &runs, "state_bytes")[0];
+    assert!(changed < all * 0.8, "an idle vCPU's state is left out: {changed:.0} state bytes per epoch against {all:.0}");
 }
 
 fn run_with_fault(fault: &str) -> (Output, Output) {
@@ -198,22 +239,31 @@ fn status(socket: &Path) -> String {
 
 #[test]
 fn primary_survives_backup_loss_and_is_protected_again() {
-    backup_loss_then_reprotect("continue", "UNPROTECTED", "running");
+    backup_loss_then_reprotect("continue", "UNPROTECTED", "running", &[]);
+}
+
+/// The new backup has none of the page versions the primary kept for diffs
+/// against the old one: it must get whole pages first.
+#[test]
+fn a_new_backup_is_not_sent_diffs_against_the_old_ones_pages() {
+    backup_loss_then_reprotect("continue", "UNPROTECTED", "running", &["--diff", "xor"]);
 }
 
 #[test]
 fn primary_pauses_on_backup_loss_by_policy_until_protected_again() {
-    backup_loss_then_reprotect("pause", "PAUSED", "paused");
+    backup_loss_then_reprotect("pause", "PAUSED", "paused", &[]);
 }
 
-fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str) {
+fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str, extra: &[&str]) {
     let dir = Scratch::new(&format!("reprotect-{policy}")).unwrap().keep_on_panic();
     let socket = dir.join("api.sock");
     let long = "ws=16M pattern=random writes=150000000 report=100ms";
     let addr1 = free_addr();
     let mut b1 = backup(&addr1, &[]);
     let mut p = spawn(
-        primary(&addr1, 1, long, &["--epoch-ms", "10", "--failure-timeout-ms", "300", "--on-backup-loss", policy, "--api-socket"])
+        primary(&addr1, 1, long, &["--epoch-ms", "10", "--failure-timeout-ms", "300", "--on-backup-loss", policy])
+            .args(extra)
+            .arg("--api-socket")
             .arg(&socket),
     );
     let _lines = wait_for_progress(&mut p);

@@ -45,8 +45,19 @@ pub struct EpochMetrics {
     /// first-write fault, or was written by the VMM).
     #[serde(default)]
     pub first_writes: u64,
-    /// Size of the checkpoint on the wire.
+    /// Size of the checkpoint on the wire (every byte of its frame).
     pub bytes: u64,
+    /// Pages the checkpoint carried (today every dirty page).
+    pub commit_pages: u64,
+    /// Bytes its pages took on the wire (entry headers included).
+    pub page_bytes: u64,
+    /// Bytes sub-page diffs saved against sending their pages whole: the
+    /// pages' bytes before diffing are `page_bytes + diff_bytes_saved`.
+    pub diff_bytes_saved: u64,
+    /// Bytes of its state: vCPUs, devices, clock, disk writes.
+    pub state_bytes: u64,
+    /// Time spent encoding its pages (after the guest resumed).
+    pub encode_ns: u64,
     /// From resuming the guest until the checkpoint was handed to the socket
     /// (or acknowledged, if that came first). Time on the wire is in `ack_us`.
     pub transfer_us: u64,

@@ -11,6 +11,7 @@ use ftvm_testkit::netns;
 use ftvm_testkit::process::Process;
 use ftvm_testkit::resp::{Client, Reply};
 use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR};
+use ftvm_vmm::memory::PAGE;
 
 use crate::paths;
 use crate::redis_benchmark::{self, Figures};
@@ -30,6 +31,7 @@ pub struct Replicated<'a> {
 pub struct EpochMeans {
     pub pause_us: f64,
     pub dirty_pages: f64,
+    /// Every byte of the checkpoint's frame.
     pub bytes: f64,
     /// How long output was held for its checkpoint.
     pub hold_us: f64,
@@ -45,6 +47,26 @@ pub struct EpochMeans {
     pub predicted: f64,
     pub first_writes: f64,
     pub fake_dirty: f64,
+    /// Pages the checkpoint carried.
+    pub commit_pages: f64,
+    pub diff_bytes_saved: f64,
+    /// Bytes of vCPU, device and clock state (and disk writes).
+    pub state_bytes: f64,
+    /// Time encoding the checkpoint's pages.
+    pub encode_ns: f64,
+}
+
+impl EpochMeans {
+    /// Bytes on the wire per byte of dirty page (1.0 would be the dirty
+    /// pages whole with no framing or state).
+    pub fn bytes_per_dirty_byte(&self) -> f64 {
+        self.bytes / (self.dirty_pages * PAGE as f64).max(1.0)
+    }
+
+    /// Mean time encoding one page.
+    pub fn encode_ns_per_page(&self) -> f64 {
+        self.encode_ns / self.commit_pages.max(1.0)
+    }
 }
 
 fn ftvm_bin() -> PathBuf {
@@ -85,6 +107,10 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
         predicted: mean("predicted"),
         first_writes: mean("first_writes"),
         fake_dirty: mean("fake_dirty"),
+        commit_pages: mean("commit_pages"),
+        diff_bytes_saved: mean("diff_bytes_saved"),
+        state_bytes: mean("state_bytes"),
+        encode_ns: mean("encode_ns"),
     }
 }
 
@@ -122,14 +148,13 @@ pub fn memtouch_on(vcpus: u32, cmdline: &str, ft: Option<Replicated>, dir: &Path
     Ok((rate, ft.map(|_| epoch_means(&metrics))))
 }
 
-/// Parse redis-benchmark --csv: "test","rps","avg_latency_ms","min","p50",
-/// "p95","p99","max" (redis-benchmark 7).
-/// redis-benchmark SET and GET against the guest, 50 connections.
-pub fn redis_benchmark(topo: &Topology, pipeline: u32, requests: u64) -> Result<Vec<Figures>, BoxError> {
+/// redis-benchmark SET and GET against the guest, 50 connections, values
+/// of `value_bytes` (redis-benchmark's default is 3).
+pub fn redis_benchmark(topo: &Topology, pipeline: u32, requests: u64, value_bytes: u32) -> Result<Vec<Figures>, BoxError> {
     let out = topo
         .command("client", "redis-benchmark")
         .args(["-h", GUEST_ADDR, "-t", "set,get", "-c", "50", "--csv"])
-        .args(["-P", &pipeline.to_string(), "-n", &requests.to_string()])
+        .args(["-P", &pipeline.to_string(), "-n", &requests.to_string(), "-d", &value_bytes.to_string()])
         .output()?;
     let text = String::from_utf8_lossy(&out.stdout);
     let rows = redis_benchmark::parse(&text).unwrap_or_default();

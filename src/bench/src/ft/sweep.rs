@@ -93,12 +93,12 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         for pipeline in [1, 16] {
             let base = {
                 let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
-                runs::redis_benchmark(&topo, pipeline, opts.requests)?
+                runs::redis_benchmark(&topo, pipeline, opts.requests, 3)?
             };
             for s in &settings {
                 let ft = {
                     let _vm = runs::start_kv(&topo, Some(s.replicated()), scratch, "kv", &metrics)?;
-                    runs::redis_benchmark(&topo, pipeline, opts.requests)?
+                    runs::redis_benchmark(&topo, pipeline, opts.requests, 3)?
                 };
                 for (b, r) in ft.iter().zip(&base) {
                     let row = |case: &str, value, unit, reference| Row {

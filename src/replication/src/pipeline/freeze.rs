@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use ftvm_vmm::{PageBitmap, Persist, Vm};
 
 use super::predict::LeaveWritable;
-use crate::checkpoint::CheckpointState;
+use crate::checkpoint::{CheckpointState, StateDelta};
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::ReplicationError;
 
@@ -94,7 +94,7 @@ impl Freeze for PauseAndSave {
             rearm_us = t2.elapsed().as_micros() as u64,
             "freeze"
         );
-        let state = CheckpointState { vm: vm.save()?, disk: self.journal.take() };
+        let state = CheckpointState { vm: StateDelta::whole(vm.save()?), disk: self.journal.take() };
         // Inside the pause: frames the guest sends after resuming belong to
         // the next epoch. The first checkpoint starts holding output.
         if self.output.is_protected() {

@@ -17,6 +17,7 @@ pub mod apply;
 pub mod capture;
 pub mod encode;
 pub mod freeze;
+pub mod last_sent;
 pub mod predict;
 pub mod transport;
 pub mod trigger;
@@ -39,6 +40,8 @@ use predict::{LeaveNone, LeaveWritable, Prediction};
 pub struct Switches {
     pub capture: capture::Mode,
     pub encoding: encode::Encoding,
+    pub diff: encode::Diff,
+    pub device_state: encode::States,
     pub transport: transport::Kind,
     pub trigger: trigger::Mode,
     pub predict_writes: predict::Mode,
@@ -60,6 +63,16 @@ pub struct Taken {
     pub max_epoch: Duration,
     /// Write-fault prediction (all zero without it).
     pub predict: predict::Figures,
+    /// Pages the checkpoint carries.
+    pub commit_pages: u64,
+    /// Bytes its pages took (entry headers included).
+    pub page_bytes: u64,
+    /// Bytes diffs saved against sending their pages whole.
+    pub diff_bytes_saved: u64,
+    /// Bytes of its state (VM state and disk writes).
+    pub state_bytes: u64,
+    /// Time spent encoding its pages.
+    pub encode_ns: u64,
 }
 
 /// The primary's half of the pipeline: from the running VM to a frame.
@@ -71,6 +84,7 @@ pub struct Pipeline {
     leave_none: LeaveNone,
     capture: Box<dyn Capture>,
     encoder: Box<dyn PageEncoder>,
+    sent_state: encode::SentState,
     frame: Vec<u8>,
     /// The largest checkpoint payload the backup accepts from this VM.
     limit: u64,
@@ -88,7 +102,8 @@ impl Pipeline {
             predict: Prediction::new(switches.predict_writes, pages),
             leave_none: LeaveNone::new(pages),
             capture: capture::new(switches.capture, vm)?,
-            encoder: encode::new(switches.encoding),
+            encoder: encode::new(switches.encoding, switches.diff, pages),
+            sent_state: encode::SentState::new(switches.device_state),
             frame: Vec::new(),
             limit: crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus),
         })
@@ -100,6 +115,13 @@ impl Pipeline {
         if let Some(p) = &mut self.predict {
             p.reset();
         }
+    }
+
+    /// The next checkpoint goes to a new backup, which has nothing but what
+    /// pre-copy sent it: forget what was assumed about the previous one.
+    pub fn new_backup(&mut self) {
+        self.encoder.reset();
+        self.sent_state.reset();
     }
 
     /// Take checkpoint `epoch`: the VM is paused only for the freeze (and
@@ -118,7 +140,7 @@ impl Pipeline {
         };
         let captured = self.capture.in_pause(vm, &frozen.dirty, hot);
         tracing::debug!(copy_us = t0.elapsed().as_micros() as u64, pages = frozen.dirty.count(), "capture");
-        let thawed = frozen.thaw();
+        let mut thawed = frozen.thaw();
         captured?;
         let pages = self.capture.finish(vm)?;
         let predicted = match &mut self.predict {
@@ -126,7 +148,8 @@ impl Pipeline {
             // Nothing left writable: every dirty page took a first write.
             None => predict::Figures { first_writes: pages.len() as u64, ..predict::Figures::default() },
         };
-        encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
+        self.sent_state.filter(&mut thawed.state.vm);
+        let encoded = encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
         let bytes = protocol::payload_len(&self.frame);
         if bytes > self.limit {
             // The bounds make this impossible; sending it would make the backup give up on us.
@@ -139,6 +162,11 @@ impl Pipeline {
             disk_writes: thawed.state.disk.len() as u64,
             disk_bytes: thawed.state.disk.iter().map(|w| w.data.len() as u64).sum(),
             predict: predicted,
+            commit_pages: encoded.pages.pages,
+            page_bytes: encoded.pages.bytes,
+            diff_bytes_saved: encoded.pages.diff_saved,
+            state_bytes: encoded.state_bytes,
+            encode_ns: encoded.pages_ns,
             ..Taken::default()
         };
         Ok((taken, &self.frame))

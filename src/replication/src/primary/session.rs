@@ -151,6 +151,7 @@ impl Session {
             .map_err(|e| sync_failed(link.as_mut(), &shared, e))?;
         // The stop-and-copy: the first checkpoint, which also starts output commit.
         cx.trigger.clear();
+        pipeline.new_backup();
         let first = *epoch;
         // Its number is used even if sending fails: numbers never repeat.
         *epoch += 1;
@@ -313,6 +314,11 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         fake_dirty: taken.predict.fake_dirty,
         first_writes: taken.predict.first_writes,
         bytes: bytes as u64,
+        commit_pages: taken.commit_pages,
+        page_bytes: taken.page_bytes,
+        diff_bytes_saved: taken.diff_bytes_saved,
+        state_bytes: taken.state_bytes,
+        encode_ns: taken.encode_ns,
         transfer_us: transfer.as_micros() as u64,
         ..EpochMetrics::default()
     }
