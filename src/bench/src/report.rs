@@ -34,11 +34,21 @@ pub fn print_table(rows: &[Row]) {
     }
 }
 
+/// A CSV field: quoted (RFC 4180) when it holds a comma or a quote, as
+/// case names do ("4096 pages seq, 1 vCPU, epoch 20 ms: writes/s").
+fn field(text: &str) -> String {
+    if text.contains([',', '"', '\n']) {
+        format!("\"{}\"", text.replace('"', "\"\""))
+    } else {
+        text.to_owned()
+    }
+}
+
 pub fn write_csv(path: &Path, rows: &[Row]) -> std::io::Result<()> {
     let mut s = String::from("group,case,value,unit,reference,ratio\n");
     for r in rows {
         let opt = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v}"));
-        let _ = writeln!(s, "{},{},{},{},{},{}", r.group, r.case, r.value, r.unit, opt(r.reference), opt(r.ratio()));
+        let _ = writeln!(s, "{},{},{},{},{},{}", field(&r.group), field(&r.case), r.value, r.unit, opt(r.reference), opt(r.ratio()));
     }
     std::fs::write(path, s)
 }
@@ -132,6 +142,13 @@ mod tests {
     fn attr(tag: &str, name: &str) -> Option<f64> {
         let at = tag.find(&format!(" {name}=\""))? + name.len() + 3;
         tag[at..].split('"').next()?.parse().ok()
+    }
+
+    #[test]
+    fn csv_quotes_fields_with_commas_and_quotes() {
+        assert_eq!(field("plain"), "plain");
+        assert_eq!(field("4096 pages, 1 vCPU"), "\"4096 pages, 1 vCPU\"");
+        assert_eq!(field("say \"hi\""), "\"say \"\"hi\"\"\"");
     }
 
     #[test]

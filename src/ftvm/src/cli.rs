@@ -8,8 +8,8 @@ use clap::error::ErrorKind;
 use clap::parser::ValueSource;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use ftvm_replication::pipeline::{capture, encode, transport};
-use ftvm_replication::OnBackupLoss;
+use ftvm_replication::pipeline::{capture, encode, predict, transport, trigger};
+use ftvm_replication::{OnBackupLoss, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::devices::virtio::net::NetConfig;
 use ftvm_vmm::DirtyBackend;
 
@@ -139,7 +139,9 @@ pub struct RunArgs {
     /// replication options (--epoch-ms to --transport, --arbiter, --name) need it.
     #[arg(long, value_name = "ADDR")]
     pub replicate_to: Option<String>,
-    /// Checkpoint interval in milliseconds (5 to 60000).
+    /// Longest epoch in milliseconds (5 to 60000): the checkpoint interval
+    /// with --trigger periodic; with --trigger output, the most an epoch
+    /// runs without output (less when checkpoints are cheap).
     #[arg(long, value_name = "MS", default_value_t = 20, value_parser = epoch_ms)]
     pub epoch_ms: u64,
     /// When the backup is lost: keep running unprotected (continue), or pause with
@@ -165,12 +167,24 @@ pub struct RunArgs {
     /// Give up reaching the backup at start after this long.
     #[arg(long, value_name = "MS", default_value_t = 5000)]
     pub connect_timeout_ms: u64,
-    /// Checkpoint capture stage. pause: copy the dirty pages while the VM is paused.
-    #[arg(long, default_value = "pause", value_name = "pause")]
+    /// Checkpoint capture stage. pause: copy the dirty pages while the VM is
+    /// paused. cow: resume at once and copy each dirty page before it is
+    /// written again (userfaultfd write protection; with --predict-writes the
+    /// pages left writable are copied in the pause).
+    #[arg(long, default_value = "pause", value_name = "pause|cow")]
     pub capture: capture::Mode,
     /// Checkpoint page encoding. raw: whole pages, zero pages as a bare tag.
     #[arg(long, default_value = "raw", value_name = "raw")]
     pub encoding: encode::Encoding,
+    /// Send a page the backup has an earlier version of as a diff: off (whole
+    /// pages), xor (the XOR of its changed 64-byte blocks; `--diff` alone), lz4
+    /// (each diff LZ4-compressed when that is smaller).
+    #[arg(long, default_value = "off", value_name = "off|xor|lz4", num_args = 0..=1, default_missing_value = "xor")]
+    pub diff: encode::Diff,
+    /// Which vCPU and device state each checkpoint carries: all, or changed
+    /// (only what differs from the previous checkpoint; the backup keeps the rest).
+    #[arg(long, default_value = "all", value_name = "all|changed")]
+    pub device_state: encode::States,
     /// Replication transport. tcp: one TCP connection to the backup.
     #[arg(long, default_value = "tcp", value_name = "tcp")]
     pub transport: transport::Kind,
@@ -180,6 +194,22 @@ pub struct RunArgs {
     /// with --encrypt.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub mirror: ftvm_replication::mirror::Mode,
+    /// What starts a checkpoint. output: output is held and the guest idle,
+    /// or held output waited its bound, or the epoch reached its maximum;
+    /// periodic: every --epoch-ms.
+    #[arg(long, default_value = "output", value_name = "output|periodic")]
+    pub trigger: trigger::Mode,
+    /// Checkpoints sent and not yet acknowledged at most (1 to 64): the next
+    /// checkpoint may be taken while this many are in flight.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PIPELINE_DEPTH, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub pipeline_depth: u64,
+    /// Write-fault prediction: leave pages likely to be written again
+    /// writable at each checkpoint (no tracked first write for them); pages
+    /// left writable but unchanged are not sent. off, histase (HBFT's
+    /// stride and history predictor) or adaptive (per-region rewrite rate).
+    /// Needs --dirty-backend bitmap.
+    #[arg(long, default_value = "off", value_name = "off|histase|adaptive")]
+    pub predict_writes: predict::Mode,
     #[command(flatten)]
     pub arbiter: ArbiterArgs,
     #[command(flatten)]
@@ -288,7 +318,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 15] = [
+const PRIMARY_ONLY: [&str; 20] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -298,8 +328,13 @@ const PRIMARY_ONLY: [&str; 15] = [
     "connect_timeout_ms",
     "capture",
     "encoding",
+    "diff",
+    "device_state",
     "transport",
     "mirror",
+    "trigger",
+    "pipeline_depth",
+    "predict_writes",
     "arbiter",
     "name",
     "secret_file",

@@ -6,9 +6,10 @@
 //! the hosts, and starts a private etcd, the arbiter that decides who owns
 //! the VM. A backup waits in h2; the primary runs the guest in h1 (the kv
 //! guest, or with `--app redis` the unmodified static redis-server on the
-//! runtime's Linux personality) and
-//! checkpoints it to h2 every epoch over an authenticated channel (a shared
-//! secret file), holding the guest's network output until the backup has
+//! runtime's Linux personality) and checkpoints it to h2 over an
+//! authenticated channel (a shared secret file) whenever the guest has
+//! output waiting and is idle (at the latest every epoch), holding the
+//! guest's network output until the backup has
 //! the state that produced it. From the client, redis-benchmark loads the
 //! guest while tracked writers record every write whose `+OK` arrived.
 //! Then one of two failures, each with a fresh primary and backup:
@@ -48,7 +49,7 @@ pub struct DemoArgs {
     /// host dies, then the primary stalls), each with a fresh primary and backup.
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::at_least_one)]
     trials: u32,
-    /// Checkpoint interval of the primary, in milliseconds.
+    /// Longest epoch of the primary (its --epoch-ms), in milliseconds.
     #[arg(long, default_value_t = 20, value_name = "MS", value_parser = crate::cli::epoch_ms)]
     epoch_ms: u64,
     /// Seconds of load before each failure.
@@ -205,9 +206,11 @@ fn progress_line(t0: Instant, socket: &Path, writers: &writers::Writers, bench: 
     let rep = status(socket).and_then(|r| r.replication);
     let vm = match rep.as_ref().and_then(|r| r.last.map(|m| (r, m))) {
         Some((r, m)) => format!(
-            "epoch {:5} {}: pause {:4} us, {:4} dirty pages, {:7.2} MB, ack {:5.1} ms, {:3} frames held up to {:4.1} ms",
+            "epoch {:5} {}: {:5} after {:4.1} ms, pause {:4} us, {:4} dirty pages, {:7.2} MB, ack {:5.1} ms, {:3} frames held up to {:4.1} ms",
             m.epoch,
             if r.protected { "protected" } else { "UNPROTECTED" },
+            m.trigger.to_string(),
+            m.epoch_us as f64 / 1e3,
             m.pause_us,
             m.dirty_pages,
             m.bytes as f64 / 1e6,

@@ -17,7 +17,7 @@ mod signals;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig, Switches};
+use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig, Switches, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::Console;
 
 use cli::{ChannelArgs, ClientArgs, Command, HostArgs};
@@ -85,7 +85,16 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 connect_timeout: Duration::from_millis(args.connect_timeout_ms),
                 metrics: args.metrics,
                 disk: args.host.disk.clone(),
-                switches: Switches { capture: args.capture, encoding: args.encoding, transport: args.transport },
+                switches: Switches {
+                    capture: args.capture,
+                    encoding: args.encoding,
+                    diff: args.diff,
+                    device_state: args.device_state,
+                    transport: args.transport,
+                    trigger: args.trigger,
+                    predict_writes: args.predict_writes,
+                },
+                pipeline_depth: args.pipeline_depth as usize,
                 auth,
                 mirror: args.mirror,
             });
@@ -128,6 +137,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 metrics: None,
                 disk: config.devices.disk.clone(),
                 switches: Switches::default(),
+                pipeline_depth: DEFAULT_PIPELINE_DEPTH as usize,
                 auth: config.auth.clone(),
                 mirror: Default::default(),
             };
@@ -187,9 +197,28 @@ fn print_status(r: &api::Response) {
         outln!("detail: {}", rep.detail);
         if let Some(m) = &rep.last {
             outln!(
-                "last epoch {}: pause {} us, {} dirty pages, {} bytes, transfer {} us, ack after {} us, {} frames released (held up to {} us)",
-                m.epoch, m.pause_us, m.dirty_pages, m.bytes, m.transfer_us, m.ack_us, m.frames_released, m.hold_us
+                "last epoch {}: started by {}, ran {} us (at most {} us), pause {} us, {} dirty pages, {} bytes, transfer {} us, ack after {} us, {} frames released (held up to {} us)",
+                m.epoch,
+                m.trigger,
+                m.epoch_us,
+                m.max_epoch_us,
+                m.pause_us,
+                m.dirty_pages,
+                m.bytes,
+                m.transfer_us,
+                m.ack_us,
+                m.frames_released,
+                m.hold_us
             );
+            if m.predicted > 0 {
+                outln!(
+                    "write prediction: {} pages left writable, {} of them written, {} unchanged (not sent), {} tracked first writes",
+                    m.predicted,
+                    m.predicted_written,
+                    m.fake_dirty,
+                    m.first_writes
+                );
+            }
         }
     }
 }

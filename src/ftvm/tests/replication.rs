@@ -76,21 +76,62 @@ const WORK: &str = "ws=16M pattern=random writes=60000000 report=100ms";
 /// while the guest still works.
 const LONG_WORK: &str = "ws=16M pattern=random writes=500000000 report=100ms";
 
-#[test]
-fn memory_survives_failover() {
-    for (vcpus, delay_ms) in [(1, 400), (2, 700), (2, 1100)] {
+/// Kill a primary (with `extra` options) after each delay; the backup's
+/// memory must be exactly the primary's at its last checkpoint, which the
+/// guest's final checksum proves. Each run is (vCPUs, memtouch writers,
+/// delay): with fewer writers than vCPUs the rest idle. Returns the mean
+/// of `key` over the primary's epochs of each run.
+fn memory_survives_failover_with(extra: &[&str], runs: &[(u32, u32, u64)], key: &str) -> Vec<f64> {
+    let dir = Scratch::new("failover-memory").unwrap().keep_on_panic();
+    let mut means = Vec::new();
+    for &(vcpus, writers, delay_ms) in runs {
         let addr = free_addr();
+        let metrics = dir.join(format!("{vcpus}-{writers}-{delay_ms}.jsonl"));
+        let work = format!("{LONG_WORK} vcpus={writers}");
         let b = backup(&addr, &[]);
-        let mut p = spawn(&mut primary(&addr, vcpus, LONG_WORK, &["--epoch-ms", "10"]));
-        let _lines = wait_for_progress(&mut p);
+        let mut cmd = primary(&addr, vcpus, &work, &["--epoch-ms", "10"]);
+        let mut p = Process::spawn_collected("ftvm run", cmd.args(extra).arg("--metrics").arg(&metrics)).unwrap();
+        // The delay runs from the first checkpoint: pre-copy takes as long
+        // as it takes on a loaded host.
+        wait_for(&mut p, "primary", "the VM is protected", Duration::from_secs(60));
         std::thread::sleep(Duration::from_millis(delay_ms));
         kill(&mut p);
         let out = finish(b);
         let err = stderr(&out);
         assert!(out.status.success(), "backup failed: {err}");
         assert!(took_over_at(&err).is_some(), "no takeover: {err}");
-        assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(LONG_WORK, vcpus)), "{vcpus} vCPUs, killed after {delay_ms} ms");
+        let what = format!("{vcpus} vCPUs, {writers} writing, {extra:?}, killed after {delay_ms} ms");
+        assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(&work, writers)), "{what}");
+        let text = std::fs::read_to_string(&metrics).unwrap();
+        let values: Vec<u64> = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()[key].as_u64().unwrap()).collect();
+        assert!(!values.is_empty(), "{what}: no epoch metrics");
+        means.push(values.iter().sum::<u64>() as f64 / values.len() as f64);
     }
+    means
+}
+
+#[test]
+fn memory_survives_failover() {
+    let saved = memory_survives_failover_with(&[], &[(1, 1, 400), (2, 2, 700), (2, 2, 1100)], "diff_bytes_saved");
+    assert!(saved.iter().all(|&s| s == 0.0), "no diffs unless asked: {saved:?}");
+}
+
+#[test]
+fn memory_survives_failover_with_diffs() {
+    for (diff, runs) in [("xor", &[(1, 1, 700), (2, 2, 1100)][..]), ("lz4", &[(2, 2, 900)])] {
+        let saved = memory_survives_failover_with(&["--diff", diff], runs, "diff_bytes_saved");
+        assert!(saved.iter().all(|&s| s > 0.0), "--diff {diff}: pages went as diffs: {saved:?}");
+    }
+}
+
+/// With only changed vCPU and device state sent (one vCPU idles, so its
+/// state mostly stays behind), the backup still resumes the whole VM.
+#[test]
+fn memory_survives_failover_with_only_changed_state_sent() {
+    let runs = [(2, 1, 800)];
+    let all = memory_survives_failover_with(&[], &runs, "state_bytes")[0];
+    let changed = memory_survives_failover_with(&["--device-state", "changed", "--diff", "lz4"], &runs, "state_bytes")[0];
+    assert!(changed < all * 0.8, "an idle vCPU's state is left out: {changed:.0} state bytes per epoch against {all:.0}");
 }
 
 fn run_with_fault(fault: &str) -> (Output, Output) {
@@ -198,22 +239,31 @@ fn status(socket: &Path) -> String {
 
 #[test]
 fn primary_survives_backup_loss_and_is_protected_again() {
-    backup_loss_then_reprotect("continue", "UNPROTECTED", "running");
+    backup_loss_then_reprotect("continue", "UNPROTECTED", "running", &[]);
+}
+
+/// The new backup has none of the page versions the primary kept for diffs
+/// against the old one: it must get whole pages first.
+#[test]
+fn a_new_backup_is_not_sent_diffs_against_the_old_ones_pages() {
+    backup_loss_then_reprotect("continue", "UNPROTECTED", "running", &["--diff", "xor"]);
 }
 
 #[test]
 fn primary_pauses_on_backup_loss_by_policy_until_protected_again() {
-    backup_loss_then_reprotect("pause", "PAUSED", "paused");
+    backup_loss_then_reprotect("pause", "PAUSED", "paused", &[]);
 }
 
-fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str) {
+fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str, extra: &[&str]) {
     let dir = Scratch::new(&format!("reprotect-{policy}")).unwrap().keep_on_panic();
     let socket = dir.join("api.sock");
     let long = "ws=16M pattern=random writes=150000000 report=100ms";
     let addr1 = free_addr();
     let mut b1 = backup(&addr1, &[]);
     let mut p = spawn(
-        primary(&addr1, 1, long, &["--epoch-ms", "10", "--failure-timeout-ms", "300", "--on-backup-loss", policy, "--api-socket"])
+        primary(&addr1, 1, long, &["--epoch-ms", "10", "--failure-timeout-ms", "300", "--on-backup-loss", policy])
+            .args(extra)
+            .arg("--api-socket")
             .arg(&socket),
     );
     let _lines = wait_for_progress(&mut p);
@@ -339,6 +389,9 @@ fn fast_disk_writes_give_bounded_checkpoints_and_an_equal_replica() {
         path_str(&disk),
         "--epoch-ms",
         "5000",
+        // Epochs of exactly 5 s (output-triggered ones may be shorter).
+        "--trigger",
+        "periodic",
         "--metrics",
         path_str(&metrics),
         "--failure-timeout-ms",
@@ -361,7 +414,7 @@ fn fast_disk_writes_give_bounded_checkpoints_and_an_equal_replica() {
         assert!(field(e, "bytes") <= limit, "checkpoint over the backup's limit: {e}");
         assert!(field(e, "disk_bytes") <= JOURNAL_MAX, "journal over its bound: {e}");
     }
-    let early = epochs.iter().filter(|e| e["early"].as_bool() == Some(true)).count();
+    let early = epochs.iter().filter(|e| e["trigger"] == "journal").count();
     let journaled: u64 = epochs.iter().map(|e| field(e, "disk_bytes")).sum();
     assert!(early >= 1 && journaled > JOURNAL_MAX, "{early} early checkpoints carried {journaled} bytes: {epochs:?}");
 
@@ -543,4 +596,58 @@ fn console_output_waits_for_the_acknowledgement() {
     assert!(!p.stdout().contains("t="), "console output left before its checkpoint was acknowledged:\n{}", p.output());
     p.kill();
     b.kill();
+}
+
+/// `--trigger output`: a guest that prints a line and then waits (a
+/// ticker) is checkpointed as soon as it is idle with the line held, long
+/// before its epoch would end, and its maximum epoch adapts below
+/// `--epoch-ms` (its checkpoints are cheap); `--trigger periodic` waits for
+/// the end of every epoch. The metrics and `ftvm status` say what started
+/// each checkpoint and how long its epoch ran.
+#[test]
+fn held_output_and_an_idle_guest_start_a_checkpoint() {
+    const EPOCH_US: u64 = 500_000;
+    for trigger in ["output", "periodic"] {
+        let dir = Scratch::new(&format!("trigger-{trigger}")).unwrap();
+        let (socket, metrics) = (dir.join("api.sock"), dir.join("epochs.jsonl"));
+        let addr = free_addr();
+        let b = backup(&addr, &[]);
+        let extra = ["--epoch-ms", "500", "--trigger", trigger, "--metrics", path_str(&metrics), "--api-socket", path_str(&socket)];
+        let p = spawn(&mut primary_of("probe", &addr, 1, "ticker=20,count=60", &extra));
+        let st = wait_for_status(&socket, if trigger == "output" { "started by idle" } else { "started by epoch" });
+        assert!(st.contains("(at most "), "{st}");
+        let out = finish(p);
+        assert!(out.status.success(), "{}", stderr(&out));
+        assert!(stdout(&out).contains("probe: ticker done n=60"), "{}", stdout(&out));
+        finish(b);
+        let epochs: Vec<serde_json::Value> =
+            std::fs::read_to_string(&metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let by = |reason: &str| epochs.iter().filter(|e| e["trigger"] == reason).collect::<Vec<_>>();
+        let us = |e: &serde_json::Value, k: &str| e[k].as_u64().unwrap();
+        assert_eq!((by("sync").len(), by("stop").len()), (1, 1), "{trigger}: {epochs:?}");
+        eprintln!(
+            "{trigger}: {} checkpoints: {} idle, {} hold, {} epoch; maximum epoch {:?} to {:?} us",
+            epochs.len(),
+            by("idle").len(),
+            by("hold").len(),
+            by("epoch").len(),
+            epochs.iter().map(|e| us(e, "max_epoch_us")).filter(|&m| m > 0).min(),
+            epochs.iter().map(|e| us(e, "max_epoch_us")).max(),
+        );
+        if trigger == "output" {
+            let idle = by("idle");
+            assert!(idle.len() >= 30, "only {} of 60 ticks started a checkpoint: {epochs:?}", idle.len());
+            assert!(idle.iter().all(|e| us(e, "epoch_us") < us(e, "max_epoch_us")), "idle epochs end early: {idle:?}");
+            let max: Vec<u64> = epochs.iter().map(|e| us(e, "max_epoch_us")).filter(|&m| m > 0).collect();
+            assert!(max.iter().all(|&m| (5000..=EPOCH_US).contains(&m)), "within [5 ms, --epoch-ms]: {max:?}");
+            assert!(max.iter().any(|&m| m < EPOCH_US), "a cheap guest's maximum epoch adapts below --epoch-ms: {max:?}");
+        } else {
+            let epoch = by("epoch");
+            assert_eq!(epoch.len() + 2, epochs.len(), "only the end of an epoch starts a periodic checkpoint: {epochs:?}");
+            assert!(
+                !epoch.is_empty() && epoch.iter().all(|e| us(e, "max_epoch_us") == EPOCH_US && us(e, "epoch_us") >= EPOCH_US),
+                "{epoch:?}"
+            );
+        }
+    }
 }

@@ -31,6 +31,16 @@ pub const FRAME_OVERHEAD: u64 = 64;
 /// transmit queue stops being served until output is released.
 pub const HELD_OUTPUT_BOUND: u64 = 16 << 20;
 
+/// The most pages the primary keeps the last sent version of for diffs
+/// (`--diff`), for a guest of `ram_pages` pages: a quarter of its RAM, at
+/// most 1 GiB. The pages a guest dirties within a few epochs are far fewer
+/// (thousands at most at 20 ms, see `docs/replication.md`); what does not
+/// fit is sent whole.
+pub fn last_sent_pages(ram_pages: u64) -> usize {
+    const MAX: u64 = (1 << 30) / PAGE as u64;
+    (ram_pages / 4).clamp(1, MAX) as usize
+}
+
 /// The most a VM of `vcpus` vCPUs needs for its saved state (vCPU registers,
 /// XSAVE area and MSRs, devices, clock): generous, a few KiB per vCPU are used.
 pub fn vm_state_limit(vcpus: u32) -> u64 {

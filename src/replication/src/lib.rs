@@ -22,7 +22,7 @@ pub mod telemetry;
 pub use backup::{Backup, BackupConfig, Outcome};
 pub use metrics::{EpochMetrics, Role, Status, StatusCell};
 pub use pipeline::Switches;
-pub use primary::{BackupLoss, OnBackupLoss, Primary, PrimaryConfig};
+pub use primary::{BackupLoss, OnBackupLoss, Primary, PrimaryConfig, DEFAULT_PIPELINE_DEPTH};
 pub use protocol::{ProtocolError, PROTOCOL_VERSION};
 
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +47,10 @@ pub enum ReplicationError {
     CannotApply(#[from] pipeline::apply::ApplyError),
     #[error("checkpoint {epoch} would be {bytes} bytes, over the {limit}-byte limit of this VM's shape")]
     CheckpointTooLarge { epoch: u64, bytes: u64, limit: u64 },
+    #[error("{0}")]
+    Unsupported(&'static str),
+    #[error("copy-on-write capture: {0}")]
+    WriteProtect(ftvm_vmm::memory::WriteProtectError),
     #[error("cannot write metrics: {0}")]
     Metrics(std::io::Error),
     #[error("cannot start a replication thread: {0}")]

@@ -10,6 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use ftvm_vmm::sync::Lock;
 
+use crate::pipeline::trigger::Reason;
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct EpochMetrics {
     pub epoch: u64,
@@ -19,11 +21,43 @@ pub struct EpochMetrics {
     pub disk_writes: u64,
     /// Bytes of disk data the checkpoint carries.
     pub disk_bytes: u64,
-    /// Taken before its epoch ended because a bound was reached (the disk
-    /// journal's early mark).
-    pub early: bool,
-    /// Size of the checkpoint on the wire.
+    /// Why the checkpoint was taken: `epoch` (its epoch reached the
+    /// maximum), `journal` (the disk journal's early mark), `idle` (output
+    /// held and the guest idle), `hold` (output held for the hold bound),
+    /// `sync` (a new backup's first), `stop` (the last).
+    pub trigger: Reason,
+    /// How long the epoch ran: from the previous checkpoint's resume to this pause.
+    pub epoch_us: u64,
+    /// The longest it could have run (`--epoch-ms`, or less when adapted).
+    pub max_epoch_us: u64,
+    /// Write-fault prediction (`--predict-writes`; without it, only
+    /// `first_writes`, equal to the dirty pages): pages left writable
+    /// through the epoch,
+    #[serde(default)]
+    pub predicted: u64,
+    /// of those, pages whose content changed (sent),
+    #[serde(default)]
+    pub predicted_written: u64,
+    /// and pages whose content had not (filtered out: not sent);
+    #[serde(default)]
+    pub fake_dirty: u64,
+    /// pages dirtied that were not left writable (each took a tracked
+    /// first-write fault, or was written by the VMM).
+    #[serde(default)]
+    pub first_writes: u64,
+    /// Size of the checkpoint on the wire (every byte of its frame).
     pub bytes: u64,
+    /// Pages the checkpoint carried (today every dirty page).
+    pub commit_pages: u64,
+    /// Bytes its pages took on the wire (entry headers included).
+    pub page_bytes: u64,
+    /// Bytes sub-page diffs saved against sending their pages whole: the
+    /// pages' bytes before diffing are `page_bytes + diff_bytes_saved`.
+    pub diff_bytes_saved: u64,
+    /// Bytes of its state: vCPUs, devices, clock, disk writes.
+    pub state_bytes: u64,
+    /// Time spent encoding its pages (after the guest resumed).
+    pub encode_ns: u64,
     /// From resuming the guest until the checkpoint was handed to the socket
     /// (or acknowledged, if that came first). Time on the wire is in `ack_us`.
     pub transfer_us: u64,

@@ -17,7 +17,10 @@ use ftvm_vmm::pages::FormatError;
 /// Version 3: Hello and Welcome carry each side's heartbeat path
 /// ([`Heartbeat`]; `liveness`).
 /// Version 4: Welcome carries the backup's mirror port (`mirror`).
-pub const PROTOCOL_VERSION: u16 = 4;
+/// Version 5: bundle entries may be sub-page diffs (`Diff`, `DiffLz4`); a
+/// checkpoint's VM state may leave out components that did not change
+/// (`checkpoint::StateDelta`).
+pub const PROTOCOL_VERSION: u16 = 5;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

@@ -10,7 +10,9 @@
 
 use std::sync::LazyLock;
 
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
@@ -19,7 +21,7 @@ use crate::metrics::{AppliedEpoch, EpochMetrics};
 
 pub struct Telemetry {
     checkpoints: Counter,
-    early_checkpoints: Counter,
+    started_by: Family<Started, Counter>,
     pause: Histogram,
     transfer: Histogram,
     ack: Histogram,
@@ -38,6 +40,12 @@ pub struct Telemetry {
     takeovers: Counter,
 }
 
+/// What started a checkpoint (`trigger` in the JSON-lines metrics).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Started {
+    trigger: String,
+}
+
 /// From 50 us to about 50 s: a pause is tens of microseconds to tens of
 /// milliseconds, an acknowledgement up to the acknowledgement timeout.
 fn seconds() -> Histogram {
@@ -50,7 +58,7 @@ fn us(us: u64) -> f64 {
 
 static TELEMETRY: LazyLock<Telemetry> = LazyLock::new(|| Telemetry {
     checkpoints: Counter::default(),
-    early_checkpoints: Counter::default(),
+    started_by: Family::default(),
     pause: seconds(),
     transfer: seconds(),
     ack: seconds(),
@@ -78,9 +86,7 @@ impl Telemetry {
     /// The primary's checkpoint `m` was acknowledged (its figures are complete).
     pub fn acknowledged(&self, m: &EpochMetrics) {
         self.checkpoints.inc();
-        if m.early {
-            self.early_checkpoints.inc();
-        }
+        self.started_by.get_or_create(&Started { trigger: m.trigger.to_string() }).inc();
         self.pause.observe(us(m.pause_us));
         self.transfer.observe(us(m.transfer_us));
         self.ack.observe(us(m.ack_us));
@@ -121,7 +127,11 @@ impl Telemetry {
     pub fn register(&'static self, registry: &mut Registry) {
         let r = registry;
         r.register("checkpoints", "Checkpoints the backup acknowledged (primary)", self.checkpoints.clone());
-        r.register("checkpoints_early", "Checkpoints taken before their epoch ended (disk journal bound)", self.early_checkpoints.clone());
+        r.register(
+            "checkpoints_started",
+            "Acknowledged checkpoints by what started them (idle, hold, epoch, journal, sync, stop)",
+            self.started_by.clone(),
+        );
         r.register_with_unit("checkpoint_pause", "Time the guest was paused per checkpoint", Unit::Seconds, self.pause.clone());
         r.register_with_unit(
             "checkpoint_transfer",

@@ -14,15 +14,16 @@ use std::time::Duration;
 
 use ftvm_replication::backup::{BackupConfig, Replica};
 use ftvm_replication::bounds;
-use ftvm_replication::checkpoint::Checkpoint;
+use ftvm_replication::checkpoint::{Checkpoint, CheckpointState, MSR_IA32_TSC};
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
 use ftvm_replication::pipeline::apply::{Apply, ApplyError, DiskImage, InPlace};
+use ftvm_replication::pipeline::encode::{Diff, States};
 use ftvm_replication::pipeline::{Pipeline, Switches};
 use ftvm_replication::protocol::{self, Heartbeat, Hello, Kind};
 use ftvm_vmm::devices::{DeviceConfig, DeviceKind};
 use ftvm_vmm::hooks::{DiskWriteObserver, FrameSink};
 use ftvm_vmm::memory::PAGE;
-use ftvm_vmm::{Console, DirtyBackend, Vm, VmConfig};
+use ftvm_vmm::{Console, DirtyBackend, Persist, Vm, VmConfig};
 
 const MEM: u64 = 16 << 20;
 const DISK: u64 = 16 << 20;
@@ -86,7 +87,7 @@ fn checkpoint_with_writes(vm: &Vm, writes: &[(u64, Vec<u8>)]) -> Vec<u8> {
     for (offset, data) in writes {
         journal.written(*offset, data);
     }
-    let mut pipeline = Pipeline::new(&Switches::default(), vm, output, journal);
+    let mut pipeline = Pipeline::new(&Switches::default(), vm, output, journal).unwrap();
     let (taken, frame) = pipeline.take(vm, 5).unwrap();
     assert_eq!((taken.epoch, taken.dirty_pages, taken.disk_writes), (5, 3, writes.len() as u64));
     assert!(protocol::payload_len(frame) <= bounds::checkpoint_limit(MEM, 1));
@@ -277,4 +278,119 @@ fn a_commit_whose_undo_fails_discards_the_replica() {
     assert!(matches!(e, ApplyError::Unusable { epoch: 5, .. }), "{e}");
     assert!(!replica.usable, "never to be taken over");
     assert!(replica.committed.is_none(), "nothing left to take over");
+}
+
+/// Checkpoints of the diff encoders, epoch after epoch, rebuild the
+/// primary's memory exactly in the replica; a checkpoint whose commit is
+/// undone (a full replica disk) leaves the replica at the previous one.
+#[test]
+fn diff_checkpoints_rebuild_the_primarys_memory_and_an_undone_one_changes_nothing() {
+    for diff in [Diff::Xor, Diff::Lz4] {
+        // (A size of its own: mounts are named by process and size.)
+        let fs = Tmpfs::mount("1024k");
+        let path = fs.0.join("replica.img");
+        File::create(&path).unwrap().set_len(DISK).unwrap();
+        let mut replica = replica_with_disk(1, Some(&path));
+        let pages = |vm: &Vm| ram_bytes(vm)[1000 * PAGE..1040 * PAGE].to_vec();
+        let primary = vm();
+        primary.start_dirty_tracking().unwrap();
+        let output = Arc::new(OutputBuffer::new(Arc::new(Nowhere)));
+        let journal = Arc::new(DiskJournal::default());
+        journal.start();
+        let switches = Switches { diff, ..Switches::default() };
+        let mut pipeline = Pipeline::new(&switches, &primary, output, journal.clone()).unwrap();
+        let mut apply = InPlace::default();
+        let mut saved = 0;
+        for epoch in 1..=6u64 {
+            // Whole pages first, then a few bytes of each, a page zeroed.
+            for p in 1000..1040u64 {
+                let mut page = vec![0u8; PAGE];
+                primary.ram().read_page(p, &mut page).unwrap();
+                match epoch {
+                    1 => page.iter_mut().enumerate().for_each(|(i, b)| *b = (i as u64 * p) as u8),
+                    _ if p == 1039 => page.fill(0),
+                    _ => (0..epoch as usize).for_each(|k| page[(p as usize * 97 + k * 613) % PAGE] ^= epoch as u8),
+                }
+                primary.ram().write_page(p, &page).unwrap();
+            }
+            if epoch == 4 {
+                // More than the replica's tmpfs holds: this commit is undone.
+                journal.written(0, &vec![0xa5; 2 << 20]);
+            }
+            let (taken, frame) = pipeline.take(&primary, epoch).unwrap();
+            saved += taken.diff_bytes_saved;
+            let payload = payload(frame);
+            let before = pages(&replica.vm);
+            let staged = apply.stage(&replica, &payload).unwrap();
+            if epoch == 4 {
+                assert!(matches!(apply.commit(&mut replica, staged), Err(ApplyError::Undone { epoch: 4, .. })));
+                assert!(pages(&replica.vm) == before, "{diff}: an undone commit changed the replica's RAM");
+                assert_eq!(replica.next_epoch, 4);
+                // A backup stops here (and the primary starts over with a
+                // new one); this test carries on from the undone checkpoint
+                // by applying it again without its disk write.
+                let staged = apply.stage(&replica, &payload).unwrap();
+                let staged = Checkpoint { state: CheckpointState { disk: Vec::new(), ..staged.state }, ..staged };
+                apply.commit(&mut replica, staged).unwrap();
+            } else {
+                apply.commit(&mut replica, staged).unwrap();
+            }
+            assert!(pages(&replica.vm) == pages(&primary), "{diff}: the replica's RAM after checkpoint {epoch}");
+        }
+        assert!(saved > 30 * (PAGE as u64 - 200), "{diff}: the later checkpoints went as diffs ({saved} bytes saved)");
+    }
+}
+
+/// With `--device-state changed` a checkpoint carries only the state that
+/// changed; the backup's state after each is still the primary's, whole. A
+/// backup without the earlier state refuses such a checkpoint at stage.
+#[test]
+fn only_changed_state_is_sent_and_the_backup_still_has_all_of_it() {
+    let primary = vm();
+    primary.start_dirty_tracking().unwrap();
+    let output = Arc::new(OutputBuffer::new(Arc::new(Nowhere)));
+    let journal = Arc::new(DiskJournal::default());
+    let switches = Switches { device_state: States::Changed, ..Switches::default() };
+    let mut pipeline = Pipeline::new(&switches, &primary, output, journal).unwrap();
+    let mut backup = replica(1);
+    let mut apply = InPlace::default();
+    let mut state_bytes = Vec::new();
+    let mut omitted = Vec::new();
+    let mut last_tsc = 0;
+    for epoch in 1..=3 {
+        if epoch == 3 {
+            // The clock moves on: its state goes again, nothing else.
+            std::thread::sleep(Duration::from_millis(2));
+            pipeline.new_backup();
+        }
+        let (taken, frame) = pipeline.take(&primary, epoch).unwrap();
+        state_bytes.push(taken.state_bytes);
+        let payload = payload(frame);
+        let staged = apply.stage(&backup, &payload).unwrap();
+        omitted.push(staged.state.vm.omitted());
+        if epoch == 2 {
+            let fresh = replica(2);
+            let refused = apply.stage(&fresh, &payload).err().expect("a fresh backup cannot take a partial state");
+            assert!(refused.to_string().contains("leaves out state"), "{refused}");
+        }
+        apply.commit(&mut backup, staged).unwrap();
+        // The same as the primary's now, but for the clock, which moved on.
+        let (_, theirs) = backup.committed.as_ref().unwrap();
+        let mut now = primary.save().unwrap();
+        assert!(theirs.clock.ns <= now.clock.ns);
+        now.clock = theirs.clock;
+        // And for the vCPU's time-stamp counter, which moves on too: it went
+        // with every checkpoint.
+        let tsc = |s: &ftvm_vmm::VmState| s.vcpus[0].msrs.iter().find(|m| m.index == MSR_IA32_TSC).unwrap().data;
+        assert!(tsc(theirs) > 0 && tsc(theirs) <= tsc(&now) && tsc(theirs) > last_tsc, "epoch {epoch}");
+        last_tsc = tsc(theirs);
+        now.vcpus[0].msrs.iter_mut().filter(|m| m.index == MSR_IA32_TSC).for_each(|m| m.data = last_tsc);
+        assert!(ftvm_vmm::persist::encode(theirs) == ftvm_vmm::persist::encode(&now), "the backup's state after {epoch}");
+    }
+    // The VM does not run: after the first, nothing changes but the guest
+    // clock (which it reads from the host clock) until a new backup.
+    assert_eq!(omitted[0], 0, "the first checkpoint carries everything");
+    assert!(omitted[1] >= 2, "memory and the vCPU left out: {omitted:?}");
+    assert_eq!(omitted[2], 0, "a new backup gets everything again");
+    assert!(state_bytes[1] * 4 < state_bytes[0], "{state_bytes:?}");
 }

@@ -126,9 +126,8 @@ const EVERY_THREAD: &[Syscall] = syscalls![
 /// KVM_RUN and the vCPU state ioctls.
 const VCPU: &[Syscall] = syscalls![SYS_ioctl];
 
-/// Queues over eventfds and epoll; the TAP and the disk file; the copy of
-/// each received frame a protected primary mirrors to its backup (a UDP
-/// datagram sent from the device thread, `ftvm_replication::mirror`).
+/// Queues over eventfds and epoll; the TAP and the disk file; a protected
+/// VM's frames copied to the backup over UDP (frame mirroring).
 const DEVICE: &[Syscall] = syscalls![
     SYS_sendto,
     SYS_epoll_create1,
@@ -144,6 +143,7 @@ const DEVICE: &[Syscall] = syscalls![
     SYS_fdatasync,
     SYS_fsync,
     SYS_fcntl,
+    SYS_sendto,
 ];
 
 /// One client on a socket that is already open.

@@ -56,7 +56,9 @@ impl VmShared {
     /// A vCPU enters the wait hypercall; the last one to do so makes the
     /// whole VM idle, which the idle hook hears about.
     pub fn enter_wait(&self) {
-        if self.waiting.fetch_add(1, Ordering::AcqRel) + 1 == self.control.vcpus() {
+        // SeqCst: an observer that announces it watches, then reads
+        // `all_waiting`, either sees this vCPU waiting or is called.
+        if self.waiting.fetch_add(1, Ordering::SeqCst) + 1 == self.control.vcpus() {
             if let Some(observer) = self.hooks.idle() {
                 observer.all_idle();
             }
@@ -64,7 +66,12 @@ impl VmShared {
     }
 
     pub fn leave_wait(&self) {
-        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Whether every vCPU waits in the wait hypercall right now.
+    pub fn all_waiting(&self) -> bool {
+        self.waiting.load(Ordering::SeqCst) == self.control.vcpus()
     }
 
     /// Get every vCPU thread out of KVM_RUN and out of the wait hypercall.

@@ -334,6 +334,12 @@ impl Vm {
         *self.holds.locked() > 0
     }
 
+    /// Whether the guest has nothing to run: every vCPU waits in the wait
+    /// hypercall right now (the idle hook hears when this becomes true).
+    pub fn is_idle(&self) -> bool {
+        self.shared.all_waiting()
+    }
+
     pub fn is_running(&self) -> bool {
         !self.threads.locked().is_empty() && self.shared.control.mode() == Mode::Run
     }
@@ -350,11 +356,27 @@ impl Vm {
 
     /// OR into `out` every page written since tracking started or since the
     /// last collection, by the guest or by the VMM, and re-arm tracking for
-    /// them except for `leave_writable` (see `DirtyLog::collect`).
+    /// them except for `leave_writable` (see `DirtyLog::rearm`).
     pub fn collect_dirty(&self, out: &mut PageBitmap, leave_writable: &PageBitmap) -> Result<(), VmError> {
-        self.shared.dirty.locked().collect(&self.shared.vm_fd, out, leave_writable)?;
+        self.harvest_dirty(out)?;
+        self.rearm_dirty(leave_writable)
+    }
+
+    /// The first half of `collect_dirty`, for a caller that chooses what to
+    /// leave writable from what was written: OR into `out` every page
+    /// written since the last re-arm, by the guest or by the VMM. The VM
+    /// should be paused until `rearm_dirty`: until then, the guest's writes
+    /// to these pages are not tracked.
+    pub fn harvest_dirty(&self, out: &mut PageBitmap) -> Result<(), VmError> {
+        self.shared.dirty.locked().harvest(&self.shared.vm_fd, out)?;
         out.or_words(&self.shared.ram.take_vmm_dirty());
         Ok(())
+    }
+
+    /// The second half of `collect_dirty`: re-arm tracking for the pages
+    /// harvested, except for `leave_writable` where the backend can.
+    pub fn rearm_dirty(&self, leave_writable: &PageBitmap) -> Result<(), VmError> {
+        Ok(self.shared.dirty.locked().rearm(&self.shared.vm_fd, leave_writable)?)
     }
 
     /// Stop the VM for good because of `reason`; `wait` then returns

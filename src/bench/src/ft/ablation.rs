@@ -24,7 +24,27 @@ pub struct Switch {
 pub const SWITCHES: &[Switch] = &[
     Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] },
     Switch { name: "mirror", values: &[("on", &["--mirror", "on"]), ("off", &["--mirror", "off"])] },
+    Switch { name: "trigger", values: &[("output", &["--trigger", "output"]), ("periodic", &["--trigger", "periodic"])] },
+    Switch {
+        name: "pipeline-depth",
+        values: &[("2", &["--pipeline-depth", "2"]), ("1", &["--pipeline-depth", "1"]), ("4", &["--pipeline-depth", "4"])],
+    },
+    Switch { name: "capture", values: &[("pause", &["--capture", "pause"]), ("cow", &["--capture", "cow"])] },
+    Switch {
+        name: "predict-writes",
+        values: &[
+            ("off", &["--predict-writes", "off"]),
+            ("histase", &["--predict-writes", "histase"]),
+            ("adaptive", &["--predict-writes", "adaptive"]),
+        ],
+    },
+    Switch { name: "diff", values: &[("off", &["--diff", "off"]), ("xor", &["--diff", "xor"]), ("lz4", &["--diff", "lz4"])] },
+    Switch { name: "device-state", values: &[("all", &["--device-state", "all"]), ("changed", &["--device-state", "changed"])] },
 ];
+
+/// Switch values measured together too (each is also measured alone above).
+pub const COMBINATIONS: &[(&str, &[&str])] =
+    &[("capture=cow predict-writes=adaptive", &["--capture", "cow", "--predict-writes", "adaptive"])];
 
 /// The epoch length measured unless `--epochs` says otherwise.
 pub const DEFAULT_EPOCH_MS: u64 = 20;
@@ -33,6 +53,8 @@ pub const DEFAULT_EPOCH_MS: u64 = 20;
 const MEMTOUCH: (&str, &str) = ("memtouch 10k pages/s", "ws=64M pattern=random rate=10000 report=0");
 /// redis-benchmark's pipeline depth for the kv workload.
 const KV_PIPELINE: u32 = 16;
+/// Value sizes of the kv workload (redis-benchmark -d).
+const KV_VALUES: [u32; 3] = [3, 100, 1000];
 
 /// What `--ablation` measures, for `--help`.
 pub fn long_help() -> String {
@@ -41,11 +63,13 @@ pub fn long_help() -> String {
     format!(
         "Measure each optimisation switch on and off instead of sweeping epoch lengths. The same short workloads ({}: \
          random writes into 64 MiB, almost every one a new dirty page; the kv guest under redis-benchmark SET and GET, \
-         -P {KV_PIPELINE} -c 50) run replicated with epochs of {DEFAULT_EPOCH_MS} ms (or --epochs) once per value of each \
-         switch of `ftvm run` ({}), the other switches at their defaults, and once on the unreplicated VM in the same run. \
-         Prints, per switch value: throughput and latency with the unreplicated figure and their ratio, and the mean pause, \
-         dirty pages, bytes and output hold per epoch; writes ablation.csv and ablation.svg (the throughput ratios).",
+         -P {KV_PIPELINE} -c 50, with values of {} bytes) run replicated with epochs of {DEFAULT_EPOCH_MS} ms (or --epochs) \
+         once per value of each switch of `ftvm run` ({}) and for each combination in COMBINATIONS, the other switches at their defaults, and once on the \
+         unreplicated VM in the same run. Prints, per switch value: throughput and latency with the unreplicated figure and \
+         their ratio, and per epoch the mean pause, dirty pages, bytes, bytes per byte of dirty page, bytes saved by diffs, \
+         encoding time per page and output hold; writes ablation.csv and ablation.svg (the throughput ratios).",
         MEMTOUCH.0,
+        KV_VALUES.map(|v| v.to_string()).join(", "),
         switches.join(", ")
     )
 }
@@ -65,6 +89,10 @@ fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'stati
     rows.push(row("pause", m.pause_us, "us", None));
     rows.push(row("dirty pages/epoch", m.dirty_pages, "pages", None));
     rows.push(row("bytes/epoch", m.bytes, "bytes", None));
+    rows.push(row("bytes per dirty-page byte", m.bytes_per_dirty_byte(), "ratio", None));
+    rows.push(row("diff bytes saved/epoch", m.diff_bytes_saved, "bytes", None));
+    rows.push(row("state bytes/epoch", m.state_bytes, "bytes", None));
+    rows.push(row("encode/page", m.encode_ns_per_page(), "ns", None));
     if output {
         rows.push(row("output hold", m.hold_us / 1e3, "ms", None));
     }
@@ -72,11 +100,17 @@ fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'stati
 }
 
 /// Every (switch, value, arguments) to measure, in table order.
-fn settings() -> impl Iterator<Item = (String, &'static [&'static str])> {
-    SWITCHES.iter().flat_map(|s| s.values.iter().map(move |(value, args)| (format!("{}={value}", s.name), *args)))
+pub fn settings() -> impl Iterator<Item = (String, &'static [&'static str])> {
+    SWITCHES
+        .iter()
+        .flat_map(|s| s.values.iter().map(move |(value, args)| (format!("{}={value}", s.name), *args)))
+        .chain(COMBINATIONS.iter().map(|(name, args)| (name.to_string(), *args)))
 }
 
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
+    if opts.matrix {
+        return super::matrix::run(opts, out);
+    }
     let epochs = opts.epochs.clone().unwrap_or(vec![DEFAULT_EPOCH_MS]);
     let scratch = Scratch::new("bench-ablation")?;
     let scratch = scratch.path();
@@ -95,30 +129,34 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     if !opts.no_network {
         let topo = Topology::new("abl")?;
         let metrics = scratch.join("kv.jsonl");
-        // The unreplicated VM serves some 20 times faster: ten times the
-        // requests keep its run from being over in a few tens of ms.
-        let base = {
-            let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
-            runs::redis_benchmark(&topo, KV_PIPELINE, opts.requests * 10)?
-        };
-        for (setting, args) in settings() {
-            for &e in &epochs {
-                let ft = {
-                    let _vm = runs::start_kv(&topo, Some(Replicated { epoch_ms: e, args }), scratch, "kv", &metrics)?;
-                    runs::redis_benchmark(&topo, KV_PIPELINE, opts.requests)?
-                };
-                let m = runs::epoch_means(&metrics);
-                let workload = format!("kv -P {KV_PIPELINE}");
-                let mut figures = Vec::new();
-                for (b, r) in ft.iter().zip(&base) {
-                    figures.push((format!("{} requests/s", b.test), b.rps, "req/s", r.rps));
-                    figures.push((format!("{} p50", b.test), b.p50_ms, "ms", r.p50_ms));
-                    figures.push((format!("{} p99", b.test), b.p99_ms, "ms", r.p99_ms));
+        for value in KV_VALUES {
+            // The unreplicated VM serves some 20 times faster: ten times the
+            // requests keep its run from being over in a few tens of ms.
+            let base = {
+                let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
+                runs::redis_benchmark(&topo, KV_PIPELINE, opts.requests * 10, value)?
+            };
+            for (setting, args) in settings() {
+                for &e in &epochs {
+                    let ft = {
+                        let _vm = runs::start_kv(&topo, Some(Replicated { epoch_ms: e, args }), scratch, "kv", &metrics)?;
+                        runs::redis_benchmark(&topo, KV_PIPELINE, opts.requests, value)?
+                    };
+                    let m = runs::epoch_means(&metrics);
+                    let workload = format!("kv -P {KV_PIPELINE} -d {value}");
+                    let mut figures = Vec::new();
+                    for (b, r) in ft.iter().zip(&base) {
+                        figures.push((format!("{} requests/s", b.test), b.rps, "req/s", r.rps));
+                        figures.push((format!("{} p50", b.test), b.p50_ms, "ms", r.p50_ms));
+                        figures.push((format!("{} p99", b.test), b.p99_ms, "ms", r.p99_ms));
+                    }
+                    rows.extend(rows_of(&setting, &workload, e, &figures, &m, true));
                 }
-                rows.extend(rows_of(&setting, &workload, e, &figures, &m, true));
             }
         }
     }
+
+    rows.extend(diff_kernels());
 
     println!("each switch value against the unreplicated VM of the same run (reference; ratio = value / reference)\n");
     let bars = rows
@@ -141,6 +179,52 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// The diff encoder's block compare per page, for every kernel this CPU
+/// runs, against the scalar one: on 64 pages that stay in cache (the
+/// compute) and on a 64 MiB pool (mostly out of cache, as in a checkpoint),
+/// each page with two bytes changed; the best of three passes.
+fn diff_kernels() -> Vec<Row> {
+    use ftvm_replication::pipeline::encode::xor::Kernel;
+    use ftvm_vmm::memory::PAGE;
+    let mut rows = Vec::new();
+    for (what, pages, passes) in [("in cache", 64, 2000), ("64 MiB of pages", 16384, 1)] {
+        let old: Vec<[u8; PAGE]> = (0..pages).map(|i| [i as u8; PAGE]).collect();
+        let mut new = old.clone();
+        for (i, p) in new.iter_mut().enumerate() {
+            p[(i * 61) % PAGE] ^= 1;
+            p[(i * 997) % PAGE] ^= 2;
+        }
+        let mut out = Box::new([0u8; PAGE]);
+        let mut timed = |k: Kernel| {
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let t0 = std::time::Instant::now();
+                let mut blocks = 0u64;
+                for _ in 0..passes {
+                    for (o, n) in old.iter().zip(&new) {
+                        blocks += u64::from(k.diff(o, n, &mut out).count_ones());
+                    }
+                }
+                assert!(blocks >= (pages * passes) as u64, "every page changed");
+                best = best.min(t0.elapsed().as_nanos() as f64 / (pages * passes) as f64);
+            }
+            best
+        };
+        let scalar = timed(Kernel::SCALAR);
+        for k in Kernel::available() {
+            let value = timed(k);
+            rows.push(Row {
+                group: "diff kernel".into(),
+                case: format!("{}: block compare, {what}", k.name()),
+                value,
+                unit: "ns/page",
+                reference: Some(scalar),
+            });
+        }
+    }
+    rows
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,7 +232,7 @@ mod tests {
     #[test]
     fn every_switch_value_is_one_setting_with_its_arguments() {
         let all: Vec<(String, &[&str])> = settings().collect();
-        assert_eq!(all.len(), SWITCHES.iter().map(|s| s.values.len()).sum::<usize>());
+        assert_eq!(all.len(), SWITCHES.iter().map(|s| s.values.len()).sum::<usize>() + COMBINATIONS.len());
         assert_eq!(all[0], ("dirty-backend=bitmap".to_owned(), &["--dirty-backend", "bitmap"][..]));
         assert!(all.iter().any(|(s, a)| s == "dirty-backend=ring" && a == &["--dirty-backend", "ring"]));
         for s in SWITCHES {

@@ -4,6 +4,7 @@
 
 mod ablation;
 mod failover;
+mod matrix;
 mod runs;
 mod sweep;
 
@@ -41,6 +42,23 @@ pub struct Options {
     /// epoch lengths (--help says how).
     #[arg(long, long_help = ablation::long_help())]
     ablation: bool,
+    /// With --ablation: instead of the short workloads, memtouch over the
+    /// matrix of working sets, patterns, vCPUs and epochs (--help says how).
+    #[arg(long, requires = "ablation", long_help = matrix::long_help())]
+    matrix: bool,
+    /// Matrix working sets, in pages.
+    #[arg(long, value_delimiter = ',', default_values_t = [1000, 4096, 10000])]
+    pages: Vec<u64>,
+    /// Matrix memtouch patterns.
+    #[arg(long, value_delimiter = ',', default_values = ["seq", "random", "hotcold"])]
+    patterns: Vec<String>,
+    /// Matrix vCPU counts (memtouch writes from every vCPU).
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 2])]
+    vcpus: Vec<u32>,
+    /// Matrix: only these switches (names as in the SWITCHES table, e.g.
+    /// predict-writes) [default: all].
+    #[arg(long, value_delimiter = ',')]
+    switches: Option<Vec<String>>,
 }
 
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {

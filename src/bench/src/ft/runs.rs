@@ -11,6 +11,7 @@ use ftvm_testkit::netns;
 use ftvm_testkit::process::Process;
 use ftvm_testkit::resp::{Client, Reply};
 use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR};
+use ftvm_vmm::memory::PAGE;
 
 use crate::paths;
 use crate::redis_benchmark::{self, Figures};
@@ -30,9 +31,42 @@ pub struct Replicated<'a> {
 pub struct EpochMeans {
     pub pause_us: f64,
     pub dirty_pages: f64,
+    /// Every byte of the checkpoint's frame.
     pub bytes: f64,
     /// How long output was held for its checkpoint.
     pub hold_us: f64,
+    /// How long epochs ran (from one checkpoint's resume to the next pause).
+    pub epoch_us: f64,
+    /// Share of the checkpoints that held output started (`idle` or `hold`).
+    pub output_share: f64,
+    /// 99th percentile of the pause.
+    pub pause_p99_us: f64,
+    /// Write prediction (`--predict-writes`): pages left writable, tracked
+    /// first writes (dirty pages not left writable), predicted pages not
+    /// sent because unchanged.
+    pub predicted: f64,
+    pub first_writes: f64,
+    pub fake_dirty: f64,
+    /// Pages the checkpoint carried.
+    pub commit_pages: f64,
+    pub diff_bytes_saved: f64,
+    /// Bytes of vCPU, device and clock state (and disk writes).
+    pub state_bytes: f64,
+    /// Time encoding the checkpoint's pages.
+    pub encode_ns: f64,
+}
+
+impl EpochMeans {
+    /// Bytes on the wire per byte of dirty page (1.0 would be the dirty
+    /// pages whole with no framing or state).
+    pub fn bytes_per_dirty_byte(&self) -> f64 {
+        self.bytes / (self.dirty_pages * PAGE as f64).max(1.0)
+    }
+
+    /// Mean time encoding one page.
+    pub fn encode_ns_per_page(&self) -> f64 {
+        self.encode_ns / self.commit_pages.max(1.0)
+    }
 }
 
 fn ftvm_bin() -> PathBuf {
@@ -56,7 +90,28 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
             v.iter().sum::<f64>() / v.len() as f64
         }
     };
-    EpochMeans { pause_us: mean("pause_us"), dirty_pages: mean("dirty_pages"), bytes: mean("bytes"), hold_us: mean("hold_us") }
+    let by_output = lines.iter().filter(|l| matches!(l["trigger"].as_str(), Some("idle" | "hold"))).count();
+    let p99 = |f: &str| {
+        let mut v: Vec<f64> = lines.iter().filter_map(|l| l[f].as_f64()).collect();
+        v.sort_by(f64::total_cmp);
+        v.get(((v.len() as f64 - 1.0) * 0.99).round().max(0.0) as usize).copied().unwrap_or(0.0)
+    };
+    EpochMeans {
+        pause_us: mean("pause_us"),
+        dirty_pages: mean("dirty_pages"),
+        bytes: mean("bytes"),
+        hold_us: mean("hold_us"),
+        epoch_us: mean("epoch_us"),
+        output_share: if lines.is_empty() { 0.0 } else { by_output as f64 / lines.len() as f64 },
+        pause_p99_us: p99("pause_us"),
+        predicted: mean("predicted"),
+        first_writes: mean("first_writes"),
+        fake_dirty: mean("fake_dirty"),
+        commit_pages: mean("commit_pages"),
+        diff_bytes_saved: mean("diff_bytes_saved"),
+        state_bytes: mean("state_bytes"),
+        encode_ns: mean("encode_ns"),
+    }
 }
 
 fn memtouch_rate(out: &str) -> Option<f64> {
@@ -69,12 +124,17 @@ fn memtouch_rate(out: &str) -> Option<f64> {
 /// memtouch with `cmdline`, alone or as a primary replicating to a backup
 /// on loopback: its writes/s, and the epoch figures when replicated.
 pub fn memtouch(cmdline: &str, ft: Option<Replicated>, dir: &Path) -> Result<(f64, Option<EpochMeans>), BoxError> {
+    memtouch_on(1, cmdline, ft, dir)
+}
+
+/// `memtouch` on a VM of `vcpus` vCPUs (memtouch writes from all of them).
+pub fn memtouch_on(vcpus: u32, cmdline: &str, ft: Option<Replicated>, dir: &Path) -> Result<(f64, Option<EpochMeans>), BoxError> {
     let image = paths::images().join("memtouch.elf");
     let metrics = dir.join("memtouch.jsonl");
     let _ = std::fs::remove_file(&metrics);
     let mut _backup = None;
     let mut cmd = Command::new(ftvm_bin());
-    cmd.args(["run", "--memory", "512", "--cmdline", cmdline]).arg("--image").arg(&image);
+    cmd.args(["run", "--memory", "512", "--vcpus", &vcpus.to_string(), "--cmdline", cmdline]).arg("--image").arg(&image);
     if let Some(ft) = ft {
         let addr = format!("127.0.0.1:{}", free_port());
         let mut b = Command::new(ftvm_bin());
@@ -88,14 +148,13 @@ pub fn memtouch(cmdline: &str, ft: Option<Replicated>, dir: &Path) -> Result<(f6
     Ok((rate, ft.map(|_| epoch_means(&metrics))))
 }
 
-/// Parse redis-benchmark --csv: "test","rps","avg_latency_ms","min","p50",
-/// "p95","p99","max" (redis-benchmark 7).
-/// redis-benchmark SET and GET against the guest, 50 connections.
-pub fn redis_benchmark(topo: &Topology, pipeline: u32, requests: u64) -> Result<Vec<Figures>, BoxError> {
+/// redis-benchmark SET and GET against the guest, 50 connections, values
+/// of `value_bytes` (redis-benchmark's default is 3).
+pub fn redis_benchmark(topo: &Topology, pipeline: u32, requests: u64, value_bytes: u32) -> Result<Vec<Figures>, BoxError> {
     let out = topo
         .command("client", "redis-benchmark")
         .args(["-h", GUEST_ADDR, "-t", "set,get", "-c", "50", "--csv"])
-        .args(["-P", &pipeline.to_string(), "-n", &requests.to_string()])
+        .args(["-P", &pipeline.to_string(), "-n", &requests.to_string(), "-d", &value_bytes.to_string()])
         .output()?;
     let text = String::from_utf8_lossy(&out.stdout);
     let rows = redis_benchmark::parse(&text).unwrap_or_default();

@@ -1,6 +1,8 @@
-//! The epoch sweep: for each epoch length, and for the unreplicated VM in
-//! the same run, memtouch at several dirty rates, kv under redis-benchmark,
-//! per-epoch pause, dirty pages and bytes, and failover per kind of failure
+//! The epoch sweep: for each epoch length with periodic checkpoints, for
+//! output-triggered checkpoints, and for the unreplicated VM in the same
+//! run: memtouch at several dirty rates, kv under redis-benchmark (SET and
+//! GET, -P 1 and -P 16, 50 connections), per-epoch pause, dirty pages,
+//! bytes, epoch length and output hold, and failover per kind of failure
 //! (`failover`).
 
 use std::path::Path;
@@ -9,14 +11,55 @@ use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::Topology;
 
 use super::failover;
-use super::runs::{self, BoxError, Replicated};
+use super::runs::{self, BoxError, EpochMeans, Replicated};
 use super::Options;
 use crate::report::{self, Row};
 
 pub const DEFAULT_EPOCHS: [u64; 4] = [5, 10, 20, 50];
+/// `--epoch-ms` of the output-triggered setting: ftvm's default.
+const OUTPUT_MAX_EPOCH_MS: u64 = 20;
+
+/// One replicated configuration: its name in the table, `--epoch-ms` and
+/// the trigger arguments.
+struct Setting {
+    name: String,
+    epoch_ms: u64,
+    args: &'static [&'static str],
+}
+
+impl Setting {
+    fn replicated(&self) -> Replicated<'_> {
+        Replicated { epoch_ms: self.epoch_ms, args: self.args }
+    }
+}
+
+/// Periodic checkpoints at each epoch length, then output-triggered ones.
+fn settings(epochs: &[u64]) -> Vec<Setting> {
+    let periodic = epochs.iter().map(|&e| Setting { name: format!("periodic {e} ms"), epoch_ms: e, args: &["--trigger", "periodic"] });
+    let output =
+        Setting { name: format!("output, max {OUTPUT_MAX_EPOCH_MS} ms"), epoch_ms: OUTPUT_MAX_EPOCH_MS, args: &["--trigger", "output"] };
+    periodic.chain(std::iter::once(output)).collect()
+}
+
+/// Per-epoch rows of one replicated run.
+fn epoch_rows(group: &str, setting: &str, m: &EpochMeans, output: bool) -> Vec<Row> {
+    let row = |case: &str, value, unit| Row { group: group.to_owned(), case: format!("{setting}: {case}"), value, unit, reference: None };
+    let mut rows = vec![
+        row("epoch length", m.epoch_us / 1e3, "ms"),
+        row("pause", m.pause_us, "us"),
+        row("dirty pages/epoch", m.dirty_pages, "pages"),
+        row("bytes/epoch", m.bytes, "bytes"),
+    ];
+    if output {
+        rows.push(row("output hold", m.hold_us / 1e3, "ms"));
+        rows.push(row("started by output", m.output_share, "share"));
+    }
+    rows
+}
 
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let epochs = opts.epochs.clone().unwrap_or(DEFAULT_EPOCHS.to_vec());
+    let settings = settings(&epochs);
     let mut rows = Vec::new();
     let scratch = Scratch::new("bench-ft")?;
     let scratch = scratch.path();
@@ -31,20 +74,17 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     ];
     for (name, cmdline) in &loads {
         let (base, _) = runs::memtouch(cmdline, None, scratch)?;
-        for &e in &epochs {
-            let (rate, m) = runs::memtouch(cmdline, Some(Replicated { epoch_ms: e, args: &[] }), scratch)?;
-            let m = m.unwrap_or_default();
-            let row = |case: &str, value, unit, reference| Row {
-                group: format!("memtouch {name}"),
-                case: format!("epoch {e} ms: {case}"),
-                value,
-                unit,
-                reference,
-            };
-            rows.push(row("writes/s", rate, "writes/s", Some(base)));
-            rows.push(row("pause", m.pause_us, "us", None));
-            rows.push(row("dirty pages/epoch", m.dirty_pages, "pages", None));
-            rows.push(row("bytes/epoch", m.bytes, "bytes", None));
+        for s in &settings {
+            let (rate, m) = runs::memtouch(cmdline, Some(s.replicated()), scratch)?;
+            let group = format!("memtouch {name}");
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("{}: writes/s", s.name),
+                value: rate,
+                unit: "writes/s",
+                reference: Some(base),
+            });
+            rows.extend(epoch_rows(&group, &s.name, &m.unwrap_or_default(), false));
         }
     }
     if !opts.no_network {
@@ -53,18 +93,17 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         for pipeline in [1, 16] {
             let base = {
                 let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
-                runs::redis_benchmark(&topo, pipeline, opts.requests)?
+                runs::redis_benchmark(&topo, pipeline, opts.requests, 3)?
             };
-            for &e in &epochs {
+            for s in &settings {
                 let ft = {
-                    let _vm = runs::start_kv(&topo, Some(Replicated { epoch_ms: e, args: &[] }), scratch, "kv", &metrics)?;
-                    runs::redis_benchmark(&topo, pipeline, opts.requests)?
+                    let _vm = runs::start_kv(&topo, Some(s.replicated()), scratch, "kv", &metrics)?;
+                    runs::redis_benchmark(&topo, pipeline, opts.requests, 3)?
                 };
-                let m = runs::epoch_means(&metrics);
                 for (b, r) in ft.iter().zip(&base) {
                     let row = |case: &str, value, unit, reference| Row {
                         group: format!("kv {} -P {pipeline} -c 50", b.test),
-                        case: format!("epoch {e} ms: {case}"),
+                        case: format!("{}: {case}", s.name),
                         value,
                         unit,
                         reference: Some(reference),
@@ -73,17 +112,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                     rows.push(row("p50", b.p50_ms, "ms", r.p50_ms));
                     rows.push(row("p99", b.p99_ms, "ms", r.p99_ms));
                 }
-                let row = |case: &str, value, unit| Row {
-                    group: format!("kv epochs -P {pipeline}"),
-                    case: format!("epoch {e} ms: {case}"),
-                    value,
-                    unit,
-                    reference: None,
-                };
-                rows.push(row("pause", m.pause_us, "us"));
-                rows.push(row("dirty pages/epoch", m.dirty_pages, "pages"));
-                rows.push(row("bytes/epoch", m.bytes, "bytes"));
-                rows.push(row("output hold", m.hold_us / 1e3, "ms"));
+                rows.extend(epoch_rows(&format!("kv epochs -P {pipeline}"), &s.name, &runs::epoch_means(&metrics), true));
             }
         }
         for &e in &epochs {
@@ -101,11 +130,25 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         &rows,
         &report::BarChart {
             title: "throughput under FT relative to the unreplicated VM",
-            category: "workload, epoch length",
+            category: "workload, trigger and epoch length",
             quantity: "throughput / unreplicated throughput (ratio)",
             bars,
             reference: Some(1.0),
         },
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_epoch_is_periodic_and_output_comes_last() {
+        let s = settings(&[5, 20]);
+        assert_eq!(s.len(), 3);
+        assert_eq!((s[0].name.as_str(), s[0].epoch_ms, s[0].args), ("periodic 5 ms", 5, &["--trigger", "periodic"][..]));
+        assert_eq!((s[1].name.as_str(), s[1].epoch_ms), ("periodic 20 ms", 20));
+        assert_eq!((s[2].name.as_str(), s[2].epoch_ms, s[2].args), ("output, max 20 ms", 20, &["--trigger", "output"][..]));
+    }
 }

@@ -439,9 +439,10 @@ fn apply_checkpoint(
 ) -> Result<u64, Stop> {
     let t0 = Instant::now();
     let staged = apply.stage(replica, payload).map_err(Stop::CannotApply)?;
-    let (epoch, pages, guest_ns) = (staged.epoch, staged.pages.len(), staged.state.vm.clock.ns);
+    let (epoch, pages) = (staged.epoch, staged.pages.len());
     crate::fault::stall_apply(epoch);
     apply.commit(replica, staged).map_err(Stop::CannotApply)?;
+    let guest_ns = replica.committed.as_ref().map_or(0, |(_, state)| state.clock.ns);
     let applied = AppliedEpoch { epoch, guest_ns, applied_unix_ns: unix_ns(), pages, apply_us: t0.elapsed().as_micros() as u64 };
     log.record(&applied);
     crate::telemetry::telemetry().applied(&applied);

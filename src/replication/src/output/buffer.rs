@@ -21,6 +21,7 @@ use ftvm_vmm::sync::Lock;
 
 use crate::bounds::{FRAME_OVERHEAD, HELD_OUTPUT_BOUND};
 use crate::mirror;
+use crate::pipeline::trigger::Trigger;
 use crate::telemetry::telemetry;
 
 /// One piece of held output.
@@ -72,6 +73,9 @@ pub struct OutputBuffer {
     network: Arc<dyn FrameSink>,
     console: Console,
     waker: Waker,
+    /// Told when the open epoch holds its first output (an output-triggered
+    /// checkpoint may be due).
+    trigger: Option<Arc<Trigger>>,
 }
 
 impl OutputBuffer {
@@ -85,7 +89,13 @@ impl OutputBuffer {
             refused: false,
             mirror: None,
         };
-        OutputBuffer { inner: Mutex::new(inner), network, console: Console::default(), waker: Waker::default() }
+        OutputBuffer { inner: Mutex::new(inner), network, console: Console::default(), waker: Waker::default(), trigger: None }
+    }
+
+    /// Poke `trigger` when an epoch starts holding output.
+    pub fn with_trigger(mut self, trigger: Arc<Trigger>) -> OutputBuffer {
+        self.trigger = Some(trigger);
+        self
     }
 
     /// Released console output goes to `console` (the VM's own).
@@ -102,6 +112,25 @@ impl OutputBuffer {
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.locked()
+    }
+
+    /// Hold `item` in the open epoch; the first one of an epoch pokes the
+    /// trigger (after the lock is dropped: the trigger looks at the buffer).
+    fn hold(&self, mut inner: MutexGuard<'_, Inner>, item: Out) {
+        let first = inner.open.first_at.is_none();
+        if first {
+            inner.open.first_at = Some(Instant::now());
+        }
+        inner.open.items.push(item);
+        drop(inner);
+        if let (true, Some(trigger)) = (first, &self.trigger) {
+            trigger.poke();
+        }
+    }
+
+    /// When the open epoch's first output was held (None: it holds nothing).
+    pub fn held_since(&self) -> Option<Instant> {
+        self.lock().open.first_at
     }
 
     /// Start holding output; the guest is now running in epoch `epoch`.
@@ -217,13 +246,11 @@ impl FrameSink for OutputBuffer {
             self.network.send(frame);
             return;
         }
-        inner.open.first_at.get_or_insert_with(Instant::now);
-        inner.open.items.push(Out::Frame(frame.to_vec()));
         inner.open.frames += 1;
         inner.held_cost += cost(frame);
         telemetry().held(1);
         let (mirror, epoch) = (inner.mirror.clone(), inner.open.epoch);
-        drop(inner);
+        self.hold(inner, Out::Frame(frame.to_vec()));
         if let Some(m) = mirror {
             m.send(false, epoch, frame);
         }
@@ -244,14 +271,13 @@ impl ConsoleSink for OutputBuffer {
     /// Guest console output: held with its epoch like frames (a console
     /// cannot be made to wait, so it is not bounded).
     fn write(&self, bytes: &[u8]) {
-        let mut inner = self.lock();
+        let inner = self.lock();
         if !inner.protected {
             drop(inner);
             self.console.write(bytes);
             return;
         }
-        inner.open.first_at.get_or_insert_with(Instant::now);
-        inner.open.items.push(Out::Console(bytes.to_vec()));
+        self.hold(inner, Out::Console(bytes.to_vec()));
     }
 }
 
@@ -335,6 +361,19 @@ mod tests {
         }
     }
 
+    /// The trigger's view of a guest that is always idle, its held output
+    /// read from `out`.
+    struct IdleGuest(Arc<OutputBuffer>);
+
+    impl crate::pipeline::trigger::Guest for IdleGuest {
+        fn held_since(&self) -> Option<Instant> {
+            self.0.held_since()
+        }
+        fn idle(&self) -> bool {
+            true
+        }
+    }
+
     #[test]
     fn unprotect_keeps_frame_order_against_a_sending_guest() {
         // The guest keeps sending while the primary gives its backup up:
@@ -364,6 +403,36 @@ mod tests {
             assert_eq!(seen.len(), 2000);
             assert!(seen.windows(2).all(|w| w[0] < w[1]), "frames reordered: {seen:?}");
         }
+    }
+
+    #[test]
+    fn the_first_output_of_an_epoch_wakes_the_trigger() {
+        use crate::pipeline::trigger::{Mode, Plan, Reason};
+        use std::time::Duration;
+
+        let trigger = Arc::new(Trigger::default());
+        let out = Arc::new(OutputBuffer::new(Arc::new(Wire::default())).with_trigger(trigger.clone()));
+        out.send(b"unprotected");
+        assert_eq!(out.held_since(), None, "nothing held unprotected");
+        out.protect(1);
+        let long = Duration::from_secs(60);
+        let plan = Plan { mode: Mode::Output, since: Instant::now(), spacing: Duration::ZERO, hold_bound: long, max_epoch: long };
+        let sender = {
+            let out = out.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                ConsoleSink::write(out.as_ref(), b"a line\n");
+            })
+        };
+        let t0 = Instant::now();
+        assert_eq!(trigger.wait(&plan, &IdleGuest(out.clone()), || true, t0 + long), Some(Reason::Idle));
+        assert!(t0.elapsed() < long);
+        sender.join().unwrap();
+        let since = out.held_since().expect("held");
+        out.send(b"f");
+        assert_eq!(out.held_since(), Some(since), "from the epoch's first output");
+        out.close_epoch();
+        assert_eq!(out.held_since(), None, "the next epoch holds nothing yet");
     }
 
     #[derive(Default)]

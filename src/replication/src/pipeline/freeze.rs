@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use ftvm_vmm::{PageBitmap, Persist, Vm};
 
-use crate::checkpoint::CheckpointState;
+use super::predict::LeaveWritable;
+use crate::checkpoint::{CheckpointState, StateDelta};
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::ReplicationError;
 
@@ -57,33 +58,43 @@ impl Drop for Paused<'_> {
 }
 
 pub trait Freeze: Send {
-    /// Pause `vm` and collect checkpoint `epoch`'s dirty set and state.
-    fn freeze<'vm>(&mut self, vm: &'vm Vm, epoch: u64) -> Result<Frozen<'vm>, ReplicationError>;
+    /// Pause `vm` and collect checkpoint `epoch`'s dirty set and state,
+    /// leaving the pages `leave` chooses writable.
+    fn freeze<'vm>(&mut self, vm: &'vm Vm, epoch: u64, leave: &mut dyn LeaveWritable) -> Result<Frozen<'vm>, ReplicationError>;
 }
 
 /// Today's freeze: everything inside one pause.
 pub struct PauseAndSave {
     output: Arc<OutputBuffer>,
     journal: Arc<DiskJournal>,
-    /// Pages to leave write-enabled at re-protection (write-fault
-    /// prediction fills it; empty means re-protect everything).
-    leave_writable: PageBitmap,
     ram_pages: u64,
 }
 
 impl PauseAndSave {
     pub fn new(ram_pages: u64, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> PauseAndSave {
-        PauseAndSave { output, journal, leave_writable: PageBitmap::new(ram_pages), ram_pages }
+        PauseAndSave { output, journal, ram_pages }
     }
 }
 
 impl Freeze for PauseAndSave {
-    fn freeze<'vm>(&mut self, vm: &'vm Vm, epoch: u64) -> Result<Frozen<'vm>, ReplicationError> {
+    fn freeze<'vm>(&mut self, vm: &'vm Vm, epoch: u64, leave: &mut dyn LeaveWritable) -> Result<Frozen<'vm>, ReplicationError> {
         vm.pause();
         let pause = Paused { vm, since: Instant::now(), resumed: false };
         let mut dirty = PageBitmap::new(self.ram_pages);
-        vm.collect_dirty(&mut dirty, &self.leave_writable)?;
-        let state = CheckpointState { vm: vm.save()?, disk: self.journal.take() };
+        let t0 = Instant::now();
+        vm.harvest_dirty(&mut dirty)?;
+        let t1 = Instant::now();
+        let keep = leave.choose(&dirty);
+        let t2 = Instant::now();
+        vm.rearm_dirty(keep)?;
+        tracing::debug!(
+            stop_us = (t0 - pause.since).as_micros() as u64,
+            harvest_us = (t1 - t0).as_micros() as u64,
+            choose_us = (t2 - t1).as_micros() as u64,
+            rearm_us = t2.elapsed().as_micros() as u64,
+            "freeze"
+        );
+        let state = CheckpointState { vm: StateDelta::whole(vm.save()?), disk: self.journal.take() };
         // Inside the pause: frames the guest sends after resuming belong to
         // the next epoch. The first checkpoint starts holding output.
         if self.output.is_protected() {

@@ -17,6 +17,8 @@ pub mod apply;
 pub mod capture;
 pub mod encode;
 pub mod freeze;
+pub mod last_sent;
+pub mod predict;
 pub mod transport;
 pub mod trigger;
 
@@ -24,20 +26,25 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ftvm_vmm::pages::PageEncoder;
-use ftvm_vmm::Vm;
+use ftvm_vmm::{DirtyBackend, Vm};
 
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::protocol;
 use crate::ReplicationError;
 use capture::Capture;
 use freeze::Freeze;
+use predict::{LeaveNone, LeaveWritable, Prediction};
 
 /// Which implementation each stage uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Switches {
     pub capture: capture::Mode,
     pub encoding: encode::Encoding,
+    pub diff: encode::Diff,
+    pub device_state: encode::States,
     pub transport: transport::Kind,
+    pub trigger: trigger::Mode,
+    pub predict_writes: predict::Mode,
 }
 
 /// What taking one checkpoint cost.
@@ -49,42 +56,100 @@ pub struct Taken {
     pub disk_writes: u64,
     /// Bytes of disk data the checkpoint carries.
     pub disk_bytes: u64,
-    /// Taken before the end of its epoch, because a bound was reached (set
-    /// by whoever triggered it).
-    pub early: bool,
+    /// Why it was taken, how long its epoch ran (from the previous resume)
+    /// and the longest it could have run: set by whoever triggered it.
+    pub trigger: trigger::Reason,
+    pub epoch_len: Duration,
+    pub max_epoch: Duration,
+    /// Write-fault prediction (all zero without it).
+    pub predict: predict::Figures,
+    /// Pages the checkpoint carries.
+    pub commit_pages: u64,
+    /// Bytes its pages took (entry headers included).
+    pub page_bytes: u64,
+    /// Bytes diffs saved against sending their pages whole.
+    pub diff_bytes_saved: u64,
+    /// Bytes of its state (VM state and disk writes).
+    pub state_bytes: u64,
+    /// Time spent encoding its pages.
+    pub encode_ns: u64,
 }
 
 /// The primary's half of the pipeline: from the running VM to a frame.
 pub struct Pipeline {
     freeze: Box<dyn Freeze>,
+    /// Write-fault prediction, if switched on.
+    predict: Option<Prediction>,
+    /// What the freeze leaves writable without it: nothing.
+    leave_none: LeaveNone,
     capture: Box<dyn Capture>,
     encoder: Box<dyn PageEncoder>,
+    sent_state: encode::SentState,
     frame: Vec<u8>,
     /// The largest checkpoint payload the backup accepts from this VM.
     limit: u64,
 }
 
 impl Pipeline {
-    pub fn new(switches: &Switches, vm: &Vm, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> Pipeline {
-        Pipeline {
-            freeze: Box::new(freeze::PauseAndSave::new(vm.ram().pages(), output, journal)),
-            capture: capture::new(switches.capture),
-            encoder: encode::new(switches.encoding),
+    pub fn new(switches: &Switches, vm: &Vm, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> Result<Pipeline, ReplicationError> {
+        let pages = vm.ram().pages();
+        if switches.predict_writes != predict::Mode::Off && vm.config().dirty_backend != DirtyBackend::Bitmap {
+            // The ring re-protects every page it harvested.
+            return Err(ReplicationError::Unsupported("--predict-writes needs --dirty-backend bitmap"));
+        }
+        Ok(Pipeline {
+            freeze: Box::new(freeze::PauseAndSave::new(pages, output, journal)),
+            predict: Prediction::new(switches.predict_writes, pages),
+            leave_none: LeaveNone::new(pages),
+            capture: capture::new(switches.capture, vm)?,
+            encoder: encode::new(switches.encoding, switches.diff, pages),
+            sent_state: encode::SentState::new(switches.device_state),
             frame: Vec::new(),
             limit: crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus),
+        })
+    }
+
+    /// Dirty tracking restarts for a new backup: forget what was left
+    /// writable and what the old backup holds.
+    pub fn restart(&mut self) {
+        if let Some(p) = &mut self.predict {
+            p.reset();
         }
+    }
+
+    /// The next checkpoint goes to a new backup, which has nothing but what
+    /// pre-copy sent it: forget what was assumed about the previous one.
+    pub fn new_backup(&mut self) {
+        self.encoder.reset();
+        self.sent_state.reset();
     }
 
     /// Take checkpoint `epoch`: the VM is paused only for the freeze (and
     /// whatever the capture does before the guest runs again). Returns the
     /// figures and the frame to send.
     pub fn take(&mut self, vm: &Vm, epoch: u64) -> Result<(Taken, &[u8]), ReplicationError> {
-        let frozen = self.freeze.freeze(vm, epoch)?;
-        let captured = self.capture.in_pause(vm, &frozen.dirty);
-        let thawed = frozen.thaw();
+        let leave: &mut dyn LeaveWritable = match &mut self.predict {
+            Some(p) => p,
+            None => &mut self.leave_none,
+        };
+        let frozen = self.freeze.freeze(vm, epoch, leave)?;
+        let t0 = std::time::Instant::now();
+        let hot = match &self.predict {
+            Some(p) => p.left_writable(),
+            None => self.leave_none.choose(&frozen.dirty),
+        };
+        let captured = self.capture.in_pause(vm, &frozen.dirty, hot);
+        tracing::debug!(copy_us = t0.elapsed().as_micros() as u64, pages = frozen.dirty.count(), "capture");
+        let mut thawed = frozen.thaw();
         captured?;
         let pages = self.capture.finish(vm)?;
-        encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
+        let predicted = match &mut self.predict {
+            Some(p) => p.filter(pages),
+            // Nothing left writable: every dirty page took a first write.
+            None => predict::Figures { first_writes: pages.len() as u64, ..predict::Figures::default() },
+        };
+        self.sent_state.filter(&mut thawed.state.vm);
+        let encoded = encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
         let bytes = protocol::payload_len(&self.frame);
         if bytes > self.limit {
             // The bounds make this impossible; sending it would make the backup give up on us.
@@ -96,7 +161,13 @@ impl Pipeline {
             dirty_pages: pages.len() as u64,
             disk_writes: thawed.state.disk.len() as u64,
             disk_bytes: thawed.state.disk.iter().map(|w| w.data.len() as u64).sum(),
-            early: false,
+            predict: predicted,
+            commit_pages: encoded.pages.pages,
+            page_bytes: encoded.pages.bytes,
+            diff_bytes_saved: encoded.pages.diff_saved,
+            state_bytes: encoded.state_bytes,
+            encode_ns: encoded.pages_ns,
+            ..Taken::default()
         };
         Ok((taken, &self.frame))
     }

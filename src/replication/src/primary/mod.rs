@@ -19,7 +19,7 @@ use crate::arbiter::{Arbiter, Claim, Ownership};
 use crate::metrics::{MetricsLog, Role, Status, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::pipeline::transport::Auth;
-use crate::pipeline::trigger::Trigger;
+use crate::pipeline::trigger::{self, Pacing, Reason, Sample, Trigger};
 use crate::pipeline::{Pipeline, Switches};
 use crate::protocol::{Kind, ProtocolError};
 use crate::switch::switch;
@@ -78,6 +78,9 @@ pub struct PrimaryConfig {
     pub disk: Option<PathBuf>,
     /// Which implementation each checkpoint stage uses.
     pub switches: Switches,
+    /// Checkpoints sent and not yet acknowledged at most: checkpoint n+1
+    /// may be taken while n is in flight, up to this many.
+    pub pipeline_depth: usize,
     /// Decides who owns the VM's output when primary and backup lose each other.
     pub arbiter: Option<Arbiter>,
     /// Authenticate to the backup with this secret (and make it
@@ -87,6 +90,9 @@ pub struct PrimaryConfig {
     pub mirror: crate::mirror::Mode,
 }
 
+/// `--pipeline-depth` unless given: checkpoints in flight at most.
+pub const DEFAULT_PIPELINE_DEPTH: u64 = 2;
+
 /// How often a side retries an arbiter it cannot reach.
 const ARBITER_RETRY: Duration = Duration::from_millis(200);
 
@@ -95,6 +101,22 @@ struct NoNetwork;
 
 impl FrameSink for NoNetwork {
     fn send(&self, _frame: &[u8]) {}
+}
+
+/// What the trigger sees of the guest: held output and idleness.
+struct GuestView<'a> {
+    vm: &'a Vm,
+    output: &'a OutputBuffer,
+}
+
+impl trigger::Guest for GuestView<'_> {
+    fn held_since(&self) -> Option<Instant> {
+        self.output.held_since()
+    }
+
+    fn idle(&self) -> bool {
+        self.vm.is_idle()
+    }
 }
 
 /// A running primary's replication.
@@ -125,13 +147,21 @@ impl Primary {
         // wake it when there is room again; the journal asks for early
         // checkpoints through the trigger.
         let network = vm.devices().tap_sink().unwrap_or_else(|| Arc::new(NoNetwork));
-        let output = Arc::new(OutputBuffer::new(network).with_waker(vm.devices().waker()).with_console(vm.config().console.clone()));
+        // The trigger hears when output is first held in an epoch and when
+        // the guest goes idle (the VMM's idle hook).
         let trigger = Arc::new(Trigger::default());
+        let output = Arc::new(
+            OutputBuffer::new(network)
+                .with_waker(vm.devices().waker())
+                .with_console(vm.config().console.clone())
+                .with_trigger(trigger.clone()),
+        );
+        vm.hooks().set_idle(Some(trigger.clone()));
         let journal = Arc::new(DiskJournal::new(trigger.clone(), vm.devices().waker()));
         vm.hooks().set_tx(Some(output.clone()));
         vm.hooks().set_console(Some(output.clone()));
         vm.hooks().set_disk_writes(Some(journal.clone()));
-        let mut pipeline = Pipeline::new(&config.switches, &vm, output.clone(), journal.clone());
+        let mut pipeline = Pipeline::new(&config.switches, &vm, output.clone(), journal.clone())?;
         let mut epoch = 0;
         let cx = Context {
             vm: &vm,
@@ -277,11 +307,13 @@ impl Worker {
         }
     }
 
-    /// Checkpoint every epoch until the backup is lost (returns why) or
-    /// the primary stops (returns None after saying goodbye).
+    /// Checkpoint whenever the trigger says so until the backup is lost
+    /// (returns why) or the primary stops (returns None after saying goodbye).
     fn protect(&mut self, session: &Session) -> Option<BackupLoss> {
-        let epoch_len = Duration::from_millis(self.config.epoch_ms);
-        let mut next = Instant::now() + epoch_len;
+        let mut pacing = Pacing::new(self.config.switches.trigger, Duration::from_millis(self.config.epoch_ms));
+        let depth = self.config.pipeline_depth.max(1);
+        let guest = GuestView { vm: &self.vm, output: &self.output };
+        let mut since = Instant::now();
         loop {
             if let Some(loss) = session.take_loss() {
                 return Some(loss);
@@ -290,25 +322,25 @@ impl Worker {
                 self.farewell(session);
                 return None;
             }
-            // The epoch ends on time, or early when the disk journal asks.
-            let now = Instant::now();
-            let early = now < next && self.trigger.wait_until(next.min(now + Duration::from_millis(20)));
-            if !early && Instant::now() < next {
-                continue;
-            }
-            self.trigger.clear();
+            let plan = pacing.plan(since);
+            // Back now and then to look at the loss and stop flags.
+            let look = Instant::now() + Duration::from_millis(20);
+            let Some(reason) = self.trigger.wait(&plan, &guest, || session.in_flight() < depth, look) else { continue };
             let epoch = self.epoch;
             self.epoch += 1;
+            let start = Instant::now();
             let (mut taken, frame) = match self.pipeline.take(&self.vm, epoch) {
                 Ok(t) => t,
                 Err(err) => return Some(BackupLoss::Checkpoint { epoch, err }),
             };
-            taken.early = early;
-            let resumed = Instant::now();
-            next = resumed + epoch_len;
-            if let Err(loss) = session.send_checkpoint(&taken, frame, resumed) {
+            taken.trigger = reason;
+            taken.epoch_len = start.saturating_duration_since(since);
+            taken.max_epoch = plan.max_epoch;
+            since = start + taken.pause;
+            if let Err(loss) = session.send_checkpoint(&taken, frame, Instant::now()) {
                 return Some(session.loss_after(loss));
             }
+            pacing.record(&Sample { pause: taken.pause, cost: start.elapsed(), dirty_pages: taken.dirty_pages, epoch: taken.epoch_len });
             self.status.lock().epoch = epoch;
         }
     }
@@ -316,7 +348,8 @@ impl Worker {
     /// Last checkpoint of the stopped VM, its acknowledgement, then Bye.
     fn farewell(&mut self, session: &Session) {
         let epoch = self.epoch;
-        let Ok((taken, frame)) = self.pipeline.take(&self.vm, epoch) else { return };
+        let Ok((mut taken, frame)) = self.pipeline.take(&self.vm, epoch) else { return };
+        taken.trigger = Reason::Stop;
         self.epoch += 1;
         if session.send_checkpoint(&taken, frame, Instant::now()).is_err() {
             return;

@@ -83,7 +83,7 @@ fn send_pages(
             vm.ram().read_page(p, &mut page).map_err(ftvm_vmm::VmError::from)?;
             bundle.page(p, &page);
         }
-        if bundle.finish() == 0 {
+        if bundle.finish().pages == 0 {
             continue;
         }
         protocol::finish_frame(frame);

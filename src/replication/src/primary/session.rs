@@ -19,7 +19,7 @@ use crate::metrics::{EpochMetrics, MetricsLog, Role, StatusCell};
 use crate::mirror;
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::pipeline::transport::{self, AuthTransport, Transport};
-use crate::pipeline::trigger::Trigger;
+use crate::pipeline::trigger::{Reason, Trigger};
 use crate::pipeline::{Pipeline, Taken};
 use crate::protocol::{self, Heartbeat, Hello, Kind, ProtocolError, Welcome, HANDSHAKE_LIMIT};
 use crate::ReplicationError;
@@ -100,7 +100,7 @@ pub struct Context<'a> {
     pub metrics: &'a Arc<MetricsLog>,
     pub output: &'a Arc<OutputBuffer>,
     pub journal: &'a DiskJournal,
-    pub trigger: &'a Trigger,
+    pub trigger: &'a Arc<Trigger>,
     /// Set when the primary is asked to stop: pre-copy gives up.
     pub stop: &'a AtomicBool,
 }
@@ -145,14 +145,18 @@ impl Session {
         let heartbeats = Heartbeats::start(path, timing, pulse, watch).map_err(ReplicationError::Thread)?;
         tracing::info!(backup = %cx.config.backup, "bringing the backup up to date (pre-copy)");
         let t0 = Instant::now();
+        // Pre-copy restarts dirty tracking.
+        pipeline.restart();
         let sent = precopy::run(link.as_mut(), cx.vm, cx.journal, cx.trigger, cx.config.disk.as_deref(), cx.stop)
             .map_err(|e| sync_failed(link.as_mut(), &shared, e))?;
         // The stop-and-copy: the first checkpoint, which also starts output commit.
         cx.trigger.clear();
+        pipeline.new_backup();
         let first = *epoch;
         // Its number is used even if sending fails: numbers never repeat.
         *epoch += 1;
-        let (taken, frame) = pipeline.take(cx.vm, first)?;
+        let (mut taken, frame) = pipeline.take(cx.vm, first)?;
+        taken.trigger = Reason::Sync;
         let resumed = Instant::now();
         link.send(frame).map_err(|e| sync_failed(link.as_mut(), &shared, ReplicationError::Send(e)))?;
         tracing::info!(
@@ -172,12 +176,12 @@ impl Session {
             let mut acks = link.try_clone().map_err(ReplicationError::Send)?;
             acks.set_recv_timeout(None).map_err(ReplicationError::Send)?;
             let (output, shared, status, metrics) = (cx.output.clone(), shared.clone(), cx.status.clone(), cx.metrics.clone());
-            let backup = cx.config.backup.clone();
+            let (trigger, backup) = (cx.trigger.clone(), cx.config.backup.clone());
             std::thread::Builder::new()
                 .name("replication-acks".into())
                 .spawn(move || {
                     seccomp::install_or_exit(seccomp::ThreadKind::Replication);
-                    read_acks(acks.as_mut(), &output, &shared, &status, &metrics, &backup)
+                    read_acks(acks.as_mut(), &output, &shared, &trigger, &status, &metrics, &backup)
                 })
                 .map_err(ReplicationError::Thread)?
         };
@@ -193,6 +197,11 @@ impl Session {
 
     pub fn acked_all(&self) -> bool {
         self.shared.inflight.locked().is_empty()
+    }
+
+    /// Checkpoints sent (or being sent) and not yet acknowledged.
+    pub fn in_flight(&self) -> usize {
+        self.shared.inflight.locked().len()
     }
 
     pub fn is_lost(&self) -> bool {
@@ -297,8 +306,19 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         dirty_pages: taken.dirty_pages,
         disk_writes: taken.disk_writes,
         disk_bytes: taken.disk_bytes,
-        early: taken.early,
+        trigger: taken.trigger,
+        epoch_us: taken.epoch_len.as_micros() as u64,
+        max_epoch_us: taken.max_epoch.as_micros() as u64,
+        predicted: taken.predict.predicted,
+        predicted_written: taken.predict.predicted_written,
+        fake_dirty: taken.predict.fake_dirty,
+        first_writes: taken.predict.first_writes,
         bytes: bytes as u64,
+        commit_pages: taken.commit_pages,
+        page_bytes: taken.page_bytes,
+        diff_bytes_saved: taken.diff_bytes_saved,
+        state_bytes: taken.state_bytes,
+        encode_ns: taken.encode_ns,
         transfer_us: transfer.as_micros() as u64,
         ..EpochMetrics::default()
     }
@@ -363,7 +383,15 @@ fn handshake(
 
 /// Acknowledgements release output; silence or a closed stream means the
 /// backup is gone.
-fn read_acks(link: &mut dyn Transport, output: &OutputBuffer, shared: &Shared, status: &StatusCell, metrics: &MetricsLog, backup: &str) {
+fn read_acks(
+    link: &mut dyn Transport,
+    output: &OutputBuffer,
+    shared: &Shared,
+    trigger: &Trigger,
+    status: &StatusCell,
+    metrics: &MetricsLog,
+    backup: &str,
+) {
     let mut buf = Vec::new();
     let loss = loop {
         match link.recv(HANDSHAKE_LIMIT, &mut buf) {
@@ -385,6 +413,8 @@ fn read_acks(link: &mut dyn Transport, output: &OutputBuffer, shared: &Shared, s
                         done.push(f);
                     }
                 }
+                // Room in the pipeline window.
+                trigger.poke();
                 for mut f in done {
                     f.metrics.ack_us = f.resumed.elapsed().as_micros() as u64;
                     if f.metrics.transfer_us == 0 {

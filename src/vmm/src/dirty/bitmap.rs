@@ -10,6 +10,8 @@ use crate::memory::PageBitmap;
 pub struct BitmapLog {
     slot: u32,
     mem_size: u64,
+    /// What the last `harvest` got from KVM: the pages `rearm` re-protects.
+    harvested: Vec<u64>,
 }
 
 impl BitmapLog {
@@ -21,7 +23,7 @@ impl BitmapLog {
             ..Default::default()
         };
         vm.enable_cap(&cap).map_err(|_| DirtyError::Unsupported("KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2"))?;
-        Ok(BitmapLog { slot, mem_size })
+        Ok(BitmapLog { slot, mem_size, harvested: Vec::new() })
     }
 
     fn get(&self, vm: &VmFd) -> Result<Vec<u64>, DirtyError> {
@@ -42,9 +44,16 @@ impl DirtyLog for BitmapLog {
         self.clear(vm, &mut all)
     }
 
-    fn collect(&mut self, vm: &VmFd, out: &mut PageBitmap, leave_writable: &PageBitmap) -> Result<(), DirtyError> {
-        let mut bits = self.get(vm)?;
-        out.or_words(&bits);
+    fn harvest(&mut self, vm: &VmFd, out: &mut PageBitmap) -> Result<(), DirtyError> {
+        // KVM keeps reporting a page until it is cleared, so the latest GET
+        // holds everything not yet re-armed.
+        self.harvested = self.get(vm)?;
+        out.or_words(&self.harvested);
+        Ok(())
+    }
+
+    fn rearm(&mut self, vm: &VmFd, leave_writable: &PageBitmap) -> Result<(), DirtyError> {
+        let mut bits = std::mem::take(&mut self.harvested);
         // A page left writable is not cleared, so KVM keeps reporting it.
         for (w, keep) in bits.iter_mut().zip(leave_writable.words()) {
             *w &= !keep;

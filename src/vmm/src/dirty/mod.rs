@@ -60,11 +60,15 @@ pub trait DirtyLog: Send {
     /// next `collect` reports only writes from now on. Called after logging
     /// was enabled on the memory slot.
     fn start(&mut self, vm: &VmFd) -> Result<(), DirtyError>;
-    /// OR the pages written since the last `start`/`collect` into `out` and
-    /// re-arm tracking for them, except for the pages in `leave_writable`
-    /// where the backend can: those stay writable and are reported again
-    /// by every later `collect` until they are re-armed.
-    fn collect(&mut self, vm: &VmFd, out: &mut PageBitmap, leave_writable: &PageBitmap) -> Result<(), DirtyError>;
+    /// OR the pages written since the last `start`/`rearm` into `out`. They
+    /// stay writable (and reported by every later `harvest`) until `rearm`.
+    fn harvest(&mut self, vm: &VmFd, out: &mut PageBitmap) -> Result<(), DirtyError>;
+    /// Re-arm tracking for the pages harvested since the last `rearm`,
+    /// except for the pages in `leave_writable` where the backend can: those
+    /// stay writable and are reported again by every later `harvest` until
+    /// a `rearm` no longer leaves them. (The bitmap can; the ring re-arms
+    /// every page it harvested.)
+    fn rearm(&mut self, vm: &VmFd, leave_writable: &PageBitmap) -> Result<(), DirtyError>;
     /// A vCPU exited because its ring is full (ring backend only).
     fn ring_full(&mut self, _vm: &VmFd, _vcpu: usize) -> Result<(), DirtyError> {
         Ok(())

@@ -47,7 +47,7 @@ impl RingLog {
         Ok(RingLog { next: vec![0; rings.len()], rings, pending: PageBitmap::new(pages) })
     }
 
-    fn harvest(&mut self, vcpu: usize) {
+    fn harvest_vcpu(&mut self, vcpu: usize) {
         let ring = &self.rings[vcpu];
         let next = &mut self.next[vcpu];
         loop {
@@ -70,27 +70,31 @@ impl RingLog {
 impl DirtyLog for RingLog {
     fn start(&mut self, vm: &VmFd) -> Result<(), DirtyError> {
         for vcpu in 0..self.rings.len() {
-            self.harvest(vcpu);
+            self.harvest_vcpu(vcpu);
         }
         self.reset(vm)?;
         self.pending.clear();
         Ok(())
     }
 
-    /// Every harvested page is re-protected by the ring reset; leaving pages
-    /// writable needs another mechanism with this backend.
-    fn collect(&mut self, vm: &VmFd, out: &mut PageBitmap, _leave_writable: &PageBitmap) -> Result<(), DirtyError> {
+    fn harvest(&mut self, _vm: &VmFd, out: &mut PageBitmap) -> Result<(), DirtyError> {
         for vcpu in 0..self.rings.len() {
-            self.harvest(vcpu);
+            self.harvest_vcpu(vcpu);
         }
-        self.reset(vm)?;
         out.or_words(self.pending.words());
+        Ok(())
+    }
+
+    /// The reset re-protects every harvested entry, in ring order: KVM
+    /// offers no way to skip one, so nothing is left writable.
+    fn rearm(&mut self, vm: &VmFd, _leave_writable: &PageBitmap) -> Result<(), DirtyError> {
+        self.reset(vm)?;
         self.pending.clear();
         Ok(())
     }
 
     fn ring_full(&mut self, vm: &VmFd, vcpu: usize) -> Result<(), DirtyError> {
-        self.harvest(vcpu);
+        self.harvest_vcpu(vcpu);
         self.reset(vm)
     }
 }

@@ -8,8 +8,10 @@
 //! Rust reference into it would be a data race.
 
 mod page_bitmap;
+mod write_protect;
 
 pub use page_bitmap::PageBitmap;
+pub use write_protect::{WriteProtect, WriteProtectError};
 
 use std::fs::File;
 use std::num::NonZeroUsize;

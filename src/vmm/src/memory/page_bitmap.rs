@@ -24,6 +24,26 @@ impl PageBitmap {
         }
     }
 
+    /// Add pages `first..=last` (clipped to the bitmap).
+    pub fn set_range(&mut self, first: u64, last: u64) {
+        let last = last.min(self.capacity().saturating_sub(1));
+        let mut p = first;
+        while p <= last {
+            let (word, bit) = ((p / 64) as usize, p % 64);
+            let n = (64 - bit).min(last - p + 1);
+            let mask = if n == 64 { u64::MAX } else { ((1u64 << n) - 1) << bit };
+            self.words[word] |= mask;
+            p += n;
+        }
+    }
+
+    /// Remove `page`; pages beyond the bitmap are ignored.
+    pub fn unset(&mut self, page: u64) {
+        if let Some(w) = self.words.get_mut((page / 64) as usize) {
+            *w &= !(1 << (page % 64));
+        }
+    }
+
     pub fn is_set(&self, page: u64) -> bool {
         self.words.get((page / 64) as usize).is_some_and(|w| w & (1 << (page % 64)) != 0)
     }
@@ -33,6 +53,18 @@ impl PageBitmap {
         for (w, o) in self.words.iter_mut().zip(other) {
             *w |= o;
         }
+    }
+
+    /// Keep only the pages also set in `other`.
+    pub fn intersect(&mut self, other: &PageBitmap) {
+        for (i, w) in self.words.iter_mut().enumerate() {
+            *w &= other.words.get(i).copied().unwrap_or(0);
+        }
+    }
+
+    /// Make this set equal to `other` (same capacity), without allocating.
+    pub fn copy_from(&mut self, other: &PageBitmap) {
+        self.words.clone_from(&other.words);
     }
 
     /// Remove every page set in `other`.
@@ -99,6 +131,17 @@ mod tests {
         b.set(64);
         a.subtract(&b);
         assert_eq!(a.pages().collect::<Vec<_>>(), vec![0, 3]);
+        let mut c = PageBitmap::new(128);
+        c.copy_from(&a);
+        c.unset(0);
+        c.set(100);
+        a.intersect(&c);
+        assert_eq!(a.pages().collect::<Vec<_>>(), vec![3]);
+        let mut r = PageBitmap::new(200);
+        r.set_range(60, 130);
+        r.set_range(190, 500);
+        assert_eq!(r.count(), 71 + 66, "60..=130, and 190 to the end of the last word");
+        assert!(r.is_set(60) && r.is_set(130) && !r.is_set(131) && !r.is_set(59) && r.is_set(255));
         a.clear();
         assert!(a.is_empty());
     }

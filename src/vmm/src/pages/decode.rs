@@ -2,7 +2,7 @@
 
 use std::io::Read;
 
-use super::{check_entry, Cursor, FormatError, PageTag, END, ENTRY_HEADER};
+use super::{check_entry, diff, Cursor, FormatError, PageTag, END, ENTRY_HEADER};
 use crate::memory::{GuestRam, MemoryError, PAGE};
 
 /// One page of a bundle.
@@ -14,12 +14,31 @@ pub struct Entry<'a> {
 }
 
 impl Entry<'_> {
-    /// Write the page into `ram`.
+    /// Write the page into `ram`; a diff goes onto the version `ram` holds.
+    /// The entry was checked (`Bundle::parse`, `read_bundle`): only a page
+    /// outside `ram` can fail.
     pub fn apply(&self, ram: &GuestRam) -> Result<(), MemoryError> {
         match self.tag {
             PageTag::Zero => ram.write_page(self.page, &[0u8; PAGE]),
             PageTag::Raw => ram.write_page(self.page, self.body),
+            PageTag::Diff => Self::apply_diff(ram, self.page, self.body),
+            PageTag::DiffLz4 => {
+                let mut plain = [0u8; PAGE];
+                let n = diff::decompress(self.body, &mut plain).expect("checked when the bundle was read");
+                Self::apply_diff(ram, self.page, &plain[..n])
+            }
         }
+    }
+
+    fn apply_diff(ram: &GuestRam, page: u64, body: &[u8]) -> Result<(), MemoryError> {
+        let (mask, start) = diff::parse(body).expect("checked when the bundle was read");
+        if mask == 0 {
+            return Ok(());
+        }
+        let mut data = [0u8; PAGE];
+        ram.read_page(page, &mut data)?;
+        diff::apply(&mut data, mask, &body[start..]);
+        ram.write_page(page, &data)
     }
 }
 
@@ -46,8 +65,8 @@ impl<'a> Bundle<'a> {
                 break;
             }
             let (page, len) = (entries.u64()?, entries.u32()?);
-            check_entry(tag, page, len, ram_pages)?;
-            entries.take(len as usize)?;
+            let tag = check_entry(tag, page, len, ram_pages)?;
+            tag.check_body(page, entries.take(len as usize)?)?;
             used += ENTRY_HEADER + len as usize;
             count += 1;
         }
@@ -116,6 +135,7 @@ pub fn read_bundle(r: &mut impl Read, ram: &GuestRam, state_limit: u64) -> Resul
         let len = u32::from_le_bytes(header[9..].try_into().expect("4 bytes"));
         let tag = check_entry(header[0], page, len, ram.pages())?;
         read_exact(r, &mut body[..len as usize])?;
+        tag.check_body(page, &body[..len as usize])?;
         Entry { page, tag, body: &body[..len as usize] }.apply(ram).map_err(|e| FormatError::Corrupt(e.to_string()))?;
     }
 }

@@ -8,6 +8,10 @@ pub trait PageEncoder: Send {
     /// Append the body for page `page`, whose contents are `data` (one
     /// page), to `out`, and say how it is encoded.
     fn encode(&mut self, page: u64, data: &[u8], out: &mut Vec<u8>) -> PageTag;
+
+    /// The reader starts over (a new backup): forget whatever this encoder
+    /// assumed about the pages it holds.
+    fn reset(&mut self) {}
 }
 
 /// Whole pages, with all-zero pages sent as a bare tag.
@@ -41,14 +45,25 @@ pub struct BundleWriter<'a> {
     encoder: &'a mut dyn PageEncoder,
     /// The reader's memory starts zeroed (a fresh VM): zero pages need no entry.
     skip_zero: bool,
-    pages: u64,
+    written: Written,
+}
+
+/// What a bundle's entries took.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Written {
+    /// Entries (pages) in the bundle.
+    pub pages: u64,
+    /// Bytes of the entries, headers included.
+    pub bytes: u64,
+    /// Bytes diffs saved against sending their pages whole.
+    pub diff_saved: u64,
 }
 
 impl<'a> BundleWriter<'a> {
     pub fn begin(out: &'a mut Vec<u8>, state: &[u8], encoder: &'a mut dyn PageEncoder, skip_zero: bool) -> BundleWriter<'a> {
         out.extend_from_slice(&(state.len() as u64).to_le_bytes());
         out.extend_from_slice(state);
-        BundleWriter { out, encoder, skip_zero, pages: 0 }
+        BundleWriter { out, encoder, skip_zero, written: Written::default() }
     }
 
     /// Add page `page` with contents `data`.
@@ -60,11 +75,15 @@ impl<'a> BundleWriter<'a> {
             self.out.truncate(at);
             return;
         }
-        let body = (self.out.len() - at - ENTRY_HEADER) as u32;
+        let body = self.out.len() - at - ENTRY_HEADER;
         self.out[at] = tag as u8;
         self.out[at + 1..at + 9].copy_from_slice(&page.to_le_bytes());
-        self.out[at + 9..at + ENTRY_HEADER].copy_from_slice(&body.to_le_bytes());
-        self.pages += 1;
+        self.out[at + 9..at + ENTRY_HEADER].copy_from_slice(&(body as u32).to_le_bytes());
+        self.written.pages += 1;
+        self.written.bytes += (ENTRY_HEADER + body) as u64;
+        if matches!(tag, PageTag::Diff | PageTag::DiffLz4) {
+            self.written.diff_saved += PAGE.saturating_sub(body) as u64;
+        }
     }
 
     /// Bytes in the buffer (for writers that stream the bundle out).
@@ -79,9 +98,9 @@ impl<'a> BundleWriter<'a> {
         std::mem::replace(self.out, Vec::with_capacity(capacity))
     }
 
-    /// Close the bundle; returns the number of entries.
-    pub fn finish(self) -> u64 {
+    /// Close the bundle; returns what its entries took.
+    pub fn finish(self) -> Written {
         self.out.push(END);
-        self.pages
+        self.written
     }
 }

@@ -8,15 +8,17 @@
 //! ```
 //! (little-endian). The tag says how the body encodes the page, per page,
 //! so encodings mix inside one bundle: a zero page has no body, a raw page
-//! is its 4096 bytes; later encoders (XOR diff, compression) add tags.
-//! Readers check every entry (known tag, page inside guest RAM, body length
-//! fits the tag) before anything is applied.
+//! is its 4096 bytes, a diff is the XOR of the changed 64-byte blocks
+//! against the version the reader has (`diff`), plain or LZ4-compressed.
+//! Readers check every entry (known tag, page inside guest RAM, a body that
+//! decodes as its tag says) before anything is applied.
 
 mod decode;
+pub mod diff;
 mod encode;
 
 pub use decode::{read_bundle, Bundle, Entry};
-pub use encode::{is_zero, BundleWriter, PageEncoder, RawEncoder};
+pub use encode::{is_zero, BundleWriter, PageEncoder, RawEncoder, Written};
 
 use crate::memory::PAGE;
 
@@ -38,6 +40,10 @@ pub enum PageTag {
     Zero = 1,
     /// The body is the page.
     Raw = 2,
+    /// The body is a diff against the reader's version of the page (`diff`).
+    Diff = 3,
+    /// The body is a diff compressed as one LZ4 block.
+    DiffLz4 = 4,
 }
 
 const END: u8 = 0;
@@ -48,14 +54,32 @@ impl PageTag {
         match v {
             1 => Some(PageTag::Zero),
             2 => Some(PageTag::Raw),
+            3 => Some(PageTag::Diff),
+            4 => Some(PageTag::DiffLz4),
             _ => None,
         }
     }
 
+    /// Whether a body of `len` bytes can be of this tag (checked before
+    /// the body is read).
     fn body_fits(self, len: usize) -> bool {
         match self {
             PageTag::Zero => len == 0,
             PageTag::Raw => len == PAGE,
+            PageTag::Diff | PageTag::DiffLz4 => (1..=PAGE).contains(&len),
+        }
+    }
+
+    /// Whether `body` decodes as this tag says (after `body_fits`).
+    fn check_body(self, page: u64, body: &[u8]) -> Result<(), FormatError> {
+        let in_page = |e: FormatError| match e {
+            FormatError::Corrupt(what) => FormatError::Corrupt(format!("page {page}: {what}")),
+            other => other,
+        };
+        match self {
+            PageTag::Zero | PageTag::Raw => Ok(()),
+            PageTag::Diff => diff::parse(body).map(drop).map_err(in_page),
+            PageTag::DiffLz4 => diff::decompress(body, &mut [0u8; PAGE]).map(drop).map_err(in_page),
         }
     }
 }
@@ -143,7 +167,7 @@ mod tests {
         w.page(3, &page(7));
         w.page(5, &page(0));
         w.page(9, &page(1));
-        assert_eq!(w.finish(), 3);
+        assert_eq!(w.finish().pages, 3);
         out
     }
 
@@ -191,7 +215,7 @@ mod tests {
         let mut w = BundleWriter::begin(&mut out, b"", &mut enc, true);
         w.page(1, &page(0));
         w.page(2, &page(2));
-        assert_eq!(w.finish(), 1);
+        assert_eq!(w.finish().pages, 1);
         assert_eq!(Bundle::parse(&mut Cursor::new(&out), RAM_PAGES).unwrap().len(), 1);
     }
 
@@ -229,6 +253,80 @@ mod tests {
             assert!(matches!(r, Err(FormatError::Corrupt(_))), "{what}: {r:?}");
             let ram = GuestRam::new(RAM_PAGES * PAGE as u64, false).unwrap();
             assert!(read_bundle(&mut &bad[..], &ram, 100).is_err(), "{what} streamed");
+        }
+    }
+
+    /// An encoder that sends the entries it is given, as they are.
+    struct Given(Vec<(PageTag, Vec<u8>)>);
+
+    impl PageEncoder for Given {
+        fn encode(&mut self, _page: u64, _data: &[u8], out: &mut Vec<u8>) -> PageTag {
+            let (tag, body) = self.0.remove(0);
+            out.extend_from_slice(&body);
+            tag
+        }
+    }
+
+    fn bundle_of(entries: Vec<(u64, PageTag, Vec<u8>)>) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut enc = Given(entries.iter().map(|(_, t, b)| (*t, b.clone())).collect());
+        let mut w = BundleWriter::begin(&mut out, b"", &mut enc, false);
+        for (p, _, _) in &entries {
+            w.page(*p, &page(0));
+        }
+        w.finish();
+        out
+    }
+
+    #[test]
+    fn diffs_apply_onto_what_the_reader_has_and_bad_ones_are_refused() {
+        // Page 4 changes in block 1 (byte 64) and block 63; page 6 in block 8.
+        let mut d4 = Vec::new();
+        diff::write_header(1 << 1 | 1 << 63, &mut d4);
+        d4.extend([vec![0u8; 64], vec![0xff; 64]].concat());
+        d4[diff::header_len(1 << 1 | 1 << 63)] = 0x0f;
+        let mut d6 = Vec::new();
+        diff::write_header(1 << 8, &mut d6);
+        d6.extend(vec![0x01; 64]);
+        let mut packed = vec![0u8; diff::compress_bound()];
+        let n = diff::compress(&d6, &mut packed).unwrap();
+        for (tag6, body6) in [(PageTag::Diff, d6.clone()), (PageTag::DiffLz4, packed[..n].to_vec())] {
+            let bytes = bundle_of(vec![(4, PageTag::Diff, d4.clone()), (6, tag6, body6), (7, PageTag::Diff, vec![0])]);
+            let ram = GuestRam::new(RAM_PAGES * PAGE as u64, false).unwrap();
+            for p in [4, 6, 7] {
+                ram.write_page(p, &page(0x10)).unwrap();
+            }
+            Bundle::parse(&mut Cursor::new(&bytes), RAM_PAGES).unwrap().apply(&ram).unwrap();
+            let mut got = page(0);
+            ram.read_page(4, &mut got).unwrap();
+            let mut want = page(0x10);
+            want[64] ^= 0x0f;
+            want[PAGE - 64..].iter_mut().for_each(|b| *b ^= 0xff);
+            assert_eq!(got, want);
+            ram.read_page(6, &mut got).unwrap();
+            let mut want = page(0x10);
+            want[512..576].iter_mut().for_each(|b| *b ^= 1);
+            assert_eq!(got, want, "{tag6:?}");
+            ram.read_page(7, &mut got).unwrap();
+            assert_eq!(got, page(0x10), "an empty diff changes nothing");
+            let streamed = GuestRam::new(RAM_PAGES * PAGE as u64, false).unwrap();
+            read_bundle(&mut &bytes[..], &streamed, 100).unwrap();
+        }
+        let mut long = Vec::new();
+        diff::write_header(u64::MAX >> 1, &mut long);
+        long.resize(long.len() + 63 * 64, 1);
+        for (what, tag, body) in [
+            ("a header naming more blocks than the body has", PageTag::Diff, d4[..d4.len() - 1].to_vec()),
+            ("a chunk without blocks", PageTag::Diff, vec![1, 0]),
+            ("an empty body", PageTag::Diff, vec![]),
+            ("a body longer than a page", PageTag::Diff, [long.clone(), vec![0; 64]].concat()),
+            ("not LZ4", PageTag::DiffLz4, vec![0xff; 10]),
+        ] {
+            let bytes = bundle_of(vec![(4, PageTag::Raw, page(9)), (6, tag, body)]);
+            let r = Bundle::parse(&mut Cursor::new(&bytes), RAM_PAGES);
+            assert!(matches!(r, Err(FormatError::Corrupt(_))), "{what}: {r:?}");
+            let ram = GuestRam::new(RAM_PAGES * PAGE as u64, false).unwrap();
+            assert!(read_bundle(&mut &bytes[..], &ram, 100).is_err(), "{what} streamed");
         }
     }
 

@@ -57,6 +57,9 @@ impl Apply for InPlace {
         if ckpt.epoch != replica.next_epoch {
             return Err(ProtocolError::Corrupt(format!("checkpoint {} arrived, {} was expected", ckpt.epoch, replica.next_epoch)).into());
         }
+        if let Err(why) = ckpt.state.vm.check(replica.committed.as_ref().map(|(_, state)| state)) {
+            return Err(ProtocolError::Corrupt(format!("checkpoint {}: {why}", ckpt.epoch)).into());
+        }
         if replica.disk.is_none() && !ckpt.state.disk.is_empty() {
             return Err(ProtocolError::Corrupt(format!("checkpoint {} writes to a disk this replica does not have", ckpt.epoch)).into());
         }
@@ -82,7 +85,9 @@ impl Apply for InPlace {
             return Err(ApplyError::Unusable { epoch, reason: format!("copying its pages failed: {e}") });
         }
         replica.next_epoch = epoch + 1;
-        replica.committed = Some((epoch, checkpoint.state.vm));
+        // Cannot fail either: `stage` checked the state against this base.
+        let state = checkpoint.state.vm.over(replica.committed.take().map(|(_, state)| state));
+        replica.committed = Some((epoch, state));
         Ok(())
     }
 }

@@ -1,0 +1,140 @@
+//! The adaptive predictor: leave a page writable while it is likely enough
+//! to be written again soon to pay for being kept.
+//!
+//! Keeping a page that is not written costs a copy and a hash per epoch
+//! (about 1 µs here); not keeping one that is written costs a tracked first
+//! write (about 6 µs). So keeping pays while at least about one kept page in
+//! six is written in the epoch. Candidates are the pages written in the
+//! last `WINDOW` epochs (so a sweep that comes back every few epochs is
+//! caught, which Histase, which looks one epoch back, misses: and once kept
+//! the guest sweeps faster, so it comes back sooner). They are kept per
+//! region of 512 pages while the region's measured precision (kept pages
+//! written / kept pages, exponentially weighted) stays above that break-even
+//! point; a region whose writes scatter stops being kept. A region without
+//! kept pages drifts back towards trying again, so a guest that changes its
+//! ways is followed.
+
+use std::collections::VecDeque;
+
+use ftvm_vmm::PageBitmap;
+
+use super::Predictor;
+
+const REGION: u64 = 512;
+const WORDS_PER_REGION: usize = (REGION / 64) as usize;
+/// Epochs a written page stays a candidate.
+const WINDOW: usize = 8;
+/// Weight of the history in the precision.
+const ALPHA: f32 = 0.7;
+/// Keep a region's candidates from this precision up (the break-even point).
+const THRESHOLD: f32 = 1.0 / 6.0;
+/// A region's precision before anything is known, and what an idle one drifts back to.
+const INITIAL: f32 = 0.5;
+/// Per epoch without kept pages, how much of the way back to `INITIAL` a region goes.
+const DRIFT: f32 = 0.05;
+
+pub struct Adaptive {
+    /// Estimated share of a region's kept pages written per epoch.
+    precision: Vec<f32>,
+    /// The pages found written in each of the last `WINDOW` epochs, newest first.
+    history: VecDeque<PageBitmap>,
+    /// Scratch: the union of `history`.
+    candidates: PageBitmap,
+}
+
+impl Adaptive {
+    pub fn new(pages: u64) -> Adaptive {
+        Adaptive {
+            precision: vec![INITIAL; pages.div_ceil(REGION) as usize],
+            history: VecDeque::with_capacity(WINDOW),
+            candidates: PageBitmap::new(pages),
+        }
+    }
+}
+
+fn region_words(r: usize, len: usize) -> std::ops::Range<usize> {
+    r * WORDS_PER_REGION..((r + 1) * WORDS_PER_REGION).min(len)
+}
+
+impl Predictor for Adaptive {
+    fn choose(&mut self, _harvested: &PageBitmap, new_faults: &PageBitmap, keep: &mut PageBitmap) {
+        self.candidates.copy_from(new_faults);
+        for h in &self.history {
+            self.candidates.or_words(h.words());
+        }
+        let mut out = vec![0u64; keep.words().len()];
+        for (r, precision) in self.precision.iter().enumerate() {
+            if *precision >= THRESHOLD {
+                let words = region_words(r, out.len());
+                out[words.clone()].copy_from_slice(&self.candidates.words()[words]);
+            }
+        }
+        keep.or_words(&out);
+    }
+
+    fn observe(&mut self, left: &PageBitmap, written: &PageBitmap) {
+        for (r, precision) in self.precision.iter_mut().enumerate() {
+            let (mut kept, mut hit) = (0u32, 0u32);
+            for i in region_words(r, written.words().len()) {
+                kept += left.words()[i].count_ones();
+                hit += (left.words()[i] & written.words()[i]).count_ones();
+            }
+            *precision = if kept > 0 {
+                *precision * ALPHA + (hit as f32 / kept as f32) * (1.0 - ALPHA)
+            } else {
+                *precision + (INITIAL - *precision) * DRIFT
+            };
+        }
+        let mut newest =
+            if self.history.len() == WINDOW { self.history.pop_back().expect("full") } else { PageBitmap::new(written.capacity()) };
+        newest.copy_from(written);
+        self.history.push_front(newest);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kept(a: &mut Adaptive, faults: &PageBitmap) -> PageBitmap {
+        let mut keep = PageBitmap::new(1024);
+        a.choose(&PageBitmap::new(1024), faults, &mut keep);
+        keep
+    }
+
+    fn pages(range: std::ops::RangeInclusive<u64>) -> PageBitmap {
+        let mut b = PageBitmap::new(1024);
+        b.set_range(*range.start(), *range.end());
+        b
+    }
+
+    #[test]
+    fn a_sweep_that_comes_back_every_few_epochs_is_kept() {
+        let mut a = Adaptive::new(1024);
+        // Region 0 swept a quarter at a time: each page every 4th epoch.
+        for e in 0..20u64 {
+            let written = pages(e % 4 * 128..=e % 4 * 128 + 127);
+            let left = kept(&mut a, &written);
+            a.observe(&left, &written);
+        }
+        assert!(a.precision[0] > THRESHOLD, "{}", a.precision[0]);
+        assert_eq!(kept(&mut a, &PageBitmap::new(1024)).count(), 512, "the whole region stays writable");
+    }
+
+    #[test]
+    fn scattered_writes_stop_being_kept_and_are_tried_again_later() {
+        let mut a = Adaptive::new(1024);
+        // Region 1: 4 new pages an epoch, never the same twice.
+        for e in 0..40u64 {
+            let written = pages(512 + e * 4 % 512..=512 + e * 4 % 512 + 3);
+            let left = kept(&mut a, &written);
+            a.observe(&left, &written);
+        }
+        assert!(a.precision[1] < THRESHOLD, "{}", a.precision[1]);
+        assert!(kept(&mut a, &pages(600..=603)).is_empty(), "not kept");
+        for _ in 0..60 {
+            a.observe(&PageBitmap::new(1024), &PageBitmap::new(1024));
+        }
+        assert!(a.precision[1] > THRESHOLD, "an idle region is tried again: {}", a.precision[1]);
+    }
+}

@@ -1,0 +1,238 @@
+//! Write-fault prediction (`--predict-writes`): at each freeze, leave the
+//! pages likely to be written again writable, so the guest's next writes to
+//! them take no tracked first-write fault (about 6 µs each here: shadow
+//! paging, `../shared/PLATFORM.md`).
+//!
+//! A page left writable is reported dirty by every later harvest, written
+//! or not, so it is captured every epoch; the fake-dirty filter then drops
+//! the ones whose content the backup already holds before they are sent.
+//! That comparison also says which predicted pages were really written,
+//! which is what the predictor learns from.
+//!
+//! Only the bitmap dirty backend can leave pages writable (KVM's dirty ring
+//! re-protects every page it harvested), and only pages the guest already
+//! writes: the VMM cannot grant write permission ahead of time.
+
+mod adaptive;
+mod fake_dirty;
+mod histase;
+
+pub use fake_dirty::FakeDirtyFilter;
+
+use ftvm_vmm::PageBitmap;
+
+use super::capture::Captured;
+use crate::switch::switch;
+
+switch! {
+    /// `--predict-writes`: which pages to leave write-enabled at each freeze.
+    pub enum Mode {
+        /// None: every written page is re-protected.
+        Off = "off",
+        /// HBFT's Histase: stride and history per 512-page region.
+        Histase = "histase",
+        /// Pages written in the last 8 epochs, in regions where enough of the pages kept are written.
+        Adaptive = "adaptive",
+    }
+}
+
+/// Chooses the pages to leave writable at a freeze.
+pub trait Predictor: Send {
+    /// `harvested` holds the pages now writable (written since the last
+    /// re-arm, or left writable then); `new_faults` those of them that were
+    /// not left writable, so were certainly written in the epoch that just
+    /// ended. Add the pages to leave writable to `keep` (it is cut down to
+    /// `harvested` afterwards).
+    fn choose(&mut self, harvested: &PageBitmap, new_faults: &PageBitmap, keep: &mut PageBitmap);
+    /// The pages left writable through the epoch that ended at the last
+    /// freeze, and the pages found really written in it (known once its
+    /// checkpoint is filtered, after `choose` for the next freeze may
+    /// already have run).
+    fn observe(&mut self, left: &PageBitmap, written: &PageBitmap);
+}
+
+/// What the freeze asks about re-protection.
+pub trait LeaveWritable: Send {
+    /// Given the pages harvested at this freeze, the pages to leave writable.
+    fn choose(&mut self, harvested: &PageBitmap) -> &PageBitmap;
+}
+
+/// Re-protect everything.
+pub struct LeaveNone(PageBitmap);
+
+impl LeaveNone {
+    pub fn new(pages: u64) -> LeaveNone {
+        LeaveNone(PageBitmap::new(pages))
+    }
+}
+
+impl LeaveWritable for LeaveNone {
+    fn choose(&mut self, _harvested: &PageBitmap) -> &PageBitmap {
+        &self.0
+    }
+}
+
+/// Prediction figures of one checkpoint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Figures {
+    /// Pages left writable through the epoch.
+    pub predicted: u64,
+    /// Of those, pages whose content changed (sent).
+    pub predicted_written: u64,
+    /// Of those, pages whose content had not changed (not sent).
+    pub fake_dirty: u64,
+    /// Pages dirtied that were not left writable: each took a tracked first write.
+    pub first_writes: u64,
+}
+
+/// The predictor, the fake-dirty filter and the sets between them.
+pub struct Prediction {
+    predictor: Box<dyn Predictor>,
+    filter: FakeDirtyFilter,
+    /// Left writable through the epoch that ended at the last freeze.
+    before: PageBitmap,
+    /// Left writable at the last freeze.
+    now: PageBitmap,
+    /// Harvested at the last freeze and not in `before`.
+    new_faults: PageBitmap,
+    /// Scratch: what the filter finds written.
+    written: PageBitmap,
+}
+
+impl Prediction {
+    /// `None` for `Mode::Off`.
+    pub fn new(mode: Mode, pages: u64) -> Option<Prediction> {
+        let predictor: Box<dyn Predictor> = match mode {
+            Mode::Off => return None,
+            Mode::Histase => Box::new(histase::Histase::new(pages)),
+            Mode::Adaptive => Box::new(adaptive::Adaptive::new(pages)),
+        };
+        Some(Prediction {
+            predictor,
+            filter: FakeDirtyFilter::new(pages),
+            before: PageBitmap::new(pages),
+            now: PageBitmap::new(pages),
+            new_faults: PageBitmap::new(pages),
+            written: PageBitmap::new(pages),
+        })
+    }
+
+    /// Dirty tracking restarted for a new backup: nothing is left writable
+    /// and the backup holds nothing this side knows of. (What the predictor
+    /// learned about the guest stays.)
+    pub fn reset(&mut self) {
+        self.now.clear();
+        self.before.clear();
+        self.new_faults.clear();
+        self.filter.reset();
+    }
+
+    /// The pages left writable at the last freeze.
+    pub fn left_writable(&self) -> &PageBitmap {
+        &self.now
+    }
+
+    /// Drop from `pages` (the capture of the last freeze) the predicted
+    /// pages the backup already holds, follow the content of the pages left
+    /// writable, and teach the predictor what was really written.
+    pub fn filter(&mut self, pages: &mut Captured) -> Figures {
+        let mut figures = Figures { predicted: self.before.count(), first_writes: self.new_faults.count(), ..Figures::default() };
+        self.written.copy_from(&self.new_faults);
+        let (before, now, filter, written) = (&self.before, &self.now, &mut self.filter, &mut self.written);
+        pages.retain(|page, data| {
+            let (was_left, is_left) = (before.is_set(page), now.is_set(page));
+            if !was_left && !is_left {
+                return true;
+            }
+            let hash = FakeDirtyFilter::hash(data);
+            let send = !(was_left && filter.holds(page, hash));
+            if was_left {
+                if send {
+                    figures.predicted_written += 1;
+                    written.set(page);
+                } else {
+                    figures.fake_dirty += 1;
+                }
+            }
+            // Only pages left writable need their content followed.
+            if is_left {
+                filter.remember(page, hash);
+            } else {
+                filter.forget(page);
+            }
+            send
+        });
+        self.predictor.observe(&self.before, &self.written);
+        figures
+    }
+}
+
+impl LeaveWritable for Prediction {
+    fn choose(&mut self, harvested: &PageBitmap) -> &PageBitmap {
+        std::mem::swap(&mut self.before, &mut self.now);
+        self.new_faults.copy_from(harvested);
+        self.new_faults.subtract(&self.before);
+        self.now.clear();
+        self.predictor.choose(harvested, &self.new_faults, &mut self.now);
+        // Only a page still writable can be left writable.
+        self.now.intersect(harvested);
+        &self.now
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ftvm_vmm::memory::PAGE;
+
+    fn set(pages: &[u64]) -> PageBitmap {
+        let mut b = PageBitmap::new(256);
+        pages.iter().for_each(|&p| b.set(p));
+        b
+    }
+
+    #[test]
+    fn pages_left_writable_are_sent_only_when_changed() {
+        let mut p = Prediction::new(Mode::Adaptive, 256).unwrap();
+        let page = |v: u8| vec![v; PAGE];
+        let (a, b, b2, c, d) = (page(1), page(2), page(9), page(3), page(4));
+
+        // Epoch 1: three first writes, all left writable (nothing known yet).
+        assert_eq!(p.choose(&set(&[1, 2, 3])).pages().collect::<Vec<_>>(), vec![1, 2, 3]);
+        let mut pages = Captured::from_pages(&[(1, &a), (2, &b), (3, &c)]);
+        let f = p.filter(&mut pages);
+        assert_eq!(f, Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3 });
+        assert_eq!(pages.len(), 3);
+
+        // Epoch 2: 1..3 reported again though only 2 changed; 4 is new.
+        p.choose(&set(&[1, 2, 3, 4]));
+        let mut pages = Captured::from_pages(&[(1, &a), (2, &b2), (3, &c), (4, &d)]);
+        let f = p.filter(&mut pages);
+        assert_eq!(f, Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1 });
+        assert_eq!(pages.iter().map(|(n, data)| (n, data[0])).collect::<Vec<_>>(), vec![(2, 9), (4, 4)]);
+
+        // A new backup holds nothing this side knows of: everything is sent.
+        p.reset();
+        p.choose(&set(&[1, 2]));
+        let mut pages = Captured::from_pages(&[(1, &a), (2, &b2)]);
+        assert_eq!(p.filter(&mut pages).fake_dirty, 0);
+        assert_eq!(pages.len(), 2);
+    }
+
+    #[test]
+    fn only_harvested_pages_are_left_writable() {
+        let mut p = Prediction::new(Mode::Histase, 256).unwrap();
+        // Sweeps of pages 0..64 teach Histase long strides in region 0.
+        let sweep: Vec<u64> = (0..64).collect();
+        for e in 0..6u8 {
+            p.choose(&set(&sweep));
+            let data: Vec<Vec<u8>> = sweep.iter().map(|_| vec![e; PAGE]).collect();
+            let pages: Vec<(u64, &[u8])> = sweep.iter().zip(&data).map(|(&n, d)| (n, d.as_slice())).collect();
+            p.filter(&mut Captured::from_pages(&pages));
+        }
+        // Its window around the sweep reaches far beyond page 70, but only
+        // what is writable now can be left writable.
+        assert_eq!(p.choose(&set(&[3, 70])).pages().collect::<Vec<_>>(), vec![3, 70]);
+        assert!(Prediction::new(Mode::Off, 256).is_none());
+    }
+}
