@@ -10,6 +10,7 @@ use std::io::{self, Read};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use ftvm_vmm::arch::compat::CpuProfile;
 use ftvm_vmm::devices::DeviceKind;
 use ftvm_vmm::pages::FormatError;
 
@@ -17,7 +18,9 @@ use ftvm_vmm::pages::FormatError;
 /// Version 3: Hello and Welcome carry each side's heartbeat path
 /// ([`Heartbeat`]; `liveness`).
 /// Version 4: Welcome carries the backup's mirror port (`mirror`).
-pub const PROTOCOL_VERSION: u16 = 4;
+/// Version 5: Hello carries the primary's vCPU profile
+/// (`ftvm_vmm::arch::compat`), which the backup checks against its host.
+pub const PROTOCOL_VERSION: u16 = 5;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.
@@ -117,6 +120,10 @@ pub struct Hello {
     pub first_epoch: u64,
     /// Where and how often the primary's heartbeats come from.
     pub heartbeat: Heartbeat,
+    /// What the vCPUs' saved state needs of a host that restores it: a
+    /// backup that cannot restore it refuses the primary at once, not at
+    /// failover.
+    pub cpu: CpuProfile,
 }
 
 /// The backup's answer to a Hello it accepts.

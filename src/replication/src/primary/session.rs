@@ -360,6 +360,7 @@ fn handshake(
         epoch_ms: config.epoch_ms,
         first_epoch,
         heartbeat,
+        cpu: vm.cpu_profile().clone(),
     };
     link.send(&protocol::message(Kind::Hello, &hello)).map_err(ReplicationError::Send)?;
     link.set_recv_timeout(Some(Duration::from_secs(30))).map_err(ReplicationError::Send)?;
