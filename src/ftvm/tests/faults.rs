@@ -22,12 +22,7 @@
 //! - (d) `--disk` on both sides (the kv guest's append-only log): after a
 //!   takeover the backup's disk holds every acknowledged write.
 //!
-//! The 3 s stalls without the arbiter and the one-direction cuts without it
-//! run only when asked:
-//!
-//! ```sh
-//! cargo test --release -p ftvm --test faults -- --ignored
-//! ```
+//! The whole file takes about 25 s on an idle 2-core host.
 
 mod common;
 
@@ -432,7 +427,6 @@ fn backup_to_primary_cut_exactly_one_vm_serves() {
 }
 
 #[test]
-#[ignore = "longer variants: cargo test --release -p ftvm --test faults -- --ignored"]
 fn one_direction_cuts_without_an_arbiter() {
     for (tag, way) in [("fnp2b", Way::H1ToH2), ("fnb2p", Way::H2ToH1)] {
         let (winner, loser, _) = cut(tag, Arbiter::None, &[way]);
@@ -472,7 +466,6 @@ fn acknowledgements_that_reached_a_stopped_primary_release_nothing_when_it_resum
 }
 
 #[test]
-#[ignore = "longer variants: cargo test --release -p ftvm --test faults -- --ignored"]
 fn a_primary_stalled_3s_without_an_arbiter_stays_paused() {
     let (winner, loser, _) = stall("fs3n", Arbiter::None, Duration::from_secs(3));
     assert_eq!((winner, loser), (Winner::Backup, Loser::Paused));
