@@ -192,8 +192,19 @@ fn a_claimed_length_costs_the_backup_only_what_arrives() {
     let mut s = connect(&addr);
     // It sends no heartbeats: the backup's failure timeout (five epochs) is far off.
     let heartbeat = Heartbeat { session: [0; 8], port: 0, interval_ms: 5 };
-    let hello =
-        Hello { mem_size: 256 << 20, vcpus: 1, devices: vec![], mac: None, disk_size: None, epoch_ms: 2000, first_epoch: 0, heartbeat };
+    // The vCPUs of this very host: the backup accepts them.
+    let cpu = ftvm_vmm::vm::host_cpu_profile().unwrap();
+    let hello = Hello {
+        mem_size: 256 << 20,
+        vcpus: 1,
+        devices: vec![],
+        mac: None,
+        disk_size: None,
+        epoch_ms: 2000,
+        first_epoch: 0,
+        heartbeat,
+        cpu,
+    };
     s.write_all(&protocol::message(Kind::Hello, &hello)).unwrap();
     let mut buf = Vec::new();
     assert_eq!(protocol::read_frame(&mut s, 1 << 20, &mut buf).unwrap(), Kind::Welcome);

@@ -209,6 +209,37 @@ fn backup_refuses_other_versions_and_shapes_and_keeps_waiting() {
     assert!(err.contains("the primary's guest exited with status 0"), "{err}");
 }
 
+/// A backup whose host cannot restore the primary's vCPUs (here: its XSAVE
+/// area said to be smaller, a test-only fault) refuses the primary at the
+/// handshake, with one line on each side, before anything is copied; it
+/// is never found out at failover.
+#[test]
+fn an_incompatible_host_refuses_the_primary_at_connect() {
+    let addr = free_addr();
+    let mut b = Process::spawn_collected(
+        "backup",
+        ftvm().args(["backup", "--listen", &addr]).env("FTVM_LOG", "warn").env("FTVM_TEST_FAULT", "xsave-size:64"),
+    )
+    .unwrap();
+    let p = primary(&addr, 1, WORK, &[]).output().unwrap();
+    assert_eq!(p.status.code(), Some(1), "{}", stderr(&p));
+    let err = stderr(&p);
+    let line = err.lines().find(|l| l.starts_with("ftvm: error:")).unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        line.contains("the backup refused this primary: this host cannot run the primary's vCPUs: its XSAVE area has")
+            && line.ends_with("bytes, this host's 64"),
+        "{err}"
+    );
+    assert!(!err.contains("protected") && !stdout(&p).contains("memtouch: done"), "the primary got further than the handshake:\n{err}");
+    // The backup says why on one line and keeps waiting for a primary it can follow.
+    b.wait_until(Duration::from_secs(10), |b| b.stderr().contains("refused a primary")).unwrap();
+    assert!(b.running(), "the backup stopped after refusing");
+    let refusals: Vec<_> = b.stderr().lines().filter(|l| l.contains("refused a primary")).map(str::to_owned).collect();
+    assert_eq!(refusals.len(), 1, "{}", b.stderr());
+    assert!(refusals[0].contains("this host cannot run the primary's vCPUs: its XSAVE area has"), "{}", refusals[0]);
+    kill(&mut b);
+}
+
 fn crc32c_of(bytes: &[u8]) -> u32 {
     // Castagnoli, bitwise: small and independent of the code under test.
     let mut crc = !0u32;

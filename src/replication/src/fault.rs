@@ -2,11 +2,15 @@
 //! a primary send checkpoint N cut in half or with one bit flipped, then die
 //! on the spot like a crashed host; `stall-apply:N` makes a backup hang
 //! before it applies checkpoint N, while the rest of it (its heartbeats)
-//! runs on. (`forbidden-syscall:KIND` is `ftvm_vmm::seccomp`'s.) Never set
-//! outside tests.
+//! runs on; `xsave-size:N` makes a backup describe its host as having an
+//! XSAVE area of N bytes (so it refuses a primary whose vCPUs need more).
+//! (`forbidden-syscall:KIND` is `ftvm_vmm::seccomp`'s.) Never set outside
+//! tests.
 
 use std::io;
 use std::sync::OnceLock;
+
+use ftvm_vmm::arch::compat::CpuProfile;
 
 use crate::pipeline::transport::Transport;
 
@@ -18,6 +22,8 @@ pub enum Fault {
     Flip,
     /// The backup's apply hangs (handled by the backup, not `inject`).
     StallApply,
+    /// The backup reports another XSAVE area size (`host_profile`).
+    XsaveSize,
 }
 
 fn configured() -> Option<(Fault, u64)> {
@@ -29,6 +35,7 @@ fn configured() -> Option<(Fault, u64)> {
             "truncate" => Fault::Truncate,
             "flip" => Fault::Flip,
             "stall-apply" => Fault::StallApply,
+            "xsave-size" => Fault::XsaveSize,
             _ => return None,
         };
         Some((fault, epoch.parse().ok()?))
@@ -37,7 +44,7 @@ fn configured() -> Option<(Fault, u64)> {
 
 /// The fault a primary injects when it sends checkpoint `epoch`.
 pub fn for_epoch(epoch: u64) -> Option<Fault> {
-    configured().filter(|&(f, e)| e == epoch && f != Fault::StallApply).map(|(f, _)| f)
+    configured().filter(|&(f, e)| e == epoch && matches!(f, Fault::Truncate | Fault::Flip)).map(|(f, _)| f)
 }
 
 /// On a backup about to apply checkpoint `epoch`: hang forever if told to.
@@ -50,12 +57,22 @@ pub fn stall_apply(epoch: u64) {
     }
 }
 
+/// This host's vCPU profile as a backup reports it: as it is, or with the
+/// XSAVE area size it was told to claim.
+pub fn host_profile(mut profile: CpuProfile) -> CpuProfile {
+    if let Some((Fault::XsaveSize, size)) = configured() {
+        tracing::warn!(size, "test fault injected; this backup reports another XSAVE area size");
+        profile.xsave_size = size as u32;
+    }
+    profile
+}
+
 impl Fault {
     /// Send `frame` damaged, then end the process without any cleanup.
     pub fn inject(self, link: &mut dyn Transport, frame: &[u8]) -> io::Result<()> {
         tracing::warn!(fault = ?self, "test fault injected; the primary dies now");
         match self {
-            Fault::StallApply => return Err(io::Error::other("a backup's fault")),
+            Fault::StallApply | Fault::XsaveSize => return Err(io::Error::other("a backup's fault")),
             Fault::Truncate => link.send(&frame[..frame.len() / 2])?,
             Fault::Flip => {
                 let mut bad = frame.to_vec();

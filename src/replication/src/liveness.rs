@@ -90,18 +90,38 @@ pub struct Keys {
 }
 
 /// When the peer was last heard from, by any path: a valid heartbeat, or
-/// bytes of the stream.
+/// bytes of the stream; and when the newest valid heartbeat reached this
+/// host's kernel.
 #[derive(Debug)]
 pub struct Pulse {
     base: Instant,
     /// Nanoseconds after `base`.
     last: AtomicU64,
+    /// CLOCK_REALTIME nanoseconds at which the newest valid heartbeat
+    /// arrived, as the kernel stamped it (0: none yet).
+    arrived: AtomicU64,
 }
 
 impl Pulse {
     /// A pulse that counts its creation as the first sign of life.
     pub fn new() -> Arc<Pulse> {
-        Arc::new(Pulse { base: Instant::now(), last: AtomicU64::new(0) })
+        Arc::new(Pulse { base: Instant::now(), last: AtomicU64::new(0), arrived: AtomicU64::new(0) })
+    }
+
+    /// A valid heartbeat that the kernel received at `unix_ns` was read.
+    fn heartbeat_arrived(&self, unix_ns: u64) {
+        self.arrived.fetch_max(unix_ns, Ordering::Relaxed);
+    }
+
+    /// Whether the newest heartbeat reached this host less than `window`
+    /// ago, by the kernel's arrival stamp (not when this process got to
+    /// read it), or none has arrived yet (UDP blocked: nothing to judge
+    /// by). A process that was stopped for a while finds on waking that its
+    /// peer's heartbeats ended long ago, if they did, before anything it
+    /// read meanwhile (an acknowledgement, say) makes it act.
+    pub fn heard_within(&self, window: Duration) -> bool {
+        let arrived = self.arrived.load(Ordering::Relaxed);
+        arrived == 0 || unix_ns().saturating_sub(arrived) < window.as_nanos() as u64
     }
 
     /// The peer was heard from just now.
@@ -322,6 +342,7 @@ impl Heartbeats {
     /// this side.
     pub fn start(path: Path, timing: Timing, pulse: Arc<Pulse>, observer: impl Observer) -> io::Result<Heartbeats> {
         path.socket.set_nonblocking(true)?;
+        stamp_arrivals(&path.socket);
         let stop = Arc::new(AtomicBool::new(false));
         let sender = Sender { path: Arc::new(path), seq: Arc::new(AtomicU64::new(0)), stats: Arc::new(SendStats::default()) };
         let (first, second) = match two_cpus() {
@@ -543,7 +564,10 @@ impl<O: Observer> Beat<O> {
     fn drain(&mut self, buf: &mut [u8]) {
         loop {
             match self.sender.path.socket.recv_from(buf) {
-                Ok((n, from)) => self.received(&buf[..n], from),
+                Ok((n, from)) => {
+                    let arrived = arrival_of_last(&self.sender.path.socket);
+                    self.received(&buf[..n], from, arrived);
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 // An ICMP error for an earlier datagram, say: the next one decides.
@@ -555,7 +579,8 @@ impl<O: Observer> Beat<O> {
         }
     }
 
-    fn received(&mut self, d: &[u8], from: SocketAddr) {
+    /// Datagram `d` from `from` arrived at `arrived` (CLOCK_REALTIME ns, 0 if unknown).
+    fn received(&mut self, d: &[u8], from: SocketAddr, arrived: u64) {
         let result = decode(&self.sender.path, d).and_then(|seq| match self.last_seen {
             Some(last) if seq <= last => Err(Reject::Stale(seq)),
             _ => Ok(seq),
@@ -564,6 +589,7 @@ impl<O: Observer> Beat<O> {
             Ok(seq) => {
                 self.last_seen = Some(seq);
                 self.pulse.beat();
+                self.pulse.heartbeat_arrived(arrived);
                 let now = Instant::now();
                 if let Some(prev) = self.last_heartbeat.replace(now) {
                     self.stats.longest_gap = self.stats.longest_gap.max(now - prev);
@@ -585,6 +611,33 @@ impl<O: Observer> Beat<O> {
             }
         }
     }
+}
+
+/// SIOCGSTAMPNS (asm-generic/sockios.h, the `_OLD` one with a native
+/// `timespec`): when the last datagram read from a socket arrived.
+const SIOCGSTAMPNS: libc::c_ulong = 0x8907;
+
+/// Have the kernel note when each datagram arrives: the first SIOCGSTAMPNS
+/// on a socket turns its stamps on (and finds none yet); SO_TIMESTAMPNS
+/// would deliver them as control messages instead, which `recv_from`
+/// discards.
+fn stamp_arrivals(socket: &UdpSocket) {
+    let _ = arrival_of_last(socket);
+}
+
+/// When the datagram just read from `socket` reached the kernel
+/// (CLOCK_REALTIME ns), or 0 if the kernel cannot tell.
+fn arrival_of_last(socket: &UdpSocket) -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: SIOCGSTAMPNS writes one timespec, which `ts` is.
+    if unsafe { libc::ioctl(socket.as_raw_fd(), SIOCGSTAMPNS, &mut ts) } != 0 {
+        return 0;
+    }
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn unix_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// Two different CPUs this process may run on, if it has two: where the
@@ -725,7 +778,9 @@ mod tests {
         assert_eq!(*pv.0.lock().unwrap(), None, "the primary lost a live backup");
         assert_eq!(*bv.0.lock().unwrap(), None, "the backup lost a live primary");
         assert!(bp.silence() < timing.timeout);
-        // The primary stops: the backup notices its silence.
+        assert!(pp.heard_within(Duration::from_millis(100)) && bp.heard_within(Duration::from_millis(100)));
+        // The primary stops: the backup notices its silence, and by the
+        // kernel's arrival stamps nothing was heard from the primary lately.
         drop(ph);
         let t0 = Instant::now();
         while bv.0.lock().unwrap().is_none() {
@@ -733,6 +788,8 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert!(bv.0.lock().unwrap().unwrap() >= timing.timeout);
+        assert!(!bp.heard_within(Duration::from_millis(100)));
+        assert!(Pulse::new().heard_within(Duration::ZERO), "no heartbeat yet: nothing to judge by");
         drop(bh);
     }
 

@@ -10,6 +10,7 @@ use std::io::{self, Read};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use ftvm_vmm::arch::compat::CpuProfile;
 use ftvm_vmm::devices::DeviceKind;
 use ftvm_vmm::pages::FormatError;
 
@@ -20,7 +21,9 @@ use ftvm_vmm::pages::FormatError;
 /// Version 5: bundle entries may be sub-page diffs (`Diff`, `DiffLz4`); a
 /// checkpoint's VM state may leave out components that did not change
 /// (`checkpoint::StateDelta`).
-pub const PROTOCOL_VERSION: u16 = 5;
+/// Version 6: Hello carries the primary's vCPU profile
+/// (`ftvm_vmm::arch::compat`), which the backup checks against its host.
+pub const PROTOCOL_VERSION: u16 = 6;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.
@@ -120,6 +123,10 @@ pub struct Hello {
     pub first_epoch: u64,
     /// Where and how often the primary's heartbeats come from.
     pub heartbeat: Heartbeat,
+    /// What the vCPUs' saved state needs of a host that restores it: a
+    /// backup that cannot restore it refuses the primary at once, not at
+    /// failover.
+    pub cpu: CpuProfile,
 }
 
 /// The backup's answer to a Hello it accepts.

@@ -66,8 +66,9 @@ fn replica_with_disk(first_epoch: u64, disk: Option<&Path>) -> Replica {
         None => (vec![], None),
     };
     let heartbeat = Heartbeat { session: [0; 8], port: 0, interval_ms: 5 };
-    let hello = Hello { mem_size: MEM, vcpus: 1, devices, mac: None, disk_size, epoch_ms: 20, first_epoch, heartbeat };
-    Replica::for_primary(&config, &hello).unwrap()
+    let cpu = ftvm_vmm::vm::host_cpu_profile().unwrap();
+    let hello = Hello { mem_size: MEM, vcpus: 1, devices, mac: None, disk_size, epoch_ms: 20, first_epoch, heartbeat, cpu: cpu.clone() };
+    Replica::for_primary(&config, &cpu, &hello).unwrap()
 }
 
 /// Checkpoint 5 of a VM whose pages 1000 (data), 1001 (zeroed again) and 2000 changed (above the system area).

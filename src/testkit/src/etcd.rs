@@ -85,6 +85,11 @@ impl Etcd {
         format!("http://{host}:{}", self.port)
     }
 
+    /// The client port it serves on, at every address.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     pub fn process(&mut self) -> &mut Process {
         &mut self.process
     }

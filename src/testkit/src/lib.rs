@@ -9,6 +9,10 @@
 //! - [`topology::Topology`]: one private network (client, two hosts, a
 //!   replication link) built by `scripts/netns.sh`, torn down on drop, and
 //!   [`netns`], to enter its namespaces from a thread and cut its links;
+//! - [`fault_proxy::FaultProxy`]: the replication link of a topology
+//!   through this process, which delays, holds, drops or cuts its frames,
+//!   each direction on its own;
+//! - [`pcap::Tcpdump`]: a capture inside a namespace, and its frames;
 //! - [`etcd::Etcd`]: a private etcd, the replication arbiter (on loopback,
 //!   or inside a namespace of a topology);
 //! - [`resp`]: a small blocking Redis (RESP2) client, and [`writers`], client
@@ -19,7 +23,9 @@
 //! caller's business.
 
 pub mod etcd;
+pub mod fault_proxy;
 pub mod netns;
+pub mod pcap;
 pub mod process;
 pub mod resp;
 pub mod scratch;

@@ -12,6 +12,7 @@ use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use serde::{Deserialize, Serialize};
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::arch::compat::CpuProfile;
 use crate::arch::{cpu, layout, tables};
 use crate::boot::{self, BootError, BootLayout};
 use crate::clock::{self, ClockState, GuestClock};
@@ -115,6 +116,9 @@ pub struct Vm {
     pause_holders: Mutex<u32>,
     /// The long-lived subset of `pause_holders` (see `hold`).
     holds: Mutex<u32>,
+    /// What the vCPUs' saved state needs of a host (`arch::compat`), taken
+    /// when they were made (asking a running vCPU would wait for it).
+    cpu_profile: CpuProfile,
     // Kept last: the KVM system fd outlives the VM fds above.
     _kvm: Kvm,
 }
@@ -159,7 +163,34 @@ pub fn check_shape(mem_size: Option<u64>, vcpus: Option<u32>) -> Result<(), VmEr
     Ok(())
 }
 
+/// The profile of the vCPUs this host gives a VM (`arch::compat`),
+/// without building one: a bare VM with one vCPU set up as [`Vm::new`]
+/// sets up each of its own.
+pub fn host_cpu_profile() -> Result<CpuProfile, VmError> {
+    let kvm = open_kvm()?;
+    let vm_fd = kvm.create_vm().map_err(kvm_err("KVM_CREATE_VM"))?;
+    let supported = kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_SUPPORTED_CPUID"))?;
+    let vcpu = create_vcpu(&vm_fd, &supported, 0)?;
+    Ok(vcpu_setup(&kvm, &vcpu)?.1)
+}
+
+/// What saving the state of `vcpu` (set up by `create_vcpu`) covers: the
+/// MSRs that round-trip, and the profile of the vCPU.
+fn vcpu_setup(kvm: &Kvm, vcpu: &VcpuFd) -> Result<(Vec<u32>, CpuProfile), VmError> {
+    let index_list = kvm.get_msr_index_list().map_err(kvm_err("KVM_GET_MSR_INDEX_LIST"))?;
+    let msrs = saveable_msrs(vcpu, index_list.as_slice());
+    let cpuid = vcpu.get_cpuid2(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_CPUID2"))?;
+    let profile = CpuProfile::new(&cpuid, &msrs);
+    Ok((msrs, profile))
+}
+
 impl Vm {
+    /// The profile of this VM's vCPUs: what their saved state needs of a
+    /// host that restores it (`arch::compat`).
+    pub fn cpu_profile(&self) -> &CpuProfile {
+        &self.cpu_profile
+    }
+
     /// Create the VM with its memory and vCPUs, not yet running.
     pub fn new(config: VmConfig) -> Result<Vm, VmError> {
         let kvm = open_kvm()?;
@@ -187,8 +218,8 @@ impl Vm {
             Some(log) => Box::new(log),
             None => Box::new(ring::RingLog::new(&vcpus.iter().collect::<Vec<_>>(), ram.pages())?),
         };
-        let index_list = kvm.get_msr_index_list().map_err(kvm_err("KVM_GET_MSR_INDEX_LIST"))?;
-        let msrs: Arc<[u32]> = saveable_msrs(&vcpus[0], index_list.as_slice()).into();
+        let (msrs, cpu_profile) = vcpu_setup(&kvm, &vcpus[0])?;
+        let msrs: Arc<[u32]> = msrs.into();
 
         let tsc_khz = vcpus[0].get_tsc_khz().ok();
         let clock = GuestClock::starting_at(clock::tsc_hz(tsc_khz), 0);
@@ -218,6 +249,7 @@ impl Vm {
             tracking: AtomicBool::new(false),
             pause_holders: Mutex::new(1),
             holds: Mutex::new(0),
+            cpu_profile,
             _kvm: kvm,
         })
     }

@@ -9,6 +9,7 @@ use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use ftvm_vmm::arch::compat::CpuProfile;
 use ftvm_vmm::devices::DeviceConfig;
 use ftvm_vmm::sync::Lock;
 use ftvm_vmm::{Console, DirtyBackend, Persist, Vm};
@@ -87,6 +88,9 @@ pub struct Backup {
     heartbeats: UdpSocket,
     /// Where its mirrored frames arrive (`mirror`).
     mirror: UdpSocket,
+    /// What this host offers a vCPU (`ftvm_vmm::arch::compat`): a primary
+    /// whose vCPUs need more is refused at the handshake.
+    host: CpuProfile,
     status: StatusCell,
 }
 
@@ -117,9 +121,10 @@ impl Backup {
         let listener = TcpListener::bind(&config.listen).map_err(listen_err)?;
         let heartbeats = listener.local_addr().and_then(liveness::bind_backup).map_err(listen_err)?;
         let mirror = listener.local_addr().and_then(|a| mirror::bind_backup(a.ip())).map_err(listen_err)?;
+        let host = crate::fault::host_profile(ftvm_vmm::vm::host_cpu_profile()?);
         let status = StatusCell::new(Role::Backup);
         status.lock().detail = format!("waiting for a primary on {}", config.listen);
-        Ok(Backup { config, listener, heartbeats, mirror, status })
+        Ok(Backup { config, listener, heartbeats, mirror, host, status })
     }
 
     pub fn status(&self) -> StatusCell {
@@ -129,8 +134,8 @@ impl Backup {
     /// Follow a primary until it fails, then return the VM, resumed from the
     /// last committed checkpoint and announced on the network.
     pub fn run(self) -> Result<Outcome, ReplicationError> {
-        let Backup { config, listener, heartbeats: socket, mirror: mirror_socket, status } = self;
-        let Admitted { mut link, mut replica, peer, beats, verdict, mirror } = admit(&config, listener, &socket, &mirror_socket)?;
+        let Backup { config, listener, heartbeats: socket, mirror: mirror_socket, host, status } = self;
+        let Admitted { mut link, mut replica, peer, beats, verdict, mirror } = admit(&config, &host, listener, &socket, &mirror_socket)?;
         tracing::info!(%peer, "primary connected");
         status.lock().detail = format!("synchronizing from primary {peer}");
         let log = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
@@ -246,6 +251,7 @@ fn win_ownership(arbiter: &Arbiter, replica: &Replica, reason: &str, status: &St
 /// starts listening for them.
 fn admit(
     config: &BackupConfig,
+    host: &CpuProfile,
     listener: TcpListener,
     socket: &UdpSocket,
     mirror_socket: &UdpSocket,
@@ -253,7 +259,7 @@ fn admit(
     let gate = gate::Gate::open(listener, config.auth.clone(), config.handshake_timeout)?;
     loop {
         let gate::Candidate { mut link, hello, peer } = gate.next()?;
-        match Replica::for_primary(config, &hello) {
+        match Replica::for_primary(config, host, &hello) {
             Ok(replica) => {
                 let session = liveness::session_half().map_err(ReplicationError::Heartbeat)?;
                 let port = socket.local_addr().map_err(ReplicationError::Heartbeat)?.port();

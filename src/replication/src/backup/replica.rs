@@ -3,6 +3,7 @@
 use std::fs::OpenOptions;
 use std::path::Path;
 
+use ftvm_vmm::arch::compat::CpuProfile;
 use ftvm_vmm::devices::KindList;
 use ftvm_vmm::pages::{Bundle, Cursor};
 use ftvm_vmm::{Vm, VmConfig, VmState};
@@ -29,7 +30,8 @@ pub struct Replica {
 
 impl Replica {
     /// A replica in the primary's shape, or why this backup refuses it.
-    pub fn for_primary(c: &BackupConfig, hello: &Hello) -> Result<Replica, String> {
+    /// `host` is what this host offers a vCPU.
+    pub fn for_primary(c: &BackupConfig, host: &CpuProfile, hello: &Hello) -> Result<Replica, String> {
         if c.mem_size.is_some_and(|m| m != hello.mem_size) || c.vcpus.is_some_and(|v| v != hello.vcpus) {
             return Err(format!(
                 "the primary's VM has {} MiB and {} vCPUs, this backup was started for {} MiB and {} vCPUs",
@@ -44,6 +46,8 @@ impl Replica {
                 return Err("the primary's network card has another MAC address than this backup's --net".into());
             }
         }
+        // So is the host, so that an incompatible one is found now, not at failover.
+        host.can_restore(&hello.cpu).map_err(|e| format!("this host cannot run the primary's vCPUs: {e}"))?;
         // Devices are compared before the disk replica is touched.
         let ours = c.devices.kinds();
         if ours != hello.devices {

@@ -56,7 +56,14 @@ struct Inner {
     refused: bool,
     /// Where protected frames are copied to, with their epoch (the backup).
     mirror: Option<Arc<mirror::Sender>>,
+    /// Asked before each acknowledged frame goes out ([`OutputBuffer::set_release_gate`]).
+    gate: Option<ReleaseGate>,
 }
+
+/// Whether acknowledged output may go out right now: false when this
+/// process finds it has been stopped long enough for its backup to have
+/// taken over (`liveness::Pulse::heard_within`).
+pub type ReleaseGate = Arc<dyn Fn() -> bool + Send + Sync>;
 
 /// What one release let out.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -88,6 +95,7 @@ impl OutputBuffer {
             held_cost: 0,
             refused: false,
             mirror: None,
+            gate: None,
         };
         OutputBuffer { inner: Mutex::new(inner), network, console: Console::default(), waker: Waker::default(), trigger: None }
     }
@@ -151,10 +159,20 @@ impl OutputBuffer {
         epoch
     }
 
-    /// The backup acknowledged every epoch up to `epoch`: let their frames out, in order.
+    /// Ask `gate` before each acknowledged frame goes out (or stop asking).
+    /// A frame it holds back stays at the head of the held output, with
+    /// everything after it, until a later release finds the gate open (or
+    /// the VM is unprotected, which does not ask).
+    pub fn set_release_gate(&self, gate: Option<ReleaseGate>) {
+        self.lock().gate = gate;
+    }
+
+    /// The backup acknowledged every epoch up to `epoch`: let their frames
+    /// out, in order, while the release gate allows.
     pub fn release_through(&self, epoch: u64) -> Released {
         let mut inner = self.lock();
-        let released = self.release_locked(&mut inner, epoch);
+        let gate = inner.gate.clone();
+        let released = self.release_locked(&mut inner, epoch, gate.as_deref());
         let wake = released.frames > 0 && std::mem::take(&mut inner.refused);
         drop(inner);
         if wake {
@@ -165,24 +183,38 @@ impl OutputBuffer {
 
     /// Let out every closed epoch up to `epoch`, under the lock: output of
     /// later epochs, and frames sent unprotected afterwards, must not
-    /// overtake it.
-    fn release_locked(&self, inner: &mut Inner, epoch: u64) -> Released {
+    /// overtake it. With a `gate`, it is asked right before each frame (a
+    /// process stopped in the middle of a release asks again when it
+    /// resumes); what it holds back stays held, in order.
+    fn release_locked(&self, inner: &mut Inner, epoch: u64, gate: Option<&(dyn Fn() -> bool + Send + Sync)>) -> Released {
         let mut released = Released::default();
         while inner.closed.front().is_some_and(|h| h.epoch <= epoch) {
-            let held = inner.closed.pop_front().expect("front exists");
+            let mut held = inner.closed.pop_front().expect("front exists");
             if let Some(t) = held.first_at {
                 released.max_hold_us = released.max_hold_us.max(t.elapsed().as_micros() as u64);
             }
+            let mut sent = 0;
             for item in &held.items {
                 match item {
                     Out::Frame(frame) => {
+                        if gate.is_some_and(|open| !open()) {
+                            break;
+                        }
                         self.network.send(frame);
                         inner.held_cost -= cost(frame);
+                        held.frames -= 1;
+                        released.frames += 1;
                     }
                     Out::Console(text) => self.console.write(text),
                 }
+                sent += 1;
             }
-            released.frames += held.frames as u64;
+            if sent < held.items.len() {
+                held.items.drain(..sent);
+                inner.closed.push_front(held);
+                tracing::warn!(epoch = inner.closed[0].epoch, "acknowledged output held back: nothing heard from the backup lately");
+                break;
+            }
         }
         inner.released_frames += released.frames;
         telemetry().held(-(released.frames as i64));
@@ -200,7 +232,7 @@ impl OutputBuffer {
         inner.mirror = None;
         // Released before the lock is let go: a frame the guest sends now
         // goes straight out, and must not overtake the held ones.
-        let released = self.release_locked(&mut inner, last);
+        let released = self.release_locked(&mut inner, last, None);
         let wake = std::mem::take(&mut inner.refused);
         drop(inner);
         if wake {
@@ -320,6 +352,39 @@ mod tests {
         assert_eq!(out.unprotect().frames, 1);
         assert_eq!(drain(&wire), b"d");
         out.send(b"e");
+        assert_eq!(drain(&wire), b"e");
+    }
+
+    #[test]
+    fn a_closed_release_gate_holds_acknowledged_output_back_in_order() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let wire = Arc::new(Wire::default());
+        let out = OutputBuffer::new(wire.clone());
+        // Open for two frames, then closed (the process was stopped in the
+        // middle of a release), until reopened.
+        let budget = Arc::new(AtomicUsize::new(2));
+        let b = budget.clone();
+        out.set_release_gate(Some(Arc::new(move || b.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok())));
+        out.protect(1);
+        out.send(b"a");
+        out.send(b"b");
+        out.send(b"c");
+        out.close_epoch();
+        out.send(b"d");
+        out.close_epoch();
+        assert_eq!(out.release_through(2).frames, 2);
+        assert_eq!(drain(&wire), b"ab");
+        assert_eq!(out.held_frames(), 2);
+        assert_eq!(out.release_through(2).frames, 0, "still closed");
+        budget.store(usize::MAX, Ordering::SeqCst);
+        assert_eq!(out.release_through(2).frames, 2);
+        assert_eq!(drain(&wire), b"cd");
+        assert_eq!(out.held_frames(), 0);
+        assert_eq!(out.held_cost(), 0);
+        // Unprotecting does not ask the gate.
+        budget.store(0, Ordering::SeqCst);
+        out.send(b"e");
+        assert_eq!(out.unprotect().frames, 1);
         assert_eq!(drain(&wire), b"e");
     }
 

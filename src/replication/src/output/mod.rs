@@ -6,5 +6,5 @@
 mod buffer;
 mod disk_journal;
 
-pub use buffer::{OutputBuffer, Released};
+pub use buffer::{OutputBuffer, ReleaseGate, Released};
 pub use disk_journal::{DiskJournal, DiskWrite};

@@ -129,6 +129,7 @@ impl Session {
         let shared = Arc::new(Shared::default());
         let pulse = Pulse::new();
         link.observe(pulse.clone());
+        cx.output.set_release_gate(Some(release_gate(&pulse, Duration::from_millis(theirs.interval_ms))));
         liveness::check_interval(Role::Backup, theirs.interval_ms, cx.config.failure_timeout);
         let session = liveness::session_id(mine.session, theirs.session);
         let mirror = start_mirror(cx, link.as_ref(), SocketAddr::new(remote.ip(), welcome.mirror_port), session)?;
@@ -299,6 +300,21 @@ fn refusal_behind(link: &mut dyn Transport, e: ReplicationError) -> ReplicationE
     }
 }
 
+/// Acknowledged output goes out only while the backup's heartbeats keep
+/// arriving: a primary that was stopped (SIGSTOP, a frozen host) longer
+/// than its backup's failure timeout may find, on waking, an
+/// acknowledgement that arrived meanwhile, or be in the middle of a
+/// release; its backup may have taken over since, and this side must not
+/// emit another frame until it knows (`Worker::reclaim`). The newest
+/// heartbeat's arrival (stamped by the kernel) says so at once: four of the
+/// backup's intervals without one, at least 20 ms, and the output waits
+/// for the next acknowledgement, or for the verdict on the backup.
+fn release_gate(pulse: &Arc<Pulse>, interval: Duration) -> crate::output::ReleaseGate {
+    let window = (interval * 4).max(Duration::from_millis(20));
+    let pulse = pulse.clone();
+    Arc::new(move || pulse.heard_within(window))
+}
+
 fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
     EpochMetrics {
         epoch: taken.epoch,
@@ -368,6 +384,7 @@ fn handshake(
         epoch_ms: config.epoch_ms,
         first_epoch,
         heartbeat,
+        cpu: vm.cpu_profile().clone(),
     };
     link.send(&protocol::message(Kind::Hello, &hello)).map_err(ReplicationError::Send)?;
     link.set_recv_timeout(Some(Duration::from_secs(30))).map_err(ReplicationError::Send)?;
