@@ -177,6 +177,8 @@ const REPLICATION: &[Syscall] = syscalls![
     SYS_dup,
     SYS_epoll_wait,
     SYS_epoll_pwait,
+    // SIOCGSTAMPNS: when each heartbeat reached this host (the release gate).
+    SYS_ioctl,
 ];
 
 /// Building VMs (KVM, memfd, TAP, disk), sockets (replication, heartbeats,
