@@ -3,7 +3,8 @@
 # host, and a stalled primary is fenced. `ftvm demo` builds a private
 # network from namespaces (a client, two hosts, a replication link), starts
 # an etcd arbiter and writes a shared secret, runs the kv guest on h1
-# checkpointing every 20 ms to a backup on h2 (both with --arbiter and
+# checkpointing to a backup on h2 whenever it has output waiting and is
+# idle (at most every 20 ms; both with --arbiter and
 # --secret-file), loads it with redis-benchmark and with writers that record
 # every acknowledged write, then (1) kills h1 (links cut, VMM SIGKILLed) and
 # (2), with a fresh pair, SIGSTOPs the primary for about a second, links up:
