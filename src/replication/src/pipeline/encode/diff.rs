@@ -98,18 +98,9 @@ mod tests {
 
     use super::*;
 
+    use crate::pipeline::encode::xor::tests::Rng;
+
     const RAM_PAGES: u64 = 32;
-
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-    }
 
     /// One epoch's change to `pages`: each page is left alone, has a few
     /// bytes changed, a few blocks rewritten, is rewritten whole or zeroed.

@@ -126,7 +126,7 @@ fn changed_avx512(old: &[u8; PAGE], new: &[u8; PAGE]) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// The definition, byte by byte.
@@ -143,11 +143,12 @@ mod tests {
         (mask, out)
     }
 
-    /// xorshift64*: reproducible pages without a crate.
-    struct Rng(u64);
+    /// xorshift64*: reproducible pages without a crate (the diff encoder's
+    /// tests use it too).
+    pub(crate) struct Rng(pub(crate) u64);
 
     impl Rng {
-        fn next(&mut self) -> u64 {
+        pub(crate) fn next(&mut self) -> u64 {
             self.0 ^= self.0 >> 12;
             self.0 ^= self.0 << 25;
             self.0 ^= self.0 >> 27;
