@@ -154,16 +154,7 @@ fn redis_on_disk(topo: &Topology, extra_args: &str, disk: Option<&std::path::Pat
 
 /// redis-cli in the client namespace; its stdout.
 fn cli(topo: &Topology, args: &[&str]) -> String {
-    let out = topo
-        .command("client", "timeout")
-        .args(["10", "redis-cli", "-h", GUEST_ADDR, "-p", "6379"])
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("redis-cli runs (scripts/setup.sh installs redis-tools)");
-    let text = stdout(&out);
-    assert!(out.status.success() && !text.contains("Could not connect"), "redis-cli {args:?}: {}{text}{}", out.status, stderr(&out));
-    text.trim_end_matches('\n').to_owned()
+    redis_cli(topo, args).trim_end_matches('\n').to_owned()
 }
 
 fn assert_running(vmm: &mut Process) {

@@ -63,26 +63,10 @@ fn kv(topo: &Topology, cmdline_extra: &str, disk: Option<&Path>) -> Process {
     vmm
 }
 
-/// redis-cli in the client namespace (not `-e`: error replies are printed
-/// on stdout like any other). Panics if it cannot run or talk to the
-/// server; returns its stdout.
-fn cli(topo: &Topology, args: &[&str]) -> String {
-    let out = topo
-        .command("client", "timeout")
-        .args(["10", "redis-cli", "-h", GUEST_ADDR, "-p", "6379"])
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("redis-cli runs (scripts/setup.sh installs redis-tools)");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success() && !text.contains("Could not connect"), "redis-cli {args:?}: {}{text}{}", out.status, stderr(&out));
-    text
-}
-
 /// Like `cli` for a command whose reply is one line.
 fn cli1(topo: &Topology, args: &[&str]) -> String {
     // Error replies end with an extra empty line in redis-cli's raw output.
-    cli(topo, args).trim_end_matches('\n').to_owned()
+    redis_cli(topo, args).trim_end_matches('\n').to_owned()
 }
 
 /// Run `program args` in the client namespace with `input` on stdin.
@@ -160,7 +144,7 @@ fn redis_cli_commands_get_exact_replies() {
     assert_eq!(cli1(&topo, &["SET", "greeting", "hello"]), "OK");
     assert_eq!(cli1(&topo, &["GET", "greeting"]), "hello");
     // A missing key is nil, which redis-cli prints as an empty line.
-    assert_eq!(cli(&topo, &["GET", "missing"]), "\n");
+    assert_eq!(redis_cli(&topo, &["GET", "missing"]), "\n");
     assert_eq!(cli1(&topo, &["SET", "spaced", "a b  c\tz"]), "OK");
     assert_eq!(cli1(&topo, &["GET", "spaced"]), "a b  c\tz");
     assert_eq!(cli1(&topo, &["INCR", "counter"]), "1");
@@ -171,12 +155,12 @@ fn redis_cli_commands_get_exact_replies() {
     assert_eq!(cli1(&topo, &["APPEND", "fresh", "abc"]), "3");
     assert_eq!(cli1(&topo, &["GET", "greeting"]), "hello, world");
     assert_eq!(cli1(&topo, &["MSET", "a", "1", "b", "2"]), "OK");
-    assert_eq!(cli(&topo, &["MGET", "greeting", "missing", "a", "b", "counter"]), "hello, world\n\n1\n2\n42\n");
+    assert_eq!(redis_cli(&topo, &["MGET", "greeting", "missing", "a", "b", "counter"]), "hello, world\n\n1\n2\n42\n");
     assert_eq!(cli1(&topo, &["EXISTS", "a", "b", "missing", "a"]), "3");
     assert_eq!(cli1(&topo, &["DBSIZE"]), "6");
     assert_eq!(cli1(&topo, &["DEL", "a", "b", "missing"]), "2");
     assert_eq!(cli1(&topo, &["EXISTS", "a"]), "0");
-    assert_eq!(cli(&topo, &["GET", "a"]), "\n");
+    assert_eq!(redis_cli(&topo, &["GET", "a"]), "\n");
     assert_eq!(cli1(&topo, &["DBSIZE"]), "4");
     assert_eq!(cli1(&topo, &["GET"]), "ERR wrong number of arguments for 'get' command");
     // A value bigger than a socket buffer goes both ways intact (from
@@ -234,7 +218,7 @@ fn mget_all(topo: &Topology, keys: &[&str]) -> Vec<String> {
     for chunk in keys.chunks(500) {
         let mut args = vec!["MGET"];
         args.extend_from_slice(chunk);
-        let text = cli(topo, &args);
+        let text = redis_cli(topo, &args);
         let got: Vec<String> = text.lines().map(str::to_owned).collect();
         assert_eq!(got.len(), chunk.len(), "MGET reply: {text}");
         values.extend(got);
@@ -413,7 +397,7 @@ fn full_host_disk_fails_the_write_and_keeps_earlier_data() {
 
     let check = |topo: &Topology, extra: usize| {
         assert_eq!(cli1(topo, &["DBSIZE"]), (acked.len() + extra).to_string());
-        assert_eq!(cli(topo, &["GET", &key(failed)]), "\n", "the failed SET was applied");
+        assert_eq!(redis_cli(topo, &["GET", &key(failed)]), "\n", "the failed SET was applied");
         for &i in &acked {
             assert!(cli1(topo, &["GET", &key(i)]) == value(i), "big:{i} lost or changed");
         }

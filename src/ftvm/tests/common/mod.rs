@@ -5,10 +5,11 @@
 
 use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Command, ExitStatus, Output};
+use std::process::{Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use ftvm_testkit::process::Process;
+use ftvm_testkit::topology::{Topology, GUEST_ADDR};
 use ftvm_workloads::memtouch::{self, Config, Writer};
 
 /// A guest image built by `scripts/build-images.sh`. Missing images are a
@@ -88,4 +89,20 @@ pub fn exit_status(p: &mut Process, timeout: Duration) -> ExitStatus {
         assert!(t0.elapsed() < timeout, "still running after {timeout:?}:\n{}", p.output());
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// redis-cli against the guest (GUEST_ADDR:6379) from the client namespace
+/// (not `-e`: error replies are printed on stdout like any other). Panics if
+/// it cannot run or talk to the server; returns its stdout.
+pub fn redis_cli(topo: &Topology, args: &[&str]) -> String {
+    let out = topo
+        .command("client", "timeout")
+        .args(["10", "redis-cli", "-h", GUEST_ADDR, "-p", "6379"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("redis-cli runs (scripts/setup.sh installs redis-tools)");
+    let text = stdout(&out);
+    assert!(out.status.success() && !text.contains("Could not connect"), "redis-cli {args:?}: {}{text}{}", out.status, stderr(&out));
+    text
 }
