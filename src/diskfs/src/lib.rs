@@ -766,15 +766,8 @@ impl<D: BlockDevice> DiskFs<D> {
         if self.write_back(id)? {
             self.dev.flush()?;
         }
-        let n = self.node_mut(id)?;
-        if n.synced_size != n.size {
-            n.synced_size = n.size;
-            self.meta_dirty = true;
-        }
-        if self.meta_dirty {
-            self.commit()?;
-        }
-        Ok(())
+        self.size_synced(id)?;
+        self.commit_if_dirty()
     }
 
     /// sync(2): every file's data and the metadata.
@@ -788,12 +781,22 @@ impl<D: BlockDevice> DiskFs<D> {
             self.dev.flush()?;
         }
         for id in ids {
-            let n = self.node_mut(id)?;
-            if n.synced_size != n.size {
-                n.synced_size = n.size;
-                self.meta_dirty = true;
-            }
+            self.size_synced(id)?;
         }
+        self.commit_if_dirty()
+    }
+
+    /// The file's data is on the disk: its size goes into the next commit.
+    fn size_synced(&mut self, id: NodeId) -> Result<(), Error> {
+        let n = self.node_mut(id)?;
+        if n.synced_size != n.size {
+            n.synced_size = n.size;
+            self.meta_dirty = true;
+        }
+        Ok(())
+    }
+
+    fn commit_if_dirty(&mut self) -> Result<(), Error> {
         if self.meta_dirty {
             self.commit()?;
         }
