@@ -16,6 +16,9 @@ const MAX_TEXT: u64 = 64 * 1024;
 
 pub enum Outcome {
     Continue,
+    /// Run the hypercall again once the vCPU next runs, as if it had never
+    /// been made: the guest sees no return (see `wait`).
+    Restart,
     Stop(VmExit),
 }
 
@@ -70,12 +73,20 @@ fn abort(shared: &VmShared, vcpu: u32, addr: u64) -> Result<Outcome, String> {
     Ok(Outcome::Stop(VmExit::Panic { vcpu, message }))
 }
 
+/// A wait the VMM cuts short for its own reasons (a checkpoint's pause, a
+/// stop) is restarted rather than returned: an idle vCPU then keeps exactly
+/// the registers it had, so a checkpoint finds it unchanged, and the guest
+/// is not woken once per checkpoint for nothing.
 fn wait(shared: &VmShared, addr: u64) -> Result<Outcome, String> {
     let (deadline_ns, seen) = (read_u64(shared, addr)?, read_u64(shared, addr + 8)?);
     let deadline = (deadline_ns != u64::MAX).then(|| std::time::Instant::now() + shared.clock().until(deadline_ns));
     shared.enter_wait();
     let seq = shared.events.wait(seen, deadline, || shared.control.should_leave());
     shared.leave_wait();
+    let woken = seq != seen || deadline.is_some_and(|d| std::time::Instant::now() >= d);
+    if !woken && shared.control.should_leave() {
+        return Ok(Outcome::Restart);
+    }
     shared.ram.memory().write_obj(seq, GuestAddress(addr + 16)).map_err(|e| e.to_string())?;
     Ok(Outcome::Continue)
 }

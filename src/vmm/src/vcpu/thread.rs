@@ -14,6 +14,8 @@ use crate::sync::Lock;
 
 /// KVM_EXIT_DIRTY_RING_FULL, which kvm-ioctls reports as unsupported.
 const EXIT_DIRTY_RING_FULL: u32 = 31;
+/// Length of the hypercall instruction, `out dx, eax` (0xef).
+const OUT_DX_EAX_LEN: u64 = 1;
 
 /// Body of vCPU thread `index`.
 pub fn thread_main(index: u32, vcpu: Arc<Mutex<Vcpu>>, shared: Arc<VmShared>) {
@@ -85,6 +87,12 @@ fn run_until_asked_to_leave(index: u32, vcpu: &mut VcpuFd, shared: &VmShared) ->
         };
         match action {
             Action::Outcome(Outcome::Continue) => {}
+            Action::Outcome(Outcome::Restart) => {
+                if let Err(e) = rewind_pending_out(vcpu) {
+                    return Some(VmExit::Error(format!("vCPU {index}: restarting a hypercall: {e}")));
+                }
+                io_pending = false;
+            }
             Action::Outcome(Outcome::Stop(exit)) => return Some(exit),
             Action::Fault => return Some(read_fault(index, vcpu, shared)),
             Action::RingFull => {
@@ -114,6 +122,16 @@ fn complete_pending_io(vcpu: &mut VcpuFd) {
     vcpu.set_kvm_immediate_exit(1);
     let _ = vcpu.run();
     vcpu.set_kvm_immediate_exit(0);
+}
+
+/// Complete the pending `out` and step back over it, so the vCPU runs it
+/// again when it next runs. Hypercalls are the one-byte `out dx, eax`
+/// (`ftvm_abi::port`), and their argument block is still in guest memory.
+fn rewind_pending_out(vcpu: &mut VcpuFd) -> Result<(), kvm_ioctls::Error> {
+    complete_pending_io(vcpu);
+    let mut regs = vcpu.get_regs()?;
+    regs.rip -= OUT_DX_EAX_LEN;
+    vcpu.set_regs(&regs)
 }
 
 /// Decode the exception frame the CPU pushed on the ring-0 stack.
