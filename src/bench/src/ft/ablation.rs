@@ -43,8 +43,14 @@ pub const SWITCHES: &[Switch] = &[
 ];
 
 /// Switch values measured together too (each is also measured alone above).
-pub const COMBINATIONS: &[(&str, &[&str])] =
-    &[("capture=cow predict-writes=adaptive", &["--capture", "cow", "--predict-writes", "adaptive"])];
+pub const COMBINATIONS: &[(&str, &[&str])] = &[
+    ("capture=cow predict-writes=adaptive", &["--capture", "cow", "--predict-writes", "adaptive"]),
+    ("predict-writes=adaptive diff=lz4", &["--predict-writes", "adaptive", "--diff", "lz4"]),
+    (
+        "capture=cow predict-writes=adaptive diff=lz4 device-state=changed",
+        &["--capture", "cow", "--predict-writes", "adaptive", "--diff", "lz4", "--device-state", "changed"],
+    ),
+];
 
 /// The epoch length measured unless `--epochs` says otherwise.
 pub const DEFAULT_EPOCH_MS: u64 = 20;
