@@ -87,14 +87,16 @@ impl Freeze for PauseAndSave {
         let keep = leave.choose(&dirty);
         let t2 = Instant::now();
         vm.rearm_dirty(keep)?;
+        let t3 = Instant::now();
+        let state = CheckpointState { vm: StateDelta::whole(vm.save()?), disk: self.journal.take() };
         tracing::debug!(
             stop_us = (t0 - pause.since).as_micros() as u64,
             harvest_us = (t1 - t0).as_micros() as u64,
             choose_us = (t2 - t1).as_micros() as u64,
-            rearm_us = t2.elapsed().as_micros() as u64,
+            rearm_us = (t3 - t2).as_micros() as u64,
+            save_us = t3.elapsed().as_micros() as u64,
             "freeze"
         );
-        let state = CheckpointState { vm: StateDelta::whole(vm.save()?), disk: self.journal.take() };
         // Inside the pause: frames the guest sends after resuming belong to
         // the next epoch. The first checkpoint starts holding output.
         if self.output.is_protected() {
