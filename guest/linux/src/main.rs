@@ -31,6 +31,7 @@ mod random;
 mod sched;
 mod start;
 mod sys;
+mod vdso;
 
 use core::alloc::Layout;
 
@@ -97,7 +98,8 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
         net::init(net).map_err(|e| format!("network: {e}"))?;
     }
     fd::init_stdio();
-    let frame = start::initial_frame(&program, &cmd.argv, &cmd.env, stack, stack + MAIN_STACK);
+    let vdso = opts.vdso.then(vdso::build);
+    let frame = start::initial_frame(&program, &cmd.argv, &cmd.env, vdso, stack, stack + MAIN_STACK);
     sched::start(frame)
 }
 

@@ -55,6 +55,15 @@ pub struct Options {
     /// Checkpoint interval of the protected runs, in milliseconds.
     #[arg(long, default_value_t = 20)]
     epoch_ms: u64,
+    /// With `--app redis`: also measure the guest with these runtime
+    /// options (the words before `--` on its command line, e.g.
+    /// `vdso=off`), unreplicated against native in the same run: one switch
+    /// on and off. Repeatable; one extra VM per value.
+    #[arg(long)]
+    variant: Vec<String>,
+    /// Skip the protected runs (only unreplicated against native).
+    #[arg(long)]
+    no_protected: bool,
     /// Directory holding kv.elf and redis-server.
     #[arg(long, default_value = "target/images")]
     images: PathBuf,
@@ -85,15 +94,16 @@ impl App {
         }
     }
 
-    /// `ftvm run` arguments after the image: memory and command line.
-    fn run_args(self) -> Vec<String> {
+    /// `ftvm run` arguments after the image: memory and command line, with
+    /// extra runtime options `variant` (Linux personality only).
+    fn run_args(self, variant: &str) -> Vec<String> {
         match self {
             App::Kv => vec!["--cmdline".into(), format!("ip={GUEST_ADDR}/24")],
             App::Redis => vec![
                 "--memory".into(),
                 "512".into(),
                 "--cmdline".into(),
-                format!("ip={GUEST_ADDR}/24 -- redis-server {}", REDIS_ARGS.join(" ")),
+                format!("{variant} ip={GUEST_ADDR}/24 -- redis-server {}", REDIS_ARGS.join(" ")).trim_start().to_string(),
             ],
         }
     }
@@ -110,7 +120,7 @@ struct Guest {
 }
 
 impl Guest {
-    fn start(topo: &Topology, ftvm: &Path, image: &Path, app: App, protect: Option<(&Scratch, u64)>) -> Result<Guest, BoxError> {
+    fn start(topo: &Topology, ftvm: &Path, image: &Path, app: App, variant: &str, protect: Option<(&Scratch, u64)>) -> Result<Guest, BoxError> {
         let net = format!("tap=tap0,mac={GUEST_MAC}");
         let backup_addr = format!("{H2_REPL_ADDR}:{BACKUP_ADDR_PORT}");
         let backup = match protect {
@@ -122,7 +132,7 @@ impl Guest {
             None => None,
         };
         let mut cmd = topo.command("h1", ftvm);
-        cmd.arg("run").arg("--image").arg(image).args(app.run_args()).args(["--net", &net]);
+        cmd.arg("run").arg("--image").arg(image).args(app.run_args(variant)).args(["--net", &net]);
         if let Some((dir, epoch_ms)) = protect {
             cmd.args(["--replicate-to", &backup_addr, "--epoch-ms", &epoch_ms.to_string(), "--api-socket"]).arg(dir.join("primary.sock"));
         }
@@ -210,6 +220,37 @@ fn median(mut runs: Vec<Figures>) -> Figures {
     runs.swap_remove(runs.len() / 2)
 }
 
+/// What the table shows per test: name, unit, and the figure.
+type Metric = (&'static str, &'static str, fn(&Figures) -> f64);
+const METRICS: [Metric; 3] =
+    [("throughput", "req/s", |f| f.rps), ("latency p50", "ms", |f| f.p50_ms), ("latency p99", "ms", |f| f.p99_ms)];
+
+/// Per pipeline depth: (depth, guest [SET, GET], native [SET, GET]).
+type Paired = Vec<(u32, [Figures; 2], [Figures; 2])>;
+
+/// The guest with runtime options `variant`, unreplicated, against the
+/// native server, alternating run by run.
+fn unreplicated(topo: &Topology, ftvm: &Path, image: &Path, opts: &Options, variant: &str, native: &mut Process) -> Result<Paired, BoxError> {
+    let mut guest = Guest::start(topo, ftvm, image, opts.app, variant, None)?;
+    wait_serving(topo, GUEST_ADDR, &mut guest.vmm)?;
+    let mut figures = Vec::new();
+    for &p in &opts.pipeline {
+        let (mut g_set, mut g_get, mut n_set, mut n_get) = (vec![], vec![], vec![], vec![]);
+        for _ in 0..opts.repeat {
+            let (s, g) = benchmark(topo, GUEST_ADDR, opts, p)?;
+            g_set.push(s);
+            g_get.push(g);
+            guest.check_alive()?;
+            check_alive(native)?;
+            let (s, g) = benchmark(topo, NATIVE_ADDR, opts, p)?;
+            n_set.push(s);
+            n_get.push(g);
+        }
+        figures.push((p, [median(g_set), median(g_get)], [median(n_set), median(n_get)]));
+    }
+    Ok(figures)
+}
+
 fn ftvm_path(opts: &Options) -> Result<PathBuf, BoxError> {
     let path = match &opts.ftvm {
         Some(p) => p.clone(),
@@ -233,6 +274,9 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     if opts.repeat == 0 || opts.pipeline.is_empty() {
         return Err("--repeat and --pipeline need at least one run".into());
     }
+    if app == App::Kv && !opts.variant.is_empty() {
+        return Err("--variant sets Linux-personality runtime options: use it with --app redis".into());
+    }
     let topo = Topology::new("kvb")?;
     let dir = Scratch::new("bench-kv")?;
 
@@ -252,73 +296,77 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     wait_serving(&topo, NATIVE_ADDR, &mut native)?;
 
     // Unreplicated, one vCPU (the default), alternating with the native
-    // server so that drift on the host hits both alike.
-    let mut guest = Guest::start(&topo, &ftvm, &image, app, None)?;
-    wait_serving(&topo, GUEST_ADDR, &mut guest.vmm)?;
-    let mut figures = Vec::new();
-    for &p in &opts.pipeline {
-        let (mut g_set, mut g_get, mut n_set, mut n_get) = (vec![], vec![], vec![], vec![]);
-        for _ in 0..opts.repeat {
-            let (s, g) = benchmark(&topo, GUEST_ADDR, opts, p)?;
-            g_set.push(s);
-            g_get.push(g);
-            guest.check_alive()?;
-            let (s, g) = benchmark(&topo, NATIVE_ADDR, opts, p)?;
-            n_set.push(s);
-            n_get.push(g);
-        }
-        figures.push((p, [median(g_set), median(g_get)], [median(n_set), median(n_get)]));
+    // server so that drift on the host hits both alike; then each variant
+    // the same way.
+    let figures = unreplicated(&topo, &ftvm, &image, opts, "", &mut native)?;
+    let mut variants = Vec::new();
+    for v in &opts.variant {
+        variants.push((v.as_str(), unreplicated(&topo, &ftvm, &image, opts, v, &mut native)?));
     }
-    drop(guest);
     drop(native);
 
     // Protected: a backup in h2, checkpoints every --epoch-ms.
-    let mut guest = Guest::start(&topo, &ftvm, &image, app, Some((&dir, opts.epoch_ms)))?;
-    wait_serving(&topo, GUEST_ADDR, &mut guest.vmm)?;
     let mut protected = Vec::new();
-    for &p in &opts.pipeline {
-        let (mut set, mut get) = (vec![], vec![]);
-        for _ in 0..opts.repeat {
-            let (s, g) = benchmark(&topo, GUEST_ADDR, opts, p)?;
-            set.push(s);
-            get.push(g);
-            guest.check_alive()?;
+    if !opts.no_protected {
+        let mut guest = Guest::start(&topo, &ftvm, &image, app, "", Some((&dir, opts.epoch_ms)))?;
+        wait_serving(&topo, GUEST_ADDR, &mut guest.vmm)?;
+        for &p in &opts.pipeline {
+            let (mut set, mut get) = (vec![], vec![]);
+            for _ in 0..opts.repeat {
+                let (s, g) = benchmark(&topo, GUEST_ADDR, opts, p)?;
+                set.push(s);
+                get.push(g);
+                guest.check_alive()?;
+            }
+            protected.push(Some([median(set), median(get)]));
         }
-        protected.push([median(set), median(get)]);
     }
-    drop(guest);
+    protected.resize(figures.len(), None);
     drop(topo);
 
     let mut rows = Vec::new();
     let mut chart = Vec::new();
     let name = app.name();
-    for ((p, unrep, native), prot) in figures.into_iter().zip(protected) {
+    for (k, ((p, unrep, native), prot)) in figures.into_iter().zip(protected).enumerate() {
         for (i, test) in ["SET", "GET"].into_iter().enumerate() {
             let group = format!("{name} {test} -P {p} -c {}", opts.clients);
-            let (g, n, pr) = (&unrep[i], &native[i], &prot[i]);
-            for (what, unit, guest_v, native_v, prot_v) in [
-                ("throughput", "req/s", g.rps, n.rps, pr.rps),
-                ("latency p50", "ms", g.p50_ms, n.p50_ms, pr.p50_ms),
-                ("latency p99", "ms", g.p99_ms, n.p99_ms, pr.p99_ms),
-            ] {
+            let (g, n) = (&unrep[i], &native[i]);
+            for (what, unit, pick) in METRICS {
                 rows.push(Row {
                     group: group.clone(),
                     case: format!("{what} unreplicated (ref: native)"),
-                    value: guest_v,
+                    value: pick(g),
                     unit,
-                    reference: Some(native_v),
+                    reference: Some(pick(n)),
                 });
-                rows.push(Row {
-                    group: group.clone(),
-                    case: format!("{what} protected, {} ms epochs (ref: unreplicated)", opts.epoch_ms),
-                    value: prot_v,
-                    unit,
-                    reference: Some(guest_v),
-                });
+                for (v, runs) in &variants {
+                    let (_, vg, vn) = &runs[k];
+                    rows.push(Row {
+                        group: group.clone(),
+                        case: format!("{what} unreplicated, {v} (ref: native)"),
+                        value: pick(&vg[i]),
+                        unit,
+                        reference: Some(pick(&vn[i])),
+                    });
+                }
+                if let Some(pr) = &prot {
+                    rows.push(Row {
+                        group: group.clone(),
+                        case: format!("{what} protected, {} ms epochs (ref: unreplicated)", opts.epoch_ms),
+                        value: pick(&pr[i]),
+                        unit,
+                        reference: Some(pick(g)),
+                    });
+                }
             }
             chart.push((format!("{group}: native"), n.rps));
             chart.push((format!("{group}: ftvm"), g.rps));
-            chart.push((format!("{group}: ftvm protected"), pr.rps));
+            for (v, runs) in &variants {
+                chart.push((format!("{group}: ftvm {v}"), runs[k].1[i].rps));
+            }
+            if let Some(pr) = &prot {
+                chart.push((format!("{group}: ftvm protected"), pr[i].rps));
+            }
         }
     }
     let (file, title) = match app {
