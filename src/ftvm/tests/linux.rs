@@ -49,6 +49,22 @@ fn hello_gets_argv_env_tls_and_auxv_and_exits_with_its_status() {
 }
 
 #[test]
+fn the_vdso_clock_agrees_with_the_system_calls() {
+    for (options, vdso) in [("", "yes"), ("vdso=off ", "no")] {
+        let out = run_program("clock", &format!("{options}-- clock"));
+        let text = stdout(&out);
+        assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+        assert!(text.contains(&format!("clock: vdso={vdso}\n")), "{text}");
+        assert!(text.contains("clock: monotonic ordered=1 realtime ordered=1\n"), "{text}");
+        assert!(text.contains("clock: agree=1\n"), "{text}");
+        assert!(text.contains("clock: bad clock=1\n"), "{text}");
+    }
+    let out = run_program("clock", "vdso=maybe -- clock");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stdout(&out).contains("linux: error: bad vdso= value \"maybe\" (expected on or off)"), "{}", stdout(&out));
+}
+
+#[test]
 fn threads_share_memory_through_futexes_and_join() {
     let out = run_program("threads", "-- threads");
     let text = stdout(&out);
