@@ -26,6 +26,7 @@ mod fs;
 mod mm;
 mod net;
 mod options;
+mod patch;
 mod pipe;
 mod random;
 mod sched;
@@ -99,6 +100,9 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     }
     fd::init_stdio();
     let vdso = opts.vdso.then(vdso::build);
+    if opts.patch_syscalls {
+        patch::init(&program);
+    }
     let frame = start::initial_frame(&program, &cmd.argv, &cmd.env, vdso, stack, stack + MAIN_STACK);
     sched::start(frame)
 }
@@ -109,6 +113,9 @@ pub fn exit_program(status: i32) -> ! {
     // wrote to the disk's files is on the disk when the VM stops.
     if let Err(e) = fs::sync_all() {
         println!("linux: writing files back to the disk at exit failed: errno {e}");
+    }
+    if patch::enabled() {
+        println!("linux: {} syscall instructions were rewritten into calls", patch::patched());
     }
     ftvm_rt::exit(status & 0xff)
 }

@@ -25,6 +25,7 @@ use crate::sched;
 pub type SysResult = Result<u64, Errno>;
 
 pub fn dispatch(frame: &mut Frame) {
+    crate::patch::site(frame.rip);
     let nr = frame.rax;
     let a = frame.args();
     let r = match nr {
