@@ -126,12 +126,20 @@ pub fn poll() -> bool {
     progress
 }
 
+/// Nanoseconds an idle scheduler watches the receive ring before it sleeps
+/// (the `idlepoll=` runtime option, in microseconds; 0: sleep at once).
+static IDLE_POLL_NS: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(0);
+
+pub fn set_idle_poll_us(us: u64) {
+    IDLE_POLL_NS.store(us.saturating_mul(1000), core::sync::atomic::Ordering::Relaxed);
+}
+
 /// Sleep until guest time `deadline`, a device event, or the stack's next
-/// timer.
+/// timer; with `idlepoll=`, first watch for a frame for that long.
 pub fn wait_idle_until(deadline: u64) {
     let mut g = NET.lock();
     match g.as_mut() {
-        Some(net) => net.stack.wait_idle_until(deadline),
+        Some(net) => net.stack.wait_idle_polling(deadline, IDLE_POLL_NS.load(core::sync::atomic::Ordering::Relaxed)),
         None => {
             drop(g);
             time::wait(deadline);

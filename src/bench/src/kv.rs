@@ -233,8 +233,36 @@ type Metric = (&'static str, &'static str, fn(&Figures) -> f64);
 const METRICS: [Metric; 3] =
     [("throughput", "req/s", |f| f.rps), ("latency p50", "ms", |f| f.p50_ms), ("latency p99", "ms", |f| f.p99_ms)];
 
-/// Per pipeline depth: (depth, guest [SET, GET], native [SET, GET]).
-type Paired = Vec<(u32, [Figures; 2], [Figures; 2])>;
+/// Per pipeline depth: (depth, guest [SET, GET], native [SET, GET], CPU
+/// time per request (guest, native) in microseconds).
+type Paired = Vec<(u32, [Figures; 2], [Figures; 2], (f64, f64))>;
+
+/// CPU time every thread of process `pid` has had so far, in nanoseconds
+/// (`/proc/PID/task/*/schedstat`): the VMM's vCPU, device and other threads,
+/// or the native redis-server's.
+fn cpu_ns(pid: u32) -> Result<u64, BoxError> {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let stat = std::fs::read_to_string(task?.path().join("schedstat"))?;
+        total += stat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).ok_or("unreadable schedstat")?;
+    }
+    Ok(total)
+}
+
+/// [`benchmark`], with the CPU time `server` used per request meanwhile,
+/// in microseconds. Unlike throughput, it hardly depends on what else the
+/// host runs at the time.
+fn benchmark_cpu(topo: &Topology, addr: &str, opts: &Options, pipeline: u32, server: u32) -> Result<(Figures, Figures, f64), BoxError> {
+    let before = cpu_ns(server)?;
+    let (set, get) = benchmark(topo, addr, opts, pipeline)?;
+    let used = cpu_ns(server)?.saturating_sub(before);
+    Ok((set, get, used as f64 / 1000.0 / (2 * opts.requests) as f64))
+}
+
+fn median_f64(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
 
 /// The guest with runtime options `variant`, unreplicated, against the
 /// native server, alternating run by run.
@@ -245,17 +273,20 @@ fn unreplicated(topo: &Topology, ftvm: &Path, image: &Path, opts: &Options, vari
     let mut figures = Vec::new();
     for &p in &opts.pipeline {
         let (mut g_set, mut g_get, mut n_set, mut n_get) = (vec![], vec![], vec![], vec![]);
+        let (mut g_cpu, mut n_cpu) = (vec![], vec![]);
         for _ in 0..opts.repeat {
-            let (s, g) = benchmark(topo, GUEST_ADDR, opts, p)?;
+            let (s, g, cpu) = benchmark_cpu(topo, GUEST_ADDR, opts, p, guest.vmm.id())?;
             g_set.push(s);
             g_get.push(g);
+            g_cpu.push(cpu);
             guest.check_alive()?;
             check_alive(native)?;
-            let (s, g) = benchmark(topo, NATIVE_ADDR, opts, p)?;
+            let (s, g, cpu) = benchmark_cpu(topo, NATIVE_ADDR, opts, p, native.id())?;
             n_set.push(s);
             n_get.push(g);
+            n_cpu.push(cpu);
         }
-        figures.push((p, [median(g_set), median(g_get)], [median(n_set), median(n_get)]));
+        figures.push((p, [median(g_set), median(g_get)], [median(n_set), median(n_get)], (median_f64(g_cpu), median_f64(n_cpu))));
     }
     Ok(figures)
 }
@@ -338,7 +369,13 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let mut rows = Vec::new();
     let mut chart = Vec::new();
     let name = app.name();
-    for (k, ((p, unrep, native), prot)) in figures.into_iter().zip(protected).enumerate() {
+    for (k, ((p, unrep, native, cpu), prot)) in figures.into_iter().zip(protected).enumerate() {
+        let group = format!("{name} SET+GET -P {p} -c {}", opts.clients);
+        rows.push(Row { group: group.clone(), case: "CPU per request unreplicated (ref: native)".into(), value: cpu.0, unit: "us", reference: Some(cpu.1) });
+        for (v, runs) in &variants {
+            let (_, _, _, vcpu) = &runs[k];
+            rows.push(Row { group: group.clone(), case: format!("CPU per request unreplicated, {v} (ref: native)"), value: vcpu.0, unit: "us", reference: Some(vcpu.1) });
+        }
         for (i, test) in ["SET", "GET"].into_iter().enumerate() {
             let group = format!("{name} {test} -P {p} -c {}", opts.clients);
             let (g, n) = (&unrep[i], &native[i]);
@@ -351,7 +388,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                     reference: Some(pick(n)),
                 });
                 for (v, runs) in &variants {
-                    let (_, vg, vn) = &runs[k];
+                    let (_, vg, vn, _) = &runs[k];
                     rows.push(Row {
                         group: group.clone(),
                         case: format!("{what} unreplicated, {v} (ref: native)"),
