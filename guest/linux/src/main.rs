@@ -97,7 +97,6 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     fs::init(&opts)?;
     if let Some(net) = opts.net {
         net::init(net).map_err(|e| format!("network: {e}"))?;
-        net::set_idle_poll_us(opts.idle_poll_us);
     }
     fd::init_stdio();
     let vdso = opts.vdso.then(vdso::build);

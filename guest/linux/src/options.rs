@@ -8,7 +8,6 @@
 //! | `disk=PATH` | mount the virtio-blk disk's file system at PATH (e.g. `/data`) |
 //! | `cwd=PATH` | the program's working directory (default `/`, or the disk's mount point) |
 //! | `vdso=on\|off` | give the program a vDSO for the clock calls (default on; see `vdso`) |
-//! | `idlepoll=US` | when no thread can run, watch the receive ring this many microseconds before sleeping in WAIT (default 0) |
 //! | `syscall=trap\|patch` | leave `syscall` instructions as they are (default), or rewrite them into calls as they run (see `patch`) |
 
 use alloc::format;
@@ -25,12 +24,11 @@ pub struct Options {
     pub cwd: Option<String>,
     pub vdso: bool,
     pub patch_syscalls: bool,
-    pub idle_poll_us: u64,
 }
 
 impl Options {
     pub fn parse(words: &[String]) -> Result<Options, String> {
-        let mut o = Options { net: None, epoch_ns: None, runtime_mem: None, disk: None, cwd: None, vdso: true, patch_syscalls: false, idle_poll_us: 0 };
+        let mut o = Options { net: None, epoch_ns: None, runtime_mem: None, disk: None, cwd: None, vdso: true, patch_syscalls: false };
         let mut net_words: Vec<&str> = Vec::new();
         for w in words {
             let (k, v) = w.split_once('=').ok_or_else(|| format!("bad runtime option {w:?} (expected NAME=VALUE before --)"))?;
@@ -43,7 +41,6 @@ impl Options {
                 "cwd" if v.starts_with('/') => o.cwd = Some(v.to_string()),
                 "disk" | "cwd" => return Err(format!("{k}= needs an absolute path")),
                 "vdso" => o.vdso = on_off(k, v)?,
-                "idlepoll" => o.idle_poll_us = num()?.min(1_000_000),
                 "syscall" => {
                     o.patch_syscalls = match v {
                         "trap" => false,

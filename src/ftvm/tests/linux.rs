@@ -295,6 +295,42 @@ fn pipelined_benchmark(topo_name: &str, options: &str) -> (Topology, Process) {
     (topo, vmm)
 }
 
+/// UDP from the guest to an echo server in the client namespace (python3):
+/// bound and ephemeral ports, sendto/recvfrom with addresses, connected
+/// read/write, EAGAIN, truncation, EDESTADDRREQ, EADDRINUSE.
+#[test]
+fn udp_datagrams_go_both_ways() {
+    let topo = Topology::new("lxudp").unwrap();
+    let echo = "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ns.bind(('CLIENT', 7000))\nprint('echo ready', flush=True)\nwhile True:\n    d, a = s.recvfrom(65535)\n    s.sendto(d, a)\n";
+    let mut server =
+        Process::spawn_collected("udp echo", topo.command("client", "python3").args(["-c", &echo.replace("CLIENT", CLIENT_ADDR)])).unwrap();
+    wait_for(&mut server, "udp echo", "echo ready", BOOT_TIMEOUT);
+    let out = topo
+        .command("h1", env!("CARGO_BIN_EXE_ftvm"))
+        .arg("run")
+        .arg("--image")
+        .arg(program("linux-udp"))
+        .args(["--net", &format!("tap={TAP},mac={GUEST_MAC}")])
+        .arg(format!("--cmdline=ip={GUEST_ADDR}/24 -- udp {CLIENT_ADDR} 7000"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    for line in [
+        "udp: type dgram=1 bound port=5000",
+        "udp: peer up=1",
+        "udp: sendto echo=1 from peer=1",
+        "udp: connected echo=1 ephemeral=1 edestaddrreq=1",
+        "udp: eagain=1",
+        "udp: truncated=1 rest dropped=1",
+        "udp: eaddrinuse=1",
+    ] {
+        assert!(text.contains(&format!("{line}\n")), "{line}: {text}");
+    }
+    server.kill();
+}
+
 /// `bash -c SCRIPT` in the client namespace: (success, stdout + stderr).
 fn client_shell(topo: &Topology, script: &str) -> (bool, String) {
     let out = topo.command("client", "timeout").args(["10", "bash", "-c", script]).stdin(Stdio::null()).output().unwrap();

@@ -61,7 +61,7 @@ pub fn dispatch(frame: &mut Frame) {
         41 => net::socket(a[0], a[1], a[2]),
         42 => net::connect(a[0], a[1], a[2]),
         43 => net::accept(a[0], a[1], a[2], 0),
-        44 => net::sendto(a[0], a[1], a[2], a[3], a[4]),
+        44 => net::sendto(a[0], a[1], a[2], a[3], a[4], a[5]),
         45 => net::recvfrom(a[0], a[1], a[2], a[3], a[4], a[5]),
         48 => net::shutdown(a[0], a[1]),
         49 => net::bind(a[0], a[1], a[2]),

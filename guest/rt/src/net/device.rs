@@ -152,12 +152,6 @@ impl VirtioNet {
         self.inner.borrow().stats
     }
 
-    /// Whether the device has returned a received frame not yet taken: a
-    /// read of the used ring, no VM exit.
-    pub(crate) fn rx_ready(&self) -> bool {
-        self.inner.borrow().rx.can_pop()
-    }
-
     /// Tell the device about buffers queued since the last call.
     pub(crate) fn notify(&mut self) {
         self.inner.get_mut().notify();

@@ -218,24 +218,6 @@ impl Stack {
 
     /// Like [`Stack::wait_idle`], but also wake at guest time `deadline_ns`.
     pub fn wait_idle_until(&mut self, deadline_ns: u64) {
-        self.wait_idle_polling(deadline_ns, 0);
-    }
-
-    /// Like [`Stack::wait_idle_until`], but first watch the receive ring for
-    /// up to `poll_ns` of guest time, returning as soon as a frame is there:
-    /// a frame that arrives meanwhile costs no WAIT (a VM exit, a sleep and
-    /// a wake-up in the VMM), at the price of the vCPU spinning.
-    pub fn wait_idle_polling(&mut self, deadline_ns: u64, poll_ns: u64) {
-        let now_ns = time::now_ns();
-        if poll_ns > 0 {
-            let until = now_ns.saturating_add(poll_ns).min(deadline_ns);
-            while time::now_ns() < until {
-                if self.device.rx_ready() {
-                    return;
-                }
-                core::hint::spin_loop();
-            }
-        }
         let now_ns = time::now_ns();
         let delay_ns = match self.iface.poll_delay(now(), &self.sockets) {
             Some(d) => d.total_micros().saturating_mul(1000),
