@@ -335,17 +335,15 @@ pub fn recv_from(id: u32, out: &mut [u8]) -> Result<(usize, Option<IpEndpoint>),
 }
 
 fn recv_tcp(net: &mut Net, id: u32, out: &mut [u8]) -> Result<usize, Errno> {
-    {
-        let h = conn(net, id)?;
-        let s = tcp_mut(net, h);
-        if s.can_recv() {
-            return s.recv_slice(out).map_err(|_| ECONNRESET);
-        }
-        match s.state() {
-            State::SynSent | State::SynReceived => Err(EAGAIN),
-            _ if s.may_recv() => Err(EAGAIN),
-            _ => Ok(0),
-        }
+    let h = conn(net, id)?;
+    let s = tcp_mut(net, h);
+    if s.can_recv() {
+        return s.recv_slice(out).map_err(|_| ECONNRESET);
+    }
+    match s.state() {
+        State::SynSent | State::SynReceived => Err(EAGAIN),
+        _ if s.may_recv() => Err(EAGAIN),
+        _ => Ok(0),
     }
 }
 

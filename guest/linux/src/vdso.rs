@@ -71,7 +71,8 @@ pub fn build() -> u64 {
         strtab.extend_from_slice(name.as_bytes());
         strtab.push(0);
     }
-    let nsyms = syms.len() + 1; // symbol 0 is the null symbol
+    // Symbol 0 is the null symbol.
+    let nsyms = syms.len() + 1;
     // Layout: headers, dynamic section, hash table, symbols, strings.
     let dyn_off = EHDR + 2 * PHDR;
     let dyn_len = 6 * DYN;

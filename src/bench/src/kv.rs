@@ -120,7 +120,14 @@ struct Guest {
 }
 
 impl Guest {
-    fn start(topo: &Topology, ftvm: &Path, image: &Path, app: App, variant: &str, protect: Option<(&Scratch, u64)>) -> Result<Guest, BoxError> {
+    fn start(
+        topo: &Topology,
+        ftvm: &Path,
+        image: &Path,
+        app: App,
+        variant: &str,
+        protect: Option<(&Scratch, u64)>,
+    ) -> Result<Guest, BoxError> {
         let net = format!("tap=tap0,mac={GUEST_MAC}");
         let backup_addr = format!("{H2_REPL_ADDR}:{BACKUP_ADDR_PORT}");
         let backup = match protect {
@@ -230,8 +237,7 @@ fn median(mut runs: Vec<Figures>) -> Figures {
 
 /// What the table shows per test: name, unit, and the figure.
 type Metric = (&'static str, &'static str, fn(&Figures) -> f64);
-const METRICS: [Metric; 3] =
-    [("throughput", "req/s", |f| f.rps), ("latency p50", "ms", |f| f.p50_ms), ("latency p99", "ms", |f| f.p99_ms)];
+const METRICS: [Metric; 3] = [("throughput", "req/s", |f| f.rps), ("latency p50", "ms", |f| f.p50_ms), ("latency p99", "ms", |f| f.p99_ms)];
 
 /// Per pipeline depth: (depth, guest [SET, GET], native [SET, GET], CPU
 /// time per request (guest, native) in microseconds).
@@ -266,7 +272,14 @@ fn median_f64(mut v: Vec<f64>) -> f64 {
 
 /// The guest with runtime options `variant`, unreplicated, against the
 /// native server, alternating run by run.
-fn unreplicated(topo: &Topology, ftvm: &Path, image: &Path, opts: &Options, variant: &str, native: &mut Process) -> Result<Paired, BoxError> {
+fn unreplicated(
+    topo: &Topology,
+    ftvm: &Path,
+    image: &Path,
+    opts: &Options,
+    variant: &str,
+    native: &mut Process,
+) -> Result<Paired, BoxError> {
     let mut guest = Guest::start(topo, ftvm, image, opts.app, variant, None)?;
     wait_serving(topo, GUEST_ADDR, &mut guest.vmm)?;
     warm_up(topo, GUEST_ADDR, opts)?;
@@ -371,10 +384,22 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let name = app.name();
     for (k, ((p, unrep, native, cpu), prot)) in figures.into_iter().zip(protected).enumerate() {
         let group = format!("{name} SET+GET -P {p} -c {}", opts.clients);
-        rows.push(Row { group: group.clone(), case: "CPU per request unreplicated (ref: native)".into(), value: cpu.0, unit: "us", reference: Some(cpu.1) });
+        rows.push(Row {
+            group: group.clone(),
+            case: "CPU per request unreplicated (ref: native)".into(),
+            value: cpu.0,
+            unit: "us",
+            reference: Some(cpu.1),
+        });
         for (v, runs) in &variants {
             let (_, _, _, vcpu) = &runs[k];
-            rows.push(Row { group: group.clone(), case: format!("CPU per request unreplicated, {v} (ref: native)"), value: vcpu.0, unit: "us", reference: Some(vcpu.1) });
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("CPU per request unreplicated, {v} (ref: native)"),
+                value: vcpu.0,
+                unit: "us",
+                reference: Some(vcpu.1),
+            });
         }
         for (i, test) in ["SET", "GET"].into_iter().enumerate() {
             let group = format!("{name} {test} -P {p} -c {}", opts.clients);

@@ -245,7 +245,8 @@ fn redis_benchmark_with_patched_syscalls_runs_without_errors() {
     let (topo, mut vmm) = pipelined_benchmark("lxpatch", "syscall=patch");
     // No reply comes: the VM is gone, and its connection with it (redis-cli
     // waits until the timeout, whose status says nothing).
-    let _ = topo.command("client", "timeout").args(["3", "redis-cli", "-h", GUEST_ADDR, "SHUTDOWN", "NOSAVE"]).stdin(Stdio::null()).output();
+    let _ =
+        topo.command("client", "timeout").args(["3", "redis-cli", "-h", GUEST_ADDR, "SHUTDOWN", "NOSAVE"]).stdin(Stdio::null()).output();
     match vmm.wait_until(BOOT_TIMEOUT, |_| false) {
         Err(WaitError::Exited(status)) => assert_eq!(status.code(), Some(0), "{}", vmm.output()),
         other => panic!("ftvm did not exit after SHUTDOWN ({other:?}):\n{}", vmm.output()),
