@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 static struct sockaddr_in peer;
@@ -67,6 +68,19 @@ int main(int argc, char **argv) {
     int n = echo(s, 1, "ping one", reply, sizeof reply, &from);
     printf("udp: sendto echo=%d from peer=%d\n", n == 8 && memcmp(reply, "ping one", 8) == 0,
            from.sin_addr.s_addr == peer.sin_addr.s_addr && from.sin_port == peer.sin_port);
+
+    /* sendmsg gathers two pieces into one datagram; recvmsg scatters the
+     * echo over two buffers and names its source. */
+    struct iovec out[2] = {{"ping ", 5}, {"three", 5}};
+    struct msghdr m = {.msg_name = &peer, .msg_namelen = sizeof peer, .msg_iov = out, .msg_iovlen = 2};
+    char first[4], rest[16] = {0};
+    struct iovec in[2] = {{first, sizeof first}, {rest, sizeof rest}};
+    struct sockaddr_in src = {0};
+    struct msghdr r = {.msg_name = &src, .msg_namelen = sizeof src, .msg_iov = in, .msg_iovlen = 2};
+    int sent = sendmsg(s, &m, 0) == 10 && readable(s, 5000);
+    n = recvmsg(s, &r, 0);
+    printf("udp: msg echo=%d scattered=%d from peer=%d\n", sent && n == 10, memcmp(first, "ping", 4) == 0 && strcmp(rest, " three") == 0,
+           src.sin_port == peer.sin_port && r.msg_namelen == sizeof src);
 
     /* An unbound socket gets an ephemeral port when it first sends. */
     int c = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK, 0);

@@ -297,8 +297,9 @@ fn pipelined_benchmark(topo_name: &str, options: &str) -> (Topology, Process) {
 }
 
 /// UDP from the guest to an echo server in the client namespace (python3):
-/// bound and ephemeral ports, sendto/recvfrom with addresses, connected
-/// read/write, EAGAIN, truncation, EDESTADDRREQ, EADDRINUSE.
+/// bound and ephemeral ports, sendto/recvfrom with addresses, sendmsg and
+/// recvmsg with iovecs, connected read/write, EAGAIN, truncation,
+/// EDESTADDRREQ, EADDRINUSE.
 #[test]
 fn udp_datagrams_go_both_ways() {
     let topo = Topology::new("lxudp").unwrap();
@@ -322,6 +323,7 @@ fn udp_datagrams_go_both_ways() {
         "udp: type dgram=1 bound port=5000",
         "udp: peer up=1",
         "udp: sendto echo=1 from peer=1",
+        "udp: msg echo=1 scattered=1 from peer=1",
         "udp: connected echo=1 ephemeral=1 edestaddrreq=1",
         "udp: eagain=1",
         "udp: truncated=1 rest dropped=1",

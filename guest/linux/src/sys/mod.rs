@@ -63,6 +63,8 @@ pub fn dispatch(frame: &mut Frame) {
         43 => net::accept(a[0], a[1], a[2], 0),
         44 => net::sendto(a[0], a[1], a[2], a[3], a[4], a[5]),
         45 => net::recvfrom(a[0], a[1], a[2], a[3], a[4], a[5]),
+        46 => net::sendmsg(a[0], a[1], a[2]),
+        47 => net::recvmsg(a[0], a[1], a[2]),
         48 => net::shutdown(a[0], a[1]),
         49 => net::bind(a[0], a[1], a[2]),
         50 => net::listen(a[0], a[1]),

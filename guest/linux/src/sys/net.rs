@@ -1,5 +1,6 @@
 //! Sockets: IPv4 TCP and UDP over the runtime's stack (see `crate::net`).
 
+use alloc::vec::Vec;
 use core::net::Ipv4Addr;
 
 use smoltcp::wire::{IpAddress, IpEndpoint};
@@ -148,6 +149,67 @@ pub fn recvfrom(fd: u64, buf: u64, len: u64, flags: u64, addr: u64, lenp: u64) -
             write_sockaddr(addr, lenp, from)?;
         }
     }
+    Ok(n as u64)
+}
+
+/// Most bytes one sendmsg/recvmsg moves (its iovecs are gathered into, or
+/// scattered from, one buffer): a stream call may move less, as on Linux.
+const MAX_MSG: u64 = 1 << 20;
+
+/// `struct msghdr`: (name, namelen, iov, iovlen) at `msg`; control data is
+/// neither sent nor received.
+fn read_msghdr(msg: u64) -> Result<(u64, u64, Vec<(u64, u64)>), Errno> {
+    let name: u64 = user::read(msg)?;
+    let namelen: u32 = user::read(msg + 8)?;
+    let iov: u64 = user::read(msg + 16)?;
+    let iovlen: u64 = user::read(msg + 24)?;
+    Ok((name, u64::from(namelen), user::iovecs(iov, iovlen)?))
+}
+
+pub fn sendmsg(fd: u64, msg: u64, flags: u64) -> SysResult {
+    let (name, namelen, iovs) = read_msghdr(msg)?;
+    let mut data = Vec::new();
+    for (base, len) in iovs {
+        let room = MAX_MSG - data.len() as u64;
+        data.extend_from_slice(user::bytes(base, len.min(room))?);
+    }
+    let (d, id) = sock(fd)?;
+    let to = if name != 0 && net::is_udp(id) {
+        let (ip, port) = read_sockaddr(name, namelen)?;
+        Some(IpEndpoint::new(IpAddress::Ipv4(ip), port))
+    } else {
+        None
+    };
+    blocking(d.nonblocking() || flags & MSG_DONTWAIT != 0, u64::MAX, || net::send_to(id, &data, to)).map(|n| n as u64)
+}
+
+pub fn recvmsg(fd: u64, msg: u64, flags: u64) -> SysResult {
+    let (name, _, iovs) = read_msghdr(msg)?;
+    let want = iovs.iter().map(|&(_, len)| len).sum::<u64>().min(MAX_MSG);
+    let mut buf = alloc::vec![0u8; want as usize];
+    let (d, id) = sock(fd)?;
+    let (n, source) = blocking(d.nonblocking() || flags & MSG_DONTWAIT != 0, u64::MAX, || net::recv_from(id, &mut buf))?;
+    let mut done = 0;
+    for (base, len) in iovs {
+        if done == n {
+            break;
+        }
+        let k = (len as usize).min(n - done);
+        user::bytes_mut(base, k as u64)?.copy_from_slice(&buf[done..done + k]);
+        done += k;
+    }
+    if name != 0 {
+        let from = match source {
+            Some(s) => Some(s),
+            None => net::endpoints(id)?.1,
+        };
+        if let Some(from) = from {
+            write_sockaddr(name, msg + 8, from)?;
+        }
+    }
+    // No control data, no flags (a cut datagram is not flagged MSG_TRUNC).
+    user::write(msg + 40, 0u64)?;
+    user::write(msg + 48, 0u32)?;
     Ok(n as u64)
 }
 
