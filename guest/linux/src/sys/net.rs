@@ -156,18 +156,25 @@ pub fn recvfrom(fd: u64, buf: u64, len: u64, flags: u64, addr: u64, lenp: u64) -
 /// scattered from, one buffer): a stream call may move less, as on Linux.
 const MAX_MSG: u64 = 1 << 20;
 
-/// `struct msghdr`: (name, namelen, iov, iovlen) at `msg`; control data is
-/// neither sent nor received.
-fn read_msghdr(msg: u64) -> Result<(u64, u64, Vec<(u64, u64)>), Errno> {
+/// What sendmsg/recvmsg use of a `struct msghdr`; control data is neither
+/// sent nor received.
+struct MsgHdr {
+    name: u64,
+    namelen: u64,
+    /// (base, len) pairs.
+    iovs: Vec<(u64, u64)>,
+}
+
+fn read_msghdr(msg: u64) -> Result<MsgHdr, Errno> {
     let name: u64 = user::read(msg)?;
     let namelen: u32 = user::read(msg + 8)?;
     let iov: u64 = user::read(msg + 16)?;
     let iovlen: u64 = user::read(msg + 24)?;
-    Ok((name, u64::from(namelen), user::iovecs(iov, iovlen)?))
+    Ok(MsgHdr { name, namelen: u64::from(namelen), iovs: user::iovecs(iov, iovlen)? })
 }
 
 pub fn sendmsg(fd: u64, msg: u64, flags: u64) -> SysResult {
-    let (name, namelen, iovs) = read_msghdr(msg)?;
+    let MsgHdr { name, namelen, iovs } = read_msghdr(msg)?;
     let mut data = Vec::new();
     for (base, len) in iovs {
         let room = MAX_MSG - data.len() as u64;
@@ -184,7 +191,7 @@ pub fn sendmsg(fd: u64, msg: u64, flags: u64) -> SysResult {
 }
 
 pub fn recvmsg(fd: u64, msg: u64, flags: u64) -> SysResult {
-    let (name, _, iovs) = read_msghdr(msg)?;
+    let MsgHdr { name, iovs, .. } = read_msghdr(msg)?;
     let want = iovs.iter().map(|&(_, len)| len).sum::<u64>().min(MAX_MSG);
     let mut buf = alloc::vec![0u8; want as usize];
     let (d, id) = sock(fd)?;
