@@ -26,11 +26,13 @@ mod fs;
 mod mm;
 mod net;
 mod options;
+mod patch;
 mod pipe;
 mod random;
 mod sched;
 mod start;
 mod sys;
+mod vdso;
 
 use core::alloc::Layout;
 
@@ -97,7 +99,11 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
         net::init(net).map_err(|e| format!("network: {e}"))?;
     }
     fd::init_stdio();
-    let frame = start::initial_frame(&program, &cmd.argv, &cmd.env, stack, stack + MAIN_STACK);
+    let vdso = opts.vdso.then(vdso::build);
+    if opts.patch_syscalls {
+        patch::init(&program);
+    }
+    let frame = start::initial_frame(&program, &cmd.argv, &cmd.env, vdso, stack, stack + MAIN_STACK);
     sched::start(frame)
 }
 
@@ -107,6 +113,9 @@ pub fn exit_program(status: i32) -> ! {
     // wrote to the disk's files is on the disk when the VM stops.
     if let Err(e) = fs::sync_all() {
         println!("linux: writing files back to the disk at exit failed: errno {e}");
+    }
+    if patch::enabled() {
+        println!("linux: {} syscall instructions were rewritten into calls", patch::patched());
     }
     ftvm_rt::exit(status & 0xff)
 }

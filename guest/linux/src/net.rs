@@ -1,10 +1,15 @@
-//! TCP sockets over the runtime's TCP/IP stack (smoltcp on virtio-net).
+//! TCP and UDP sockets over the runtime's TCP/IP stack (smoltcp on
+//! virtio-net).
 //!
 //! A listening socket is a `ftvm_rt::net` listener (a pool of smoltcp
 //! sockets in LISTEN; smoltcp has no accept queue) whose connected sockets
 //! are moved into the socket's own accept queue. A closed connection sends
 //! its FIN and lingers in `closing` until TCP is done with it (at most
 //! [`LINGER_NS`]), then goes back to its listener's pool.
+//!
+//! A UDP socket is a smoltcp UDP socket from creation, bound to an
+//! ephemeral port when it first sends unbound; `connect` only sets the
+//! default destination and, as on Linux, filters what is received.
 
 use alloc::collections::{BTreeMap, BTreeSet, VecDeque};
 use alloc::vec;
@@ -15,6 +20,7 @@ use ftvm_rt::net::{ListenConfig, NetConfig, Stack};
 use ftvm_rt::time;
 use smoltcp::iface::SocketHandle;
 use smoltcp::socket::tcp::{self, State};
+use smoltcp::socket::udp;
 use smoltcp::wire::{IpAddress, IpEndpoint};
 use spin::Mutex;
 
@@ -25,6 +31,11 @@ const LINGER_NS: u64 = 60 * time::NS_PER_SEC;
 /// Buffers of a connection this side opens.
 const CONNECT_BUFFER: usize = 64 * 1024;
 const FIRST_EPHEMERAL_PORT: u16 = 49152;
+/// Bytes and datagrams a UDP socket buffers each way.
+const UDP_BUFFER: usize = 64 * 1024;
+const UDP_DATAGRAMS: usize = 64;
+/// Largest UDP payload in one IPv4 datagram.
+const UDP_MAX_PAYLOAD: usize = 65507;
 
 enum Sock {
     /// Created, maybe bound (port 0: not bound).
@@ -41,6 +52,11 @@ enum Sock {
     Conn {
         handle: SocketHandle,
         accepted: bool,
+    },
+    /// A UDP socket; `peer` is its `connect`ed destination.
+    Udp {
+        handle: SocketHandle,
+        peer: Option<IpEndpoint>,
     },
 }
 
@@ -162,6 +178,9 @@ pub fn close(id: u32) {
             tcp_mut(net, handle).close();
             net.closing.push(Closing { handle, accepted, deadline: time::now_ns().saturating_add(LINGER_NS) });
         }
+        Some(Sock::Udp { handle, .. }) => {
+            net.stack.sockets_mut().remove(handle);
+        }
         Some(Sock::Listening { port, queue }) => {
             // Queued connections are reset; new ones refused (RST).
             for h in queue {
@@ -183,6 +202,10 @@ pub fn bind(id: u32, addr: Ipv4Addr, port: u16) -> Result<(), Errno> {
         }
         let in_use =
             net.socks.values().any(|s| matches!(s, Sock::Listening { port: p, .. } | Sock::New { port: p, .. } if *p == port && port != 0));
+        if let Some(Sock::Udp { handle, .. }) = net.socks.get(&id) {
+            let h = *handle;
+            return udp_bind(net, h, addr, port);
+        }
         match net.socks.get_mut(&id) {
             Some(Sock::New { port: p, .. }) if *p == 0 => {
                 if in_use {
@@ -235,6 +258,11 @@ pub fn accept(id: u32) -> Result<(u32, IpEndpoint), Errno> {
 
 pub fn connect(id: u32, addr: Ipv4Addr, port: u16) -> Result<(), Errno> {
     with(|net| {
+        if let Some(Sock::Udp { handle, peer }) = net.socks.get_mut(&id) {
+            *peer = Some(IpEndpoint::new(IpAddress::Ipv4(addr), port));
+            let h = *handle;
+            return udp_ensure_bound(net, h);
+        }
         let nodelay = match net.socks.get(&id) {
             Some(Sock::New { nodelay, .. }) => *nodelay,
             Some(Sock::Conn { .. }) => return Err(EISCONN),
@@ -259,6 +287,7 @@ pub fn connect(id: u32, addr: Ipv4Addr, port: u16) -> Result<(), Errno> {
 /// Where a connect stands: Ok(true) connected, Ok(false) in progress.
 pub fn connect_state(id: u32) -> Result<bool, Errno> {
     with(|net| match net.socks.get(&id) {
+        Some(Sock::Udp { .. }) => Ok(true),
         Some(Sock::Conn { handle, .. }) => {
             let h = *handle;
             match tcp_mut(net, h).state() {
@@ -281,22 +310,62 @@ fn conn(net: &Net, id: u32) -> Result<SocketHandle, Errno> {
 
 /// Read what has arrived; `Ok(0)` once the peer has closed.
 pub fn recv(id: u32, out: &mut [u8]) -> Result<usize, Errno> {
+    recv_from(id, out).map(|(n, _)| n)
+}
+
+/// As [`recv`], with a UDP datagram's source.
+pub fn recv_from(id: u32, out: &mut [u8]) -> Result<(usize, Option<IpEndpoint>), Errno> {
     with(|net| {
-        let h = conn(net, id)?;
-        let s = tcp_mut(net, h);
-        if s.can_recv() {
-            return s.recv_slice(out).map_err(|_| ECONNRESET);
+        if let Some(Sock::Udp { handle, peer }) = net.socks.get(&id) {
+            let (h, peer) = (*handle, *peer);
+            let s = udp_mut(net, h);
+            loop {
+                // A datagram longer than `out` is cut, the rest dropped.
+                let (data, meta) = s.recv().map_err(|_| EAGAIN)?;
+                if peer.is_some_and(|p| p != meta.endpoint) {
+                    continue; // not from the connected peer: dropped, as on Linux
+                }
+                let n = data.len().min(out.len());
+                out[..n].copy_from_slice(&data[..n]);
+                return Ok((n, Some(meta.endpoint)));
+            }
         }
-        match s.state() {
-            State::SynSent | State::SynReceived => Err(EAGAIN),
-            _ if s.may_recv() => Err(EAGAIN),
-            _ => Ok(0),
-        }
+        recv_tcp(net, id, out).map(|n| (n, None))
     })
 }
 
+fn recv_tcp(net: &mut Net, id: u32, out: &mut [u8]) -> Result<usize, Errno> {
+    let h = conn(net, id)?;
+    let s = tcp_mut(net, h);
+    if s.can_recv() {
+        return s.recv_slice(out).map_err(|_| ECONNRESET);
+    }
+    match s.state() {
+        State::SynSent | State::SynReceived => Err(EAGAIN),
+        _ if s.may_recv() => Err(EAGAIN),
+        _ => Ok(0),
+    }
+}
+
 pub fn send(id: u32, data: &[u8]) -> Result<usize, Errno> {
+    send_to(id, data, None)
+}
+
+/// As [`send`]; a UDP datagram goes to `to`, or else the connected peer.
+pub fn send_to(id: u32, data: &[u8], to: Option<IpEndpoint>) -> Result<usize, Errno> {
     with(|net| {
+        if let Some(Sock::Udp { handle, peer }) = net.socks.get(&id) {
+            let (h, to) = (*handle, to.or(*peer).ok_or(EDESTADDRREQ)?);
+            if data.len() > UDP_MAX_PAYLOAD {
+                return Err(EMSGSIZE);
+            }
+            udp_ensure_bound(net, h)?;
+            return match udp_mut(net, h).send_slice(data, to) {
+                Ok(()) => Ok(data.len()),
+                Err(udp::SendError::BufferFull) => Err(EAGAIN),
+                Err(udp::SendError::Unaddressable) => Err(EINVAL),
+            };
+        }
         let h = conn(net, id)?;
         let s = tcp_mut(net, h);
         if matches!(s.state(), State::SynSent | State::SynReceived) {
@@ -311,6 +380,73 @@ pub fn send(id: u32, data: &[u8]) -> Result<usize, Errno> {
             Err(_) => Err(EPIPE),
         }
     })
+}
+
+/// A new UDP socket, unbound.
+pub fn udp_socket() -> Result<u32, Errno> {
+    with(|net| {
+        let buffer = || udp::PacketBuffer::new(vec![udp::PacketMetadata::EMPTY; UDP_DATAGRAMS], vec![0u8; UDP_BUFFER]);
+        let handle = net.stack.sockets_mut().add(udp::Socket::new(buffer(), buffer()));
+        let id = net.next_id;
+        net.next_id += 1;
+        net.socks.insert(id, Sock::Udp { handle, peer: None });
+        Ok(id)
+    })
+}
+
+pub fn is_udp(id: u32) -> bool {
+    with(|net| Ok(matches!(net.socks.get(&id), Some(Sock::Udp { .. })))).unwrap_or(false)
+}
+
+fn udp_mut(net: &mut Net, h: SocketHandle) -> &mut udp::Socket<'static> {
+    net.stack.sockets_mut().get_mut::<udp::Socket>(h)
+}
+
+/// Bind UDP socket `h` to `port` (0: an ephemeral one) on `addr`.
+fn udp_bind(net: &mut Net, h: SocketHandle, addr: Ipv4Addr, port: u16) -> Result<(), Errno> {
+    let own = net.stack.config().ip.address();
+    if !addr.is_unspecified() && addr != own {
+        return Err(EADDRNOTAVAIL);
+    }
+    if udp_mut(net, h).is_open() {
+        return Err(EINVAL);
+    }
+    let port = if port == 0 { udp_free_port(net)? } else { port };
+    let in_use = net.socks.values().any(|s| match s {
+        Sock::Udp { handle, .. } => {
+            let ep = net.stack.sockets().get::<udp::Socket>(*handle).endpoint();
+            ep.port == port
+        }
+        _ => false,
+    });
+    if in_use {
+        return Err(EADDRINUSE);
+    }
+    let endpoint = smoltcp::wire::IpListenEndpoint { addr: (!addr.is_unspecified()).then_some(IpAddress::Ipv4(addr)), port };
+    udp_mut(net, h).bind(endpoint).map_err(|_| EINVAL)
+}
+
+fn udp_ensure_bound(net: &mut Net, h: SocketHandle) -> Result<(), Errno> {
+    if udp_mut(net, h).is_open() {
+        return Ok(());
+    }
+    udp_bind(net, h, Ipv4Addr::UNSPECIFIED, 0)
+}
+
+/// An ephemeral port no UDP socket is bound to.
+fn udp_free_port(net: &mut Net) -> Result<u16, Errno> {
+    for _ in 0..=(u16::MAX - FIRST_EPHEMERAL_PORT) {
+        let port = net.next_port;
+        net.next_port = if port == u16::MAX { FIRST_EPHEMERAL_PORT } else { port + 1 };
+        let taken = net.socks.values().any(|s| match s {
+            Sock::Udp { handle, .. } => net.stack.sockets().get::<udp::Socket>(*handle).endpoint().port == port,
+            _ => false,
+        });
+        if !taken {
+            return Ok(port);
+        }
+    }
+    Err(EADDRINUSE)
 }
 
 pub fn shutdown(id: u32, how: u64) -> Result<(), Errno> {
@@ -331,7 +467,7 @@ pub fn set_nodelay(id: u32, on: bool) -> Result<(), Errno> {
                 let h = *handle;
                 tcp_mut(net, h).set_nagle_enabled(!on);
             }
-            Some(Sock::Listening { .. }) => {}
+            Some(Sock::Listening { .. } | Sock::Udp { .. }) => {}
             None => return Err(EBADF),
         }
         Ok(())
@@ -350,6 +486,11 @@ pub fn endpoints(id: u32) -> Result<(IpEndpoint, Option<IpEndpoint>), Errno> {
                 let s = tcp_mut(net, h);
                 let local = s.local_endpoint().unwrap_or(IpEndpoint::new(ip, 0));
                 Ok((local, s.remote_endpoint()))
+            }
+            Some(Sock::Udp { handle, peer }) => {
+                let ep = net.stack.sockets().get::<udp::Socket>(*handle).endpoint();
+                let addr = ep.addr.unwrap_or(IpAddress::v4(0, 0, 0, 0));
+                Ok((IpEndpoint::new(addr, ep.port), *peer))
             }
             None => Err(EBADF),
         }
@@ -381,6 +522,17 @@ pub fn readiness(id: u32) -> u32 {
             } else {
                 0
             }
+        }
+        Some(Sock::Udp { handle, .. }) => {
+            let s = net.stack.sockets().get::<udp::Socket>(*handle);
+            let mut r = 0;
+            if s.can_recv() {
+                r |= EPOLLIN;
+            }
+            if s.can_send() {
+                r |= EPOLLOUT;
+            }
+            r
         }
         Some(Sock::Conn { handle, .. }) => {
             let h = *handle;

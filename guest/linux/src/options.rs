@@ -7,6 +7,8 @@
 //! | `rtmem=MIB` | memory the runtime keeps for itself; the program gets the rest |
 //! | `disk=PATH` | mount the virtio-blk disk's file system at PATH (e.g. `/data`) |
 //! | `cwd=PATH` | the program's working directory (default `/`, or the disk's mount point) |
+//! | `vdso=on\|off` | give the program a vDSO for the clock calls (default on; see `vdso`) |
+//! | `syscall=trap\|patch` | leave `syscall` instructions as they are (default), or rewrite them into calls as they run (see `patch`) |
 
 use alloc::format;
 use alloc::string::{String, ToString};
@@ -20,11 +22,13 @@ pub struct Options {
     pub runtime_mem: Option<u64>,
     pub disk: Option<String>,
     pub cwd: Option<String>,
+    pub vdso: bool,
+    pub patch_syscalls: bool,
 }
 
 impl Options {
     pub fn parse(words: &[String]) -> Result<Options, String> {
-        let mut o = Options { net: None, epoch_ns: None, runtime_mem: None, disk: None, cwd: None };
+        let mut o = Options { net: None, epoch_ns: None, runtime_mem: None, disk: None, cwd: None, vdso: true, patch_syscalls: false };
         let mut net_words: Vec<&str> = Vec::new();
         for w in words {
             let (k, v) = w.split_once('=').ok_or_else(|| format!("bad runtime option {w:?} (expected NAME=VALUE before --)"))?;
@@ -36,6 +40,14 @@ impl Options {
                 "disk" if v.starts_with('/') => o.disk = Some(v.trim_end_matches('/').to_string()),
                 "cwd" if v.starts_with('/') => o.cwd = Some(v.to_string()),
                 "disk" | "cwd" => return Err(format!("{k}= needs an absolute path")),
+                "vdso" => o.vdso = on_off(k, v)?,
+                "syscall" => {
+                    o.patch_syscalls = match v {
+                        "trap" => false,
+                        "patch" => true,
+                        _ => return Err(format!("bad syscall= value {v:?} (expected trap or patch)")),
+                    }
+                }
                 _ => return Err(format!("unknown runtime option {k}=")),
             }
         }
@@ -43,5 +55,13 @@ impl Options {
             o.net = Some(NetConfig::from_cmdline(&net_words.join(" ")).map_err(|e| e.to_string())?);
         }
         Ok(o)
+    }
+}
+
+fn on_off(k: &str, v: &str) -> Result<bool, String> {
+    match v {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("bad {k}= value {v:?} (expected on or off)")),
     }
 }

@@ -27,6 +27,7 @@ const AT_SECURE: u64 = 23;
 const AT_RANDOM: u64 = 25;
 const AT_HWCAP2: u64 = 26;
 const AT_EXECFN: u64 = 31;
+const AT_SYSINFO_EHDR: u64 = 33;
 
 /// Writes downwards from the top of the stack.
 struct Stack {
@@ -51,8 +52,15 @@ impl Stack {
 }
 
 /// Lay out the initial stack in `[bottom, top)` and return the frame that
-/// enters `program` with it.
-pub fn initial_frame(program: &Program, argv: &[alloc::string::String], env: &[alloc::string::String], bottom: u64, top: u64) -> Frame {
+/// enters `program` with it; `vdso` is the address of the vDSO, if any.
+pub fn initial_frame(
+    program: &Program,
+    argv: &[alloc::string::String],
+    env: &[alloc::string::String],
+    vdso: Option<u64>,
+    bottom: u64,
+    top: u64,
+) -> Frame {
     let mut st = Stack { sp: top, bottom };
     let mut random_bytes = [0u8; 16];
     random::fill(&mut random_bytes);
@@ -61,7 +69,7 @@ pub fn initial_frame(program: &Program, argv: &[alloc::string::String], env: &[a
     let execfn = st.push_str(&argv[0]);
     let argv_ptrs: Vec<u64> = argv.iter().map(|a| st.push_str(a)).collect();
     let env_ptrs: Vec<u64> = env.iter().map(|e| st.push_str(e)).collect();
-    let auxv = [
+    let mut auxv = alloc::vec![
         (AT_PHDR, program.phdr),
         (AT_PHENT, u64::from(program.phent)),
         (AT_PHNUM, u64::from(program.phnum)),
@@ -74,15 +82,18 @@ pub fn initial_frame(program: &Program, argv: &[alloc::string::String], env: &[a
         (AT_GID, 0),
         (AT_EGID, 0),
         (AT_PLATFORM, platform),
-        // No vDSO (AT_SYSINFO_EHDR): libc falls back to the system calls.
         (AT_HWCAP, 0),
         (AT_HWCAP2, 0),
         (AT_CLKTCK, 100),
         (AT_SECURE, 0),
         (AT_RANDOM, at_random),
         (AT_EXECFN, execfn),
-        (AT_NULL, 0),
     ];
+    // Without it libc makes the clock system calls itself.
+    if let Some(ehdr) = vdso {
+        auxv.push((AT_SYSINFO_EHDR, ehdr));
+    }
+    auxv.push((AT_NULL, 0));
     let words = 1 + argv_ptrs.len() + 1 + env_ptrs.len() + 1 + 2 * auxv.len();
     // rsp must be 16-byte aligned at argc.
     st.sp = (st.sp - 8 * words as u64) & !15;
@@ -93,7 +104,7 @@ pub fn initial_frame(program: &Program, argv: &[alloc::string::String], env: &[a
     w.push(0);
     w.extend(&env_ptrs);
     w.push(0);
-    for (k, v) in auxv {
+    for &(k, v) in &auxv {
         w.extend([k, v]);
     }
     // SAFETY: [sp, sp + 8 * words) is inside the stack mapping (checked).

@@ -55,6 +55,15 @@ pub struct Options {
     /// Checkpoint interval of the protected runs, in milliseconds.
     #[arg(long, default_value_t = 20)]
     epoch_ms: u64,
+    /// With `--app redis`: also measure the guest with these runtime
+    /// options (the words before `--` on its command line, e.g.
+    /// `vdso=off`), unreplicated against native in the same run: one switch
+    /// on and off. Repeatable; one extra VM per value.
+    #[arg(long)]
+    variant: Vec<String>,
+    /// Skip the protected runs (only unreplicated against native).
+    #[arg(long)]
+    no_protected: bool,
     /// Directory holding kv.elf and redis-server.
     #[arg(long, default_value = "target/images")]
     images: PathBuf,
@@ -85,15 +94,16 @@ impl App {
         }
     }
 
-    /// `ftvm run` arguments after the image: memory and command line.
-    fn run_args(self) -> Vec<String> {
+    /// `ftvm run` arguments after the image: memory and command line, with
+    /// extra runtime options `variant` (Linux personality only).
+    fn run_args(self, variant: &str) -> Vec<String> {
         match self {
             App::Kv => vec!["--cmdline".into(), format!("ip={GUEST_ADDR}/24")],
             App::Redis => vec![
                 "--memory".into(),
                 "512".into(),
                 "--cmdline".into(),
-                format!("ip={GUEST_ADDR}/24 -- redis-server {}", REDIS_ARGS.join(" ")),
+                format!("{variant} ip={GUEST_ADDR}/24 -- redis-server {}", REDIS_ARGS.join(" ")).trim_start().to_string(),
             ],
         }
     }
@@ -110,7 +120,14 @@ struct Guest {
 }
 
 impl Guest {
-    fn start(topo: &Topology, ftvm: &Path, image: &Path, app: App, protect: Option<(&Scratch, u64)>) -> Result<Guest, BoxError> {
+    fn start(
+        topo: &Topology,
+        ftvm: &Path,
+        image: &Path,
+        app: App,
+        variant: &str,
+        protect: Option<(&Scratch, u64)>,
+    ) -> Result<Guest, BoxError> {
         let net = format!("tap=tap0,mac={GUEST_MAC}");
         let backup_addr = format!("{H2_REPL_ADDR}:{BACKUP_ADDR_PORT}");
         let backup = match protect {
@@ -122,7 +139,7 @@ impl Guest {
             None => None,
         };
         let mut cmd = topo.command("h1", ftvm);
-        cmd.arg("run").arg("--image").arg(image).args(app.run_args()).args(["--net", &net]);
+        cmd.arg("run").arg("--image").arg(image).args(app.run_args(variant)).args(["--net", &net]);
         if let Some((dir, epoch_ms)) = protect {
             cmd.args(["--replicate-to", &backup_addr, "--epoch-ms", &epoch_ms.to_string(), "--api-socket"]).arg(dir.join("primary.sock"));
         }
@@ -204,10 +221,87 @@ fn benchmark(topo: &Topology, addr: &str, opts: &Options, pipeline: u32) -> Resu
     Ok((find("SET")?, find("GET")?))
 }
 
+/// One unmeasured run at the deepest pipeline: a fresh server first grows
+/// its memory (in a VM, each new page costs a shadow page fault), which the
+/// measured runs should not pay for one server and not the other.
+fn warm_up(topo: &Topology, addr: &str, opts: &Options) -> Result<(), BoxError> {
+    let depth = opts.pipeline.iter().copied().max().unwrap_or(1);
+    benchmark(topo, addr, opts, depth).map(|_| ())
+}
+
 /// The run with the median rps of `runs`.
 fn median(mut runs: Vec<Figures>) -> Figures {
     runs.sort_by(|a, b| a.rps.total_cmp(&b.rps));
     runs.swap_remove(runs.len() / 2)
+}
+
+/// What the table shows per test: name, unit, and the figure.
+type Metric = (&'static str, &'static str, fn(&Figures) -> f64);
+const METRICS: [Metric; 3] = [("throughput", "req/s", |f| f.rps), ("latency p50", "ms", |f| f.p50_ms), ("latency p99", "ms", |f| f.p99_ms)];
+
+/// Per pipeline depth: (depth, guest [SET, GET], native [SET, GET], CPU
+/// time per request (guest, native) in microseconds).
+type Paired = Vec<(u32, [Figures; 2], [Figures; 2], (f64, f64))>;
+
+/// CPU time every thread of process `pid` has had so far, in nanoseconds
+/// (`/proc/PID/task/*/schedstat`): the VMM's vCPU, device and other threads,
+/// or the native redis-server's.
+fn cpu_ns(pid: u32) -> Result<u64, BoxError> {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let stat = std::fs::read_to_string(task?.path().join("schedstat"))?;
+        total += stat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).ok_or("unreadable schedstat")?;
+    }
+    Ok(total)
+}
+
+/// [`benchmark`], with the CPU time `server` used per request meanwhile,
+/// in microseconds. Unlike throughput, it hardly depends on what else the
+/// host runs at the time.
+fn benchmark_cpu(topo: &Topology, addr: &str, opts: &Options, pipeline: u32, server: u32) -> Result<(Figures, Figures, f64), BoxError> {
+    let before = cpu_ns(server)?;
+    let (set, get) = benchmark(topo, addr, opts, pipeline)?;
+    let used = cpu_ns(server)?.saturating_sub(before);
+    Ok((set, get, used as f64 / 1000.0 / (2 * opts.requests) as f64))
+}
+
+fn median_f64(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The guest with runtime options `variant`, unreplicated, against the
+/// native server, alternating run by run.
+fn unreplicated(
+    topo: &Topology,
+    ftvm: &Path,
+    image: &Path,
+    opts: &Options,
+    variant: &str,
+    native: &mut Process,
+) -> Result<Paired, BoxError> {
+    let mut guest = Guest::start(topo, ftvm, image, opts.app, variant, None)?;
+    wait_serving(topo, GUEST_ADDR, &mut guest.vmm)?;
+    warm_up(topo, GUEST_ADDR, opts)?;
+    let mut figures = Vec::new();
+    for &p in &opts.pipeline {
+        let (mut g_set, mut g_get, mut n_set, mut n_get) = (vec![], vec![], vec![], vec![]);
+        let (mut g_cpu, mut n_cpu) = (vec![], vec![]);
+        for _ in 0..opts.repeat {
+            let (s, g, cpu) = benchmark_cpu(topo, GUEST_ADDR, opts, p, guest.vmm.id())?;
+            g_set.push(s);
+            g_get.push(g);
+            g_cpu.push(cpu);
+            guest.check_alive()?;
+            check_alive(native)?;
+            let (s, g, cpu) = benchmark_cpu(topo, NATIVE_ADDR, opts, p, native.id())?;
+            n_set.push(s);
+            n_get.push(g);
+            n_cpu.push(cpu);
+        }
+        figures.push((p, [median(g_set), median(g_get)], [median(n_set), median(n_get)], (median_f64(g_cpu), median_f64(n_cpu))));
+    }
+    Ok(figures)
 }
 
 fn ftvm_path(opts: &Options) -> Result<PathBuf, BoxError> {
@@ -233,6 +327,9 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     if opts.repeat == 0 || opts.pipeline.is_empty() {
         return Err("--repeat and --pipeline need at least one run".into());
     }
+    if app == App::Kv && !opts.variant.is_empty() {
+        return Err("--variant sets Linux-personality runtime options: use it with --app redis".into());
+    }
     let topo = Topology::new("kvb")?;
     let dir = Scratch::new("bench-kv")?;
 
@@ -250,75 +347,99 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     redis.args(["--daemonize", "no", "--dir", "/tmp", "--logfile", ""]);
     let mut native = Process::spawn_collected("redis-server", &mut redis).map_err(|e| format!("{e} (scripts/setup.sh installs it)"))?;
     wait_serving(&topo, NATIVE_ADDR, &mut native)?;
+    warm_up(&topo, NATIVE_ADDR, opts)?;
 
     // Unreplicated, one vCPU (the default), alternating with the native
-    // server so that drift on the host hits both alike.
-    let mut guest = Guest::start(&topo, &ftvm, &image, app, None)?;
-    wait_serving(&topo, GUEST_ADDR, &mut guest.vmm)?;
-    let mut figures = Vec::new();
-    for &p in &opts.pipeline {
-        let (mut g_set, mut g_get, mut n_set, mut n_get) = (vec![], vec![], vec![], vec![]);
-        for _ in 0..opts.repeat {
-            let (s, g) = benchmark(&topo, GUEST_ADDR, opts, p)?;
-            g_set.push(s);
-            g_get.push(g);
-            guest.check_alive()?;
-            let (s, g) = benchmark(&topo, NATIVE_ADDR, opts, p)?;
-            n_set.push(s);
-            n_get.push(g);
-        }
-        figures.push((p, [median(g_set), median(g_get)], [median(n_set), median(n_get)]));
+    // server so that drift on the host hits both alike; then each variant
+    // the same way.
+    let figures = unreplicated(&topo, &ftvm, &image, opts, "", &mut native)?;
+    let mut variants = Vec::new();
+    for v in &opts.variant {
+        variants.push((v.as_str(), unreplicated(&topo, &ftvm, &image, opts, v, &mut native)?));
     }
-    drop(guest);
     drop(native);
 
     // Protected: a backup in h2, checkpoints every --epoch-ms.
-    let mut guest = Guest::start(&topo, &ftvm, &image, app, Some((&dir, opts.epoch_ms)))?;
-    wait_serving(&topo, GUEST_ADDR, &mut guest.vmm)?;
     let mut protected = Vec::new();
-    for &p in &opts.pipeline {
-        let (mut set, mut get) = (vec![], vec![]);
-        for _ in 0..opts.repeat {
-            let (s, g) = benchmark(&topo, GUEST_ADDR, opts, p)?;
-            set.push(s);
-            get.push(g);
-            guest.check_alive()?;
+    if !opts.no_protected {
+        let mut guest = Guest::start(&topo, &ftvm, &image, app, "", Some((&dir, opts.epoch_ms)))?;
+        wait_serving(&topo, GUEST_ADDR, &mut guest.vmm)?;
+        warm_up(&topo, GUEST_ADDR, opts)?;
+        for &p in &opts.pipeline {
+            let (mut set, mut get) = (vec![], vec![]);
+            for _ in 0..opts.repeat {
+                let (s, g) = benchmark(&topo, GUEST_ADDR, opts, p)?;
+                set.push(s);
+                get.push(g);
+                guest.check_alive()?;
+            }
+            protected.push(Some([median(set), median(get)]));
         }
-        protected.push([median(set), median(get)]);
     }
-    drop(guest);
+    protected.resize(figures.len(), None);
     drop(topo);
 
     let mut rows = Vec::new();
     let mut chart = Vec::new();
     let name = app.name();
-    for ((p, unrep, native), prot) in figures.into_iter().zip(protected) {
+    for (k, ((p, unrep, native, cpu), prot)) in figures.into_iter().zip(protected).enumerate() {
+        let group = format!("{name} SET+GET -P {p} -c {}", opts.clients);
+        rows.push(Row {
+            group: group.clone(),
+            case: "CPU per request unreplicated (ref: native)".into(),
+            value: cpu.0,
+            unit: "us",
+            reference: Some(cpu.1),
+        });
+        for (v, runs) in &variants {
+            let (_, _, _, vcpu) = &runs[k];
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("CPU per request unreplicated, {v} (ref: native)"),
+                value: vcpu.0,
+                unit: "us",
+                reference: Some(vcpu.1),
+            });
+        }
         for (i, test) in ["SET", "GET"].into_iter().enumerate() {
             let group = format!("{name} {test} -P {p} -c {}", opts.clients);
-            let (g, n, pr) = (&unrep[i], &native[i], &prot[i]);
-            for (what, unit, guest_v, native_v, prot_v) in [
-                ("throughput", "req/s", g.rps, n.rps, pr.rps),
-                ("latency p50", "ms", g.p50_ms, n.p50_ms, pr.p50_ms),
-                ("latency p99", "ms", g.p99_ms, n.p99_ms, pr.p99_ms),
-            ] {
+            let (g, n) = (&unrep[i], &native[i]);
+            for (what, unit, pick) in METRICS {
                 rows.push(Row {
                     group: group.clone(),
                     case: format!("{what} unreplicated (ref: native)"),
-                    value: guest_v,
+                    value: pick(g),
                     unit,
-                    reference: Some(native_v),
+                    reference: Some(pick(n)),
                 });
-                rows.push(Row {
-                    group: group.clone(),
-                    case: format!("{what} protected, {} ms epochs (ref: unreplicated)", opts.epoch_ms),
-                    value: prot_v,
-                    unit,
-                    reference: Some(guest_v),
-                });
+                for (v, runs) in &variants {
+                    let (_, vg, vn, _) = &runs[k];
+                    rows.push(Row {
+                        group: group.clone(),
+                        case: format!("{what} unreplicated, {v} (ref: native)"),
+                        value: pick(&vg[i]),
+                        unit,
+                        reference: Some(pick(&vn[i])),
+                    });
+                }
+                if let Some(pr) = &prot {
+                    rows.push(Row {
+                        group: group.clone(),
+                        case: format!("{what} protected, {} ms epochs (ref: unreplicated)", opts.epoch_ms),
+                        value: pick(&pr[i]),
+                        unit,
+                        reference: Some(pick(g)),
+                    });
+                }
             }
             chart.push((format!("{group}: native"), n.rps));
             chart.push((format!("{group}: ftvm"), g.rps));
-            chart.push((format!("{group}: ftvm protected"), pr.rps));
+            for (v, runs) in &variants {
+                chart.push((format!("{group}: ftvm {v}"), runs[k].1[i].rps));
+            }
+            if let Some(pr) = &prot {
+                chart.push((format!("{group}: ftvm protected"), pr[i].rps));
+            }
         }
     }
     let (file, title) = match app {

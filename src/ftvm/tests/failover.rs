@@ -103,6 +103,9 @@ enum App {
     /// The unmodified static redis-server on the Linux personality
     /// (scripts/build-redis.sh).
     Redis,
+    /// The same with its `syscall` instructions rewritten into calls
+    /// (`syscall=patch`: rewritten text and the trampoline page replicate).
+    RedisPatched,
 }
 
 impl App {
@@ -110,7 +113,8 @@ impl App {
     fn args(self) -> Vec<String> {
         match self {
             App::Kv => vec!["--image".into(), image("kv").display().to_string(), "--cmdline".into(), format!("ip={GUEST_ADDR}/24")],
-            App::Redis => {
+            App::Redis | App::RedisPatched => {
+                let runtime = if self == App::RedisPatched { "syscall=patch " } else { "" };
                 let program = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/images/redis-server");
                 assert!(program.exists(), "{} missing: run scripts/build-redis.sh", program.display());
                 vec![
@@ -119,7 +123,7 @@ impl App {
                     "--memory".into(),
                     "512".into(),
                     "--cmdline".into(),
-                    format!("ip={GUEST_ADDR}/24 -- redis-server --port {KV_PORT} --save '' --protected-mode no"),
+                    format!("{runtime}ip={GUEST_ADDR}/24 -- redis-server --port {KV_PORT} --save '' --protected-mode no"),
                 ]
             }
         }
@@ -1036,13 +1040,13 @@ fn backup_loss_then_reprotection_then_failover() {
 /// `trials` randomized failovers of the unmodified redis-server (kinds of
 /// host death in turn, seeds from FTVM_FAILOVER_SEED), each asserting that
 /// no acknowledged write was lost.
-fn redis_trials(topology: &str, trials: usize) -> Vec<TrialResult> {
+fn redis_trials(topology: &str, trials: usize, app: App) -> Vec<TrialResult> {
     let topo = Topology::new(topology).unwrap();
     let dir = scratch(topology);
     let base: u64 = std::env::var("FTVM_FAILOVER_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed);
     let kinds = [Kill::Sigkill, Kill::InTransfer, Kill::SigkillThenLinks, Kill::InTransfer, Kill::LinksThenSigkill, Kill::InTransfer];
     let results: Vec<_> =
-        (0..trials).map(|t| one_failover_trial(&topo, &dir, t, base + t as u64, kinds[t % kinds.len()], App::Redis, &[])).collect();
+        (0..trials).map(|t| one_failover_trial(&topo, &dir, t, base + t as u64, kinds[t % kinds.len()], app, &[])).collect();
     eprintln!("redis-server, {trials} trials: {} acknowledged writes, none lost", results.iter().map(|r| r.acked).sum::<usize>());
     results
 }
@@ -1052,13 +1056,19 @@ fn redis_trials(topology: &str, trials: usize) -> Vec<TrialResult> {
 /// links); `redis_server_failover_soak` runs 12.
 #[test]
 fn redis_server_loses_no_acknowledged_write() {
-    redis_trials("failrd", 3);
+    redis_trials("failrd", 3, App::Redis);
+}
+
+/// Two of them with `syscall=patch`.
+#[test]
+fn redis_server_with_patched_syscalls_loses_no_acknowledged_write() {
+    redis_trials("failrdp", 2, App::RedisPatched);
 }
 
 #[test]
 #[ignore = "a soak: 12 randomized failovers of redis-server, about a minute; run with --ignored"]
 fn redis_server_failover_soak() {
-    let results = redis_trials("failrds", 12);
+    let results = redis_trials("failrds", 12, App::Redis);
     let inside = results.iter().filter(|r| r.partial.as_ref().is_some_and(|p| p.bytes > 0)).count();
     assert!(inside >= 3, "only {inside} kills landed inside a checkpoint transfer");
     assert!(results.iter().map(|r| r.replayed.1).sum::<u64>() > 0, "no takeover replayed mirrored input");

@@ -25,6 +25,7 @@ use crate::sched;
 pub type SysResult = Result<u64, Errno>;
 
 pub fn dispatch(frame: &mut Frame) {
+    crate::patch::site(frame.rip);
     let nr = frame.rax;
     let a = frame.args();
     let r = match nr {
@@ -60,8 +61,10 @@ pub fn dispatch(frame: &mut Frame) {
         41 => net::socket(a[0], a[1], a[2]),
         42 => net::connect(a[0], a[1], a[2]),
         43 => net::accept(a[0], a[1], a[2], 0),
-        44 => net::sendto(a[0], a[1], a[2], a[3], a[4]),
+        44 => net::sendto(a[0], a[1], a[2], a[3], a[4], a[5]),
         45 => net::recvfrom(a[0], a[1], a[2], a[3], a[4], a[5]),
+        46 => net::sendmsg(a[0], a[1], a[2]),
+        47 => net::recvmsg(a[0], a[1], a[2]),
         48 => net::shutdown(a[0], a[1]),
         49 => net::bind(a[0], a[1], a[2]),
         50 => net::listen(a[0], a[1]),

@@ -1,5 +1,6 @@
-//! Sockets: IPv4 TCP over the runtime's stack (see `crate::net`).
+//! Sockets: IPv4 TCP and UDP over the runtime's stack (see `crate::net`).
 
+use alloc::vec::Vec;
 use core::net::Ipv4Addr;
 
 use smoltcp::wire::{IpAddress, IpEndpoint};
@@ -11,6 +12,7 @@ use crate::net;
 
 const AF_INET: u64 = 2;
 const SOCK_STREAM: u64 = 1;
+const SOCK_DGRAM: u64 = 2;
 const SOCK_TYPE_MASK: u64 = 0xf;
 const SOCK_NONBLOCK: u64 = 0o4000;
 const SOCK_CLOEXEC: u64 = 0o2000000;
@@ -62,10 +64,11 @@ pub fn socket(domain: u64, kind: u64, _proto: u64) -> SysResult {
     if domain != AF_INET {
         return Err(EAFNOSUPPORT);
     }
-    if kind & SOCK_TYPE_MASK != SOCK_STREAM {
-        return Err(EPROTONOSUPPORT);
-    }
-    let id = net::socket()?;
+    let id = match kind & SOCK_TYPE_MASK {
+        SOCK_STREAM => net::socket()?,
+        SOCK_DGRAM => net::udp_socket()?,
+        _ => return Err(EPROTONOSUPPORT),
+    };
     let mut flags = O_RDWR;
     if kind & SOCK_NONBLOCK != 0 {
         flags |= O_NONBLOCK;
@@ -106,6 +109,9 @@ pub fn connect(fd: u64, addr: u64, len: u64) -> SysResult {
     let (d, id) = sock(fd)?;
     let (ip, port) = read_sockaddr(addr, len)?;
     net::connect(id, ip, port)?;
+    if net::is_udp(id) {
+        return Ok(0); // a destination, no handshake
+    }
     if d.nonblocking() {
         return Err(EINPROGRESS);
     }
@@ -115,21 +121,102 @@ pub fn connect(fd: u64, addr: u64, len: u64) -> SysResult {
     })
 }
 
-pub fn sendto(fd: u64, buf: u64, len: u64, flags: u64, _addr: u64) -> SysResult {
+/// `addr` is used by UDP sockets (TCP ignores it, as Linux does once
+/// connected).
+pub fn sendto(fd: u64, buf: u64, len: u64, flags: u64, addr: u64, addr_len: u64) -> SysResult {
     let (d, id) = sock(fd)?;
     let data = user::bytes(buf, len)?;
-    blocking(d.nonblocking() || flags & MSG_DONTWAIT != 0, u64::MAX, || net::send(id, data)).map(|n| n as u64)
+    let to = if addr != 0 && net::is_udp(id) {
+        let (ip, port) = read_sockaddr(addr, addr_len)?;
+        Some(IpEndpoint::new(IpAddress::Ipv4(ip), port))
+    } else {
+        None
+    };
+    blocking(d.nonblocking() || flags & MSG_DONTWAIT != 0, u64::MAX, || net::send_to(id, data, to)).map(|n| n as u64)
 }
 
 pub fn recvfrom(fd: u64, buf: u64, len: u64, flags: u64, addr: u64, lenp: u64) -> SysResult {
     let (d, id) = sock(fd)?;
     let out = user::bytes_mut(buf, len)?;
-    let n = blocking(d.nonblocking() || flags & MSG_DONTWAIT != 0, u64::MAX, || net::recv(id, out))?;
+    let (n, source) = blocking(d.nonblocking() || flags & MSG_DONTWAIT != 0, u64::MAX, || net::recv_from(id, out))?;
     if addr != 0 {
-        if let (_, Some(peer)) = net::endpoints(id)? {
-            write_sockaddr(addr, lenp, peer)?;
+        // A datagram's source, or a connection's peer.
+        let from = match source {
+            Some(s) => Some(s),
+            None => net::endpoints(id)?.1,
+        };
+        if let Some(from) = from {
+            write_sockaddr(addr, lenp, from)?;
         }
     }
+    Ok(n as u64)
+}
+
+/// Most bytes one sendmsg/recvmsg moves (its iovecs are gathered into, or
+/// scattered from, one buffer): a stream call may move less, as on Linux.
+const MAX_MSG: u64 = 1 << 20;
+
+/// What sendmsg/recvmsg use of a `struct msghdr`; control data is neither
+/// sent nor received.
+struct MsgHdr {
+    name: u64,
+    namelen: u64,
+    /// (base, len) pairs.
+    iovs: Vec<(u64, u64)>,
+}
+
+fn read_msghdr(msg: u64) -> Result<MsgHdr, Errno> {
+    let name: u64 = user::read(msg)?;
+    let namelen: u32 = user::read(msg + 8)?;
+    let iov: u64 = user::read(msg + 16)?;
+    let iovlen: u64 = user::read(msg + 24)?;
+    Ok(MsgHdr { name, namelen: u64::from(namelen), iovs: user::iovecs(iov, iovlen)? })
+}
+
+pub fn sendmsg(fd: u64, msg: u64, flags: u64) -> SysResult {
+    let MsgHdr { name, namelen, iovs } = read_msghdr(msg)?;
+    let mut data = Vec::new();
+    for (base, len) in iovs {
+        let room = MAX_MSG - data.len() as u64;
+        data.extend_from_slice(user::bytes(base, len.min(room))?);
+    }
+    let (d, id) = sock(fd)?;
+    let to = if name != 0 && net::is_udp(id) {
+        let (ip, port) = read_sockaddr(name, namelen)?;
+        Some(IpEndpoint::new(IpAddress::Ipv4(ip), port))
+    } else {
+        None
+    };
+    blocking(d.nonblocking() || flags & MSG_DONTWAIT != 0, u64::MAX, || net::send_to(id, &data, to)).map(|n| n as u64)
+}
+
+pub fn recvmsg(fd: u64, msg: u64, flags: u64) -> SysResult {
+    let MsgHdr { name, iovs, .. } = read_msghdr(msg)?;
+    let want = iovs.iter().map(|&(_, len)| len).sum::<u64>().min(MAX_MSG);
+    let mut buf = alloc::vec![0u8; want as usize];
+    let (d, id) = sock(fd)?;
+    let (n, source) = blocking(d.nonblocking() || flags & MSG_DONTWAIT != 0, u64::MAX, || net::recv_from(id, &mut buf))?;
+    let mut done = 0;
+    for (base, len) in iovs {
+        if done == n {
+            break;
+        }
+        let k = (len as usize).min(n - done);
+        user::bytes_mut(base, k as u64)?.copy_from_slice(&buf[done..done + k]);
+        done += k;
+    }
+    if name != 0 {
+        let from = match source {
+            Some(s) => Some(s),
+            None => net::endpoints(id)?.1,
+        };
+        if let Some(from) = from {
+            write_sockaddr(name, msg + 8, from)?;
+        }
+    }
+    // No control data, no flags (a cut datagram is not flagged MSG_TRUNC).
+    user::write(msg + 40, 0u64)?;
+    user::write(msg + 48, 0u32)?;
     Ok(n as u64)
 }
 
@@ -167,6 +254,7 @@ pub fn getsockopt(fd: u64, level: u64, opt: u64, val: u64, lenp: u64) -> SysResu
             Err(ECONNREFUSED) => ECONNREFUSED as i32,
             _ => 0,
         },
+        (SOL_SOCKET, SO_TYPE) if net::is_udp(id) => SOCK_DGRAM as i32,
         (SOL_SOCKET, SO_TYPE) => SOCK_STREAM as i32,
         (SOL_SOCKET, SO_SNDBUF | SO_RCVBUF) => 64 * 1024,
         (SOL_SOCKET, SO_REUSEADDR) => 1,

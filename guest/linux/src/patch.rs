@@ -1,0 +1,93 @@
+//! `syscall=patch`: the program's `syscall` instructions rewritten, as they
+//! are first executed, into `call *%rax`, which is a plain call into the
+//! VMM's trampoline page at address 0 (`ftvm_abi::syscall_page`) and from
+//! there into the same entry.
+//!
+//! Why: on these hosts a `syscall` instruction traps to the hypervisor
+//! before it lands at LSTAR, about 1 µs, while redis-server makes two or
+//! three calls per request. A call costs nanoseconds. The rewrite needs no
+//! disassembler: a system call's return address is right after its
+//! two-byte instruction, and `call *%rax` (`ff d0`) is two bytes too, with
+//! `rax` holding the system-call number at every `syscall` by definition
+//! (zpoline, USENIX ATC '23, does the same at load time).
+//!
+//! What it costs in fidelity, which is why it is a switch (off by default):
+//! - page 0 is mapped (read-only, executable), so a NULL read or call no
+//!   longer faults;
+//! - the call pushes its return address below the program's stack pointer,
+//!   over the first 8 bytes of the System V red zone; code that keeps a
+//!   value there across an inline `syscall` (a leaf function) would lose it;
+//! - a rewritten site later reached with a number of 512 or more jumps past
+//!   the sled (an `int3`, a page fault, or worse for numbers that are RAM
+//!   addresses).
+
+use alloc::vec::Vec;
+use core::sync::atomic::{AtomicU64, Ordering};
+
+use ftvm_abi::Program;
+use spin::Once;
+
+use crate::entry;
+
+const SYSCALL: [u8; 2] = [0x0f, 0x05];
+const CALL_RAX: [u8; 2] = [0xff, 0xd0];
+const PT_LOAD: u32 = 1;
+const PF_X: u32 = 1;
+
+/// The program's executable segments, [start, end), once patching is on.
+static TEXT: Once<Vec<(u64, u64)>> = Once::new();
+/// Sites rewritten so far.
+static PATCHED: AtomicU64 = AtomicU64::new(0);
+
+/// Turn patching on for `program` (its segments are loaded).
+pub fn init(program: &Program) {
+    let mut text = Vec::new();
+    for i in 0..u64::from(program.phnum) {
+        let ph = program.phdr + i * u64::from(program.phent);
+        // SAFETY: the VMM loaded the program's headers at `phdr` (AT_PHDR),
+        // in the program's memory, which the runtime owns until it starts.
+        let (kind, flags, vaddr, memsz) = unsafe {
+            (
+                (ph as *const u32).read_unaligned(),
+                ((ph + 4) as *const u32).read_unaligned(),
+                ((ph + 16) as *const u64).read_unaligned(),
+                ((ph + 40) as *const u64).read_unaligned(),
+            )
+        };
+        if kind == PT_LOAD && flags & PF_X != 0 {
+            text.push((vaddr, vaddr.saturating_add(memsz)));
+        }
+    }
+    ftvm_rt::map_syscall_page(entry::ftvm_linux_syscall_entry);
+    TEXT.call_once(|| text);
+}
+
+/// A system call returning to `ret` is being served: if it came from a
+/// `syscall` instruction in the program's text, rewrite that instruction.
+pub fn site(ret: u64) {
+    let Some(text) = TEXT.get() else { return };
+    let at = ret.wrapping_sub(2);
+    if !text.iter().any(|&(start, end)| at >= start && ret <= end) {
+        return;
+    }
+    let p = at as *mut [u8; 2];
+    // SAFETY: the two bytes lie in an executable segment of the program
+    // (checked), identity-mapped and writable from here; the program runs
+    // only when this call returns (one vCPU), and x86 orders a store before
+    // a later fetch of the same bytes on the same CPU.
+    unsafe {
+        if p.read() == SYSCALL {
+            p.write(CALL_RAX);
+            PATCHED.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+pub fn enabled() -> bool {
+    TEXT.get().is_some()
+}
+
+/// Sites rewritten so far.
+pub fn patched() -> u64 {
+    PATCHED.load(Ordering::Relaxed)
+}
