@@ -141,7 +141,14 @@ fn prometheus_scrapes_replication_metrics_that_move_with_epochs_and_failover() {
         let s = scrape(&primary_metrics);
         (value(&s, "ftvm_checkpoints_total") >= value(&first, "ftvm_checkpoints_total") + 10.0).then_some(s)
     });
-    for grows in ["ftvm_epoch", "ftvm_dirty_pages_total", "ftvm_checkpoint_bytes_total", "ftvm_checkpoint_pause_seconds_count"] {
+    let grow = [
+        "ftvm_epoch",
+        "ftvm_dirty_pages_total",
+        "ftvm_checkpoint_bytes_total",
+        "ftvm_checkpoint_pause_seconds_count",
+        "ftvm_checkpoint_stop_seconds_count",
+    ];
+    for grows in grow {
         assert!(value(&later, grows) > value(&first, grows), "{grows}: {} then {}", value(&first, grows), value(&later, grows));
     }
     assert!(value(&later, "ftvm_checkpoint_pause_seconds_sum") > 0.0);

@@ -30,6 +30,15 @@ pub struct EpochMetrics {
     pub epoch_us: u64,
     /// The longest it could have run (`--epoch-ms`, or less when adapted).
     pub max_epoch_us: u64,
+    /// From the epoch's first held output to the pause: how long the
+    /// trigger kept output waiting before its checkpoint started (0: no
+    /// output). A frame's hold is about this plus `ack_us`.
+    #[serde(default)]
+    pub wait_us: u64,
+    /// Stopping the VM (kicking the vCPUs out of the guest, parking them
+    /// and the device threads) before `pause_us` started counting.
+    #[serde(default)]
+    pub stop_us: u64,
     /// Write-fault prediction (`--predict-writes`; without it, only
     /// `first_writes`, equal to the dirty pages): pages left writable
     /// through the epoch,
@@ -65,6 +74,10 @@ pub struct EpochMetrics {
     pub ack_us: u64,
     /// Longest time a frame of this epoch was held before release.
     pub hold_us: u64,
+    /// From the acknowledgement's arrival until its last frame was on the
+    /// network card (frames go out one write each).
+    #[serde(default)]
+    pub release_us: u64,
     pub frames_released: u64,
 }
 

@@ -32,6 +32,9 @@ pub struct Telemetry {
     disk_bytes: Counter,
     frames_released: Counter,
     hold: Histogram,
+    wait: Histogram,
+    stop: Histogram,
+    release: Histogram,
     held_frames: Gauge,
     backup_losses: Counter,
     applied: Counter,
@@ -69,6 +72,9 @@ static TELEMETRY: LazyLock<Telemetry> = LazyLock::new(|| Telemetry {
     disk_bytes: Counter::default(),
     frames_released: Counter::default(),
     hold: seconds(),
+    wait: seconds(),
+    stop: seconds(),
+    release: seconds(),
     held_frames: Gauge::default(),
     backup_losses: Counter::default(),
     applied: Counter::default(),
@@ -90,6 +96,7 @@ impl Telemetry {
         self.pause.observe(us(m.pause_us));
         self.transfer.observe(us(m.transfer_us));
         self.ack.observe(us(m.ack_us));
+        self.stop.observe(us(m.stop_us));
         self.dirty_pages.inc_by(m.dirty_pages);
         self.last_dirty_pages.set(m.dirty_pages as i64);
         self.bytes.inc_by(m.bytes);
@@ -98,6 +105,10 @@ impl Telemetry {
         self.frames_released.inc_by(m.frames_released);
         if m.frames_released > 0 {
             self.hold.observe(us(m.hold_us));
+            self.release.observe(us(m.release_us));
+        }
+        if m.wait_us > 0 {
+            self.wait.observe(us(m.wait_us));
         }
     }
 
@@ -152,6 +163,24 @@ impl Telemetry {
         r.register_with_unit("checkpoint_disk", "Disk data carried by checkpoints", Unit::Bytes, self.disk_bytes.clone());
         r.register("output_frames_released", "Network frames released after their epoch was acknowledged", self.frames_released.clone());
         r.register_with_unit("output_hold", "Longest time a frame of an epoch was held before release", Unit::Seconds, self.hold.clone());
+        r.register_with_unit(
+            "output_wait",
+            "From an epoch's first held output until its checkpoint paused the guest",
+            Unit::Seconds,
+            self.wait.clone(),
+        );
+        r.register_with_unit(
+            "output_release",
+            "From an acknowledgement until its epoch's last frame was written out",
+            Unit::Seconds,
+            self.release.clone(),
+        );
+        r.register_with_unit(
+            "checkpoint_stop",
+            "Stopping the vCPUs and device threads before a checkpoint's pause",
+            Unit::Seconds,
+            self.stop.clone(),
+        );
         r.register("output_held_frames", "Network frames held now, waiting for an acknowledgement", self.held_frames.clone());
         r.register("backup_losses", "Times the primary lost its backup", self.backup_losses.clone());
         r.register("checkpoints_applied", "Checkpoints the backup applied", self.applied.clone());

@@ -24,6 +24,9 @@ pub struct Options {
     /// Requests per redis-benchmark run.
     #[arg(long, default_value_t = 20000)]
     requests: u64,
+    /// GETs of the 4 MiB value per bulk-read run (not with --ablation).
+    #[arg(long, default_value_t = 5)]
+    bulk_reads: usize,
     /// Failover trials per kind of failure and epoch length (not with
     /// --ablation).
     #[arg(long, default_value_t = 3)]

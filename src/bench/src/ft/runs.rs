@@ -37,6 +37,13 @@ pub struct EpochMeans {
     pub hold_us: f64,
     /// How long epochs ran (from one checkpoint's resume to the next pause).
     pub epoch_us: f64,
+    /// A held output's way out, step by step: waiting for the trigger
+    /// (first held output to pause), stopping the VM, the pause, from the
+    /// resume to the acknowledgement, releasing the frames.
+    pub wait_us: f64,
+    pub stop_us: f64,
+    pub ack_us: f64,
+    pub release_us: f64,
     /// Share of the checkpoints that held output started (`idle` or `hold`).
     pub output_share: f64,
     /// 99th percentile of the pause.
@@ -102,6 +109,10 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
         bytes: mean("bytes"),
         hold_us: mean("hold_us"),
         epoch_us: mean("epoch_us"),
+        wait_us: mean("wait_us"),
+        stop_us: mean("stop_us"),
+        ack_us: mean("ack_us"),
+        release_us: mean("release_us"),
         output_share: if lines.is_empty() { 0.0 } else { by_output as f64 / lines.len() as f64 },
         pause_p99_us: p99("pause_us"),
         predicted: mean("predicted"),
@@ -162,6 +173,34 @@ pub fn redis_benchmark(topo: &Topology, pipeline: u32, requests: u64, value_byte
         return Err(format!("redis-benchmark failed: {text}{}", String::from_utf8_lossy(&out.stderr)).into());
     }
     Ok(rows)
+}
+
+/// The bulk read: one value of `BULK_BYTES`, read back whole again and again.
+pub const BULK_BYTES: usize = 4 << 20;
+
+/// SET one `BULK_BYTES` value in the guest, then GET it `reads` times over
+/// one connection from the client namespace: the read throughput in MB/s
+/// (every reply checked against the value).
+pub fn bulk_read(topo: &Topology, reads: usize) -> Result<f64, BoxError> {
+    let addr = format!("{GUEST_ADDR}:6379").parse().expect("valid address");
+    let value: Vec<u8> = (0..BULK_BYTES).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3]).collect();
+    let result = netns::run_in(&topo.ns("client"), move || -> Result<f64, String> {
+        let mut c = Client::connect(addr, Duration::from_secs(30)).map_err(|e| format!("cannot reach the kv guest: {e}"))?;
+        match c.call(&[b"SET", b"bulk", &value]) {
+            Ok(r) if r.is_ok() => {}
+            other => return Err(format!("SET of the bulk value: {other:?}")),
+        }
+        let t0 = Instant::now();
+        for _ in 0..reads {
+            match c.call(&[b"GET", b"bulk"]) {
+                Ok(Reply::Bulk(Some(v))) if v == value => {}
+                Ok(Reply::Bulk(Some(v))) => return Err(format!("GET returned {} other bytes", v.len())),
+                other => return Err(format!("GET of the bulk value: {other:?}")),
+            }
+        }
+        Ok((reads * BULK_BYTES) as f64 / t0.elapsed().as_secs_f64() / 1e6)
+    })?;
+    Ok(result?)
 }
 
 /// A kv guest and, when replicated, its backup; both killed when dropped.

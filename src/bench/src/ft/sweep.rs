@@ -1,9 +1,10 @@
 //! The epoch sweep: for each epoch length with periodic checkpoints, for
 //! output-triggered checkpoints, and for the unreplicated VM in the same
 //! run: memtouch at several dirty rates, kv under redis-benchmark (SET and
-//! GET, -P 1 and -P 16, 50 connections), per-epoch pause, dirty pages,
-//! bytes, epoch length and output hold, and failover per kind of failure
-//! (`failover`).
+//! GET, -P 1 and -P 16, 50 connections), a bulk read (GET of a 4 MiB
+//! value, repeated), per-epoch pause, dirty pages, bytes, epoch length and
+//! output hold with its steps (trigger wait, stop, resume to ack, release),
+//! and failover per kind of failure (`failover`).
 
 use std::path::Path;
 
@@ -53,6 +54,11 @@ fn epoch_rows(group: &str, setting: &str, m: &EpochMeans, output: bool) -> Vec<R
     if output {
         rows.push(row("output hold", m.hold_us / 1e3, "ms"));
         rows.push(row("started by output", m.output_share, "share"));
+        // The hold's steps: about wait + stop + pause + ack, then the release.
+        rows.push(row("hold: wait for the trigger", m.wait_us, "us"));
+        rows.push(row("hold: stopping the VM", m.stop_us, "us"));
+        rows.push(row("hold: resume to ack", m.ack_us, "us"));
+        rows.push(row("hold: release after ack", m.release_us, "us"));
     }
     rows
 }
@@ -115,13 +121,26 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 rows.extend(epoch_rows(&format!("kv epochs -P {pipeline}"), &s.name, &runs::epoch_means(&metrics), true));
             }
         }
+        let group = format!("kv bulk read GET {} MiB x{}", runs::BULK_BYTES >> 20, opts.bulk_reads);
+        let base = {
+            let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
+            runs::bulk_read(&topo, opts.bulk_reads)?
+        };
+        for s in &settings {
+            let rate = {
+                let _vm = runs::start_kv(&topo, Some(s.replicated()), scratch, "kv", &metrics)?;
+                runs::bulk_read(&topo, opts.bulk_reads)?
+            };
+            rows.push(Row { group: group.clone(), case: format!("{}: read", s.name), value: rate, unit: "MB/s", reference: Some(base) });
+            rows.extend(epoch_rows(&group, &s.name, &runs::epoch_means(&metrics), true));
+        }
         for &e in &epochs {
             rows.extend(failover::measure(&topo, scratch, e, opts.failure_timeout_ms, opts.failovers)?);
         }
     }
     let bars = rows
         .iter()
-        .filter(|r| r.unit == "writes/s" || r.unit == "req/s")
+        .filter(|r| matches!(r.unit, "writes/s" | "req/s" | "MB/s"))
         .filter_map(|r| r.ratio().map(|ratio| (format!("{} {}", r.group, r.case), ratio)))
         .collect();
     report::publish(

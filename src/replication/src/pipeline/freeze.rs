@@ -18,6 +18,8 @@ pub struct Frozen<'vm> {
     /// Pages written since the previous freeze, by the guest or the VMM.
     pub dirty: PageBitmap,
     pub state: CheckpointState,
+    /// How long `vm.pause()` took.
+    stop: Duration,
 }
 
 /// What the freeze leaves for the stages after it.
@@ -25,13 +27,18 @@ pub struct Thawed {
     pub state: CheckpointState,
     /// How long the guest was stopped.
     pub pause: Duration,
+    /// How long stopping it took (kicking the vCPUs out, parking them and
+    /// the device threads) before `pause` started: the guest stops running
+    /// somewhere in this interval, so its stop lies between `pause` and
+    /// `pause + stop`.
+    pub stop: Duration,
 }
 
 impl Frozen<'_> {
     /// Let the guest run again.
     pub fn thaw(self) -> Thawed {
-        let Frozen { pause, state, .. } = self;
-        Thawed { state, pause: pause.end() }
+        let Frozen { pause, state, stop, .. } = self;
+        Thawed { state, pause: pause.end(), stop }
     }
 }
 
@@ -78,8 +85,10 @@ impl PauseAndSave {
 
 impl Freeze for PauseAndSave {
     fn freeze<'vm>(&mut self, vm: &'vm Vm, epoch: u64, leave: &mut dyn LeaveWritable) -> Result<Frozen<'vm>, ReplicationError> {
+        let asked = Instant::now();
         vm.pause();
         let pause = Paused { vm, since: Instant::now(), resumed: false };
+        let stop = pause.since - asked;
         let mut dirty = PageBitmap::new(self.ram_pages);
         let t0 = Instant::now();
         vm.harvest_dirty(&mut dirty)?;
@@ -104,6 +113,6 @@ impl Freeze for PauseAndSave {
         } else {
             self.output.protect(epoch + 1);
         }
-        Ok(Frozen { pause, epoch, dirty, state })
+        Ok(Frozen { pause, epoch, dirty, state, stop })
     }
 }

@@ -61,6 +61,10 @@ pub struct Taken {
     pub trigger: trigger::Reason,
     pub epoch_len: Duration,
     pub max_epoch: Duration,
+    /// From the epoch's first held output to the pause (zero: none held).
+    pub output_wait: Duration,
+    /// Stopping the VM before the pause (see `freeze::Thawed::stop`).
+    pub stop: Duration,
     /// Write-fault prediction (all zero without it).
     pub predict: predict::Figures,
     /// Pages the checkpoint carries.
@@ -158,6 +162,7 @@ impl Pipeline {
         let taken = Taken {
             epoch,
             pause: thawed.pause,
+            stop: thawed.stop,
             dirty_pages: pages.len() as u64,
             disk_writes: thawed.state.disk.len() as u64,
             disk_bytes: thawed.state.disk.iter().map(|w| w.data.len() as u64).sum(),

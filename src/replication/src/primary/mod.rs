@@ -328,6 +328,7 @@ impl Worker {
             let Some(reason) = self.trigger.wait(&plan, &guest, || session.in_flight() < depth, look) else { continue };
             let epoch = self.epoch;
             self.epoch += 1;
+            let held = self.output.held_since();
             let start = Instant::now();
             let (mut taken, frame) = match self.pipeline.take(&self.vm, epoch) {
                 Ok(t) => t,
@@ -336,6 +337,7 @@ impl Worker {
             taken.trigger = reason;
             taken.epoch_len = start.saturating_duration_since(since);
             taken.max_epoch = plan.max_epoch;
+            taken.output_wait = held.map_or(Duration::ZERO, |h| start.saturating_duration_since(h));
             since = start + taken.pause;
             if let Err(loss) = session.send_checkpoint(&taken, frame, Instant::now()) {
                 return Some(session.loss_after(loss));

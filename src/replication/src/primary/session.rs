@@ -325,6 +325,8 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         trigger: taken.trigger,
         epoch_us: taken.epoch_len.as_micros() as u64,
         max_epoch_us: taken.max_epoch.as_micros() as u64,
+        wait_us: taken.output_wait.as_micros() as u64,
+        stop_us: taken.stop.as_micros() as u64,
         predicted: taken.predict.predicted,
         predicted_written: taken.predict.predicted_written,
         fake_dirty: taken.predict.fake_dirty,
@@ -414,7 +416,9 @@ fn read_acks(
         match link.recv(HANDSHAKE_LIMIT, &mut buf) {
             Ok(Kind::Ack) => {
                 let Ok(epoch) = protocol::read_ack(&buf) else { break BackupLoss::MalformedAck };
+                let arrived = Instant::now();
                 let released = output.release_through(epoch);
+                let release_us = arrived.elapsed().as_micros() as u64;
                 {
                     let mut st = status.lock();
                     if !st.protected {
@@ -442,6 +446,7 @@ fn read_acks(
                     if f.metrics.epoch == epoch {
                         f.metrics.hold_us = released.max_hold_us;
                         f.metrics.frames_released = released.frames;
+                        f.metrics.release_us = release_us;
                     }
                     metrics.record(&f.metrics);
                     crate::telemetry::telemetry().acknowledged(&f.metrics);
