@@ -93,6 +93,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     transport: args.transport,
                     trigger: args.trigger,
                     predict_writes: args.predict_writes,
+                    prefetch: args.prefetch,
                 },
                 pipeline_depth: args.pipeline_depth as usize,
                 auth,
