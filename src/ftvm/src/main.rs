@@ -220,6 +220,9 @@ fn print_status(r: &api::Response) {
                     m.first_writes
                 );
             }
+            if m.prefetched_pages > 0 {
+                outln!("prefetch: {} pages sent while the guest ran, {} in the stop-and-copy", m.prefetched_pages, m.commit_pages);
+            }
         }
     }
 }

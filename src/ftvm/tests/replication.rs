@@ -161,7 +161,8 @@ fn a_failure_mid_prefetch_leaves_the_last_checkpoint() {
     let perr = stderr(&p);
     assert_eq!(p.status.code(), Some(137), "the primary 'crashed' after a prefetch round: {perr}");
     let line = perr.lines().find(|l| l.contains("dies after a prefetch round")).unwrap_or_else(|| panic!("no fault logged: {perr}"));
-    let died_in: u64 = line.split_whitespace().find_map(|w| w.strip_prefix("epoch=")).and_then(|e| e.parse().ok()).expect("the epoch it died in");
+    let died_in: u64 =
+        line.split_whitespace().find_map(|w| w.strip_prefix("epoch=")).and_then(|e| e.parse().ok()).expect("the epoch it died in");
     assert!(died_in >= 6, "{perr}");
     let err = stderr(&b);
     assert!(b.status.success(), "{err}");

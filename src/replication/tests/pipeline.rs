@@ -461,14 +461,14 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
         fill_pages(&primary, 1300..1302, 0x26);
         let before = ram_bytes(&replica.vm);
         let (taken, frame) = pipeline.take(&primary, 2).unwrap();
-        assert_eq!((taken.prefetched.pages, taken.commit_pages, taken.dirty_pages), (31, 6, 6), "{diff}");
+        assert_eq!((taken.prefetched.pages, taken.commit_pages, taken.dirty_pages), (31, 6, 33), "{diff}");
         assert!(ram_bytes(&replica.vm) == before, "{diff}: staging changed nothing");
         commit(&mut replica, frame);
         assert!(ram_bytes(&replica.vm) == ram_bytes(&primary), "{diff}: after checkpoint 2");
         let at_checkpoint_2 = ram_bytes(&replica.vm);
 
-        // Epoch 3: pages 1300..1302 were in checkpoint 2 (recent): hot even
-        // when written again, so only the other pages go ahead.
+        // Epoch 3: only checkpoint 2 carried pages 1300..1302, which is no
+        // evidence of heat: they go ahead.
         fill_pages(&primary, 1300..1302, 0x31);
         fill_pages(&primary, 1400..1410, 0x32);
         let frame = pipeline.prefetch(&primary, 3).unwrap().expect("cold pages to send").to_vec();
@@ -483,7 +483,17 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
         assert!(!replica.staged.is_empty());
         assert!(ram_bytes(&replica.vm) == at_checkpoint_2, "{diff}: a failure mid-epoch leaves the last checkpoint");
         assert_eq!(replica.committed.as_ref().map(|(e, _)| *e), Some(2));
+        // Written after the round: checkpoint 3 carries them too.
+        fill_pages(&primary, 1300..1302, 0x33);
         let (taken, _) = pipeline.take(&primary, 3).unwrap();
-        assert_eq!((taken.prefetched.pages, taken.commit_pages), (10, 2), "{diff}");
+        assert_eq!((taken.prefetched.pages, taken.commit_pages), (12, 2), "{diff}");
+
+        // Epoch 4 (the primary alone): carried by the last two checkpoints,
+        // pages 1300..1302 are hot and stay for the stop-and-copy.
+        fill_pages(&primary, 1300..1302, 0x41);
+        fill_pages(&primary, 1500..1501, 0x42);
+        assert!(pipeline.prefetch(&primary, 4).unwrap().is_some());
+        let (taken, _) = pipeline.take(&primary, 4).unwrap();
+        assert_eq!((taken.prefetched.pages, taken.commit_pages), (1, 2), "{diff}");
     }
 }

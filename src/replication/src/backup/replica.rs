@@ -108,7 +108,16 @@ impl Replica {
             }
             _ => None,
         };
-        Ok(Replica { vm, disk, disk_size, committed: None, next_epoch: hello.first_epoch, usable: true, owner_seen: None, staged: Staged::default() })
+        Ok(Replica {
+            vm,
+            disk,
+            disk_size,
+            committed: None,
+            next_epoch: hello.first_epoch,
+            usable: true,
+            owner_seen: None,
+            staged: Staged::default(),
+        })
     }
 
     /// The replica matches no checkpoint any more: forget the last one, so
@@ -126,7 +135,9 @@ impl Replica {
         let mut c = Cursor::new(&payload);
         let epoch = c.u64().map_err(ProtocolError::from)?;
         if epoch != self.next_epoch {
-            return Err(ProtocolError::Corrupt(format!("pages prefetched for epoch {epoch} arrived, {} was expected", self.next_epoch)).into());
+            return Err(
+                ProtocolError::Corrupt(format!("pages prefetched for epoch {epoch} arrived, {} was expected", self.next_epoch)).into()
+            );
         }
         let pages = Bundle::parse(&mut c, self.vm.ram().pages()).map_err(ProtocolError::from)?;
         if !c.is_empty() || !pages.state.is_empty() {

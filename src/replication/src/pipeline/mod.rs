@@ -189,7 +189,8 @@ impl Pipeline {
         let taken = Taken {
             epoch,
             pause: thawed.pause,
-            dirty_pages: pages.len() as u64,
+            // Every page written in the epoch, sent ahead or in the checkpoint.
+            dirty_pages: pages.len() as u64 + prefetched.only_ahead,
             disk_writes: thawed.state.disk.len() as u64,
             disk_bytes: thawed.state.disk.iter().map(|w| w.data.len() as u64).sum(),
             predict: predicted,

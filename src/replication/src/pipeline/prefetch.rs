@@ -7,9 +7,10 @@
 //! only then reads the pages it sends: a page written during or after its
 //! read is reported again and goes again (in a later round or in the
 //! checkpoint), so a torn read is never what the backup commits. Write-cold
-//! pages go first, in fact only they go: a page the previous checkpoint
-//! carried (written late in the last epoch), or one already sent in this
-//! epoch and written again, is hot; it is left for the stop-and-copy
+//! pages go first, in fact only they go: a page the last two checkpoints
+//! both carried (written late in each epoch, or all through it), or one
+//! already sent in this epoch and written again, is hot; it is left for the
+//! stop-and-copy
 //! (`carry`) and, where the dirty backend can, left writable, so the guest
 //! takes no extra tracked first write for it. The backup stages what
 //! arrives and commits it only with the checkpoint of the same epoch
@@ -37,7 +38,7 @@ switch! {
 /// Prefetch rounds per epoch, evenly spaced over its planned length (the
 /// last quarter is left to the stop-and-copy: what is written there is
 /// likely written again before the freeze).
-pub const ROUNDS: u32 = 3;
+pub const ROUNDS: u32 = 7;
 
 /// What the prefetch rounds of one epoch sent.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -45,6 +46,9 @@ pub struct Sent {
     pub pages: u64,
     /// Bytes of their frames.
     pub bytes: u64,
+    /// Of those pages, the ones the checkpoint does not carry again (not
+    /// written since they were sent).
+    pub only_ahead: u64,
 }
 
 /// One epoch's prefetch rounds, and what the freeze must add to its dirty set.
@@ -53,8 +57,13 @@ pub struct Prefetcher {
     carry: PageBitmap,
     /// Sent by a round of the open epoch.
     sent_pages: PageBitmap,
-    /// The previous checkpoint's dirty set: written late in the last epoch.
+    /// Pages the last two checkpoints both carried: written late in every
+    /// epoch, or all through it. (One checkpoint is weak evidence: a guest
+    /// that writes a large cold set at random rewrites many of its pages
+    /// in the next epoch by chance.)
     recent: PageBitmap,
+    /// The last checkpoint's dirty set.
+    last: PageBitmap,
     harvested: PageBitmap,
     hot: PageBitmap,
     page: Vec<u8>,
@@ -72,6 +81,7 @@ impl Prefetcher {
             carry: empty.clone(),
             sent_pages: empty.clone(),
             recent: empty.clone(),
+            last: empty.clone(),
             harvested: empty.clone(),
             hot: empty,
             page: vec![0; PAGE],
@@ -120,19 +130,23 @@ impl Prefetcher {
     }
 
     /// At the freeze of the epoch: add the pages harvested and not sent to
-    /// its dirty set, remember the set as recently written, and return what
+    /// its dirty set, remember which pages are hot, and return what
     /// the epoch's rounds sent (the next epoch starts from nothing).
     pub fn close_epoch(&mut self, dirty: &mut PageBitmap) -> Sent {
         dirty.or_words(self.carry.words());
         self.recent.copy_from(dirty);
+        self.recent.intersect(&self.last);
+        self.last.copy_from(dirty);
         self.carry.clear();
+        self.sent_pages.subtract(dirty);
+        self.sent.only_ahead = self.sent_pages.count();
         self.sent_pages.clear();
         std::mem::take(&mut self.sent)
     }
 
     /// Dirty tracking restarts (a new backup): nothing carried or sent.
     pub fn reset(&mut self) {
-        for b in [&mut self.carry, &mut self.sent_pages, &mut self.recent] {
+        for b in [&mut self.carry, &mut self.sent_pages, &mut self.recent, &mut self.last] {
             b.clear();
         }
         self.sent = Sent::default();

@@ -18,8 +18,8 @@ use ftvm_vmm::Vm;
 use crate::arbiter::{Arbiter, Claim, Ownership};
 use crate::metrics::{MetricsLog, Role, Status, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
-use crate::pipeline::transport::Auth;
 use crate::pipeline::prefetch;
+use crate::pipeline::transport::Auth;
 use crate::pipeline::trigger::{self, Pacing, Plan, Reason, Sample, Trigger};
 use crate::pipeline::{Pipeline, Switches};
 use crate::protocol::{Kind, ProtocolError};
@@ -328,7 +328,8 @@ impl Worker {
             let plan = pacing.plan(since);
             let next_round = self.pipeline.prefetches().then(|| prefetch_round_at(&plan, rounds)).flatten();
             // Back now and then to look at the loss and stop flags.
-            let look = next_round.map_or(Instant::now() + Duration::from_millis(20), |at| at.min(Instant::now() + Duration::from_millis(20)));
+            let look =
+                next_round.map_or(Instant::now() + Duration::from_millis(20), |at| at.min(Instant::now() + Duration::from_millis(20)));
             let Some(reason) = self.trigger.wait(&plan, &guest, || session.in_flight() < depth, look) else {
                 if next_round.is_some_and(|at| Instant::now() >= at) {
                     rounds += 1;
@@ -353,7 +354,8 @@ impl Worker {
             if let Err(loss) = session.send_checkpoint(&taken, frame, Instant::now()) {
                 return Some(session.loss_after(loss));
             }
-            pacing.record(&Sample { pause: taken.pause, cost: start.elapsed(), dirty_pages: taken.dirty_pages, epoch: taken.epoch_len });
+            // The cost grows with the pages the checkpoint carries (not those sent ahead).
+            pacing.record(&Sample { pause: taken.pause, cost: start.elapsed(), dirty_pages: taken.commit_pages, epoch: taken.epoch_len });
             self.status.lock().epoch = epoch;
         }
     }
