@@ -143,6 +143,9 @@ fn memory_survives_failover_with_prefetch() {
     let runs = [(1, 1, 600), (2, 2, 1000)];
     let ahead = memory_survives_failover_with(&["--prefetch", "on"], &runs, "prefetched_pages");
     assert!(ahead.iter().all(|&p| p > 0.0), "pages went ahead of their checkpoints: {ahead:?}");
+    // The ring re-protects every page a round harvests, hot ones too.
+    let ahead = memory_survives_failover_with(&["--prefetch", "on", "--dirty-backend", "ring"], &[(1, 1, 700)], "prefetched_pages");
+    assert!(ahead.iter().all(|&p| p > 0.0), "with the dirty ring: {ahead:?}");
     let all = ["--prefetch", "on", "--diff", "lz4", "--device-state", "changed", "--capture", "cow"];
     let ahead = memory_survives_failover_with(&all, &[(2, 2, 900)], "prefetched_pages");
     assert!(ahead.iter().all(|&p| p > 0.0), "with every switch: {ahead:?}");
