@@ -8,7 +8,7 @@ use clap::error::ErrorKind;
 use clap::parser::ValueSource;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use ftvm_replication::pipeline::{capture, encode, predict, transport, trigger};
+use ftvm_replication::pipeline::{capture, encode, predict, prefetch, transport, trigger};
 use ftvm_replication::{OnBackupLoss, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::devices::virtio::net::NetConfig;
 use ftvm_vmm::DirtyBackend;
@@ -210,6 +210,12 @@ pub struct RunArgs {
     /// Needs --dirty-backend bitmap.
     #[arg(long, default_value = "off", value_name = "off|histase|adaptive")]
     pub predict_writes: predict::Mode,
+    /// In-epoch transfer: during each epoch, send the backup the write-cold
+    /// pages dirtied earlier in it while the guest runs (staged there until
+    /// the epoch's checkpoint commits them), so the checkpoint carries only
+    /// the pages written again since. off or on. Not with --predict-writes.
+    #[arg(long, default_value = "off", value_name = "off|on")]
+    pub prefetch: prefetch::Mode,
     #[command(flatten)]
     pub arbiter: ArbiterArgs,
     #[command(flatten)]
@@ -318,7 +324,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 20] = [
+const PRIMARY_ONLY: [&str; 21] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -335,6 +341,7 @@ const PRIMARY_ONLY: [&str; 20] = [
     "trigger",
     "pipeline_depth",
     "predict_writes",
+    "prefetch",
     "arbiter",
     "name",
     "secret_file",

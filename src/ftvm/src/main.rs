@@ -93,6 +93,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     transport: args.transport,
                     trigger: args.trigger,
                     predict_writes: args.predict_writes,
+                    prefetch: args.prefetch,
                 },
                 pipeline_depth: args.pipeline_depth as usize,
                 auth,
@@ -218,6 +219,9 @@ fn print_status(r: &api::Response) {
                     m.fake_dirty,
                     m.first_writes
                 );
+            }
+            if m.prefetched_pages > 0 {
+                outln!("prefetch: {} pages sent while the guest ran, {} in the stop-and-copy", m.prefetched_pages, m.commit_pages);
             }
         }
     }

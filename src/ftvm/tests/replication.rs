@@ -134,6 +134,45 @@ fn memory_survives_failover_with_only_changed_state_sent() {
     assert!(changed < all * 0.8, "an idle vCPU's state is left out: {changed:.0} state bytes per epoch against {all:.0}");
 }
 
+/// With `--prefetch on` (alone, and with every other checkpoint switch it
+/// combines with) pages go ahead of their checkpoints, and a kill at any
+/// point of an epoch (staged pages or not) leaves the backup exactly at
+/// the primary's last checkpoint.
+#[test]
+fn memory_survives_failover_with_prefetch() {
+    let runs = [(1, 1, 600), (2, 2, 1000)];
+    let ahead = memory_survives_failover_with(&["--prefetch", "on"], &runs, "prefetched_pages");
+    assert!(ahead.iter().all(|&p| p > 0.0), "pages went ahead of their checkpoints: {ahead:?}");
+    // The ring re-protects every page a round harvests, hot ones too.
+    let ahead = memory_survives_failover_with(&["--prefetch", "on", "--dirty-backend", "ring"], &[(1, 1, 700)], "prefetched_pages");
+    assert!(ahead.iter().all(|&p| p > 0.0), "with the dirty ring: {ahead:?}");
+    let all = ["--prefetch", "on", "--diff", "lz4", "--device-state", "changed", "--capture", "cow"];
+    let ahead = memory_survives_failover_with(&all, &[(2, 2, 900)], "prefetched_pages");
+    assert!(ahead.iter().all(|&p| p > 0.0), "with every switch: {ahead:?}");
+}
+
+/// A primary that dies right after a prefetch round (its pages staged on
+/// the backup, their checkpoint never sent) leaves the backup at the
+/// checkpoint before: it takes over from there, and the guest's result is
+/// exact.
+#[test]
+fn a_failure_mid_prefetch_leaves_the_last_checkpoint() {
+    let addr = free_addr();
+    let b = backup(&addr, &[]);
+    let p = spawn(primary(&addr, 1, WORK, &["--epoch-ms", "20", "--prefetch", "on"]).env("FTVM_TEST_FAULT", "die-after-prefetch:6"));
+    let (p, b) = (finish(p), finish(b));
+    let perr = stderr(&p);
+    assert_eq!(p.status.code(), Some(137), "the primary 'crashed' after a prefetch round: {perr}");
+    let line = perr.lines().find(|l| l.contains("dies after a prefetch round")).unwrap_or_else(|| panic!("no fault logged: {perr}"));
+    let died_in: u64 =
+        line.split_whitespace().find_map(|w| w.strip_prefix("epoch=")).and_then(|e| e.parse().ok()).expect("the epoch it died in");
+    assert!(died_in >= 6, "{perr}");
+    let err = stderr(&b);
+    assert!(b.status.success(), "{err}");
+    assert_eq!(took_over_at(&err), Some(died_in - 1), "the staged pages of epoch {died_in} were not applied: {err}");
+    assert_eq!(checksum_of(&b), Some(expected_memtouch_checksum(WORK, 1)));
+}
+
 fn run_with_fault(fault: &str) -> (Output, Output) {
     let addr = free_addr();
     let b = backup(&addr, &[]);

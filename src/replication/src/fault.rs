@@ -2,7 +2,9 @@
 //! a primary send checkpoint N cut in half or with one bit flipped, then die
 //! on the spot like a crashed host; `stall-apply:N` makes a backup hang
 //! before it applies checkpoint N, while the rest of it (its heartbeats)
-//! runs on; `xsave-size:N` makes a backup describe its host as having an
+//! runs on; `die-after-prefetch:N` makes a primary with `--prefetch on`
+//! die like a crashed host right after it sent its first prefetch round of
+//! an epoch N or later (the backup has it staged, not committed); `xsave-size:N` makes a backup describe its host as having an
 //! XSAVE area of N bytes (so it refuses a primary whose vCPUs need more).
 //! (`forbidden-syscall:KIND` is `ftvm_vmm::seccomp`'s.) Never set outside
 //! tests.
@@ -24,6 +26,8 @@ pub enum Fault {
     StallApply,
     /// The backup reports another XSAVE area size (`host_profile`).
     XsaveSize,
+    /// The primary dies after a prefetch round (`dies_after_prefetch`).
+    DieAfterPrefetch,
 }
 
 fn configured() -> Option<(Fault, u64)> {
@@ -36,6 +40,7 @@ fn configured() -> Option<(Fault, u64)> {
             "flip" => Fault::Flip,
             "stall-apply" => Fault::StallApply,
             "xsave-size" => Fault::XsaveSize,
+            "die-after-prefetch" => Fault::DieAfterPrefetch,
             _ => return None,
         };
         Some((fault, epoch.parse().ok()?))
@@ -45,6 +50,11 @@ fn configured() -> Option<(Fault, u64)> {
 /// The fault a primary injects when it sends checkpoint `epoch`.
 pub fn for_epoch(epoch: u64) -> Option<Fault> {
     configured().filter(|&(f, e)| e == epoch && matches!(f, Fault::Truncate | Fault::Flip)).map(|(f, _)| f)
+}
+
+/// Whether a primary that just sent a prefetch round of `epoch` dies now.
+pub fn dies_after_prefetch(epoch: u64) -> bool {
+    matches!(configured(), Some((Fault::DieAfterPrefetch, from)) if epoch >= from)
 }
 
 /// On a backup about to apply checkpoint `epoch`: hang forever if told to.
@@ -72,7 +82,7 @@ impl Fault {
     pub fn inject(self, link: &mut dyn Transport, frame: &[u8]) -> io::Result<()> {
         tracing::warn!(fault = ?self, "test fault injected; the primary dies now");
         match self {
-            Fault::StallApply | Fault::XsaveSize => return Err(io::Error::other("a backup's fault")),
+            Fault::StallApply | Fault::XsaveSize | Fault::DieAfterPrefetch => return Err(io::Error::other("a backup's fault")),
             Fault::Truncate => link.send(&frame[..frame.len() / 2])?,
             Fault::Flip => {
                 let mut bad = frame.to_vec();

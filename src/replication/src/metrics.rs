@@ -54,10 +54,15 @@ pub struct EpochMetrics {
     /// first-write fault, or was written by the VMM).
     #[serde(default)]
     pub first_writes: u64,
-    /// Size of the checkpoint on the wire (every byte of its frame).
+    /// Bytes of the epoch on the wire: every byte of the checkpoint's
+    /// frame, and of the epoch's prefetch frames (`--prefetch`).
     pub bytes: u64,
-    /// Pages the checkpoint carried (today every dirty page).
+    /// Pages the checkpoint carried (the stop-and-copy).
     pub commit_pages: u64,
+    /// Pages of the epoch sent ahead of its checkpoint while the guest ran
+    /// (`--prefetch`; the checkpoint carries those written again since).
+    #[serde(default)]
+    pub prefetched_pages: u64,
     /// Bytes its pages took on the wire (entry headers included).
     pub page_bytes: u64,
     /// Bytes sub-page diffs saved against sending their pages whole: the

@@ -23,7 +23,8 @@ use ftvm_vmm::pages::FormatError;
 /// (`checkpoint::StateDelta`).
 /// Version 6: Hello carries the primary's vCPU profile
 /// (`ftvm_vmm::arch::compat`), which the backup checks against its host.
-pub const PROTOCOL_VERSION: u16 = 6;
+/// Version 7: `Prefetch`, pages of the open epoch sent while the guest runs.
+pub const PROTOCOL_VERSION: u16 = 7;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.
@@ -48,6 +49,10 @@ pub enum Kind {
     AuthChallenge = 12,
     AuthProof = 13,
     AuthAccept = 14,
+    /// With `--prefetch`: epoch u64, then a bundle (empty state) of pages
+    /// of that epoch sent while the guest runs; the backup stages them and
+    /// commits them with checkpoint `epoch` (`pipeline::prefetch`).
+    Prefetch = 15,
 }
 
 impl Kind {
@@ -66,6 +71,7 @@ impl Kind {
             12 => Kind::AuthChallenge,
             13 => Kind::AuthProof,
             14 => Kind::AuthAccept,
+            15 => Kind::Prefetch,
             _ => return None,
         })
     }

@@ -18,6 +18,7 @@ use ftvm_replication::checkpoint::{Checkpoint, CheckpointState, MSR_IA32_TSC};
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
 use ftvm_replication::pipeline::apply::{Apply, ApplyError, DiskImage, InPlace};
 use ftvm_replication::pipeline::encode::{Diff, States};
+use ftvm_replication::pipeline::prefetch::Mode;
 use ftvm_replication::pipeline::{Pipeline, Switches};
 use ftvm_replication::protocol::{self, Heartbeat, Hello, Kind};
 use ftvm_vmm::devices::{DeviceConfig, DeviceKind};
@@ -394,4 +395,105 @@ fn only_changed_state_is_sent_and_the_backup_still_has_all_of_it() {
     assert!(omitted[1] >= 2, "memory and the vCPU left out: {omitted:?}");
     assert_eq!(omitted[2], 0, "a new backup gets everything again");
     assert!(state_bytes[1] * 4 < state_bytes[0], "{state_bytes:?}");
+}
+
+/// Write `fill` over pages `pages` of `vm`, as the guest would.
+fn fill_pages(vm: &Vm, pages: std::ops::Range<u64>, fill: u8) {
+    for p in pages {
+        vm.ram().write_page(p, &[fill; PAGE]).unwrap();
+    }
+}
+
+/// The payload of a prefetch frame.
+fn prefetch_payload(frame: &[u8]) -> Vec<u8> {
+    let mut buf = Vec::new();
+    assert_eq!(protocol::read_frame(&mut &frame[..], 1 << 30, &mut buf).unwrap(), Kind::Prefetch);
+    buf
+}
+
+/// With `--prefetch on`, pages dirtied early in an epoch and not written
+/// again go to the backup while the guest runs, write-cold ones only; the
+/// checkpoint carries the rest, and the backup's RAM after it is the
+/// primary's. Prefetched pages stay staged until their checkpoint: a
+/// primary that dies mid-epoch leaves the backup exactly at the last one.
+#[test]
+fn prefetched_pages_commit_only_with_their_checkpoint() {
+    for diff in [Diff::Off, Diff::Lz4] {
+        let primary = vm();
+        primary.start_dirty_tracking().unwrap();
+        let output = Arc::new(OutputBuffer::new(Arc::new(Nowhere)));
+        let journal = Arc::new(DiskJournal::default());
+        journal.start();
+        let switches = Switches { diff, prefetch: Mode::On, ..Switches::default() };
+        let mut pipeline = Pipeline::new(&switches, &primary, output, journal).unwrap();
+        let mut replica = replica(1);
+        let mut apply = InPlace::default();
+        let limit = bounds::checkpoint_limit(MEM, 1);
+        let mut commit = |replica: &mut Replica, frame: &[u8]| {
+            let payload = payload(frame);
+            let staged = apply.stage(replica, &payload).unwrap();
+            apply.commit(replica, staged).unwrap();
+        };
+
+        // Epoch 1: nothing recent yet, so every page harvested is cold.
+        fill_pages(&primary, 1000..1040, 0x11);
+        let frame = pipeline.prefetch(&primary, 1).unwrap().expect("cold pages to send").to_vec();
+        let before = ram_bytes(&replica.vm);
+        replica.stage_prefetch(prefetch_payload(&frame), limit).unwrap();
+        assert!(ram_bytes(&replica.vm) == before, "{diff}: staged pages are not in RAM yet");
+        let (taken, frame) = pipeline.take(&primary, 1).unwrap();
+        assert_eq!((taken.prefetched.pages, taken.commit_pages), (40, 0), "{diff}");
+        commit(&mut replica, frame);
+        assert!(ram_bytes(&replica.vm) == ram_bytes(&primary), "{diff}: after checkpoint 1");
+
+        // Epoch 2: checkpoint 1 carried no page (all went ahead), so every
+        // page harvested is cold again.
+        fill_pages(&primary, 1000..1010, 0x22);
+        fill_pages(&primary, 1100..1120, 0x23);
+        let frame = pipeline.prefetch(&primary, 2).unwrap().expect("cold pages to send").to_vec();
+        replica.stage_prefetch(prefetch_payload(&frame), limit).unwrap();
+        // Written again after they were sent: hot, left to the checkpoint.
+        fill_pages(&primary, 1100..1104, 0x24);
+        fill_pages(&primary, 1200..1201, 0x25);
+        let frame = pipeline.prefetch(&primary, 2).unwrap().expect("page 1200 is cold").to_vec();
+        replica.stage_prefetch(prefetch_payload(&frame), limit).unwrap();
+        // Written after the last round: the stop-and-copy takes it.
+        fill_pages(&primary, 1300..1302, 0x26);
+        let before = ram_bytes(&replica.vm);
+        let (taken, frame) = pipeline.take(&primary, 2).unwrap();
+        assert_eq!((taken.prefetched.pages, taken.commit_pages, taken.dirty_pages), (31, 6, 33), "{diff}");
+        assert!(ram_bytes(&replica.vm) == before, "{diff}: staging changed nothing");
+        commit(&mut replica, frame);
+        assert!(ram_bytes(&replica.vm) == ram_bytes(&primary), "{diff}: after checkpoint 2");
+        let at_checkpoint_2 = ram_bytes(&replica.vm);
+
+        // Epoch 3: only checkpoint 2 carried pages 1300..1302, which is no
+        // evidence of heat: they go ahead.
+        fill_pages(&primary, 1300..1302, 0x31);
+        fill_pages(&primary, 1400..1410, 0x32);
+        let frame = pipeline.prefetch(&primary, 3).unwrap().expect("cold pages to send").to_vec();
+        let payload = prefetch_payload(&frame);
+        // A round of another epoch is refused, and nothing is staged for it.
+        assert!(replica.stage_prefetch(payload.clone(), limit).is_ok());
+        let mut wrong = payload.clone();
+        wrong[..8].copy_from_slice(&4u64.to_le_bytes());
+        assert!(replica.stage_prefetch(wrong, limit).is_err(), "{diff}: prefetch for epoch 4 while 3 is next");
+        assert!(replica.stage_prefetch(payload, frame.len() as u64).is_err(), "{diff}: more than an epoch's bound");
+        // The primary dies here: the backup is exactly at checkpoint 2.
+        assert!(!replica.staged.is_empty());
+        assert!(ram_bytes(&replica.vm) == at_checkpoint_2, "{diff}: a failure mid-epoch leaves the last checkpoint");
+        assert_eq!(replica.committed.as_ref().map(|(e, _)| *e), Some(2));
+        // Written after the round: checkpoint 3 carries them too.
+        fill_pages(&primary, 1300..1302, 0x33);
+        let (taken, _) = pipeline.take(&primary, 3).unwrap();
+        assert_eq!((taken.prefetched.pages, taken.commit_pages), (12, 2), "{diff}");
+
+        // Epoch 4 (the primary alone): carried by the last two checkpoints,
+        // pages 1300..1302 are hot and stay for the stop-and-copy.
+        fill_pages(&primary, 1300..1302, 0x41);
+        fill_pages(&primary, 1500..1501, 0x42);
+        assert!(pipeline.prefetch(&primary, 4).unwrap().is_some());
+        let (taken, _) = pipeline.take(&primary, 4).unwrap();
+        assert_eq!((taken.prefetched.pages, taken.commit_pages), (1, 2), "{diff}");
+    }
 }

@@ -40,6 +40,7 @@ pub const SWITCHES: &[Switch] = &[
     },
     Switch { name: "diff", values: &[("off", &["--diff", "off"]), ("xor", &["--diff", "xor"]), ("lz4", &["--diff", "lz4"])] },
     Switch { name: "device-state", values: &[("all", &["--device-state", "all"]), ("changed", &["--device-state", "changed"])] },
+    Switch { name: "prefetch", values: &[("off", &["--prefetch", "off"]), ("on", &["--prefetch", "on"])] },
 ];
 
 /// Switch values measured together too (each is also measured alone above).
@@ -72,7 +73,8 @@ pub fn long_help() -> String {
          -P {KV_PIPELINE} -c 50, with values of {} bytes) run replicated with epochs of {DEFAULT_EPOCH_MS} ms (or --epochs) \
          once per value of each switch of `ftvm run` ({}) and for each combination in COMBINATIONS, the other switches at their defaults, and once on the \
          unreplicated VM in the same run. Prints, per switch value: throughput and latency with the unreplicated figure and \
-         their ratio, and per epoch the mean pause, dirty pages, bytes, bytes per byte of dirty page, bytes saved by diffs, \
+         their ratio, and per epoch the mean pause, dirty pages, pages in the stop-and-copy and prefetched ahead of it, \
+         time from pause to acknowledgement, bytes, bytes per byte of dirty page, bytes saved by diffs, \
          encoding time per page and output hold; writes ablation.csv and ablation.svg (the throughput ratios).",
         MEMTOUCH.0,
         KV_VALUES.map(|v| v.to_string()).join(", "),
@@ -94,6 +96,9 @@ fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'stati
     let mut rows: Vec<Row> = figures.iter().map(|(f, v, unit, r)| row(f, *v, unit, Some(*r))).collect();
     rows.push(row("pause", m.pause_us, "us", None));
     rows.push(row("dirty pages/epoch", m.dirty_pages, "pages", None));
+    rows.push(row("stop-and-copy pages/epoch", m.commit_pages, "pages", None));
+    rows.push(row("prefetched pages/epoch", m.prefetched_pages, "pages", None));
+    rows.push(row("pause to ack", m.pause_to_ack_us() / 1e3, "ms", None));
     rows.push(row("bytes/epoch", m.bytes, "bytes", None));
     rows.push(row("bytes per dirty-page byte", m.bytes_per_dirty_byte(), "ratio", None));
     rows.push(row("diff bytes saved/epoch", m.diff_bytes_saved, "bytes", None));

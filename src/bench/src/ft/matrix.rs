@@ -21,7 +21,8 @@ pub fn long_help() -> String {
          (--patterns: seq writes each page in turn, random any page, hotcold 90% of writes into 10% of the pages), vCPU \
          count (--vcpus) and epoch length (--epochs, default {EPOCHS_MS:?} ms): once unreplicated, then replicated once per \
          value of each switch (--switches, default all of {}) and per combination of them in the COMBINATIONS table. Prints per case: writes/s against the unreplicated run \
-         (ratio), pause mean and p99, dirty pages, tracked first writes (dirty pages not left writable), pages left \
+         (ratio), pause mean and p99, dirty pages, pages in the stop-and-copy and prefetched ahead of it, time from pause \
+         to acknowledgement, tracked first writes (dirty pages not left writable), pages left \
          writable and fake-dirty pages filtered per epoch; writes ablation-matrix.csv and .svg (the ratios). Each run \
          lasts --seconds.",
         SWITCHES.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
@@ -64,6 +65,9 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                         rows.push(row("pause mean", m.pause_us, "us", None));
                         rows.push(row("pause p99", m.pause_p99_us, "us", None));
                         rows.push(row("dirty pages/epoch", m.dirty_pages, "pages", None));
+                        rows.push(row("stop-and-copy pages/epoch", m.commit_pages, "pages", None));
+                        rows.push(row("prefetched pages/epoch", m.prefetched_pages, "pages", None));
+                        rows.push(row("pause to ack", m.pause_to_ack_us() / 1e3, "ms", None));
                         rows.push(row("first writes/epoch", m.first_writes, "pages", None));
                         rows.push(row("left writable/epoch", m.predicted, "pages", None));
                         rows.push(row("fake dirty filtered/epoch", m.fake_dirty, "pages", None));

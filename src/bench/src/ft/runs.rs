@@ -61,6 +61,10 @@ pub struct EpochMeans {
     pub state_bytes: f64,
     /// Time encoding the checkpoint's pages.
     pub encode_ns: f64,
+    /// Pages sent ahead of the checkpoint while the guest ran (`--prefetch`).
+    pub prefetched_pages: f64,
+    /// From resuming the guest to the checkpoint's acknowledgement.
+    pub ack_us: f64,
 }
 
 impl EpochMeans {
@@ -68,6 +72,11 @@ impl EpochMeans {
     /// pages whole with no framing or state).
     pub fn bytes_per_dirty_byte(&self) -> f64 {
         self.bytes / (self.dirty_pages * PAGE as f64).max(1.0)
+    }
+
+    /// From the checkpoint's pause to its acknowledgement (what held output waits).
+    pub fn pause_to_ack_us(&self) -> f64 {
+        self.pause_us + self.ack_us
     }
 
     /// Mean time encoding one page.
@@ -122,6 +131,8 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
         diff_bytes_saved: mean("diff_bytes_saved"),
         state_bytes: mean("state_bytes"),
         encode_ns: mean("encode_ns"),
+        prefetched_pages: mean("prefetched_pages"),
+        ack_us: mean("ack_us"),
     }
 }
 
@@ -149,13 +160,16 @@ pub fn memtouch_on(vcpus: u32, cmdline: &str, ft: Option<Replicated>, dir: &Path
     if let Some(ft) = ft {
         let addr = format!("127.0.0.1:{}", free_port());
         let mut b = Command::new(ftvm_bin());
-        b.args(["backup", "--listen", &addr]).stdout(Stdio::null()).stderr(Stdio::null());
+        b.args(["backup", "--listen", &addr]).stdout(Stdio::null()).stderr(std::fs::File::create(dir.join("backup.log"))?);
         _backup = Some(Process::spawn("ftvm backup", &mut b)?);
         cmd.args(["--replicate-to", &addr, "--epoch-ms", &ft.epoch_ms.to_string()]).arg("--metrics").arg(&metrics).args(ft.args);
     }
     let out = cmd.output()?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let rate = memtouch_rate(&text).ok_or_else(|| format!("memtouch printed no rate: {text}{}", String::from_utf8_lossy(&out.stderr)))?;
+    let rate = memtouch_rate(&text).ok_or_else(|| {
+        let backup = if ft.is_some() { std::fs::read_to_string(dir.join("backup.log")).unwrap_or_default() } else { String::new() };
+        format!("memtouch printed no rate: {text}{}{backup}", String::from_utf8_lossy(&out.stderr))
+    })?;
     Ok((rate, ft.map(|_| epoch_means(&metrics))))
 }
 

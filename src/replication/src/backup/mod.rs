@@ -379,6 +379,9 @@ fn follow(
         let result = match kind {
             Kind::Pages if replica.committed.is_none() => replica.precopy_pages(&buf).map_err(Stop::CannotApply),
             Kind::Disk if replica.committed.is_none() => replica.precopy_disk(&buf).map_err(Stop::CannotApply),
+            Kind::Prefetch if replica.committed.is_some() => {
+                replica.stage_prefetch(std::mem::take(&mut buf), limit).map_err(Stop::CannotApply)
+            }
             Kind::Checkpoint => apply_checkpoint(link, &mut apply, replica, &buf, status, log).map(|epoch| mirror.applied(epoch)),
             Kind::Bye => match protocol::decode::<i32>(&buf) {
                 Ok(status) => return Ended::Finished(status),

@@ -26,6 +26,34 @@ pub struct Replica {
     /// False once an apply failed and could not be undone: RAM or disk
     /// match no checkpoint, and the replica must never run.
     pub usable: bool,
+    /// Pages of epoch `next_epoch` prefetched while the primary's guest ran
+    /// (`--prefetch`): checked, not applied; committed with that checkpoint,
+    /// forgotten if it never comes.
+    pub staged: Staged,
+}
+
+/// Prefetch frames of the next epoch, in arrival order, each checked.
+#[derive(Debug, Default)]
+pub struct Staged {
+    /// Each an epoch number and a bundle without state.
+    payloads: Vec<Vec<u8>>,
+    bytes: u64,
+}
+
+impl Staged {
+    pub fn is_empty(&self) -> bool {
+        self.payloads.is_empty()
+    }
+
+    fn bundles(&self) -> impl Iterator<Item = Bundle<'_>> {
+        // Every payload was checked when it was staged, for this RAM.
+        self.payloads.iter().filter_map(|p| Bundle::parse(&mut Cursor::new(&p[8..]), u64::MAX).ok())
+    }
+
+    pub fn clear(&mut self) {
+        self.payloads.clear();
+        self.bytes = 0;
+    }
 }
 
 impl Replica {
@@ -80,7 +108,16 @@ impl Replica {
             }
             _ => None,
         };
-        Ok(Replica { vm, disk, disk_size, committed: None, next_epoch: hello.first_epoch, usable: true, owner_seen: None })
+        Ok(Replica {
+            vm,
+            disk,
+            disk_size,
+            committed: None,
+            next_epoch: hello.first_epoch,
+            usable: true,
+            owner_seen: None,
+            staged: Staged::default(),
+        })
     }
 
     /// The replica matches no checkpoint any more: forget the last one, so
@@ -88,6 +125,41 @@ impl Replica {
     pub fn discard(&mut self) {
         self.committed = None;
         self.usable = false;
+        self.staged.clear();
+    }
+
+    /// Stage a prefetch frame (`epoch u64 | bundle`) of the next epoch; the
+    /// epoch's frames together stay within `limit` bytes (what the primary
+    /// sends of one epoch at most).
+    pub fn stage_prefetch(&mut self, payload: Vec<u8>, limit: u64) -> Result<(), ApplyError> {
+        let mut c = Cursor::new(&payload);
+        let epoch = c.u64().map_err(ProtocolError::from)?;
+        if epoch != self.next_epoch {
+            return Err(
+                ProtocolError::Corrupt(format!("pages prefetched for epoch {epoch} arrived, {} was expected", self.next_epoch)).into()
+            );
+        }
+        let pages = Bundle::parse(&mut c, self.vm.ram().pages()).map_err(ProtocolError::from)?;
+        if !c.is_empty() || !pages.state.is_empty() {
+            return Err(ProtocolError::Corrupt("malformed prefetched pages".into()).into());
+        }
+        let bytes = self.staged.bytes + payload.len() as u64;
+        if bytes > limit {
+            return Err(ProtocolError::Corrupt(format!("epoch {epoch} prefetched more than {limit} bytes")).into());
+        }
+        self.staged.payloads.push(payload);
+        self.staged.bytes = bytes;
+        Ok(())
+    }
+
+    /// Write the staged pages into RAM, in the order they arrived (a diff
+    /// applies to what the frames before it left), and forget them.
+    /// Part of committing the next checkpoint, before its own pages: only a
+    /// page outside RAM can fail, and every one was checked.
+    pub fn commit_staged(&mut self) -> Result<(), ftvm_vmm::memory::MemoryError> {
+        let staged = std::mem::take(&mut self.staged);
+        let result = staged.bundles().try_for_each(|b| b.apply(self.vm.ram()));
+        result
     }
 
     /// A pre-copy round's pages (a bundle without state).

@@ -19,6 +19,7 @@ pub mod encode;
 pub mod freeze;
 pub mod last_sent;
 pub mod predict;
+pub mod prefetch;
 pub mod transport;
 pub mod trigger;
 
@@ -45,6 +46,7 @@ pub struct Switches {
     pub transport: transport::Kind,
     pub trigger: trigger::Mode,
     pub predict_writes: predict::Mode,
+    pub prefetch: prefetch::Mode,
 }
 
 /// What taking one checkpoint cost.
@@ -77,6 +79,8 @@ pub struct Taken {
     pub state_bytes: u64,
     /// Time spent encoding its pages.
     pub encode_ns: u64,
+    /// What `--prefetch` sent of its epoch while the guest ran.
+    pub prefetched: prefetch::Sent,
 }
 
 /// The primary's half of the pipeline: from the running VM to a frame.
@@ -87,6 +91,8 @@ pub struct Pipeline {
     /// What the freeze leaves writable without it: nothing.
     leave_none: LeaveNone,
     capture: Box<dyn Capture>,
+    /// In-epoch transfer, if switched on.
+    prefetch: Option<prefetch::Prefetcher>,
     encoder: Box<dyn PageEncoder>,
     sent_state: encode::SentState,
     frame: Vec<u8>,
@@ -101,15 +107,21 @@ impl Pipeline {
             // The ring re-protects every page it harvested.
             return Err(ReplicationError::Unsupported("--predict-writes needs --dirty-backend bitmap"));
         }
+        if switches.prefetch == prefetch::Mode::On && switches.predict_writes != predict::Mode::Off {
+            // Both decide which pages stay writable, on different evidence.
+            return Err(ReplicationError::Unsupported("--prefetch on and --predict-writes cannot be used together"));
+        }
+        let limit = crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus);
         Ok(Pipeline {
             freeze: Box::new(freeze::PauseAndSave::new(pages, output, journal)),
             predict: Prediction::new(switches.predict_writes, pages),
             leave_none: LeaveNone::new(pages),
             capture: capture::new(switches.capture, vm)?,
+            prefetch: (switches.prefetch == prefetch::Mode::On).then(|| prefetch::Prefetcher::new(pages, limit)),
             encoder: encode::new(switches.encoding, switches.diff, pages),
             sent_state: encode::SentState::new(switches.device_state),
             frame: Vec::new(),
-            limit: crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus),
+            limit,
         })
     }
 
@@ -118,6 +130,23 @@ impl Pipeline {
     pub fn restart(&mut self) {
         if let Some(p) = &mut self.predict {
             p.reset();
+        }
+        if let Some(p) = &mut self.prefetch {
+            p.reset();
+        }
+    }
+
+    /// Whether `--prefetch` is on.
+    pub fn prefetches(&self) -> bool {
+        self.prefetch.is_some()
+    }
+
+    /// A prefetch round for the open epoch `epoch`, while the guest runs:
+    /// the frame to send, if there is anything to send.
+    pub fn prefetch(&mut self, vm: &Vm, epoch: u64) -> Result<Option<&[u8]>, ReplicationError> {
+        match &mut self.prefetch {
+            Some(p) => p.round(vm, epoch, self.encoder.as_mut()),
+            None => Ok(None),
         }
     }
 
@@ -136,7 +165,9 @@ impl Pipeline {
             Some(p) => p,
             None => &mut self.leave_none,
         };
-        let frozen = self.freeze.freeze(vm, epoch, leave)?;
+        let mut frozen = self.freeze.freeze(vm, epoch, leave)?;
+        // Pages the prefetch rounds harvested and left to the stop-and-copy.
+        let prefetched = self.prefetch.as_mut().map(|p| p.close_epoch(&mut frozen.dirty)).unwrap_or_default();
         let t0 = std::time::Instant::now();
         let hot = match &self.predict {
             Some(p) => p.left_writable(),
@@ -163,7 +194,8 @@ impl Pipeline {
             epoch,
             pause: thawed.pause,
             stop: thawed.stop,
-            dirty_pages: pages.len() as u64,
+            // Every page written in the epoch, sent ahead or in the checkpoint.
+            dirty_pages: pages.len() as u64 + prefetched.only_ahead,
             disk_writes: thawed.state.disk.len() as u64,
             disk_bytes: thawed.state.disk.iter().map(|w| w.data.len() as u64).sum(),
             predict: predicted,
@@ -172,6 +204,7 @@ impl Pipeline {
             diff_bytes_saved: encoded.pages.diff_saved,
             state_bytes: encoded.state_bytes,
             encode_ns: encoded.pages_ns,
+            prefetched,
             ..Taken::default()
         };
         Ok((taken, &self.frame))

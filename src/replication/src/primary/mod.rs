@@ -18,8 +18,9 @@ use ftvm_vmm::Vm;
 use crate::arbiter::{Arbiter, Claim, Ownership};
 use crate::metrics::{MetricsLog, Role, Status, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
+use crate::pipeline::prefetch;
 use crate::pipeline::transport::Auth;
-use crate::pipeline::trigger::{self, Pacing, Reason, Sample, Trigger};
+use crate::pipeline::trigger::{self, Pacing, Plan, Reason, Sample, Trigger};
 use crate::pipeline::{Pipeline, Switches};
 use crate::protocol::{Kind, ProtocolError};
 use crate::switch::switch;
@@ -314,6 +315,8 @@ impl Worker {
         let depth = self.config.pipeline_depth.max(1);
         let guest = GuestView { vm: &self.vm, output: &self.output };
         let mut since = Instant::now();
+        // Prefetch rounds done in the open epoch.
+        let mut rounds = 0;
         loop {
             if let Some(loss) = session.take_loss() {
                 return Some(loss);
@@ -323,9 +326,20 @@ impl Worker {
                 return None;
             }
             let plan = pacing.plan(since);
+            let next_round = self.pipeline.prefetches().then(|| prefetch_round_at(&plan, rounds)).flatten();
             // Back now and then to look at the loss and stop flags.
-            let look = Instant::now() + Duration::from_millis(20);
-            let Some(reason) = self.trigger.wait(&plan, &guest, || session.in_flight() < depth, look) else { continue };
+            let look =
+                next_round.map_or(Instant::now() + Duration::from_millis(20), |at| at.min(Instant::now() + Duration::from_millis(20)));
+            let Some(reason) = self.trigger.wait(&plan, &guest, || session.in_flight() < depth, look) else {
+                if next_round.is_some_and(|at| Instant::now() >= at) {
+                    rounds += 1;
+                    if let Err(loss) = prefetch_round(&mut self.pipeline, &self.vm, self.epoch, session) {
+                        return Some(loss);
+                    }
+                }
+                continue;
+            };
+            rounds = 0;
             let epoch = self.epoch;
             self.epoch += 1;
             let held = self.output.held_since();
@@ -342,7 +356,8 @@ impl Worker {
             if let Err(loss) = session.send_checkpoint(&taken, frame, Instant::now()) {
                 return Some(session.loss_after(loss));
             }
-            pacing.record(&Sample { pause: taken.pause, cost: start.elapsed(), dirty_pages: taken.dirty_pages, epoch: taken.epoch_len });
+            // The cost grows with the pages the checkpoint carries (not those sent ahead).
+            pacing.record(&Sample { pause: taken.pause, cost: start.elapsed(), dirty_pages: taken.commit_pages, epoch: taken.epoch_len });
             self.status.lock().epoch = epoch;
         }
     }
@@ -468,5 +483,21 @@ fn claim_at_start(arbiter: &Arbiter, me: &str) -> Result<Ownership, ReplicationE
             Ok(ownership)
         }
         Claim::Lost(owner) => Err(ReplicationError::Fenced { owner: owner.owner, generation: owner.generation }),
+    }
+}
+
+/// When prefetch round `done` (counting from 0) of the epoch planned by
+/// `plan` is due: the rounds are spread evenly over the epoch's planned
+/// length (None: the epoch has had its rounds).
+fn prefetch_round_at(plan: &Plan, done: u32) -> Option<Instant> {
+    (done < prefetch::ROUNDS).then(|| plan.since + plan.max_epoch * (done + 1) / (prefetch::ROUNDS + 1))
+}
+
+/// Send the backup the open epoch's (`epoch`) write-cold dirty pages (`--prefetch`).
+fn prefetch_round(pipeline: &mut Pipeline, vm: &Vm, epoch: u64, session: &Session) -> Result<(), BackupLoss> {
+    match pipeline.prefetch(vm, epoch) {
+        Ok(Some(frame)) => session.send_prefetch(epoch, frame).map_err(|loss| session.loss_after(loss)),
+        Ok(None) => Ok(()),
+        Err(err) => Err(BackupLoss::Checkpoint { epoch, err }),
     }
 }

@@ -247,6 +247,18 @@ impl Session {
         Ok(())
     }
 
+    /// Send a prefetch frame of epoch `epoch` (`--prefetch`), while the guest runs.
+    pub fn send_prefetch(&self, epoch: u64, frame: &[u8]) -> Result<(), BackupLoss> {
+        let mut link = self.link.locked();
+        link.send(frame).map_err(|err| BackupLoss::Send { epoch, err })?;
+        if fault::dies_after_prefetch(epoch) {
+            tracing::warn!(epoch, "test fault injected; the primary dies after a prefetch round");
+            // SAFETY: _exit ends the process immediately, as a crash would.
+            unsafe { libc::_exit(137) }
+        }
+        Ok(())
+    }
+
     /// Tell the backup the guest stopped for good with `status`.
     pub fn bye(&self, status: i32) {
         let _ = self.link.locked().send(&protocol::message(Kind::Bye, &status));
@@ -331,8 +343,9 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         predicted_written: taken.predict.predicted_written,
         fake_dirty: taken.predict.fake_dirty,
         first_writes: taken.predict.first_writes,
-        bytes: bytes as u64,
+        bytes: bytes as u64 + taken.prefetched.bytes,
         commit_pages: taken.commit_pages,
+        prefetched_pages: taken.prefetched.pages,
         page_bytes: taken.page_bytes,
         diff_bytes_saved: taken.diff_bytes_saved,
         state_bytes: taken.state_bytes,

@@ -79,8 +79,10 @@ impl Apply for InPlace {
                 }
             }
         }
-        // Cannot fail: `stage` checked every page against RAM.
-        if let Err(e) = checkpoint.pages.apply(replica.vm.ram()) {
+        // Cannot fail: every page was checked against RAM, the prefetched
+        // ones when they were staged, the checkpoint's by `stage`. The
+        // prefetched pages go first: the checkpoint's pages are newer.
+        if let Err(e) = replica.commit_staged().and_then(|()| checkpoint.pages.apply(replica.vm.ram())) {
             replica.discard();
             return Err(ApplyError::Unusable { epoch, reason: format!("copying its pages failed: {e}") });
         }
