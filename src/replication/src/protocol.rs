@@ -23,7 +23,8 @@ use ftvm_vmm::pages::FormatError;
 /// (`checkpoint::StateDelta`).
 /// Version 6: Hello carries the primary's vCPU profile
 /// (`ftvm_vmm::arch::compat`), which the backup checks against its host.
-pub const PROTOCOL_VERSION: u16 = 6;
+/// Version 7: `Handover` (a planned switch-over, `ftvm switchover`).
+pub const PROTOCOL_VERSION: u16 = 7;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.
@@ -48,6 +49,9 @@ pub enum Kind {
     AuthChallenge = 12,
     AuthProof = 13,
     AuthAccept = 14,
+    /// The primary stopped its guest, and the backup acknowledged the last
+    /// checkpoint: it runs the VM from here (`ftvm switchover`).
+    Handover = 15,
 }
 
 impl Kind {
@@ -66,6 +70,7 @@ impl Kind {
             12 => Kind::AuthChallenge,
             13 => Kind::AuthProof,
             14 => Kind::AuthAccept,
+            15 => Kind::Handover,
             _ => return None,
         })
     }

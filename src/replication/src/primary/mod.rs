@@ -125,7 +125,15 @@ pub struct Primary {
     requests: Sender<String>,
     stop: Arc<AtomicBool>,
     exit_status: Arc<AtomicI32>,
+    handover: Arc<Handover>,
     thread: Option<JoinHandle<()>>,
+}
+
+/// A planned switch-over (`Primary::hand_over`): asked, then done.
+#[derive(Default)]
+struct Handover {
+    asked: AtomicBool,
+    done: AtomicBool,
 }
 
 impl Primary {
@@ -177,6 +185,7 @@ impl Primary {
         let (requests, rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
         let exit_status = Arc::new(AtomicI32::new(0));
+        let handover = Arc::new(Handover::default());
         let worker = Worker {
             vm,
             config,
@@ -188,6 +197,7 @@ impl Primary {
             pipeline,
             stop: stop.clone(),
             exit_status: exit_status.clone(),
+            handover: handover.clone(),
             requests: rx,
             epoch,
             held_by_policy: false,
@@ -197,7 +207,7 @@ impl Primary {
         };
         let thread =
             std::thread::Builder::new().name("replication".into()).spawn(move || worker.run(session)).map_err(ReplicationError::Thread)?;
-        Ok(Primary { status, requests, stop, exit_status, thread: Some(thread) })
+        Ok(Primary { status, requests, stop, exit_status, handover, thread: Some(thread) })
     }
 
     pub fn status(&self) -> Status {
@@ -225,6 +235,18 @@ impl Primary {
     }
 }
 
+impl Primary {
+    /// The VM stopped to be handed over: send a last checkpoint and, once the
+    /// backup acknowledged it (so all output is released), tell the backup
+    /// to run the VM. Returns whether it was handed over; if not, the backup
+    /// takes it over as from a failed primary (or has already).
+    pub fn hand_over(&mut self) -> bool {
+        self.handover.asked.store(true, Ordering::SeqCst);
+        self.finish(0);
+        self.handover.done.load(Ordering::SeqCst)
+    }
+}
+
 impl Drop for Primary {
     fn drop(&mut self) {
         self.finish(0);
@@ -242,6 +264,7 @@ struct Worker {
     pipeline: Pipeline,
     stop: Arc<AtomicBool>,
     exit_status: Arc<AtomicI32>,
+    handover: Arc<Handover>,
     requests: Receiver<String>,
     /// The next checkpoint's number; never reused, across backups.
     epoch: u64,
@@ -345,7 +368,8 @@ impl Worker {
         }
     }
 
-    /// Last checkpoint of the stopped VM, its acknowledgement, then Bye.
+    /// Last checkpoint of the stopped VM, its acknowledgement, then Bye (or
+    /// Handover, for a switch-over, only once everything is acknowledged).
     fn farewell(&mut self, session: &Session) {
         let epoch = self.epoch;
         let Ok((mut taken, frame)) = self.pipeline.take(&self.vm, epoch) else { return };
@@ -358,7 +382,21 @@ impl Worker {
         while !session.is_lost() && !session.acked_all() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
         }
-        session.bye(self.exit_status.load(Ordering::SeqCst));
+        if !self.handover.asked.load(Ordering::SeqCst) {
+            session.bye(self.exit_status.load(Ordering::SeqCst));
+            return;
+        }
+        if session.is_lost() || !session.acked_all() {
+            tracing::error!(epoch, "switch-over: the backup did not acknowledge the last checkpoint; it takes over as after a failure");
+            return;
+        }
+        match session.hand_over() {
+            Ok(()) => {
+                tracing::info!(epoch, backup = %self.config.backup, "handed the VM over to the backup");
+                self.handover.done.store(true, Ordering::SeqCst);
+            }
+            Err(e) => tracing::error!("switch-over: cannot tell the backup: {e}; it takes over as after a failure"),
+        }
     }
 
     /// With an arbiter, keep the VM (and so its output) held until this side

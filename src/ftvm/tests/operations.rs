@@ -1,0 +1,273 @@
+//! Operator workflows on the network test topology (`scripts/netns.sh`),
+//! with the kv guest, real clients writing unique keys, and real host
+//! deaths. Needs root, KVM and redis-cli (scripts/setup.sh).
+//!
+//! - `a_restored_vm_is_protected_from_the_start`: a snapshot of a kv guest
+//!   restored with `--replicate-to`; its primary killed, the backup takes
+//!   over with every write from before the snapshot and after the restore.
+//! - `a_promoted_backup_protects_itself_with_its_standby`: primary ->
+//!   backup1 (`--standby` backup2): the primary killed, backup1 takes over
+//!   and is protected by backup2 without an operator (`ftvm status` shows
+//!   it); backup1's host cut, backup2 takes over; no acknowledged write lost.
+//! - `switchover_hands_the_vm_over_without_losing_output`: `ftvm
+//!   switchover` while clients write: the primary exits 0, the backup runs
+//!   the VM, every acknowledged write is there.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{ftvm, image};
+use ftvm_testkit::process::{Process, WaitError};
+use ftvm_testkit::scratch::Scratch;
+use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H1_REPL_ADDR, H2_REPL_ADDR};
+use ftvm_testkit::writers::{self, Writers};
+
+const VALUE_LEN: usize = 200;
+
+fn guest() -> SocketAddr {
+    SocketAddr::new(GUEST_ADDR.parse().unwrap(), 6379)
+}
+
+fn scratch(tag: &str) -> Scratch {
+    Scratch::new(&format!("operations-{tag}")).unwrap().keep_on_panic()
+}
+
+fn spawn(mut cmd: Command, what: &str, dir: &Scratch, log: &str) -> Process {
+    Process::spawn_logged(what, &mut cmd, dir.path(), log).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn net(tap: &str) -> String {
+    format!("tap={tap},mac={GUEST_MAC}")
+}
+
+/// `ftvm backup` in `role`'s namespace on TAP `tap`, listening on `listen`.
+fn start_backup(topo: &Topology, dir: &Scratch, role: &str, tap: &str, listen: &str, extra: &[&str]) -> Process {
+    let mut cmd = topo.command(role, env!("CARGO_BIN_EXE_ftvm"));
+    cmd.args(["backup", "--listen", listen, "--net", &net(tap), "--api-socket"])
+        .arg(dir.join(format!("{}.sock", listen.replace([':', '.'], "_"))))
+        .args(extra)
+        .env("FTVM_LOG", "info");
+    spawn(cmd, "backup", dir, &listen.replace([':', '.'], "_"))
+}
+
+fn backup_socket(dir: &Scratch, listen: &str) -> std::path::PathBuf {
+    dir.join(format!("{}.sock", listen.replace([':', '.'], "_")))
+}
+
+/// A kv primary in h1 on tap0 (`ftvm run` or `ftvm restore`, by `args`).
+fn start_primary(topo: &Topology, dir: &Scratch, tag: &str, args: &[String]) -> Process {
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.args(args).args(["--net", &net("tap0"), "--api-socket"]).arg(dir.join(format!("{tag}.sock"))).env("FTVM_LOG", "info");
+    spawn(cmd, "primary", dir, tag)
+}
+
+fn kv_run(backup: Option<&str>) -> Vec<String> {
+    let mut args: Vec<String> =
+        vec!["run".into(), "--image".into(), image("kv").display().to_string(), "--cmdline".into(), format!("ip={GUEST_ADDR}/24")];
+    if let Some(b) = backup {
+        args.extend(["--replicate-to".into(), b.into()]);
+    }
+    args
+}
+
+fn status(socket: &Path) -> String {
+    let out = ftvm().args(["status", "--api-socket"]).arg(socket).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Wait until `ftvm status` shows `want`, failing early if `vmm` dies.
+fn wait_status(socket: &Path, want: &str, vmm: &mut Process, timeout: Duration) -> String {
+    let t0 = Instant::now();
+    loop {
+        let s = status(socket);
+        if s.contains(want) {
+            return s;
+        }
+        assert!(vmm.running(), "{} exited while waiting for '{want}': {}", vmm.name(), vmm.stderr());
+        assert!(t0.elapsed() < timeout, "no '{want}' after {timeout:?}: {s}\n{}", vmm.stderr());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn wait_log(vmm: &mut Process, want: &str, timeout: Duration) -> String {
+    match vmm.wait_until(timeout, |p| p.stderr().contains(want)) {
+        Ok(()) => vmm.stderr(),
+        Err(WaitError::Exited(_)) => panic!("{} exited without '{want}': {}", vmm.name(), vmm.stderr()),
+        Err(WaitError::TimedOut(_)) => panic!("no '{want}' from {} after {timeout:?}: {}", vmm.name(), vmm.stderr()),
+    }
+}
+
+fn writers(topo: &Topology, prefix: &str) -> Writers {
+    Writers::start(writers::Config {
+        addr: guest(),
+        netns: Some(topo.ns("client")),
+        connections: 4,
+        pipeline: 2,
+        value_len: VALUE_LEN,
+        prefix: prefix.into(),
+        timeout: Duration::from_secs(2),
+    })
+    .unwrap()
+}
+
+/// Writes go on until one was acknowledged after `mark` (the VM serves
+/// again), then stop; their acknowledged keys.
+fn until_served_again(w: Writers, mark: Instant) -> Vec<String> {
+    w.mark(mark);
+    let t0 = Instant::now();
+    while w.first_ack_after_mark().is_none() && t0.elapsed() < Duration::from_secs(15) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(w.first_ack_after_mark().is_some(), "no write acknowledged after the hand-over");
+    std::thread::sleep(Duration::from_millis(300));
+    w.stop().acked
+}
+
+/// Every key of `acked` reads back from the VM serving now.
+fn assert_none_lost(topo: &Topology, acked: &[String]) {
+    let client = topo.ns("client");
+    let verified = writers::verify(guest(), Some(&client), acked, VALUE_LEN, Instant::now() + Duration::from_secs(15)).unwrap();
+    eprintln!("acknowledged {}, verified {}, lost {}", acked.len(), verified.checked, verified.lost());
+    assert!(!acked.is_empty());
+    assert_eq!(
+        verified.lost(),
+        0,
+        "missing {:?}, wrong {:?}",
+        &verified.missing[..verified.missing.len().min(5)],
+        &verified.wrong[..verified.wrong.len().min(5)]
+    );
+}
+
+#[test]
+fn a_restored_vm_is_protected_from_the_start() {
+    let topo = Topology::new("oprest").unwrap();
+    topo.restore().unwrap();
+    let dir = scratch("restore");
+    let backup_addr = format!("{H2_REPL_ADDR}:7000");
+
+    // An unreplicated kv guest takes writes, then is snapshotted and stopped.
+    let mut vm = start_primary(&topo, &dir, "original", &kv_run(None));
+    let w = writers(&topo, "before");
+    let t0 = Instant::now();
+    while w.acked() < 200 && t0.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut acked = w.stop().acked;
+    assert!(acked.len() >= 200, "the original VM acknowledged only {} writes: {}", acked.len(), vm.stderr());
+    let snap = dir.join("kv.snap");
+    let out = ftvm().args(["snapshot", "--stop", "--api-socket"]).arg(dir.join("original.sock")).arg("--output").arg(&snap).output().unwrap();
+    assert!(out.status.success(), "ftvm snapshot: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(vm.wait().unwrap().success(), "{}", vm.stderr());
+
+    // Restored with replication: protected before it serves a write.
+    let mut backup = start_backup(&topo, &dir, "h2", "tap0", &backup_addr, &[]);
+    let restore = vec!["restore".into(), "--snapshot".into(), snap.display().to_string(), "--replicate-to".into(), backup_addr.clone()];
+    let mut primary = start_primary(&topo, &dir, "restored", &restore);
+    let socket = dir.join("restored.sock");
+    wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(30));
+    let st = status(&socket);
+    assert!(st.contains("role: primary") && st.contains(&format!("backup: {backup_addr}")), "{st}");
+
+    let w = writers(&topo, "after");
+    std::thread::sleep(Duration::from_millis(800));
+    primary.kill();
+    wait_log(&mut backup, "PRIMARY LOST", Duration::from_secs(10));
+    topo.forget_guest().unwrap();
+    acked.extend(until_served_again(w, Instant::now()));
+    assert_none_lost(&topo, &acked);
+    assert!(acked.iter().any(|k| k.starts_with("before")) && acked.iter().any(|k| k.starts_with("after")));
+}
+
+/// A second TAP on h1's bridge, for a second VMM on that host.
+fn add_tap(topo: &Topology, role: &str, tap: &str) {
+    let ns = topo.ns(role);
+    for args in [
+        vec!["-n", &ns, "tuntap", "add", "dev", tap, "mode", "tap", "vnet_hdr"],
+        vec!["-n", &ns, "link", "set", tap, "master", "br0", "up"],
+    ] {
+        let out = Command::new("ip").args(&args).output().unwrap();
+        assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+#[test]
+fn a_promoted_backup_protects_itself_with_its_standby() {
+    let topo = Topology::new("opstby").unwrap();
+    topo.restore().unwrap();
+    let dir = scratch("standby");
+    // backup1 on h2; backup2, its standby, on h1 beside the primary (a TAP of its own).
+    add_tap(&topo, "h1", "tap1");
+    let (b1, b2) = (format!("{H2_REPL_ADDR}:7000"), format!("{H1_REPL_ADDR}:7001"));
+    let mut backup2 = start_backup(&topo, &dir, "h1", "tap1", &b2, &[]);
+    let mut backup1 = start_backup(&topo, &dir, "h2", "tap0", &b1, &["--standby", &format!("{H2_REPL_ADDR}:7999,{b2}")]);
+    let mut primary = start_primary(&topo, &dir, "primary", &kv_run(Some(&b1)));
+    let socket = dir.join("primary.sock");
+    wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(30));
+    let (s1, s2) = (backup_socket(&dir, &b1), backup_socket(&dir, &b2));
+    let st = status(&s1);
+    assert!(st.contains("role: backup") && st.contains(&format!("standbys: {H2_REPL_ADDR}:7999, {b2}")), "{st}");
+
+    // The primary dies: backup1 takes over, then backup2 protects it (the
+    // first standby does not answer).
+    let w = writers(&topo, "first");
+    std::thread::sleep(Duration::from_millis(600));
+    primary.kill();
+    wait_log(&mut backup1, "PRIMARY LOST", Duration::from_secs(10));
+    topo.forget_guest().unwrap();
+    let st = wait_status(&s1, "protected: yes", &mut backup1, Duration::from_secs(60));
+    assert!(st.contains("role: primary") && st.contains(&format!("backup: {b2}")), "backup1 after takeover: {st}");
+    let st = status(&s2);
+    assert!(st.contains("role: backup") && st.contains("protected: yes"), "backup2: {st}");
+    let mut acked = until_served_again(w, Instant::now());
+
+    // backup1's host dies: backup2 takes over.
+    let w = writers(&topo, "second");
+    std::thread::sleep(Duration::from_millis(600));
+    topo.cut_host("h2").unwrap();
+    backup1.kill();
+    wait_log(&mut backup2, "PRIMARY LOST", Duration::from_secs(10));
+    topo.forget_guest().unwrap();
+    acked.extend(until_served_again(w, Instant::now()));
+    let st = status(&s2);
+    assert!(st.contains("role: primary"), "backup2 after takeover: {st}");
+    assert_none_lost(&topo, &acked);
+}
+
+#[test]
+fn switchover_hands_the_vm_over_without_losing_output() {
+    let topo = Topology::new("opswit").unwrap();
+    topo.restore().unwrap();
+    let dir = scratch("switchover");
+    let backup_addr = format!("{H2_REPL_ADDR}:7000");
+    let mut backup = start_backup(&topo, &dir, "h2", "tap0", &backup_addr, &[]);
+    let mut primary = start_primary(&topo, &dir, "primary", &kv_run(Some(&backup_addr)));
+    let socket = dir.join("primary.sock");
+
+    // Not protected yet, or not a primary: refused with one line.
+    let out = ftvm().args(["switchover", "--api-socket"]).arg(backup_socket(&dir, &backup_addr)).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a replicating primary"));
+    wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(30));
+
+    let w = writers(&topo, "switch");
+    std::thread::sleep(Duration::from_millis(800));
+    let before = w.acked();
+    let out = ftvm().args(["switchover", "--api-socket"]).arg(&socket).output().unwrap();
+    let at = Instant::now();
+    assert!(out.status.success(), "ftvm switchover: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("handed over to the backup {backup_addr}")));
+    let exit = primary.wait().unwrap();
+    assert!(exit.success(), "the primary after a switch-over: {exit:?} {}", primary.stderr());
+    assert!(primary.stderr().contains("VM handed over to its backup"), "{}", primary.stderr());
+    let log = wait_log(&mut backup, "HANDED OVER", Duration::from_secs(5));
+    assert!(!log.contains("PRIMARY LOST"), "{log}");
+    let acked = until_served_again(w, at);
+    assert!(before > 0);
+    assert_none_lost(&topo, &acked);
+    let st = status(&backup_socket(&dir, &backup_addr));
+    assert!(st.contains("role: primary") && st.contains("switch-over"), "{st}");
+}
