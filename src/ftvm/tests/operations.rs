@@ -247,10 +247,12 @@ fn switchover_hands_the_vm_over_without_losing_output() {
     let mut primary = start_primary(&topo, &dir, "primary", &kv_run(Some(&backup_addr)));
     let socket = dir.join("primary.sock");
 
-    // Not protected yet, or not a primary: refused with one line.
+    // Not a primary: refused with one line.
+    wait_status(&backup_socket(&dir, &backup_addr), "role: backup", &mut backup, Duration::from_secs(10));
     let out = ftvm().args(["switchover", "--api-socket"]).arg(backup_socket(&dir, &backup_addr)).output().unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not a replicating primary"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("not a replicating primary") && err.lines().count() == 1, "{err}");
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(30));
 
     let w = writers(&topo, "switch");
