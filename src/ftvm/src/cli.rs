@@ -64,6 +64,9 @@ pub enum Command {
         replication: Box<ReplicationArgs>,
         #[command(flatten)]
         host: HostArgs,
+        /// Run as this user once /dev/kvm, the TAP, the disk and the control socket are open.
+        #[arg(long, value_name = "NAME")]
+        user: Option<String>,
     },
     /// Show a VM's state and replication figures.
     Status {
@@ -146,6 +149,10 @@ pub struct RunArgs {
     /// Command line passed to the guest.
     #[arg(long, default_value = "")]
     pub cmdline: String,
+    /// Run as this user (no supplementary groups, no capabilities) once
+    /// /dev/kvm, the TAP, the disk and the control socket are open.
+    #[arg(long, value_name = "NAME")]
+    pub user: Option<String>,
     #[command(flatten)]
     pub replication: ReplicationArgs,
     #[command(flatten)]

@@ -11,6 +11,7 @@ mod config;
 mod demo;
 mod exporter;
 mod output;
+mod privilege;
 mod run;
 mod signals;
 
@@ -34,6 +35,7 @@ impl HostArgs {
             devices: ftvm_vmm::devices::DeviceConfig { net: self.net, disk: self.disk },
             replicate,
             standbys: Vec::new(),
+            user: None,
         }
     }
 }
@@ -113,7 +115,9 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 vcpus: args.vcpus,
                 cmdline: args.cmdline,
             };
-            run::run(source, args.host.into_options(replicate))
+            let mut host = args.host.into_options(replicate);
+            host.user = args.user.as_deref().map(privilege::User::lookup).transpose()?;
+            run::run(source, host)
         }
         Command::Backup(args) => {
             let config = BackupConfig {
@@ -154,9 +158,11 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
             host.standbys = args.standby;
             run::run(run::Source::Backup(Box::new(config)), host)
         }
-        Command::Restore { snapshot, replication, host } => {
+        Command::Restore { snapshot, replication, host, user } => {
             let replicate = replication.primary(&host)?;
-            run::run(run::Source::Snapshot(snapshot), host.into_options(replicate))
+            let mut host = host.into_options(replicate);
+            host.user = user.as_deref().map(privilege::User::lookup).transpose()?;
+            run::run(run::Source::Snapshot(snapshot), host)
         }
         Command::Snapshot { api_socket, timeout, output, stop } => {
             let path = std::path::absolute(&output).unwrap_or(output);

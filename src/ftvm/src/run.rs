@@ -42,6 +42,8 @@ pub enum RunError {
     Seccomp(#[from] ftvm_vmm::seccomp::SeccompError),
     #[error(transparent)]
     Secret(#[from] ftvm_replication::pipeline::transport::SecretError),
+    #[error(transparent)]
+    Privilege(#[from] crate::privilege::PrivilegeError),
 }
 
 pub enum Source {
@@ -71,6 +73,8 @@ pub struct HostOptions {
     /// A backup: once it took over, protect the VM with the first of these
     /// that answers (`ftvm backup --standby`).
     pub standbys: Vec<String>,
+    /// Run as this user once the VM's devices and the control socket are open.
+    pub user: Option<crate::privilege::User>,
 }
 
 /// How long a promoted backup waits before trying its standbys again when
@@ -139,6 +143,15 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
         .as_ref()
         .map(|p| ApiServer::bind(p).map_err(|err| RunError::Api { path: p.display().to_string(), err }))
         .transpose()?;
+    // A VM of its own (not a backup's) is built now, while this is the only
+    // thread: `--user` then drops root before any other thread starts.
+    let built = match &source {
+        Source::Backup(_) => None,
+        source => Some(build(source, &host)?),
+    };
+    if let Some(user) = &host.user {
+        user.become_it()?;
+    }
     let exporter = host.metrics_listen.as_deref().map(Exporter::start).transpose()?;
     let follow = |status: Option<&StatusCell>| {
         if let Some(e) = &exporter {
@@ -184,8 +197,8 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                 })
                 .map_err(os("start backup thread"))?;
         }
-        source => {
-            let v = Arc::new(build(&source, &host)?);
+        _ => {
+            let v = Arc::new(built.expect("built above"));
             v.start().map_err(os("start vCPU threads"))?;
             watch(v.exit_event().as_raw_fd(), EXIT)?;
             if let Some(config) = host.replicate.clone() {

@@ -12,6 +12,9 @@
 //! - `switchover_hands_the_vm_over_without_losing_output`: `ftvm
 //!   switchover` while clients write: the primary exits 0, the backup runs
 //!   the VM, every acknowledged write is there.
+//! - `the_vmm_drops_to_an_unprivileged_user`: `--user nobody`: the kv guest
+//!   serves on its TAP and disk, the VMM has nobody's IDs and no capability,
+//!   and writes only where nobody may.
 
 mod common;
 
@@ -165,7 +168,9 @@ fn a_restored_vm_is_protected_from_the_start() {
 
     // Restored with replication: protected before it serves a write.
     let mut backup = start_backup(&topo, &dir, "h2", "tap0", &backup_addr, &[]);
-    let restore = vec!["restore".into(), "--snapshot".into(), snap.display().to_string(), "--replicate-to".into(), backup_addr.clone()];
+    // (As an unprivileged user: replication needs no privilege once the VM is open.)
+    let restore: Vec<String> =
+        ["restore", "--snapshot", &snap.display().to_string(), "--replicate-to", &backup_addr, "--user", "nobody"].map(String::from).into();
     let mut primary = start_primary(&topo, &dir, "restored", &restore);
     let socket = dir.join("restored.sock");
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(30));
@@ -272,4 +277,68 @@ fn switchover_hands_the_vm_over_without_losing_output() {
     assert_none_lost(&topo, &acked);
     let st = status(&backup_socket(&dir, &backup_addr));
     assert!(st.contains("role: primary") && st.contains("switch-over"), "{st}");
+}
+
+/// `key:` line of /proc/PID/status, its fields.
+fn proc_status(pid: u32, key: &str) -> String {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    text.lines().find_map(|l| l.strip_prefix(key)).unwrap_or_default().split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[test]
+fn the_vmm_drops_to_an_unprivileged_user() {
+    let topo = Topology::new("opuser").unwrap();
+    topo.restore().unwrap();
+    let dir = scratch("user");
+    let id = |flag: &str| String::from_utf8(Command::new("id").args([flag, "nobody"]).output().unwrap().stdout).unwrap().trim().to_string();
+    let (uid, gid) = (id("-u"), id("-g"));
+    let disk = dir.join("disk.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    let mut args = kv_run(None);
+    args.extend(["--user".into(), "nobody".into(), "--disk".into(), disk.display().to_string()]);
+    let mut vm = start_primary(&topo, &dir, "vm", &args);
+    let socket = dir.join("vm.sock");
+    wait_status(&socket, "state: running", &mut vm, Duration::from_secs(20));
+
+    // The guest serves on its TAP; the VMM holds no privilege.
+    let t0 = Instant::now();
+    loop {
+        let (ok, out) = topo.redis_cli(GUEST_ADDR, &["SET", "user", "nobody"]);
+        if ok && out.trim() == "OK" {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "the guest does not serve: {out}\n{}", vm.stderr());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (ok, out) = topo.redis_cli(GUEST_ADDR, &["GET", "user"]);
+    assert!(ok && out.trim() == "nobody", "{out}");
+    assert_eq!(proc_status(vm.id(), "Uid:"), [uid.as_str(); 4].join(" "));
+    assert_eq!(proc_status(vm.id(), "Gid:"), [gid.as_str(); 4].join(" "));
+    assert_eq!(proc_status(vm.id(), "Groups:"), "");
+    assert_eq!(proc_status(vm.id(), "CapEff:"), "0000000000000000");
+
+    // It writes only where that user may: not in a directory of root's (0700).
+    let private = dir.join("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(&private, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let out = ftvm().args(["snapshot", "--api-socket"]).arg(&socket).arg("--output").arg(private.join("vm.snap")).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Permission denied"), "{}", String::from_utf8_lossy(&out.stderr));
+    let open = dir.join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let out = ftvm().args(["snapshot", "--api-socket"]).arg(&socket).arg("--output").arg(open.join("vm.snap")).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let owner = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(open.join("vm.snap")).unwrap());
+    assert_eq!(owner.to_string(), uid);
+
+    let out = ftvm().args(["stop", "--api-socket"]).arg(&socket).output().unwrap();
+    assert!(out.status.success());
+    assert!(vm.wait().unwrap().success(), "{}", vm.stderr());
+
+    // A user that does not exist: one line, before anything starts.
+    let out = ftvm().args(["run", "--image"]).arg(image("probe")).args(["--user", "ftvm-no-such-user"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim(), "ftvm: error: --user ftvm-no-such-user: no such user");
 }
