@@ -12,6 +12,13 @@
 //! - `switchover_hands_the_vm_over_without_losing_output`: `ftvm
 //!   switchover` while clients write: the primary exits 0, the backup runs
 //!   the VM, every acknowledged write is there.
+//! - `upgrade_sequence_moves_the_vm_without_losing_a_write`: the upgrade
+//!   of docs/operations.md step by step under writing clients: the backup
+//!   restarted and attached again, `ftvm switchover`, a backup started on
+//!   the old primary's host protects the VM through `--standby`.
+//! - `the_operations_guide_files_check`: the systemd units, the Prometheus
+//!   configuration and its alert rules of docs/ops/ pass systemd-analyze and
+//!   promtool, and the alerts fire on series shaped like ftvm's.
 //! - `the_vmm_drops_to_an_unprivileged_user`: `--user nobody`: the kv guest
 //!   serves on its TAP and disk, the VMM has nobody's IDs and no capability,
 //!   and writes only where nobody may.
@@ -21,6 +28,7 @@ mod common;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{ftvm, image};
@@ -54,7 +62,10 @@ fn start_backup(topo: &Topology, dir: &Scratch, role: &str, tap: &str, listen: &
         .arg(dir.join(format!("{}.sock", listen.replace([':', '.'], "_"))))
         .args(extra)
         .env("FTVM_LOG", "info");
-    spawn(cmd, "backup", dir, &listen.replace([':', '.'], "_"))
+    // One log per process, though several listen on the same address in turn.
+    static STARTED: AtomicUsize = AtomicUsize::new(0);
+    let n = STARTED.fetch_add(1, Ordering::Relaxed);
+    spawn(cmd, "backup", dir, &format!("{}-{n}", listen.replace([':', '.'], "_")))
 }
 
 fn backup_socket(dir: &Scratch, listen: &str) -> std::path::PathBuf {
@@ -341,4 +352,70 @@ fn the_vmm_drops_to_an_unprivileged_user() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert_eq!(err.trim(), "ftvm: error: --user ftvm-no-such-user: no such user");
+}
+
+#[test]
+fn upgrade_sequence_moves_the_vm_without_losing_a_write() {
+    let topo = Topology::new("opupgr").unwrap();
+    topo.restore().unwrap();
+    let dir = scratch("upgrade");
+    let (h1, h2) = (format!("{H1_REPL_ADDR}:7000"), format!("{H2_REPL_ADDR}:7000"));
+    let standby = ["--standby", h1.as_str()];
+    let mut backup = start_backup(&topo, &dir, "h2", "tap0", &h2, &standby);
+    let mut primary = start_primary(&topo, &dir, "primary", &kv_run(Some(&h2)));
+    let socket = dir.join("primary.sock");
+    wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(30));
+    let w = writers(&topo, "upgrade");
+    std::thread::sleep(Duration::from_millis(500));
+
+    // 1. The backup restarts (with the new ftvm): the primary loses it.
+    let out = ftvm().args(["stop", "--api-socket"]).arg(backup_socket(&dir, &h2)).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(backup.wait().unwrap().success(), "{}", backup.stderr());
+    wait_status(&socket, "protected: no", &mut primary, Duration::from_secs(10));
+    let mut backup = start_backup(&topo, &dir, "h2", "tap0", &h2, &standby);
+    wait_status(&backup_socket(&dir, &h2), "role: backup", &mut backup, Duration::from_secs(10));
+
+    // 2. Attached again.
+    let out = ftvm().args(["protect", "--api-socket"]).arg(&socket).args(["--backup", &h2]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(30));
+    std::thread::sleep(Duration::from_millis(300));
+
+    // 3. Handed over.
+    let out = ftvm().args(["switchover", "--api-socket"]).arg(&socket).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let at = Instant::now();
+    assert!(primary.wait().unwrap().success(), "{}", primary.stderr());
+    wait_log(&mut backup, "HANDED OVER", Duration::from_secs(5));
+
+    // 4. A backup on the old primary's host: the standby of the VM's new host.
+    let mut old_host = start_backup(&topo, &dir, "h1", "tap0", &h1, &[]);
+    let st = wait_status(&backup_socket(&dir, &h2), "protected: yes", &mut backup, Duration::from_secs(60));
+    assert!(st.contains("role: primary") && st.contains(&format!("backup: {h1}")), "{st}");
+    let st = status(&backup_socket(&dir, &h1));
+    assert!(st.contains("role: backup") && st.contains("protected: yes"), "{st}");
+    let acked = until_served_again(w, at);
+    assert_none_lost(&topo, &acked);
+    assert!(old_host.running() && backup.running());
+}
+
+#[test]
+fn the_operations_guide_files_check() {
+    let ops = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/ops");
+    let run = |cmd: &mut Command| {
+        let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+        assert!(out.status.success(), "{cmd:?}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    };
+    run(Command::new("promtool").arg("check").arg("config").arg(ops.join("prometheus.yml")));
+    run(Command::new("promtool").arg("test").arg("rules").arg(ops.join("ftvm-rules.test.yml")));
+    // The units as installed, with ftvm where this build has it.
+    let dir = scratch("units");
+    for unit in ["ftvm-primary.service", "ftvm-backup.service"] {
+        let text = std::fs::read_to_string(ops.join(unit)).unwrap();
+        assert!(text.contains("ExecStart=/usr/local/bin/ftvm "), "{unit}");
+        let text = text.replace("/usr/local/bin/ftvm", env!("CARGO_BIN_EXE_ftvm"));
+        std::fs::write(dir.join(unit), text).unwrap();
+        run(Command::new("systemd-analyze").arg("verify").arg(dir.join(unit)));
+    }
 }
