@@ -45,8 +45,7 @@ impl ReplicationArgs {
     fn primary(self, host: &HostArgs) -> Result<Option<PrimaryConfig>, run::RunError> {
         let args = self;
         let arbiter = args.arbiter.arbiter(host.net.as_ref());
-        let on_backup_loss =
-            args.on_backup_loss.unwrap_or(if arbiter.is_some() { OnBackupLoss::Continue } else { OnBackupLoss::Pause });
+        let on_backup_loss = args.on_backup_loss.unwrap_or(if arbiter.is_some() { OnBackupLoss::Continue } else { OnBackupLoss::Pause });
         let auth = args.channel.auth()?;
         Ok(args.replicate_to.map(|backup| PrimaryConfig {
             backup,

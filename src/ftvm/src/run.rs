@@ -3,8 +3,8 @@
 
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
-use std::sync::mpsc;
 use std::sync::atomic::Ordering;
+use std::sync::mpsc;
 use std::sync::Arc;
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -326,7 +326,9 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
         let response = if handed {
             Response { state: Some("handed over".into()), replication: Some(p.status()), ..Response::ok() }
         } else {
-            Response::error(format!("switch-over failed: the backup {backup} did not acknowledge the last checkpoint; it takes the VM over as after a failure"))
+            Response::error(format!(
+                "switch-over failed: the backup {backup} did not acknowledge the last checkpoint; it takes the VM over as after a failure"
+            ))
         };
         if let Some(api) = &api {
             api.reply_switchover(response);

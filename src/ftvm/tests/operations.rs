@@ -173,7 +173,8 @@ fn a_restored_vm_is_protected_from_the_start() {
     let mut acked = w.stop().acked;
     assert!(acked.len() >= 200, "the original VM acknowledged only {} writes: {}", acked.len(), vm.stderr());
     let snap = dir.join("kv.snap");
-    let out = ftvm().args(["snapshot", "--stop", "--api-socket"]).arg(dir.join("original.sock")).arg("--output").arg(&snap).output().unwrap();
+    let out =
+        ftvm().args(["snapshot", "--stop", "--api-socket"]).arg(dir.join("original.sock")).arg("--output").arg(&snap).output().unwrap();
     assert!(out.status.success(), "ftvm snapshot: {}", String::from_utf8_lossy(&out.stderr));
     assert!(vm.wait().unwrap().success(), "{}", vm.stderr());
 

@@ -467,6 +467,7 @@ impl Worker {
 
     fn backup_lost(&mut self, reason: &BackupLoss) {
         crate::telemetry::telemetry().backup_lost();
+        self.status.lock().peer.clear();
         if !self.reclaim(reason) {
             return;
         }
