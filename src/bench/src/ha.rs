@@ -22,12 +22,15 @@
 //! `--seconds`; then the primary's host is cut (its links deleted, its
 //! process killed); when writes are acknowledged again, every remembered
 //! key is read back from the new primary: the acknowledged writes lost.
+//! All of it once per `--repl-delay-ms`: the replication link as it is, and
+//! delayed in each direction by the fault proxy (this host has no netem).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use ftvm_testkit::fault_proxy::{Fault, FaultProxy};
 use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H1_REPL_ADDR, H2_REPL_ADDR};
@@ -63,6 +66,11 @@ pub struct Options {
     /// Requests per redis-benchmark run (SET, 50 connections).
     #[arg(long, default_value_t = 20000)]
     requests: u64,
+    /// One-way delays of the replication link to measure, in milliseconds
+    /// (0: the bare veth; more through ftvm-testkit's fault proxy, each
+    /// direction delayed, as a link between racks or sites would be).
+    #[arg(long, value_delimiter = ',', default_values_t = [0, 2])]
+    repl_delay_ms: Vec<u64>,
 }
 
 const PORT: u16 = 6379;
@@ -231,14 +239,27 @@ fn writers_config(topo: &Topology, opts: &Options, prefix: &str) -> writers::Con
 
 /// Write for `--seconds`, cut the primary's host, fail over, write until
 /// the new primary acknowledges, then check every acknowledged write.
-fn cut_and_count(topo: &Topology, system: System, mut service: Service, opts: &Options, trial: u32) -> Result<Trial, BoxError> {
+fn cut_and_count(
+    topo: &Topology,
+    proxy: Option<&FaultProxy>,
+    system: System,
+    mut service: Service,
+    opts: &Options,
+    trial: u32,
+) -> Result<Trial, BoxError> {
     let w = Writers::start(writers_config(topo, opts, &format!("t{trial}")))?;
     let started = Instant::now();
     std::thread::sleep(Duration::from_secs(opts.seconds));
     let before = w.acked();
     let writes_per_s = before as f64 / started.elapsed().as_secs_f64();
     // The cut: h1's links, then its process.
-    topo.cut_host("h1")?;
+    match proxy {
+        Some(proxy) => {
+            proxy.set_both(Fault::Cut);
+            sh(topo, "h1", "ip", &["link", "del", "uplink"])?;
+        }
+        None => topo.cut_host("h1")?,
+    }
     let cut = Instant::now();
     w.mark(cut);
     service.primary.kill();
@@ -288,14 +309,21 @@ fn reference(system: System, opts: &Options, dir: &Path) -> Result<Figures, BoxE
     Ok(figures)
 }
 
-fn measure(system: System, opts: &Options, dir: &Path) -> Result<Measured, BoxError> {
-    let alone = reference(system, opts, dir)?;
+fn measure(system: System, delay_ms: u64, alone: &Figures, opts: &Options, dir: &Path) -> Result<Measured, BoxError> {
     let mut replicated = None;
     let mut trials = Vec::new();
     for trial in 0..opts.trials {
         // A fresh topology per trial: the cut deletes h1's links.
         let topo = Topology::new("ha")?;
         topo.restore()?;
+        let proxy = match delay_ms {
+            0 => None,
+            ms => {
+                let proxy = FaultProxy::insert(&topo)?;
+                proxy.set_both(Fault::Delay(Duration::from_millis(ms)));
+                Some(proxy)
+            }
+        };
         let service = match system {
             System::Redis => {
                 sh(&topo, "h1", "ip", &["addr", "add", &format!("{GUEST_ADDR}/24"), "dev", "br0"])?;
@@ -307,9 +335,9 @@ fn measure(system: System, opts: &Options, dir: &Path) -> Result<Measured, BoxEr
         if replicated.is_none() {
             replicated = Some(benchmark(&topo, opts)?);
         }
-        let t = cut_and_count(&topo, system, service, opts, trial)?;
+        let t = cut_and_count(&topo, proxy.as_ref(), system, service, opts, trial)?;
         eprintln!(
-            "{}: trial {trial}: acknowledged {}, lost {}, {:.0} writes/s before the cut, writes again {:.0} ms after it",
+            "{}, link delay {delay_ms} ms: trial {trial}: acknowledged {}, lost {}, {:.0} writes/s before the cut, writes again {:.0} ms after it",
             system.name(),
             t.acked,
             t.lost,
@@ -318,12 +346,12 @@ fn measure(system: System, opts: &Options, dir: &Path) -> Result<Measured, BoxEr
         );
         trials.push(t);
     }
-    Ok(Measured { alone, replicated: replicated.ok_or("--trials must be at least 1")?, trials })
+    Ok(Measured { alone: alone.clone(), replicated: replicated.ok_or("--trials must be at least 1")?, trials })
 }
 
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
-    if opts.trials == 0 {
-        return Err("--trials must be at least 1".into());
+    if opts.trials == 0 || opts.repl_delay_ms.is_empty() {
+        return Err("--trials and --repl-delay-ms need at least one value".into());
     }
     if !ftvm_bin().exists() {
         return Err(format!("{} missing: cargo build --release", ftvm_bin().display()).into());
@@ -331,30 +359,33 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let dir = Scratch::new("bench-ha")?;
     let mut rows = Vec::new();
     let mut bars = Vec::new();
-    for system in [System::Redis, System::Ftvm] {
-        let m = measure(system, opts, dir.path())?;
-        let group = system.name().to_string();
-        let n = m.trials.len() as f64;
-        let sum = |f: fn(&Trial) -> f64| m.trials.iter().map(f).sum::<f64>();
-        let (acked, lost) = (sum(|t| t.acked as f64), sum(|t| t.lost as f64));
-        let row = |case: &str, value: f64, unit: &'static str, reference: Option<f64>| Row {
-            group: group.clone(),
-            case: case.to_string(),
-            value,
-            unit,
-            reference,
-        };
-        rows.push(row(&format!("acknowledged writes lost ({} cuts)", m.trials.len()), lost, "writes", Some(acked)));
-        rows.push(row("acknowledged writes", acked, "writes", None));
-        rows.push(row("writers: acknowledged writes/s before the cut", sum(|t| t.writes_per_s) / n, "writes/s", None));
-        rows.push(row("writes acknowledged again after the cut", sum(|t| t.recovery_ms) / n, "ms", None));
-        rows.push(row("SET throughput (vs. without replication)", m.replicated.rps, "req/s", Some(m.alone.rps)));
-        rows.push(row("SET p50 latency (vs. without replication)", m.replicated.p50_ms, "ms", Some(m.alone.p50_ms)));
-        rows.push(row("SET p99 latency (vs. without replication)", m.replicated.p99_ms, "ms", Some(m.alone.p99_ms)));
-        bars.push((group, lost));
+    let alone = [reference(System::Redis, opts, dir.path())?, reference(System::Ftvm, opts, dir.path())?];
+    for &delay_ms in &opts.repl_delay_ms {
+        for (system, alone) in [System::Redis, System::Ftvm].into_iter().zip(&alone) {
+            let m = measure(system, delay_ms, alone, opts, dir.path())?;
+            let group = format!("{}, link delay {delay_ms} ms", system.name());
+            let n = m.trials.len() as f64;
+            let sum = |f: fn(&Trial) -> f64| m.trials.iter().map(f).sum::<f64>();
+            let (acked, lost) = (sum(|t| t.acked as f64), sum(|t| t.lost as f64));
+            let row = |case: &str, value: f64, unit: &'static str, reference: Option<f64>| Row {
+                group: group.clone(),
+                case: case.to_string(),
+                value,
+                unit,
+                reference,
+            };
+            rows.push(row(&format!("acknowledged writes lost ({} cuts)", m.trials.len()), lost, "writes", Some(acked)));
+            rows.push(row("acknowledged writes", acked, "writes", None));
+            rows.push(row("writers: acknowledged writes/s before the cut", sum(|t| t.writes_per_s) / n, "writes/s", None));
+            rows.push(row("writes acknowledged again after the cut", sum(|t| t.recovery_ms) / n, "ms", None));
+            rows.push(row("SET throughput (vs. without replication)", m.replicated.rps, "req/s", Some(m.alone.rps)));
+            rows.push(row("SET p50 latency (vs. without replication)", m.replicated.p50_ms, "ms", Some(m.alone.p50_ms)));
+            rows.push(row("SET p99 latency (vs. without replication)", m.replicated.p99_ms, "ms", Some(m.alone.p99_ms)));
+            bars.push((group, lost));
+        }
     }
     let title = format!(
-        "acknowledged writes lost when the primary's host is cut ({} cuts each, promotion after {} ms)",
+        "acknowledged writes lost when the primary's host is cut ({} cuts each, promotion after {} ms), per one-way link delay",
         opts.trials, opts.detect_ms
     );
     let chart = BarChart { title: &title, category: "system", quantity: "acknowledged writes lost", bars, reference: None };
