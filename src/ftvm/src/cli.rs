@@ -308,7 +308,8 @@ pub struct BackupArgs {
     pub handshake_timeout_ms: u64,
     /// Once this backup took over, protect the VM with the first of these
     /// backups (`ftvm backup --listen ADDR`) that answers, in order, without
-    /// an operator (comma-separated host:port).
+    /// an operator, and again after every loss of its backup
+    /// (comma-separated host:port).
     #[arg(long, value_name = "ADDR[,ADDR...]", value_delimiter = ',')]
     pub standby: Vec<String>,
     #[command(flatten)]

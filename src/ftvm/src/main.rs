@@ -70,6 +70,7 @@ impl ReplicationArgs {
             pipeline_depth: args.pipeline_depth as usize,
             auth,
             mirror: args.mirror,
+            standbys: Vec::new(),
         }))
     }
 }
@@ -152,6 +153,8 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 pipeline_depth: DEFAULT_PIPELINE_DEPTH as usize,
                 auth: config.auth.clone(),
                 mirror: Default::default(),
+                // After a later loss too, the standbys protect it.
+                standbys: args.standby.clone(),
             };
             let mut host = args.host.into_options(Some(promotion));
             host.standbys = args.standby;

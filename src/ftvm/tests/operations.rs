@@ -6,9 +6,10 @@
 //!   restored with `--replicate-to`; its primary killed, the backup takes
 //!   over with every write from before the snapshot and after the restore.
 //! - `a_promoted_backup_protects_itself_with_its_standby`: primary ->
-//!   backup1 (`--standby` backup2): the primary killed, backup1 takes over
-//!   and is protected by backup2 without an operator (`ftvm status` shows
-//!   it); backup1's host cut, backup2 takes over; no acknowledged write lost.
+//!   backup1 (`--standby` backup2, backup3): the primary killed, backup1
+//!   takes over and is protected by backup2 without an operator (`ftvm
+//!   status` shows it); backup2 killed, backup1 is protected by backup3;
+//!   backup1's host cut, backup3 takes over; no acknowledged write lost.
 //! - `switchover_hands_the_vm_over_without_losing_output`: `ftvm
 //!   switchover` while clients write: the primary exits 0, the backup runs
 //!   the VM, every acknowledged write is there.
@@ -216,20 +217,23 @@ fn a_promoted_backup_protects_itself_with_its_standby() {
     let topo = Topology::new("opstby").unwrap();
     topo.restore().unwrap();
     let dir = scratch("standby");
-    // backup1 on h2; backup2, its standby, on h1 beside the primary (a TAP of its own).
+    // backup1 on h2; its standbys backup2 and backup3 on h1 beside the
+    // primary (TAPs of their own); the first standby listed never answers.
     add_tap(&topo, "h1", "tap1");
-    let (b1, b2) = (format!("{H2_REPL_ADDR}:7000"), format!("{H1_REPL_ADDR}:7001"));
+    add_tap(&topo, "h1", "tap2");
+    let (b1, b2, b3) = (format!("{H2_REPL_ADDR}:7000"), format!("{H1_REPL_ADDR}:7001"), format!("{H1_REPL_ADDR}:7002"));
+    let standbys = format!("{H2_REPL_ADDR}:7999,{b2},{b3}");
     let mut backup2 = start_backup(&topo, &dir, "h1", "tap1", &b2, &[]);
-    let mut backup1 = start_backup(&topo, &dir, "h2", "tap0", &b1, &["--standby", &format!("{H2_REPL_ADDR}:7999,{b2}")]);
+    let mut backup3 = start_backup(&topo, &dir, "h1", "tap2", &b3, &[]);
+    let mut backup1 = start_backup(&topo, &dir, "h2", "tap0", &b1, &["--standby", &standbys]);
     let mut primary = start_primary(&topo, &dir, "primary", &kv_run(Some(&b1)));
     let socket = dir.join("primary.sock");
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(30));
-    let (s1, s2) = (backup_socket(&dir, &b1), backup_socket(&dir, &b2));
+    let (s1, s2, s3) = (backup_socket(&dir, &b1), backup_socket(&dir, &b2), backup_socket(&dir, &b3));
     let st = status(&s1);
-    assert!(st.contains("role: backup") && st.contains(&format!("standbys: {H2_REPL_ADDR}:7999, {b2}")), "{st}");
+    assert!(st.contains("role: backup") && st.contains(&format!("standbys: {}", standbys.replace(',', ", "))), "{st}");
 
-    // The primary dies: backup1 takes over, then backup2 protects it (the
-    // first standby does not answer).
+    // The primary dies: backup1 takes over, then backup2 protects it.
     let w = writers(&topo, "first");
     std::thread::sleep(Duration::from_millis(600));
     primary.kill();
@@ -241,16 +245,34 @@ fn a_promoted_backup_protects_itself_with_its_standby() {
     assert!(st.contains("role: backup") && st.contains("protected: yes"), "backup2: {st}");
     let mut acked = until_served_again(w, Instant::now());
 
-    // backup1's host dies: backup2 takes over.
+    // Its backup dies: the next standby that answers, backup3, protects it.
     let w = writers(&topo, "second");
+    std::thread::sleep(Duration::from_millis(400));
+    backup2.kill();
+    let t0 = Instant::now();
+    loop {
+        let st = status(&s1);
+        if st.contains("protected: yes") && st.contains(&format!("backup: {b3}")) {
+            break;
+        }
+        assert!(backup1.running(), "{}", backup1.stderr());
+        assert!(t0.elapsed() < Duration::from_secs(60), "backup1 not protected by backup3: {st}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let st = status(&s3);
+    assert!(st.contains("role: backup") && st.contains("protected: yes"), "backup3: {st}");
+    acked.extend(until_served_again(w, Instant::now()));
+
+    // backup1's host dies: backup3 takes over.
+    let w = writers(&topo, "third");
     std::thread::sleep(Duration::from_millis(600));
     topo.cut_host("h2").unwrap();
     backup1.kill();
-    wait_log(&mut backup2, "PRIMARY LOST", Duration::from_secs(10));
+    wait_log(&mut backup3, "PRIMARY LOST", Duration::from_secs(10));
     topo.forget_guest().unwrap();
     acked.extend(until_served_again(w, Instant::now()));
-    let st = status(&s2);
-    assert!(st.contains("role: primary"), "backup2 after takeover: {st}");
+    let st = status(&s3);
+    assert!(st.contains("role: primary"), "backup3 after takeover: {st}");
     assert_none_lost(&topo, &acked);
 }
 

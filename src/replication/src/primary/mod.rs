@@ -88,7 +88,14 @@ pub struct PrimaryConfig {
     pub auth: Option<Auth>,
     /// Copy the guest's frames to the backup, so a takeover replays them.
     pub mirror: crate::mirror::Mode,
+    /// After losing its backup, try these backups in order, again every
+    /// [`STANDBY_RETRY`] until one protects the VM (a promoted backup's
+    /// `--standby`); empty: wait for `Primary::protect`.
+    pub standbys: Vec<String>,
 }
+
+/// How often a primary that lost its backup tries its standbys again.
+pub const STANDBY_RETRY: Duration = Duration::from_secs(1);
 
 /// `--pipeline-depth` unless given: checkpoints in flight at most.
 pub const DEFAULT_PIPELINE_DEPTH: u64 = 2;
@@ -281,6 +288,7 @@ struct Worker {
 impl Worker {
     fn run(mut self, first: Session) {
         let mut session = Some(first);
+        let mut last_standby_try: Option<Instant> = None;
         loop {
             // `protect` also says goodbye when asked to stop, even if the
             // guest exited before this thread got going.
@@ -301,31 +309,49 @@ impl Worker {
                 return;
             }
             match self.requests.recv_timeout(Duration::from_millis(100)) {
-                Ok(addr) => {
-                    let config = PrimaryConfig { backup: addr, ..self.config.clone() };
-                    let cx = Context {
-                        vm: &self.vm,
-                        config: &config,
-                        status: &self.status,
-                        metrics: &self.metrics,
-                        output: &self.output,
-                        journal: &self.journal,
-                        trigger: &self.trigger,
-                        stop: &self.stop,
-                    };
-                    match Session::open(&cx, &mut self.pipeline, &mut self.epoch) {
-                        Ok(s) => {
-                            self.config = config;
-                            if std::mem::take(&mut self.held_by_policy) {
-                                self.vm.release();
+                Ok(addr) => session = self.reprotect(addr),
+                Err(RecvTimeoutError::Timeout) => {
+                    if !self.config.standbys.is_empty() && last_standby_try.is_none_or(|t| t.elapsed() >= STANDBY_RETRY) {
+                        last_standby_try = Some(Instant::now());
+                        for addr in self.config.standbys.clone() {
+                            session = self.reprotect(addr);
+                            if session.is_some() || self.stop.load(Ordering::SeqCst) {
+                                break;
                             }
-                            session = Some(s);
                         }
-                        Err(e) => self.reprotection_failed(&e),
                     }
                 }
-                Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+    }
+
+    /// Protect the VM again with the backup at `addr`: the session, or None
+    /// after undoing the attempt as the loss policy has it.
+    fn reprotect(&mut self, addr: String) -> Option<Session> {
+        let config = PrimaryConfig { backup: addr, ..self.config.clone() };
+        let cx = Context {
+            vm: &self.vm,
+            config: &config,
+            status: &self.status,
+            metrics: &self.metrics,
+            output: &self.output,
+            journal: &self.journal,
+            trigger: &self.trigger,
+            stop: &self.stop,
+        };
+        match Session::open(&cx, &mut self.pipeline, &mut self.epoch) {
+            Ok(s) => {
+                tracing::info!(backup = %config.backup, "protected again");
+                self.config = config;
+                if std::mem::take(&mut self.held_by_policy) {
+                    self.vm.release();
+                }
+                Some(s)
+            }
+            Err(e) => {
+                self.reprotection_failed(&e);
+                None
             }
         }
     }
