@@ -12,7 +12,8 @@
 //!   backup1's host cut, backup3 takes over; no acknowledged write lost.
 //! - `switchover_hands_the_vm_over_without_losing_output`: `ftvm
 //!   switchover` while clients write: the primary exits 0, the backup runs
-//!   the VM, every acknowledged write is there.
+//!   the VM, every acknowledged write is there; again with an etcd arbiter
+//!   (`switchover_with_an_arbiter_hands_over_ownership_too`).
 //! - `upgrade_sequence_moves_the_vm_without_losing_a_write`: the upgrade
 //!   of docs/operations.md step by step under writing clients: the backup
 //!   restarted and attached again, `ftvm switchover`, a backup started on
@@ -33,6 +34,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{ftvm, image};
+use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::process::{Process, WaitError};
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H1_REPL_ADDR, H2_REPL_ADDR};
@@ -278,12 +280,30 @@ fn a_promoted_backup_protects_itself_with_its_standby() {
 
 #[test]
 fn switchover_hands_the_vm_over_without_losing_output() {
-    let topo = Topology::new("opswit").unwrap();
+    switchover(false);
+}
+
+#[test]
+fn switchover_with_an_arbiter_hands_over_ownership_too() {
+    switchover(true);
+}
+
+/// `ftvm switchover` under writes; with `arbiter`, an etcd in h2 that both
+/// sides use (the backup must win ownership to run the VM).
+fn switchover(arbiter: bool) {
+    let topo = Topology::new(if arbiter { "opswia" } else { "opswit" }).unwrap();
     topo.restore().unwrap();
-    let dir = scratch("switchover");
+    let dir = scratch(if arbiter { "switchover-arbiter" } else { "switchover" });
     let backup_addr = format!("{H2_REPL_ADDR}:7000");
-    let mut backup = start_backup(&topo, &dir, "h2", "tap0", &backup_addr, &[]);
-    let mut primary = start_primary(&topo, &dir, "primary", &kv_run(Some(&backup_addr)));
+    let etcd = arbiter.then(|| Etcd::start_in(dir.path(), &topo.ns("h2"), &[H2_REPL_ADDR, "127.0.0.1"]).unwrap());
+    let (on_h1, on_h2) = match &etcd {
+        Some(e) => (vec!["--arbiter".to_string(), e.endpoint().to_string()], vec!["--arbiter".to_string(), e.endpoint_on("127.0.0.1")]),
+        None => (vec![], vec![]),
+    };
+    let mut backup = start_backup(&topo, &dir, "h2", "tap0", &backup_addr, &on_h2.iter().map(String::as_str).collect::<Vec<_>>());
+    let mut run = kv_run(Some(&backup_addr));
+    run.extend(on_h1);
+    let mut primary = start_primary(&topo, &dir, "primary", &run);
     let socket = dir.join("primary.sock");
 
     // Not a primary: refused with one line.
@@ -306,6 +326,7 @@ fn switchover_hands_the_vm_over_without_losing_output() {
     assert!(primary.stderr().contains("VM handed over to its backup"), "{}", primary.stderr());
     let log = wait_log(&mut backup, "HANDED OVER", Duration::from_secs(5));
     assert!(!log.contains("PRIMARY LOST"), "{log}");
+    assert_eq!(log.contains("this backup owns the VM now"), arbiter, "{log}");
     let acked = until_served_again(w, at);
     assert!(before > 0);
     assert_none_lost(&topo, &acked);
