@@ -4,6 +4,7 @@
 
 mod channel;
 mod ft;
+mod ha;
 mod kv;
 mod paths;
 mod redis_benchmark;
@@ -40,6 +41,11 @@ enum Command {
     /// The kv guest under redis-benchmark (SET/GET throughput, p50/p99
     /// latency) against redis-server run natively in the same run.
     Kv(kv::Options),
+    /// Acknowledged writes lost when the primary's host is cut: redis-server
+    /// with its asynchronous replication against ftvm protecting the kv
+    /// guest (same client, cut and promotion delay), with throughput and
+    /// latency against each without replication.
+    Ha(ha::Options),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +59,7 @@ fn main() -> ExitCode {
         Command::Ft(opts) => ft::run(&opts, &cli.out),
         Command::Kv(opts) => kv::run(&opts, &cli.out),
         Command::Channel(opts) => channel::run(&opts, &cli.out),
+        Command::Ha(opts) => ha::run(&opts, &cli.out),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -54,12 +54,19 @@ pub enum Command {
         stop: bool,
     },
     /// Continue a VM from a snapshot file in this process.
+    /// With --replicate-to ADDR the restored VM is protected from the start.
+    #[command(args_override_self = true)]
     Restore {
         /// Snapshot file to continue from (written by `ftvm snapshot`).
         #[arg(long, value_name = "PATH")]
         snapshot: PathBuf,
         #[command(flatten)]
+        replication: Box<ReplicationArgs>,
+        #[command(flatten)]
         host: HostArgs,
+        /// Run as this user once /dev/kvm, the TAP, the disk and the control socket are open.
+        #[arg(long, value_name = "NAME")]
+        user: Option<String>,
     },
     /// Show a VM's state and replication figures.
     Status {
@@ -91,6 +98,13 @@ pub enum Command {
         /// The new backup's replication address (its --listen).
         #[arg(long, value_name = "ADDR")]
         backup: String,
+    },
+    /// Hand a protected VM over to its backup (a planned switch-over): a last
+    /// checkpoint with the guest stopped, its acknowledgement, then the backup
+    /// runs the VM and this VMM exits 0. No output is lost.
+    Switchover {
+        #[command(flatten)]
+        client: ClientArgs,
     },
     /// Show failover on this machine: a replicated kv VM loses its host, then its primary stalls and is fenced, under load; no acknowledged write is lost.
     Demo(demo::DemoArgs),
@@ -135,6 +149,20 @@ pub struct RunArgs {
     /// Command line passed to the guest.
     #[arg(long, default_value = "")]
     pub cmdline: String,
+    /// Run as this user (no supplementary groups, no capabilities) once
+    /// /dev/kvm, the TAP, the disk and the control socket are open.
+    #[arg(long, value_name = "NAME")]
+    pub user: Option<String>,
+    #[command(flatten)]
+    pub replication: ReplicationArgs,
+    #[command(flatten)]
+    pub host: HostArgs,
+}
+
+/// How a primary replicates (`ftvm run`, `ftvm restore`): everything but
+/// `--replicate-to` itself needs `--replicate-to`.
+#[derive(Args)]
+pub struct ReplicationArgs {
     /// Replicate to the backup listening at this address (host:port). The
     /// replication options (--epoch-ms to --transport, --arbiter, --name) need it.
     #[arg(long, value_name = "ADDR")]
@@ -220,8 +248,6 @@ pub struct RunArgs {
     pub arbiter: ArbiterArgs,
     #[command(flatten)]
     pub channel: ChannelArgs,
-    #[command(flatten)]
-    pub host: HostArgs,
 }
 
 /// Options that secure the replication channel (both sides).
@@ -286,6 +312,12 @@ pub struct BackupArgs {
     /// Drop a connection that has not authenticated and said Hello within this long.
     #[arg(long, value_name = "MS", default_value_t = 5000)]
     pub handshake_timeout_ms: u64,
+    /// Once this backup took over, protect the VM with the first of these
+    /// backups (`ftvm backup --listen ADDR`) that answers, in order, without
+    /// an operator, and again after every loss of its backup
+    /// (comma-separated host:port).
+    #[arg(long, value_name = "ADDR[,ADDR...]", value_delimiter = ',')]
+    pub standby: Vec<String>,
     #[command(flatten)]
     pub arbiter: ArbiterArgs,
     #[command(flatten)]
@@ -357,12 +389,12 @@ pub fn parse() -> Cli {
         std::process::exit(2)
     });
     let matches = command.try_get_matches_from_mut(expanded.args).unwrap_or_else(|e| e.exit());
-    if let Some(("run", run)) = matches.subcommand() {
+    if let Some((name @ ("run" | "restore"), sub)) = matches.subcommand() {
         // Given without --replicate-to, these would be silently ignored.
-        if let Some(id) = PRIMARY_ONLY.iter().find(|id| run.value_source(id) == Some(ValueSource::CommandLine)) {
-            if run.get_one::<String>("replicate_to").is_none() {
-                let run = command.find_subcommand_mut("run").expect("ftvm run exists");
-                let flag = run.get_arguments().find(|a| a.get_id() == id).and_then(|a| a.get_long()).unwrap_or(id);
+        if let Some(id) = PRIMARY_ONLY.iter().find(|id| sub.value_source(id) == Some(ValueSource::CommandLine)) {
+            if sub.get_one::<String>("replicate_to").is_none() {
+                let sub = command.find_subcommand_mut(name).expect("the subcommand exists");
+                let flag = sub.get_arguments().find(|a| a.get_id() == id).and_then(|a| a.get_long()).unwrap_or(id);
                 let msg = match &expanded.path {
                     Some(path) if expanded.from_file.iter().any(|f| f == id) => format!(
                         "`{flag}` in config file {} applies only to a replicating primary: add `replicate-to` (or --replicate-to ADDR)",
@@ -370,7 +402,7 @@ pub fn parse() -> Cli {
                     ),
                     _ => format!("--{flag} applies only to a replicating primary: add --replicate-to ADDR"),
                 };
-                run.error(ErrorKind::MissingRequiredArgument, msg).exit();
+                sub.error(ErrorKind::MissingRequiredArgument, msg).exit();
             }
         }
     }

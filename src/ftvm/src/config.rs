@@ -189,10 +189,10 @@ mod tests {
     fn keys_are_long_option_names_and_the_command_line_wins() {
         let file = "image = \"/vm.elf\"\nmemory = 64\ncmdline = \"-x\"\nreplicate-to = \"h:1\"\nepoch-ms = 30\nprefault = true\n";
         let args = run_args(parse(file, &["run"]).unwrap());
-        assert_eq!((args.memory, args.epoch_ms, args.cmdline.as_str()), (64, 30, "-x"));
+        assert_eq!((args.memory, args.replication.epoch_ms, args.cmdline.as_str()), (64, 30, "-x"));
         assert!(args.host.prefault);
         let args = run_args(parse(file, &["run", "--epoch-ms", "40", "--memory=128"]).unwrap());
-        assert_eq!((args.memory, args.epoch_ms), (128, 40));
+        assert_eq!((args.memory, args.replication.epoch_ms), (128, 40));
         assert_eq!(args.image, PathBuf::from("/vm.elf"));
     }
 

@@ -11,6 +11,7 @@ mod config;
 mod demo;
 mod exporter;
 mod output;
+mod privilege;
 mod run;
 mod signals;
 
@@ -20,7 +21,7 @@ use std::time::Duration;
 use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig, Switches, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::Console;
 
-use cli::{ChannelArgs, ClientArgs, Command, HostArgs};
+use cli::{ChannelArgs, ClientArgs, Command, HostArgs, ReplicationArgs};
 use output::{errln, outln};
 
 impl HostArgs {
@@ -33,7 +34,45 @@ impl HostArgs {
             metrics_listen: self.metrics_listen,
             devices: ftvm_vmm::devices::DeviceConfig { net: self.net, disk: self.disk },
             replicate,
+            standbys: Vec::new(),
+            user: None,
         }
+    }
+}
+
+impl ReplicationArgs {
+    /// The primary's configuration, with `--replicate-to`.
+    fn primary(self, host: &HostArgs) -> Result<Option<PrimaryConfig>, run::RunError> {
+        let args = self;
+        let arbiter = args.arbiter.arbiter(host.net.as_ref());
+        let on_backup_loss = args.on_backup_loss.unwrap_or(if arbiter.is_some() { OnBackupLoss::Continue } else { OnBackupLoss::Pause });
+        let auth = args.channel.auth()?;
+        Ok(args.replicate_to.map(|backup| PrimaryConfig {
+            backup,
+            epoch_ms: args.epoch_ms,
+            failure_timeout: Duration::from_millis(args.failure_timeout_ms),
+            ack_timeout: Duration::from_millis(args.ack_timeout_ms.max(args.failure_timeout_ms)),
+            heartbeat: Duration::from_millis(args.heartbeat_ms),
+            on_backup_loss,
+            arbiter,
+            connect_timeout: Duration::from_millis(args.connect_timeout_ms),
+            metrics: args.metrics,
+            disk: host.disk.clone(),
+            switches: Switches {
+                capture: args.capture,
+                encoding: args.encoding,
+                diff: args.diff,
+                device_state: args.device_state,
+                transport: args.transport,
+                trigger: args.trigger,
+                predict_writes: args.predict_writes,
+                prefetch: args.prefetch,
+            },
+            pipeline_depth: args.pipeline_depth as usize,
+            auth,
+            mirror: args.mirror,
+            standbys: Vec::new(),
+        }))
     }
 }
 
@@ -70,42 +109,16 @@ fn call(client: &ClientArgs, request: api::Request) -> Result<api::Response, run
 fn dispatch(command: Command) -> Result<i32, run::RunError> {
     match command {
         Command::Run(args) => {
-            let arbiter = args.arbiter.arbiter(args.host.net.as_ref());
-            let on_backup_loss =
-                args.on_backup_loss.unwrap_or(if arbiter.is_some() { OnBackupLoss::Continue } else { OnBackupLoss::Pause });
-            let auth = args.channel.auth()?;
-            let replicate = args.replicate_to.map(|backup| PrimaryConfig {
-                backup,
-                epoch_ms: args.epoch_ms,
-                failure_timeout: Duration::from_millis(args.failure_timeout_ms),
-                ack_timeout: Duration::from_millis(args.ack_timeout_ms.max(args.failure_timeout_ms)),
-                heartbeat: Duration::from_millis(args.heartbeat_ms),
-                on_backup_loss,
-                arbiter,
-                connect_timeout: Duration::from_millis(args.connect_timeout_ms),
-                metrics: args.metrics,
-                disk: args.host.disk.clone(),
-                switches: Switches {
-                    capture: args.capture,
-                    encoding: args.encoding,
-                    diff: args.diff,
-                    device_state: args.device_state,
-                    transport: args.transport,
-                    trigger: args.trigger,
-                    predict_writes: args.predict_writes,
-                    prefetch: args.prefetch,
-                },
-                pipeline_depth: args.pipeline_depth as usize,
-                auth,
-                mirror: args.mirror,
-            });
+            let replicate = args.replication.primary(&args.host)?;
             let source = run::Source::Image {
                 image: args.image,
                 mem_size: args.memory.saturating_mul(1 << 20),
                 vcpus: args.vcpus,
                 cmdline: args.cmdline,
             };
-            run::run(source, args.host.into_options(replicate))
+            let mut host = args.host.into_options(replicate);
+            host.user = args.user.as_deref().map(privilege::User::lookup).transpose()?;
+            run::run(source, host)
         }
         Command::Backup(args) => {
             let config = BackupConfig {
@@ -141,10 +154,19 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 pipeline_depth: DEFAULT_PIPELINE_DEPTH as usize,
                 auth: config.auth.clone(),
                 mirror: Default::default(),
+                // After a later loss too, the standbys protect it.
+                standbys: args.standby.clone(),
             };
-            run::run(run::Source::Backup(Box::new(config)), args.host.into_options(Some(promotion)))
+            let mut host = args.host.into_options(Some(promotion));
+            host.standbys = args.standby;
+            run::run(run::Source::Backup(Box::new(config)), host)
         }
-        Command::Restore { snapshot, host } => run::run(run::Source::Snapshot(snapshot), host.into_options(None)),
+        Command::Restore { snapshot, replication, host, user } => {
+            let replicate = replication.primary(&host)?;
+            let mut host = host.into_options(replicate);
+            host.user = user.as_deref().map(privilege::User::lookup).transpose()?;
+            run::run(run::Source::Snapshot(snapshot), host)
+        }
         Command::Snapshot { api_socket, timeout, output, stop } => {
             let path = std::path::absolute(&output).unwrap_or(output);
             let request = api::Request::Snapshot { path: path.display().to_string(), stop };
@@ -181,6 +203,12 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
             outln!("protecting with backup {backup}; `ftvm status` shows when it is synchronized");
             Ok(0)
         }
+        Command::Switchover { client } => {
+            let r = call(&client, api::Request::Switchover)?;
+            let backup = r.replication.map(|st| st.peer).unwrap_or_default();
+            outln!("handed over to the backup {backup}; this VMM exits");
+            Ok(0)
+        }
         Command::Demo(args) => Ok(demo::run(args)),
     }
 }
@@ -195,6 +223,12 @@ fn print_status(r: &api::Response) {
         outln!("role: {}", rep.role);
         outln!("protected: {}", if rep.protected { "yes" } else { "no" });
         outln!("epoch: {}", rep.epoch);
+        if !rep.peer.is_empty() {
+            outln!("{}: {}", if rep.role == ftvm_replication::Role::Primary { "backup" } else { "primary" }, rep.peer);
+        }
+        if !rep.standbys.is_empty() {
+            outln!("standbys: {}", rep.standbys.join(", "));
+        }
         outln!("detail: {}", rep.detail);
         if let Some(m) = &rep.last {
             outln!(

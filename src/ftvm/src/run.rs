@@ -3,6 +3,7 @@
 
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::Arc;
 
@@ -16,6 +17,7 @@ use ftvm_vmm::{DirtyBackend, Persist, Vm, VmConfig, VmError, VmExit};
 
 use crate::api::client::ClientError;
 use crate::api::server::{Action, ApiContext, ApiServer};
+use crate::api::Response;
 use crate::exporter::{Exporter, ExporterError};
 use crate::output::errln;
 use crate::signals;
@@ -40,6 +42,8 @@ pub enum RunError {
     Seccomp(#[from] ftvm_vmm::seccomp::SeccompError),
     #[error(transparent)]
     Secret(#[from] ftvm_replication::pipeline::transport::SecretError),
+    #[error(transparent)]
+    Privilege(#[from] crate::privilege::PrivilegeError),
 }
 
 pub enum Source {
@@ -63,9 +67,19 @@ pub struct HostOptions {
     /// Serve Prometheus metrics here.
     pub metrics_listen: Option<String>,
     pub devices: ftvm_vmm::devices::DeviceConfig,
-    /// Replicate to a backup (primary role).
+    /// Replicate to a backup (primary role); a backup's settings once it
+    /// took over and is protected in turn.
     pub replicate: Option<PrimaryConfig>,
+    /// A backup: once it took over, protect the VM with the first of these
+    /// that answers (`ftvm backup --standby`).
+    pub standbys: Vec<String>,
+    /// Run as this user once the VM's devices and the control socket are open.
+    pub user: Option<crate::privilege::User>,
 }
+
+/// How long a promoted backup waits before trying its standbys again when
+/// none answered.
+const STANDBY_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
 const EXIT: u64 = 0;
 const SIGNAL: u64 = 1;
@@ -129,6 +143,15 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
         .as_ref()
         .map(|p| ApiServer::bind(p).map_err(|err| RunError::Api { path: p.display().to_string(), err }))
         .transpose()?;
+    // A VM of its own (not a backup's) is built now, while this is the only
+    // thread: `--user` then drops root before any other thread starts.
+    let built = match &source {
+        Source::Backup(_) => None,
+        source => Some(build(source, &host)?),
+    };
+    if let Some(user) = &host.user {
+        user.become_it()?;
+    }
     let exporter = host.metrics_listen.as_deref().map(Exporter::start).transpose()?;
     let follow = |status: Option<&StatusCell>| {
         if let Some(e) = &exporter {
@@ -155,10 +178,13 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
     watch(promoted_evt.as_raw_fd(), PROMOTED)?;
     let (promoted_tx, promoted_rx) = mpsc::channel::<Result<Primary, ReplicationError>>();
     let mut promoting = false;
+    // `ftvm switchover`: the VM stops to be handed over to the backup.
+    let mut switching_over = false;
     let promotion = if matches!(source, Source::Backup(_)) { host.replicate.clone() } else { None };
     match source {
         Source::Backup(config) => {
             let backup = Backup::bind(*config)?;
+            backup.status().lock().standbys = host.standbys.clone();
             status = Some(backup.status());
             follow(status.as_ref());
             watch(takeover_evt.as_raw_fd(), TAKEOVER)?;
@@ -171,8 +197,8 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                 })
                 .map_err(os("start backup thread"))?;
         }
-        source => {
-            let v = Arc::new(build(&source, &host)?);
+        _ => {
+            let v = Arc::new(built.expect("built above"));
             v.start().map_err(os("start vCPU threads"))?;
             watch(v.exit_event().as_raw_fd(), EXIT)?;
             if let Some(config) = host.replicate.clone() {
@@ -233,15 +259,14 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                     let action = api.as_ref().map_or(Action::None, |a| a.serve_requests(&ctx));
                     if let (Action::Protect(addr), Some(v), Some(template), false) = (&action, &vm, &promotion, promoting) {
                         promoting = true;
-                        let config = PrimaryConfig { backup: addr.clone(), ..template.clone() };
-                        let (v, tx, evt) = (v.clone(), promoted_tx.clone(), promoted_evt.try_clone().map_err(os("eventfd"))?);
-                        std::thread::Builder::new()
-                            .name("protect".into())
-                            .spawn(move || {
-                                let _ = tx.send(Primary::start(v, config, signals::stop_requested()));
-                                let _ = evt.write(1);
-                            })
-                            .map_err(os("start protection thread"))?;
+                        let evt = promoted_evt.try_clone().map_err(os("eventfd"))?;
+                        protect(v.clone(), template.clone(), vec![addr.clone()], false, promoted_tx.clone(), evt)?;
+                    }
+                    if action == Action::Switchover {
+                        if let Some(v) = &vm {
+                            switching_over = true;
+                            v.request_stop();
+                        }
                     }
                     if action == Action::Stop {
                         match &vm {
@@ -259,6 +284,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                         promoting = false;
                         match result {
                             Ok(p) => {
+                                p.status_cell().lock().standbys = host.standbys.clone();
                                 status = Some(p.status_cell());
                                 follow(status.as_ref());
                                 primary = Some(p);
@@ -272,6 +298,12 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                     match takeover_rx.try_recv() {
                         Ok(Ok(Outcome::TookOver(v))) => {
                             watch(v.exit_event().as_raw_fd(), EXIT)?;
+                            if let (Some(template), false) = (&promotion, host.standbys.is_empty()) {
+                                // Protected again without an operator.
+                                promoting = true;
+                                let evt = promoted_evt.try_clone().map_err(os("eventfd"))?;
+                                protect(v.clone(), template.clone(), host.standbys.clone(), true, promoted_tx.clone(), evt)?;
+                            }
                             vm = Some(v);
                         }
                         Ok(Ok(Outcome::PrimaryFinished(status))) => {
@@ -288,6 +320,26 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
     }
     let vm = vm.expect("the loop ends only with a VM");
     let exit = vm.wait();
+    if let (Some(p), true) = (&mut primary, switching_over && matches!(exit, VmExit::Stopped)) {
+        let backup = p.status().peer;
+        let handed = p.hand_over();
+        let response = if handed {
+            Response { state: Some("handed over".into()), replication: Some(p.status()), ..Response::ok() }
+        } else {
+            Response::error(format!(
+                "switch-over failed: the backup {backup} did not acknowledge the last checkpoint; it takes the VM over as after a failure"
+            ))
+        };
+        if let Some(api) = &api {
+            api.reply_switchover(response);
+        }
+        if handed {
+            errln!("ftvm: VM handed over to its backup {backup}");
+            return Ok(0);
+        }
+        errln!("ftvm: switch-over failed: the backup {backup} did not acknowledge the last checkpoint");
+        return Ok(1);
+    }
     if let Some(mut p) = primary {
         p.finish(exit.status());
     }
@@ -297,4 +349,47 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
         _ => errln!("ftvm: {exit}"),
     }
     Ok(exit.status())
+}
+
+/// Protect `vm` (a backup's that took over) with the first of `backups` that
+/// answers, on a thread of its own (pre-copy takes a while); the result goes
+/// to `tx` and `evt` is written. With `retry`, tries them again every
+/// [`STANDBY_RETRY`] until one answers or the VMM stops.
+fn protect(
+    vm: Arc<Vm>,
+    template: PrimaryConfig,
+    backups: Vec<String>,
+    retry: bool,
+    tx: mpsc::Sender<Result<Primary, ReplicationError>>,
+    evt: EventFd,
+) -> Result<(), RunError> {
+    std::thread::Builder::new()
+        .name("protect".into())
+        .spawn(move || {
+            let result = 'attempts: loop {
+                let mut failure = None;
+                for addr in &backups {
+                    let config = PrimaryConfig { backup: addr.clone(), ..template.clone() };
+                    match Primary::start(vm.clone(), config, signals::stop_requested()) {
+                        Ok(p) => {
+                            tracing::info!(backup = %addr, "the promoted VM is protected again");
+                            break 'attempts Ok(p);
+                        }
+                        Err(e) => {
+                            tracing::warn!(backup = %addr, "cannot protect the VM with this backup: {e}");
+                            failure = Some(e);
+                        }
+                    }
+                }
+                let stopping = signals::stop_requested().load(Ordering::SeqCst) || vm.exit_reason().is_some();
+                if !retry || stopping {
+                    break Err(failure.unwrap_or(ReplicationError::Stopped));
+                }
+                std::thread::sleep(STANDBY_RETRY);
+            };
+            let _ = tx.send(result);
+            let _ = evt.write(1);
+        })
+        .map_err(os("start protection thread"))?;
+    Ok(())
 }

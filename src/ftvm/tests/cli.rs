@@ -66,6 +66,10 @@ fn replication_flags_need_replicate_to() {
         let mut args = vec!["run", "--image", probe, "--cmdline", "exit=0"];
         args.extend_from_slice(flags);
         assert_refused(&ftvm_args(&args), &[flags[0], "--replicate-to"], &format!("{flags:?}"));
+        // `ftvm restore` takes the same options, with the same rule.
+        let mut args = vec!["restore", "--snapshot", "/nonexistent.snap"];
+        args.extend_from_slice(flags);
+        assert_refused(&ftvm_args(&args), &[flags[0], "--replicate-to"], &format!("restore {flags:?}"));
     }
 }
 

@@ -115,6 +115,13 @@ pub struct Status {
     /// A one-line description of the replication state.
     pub detail: String,
     pub last: Option<EpochMetrics>,
+    /// The other side: a primary's backup, a backup's primary (empty when none).
+    #[serde(default)]
+    pub peer: String,
+    /// Where a backup, once it took over, looks for its own backup, in order
+    /// (`ftvm backup --standby`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub standbys: Vec<String>,
 }
 
 /// Shared, updated by the replication threads, read by the control socket.

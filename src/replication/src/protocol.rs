@@ -23,7 +23,8 @@ use ftvm_vmm::pages::FormatError;
 /// (`checkpoint::StateDelta`).
 /// Version 6: Hello carries the primary's vCPU profile
 /// (`ftvm_vmm::arch::compat`), which the backup checks against its host.
-/// Version 7: `Prefetch`, pages of the open epoch sent while the guest runs.
+/// Version 7: `Prefetch`, pages of the open epoch sent while the guest runs;
+/// `Handover` (a planned switch-over, `ftvm switchover`).
 pub const PROTOCOL_VERSION: u16 = 7;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
@@ -53,6 +54,9 @@ pub enum Kind {
     /// of that epoch sent while the guest runs; the backup stages them and
     /// commits them with checkpoint `epoch` (`pipeline::prefetch`).
     Prefetch = 15,
+    /// The primary stopped its guest, and the backup acknowledged the last
+    /// checkpoint: it runs the VM from here (`ftvm switchover`).
+    Handover = 16,
 }
 
 impl Kind {
@@ -72,6 +76,7 @@ impl Kind {
             13 => Kind::AuthProof,
             14 => Kind::AuthAccept,
             15 => Kind::Prefetch,
+            16 => Kind::Handover,
             _ => return None,
         })
     }

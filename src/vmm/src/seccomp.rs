@@ -238,6 +238,11 @@ const VMM: &[Syscall] = syscalls![
     SYS_geteuid,
     SYS_getgid,
     SYS_getegid,
+    // `--user`: the main thread drops root once, alone (ftvm's `privilege`);
+    // a process that is no longer root can set only its own IDs again.
+    SYS_setgroups,
+    SYS_setresgid,
+    SYS_setresuid,
     SYS_sysinfo,
     SYS_timerfd_create,
     SYS_timerfd_settime,

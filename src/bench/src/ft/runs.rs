@@ -63,8 +63,6 @@ pub struct EpochMeans {
     pub encode_ns: f64,
     /// Pages sent ahead of the checkpoint while the guest ran (`--prefetch`).
     pub prefetched_pages: f64,
-    /// From resuming the guest to the checkpoint's acknowledgement.
-    pub ack_us: f64,
 }
 
 impl EpochMeans {
@@ -132,7 +130,6 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
         state_bytes: mean("state_bytes"),
         encode_ns: mean("encode_ns"),
         prefetched_pages: mean("prefetched_pages"),
-        ack_us: mean("ack_us"),
     }
 }
 

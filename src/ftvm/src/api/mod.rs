@@ -35,6 +35,9 @@ pub enum Request {
     Protect {
         backup: String,
     },
+    /// Stop the guest, checkpoint it a last time and hand the VM over to the
+    /// backup; answered once that is done (or failed).
+    Switchover,
 }
 
 /// A request as it travels: the version, then the request's own fields.

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::EventFd;
 
+use ftvm_vmm::sync::Lock;
+
 use ftvm_replication::{Primary, StatusCell};
 use ftvm_vmm::snapshot;
 use ftvm_vmm::Persist;
@@ -47,6 +49,8 @@ pub struct ApiServer {
     in_flight: Arc<AtomicUsize>,
     /// The VM is held paused by `ftvm pause` (replication may hold it too).
     paused_by_operator: AtomicBool,
+    /// Where the reply to a switch-over goes once it is done (`reply_switchover`).
+    switchover: std::sync::Mutex<Option<mpsc::Sender<Response>>>,
 }
 
 /// What the event loop must do after a request.
@@ -56,6 +60,8 @@ pub enum Action {
     Stop,
     /// Protect this VM (a promoted backup's) with a backup at this address.
     Protect(String),
+    /// Stop the VM and hand it over to its backup; then `reply_switchover`.
+    Switchover,
 }
 
 impl ApiServer {
@@ -87,6 +93,7 @@ impl ApiServer {
             clients: Arc::new(AtomicUsize::new(0)),
             in_flight: Arc::new(AtomicUsize::new(0)),
             paused_by_operator: AtomicBool::new(false),
+            switchover: std::sync::Mutex::new(None),
         })
     }
 
@@ -132,12 +139,28 @@ impl ApiServer {
         let mut action = Action::None;
         while let Ok(pending) = self.requests.try_recv() {
             let (response, a) = self.handle(pending.request, ctx);
+            if a == Action::Switchover && matches!(action, Action::None | Action::Protect(_)) {
+                // Answered when done: the client learns whether it worked.
+                *self.switchover.locked() = Some(pending.reply);
+                action = a;
+                continue;
+            }
             let _ = pending.reply.send(response);
-            if action != Action::Stop && a != Action::None {
+            // Stop wins over everything; a switch-over over a protection.
+            if a == Action::Stop || (a != Action::None && action == Action::None) {
                 action = a;
             }
         }
         action
+    }
+}
+
+impl ApiServer {
+    /// Answer the client that asked for the switch-over.
+    pub fn reply_switchover(&self, response: Response) {
+        if let Some(reply) = self.switchover.locked().take() {
+            let _ = reply.send(response);
+        }
     }
 }
 
@@ -266,6 +289,11 @@ impl ApiServer {
                 (None, _) => (Response::error("this VMM is not a replicating primary"), Action::None),
             },
             (Request::Stop, _) => (state("stopping"), Action::Stop),
+            (Request::Switchover, _) => match (ctx.primary, replication) {
+                (Some(_), Some(st)) if st.protected => (state("switching over"), Action::Switchover),
+                (Some(_), _) => (Response::error("the VM is not protected: there is no backup to hand it over to"), Action::None),
+                (None, _) => (Response::error("this VMM is not a replicating primary"), Action::None),
+            },
             (_, None) => (Response::error("no VM is running here yet (a backup before takeover)"), Action::None),
             (Request::Pause, Some(vm)) => {
                 if !self.paused_by_operator.swap(true, Ordering::SeqCst) {

@@ -71,6 +71,8 @@ pub enum Outcome {
 
 enum Ended {
     Lost(String),
+    /// The primary stopped its guest and handed the VM over (`Kind::Handover`).
+    HandedOver,
     Finished(i32),
     /// This backup cannot apply what the primary sent; the primary was told.
     CannotApply(ApplyError),
@@ -137,15 +139,21 @@ impl Backup {
         let Backup { config, listener, heartbeats: socket, mirror: mirror_socket, host, status } = self;
         let Admitted { mut link, mut replica, peer, beats, verdict, mirror } = admit(&config, &host, listener, &socket, &mirror_socket)?;
         tracing::info!(%peer, "primary connected");
-        status.lock().detail = format!("synchronizing from primary {peer}");
+        {
+            let mut st = status.lock();
+            st.detail = format!("synchronizing from primary {peer}");
+            st.peer = peer.clone();
+        }
         let log = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
         let ended = follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log, &mirror.frames);
         // Following ended: no more heartbeats to this primary.
         drop(beats);
         let lost_unix_us = unix_ns() / 1000;
+        let handed_over = matches!(ended, Ended::HandedOver);
         let reason = match ended {
             // The heartbeat thread's finding, if it cut the stream.
             Ended::Lost(reason) => verdict.locked().take().unwrap_or(reason),
+            Ended::HandedOver => "the primary handed the VM over (switch-over)".to_string(),
             Ended::Finished(status) => {
                 tracing::info!(status, "the primary's guest stopped; the backup stops too");
                 return Ok(Outcome::PrimaryFinished(status));
@@ -177,7 +185,11 @@ impl Backup {
         // What the primary may not have released of this epoch goes out
         // first (in the order the guest sent it); then the guest runs, and
         // the input the primary got after this checkpoint reaches it first.
-        let replay = mirror.frames.take(epoch);
+        let mut replay = mirror.frames.take(epoch);
+        if handed_over {
+            // The primary released all of it once this checkpoint was acknowledged.
+            replay.output.clear();
+        }
         let (replayed_out, replayed_in) = (replay.output.len(), replay.input.len());
         if let Some(tap) = vm.devices().tap_sink() {
             for frame in &replay.output {
@@ -187,22 +199,32 @@ impl Backup {
         vm.devices().inject_host_input(replay.input);
         let vm = Arc::new(vm);
         vm.start().map_err(ReplicationError::Thread)?;
-        tracing::warn!(
-            epoch,
-            reason,
-            lost_unix_us,
-            resume_us = t0.elapsed().as_micros() as u64,
-            replayed_out,
-            replayed_in,
-            "PRIMARY LOST: took over from the last committed checkpoint"
-        );
+        let resume_us = t0.elapsed().as_micros() as u64;
+        if handed_over {
+            tracing::warn!(epoch, resume_us, replayed_in, "HANDED OVER: runs the VM from the primary's last checkpoint");
+        } else {
+            tracing::warn!(
+                epoch,
+                reason,
+                lost_unix_us,
+                resume_us,
+                replayed_out,
+                replayed_in,
+                "PRIMARY LOST: took over from the last committed checkpoint"
+            );
+        }
         crate::telemetry::telemetry().took_over();
         {
             let mut st = status.lock();
             st.role = Role::Primary;
             st.protected = false;
             st.epoch = epoch;
-            st.detail = format!("took over at epoch {epoch} after the primary was lost: {reason}; UNPROTECTED");
+            st.peer.clear();
+            st.detail = if handed_over {
+                format!("took over at epoch {epoch}: {reason}; UNPROTECTED")
+            } else {
+                format!("took over at epoch {epoch} after the primary was lost: {reason}; UNPROTECTED")
+            };
         }
         Ok(Outcome::TookOver(vm))
     }
@@ -383,6 +405,8 @@ fn follow(
                 replica.stage_prefetch(std::mem::take(&mut buf), limit).map_err(Stop::CannotApply)
             }
             Kind::Checkpoint => apply_checkpoint(link, &mut apply, replica, &buf, status, log).map(|epoch| mirror.applied(epoch)),
+            // Only after a checkpoint: the primary acknowledged state to run from.
+            Kind::Handover if replica.committed.is_some() => return Ended::HandedOver,
             Kind::Bye => match protocol::decode::<i32>(&buf) {
                 Ok(status) => return Ended::Finished(status),
                 Err(e) => Err(Stop::CannotApply(e.into())),

@@ -89,7 +89,14 @@ pub struct PrimaryConfig {
     pub auth: Option<Auth>,
     /// Copy the guest's frames to the backup, so a takeover replays them.
     pub mirror: crate::mirror::Mode,
+    /// After losing its backup, try these backups in order, again every
+    /// [`STANDBY_RETRY`] until one protects the VM (a promoted backup's
+    /// `--standby`); empty: wait for `Primary::protect`.
+    pub standbys: Vec<String>,
 }
+
+/// How often a primary that lost its backup tries its standbys again.
+pub const STANDBY_RETRY: Duration = Duration::from_secs(1);
 
 /// `--pipeline-depth` unless given: checkpoints in flight at most.
 pub const DEFAULT_PIPELINE_DEPTH: u64 = 2;
@@ -126,7 +133,15 @@ pub struct Primary {
     requests: Sender<String>,
     stop: Arc<AtomicBool>,
     exit_status: Arc<AtomicI32>,
+    handover: Arc<Handover>,
     thread: Option<JoinHandle<()>>,
+}
+
+/// A planned switch-over (`Primary::hand_over`): asked, then done.
+#[derive(Default)]
+struct Handover {
+    asked: AtomicBool,
+    done: AtomicBool,
 }
 
 impl Primary {
@@ -178,6 +193,7 @@ impl Primary {
         let (requests, rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
         let exit_status = Arc::new(AtomicI32::new(0));
+        let handover = Arc::new(Handover::default());
         let worker = Worker {
             vm,
             config,
@@ -189,6 +205,7 @@ impl Primary {
             pipeline,
             stop: stop.clone(),
             exit_status: exit_status.clone(),
+            handover: handover.clone(),
             requests: rx,
             epoch,
             held_by_policy: false,
@@ -198,7 +215,7 @@ impl Primary {
         };
         let thread =
             std::thread::Builder::new().name("replication".into()).spawn(move || worker.run(session)).map_err(ReplicationError::Thread)?;
-        Ok(Primary { status, requests, stop, exit_status, thread: Some(thread) })
+        Ok(Primary { status, requests, stop, exit_status, handover, thread: Some(thread) })
     }
 
     pub fn status(&self) -> Status {
@@ -226,6 +243,18 @@ impl Primary {
     }
 }
 
+impl Primary {
+    /// The VM stopped to be handed over: send a last checkpoint and, once the
+    /// backup acknowledged it (so all output is released), tell the backup
+    /// to run the VM. Returns whether it was handed over; if not, the backup
+    /// takes it over as from a failed primary (or has already).
+    pub fn hand_over(&mut self) -> bool {
+        self.handover.asked.store(true, Ordering::SeqCst);
+        self.finish(0);
+        self.handover.done.load(Ordering::SeqCst)
+    }
+}
+
 impl Drop for Primary {
     fn drop(&mut self) {
         self.finish(0);
@@ -243,6 +272,7 @@ struct Worker {
     pipeline: Pipeline,
     stop: Arc<AtomicBool>,
     exit_status: Arc<AtomicI32>,
+    handover: Arc<Handover>,
     requests: Receiver<String>,
     /// The next checkpoint's number; never reused, across backups.
     epoch: u64,
@@ -259,6 +289,7 @@ struct Worker {
 impl Worker {
     fn run(mut self, first: Session) {
         let mut session = Some(first);
+        let mut last_standby_try: Option<Instant> = None;
         loop {
             // `protect` also says goodbye when asked to stop, even if the
             // guest exited before this thread got going.
@@ -279,31 +310,49 @@ impl Worker {
                 return;
             }
             match self.requests.recv_timeout(Duration::from_millis(100)) {
-                Ok(addr) => {
-                    let config = PrimaryConfig { backup: addr, ..self.config.clone() };
-                    let cx = Context {
-                        vm: &self.vm,
-                        config: &config,
-                        status: &self.status,
-                        metrics: &self.metrics,
-                        output: &self.output,
-                        journal: &self.journal,
-                        trigger: &self.trigger,
-                        stop: &self.stop,
-                    };
-                    match Session::open(&cx, &mut self.pipeline, &mut self.epoch) {
-                        Ok(s) => {
-                            self.config = config;
-                            if std::mem::take(&mut self.held_by_policy) {
-                                self.vm.release();
+                Ok(addr) => session = self.reprotect(addr),
+                Err(RecvTimeoutError::Timeout) => {
+                    if !self.config.standbys.is_empty() && last_standby_try.is_none_or(|t| t.elapsed() >= STANDBY_RETRY) {
+                        last_standby_try = Some(Instant::now());
+                        for addr in self.config.standbys.clone() {
+                            session = self.reprotect(addr);
+                            if session.is_some() || self.stop.load(Ordering::SeqCst) {
+                                break;
                             }
-                            session = Some(s);
                         }
-                        Err(e) => self.reprotection_failed(&e),
                     }
                 }
-                Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+    }
+
+    /// Protect the VM again with the backup at `addr`: the session, or None
+    /// after undoing the attempt as the loss policy has it.
+    fn reprotect(&mut self, addr: String) -> Option<Session> {
+        let config = PrimaryConfig { backup: addr, ..self.config.clone() };
+        let cx = Context {
+            vm: &self.vm,
+            config: &config,
+            status: &self.status,
+            metrics: &self.metrics,
+            output: &self.output,
+            journal: &self.journal,
+            trigger: &self.trigger,
+            stop: &self.stop,
+        };
+        match Session::open(&cx, &mut self.pipeline, &mut self.epoch) {
+            Ok(s) => {
+                tracing::info!(backup = %config.backup, "protected again");
+                self.config = config;
+                if std::mem::take(&mut self.held_by_policy) {
+                    self.vm.release();
+                }
+                Some(s)
+            }
+            Err(e) => {
+                self.reprotection_failed(&e);
+                None
             }
         }
     }
@@ -362,7 +411,8 @@ impl Worker {
         }
     }
 
-    /// Last checkpoint of the stopped VM, its acknowledgement, then Bye.
+    /// Last checkpoint of the stopped VM, its acknowledgement, then Bye (or
+    /// Handover, for a switch-over, only once everything is acknowledged).
     fn farewell(&mut self, session: &Session) {
         let epoch = self.epoch;
         let Ok((mut taken, frame)) = self.pipeline.take(&self.vm, epoch) else { return };
@@ -375,7 +425,21 @@ impl Worker {
         while !session.is_lost() && !session.acked_all() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
         }
-        session.bye(self.exit_status.load(Ordering::SeqCst));
+        if !self.handover.asked.load(Ordering::SeqCst) {
+            session.bye(self.exit_status.load(Ordering::SeqCst));
+            return;
+        }
+        if session.is_lost() || !session.acked_all() {
+            tracing::error!(epoch, "switch-over: the backup did not acknowledge the last checkpoint; it takes over as after a failure");
+            return;
+        }
+        match session.hand_over() {
+            Ok(()) => {
+                tracing::info!(epoch, backup = %self.config.backup, "handed the VM over to the backup");
+                self.handover.done.store(true, Ordering::SeqCst);
+            }
+            Err(e) => tracing::error!("switch-over: cannot tell the backup: {e}; it takes over as after a failure"),
+        }
     }
 
     /// With an arbiter, keep the VM (and so its output) held until this side
@@ -446,6 +510,7 @@ impl Worker {
 
     fn backup_lost(&mut self, reason: &BackupLoss) {
         crate::telemetry::telemetry().backup_lost();
+        self.status.lock().peer.clear();
         if !self.reclaim(reason) {
             return;
         }

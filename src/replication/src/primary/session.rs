@@ -191,6 +191,7 @@ impl Session {
             // acknowledgement reader says so).
             let mut st = cx.status.lock();
             st.epoch = first;
+            st.peer = cx.config.backup.clone();
             st.detail = format!("backup {} synchronized; waiting for its first acknowledgement", cx.config.backup);
         }
         Ok(Session { link: Mutex::new(link), shared, reader: Some(reader), heartbeats: Some(heartbeats), mirror })
@@ -257,6 +258,11 @@ impl Session {
             unsafe { libc::_exit(137) }
         }
         Ok(())
+    }
+
+    /// Tell the backup it runs the VM from here on (the last checkpoint is acknowledged).
+    pub fn hand_over(&self) -> std::io::Result<()> {
+        self.link.locked().send(&protocol::message(Kind::Handover, &()))
     }
 
     /// Tell the backup the guest stopped for good with `status`.
