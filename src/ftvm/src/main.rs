@@ -17,7 +17,7 @@ mod signals;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig, Switches, DEFAULT_PIPELINE_DEPTH};
+use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig, Role, Switches, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::Console;
 
 use cli::{ChannelArgs, ClientArgs, Command, HostArgs};
@@ -143,6 +143,31 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
             };
             run::run(run::Source::Backup(Box::new(config)), args.host.into_options(Some(promotion)))
         }
+        Command::Replica(args) => {
+            let peers = ftvm_replication::vsmr::parse_peers(&args.peers, args.id).map_err(run::RunError::Usage)?;
+            if args.host.disk.is_some() {
+                return Err(run::RunError::Usage("--disk: consensus-ordered replicas do not replicate disks yet".into()));
+            }
+            let config = ftvm_replication::vsmr::ReplicaConfig {
+                id: args.id,
+                peers,
+                witness: args.witness,
+                auth: args.channel.auth()?,
+                metrics: args.metrics,
+                max_interval: Duration::from_millis(args.sync_ms),
+            };
+            let source = match args.image {
+                Some(image) if !args.witness => run::Source::Replica {
+                    image,
+                    mem_size: args.memory.saturating_mul(1 << 20),
+                    vcpus: args.vcpus,
+                    cmdline: args.cmdline,
+                    config: Box::new(config),
+                },
+                _ => run::Source::Witness(Box::new(config)),
+            };
+            run::run(source, args.host.into_options(None))
+        }
         Command::Restore { snapshot, host } => run::run(run::Source::Snapshot(snapshot), host.into_options(None)),
         Command::Snapshot { api_socket, timeout, output, stop } => {
             let path = std::path::absolute(&output).unwrap_or(output);
@@ -193,8 +218,25 @@ fn print_status(r: &api::Response) {
     if let Some(rep) = &r.replication {
         outln!("role: {}", rep.role);
         outln!("protected: {}", if rep.protected { "yes" } else { "no" });
-        outln!("epoch: {}", rep.epoch);
+        if matches!(rep.role, Role::Leader | Role::Secondary | Role::Witness) {
+            outln!("term: {}", rep.term);
+        } else {
+            outln!("epoch: {}", rep.epoch);
+        }
         outln!("detail: {}", rep.detail);
+        if let Some(m) = &rep.last_sync {
+            outln!(
+                "last syncvm {} (term {}): {} pages dirty, {} divergent, pause {} us, {} bytes sent since the previous, {} us after it{}",
+                m.index,
+                m.term,
+                m.dirty_pages,
+                m.divergent_pages,
+                m.pause_us,
+                m.bytes,
+                m.interval_us,
+                if m.ok { "" } else { " (FAILED)" }
+            );
+        }
         if let Some(m) = &rep.last {
             outln!(
                 "last epoch {}: started by {}, ran {} us (at most {} us), pause {} us, {} dirty pages, {} bytes, transfer {} us, ack after {} us, {} frames released (held up to {} us)",

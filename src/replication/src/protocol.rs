@@ -23,7 +23,9 @@ use ftvm_vmm::pages::FormatError;
 /// (`checkpoint::StateDelta`).
 /// Version 6: Hello carries the primary's vCPU profile
 /// (`ftvm_vmm::arch::compat`), which the backup checks against its host.
-pub const PROTOCOL_VERSION: u16 = 6;
+/// Version 7: the consensus-ordered replicas' messages (`vsmr`): PeerHello,
+/// Raft, and the `syncvm` exchange.
+pub const PROTOCOL_VERSION: u16 = 7;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.
@@ -48,6 +50,18 @@ pub enum Kind {
     AuthChallenge = 12,
     AuthProof = 13,
     AuthAccept = 14,
+    /// Consensus-ordered replicas (`vsmr`): who dials, first on a link.
+    PeerHello = 20,
+    /// A raft message (protobuf, as raft-rs encodes it).
+    Raft = 21,
+    /// `syncvm`: a replica's dirty bitmap.
+    SyncBitmap = 22,
+    /// `syncvm`: the secondary's page hashes over the union.
+    SyncHashes = 23,
+    /// `syncvm`: the leader's divergent pages and VM state.
+    SyncPages = 24,
+    /// `syncvm`: the secondary staged the pages.
+    SyncAck = 25,
 }
 
 impl Kind {
@@ -66,6 +80,12 @@ impl Kind {
             12 => Kind::AuthChallenge,
             13 => Kind::AuthProof,
             14 => Kind::AuthAccept,
+            20 => Kind::PeerHello,
+            21 => Kind::Raft,
+            22 => Kind::SyncBitmap,
+            23 => Kind::SyncHashes,
+            24 => Kind::SyncPages,
+            25 => Kind::SyncAck,
             _ => return None,
         })
     }

@@ -1,0 +1,293 @@
+//! `syncvm`: the leader brings the secondary to its exact state by sending
+//! only the pages that differ.
+//!
+//! Both VM replicas run it when they apply the same committed `Sync`
+//! entry, so both have received exactly the same input before it:
+//!
+//! ```text
+//!  leader                                   secondary
+//!  freeze (pause, dirty set, state,          pause, dirty set
+//!          close the output epoch)
+//!  SyncBitmap ─────────────────────────────▶
+//!            ◀───────────────────────────── SyncBitmap
+//!  hash the union (xxh3-128, all cores)      hash the union
+//!            ◀───────────────────────────── SyncHashes
+//!  compare: divergent pages
+//!  SyncPages (divergent pages, VM state,
+//!             undelivered input) ──────────▶ stage (parse, check)
+//!  resume                                    
+//!            ◀───────────────────────────── SyncAck
+//!  release the closed epoch's output         apply pages, then state; resume
+//! ```
+//!
+//! Every message carries the `Sync` entry's term and index; anything else
+//! is a leftover of an abandoned `syncvm` and is dropped. A full `syncvm`
+//! (a secondary this leader has not synchronized) compares every page.
+//! The secondary applies only a whole, checked message, after its
+//! acknowledgement: a leader that dies mid-transfer leaves it as it was.
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_128;
+
+use ftvm_vmm::memory::{GuestRam, PAGE};
+use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
+use ftvm_vmm::{PageBitmap, Vm, VmState};
+
+use super::mesh::{Inbound, Mesh};
+use crate::checkpoint::StateDelta;
+use crate::pipeline::freeze::Frozen;
+use crate::protocol::{self, Kind, ProtocolError};
+
+/// How long one side waits for the other's next message.
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Which `syncvm` a message belongs to: its `Sync` entry's term and log
+/// index, the first 16 bytes of every `syncvm` message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncId {
+    pub term: u64,
+    pub index: u64,
+}
+
+const ID_LEN: usize = 16;
+
+impl SyncId {
+    fn header(&self) -> [u8; ID_LEN] {
+        let mut h = [0; ID_LEN];
+        h[..8].copy_from_slice(&self.term.to_le_bytes());
+        h[8..].copy_from_slice(&self.index.to_le_bytes());
+        h
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct BitmapMsg {
+    words: Vec<u64>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct HashesMsg {
+    hashes: Vec<u128>,
+}
+
+/// The state part of `SyncPages`.
+#[derive(Serialize, Deserialize)]
+struct SyncState {
+    vm: VmState,
+    /// Input the leader's guest had not taken in yet (its receive queue was
+    /// full): the secondary's guest gets exactly these next.
+    pending_input: Vec<Vec<u8>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("the peer did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error("cannot send to the peer")]
+    Send,
+    #[error(transparent)]
+    Vm(#[from] ftvm_vmm::VmError),
+    #[error("the replica is stopping")]
+    Closed,
+}
+
+/// Figures of one `syncvm`, on either side.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Figures {
+    /// Pages written on either side since the previous `syncvm`.
+    pub dirty_pages: u64,
+    /// Of those, pages whose contents differed (sent).
+    pub divergent_pages: u64,
+    /// How long this side's guest was paused.
+    pub pause: Duration,
+    /// Bytes of the `SyncPages` message.
+    pub page_bytes: u64,
+}
+
+/// The exchange with one peer.
+pub struct Exchange<'a> {
+    pub mesh: &'a Mesh,
+    pub inbox: &'a Receiver<Inbound>,
+    pub peer: u64,
+    pub id: SyncId,
+}
+
+impl Exchange<'_> {
+    /// Send `body` after this `syncvm`'s id (`term u64 | index u64`).
+    fn send(&self, kind: Kind, body: &[u8]) -> Result<(), SyncError> {
+        let mut payload = self.id.header().to_vec();
+        payload.extend_from_slice(body);
+        if self.mesh.send(self.peer, protocol::frame(kind, &payload)) {
+            Ok(())
+        } else {
+            Err(SyncError::Send)
+        }
+    }
+
+    /// The next message of `kind` for this `syncvm` from the peer (its
+    /// payload, the id included); others (stale ones, of an abandoned
+    /// `syncvm`) are dropped.
+    fn expect(&self, kind: Kind) -> Result<Vec<u8>, SyncError> {
+        let deadline = Instant::now() + STEP_TIMEOUT;
+        loop {
+            let msg = match self.inbox.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(m) => m,
+                Err(RecvTimeoutError::Timeout) => return Err(SyncError::Timeout(STEP_TIMEOUT)),
+                Err(RecvTimeoutError::Disconnected) => return Err(SyncError::Closed),
+            };
+            if msg.from != self.peer || msg.kind != kind || msg.payload.len() < ID_LEN {
+                continue;
+            }
+            let id = SyncId {
+                term: u64::from_le_bytes(msg.payload[..8].try_into().expect("8 bytes")),
+                index: u64::from_le_bytes(msg.payload[8..16].try_into().expect("8 bytes")),
+            };
+            if id == self.id {
+                return Ok(msg.payload);
+            }
+            tracing::debug!(?id, want = ?self.id, "dropped a stale syncvm message");
+        }
+    }
+
+    fn swap_bitmaps(&self, mine: &PageBitmap, full: bool) -> Result<PageBitmap, SyncError> {
+        let words = if full { Vec::new() } else { mine.words().to_vec() };
+        self.send(Kind::SyncBitmap, &postcard::to_allocvec(&BitmapMsg { words }).expect("serializes"))?;
+        let theirs: BitmapMsg = protocol::decode(&self.expect(Kind::SyncBitmap)?[ID_LEN..])?;
+        let mut union = PageBitmap::new(mine.capacity());
+        if full {
+            union.set_range(0, mine.capacity() - 1);
+        } else {
+            if theirs.words.len() != mine.words().len() {
+                return Err(ProtocolError::Corrupt(format!("a dirty bitmap of {} words for {} pages", theirs.words.len(), mine.capacity())).into());
+            }
+            union.copy_from(mine);
+            union.or_words(&theirs.words);
+        }
+        Ok(union)
+    }
+}
+
+/// The leader's side, with its VM frozen (dirty set and state taken, the
+/// output epoch closed, in the pause): resumes the guest as soon as the
+/// pages are sent, returns once the secondary acknowledged them.
+pub fn lead(x: &Exchange<'_>, vm: &Vm, mut frozen: Frozen<'_>, full: bool) -> Result<Figures, SyncError> {
+    let pending_input = vm.devices().take_injected_host_input();
+    let none = StateDelta { memory: None, vcpus: Vec::new(), devices: Vec::new(), clock: None };
+    // The freeze saved every component: a whole state.
+    let state = std::mem::replace(&mut frozen.state.vm, none).over(None);
+    let result = lead_paused(x, vm, &frozen.dirty, state, full, &pending_input);
+    let pause = frozen.thaw().pause;
+    // The guest takes them next, as the secondary's will.
+    vm.devices().inject_host_input(pending_input);
+    let mut figures = result?;
+    figures.pause = pause;
+    x.expect(Kind::SyncAck)?;
+    Ok(figures)
+}
+
+fn lead_paused(x: &Exchange<'_>, vm: &Vm, dirty: &PageBitmap, state: VmState, full: bool, pending: &[Vec<u8>]) -> Result<Figures, SyncError> {
+    let union = x.swap_bitmaps(dirty, full)?;
+    let pages: Vec<u64> = union.pages().collect();
+    let mine = hash_pages(vm.ram(), &pages);
+    let theirs: HashesMsg = protocol::decode(&x.expect(Kind::SyncHashes)?[ID_LEN..])?;
+    if theirs.hashes.len() != pages.len() {
+        return Err(ProtocolError::Corrupt(format!("{} hashes for {} pages", theirs.hashes.len(), pages.len())).into());
+    }
+    let state = postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec() }).expect("serializes");
+    let mut frame = Vec::new();
+    protocol::begin_frame(&mut frame, Kind::SyncPages);
+    frame.extend_from_slice(&x.id.header());
+    let mut encoder = RawEncoder;
+    let mut bundle = BundleWriter::begin(&mut frame, &state, &mut encoder, false);
+    let mut buf = vec![0u8; PAGE];
+    let mut divergent = 0;
+    for ((&p, a), b) in pages.iter().zip(&mine).zip(&theirs.hashes) {
+        if a != b {
+            vm.ram().read_page(p, &mut buf).map_err(ftvm_vmm::VmError::from)?;
+            bundle.page(p, &buf);
+            divergent += 1;
+        }
+    }
+    bundle.finish();
+    protocol::finish_frame(&mut frame);
+    let page_bytes = frame.len() as u64;
+    if !x.mesh.send(x.peer, frame) {
+        return Err(SyncError::Send);
+    }
+    Ok(Figures { dirty_pages: pages.len() as u64, divergent_pages: divergent, pause: Duration::ZERO, page_bytes })
+}
+
+/// The secondary's side: pause, exchange, stage, acknowledge, apply,
+/// resume. On an error nothing was applied.
+pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncError> {
+    vm.pause();
+    let t0 = Instant::now();
+    let result = follow_paused(x, vm, full);
+    vm.resume();
+    let mut figures = result?;
+    figures.pause = t0.elapsed();
+    Ok(figures)
+}
+
+fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncError> {
+    let mut dirty = PageBitmap::new(vm.ram().pages());
+    vm.collect_dirty(&mut dirty, &PageBitmap::new(vm.ram().pages()))?;
+    let union = x.swap_bitmaps(&dirty, full)?;
+    let pages: Vec<u64> = union.pages().collect();
+    let hashes = hash_pages(vm.ram(), &pages);
+    x.send(Kind::SyncHashes, &postcard::to_allocvec(&HashesMsg { hashes }).expect("serializes"))?;
+    let payload = x.expect(Kind::SyncPages)?;
+    // Stage: everything parsed and checked before anything changes.
+    let mut c = Cursor::new(&payload[ID_LEN..]);
+    let bundle = Bundle::parse(&mut c, vm.ram().pages()).map_err(ProtocolError::from)?;
+    if !c.is_empty() {
+        return Err(ProtocolError::Corrupt("syncvm pages have trailing bytes".into()).into());
+    }
+    let state: SyncState = protocol::decode(bundle.state)?;
+    if state.vm.vcpus.len() != vm.config().vcpus as usize || state.vm.memory.size != vm.ram().size() {
+        return Err(ProtocolError::Corrupt("the leader's VM has another shape".into()).into());
+    }
+    let divergent = bundle.len();
+    x.send(Kind::SyncAck, &[])?;
+    // Commit: pages (checked against RAM at parse), then the state.
+    bundle.apply(vm.ram()).map_err(ftvm_vmm::VmError::from)?;
+    let _ = vm.devices().take_injected_host_input();
+    vm.restore_paused(&state.vm)?;
+    // The pages the apply wrote stay dirty: compared again next time (the
+    // clock page, republished by the restore, is this host's own).
+    vm.devices().inject_host_input(state.pending_input);
+    Ok(Figures { dirty_pages: pages.len() as u64, divergent_pages: divergent, pause: Duration::ZERO, page_bytes: payload.len() as u64 })
+}
+
+/// XXH3-128 of each page, on every core.
+pub fn hash_pages(ram: &GuestRam, pages: &[u64]) -> Vec<u128> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
+    let mut out = vec![0u128; pages.len()];
+    if pages.len() < 256 || threads == 1 {
+        hash_into(ram, pages, &mut out);
+        return out;
+    }
+    let chunk = pages.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        for (p, o) in pages.chunks(chunk).zip(out.chunks_mut(chunk)) {
+            s.spawn(move || hash_into(ram, p, o));
+        }
+    });
+    out
+}
+
+fn hash_into(ram: &GuestRam, pages: &[u64], out: &mut [u128]) {
+    let mut buf = vec![0u8; PAGE];
+    for (&p, o) in pages.iter().zip(out) {
+        // Pages come from a bitmap of this RAM's size: always in range.
+        *o = match ram.read_page(p, &mut buf) {
+            Ok(()) => xxh3_128(&buf),
+            Err(_) => 0,
+        };
+    }
+}
