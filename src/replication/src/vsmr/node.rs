@@ -42,6 +42,10 @@ pub enum Event {
     Peer(Inbound),
     /// Append this entry to the log (only a leader does; others drop it).
     Propose(Vec<u8>),
+    /// A `syncvm` completed at this index: the log before it is not needed
+    /// any more (a replica that lacks it gets raft's snapshot and then a
+    /// full `syncvm`).
+    Compact(u64),
 }
 
 /// An entry the log committed, in log order.
@@ -159,6 +163,14 @@ impl Loop {
                     let _ = self.node.propose(vec![], data);
                 }
             }
+            Event::Compact(index) => {
+                let store = self.node.raft.raft_log.store.clone();
+                let index = index.min(self.node.raft.raft_log.applied);
+                if index > self.compacted {
+                    self.compacted = index;
+                    let _ = store.wl().compact(index);
+                }
+            }
         }
     }
 
@@ -225,7 +237,10 @@ impl Loop {
         }
         self.send(ready.take_messages());
         if !ready.snapshot().is_empty() {
-            // No data: the log behind it is gone, the VM comes with a full syncvm.
+            // No data: the input behind it is gone, so this VM no longer
+            // matches the others until a full syncvm; it may not lead.
+            self.config.eligible.store(false, Ordering::SeqCst);
+            tracing::info!(index = ready.snapshot().get_metadata().index, "caught up from a snapshot: needs a full syncvm");
             let _ = store.wl().apply_snapshot(ready.snapshot().clone());
         }
         self.apply(ready.take_committed_entries())?;

@@ -49,6 +49,10 @@ pub struct Shared {
     lead: Mutex<Option<Arc<Leadership>>>,
     /// When the previous `syncvm` ended here.
     last_sync: Mutex<Instant>,
+    /// As a secondary: its memory equalled the leader's at the last
+    /// `syncvm` and its writes since are tracked (otherwise the next
+    /// `syncvm` compares every page).
+    in_step: AtomicBool,
 }
 
 /// One term of serving as leader.
@@ -131,6 +135,7 @@ impl Shared {
             max_interval,
             lead: Mutex::new(None),
             last_sync: Mutex::new(Instant::now()),
+            in_step: AtomicBool::new(false),
         }
     }
 }
@@ -198,6 +203,9 @@ impl Applier {
                     self.lead_sync(id, secondary, full);
                 } else if secondary == self.shared.id {
                     self.follow_sync(id, leader, full);
+                } else {
+                    // The leader released output this VM has no state for.
+                    self.out_of_step();
                 }
             }
             Committed::Entry { entry: Entry::Input(_), .. } => unreachable!("input is delivered in batches"),
@@ -221,6 +229,11 @@ impl Applier {
     fn take_over(&self, term: u64) {
         let s = &self.shared;
         if s.lead.locked().as_ref().is_some_and(|l| l.term == term) {
+            return;
+        }
+        if !s.eligible.load(Ordering::SeqCst) {
+            // The consensus thread hands leadership on.
+            tracing::warn!(term, "elected, but this VM is not in step with what was released: not serving");
             return;
         }
         let vm = &s.vm;
@@ -259,9 +272,18 @@ impl Applier {
         let _ = std::thread::Builder::new().name("proposer".into()).spawn(move || propose_loop(&shared, &lead));
     }
 
+    /// This VM no longer matches what the leader released: it may not lead,
+    /// and the next `syncvm` it takes part in compares every page.
+    fn out_of_step(&self) {
+        self.shared.in_step.store(false, Ordering::SeqCst);
+        self.shared.eligible.store(false, Ordering::SeqCst);
+    }
+
     fn step_down(&self, why: &str) {
         let s = &self.shared;
         let Some(lead) = s.lead.locked().take() else { return };
+        // What it ran since the last syncvm, the new leader did not.
+        self.out_of_step();
         lead.serving.store(false, Ordering::SeqCst);
         lead.ran.notify_all();
         // The output held since the last syncvm is dropped with the buffer:
@@ -295,6 +317,7 @@ impl Applier {
         match &result {
             Ok(f) => {
                 let released = lead.output.release_through(epoch);
+                let _ = s.events.send(Event::Compact(id.index));
                 *lead.synced.locked() = (secondary != 0).then_some(secondary);
                 let mut st = s.status.lock();
                 st.protected = secondary != 0;
@@ -324,7 +347,8 @@ impl Applier {
         }
         let t0 = Instant::now();
         let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: leader, id };
-        let result = sync::follow(&x, &s.vm, full);
+        let result = sync::follow(&x, &s.vm, full || !s.in_step.load(Ordering::SeqCst));
+        s.in_step.store(result.is_ok(), Ordering::SeqCst);
         match &result {
             Ok(_) => {
                 s.eligible.store(true, Ordering::SeqCst);

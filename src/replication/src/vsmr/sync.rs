@@ -65,6 +65,9 @@ impl SyncId {
 
 #[derive(Serialize, Deserialize)]
 struct BitmapMsg {
+    /// Compare every page: the leader has not synchronized this secondary
+    /// (or lost track of its writes), or the secondary is not in step.
+    full: bool,
     words: Vec<u64>,
 }
 
@@ -154,12 +157,14 @@ impl Exchange<'_> {
         }
     }
 
+    /// Send this side's dirty bitmap, receive the other's: the union, or
+    /// every page when either side asks for a full compare.
     fn swap_bitmaps(&self, mine: &PageBitmap, full: bool) -> Result<PageBitmap, SyncError> {
         let words = if full { Vec::new() } else { mine.words().to_vec() };
-        self.send(Kind::SyncBitmap, &postcard::to_allocvec(&BitmapMsg { words }).expect("serializes"))?;
+        self.send(Kind::SyncBitmap, &postcard::to_allocvec(&BitmapMsg { full, words }).expect("serializes"))?;
         let theirs: BitmapMsg = protocol::decode(&self.expect(Kind::SyncBitmap)?[ID_LEN..])?;
         let mut union = PageBitmap::new(mine.capacity());
-        if full {
+        if full || theirs.full {
             union.set_range(0, mine.capacity() - 1);
         } else {
             if theirs.words.len() != mine.words().len() {
@@ -223,7 +228,9 @@ fn lead_paused(x: &Exchange<'_>, vm: &Vm, dirty: &PageBitmap, state: VmState, fu
 }
 
 /// The secondary's side: pause, exchange, stage, acknowledge, apply,
-/// resume. On an error nothing was applied.
+/// resume; `full` when it is not in step with the leader (never
+/// synchronized, or a failed `syncvm` took its dirty set). On an error
+/// nothing was applied.
 pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncError> {
     vm.pause();
     let t0 = Instant::now();
