@@ -108,7 +108,12 @@ impl Mesh {
                     let Ok(stream) = stream else { continue };
                     let Ok(link) = transport::TcpTransport::new(stream) else { continue };
                     let (m, auth, raft, sync) = (m.clone(), auth.clone(), raft.clone(), sync.clone());
-                    let _ = std::thread::Builder::new().name("peer-rx".into()).spawn(move || m.receive(link, auth.as_ref(), &raft, &sync));
+                    let peer = link.peer();
+                    let _ = std::thread::Builder::new().name("peer-rx".into()).spawn(move || {
+                        // It parses what any peer sends: the narrow filter.
+                        ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Replication);
+                        m.receive(link, &peer, auth.as_ref(), &raft, &sync)
+                    });
                 }
             })
             .map_err(ReplicationError::Thread)?;
@@ -178,8 +183,7 @@ impl Mesh {
     }
 
     /// Serve one accepted link until it breaks.
-    fn receive(&self, mut link: transport::TcpTransport, auth: Option<&Auth>, raft: &Sender<Event>, sync: &Sender<Inbound>) {
-        let peer = link.peer();
+    fn receive(&self, mut link: transport::TcpTransport, peer: &str, auth: Option<&Auth>, raft: &Sender<Event>, sync: &Sender<Inbound>) {
         let mut buf = Vec::new();
         let _ = link.set_recv_timeout(Some(HANDSHAKE_TIMEOUT));
         let first = match link.recv(protocol::HANDSHAKE_LIMIT, &mut buf) {

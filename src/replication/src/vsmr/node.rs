@@ -106,7 +106,10 @@ pub fn start(
     let node = RawNode::new(&raft_config, storage, &logger).map_err(|e| ReplicationError::Consensus(e.to_string()))?;
     std::thread::Builder::new()
         .name("consensus".into())
-        .spawn(move || Loop { node, mesh, committed, view, config, compacted: 0 }.run(events))
+        .spawn(move || {
+            ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Replication);
+            Loop { node, mesh, committed, view, config, compacted: 0 }.run(events)
+        })
         .map_err(ReplicationError::Thread)?;
     Ok(())
 }

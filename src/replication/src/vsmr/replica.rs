@@ -269,7 +269,10 @@ impl Applier {
         }
         tracing::warn!(term, "LEADER: serving the VM");
         let shared = s.clone();
-        let _ = std::thread::Builder::new().name("proposer".into()).spawn(move || propose_loop(&shared, &lead));
+        let _ = std::thread::Builder::new().name("proposer".into()).spawn(move || {
+            ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Replication);
+            propose_loop(&shared, &lead)
+        });
     }
 
     /// This VM no longer matches what the leader released: it may not lead,

@@ -41,8 +41,13 @@ use crate::checkpoint::StateDelta;
 use crate::pipeline::freeze::Frozen;
 use crate::protocol::{self, Kind, ProtocolError};
 
-/// How long one side waits for the other's next message.
-pub const STEP_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long one side waits for the other's next message, beyond the time
+/// the other needs to hash or copy its pages: a dead peer costs the paused
+/// guest no more than this.
+pub const STEP_TIMEOUT: Duration = Duration::from_millis(300);
+/// Time allowed per page the other side hashes or sends (a loaded 2-core
+/// host hashes and copies a page in about 2 µs).
+const PER_PAGE: Duration = Duration::from_micros(4);
 
 /// Which `syncvm` a message belongs to: its `Sync` entry's term and log
 /// index, the first 16 bytes of every `syncvm` message.
@@ -135,12 +140,13 @@ impl Exchange<'_> {
     /// The next message of `kind` for this `syncvm` from the peer (its
     /// payload, the id included); others (stale ones, of an abandoned
     /// `syncvm`) are dropped.
-    fn expect(&self, kind: Kind) -> Result<Vec<u8>, SyncError> {
-        let deadline = Instant::now() + STEP_TIMEOUT;
+    fn expect(&self, kind: Kind, pages: u64) -> Result<Vec<u8>, SyncError> {
+        let timeout = STEP_TIMEOUT + PER_PAGE * pages as u32;
+        let deadline = Instant::now() + timeout;
         loop {
             let msg = match self.inbox.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok(m) => m,
-                Err(RecvTimeoutError::Timeout) => return Err(SyncError::Timeout(STEP_TIMEOUT)),
+                Err(RecvTimeoutError::Timeout) => return Err(SyncError::Timeout(timeout)),
                 Err(RecvTimeoutError::Disconnected) => return Err(SyncError::Closed),
             };
             if msg.from != self.peer || msg.kind != kind || msg.payload.len() < ID_LEN {
@@ -162,7 +168,7 @@ impl Exchange<'_> {
     fn swap_bitmaps(&self, mine: &PageBitmap, full: bool) -> Result<PageBitmap, SyncError> {
         let words = if full { Vec::new() } else { mine.words().to_vec() };
         self.send(Kind::SyncBitmap, &postcard::to_allocvec(&BitmapMsg { full, words }).expect("serializes"))?;
-        let theirs: BitmapMsg = protocol::decode(&self.expect(Kind::SyncBitmap)?[ID_LEN..])?;
+        let theirs: BitmapMsg = protocol::decode(&self.expect(Kind::SyncBitmap, 0)?[ID_LEN..])?;
         let mut union = PageBitmap::new(mine.capacity());
         if full || theirs.full {
             union.set_range(0, mine.capacity() - 1);
@@ -191,7 +197,7 @@ pub fn lead(x: &Exchange<'_>, vm: &Vm, mut frozen: Frozen<'_>, full: bool) -> Re
     vm.devices().inject_host_input(pending_input);
     let mut figures = result?;
     figures.pause = pause;
-    x.expect(Kind::SyncAck)?;
+    x.expect(Kind::SyncAck, 0)?;
     Ok(figures)
 }
 
@@ -199,7 +205,7 @@ fn lead_paused(x: &Exchange<'_>, vm: &Vm, dirty: &PageBitmap, state: VmState, fu
     let union = x.swap_bitmaps(dirty, full)?;
     let pages: Vec<u64> = union.pages().collect();
     let mine = hash_pages(vm.ram(), &pages);
-    let theirs: HashesMsg = protocol::decode(&x.expect(Kind::SyncHashes)?[ID_LEN..])?;
+    let theirs: HashesMsg = protocol::decode(&x.expect(Kind::SyncHashes, pages.len() as u64)?[ID_LEN..])?;
     if theirs.hashes.len() != pages.len() {
         return Err(ProtocolError::Corrupt(format!("{} hashes for {} pages", theirs.hashes.len(), pages.len())).into());
     }
@@ -248,7 +254,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
     let pages: Vec<u64> = union.pages().collect();
     let hashes = hash_pages(vm.ram(), &pages);
     x.send(Kind::SyncHashes, &postcard::to_allocvec(&HashesMsg { hashes }).expect("serializes"))?;
-    let payload = x.expect(Kind::SyncPages)?;
+    let payload = x.expect(Kind::SyncPages, pages.len() as u64)?;
     // Stage: everything parsed and checked before anything changes.
     let mut c = Cursor::new(&payload[ID_LEN..]);
     let bundle = Bundle::parse(&mut c, vm.ram().pages()).map_err(ProtocolError::from)?;
