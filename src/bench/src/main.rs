@@ -9,6 +9,7 @@ mod paths;
 mod redis_benchmark;
 mod report;
 mod vm_costs;
+mod vsmr;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -40,6 +41,10 @@ enum Command {
     /// The kv guest under redis-benchmark (SET/GET throughput, p50/p99
     /// latency) against redis-server run natively in the same run.
     Kv(kv::Options),
+    /// Consensus-ordered replicas (PLOVER's VSMR) against primary-backup
+    /// and the unreplicated VM: kv under redis-benchmark, throughput and
+    /// latency ratios, replication bytes per request, divergent pages.
+    Vsmr(vsmr::Options),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +58,7 @@ fn main() -> ExitCode {
         Command::Ft(opts) => ft::run(&opts, &cli.out),
         Command::Kv(opts) => kv::run(&opts, &cli.out),
         Command::Channel(opts) => channel::run(&opts, &cli.out),
+        Command::Vsmr(opts) => vsmr::run(&opts, &cli.out),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
