@@ -45,6 +45,9 @@ pub struct Options {
     /// diffs, changed state only, the output trigger).
     #[arg(long, default_value = "--epoch-ms 20 --diff lz4 --device-state changed", allow_hyphen_values = true)]
     pb_flags: String,
+    /// Primary-backup as PLOVER compared against (MC/Remus): whole pages.
+    #[arg(long, default_value = "--epoch-ms 20 --diff off", allow_hyphen_values = true)]
+    pb_whole_flags: String,
     /// VSMR: longest interval between syncvms (ms).
     #[arg(long, default_value_t = 100)]
     sync_ms: u64,
@@ -57,14 +60,19 @@ pub struct Options {
 enum Mode {
     Unreplicated,
     PrimaryBackup,
+    /// Primary-backup sending whole pages.
+    PrimaryBackupWhole,
     Vsmr,
 }
+
+const MODES: [Mode; 4] = [Mode::Unreplicated, Mode::PrimaryBackup, Mode::PrimaryBackupWhole, Mode::Vsmr];
 
 impl Mode {
     fn name(self) -> &'static str {
         match self {
             Mode::Unreplicated => "unreplicated",
             Mode::PrimaryBackup => "primary-backup",
+            Mode::PrimaryBackupWhole => "primary-backup whole pages",
             Mode::Vsmr => "VSMR",
         }
     }
@@ -112,17 +120,18 @@ fn start(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options
             vm(&mut cmd);
             procs.push(Process::spawn_collected("ftvm run", &mut cmd)?);
         }
-        Mode::PrimaryBackup => {
+        Mode::PrimaryBackup | Mode::PrimaryBackupWhole => {
             let backup = format!("{H2_REPL_ADDR}:7000");
             let mut cmd = topo.command("h2", ftvm);
             cmd.args(["backup", "--listen", &backup, "--net", &format!("tap=tap0,mac={GUEST_MAC}")]);
             procs.push(Process::spawn_collected("ftvm backup", &mut cmd)?);
-            let m = dir.join("pb.jsonl");
+            let m = dir.join(format!("{}.jsonl", tag.replace(' ', "-")));
             let mut cmd = topo.command("h1", ftvm);
             cmd.arg("run");
             vm(&mut cmd);
             cmd.args(["--replicate-to", &backup, "--metrics"]).arg(&m).arg("--api-socket").arg(&socket);
-            cmd.args(opts.pb_flags.split_whitespace());
+            let flags = if mode == Mode::PrimaryBackup { &opts.pb_flags } else { &opts.pb_whole_flags };
+            cmd.args(flags.split_whitespace());
             procs.push(Process::spawn_collected("ftvm run (primary)", &mut cmd)?);
             metrics.push(m);
         }
@@ -270,7 +279,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let topo = Topology::new("vsmb")?;
     let dir = Scratch::new("bench-vsmr")?;
     let mut results = Vec::new();
-    for mode in [Mode::Unreplicated, Mode::PrimaryBackup, Mode::Vsmr] {
+    for mode in MODES {
         results.push(measure(&topo, &ftvm, &dir, mode, opts)?);
     }
     let mut rows = Vec::new();
@@ -279,8 +288,8 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         let group = format!("kv -P {p} -c {}", opts.clients);
         let unrep = &results[0][i];
         let requests = 2.0 * opts.requests as f64;
-        let mut per_request = [0.0; 3];
-        for (m, mode) in [Mode::Unreplicated, Mode::PrimaryBackup, Mode::Vsmr].into_iter().enumerate() {
+        let mut per_request = [0.0; MODES.len()];
+        for (m, mode) in MODES.into_iter().enumerate() {
             let r = &results[m][i];
             for (test, f, base) in [("SET", &r.set, &unrep.set), ("GET", &r.get, &unrep.get)] {
                 for (what, unit, v, b) in [("throughput", "req/s", f.rps, base.rps), ("p50", "ms", f.p50_ms, base.p50_ms), ("p99", "ms", f.p99_ms, base.p99_ms)] {
@@ -290,15 +299,16 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             }
             per_request[m] = r.sums.bytes / requests;
         }
-        rows.push(Row { group: group.clone(), case: "replication bytes per request, primary-backup".into(), value: per_request[1], unit: "B", reference: None });
-        rows.push(Row {
-            group: group.clone(),
-            case: "replication bytes per request, VSMR (ref: primary-backup)".into(),
-            value: per_request[2],
-            unit: "B",
-            reference: Some(per_request[1]),
-        });
-        let v = &results[2][i].sums;
+        for (m, mode) in MODES.into_iter().enumerate().skip(1) {
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("replication bytes per request, {} (ref: primary-backup)", mode.name()),
+                value: per_request[m],
+                unit: "B",
+                reference: Some(per_request[1]),
+            });
+        }
+        let v = &results[3][i].sums;
         rows.push(Row {
             group: group.clone(),
             case: "VSMR divergent pages (ref: dirty pages)".into(),
