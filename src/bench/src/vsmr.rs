@@ -292,8 +292,16 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         for (m, mode) in MODES.into_iter().enumerate() {
             let r = &results[m][i];
             for (test, f, base) in [("SET", &r.set, &unrep.set), ("GET", &r.get, &unrep.get)] {
-                for (what, unit, v, b) in [("throughput", "req/s", f.rps, base.rps), ("p50", "ms", f.p50_ms, base.p50_ms), ("p99", "ms", f.p99_ms, base.p99_ms)] {
-                    rows.push(Row { group: group.clone(), case: format!("{test} {what}, {} (ref: unreplicated)", mode.name()), value: v, unit, reference: Some(b) });
+                for (what, unit, v, b) in
+                    [("throughput", "req/s", f.rps, base.rps), ("p50", "ms", f.p50_ms, base.p50_ms), ("p99", "ms", f.p99_ms, base.p99_ms)]
+                {
+                    rows.push(Row {
+                        group: group.clone(),
+                        case: format!("{test} {what}, {} (ref: unreplicated)", mode.name()),
+                        value: v,
+                        unit,
+                        reference: Some(b),
+                    });
                 }
                 chart.push((format!("{test} -P {p}: {}", mode.name()), f.rps));
             }

@@ -160,8 +160,18 @@ fn wait_acked_beyond(w: &Writers, n: u64, c: &Cluster, what: &str) {
 fn verify_all(c: &Cluster, w: Writers) -> usize {
     let report = w.stop();
     assert!(!report.acked.is_empty(), "no write was acknowledged");
-    let v = writers::verify(guest(), Some(&c.topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(20)).unwrap();
-    assert_eq!(v.lost(), 0, "acknowledged writes lost: {} missing, {} wrong of {} (e.g. {:?})\n{}", v.missing.len(), v.wrong.len(), v.checked, v.missing.iter().chain(&v.wrong).take(5).collect::<Vec<_>>(), c.logs());
+    let v =
+        writers::verify(guest(), Some(&c.topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(20)).unwrap();
+    assert_eq!(
+        v.lost(),
+        0,
+        "acknowledged writes lost: {} missing, {} wrong of {} (e.g. {:?})\n{}",
+        v.missing.len(),
+        v.wrong.len(),
+        v.checked,
+        v.missing.iter().chain(&v.wrong).take(5).collect::<Vec<_>>(),
+        c.logs()
+    );
     report.acked.len()
 }
 
@@ -206,7 +216,9 @@ fn witness_loss_keeps_the_service_protected() {
     std::thread::sleep(Duration::from_millis(500));
     let after = c.status(leader);
     assert!(after.contains("role: leader") && after.contains("protected: yes"), "{after}\n{}", c.logs());
-    let index = |s: &str| s.lines().find_map(|l| l.strip_prefix("last syncvm ")).and_then(|l| l.split(' ').next()).and_then(|n| n.parse::<u64>().ok());
+    let index = |s: &str| {
+        s.lines().find_map(|l| l.strip_prefix("last syncvm ")).and_then(|l| l.split(' ').next()).and_then(|n| n.parse::<u64>().ok())
+    };
     assert!(index(&after) > index(&before), "syncvms went on: {before} / {after}");
     verify_all(&c, w);
 }

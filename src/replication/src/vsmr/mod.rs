@@ -121,12 +121,23 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
     let view = Arc::new(Mutex::new(View::default()));
     // Every VM replica of a new group may lead; the witness never.
     let eligible = Arc::new(AtomicBool::new(!witness));
-    let node_config = NodeConfig { id: config.id, voters: config.peers.iter().map(|(i, _)| *i).collect(), witness, eligible: eligible.clone() };
+    let node_config =
+        NodeConfig { id: config.id, voters: config.peers.iter().map(|(i, _)| *i).collect(), witness, eligible: eligible.clone() };
     node::start(node_config, mesh.clone(), events_rx, committed_tx, view.clone())?;
     let metrics = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
     match vm {
         Some(vm) => {
-            let shared = Arc::new(replica::Shared::new(config.id, vm, mesh, view, events_tx, eligible, status.clone(), metrics, config.max_interval));
+            let shared = Arc::new(replica::Shared::new(
+                config.id,
+                vm,
+                mesh,
+                view,
+                events_tx,
+                eligible,
+                status.clone(),
+                metrics,
+                config.max_interval,
+            ));
             replica::start(shared, committed_rx, sync_rx).map_err(ReplicationError::Thread)?;
         }
         None => {

@@ -51,10 +51,18 @@ pub enum Event {
 /// An entry the log committed, in log order.
 #[derive(Debug)]
 pub enum Committed {
-    Entry { index: u64, term: u64, entry: Entry },
+    Entry {
+        index: u64,
+        term: u64,
+        entry: Entry,
+    },
     /// The empty entry a new leader appends first: everything before it is
     /// committed, and `leader` leads from here.
-    LeaderStart { index: u64, term: u64, leader: u64 },
+    LeaderStart {
+        index: u64,
+        term: u64,
+        leader: u64,
+    },
 }
 
 /// What this replica believes about leadership right now.

@@ -324,9 +324,17 @@ impl Applier {
                 *lead.synced.locked() = (secondary != 0).then_some(secondary);
                 let mut st = s.status.lock();
                 st.protected = secondary != 0;
-                st.detail = if secondary != 0 { format!("leader: secondary {secondary}") } else { "leader: UNPROTECTED (no secondary)".into() };
+                st.detail =
+                    if secondary != 0 { format!("leader: secondary {secondary}") } else { "leader: UNPROTECTED (no secondary)".into() };
                 drop(st);
-                tracing::debug!(index = id.index, secondary, full, released = released.frames, divergent = f.divergent_pages, "syncvm done");
+                tracing::debug!(
+                    index = id.index,
+                    secondary,
+                    full,
+                    released = released.frames,
+                    divergent = f.divergent_pages,
+                    "syncvm done"
+                );
             }
             Err(e) => {
                 *lead.synced.locked() = None;
@@ -423,7 +431,12 @@ fn propose_loop(s: &Shared, lead: &Leadership) {
         *pending = false;
         drop(pending);
         let f = lead.last.locked().take().unwrap_or_default();
-        pacing.record(&Sample { pause: f.pause, cost: start.elapsed(), dirty_pages: f.dirty_pages, epoch: start.saturating_duration_since(since) });
+        pacing.record(&Sample {
+            pause: f.pause,
+            cost: start.elapsed(),
+            dirty_pages: f.dirty_pages,
+            epoch: start.saturating_duration_since(since),
+        });
         since = Instant::now();
     }
 }
@@ -432,8 +445,11 @@ fn propose_loop(s: &Shared, lead: &Leadership) {
 /// alive, else any live one; 0 when there is none (the witness is never one).
 fn pick_secondary(s: &Shared, lead: &Leadership) -> u64 {
     let peers = s.mesh.peers();
-    let alive: Vec<u64> =
-        peers.iter().filter(|(id, p)| **id != s.id && !p.witness && p.heard.is_some_and(|t| t.elapsed() < ALIVE)).map(|(id, _)| *id).collect();
+    let alive: Vec<u64> = peers
+        .iter()
+        .filter(|(id, p)| **id != s.id && !p.witness && p.heard.is_some_and(|t| t.elapsed() < ALIVE))
+        .map(|(id, _)| *id)
+        .collect();
     match *lead.synced.locked() {
         Some(id) if alive.contains(&id) => id,
         _ => alive.into_iter().min().unwrap_or(0),

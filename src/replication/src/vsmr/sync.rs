@@ -174,7 +174,12 @@ impl Exchange<'_> {
             union.set_range(0, mine.capacity() - 1);
         } else {
             if theirs.words.len() != mine.words().len() {
-                return Err(ProtocolError::Corrupt(format!("a dirty bitmap of {} words for {} pages", theirs.words.len(), mine.capacity())).into());
+                return Err(ProtocolError::Corrupt(format!(
+                    "a dirty bitmap of {} words for {} pages",
+                    theirs.words.len(),
+                    mine.capacity()
+                ))
+                .into());
             }
             union.copy_from(mine);
             union.or_words(&theirs.words);
@@ -201,7 +206,14 @@ pub fn lead(x: &Exchange<'_>, vm: &Vm, mut frozen: Frozen<'_>, full: bool) -> Re
     Ok(figures)
 }
 
-fn lead_paused(x: &Exchange<'_>, vm: &Vm, dirty: &PageBitmap, state: VmState, full: bool, pending: &[Vec<u8>]) -> Result<Figures, SyncError> {
+fn lead_paused(
+    x: &Exchange<'_>,
+    vm: &Vm,
+    dirty: &PageBitmap,
+    state: VmState,
+    full: bool,
+    pending: &[Vec<u8>],
+) -> Result<Figures, SyncError> {
     let union = x.swap_bitmaps(dirty, full)?;
     let pages: Vec<u64> = union.pages().collect();
     let mine = hash_pages(vm.ram(), &pages);
