@@ -62,10 +62,13 @@ enum Mode {
     PrimaryBackup,
     /// Primary-backup sending whole pages.
     PrimaryBackupWhole,
+    /// `--sync-pages whole` (PLOVER).
     Vsmr,
+    /// `--sync-pages blocks`.
+    VsmrBlocks,
 }
 
-const MODES: [Mode; 4] = [Mode::Unreplicated, Mode::PrimaryBackup, Mode::PrimaryBackupWhole, Mode::Vsmr];
+const MODES: [Mode; 5] = [Mode::Unreplicated, Mode::PrimaryBackup, Mode::PrimaryBackupWhole, Mode::Vsmr, Mode::VsmrBlocks];
 
 impl Mode {
     fn name(self) -> &'static str {
@@ -74,6 +77,7 @@ impl Mode {
             Mode::PrimaryBackup => "primary-backup",
             Mode::PrimaryBackupWhole => "primary-backup whole pages",
             Mode::Vsmr => "VSMR",
+            Mode::VsmrBlocks => "VSMR blocks",
         }
     }
 }
@@ -111,7 +115,7 @@ fn start(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options
     let tag = mode.name();
     let mut procs = Vec::new();
     let mut metrics = Vec::new();
-    let socket = dir.join(format!("{tag}.sock"));
+    let socket = dir.join(format!("{}.sock", tag.replace(' ', "-")));
     let mut sockets = vec![socket.clone()];
     match mode {
         Mode::Unreplicated => {
@@ -135,19 +139,20 @@ fn start(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options
             procs.push(Process::spawn_collected("ftvm run (primary)", &mut cmd)?);
             metrics.push(m);
         }
-        Mode::Vsmr => {
+        Mode::Vsmr | Mode::VsmrBlocks => {
             let peers = format!("1={H1_REPL_ADDR}:7101,2={H2_REPL_ADDR}:7102,3={H2_REPL_ADDR}:7103");
             for (id, host) in [(1, "h1"), (2, "h2"), (3, "h2")] {
                 let mut cmd = topo.command(host, ftvm);
                 cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", &opts.sync_ms.to_string()]);
+                cmd.args(["--sync-pages", if mode == Mode::Vsmr { "whole" } else { "blocks" }]);
                 if id == 3 {
                     cmd.arg("--witness");
                 } else {
                     vm(&mut cmd);
-                    let m = dir.join(format!("vsmr{id}.jsonl"));
+                    let m = dir.join(format!("{}{id}.jsonl", tag.replace(' ', "-")));
                     cmd.arg("--metrics").arg(&m);
                     metrics.push(m);
-                    let s = dir.join(format!("{tag}{id}.sock"));
+                    let s = dir.join(format!("{}{id}.sock", tag.replace(' ', "-")));
                     cmd.arg("--api-socket").arg(&s);
                     sockets.push(s);
                 }
@@ -316,21 +321,23 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 reference: Some(per_request[1]),
             });
         }
-        let v = &results[3][i].sums;
-        rows.push(Row {
-            group: group.clone(),
-            case: "VSMR divergent pages (ref: dirty pages)".into(),
-            value: v.divergent,
-            unit: "pages",
-            reference: Some(v.dirty),
-        });
-        rows.push(Row {
-            group: group.clone(),
-            case: "VSMR mean syncvm interval".into(),
-            value: if v.syncs > 0.0 { v.interval_us / v.syncs / 1000.0 } else { 0.0 },
-            unit: "ms",
-            reference: None,
-        });
+        for (m, mode) in MODES.into_iter().enumerate().skip(3) {
+            let v = &results[m][i].sums;
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("{} divergent pages (ref: dirty pages)", mode.name()),
+                value: v.divergent,
+                unit: "pages",
+                reference: Some(v.dirty),
+            });
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("{} mean syncvm interval", mode.name()),
+                value: if v.syncs > 0.0 { v.interval_us / v.syncs / 1000.0 } else { 0.0 },
+                unit: "ms",
+                reference: None,
+            });
+        }
     }
     report::publish(
         out,

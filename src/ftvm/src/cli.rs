@@ -253,6 +253,10 @@ pub struct ReplicaArgs {
     /// a syncvm starts sooner when output is held and the guest is idle.
     #[arg(long, value_name = "MS", default_value_t = 100, value_parser = epoch_ms)]
     pub sync_ms: u64,
+    /// How the leader sends a divergent page at a syncvm: whole, or only
+    /// its 64-byte blocks that differ (one more round trip for block hashes).
+    #[arg(long, default_value = "whole", value_name = "whole|blocks")]
+    pub sync_pages: ftvm_replication::vsmr::sync::PageMode,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

@@ -155,6 +155,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 auth: args.channel.auth()?,
                 metrics: args.metrics,
                 max_interval: Duration::from_millis(args.sync_ms),
+                pages: args.sync_pages,
             };
             let source = match args.image {
                 Some(image) if !args.witness => run::Source::Replica {

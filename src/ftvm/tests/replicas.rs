@@ -10,7 +10,10 @@
 //!   the secondary takes over, the killed replica is restarted and brought
 //!   up to date by a full `syncvm`; every write a client saw acknowledged
 //!   reads back from the last leader.
-//! - `witness_loss_keeps_the_service_protected`: without the witness the
+//! - `..._with_block_patches`: the same, divergent pages sent as their
+//!   differing 64-byte blocks (`--sync-pages blocks`).
+//! - `witness_loss_keeps_the_service_protected` (over authenticated links):
+//!   without the witness the
 //!   two VM replicas are a majority: writes go on, `syncvm`s go on, and the
 //!   leader stays protected.
 
@@ -50,13 +53,16 @@ struct Cluster {
     dir: Scratch,
     procs: [Option<Process>; 3],
     starts: [u32; 3],
+    /// Options every replica gets.
+    extra: Vec<String>,
 }
 
 impl Cluster {
-    fn new(tag: &str) -> Cluster {
+    fn new(tag: &str, extra: &[&str]) -> Cluster {
         let topo = Topology::new(tag).unwrap();
         let dir = Scratch::new(&format!("replicas-{tag}")).unwrap().keep_on_panic();
-        let mut c = Cluster { topo, dir, procs: [None, None, None], starts: [0; 3] };
+        let extra = extra.iter().map(|s| s.to_string()).collect();
+        let mut c = Cluster { topo, dir, procs: [None, None, None], starts: [0; 3], extra };
         for id in 1..=3 {
             c.start(id);
         }
@@ -77,6 +83,7 @@ impl Cluster {
             .arg(self.socket(id))
             .arg("--metrics")
             .arg(self.dir.join(format!("r{id}.{}.jsonl", self.starts[i])))
+            .args(&self.extra)
             .env("FTVM_LOG", "info");
         if id == 3 {
             cmd.arg("--witness");
@@ -177,15 +184,24 @@ fn verify_all(c: &Cluster, w: Writers) -> usize {
 
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills() {
+    leader_kills("vsmr", &[], 10);
+}
+
+/// The same with divergent pages sent as their differing 64-byte blocks.
+#[test]
+fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
+    leader_kills("vblk", &["--sync-pages", "blocks"], 5);
+}
+
+fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
     let seed = std::env::var("FTVM_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::process::id() as u64);
     eprintln!("seed {seed} (FTVM_TEST_SEED)");
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
-    let mut c = Cluster::new("vsmr");
+    let mut c = Cluster::new(tag, extra);
     c.wait_leader(true, Duration::from_secs(30));
     let w = writers(&c, &format!("k{seed:x}"));
     wait_acked_beyond(&w, 0, &c, "start");
-    const KILLS: u32 = 10;
-    for round in 0..KILLS {
+    for round in 0..kills {
         std::thread::sleep(Duration::from_millis(rng.range(100, 1500)));
         let leader = c.wait_leader(true, Duration::from_secs(20));
         let other = 3 - leader;
@@ -199,12 +215,17 @@ fn no_acknowledged_write_is_lost_over_leader_kills() {
         eprintln!("round {round}: killed {leader}, {other} leads, {} writes acknowledged", w.acked());
     }
     let n = verify_all(&c, w);
-    eprintln!("{KILLS} leader kills, {n} acknowledged writes, none lost");
+    eprintln!("{kills} leader kills, {n} acknowledged writes, none lost");
 }
 
+/// Over authenticated links (`--secret-file`).
 #[test]
 fn witness_loss_keeps_the_service_protected() {
-    let mut c = Cluster::new("vwit");
+    let secret = Scratch::new("replicas-secret").unwrap();
+    let path = secret.join("secret");
+    std::fs::write(&path, [7u8; 32]).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let mut c = Cluster::new("vwit", &["--secret-file", path.to_str().unwrap()]);
     let leader = c.wait_leader(true, Duration::from_secs(30));
     let w = writers(&c, "w");
     wait_acked_beyond(&w, 0, &c, "start");

@@ -62,6 +62,10 @@ pub enum Kind {
     SyncPages = 24,
     /// `syncvm`: the secondary staged the pages.
     SyncAck = 25,
+    /// `syncvm`, `--sync-pages blocks`: the divergent pages the leader wants block hashes of.
+    SyncWant = 26,
+    /// `syncvm`, `--sync-pages blocks`: the secondary's block hashes.
+    SyncBlockHashes = 27,
 }
 
 impl Kind {
@@ -86,6 +90,8 @@ impl Kind {
             23 => Kind::SyncHashes,
             24 => Kind::SyncPages,
             25 => Kind::SyncAck,
+            26 => Kind::SyncWant,
+            27 => Kind::SyncBlockHashes,
             _ => return None,
         })
     }

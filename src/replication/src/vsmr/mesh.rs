@@ -224,7 +224,9 @@ impl Mesh {
             let msg = Inbound { from: hello.id, kind, payload: std::mem::take(&mut buf) };
             let delivered = match kind {
                 Kind::Raft => raft.send(Event::Peer(msg)).is_ok(),
-                Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncPages | Kind::SyncAck => sync.send(msg).is_ok(),
+                Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages | Kind::SyncAck => {
+                    sync.send(msg).is_ok()
+                }
                 other => {
                     tracing::warn!(id = hello.id, "unexpected {other:?} on a peer link");
                     true

@@ -78,6 +78,8 @@ pub struct ReplicaConfig {
     pub metrics: Option<PathBuf>,
     /// Longest interval between two `syncvm`s.
     pub max_interval: Duration,
+    /// How divergent pages travel.
+    pub pages: sync::PageMode,
 }
 
 /// `--peers 1=HOST:PORT,2=HOST:PORT,3=HOST:PORT`, checked against `--id`.
@@ -137,6 +139,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                 status.clone(),
                 metrics,
                 config.max_interval,
+                config.pages,
             ));
             replica::start(shared, committed_rx, sync_rx).map_err(ReplicationError::Thread)?;
         }

@@ -21,7 +21,7 @@ use ftvm_vmm::Vm;
 use super::log::Entry;
 use super::mesh::{Inbound, Mesh};
 use super::node::{Committed, Event, View, ALIVE};
-use super::sync::{self, Exchange, Figures, SyncError, SyncId};
+use super::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
 use super::{SyncMetrics, SyncRole};
 use crate::metrics::{MetricsLog, Role, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
@@ -45,6 +45,7 @@ pub struct Shared {
     pub metrics: MetricsLog,
     /// Longest interval between two `syncvm`s.
     pub max_interval: Duration,
+    pub pages: PageMode,
     /// Set while this replica serves as leader.
     lead: Mutex<Option<Arc<Leadership>>>,
     /// When the previous `syncvm` ended here.
@@ -122,6 +123,7 @@ impl Shared {
         status: StatusCell,
         metrics: MetricsLog,
         max_interval: Duration,
+        pages: PageMode,
     ) -> Shared {
         Shared {
             id,
@@ -133,6 +135,7 @@ impl Shared {
             status,
             metrics,
             max_interval,
+            pages,
             lead: Mutex::new(None),
             last_sync: Mutex::new(Instant::now()),
             in_step: AtomicBool::new(false),
@@ -314,7 +317,7 @@ impl Applier {
             }
             Ok(frozen) => {
                 let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: secondary, id };
-                sync::lead(&x, &s.vm, frozen, full)
+                sync::lead(&x, &s.vm, frozen, full, s.pages)
             }
         };
         match &result {

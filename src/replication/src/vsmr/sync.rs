@@ -30,7 +30,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use xxhash_rust::xxh3::xxh3_128;
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 use ftvm_vmm::memory::{GuestRam, PAGE};
 use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
@@ -40,6 +40,7 @@ use super::mesh::{Inbound, Mesh};
 use crate::checkpoint::StateDelta;
 use crate::pipeline::freeze::Frozen;
 use crate::protocol::{self, Kind, ProtocolError};
+use crate::switch::switch;
 
 /// How long one side waits for the other's next message, beyond the time
 /// the other needs to hash or copy its pages: a dead peer costs the paused
@@ -81,6 +82,27 @@ struct HashesMsg {
     hashes: Vec<u128>,
 }
 
+/// `SyncWant`: the divergent pages whose block hashes the leader asks for.
+#[derive(Serialize, Deserialize)]
+struct WantMsg {
+    pages: Vec<u64>,
+}
+
+/// `SyncBlockHashes`: XXH3-64 of each 64-byte block of each wanted page.
+#[derive(Serialize, Deserialize)]
+struct BlockHashesMsg {
+    hashes: Vec<u64>,
+}
+
+/// Blocks of one page to overwrite: bit `b` of `mask` set for each
+/// 64-byte block in `data`, in block order.
+#[derive(Serialize, Deserialize)]
+struct BlockPatch {
+    page: u64,
+    mask: u64,
+    data: Vec<u8>,
+}
+
 /// The state part of `SyncPages`.
 #[derive(Serialize, Deserialize)]
 struct SyncState {
@@ -88,6 +110,23 @@ struct SyncState {
     /// Input the leader's guest had not taken in yet (its receive queue was
     /// full): the secondary's guest gets exactly these next.
     pending_input: Vec<Vec<u8>>,
+    /// `--sync-pages blocks`: divergent pages of which only some blocks
+    /// differ (the others travel whole, as bundle entries).
+    patches: Vec<BlockPatch>,
+}
+
+const BLOCK: usize = 64;
+const BLOCKS: usize = PAGE / BLOCK;
+
+switch! {
+    /// `--sync-pages`: how the leader sends a divergent page.
+    pub enum PageMode {
+        /// Whole (PLOVER).
+        Whole = "whole",
+        /// Only its 64-byte blocks that differ: the secondary sends a hash
+        /// of each block of the divergent pages (one more round trip).
+        Blocks = "blocks",
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -141,6 +180,11 @@ impl Exchange<'_> {
     /// payload, the id included); others (stale ones, of an abandoned
     /// `syncvm`) are dropped.
     fn expect(&self, kind: Kind, pages: u64) -> Result<Vec<u8>, SyncError> {
+        self.expect_any(&[kind], pages).map(|(_, payload)| payload)
+    }
+
+    /// `expect` for the first of several kinds to arrive.
+    fn expect_any(&self, kinds: &[Kind], pages: u64) -> Result<(Kind, Vec<u8>), SyncError> {
         let timeout = STEP_TIMEOUT + PER_PAGE * pages as u32;
         let deadline = Instant::now() + timeout;
         loop {
@@ -149,7 +193,7 @@ impl Exchange<'_> {
                 Err(RecvTimeoutError::Timeout) => return Err(SyncError::Timeout(timeout)),
                 Err(RecvTimeoutError::Disconnected) => return Err(SyncError::Closed),
             };
-            if msg.from != self.peer || msg.kind != kind || msg.payload.len() < ID_LEN {
+            if msg.from != self.peer || !kinds.contains(&msg.kind) || msg.payload.len() < ID_LEN {
                 continue;
             }
             let id = SyncId {
@@ -157,7 +201,7 @@ impl Exchange<'_> {
                 index: u64::from_le_bytes(msg.payload[8..16].try_into().expect("8 bytes")),
             };
             if id == self.id {
-                return Ok(msg.payload);
+                return Ok((msg.kind, msg.payload));
             }
             tracing::debug!(?id, want = ?self.id, "dropped a stale syncvm message");
         }
@@ -191,12 +235,12 @@ impl Exchange<'_> {
 /// The leader's side, with its VM frozen (dirty set and state taken, the
 /// output epoch closed, in the pause): resumes the guest as soon as the
 /// pages are sent, returns once the secondary acknowledged them.
-pub fn lead(x: &Exchange<'_>, vm: &Vm, mut frozen: Frozen<'_>, full: bool) -> Result<Figures, SyncError> {
+pub fn lead(x: &Exchange<'_>, vm: &Vm, mut frozen: Frozen<'_>, full: bool, mode: PageMode) -> Result<Figures, SyncError> {
     let pending_input = vm.devices().take_injected_host_input();
     let none = StateDelta { memory: None, vcpus: Vec::new(), devices: Vec::new(), clock: None };
     // The freeze saved every component: a whole state.
     let state = std::mem::replace(&mut frozen.state.vm, none).over(None);
-    let result = lead_paused(x, vm, &frozen.dirty, state, full, &pending_input);
+    let result = lead_paused(x, vm, &frozen.dirty, state, full, mode, &pending_input);
     let pause = frozen.thaw().pause;
     // The guest takes them next, as the secondary's will.
     vm.devices().inject_host_input(pending_input);
@@ -212,6 +256,7 @@ fn lead_paused(
     dirty: &PageBitmap,
     state: VmState,
     full: bool,
+    mode: PageMode,
     pending: &[Vec<u8>],
 ) -> Result<Figures, SyncError> {
     let union = x.swap_bitmaps(dirty, full)?;
@@ -221,20 +266,47 @@ fn lead_paused(
     if theirs.hashes.len() != pages.len() {
         return Err(ProtocolError::Corrupt(format!("{} hashes for {} pages", theirs.hashes.len(), pages.len())).into());
     }
-    let state = postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec() }).expect("serializes");
+    let divergent: Vec<u64> = pages.iter().zip(&mine).zip(&theirs.hashes).filter(|((_, a), b)| a != b).map(|((&p, _), _)| p).collect();
+    let mut whole = Vec::new();
+    let mut patches = Vec::new();
+    let mut buf = vec![0u8; PAGE];
+    match mode {
+        PageMode::Blocks if !divergent.is_empty() => {
+            x.send(Kind::SyncWant, &postcard::to_allocvec(&WantMsg { pages: divergent.clone() }).expect("serializes"))?;
+            let theirs: BlockHashesMsg = protocol::decode(&x.expect(Kind::SyncBlockHashes, divergent.len() as u64)?[ID_LEN..])?;
+            if theirs.hashes.len() != divergent.len() * BLOCKS {
+                return Err(ProtocolError::Corrupt(format!("{} block hashes for {} pages", theirs.hashes.len(), divergent.len())).into());
+            }
+            for (&p, hashes) in divergent.iter().zip(theirs.hashes.chunks_exact(BLOCKS)) {
+                vm.ram().read_page(p, &mut buf).map_err(ftvm_vmm::VmError::from)?;
+                let mut patch = BlockPatch { page: p, mask: 0, data: Vec::new() };
+                for (b, (block, h)) in buf.chunks_exact(BLOCK).zip(hashes).enumerate() {
+                    if xxh3_64(block) != *h {
+                        patch.mask |= 1 << b;
+                        patch.data.extend_from_slice(block);
+                    }
+                }
+                // A page that differs in most blocks goes whole; one whose
+                // blocks all match (a page hash collision cannot be ruled
+                // out) goes whole too, never not at all.
+                if patch.mask == 0 || patch.data.len() > PAGE / 2 {
+                    whole.push(p);
+                } else {
+                    patches.push(patch);
+                }
+            }
+        }
+        _ => whole = divergent.clone(),
+    }
+    let state = postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches }).expect("serializes");
     let mut frame = Vec::new();
     protocol::begin_frame(&mut frame, Kind::SyncPages);
     frame.extend_from_slice(&x.id.header());
     let mut encoder = RawEncoder;
     let mut bundle = BundleWriter::begin(&mut frame, &state, &mut encoder, false);
-    let mut buf = vec![0u8; PAGE];
-    let mut divergent = 0;
-    for ((&p, a), b) in pages.iter().zip(&mine).zip(&theirs.hashes) {
-        if a != b {
-            vm.ram().read_page(p, &mut buf).map_err(ftvm_vmm::VmError::from)?;
-            bundle.page(p, &buf);
-            divergent += 1;
-        }
+    for &p in &whole {
+        vm.ram().read_page(p, &mut buf).map_err(ftvm_vmm::VmError::from)?;
+        bundle.page(p, &buf);
     }
     bundle.finish();
     protocol::finish_frame(&mut frame);
@@ -242,7 +314,7 @@ fn lead_paused(
     if !x.mesh.send(x.peer, frame) {
         return Err(SyncError::Send);
     }
-    Ok(Figures { dirty_pages: pages.len() as u64, divergent_pages: divergent, pause: Duration::ZERO, page_bytes })
+    Ok(Figures { dirty_pages: pages.len() as u64, divergent_pages: divergent.len() as u64, pause: Duration::ZERO, page_bytes })
 }
 
 /// The secondary's side: pause, exchange, stage, acknowledge, apply,
@@ -266,7 +338,17 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
     let pages: Vec<u64> = union.pages().collect();
     let hashes = hash_pages(vm.ram(), &pages);
     x.send(Kind::SyncHashes, &postcard::to_allocvec(&HashesMsg { hashes }).expect("serializes"))?;
-    let payload = x.expect(Kind::SyncPages, pages.len() as u64)?;
+    let (mut kind, mut payload) = x.expect_any(&[Kind::SyncWant, Kind::SyncPages], pages.len() as u64)?;
+    if kind == Kind::SyncWant {
+        let want: WantMsg = protocol::decode(&payload[ID_LEN..])?;
+        if want.pages.iter().any(|&p| !union.is_set(p)) {
+            return Err(ProtocolError::Corrupt("the leader wants blocks of a page outside the union".into()).into());
+        }
+        let hashes = hash_blocks(vm.ram(), &want.pages);
+        x.send(Kind::SyncBlockHashes, &postcard::to_allocvec(&BlockHashesMsg { hashes }).expect("serializes"))?;
+        (kind, payload) = x.expect_any(&[Kind::SyncPages], want.pages.len() as u64)?;
+    }
+    debug_assert_eq!(kind, Kind::SyncPages);
     // Stage: everything parsed and checked before anything changes.
     let mut c = Cursor::new(&payload[ID_LEN..]);
     let bundle = Bundle::parse(&mut c, vm.ram().pages()).map_err(ProtocolError::from)?;
@@ -277,10 +359,27 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
     if state.vm.vcpus.len() != vm.config().vcpus as usize || state.vm.memory.size != vm.ram().size() {
         return Err(ProtocolError::Corrupt("the leader's VM has another shape".into()).into());
     }
-    let divergent = bundle.len();
+    for patch in &state.patches {
+        if patch.page >= vm.ram().pages() || patch.data.len() != patch.mask.count_ones() as usize * BLOCK {
+            return Err(ProtocolError::Corrupt(format!("a block patch of page {} does not fit", patch.page)).into());
+        }
+    }
+    let divergent = bundle.len() + state.patches.len() as u64;
     x.send(Kind::SyncAck, &[])?;
-    // Commit: pages (checked against RAM at parse), then the state.
+    // Commit: pages (checked against RAM at parse), patches (checked
+    // above), then the state.
     bundle.apply(vm.ram()).map_err(ftvm_vmm::VmError::from)?;
+    let mut buf = vec![0u8; PAGE];
+    for patch in &state.patches {
+        vm.ram().read_page(patch.page, &mut buf).map_err(ftvm_vmm::VmError::from)?;
+        let mut data = patch.data.chunks_exact(BLOCK);
+        for (b, block) in buf.chunks_exact_mut(BLOCK).enumerate() {
+            if patch.mask & (1 << b) != 0 {
+                block.copy_from_slice(data.next().expect("checked: one block per mask bit"));
+            }
+        }
+        vm.ram().write_page(patch.page, &buf).map_err(ftvm_vmm::VmError::from)?;
+    }
     let _ = vm.devices().take_injected_host_input();
     vm.restore_paused(&state.vm)?;
     // The pages the apply wrote stay dirty: compared again next time (the
@@ -303,6 +402,20 @@ pub fn hash_pages(ram: &GuestRam, pages: &[u64]) -> Vec<u128> {
             s.spawn(move || hash_into(ram, p, o));
         }
     });
+    out
+}
+
+/// XXH3-64 of each 64-byte block of each page, in order.
+fn hash_blocks(ram: &GuestRam, pages: &[u64]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(pages.len() * BLOCKS);
+    let mut buf = vec![0u8; PAGE];
+    for &p in pages {
+        // Checked against the union, itself of this RAM's size.
+        if ram.read_page(p, &mut buf).is_err() {
+            buf.fill(0);
+        }
+        out.extend(buf.chunks_exact(BLOCK).map(xxh3_64));
+    }
     out
 }
 
