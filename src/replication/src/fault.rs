@@ -3,7 +3,10 @@
 //! on the spot like a crashed host; `stall-apply:N` makes a backup hang
 //! before it applies checkpoint N, while the rest of it (its heartbeats)
 //! runs on; `xsave-size:N` makes a backup describe its host as having an
-//! XSAVE area of N bytes (so it refuses a primary whose vCPUs need more).
+//! XSAVE area of N bytes (so it refuses a primary whose vCPUs need more);
+//! `syncvm-digest:1` makes consensus-ordered replicas record a digest of
+//! the whole guest memory at each `syncvm` (the leader's at its freeze, the
+//! secondary's once the pages are applied), so a test can compare them.
 //! (`forbidden-syscall:KIND` is `ftvm_vmm::seccomp`'s.) Never set outside
 //! tests.
 
@@ -24,6 +27,8 @@ pub enum Fault {
     StallApply,
     /// The backup reports another XSAVE area size (`host_profile`).
     XsaveSize,
+    /// Replicas digest guest memory at each `syncvm` (`syncvm_digest`).
+    SyncvmDigest,
 }
 
 fn configured() -> Option<(Fault, u64)> {
@@ -36,6 +41,7 @@ fn configured() -> Option<(Fault, u64)> {
             "flip" => Fault::Flip,
             "stall-apply" => Fault::StallApply,
             "xsave-size" => Fault::XsaveSize,
+            "syncvm-digest" => Fault::SyncvmDigest,
             _ => return None,
         };
         Some((fault, epoch.parse().ok()?))
@@ -67,12 +73,17 @@ pub fn host_profile(mut profile: CpuProfile) -> CpuProfile {
     profile
 }
 
+/// Whether replicas digest guest memory at each `syncvm`.
+pub fn syncvm_digest() -> bool {
+    matches!(configured(), Some((Fault::SyncvmDigest, _)))
+}
+
 impl Fault {
     /// Send `frame` damaged, then end the process without any cleanup.
     pub fn inject(self, link: &mut dyn Transport, frame: &[u8]) -> io::Result<()> {
         tracing::warn!(fault = ?self, "test fault injected; the primary dies now");
         match self {
-            Fault::StallApply | Fault::XsaveSize => return Err(io::Error::other("a backup's fault")),
+            Fault::StallApply | Fault::XsaveSize | Fault::SyncvmDigest => return Err(io::Error::other("not a primary's fault")),
             Fault::Truncate => link.send(&frame[..frame.len() / 2])?,
             Fault::Flip => {
                 let mut bad = frame.to_vec();

@@ -57,6 +57,11 @@ pub struct SyncMetrics {
     pub interval_us: u64,
     /// From the start of the pause until the exchange ended.
     pub sync_us: u64,
+    /// Tests only (`FTVM_TEST_FAULT=syncvm-digest:1`): a digest of all
+    /// guest memory, the leader's at its freeze, the secondary's once the
+    /// pages are applied: equal when the divergence was repaired.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_digest: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -403,6 +403,7 @@ impl Applier {
             pause_us: f.pause.as_micros() as u64,
             interval_us: interval.as_micros() as u64,
             sync_us: t0.elapsed().as_micros() as u64,
+            memory_digest: f.memory_digest,
         };
         s.metrics.record(&m);
         s.status.lock().last_sync = Some(m);

@@ -154,6 +154,10 @@ pub struct Figures {
     pub pause: Duration,
     /// Bytes of the `SyncPages` message.
     pub page_bytes: u64,
+    /// Tests (`FTVM_TEST_FAULT=syncvm-digest:1`): XXH3-64 over the page
+    /// hashes of all guest memory, as the leader froze it and as the
+    /// secondary has it once the pages are applied.
+    pub memory_digest: Option<u64>,
 }
 
 /// The exchange with one peer.
@@ -298,6 +302,7 @@ fn lead_paused(
         }
         _ => whole = divergent.clone(),
     }
+    let memory_digest = crate::fault::syncvm_digest().then(|| digest(vm.ram()));
     let state = postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches }).expect("serializes");
     let mut frame = Vec::new();
     protocol::begin_frame(&mut frame, Kind::SyncPages);
@@ -314,7 +319,13 @@ fn lead_paused(
     if !x.mesh.send(x.peer, frame) {
         return Err(SyncError::Send);
     }
-    Ok(Figures { dirty_pages: pages.len() as u64, divergent_pages: divergent.len() as u64, pause: Duration::ZERO, page_bytes })
+    Ok(Figures {
+        dirty_pages: pages.len() as u64,
+        divergent_pages: divergent.len() as u64,
+        pause: Duration::ZERO,
+        page_bytes,
+        memory_digest,
+    })
 }
 
 /// The secondary's side: pause, exchange, stage, acknowledge, apply,
@@ -380,12 +391,20 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
         }
         vm.ram().write_page(patch.page, &buf).map_err(ftvm_vmm::VmError::from)?;
     }
+    // Before the state: its restore republishes the clock page, this host's own.
+    let memory_digest = crate::fault::syncvm_digest().then(|| digest(vm.ram()));
     let _ = vm.devices().take_injected_host_input();
     vm.restore_paused(&state.vm)?;
     // The pages the apply wrote stay dirty: compared again next time (the
     // clock page, republished by the restore, is this host's own).
     vm.devices().inject_host_input(state.pending_input);
-    Ok(Figures { dirty_pages: pages.len() as u64, divergent_pages: divergent, pause: Duration::ZERO, page_bytes: payload.len() as u64 })
+    Ok(Figures {
+        dirty_pages: pages.len() as u64,
+        divergent_pages: divergent,
+        pause: Duration::ZERO,
+        page_bytes: payload.len() as u64,
+        memory_digest,
+    })
 }
 
 /// XXH3-128 of each page, on every core.
@@ -403,6 +422,13 @@ pub fn hash_pages(ram: &GuestRam, pages: &[u64]) -> Vec<u128> {
         }
     });
     out
+}
+
+/// A digest of all of guest memory (tests only: it reads every page).
+fn digest(ram: &GuestRam) -> u64 {
+    let pages: Vec<u64> = (0..ram.pages()).collect();
+    let hashes: Vec<u8> = hash_pages(ram, &pages).iter().flat_map(|h| h.to_le_bytes()).collect();
+    xxh3_64(&hashes)
 }
 
 /// XXH3-64 of each 64-byte block of each page, in order.
