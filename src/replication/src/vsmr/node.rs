@@ -28,9 +28,9 @@ use super::mesh::{Inbound, Mesh};
 use crate::protocol::{self, Kind};
 use crate::ReplicationError;
 
-/// One raft tick: elections after 10-20 ticks of silence, heartbeats every 2.
+/// One raft tick: elections after 20-40 ticks of silence, heartbeats every 2.
 pub const TICK: Duration = Duration::from_millis(10);
-const ELECTION_TICKS: usize = 10;
+const ELECTION_TICKS: usize = 20;
 const HEARTBEAT_TICKS: usize = 2;
 /// Entries kept behind the applied index before compaction.
 const KEEP_ENTRIES: u64 = 4096;

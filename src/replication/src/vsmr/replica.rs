@@ -288,8 +288,9 @@ impl Applier {
     fn step_down(&self, why: &str) {
         let s = &self.shared;
         let Some(lead) = s.lead.locked().take() else { return };
-        // What it ran since the last syncvm, the new leader did not.
-        self.out_of_step();
+        // Its VM stays in step: anything another leader releases from now
+        // on follows a Sync entry this replica applies too (as the
+        // secondary, or as out of step: `apply`).
         lead.serving.store(false, Ordering::SeqCst);
         lead.ran.notify_all();
         // The output held since the last syncvm is dropped with the buffer:
@@ -341,6 +342,9 @@ impl Applier {
             }
             Err(e) => {
                 *lead.synced.locked() = None;
+                // Its dirty set was taken: were it a secondary later, the
+                // next syncvm must compare every page.
+                s.in_step.store(false, Ordering::SeqCst);
                 let mut st = s.status.lock();
                 st.protected = false;
                 st.detail = format!("leader: syncvm with {secondary} failed: {e}");
@@ -373,6 +377,11 @@ impl Applier {
                 st.detail = format!("secondary of {leader}");
             }
             Err(e) => {
+                if matches!(e, SyncError::Unusable(_)) {
+                    // Acknowledged but not applied whole: the leader may
+                    // release what this VM lacks.
+                    self.out_of_step();
+                }
                 s.status.lock().detail = format!("secondary: syncvm with {leader} failed: {e}");
                 tracing::warn!(index = id.index, leader, "syncvm failed: {e}; nothing applied");
             }

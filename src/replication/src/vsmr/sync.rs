@@ -45,10 +45,10 @@ use crate::switch::switch;
 /// How long one side waits for the other's next message, beyond the time
 /// the other needs to hash or copy its pages: a dead peer costs the paused
 /// guest no more than this.
-pub const STEP_TIMEOUT: Duration = Duration::from_millis(300);
-/// Time allowed per page the other side hashes or sends (a loaded 2-core
-/// host hashes and copies a page in about 2 µs).
-const PER_PAGE: Duration = Duration::from_micros(4);
+pub const STEP_TIMEOUT: Duration = Duration::from_millis(500);
+/// Time allowed per page the other side hashes or sends (a 2-core host
+/// hashes and copies a page in about 2 µs, several times that when loaded).
+const PER_PAGE: Duration = Duration::from_micros(10);
 
 /// Which `syncvm` a message belongs to: its `Sync` entry's term and log
 /// index, the first 16 bytes of every `syncvm` message.
@@ -141,6 +141,10 @@ pub enum SyncError {
     Vm(#[from] ftvm_vmm::VmError),
     #[error("the replica is stopping")]
     Closed,
+    /// After the acknowledgement: the leader may release output this
+    /// replica's VM does not hold.
+    #[error("acknowledged but could not apply: {0}")]
+    Unusable(String),
 }
 
 /// Figures of one `syncvm`, on either side.
@@ -378,7 +382,22 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
     let divergent = bundle.len() + state.patches.len() as u64;
     x.send(Kind::SyncAck, &[])?;
     // Commit: pages (checked against RAM at parse), patches (checked
-    // above), then the state.
+    // above), then the state. None of it should fail now; if it does, this
+    // replica acknowledged what it does not hold.
+    let memory_digest = commit(vm, &bundle, &state).map_err(|e| SyncError::Unusable(e.to_string()))?;
+    vm.devices().inject_host_input(state.pending_input);
+    Ok(Figures {
+        dirty_pages: pages.len() as u64,
+        divergent_pages: divergent,
+        pause: Duration::ZERO,
+        page_bytes: payload.len() as u64,
+        memory_digest,
+    })
+}
+
+/// The secondary's commit of a staged `SyncPages`; the memory digest when
+/// tests ask for it.
+fn commit(vm: &Vm, bundle: &Bundle<'_>, state: &SyncState) -> Result<Option<u64>, SyncError> {
     bundle.apply(vm.ram()).map_err(ftvm_vmm::VmError::from)?;
     let mut buf = vec![0u8; PAGE];
     for patch in &state.patches {
@@ -397,14 +416,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
     vm.restore_paused(&state.vm)?;
     // The pages the apply wrote stay dirty: compared again next time (the
     // clock page, republished by the restore, is this host's own).
-    vm.devices().inject_host_input(state.pending_input);
-    Ok(Figures {
-        dirty_pages: pages.len() as u64,
-        divergent_pages: divergent,
-        pause: Duration::ZERO,
-        page_bytes: payload.len() as u64,
-        memory_digest,
-    })
+    Ok(memory_digest)
 }
 
 /// XXH3-128 of each page, on every core.
