@@ -336,7 +336,7 @@ fn syncvm_repairs_divergence() {
 /// lost.
 #[test]
 fn a_leader_cut_off_in_a_minority_releases_nothing_more() {
-    let mut c = Cluster::on_lan("vpart");
+    let c = Cluster::on_lan("vpart");
     let leader = c.wait_leader(true, Duration::from_secs(30));
     let other = 3 - leader;
     let host = |id: u64| if id == 1 { "h1" } else { "h2" };
