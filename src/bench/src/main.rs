@@ -10,6 +10,7 @@ mod paths;
 mod redis_benchmark;
 mod report;
 mod vm_costs;
+mod vsmr;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -46,6 +47,10 @@ enum Command {
     /// guest (same client, cut and promotion delay), with throughput and
     /// latency against each without replication.
     Ha(ha::Options),
+    /// Consensus-ordered replicas (PLOVER's VSMR) against primary-backup
+    /// and the unreplicated VM: kv under redis-benchmark, throughput and
+    /// latency ratios, replication bytes per request, divergent pages.
+    Vsmr(vsmr::Options),
 }
 
 fn main() -> ExitCode {
@@ -60,6 +65,7 @@ fn main() -> ExitCode {
         Command::Kv(opts) => kv::run(&opts, &cli.out),
         Command::Channel(opts) => channel::run(&opts, &cli.out),
         Command::Ha(opts) => ha::run(&opts, &cli.out),
+        Command::Vsmr(opts) => vsmr::run(&opts, &cli.out),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -38,6 +38,11 @@ pub enum Command {
     /// Wait for a primary, follow its checkpoints, and take its VM over when it fails.
     #[command(args_override_self = true)]
     Backup(BackupArgs),
+    /// Run one of three consensus-ordered replicas of a VM (PLOVER's VSMR):
+    /// raft orders the leader's input, both VM replicas run it, and the leader
+    /// sends only divergent pages at each syncvm (docs/replicas.md).
+    #[command(args_override_self = true)]
+    Replica(ReplicaArgs),
     /// Write a running VM's complete state to a file.
     Snapshot {
         /// Control socket of the VM (the --api-socket it runs with).
@@ -248,6 +253,49 @@ pub struct ReplicationArgs {
     pub arbiter: ArbiterArgs,
     #[command(flatten)]
     pub channel: ChannelArgs,
+}
+
+#[derive(Args)]
+pub struct ReplicaArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// This replica's id in --peers.
+    #[arg(long, value_name = "N")]
+    pub id: u64,
+    /// Every replica, this one included, as ID=HOST:PORT,... (at least
+    /// three); each listens on its own address for the others.
+    #[arg(long, value_name = "1=HOST:PORT,2=HOST:PORT,3=HOST:PORT")]
+    pub peers: String,
+    /// Run no VM: vote and keep the log, never lead (the third replica).
+    #[arg(long, conflicts_with_all = ["image", "net", "disk"])]
+    pub witness: bool,
+    /// Guest image (every VM replica boots the same one); not with --witness.
+    #[arg(long, value_name = "PATH", required_unless_present = "witness")]
+    pub image: Option<PathBuf>,
+    /// Guest memory in MiB (a multiple of 2).
+    #[arg(long, value_name = "MIB", default_value_t = 256)]
+    pub memory: u64,
+    /// Number of vCPUs (1 to 32).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub vcpus: u32,
+    /// Command line passed to the guest.
+    #[arg(long, default_value = "")]
+    pub cmdline: String,
+    /// Longest interval between two syncvms in milliseconds (5 to 60000);
+    /// a syncvm starts sooner when output is held and the guest is idle.
+    #[arg(long, value_name = "MS", default_value_t = 100, value_parser = epoch_ms)]
+    pub sync_ms: u64,
+    /// How the leader sends a divergent page at a syncvm: whole, or only
+    /// its 64-byte blocks that differ (one more round trip for block hashes).
+    #[arg(long, default_value = "whole", value_name = "whole|blocks")]
+    pub sync_pages: ftvm_replication::vsmr::sync::PageMode,
+    /// Write one JSON line per syncvm to this file.
+    #[arg(long, value_name = "PATH")]
+    pub metrics: Option<PathBuf>,
+    #[command(flatten)]
+    pub channel: ChannelArgs,
+    #[command(flatten)]
+    pub host: HostArgs,
 }
 
 /// Options that secure the replication channel (both sides).

@@ -221,7 +221,7 @@ mod tests {
     #[test]
     fn documented_examples_parse_and_are_complete() {
         let docs = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/config");
-        for (file, command) in [("run.toml", "run"), ("backup.toml", "backup")] {
+        for (file, command) in [("run.toml", "run"), ("backup.toml", "backup"), ("replica.toml", "replica")] {
             let path = docs.join(file);
             let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             let cli = Cli::command();

@@ -18,7 +18,7 @@ mod signals;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig, Switches, DEFAULT_PIPELINE_DEPTH};
+use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig, Role, Switches, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::Console;
 
 use cli::{ChannelArgs, ClientArgs, Command, HostArgs, ReplicationArgs};
@@ -167,6 +167,32 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
             host.user = user.as_deref().map(privilege::User::lookup).transpose()?;
             run::run(run::Source::Snapshot(snapshot), host)
         }
+        Command::Replica(args) => {
+            let peers = ftvm_replication::vsmr::parse_peers(&args.peers, args.id).map_err(run::RunError::Usage)?;
+            if args.host.disk.is_some() {
+                return Err(run::RunError::Usage("--disk: consensus-ordered replicas do not replicate disks yet".into()));
+            }
+            let config = ftvm_replication::vsmr::ReplicaConfig {
+                id: args.id,
+                peers,
+                witness: args.witness,
+                auth: args.channel.auth()?,
+                metrics: args.metrics,
+                max_interval: Duration::from_millis(args.sync_ms),
+                pages: args.sync_pages,
+            };
+            let source = match args.image {
+                Some(image) if !args.witness => run::Source::Replica {
+                    image,
+                    mem_size: args.memory.saturating_mul(1 << 20),
+                    vcpus: args.vcpus,
+                    cmdline: args.cmdline,
+                    config: Box::new(config),
+                },
+                _ => run::Source::Witness(Box::new(config)),
+            };
+            run::run(source, args.host.into_options(None))
+        }
         Command::Snapshot { api_socket, timeout, output, stop } => {
             let path = std::path::absolute(&output).unwrap_or(output);
             let request = api::Request::Snapshot { path: path.display().to_string(), stop };
@@ -222,14 +248,31 @@ fn print_status(r: &api::Response) {
     if let Some(rep) = &r.replication {
         outln!("role: {}", rep.role);
         outln!("protected: {}", if rep.protected { "yes" } else { "no" });
-        outln!("epoch: {}", rep.epoch);
+        if matches!(rep.role, Role::Leader | Role::Secondary | Role::Witness) {
+            outln!("term: {}", rep.term);
+        } else {
+            outln!("epoch: {}", rep.epoch);
+        }
         if !rep.peer.is_empty() {
-            outln!("{}: {}", if rep.role == ftvm_replication::Role::Primary { "backup" } else { "primary" }, rep.peer);
+            outln!("{}: {}", if rep.role == Role::Primary { "backup" } else { "primary" }, rep.peer);
         }
         if !rep.standbys.is_empty() {
             outln!("standbys: {}", rep.standbys.join(", "));
         }
         outln!("detail: {}", rep.detail);
+        if let Some(m) = &rep.last_sync {
+            outln!(
+                "last syncvm {} (term {}): {} pages dirty, {} divergent, pause {} us, {} bytes sent since the previous, {} us after it{}",
+                m.index,
+                m.term,
+                m.dirty_pages,
+                m.divergent_pages,
+                m.pause_us,
+                m.bytes,
+                m.interval_us,
+                if m.ok { "" } else { " (FAILED)" }
+            );
+        }
         if let Some(m) = &rep.last {
             outln!(
                 "last epoch {}: started by {}, ran {} us (at most {} us), pause {} us, {} dirty pages, {} bytes, transfer {} us, ack after {} us, {} frames released (held up to {} us)",

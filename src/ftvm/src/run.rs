@@ -10,6 +10,7 @@ use std::sync::Arc;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
+use ftvm_replication::vsmr::{self, ReplicaConfig};
 use ftvm_replication::{Backup, BackupConfig, Outcome, Primary, PrimaryConfig, ReplicationError, StatusCell};
 use ftvm_vmm::seccomp::{self, ThreadKind};
 use ftvm_vmm::snapshot::{self, SnapshotError};
@@ -44,6 +45,8 @@ pub enum RunError {
     Secret(#[from] ftvm_replication::pipeline::transport::SecretError),
     #[error(transparent)]
     Privilege(#[from] crate::privilege::PrivilegeError),
+    #[error("{0}")]
+    Usage(String),
 }
 
 pub enum Source {
@@ -56,6 +59,16 @@ pub enum Source {
     Snapshot(PathBuf),
     /// Wait for a primary and take its VM over when it fails.
     Backup(Box<BackupConfig>),
+    /// A consensus-ordered replica with a VM (`ftvm replica`).
+    Replica {
+        image: PathBuf,
+        mem_size: u64,
+        vcpus: u32,
+        cmdline: String,
+        config: Box<ReplicaConfig>,
+    },
+    /// A consensus-ordered replica without a VM (`ftvm replica --witness`).
+    Witness(Box<ReplicaConfig>),
 }
 
 pub struct HostOptions {
@@ -95,12 +108,12 @@ fn os(op: &'static str) -> impl Fn(std::io::Error) -> RunError {
 /// Build the VM for an image or a snapshot, not yet running.
 fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
     let (mem_size, vcpus) = match source {
-        Source::Image { mem_size, vcpus, .. } => (*mem_size, *vcpus),
+        Source::Image { mem_size, vcpus, .. } | Source::Replica { mem_size, vcpus, .. } => (*mem_size, *vcpus),
         Source::Snapshot(path) => {
             let state = snapshot::read_state(path)?;
             (state.memory.size, state.vcpus.len() as u32)
         }
-        Source::Backup(_) => unreachable!("a backup's VM is built from its primary's shape"),
+        Source::Backup(_) | Source::Witness(_) => unreachable!("a backup's VM is built from its primary's shape; a witness has none"),
     };
     let config = VmConfig {
         mem_size,
@@ -112,7 +125,7 @@ fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
     };
     let mut vm = Vm::new(config)?;
     match source {
-        Source::Image { image, cmdline, .. } => {
+        Source::Image { image, cmdline, .. } | Source::Replica { image, cmdline, .. } => {
             vm.boot(image, cmdline)?;
         }
         Source::Snapshot(path) => {
@@ -120,7 +133,7 @@ fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
             vm.restore(&state)?;
             tracing::info!(path = %path.display(), "restored snapshot");
         }
-        Source::Backup(_) => {}
+        Source::Backup(_) | Source::Witness(_) => {}
     }
     Ok(vm)
 }
@@ -180,6 +193,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
     let mut promoting = false;
     // `ftvm switchover`: the VM stops to be handed over to the backup.
     let mut switching_over = false;
+    let no_vm_stop = if matches!(source, Source::Witness(_)) { "ftvm: witness stopped" } else { "ftvm: backup stopped before taking over" };
     let promotion = if matches!(source, Source::Backup(_)) { host.replicate.clone() } else { None };
     match source {
         Source::Backup(config) => {
@@ -197,10 +211,18 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                 })
                 .map_err(os("start backup thread"))?;
         }
-        _ => {
+        Source::Witness(config) => {
+            status = Some(vsmr::start(*config, None)?);
+            follow(status.as_ref());
+        }
+        source => {
             let v = Arc::new(built.expect("built above"));
             v.start().map_err(os("start vCPU threads"))?;
             watch(v.exit_event().as_raw_fd(), EXIT)?;
+            if let Source::Replica { config, .. } = source {
+                status = Some(vsmr::start(*config, Some(v.clone()))?);
+                follow(status.as_ref());
+            }
             if let Some(config) = host.replicate.clone() {
                 // A stop signal while the backup is brought up to date ends that.
                 match Primary::start(v.clone(), config, signals::stop_requested()) {
@@ -244,7 +266,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                     match &vm {
                         Some(v) => v.request_stop(),
                         None => {
-                            errln!("ftvm: backup stopped before taking over");
+                            errln!("{no_vm_stop}");
                             return Ok(0);
                         }
                     }
@@ -272,7 +294,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                         match &vm {
                             Some(v) => v.request_stop(),
                             None => {
-                                errln!("ftvm: backup stopped before taking over");
+                                errln!("{no_vm_stop}");
                                 return Ok(0);
                             }
                         }

@@ -4,8 +4,12 @@
 //! before it applies checkpoint N, while the rest of it (its heartbeats)
 //! runs on; `die-after-prefetch:N` makes a primary with `--prefetch on`
 //! die like a crashed host right after it sent its first prefetch round of
-//! an epoch N or later (the backup has it staged, not committed); `xsave-size:N` makes a backup describe its host as having an
-//! XSAVE area of N bytes (so it refuses a primary whose vCPUs need more).
+//! an epoch N or later (the backup has it staged, not committed);
+//! `xsave-size:N` makes a backup describe its host as having an XSAVE area
+//! of N bytes (so it refuses a primary whose vCPUs need more);
+//! `syncvm-digest:1` makes consensus-ordered replicas record a digest of
+//! the whole guest memory at each `syncvm` (the leader's at its freeze, the
+//! secondary's once the pages are applied), so a test can compare them.
 //! (`forbidden-syscall:KIND` is `ftvm_vmm::seccomp`'s.) Never set outside
 //! tests.
 
@@ -28,6 +32,8 @@ pub enum Fault {
     XsaveSize,
     /// The primary dies after a prefetch round (`dies_after_prefetch`).
     DieAfterPrefetch,
+    /// Replicas digest guest memory at each `syncvm` (`syncvm_digest`).
+    SyncvmDigest,
 }
 
 fn configured() -> Option<(Fault, u64)> {
@@ -41,6 +47,7 @@ fn configured() -> Option<(Fault, u64)> {
             "stall-apply" => Fault::StallApply,
             "xsave-size" => Fault::XsaveSize,
             "die-after-prefetch" => Fault::DieAfterPrefetch,
+            "syncvm-digest" => Fault::SyncvmDigest,
             _ => return None,
         };
         Some((fault, epoch.parse().ok()?))
@@ -77,12 +84,19 @@ pub fn host_profile(mut profile: CpuProfile) -> CpuProfile {
     profile
 }
 
+/// Whether replicas digest guest memory at each `syncvm`.
+pub fn syncvm_digest() -> bool {
+    matches!(configured(), Some((Fault::SyncvmDigest, _)))
+}
+
 impl Fault {
     /// Send `frame` damaged, then end the process without any cleanup.
     pub fn inject(self, link: &mut dyn Transport, frame: &[u8]) -> io::Result<()> {
         tracing::warn!(fault = ?self, "test fault injected; the primary dies now");
         match self {
-            Fault::StallApply | Fault::XsaveSize | Fault::DieAfterPrefetch => return Err(io::Error::other("a backup's fault")),
+            Fault::StallApply | Fault::XsaveSize | Fault::DieAfterPrefetch | Fault::SyncvmDigest => {
+                return Err(io::Error::other("not a primary's fault"))
+            }
             Fault::Truncate => link.send(&frame[..frame.len() / 2])?,
             Fault::Flip => {
                 let mut bad = frame.to_vec();

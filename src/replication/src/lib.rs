@@ -18,6 +18,7 @@ pub mod primary;
 pub mod protocol;
 mod switch;
 pub mod telemetry;
+pub mod vsmr;
 
 pub use backup::{Backup, BackupConfig, Outcome};
 pub use metrics::{EpochMetrics, Role, Status, StatusCell};
@@ -67,6 +68,8 @@ pub enum ReplicationError {
     Arbiter(#[from] arbiter::ArbiterError),
     #[error("this side lost ownership of the VM to {owner} (arbiter generation {generation}); it stops without emitting anything")]
     Fenced { owner: String, generation: u64 },
+    #[error("consensus: {0}")]
+    Consensus(String),
     #[error("the primary was lost before this backup had read the VM's ownership from the arbiter; not taking over")]
     NoOwnershipView,
 }

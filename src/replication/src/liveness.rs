@@ -262,15 +262,16 @@ enum Reject {
 
 fn side_byte(role: Role) -> u8 {
     match role {
-        Role::Primary => FROM_PRIMARY,
         Role::Backup => FROM_BACKUP,
+        // Heartbeats are the primary-backup pair's: the primary's side.
+        _ => FROM_PRIMARY,
     }
 }
 
 fn peer_role(role: Role) -> Role {
     match role {
-        Role::Primary => Role::Backup,
         Role::Backup => Role::Primary,
+        _ => Role::Backup,
     }
 }
 

@@ -95,6 +95,12 @@ pub enum Role {
     Primary,
     /// Follows a primary, ready to take over.
     Backup,
+    /// A consensus-ordered replica that serves the VM (`ftvm replica`).
+    Leader,
+    /// A consensus-ordered replica that runs the VM in step with the leader.
+    Secondary,
+    /// A consensus-ordered replica without a VM: votes and keeps the log.
+    Witness,
 }
 
 impl fmt::Display for Role {
@@ -102,6 +108,9 @@ impl fmt::Display for Role {
         f.write_str(match self {
             Role::Primary => "primary",
             Role::Backup => "backup",
+            Role::Leader => "leader",
+            Role::Secondary => "secondary",
+            Role::Witness => "witness",
         })
     }
 }
@@ -122,6 +131,12 @@ pub struct Status {
     /// (`ftvm backup --standby`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub standbys: Vec<String>,
+    /// Consensus-ordered replicas: the consensus term this replica knows.
+    #[serde(default)]
+    pub term: u64,
+    /// Consensus-ordered replicas: the last `syncvm`'s figures.
+    #[serde(default)]
+    pub last_sync: Option<crate::vsmr::SyncMetrics>,
 }
 
 /// Shared, updated by the replication threads, read by the control socket.

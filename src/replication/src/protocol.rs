@@ -24,7 +24,9 @@ use ftvm_vmm::pages::FormatError;
 /// Version 6: Hello carries the primary's vCPU profile
 /// (`ftvm_vmm::arch::compat`), which the backup checks against its host.
 /// Version 7: `Prefetch`, pages of the open epoch sent while the guest runs;
-/// `Handover` (a planned switch-over, `ftvm switchover`).
+/// `Handover` (a planned switch-over, `ftvm switchover`); the
+/// consensus-ordered replicas' messages (`vsmr`): PeerHello, Raft, and the
+/// `syncvm` exchange.
 pub const PROTOCOL_VERSION: u16 = 7;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
@@ -57,6 +59,22 @@ pub enum Kind {
     /// The primary stopped its guest, and the backup acknowledged the last
     /// checkpoint: it runs the VM from here (`ftvm switchover`).
     Handover = 16,
+    /// Consensus-ordered replicas (`vsmr`): who dials, first on a link.
+    PeerHello = 20,
+    /// A raft message (protobuf, as raft-rs encodes it).
+    Raft = 21,
+    /// `syncvm`: a replica's dirty bitmap.
+    SyncBitmap = 22,
+    /// `syncvm`: the secondary's page hashes over the union.
+    SyncHashes = 23,
+    /// `syncvm`: the leader's divergent pages and VM state.
+    SyncPages = 24,
+    /// `syncvm`: the secondary staged the pages.
+    SyncAck = 25,
+    /// `syncvm`, `--sync-pages blocks`: the divergent pages the leader wants block hashes of.
+    SyncWant = 26,
+    /// `syncvm`, `--sync-pages blocks`: the secondary's block hashes.
+    SyncBlockHashes = 27,
 }
 
 impl Kind {
@@ -77,6 +95,14 @@ impl Kind {
             14 => Kind::AuthAccept,
             15 => Kind::Prefetch,
             16 => Kind::Handover,
+            20 => Kind::PeerHello,
+            21 => Kind::Raft,
+            22 => Kind::SyncBitmap,
+            23 => Kind::SyncHashes,
+            24 => Kind::SyncPages,
+            25 => Kind::SyncAck,
+            26 => Kind::SyncWant,
+            27 => Kind::SyncBlockHashes,
             _ => return None,
         })
     }

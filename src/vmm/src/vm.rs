@@ -411,6 +411,30 @@ impl Vm {
         Ok(self.shared.dirty.locked().rearm(&self.shared.vm_fd, leave_writable)?)
     }
 
+    /// Load `state` into this VM while it is paused (it may have run):
+    /// the state another VM of the same shape was saved with, its RAM
+    /// already copied. Guest time continues from the saved time. Used by
+    /// a consensus-ordered replica adopting its leader's state.
+    pub fn restore_paused(&self, state: &VmState) -> Result<(), VmError> {
+        if self.is_running() {
+            return Err(VmError::Running);
+        }
+        if state.vcpus.len() != self.vcpus.len() {
+            return Err(VmError::ShapeMismatch { got: state.vcpus.len(), want: self.vcpus.len() });
+        }
+        if state.memory.size != self.shared.ram.size() {
+            return Err(crate::memory::MemoryError::SizeMismatch { saved: state.memory.size, present: self.shared.ram.size() }.into());
+        }
+        self.shared.devices.restore_paused(&state.devices)?;
+        for (vcpu, s) in self.vcpus.iter().zip(&state.vcpus) {
+            vcpu.locked().restore(s)?;
+        }
+        let mut clock = self.shared.clock.locked();
+        clock.restore(&state.clock).unwrap_or_else(|never| match never {});
+        clock.publish(self.shared.ram.memory())?;
+        Ok(())
+    }
+
     /// Stop the VM for good because of `reason`; `wait` then returns
     /// `VmExit::Error`.
     pub fn fail(&self, reason: String) {

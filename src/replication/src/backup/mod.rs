@@ -497,7 +497,7 @@ fn unix_ns() -> u64 {
 
 /// Tell the L2 network that the guest's MAC now lives here: reverse-ARP
 /// broadcasts need no IP address, and every switch learns the new port.
-fn announce(vm: &Vm) {
+pub(crate) fn announce(vm: &Vm) {
     let (Some(mac), Some(tap)) = (vm.config().devices.net.as_ref().map(|n| n.mac), vm.devices().tap_sink()) else { return };
     let mut frame = vec![0u8; ftvm_vmm::devices::virtio::net::VNET_HDR_LEN];
     frame.extend_from_slice(&[0xff; 6]);

@@ -263,6 +263,12 @@ impl Devices {
         self.waker.wake();
     }
 
+    /// Take back the injected frames the guest has not received yet (its
+    /// receive queue had no room), in order.
+    pub fn take_injected_host_input(&self) -> Vec<Vec<u8>> {
+        self.slots.iter().flat_map(|s| s.lock().take_injected_host_input()).collect()
+    }
+
     /// The device list for the guest's boot information.
     pub fn abi_list(&self) -> Vec<ftvm_abi::Device> {
         self.slots
@@ -348,6 +354,14 @@ impl Persist for Devices {
     }
 
     fn restore(&mut self, states: &Vec<DeviceState>) -> Result<(), DeviceError> {
+        self.restore_paused(states)
+    }
+}
+
+impl Devices {
+    /// `restore` for devices that already ran: their threads must be
+    /// paused (`pause`), so no request is in progress.
+    pub fn restore_paused(&self, states: &[DeviceState]) -> Result<(), DeviceError> {
         let present = self.kinds();
         let saved: Vec<DeviceKind> = states.iter().map(|s| s.kind).collect();
         if present != saved {

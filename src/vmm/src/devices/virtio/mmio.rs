@@ -89,6 +89,10 @@ impl MmioTransport {
         self.device.inject_host_input(frames);
     }
 
+    pub fn take_injected_host_input(&mut self) -> Vec<Vec<u8>> {
+        self.device.take_injected_host_input()
+    }
+
     pub fn host_fd(&self) -> Option<std::os::fd::RawFd> {
         self.device.host_fd()
     }

@@ -62,6 +62,10 @@ pub trait VirtioDevice: Send + Persist<State = ModelState, Error = DeviceError> 
     /// Queue `frames` as host input, delivered before anything else the
     /// host sends (devices without host input ignore them).
     fn inject_host_input(&mut self, _frames: Vec<Vec<u8>>) {}
+    /// Take back injected frames not delivered yet.
+    fn take_injected_host_input(&mut self) -> Vec<Vec<u8>> {
+        Vec::new()
+    }
 }
 
 /// Copy the part of a device's config space at `offset` into `data`;

@@ -252,6 +252,10 @@ impl VirtioDevice for Net {
     fn inject_host_input(&mut self, frames: Vec<Vec<u8>>) {
         self.injected.extend(frames);
     }
+
+    fn take_injected_host_input(&mut self) -> Vec<Vec<u8>> {
+        self.injected.drain(..).collect()
+    }
 }
 
 impl Persist for Net {

@@ -1,0 +1,355 @@
+//! Consensus-ordered replicas (PLOVER's VSMR) against primary-backup and
+//! the unreplicated VM, all in one run: the kv guest under redis-benchmark
+//! (SET and GET at each pipeline depth), throughput and p50/p99 latency as
+//! ratios against the unreplicated VM, bytes on the replication links per
+//! request, and for VSMR the share of dirty pages that diverged and the
+//! interval between `syncvm`s.
+//!
+//! One private topology (scripts/netns.sh): the serving VMM in `NAME-h1`,
+//! the backup (primary-backup) or the secondary and the witness (VSMR) in
+//! `NAME-h2`, redis-benchmark in `NAME-client`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use ftvm_testkit::process::Process;
+use ftvm_testkit::scratch::Scratch;
+use ftvm_testkit::topology::{Topology, H1_REPL_ADDR, H2_REPL_ADDR};
+
+use crate::paths::sibling_binary;
+use crate::redis_benchmark::{self, Figures};
+use crate::report::{self, Row};
+
+type BoxError = Box<dyn std::error::Error>;
+
+const GUEST_ADDR: &str = "10.0.0.2";
+const GUEST_MAC: &str = "52:54:00:12:34:56";
+const PORT: &str = "6379";
+
+#[derive(clap::Args)]
+pub struct Options {
+    /// Requests per redis-benchmark run (-n), for SET and again for GET.
+    #[arg(long, default_value_t = 100_000)]
+    requests: u64,
+    /// Parallel connections (-c).
+    #[arg(long, default_value_t = 50)]
+    clients: u32,
+    /// Pipeline depths to measure (-P), comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [1u32, 16])]
+    pipeline: Vec<u32>,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 64)]
+    memory: u64,
+    /// Primary-backup: `ftvm run` replication options (its best: sub-page
+    /// diffs, changed state only, the output trigger).
+    #[arg(long, default_value = "--epoch-ms 20 --diff lz4 --device-state changed", allow_hyphen_values = true)]
+    pb_flags: String,
+    /// Primary-backup as PLOVER compared against (MC/Remus): whole pages.
+    #[arg(long, default_value = "--epoch-ms 20 --diff off", allow_hyphen_values = true)]
+    pb_whole_flags: String,
+    /// VSMR: longest interval between syncvms (ms).
+    #[arg(long, default_value_t = 100)]
+    sync_ms: u64,
+    /// The ftvm binary (default: next to ftvm-bench).
+    #[arg(long)]
+    ftvm: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Unreplicated,
+    PrimaryBackup,
+    /// Primary-backup sending whole pages.
+    PrimaryBackupWhole,
+    /// `--sync-pages whole` (PLOVER).
+    Vsmr,
+    /// `--sync-pages blocks`.
+    VsmrBlocks,
+}
+
+const MODES: [Mode; 5] = [Mode::Unreplicated, Mode::PrimaryBackup, Mode::PrimaryBackupWhole, Mode::Vsmr, Mode::VsmrBlocks];
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Unreplicated => "unreplicated",
+            Mode::PrimaryBackup => "primary-backup",
+            Mode::PrimaryBackupWhole => "primary-backup whole pages",
+            Mode::Vsmr => "VSMR",
+            Mode::VsmrBlocks => "VSMR blocks",
+        }
+    }
+}
+
+/// The processes of one configuration and where they write metrics.
+struct Setup {
+    procs: Vec<Process>,
+    metrics: Vec<PathBuf>,
+}
+
+impl Setup {
+    fn check_alive(&mut self) -> Result<(), BoxError> {
+        for p in &mut self.procs {
+            if let Some(status) = p.try_wait() {
+                return Err(format!("{} exited ({status}): {}", p.name(), p.output()).into());
+            }
+        }
+        Ok(())
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn start(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options) -> Result<Setup, BoxError> {
+    let image = sibling_binary("ftvm").parent().and_then(|p| p.parent()).map(|t| t.join("images/kv.elf")).ok_or("no target dir")?;
+    if !image.exists() {
+        return Err(format!("{} missing: run scripts/build-images.sh", image.display()).into());
+    }
+    let vm = |cmd: &mut Command| {
+        cmd.arg("--image").arg(&image).args(["--memory", &opts.memory.to_string(), "--cmdline", &format!("ip={GUEST_ADDR}/24")]);
+        cmd.args(["--net", &format!("tap=tap0,mac={GUEST_MAC}")]);
+    };
+    let tag = mode.name();
+    let mut procs = Vec::new();
+    let mut metrics = Vec::new();
+    let socket = dir.join(format!("{}.sock", tag.replace(' ', "-")));
+    let mut sockets = vec![socket.clone()];
+    match mode {
+        Mode::Unreplicated => {
+            let mut cmd = topo.command("h1", ftvm);
+            cmd.arg("run");
+            vm(&mut cmd);
+            procs.push(Process::spawn_collected("ftvm run", &mut cmd)?);
+        }
+        Mode::PrimaryBackup | Mode::PrimaryBackupWhole => {
+            let backup = format!("{H2_REPL_ADDR}:7000");
+            let mut cmd = topo.command("h2", ftvm);
+            cmd.args(["backup", "--listen", &backup, "--net", &format!("tap=tap0,mac={GUEST_MAC}")]);
+            procs.push(Process::spawn_collected("ftvm backup", &mut cmd)?);
+            let m = dir.join(format!("{}.jsonl", tag.replace(' ', "-")));
+            let mut cmd = topo.command("h1", ftvm);
+            cmd.arg("run");
+            vm(&mut cmd);
+            cmd.args(["--replicate-to", &backup, "--metrics"]).arg(&m).arg("--api-socket").arg(&socket);
+            let flags = if mode == Mode::PrimaryBackup { &opts.pb_flags } else { &opts.pb_whole_flags };
+            cmd.args(flags.split_whitespace());
+            procs.push(Process::spawn_collected("ftvm run (primary)", &mut cmd)?);
+            metrics.push(m);
+        }
+        Mode::Vsmr | Mode::VsmrBlocks => {
+            let peers = format!("1={H1_REPL_ADDR}:7101,2={H2_REPL_ADDR}:7102,3={H2_REPL_ADDR}:7103");
+            for (id, host) in [(1, "h1"), (2, "h2"), (3, "h2")] {
+                let mut cmd = topo.command(host, ftvm);
+                cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", &opts.sync_ms.to_string()]);
+                cmd.args(["--sync-pages", if mode == Mode::Vsmr { "whole" } else { "blocks" }]);
+                if id == 3 {
+                    cmd.arg("--witness");
+                } else {
+                    vm(&mut cmd);
+                    let m = dir.join(format!("{}{id}.jsonl", tag.replace(' ', "-")));
+                    cmd.arg("--metrics").arg(&m);
+                    metrics.push(m);
+                    let s = dir.join(format!("{}{id}.sock", tag.replace(' ', "-")));
+                    cmd.arg("--api-socket").arg(&s);
+                    sockets.push(s);
+                }
+                procs.push(Process::spawn_collected(&format!("ftvm replica {id}"), &mut cmd)?);
+            }
+        }
+    }
+    let mut setup = Setup { procs, metrics };
+    if mode != Mode::Unreplicated {
+        wait_protected(ftvm, &sockets, &mut setup)?;
+    }
+    wait_serving(topo, &mut setup)?;
+    Ok(setup)
+}
+
+/// Until the serving side (the primary, or the VSMR leader) is protected.
+fn wait_protected(ftvm: &Path, sockets: &[PathBuf], setup: &mut Setup) -> Result<(), BoxError> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut st = String::new();
+    loop {
+        setup.check_alive()?;
+        for socket in sockets.iter().filter(|s| s.exists()) {
+            let out = Command::new(ftvm).args(["status", "--api-socket"]).arg(socket).output()?;
+            st = String::from_utf8_lossy(&out.stdout).into_owned();
+            if st.contains("protected: yes") && !st.contains("role: secondary") {
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(format!("not protected within 30 s: {st}").into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn wait_serving(topo: &Topology, setup: &mut Setup) -> Result<(), BoxError> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        setup.check_alive()?;
+        if topo.redis_cli(GUEST_ADDR, &["PING"]).1.trim() == "PONG" {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err("the guest does not answer PING".into());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn benchmark(topo: &Topology, opts: &Options, pipeline: u32) -> Result<(Figures, Figures), BoxError> {
+    let out = topo
+        .command("client", "timeout")
+        .args(["300", "redis-benchmark", "-h", GUEST_ADDR, "-p", PORT, "-t", "set,get", "--csv"])
+        .args(["-n", &opts.requests.to_string(), "-c", &opts.clients.to_string(), "-P", &pipeline.to_string()])
+        .stdin(Stdio::null())
+        .output()?;
+    let all = text(&out);
+    if !out.status.success() || all.to_lowercase().contains("error") {
+        return Err(format!("redis-benchmark failed ({}): {all}", out.status).into());
+    }
+    let rows = redis_benchmark::parse(&String::from_utf8_lossy(&out.stdout))?;
+    let find = |t: &str| rows.iter().find(|f| f.test == t).cloned().ok_or_else(|| format!("no {t} line: {all}"));
+    Ok((find("SET")?, find("GET")?))
+}
+
+/// Sums over the metrics lines written so far: (bytes, dirty, divergent,
+/// syncs, interval µs), as the records of `files` (from line `from[i]` on) say.
+#[derive(Clone, Copy, Default)]
+struct Sums {
+    bytes: f64,
+    dirty: f64,
+    divergent: f64,
+    syncs: f64,
+    interval_us: f64,
+}
+
+fn read_sums(files: &[PathBuf], from: &[usize]) -> (Sums, Vec<usize>) {
+    let mut s = Sums::default();
+    let mut ends = Vec::new();
+    for (i, f) in files.iter().enumerate() {
+        let text = std::fs::read_to_string(f).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        ends.push(lines.len());
+        for line in lines.iter().skip(from.get(i).copied().unwrap_or(0)) {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+            let num = |k: &str| v.get(k).and_then(|x| x.as_f64()).unwrap_or(0.0);
+            s.bytes += num("bytes");
+            // VSMR: the leader's lines carry the comparison (not full ones).
+            if v.get("role").and_then(|r| r.as_str()) == Some("leader") && v.get("full") == Some(&serde_json::Value::Bool(false)) {
+                s.dirty += num("dirty_pages");
+                s.divergent += num("divergent_pages");
+                s.syncs += 1.0;
+                s.interval_us += num("interval_us");
+            }
+        }
+    }
+    (s, ends)
+}
+
+struct Measured {
+    set: Figures,
+    get: Figures,
+    sums: Sums,
+}
+
+fn measure(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options) -> Result<Vec<Measured>, BoxError> {
+    let mut setup = start(topo, ftvm, dir, mode, opts)?;
+    let mut out = Vec::new();
+    for &p in &opts.pipeline {
+        let (_, from) = read_sums(&setup.metrics, &[]);
+        let (set, get) = benchmark(topo, opts, p)?;
+        setup.check_alive()?;
+        // The last syncvm or checkpoint of the run lands shortly after it.
+        std::thread::sleep(Duration::from_millis(300));
+        let (sums, _) = read_sums(&setup.metrics, &from);
+        out.push(Measured { set, get, sums });
+    }
+    Ok(out)
+}
+
+pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
+    let ftvm = opts.ftvm.clone().unwrap_or_else(|| sibling_binary("ftvm"));
+    if !ftvm.exists() {
+        return Err(format!("{} missing: build with cargo build --release (or pass --ftvm)", ftvm.display()).into());
+    }
+    if opts.pipeline.is_empty() {
+        return Err("--pipeline needs at least one depth".into());
+    }
+    let topo = Topology::new("vsmb")?;
+    let dir = Scratch::new("bench-vsmr")?;
+    let mut results = Vec::new();
+    for mode in MODES {
+        results.push(measure(&topo, &ftvm, &dir, mode, opts)?);
+    }
+    let mut rows = Vec::new();
+    let mut chart = Vec::new();
+    for (i, &p) in opts.pipeline.iter().enumerate() {
+        let group = format!("kv -P {p} -c {}", opts.clients);
+        let unrep = &results[0][i];
+        let requests = 2.0 * opts.requests as f64;
+        let mut per_request = [0.0; MODES.len()];
+        for (m, mode) in MODES.into_iter().enumerate() {
+            let r = &results[m][i];
+            for (test, f, base) in [("SET", &r.set, &unrep.set), ("GET", &r.get, &unrep.get)] {
+                for (what, unit, v, b) in
+                    [("throughput", "req/s", f.rps, base.rps), ("p50", "ms", f.p50_ms, base.p50_ms), ("p99", "ms", f.p99_ms, base.p99_ms)]
+                {
+                    rows.push(Row {
+                        group: group.clone(),
+                        case: format!("{test} {what}, {} (ref: unreplicated)", mode.name()),
+                        value: v,
+                        unit,
+                        reference: Some(b),
+                    });
+                }
+                chart.push((format!("{test} -P {p}: {}", mode.name()), f.rps));
+            }
+            per_request[m] = r.sums.bytes / requests;
+        }
+        for (m, mode) in MODES.into_iter().enumerate().skip(1) {
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("replication bytes per request, {} (ref: primary-backup)", mode.name()),
+                value: per_request[m],
+                unit: "B",
+                reference: Some(per_request[1]),
+            });
+        }
+        for (m, mode) in MODES.into_iter().enumerate().skip(3) {
+            let v = &results[m][i].sums;
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("{} divergent pages (ref: dirty pages)", mode.name()),
+                value: v.divergent,
+                unit: "pages",
+                reference: Some(v.dirty),
+            });
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("{} mean syncvm interval", mode.name()),
+                value: if v.syncs > 0.0 { v.interval_us / v.syncs / 1000.0 } else { 0.0 },
+                unit: "ms",
+                reference: None,
+            });
+        }
+    }
+    report::publish(
+        out,
+        "vsmr",
+        &rows,
+        &report::BarChart {
+            title: &format!("redis-benchmark -n {} -c {}: kv unreplicated, primary-backup, VSMR", opts.requests, opts.clients),
+            category: "test, pipeline depth; replication",
+            quantity: "throughput (requests/s)",
+            bars: chart,
+            reference: None,
+        },
+    )?;
+    Ok(())
+}

@@ -1,0 +1,250 @@
+//! The links between replicas: every replica listens on its `--peers`
+//! address and dials every other one. A dialled link carries this
+//! replica's messages to that peer; an accepted one carries the peer's
+//! messages here. Each link is the primary-backup channel's transport
+//! (`pipeline::transport`: framed, checksummed, and with `--secret-file`
+//! authenticated by the same challenge-response handshake), opened with a
+//! `PeerHello` that says who dials.
+//!
+//! Sending never blocks the caller: each peer has a sender thread with a
+//! queue, which (re)connects as needed. A raft message lost with a broken
+//! link is retried by raft itself; a lost `syncvm` message makes that
+//! `syncvm` time out, and the leader tries again.
+
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use ftvm_vmm::sync::Lock;
+
+use super::node::Event;
+use crate::pipeline::transport::{self, Auth, AuthTransport, Transport};
+use crate::protocol::{self, Kind, ProtocolError};
+use crate::ReplicationError;
+
+/// Largest message between replicas: a `syncvm`'s pages and state of a
+/// guest of up to 64 GiB would not fit anyway; the frame limit only bounds
+/// what a peer can make this side allocate, and grows with the bytes that
+/// really arrive.
+const FRAME_LIMIT: u64 = 1 << 36;
+/// Messages queued for one peer at most; beyond it raft messages are
+/// dropped (raft retries) rather than letting a dead peer grow memory.
+const QUEUE: usize = 4096;
+/// How long a dial may take before the message it carries is dropped.
+const DIAL_TIMEOUT: Duration = Duration::from_millis(200);
+/// The handshake of an accepted link must be complete within this long.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a dialling replica says first.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub struct PeerHello {
+    pub id: u64,
+    /// It runs no VM: it votes and keeps the log, never leads.
+    pub witness: bool,
+}
+
+/// A message from a peer.
+pub struct Inbound {
+    pub from: u64,
+    pub kind: Kind,
+    pub payload: Vec<u8>,
+}
+
+/// What is known of a peer from its links.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PeerInfo {
+    pub witness: bool,
+    /// When a message from it last arrived.
+    pub heard: Option<Instant>,
+}
+
+pub struct Mesh {
+    me: PeerHello,
+    senders: HashMap<u64, SyncSender<Vec<u8>>>,
+    peers: Mutex<HashMap<u64, PeerInfo>>,
+    /// Bytes this replica sent on its links (all kinds), for the metrics.
+    sent: AtomicU64,
+    stop: AtomicBool,
+}
+
+impl Mesh {
+    /// Listen on `listen`, dial `peers` (id, address) as they come up, and
+    /// hand every message that arrives to `raft` (Raft) or `sync` (the
+    /// `syncvm` exchange).
+    pub fn start(
+        me: PeerHello,
+        listen: &str,
+        peers: &[(u64, String)],
+        auth: Option<Auth>,
+        raft: Sender<Event>,
+        sync: Sender<Inbound>,
+    ) -> Result<Arc<Mesh>, ReplicationError> {
+        let listener = TcpListener::bind(listen).map_err(|err| ReplicationError::Listen { addr: listen.into(), err })?;
+        let mut senders = HashMap::new();
+        let mut queues = Vec::new();
+        for (id, addr) in peers {
+            let (tx, rx) = mpsc::sync_channel(QUEUE);
+            senders.insert(*id, tx);
+            queues.push((*id, addr.clone(), rx));
+        }
+        let mesh = Arc::new(Mesh { me, senders, peers: Mutex::default(), sent: AtomicU64::new(0), stop: AtomicBool::new(false) });
+        for (id, addr, rx) in queues {
+            let (mesh, auth) = (mesh.clone(), auth.clone());
+            std::thread::Builder::new()
+                .name(format!("peer-tx-{id}"))
+                .spawn(move || mesh.send_loop(id, &addr, auth.as_ref(), rx))
+                .map_err(ReplicationError::Thread)?;
+        }
+        let m = mesh.clone();
+        std::thread::Builder::new()
+            .name("peer-accept".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    let Ok(stream) = stream else { continue };
+                    let Ok(link) = transport::TcpTransport::new(stream) else { continue };
+                    let (m, auth, raft, sync) = (m.clone(), auth.clone(), raft.clone(), sync.clone());
+                    let peer = link.peer();
+                    let _ = std::thread::Builder::new().name("peer-rx".into()).spawn(move || {
+                        // It parses what any peer sends: the narrow filter.
+                        ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Replication);
+                        m.receive(link, &peer, auth.as_ref(), &raft, &sync)
+                    });
+                }
+            })
+            .map_err(ReplicationError::Thread)?;
+        Ok(mesh)
+    }
+
+    /// Queue `frame` for peer `to`; false when it was dropped (unknown peer, full queue).
+    pub fn send(&self, to: u64, frame: Vec<u8>) -> bool {
+        match self.senders.get(&to).map(|s| s.try_send(frame)) {
+            Some(Ok(())) => true,
+            Some(Err(TrySendError::Full(_))) | Some(Err(TrySendError::Disconnected(_))) | None => false,
+        }
+    }
+
+    /// Bytes sent since the last call.
+    pub fn take_sent(&self) -> u64 {
+        self.sent.swap(0, Ordering::Relaxed)
+    }
+
+    /// What the links told of each peer.
+    pub fn peers(&self) -> HashMap<u64, PeerInfo> {
+        self.peers.locked().clone()
+    }
+
+    pub fn me(&self) -> PeerHello {
+        self.me
+    }
+
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+
+    fn send_loop(&self, id: u64, addr: &str, auth: Option<&Auth>, rx: Receiver<Vec<u8>>) {
+        let mut link: Option<Box<dyn Transport>> = None;
+        loop {
+            let frame = match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(f) => f,
+                Err(RecvTimeoutError::Timeout) => {
+                    if self.stop.load(Ordering::SeqCst) {
+                        return;
+                    }
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            if link.is_none() {
+                match dial(addr, auth, self.me) {
+                    Ok(l) => link = Some(l),
+                    Err(e) => {
+                        tracing::debug!(peer = id, "cannot reach peer: {e}");
+                        continue;
+                    }
+                }
+            }
+            let Some(l) = link.as_mut() else { continue };
+            match l.send(&frame) {
+                Ok(()) => {
+                    self.sent.fetch_add(frame.len() as u64, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::debug!(peer = id, "link lost: {e}");
+                    l.shutdown();
+                    link = None;
+                }
+            }
+        }
+    }
+
+    /// Serve one accepted link until it breaks.
+    fn receive(&self, mut link: transport::TcpTransport, peer: &str, auth: Option<&Auth>, raft: &Sender<Event>, sync: &Sender<Inbound>) {
+        let mut buf = Vec::new();
+        let _ = link.set_recv_timeout(Some(HANDSHAKE_TIMEOUT));
+        let first = match link.recv(protocol::HANDSHAKE_LIMIT, &mut buf) {
+            Ok(k) => k,
+            Err(e) => return tracing::debug!(%peer, "peer link: {e}"),
+        };
+        let mut link: Box<dyn Transport> = match auth {
+            Some(auth) => match AuthTransport::respond(link, first, &buf, auth) {
+                Ok(mut l) => match l.recv(protocol::HANDSHAKE_LIMIT, &mut buf) {
+                    Ok(Kind::PeerHello) => Box::new(l),
+                    Ok(k) => return tracing::warn!(%peer, "peer link: expected PeerHello, got {k:?}"),
+                    Err(e) => return tracing::warn!(%peer, "peer link: {e}"),
+                },
+                Err(e) => return tracing::warn!(%peer, "refused a peer: {e}"),
+            },
+            None if first == Kind::PeerHello => Box::new(link),
+            None => {
+                transport::refuse(&mut link, "this replica has no --secret-file; start every replica with the same --secret-file or none");
+                return tracing::warn!(%peer, "refused a peer: it authenticates, this replica does not");
+            }
+        };
+        let hello: PeerHello = match protocol::decode(&buf) {
+            Ok(h) => h,
+            Err(e) => return tracing::warn!(%peer, "peer link: bad PeerHello: {e}"),
+        };
+        if hello.id == self.me.id || !self.senders.contains_key(&hello.id) {
+            return tracing::warn!(%peer, id = hello.id, "refused a peer that is not in --peers");
+        }
+        let _ = link.set_recv_timeout(None);
+        tracing::info!(%peer, id = hello.id, witness = hello.witness, "peer connected");
+        loop {
+            let kind = match link.recv(FRAME_LIMIT, &mut buf) {
+                Ok(k) => k,
+                Err(ProtocolError::Closed) => return tracing::info!(id = hello.id, "peer link closed"),
+                Err(e) => return tracing::warn!(id = hello.id, "peer link: {e}"),
+            };
+            self.peers.locked().insert(hello.id, PeerInfo { witness: hello.witness, heard: Some(Instant::now()) });
+            let msg = Inbound { from: hello.id, kind, payload: std::mem::take(&mut buf) };
+            let delivered = match kind {
+                Kind::Raft => raft.send(Event::Peer(msg)).is_ok(),
+                Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages | Kind::SyncAck => {
+                    sync.send(msg).is_ok()
+                }
+                other => {
+                    tracing::warn!(id = hello.id, "unexpected {other:?} on a peer link");
+                    true
+                }
+            };
+            if !delivered || self.stop.load(Ordering::SeqCst) {
+                return;
+            }
+        }
+    }
+}
+
+fn dial(addr: &str, auth: Option<&Auth>, me: PeerHello) -> Result<Box<dyn Transport>, ReplicationError> {
+    let tcp = transport::connect(addr, DIAL_TIMEOUT)?;
+    let mut link: Box<dyn Transport> = match auth {
+        Some(auth) => Box::new(AuthTransport::initiate(tcp, auth)?),
+        None => Box::new(tcp),
+    };
+    link.send(&protocol::message(Kind::PeerHello, &me)).map_err(ReplicationError::Send)?;
+    Ok(link)
+}

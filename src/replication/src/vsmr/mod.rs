@@ -1,0 +1,186 @@
+//! Consensus-ordered replicas (PLOVER's VSMR, `ftvm replica`): three
+//! replicas agree, through raft, on one order of the leader's network
+//! input and of `syncvm` points; the two VM replicas run the same input,
+//! and at each `syncvm` the leader sends the secondary only the pages
+//! that diverged, then releases the output held since the previous one.
+//! The witness votes and keeps the log but runs no VM, and never leads.
+//! See docs/replicas.md.
+
+pub mod log;
+pub mod mesh;
+pub mod node;
+mod replica;
+pub mod sync;
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use ftvm_vmm::Vm;
+
+use crate::metrics::{MetricsLog, Role, StatusCell};
+use crate::pipeline::transport::Auth;
+use crate::ReplicationError;
+use mesh::{Mesh, PeerHello};
+use node::{Committed, NodeConfig, View};
+
+/// One `syncvm` as a replica records it (`--metrics`, `ftvm status`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncMetrics {
+    pub term: u64,
+    /// The `Sync` entry's log index.
+    pub index: u64,
+    /// `leader` or `secondary`: this replica's part.
+    pub role: SyncRole,
+    /// The other VM replica (0: none, a consensus barrier).
+    pub peer: u64,
+    /// Every page compared (a secondary not synchronized before).
+    pub full: bool,
+    /// Completed (acknowledged and applied).
+    pub ok: bool,
+    /// Every byte this replica sent on its replication links since the
+    /// previous `syncvm`: consensus messages and `syncvm` messages.
+    pub bytes: u64,
+    /// Pages written on either VM replica since the previous `syncvm` (the union).
+    pub dirty_pages: u64,
+    /// Of those, pages whose contents differed: sent.
+    pub divergent_pages: u64,
+    /// Bytes of the divergent pages and state message.
+    pub page_bytes: u64,
+    /// How long this replica's guest was paused.
+    pub pause_us: u64,
+    /// From the previous `syncvm`'s end to this one's start.
+    pub interval_us: u64,
+    /// From the start of the pause until the exchange ended.
+    pub sync_us: u64,
+    /// Tests only (`FTVM_TEST_FAULT=syncvm-digest:1`): a digest of all
+    /// guest memory, the leader's at its freeze, the secondary's once the
+    /// pages are applied: equal when the divergence was repaired.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_digest: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncRole {
+    #[default]
+    Leader,
+    Secondary,
+}
+
+/// `ftvm replica`'s replication options.
+#[derive(Clone, Debug)]
+pub struct ReplicaConfig {
+    pub id: u64,
+    /// Every replica (this one included): id and address.
+    pub peers: Vec<(u64, String)>,
+    pub witness: bool,
+    pub auth: Option<Auth>,
+    pub metrics: Option<PathBuf>,
+    /// Longest interval between two `syncvm`s.
+    pub max_interval: Duration,
+    /// How divergent pages travel.
+    pub pages: sync::PageMode,
+}
+
+/// `--peers 1=HOST:PORT,2=HOST:PORT,3=HOST:PORT`, checked against `--id`.
+pub fn parse_peers(s: &str, me: u64) -> Result<Vec<(u64, String)>, String> {
+    let mut peers: Vec<(u64, String)> = Vec::new();
+    for item in s.split(',') {
+        let (id, addr) = item.split_once('=').ok_or_else(|| format!("`{item}` is not ID=HOST:PORT"))?;
+        let id: u64 = id.trim().parse().map_err(|_| format!("`{id}` is not a replica id (a number from 1)"))?;
+        if id == 0 {
+            return Err("replica ids start at 1".into());
+        }
+        if !addr.contains(':') {
+            return Err(format!("`{addr}` is not HOST:PORT"));
+        }
+        if peers.iter().any(|(i, _)| *i == id) {
+            return Err(format!("replica {id} is listed twice"));
+        }
+        peers.push((id, addr.trim().to_string()));
+    }
+    if peers.len() < 3 {
+        return Err(format!("{} replicas listed; at least three are needed so that a majority survives a failure", peers.len()));
+    }
+    if !peers.iter().any(|(i, _)| *i == me) {
+        return Err(format!("--id {me} is not one of the replicas in --peers"));
+    }
+    Ok(peers)
+}
+
+/// Start this replica: its links, its consensus thread and, with a VM
+/// (`vm`; none for the witness), the VM's side. The VM must be started.
+pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, ReplicationError> {
+    let witness = vm.is_none();
+    let status = StatusCell::new(if witness { Role::Witness } else { Role::Secondary });
+    status.lock().detail = if witness { "witness".into() } else { "secondary: waiting for a leader".into() };
+    let listen = config.peers.iter().find(|(i, _)| *i == config.id).map(|(_, a)| a.clone()).expect("parse_peers checked --id");
+    let others: Vec<(u64, String)> = config.peers.iter().filter(|(i, _)| *i != config.id).cloned().collect();
+    let (events_tx, events_rx) = mpsc::channel();
+    let (sync_tx, sync_rx) = mpsc::channel();
+    let mesh = Mesh::start(PeerHello { id: config.id, witness }, &listen, &others, config.auth.clone(), events_tx.clone(), sync_tx)?;
+    let (committed_tx, committed_rx) = mpsc::channel();
+    let view = Arc::new(Mutex::new(View::default()));
+    // Every VM replica of a new group may lead; the witness never.
+    let eligible = Arc::new(AtomicBool::new(!witness));
+    let node_config =
+        NodeConfig { id: config.id, voters: config.peers.iter().map(|(i, _)| *i).collect(), witness, eligible: eligible.clone() };
+    node::start(node_config, mesh.clone(), events_rx, committed_tx, view.clone())?;
+    let metrics = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
+    match vm {
+        Some(vm) => {
+            let shared = Arc::new(replica::Shared::new(
+                config.id,
+                vm,
+                mesh,
+                view,
+                events_tx,
+                eligible,
+                status.clone(),
+                metrics,
+                config.max_interval,
+                config.pages,
+            ));
+            replica::start(shared, committed_rx, sync_rx).map_err(ReplicationError::Thread)?;
+        }
+        None => {
+            let status = status.clone();
+            std::thread::Builder::new()
+                .name("witness".into())
+                .spawn(move || {
+                    // The witness agrees on entries and treats syncvm as a no-op.
+                    for c in committed_rx {
+                        if let Committed::LeaderStart { term, leader, .. } = c {
+                            let mut st = status.lock();
+                            st.term = term;
+                            st.detail = format!("witness; leader {leader}");
+                        }
+                    }
+                })
+                .map_err(ReplicationError::Thread)?;
+        }
+    }
+    Ok(status)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_parse_and_bad_lists_are_refused() {
+        let p = parse_peers("1=10.0.0.1:7000,2=10.0.0.2:7000,3=h:1", 2).unwrap();
+        assert_eq!(p, vec![(1, "10.0.0.1:7000".into()), (2, "10.0.0.2:7000".into()), (3, "h:1".into())]);
+        assert!(parse_peers("1=a:1,2=b:2", 1).unwrap_err().contains("at least three"));
+        assert!(parse_peers("1=a:1,1=b:2,3=c:3", 1).unwrap_err().contains("twice"));
+        assert!(parse_peers("1=a:1,2=b:2,3=c:3", 4).unwrap_err().contains("--id 4"));
+        assert!(parse_peers("0=a:1,2=b:2,3=c:3", 2).unwrap_err().contains("start at 1"));
+        assert!(parse_peers("1=a,2=b:2,3=c:3", 2).unwrap_err().contains("HOST:PORT"));
+        assert!(parse_peers("x=a:1,2=b:2,3=c:3", 2).unwrap_err().contains("not a replica id"));
+    }
+}

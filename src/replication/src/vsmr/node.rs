@@ -1,0 +1,299 @@
+//! The consensus thread: one raft-rs `RawNode` driven by ticks, peer
+//! messages and proposals, handing committed entries on in log order.
+//!
+//! raft-rs (tikv `raft` 0.7) is used rather than openraft because it has no
+//! async runtime: it is a state machine the caller drives from its own
+//! thread, as the VMM drives everything else (docs/replicas.md, "Why
+//! raft-rs").
+//!
+//! The log lives in memory (`MemStorage`); it is compacted behind the
+//! applied index, and a peer that needs what was compacted gets raft's
+//! snapshot, which carries no data: a replica that far behind is brought
+//! up to date by a full `syncvm` anyway.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use protobuf::Message as _;
+use raft::eraftpb::{ConfState, EntryType, Message};
+use raft::storage::MemStorage;
+use raft::{Config, RawNode, StateRole};
+
+use ftvm_vmm::sync::Lock;
+
+use super::log::Entry;
+use super::mesh::{Inbound, Mesh};
+use crate::protocol::{self, Kind};
+use crate::ReplicationError;
+
+/// One raft tick: elections after 20-40 ticks of silence, heartbeats every 2.
+pub const TICK: Duration = Duration::from_millis(10);
+const ELECTION_TICKS: usize = 20;
+const HEARTBEAT_TICKS: usize = 2;
+/// Entries kept behind the applied index before compaction.
+const KEEP_ENTRIES: u64 = 4096;
+/// A peer counts as alive when a message from it arrived this recently.
+pub const ALIVE: Duration = Duration::from_millis(500);
+
+/// What drives the consensus thread.
+pub enum Event {
+    Peer(Inbound),
+    /// Append this entry to the log (only a leader does; others drop it).
+    Propose(Vec<u8>),
+    /// A `syncvm` completed at this index: the log before it is not needed
+    /// any more (a replica that lacks it gets raft's snapshot and then a
+    /// full `syncvm`).
+    Compact(u64),
+}
+
+/// An entry the log committed, in log order.
+#[derive(Debug)]
+pub enum Committed {
+    Entry {
+        index: u64,
+        term: u64,
+        entry: Entry,
+    },
+    /// The empty entry a new leader appends first: everything before it is
+    /// committed, and `leader` leads from here.
+    LeaderStart {
+        index: u64,
+        term: u64,
+        leader: u64,
+    },
+}
+
+/// What this replica believes about leadership right now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct View {
+    pub term: u64,
+    pub leader: u64,
+    pub is_leader: bool,
+}
+
+pub struct NodeConfig {
+    pub id: u64,
+    pub voters: Vec<u64>,
+    pub witness: bool,
+    /// This replica may lead (a VM replica with the current state): the
+    /// witness, or a replica that was never brought up to date, hands
+    /// leadership on to one that may.
+    pub eligible: Arc<AtomicBool>,
+}
+
+/// Start the consensus thread. `view` is kept up to date; committed
+/// entries go to `committed`.
+pub fn start(
+    config: NodeConfig,
+    mesh: Arc<Mesh>,
+    events: Receiver<Event>,
+    committed: Sender<Committed>,
+    view: Arc<Mutex<View>>,
+) -> Result<(), ReplicationError> {
+    let raft_config = Config {
+        id: config.id,
+        election_tick: ELECTION_TICKS,
+        heartbeat_tick: HEARTBEAT_TICKS,
+        // A leader cut off in a minority steps down after an election
+        // timeout; a returning replica does not disrupt a working leader.
+        check_quorum: true,
+        pre_vote: true,
+        max_size_per_msg: 1 << 20,
+        max_inflight_msgs: 256,
+        // The witness stands later than the VM replicas, so a live
+        // secondary usually wins; should it win, it hands over at once.
+        min_election_tick: if config.witness { 3 * ELECTION_TICKS } else { 0 },
+        max_election_tick: if config.witness { 5 * ELECTION_TICKS } else { 0 },
+        ..Default::default()
+    };
+    raft_config.validate().map_err(|e| ReplicationError::Consensus(e.to_string()))?;
+    let storage = MemStorage::new_with_conf_state(ConfState::from((config.voters.clone(), vec![])));
+    let logger = slog::Logger::root(TracingDrain, slog::o!());
+    let node = RawNode::new(&raft_config, storage, &logger).map_err(|e| ReplicationError::Consensus(e.to_string()))?;
+    std::thread::Builder::new()
+        .name("consensus".into())
+        .spawn(move || {
+            ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Replication);
+            Loop { node, mesh, committed, view, config, compacted: 0 }.run(events)
+        })
+        .map_err(ReplicationError::Thread)?;
+    Ok(())
+}
+
+struct Loop {
+    node: RawNode<MemStorage>,
+    mesh: Arc<Mesh>,
+    committed: Sender<Committed>,
+    view: Arc<Mutex<View>>,
+    config: NodeConfig,
+    /// The log is compacted up to here.
+    compacted: u64,
+}
+
+impl Loop {
+    fn run(mut self, events: Receiver<Event>) {
+        let mut next_tick = Instant::now() + TICK;
+        loop {
+            let now = Instant::now();
+            match events.recv_timeout(next_tick.saturating_duration_since(now)) {
+                Ok(ev) => {
+                    self.handle(ev);
+                    // Take what else is queued before the next Ready: batches.
+                    for ev in events.try_iter().take(256) {
+                        self.handle(ev);
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+            if Instant::now() >= next_tick {
+                self.node.tick();
+                next_tick = (next_tick + TICK).max(Instant::now());
+                self.hand_over();
+            }
+            if self.on_ready().is_err() {
+                return;
+            }
+        }
+    }
+
+    fn handle(&mut self, ev: Event) {
+        match ev {
+            Event::Peer(msg) => match Message::parse_from_bytes(&msg.payload) {
+                // The sender is who its authenticated link says it is.
+                Ok(m) if m.from == msg.from && m.to == self.config.id => {
+                    let _ = self.node.step(m);
+                }
+                Ok(m) => tracing::warn!(link = msg.from, from = m.from, to = m.to, "dropped a raft message not from its link's peer"),
+                Err(e) => tracing::warn!(from = msg.from, "dropped a malformed raft message: {e}"),
+            },
+            Event::Propose(data) => {
+                if self.node.raft.state == StateRole::Leader {
+                    let _ = self.node.propose(vec![], data);
+                }
+            }
+            Event::Compact(index) => {
+                let store = self.node.raft.raft_log.store.clone();
+                let index = index.min(self.node.raft.raft_log.applied);
+                if index > self.compacted {
+                    self.compacted = index;
+                    let _ = store.wl().compact(index);
+                }
+            }
+        }
+    }
+
+    /// A leader that may not lead (the witness; a replica never brought up
+    /// to date) hands leadership to the live VM replica furthest along.
+    fn hand_over(&mut self) {
+        let raft = &self.node.raft;
+        if raft.state != StateRole::Leader || self.config.eligible.load(Ordering::SeqCst) || raft.lead_transferee.is_some() {
+            return;
+        }
+        let peers = self.mesh.peers();
+        let target = peers
+            .iter()
+            .filter(|(id, p)| **id != self.config.id && !p.witness && p.heard.is_some_and(|t| t.elapsed() < ALIVE))
+            .filter_map(|(id, _)| raft.prs().get(*id).map(|pr| (pr.matched, *id)))
+            .max()
+            .map(|(_, id)| id);
+        if let Some(id) = target {
+            tracing::info!(to = id, "this replica may not lead: handing leadership over");
+            self.node.transfer_leader(id);
+        }
+    }
+
+    fn send(&self, msgs: Vec<Message>) {
+        for m in msgs {
+            match m.write_to_bytes() {
+                Ok(bytes) => {
+                    self.mesh.send(m.to, protocol::frame(Kind::Raft, &bytes));
+                }
+                Err(e) => tracing::error!("cannot encode a raft message: {e}"),
+            }
+        }
+    }
+
+    fn apply(&mut self, entries: Vec<raft::eraftpb::Entry>) -> Result<(), ()> {
+        for e in entries {
+            if e.get_entry_type() != EntryType::EntryNormal {
+                continue;
+            }
+            let c = if e.data.is_empty() {
+                Committed::LeaderStart { index: e.index, term: e.term, leader: self.node.raft.leader_id }
+            } else {
+                match Entry::decode(&e.data) {
+                    Ok(entry) => Committed::Entry { index: e.index, term: e.term, entry },
+                    Err(err) => {
+                        tracing::error!(index = e.index, "a committed entry does not decode: {err}");
+                        continue;
+                    }
+                }
+            };
+            self.committed.send(c).map_err(|_| ())?;
+        }
+        Ok(())
+    }
+
+    fn on_ready(&mut self) -> Result<(), ()> {
+        if !self.node.has_ready() {
+            return Ok(());
+        }
+        let store = self.node.raft.raft_log.store.clone();
+        let mut ready = self.node.ready();
+        if let Some(ss) = ready.ss() {
+            tracing::info!(term = self.node.raft.term, leader = ss.leader_id, role = ?ss.raft_state, "consensus role");
+        }
+        self.send(ready.take_messages());
+        if !ready.snapshot().is_empty() {
+            // No data: the input behind it is gone, so this VM no longer
+            // matches the others until a full syncvm; it may not lead.
+            self.config.eligible.store(false, Ordering::SeqCst);
+            tracing::info!(index = ready.snapshot().get_metadata().index, "caught up from a snapshot: needs a full syncvm");
+            let _ = store.wl().apply_snapshot(ready.snapshot().clone());
+        }
+        self.apply(ready.take_committed_entries())?;
+        if !ready.entries().is_empty() {
+            let _ = store.wl().append(ready.entries());
+        }
+        if let Some(hs) = ready.hs() {
+            store.wl().set_hardstate(hs.clone());
+        }
+        self.send(ready.take_persisted_messages());
+        let mut light = self.node.advance(ready);
+        if let Some(commit) = light.commit_index() {
+            store.wl().mut_hard_state().set_commit(commit);
+        }
+        self.send(light.take_messages());
+        self.apply(light.take_committed_entries())?;
+        self.node.advance_apply();
+        let raft = &self.node.raft;
+        *self.view.locked() = View { term: raft.term, leader: raft.leader_id, is_leader: raft.state == StateRole::Leader };
+        let applied = raft.raft_log.applied;
+        if applied >= self.compacted + 2 * KEEP_ENTRIES {
+            self.compacted = applied - KEEP_ENTRIES;
+            let _ = store.wl().compact(self.compacted);
+        }
+        Ok(())
+    }
+}
+
+/// raft-rs logs through slog: its records go to tracing (target `raft`).
+struct TracingDrain;
+
+impl slog::Drain for TracingDrain {
+    type Ok = ();
+    type Err = slog::Never;
+
+    fn log(&self, record: &slog::Record<'_>, _values: &slog::OwnedKVList) -> Result<(), slog::Never> {
+        match record.level() {
+            slog::Level::Critical | slog::Level::Error => tracing::error!(target: "raft", "{}", record.msg()),
+            slog::Level::Warning => tracing::warn!(target: "raft", "{}", record.msg()),
+            slog::Level::Info => tracing::info!(target: "raft", "{}", record.msg()),
+            _ => tracing::debug!(target: "raft", "{}", record.msg()),
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,470 @@
+//! A VM replica: its guest gets the committed input in log order, its
+//! output reaches the network only while it leads (and then only after the
+//! `syncvm` that follows it), and it runs each committed `syncvm`.
+//!
+//! Threads: the device thread's input hook only queues frames for the
+//! consensus thread (PLOVER's non-blocking consensus); the *applier* takes
+//! committed entries in order, injects input and runs `syncvm`; while this
+//! replica leads, a *proposer* decides when to propose the next `syncvm`
+//! (the output trigger of the primary-backup pipeline: output held and
+//! the guest idle, a hold bound, a maximum interval).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use ftvm_vmm::hooks::{FrameSink, HostInputFilter};
+use ftvm_vmm::sync::{self as vsync, Lock};
+use ftvm_vmm::Vm;
+
+use super::log::Entry;
+use super::mesh::{Inbound, Mesh};
+use super::node::{Committed, Event, View, ALIVE};
+use super::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
+use super::{SyncMetrics, SyncRole};
+use crate::metrics::{MetricsLog, Role, StatusCell};
+use crate::output::{DiskJournal, OutputBuffer};
+use crate::pipeline::freeze::{Freeze, PauseAndSave};
+use crate::pipeline::predict::LeaveNone;
+use crate::pipeline::trigger::{self, Pacing, Sample, Trigger};
+
+/// A proposed `syncvm` not applied within this long was lost (a leader
+/// change): propose again.
+const PROPOSAL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Everything the replica's threads share.
+pub struct Shared {
+    pub id: u64,
+    pub vm: Arc<Vm>,
+    pub mesh: Arc<Mesh>,
+    pub view: Arc<Mutex<View>>,
+    pub events: Sender<Event>,
+    pub eligible: Arc<AtomicBool>,
+    pub status: StatusCell,
+    pub metrics: MetricsLog,
+    /// Longest interval between two `syncvm`s.
+    pub max_interval: Duration,
+    pub pages: PageMode,
+    /// Set while this replica serves as leader.
+    lead: Mutex<Option<Arc<Leadership>>>,
+    /// When the previous `syncvm` ended here.
+    last_sync: Mutex<Instant>,
+    /// As a secondary: its memory equalled the leader's at the last
+    /// `syncvm` and its writes since are tracked (otherwise the next
+    /// `syncvm` compares every page).
+    in_step: AtomicBool,
+}
+
+/// One term of serving as leader.
+struct Leadership {
+    term: u64,
+    output: Arc<OutputBuffer>,
+    trigger: Arc<Trigger>,
+    freeze: Mutex<PauseAndSave>,
+    /// Output epochs closed so far (the next freeze closes this one).
+    epoch: AtomicU64,
+    serving: AtomicBool,
+    /// A `syncvm` proposed and not yet run.
+    pending: Mutex<bool>,
+    ran: Condvar,
+    /// The last figures, for the proposer's pacing.
+    last: Mutex<Option<Figures>>,
+    /// The replica this leader last brought up to date.
+    synced: Mutex<Option<u64>>,
+}
+
+/// The guest's frames go nowhere: a replica that does not lead.
+struct Discard;
+
+impl FrameSink for Discard {
+    fn send(&self, _frame: &[u8]) {}
+}
+
+/// The TAP's frames become proposals while this replica leads; the guest
+/// gets them from the log, never straight from the TAP.
+struct Input(Arc<Shared>);
+
+impl HostInputFilter for Input {
+    fn admit(&self, frame: &[u8]) -> bool {
+        let serving = self.0.lead.locked().as_ref().is_some_and(|l| l.serving.load(Ordering::Relaxed));
+        if serving {
+            let _ = self.0.events.send(Event::Propose(Entry::Input(frame.to_vec()).encode()));
+        }
+        false
+    }
+}
+
+/// What the trigger sees of the leader's guest.
+struct GuestView<'a> {
+    vm: &'a Vm,
+    output: &'a OutputBuffer,
+}
+
+impl trigger::Guest for GuestView<'_> {
+    fn held_since(&self) -> Option<Instant> {
+        self.output.held_since()
+    }
+
+    fn idle(&self) -> bool {
+        self.vm.is_idle()
+    }
+}
+
+impl Shared {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: u64,
+        vm: Arc<Vm>,
+        mesh: Arc<Mesh>,
+        view: Arc<Mutex<View>>,
+        events: Sender<Event>,
+        eligible: Arc<AtomicBool>,
+        status: StatusCell,
+        metrics: MetricsLog,
+        max_interval: Duration,
+        pages: PageMode,
+    ) -> Shared {
+        Shared {
+            id,
+            vm,
+            mesh,
+            view,
+            events,
+            eligible,
+            status,
+            metrics,
+            max_interval,
+            pages,
+            lead: Mutex::new(None),
+            last_sync: Mutex::new(Instant::now()),
+            in_step: AtomicBool::new(false),
+        }
+    }
+}
+
+/// Install the replica's hooks and start its applier.
+pub fn start(shared: Arc<Shared>, committed: Receiver<Committed>, sync_inbox: Receiver<Inbound>) -> std::io::Result<()> {
+    let hooks = shared.vm.hooks();
+    hooks.set_tx(Some(Arc::new(Discard)));
+    hooks.set_host_input(Some(Arc::new(Input(shared.clone()))));
+    shared.vm.start_dirty_tracking().map_err(std::io::Error::other)?;
+    std::thread::Builder::new().name("applier".into()).spawn(move || Applier { shared, sync_inbox }.run(committed))?;
+    Ok(())
+}
+
+struct Applier {
+    shared: Arc<Shared>,
+    sync_inbox: Receiver<Inbound>,
+}
+
+impl Applier {
+    fn run(self, committed: Receiver<Committed>) {
+        let mut input = Vec::new();
+        loop {
+            let first = match committed.recv_timeout(Duration::from_millis(20)) {
+                Ok(c) => Some(c),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            };
+            self.check_leadership();
+            for c in first.into_iter().chain(committed.try_iter()) {
+                match c {
+                    Committed::Entry { entry: Entry::Input(frame), .. } => input.push(frame),
+                    other => {
+                        // In log order: the input before it reaches the guest first.
+                        self.deliver(&mut input);
+                        self.apply(other);
+                    }
+                }
+            }
+            self.deliver(&mut input);
+        }
+    }
+
+    fn deliver(&self, input: &mut Vec<Vec<u8>>) {
+        if !input.is_empty() {
+            self.shared.vm.devices().inject_host_input(std::mem::take(input));
+        }
+    }
+
+    fn apply(&self, c: Committed) {
+        match c {
+            Committed::LeaderStart { term, leader, .. } => {
+                if leader == self.shared.id {
+                    self.take_over(term);
+                } else {
+                    self.step_down("another replica leads");
+                    let mut st = self.shared.status.lock();
+                    st.role = Role::Secondary;
+                    st.term = term;
+                }
+            }
+            Committed::Entry { index, term, entry: Entry::Sync { leader, secondary, full } } => {
+                let id = SyncId { term, index };
+                if leader == self.shared.id {
+                    self.lead_sync(id, secondary, full);
+                } else if secondary == self.shared.id {
+                    self.follow_sync(id, leader, full);
+                } else {
+                    // The leader released output this VM has no state for.
+                    self.out_of_step();
+                }
+            }
+            Committed::Entry { entry: Entry::Input(_), .. } => unreachable!("input is delivered in batches"),
+        }
+    }
+
+    /// Consensus may have moved on without this replica (cut off in a
+    /// minority, it stepped down): stop serving at once.
+    fn check_leadership(&self) {
+        let view = *self.shared.view.locked();
+        let term = self.shared.lead.locked().as_ref().map(|l| l.term);
+        if let Some(term) = term {
+            if !view.is_leader || view.term != term {
+                self.step_down("this replica no longer leads");
+                self.shared.status.lock().role = Role::Secondary;
+            }
+        }
+    }
+
+    /// Every input committed before is in the guest's queue: serve.
+    fn take_over(&self, term: u64) {
+        let s = &self.shared;
+        if s.lead.locked().as_ref().is_some_and(|l| l.term == term) {
+            return;
+        }
+        if !s.eligible.load(Ordering::SeqCst) {
+            // The consensus thread hands leadership on.
+            tracing::warn!(term, "elected, but this VM is not in step with what was released: not serving");
+            return;
+        }
+        let vm = &s.vm;
+        let network = vm.devices().tap_sink().unwrap_or_else(|| Arc::new(Discard));
+        let trigger = Arc::new(Trigger::default());
+        let output = Arc::new(OutputBuffer::new(network).with_waker(vm.devices().waker()).with_trigger(trigger.clone()));
+        // Held from now until the next syncvm (or consensus barrier).
+        output.protect(0);
+        let journal = Arc::new(DiskJournal::new(trigger.clone(), vm.devices().waker()));
+        let freeze = PauseAndSave::new(vm.ram().pages(), output.clone(), journal);
+        let lead = Arc::new(Leadership {
+            term,
+            output: output.clone(),
+            trigger: trigger.clone(),
+            freeze: Mutex::new(freeze),
+            epoch: AtomicU64::new(0),
+            serving: AtomicBool::new(true),
+            pending: Mutex::new(false),
+            ran: Condvar::new(),
+            last: Mutex::new(None),
+            synced: Mutex::new(None),
+        });
+        vm.hooks().set_tx(Some(output));
+        vm.hooks().set_idle(Some(trigger));
+        *s.lead.locked() = Some(lead.clone());
+        crate::backup::announce(vm);
+        {
+            let mut st = s.status.lock();
+            st.role = Role::Leader;
+            st.term = term;
+            st.protected = false;
+            st.detail = "leader: waiting for a secondary".into();
+        }
+        tracing::warn!(term, "LEADER: serving the VM");
+        let shared = s.clone();
+        let _ = std::thread::Builder::new().name("proposer".into()).spawn(move || {
+            ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Replication);
+            propose_loop(&shared, &lead)
+        });
+    }
+
+    /// This VM no longer matches what the leader released: it may not lead,
+    /// and the next `syncvm` it takes part in compares every page.
+    fn out_of_step(&self) {
+        self.shared.in_step.store(false, Ordering::SeqCst);
+        self.shared.eligible.store(false, Ordering::SeqCst);
+    }
+
+    fn step_down(&self, why: &str) {
+        let s = &self.shared;
+        let Some(lead) = s.lead.locked().take() else { return };
+        // Its VM stays in step: anything another leader releases from now
+        // on follows a Sync entry this replica applies too (as the
+        // secondary, or as out of step: `apply`).
+        lead.serving.store(false, Ordering::SeqCst);
+        lead.ran.notify_all();
+        // The output held since the last syncvm is dropped with the buffer:
+        // whoever leads now has its own.
+        s.vm.hooks().set_tx(Some(Arc::new(Discard)));
+        s.vm.hooks().set_idle(None);
+        s.status.lock().protected = false;
+        tracing::warn!(term = lead.term, held = lead.output.held_frames(), "stepped down: {why}; held output dropped");
+    }
+
+    fn lead_sync(&self, id: SyncId, secondary: u64, full: bool) {
+        let s = &self.shared;
+        let Some(lead) = s.lead.locked().clone() else { return };
+        if lead.term != id.term {
+            return;
+        }
+        let epoch = lead.epoch.fetch_add(1, Ordering::SeqCst);
+        let t0 = Instant::now();
+        let result = match lead.freeze.locked().freeze(&s.vm, epoch, &mut LeaveNone::new(s.vm.ram().pages())) {
+            Err(e) => Err(SyncError::Protocol(crate::ProtocolError::Corrupt(e.to_string()))),
+            Ok(frozen) if secondary == 0 => {
+                // A barrier: consensus committed it, so this replica led then.
+                let pause = frozen.thaw().pause;
+                Ok(Figures { pause, ..Figures::default() })
+            }
+            Ok(frozen) => {
+                let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: secondary, id };
+                sync::lead(&x, &s.vm, frozen, full, s.pages)
+            }
+        };
+        match &result {
+            Ok(f) => {
+                let released = lead.output.release_through(epoch);
+                let _ = s.events.send(Event::Compact(id.index));
+                *lead.synced.locked() = (secondary != 0).then_some(secondary);
+                let mut st = s.status.lock();
+                st.protected = secondary != 0;
+                st.detail =
+                    if secondary != 0 { format!("leader: secondary {secondary}") } else { "leader: UNPROTECTED (no secondary)".into() };
+                drop(st);
+                tracing::debug!(
+                    index = id.index,
+                    secondary,
+                    full,
+                    released = released.frames,
+                    divergent = f.divergent_pages,
+                    "syncvm done"
+                );
+            }
+            Err(e) => {
+                *lead.synced.locked() = None;
+                // Its dirty set was taken: were it a secondary later, the
+                // next syncvm must compare every page.
+                s.in_step.store(false, Ordering::SeqCst);
+                let mut st = s.status.lock();
+                st.protected = false;
+                st.detail = format!("leader: syncvm with {secondary} failed: {e}");
+                drop(st);
+                tracing::warn!(index = id.index, secondary, "syncvm failed: {e}; output stays held");
+            }
+        }
+        self.record(id, SyncRole::Leader, secondary, full, t0, &result);
+        *lead.last.locked() = result.ok();
+        *lead.pending.locked() = false;
+        lead.ran.notify_all();
+    }
+
+    fn follow_sync(&self, id: SyncId, leader: u64, full: bool) {
+        let s = &self.shared;
+        if s.lead.locked().is_some() {
+            return;
+        }
+        let t0 = Instant::now();
+        let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: leader, id };
+        let result = sync::follow(&x, &s.vm, full || !s.in_step.load(Ordering::SeqCst));
+        s.in_step.store(result.is_ok(), Ordering::SeqCst);
+        match &result {
+            Ok(_) => {
+                s.eligible.store(true, Ordering::SeqCst);
+                let mut st = s.status.lock();
+                st.role = Role::Secondary;
+                st.term = id.term;
+                st.protected = true;
+                st.detail = format!("secondary of {leader}");
+            }
+            Err(e) => {
+                if matches!(e, SyncError::Unusable(_)) {
+                    // Acknowledged but not applied whole: the leader may
+                    // release what this VM lacks.
+                    self.out_of_step();
+                }
+                s.status.lock().detail = format!("secondary: syncvm with {leader} failed: {e}");
+                tracing::warn!(index = id.index, leader, "syncvm failed: {e}; nothing applied");
+            }
+        }
+        self.record(id, SyncRole::Secondary, leader, full, t0, &result);
+    }
+
+    fn record(&self, id: SyncId, role: SyncRole, peer: u64, full: bool, t0: Instant, result: &Result<Figures, SyncError>) {
+        let s = &self.shared;
+        let interval = {
+            let mut last = s.last_sync.locked();
+            let i = t0.saturating_duration_since(*last);
+            *last = Instant::now();
+            i
+        };
+        let f = result.as_ref().copied().unwrap_or_default();
+        let m = SyncMetrics {
+            term: id.term,
+            index: id.index,
+            role,
+            peer,
+            full,
+            ok: result.is_ok(),
+            bytes: s.mesh.take_sent(),
+            dirty_pages: f.dirty_pages,
+            divergent_pages: f.divergent_pages,
+            page_bytes: f.page_bytes,
+            pause_us: f.pause.as_micros() as u64,
+            interval_us: interval.as_micros() as u64,
+            sync_us: t0.elapsed().as_micros() as u64,
+            memory_digest: f.memory_digest,
+        };
+        s.metrics.record(&m);
+        s.status.lock().last_sync = Some(m);
+    }
+}
+
+/// While `lead` serves: propose a `syncvm` whenever the output trigger
+/// says so, one at a time.
+fn propose_loop(s: &Shared, lead: &Leadership) {
+    let mut pacing = Pacing::new(trigger::Mode::Output, s.max_interval);
+    let guest = GuestView { vm: &s.vm, output: &lead.output };
+    let mut since = Instant::now();
+    while lead.serving.load(Ordering::SeqCst) {
+        let plan = pacing.plan(since);
+        let look = Instant::now() + Duration::from_millis(20);
+        if lead.trigger.wait(&plan, &guest, || true, look).is_none() {
+            continue;
+        }
+        let start = Instant::now();
+        let secondary = pick_secondary(s, lead);
+        let full = secondary != 0 && *lead.synced.locked() != Some(secondary);
+        *lead.pending.locked() = true;
+        let _ = s.events.send(Event::Propose(Entry::Sync { leader: s.id, secondary, full }.encode()));
+        let mut pending = lead.pending.locked();
+        let deadline = Instant::now() + PROPOSAL_TIMEOUT;
+        while *pending && lead.serving.load(Ordering::SeqCst) && Instant::now() < deadline {
+            pending = vsync::wait_timeout(&lead.ran, pending, deadline.saturating_duration_since(Instant::now()));
+        }
+        *pending = false;
+        drop(pending);
+        let f = lead.last.locked().take().unwrap_or_default();
+        pacing.record(&Sample {
+            pause: f.pause,
+            cost: start.elapsed(),
+            dirty_pages: f.dirty_pages,
+            epoch: start.saturating_duration_since(since),
+        });
+        since = Instant::now();
+    }
+}
+
+/// The VM replica to keep up to date: the one synchronized last if it is
+/// alive, else any live one; 0 when there is none (the witness is never one).
+fn pick_secondary(s: &Shared, lead: &Leadership) -> u64 {
+    let peers = s.mesh.peers();
+    let alive: Vec<u64> = peers
+        .iter()
+        .filter(|(id, p)| **id != s.id && !p.witness && p.heard.is_some_and(|t| t.elapsed() < ALIVE))
+        .map(|(id, _)| *id)
+        .collect();
+    match *lead.synced.locked() {
+        Some(id) if alive.contains(&id) => id,
+        _ => alive.into_iter().min().unwrap_or(0),
+    }
+}

@@ -1,0 +1,469 @@
+//! `syncvm`: the leader brings the secondary to its exact state by sending
+//! only the pages that differ.
+//!
+//! Both VM replicas run it when they apply the same committed `Sync`
+//! entry, so both have received exactly the same input before it:
+//!
+//! ```text
+//!  leader                                   secondary
+//!  freeze (pause, dirty set, state,          pause, dirty set
+//!          close the output epoch)
+//!  SyncBitmap ─────────────────────────────▶
+//!            ◀───────────────────────────── SyncBitmap
+//!  hash the union (xxh3-128, all cores)      hash the union
+//!            ◀───────────────────────────── SyncHashes
+//!  compare: divergent pages
+//!  SyncPages (divergent pages, VM state,
+//!             undelivered input) ──────────▶ stage (parse, check)
+//!  resume                                    
+//!            ◀───────────────────────────── SyncAck
+//!  release the closed epoch's output         apply pages, then state; resume
+//! ```
+//!
+//! Every message carries the `Sync` entry's term and index; anything else
+//! is a leftover of an abandoned `syncvm` and is dropped. A full `syncvm`
+//! (a secondary this leader has not synchronized) compares every page.
+//! The secondary applies only a whole, checked message, after its
+//! acknowledgement: a leader that dies mid-transfer leaves it as it was.
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+
+use ftvm_vmm::memory::{GuestRam, PAGE};
+use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
+use ftvm_vmm::{PageBitmap, Vm, VmState};
+
+use super::mesh::{Inbound, Mesh};
+use crate::checkpoint::StateDelta;
+use crate::pipeline::freeze::Frozen;
+use crate::protocol::{self, Kind, ProtocolError};
+use crate::switch::switch;
+
+/// How long one side waits for the other's next message, beyond the time
+/// the other needs to hash or copy its pages: a dead peer costs the paused
+/// guest no more than this.
+pub const STEP_TIMEOUT: Duration = Duration::from_millis(500);
+/// Time allowed per page the other side hashes or sends (a 2-core host
+/// hashes and copies a page in about 2 µs, several times that when loaded).
+const PER_PAGE: Duration = Duration::from_micros(10);
+
+/// Which `syncvm` a message belongs to: its `Sync` entry's term and log
+/// index, the first 16 bytes of every `syncvm` message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncId {
+    pub term: u64,
+    pub index: u64,
+}
+
+const ID_LEN: usize = 16;
+
+impl SyncId {
+    fn header(&self) -> [u8; ID_LEN] {
+        let mut h = [0; ID_LEN];
+        h[..8].copy_from_slice(&self.term.to_le_bytes());
+        h[8..].copy_from_slice(&self.index.to_le_bytes());
+        h
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct BitmapMsg {
+    /// Compare every page: the leader has not synchronized this secondary
+    /// (or lost track of its writes), or the secondary is not in step.
+    full: bool,
+    words: Vec<u64>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct HashesMsg {
+    hashes: Vec<u128>,
+}
+
+/// `SyncWant`: the divergent pages whose block hashes the leader asks for.
+#[derive(Serialize, Deserialize)]
+struct WantMsg {
+    pages: Vec<u64>,
+}
+
+/// `SyncBlockHashes`: XXH3-64 of each 64-byte block of each wanted page.
+#[derive(Serialize, Deserialize)]
+struct BlockHashesMsg {
+    hashes: Vec<u64>,
+}
+
+/// Blocks of one page to overwrite: bit `b` of `mask` set for each
+/// 64-byte block in `data`, in block order.
+#[derive(Serialize, Deserialize)]
+struct BlockPatch {
+    page: u64,
+    mask: u64,
+    data: Vec<u8>,
+}
+
+/// The state part of `SyncPages`.
+#[derive(Serialize, Deserialize)]
+struct SyncState {
+    vm: VmState,
+    /// Input the leader's guest had not taken in yet (its receive queue was
+    /// full): the secondary's guest gets exactly these next.
+    pending_input: Vec<Vec<u8>>,
+    /// `--sync-pages blocks`: divergent pages of which only some blocks
+    /// differ (the others travel whole, as bundle entries).
+    patches: Vec<BlockPatch>,
+}
+
+const BLOCK: usize = 64;
+const BLOCKS: usize = PAGE / BLOCK;
+
+switch! {
+    /// `--sync-pages`: how the leader sends a divergent page.
+    pub enum PageMode {
+        /// Whole (PLOVER).
+        Whole = "whole",
+        /// Only its 64-byte blocks that differ: the secondary sends a hash
+        /// of each block of the divergent pages (one more round trip).
+        Blocks = "blocks",
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("the peer did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error("cannot send to the peer")]
+    Send,
+    #[error(transparent)]
+    Vm(#[from] ftvm_vmm::VmError),
+    #[error("the replica is stopping")]
+    Closed,
+    /// After the acknowledgement: the leader may release output this
+    /// replica's VM does not hold.
+    #[error("acknowledged but could not apply: {0}")]
+    Unusable(String),
+}
+
+/// Figures of one `syncvm`, on either side.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Figures {
+    /// Pages written on either side since the previous `syncvm`.
+    pub dirty_pages: u64,
+    /// Of those, pages whose contents differed (sent).
+    pub divergent_pages: u64,
+    /// How long this side's guest was paused.
+    pub pause: Duration,
+    /// Bytes of the `SyncPages` message.
+    pub page_bytes: u64,
+    /// Tests (`FTVM_TEST_FAULT=syncvm-digest:1`): XXH3-64 over the page
+    /// hashes of all guest memory, as the leader froze it and as the
+    /// secondary has it once the pages are applied.
+    pub memory_digest: Option<u64>,
+}
+
+/// The exchange with one peer.
+pub struct Exchange<'a> {
+    pub mesh: &'a Mesh,
+    pub inbox: &'a Receiver<Inbound>,
+    pub peer: u64,
+    pub id: SyncId,
+}
+
+impl Exchange<'_> {
+    /// Send `body` after this `syncvm`'s id (`term u64 | index u64`).
+    fn send(&self, kind: Kind, body: &[u8]) -> Result<(), SyncError> {
+        let mut payload = self.id.header().to_vec();
+        payload.extend_from_slice(body);
+        if self.mesh.send(self.peer, protocol::frame(kind, &payload)) {
+            Ok(())
+        } else {
+            Err(SyncError::Send)
+        }
+    }
+
+    /// The next message of `kind` for this `syncvm` from the peer (its
+    /// payload, the id included); others (stale ones, of an abandoned
+    /// `syncvm`) are dropped.
+    fn expect(&self, kind: Kind, pages: u64) -> Result<Vec<u8>, SyncError> {
+        self.expect_any(&[kind], pages).map(|(_, payload)| payload)
+    }
+
+    /// `expect` for the first of several kinds to arrive.
+    fn expect_any(&self, kinds: &[Kind], pages: u64) -> Result<(Kind, Vec<u8>), SyncError> {
+        let timeout = STEP_TIMEOUT + PER_PAGE * pages as u32;
+        let deadline = Instant::now() + timeout;
+        loop {
+            let msg = match self.inbox.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(m) => m,
+                Err(RecvTimeoutError::Timeout) => return Err(SyncError::Timeout(timeout)),
+                Err(RecvTimeoutError::Disconnected) => return Err(SyncError::Closed),
+            };
+            if msg.from != self.peer || !kinds.contains(&msg.kind) || msg.payload.len() < ID_LEN {
+                continue;
+            }
+            let id = SyncId {
+                term: u64::from_le_bytes(msg.payload[..8].try_into().expect("8 bytes")),
+                index: u64::from_le_bytes(msg.payload[8..16].try_into().expect("8 bytes")),
+            };
+            if id == self.id {
+                return Ok((msg.kind, msg.payload));
+            }
+            tracing::debug!(?id, want = ?self.id, "dropped a stale syncvm message");
+        }
+    }
+
+    /// Send this side's dirty bitmap, receive the other's: the union, or
+    /// every page when either side asks for a full compare.
+    fn swap_bitmaps(&self, mine: &PageBitmap, full: bool) -> Result<PageBitmap, SyncError> {
+        let words = if full { Vec::new() } else { mine.words().to_vec() };
+        self.send(Kind::SyncBitmap, &postcard::to_allocvec(&BitmapMsg { full, words }).expect("serializes"))?;
+        let theirs: BitmapMsg = protocol::decode(&self.expect(Kind::SyncBitmap, 0)?[ID_LEN..])?;
+        let mut union = PageBitmap::new(mine.capacity());
+        if full || theirs.full {
+            union.set_range(0, mine.capacity() - 1);
+        } else {
+            if theirs.words.len() != mine.words().len() {
+                return Err(ProtocolError::Corrupt(format!(
+                    "a dirty bitmap of {} words for {} pages",
+                    theirs.words.len(),
+                    mine.capacity()
+                ))
+                .into());
+            }
+            union.copy_from(mine);
+            union.or_words(&theirs.words);
+        }
+        Ok(union)
+    }
+}
+
+/// The leader's side, with its VM frozen (dirty set and state taken, the
+/// output epoch closed, in the pause): resumes the guest as soon as the
+/// pages are sent, returns once the secondary acknowledged them.
+pub fn lead(x: &Exchange<'_>, vm: &Vm, mut frozen: Frozen<'_>, full: bool, mode: PageMode) -> Result<Figures, SyncError> {
+    let pending_input = vm.devices().take_injected_host_input();
+    let none = StateDelta { memory: None, vcpus: Vec::new(), devices: Vec::new(), clock: None };
+    // The freeze saved every component: a whole state.
+    let state = std::mem::replace(&mut frozen.state.vm, none).over(None);
+    let result = lead_paused(x, vm, &frozen.dirty, state, full, mode, &pending_input);
+    let pause = frozen.thaw().pause;
+    // The guest takes them next, as the secondary's will.
+    vm.devices().inject_host_input(pending_input);
+    let mut figures = result?;
+    figures.pause = pause;
+    x.expect(Kind::SyncAck, 0)?;
+    Ok(figures)
+}
+
+fn lead_paused(
+    x: &Exchange<'_>,
+    vm: &Vm,
+    dirty: &PageBitmap,
+    state: VmState,
+    full: bool,
+    mode: PageMode,
+    pending: &[Vec<u8>],
+) -> Result<Figures, SyncError> {
+    let union = x.swap_bitmaps(dirty, full)?;
+    let pages: Vec<u64> = union.pages().collect();
+    let mine = hash_pages(vm.ram(), &pages);
+    let theirs: HashesMsg = protocol::decode(&x.expect(Kind::SyncHashes, pages.len() as u64)?[ID_LEN..])?;
+    if theirs.hashes.len() != pages.len() {
+        return Err(ProtocolError::Corrupt(format!("{} hashes for {} pages", theirs.hashes.len(), pages.len())).into());
+    }
+    let divergent: Vec<u64> = pages.iter().zip(&mine).zip(&theirs.hashes).filter(|((_, a), b)| a != b).map(|((&p, _), _)| p).collect();
+    let mut whole = Vec::new();
+    let mut patches = Vec::new();
+    let mut buf = vec![0u8; PAGE];
+    match mode {
+        PageMode::Blocks if !divergent.is_empty() => {
+            x.send(Kind::SyncWant, &postcard::to_allocvec(&WantMsg { pages: divergent.clone() }).expect("serializes"))?;
+            let theirs: BlockHashesMsg = protocol::decode(&x.expect(Kind::SyncBlockHashes, divergent.len() as u64)?[ID_LEN..])?;
+            if theirs.hashes.len() != divergent.len() * BLOCKS {
+                return Err(ProtocolError::Corrupt(format!("{} block hashes for {} pages", theirs.hashes.len(), divergent.len())).into());
+            }
+            for (&p, hashes) in divergent.iter().zip(theirs.hashes.chunks_exact(BLOCKS)) {
+                vm.ram().read_page(p, &mut buf).map_err(ftvm_vmm::VmError::from)?;
+                let mut patch = BlockPatch { page: p, mask: 0, data: Vec::new() };
+                for (b, (block, h)) in buf.chunks_exact(BLOCK).zip(hashes).enumerate() {
+                    if xxh3_64(block) != *h {
+                        patch.mask |= 1 << b;
+                        patch.data.extend_from_slice(block);
+                    }
+                }
+                // A page that differs in most blocks goes whole; one whose
+                // blocks all match (a page hash collision cannot be ruled
+                // out) goes whole too, never not at all.
+                if patch.mask == 0 || patch.data.len() > PAGE / 2 {
+                    whole.push(p);
+                } else {
+                    patches.push(patch);
+                }
+            }
+        }
+        _ => whole = divergent.clone(),
+    }
+    let memory_digest = crate::fault::syncvm_digest().then(|| digest(vm.ram()));
+    let state = postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches }).expect("serializes");
+    let mut frame = Vec::new();
+    protocol::begin_frame(&mut frame, Kind::SyncPages);
+    frame.extend_from_slice(&x.id.header());
+    let mut encoder = RawEncoder;
+    let mut bundle = BundleWriter::begin(&mut frame, &state, &mut encoder, false);
+    for &p in &whole {
+        vm.ram().read_page(p, &mut buf).map_err(ftvm_vmm::VmError::from)?;
+        bundle.page(p, &buf);
+    }
+    bundle.finish();
+    protocol::finish_frame(&mut frame);
+    let page_bytes = frame.len() as u64;
+    if !x.mesh.send(x.peer, frame) {
+        return Err(SyncError::Send);
+    }
+    Ok(Figures {
+        dirty_pages: pages.len() as u64,
+        divergent_pages: divergent.len() as u64,
+        pause: Duration::ZERO,
+        page_bytes,
+        memory_digest,
+    })
+}
+
+/// The secondary's side: pause, exchange, stage, acknowledge, apply,
+/// resume; `full` when it is not in step with the leader (never
+/// synchronized, or a failed `syncvm` took its dirty set). On an error
+/// nothing was applied.
+pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncError> {
+    vm.pause();
+    let t0 = Instant::now();
+    let result = follow_paused(x, vm, full);
+    vm.resume();
+    let mut figures = result?;
+    figures.pause = t0.elapsed();
+    Ok(figures)
+}
+
+fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncError> {
+    let mut dirty = PageBitmap::new(vm.ram().pages());
+    vm.collect_dirty(&mut dirty, &PageBitmap::new(vm.ram().pages()))?;
+    let union = x.swap_bitmaps(&dirty, full)?;
+    let pages: Vec<u64> = union.pages().collect();
+    let hashes = hash_pages(vm.ram(), &pages);
+    x.send(Kind::SyncHashes, &postcard::to_allocvec(&HashesMsg { hashes }).expect("serializes"))?;
+    let (mut kind, mut payload) = x.expect_any(&[Kind::SyncWant, Kind::SyncPages], pages.len() as u64)?;
+    if kind == Kind::SyncWant {
+        let want: WantMsg = protocol::decode(&payload[ID_LEN..])?;
+        if want.pages.iter().any(|&p| !union.is_set(p)) {
+            return Err(ProtocolError::Corrupt("the leader wants blocks of a page outside the union".into()).into());
+        }
+        let hashes = hash_blocks(vm.ram(), &want.pages);
+        x.send(Kind::SyncBlockHashes, &postcard::to_allocvec(&BlockHashesMsg { hashes }).expect("serializes"))?;
+        (kind, payload) = x.expect_any(&[Kind::SyncPages], want.pages.len() as u64)?;
+    }
+    debug_assert_eq!(kind, Kind::SyncPages);
+    // Stage: everything parsed and checked before anything changes.
+    let mut c = Cursor::new(&payload[ID_LEN..]);
+    let bundle = Bundle::parse(&mut c, vm.ram().pages()).map_err(ProtocolError::from)?;
+    if !c.is_empty() {
+        return Err(ProtocolError::Corrupt("syncvm pages have trailing bytes".into()).into());
+    }
+    let state: SyncState = protocol::decode(bundle.state)?;
+    if state.vm.vcpus.len() != vm.config().vcpus as usize || state.vm.memory.size != vm.ram().size() {
+        return Err(ProtocolError::Corrupt("the leader's VM has another shape".into()).into());
+    }
+    for patch in &state.patches {
+        if patch.page >= vm.ram().pages() || patch.data.len() != patch.mask.count_ones() as usize * BLOCK {
+            return Err(ProtocolError::Corrupt(format!("a block patch of page {} does not fit", patch.page)).into());
+        }
+    }
+    let divergent = bundle.len() + state.patches.len() as u64;
+    x.send(Kind::SyncAck, &[])?;
+    // Commit: pages (checked against RAM at parse), patches (checked
+    // above), then the state. None of it should fail now; if it does, this
+    // replica acknowledged what it does not hold.
+    let memory_digest = commit(vm, &bundle, &state).map_err(|e| SyncError::Unusable(e.to_string()))?;
+    vm.devices().inject_host_input(state.pending_input);
+    Ok(Figures {
+        dirty_pages: pages.len() as u64,
+        divergent_pages: divergent,
+        pause: Duration::ZERO,
+        page_bytes: payload.len() as u64,
+        memory_digest,
+    })
+}
+
+/// The secondary's commit of a staged `SyncPages`; the memory digest when
+/// tests ask for it.
+fn commit(vm: &Vm, bundle: &Bundle<'_>, state: &SyncState) -> Result<Option<u64>, SyncError> {
+    bundle.apply(vm.ram()).map_err(ftvm_vmm::VmError::from)?;
+    let mut buf = vec![0u8; PAGE];
+    for patch in &state.patches {
+        vm.ram().read_page(patch.page, &mut buf).map_err(ftvm_vmm::VmError::from)?;
+        let mut data = patch.data.chunks_exact(BLOCK);
+        for (b, block) in buf.chunks_exact_mut(BLOCK).enumerate() {
+            if patch.mask & (1 << b) != 0 {
+                block.copy_from_slice(data.next().expect("checked: one block per mask bit"));
+            }
+        }
+        vm.ram().write_page(patch.page, &buf).map_err(ftvm_vmm::VmError::from)?;
+    }
+    // Before the state: its restore republishes the clock page, this host's own.
+    let memory_digest = crate::fault::syncvm_digest().then(|| digest(vm.ram()));
+    let _ = vm.devices().take_injected_host_input();
+    vm.restore_paused(&state.vm)?;
+    // The pages the apply wrote stay dirty: compared again next time (the
+    // clock page, republished by the restore, is this host's own).
+    Ok(memory_digest)
+}
+
+/// XXH3-128 of each page, on every core.
+pub fn hash_pages(ram: &GuestRam, pages: &[u64]) -> Vec<u128> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
+    let mut out = vec![0u128; pages.len()];
+    if pages.len() < 256 || threads == 1 {
+        hash_into(ram, pages, &mut out);
+        return out;
+    }
+    let chunk = pages.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        for (p, o) in pages.chunks(chunk).zip(out.chunks_mut(chunk)) {
+            s.spawn(move || hash_into(ram, p, o));
+        }
+    });
+    out
+}
+
+/// A digest of all of guest memory (tests only: it reads every page).
+fn digest(ram: &GuestRam) -> u64 {
+    let pages: Vec<u64> = (0..ram.pages()).collect();
+    let hashes: Vec<u8> = hash_pages(ram, &pages).iter().flat_map(|h| h.to_le_bytes()).collect();
+    xxh3_64(&hashes)
+}
+
+/// XXH3-64 of each 64-byte block of each page, in order.
+fn hash_blocks(ram: &GuestRam, pages: &[u64]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(pages.len() * BLOCKS);
+    let mut buf = vec![0u8; PAGE];
+    for &p in pages {
+        // Checked against the union, itself of this RAM's size.
+        if ram.read_page(p, &mut buf).is_err() {
+            buf.fill(0);
+        }
+        out.extend(buf.chunks_exact(BLOCK).map(xxh3_64));
+    }
+    out
+}
+
+fn hash_into(ram: &GuestRam, pages: &[u64], out: &mut [u128]) {
+    let mut buf = vec![0u8; PAGE];
+    for (&p, o) in pages.iter().zip(out) {
+        // Pages come from a bitmap of this RAM's size: always in range.
+        *o = match ram.read_page(p, &mut buf) {
+            Ok(()) => xxh3_128(&buf),
+            Err(_) => 0,
+        };
+    }
+}
