@@ -156,10 +156,10 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
         .as_ref()
         .map(|p| ApiServer::bind(p).map_err(|err| RunError::Api { path: p.display().to_string(), err }))
         .transpose()?;
-    // A VM of its own (not a backup's) is built now, while this is the only
+    // A VM of its own (not a backup's; a witness has none) is built now, while this is the only
     // thread: `--user` then drops root before any other thread starts.
     let built = match &source {
-        Source::Backup(_) => None,
+        Source::Backup(_) | Source::Witness(_) => None,
         source => Some(build(source, &host)?),
     };
     if let Some(user) = &host.user {
