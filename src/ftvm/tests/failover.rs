@@ -28,9 +28,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{ftvm, image};
+use common::{ftvm, image, status, wait_log, wait_status};
 use ftvm_testkit::netns;
-use ftvm_testkit::process::{Process, WaitError};
+use ftvm_testkit::process::Process;
 use ftvm_testkit::resp::{self, encode, Client, Reply};
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR};
@@ -147,34 +147,6 @@ fn start_primary_app(topo: &Topology, dir: &Scratch, tag: &str, app: App, extra:
         .args(extra)
         .env("FTVM_LOG", "info");
     spawn(cmd, "primary", dir, tag)
-}
-
-fn status(socket: &Path) -> String {
-    let out = ftvm().args(["status", "--api-socket"]).arg(socket).output().unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Wait until `ftvm status` shows `want`, failing early if `vmm` dies.
-fn wait_status(socket: &Path, want: &str, vmm: &mut Process, timeout: Duration) {
-    let t0 = Instant::now();
-    loop {
-        let s = status(socket);
-        if s.contains(want) {
-            return;
-        }
-        assert!(vmm.running(), "{} exited while waiting for '{want}': {}", vmm.name(), vmm.stderr());
-        assert!(t0.elapsed() < timeout, "no '{want}' after {timeout:?}: {s}\n{}", vmm.stderr());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Wait until `vmm`'s stderr contains `want`.
-fn wait_log(vmm: &mut Process, want: &str, timeout: Duration) -> String {
-    match vmm.wait_until(timeout, |p| p.stderr().contains(want)) {
-        Ok(()) => vmm.stderr(),
-        Err(WaitError::Exited(_)) => panic!("{} exited without '{want}': {}", vmm.name(), vmm.stderr()),
-        Err(WaitError::TimedOut(_)) => panic!("no '{want}' from {} after {timeout:?}: {}", vmm.name(), vmm.stderr()),
-    }
 }
 
 /// A capture by tcpdump inside a namespace, started before returning.

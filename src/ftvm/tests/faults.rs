@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{ftvm, image};
+use common::{image, status};
 use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::fault_proxy::{Fault, FaultProxy, Way};
 use ftvm_testkit::pcap::{self, Tcpdump};
@@ -84,11 +84,6 @@ struct Pair {
 
 fn spawn(mut cmd: Command, what: &str, dir: &Scratch, log: &str) -> Process {
     Process::spawn_logged(what, &mut cmd, dir.path(), log).unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn status(socket: &Path) -> String {
-    let out = ftvm().args(["status", "--api-socket"]).arg(socket).output().unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 impl Pair {

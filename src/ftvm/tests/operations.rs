@@ -33,9 +33,9 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{ftvm, image};
+use common::{ftvm, image, status, wait_log, wait_status};
 use ftvm_testkit::etcd::Etcd;
-use ftvm_testkit::process::{Process, WaitError};
+use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H1_REPL_ADDR, H2_REPL_ADDR};
 use ftvm_testkit::writers::{self, Writers};
@@ -89,33 +89,6 @@ fn kv_run(backup: Option<&str>) -> Vec<String> {
         args.extend(["--replicate-to".into(), b.into()]);
     }
     args
-}
-
-fn status(socket: &Path) -> String {
-    let out = ftvm().args(["status", "--api-socket"]).arg(socket).output().unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Wait until `ftvm status` shows `want`, failing early if `vmm` dies.
-fn wait_status(socket: &Path, want: &str, vmm: &mut Process, timeout: Duration) -> String {
-    let t0 = Instant::now();
-    loop {
-        let s = status(socket);
-        if s.contains(want) {
-            return s;
-        }
-        assert!(vmm.running(), "{} exited while waiting for '{want}': {}", vmm.name(), vmm.stderr());
-        assert!(t0.elapsed() < timeout, "no '{want}' after {timeout:?}: {s}\n{}", vmm.stderr());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn wait_log(vmm: &mut Process, want: &str, timeout: Duration) -> String {
-    match vmm.wait_until(timeout, |p| p.stderr().contains(want)) {
-        Ok(()) => vmm.stderr(),
-        Err(WaitError::Exited(_)) => panic!("{} exited without '{want}': {}", vmm.name(), vmm.stderr()),
-        Err(WaitError::TimedOut(_)) => panic!("no '{want}' from {} after {timeout:?}: {}", vmm.name(), vmm.stderr()),
-    }
 }
 
 fn writers(topo: &Topology, prefix: &str) -> Writers {

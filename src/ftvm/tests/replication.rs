@@ -302,11 +302,6 @@ fn unreachable_backup_is_a_clear_error() {
     assert!(t0.elapsed() < Duration::from_secs(10));
 }
 
-fn status(socket: &Path) -> String {
-    let out = ftvm().args(["status", "--api-socket"]).arg(socket).output().unwrap();
-    stdout(&out)
-}
-
 #[test]
 fn primary_survives_backup_loss_and_is_protected_again() {
     backup_loss_then_reprotect("continue", "UNPROTECTED", "running", &[]);

@@ -4,11 +4,11 @@
 #![allow(dead_code)]
 
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use ftvm_testkit::process::Process;
+use ftvm_testkit::process::{Process, WaitError};
 use ftvm_testkit::topology::{Topology, GUEST_ADDR};
 use ftvm_workloads::memtouch::{self, Config, Writer};
 
@@ -105,4 +105,31 @@ pub fn redis_cli(topo: &Topology, args: &[&str]) -> String {
     let text = stdout(&out);
     assert!(out.status.success() && !text.contains("Could not connect"), "redis-cli {args:?}: {}{text}{}", out.status, stderr(&out));
     text
+}
+
+pub fn status(socket: &Path) -> String {
+    let out = ftvm().args(["status", "--api-socket"]).arg(socket).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Wait until `ftvm status` shows `want`, failing early if `vmm` dies.
+pub fn wait_status(socket: &Path, want: &str, vmm: &mut Process, timeout: Duration) -> String {
+    let t0 = Instant::now();
+    loop {
+        let s = status(socket);
+        if s.contains(want) {
+            return s;
+        }
+        assert!(vmm.running(), "{} exited while waiting for '{want}': {}", vmm.name(), vmm.stderr());
+        assert!(t0.elapsed() < timeout, "no '{want}' after {timeout:?}: {s}\n{}", vmm.stderr());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+pub fn wait_log(vmm: &mut Process, want: &str, timeout: Duration) -> String {
+    match vmm.wait_until(timeout, |p| p.stderr().contains(want)) {
+        Ok(()) => vmm.stderr(),
+        Err(WaitError::Exited(_)) => panic!("{} exited without '{want}': {}", vmm.name(), vmm.stderr()),
+        Err(WaitError::TimedOut(_)) => panic!("no '{want}' from {} after {timeout:?}: {}", vmm.name(), vmm.stderr()),
+    }
 }

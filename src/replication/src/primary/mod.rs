@@ -111,22 +111,6 @@ impl FrameSink for NoNetwork {
     fn send(&self, _frame: &[u8]) {}
 }
 
-/// What the trigger sees of the guest: held output and idleness.
-struct GuestView<'a> {
-    vm: &'a Vm,
-    output: &'a OutputBuffer,
-}
-
-impl trigger::Guest for GuestView<'_> {
-    fn held_since(&self) -> Option<Instant> {
-        self.output.held_since()
-    }
-
-    fn idle(&self) -> bool {
-        self.vm.is_idle()
-    }
-}
-
 /// A running primary's replication.
 pub struct Primary {
     status: StatusCell,
@@ -362,7 +346,7 @@ impl Worker {
     fn protect(&mut self, session: &Session) -> Option<BackupLoss> {
         let mut pacing = Pacing::new(self.config.switches.trigger, Duration::from_millis(self.config.epoch_ms));
         let depth = self.config.pipeline_depth.max(1);
-        let guest = GuestView { vm: &self.vm, output: &self.output };
+        let guest = trigger::GuestView { vm: &self.vm, output: &self.output };
         let mut since = Instant::now();
         // Prefetch rounds done in the open epoch.
         let mut rounds = 0;

@@ -95,22 +95,6 @@ impl HostInputFilter for Input {
     }
 }
 
-/// What the trigger sees of the leader's guest.
-struct GuestView<'a> {
-    vm: &'a Vm,
-    output: &'a OutputBuffer,
-}
-
-impl trigger::Guest for GuestView<'_> {
-    fn held_since(&self) -> Option<Instant> {
-        self.output.held_since()
-    }
-
-    fn idle(&self) -> bool {
-        self.vm.is_idle()
-    }
-}
-
 impl Shared {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -423,7 +407,7 @@ impl Applier {
 /// says so, one at a time.
 fn propose_loop(s: &Shared, lead: &Leadership) {
     let mut pacing = Pacing::new(trigger::Mode::Output, s.max_interval);
-    let guest = GuestView { vm: &s.vm, output: &lead.output };
+    let guest = trigger::GuestView { vm: &s.vm, output: &lead.output };
     let mut since = Instant::now();
     while lead.serving.load(Ordering::SeqCst) {
         let plan = pacing.plan(since);

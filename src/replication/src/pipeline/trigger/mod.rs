@@ -24,7 +24,9 @@ use serde::{Deserialize, Serialize};
 
 use ftvm_vmm::hooks::IdleObserver;
 use ftvm_vmm::sync::{self, Lock};
+use ftvm_vmm::Vm;
 
+use crate::output::OutputBuffer;
 use crate::switch::switch;
 pub use pacing::{Pacing, Sample};
 
@@ -77,6 +79,22 @@ pub trait Guest {
     fn held_since(&self) -> Option<Instant>;
     /// Whether every vCPU waits right now.
     fn idle(&self) -> bool;
+}
+
+/// A running VM and its output buffer, as the trigger sees them.
+pub struct GuestView<'a> {
+    pub vm: &'a Vm,
+    pub output: &'a OutputBuffer,
+}
+
+impl Guest for GuestView<'_> {
+    fn held_since(&self) -> Option<Instant> {
+        self.output.held_since()
+    }
+
+    fn idle(&self) -> bool {
+        self.vm.is_idle()
+    }
 }
 
 /// When the next checkpoint may and must start, from the previous one.
