@@ -212,11 +212,11 @@ pub struct ReplicationArgs {
     /// Send a page the backup has an earlier version of as a diff: off (whole
     /// pages), xor (the XOR of its changed 64-byte blocks; `--diff` alone), lz4
     /// (each diff LZ4-compressed when that is smaller).
-    #[arg(long, default_value = "off", value_name = "off|xor|lz4", num_args = 0..=1, default_missing_value = "xor")]
+    #[arg(long, default_value = "lz4", value_name = "off|xor|lz4", num_args = 0..=1, default_missing_value = "xor")]
     pub diff: encode::Diff,
     /// Which vCPU and device state each checkpoint carries: all, or changed
     /// (only what differs from the previous checkpoint; the backup keeps the rest).
-    #[arg(long, default_value = "all", value_name = "all|changed")]
+    #[arg(long, default_value = "changed", value_name = "all|changed")]
     pub device_state: encode::States,
     /// Replication transport. tcp: one TCP connection to the backup.
     #[arg(long, default_value = "tcp", value_name = "tcp")]
