@@ -666,7 +666,10 @@ fn no_acknowledged_write_is_lost(trigger: &str, topology: &str, seed: u64) {
             base + trial as u64,
             kinds[trial % kinds.len()],
             App::Kv,
-            &["--trigger", trigger],
+            // Whole pages: checkpoints long enough on the wire that kills
+            // aimed at a transfer land inside one (the default compressed
+            // diffs have their own kill test below).
+            &["--trigger", trigger, "--diff", "off", "--device-state", "all"],
         ));
     }
     let inside: Vec<_> = results.iter().filter(|r| r.partial.as_ref().is_some_and(|p| p.bytes > 0)).collect();
