@@ -444,7 +444,8 @@ fn no_stall_when_the_guest_tx_ring_index_wraps() {
             let reply = c.call(&[b"GET", b"k"]).unwrap();
             assert!(matches!(&reply, Reply::Bulk(Some(v)) if v.len() == SIZE), "GET {i} got another reply");
             let ms = t.elapsed().as_secs_f64() * 1e3;
-            if ms > 50.0 {
+            // A skipped kick waits for the device thread's 100 ms idle pass.
+            if ms > 95.0 {
                 slow.push((i, ms));
             }
         }
@@ -452,7 +453,9 @@ fn no_stall_when_the_guest_tx_ring_index_wraps() {
     })
     .expect("client thread");
     assert_running(&mut vmm);
-    assert!(slow.is_empty(), "GETs (index, ms) that stalled: {slow:?}");
+    // The defect stalls at every wrap (three here); one slow GET alone is a
+    // loaded host's scheduling, not a missed kick.
+    assert!(slow.len() < 2, "GETs (index, ms) that stalled: {slow:?}");
 }
 
 #[test]
