@@ -95,6 +95,7 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     sys::mem::init(memory);
     sys::time::set_epoch(opts.epoch_ns);
     fs::init(&opts)?;
+    ftvm_rt::net::set_exact_notify(opts.exact_notify);
     if let Some(net) = opts.net {
         net::init(net).map_err(|e| format!("network: {e}"))?;
     }

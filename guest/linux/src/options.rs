@@ -9,6 +9,7 @@
 //! | `cwd=PATH` | the program's working directory (default `/`, or the disk's mount point) |
 //! | `vdso=on\|off` | give the program a vDSO for the clock calls (default on; see `vdso`) |
 //! | `syscall=trap\|patch` | leave `syscall` instructions as they are (default), or rewrite them into calls as they run (see `patch`) |
+//! | `notify=exact\|eager` | notify the network device by the virtio event-index rule (default), or whenever the ring is past the device's event index, as before (for measuring) |
 
 use alloc::format;
 use alloc::string::{String, ToString};
@@ -24,11 +25,22 @@ pub struct Options {
     pub cwd: Option<String>,
     pub vdso: bool,
     pub patch_syscalls: bool,
+    /// The exact event-index rule for device notifications.
+    pub exact_notify: bool,
 }
 
 impl Options {
     pub fn parse(words: &[String]) -> Result<Options, String> {
-        let mut o = Options { net: None, epoch_ns: None, runtime_mem: None, disk: None, cwd: None, vdso: true, patch_syscalls: false };
+        let mut o = Options {
+            net: None,
+            epoch_ns: None,
+            runtime_mem: None,
+            disk: None,
+            cwd: None,
+            vdso: true,
+            patch_syscalls: false,
+            exact_notify: true,
+        };
         let mut net_words: Vec<&str> = Vec::new();
         for w in words {
             let (k, v) = w.split_once('=').ok_or_else(|| format!("bad runtime option {w:?} (expected NAME=VALUE before --)"))?;
@@ -46,6 +58,13 @@ impl Options {
                         "trap" => false,
                         "patch" => true,
                         _ => return Err(format!("bad syscall= value {v:?} (expected trap or patch)")),
+                    }
+                }
+                "notify" => {
+                    o.exact_notify = match v {
+                        "exact" => true,
+                        "eager" => false,
+                        _ => return Err(format!("bad notify= value {v:?} (expected exact or eager)")),
                     }
                 }
                 _ => return Err(format!("unknown runtime option {k}=")),

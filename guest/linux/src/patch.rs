@@ -20,12 +20,18 @@
 //! - a rewritten site later reached with a number of 512 or more jumps past
 //!   the sled (an `int3`, a page fault, or worse for numbers that are RAM
 //!   addresses).
+//!
+//! A call through a null function pointer would run the sled too and look
+//! like system call 0 (read). It is told apart here: the trampoline is
+//! entered legitimately only from a site this module rewrote, so
+//! [`site`] checks the return address against the rewritten sites and ends
+//! the program, as the fault it would be without the page, otherwise.
 
 use alloc::vec::Vec;
 use core::sync::atomic::{AtomicU64, Ordering};
 
 use ftvm_abi::Program;
-use spin::Once;
+use spin::{Mutex, Once};
 
 use crate::entry;
 
@@ -38,6 +44,8 @@ const PF_X: u32 = 1;
 static TEXT: Once<Vec<(u64, u64)>> = Once::new();
 /// Sites rewritten so far.
 static PATCHED: AtomicU64 = AtomicU64::new(0);
+/// Their addresses, sorted: the only places the trampoline is called from.
+static SITES: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 
 /// Turn patching on for `program` (its segments are loaded).
 pub fn init(program: &Program) {
@@ -62,25 +70,48 @@ pub fn init(program: &Program) {
     TEXT.call_once(|| text);
 }
 
+/// How the program got into the system-call entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Entry {
+    /// A `syscall` instruction, or a call from a rewritten site.
+    Syscall,
+    /// The trampoline page, but not from a rewritten site: the program
+    /// called (or jumped to) an address in page 0, a null function pointer.
+    NullCall,
+}
+
 /// A system call returning to `ret` is being served: if it came from a
-/// `syscall` instruction in the program's text, rewrite that instruction.
-pub fn site(ret: u64) {
-    let Some(text) = TEXT.get() else { return };
+/// `syscall` instruction in the program's text, rewrite that instruction;
+/// if it came through the trampoline page from anywhere but a rewritten
+/// site, say so.
+pub fn site(ret: u64) -> Entry {
+    let Some(text) = TEXT.get() else { return Entry::Syscall };
     let at = ret.wrapping_sub(2);
-    if !text.iter().any(|&(start, end)| at >= start && ret <= end) {
-        return;
-    }
-    let p = at as *mut [u8; 2];
-    // SAFETY: the two bytes lie in an executable segment of the program
-    // (checked), identity-mapped and writable from here; the program runs
-    // only when this call returns (one vCPU), and x86 orders a store before
-    // a later fetch of the same bytes on the same CPU.
-    unsafe {
-        if p.read() == SYSCALL {
-            p.write(CALL_RAX);
+    // Two readable bytes before `ret`? (A jump to page 0 leaves no return
+    // address, so `ret` is whatever the stack held.)
+    let Ok(bytes) = crate::sys::user::bytes(at, 2) else { return Entry::NullCall };
+    let bytes = [bytes[0], bytes[1]];
+    if bytes == SYSCALL {
+        if text.iter().any(|&(start, end)| at >= start && ret <= end) {
+            let p = at as *mut [u8; 2];
+            // SAFETY: the two bytes lie in an executable segment of the
+            // program (checked), identity-mapped and writable from here; the
+            // program runs only when this call returns (one vCPU), and x86
+            // orders a store before a later fetch of the same bytes on the
+            // same CPU.
+            unsafe { p.write(CALL_RAX) };
+            let mut sites = SITES.lock();
+            if let Err(i) = sites.binary_search(&at) {
+                sites.insert(i, at);
+            }
             PATCHED.fetch_add(1, Ordering::Relaxed);
         }
+        return Entry::Syscall;
     }
+    if bytes == CALL_RAX && SITES.lock().binary_search(&at).is_ok() {
+        return Entry::Syscall;
+    }
+    Entry::NullCall
 }
 
 pub fn enabled() -> bool {

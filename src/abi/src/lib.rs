@@ -262,6 +262,15 @@ pub mod virtio {
     /// event indexes instead of their flags (2.7.10).
     pub const F_RING_EVENT_IDX: u64 = 1 << 29;
 
+    /// Whether a driver that moved a queue's available index from `old` to
+    /// `new` must notify a device whose `avail_event` is `event`: the
+    /// specification's `vring_need_event` (2.7.10), true when `event` lies
+    /// in `[old, new)` modulo 2^16. Notifying when the index is merely past
+    /// `event` repeats the notification until the device runs again.
+    pub fn need_event(event: u16, new: u16, old: u16) -> bool {
+        new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(old)
+    }
+
     /// virtio-net (5.1).
     pub mod net {
         /// The device's MAC address is in its configuration space.
@@ -345,5 +354,22 @@ mod tests {
         assert_eq!(c.ns_at(1000), 7);
         assert_eq!(c.ns_at(3000), 1007);
         assert_eq!(c.ns_at(10), 7);
+    }
+
+    #[test]
+    fn need_event_follows_the_specification() {
+        use virtio::need_event;
+        // The device asked at 5: adding entry 5 (5 -> 6) crosses it.
+        assert!(need_event(5, 6, 5));
+        assert!(need_event(5, 9, 3));
+        // Already past it at the last check: no second notification.
+        assert!(!need_event(5, 9, 6));
+        // Not reached yet.
+        assert!(!need_event(10, 9, 3));
+        // Across the 16-bit wrap.
+        assert!(need_event(65535, 2, 65530));
+        assert!(!need_event(65535, 2, 0));
+        // Nothing added: never.
+        assert!(!need_event(5, 5, 5));
     }
 }

@@ -117,6 +117,25 @@ fn a_fault_in_the_program_is_reported_like_a_guest_fault() {
     assert!(err.contains("guest fault on vCPU 0: vector 14 (#PF page fault) at rip 0x40") && err.contains("address 0x0"), "{err}");
 }
 
+/// With `syscall=patch` page 0 holds the system-call trampoline, so a call
+/// through a null function pointer would run it and be served as system
+/// call 0 (`read`). The runtime tells it from a rewritten site and stops
+/// the program as the fault it is without the page; with `syscall=trap`
+/// the same call is the page fault at address 0.
+#[test]
+fn a_null_function_call_is_a_fault_with_and_without_patched_syscalls() {
+    let out = run_program("fault", "-- fault call");
+    assert_eq!(out.status.code(), Some(1), "{}{}", stdout(&out), stderr(&out));
+    assert!(stderr(&out).contains("guest fault on vCPU 0: vector 14 (#PF page fault) at rip 0x0"), "{}", stderr(&out));
+
+    let out = run_program("fault", "syscall=patch -- fault call");
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
+    assert!(text.contains("fault: about to fault"), "{text}");
+    assert!(!text.contains("the null call returned"), "{text}");
+    assert!(text.contains("linux: the program jumped into page 0 (a null function pointer?)"), "{text}");
+}
+
 #[test]
 fn files_on_the_disk_survive_the_vm_and_a_foreign_disk_is_left_alone() {
     use ftvm_testkit::scratch::Scratch;

@@ -45,10 +45,12 @@ struct Options {
     /// Added to guest time to make the server's clock: expiry times in
     /// the log are absolute, and guest time restarts at 0 on every boot.
     epoch_ms: u64,
+    /// Notify the network device by the exact event-index rule.
+    exact_notify: bool,
 }
 
 fn parse(cmdline: &str) -> Result<Options, &'static str> {
-    let mut o = Options { port: 6379, aof: false, maxconn: 256, epoch_ms: 0 };
+    let mut o = Options { port: 6379, aof: false, maxconn: 256, epoch_ms: 0, exact_notify: true };
     for word in cmdline.split_ascii_whitespace() {
         let (key, value) = word.split_once('=').ok_or("expected KEY=VALUE words")?;
         match key {
@@ -63,7 +65,14 @@ fn parse(cmdline: &str) -> Result<Options, &'static str> {
             }
             "maxconn" => o.maxconn = value.parse().ok().filter(|&n| n != 0).ok_or("bad maxconn=")?,
             "epoch_ms" => o.epoch_ms = value.parse().map_err(|_| "bad epoch_ms=")?,
-            _ => return Err("unknown word (expected ip, gw, port, aof, maxconn, epoch_ms)"),
+            "notify" => {
+                o.exact_notify = match value {
+                    "exact" => true,
+                    "eager" => false,
+                    _ => return Err("notify= takes exact or eager"),
+                }
+            }
+            _ => return Err("unknown word (expected ip, gw, port, aof, maxconn, epoch_ms, notify)"),
         }
     }
     Ok(o)
@@ -108,6 +117,7 @@ fn main(args: &Args) -> i32 {
         server.set_appendonly(true);
         log = Log::Disk(Box::new(disk_log));
     }
+    ftvm_rt::net::set_exact_notify(opts.exact_notify);
     let mut stack = match Stack::new(net) {
         Ok(s) => s,
         Err(e) => {

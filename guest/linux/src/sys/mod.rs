@@ -25,7 +25,15 @@ use crate::sched;
 pub type SysResult = Result<u64, Errno>;
 
 pub fn dispatch(frame: &mut Frame) {
-    crate::patch::site(frame.rip);
+    if crate::patch::site(frame.rip) == crate::patch::Entry::NullCall {
+        // Without the trampoline page this would have been a page fault at
+        // address 0: end the program the same way, not serve a `read`.
+        ftvm_rt::println!(
+            "linux: the program jumped into page 0 (a null function pointer?), return address {:#x}: stopping it as a fault",
+            frame.rip
+        );
+        ftvm_rt::exit(1);
+    }
     let nr = frame.rax;
     let a = frame.args();
     let r = match nr {

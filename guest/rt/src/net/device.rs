@@ -20,6 +20,7 @@ use virtio_drivers::queue::VirtQueue;
 use virtio_drivers::transport::mmio::MmioTransport;
 use virtio_drivers::transport::{DeviceStatus, DeviceType, Transport};
 
+use super::event_idx::{self, Notifier, Recorder};
 use crate::virtio::{self, Claim, OpenError};
 
 /// The VMM offers 256 (its QueueNumMax); a full ring of receive buffers
@@ -63,34 +64,9 @@ struct Inner {
     tx_free: Vec<Box<[u8]>>,
     rx_added: bool,
     tx_added: bool,
-    rx_index: RingIndex,
-    tx_index: RingIndex,
+    rx_notifier: Notifier,
+    tx_notifier: Notifier,
     stats: NetStats,
-}
-
-/// Our own count of a queue's available index. virtio-drivers 0.13's
-/// `should_notify` compares the 16-bit indices without wrap-around, so a
-/// batch that carries the index past 65535 can look like it needs no
-/// notification while the device waits for one (a ~100 ms stall until the
-/// device thread's timeout). Crossing the wrap forces a notification.
-#[derive(Default)]
-struct RingIndex {
-    now: u16,
-    checked: u16,
-}
-
-impl RingIndex {
-    fn added(&mut self) {
-        self.now = self.now.wrapping_add(1);
-    }
-
-    /// Whether the index wrapped since the last check (batches are far
-    /// shorter than 65536 additions).
-    fn wrapped(&mut self) -> bool {
-        let wrapped = self.now < self.checked;
-        self.checked = self.now;
-        wrapped
-    }
 }
 
 impl VirtioNet {
@@ -120,8 +96,14 @@ impl VirtioNet {
             Ok(mac)
         })?;
         let event_idx = features & F_RING_EVENT_IDX != 0;
-        let rx = VirtQueue::new(&mut t, RX, false, event_idx)?;
-        let tx = VirtQueue::new(&mut t, TX, false, event_idx)?;
+        let mut recorder = Recorder { inner: &mut t, device_area: [0; 2] };
+        let rx = VirtQueue::new(&mut recorder, RX, false, event_idx)?;
+        let tx = VirtQueue::new(&mut recorder, TX, false, event_idx)?;
+        let [rx_area, tx_area] = recorder.device_area;
+        let notifier = |area| {
+            let exact = event_idx && area != 0 && event_idx::exact();
+            Notifier::new(if exact { event_idx::avail_event_addr(area, QUEUE_SIZE) } else { 0 })
+        };
         let mut inner = Inner {
             transport: t,
             rx,
@@ -132,8 +114,8 @@ impl VirtioNet {
             tx_free: Vec::new(),
             rx_added: false,
             tx_added: false,
-            rx_index: RingIndex::default(),
-            tx_index: RingIndex::default(),
+            rx_notifier: notifier(rx_area),
+            tx_notifier: notifier(tx_area),
             stats: NetStats::default(),
         };
         for _ in 0..QUEUE_SIZE {
@@ -167,7 +149,7 @@ impl Inner {
         if let Ok(token) = unsafe { self.rx.add(&[], &mut [&mut buf[..]]) } {
             self.rx_posted[usize::from(token)] = Some(buf);
             self.rx_added = true;
-            self.rx_index.added();
+            self.rx_notifier.added();
         }
     }
 
@@ -198,7 +180,7 @@ impl Inner {
             Ok(token) => {
                 self.tx_posted[usize::from(token)] = Some((buf, len));
                 self.tx_added = true;
-                self.tx_index.added();
+                self.tx_notifier.added();
                 self.stats.tx_frames += 1;
             }
             Err(_) => {
@@ -209,10 +191,10 @@ impl Inner {
     }
 
     fn notify(&mut self) {
-        if core::mem::take(&mut self.rx_added) && (self.rx_index.wrapped() | self.rx.should_notify()) {
+        if core::mem::take(&mut self.rx_added) && self.rx_notifier.needed(|| self.rx.should_notify()) {
             self.transport.notify(RX);
         }
-        if core::mem::take(&mut self.tx_added) && (self.tx_index.wrapped() | self.tx.should_notify()) {
+        if core::mem::take(&mut self.tx_added) && self.tx_notifier.needed(|| self.tx.should_notify()) {
             self.transport.notify(TX);
         }
     }

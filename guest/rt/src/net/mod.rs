@@ -18,6 +18,7 @@
 //! ```
 
 mod device;
+mod event_idx;
 mod listen;
 
 use alloc::vec::Vec;
@@ -29,6 +30,7 @@ use smoltcp::time::Instant;
 use smoltcp::wire::{EthernetAddress, HardwareAddress, IpCidr, Ipv4Cidr};
 
 pub use device::NetStats;
+pub use event_idx::set_exact as set_exact_notify;
 pub use listen::ListenConfig;
 
 use crate::time;
