@@ -232,9 +232,7 @@ impl Shared {
 
 /// The leader's pre-copy worker: one pre-copy at a time.
 fn precopy_loop(s: &Shared, jobs: Receiver<Job>, inbox: Receiver<Inbound>) {
-    let mut session = 0;
-    for (lead, peer) in jobs {
-        session += 1;
+    for (session, (lead, peer)) in (1..).zip(jobs) {
         // Its messages carry (term, session), as syncvm's carry (term, index).
         let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer, id: SyncId { term: lead.term, index: session } };
         let t0 = Instant::now();
