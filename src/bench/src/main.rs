@@ -49,7 +49,9 @@ enum Command {
     Ha(ha::Options),
     /// Consensus-ordered replicas (PLOVER's VSMR) against primary-backup
     /// and the unreplicated VM: kv under redis-benchmark, throughput and
-    /// latency ratios, replication bytes per request, divergent pages.
+    /// latency ratios, replication bytes per request, divergent pages;
+    /// then per setting a failover (first reply after the serving VMM is
+    /// killed) and, for VSMR, the killed replica's rejoin.
     Vsmr(vsmr::Options),
 }
 

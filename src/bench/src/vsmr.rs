@@ -3,7 +3,11 @@
 //! (SET and GET at each pipeline depth), throughput and p50/p99 latency as
 //! ratios against the unreplicated VM, bytes on the replication links per
 //! request, and for VSMR the share of dirty pages that diverged and the
-//! interval between `syncvm`s.
+//! interval between `syncvm`s. Last, per replicated setting, one failover:
+//! the serving VMM (the primary, the VSMR leader) is SIGKILLed under 8
+//! clients sending SETs back to back; the time to the first reply from
+//! the new one, and (VSMR) how long the killed replica, restarted, takes
+//! to protect the VM again and the pause of its full `syncvm`.
 //!
 //! One private topology (scripts/netns.sh): the serving VMM in `NAME-h1`,
 //! the backup (primary-backup) or the secondary and the witness (VSMR) in
@@ -17,6 +21,7 @@ use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::{Topology, H1_REPL_ADDR, H2_REPL_ADDR};
 
+use crate::ft::failover::Clients;
 use crate::paths::sibling_binary;
 use crate::redis_benchmark::{self, Figures};
 use crate::report::{self, Row};
@@ -51,6 +56,10 @@ pub struct Options {
     /// VSMR: longest interval between syncvms (ms).
     #[arg(long, default_value_t = 100)]
     sync_ms: u64,
+    /// VSMR: more `ftvm replica` options for both VSMR settings (e.g.
+    /// `--rejoin syncvm` to measure rejoining without pre-copy).
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    vsmr_flags: String,
     /// The ftvm binary (default: next to ftvm-bench).
     #[arg(long)]
     ftvm: Option<PathBuf>,
@@ -86,6 +95,9 @@ impl Mode {
 struct Setup {
     procs: Vec<Process>,
     metrics: Vec<PathBuf>,
+    /// VSMR: each replica's command line (to restart it) and control
+    /// socket (the witness has none), by id - 1.
+    replicas: Vec<(Command, Option<PathBuf>)>,
 }
 
 impl Setup {
@@ -117,6 +129,7 @@ fn start(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options
     let mut metrics = Vec::new();
     let socket = dir.join(format!("{}.sock", tag.replace(' ', "-")));
     let mut sockets = vec![socket.clone()];
+    let mut replicas = Vec::new();
     match mode {
         Mode::Unreplicated => {
             let mut cmd = topo.command("h1", ftvm);
@@ -145,6 +158,8 @@ fn start(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options
                 let mut cmd = topo.command(host, ftvm);
                 cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", &opts.sync_ms.to_string()]);
                 cmd.args(["--sync-pages", if mode == Mode::Vsmr { "whole" } else { "blocks" }]);
+                cmd.args(opts.vsmr_flags.split_whitespace());
+                let mut socket = None;
                 if id == 3 {
                     cmd.arg("--witness");
                 } else {
@@ -154,13 +169,15 @@ fn start(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options
                     metrics.push(m);
                     let s = dir.join(format!("{}{id}.sock", tag.replace(' ', "-")));
                     cmd.arg("--api-socket").arg(&s);
-                    sockets.push(s);
+                    sockets.push(s.clone());
+                    socket = Some(s);
                 }
                 procs.push(Process::spawn_collected(&format!("ftvm replica {id}"), &mut cmd)?);
+                replicas.push((cmd, socket));
             }
         }
     }
-    let mut setup = Setup { procs, metrics };
+    let mut setup = Setup { procs, metrics, replicas };
     if mode != Mode::Unreplicated {
         wait_protected(ftvm, &sockets, &mut setup)?;
     }
@@ -258,7 +275,100 @@ struct Measured {
     sums: Sums,
 }
 
-fn measure(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options) -> Result<Vec<Measured>, BoxError> {
+/// One failover of the serving VMM, in milliseconds.
+#[derive(Clone, Copy, Default)]
+struct Failover {
+    /// From the kill to the first reply any client got from the new VM.
+    first_reply_ms: f64,
+    /// From the kill until every connection had answered again.
+    all_replied_ms: f64,
+    /// VSMR: from the killed replica's restart until the leader is protected again.
+    rejoin_ms: f64,
+    /// VSMR: the leader's pause in the full syncvm that made it the secondary.
+    rejoin_pause_ms: f64,
+    /// VSMR: pages the pre-copy sent (0 with `--rejoin syncvm`), and pages
+    /// the full syncvm then sent.
+    precopy_pages: f64,
+    full_sync_pages: f64,
+}
+
+fn status(ftvm: &Path, socket: &Path) -> String {
+    Command::new(ftvm)
+        .args(["status", "--timeout", "1", "--api-socket"])
+        .arg(socket)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
+/// Kill the serving VMM under clients sending SETs; with VSMR, restart it
+/// and wait until the new leader is protected again.
+fn failover(topo: &Topology, ftvm: &Path, setup: &mut Setup, mode: Mode) -> Result<Failover, BoxError> {
+    let clients = Clients::start(topo)?;
+    std::thread::sleep(Duration::from_millis(500));
+    let vsmr = matches!(mode, Mode::Vsmr | Mode::VsmrBlocks);
+    // PB: procs are [backup, primary]; VSMR: the replicas by id - 1.
+    let victim = if vsmr {
+        (0..2)
+            .find(|&i| setup.replicas[i].1.as_deref().is_some_and(|s| status(ftvm, s).contains("role: leader")))
+            .ok_or("no VSMR leader to kill")?
+    } else {
+        1
+    };
+    let t0 = Instant::now();
+    setup.procs[victim].kill();
+    let outages = clients.outages(t0);
+    drop(clients);
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let ended: Vec<f64> = outages.iter().flatten().map(|o| ms(o.ended)).collect();
+    if ended.len() != outages.len() {
+        return Err(format!("{}: {} connections did not answer again", mode.name(), outages.len() - ended.len()).into());
+    }
+    let mut f = Failover {
+        first_reply_ms: ended.iter().copied().fold(f64::INFINITY, f64::min),
+        all_replied_ms: ended.iter().copied().fold(0.0, f64::max),
+        ..Failover::default()
+    };
+    if vsmr {
+        let survivor = 1 - victim;
+        let lines_before = std::fs::read_to_string(&setup.metrics[survivor]).unwrap_or_default().lines().count();
+        let t1 = Instant::now();
+        let (cmd, socket) = &mut setup.replicas[victim];
+        if let Some(socket) = socket {
+            // A killed VMM leaves its control socket behind.
+            let _ = std::fs::remove_file(socket);
+        }
+        setup.procs[victim] = Process::spawn_collected(&format!("ftvm replica {} (restarted)", victim + 1), cmd)?;
+        let socket = setup.replicas[survivor].1.clone().ok_or("no socket")?;
+        loop {
+            setup.check_alive()?;
+            let st = status(ftvm, &socket);
+            if st.contains("role: leader") && st.contains("protected: yes") {
+                break;
+            }
+            if t1.elapsed() > Duration::from_secs(60) {
+                return Err(format!("{}: not protected again 60 s after the restart: {st}", mode.name()).into());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        f.rejoin_ms = ms(t1.elapsed());
+        let text = std::fs::read_to_string(&setup.metrics[survivor]).unwrap_or_default();
+        for line in text.lines().skip(lines_before) {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+            if let Some(r) = v.get("rejoin") {
+                f.precopy_pages += r.get("pages").and_then(|x| x.as_f64()).unwrap_or(0.0);
+            } else if v["role"] == "leader" && v["full"] == true && v["ok"] == true {
+                f.rejoin_pause_ms = v["pause_us"].as_f64().unwrap_or(0.0) / 1e3;
+                f.full_sync_pages = v["divergent_pages"].as_f64().unwrap_or(0.0);
+            }
+        }
+    }
+    // The client's ARP entry may point at the VM that is gone.
+    topo.forget_guest()?;
+    Ok(f)
+}
+
+fn measure(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options) -> Result<(Vec<Measured>, Option<Failover>), BoxError> {
     let mut setup = start(topo, ftvm, dir, mode, opts)?;
     let mut out = Vec::new();
     for &p in &opts.pipeline {
@@ -270,7 +380,8 @@ fn measure(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Optio
         let (sums, _) = read_sums(&setup.metrics, &from);
         out.push(Measured { set, get, sums });
     }
-    Ok(out)
+    let failover = if mode == Mode::Unreplicated { None } else { Some(failover(topo, ftvm, &mut setup, mode)?) };
+    Ok((out, failover))
 }
 
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
@@ -284,10 +395,33 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let topo = Topology::new("vsmb")?;
     let dir = Scratch::new("bench-vsmr")?;
     let mut results = Vec::new();
+    let mut failovers = Vec::new();
     for mode in MODES {
-        results.push(measure(&topo, &ftvm, &dir, mode, opts)?);
+        let (r, f) = measure(&topo, &ftvm, &dir, mode, opts)?;
+        results.push(r);
+        failovers.push(f);
     }
     let mut rows = Vec::new();
+    let group = "failover: serving VMM killed, 8 clients sending SETs".to_string();
+    let pb = failovers[1].map(|f| f.first_reply_ms);
+    for (m, mode) in MODES.into_iter().enumerate() {
+        let Some(f) = failovers[m] else { continue };
+        let row = |case: String, value: f64, unit: &'static str, reference: Option<f64>| Row {
+            group: group.clone(),
+            case,
+            value,
+            unit,
+            reference,
+        };
+        rows.push(row(format!("first reply after the kill, {} (ref: primary-backup)", mode.name()), f.first_reply_ms, "ms", pb));
+        rows.push(row(format!("every connection answered again, {}", mode.name()), f.all_replied_ms, "ms", None));
+        if matches!(mode, Mode::Vsmr | Mode::VsmrBlocks) {
+            rows.push(row(format!("restarted replica: protected again after, {}", mode.name()), f.rejoin_ms, "ms", None));
+            rows.push(row(format!("restarted replica: leader's pause in its full syncvm, {}", mode.name()), f.rejoin_pause_ms, "ms", None));
+            rows.push(row(format!("restarted replica: pages pre-copied, {}", mode.name()), f.precopy_pages, "pages", None));
+            rows.push(row(format!("restarted replica: pages its full syncvm sent, {}", mode.name()), f.full_sync_pages, "pages", None));
+        }
+    }
     let mut chart = Vec::new();
     for (i, &p) in opts.pipeline.iter().enumerate() {
         let group = format!("kv -P {p} -c {}", opts.clients);

@@ -266,10 +266,14 @@ pub struct ReplicaArgs {
     /// three); each listens on its own address for the others.
     #[arg(long, value_name = "1=HOST:PORT,2=HOST:PORT,3=HOST:PORT")]
     pub peers: String,
-    /// Run no VM: vote and keep the log, never lead (the third replica).
-    #[arg(long, conflicts_with_all = ["image", "net", "disk"])]
+    /// The third replica: vote and keep the log, stand late in elections.
+    /// Alone, it runs no VM and never leads; with the VM options (--image,
+    /// --net, ...) it is a standby: its VM stays paused until a leader that
+    /// lost its secondary brings it up to date and makes it the secondary.
+    #[arg(long, conflicts_with = "disk")]
     pub witness: bool,
-    /// Guest image (every VM replica boots the same one); not with --witness.
+    /// Guest image (every VM replica boots the same one); a witness with one
+    /// is a standby.
     #[arg(long, value_name = "PATH", required_unless_present = "witness")]
     pub image: Option<PathBuf>,
     /// Guest memory in MiB (a multiple of 2).
@@ -289,6 +293,12 @@ pub struct ReplicaArgs {
     /// its 64-byte blocks that differ (one more round trip for block hashes).
     #[arg(long, default_value = "whole", value_name = "whole|blocks")]
     pub sync_pages: ftvm_replication::vsmr::sync::PageMode,
+    /// How the leader brings a replica it has not synchronized (restarted,
+    /// a standby) up to date: precopy (its memory copied while the guest
+    /// runs, then a full syncvm) or syncvm (the full syncvm alone, every
+    /// differing page copied in the pause).
+    #[arg(long, default_value = "precopy", value_name = "precopy|syncvm")]
+    pub rejoin: ftvm_replication::vsmr::rejoin::RejoinMode,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

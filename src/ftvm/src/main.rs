@@ -172,6 +172,9 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
             if args.host.disk.is_some() {
                 return Err(run::RunError::Usage("--disk: consensus-ordered replicas do not replicate disks yet".into()));
             }
+            if args.image.is_none() && args.host.net.is_some() {
+                return Err(run::RunError::Usage("--net needs --image: a witness without a VM has no network card".into()));
+            }
             let config = ftvm_replication::vsmr::ReplicaConfig {
                 id: args.id,
                 peers,
@@ -180,16 +183,17 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 metrics: args.metrics,
                 max_interval: Duration::from_millis(args.sync_ms),
                 pages: args.sync_pages,
+                rejoin: args.rejoin,
             };
             let source = match args.image {
-                Some(image) if !args.witness => run::Source::Replica {
+                Some(image) => run::Source::Replica {
                     image,
                     mem_size: args.memory.saturating_mul(1 << 20),
                     vcpus: args.vcpus,
                     cmdline: args.cmdline,
                     config: Box::new(config),
                 },
-                _ => run::Source::Witness(Box::new(config)),
+                None => run::Source::Witness(Box::new(config)),
             };
             run::run(source, args.host.into_options(None))
         }

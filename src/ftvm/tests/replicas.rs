@@ -8,10 +8,11 @@
 //! - `no_acknowledged_write_is_lost_over_leader_kills`: the leader's VMM is
 //!   SIGKILLed at random moments (mid-`syncvm` included) again and again;
 //!   the secondary takes over, the killed replica is restarted and brought
-//!   up to date by a full `syncvm`; every write a client saw acknowledged
-//!   reads back from the last leader.
+//!   up to date (pre-copy, full `syncvm`); every write a client saw
+//!   acknowledged reads back from the last leader.
 //! - `..._with_block_patches`: the same, divergent pages sent as their
-//!   differing 64-byte blocks (`--sync-pages blocks`).
+//!   differing 64-byte blocks (`--sync-pages blocks`), restarted replicas
+//!   brought up to date by the full `syncvm` alone (`--rejoin syncvm`).
 //! - `witness_loss_keeps_the_service_protected` (over authenticated links):
 //!   without the witness the
 //!   two VM replicas are a majority: writes go on, `syncvm`s go on, and the
@@ -19,6 +20,14 @@
 //! - `a_leader_cut_off_in_a_minority_releases_nothing_more`: the leader's
 //!   host is cut off the network; nothing leaves its VMM once the new
 //!   leader serves (captures of both TAPs); it rejoins as the secondary.
+//! - `a_restarted_secondary_rejoins_by_precopy_and_takes_over`: the
+//!   secondary is killed and restarted; the leader brings it up to date by
+//!   live pre-copy, then a full `syncvm`; then the leader is killed and the
+//!   rejoined replica serves with every acknowledged write.
+//! - `a_standby_witness_replaces_a_lost_secondary`: the witness runs a
+//!   held VM (`--witness` with the VM options); when the secondary dies the
+//!   leader brings the witness up to date and protects the VM with it;
+//!   then the leader dies and the former witness serves.
 
 mod common;
 
@@ -65,6 +74,8 @@ struct Cluster {
     /// `--peers`, and where the witness runs.
     peers: String,
     witness_host: &'static str,
+    /// The witness runs a standby VM (on its own TAP, `tap1` in h2).
+    standby: bool,
 }
 
 impl Cluster {
@@ -72,7 +83,36 @@ impl Cluster {
         let topo = Topology::new(tag).unwrap();
         let dir = Scratch::new(&format!("replicas-{tag}")).unwrap().keep_on_panic();
         let extra = extra.iter().map(|s| s.to_string()).collect();
-        let mut c = Cluster { topo, dir, procs: [None, None, None], starts: [0; 3], extra, peers: peers(), witness_host: "h2" };
+        let mut c =
+            Cluster { topo, dir, procs: [None, None, None], starts: [0; 3], extra, peers: peers(), witness_host: "h2", standby: false };
+        for id in 1..=3 {
+            c.start(id);
+        }
+        c
+    }
+
+    /// As `new`, the witness with a standby VM on a second TAP of h2.
+    fn with_standby(tag: &str) -> Cluster {
+        let topo = Topology::new(tag).unwrap();
+        for args in [
+            &["tuntap", "add", "dev", "tap1", "mode", "tap", "vnet_hdr"][..],
+            &["link", "set", "tap1", "master", "br0"][..],
+            &["link", "set", "tap1", "up"][..],
+        ] {
+            let out = topo.command("h2", "ip").args(args).output().unwrap();
+            assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let dir = Scratch::new(&format!("replicas-{tag}")).unwrap().keep_on_panic();
+        let mut c = Cluster {
+            topo,
+            dir,
+            procs: [None, None, None],
+            starts: [0; 3],
+            extra: Vec::new(),
+            peers: peers(),
+            witness_host: "h2",
+            standby: true,
+        };
         for id in 1..=3 {
             c.start(id);
         }
@@ -90,7 +130,16 @@ impl Cluster {
         }
         let dir = Scratch::new(&format!("replicas-{tag}")).unwrap().keep_on_panic();
         let peers = format!("1={LAN_H1}:7101,2={LAN_H2}:7102,3={CLIENT_ADDR}:7103");
-        let mut c = Cluster { topo, dir, procs: [None, None, None], starts: [0; 3], extra: Vec::new(), peers, witness_host: "client" };
+        let mut c = Cluster {
+            topo,
+            dir,
+            procs: [None, None, None],
+            starts: [0; 3],
+            extra: Vec::new(),
+            peers,
+            witness_host: "client",
+            standby: false,
+        };
         for id in 1..=3 {
             c.start(id);
         }
@@ -119,9 +168,11 @@ impl Cluster {
             .env("FTVM_LOG", "info");
         if id == 3 {
             cmd.arg("--witness");
-        } else {
+        }
+        if id != 3 || self.standby {
+            let tap = if id == 3 { "tap1" } else { "tap0" };
             cmd.arg("--image").arg(image("kv"));
-            cmd.args(["--memory", "64", "--cmdline", &format!("ip={GUEST_ADDR}/24"), "--net", &format!("tap=tap0,mac={GUEST_MAC}")]);
+            cmd.args(["--memory", "64", "--cmdline", &format!("ip={GUEST_ADDR}/24"), "--net", &format!("tap={tap},mac={GUEST_MAC}")]);
         }
         let log = format!("r{id}.{}", self.starts[i]);
         let p = Process::spawn_logged(&format!("replica {id}"), &mut cmd, self.dir.path(), &log).unwrap();
@@ -140,9 +191,16 @@ impl Cluster {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// Replica `id`'s `--metrics` lines since its last start.
+    fn metrics(&self, id: u64) -> Vec<serde_json::Value> {
+        let path = self.dir.join(format!("r{id}.{}.jsonl", self.starts[(id - 1) as usize]));
+        std::fs::read_to_string(path).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+    }
+
     /// The VM replica that serves, protected if `protected`.
     fn leader(&self, protected: bool) -> Option<u64> {
-        (1..=2).find(|&id| {
+        let vms = if self.standby { 3 } else { 2 };
+        (1..=vms).find(|&id| {
             self.procs[(id - 1) as usize].is_some() && {
                 let st = self.status(id);
                 st.contains("role: leader") && (!protected || st.contains("protected: yes"))
@@ -219,10 +277,11 @@ fn no_acknowledged_write_is_lost_over_leader_kills() {
     leader_kills("vsmr", &[], 10);
 }
 
-/// The same with divergent pages sent as their differing 64-byte blocks.
+/// The same with divergent pages sent as their differing 64-byte blocks,
+/// and killed replicas brought up to date by the full `syncvm` alone.
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
-    leader_kills("vblk", &["--sync-pages", "blocks"], 5);
+    leader_kills("vblk", &["--sync-pages", "blocks", "--rejoin", "syncvm"], 5);
 }
 
 fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
@@ -242,7 +301,7 @@ fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
         assert_eq!(c.wait_leader(false, Duration::from_secs(10)), other, "round {round}: the secondary took over");
         wait_acked_beyond(&w, acked, &c, &format!("round {round}: after replica {leader} was killed"));
         c.start(leader);
-        // Protected again once the restarted replica had a full syncvm.
+        // Protected again once the restarted replica was brought up to date.
         assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other, "round {round}");
         eprintln!("round {round}: killed {leader}, {other} leads, {} writes acknowledged", w.acked());
     }
@@ -376,5 +435,101 @@ fn a_leader_cut_off_in_a_minority_releases_nothing_more() {
     // Back on the network, the old leader follows and is synchronized.
     c.topo.restore().unwrap();
     assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other);
+    verify_all(&c, w);
+}
+
+/// What brought `peer` up to date on the leader `leader`: its pre-copies
+/// (`rejoin` lines) and the full `syncvm` that made it the secondary.
+fn rejoin_figures(c: &Cluster, leader: u64, peer: u64) -> (u64, u64) {
+    let lines = c.metrics(leader);
+    let precopied: u64 = lines
+        .iter()
+        .filter_map(|l| l.get("rejoin"))
+        .filter(|r| r["peer"] == peer && r["ok"] == true && r["skipped"] == false)
+        .map(|r| r["pages"].as_u64().unwrap())
+        .sum();
+    let full = lines
+        .iter()
+        .rev()
+        .find(|l| l["role"] == "leader" && l["peer"] == peer && l["full"] == true && l["ok"] == true)
+        .unwrap_or_else(|| panic!("no full syncvm with {peer} in the leader's metrics:\n{lines:?}"));
+    (precopied, full["divergent_pages"].as_u64().unwrap())
+}
+
+/// Kill the secondary and restart it: the leader serves on unprotected
+/// (with the witness it is a majority), brings the restarted replica up to
+/// date by live pre-copy and a full `syncvm` (which finds fewer pages to
+/// send than the pre-copy did), and is protected again; then the leader
+/// is killed, and the rejoined replica serves every acknowledged write.
+#[test]
+fn a_restarted_secondary_rejoins_by_precopy_and_takes_over() {
+    let mut c = Cluster::new("vrej", &[]);
+    let leader = c.wait_leader(true, Duration::from_secs(30));
+    let other = 3 - leader;
+    let w = writers(&c, "j");
+    wait_acked_beyond(&w, 0, &c, "start");
+    std::thread::sleep(Duration::from_millis(500));
+    c.kill(other);
+    let acked = w.acked();
+    wait_acked_beyond(&w, acked + 100, &c, "after the secondary was killed");
+    let st = c.status(leader);
+    assert!(st.contains("role: leader") && st.contains("protected: no"), "{st}");
+    c.start(other);
+    assert_eq!(c.wait_leader(true, Duration::from_secs(30)), leader, "the leader is protected again");
+    let (precopied, full) = rejoin_figures(&c, leader, other);
+    assert!(precopied > 0, "the restarted replica got no pre-copy");
+    assert!(full < precopied, "the full syncvm sent {full} pages, the pre-copy {precopied}: it did not help");
+    eprintln!("pre-copy sent {precopied} pages, the full syncvm then {full}");
+    wait_acked_beyond(&w, w.acked() + 100, &c, "protected again");
+    c.kill(leader);
+    let acked = w.acked();
+    assert_eq!(c.wait_leader(false, Duration::from_secs(10)), other, "the rejoined replica took over");
+    wait_acked_beyond(&w, acked, &c, "after the leader was killed");
+    let n = verify_all(&c, w);
+    eprintln!("{n} acknowledged writes, none lost");
+}
+
+/// The witness with the VM options is a standby: its VM stays held while
+/// two VM replicas run. The secondary is killed: the leader brings the
+/// witness up to date (pre-copy, full `syncvm`) and is protected by it;
+/// the killed replica is restarted (it votes; the witness stays the
+/// secondary); then the leader is killed: the former witness serves, with
+/// every acknowledged write.
+#[test]
+fn a_standby_witness_replaces_a_lost_secondary() {
+    let mut c = Cluster::with_standby("vsby");
+    let leader = c.wait_leader(true, Duration::from_secs(30));
+    assert_ne!(leader, 3, "the standby led");
+    let other = 3 - leader;
+    let st = c.status(3);
+    assert!(st.contains("standby") && st.contains("role: secondary"), "{st}");
+    let st = c.status(leader);
+    assert!(st.contains(&format!("secondary {other}")), "the VM replica is the secondary, not the standby: {st}");
+    let w = writers(&c, "s");
+    wait_acked_beyond(&w, 0, &c, "start");
+    std::thread::sleep(Duration::from_millis(500));
+    c.kill(other);
+    let acked = w.acked();
+    wait_acked_beyond(&w, acked, &c, "after the secondary was killed");
+    // Protected again, by the witness.
+    let t0 = Instant::now();
+    while !(c.status(leader).contains("secondary 3") && c.status(leader).contains("protected: yes")) {
+        assert!(t0.elapsed() < Duration::from_secs(30), "the witness did not become the secondary: {}\n{}", c.status(leader), c.logs());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (precopied, _) = rejoin_figures(&c, leader, 3);
+    assert!(precopied > 0, "the witness got no pre-copy");
+    // The killed replica comes back (a voter: without it the witness
+    // alone could not be elected); the leader keeps the witness as its
+    // secondary.
+    c.start(other);
+    wait_acked_beyond(&w, w.acked() + 100, &c, "protected by the witness");
+    std::thread::sleep(Duration::from_millis(1000));
+    let st = c.status(leader);
+    assert!(st.contains("secondary 3") && st.contains("protected: yes"), "{st}");
+    c.kill(leader);
+    let acked = w.acked();
+    assert_eq!(c.wait_leader(false, Duration::from_secs(15)), 3, "the former witness took over");
+    wait_acked_beyond(&w, acked, &c, "after the leader was killed");
     verify_all(&c, w);
 }

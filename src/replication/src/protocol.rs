@@ -27,7 +27,9 @@ use ftvm_vmm::pages::FormatError;
 /// `Handover` (a planned switch-over, `ftvm switchover`); the
 /// consensus-ordered replicas' messages (`vsmr`): PeerHello, Raft, and the
 /// `syncvm` exchange.
-pub const PROTOCOL_VERSION: u16 = 7;
+/// Version 8: a replica rejoins by live pre-copy (`vsmr::rejoin`):
+/// RejoinStart, RejoinHashes, RejoinPages, RejoinAck.
+pub const PROTOCOL_VERSION: u16 = 8;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.
@@ -75,6 +77,16 @@ pub enum Kind {
     SyncWant = 26,
     /// `syncvm`, `--sync-pages blocks`: the secondary's block hashes.
     SyncBlockHashes = 27,
+    /// Rejoin pre-copy (`vsmr::rejoin`): the leader asks a replica that is
+    /// not in step for its page hashes.
+    RejoinStart = 28,
+    /// Rejoin: the replica's hash of every page (or: it is in step, skip).
+    RejoinHashes = 29,
+    /// Rejoin: a batch of the leader's pages (a bundle whose state is the
+    /// batch's sequence number), sent while its guest runs.
+    RejoinPages = 30,
+    /// Rejoin: the replica wrote the batch with this sequence number.
+    RejoinAck = 31,
 }
 
 impl Kind {
@@ -103,6 +115,10 @@ impl Kind {
             25 => Kind::SyncAck,
             26 => Kind::SyncWant,
             27 => Kind::SyncBlockHashes,
+            28 => Kind::RejoinStart,
+            29 => Kind::RejoinHashes,
+            30 => Kind::RejoinPages,
+            31 => Kind::RejoinAck,
             _ => return None,
         })
     }

@@ -277,8 +277,28 @@ pub fn enable() -> Result<(), SeccompError> {
     if !log {
         install_handler()?;
     }
+    prime_allocator();
     MODE.store(if log { LOG } else { TRAP }, Ordering::SeqCst);
     Ok(())
+}
+
+/// glibc's malloc reads `/proc/sys/vm/overcommit_memory` (an `openat`) the
+/// first time a thread arena gives memory back to the kernel
+/// (`shrink_heap`), in whichever thread frees last: a filtered thread that
+/// forbids `openat` (a replica's consensus thread, say) would be stopped
+/// for it, at a moment that depends on how much the process allocated.
+/// glibc keeps the answer: make that first time happen here, before any
+/// filter, in a thread of its own (so in an arena other than the main one).
+fn prime_allocator() {
+    let primed = std::thread::Builder::new().name("malloc-prime".into()).spawn(|| {
+        // Pieces below the mmap threshold come from the arena's heap; freed
+        // together they leave a top chunk large enough to be trimmed.
+        let pieces: Vec<Vec<u8>> = (0..128).map(|_| vec![1u8; 16 << 10]).collect();
+        drop(std::hint::black_box(pieces));
+    });
+    if let Ok(t) = primed {
+        let _ = t.join();
+    }
 }
 
 pub fn enabled() -> bool {

@@ -90,15 +90,15 @@ pub struct Trial {
 }
 
 /// Clients that send SETs back to back, each on its own connection, and
-/// note when each reply arrived.
-struct Clients {
+/// note when each reply arrived (also `ftvm-bench vsmr`'s failover).
+pub(crate) struct Clients {
     stop: Arc<AtomicBool>,
     replies: Arc<Vec<Mutex<Vec<Instant>>>>,
     threads: Vec<JoinHandle<std::io::Result<std::io::Result<()>>>>,
 }
 
 impl Clients {
-    fn start(topo: &Topology) -> Result<Clients, BoxError> {
+    pub(crate) fn start(topo: &Topology) -> Result<Clients, BoxError> {
         let stop = Arc::new(AtomicBool::new(false));
         let replies: Arc<Vec<Mutex<Vec<Instant>>>> = Arc::new((0..CONNECTIONS).map(|_| Mutex::new(Vec::new())).collect());
         let addr = format!("{GUEST_ADDR}:6379").parse()?;
@@ -142,7 +142,7 @@ impl Clients {
     /// be before it: a client waits from its last reply). Waits until every
     /// connection answered again and then [`SETTLE`] more; `None` for a
     /// connection that did not answer again within [`GIVE_UP`].
-    fn outages(&self, t0: Instant) -> Vec<Option<Outage>> {
+    pub(crate) fn outages(&self, t0: Instant) -> Vec<Option<Outage>> {
         let answered = |r: &Mutex<Vec<Instant>>| r.lock().expect("not poisoned").last().is_some_and(|&at| at > t0 + RECOVERED);
         while !self.replies.iter().all(answered) && t0.elapsed() < GIVE_UP {
             std::thread::sleep(Duration::from_millis(20));
@@ -164,9 +164,9 @@ impl Clients {
 /// One connection's outage: the longest time without a reply, and when it
 /// ended (after the failure).
 #[derive(Clone, Copy, Debug)]
-struct Outage {
-    gap: Duration,
-    ended: Duration,
+pub(crate) struct Outage {
+    pub gap: Duration,
+    pub ended: Duration,
 }
 
 impl Drop for Clients {

@@ -3,7 +3,7 @@
 //! (`sweep`) and the ablation of the optimisation switches (`ablation`).
 
 mod ablation;
-mod failover;
+pub(crate) mod failover;
 mod matrix;
 mod runs;
 mod sweep;

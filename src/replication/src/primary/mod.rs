@@ -2,7 +2,7 @@
 //! checkpoint every epoch and releases each epoch's output when the backup
 //! acknowledges it.
 
-mod precopy;
+pub(crate) mod precopy;
 mod session;
 
 use std::path::PathBuf;

@@ -6,7 +6,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use ftvm_vmm::memory::PAGE;
+use ftvm_vmm::memory::{GuestRam, PAGE};
 use ftvm_vmm::pages::{BundleWriter, RawEncoder};
 use ftvm_vmm::{PageBitmap, Vm};
 
@@ -72,25 +72,49 @@ fn send_pages(
 ) -> Result<u64, ReplicationError> {
     let mut sent = 0;
     let mut page = vec![0u8; PAGE];
-    let mut encoder = RawEncoder;
     for batch in pages.chunks(BATCH_PAGES) {
         stopped(stop)?;
-        protocol::begin_frame(frame, Kind::Pages);
-        let mut bundle = BundleWriter::begin(frame, &[], &mut encoder, fresh);
-        for &p in batch {
-            // A torn read is harmless: dirty tracking was armed before it,
-            // so a page written meanwhile is sent again.
-            vm.ram().read_page(p, &mut page).map_err(ftvm_vmm::VmError::from)?;
-            bundle.page(p, &page);
-        }
-        if bundle.finish().pages == 0 {
+        let written = page_frame(frame, Kind::Pages, &[], &[], vm.ram(), batch, fresh, &mut page, |_, _| {})?;
+        if written == 0 {
             continue;
         }
-        protocol::finish_frame(frame);
         link.send(frame).map_err(ReplicationError::Send)?;
         sent += frame.len() as u64;
     }
     Ok(sent)
+}
+
+/// One pre-copy message in `frame`: `header`, then a bundle with `state`
+/// and the `pages` of `ram` as they are now (whole; zero pages left out
+/// when `skip_zero`). `each` sees every page as it was read. Returns the
+/// pages in the bundle. Shared by the primary's pre-copy and a consensus
+/// replica's rejoin (`vsmr::rejoin`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn page_frame(
+    frame: &mut Vec<u8>,
+    kind: Kind,
+    header: &[u8],
+    state: &[u8],
+    ram: &GuestRam,
+    pages: &[u64],
+    skip_zero: bool,
+    buf: &mut [u8],
+    mut each: impl FnMut(u64, &[u8]),
+) -> Result<u64, ftvm_vmm::VmError> {
+    let mut encoder = RawEncoder;
+    protocol::begin_frame(frame, kind);
+    frame.extend_from_slice(header);
+    let mut bundle = BundleWriter::begin(frame, state, &mut encoder, skip_zero);
+    for &p in pages {
+        // A torn read is harmless: dirty tracking (or, for a rejoin, the
+        // hash of what was read) makes a page written meanwhile go again.
+        ram.read_page(p, buf)?;
+        each(p, buf);
+        bundle.page(p, buf);
+    }
+    let written = bundle.finish().pages;
+    protocol::finish_frame(frame);
+    Ok(written)
 }
 
 /// The disk's data regions in chunks, skipping all-zero chunks.

@@ -46,6 +46,9 @@ pub struct PeerHello {
     pub id: u64,
     /// It runs no VM: it votes and keeps the log, never leads.
     pub witness: bool,
+    /// A witness with a VM: picked as secondary only when no other VM
+    /// replica is alive.
+    pub standby: bool,
 }
 
 /// A message from a peer.
@@ -55,10 +58,24 @@ pub struct Inbound {
     pub payload: Vec<u8>,
 }
 
+/// Where the messages that arrive go, by kind.
+#[derive(Clone)]
+pub struct Routes {
+    /// Raft messages: the consensus thread.
+    pub raft: Sender<Event>,
+    /// The `syncvm` exchange: the applier.
+    pub sync: Sender<Inbound>,
+    /// A leader's pre-copy to this replica (`RejoinStart`, `RejoinPages`).
+    pub join: Sender<Inbound>,
+    /// A replica's answers to this leader's pre-copy (`RejoinHashes`, `RejoinAck`).
+    pub precopy: Sender<Inbound>,
+}
+
 /// What is known of a peer from its links.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PeerInfo {
     pub witness: bool,
+    pub standby: bool,
     /// When a message from it last arrived.
     pub heard: Option<Instant>,
 }
@@ -74,15 +91,13 @@ pub struct Mesh {
 
 impl Mesh {
     /// Listen on `listen`, dial `peers` (id, address) as they come up, and
-    /// hand every message that arrives to `raft` (Raft) or `sync` (the
-    /// `syncvm` exchange).
+    /// hand every message that arrives on by its kind (`routes`).
     pub fn start(
         me: PeerHello,
         listen: &str,
         peers: &[(u64, String)],
         auth: Option<Auth>,
-        raft: Sender<Event>,
-        sync: Sender<Inbound>,
+        routes: Routes,
     ) -> Result<Arc<Mesh>, ReplicationError> {
         let listener = TcpListener::bind(listen).map_err(|err| ReplicationError::Listen { addr: listen.into(), err })?;
         let mut senders = HashMap::new();
@@ -107,12 +122,12 @@ impl Mesh {
                 for stream in listener.incoming() {
                     let Ok(stream) = stream else { continue };
                     let Ok(link) = transport::TcpTransport::new(stream) else { continue };
-                    let (m, auth, raft, sync) = (m.clone(), auth.clone(), raft.clone(), sync.clone());
+                    let (m, auth, routes) = (m.clone(), auth.clone(), routes.clone());
                     let peer = link.peer();
                     let _ = std::thread::Builder::new().name("peer-rx".into()).spawn(move || {
                         // It parses what any peer sends: the narrow filter.
                         ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Replication);
-                        m.receive(link, &peer, auth.as_ref(), &raft, &sync)
+                        m.receive(link, &peer, auth.as_ref(), &routes)
                     });
                 }
             })
@@ -183,7 +198,7 @@ impl Mesh {
     }
 
     /// Serve one accepted link until it breaks.
-    fn receive(&self, mut link: transport::TcpTransport, peer: &str, auth: Option<&Auth>, raft: &Sender<Event>, sync: &Sender<Inbound>) {
+    fn receive(&self, mut link: transport::TcpTransport, peer: &str, auth: Option<&Auth>, routes: &Routes) {
         let mut buf = Vec::new();
         let _ = link.set_recv_timeout(Some(HANDSHAKE_TIMEOUT));
         let first = match link.recv(protocol::HANDSHAKE_LIMIT, &mut buf) {
@@ -220,12 +235,22 @@ impl Mesh {
                 Err(ProtocolError::Closed) => return tracing::info!(id = hello.id, "peer link closed"),
                 Err(e) => return tracing::warn!(id = hello.id, "peer link: {e}"),
             };
-            self.peers.locked().insert(hello.id, PeerInfo { witness: hello.witness, heard: Some(Instant::now()) });
+            self.peers.locked().insert(hello.id, PeerInfo { witness: hello.witness, standby: hello.standby, heard: Some(Instant::now()) });
             let msg = Inbound { from: hello.id, kind, payload: std::mem::take(&mut buf) };
             let delivered = match kind {
-                Kind::Raft => raft.send(Event::Peer(msg)).is_ok(),
+                Kind::Raft => routes.raft.send(Event::Peer(msg)).is_ok(),
                 Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages | Kind::SyncAck => {
-                    sync.send(msg).is_ok()
+                    routes.sync.send(msg).is_ok()
+                }
+                // A witness has no VM: nobody reads these (dropped with
+                // the receiver).
+                Kind::RejoinStart | Kind::RejoinPages => {
+                    let _ = routes.join.send(msg);
+                    true
+                }
+                Kind::RejoinHashes | Kind::RejoinAck => {
+                    let _ = routes.precopy.send(msg);
+                    true
                 }
                 other => {
                     tracing::warn!(id = hello.id, "unexpected {other:?} on a peer link");

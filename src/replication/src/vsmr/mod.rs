@@ -9,6 +9,7 @@
 pub mod log;
 pub mod mesh;
 pub mod node;
+pub mod rejoin;
 mod replica;
 pub mod sync;
 
@@ -25,7 +26,7 @@ use ftvm_vmm::Vm;
 use crate::metrics::{MetricsLog, Role, StatusCell};
 use crate::pipeline::transport::Auth;
 use crate::ReplicationError;
-use mesh::{Mesh, PeerHello};
+use mesh::{Mesh, PeerHello, Routes};
 use node::{Committed, NodeConfig, View};
 
 /// One `syncvm` as a replica records it (`--metrics`, `ftvm status`).
@@ -78,6 +79,9 @@ pub struct ReplicaConfig {
     pub id: u64,
     /// Every replica (this one included): id and address.
     pub peers: Vec<(u64, String)>,
+    /// Vote, keep the log, stand late in elections and never lead while
+    /// not in step; with a VM (a standby), keep it held until a leader
+    /// brings it up to date to replace a lost VM replica.
     pub witness: bool,
     pub auth: Option<Auth>,
     pub metrics: Option<PathBuf>,
@@ -85,6 +89,8 @@ pub struct ReplicaConfig {
     pub max_interval: Duration,
     /// How divergent pages travel.
     pub pages: sync::PageMode,
+    /// How a replica this leader has not synchronized is brought up to date.
+    pub rejoin: rejoin::RejoinMode,
 }
 
 /// `--peers 1=HOST:PORT,2=HOST:PORT,3=HOST:PORT`, checked against `--id`.
@@ -115,18 +121,35 @@ pub fn parse_peers(s: &str, me: u64) -> Result<Vec<(u64, String)>, String> {
 
 /// Start this replica: its links, its consensus thread and, with a VM
 /// (`vm`; none for the witness), the VM's side. The VM must be started.
+/// A witness with a VM is a standby: its VM stays held until a leader
+/// brings it up to date (docs/replicas.md, "Replacing a replica").
 pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, ReplicationError> {
-    let witness = vm.is_none();
-    let status = StatusCell::new(if witness { Role::Witness } else { Role::Secondary });
-    status.lock().detail = if witness { "witness".into() } else { "secondary: waiting for a leader".into() };
+    let witness = config.witness;
+    let status = StatusCell::new(if vm.is_none() { Role::Witness } else { Role::Secondary });
+    status.lock().detail = match (&vm, witness) {
+        (None, _) => "witness".into(),
+        (Some(_), true) => "standby witness: VM held until a leader needs it".into(),
+        (Some(_), false) => "secondary: waiting for a leader".into(),
+    };
     let listen = config.peers.iter().find(|(i, _)| *i == config.id).map(|(_, a)| a.clone()).expect("parse_peers checked --id");
     let others: Vec<(u64, String)> = config.peers.iter().filter(|(i, _)| *i != config.id).cloned().collect();
     let (events_tx, events_rx) = mpsc::channel();
     let (sync_tx, sync_rx) = mpsc::channel();
-    let mesh = Mesh::start(PeerHello { id: config.id, witness }, &listen, &others, config.auth.clone(), events_tx.clone(), sync_tx)?;
+    let (join_tx, join_rx) = mpsc::channel();
+    let (precopy_tx, precopy_rx) = mpsc::channel();
+    let routes = Routes { raft: events_tx.clone(), sync: sync_tx, join: join_tx, precopy: precopy_tx };
+    // Peers pick secondaries among replicas with a VM: a standby says it has one.
+    let mesh = Mesh::start(
+        PeerHello { id: config.id, witness: vm.is_none(), standby: witness && vm.is_some() },
+        &listen,
+        &others,
+        config.auth.clone(),
+        routes,
+    )?;
     let (committed_tx, committed_rx) = mpsc::channel();
     let view = Arc::new(Mutex::new(View::default()));
-    // Every VM replica of a new group may lead; the witness never.
+    // Every VM replica of a new group may lead; the witness (a standby
+    // too) not before it was brought up to date.
     let eligible = Arc::new(AtomicBool::new(!witness));
     let node_config =
         NodeConfig { id: config.id, voters: config.peers.iter().map(|(i, _)| *i).collect(), witness, eligible: eligible.clone() };
@@ -143,10 +166,10 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                 eligible,
                 status.clone(),
                 metrics,
-                config.max_interval,
-                config.pages,
+                replica::Options { max_interval: config.max_interval, pages: config.pages, rejoin: config.rejoin, standby: witness },
             ));
-            replica::start(shared, committed_rx, sync_rx).map_err(ReplicationError::Thread)?;
+            replica::start(shared, committed_rx, replica::Inboxes { sync: sync_rx, join: join_rx, precopy: precopy_rx })
+                .map_err(ReplicationError::Thread)?;
         }
         None => {
             let status = status.clone();

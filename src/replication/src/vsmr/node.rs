@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use protobuf::Message as _;
-use raft::eraftpb::{ConfState, EntryType, Message};
+use raft::eraftpb::{ConfState, EntryType, Message, MessageType};
 use raft::storage::MemStorage;
 use raft::{Config, RawNode, StateRole};
 
@@ -163,7 +163,19 @@ impl Loop {
         match ev {
             Event::Peer(msg) => match Message::parse_from_bytes(&msg.payload) {
                 // The sender is who its authenticated link says it is.
-                Ok(m) if m.from == msg.from && m.to == self.config.id => {
+                Ok(mut m) if m.from == msg.from && m.to == self.config.id => {
+                    let log = &self.node.raft.raft_log;
+                    if m.get_msg_type() == MessageType::MsgHeartbeat && m.commit > log.last_index() {
+                        // This replica restarted under the same leader and
+                        // lost its log (it is in memory): the leader still
+                        // counts on what it acknowledged before and names a
+                        // commit index beyond its log, which raft-rs takes
+                        // for a broken invariant (it panics). Such a
+                        // heartbeat commits nothing here; the append that
+                        // answers it finds the gap, and a snapshot follows.
+                        tracing::debug!(commit = m.commit, last = log.last_index(), "a heartbeat beyond this log: committing nothing");
+                        m.commit = log.committed;
+                    }
                     let _ = self.node.step(m);
                 }
                 Ok(m) => tracing::warn!(link = msg.from, from = m.from, to = m.to, "dropped a raft message not from its link's peer"),

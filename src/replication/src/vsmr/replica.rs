@@ -7,7 +7,10 @@
 //! committed entries in order, injects input and runs `syncvm`; while this
 //! replica leads, a *proposer* decides when to propose the next `syncvm`
 //! (the output trigger of the primary-backup pipeline: output held and
-//! the guest idle, a hold bound, a maximum interval).
+//! the guest idle, a hold bound, a maximum interval), and a *pre-copy*
+//! worker brings a replica it has not synchronized up to date while the
+//! guest runs (`rejoin`); a *joiner* thread takes such a pre-copy into
+//! this replica's held VM.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
@@ -21,6 +24,7 @@ use ftvm_vmm::Vm;
 use super::log::Entry;
 use super::mesh::{Inbound, Mesh};
 use super::node::{Committed, Event, View, ALIVE};
+use super::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
 use super::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
 use super::{SyncMetrics, SyncRole};
 use crate::metrics::{MetricsLog, Role, StatusCell};
@@ -28,10 +32,38 @@ use crate::output::{DiskJournal, OutputBuffer};
 use crate::pipeline::freeze::{Freeze, PauseAndSave};
 use crate::pipeline::predict::LeaveNone;
 use crate::pipeline::trigger::{self, Pacing, Sample, Trigger};
+use crate::protocol::Kind;
 
 /// A proposed `syncvm` not applied within this long was lost (a leader
 /// change): propose again.
 const PROPOSAL_TIMEOUT: Duration = Duration::from_secs(2);
+/// A new leader picks a standby witness as its secondary only after this
+/// long: when a group starts, the other VM replica may not be heard yet.
+const STANDBY_GRACE: Duration = Duration::from_secs(1);
+
+/// A VM replica's options.
+pub struct Options {
+    /// Longest interval between two `syncvm`s.
+    pub max_interval: Duration,
+    pub pages: PageMode,
+    pub rejoin: RejoinMode,
+    /// A witness with a VM: held from the start, until a leader brings it
+    /// up to date.
+    pub standby: bool,
+}
+
+/// What arrives for a VM replica's threads from its links.
+pub struct Inboxes {
+    /// The `syncvm` exchange (the applier).
+    pub sync: Receiver<Inbound>,
+    /// A leader's pre-copy into this VM (the joiner).
+    pub join: Receiver<Inbound>,
+    /// Answers to this leader's pre-copy (the pre-copy worker).
+    pub precopy: Receiver<Inbound>,
+}
+
+/// A pre-copy for the worker: this leadership, to this replica.
+type Job = (Arc<Leadership>, u64);
 
 /// Everything the replica's threads share.
 pub struct Shared {
@@ -43,9 +75,22 @@ pub struct Shared {
     pub eligible: Arc<AtomicBool>,
     pub status: StatusCell,
     pub metrics: MetricsLog,
-    /// Longest interval between two `syncvm`s.
-    pub max_interval: Duration,
-    pub pages: PageMode,
+    pub options: Options,
+    /// The VM is held (paused) for a leader's pre-copy, or as a standby:
+    /// released by this replica's first successful `syncvm`.
+    held: AtomicBool,
+    /// Taken by whoever writes guest memory from outside while the VM is
+    /// held (the joiner) and by the secondary's `syncvm`: a pre-copy batch
+    /// never lands in the middle of a `syncvm`, nor after one succeeded.
+    ram_writer: Mutex<()>,
+    /// The pre-copy worker's queue.
+    jobs: Mutex<Option<Sender<Job>>>,
+    /// This VM holds the state that was released: it led, or completed a
+    /// `syncvm` as secondary, and was not out of step since. Such a
+    /// replica needs no pre-copy (a leader that stepped down keeps running
+    /// and may lead again); a restarted one, before its raft catches up,
+    /// may look eligible but does not hold it.
+    current: AtomicBool,
     /// Set while this replica serves as leader.
     lead: Mutex<Option<Arc<Leadership>>>,
     /// When the previous `syncvm` ended here.
@@ -72,6 +117,21 @@ struct Leadership {
     last: Mutex<Option<Figures>>,
     /// The replica this leader last brought up to date.
     synced: Mutex<Option<u64>>,
+    /// Where the pre-copy of a replica not synchronized yet stands.
+    rejoin: Mutex<Rejoin>,
+    /// When this leadership began.
+    started: Instant,
+}
+
+/// A leader's pre-copy of a replica it has not synchronized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rejoin {
+    Idle,
+    Running(u64),
+    /// Done: the next `syncvm` with it is the (full) stop-and-copy.
+    Ready(u64),
+    /// It failed: the next `syncvm` with it is a full one without pre-copy.
+    Failed(u64),
 }
 
 /// The guest's frames go nowhere: a replica that does not lead.
@@ -106,8 +166,7 @@ impl Shared {
         eligible: Arc<AtomicBool>,
         status: StatusCell,
         metrics: MetricsLog,
-        max_interval: Duration,
-        pages: PageMode,
+        options: Options,
     ) -> Shared {
         Shared {
             id,
@@ -118,8 +177,11 @@ impl Shared {
             eligible,
             status,
             metrics,
-            max_interval,
-            pages,
+            options,
+            held: AtomicBool::new(false),
+            ram_writer: Mutex::new(()),
+            jobs: Mutex::new(None),
+            current: AtomicBool::new(false),
             lead: Mutex::new(None),
             last_sync: Mutex::new(Instant::now()),
             in_step: AtomicBool::new(false),
@@ -127,14 +189,123 @@ impl Shared {
     }
 }
 
-/// Install the replica's hooks and start its applier.
-pub fn start(shared: Arc<Shared>, committed: Receiver<Committed>, sync_inbox: Receiver<Inbound>) -> std::io::Result<()> {
+/// Install the replica's hooks and start its threads: the applier, the
+/// joiner and the pre-copy worker (these two hash pages on every core, so
+/// they keep the filter of the thread that starts them, which may create
+/// threads).
+pub fn start(shared: Arc<Shared>, committed: Receiver<Committed>, inboxes: Inboxes) -> std::io::Result<()> {
     let hooks = shared.vm.hooks();
     hooks.set_tx(Some(Arc::new(Discard)));
     hooks.set_host_input(Some(Arc::new(Input(shared.clone()))));
     shared.vm.start_dirty_tracking().map_err(std::io::Error::other)?;
+    if shared.options.standby {
+        // Its guest has nothing to do until a leader copies it its state.
+        shared.hold();
+    }
+    let (jobs_tx, jobs) = std::sync::mpsc::channel();
+    *shared.jobs.locked() = Some(jobs_tx);
+    let Inboxes { sync: sync_inbox, join, precopy } = inboxes;
+    let s = shared.clone();
+    std::thread::Builder::new().name("precopy".into()).spawn(move || precopy_loop(&s, jobs, precopy))?;
+    let s = shared.clone();
+    std::thread::Builder::new().name("joiner".into()).spawn(move || join_loop(&s, join))?;
     std::thread::Builder::new().name("applier".into()).spawn(move || Applier { shared, sync_inbox }.run(committed))?;
     Ok(())
+}
+
+impl Shared {
+    /// Hold the VM (once) until this replica's next successful `syncvm`.
+    fn hold(&self) {
+        if !self.held.swap(true, Ordering::SeqCst) {
+            self.vm.hold();
+        }
+    }
+
+    /// This VM no longer matches what the leader released: it may not
+    /// lead, and the next `syncvm` it takes part in compares every page.
+    fn out_of_step(&self) {
+        self.current.store(false, Ordering::SeqCst);
+        self.in_step.store(false, Ordering::SeqCst);
+        self.eligible.store(false, Ordering::SeqCst);
+    }
+}
+
+/// The leader's pre-copy worker: one pre-copy at a time.
+fn precopy_loop(s: &Shared, jobs: Receiver<Job>, inbox: Receiver<Inbound>) {
+    for (session, (lead, peer)) in (1..).zip(jobs) {
+        // Its messages carry (term, session), as syncvm's carry (term, index).
+        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer, id: SyncId { term: lead.term, index: session } };
+        let t0 = Instant::now();
+        s.status.lock().detail = format!("leader: bringing replica {peer} up to date (pre-copy); UNPROTECTED");
+        let mut m = RejoinMetrics { term: lead.term, peer, ..RejoinMetrics::default() };
+        let result = rejoin::precopy(&x, &s.vm, &lead.serving, &mut m);
+        m.ok = result.is_ok();
+        m.duration_us = t0.elapsed().as_micros() as u64;
+        match &result {
+            Ok(()) => tracing::info!(
+                peer,
+                rounds = m.rounds,
+                pages = m.pages,
+                left = m.left,
+                bytes = m.precopy_bytes,
+                ms = t0.elapsed().as_millis() as u64,
+                skipped = m.skipped,
+                "pre-copy done: a full syncvm follows"
+            ),
+            Err(e) => tracing::warn!(peer, "pre-copy failed: {e}; a full syncvm without it follows"),
+        }
+        s.metrics.record(&RejoinRecord { rejoin: m });
+        *lead.rejoin.locked() = if result.is_ok() { Rejoin::Ready(peer) } else { Rejoin::Failed(peer) };
+    }
+}
+
+/// The replica's side of a leader's pre-copy: while it is not in step,
+/// hold the VM and take the pages in.
+fn join_loop(s: &Shared, inbox: Receiver<Inbound>) {
+    // The pre-copy being taken in: from whom, which.
+    let mut session: Option<(u64, SyncId)> = None;
+    while let Ok(msg) = inbox.recv() {
+        let Some(id) = SyncId::parse(&msg.payload) else { continue };
+        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: msg.from, id };
+        let _writer = s.ram_writer.locked();
+        match msg.kind {
+            Kind::RejoinStart => {
+                if s.lead.locked().is_some() {
+                    // A stale leader's: this replica leads now.
+                    continue;
+                }
+                let in_step = s.current.load(Ordering::SeqCst) && s.eligible.load(Ordering::SeqCst);
+                if !in_step {
+                    // From here on its memory is the leader's copy in the
+                    // making: it may not lead, and its guest must not run.
+                    s.out_of_step();
+                    s.hold();
+                    session = Some((msg.from, id));
+                    s.status.lock().detail = format!("rejoining: pre-copy from {}", msg.from);
+                }
+                if x.send(Kind::RejoinHashes, &rejoin::answer(&s.vm, in_step)).is_err() {
+                    session = None;
+                }
+            }
+            Kind::RejoinPages => {
+                // Only the current pre-copy's, and none once a syncvm made
+                // this VM the leader's again.
+                if session != Some((msg.from, id)) || s.current.load(Ordering::SeqCst) {
+                    continue;
+                }
+                match rejoin::write_pages(&msg.payload, &s.vm) {
+                    Ok(seq) => {
+                        let _ = x.send(Kind::RejoinAck, &seq.to_le_bytes());
+                    }
+                    Err(e) => {
+                        tracing::warn!(leader = msg.from, "pre-copy: {e}; ignoring the rest of it");
+                        session = None;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 struct Applier {
@@ -153,6 +324,13 @@ impl Applier {
             };
             self.check_leadership();
             for c in first.into_iter().chain(committed.try_iter()) {
+                // Held for a pre-copy (or as a standby), the VM's input is
+                // replaced whole at its syncvm: do not let it pile up.
+                if self.shared.held.load(Ordering::SeqCst) {
+                    if let Committed::Entry { entry: Entry::Input(_), .. } = c {
+                        continue;
+                    }
+                }
                 match c {
                     Committed::Entry { entry: Entry::Input(frame), .. } => input.push(frame),
                     other => {
@@ -218,11 +396,16 @@ impl Applier {
         if s.lead.locked().as_ref().is_some_and(|l| l.term == term) {
             return;
         }
+        // Against the joiner: either this replica leads before a pre-copy
+        // into it starts (which it then ignores), or the pre-copy made it
+        // ineligible first; it never serves a held VM.
+        let _writer = s.ram_writer.locked();
         if !s.eligible.load(Ordering::SeqCst) {
             // The consensus thread hands leadership on.
             tracing::warn!(term, "elected, but this VM is not in step with what was released: not serving");
             return;
         }
+        s.current.store(true, Ordering::SeqCst);
         let vm = &s.vm;
         let network = vm.devices().tap_sink().unwrap_or_else(|| Arc::new(Discard));
         let trigger = Arc::new(Trigger::default());
@@ -242,6 +425,8 @@ impl Applier {
             ran: Condvar::new(),
             last: Mutex::new(None),
             synced: Mutex::new(None),
+            rejoin: Mutex::new(Rejoin::Idle),
+            started: Instant::now(),
         });
         vm.hooks().set_tx(Some(output));
         vm.hooks().set_idle(Some(trigger));
@@ -262,11 +447,8 @@ impl Applier {
         });
     }
 
-    /// This VM no longer matches what the leader released: it may not lead,
-    /// and the next `syncvm` it takes part in compares every page.
     fn out_of_step(&self) {
-        self.shared.in_step.store(false, Ordering::SeqCst);
-        self.shared.eligible.store(false, Ordering::SeqCst);
+        self.shared.out_of_step();
     }
 
     fn step_down(&self, why: &str) {
@@ -302,7 +484,7 @@ impl Applier {
             }
             Ok(frozen) => {
                 let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: secondary, id };
-                sync::lead(&x, &s.vm, frozen, full, s.pages)
+                sync::lead(&x, &s.vm, frozen, full, s.options.pages)
             }
         };
         match &result {
@@ -349,11 +531,23 @@ impl Applier {
         }
         let t0 = Instant::now();
         let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: leader, id };
+        // No pre-copy batch lands during the syncvm, nor after it succeeded.
+        let writer = s.ram_writer.locked();
         let result = sync::follow(&x, &s.vm, full || !s.in_step.load(Ordering::SeqCst));
         s.in_step.store(result.is_ok(), Ordering::SeqCst);
+        if result.is_ok() {
+            // (A syncvm that failed before the acknowledgement changed
+            // nothing: whatever this VM held, it holds.)
+            s.current.store(true, Ordering::SeqCst);
+        }
+        drop(writer);
         match &result {
             Ok(_) => {
                 s.eligible.store(true, Ordering::SeqCst);
+                if s.held.swap(false, Ordering::SeqCst) {
+                    // The leader's copy: it runs from here.
+                    s.vm.release();
+                }
                 let mut st = s.status.lock();
                 st.role = Role::Secondary;
                 st.term = id.term;
@@ -405,8 +599,8 @@ impl Applier {
 
 /// While `lead` serves: propose a `syncvm` whenever the output trigger
 /// says so, one at a time.
-fn propose_loop(s: &Shared, lead: &Leadership) {
-    let mut pacing = Pacing::new(trigger::Mode::Output, s.max_interval);
+fn propose_loop(s: &Shared, lead: &Arc<Leadership>) {
+    let mut pacing = Pacing::new(trigger::Mode::Output, s.options.max_interval);
     let guest = trigger::GuestView { vm: &s.vm, output: &lead.output };
     let mut since = Instant::now();
     while lead.serving.load(Ordering::SeqCst) {
@@ -416,8 +610,14 @@ fn propose_loop(s: &Shared, lead: &Leadership) {
             continue;
         }
         let start = Instant::now();
-        let secondary = pick_secondary(s, lead);
+        let mut secondary = pick_secondary(s, lead);
         let full = secondary != 0 && *lead.synced.locked() != Some(secondary);
+        if full && !rejoined(s, lead, secondary) {
+            // A barrier meanwhile: output is released unprotected, as with
+            // no secondary at all.
+            secondary = 0;
+        }
+        let full = secondary != 0 && full;
         *lead.pending.locked() = true;
         let _ = s.events.send(Event::Propose(Entry::Sync { leader: s.id, secondary, full }.encode()));
         let mut pending = lead.pending.locked();
@@ -438,17 +638,49 @@ fn propose_loop(s: &Shared, lead: &Leadership) {
     }
 }
 
+/// Whether the leader may run the full `syncvm` that makes `peer` its
+/// secondary: with `--rejoin precopy`, once a pre-copy of it ended (done,
+/// or failed: then without); starts that pre-copy when none runs.
+fn rejoined(s: &Shared, lead: &Arc<Leadership>, peer: u64) -> bool {
+    if s.options.rejoin == RejoinMode::Syncvm {
+        return true;
+    }
+    let mut state = lead.rejoin.locked();
+    match *state {
+        Rejoin::Ready(p) | Rejoin::Failed(p) if p == peer => {
+            // Consumed: should this syncvm fail, the next one pre-copies again.
+            *state = Rejoin::Idle;
+            true
+        }
+        Rejoin::Running(_) => false,
+        _ => {
+            let queued = s.jobs.locked().as_ref().is_some_and(|j| j.send((lead.clone(), peer)).is_ok());
+            if !queued {
+                return true;
+            }
+            *state = Rejoin::Running(peer);
+            false
+        }
+    }
+}
+
 /// The VM replica to keep up to date: the one synchronized last if it is
-/// alive, else any live one; 0 when there is none (the witness is never one).
+/// alive, else the first live VM replica, a standby only when no other is
+/// alive; 0 when there is none (the witness without a VM is never one).
 fn pick_secondary(s: &Shared, lead: &Leadership) -> u64 {
     let peers = s.mesh.peers();
-    let alive: Vec<u64> = peers
+    let mut alive: Vec<(bool, u64)> = peers
         .iter()
         .filter(|(id, p)| **id != s.id && !p.witness && p.heard.is_some_and(|t| t.elapsed() < ALIVE))
-        .map(|(id, _)| *id)
+        .map(|(id, p)| (p.standby, *id))
         .collect();
+    alive.sort_unstable();
     match *lead.synced.locked() {
-        Some(id) if alive.contains(&id) => id,
-        _ => alive.into_iter().min().unwrap_or(0),
+        Some(id) if alive.iter().any(|&(_, i)| i == id) => id,
+        _ => match alive.first() {
+            Some(&(true, _)) if lead.started.elapsed() < STANDBY_GRACE => 0,
+            Some(&(_, id)) => id,
+            None => 0,
+        },
     }
 }

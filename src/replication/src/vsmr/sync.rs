@@ -58,14 +58,21 @@ pub struct SyncId {
     pub index: u64,
 }
 
-const ID_LEN: usize = 16;
+pub(super) const ID_LEN: usize = 16;
 
 impl SyncId {
-    fn header(&self) -> [u8; ID_LEN] {
+    pub(super) fn header(&self) -> [u8; ID_LEN] {
         let mut h = [0; ID_LEN];
         h[..8].copy_from_slice(&self.term.to_le_bytes());
         h[8..].copy_from_slice(&self.index.to_le_bytes());
         h
+    }
+
+    /// The id at the head of a message's payload.
+    pub(super) fn parse(payload: &[u8]) -> Option<SyncId> {
+        let term = u64::from_le_bytes(payload.get(..8)?.try_into().ok()?);
+        let index = u64::from_le_bytes(payload.get(8..ID_LEN)?.try_into().ok()?);
+        Some(SyncId { term, index })
     }
 }
 
@@ -174,7 +181,7 @@ pub struct Exchange<'a> {
 
 impl Exchange<'_> {
     /// Send `body` after this `syncvm`'s id (`term u64 | index u64`).
-    fn send(&self, kind: Kind, body: &[u8]) -> Result<(), SyncError> {
+    pub(super) fn send(&self, kind: Kind, body: &[u8]) -> Result<(), SyncError> {
         let mut payload = self.id.header().to_vec();
         payload.extend_from_slice(body);
         if self.mesh.send(self.peer, protocol::frame(kind, &payload)) {
@@ -187,7 +194,7 @@ impl Exchange<'_> {
     /// The next message of `kind` for this `syncvm` from the peer (its
     /// payload, the id included); others (stale ones, of an abandoned
     /// `syncvm`) are dropped.
-    fn expect(&self, kind: Kind, pages: u64) -> Result<Vec<u8>, SyncError> {
+    pub(super) fn expect(&self, kind: Kind, pages: u64) -> Result<Vec<u8>, SyncError> {
         self.expect_any(&[kind], pages).map(|(_, payload)| payload)
     }
 
@@ -201,13 +208,10 @@ impl Exchange<'_> {
                 Err(RecvTimeoutError::Timeout) => return Err(SyncError::Timeout(timeout)),
                 Err(RecvTimeoutError::Disconnected) => return Err(SyncError::Closed),
             };
-            if msg.from != self.peer || !kinds.contains(&msg.kind) || msg.payload.len() < ID_LEN {
+            if msg.from != self.peer || !kinds.contains(&msg.kind) {
                 continue;
             }
-            let id = SyncId {
-                term: u64::from_le_bytes(msg.payload[..8].try_into().expect("8 bytes")),
-                index: u64::from_le_bytes(msg.payload[8..16].try_into().expect("8 bytes")),
-            };
+            let Some(id) = SyncId::parse(&msg.payload) else { continue };
             if id == self.id {
                 return Ok((msg.kind, msg.payload));
             }
