@@ -41,6 +41,20 @@ pub trait HostInputFilter: Send + Sync {
     fn admit(&self, frame: &[u8]) -> bool;
 }
 
+/// Stands between the guest's TCP and the network's (a proxy that
+/// acknowledges the guest's held data itself): sees host frames after the
+/// input filter and may rewrite them, and makes up frames for the guest.
+pub trait GuestProxy: Send + Sync {
+    /// Rewrite `frame` (from the host, with its virtio-net header) in place
+    /// before the guest gets it; false: the guest does not get it.
+    fn rewrite(&self, frame: &mut [u8]) -> bool;
+
+    /// Frames made up for the guest since the last call, in order: the
+    /// network card delivers them after its transmit pass, before more
+    /// host input.
+    fn take_made_up(&self) -> Vec<Vec<u8>>;
+}
+
 /// Told when every vCPU waits in the wait hypercall (nothing to run).
 pub trait IdleObserver: Send + Sync {
     fn all_idle(&self);
@@ -67,6 +81,7 @@ pub struct Hooks {
     tx: Slot<dyn FrameSink>,
     disk_writes: Slot<dyn DiskWriteObserver>,
     host_input: Slot<dyn HostInputFilter>,
+    guest_proxy: Slot<dyn GuestProxy>,
     idle: Slot<dyn IdleObserver>,
     console: Slot<dyn ConsoleSink>,
 }
@@ -95,6 +110,14 @@ impl Hooks {
 
     pub fn host_input(&self) -> Option<Arc<dyn HostInputFilter>> {
         get(&self.host_input)
+    }
+
+    pub fn set_guest_proxy(&self, proxy: Option<Arc<dyn GuestProxy>>) {
+        set(&self.guest_proxy, proxy);
+    }
+
+    pub fn guest_proxy(&self) -> Option<Arc<dyn GuestProxy>> {
+        get(&self.guest_proxy)
     }
 
     /// Guest console output goes to `sink` instead of the VM's console.
