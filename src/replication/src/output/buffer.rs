@@ -167,6 +167,13 @@ impl OutputBuffer {
         self.lock().gate = gate;
     }
 
+    /// Whether released output may go out again now (resent by the
+    /// fake-ACK proxy): the release gate's answer, yes without one.
+    pub fn may_resend(&self) -> bool {
+        let gate = self.lock().gate.clone();
+        gate.is_none_or(|open| open())
+    }
+
     /// The backup acknowledged every epoch up to `epoch`: let their frames
     /// out, in order, while the release gate allows.
     pub fn release_through(&self, epoch: u64) -> Released {
@@ -251,6 +258,13 @@ impl OutputBuffer {
     pub fn open_epoch(&self) -> Option<u64> {
         let inner = self.lock();
         inner.protected.then_some(inner.open.epoch)
+    }
+
+    /// The oldest epoch whose output is still held, while output is held:
+    /// everything of earlier epochs has gone out.
+    pub fn first_held_epoch(&self) -> Option<u64> {
+        let inner = self.lock();
+        inner.protected.then(|| inner.closed.front().map_or(inner.open.epoch, |h| h.epoch))
     }
 
     /// Frames held right now (all unacknowledged epochs).
@@ -342,7 +356,9 @@ mod tests {
         out.send(b"c");
         assert_eq!(out.close_epoch(), 2);
         assert!(drain(&wire).is_empty(), "held until acknowledged");
+        assert_eq!(out.first_held_epoch(), Some(1));
         assert_eq!(out.release_through(1).frames, 1);
+        assert_eq!(out.first_held_epoch(), Some(2));
         assert_eq!(drain(&wire), b"b");
         assert_eq!(out.held_frames(), 1);
         out.send(b"d"); // epoch 3, open
@@ -350,6 +366,7 @@ mod tests {
         assert_eq!(drain(&wire), b"c");
         assert_eq!(out.release_through(2).frames, 0, "releasing again is a no-op");
         assert_eq!(out.unprotect().frames, 1);
+        assert_eq!(out.first_held_epoch(), None, "nothing held unprotected");
         assert_eq!(drain(&wire), b"d");
         out.send(b"e");
         assert_eq!(drain(&wire), b"e");
