@@ -145,6 +145,9 @@ impl FakeAck {
 }
 
 fn timer(proxy: Weak<FakeAck>) {
+    // It sleeps, looks at the output buffer and writes to the TAP, as the
+    // threads that release output do.
+    ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Replication);
     loop {
         std::thread::sleep(TICK);
         let Some(p) = proxy.upgrade() else { return };
