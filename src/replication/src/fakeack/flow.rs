@@ -181,8 +181,9 @@ impl Flow {
 pub struct Table {
     flows: BTreeMap<FlowKey, Flow>,
     stored: u64,
-    /// Stored frame bytes at most, over all flows: beyond, segments pass
-    /// without a made-up ACK (the guest waits for the peer's).
+    /// Stored frame bytes over all flows beyond which segments pass without
+    /// a made-up ACK (the guest waits for the peer's); twice as many at
+    /// most are stored (what the guest sent unacknowledged).
     bound: u64,
 }
 
@@ -244,20 +245,31 @@ impl Table {
             flow.told_edge = flow.edge(ack, window);
             return Sent { ack: Some(segment::pure_ack(&seg, seg.ack, ack, window)) };
         }
-        // New data is acknowledged only while output is held.
-        let Some(epoch) = epoch else { return Sent::default() };
+        // Every segment is stored (unless after a gap or beyond all room),
+        // acknowledged or not: a store that covers everything the guest
+        // sent beyond the peer's acknowledgement lets the next segment be
+        // acknowledged (with all before it) whenever there is room again;
+        // without it, one segment passed unacknowledged would leave a gap
+        // behind every later one as long as data is in flight.
         let len = frame.len() as u64;
-        if before(flow.fake_ack, seg.seq) || before(flow.real_edge, end) || stored + len > bound {
-            // A gap before it (data that passed unacknowledged), beyond the
-            // peer's window, or no room: it goes as it would without the proxy.
+        let next = flow.store.back().map_or(flow.fake_ack, |s| later(flow.fake_ack, s.end()));
+        if before(next, seg.seq) || stored + len > bound * 2 {
+            // After a gap (data sent before the flow was tracked, or with no
+            // room): it goes as it would without the proxy.
             return Sent::default();
         }
-        flow.store.push_back(Stored { seq: seg.seq, len: seg.len, epoch, frame: frame.into() });
+        // Sent unprotected, it is already out: as good as released (epoch 0).
+        flow.store.push_back(Stored { seq: seg.seq, len: seg.len, epoch: epoch.unwrap_or(0), frame: frame.into() });
+        self.stored += len;
+        // Acknowledged only while output is held, within the peer's window
+        // and while what is stored stays within the bound.
+        if epoch.is_none() || before(flow.real_edge, end) || stored + len > bound {
+            return Sent::default();
+        }
         flow.fake_ack = end;
         let window = flow.window_from(end);
         flow.told_ack = end;
         flow.told_edge = flow.edge(end, window);
-        self.stored += len;
         Sent { ack: Some(segment::pure_ack(&seg, seg.ack, end, window)) }
     }
 
@@ -419,7 +431,7 @@ impl Table {
                     }
                     at = later(at, s.end());
                 }
-                !before(f.fake_ack, f.real_ack) && (f.store.is_empty() || at == f.fake_ack)
+                !before(f.fake_ack, f.real_ack) && (f.store.is_empty() || !before(at, f.fake_ack))
             })
     }
 }
@@ -549,6 +561,28 @@ mod tests {
         t2.tick(now + RTO + RTO, 5, &mut resend);
         assert_eq!(resend.len(), 1, "backed off");
         assert_eq!(t2.unacknowledged().len(), 2);
+    }
+
+    #[test]
+    fn after_a_segment_passed_unacknowledged_the_next_one_with_room_acknowledges_both() {
+        let mut t = synced(0);
+        let mut resend = Vec::new();
+        t.bound = 2 * data(1, 1000).len() as u64;
+        assert!(t.guest_sent(&data(1, 1000), Some(1)).ack.is_some());
+        assert!(t.guest_sent(&data(1001, 1000), Some(1)).ack.is_some());
+        assert_eq!(t.guest_sent(&data(2001, 1000), Some(1)), Sent::default(), "no room: stored, not acknowledged");
+        assert!(t.consistent());
+        // The peer acknowledges the first two: room again.
+        t.peer_sent(&mut peer_ack(2001, 8192), 2, &mut resend);
+        let ack = t.guest_sent(&data(3001, 1000), Some(2)).ack.expect("acknowledged");
+        assert_eq!(parse(&ack).unwrap().ack, 4001, "both, the one before without a gap");
+        assert_eq!(t.unacknowledged(), vec![data(2001, 1000), data(3001, 1000)]);
+        assert!(t.consistent());
+        // Unprotected data is stored too (already out), so protecting later leaves no gap.
+        let mut u = synced(0);
+        assert_eq!(u.guest_sent(&data(1, 100), None), Sent::default());
+        assert!(u.guest_sent(&data(101, 100), Some(1)).ack.is_some());
+        assert_eq!(u.unacknowledged().len(), 2);
     }
 
     #[test]

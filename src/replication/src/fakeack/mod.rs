@@ -48,6 +48,12 @@ switch! {
 
 /// How often the timer looks for stored data to send again.
 const TICK: Duration = Duration::from_millis(20);
+/// After a made-up ACK, how long the guest does not count as idle for an
+/// output-triggered checkpoint: it may go idle before the card has given
+/// it the ACK (the card delivers it after its transmit pass), and then
+/// wakes to send on. Without this, each epoch ends after one send buffer.
+/// The hold bound still ends the epoch if the guest keeps sending.
+const BUSY_AFTER_ACK: Duration = Duration::from_micros(500);
 
 /// The proxy state a checkpoint carries.
 pub type State = Table;
@@ -177,6 +183,10 @@ impl FrameSink for FakeAck {
         };
         if let Some(ack) = self.table.locked().guest_sent(frame, epoch).ack {
             self.made_up.locked().push(ack);
+            if let Next::Held(output) = &self.next {
+                // The guest idles now only to wake to this ACK and send on.
+                output.busy_until(Instant::now() + BUSY_AFTER_ACK);
+            }
         }
     }
 

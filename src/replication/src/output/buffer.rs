@@ -58,6 +58,9 @@ struct Inner {
     mirror: Option<Arc<mirror::Sender>>,
     /// Asked before each acknowledged frame goes out ([`OutputBuffer::set_release_gate`]).
     gate: Option<ReleaseGate>,
+    /// The guest has input on its way that will make it send more (the
+    /// fake-ACK proxy's acknowledgements) until then: not idle before.
+    busy_until: Option<Instant>,
 }
 
 /// Whether acknowledged output may go out right now: false when this
@@ -96,6 +99,7 @@ impl OutputBuffer {
             refused: false,
             mirror: None,
             gate: None,
+            busy_until: None,
         };
         OutputBuffer { inner: Mutex::new(inner), network, console: Console::default(), waker: Waker::default(), trigger: None }
     }
@@ -134,6 +138,20 @@ impl OutputBuffer {
         if let (true, Some(trigger)) = (first, &self.trigger) {
             trigger.poke();
         }
+    }
+
+    /// The guest was just given input that makes it send more (an
+    /// acknowledgement of its held data): an output-triggered checkpoint
+    /// does not count it idle before `until`, so it can use the room it
+    /// was given in this epoch instead of being stopped on its way.
+    pub fn busy_until(&self, until: Instant) {
+        let mut inner = self.lock();
+        inner.busy_until = Some(inner.busy_until.map_or(until, |u| u.max(until)));
+    }
+
+    /// Whether the guest may count as idle at `now` (see `busy_until`).
+    pub fn may_be_idle(&self, now: Instant) -> bool {
+        self.lock().busy_until.is_none_or(|u| now >= u)
     }
 
     /// When the open epoch's first output was held (None: it holds nothing).
