@@ -675,15 +675,7 @@ fn no_acknowledged_write_is_lost(trigger: &str, topology: &str, seed: u64, extra
     let trials = 8;
     let mut results = Vec::new();
     for trial in 0..trials {
-        results.push(one_failover_trial(
-            &topo,
-            &dir,
-            trial,
-            base + trial as u64,
-            kinds[trial % kinds.len()],
-            App::Kv,
-            &switches,
-        ));
+        results.push(one_failover_trial(&topo, &dir, trial, base + trial as u64, kinds[trial % kinds.len()], App::Kv, &switches));
     }
     let inside: Vec<_> = results.iter().filter(|r| r.partial.as_ref().is_some_and(|p| p.bytes > 0)).collect();
     let random: Vec<_> = results.iter().filter(|r| r.kind != Kill::InTransfer).collect();
@@ -830,9 +822,11 @@ fn bulk_reads_with_fake_ack_survive_failover() {
     backup.kill();
     let epochs = jsonl(&dir.join("primary.epochs.jsonl"));
     let fake_acked = epochs.iter().map(|v| field(v, "fake_ack_bytes")).max().unwrap_or(0);
-    let resent = err.lines().find(|l| l.contains("fake ACK: took over")).and_then(|l| l.split("resent=").nth(1)).map(|r| {
-        r.split(|c: char| !c.is_ascii_digit()).next().unwrap_or("").parse::<u64>().unwrap_or(0)
-    });
+    let resent = err
+        .lines()
+        .find(|l| l.contains("fake ACK: took over"))
+        .and_then(|l| l.split("resent=").nth(1))
+        .map(|r| r.split(|c: char| !c.is_ascii_digit()).next().unwrap_or("").parse::<u64>().unwrap_or(0));
     eprintln!(
         "fake ACK bulk reads: {before} before the kill, {} in all; most stored at a checkpoint {fake_acked} bytes;          the backup resent {resent:?} segments; {} writes acknowledged, {} lost",
         total,

@@ -153,7 +153,13 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             let means = runs::epoch_means(&metrics);
             rows.extend(epoch_rows(&group, &s.name, &means, true));
             if s.args.contains(&"--fake-ack") {
-                let row = |case: &str, value, unit| Row { group: group.clone(), case: format!("{}: {case}", s.name), value, unit, reference: None };
+                let row = |case: &str, value, unit| Row {
+                    group: group.clone(),
+                    case: format!("{}: {case}", s.name),
+                    value,
+                    unit,
+                    reference: None,
+                };
                 rows.push(row("fake-acked bytes stored at a checkpoint", means.fake_ack_bytes, "bytes"));
                 rows.push(row("state bytes/epoch", means.state_bytes, "bytes"));
             }

@@ -81,7 +81,13 @@ pub fn parse(frame: &[u8]) -> Option<Segment> {
     let ihl = usize::from(frame[ip] & 0x0f) * 4;
     let total = usize::from(be16(frame, ip + 2));
     let fragment = be16(frame, ip + 6) & 0x3fff;
-    if frame[ip] >> 4 != 4 || ihl < IP_MIN || frame[ip + 9] != PROTO_TCP || fragment != 0 || total < ihl + TCP_MIN || ip + total > frame.len() {
+    if frame[ip] >> 4 != 4
+        || ihl < IP_MIN
+        || frame[ip + 9] != PROTO_TCP
+        || fragment != 0
+        || total < ihl + TCP_MIN
+        || ip + total > frame.len()
+    {
         return None;
     }
     let tcp = ip + ihl;
