@@ -828,7 +828,8 @@ fn bulk_reads_with_fake_ack_survive_failover() {
         .and_then(|l| l.split("resent=").nth(1))
         .map(|r| r.split(|c: char| !c.is_ascii_digit()).next().unwrap_or("").parse::<u64>().unwrap_or(0));
     eprintln!(
-        "fake ACK bulk reads: {before} before the kill, {} in all; most stored at a checkpoint {fake_acked} bytes;          the backup resent {resent:?} segments; {} writes acknowledged, {} lost",
+        "fake ACK bulk reads: {before} before the kill, {} in all; most stored at a checkpoint {fake_acked} bytes; \
+         the backup resent {resent:?} segments; {} writes acknowledged, {} lost",
         total,
         report.acked.len(),
         verified.lost()
