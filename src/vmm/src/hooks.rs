@@ -213,6 +213,38 @@ mod tests {
         assert!(hooks.tx().is_none());
     }
 
+    /// A proxy that raises a byte of every host frame and makes up one frame per frame it saw.
+    #[derive(Default)]
+    struct Raise(Mutex<Vec<Vec<u8>>>);
+
+    impl GuestProxy for Raise {
+        fn rewrite(&self, frame: &mut [u8]) -> bool {
+            frame[0] += 1;
+            self.0.locked().push(vec![frame[0]]);
+            frame[0] < 10
+        }
+        fn take_made_up(&self) -> Vec<Vec<u8>> {
+            std::mem::take(&mut *self.0.locked())
+        }
+    }
+
+    #[test]
+    fn a_guest_proxy_installs_rewrites_and_hands_over_what_it_made_up() {
+        let hooks = Hooks::default();
+        assert!(hooks.guest_proxy().is_none());
+        hooks.set_guest_proxy(Some(Arc::new(Raise::default())));
+        let proxy = hooks.guest_proxy().expect("installed");
+        let mut frame = [1u8, 2];
+        assert!(proxy.rewrite(&mut frame));
+        assert_eq!(frame, [2, 2]);
+        let mut last = [9u8];
+        assert!(!proxy.rewrite(&mut last), "dropped");
+        assert_eq!(proxy.take_made_up(), vec![vec![2], vec![10]]);
+        assert!(proxy.take_made_up().is_empty(), "taken once");
+        hooks.set_guest_proxy(None);
+        assert!(hooks.guest_proxy().is_none());
+    }
+
     #[test]
     fn captured_console_reads_back() {
         let (console, buf) = Console::capture();
