@@ -227,6 +227,13 @@ pub struct ReplicationArgs {
     /// with --encrypt.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub mirror: ftvm_replication::mirror::Mode,
+    /// Fake ACK: while the guest's TCP data waits in the output buffer,
+    /// acknowledge it to the guest on the peer's behalf so its send buffer
+    /// empties at once (on); the proxy's state (what was acknowledged and
+    /// not yet received) travels with every checkpoint, and a backup that
+    /// takes over sends it. off: the guest hears only the peer's ACKs.
+    #[arg(long, default_value = "off", value_name = "off|on")]
+    pub fake_ack: ftvm_replication::fakeack::Mode,
     /// What starts a checkpoint. output: output is held and the guest idle,
     /// or held output waited its bound, or the epoch reached its maximum;
     /// periodic: every --epoch-ms.
@@ -414,7 +421,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 21] = [
+const PRIMARY_ONLY: [&str; 22] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -428,6 +435,7 @@ const PRIMARY_ONLY: [&str; 21] = [
     "device_state",
     "transport",
     "mirror",
+    "fake_ack",
     "trigger",
     "pipeline_depth",
     "predict_writes",

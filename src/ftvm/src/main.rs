@@ -71,6 +71,7 @@ impl ReplicationArgs {
             pipeline_depth: args.pipeline_depth as usize,
             auth,
             mirror: args.mirror,
+            fake_ack: args.fake_ack,
             standbys: Vec::new(),
         }))
     }
@@ -154,6 +155,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 pipeline_depth: DEFAULT_PIPELINE_DEPTH as usize,
                 auth: config.auth.clone(),
                 mirror: Default::default(),
+                fake_ack: Default::default(),
                 // After a later loss too, the standbys protect it.
                 standbys: args.standby.clone(),
             };

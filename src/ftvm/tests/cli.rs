@@ -47,8 +47,9 @@ fn assert_one_line_error(out: &Output, want: &str, case: &str) -> String {
 fn replication_flags_need_replicate_to() {
     let probe = image("probe");
     let probe = probe.to_str().unwrap();
-    let cases: [&[&str]; 13] = [
+    let cases: [&[&str]; 14] = [
         &["--epoch-ms", "10"],
+        &["--fake-ack", "on"],
         &["--ack-timeout-ms", "500"],
         &["--heartbeat-ms", "2"],
         &["--metrics", "/tmp/ftvm-never-written.jsonl"],
@@ -71,6 +72,13 @@ fn replication_flags_need_replicate_to() {
         args.extend_from_slice(flags);
         assert_refused(&ftvm_args(&args), &[flags[0], "--replicate-to"], &format!("restore {flags:?}"));
     }
+}
+
+#[test]
+fn fake_ack_takes_off_or_on() {
+    let probe = image("probe");
+    let out = ftvm_args(&["run", "--image", probe.to_str().unwrap(), "--replicate-to", "127.0.0.1:1", "--fake-ack", "maybe"]);
+    assert_refused(&out, &["--fake-ack", "'maybe'", "off or on"], "maybe");
 }
 
 #[test]

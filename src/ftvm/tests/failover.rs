@@ -16,6 +16,9 @@
 //!   the epoch that produced it (guest clock in TIME replies against the
 //!   backup's apply log and client-side capture times); once per
 //!   `--trigger` mode.
+//! - `..._with_fake_ack_...`: the same with `--fake-ack on`, and
+//!   `bulk_reads_with_fake_ack_survive_failover`: 4 MiB GETs byte for byte
+//!   across a takeover.
 //! - `backup_loss_then_reprotection_then_failover`: the primary keeps
 //!   serving when its backup dies, is protected again by a new one, and
 //!   that one takes over with every write.
@@ -640,37 +643,42 @@ fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, k
 
 #[test]
 fn no_acknowledged_write_is_lost_with_output_triggered_checkpoints() {
-    no_acknowledged_write_is_lost("output", "failo", 0x5eed);
+    no_acknowledged_write_is_lost("output", "failo", 0x5eed, &[]);
 }
 
 #[test]
 fn no_acknowledged_write_is_lost_with_periodic_checkpoints() {
-    no_acknowledged_write_is_lost("periodic", "failp", 0x7eed);
+    no_acknowledged_write_is_lost("periodic", "failp", 0x7eed, &[]);
+}
+
+/// The same with the fake-ACK proxy acknowledging the guest's held replies.
+#[test]
+fn no_acknowledged_write_is_lost_with_fake_ack_and_output_triggered_checkpoints() {
+    no_acknowledged_write_is_lost("output", "failfo", 0xfa5eed, &["--fake-ack", "on"]);
+}
+
+#[test]
+fn no_acknowledged_write_is_lost_with_fake_ack_and_periodic_checkpoints() {
+    no_acknowledged_write_is_lost("periodic", "failfp", 0xfa7eed, &["--fake-ack", "on"]);
 }
 
 /// Randomized kills of the primary's host under tracked writers, the
-/// primary's checkpoints started by `trigger`; seeds from `seed` (or
-/// `FTVM_FAILOVER_SEED`) on.
-fn no_acknowledged_write_is_lost(trigger: &str, topology: &str, seed: u64) {
+/// primary's checkpoints started by `trigger`, `extra` switches on top;
+/// seeds from `seed` (or `FTVM_FAILOVER_SEED`) on.
+fn no_acknowledged_write_is_lost(trigger: &str, topology: &str, seed: u64, extra: &[&str]) {
     let topo = Topology::new(topology).unwrap();
-    let dir = scratch(&format!("writes-{trigger}"));
+    let dir = scratch(&format!("writes-{trigger}{}", extra.join("").replace("--", "-")));
+    // Whole pages: checkpoints long enough on the wire that kills aimed at
+    // a transfer land inside one (the default compressed diffs have their
+    // own kill test below).
+    let mut switches = vec!["--trigger", trigger, "--diff", "off", "--device-state", "all"];
+    switches.extend_from_slice(extra);
     let base: u64 = std::env::var("FTVM_FAILOVER_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(seed);
     let kinds = [Kill::Sigkill, Kill::InTransfer, Kill::SigkillThenLinks, Kill::InTransfer, Kill::LinksThenSigkill, Kill::InTransfer];
     let trials = 8;
     let mut results = Vec::new();
     for trial in 0..trials {
-        results.push(one_failover_trial(
-            &topo,
-            &dir,
-            trial,
-            base + trial as u64,
-            kinds[trial % kinds.len()],
-            App::Kv,
-            // Whole pages: checkpoints long enough on the wire that kills
-            // aimed at a transfer land inside one (the default compressed
-            // diffs have their own kill test below).
-            &["--trigger", trigger, "--diff", "off", "--device-state", "all"],
-        ));
+        results.push(one_failover_trial(&topo, &dir, trial, base + trial as u64, kinds[trial % kinds.len()], App::Kv, &switches));
     }
     let inside: Vec<_> = results.iter().filter(|r| r.partial.as_ref().is_some_and(|p| p.bytes > 0)).collect();
     let random: Vec<_> = results.iter().filter(|r| r.kind != Kill::InTransfer).collect();
@@ -738,6 +746,103 @@ fn no_acknowledged_write_is_lost_with_diffs_and_only_changed_state() {
     }
 }
 
+/// Bulk reads with `--fake-ack on`: a 4 MiB value read back again and
+/// again over one connection, byte for byte (the guest's replies are
+/// acknowledged to it while held), tracked writers alongside; then the
+/// primary is SIGKILLed in the middle of the reads. The backup sends what
+/// the proxy had acknowledged for the peer, the reads on the same
+/// connection go on with the value intact, and no acknowledged write is lost.
+#[test]
+fn bulk_reads_with_fake_ack_survive_failover() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    let topo = Topology::new("fackb").unwrap();
+    topo.restore().unwrap();
+    let dir = scratch("fake-ack-bulk");
+    let mut backup = start_backup(&topo, &dir, "backup");
+    let mut primary = start_primary(&topo, &dir, "primary", &["--fake-ack", "on"]);
+    wait_status(&dir.join("primary.sock"), "protected: yes", &mut primary, Duration::from_secs(20));
+    topo.forget_guest().unwrap();
+    const BULK: usize = 4 << 20;
+    let value: Vec<u8> = (0..BULK).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3]).collect();
+    let (stop, reads) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicUsize::new(0)));
+    let reader = {
+        let (stop, reads) = (stop.clone(), reads.clone());
+        netns::spawn_in(&topo.ns("client"), "bulk", move || -> Result<usize, String> {
+            let mut c = Client::connect(guest(), Duration::from_secs(20)).map_err(|e| e.to_string())?;
+            match c.call(&[b"SET", b"bulk", &value]) {
+                Ok(r) if r.is_ok() => {}
+                other => return Err(format!("SET of the bulk value: {other:?}")),
+            }
+            while !stop.load(Ordering::SeqCst) {
+                match c.call(&[b"GET", b"bulk"]) {
+                    Ok(Reply::Bulk(Some(v))) if v == value => {}
+                    Ok(Reply::Bulk(Some(v))) => {
+                        let at = v.iter().zip(&value).position(|(a, b)| a != b);
+                        return Err(format!("GET returned {} bytes, first difference at {at:?}", v.len()));
+                    }
+                    other => return Err(format!("GET of the bulk value: {other:?}")),
+                }
+                reads.fetch_add(1, Ordering::SeqCst);
+            }
+            Ok(reads.load(Ordering::SeqCst))
+        })
+        .unwrap()
+    };
+    let writers = Writers::start(writers::Config {
+        addr: guest(),
+        netns: Some(topo.ns("client")),
+        connections: 2,
+        pipeline: 4,
+        value_len: 4096,
+        prefix: "fackb".into(),
+        timeout: Duration::from_millis(300),
+    })
+    .unwrap();
+    let t0 = Instant::now();
+    while reads.load(Ordering::SeqCst) < 3 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "bulk reads too slow: {}", reads.load(Ordering::SeqCst));
+        assert!(!reader.is_finished(), "the reader stopped: {:?}", reader.join());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let before = reads.load(Ordering::SeqCst);
+    let done = kill_host(&topo, primary.id() as i32, Kill::Sigkill, 0);
+    writers.mark(done.at);
+    primary.kill();
+    let err = wait_log(&mut backup, "PRIMARY LOST", Duration::from_secs(10));
+    let t0 = Instant::now();
+    while reads.load(Ordering::SeqCst) < before + 3 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "bulk reads after the takeover: {}", reads.load(Ordering::SeqCst) - before);
+        assert!(!reader.is_finished(), "the reader stopped: {:?}", reader.join());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stop.store(true, Ordering::SeqCst);
+    let total = reader.join().unwrap().unwrap().expect("every GET returned the value");
+    let report = writers.stop();
+    let verified = writers::verify(guest(), Some(&topo.ns("client")), &report.acked, 4096, Instant::now() + Duration::from_secs(10))
+        .expect("read back the acknowledged writes");
+    backup.kill();
+    let epochs = jsonl(&dir.join("primary.epochs.jsonl"));
+    let fake_acked = epochs.iter().map(|v| field(v, "fake_ack_bytes")).max().unwrap_or(0);
+    let resent = err
+        .lines()
+        .find(|l| l.contains("fake ACK: took over"))
+        .and_then(|l| l.split("resent=").nth(1))
+        .map(|r| r.split(|c: char| !c.is_ascii_digit()).next().unwrap_or("").parse::<u64>().unwrap_or(0));
+    eprintln!(
+        "fake ACK bulk reads: {before} before the kill, {} in all; most stored at a checkpoint {fake_acked} bytes; \
+         the backup resent {resent:?} segments; {} writes acknowledged, {} lost",
+        total,
+        report.acked.len(),
+        verified.lost()
+    );
+    assert!(fake_acked > 0, "no checkpoint carried fake-acknowledged data");
+    assert!(resent.is_some(), "the takeover did not run a fake-ACK proxy: {err}");
+    assert!(!report.acked.is_empty(), "no write acknowledged");
+    assert_eq!(verified.lost(), 0, "acknowledged writes lost: missing {:?}, wrong {:?}", verified.missing, verified.wrong);
+}
+
 // ------------------------------------------------------ (b) output commit
 
 /// A TIME reply as the client saw it: the guest clock when it was made,
@@ -783,21 +888,37 @@ fn time_replies(pcap: &Path) -> (Vec<TimeReply>, usize) {
 
 #[test]
 fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_output_triggered_checkpoints() {
-    output_commit_holds_every_reply_until_its_checkpoint_is_applied("output", "ocomo");
+    output_commit_holds_every_reply_until_its_checkpoint_is_applied("output", "ocomo", &[]);
 }
 
 #[test]
 fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_periodic_checkpoints() {
-    output_commit_holds_every_reply_until_its_checkpoint_is_applied("periodic", "ocomp");
+    output_commit_holds_every_reply_until_its_checkpoint_is_applied("periodic", "ocomp", &[]);
 }
 
-/// Frame by frame, with the primary's checkpoints started by `trigger`.
-fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str, topology: &str) {
+/// The same with the guest's held replies acknowledged to it by the
+/// fake-ACK proxy: it sends on at once, and still nothing leaves early.
+#[test]
+fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_fake_ack_and_output_triggered_checkpoints() {
+    output_commit_holds_every_reply_until_its_checkpoint_is_applied("output", "ocfao", &["--fake-ack", "on"]);
+}
+
+#[test]
+fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_fake_ack_and_periodic_checkpoints() {
+    output_commit_holds_every_reply_until_its_checkpoint_is_applied("periodic", "ocfap", &["--fake-ack", "on"]);
+}
+
+/// Frame by frame, with the primary's checkpoints started by `trigger`
+/// and `extra` switches.
+fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str, topology: &str, extra: &[&str]) {
     let topo = Topology::new(topology).unwrap();
     topo.restore().unwrap();
-    let dir = scratch(&format!("commit-{trigger}"));
+    let fake_ack = extra.contains(&"--fake-ack");
+    let dir = scratch(&format!("commit-{trigger}{}", if fake_ack { "-fake-ack" } else { "" }));
     let mut backup = start_backup(&topo, &dir, "backup");
-    let mut primary = start_primary(&topo, &dir, "primary", &["--trigger", trigger]);
+    let mut args = vec!["--trigger", trigger];
+    args.extend_from_slice(extra);
+    let mut primary = start_primary(&topo, &dir, "primary", &args);
     wait_status(&dir.join("primary.sock"), "protected: yes", &mut primary, Duration::from_secs(20));
     let (cap, pcap) = capture(
         &topo,
@@ -856,7 +977,10 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str
     let epochs: Vec<(u64, u64, u64)> =
         applied.iter().map(|v| (field(v, "epoch"), field(v, "guest_ns"), field(v, "applied_unix_ns"))).collect();
     assert!(epochs.windows(2).all(|w| w[1].0 == w[0].0 + 1 && w[1].1 > w[0].1), "applied epochs in order");
-    let released: u64 = jsonl(&dir.join("primary.epochs.jsonl")).iter().map(|v| field(v, "frames_released")).sum();
+    let primary_epochs = jsonl(&dir.join("primary.epochs.jsonl"));
+    let released: u64 = primary_epochs.iter().map(|v| field(v, "frames_released")).sum();
+    // With --fake-ack, replies were acknowledged to the guest while held.
+    let fake_acked = primary_epochs.iter().filter(|v| field(v, "fake_ack_bytes") > 0).count();
     let (replies, others) = time_replies(&pcap);
     let mut violations = Vec::new();
     let mut covered = BTreeSet::new();
@@ -894,7 +1018,7 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str
     eprintln!(
         "output commit ({trigger}): {} TIME replies captured ({sent} received by the clients, {others} other replies, {} SETs acknowledged), \
          {before_protection} before protection; {} checked across {} epochs; arrival - apply of their epoch: min {} us, median {} us; \
-         {released} frames released; {} violations",
+         {released} frames released; {fake_acked} checkpoints with fake-acknowledged data; {} violations",
         replies.len(),
         report.acked.len(),
         slacks.len(),
@@ -914,6 +1038,7 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str
     assert!(covered.len() >= 50, "replies from only {} epochs", covered.len());
     assert!(released > 0, "the primary never released a frame");
     assert!(!report.acked.is_empty(), "no SET acknowledged");
+    assert_eq!(fake_acked > 0, fake_ack, "checkpoints carrying fake-acknowledged data: {fake_acked}");
 }
 
 // ------------------------------------- (c) backup loss and re-protection

@@ -31,6 +31,16 @@ pub const FRAME_OVERHEAD: u64 = 64;
 /// transmit queue stops being served until output is released.
 pub const HELD_OUTPUT_BOUND: u64 = 16 << 20;
 
+/// Frame bytes the fake-ACK proxy stores at most (data acknowledged to the
+/// guest that the peer has not acknowledged yet, `--fake-ack`): checkpoints
+/// carry all of it, so it is kept small; beyond it the guest's segments go
+/// unacknowledged until the peer's ACKs make room.
+pub const FAKE_ACK_BOUND: u64 = 1 << 20;
+
+/// What the fake-ACK state adds to a checkpoint at most: the stored frames
+/// and, per flow, its fields and each stored segment's header (generous).
+pub const FAKE_ACK_STATE_MAX: u64 = FAKE_ACK_BOUND * 2 + (crate::fakeack::flow::MAX_FLOWS as u64) * 128;
+
 /// The most pages the primary keeps the last sent version of for diffs
 /// (`--diff`), for a guest of `ram_pages` pages: a quarter of its RAM, at
 /// most 1 GiB. The pages a guest dirties within a few epochs are far fewer
@@ -53,7 +63,7 @@ pub fn vm_state_limit(vcpus: u32) -> u64 {
 /// prefix) and whose pages are every page of RAM at most once. The primary
 /// refuses to send more; the backup refuses to read more.
 pub fn checkpoint_limit(mem_size: u64, vcpus: u32) -> u64 {
-    let state = vm_state_limit(vcpus) + 10 + JOURNAL_MAX;
+    let state = vm_state_limit(vcpus) + 10 + JOURNAL_MAX + FAKE_ACK_STATE_MAX;
     8 + ftvm_vmm::pages::max_bundle_len(state, mem_size / PAGE as u64)
 }
 
@@ -67,7 +77,7 @@ mod tests {
         let limit = checkpoint_limit(mem, 2);
         assert!(limit > mem + JOURNAL_MAX, "{limit}");
         // ... and not much more: the backup's buffer is sized by it.
-        assert!(limit < mem + mem / 256 + JOURNAL_MAX + (1 << 20), "{limit}");
+        assert!(limit < mem + mem / 256 + JOURNAL_MAX + FAKE_ACK_STATE_MAX + (1 << 20), "{limit}");
         assert!(checkpoint_limit(mem, 32) > limit, "more vCPUs, more state");
         const { assert!(JOURNAL_EARLY < JOURNAL_BOUND && JOURNAL_BOUND < JOURNAL_MAX) };
     }

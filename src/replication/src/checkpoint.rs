@@ -21,6 +21,10 @@ pub struct CheckpointState {
     pub vm: StateDelta,
     /// The guest's disk writes of the epoch, in the order they completed.
     pub disk: Vec<DiskWrite>,
+    /// The fake-ACK proxy's flows and stored data at the freeze
+    /// (`--fake-ack on`): a backup that takes over sends what the peer has
+    /// not acknowledged and runs the proxy on.
+    pub fake_ack: Option<crate::fakeack::State>,
 }
 
 /// The VM's state as a checkpoint carries it: every component (guest

@@ -7,6 +7,7 @@ pub mod arbiter;
 pub mod backup;
 pub mod bounds;
 pub mod checkpoint;
+pub mod fakeack;
 pub mod fault;
 pub mod liveness;
 pub mod metrics;

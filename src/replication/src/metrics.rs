@@ -68,8 +68,15 @@ pub struct EpochMetrics {
     /// Bytes sub-page diffs saved against sending their pages whole: the
     /// pages' bytes before diffing are `page_bytes + diff_bytes_saved`.
     pub diff_bytes_saved: u64,
-    /// Bytes of its state: vCPUs, devices, clock, disk writes.
+    /// Bytes of its state: vCPUs, devices, clock, disk writes (and the
+    /// fake-ACK proxy's state).
     pub state_bytes: u64,
+    /// `--fake-ack`: frame bytes the proxy stored at the freeze (acknowledged
+    /// to the guest, not yet by the peer), and its flows.
+    #[serde(default)]
+    pub fake_ack_bytes: u64,
+    #[serde(default)]
+    pub fake_ack_flows: u64,
     /// Time spent encoding its pages (after the guest resumed).
     pub encode_ns: u64,
     /// From resuming the guest until the checkpoint was handed to the socket

@@ -29,7 +29,9 @@ use ftvm_vmm::pages::FormatError;
 /// `syncvm` exchange.
 /// Version 8: a replica rejoins by live pre-copy (`vsmr::rejoin`):
 /// RejoinStart, RejoinHashes, RejoinPages, RejoinAck.
-pub const PROTOCOL_VERSION: u16 = 8;
+/// Version 9: a checkpoint's state carries the fake-ACK proxy's flows and
+/// stored segments (`CheckpointState::fake_ack`, `--fake-ack`).
+pub const PROTOCOL_VERSION: u16 = 9;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

@@ -41,6 +41,20 @@ pub trait HostInputFilter: Send + Sync {
     fn admit(&self, frame: &[u8]) -> bool;
 }
 
+/// Stands between the guest's TCP and the network's (a proxy that
+/// acknowledges the guest's held data itself): sees host frames after the
+/// input filter and may rewrite them, and makes up frames for the guest.
+pub trait GuestProxy: Send + Sync {
+    /// Rewrite `frame` (from the host, with its virtio-net header) in place
+    /// before the guest gets it; false: the guest does not get it.
+    fn rewrite(&self, frame: &mut [u8]) -> bool;
+
+    /// Frames made up for the guest since the last call, in order: the
+    /// network card delivers them after its transmit pass, before more
+    /// host input.
+    fn take_made_up(&self) -> Vec<Vec<u8>>;
+}
+
 /// Told when every vCPU waits in the wait hypercall (nothing to run).
 pub trait IdleObserver: Send + Sync {
     fn all_idle(&self);
@@ -67,6 +81,7 @@ pub struct Hooks {
     tx: Slot<dyn FrameSink>,
     disk_writes: Slot<dyn DiskWriteObserver>,
     host_input: Slot<dyn HostInputFilter>,
+    guest_proxy: Slot<dyn GuestProxy>,
     idle: Slot<dyn IdleObserver>,
     console: Slot<dyn ConsoleSink>,
 }
@@ -95,6 +110,14 @@ impl Hooks {
 
     pub fn host_input(&self) -> Option<Arc<dyn HostInputFilter>> {
         get(&self.host_input)
+    }
+
+    pub fn set_guest_proxy(&self, proxy: Option<Arc<dyn GuestProxy>>) {
+        set(&self.guest_proxy, proxy);
+    }
+
+    pub fn guest_proxy(&self) -> Option<Arc<dyn GuestProxy>> {
+        get(&self.guest_proxy)
     }
 
     /// Guest console output goes to `sink` instead of the VM's console.
@@ -188,6 +211,38 @@ mod tests {
         assert_eq!(*count.0.locked(), 1);
         hooks.set_tx(None);
         assert!(hooks.tx().is_none());
+    }
+
+    /// A proxy that raises a byte of every host frame and makes up one frame per frame it saw.
+    #[derive(Default)]
+    struct Raise(Mutex<Vec<Vec<u8>>>);
+
+    impl GuestProxy for Raise {
+        fn rewrite(&self, frame: &mut [u8]) -> bool {
+            frame[0] += 1;
+            self.0.locked().push(vec![frame[0]]);
+            frame[0] < 10
+        }
+        fn take_made_up(&self) -> Vec<Vec<u8>> {
+            std::mem::take(&mut *self.0.locked())
+        }
+    }
+
+    #[test]
+    fn a_guest_proxy_installs_rewrites_and_hands_over_what_it_made_up() {
+        let hooks = Hooks::default();
+        assert!(hooks.guest_proxy().is_none());
+        hooks.set_guest_proxy(Some(Arc::new(Raise::default())));
+        let proxy = hooks.guest_proxy().expect("installed");
+        let mut frame = [1u8, 2];
+        assert!(proxy.rewrite(&mut frame));
+        assert_eq!(frame, [2, 2]);
+        let mut last = [9u8];
+        assert!(!proxy.rewrite(&mut last), "dropped");
+        assert_eq!(proxy.take_made_up(), vec![vec![2], vec![10]]);
+        assert!(proxy.take_made_up().is_empty(), "taken once");
+        hooks.set_guest_proxy(None);
+        assert!(hooks.guest_proxy().is_none());
     }
 
     #[test]

@@ -41,6 +41,10 @@ pub struct Options {
     /// Skip the network (kv and failover) measurements.
     #[arg(long)]
     no_network: bool,
+    /// Only the bulk read (each setting, and at the default epoch with and
+    /// without --fake-ack, against the unreplicated VM).
+    #[arg(long, conflicts_with_all = ["ablation", "failover", "no_network"])]
+    bulk_only: bool,
     /// Measure each optimisation switch on and off instead of sweeping
     /// epoch lengths (--help says how).
     #[arg(long, long_help = ablation::long_help())]

@@ -63,6 +63,8 @@ pub struct EpochMeans {
     pub encode_ns: f64,
     /// Pages sent ahead of the checkpoint while the guest ran (`--prefetch`).
     pub prefetched_pages: f64,
+    /// Frame bytes the fake-ACK proxy stored at the freeze (`--fake-ack`).
+    pub fake_ack_bytes: f64,
 }
 
 impl EpochMeans {
@@ -130,6 +132,7 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
         state_bytes: mean("state_bytes"),
         encode_ns: mean("encode_ns"),
         prefetched_pages: mean("prefetched_pages"),
+        fake_ack_bytes: mean("fake_ack_bytes"),
     }
 }
 

@@ -2,7 +2,7 @@
 //! output-triggered checkpoints, and for the unreplicated VM in the same
 //! run: memtouch at several dirty rates, kv under redis-benchmark (SET and
 //! GET, -P 1 and -P 16, 50 connections), a bulk read (GET of a 4 MiB
-//! value, repeated), per-epoch pause, dirty pages, bytes, epoch length and
+//! value, repeated; at the default epoch also with `--fake-ack on`), per-epoch pause, dirty pages, bytes, epoch length and
 //! output hold with its steps (trigger wait, stop, resume to ack, release),
 //! and failover per kind of failure (`failover`).
 
@@ -42,6 +42,24 @@ fn settings(epochs: &[u64]) -> Vec<Setting> {
     periodic.chain(std::iter::once(output)).collect()
 }
 
+/// The bulk read's row pair for `--fake-ack`: the output-triggered setting
+/// and the periodic one at ftvm's default epoch (when swept) again, with
+/// the proxy on (the rows without it are the settings themselves).
+fn fake_ack_settings(settings: &[Setting]) -> Vec<Setting> {
+    settings
+        .iter()
+        .filter(|s| s.epoch_ms == OUTPUT_MAX_EPOCH_MS)
+        .map(|s| Setting {
+            name: format!("{}, fake ACK", s.name),
+            epoch_ms: s.epoch_ms,
+            args: if s.args.contains(&"output") { FAKE_ACK_OUTPUT } else { FAKE_ACK_PERIODIC },
+        })
+        .collect()
+}
+
+const FAKE_ACK_OUTPUT: &[&str] = &["--trigger", "output", "--fake-ack", "on"];
+const FAKE_ACK_PERIODIC: &[&str] = &["--trigger", "periodic", "--fake-ack", "on"];
+
 /// Per-epoch rows of one replicated run.
 fn epoch_rows(group: &str, setting: &str, m: &EpochMeans, output: bool) -> Vec<Row> {
     let row = |case: &str, value, unit| Row { group: group.to_owned(), case: format!("{setting}: {case}"), value, unit, reference: None };
@@ -78,7 +96,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         ("50k pages/s", format!("ws=64M pattern=random rate=50000 duration={secs}s report=0")),
         ("unthrottled 4 MiB hot set", format!("ws=4M pattern=random duration={secs}s report=0")),
     ];
-    for (name, cmdline) in &loads {
+    for (name, cmdline) in loads.iter().filter(|_| !opts.bulk_only) {
         let (base, _) = runs::memtouch(cmdline, None, scratch)?;
         for s in &settings {
             let (rate, m) = runs::memtouch(cmdline, Some(s.replicated()), scratch)?;
@@ -96,7 +114,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     if !opts.no_network {
         let topo = Topology::new("ftb")?;
         let metrics = scratch.join("kv.jsonl");
-        for pipeline in [1, 16] {
+        for pipeline in [1, 16].into_iter().filter(|_| !opts.bulk_only) {
             let base = {
                 let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
                 runs::redis_benchmark(&topo, pipeline, opts.requests, 3)?
@@ -126,15 +144,27 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
             runs::bulk_read(&topo, opts.bulk_reads)?
         };
-        for s in &settings {
+        for s in settings.iter().chain(&fake_ack_settings(&settings)) {
             let rate = {
                 let _vm = runs::start_kv(&topo, Some(s.replicated()), scratch, "kv", &metrics)?;
                 runs::bulk_read(&topo, opts.bulk_reads)?
             };
             rows.push(Row { group: group.clone(), case: format!("{}: read", s.name), value: rate, unit: "MB/s", reference: Some(base) });
-            rows.extend(epoch_rows(&group, &s.name, &runs::epoch_means(&metrics), true));
+            let means = runs::epoch_means(&metrics);
+            rows.extend(epoch_rows(&group, &s.name, &means, true));
+            if s.args.contains(&"--fake-ack") {
+                let row = |case: &str, value, unit| Row {
+                    group: group.clone(),
+                    case: format!("{}: {case}", s.name),
+                    value,
+                    unit,
+                    reference: None,
+                };
+                rows.push(row("fake-acked bytes stored at a checkpoint", means.fake_ack_bytes, "bytes"));
+                rows.push(row("state bytes/epoch", means.state_bytes, "bytes"));
+            }
         }
-        for &e in &epochs {
+        for &e in epochs.iter().filter(|_| !opts.bulk_only) {
             rows.extend(failover::measure(&topo, scratch, e, opts.failure_timeout_ms, opts.failovers)?);
         }
     }
@@ -169,5 +199,13 @@ mod tests {
         assert_eq!((s[0].name.as_str(), s[0].epoch_ms, s[0].args), ("periodic 5 ms", 5, &["--trigger", "periodic"][..]));
         assert_eq!((s[1].name.as_str(), s[1].epoch_ms), ("periodic 20 ms", 20));
         assert_eq!((s[2].name.as_str(), s[2].epoch_ms, s[2].args), ("output, max 20 ms", 20, &["--trigger", "output"][..]));
+    }
+
+    #[test]
+    fn fake_ack_pairs_the_settings_at_the_default_epoch() {
+        let f = fake_ack_settings(&settings(&[5, 20]));
+        assert_eq!(f.len(), 2);
+        assert_eq!((f[0].name.as_str(), f[0].args), ("periodic 20 ms, fake ACK", FAKE_ACK_PERIODIC));
+        assert_eq!((f[1].name.as_str(), f[1].args), ("output, max 20 ms, fake ACK", FAKE_ACK_OUTPUT));
     }
 }

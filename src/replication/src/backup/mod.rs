@@ -11,11 +11,13 @@ use std::time::{Duration, Instant};
 
 use ftvm_vmm::arch::compat::CpuProfile;
 use ftvm_vmm::devices::DeviceConfig;
+use ftvm_vmm::hooks::GuestProxy;
 use ftvm_vmm::sync::Lock;
 use ftvm_vmm::{Console, DirtyBackend, Persist, Vm};
 
 use crate::arbiter::{Arbiter, Claim};
 use crate::bounds;
+use crate::fakeack::FakeAck;
 use crate::liveness::{self, Heartbeats, Observer, Pulse, SessionHalf, Timing};
 use crate::metrics::{AppliedEpoch, MetricsLog, Role, StatusCell};
 use crate::mirror::{self, Mirror};
@@ -194,6 +196,20 @@ impl Backup {
         if let Some(tap) = vm.devices().tap_sink() {
             for frame in &replay.output {
                 tap.send(frame);
+            }
+            // --fake-ack: the guest was told acknowledged what the proxy
+            // stored (it is in this checkpoint, so it may go out); the
+            // peer may have none of it. The proxy then runs on here.
+            if let Some(state) = replica.fake_ack.take() {
+                let flows = state.flows();
+                let (proxy, resent) = FakeAck::took_over(state, tap);
+                tracing::warn!(flows, resent, "fake ACK: took over the proxy's flows; resent what the peer had not acknowledged");
+                // The input the primary got after the checkpoint went
+                // through its proxy; it goes through this one for the
+                // restored guest.
+                replay.input.retain_mut(|frame| proxy.rewrite(frame));
+                vm.hooks().set_tx(Some(proxy.clone()));
+                vm.hooks().set_guest_proxy(Some(proxy));
             }
         }
         vm.devices().inject_host_input(replay.input);

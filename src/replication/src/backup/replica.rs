@@ -20,6 +20,8 @@ pub struct Replica {
     pub disk_size: u64,
     /// The last checkpoint applied: its epoch and its VM state.
     pub committed: Option<(u64, VmState)>,
+    /// The fake-ACK proxy's state of that checkpoint (`--fake-ack on`).
+    pub fake_ack: Option<crate::fakeack::State>,
     pub next_epoch: u64,
     /// Who owned the VM (per the arbiter) while the primary replicated to us.
     pub owner_seen: Option<Ownership>,
@@ -113,6 +115,7 @@ impl Replica {
             disk,
             disk_size,
             committed: None,
+            fake_ack: None,
             next_epoch: hello.first_epoch,
             usable: true,
             owner_seen: None,
@@ -124,6 +127,7 @@ impl Replica {
     /// there is nothing to take over.
     pub fn discard(&mut self) {
         self.committed = None;
+        self.fake_ack = None;
         self.usable = false;
         self.staged.clear();
     }

@@ -58,6 +58,9 @@ struct Inner {
     mirror: Option<Arc<mirror::Sender>>,
     /// Asked before each acknowledged frame goes out ([`OutputBuffer::set_release_gate`]).
     gate: Option<ReleaseGate>,
+    /// The guest has input on its way that will make it send more (the
+    /// fake-ACK proxy's acknowledgements) until then: not idle before.
+    busy_until: Option<Instant>,
 }
 
 /// Whether acknowledged output may go out right now: false when this
@@ -96,6 +99,7 @@ impl OutputBuffer {
             refused: false,
             mirror: None,
             gate: None,
+            busy_until: None,
         };
         OutputBuffer { inner: Mutex::new(inner), network, console: Console::default(), waker: Waker::default(), trigger: None }
     }
@@ -136,6 +140,20 @@ impl OutputBuffer {
         }
     }
 
+    /// The guest was just given input that makes it send more (an
+    /// acknowledgement of its held data): an output-triggered checkpoint
+    /// does not count it idle before `until`, so it can use the room it
+    /// was given in this epoch instead of being stopped on its way.
+    pub fn busy_until(&self, until: Instant) {
+        let mut inner = self.lock();
+        inner.busy_until = Some(inner.busy_until.map_or(until, |u| u.max(until)));
+    }
+
+    /// Whether the guest may count as idle at `now` (see `busy_until`).
+    pub fn may_be_idle(&self, now: Instant) -> bool {
+        self.lock().busy_until.is_none_or(|u| now >= u)
+    }
+
     /// When the open epoch's first output was held (None: it holds nothing).
     pub fn held_since(&self) -> Option<Instant> {
         self.lock().open.first_at
@@ -165,6 +183,13 @@ impl OutputBuffer {
     /// the VM is unprotected, which does not ask).
     pub fn set_release_gate(&self, gate: Option<ReleaseGate>) {
         self.lock().gate = gate;
+    }
+
+    /// Whether released output may go out again now (resent by the
+    /// fake-ACK proxy): the release gate's answer, yes without one.
+    pub fn may_resend(&self) -> bool {
+        let gate = self.lock().gate.clone();
+        gate.is_none_or(|open| open())
     }
 
     /// The backup acknowledged every epoch up to `epoch`: let their frames
@@ -251,6 +276,13 @@ impl OutputBuffer {
     pub fn open_epoch(&self) -> Option<u64> {
         let inner = self.lock();
         inner.protected.then_some(inner.open.epoch)
+    }
+
+    /// The oldest epoch whose output is still held, while output is held:
+    /// everything of earlier epochs has gone out.
+    pub fn first_held_epoch(&self) -> Option<u64> {
+        let inner = self.lock();
+        inner.protected.then(|| inner.closed.front().map_or(inner.open.epoch, |h| h.epoch))
     }
 
     /// Frames held right now (all unacknowledged epochs).
@@ -342,7 +374,9 @@ mod tests {
         out.send(b"c");
         assert_eq!(out.close_epoch(), 2);
         assert!(drain(&wire).is_empty(), "held until acknowledged");
+        assert_eq!(out.first_held_epoch(), Some(1));
         assert_eq!(out.release_through(1).frames, 1);
+        assert_eq!(out.first_held_epoch(), Some(2));
         assert_eq!(drain(&wire), b"b");
         assert_eq!(out.held_frames(), 1);
         out.send(b"d"); // epoch 3, open
@@ -350,6 +384,7 @@ mod tests {
         assert_eq!(drain(&wire), b"c");
         assert_eq!(out.release_through(2).frames, 0, "releasing again is a no-op");
         assert_eq!(out.unprotect().frames, 1);
+        assert_eq!(out.first_held_epoch(), None, "nothing held unprotected");
         assert_eq!(drain(&wire), b"d");
         out.send(b"e");
         assert_eq!(drain(&wire), b"e");

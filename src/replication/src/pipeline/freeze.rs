@@ -8,6 +8,7 @@ use ftvm_vmm::{PageBitmap, Persist, Vm};
 
 use super::predict::LeaveWritable;
 use crate::checkpoint::{CheckpointState, StateDelta};
+use crate::fakeack::FakeAck;
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::ReplicationError;
 
@@ -75,11 +76,19 @@ pub struct PauseAndSave {
     output: Arc<OutputBuffer>,
     journal: Arc<DiskJournal>,
     ram_pages: u64,
+    /// `--fake-ack`: its state goes with the VM's.
+    fake_ack: Option<Arc<FakeAck>>,
 }
 
 impl PauseAndSave {
     pub fn new(ram_pages: u64, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> PauseAndSave {
-        PauseAndSave { output, journal, ram_pages }
+        PauseAndSave { output, journal, ram_pages, fake_ack: None }
+    }
+
+    /// Save `proxy`'s state with every checkpoint (or stop saving it).
+    pub fn with_fake_ack(mut self, proxy: Option<Arc<FakeAck>>) -> PauseAndSave {
+        self.fake_ack = proxy;
+        self
     }
 }
 
@@ -97,7 +106,11 @@ impl Freeze for PauseAndSave {
         let t2 = Instant::now();
         vm.rearm_dirty(keep)?;
         let t3 = Instant::now();
-        let state = CheckpointState { vm: StateDelta::whole(vm.save()?), disk: self.journal.take() };
+        // The proxy's state with the guest's, both at this instant: the
+        // guest was told acknowledged exactly what the store holds beyond
+        // the peer (the card is parked, no frame is halfway through).
+        let fake_ack = self.fake_ack.as_ref().map(|p| p.save());
+        let state = CheckpointState { vm: StateDelta::whole(vm.save()?), disk: self.journal.take(), fake_ack };
         tracing::debug!(
             stop_us = (t0 - pause.since).as_micros() as u64,
             harvest_us = (t1 - t0).as_micros() as u64,

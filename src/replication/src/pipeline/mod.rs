@@ -29,6 +29,7 @@ use std::time::Duration;
 use ftvm_vmm::pages::PageEncoder;
 use ftvm_vmm::{DirtyBackend, Vm};
 
+use crate::fakeack::FakeAck;
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::protocol;
 use crate::ReplicationError;
@@ -77,6 +78,9 @@ pub struct Taken {
     pub diff_bytes_saved: u64,
     /// Bytes of its state (VM state and disk writes).
     pub state_bytes: u64,
+    /// `--fake-ack`: frame bytes the proxy stored at the freeze, and its flows.
+    pub fake_ack_bytes: u64,
+    pub fake_ack_flows: u64,
     /// Time spent encoding its pages.
     pub encode_ns: u64,
     /// What `--prefetch` sent of its epoch while the guest ran.
@@ -102,6 +106,17 @@ pub struct Pipeline {
 
 impl Pipeline {
     pub fn new(switches: &Switches, vm: &Vm, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> Result<Pipeline, ReplicationError> {
+        Pipeline::with_fake_ack(switches, vm, output, journal, None)
+    }
+
+    /// A pipeline whose checkpoints carry `fake_ack`'s state too (`--fake-ack on`).
+    pub fn with_fake_ack(
+        switches: &Switches,
+        vm: &Vm,
+        output: Arc<OutputBuffer>,
+        journal: Arc<DiskJournal>,
+        fake_ack: Option<Arc<FakeAck>>,
+    ) -> Result<Pipeline, ReplicationError> {
         let pages = vm.ram().pages();
         if switches.predict_writes != predict::Mode::Off && vm.config().dirty_backend != DirtyBackend::Bitmap {
             // The ring re-protects every page it harvested.
@@ -113,7 +128,7 @@ impl Pipeline {
         }
         let limit = crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus);
         Ok(Pipeline {
-            freeze: Box::new(freeze::PauseAndSave::new(pages, output, journal)),
+            freeze: Box::new(freeze::PauseAndSave::new(pages, output, journal).with_fake_ack(fake_ack)),
             predict: Prediction::new(switches.predict_writes, pages),
             leave_none: LeaveNone::new(pages),
             capture: capture::new(switches.capture, vm)?,
@@ -203,6 +218,8 @@ impl Pipeline {
             page_bytes: encoded.pages.bytes,
             diff_bytes_saved: encoded.pages.diff_saved,
             state_bytes: encoded.state_bytes,
+            fake_ack_bytes: thawed.state.fake_ack.as_ref().map_or(0, |t| t.stored_bytes()),
+            fake_ack_flows: thawed.state.fake_ack.as_ref().map_or(0, |t| t.flows() as u64),
             encode_ns: encoded.pages_ns,
             prefetched,
             ..Taken::default()

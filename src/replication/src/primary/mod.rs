@@ -16,6 +16,7 @@ use ftvm_vmm::hooks::FrameSink;
 use ftvm_vmm::Vm;
 
 use crate::arbiter::{Arbiter, Claim, Ownership};
+use crate::fakeack::FakeAck;
 use crate::metrics::{MetricsLog, Role, Status, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::pipeline::prefetch;
@@ -89,6 +90,8 @@ pub struct PrimaryConfig {
     pub auth: Option<Auth>,
     /// Copy the guest's frames to the backup, so a takeover replays them.
     pub mirror: crate::mirror::Mode,
+    /// Acknowledge the guest's held TCP data on the peer's behalf (`fakeack`).
+    pub fake_ack: crate::fakeack::Mode,
     /// After losing its backup, try these backups in order, again every
     /// [`STANDBY_RETRY`] until one protects the VM (a promoted backup's
     /// `--standby`); empty: wait for `Primary::protect`.
@@ -146,22 +149,31 @@ impl Primary {
         // Both are bounded: at their bounds they make the device wait and
         // wake it when there is room again; the journal asks for early
         // checkpoints through the trigger.
-        let network = vm.devices().tap_sink().unwrap_or_else(|| Arc::new(NoNetwork));
+        let network: Arc<dyn FrameSink> = vm.devices().tap_sink().unwrap_or_else(|| Arc::new(NoNetwork));
         // The trigger hears when output is first held in an epoch and when
         // the guest goes idle (the VMM's idle hook).
         let trigger = Arc::new(Trigger::default());
         let output = Arc::new(
-            OutputBuffer::new(network)
+            OutputBuffer::new(network.clone())
                 .with_waker(vm.devices().waker())
                 .with_console(vm.config().console.clone())
                 .with_trigger(trigger.clone()),
         );
         vm.hooks().set_idle(Some(trigger.clone()));
         let journal = Arc::new(DiskJournal::new(trigger.clone(), vm.devices().waker()));
-        vm.hooks().set_tx(Some(output.clone()));
+        // With --fake-ack the proxy stands in front of the output buffer
+        // and rewrites what the guest receives.
+        let fake_ack = (config.fake_ack == crate::fakeack::Mode::On).then(|| FakeAck::new(output.clone(), network));
+        match &fake_ack {
+            Some(proxy) => {
+                vm.hooks().set_tx(Some(proxy.clone()));
+                vm.hooks().set_guest_proxy(Some(proxy.clone()));
+            }
+            None => vm.hooks().set_tx(Some(output.clone())),
+        }
         vm.hooks().set_console(Some(output.clone()));
         vm.hooks().set_disk_writes(Some(journal.clone()));
-        let mut pipeline = Pipeline::new(&config.switches, &vm, output.clone(), journal.clone())?;
+        let mut pipeline = Pipeline::with_fake_ack(&config.switches, &vm, output.clone(), journal.clone(), fake_ack.clone())?;
         let mut epoch = 0;
         let cx = Context {
             vm: &vm,
@@ -196,6 +208,7 @@ impl Primary {
             me,
             ownership,
             fenced: false,
+            fake_ack,
         };
         let thread =
             std::thread::Builder::new().name("replication".into()).spawn(move || worker.run(session)).map_err(ReplicationError::Thread)?;
@@ -268,6 +281,8 @@ struct Worker {
     ownership: Option<Ownership>,
     /// The backup won ownership: this primary must never emit again.
     fenced: bool,
+    /// `--fake-ack`: stopped with the rest when fenced (it resends to the network).
+    fake_ack: Option<Arc<FakeAck>>,
 }
 
 impl Worker {
@@ -426,6 +441,14 @@ impl Worker {
         }
     }
 
+    /// This primary must never emit again: nor may its fake-ACK proxy resend.
+    fn fence(&mut self) {
+        self.fenced = true;
+        if let Some(proxy) = &self.fake_ack {
+            proxy.stop();
+        }
+    }
+
     /// With an arbiter, keep the VM (and so its output) held until this side
     /// owns the VM again: the backup may be taking it over right now. Returns
     /// whether this primary still owns the VM.
@@ -445,7 +468,7 @@ impl Worker {
                     let e = ReplicationError::Fenced { owner: owner.owner, generation: owner.generation };
                     tracing::error!("FENCED: {e}");
                     self.status.lock().detail = format!("FENCED: {e}");
-                    self.fenced = true;
+                    self.fence();
                     // Held output is never released: the VM stops where it is.
                     self.vm.fail(e.to_string());
                     return false;
@@ -459,7 +482,7 @@ impl Worker {
                         logged = true;
                     }
                     if self.stop.load(Ordering::SeqCst) {
-                        self.fenced = true;
+                        self.fence();
                         return false;
                     }
                     std::thread::sleep(ARBITER_RETRY);

@@ -355,6 +355,8 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         page_bytes: taken.page_bytes,
         diff_bytes_saved: taken.diff_bytes_saved,
         state_bytes: taken.state_bytes,
+        fake_ack_bytes: taken.fake_ack_bytes,
+        fake_ack_flows: taken.fake_ack_flows,
         encode_ns: taken.encode_ns,
         transfer_us: transfer.as_micros() as u64,
         ..EpochMetrics::default()

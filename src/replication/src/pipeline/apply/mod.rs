@@ -90,6 +90,8 @@ impl Apply for InPlace {
         // Cannot fail either: `stage` checked the state against this base.
         let state = checkpoint.state.vm.over(replica.committed.take().map(|(_, state)| state));
         replica.committed = Some((epoch, state));
+        // The proxy's state belongs to this checkpoint (whole every time).
+        replica.fake_ack = checkpoint.state.fake_ack;
         Ok(())
     }
 }

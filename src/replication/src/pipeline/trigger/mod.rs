@@ -93,7 +93,7 @@ impl Guest for GuestView<'_> {
     }
 
     fn idle(&self) -> bool {
-        self.vm.is_idle()
+        self.vm.is_idle() && self.output.may_be_idle(Instant::now())
     }
 }
 

@@ -117,6 +117,10 @@ impl Net {
     /// receive buffers while both exist. With no buffer left, ask the driver
     /// to kick us when it posts one.
     fn receive(&mut self, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, VirtioError> {
+        let proxy = self.hooks.guest_proxy();
+        if let Some(p) = &proxy {
+            self.injected.extend(p.take_made_up());
+        }
         let q = &mut queues[RX];
         let err = |err| VirtioError::Queue { queue: RX, err };
         let mut used = false;
@@ -145,7 +149,11 @@ impl Net {
                     return Err(e.into());
                 }
             };
-            if self.hooks.host_input().is_some_and(|f| !f.admit(&self.frame[..n])) {
+            // The filter sees the frame as it came (a mirror copies it so);
+            // the proxy, if any, rewrites it for the guest.
+            if self.hooks.host_input().is_some_and(|f| !f.admit(&self.frame[..n]))
+                || proxy.as_ref().is_some_and(|p| !p.rewrite(&mut self.frame[..n]))
+            {
                 q.go_to_previous_position();
                 continue;
             }
@@ -227,7 +235,17 @@ impl VirtioDevice for Net {
                 queues[RX].disable_notification(mem).map_err(|err| VirtioError::Queue { queue: RX, err })?;
                 self.receive(queues, mem)
             }
-            TX => drain(&mut queues[TX], mem, TX, |q| self.transmit(q, mem)),
+            TX => {
+                let sent = drain(&mut queues[TX], mem, TX, |q| self.transmit(q, mem))?;
+                // What a proxy made up while the guest sent (acknowledgements)
+                // reaches the guest in this pass.
+                let made_up = self.hooks.guest_proxy().map(|p| p.take_made_up()).unwrap_or_default();
+                if made_up.is_empty() {
+                    return Ok(sent);
+                }
+                self.injected.extend(made_up);
+                Ok(self.receive(queues, mem)? | sent)
+            }
             _ => Ok(false),
         }
     }

@@ -1,0 +1,618 @@
+//! The proxy's flows: per TCP connection of the guest, what the peer really
+//! acknowledged and allows, what the guest was told, and the data told
+//! acknowledged that the peer has not acknowledged yet (the store). No I/O
+//! here: the callers pass frames in and send what comes out.
+//!
+//! Invariants, per flow (sequence numbers are the guest's):
+//! - `real_ack <= fake_ack`: the guest is never told less than the peer said;
+//! - the store holds every byte of `[real_ack, fake_ack)`, in order: each
+//!   one is either acknowledged by the peer or can be sent again;
+//! - the guest is never allowed past `real_edge` (the peer's last
+//!   acknowledgement plus its window): every window it hears is counted
+//!   from what it is told acknowledged up to that edge.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::segment::{self, before, later, Endpoint, Segment, ACK, FIN, RST, SYN};
+
+/// Flows tracked at most; connections beyond them pass untouched.
+pub const MAX_FLOWS: usize = 1024;
+/// First retransmission timeout of stored data, doubled on each timeout up
+/// to `MAX_BACKOFF` doublings.
+pub const RTO: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: u32 = 5;
+/// Duplicate ACKs from the peer that make the proxy resend its oldest segment.
+const DUP_ACKS: u32 = 3;
+
+/// A connection: the guest's end and the peer's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct FlowKey {
+    pub guest: Endpoint,
+    pub peer: Endpoint,
+}
+
+/// A guest segment told acknowledged, kept until the peer acknowledges it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stored {
+    pub seq: u32,
+    pub len: u32,
+    /// The output epoch it was sent in: it may be sent again only once that
+    /// epoch's output was released (output commit).
+    pub epoch: u64,
+    /// Shared, so that saving the state at a freeze copies no frame.
+    #[serde(with = "frame_bytes")]
+    pub frame: Arc<[u8]>,
+}
+
+/// A frame as one byte string on the wire (not a sequence of single bytes).
+mod frame_bytes {
+    use std::sync::Arc;
+
+    use serde::de::{Error, SeqAccess, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(frame: &Arc<[u8]>, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(frame)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<[u8]>, D::Error> {
+        struct Bytes;
+        impl<'de> Visitor<'de> for Bytes {
+            type Value = Arc<[u8]>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a frame's bytes")
+            }
+            fn visit_bytes<E: Error>(self, v: &[u8]) -> Result<Arc<[u8]>, E> {
+                Ok(v.into())
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Arc<[u8]>, A::Error> {
+                let mut v = Vec::new();
+                while let Some(b) = seq.next_element::<u8>()? {
+                    v.push(b);
+                }
+                Ok(v.into())
+            }
+        }
+        d.deserialize_bytes(Bytes)
+    }
+}
+
+impl Stored {
+    fn end(&self) -> u32 {
+        self.seq.wrapping_add(self.len)
+    }
+}
+
+/// One flow's state, as checkpoints carry it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Flow {
+    /// Window scale options of the two SYNs (each side's shift).
+    guest_wscale: Option<u8>,
+    peer_wscale: Option<u8>,
+    /// Both SYNs seen: sequence numbers and the window scale are known.
+    synced: bool,
+    /// The peer's highest acknowledgement, and how far it lets the guest send.
+    real_ack: u32,
+    real_edge: u32,
+    /// What the guest was told acknowledged (at least `real_ack`).
+    fake_ack: u32,
+    /// What the guest heard last (acknowledgement, and the edge of its
+    /// window), so that a rewritten stale ACK that tells it nothing new is
+    /// absorbed.
+    told_ack: u32,
+    told_edge: u32,
+    guest_fin: bool,
+    peer_fin: bool,
+    store: VecDeque<Stored>,
+    #[serde(skip)]
+    timer: Timer,
+}
+
+/// Retransmission bookkeeping: not replicated (a backup that takes over
+/// resends everything stored at once and starts afresh).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Timer {
+    dup_acks: u32,
+    /// When the oldest released stored segment is sent again.
+    rto_at: Option<Instant>,
+    backoff: u32,
+}
+
+impl Flow {
+    fn new() -> Flow {
+        Flow {
+            guest_wscale: None,
+            peer_wscale: None,
+            synced: false,
+            real_ack: 0,
+            real_edge: 0,
+            fake_ack: 0,
+            told_ack: 0,
+            told_edge: 0,
+            guest_fin: false,
+            peer_fin: false,
+            store: VecDeque::new(),
+            timer: Timer::default(),
+        }
+    }
+
+    /// The shift of the peer's windows: its option, if both sides sent one.
+    fn shift(&self) -> u8 {
+        match (self.guest_wscale, self.peer_wscale) {
+            (Some(_), Some(s)) => s,
+            _ => 0,
+        }
+    }
+
+    /// The window field that lets the guest, told `ack`, send up to
+    /// `real_edge` and no further (rounded down by the shift).
+    fn window_from(&self, ack: u32) -> u16 {
+        if before(self.real_edge, ack) {
+            return 0;
+        }
+        (self.real_edge.wrapping_sub(ack) >> self.shift()).min(u32::from(u16::MAX)) as u16
+    }
+
+    /// The right edge a window field gives from `ack`.
+    fn edge(&self, ack: u32, window: u16) -> u32 {
+        ack.wrapping_add(u32::from(window) << self.shift())
+    }
+
+    fn stored_bytes(&self) -> u64 {
+        self.store.iter().map(|s| s.frame.len() as u64).sum()
+    }
+
+    /// The peer acknowledged up to `ack`: forget what it covers.
+    fn acknowledged(&mut self, ack: u32) -> u64 {
+        let mut freed = 0;
+        while self.store.front().is_some_and(|s| !before(ack, s.end())) {
+            freed += self.store.pop_front().expect("non-empty").frame.len() as u64;
+        }
+        freed
+    }
+}
+
+/// What the proxy holds: all flows, and what their stores hold together.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Table {
+    flows: BTreeMap<FlowKey, Flow>,
+    stored: u64,
+    /// Stored frame bytes over all flows beyond which segments pass without
+    /// a made-up ACK (the guest waits for the peer's); twice as many at
+    /// most are stored (what the guest sent unacknowledged).
+    bound: u64,
+}
+
+/// What a guest frame led to.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Sent {
+    /// An ACK to give the guest.
+    pub ack: Option<Vec<u8>>,
+}
+
+impl Table {
+    pub fn new(bound: u64) -> Table {
+        Table { flows: BTreeMap::new(), stored: 0, bound }
+    }
+
+    pub fn flows(&self) -> usize {
+        self.flows.len()
+    }
+
+    /// Frame bytes stored, over all flows.
+    pub fn stored_bytes(&self) -> u64 {
+        self.stored
+    }
+
+    /// The guest transmitted `frame`, already on its way to the peer (held
+    /// with its epoch). `epoch`: the output epoch while output is held (the
+    /// only time data is acknowledged on the peer's behalf).
+    pub fn guest_sent(&mut self, frame: &[u8], epoch: Option<u64>) -> Sent {
+        let Some(seg) = segment::parse(frame) else { return Sent::default() };
+        let key = FlowKey { guest: seg.src, peer: seg.dst };
+        if seg.has(RST) {
+            self.remove(&key);
+            return Sent::default();
+        }
+        if seg.has(SYN) {
+            self.guest_syn(key, &seg);
+            return Sent::default();
+        }
+        let bound = self.bound;
+        let stored = self.stored;
+        let Some(flow) = self.flows.get_mut(&key) else { return Sent::default() };
+        if !flow.synced || !seg.has(ACK) {
+            return Sent::default();
+        }
+        if seg.has(FIN) {
+            flow.guest_fin = true;
+        }
+        if seg.has(FIN) || seg.len == 0 {
+            return Sent::default();
+        }
+        let end = seg.seq.wrapping_add(seg.len);
+        if !before(flow.fake_ack, end) {
+            // Sent again, all of it told acknowledged already (the guest
+            // missed an ACK, or restarted from a checkpoint before it):
+            // tell it again (held or not: it was stored when told).
+            let ack = flow.fake_ack;
+            let window = flow.window_from(ack);
+            flow.told_ack = ack;
+            flow.told_edge = flow.edge(ack, window);
+            return Sent { ack: Some(segment::pure_ack(&seg, seg.ack, ack, window)) };
+        }
+        // Every segment is stored (unless after a gap or beyond all room),
+        // acknowledged or not: a store that covers everything the guest
+        // sent beyond the peer's acknowledgement lets the next segment be
+        // acknowledged (with all before it) whenever there is room again;
+        // without it, one segment passed unacknowledged would leave a gap
+        // behind every later one as long as data is in flight.
+        let len = frame.len() as u64;
+        let next = flow.store.back().map_or(flow.fake_ack, |s| later(flow.fake_ack, s.end()));
+        if before(next, seg.seq) || stored + len > bound * 2 {
+            // After a gap (data sent before the flow was tracked, or with no
+            // room): it goes as it would without the proxy.
+            return Sent::default();
+        }
+        // Sent unprotected, it is already out: as good as released (epoch 0).
+        flow.store.push_back(Stored { seq: seg.seq, len: seg.len, epoch: epoch.unwrap_or(0), frame: frame.into() });
+        self.stored += len;
+        // Acknowledged only while output is held, within the peer's window
+        // and while what is stored stays within the bound.
+        if epoch.is_none() || before(flow.real_edge, end) || stored + len > bound {
+            return Sent::default();
+        }
+        flow.fake_ack = end;
+        let window = flow.window_from(end);
+        flow.told_ack = end;
+        flow.told_edge = flow.edge(end, window);
+        Sent { ack: Some(segment::pure_ack(&seg, seg.ack, end, window)) }
+    }
+
+    fn guest_syn(&mut self, key: FlowKey, seg: &Segment) {
+        if !seg.has(ACK) {
+            // The guest connects out: a new flow (a reused one starts afresh).
+            self.remove(&key);
+            if self.flows.len() < MAX_FLOWS {
+                let mut flow = Flow::new();
+                flow.guest_wscale = seg.wscale;
+                self.flows.insert(key, flow);
+            }
+            return;
+        }
+        // The guest accepts a connection the peer opened (a SYN-ACK sent
+        // again changes nothing).
+        if let Some(flow) = self.flows.get_mut(&key).filter(|f| !f.synced) {
+            flow.guest_wscale = seg.wscale;
+            let start = seg.seq.wrapping_add(1);
+            (flow.real_ack, flow.fake_ack, flow.told_ack) = (start, start, start);
+            // The peer's SYN window is not scaled.
+            flow.real_edge = start.wrapping_add(flow.real_edge);
+            flow.told_edge = flow.real_edge;
+            flow.synced = true;
+        }
+    }
+
+    /// A frame from the network for the guest: rewrite it so the guest
+    /// never hears an acknowledgement below what it was told (its window
+    /// counted to the peer's real edge). False: absorb it (a stale pure ACK
+    /// telling the guest nothing new). `released_before`: output of epochs
+    /// before it has been released. Segments to send again go to `resend`.
+    pub fn peer_sent(&mut self, frame: &mut [u8], released_before: u64, resend: &mut Vec<Vec<u8>>) -> bool {
+        let Some(seg) = segment::parse(frame) else { return true };
+        let key = FlowKey { guest: seg.dst, peer: seg.src };
+        if seg.has(RST) {
+            self.remove(&key);
+            return true;
+        }
+        if seg.has(SYN) {
+            self.peer_syn(key, &seg);
+            return true;
+        }
+        let Some(flow) = self.flows.get_mut(&key) else { return true };
+        if !flow.synced || !seg.has(ACK) {
+            return true;
+        }
+        if seg.has(FIN) {
+            flow.peer_fin = true;
+        }
+        let ack = seg.ack;
+        let edge = flow.edge(ack, seg.window);
+        let mut freed = 0;
+        if before(flow.real_ack, ack) {
+            // New data acknowledged.
+            freed = flow.acknowledged(ack);
+            flow.real_ack = ack;
+            flow.real_edge = edge;
+            flow.fake_ack = later(flow.fake_ack, ack);
+            flow.timer = Timer::default();
+        } else if ack == flow.real_ack {
+            let dup = seg.len == 0 && !seg.has(FIN) && edge == flow.real_edge && !flow.store.is_empty();
+            flow.real_edge = edge;
+            if dup {
+                flow.timer.dup_acks += 1;
+                if flow.timer.dup_acks == DUP_ACKS {
+                    if let Some(s) = flow.store.front().filter(|s| s.epoch < released_before) {
+                        tracing::debug!(seq = s.seq, "fake ACK: resending after duplicate ACKs");
+                        resend.push(s.frame.to_vec());
+                    }
+                }
+            }
+        }
+        // (An acknowledgement older than the last one changes nothing.)
+        self.stored -= freed;
+        let told = later(ack, flow.fake_ack);
+        // Not raised, the frame is current (its edge is the real one): its
+        // own window stands.
+        let window = if told == ack { seg.window } else { flow.window_from(told) };
+        let told_edge = flow.edge(told, window);
+        let pure = seg.len == 0 && seg.flags & (SYN | FIN | RST) == 0;
+        if told != ack || window != seg.window {
+            if pure && told == flow.told_ack && told_edge == flow.told_edge {
+                return false;
+            }
+            segment::set_ack_window(frame, &seg, told, window);
+        }
+        flow.told_ack = told;
+        flow.told_edge = told_edge;
+        if flow.guest_fin && flow.peer_fin && flow.store.is_empty() {
+            self.flows.remove(&key);
+        }
+        true
+    }
+
+    fn peer_syn(&mut self, key: FlowKey, seg: &Segment) {
+        if !seg.has(ACK) {
+            // The peer connects to the guest: remember its window (not
+            // scaled in a SYN) until the guest's SYN-ACK gives the start.
+            self.remove(&key);
+            if self.flows.len() < MAX_FLOWS {
+                let mut flow = Flow::new();
+                flow.peer_wscale = seg.wscale;
+                flow.real_edge = u32::from(seg.window);
+                self.flows.insert(key, flow);
+            }
+            return;
+        }
+        // The peer accepts the guest's connection.
+        if let Some(flow) = self.flows.get_mut(&key).filter(|f| !f.synced) {
+            flow.peer_wscale = seg.wscale;
+            (flow.real_ack, flow.fake_ack, flow.told_ack) = (seg.ack, seg.ack, seg.ack);
+            flow.real_edge = seg.ack.wrapping_add(u32::from(seg.window));
+            flow.told_edge = flow.real_edge;
+            flow.synced = true;
+        }
+    }
+
+    fn remove(&mut self, key: &FlowKey) {
+        if let Some(flow) = self.flows.remove(key) {
+            self.stored -= flow.stored_bytes();
+        }
+    }
+
+    /// Time passed: segments whose timeout expired (released ones only)
+    /// go to `resend`.
+    pub fn tick(&mut self, now: Instant, released_before: u64, resend: &mut Vec<Vec<u8>>) {
+        for flow in self.flows.values_mut() {
+            let Some(first) = flow.store.front().filter(|s| s.epoch < released_before) else { continue };
+            match flow.timer.rto_at {
+                None => flow.timer.rto_at = Some(now + RTO),
+                Some(at) if now >= at => {
+                    tracing::debug!(seq = first.seq, backoff = flow.timer.backoff, "fake ACK: resending after a timeout");
+                    resend.push(first.frame.to_vec());
+                    flow.timer.backoff = (flow.timer.backoff + 1).min(MAX_BACKOFF);
+                    flow.timer.rto_at = Some(now + RTO * (1 << flow.timer.backoff));
+                }
+                Some(_) => {}
+            }
+        }
+    }
+
+    /// Every stored segment, flow by flow in order: what a backup that
+    /// takes over sends at once (the peer may have received none of it).
+    pub fn unacknowledged(&self) -> Vec<Vec<u8>> {
+        self.flows.values().flat_map(|f| f.store.iter().map(|s| s.frame.to_vec())).collect()
+    }
+
+    /// Whether every stored byte count adds up and each store covers
+    /// exactly what its flow told the guest beyond the peer (tests).
+    pub fn consistent(&self) -> bool {
+        let sum: u64 = self.flows.values().map(Flow::stored_bytes).sum();
+        sum == self.stored
+            && self.flows.values().all(|f| {
+                let mut at = f.real_ack;
+                for s in &f.store {
+                    if before(at, s.seq) {
+                        return false;
+                    }
+                    at = later(at, s.end());
+                }
+                !before(f.fake_ack, f.real_ack) && (f.store.is_empty() || !before(at, f.fake_ack))
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::segment::tests::{frame, GUEST, PEER};
+    use super::super::segment::{checksum_ok, parse};
+    use super::*;
+
+    const WS_OPT: [u8; 4] = [1, 3, 3, 2]; // NOP, window scale 2
+
+    /// A table with one synced flow: the peer connected (its ISN 1000,
+    /// window 8192 << 2 after the handshake), the guest accepted (ISN `isn`).
+    fn synced(isn: u32) -> Table {
+        let mut t = Table::new(1 << 20);
+        let mut resend = Vec::new();
+        assert!(t.peer_sent(&mut frame(PEER, GUEST, 1000, 0, SYN, 65535, &WS_OPT, b""), 0, &mut resend));
+        assert_eq!(t.guest_sent(&frame(GUEST, PEER, isn, 1001, SYN | ACK, 4096, &WS_OPT, b""), None), Sent::default());
+        // The handshake's ACK, with the scaled window: 8192 << 2.
+        assert!(t.peer_sent(&mut frame(PEER, GUEST, 1001, isn.wrapping_add(1), ACK, 8192, &[], b""), 0, &mut resend));
+        assert!(resend.is_empty());
+        t
+    }
+
+    fn data(seq: u32, n: usize) -> Vec<u8> {
+        frame(GUEST, PEER, seq, 1001, ACK | 0x08, 4096, &[], &vec![0xab; n])
+    }
+
+    fn peer_ack(ack: u32, window: u16) -> Vec<u8> {
+        frame(PEER, GUEST, 1001, ack, ACK, window, &[], b"")
+    }
+
+    #[test]
+    fn data_sent_while_held_is_acknowledged_at_once_within_the_peers_window() {
+        for isn in [5000, u32::MAX - 1500] {
+            let mut t = synced(isn);
+            let start = isn.wrapping_add(1);
+            let sent = t.guest_sent(&data(start, 1000), Some(3));
+            let ack = parse(sent.ack.as_ref().expect("acknowledged")).unwrap();
+            assert!(checksum_ok(sent.ack.as_ref().unwrap()));
+            assert_eq!((ack.src, ack.dst, ack.seq, ack.ack), (PEER, GUEST, 1001, start.wrapping_add(1000)));
+            // 8192 << 2 from the real ack, less the 1000 told acknowledged, in units of 4.
+            assert_eq!(u32::from(ack.window), (8192 * 4 - 1000) / 4);
+            assert_eq!(t.stored_bytes(), data(start, 1000).len() as u64);
+            assert!(t.consistent());
+            // Not while output is unheld.
+            assert_eq!(t.guest_sent(&data(start.wrapping_add(1000), 10), None), Sent::default());
+        }
+    }
+
+    #[test]
+    fn never_syn_fin_or_rst_and_never_beyond_the_window_or_the_bound() {
+        let mut t = synced(0);
+        let fin = frame(GUEST, PEER, 1, 1001, ACK | FIN, 4096, &[], b"bye");
+        assert_eq!(t.guest_sent(&fin, Some(1)), Sent::default(), "FIN");
+        let mut t = synced(0);
+        // The window is 32768 bytes: a segment ending beyond it passes.
+        assert!(t.guest_sent(&data(1, 30000), Some(1)).ack.is_some());
+        assert_eq!(t.guest_sent(&data(30001, 3000), Some(1)), Sent::default(), "beyond the window");
+        let mut small = synced(0);
+        small.bound = 100;
+        assert_eq!(small.guest_sent(&data(1, 200), Some(1)), Sent::default(), "beyond the bound");
+        let mut t = synced(0);
+        t.guest_sent(&data(1, 100), Some(1));
+        t.guest_sent(&frame(GUEST, PEER, 101, 1001, RST | ACK, 0, &[], b""), Some(1));
+        assert_eq!((t.flows(), t.stored_bytes()), (0, 0), "RST forgets the flow");
+    }
+
+    #[test]
+    fn peer_acks_are_raised_to_what_the_guest_was_told_and_free_the_store() {
+        let mut t = synced(0);
+        let mut resend = Vec::new();
+        t.guest_sent(&data(1, 1000), Some(1));
+        t.guest_sent(&data(1001, 1000), Some(1));
+        // Data from the peer acknowledging only the first segment.
+        let mut f = frame(PEER, GUEST, 1001, 1001, ACK, 8192, &[], b"GET x");
+        assert!(t.peer_sent(&mut f, 2, &mut resend));
+        let s = parse(&f).unwrap();
+        assert_eq!(s.ack, 2001, "raised to the fake level");
+        // The peer allows 1001 + 32768; the guest, told 2001, gets the rest.
+        assert_eq!(u32::from(s.window), (1001 + 32768 - 2001) / 4);
+        assert!(checksum_ok(&f));
+        assert_eq!(t.stored_bytes(), data(1001, 1000).len() as u64, "the first segment is freed");
+        assert!(t.consistent());
+        // A stale pure ACK that tells nothing new is absorbed.
+        assert!(!t.peer_sent(&mut peer_ack(1001, 8192), 2, &mut resend));
+        // Acknowledging everything: passes as it is.
+        let mut all = peer_ack(2001, 8192);
+        let before_rewrite = all.clone();
+        assert!(t.peer_sent(&mut all, 2, &mut resend));
+        assert_eq!(all, before_rewrite);
+        assert_eq!(t.stored_bytes(), 0);
+        assert!(resend.is_empty());
+    }
+
+    #[test]
+    fn duplicate_acks_and_timeouts_resend_only_released_segments() {
+        let mut t = synced(0);
+        let mut resend = Vec::new();
+        let first = data(1, 500);
+        t.guest_sent(&first, Some(4));
+        t.guest_sent(&data(501, 500), Some(4));
+        // Epoch 4 not released yet: nothing is sent again.
+        for _ in 0..3 {
+            t.peer_sent(&mut peer_ack(1, 8192), 4, &mut resend);
+        }
+        assert!(resend.is_empty());
+        let now = Instant::now();
+        t.tick(now, 4, &mut resend);
+        t.tick(now + RTO * 10, 4, &mut resend);
+        assert!(resend.is_empty());
+        // Released: the third duplicate resends the oldest segment.
+        let mut t2 = synced(0);
+        t2.guest_sent(&first, Some(4));
+        t2.guest_sent(&data(501, 500), Some(4));
+        for _ in 0..3 {
+            t2.peer_sent(&mut peer_ack(1, 8192), 5, &mut resend);
+        }
+        assert_eq!(resend, vec![first.clone()]);
+        resend.clear();
+        // And a timeout does too, then backs off.
+        t2.tick(now, 5, &mut resend);
+        assert!(resend.is_empty(), "the timer starts");
+        t2.tick(now + RTO, 5, &mut resend);
+        assert_eq!(resend, vec![first.clone()]);
+        t2.tick(now + RTO + RTO, 5, &mut resend);
+        assert_eq!(resend.len(), 1, "backed off");
+        assert_eq!(t2.unacknowledged().len(), 2);
+    }
+
+    #[test]
+    fn after_a_segment_passed_unacknowledged_the_next_one_with_room_acknowledges_both() {
+        let mut t = synced(0);
+        let mut resend = Vec::new();
+        t.bound = 2 * data(1, 1000).len() as u64;
+        assert!(t.guest_sent(&data(1, 1000), Some(1)).ack.is_some());
+        assert!(t.guest_sent(&data(1001, 1000), Some(1)).ack.is_some());
+        assert_eq!(t.guest_sent(&data(2001, 1000), Some(1)), Sent::default(), "no room: stored, not acknowledged");
+        assert!(t.consistent());
+        // The peer acknowledges the first two: room again.
+        t.peer_sent(&mut peer_ack(2001, 8192), 2, &mut resend);
+        let ack = t.guest_sent(&data(3001, 1000), Some(2)).ack.expect("acknowledged");
+        assert_eq!(parse(&ack).unwrap().ack, 4001, "both, the one before without a gap");
+        assert_eq!(t.unacknowledged(), vec![data(2001, 1000), data(3001, 1000)]);
+        assert!(t.consistent());
+        // Unprotected data is stored too (already out), so protecting later leaves no gap.
+        let mut u = synced(0);
+        assert_eq!(u.guest_sent(&data(1, 100), None), Sent::default());
+        assert!(u.guest_sent(&data(101, 100), Some(1)).ack.is_some());
+        assert_eq!(u.unacknowledged().len(), 2);
+    }
+
+    #[test]
+    fn a_guest_resending_what_it_was_told_acknowledged_is_told_again() {
+        let mut t = synced(0);
+        t.guest_sent(&data(1, 100), Some(1));
+        let again = t.guest_sent(&data(1, 100), Some(1)).ack.expect("told again");
+        assert_eq!(parse(&again).unwrap().ack, 101);
+        assert_eq!(t.stored_bytes(), data(1, 100).len() as u64, "stored once");
+    }
+
+    #[test]
+    fn the_state_survives_serialization() {
+        let mut t = synced(7);
+        t.guest_sent(&data(8, 100), Some(1));
+        let bytes = postcard::to_allocvec(&t).unwrap();
+        let back: Table = postcard::from_bytes(&bytes).unwrap();
+        assert_eq!(back, t);
+        assert!(back.consistent());
+    }
+
+    #[test]
+    fn a_connection_the_guest_opens_is_tracked_too() {
+        let mut t = Table::new(1 << 20);
+        let mut resend = Vec::new();
+        t.guest_sent(&frame(GUEST, PEER, 70, 0, SYN, 4096, &WS_OPT, b""), None);
+        t.peer_sent(&mut frame(PEER, GUEST, 9000, 71, SYN | ACK, 20000, &WS_OPT, b""), 0, &mut resend);
+        let ack = t.guest_sent(&frame(GUEST, PEER, 71, 9001, ACK, 4096, &[], b"PING"), Some(1)).ack.expect("acknowledged");
+        let a = parse(&ack).unwrap();
+        assert_eq!((a.seq, a.ack), (9001, 75));
+        assert_eq!(u32::from(a.window), (20000 - 4) >> 2);
+    }
+}
