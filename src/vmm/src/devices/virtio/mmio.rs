@@ -225,6 +225,18 @@ impl MmioTransport {
         self.device.process_host(&mut self.queues, mem)
     }
 
+    pub fn set_doorbell(&mut self, doorbell: vmm_sys_util::eventfd::EventFd) {
+        self.device.set_doorbell(doorbell);
+    }
+
+    /// Issue the requests a restored device had in flight (see
+    /// `VirtioDevice::issue_restored`).
+    pub fn issue_restored(&mut self, mem: &GuestMemory) {
+        if self.active() {
+            self.device.issue_restored(mem);
+        }
+    }
+
     /// A device error the driver must see: the device stops working.
     pub fn fail(&mut self) {
         self.regs.status |= VIRTIO_CONFIG_S_FAILED;

@@ -14,6 +14,7 @@ use std::os::fd::RawFd;
 
 use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueState, QueueT};
+use vmm_sys_util::eventfd::EventFd;
 
 use super::{DeviceError, DeviceKind, ModelState};
 use crate::memory::GuestMemory;
@@ -57,6 +58,13 @@ pub trait VirtioDevice: Send + Persist<State = ModelState, Error = DeviceError> 
     }
     /// The driver reset the device.
     fn reset(&mut self) {}
+    /// The doorbell of the device's thread (its first queue's notifier):
+    /// for work the device finishes off that thread (disk I/O) to bring
+    /// the thread back for a pass.
+    fn set_doorbell(&mut self, _doorbell: EventFd) {}
+    /// Restored state left requests in flight (a disk's pending list):
+    /// issue them again, now that guest memory is restored too.
+    fn issue_restored(&mut self, _mem: &GuestMemory) {}
     /// Drop host-side input that is queued but not delivered.
     fn drop_queued_host_input(&mut self) {}
     /// Queue `frames` as host input, delivered before anything else the
