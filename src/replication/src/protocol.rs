@@ -27,7 +27,9 @@ use ftvm_vmm::pages::FormatError;
 /// `Handover` (a planned switch-over, `ftvm switchover`); the
 /// consensus-ordered replicas' messages (`vsmr`): PeerHello, Raft, and the
 /// `syncvm` exchange.
-pub const PROTOCOL_VERSION: u16 = 7;
+/// Version 8: a disk's saved state carries its pending list (requests in
+/// flight, `ftvm_vmm::devices::virtio::block::PendingRequest`).
+pub const PROTOCOL_VERSION: u16 = 8;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.
