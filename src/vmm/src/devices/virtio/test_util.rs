@@ -84,7 +84,6 @@ impl TempDisk {
     pub fn transport_with(&self, io: DiskIo, hooks: Arc<Hooks>) -> MmioTransport {
         MmioTransport::new(Box::new(Block::open(&self.path, io, hooks).expect("open temporary disk image")))
     }
-
 }
 
 impl Drop for TempDisk {
