@@ -44,11 +44,8 @@ fn a_forbidden_system_call_ends_the_vmm_with_one_line() {
     assert_killed(&out, "ftvm", "vmm");
     let out = finish("vcpu", &mut run("vcpu", &[]));
     assert_killed(&out, "vcpu0", "vcpu");
-    let out = finish("device", &mut run("device", &["--disk", disk.to_str().unwrap(), "--disk-io", "sync"]));
+    let out = finish("device", &mut run("device", &["--disk", disk.to_str().unwrap()]));
     assert_killed(&out, "device0", "device");
-    // The disk's I/O worker (`--disk-io async`) has the device threads' filter.
-    let out = finish("disk-io", &mut run("disk-io", &["--disk", disk.to_str().unwrap(), "--disk-io", "async"]));
-    assert_killed(&out, "disk-io", "device");
 
     // A control-socket client thread: started when a client connects.
     let socket = dir.join("api.sock");

@@ -295,7 +295,7 @@ pub fn install(kind: ThreadKind) -> Result<(), SeccompError> {
     let program = program(kind, mode)?;
     seccompiler::apply_filter(program).map_err(|err| SeccompError::Install { kind: kind.name(), err })?;
     tracing::debug!(kind = kind.name(), "seccomp filter installed");
-    forbidden_call_for_tests(kind.name());
+    forbidden_call_for_tests(kind);
     Ok(())
 }
 
@@ -325,17 +325,12 @@ fn program(kind: ThreadKind, mode: u8) -> Result<&'static BpfProgram, SeccompErr
     Ok(slot.get_or_init(|| program))
 }
 
-/// `FTVM_TEST_FAULT=forbidden-syscall:WHO`: right after installing its
-/// filter, a thread of kind WHO (or, with its own name, one that is not the
-/// only thread of its kind: `disk-io`) makes a call no list allows (tests
-/// only).
-pub fn forbidden_call_for_tests(who: &str) {
-    if MODE.load(Ordering::SeqCst) == OFF {
-        return;
-    }
+/// `FTVM_TEST_FAULT=forbidden-syscall:KIND`: right after installing its
+/// filter, a thread of that kind makes a call no list allows (tests only).
+fn forbidden_call_for_tests(kind: ThreadKind) {
     let asked = std::env::var("FTVM_TEST_FAULT").ok();
-    if asked.as_deref().and_then(|f| f.strip_prefix("forbidden-syscall:")) == Some(who) {
-        tracing::warn!(who, "test fault: making a forbidden system call");
+    if asked.as_deref().and_then(|f| f.strip_prefix("forbidden-syscall:")) == Some(kind.name()) {
+        tracing::warn!(kind = kind.name(), "test fault: making a forbidden system call");
         // SAFETY: personality(0xffffffff) only queries the persona.
         unsafe { libc::syscall(libc::SYS_personality, 0xffff_ffffu64) };
     }

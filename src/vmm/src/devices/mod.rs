@@ -161,6 +161,8 @@ struct Slot {
     /// One doorbell per queue, written by KVM on a QueueNotify store.
     notify: Vec<EventFd>,
     stop: EventFd,
+    /// What the device thread runs after each pass, unlocked.
+    io: Option<Arc<dyn virtio::DeferredIo>>,
 }
 
 impl Slot {
@@ -219,7 +221,7 @@ impl Devices {
         let mut slots = Vec::new();
         for (i, model) in models.into_iter().enumerate() {
             let base = mmio_base(mem_size) + i as u64 * MMIO_SLOT_SIZE;
-            let mut transport = MmioTransport::new(model);
+            let transport = MmioTransport::new(model);
             let mut notify = Vec::new();
             for q in 0..transport.queue_count() {
                 let evt = EventFd::new(libc::EFD_NONBLOCK).map_err(os("eventfd"))?;
@@ -227,11 +229,9 @@ impl Devices {
                     .map_err(|e| DeviceError::Os { op: "KVM_IOEVENTFD", err: e.into() })?;
                 notify.push(evt);
             }
-            if let Some(first) = notify.first() {
-                transport.set_doorbell(first.try_clone().map_err(os("eventfd"))?);
-            }
+            let io = transport.deferred_io();
             let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(os("eventfd"))?;
-            slots.push(Arc::new(Slot { base, transport: Mutex::new(transport), notify, stop }));
+            slots.push(Arc::new(Slot { base, transport: Mutex::new(transport), notify, stop, io }));
         }
         // A device thread's pass serves every queue: ringing the first
         // doorbell is enough to bring it back.
@@ -338,9 +338,9 @@ impl Devices {
     }
 
     /// Stop all device work; when this returns no device touches guest
-    /// memory. Disk I/O in flight on a disk's I/O worker (`--disk-io
-    /// async`) is not waited for: the worker never touches guest memory,
-    /// and its requests stay on the disk's pending list.
+    /// memory. Disk I/O in progress outside a device's pass (`--disk-io
+    /// async`) is not waited for: it never touches guest memory, and its
+    /// requests stay on the disk's pending list.
     pub fn pause(&self) {
         self.gate.set(Some(true), false);
         for slot in &self.slots {

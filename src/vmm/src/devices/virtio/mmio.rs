@@ -225,8 +225,8 @@ impl MmioTransport {
         self.device.process_host(&mut self.queues, mem)
     }
 
-    pub fn set_doorbell(&mut self, doorbell: vmm_sys_util::eventfd::EventFd) {
-        self.device.set_doorbell(doorbell);
+    pub fn deferred_io(&self) -> Option<std::sync::Arc<dyn super::DeferredIo>> {
+        self.device.deferred_io()
     }
 
     /// Issue the requests a restored device had in flight (see

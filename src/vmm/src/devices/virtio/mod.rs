@@ -11,10 +11,10 @@ pub mod net;
 mod test_util;
 
 use std::os::fd::RawFd;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueState, QueueT};
-use vmm_sys_util::eventfd::EventFd;
 
 use super::{DeviceError, DeviceKind, ModelState};
 use crate::memory::GuestMemory;
@@ -58,10 +58,12 @@ pub trait VirtioDevice: Send + Persist<State = ModelState, Error = DeviceError> 
     }
     /// The driver reset the device.
     fn reset(&mut self) {}
-    /// The doorbell of the device's thread (its first queue's notifier):
-    /// for work the device finishes off that thread (disk I/O) to bring
-    /// the thread back for a pass.
-    fn set_doorbell(&mut self, _doorbell: EventFd) {}
+    /// Work the device's thread does after each pass with the device
+    /// unlocked, so a pause does not wait for it (a disk's I/O with
+    /// `--disk-io async`).
+    fn deferred_io(&self) -> Option<Arc<dyn DeferredIo>> {
+        None
+    }
     /// Restored state left requests in flight (a disk's pending list):
     /// issue them again, now that guest memory is restored too.
     fn issue_restored(&mut self, _mem: &GuestMemory) {}
@@ -74,6 +76,14 @@ pub trait VirtioDevice: Send + Persist<State = ModelState, Error = DeviceError> 
     fn take_injected_host_input(&mut self) -> Vec<Vec<u8>> {
         Vec::new()
     }
+}
+
+/// Work a device leaves to its thread's time outside the device's lock.
+/// It must not touch guest memory: a pause does not wait for it.
+pub trait DeferredIo: Send + Sync {
+    /// Do what is queued; true if anything was done (the device then has
+    /// results to place in a pass).
+    fn run(&self) -> bool;
 }
 
 /// Copy the part of a device's config space at `offset` into `data`;

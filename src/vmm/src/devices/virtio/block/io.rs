@@ -1,14 +1,14 @@
-//! Where a disk request's file I/O runs (`--disk-io`): on the device thread
-//! while it serves the queue (`sync`), or on an I/O worker thread of the
-//! disk's own (`async`), so a pause of the VM, which waits for the device
-//! thread's pass, never waits for the disk.
+//! Where a disk request's file I/O runs (`--disk-io`): inside the device
+//! thread's pass over the queue (`sync`), which a pause of the VM waits
+//! for; or after the pass, by the same thread with the device unlocked
+//! (`async`), so a pause never waits for the disk.
 //!
-//! The I/O side never touches guest memory: a write's data is copied out
-//! of the guest's buffers by the device thread when it issues the request,
-//! and a read's data comes back in a buffer of its own, which the device
-//! thread copies into the guest's when it completes the request (only
-//! while the VM runs). Operations run one at a time in the order they were
-//! submitted, and their results come back in that order.
+//! The I/O never touches guest memory: a write's data is copied out of the
+//! guest's buffers when the device issues the request, and a read's data
+//! comes back in a buffer of its own, which the device copies into the
+//! guest's when it completes the request, in a pass (only while the VM
+//! runs). Operations run one at a time in the order they were submitted,
+//! and their results come back in that order.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -16,24 +16,22 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, OnceLock};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use vmm_sys_util::eventfd::EventFd;
-
 use super::{STATUS_IOERR, STATUS_OK};
+use crate::devices::virtio::DeferredIo;
 use crate::hooks::Hooks;
 use crate::sync::{self, Lock};
 
 /// How a disk runs its requests' I/O.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum DiskIo {
-    /// On the device thread, one request at a time: a pause waits for the
-    /// request in progress.
+    /// In the device thread's pass: a pause waits for the request in progress.
     Sync,
-    /// On an I/O worker thread: requests in flight at a pause stay on the
-    /// device's pending list, saved with it, and complete after the resume.
+    /// After the pass, with the device unlocked: requests in flight at a
+    /// pause stay on the device's pending list, saved with it, and complete
+    /// in a pass after the resume.
     #[default]
     Async,
 }
@@ -156,52 +154,62 @@ pub struct Backend {
 
 enum Mode {
     Sync { done: VecDeque<Done> },
-    Async(Worker),
+    Async(Arc<Deferred>),
 }
 
-struct Worker {
-    jobs: Option<mpsc::Sender<(u64, Op)>>,
-    shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
-}
-
-#[derive(Default)]
-struct Shared {
-    state: Mutex<WorkerState>,
-    idle: Condvar,
-    /// Rung after each result: the device thread's doorbell.
-    doorbell: Mutex<Option<EventFd>>,
+/// The operations of a disk with `--disk-io async`: queued by the device
+/// when it issues them, run by the device thread after its pass, with the
+/// device unlocked (`DeferredIo::run`).
+pub struct Deferred {
+    disk: Arc<DiskFile>,
+    state: Mutex<DeferredState>,
+    /// Signalled when an operation finished running.
+    finished: Condvar,
 }
 
 #[derive(Default)]
-struct WorkerState {
+struct DeferredState {
+    ops: VecDeque<(u64, Op)>,
     done: VecDeque<Done>,
-    /// Submitted and not finished.
-    queued: usize,
+    /// An operation is running now (its thread holds no lock meanwhile).
+    running: bool,
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, WorkerState> {
+impl Deferred {
+    fn lock(&self) -> MutexGuard<'_, DeferredState> {
         self.state.locked()
     }
 }
 
+impl DeferredIo for Deferred {
+    fn run(&self) -> bool {
+        let mut ran = false;
+        loop {
+            let (seq, op) = {
+                let mut st = self.lock();
+                let Some(next) = st.ops.pop_front() else { break };
+                st.running = true;
+                next
+            };
+            let (status, data) = self.disk.run(op);
+            let mut st = self.lock();
+            st.done.push_back(Done { seq, status, data });
+            st.running = false;
+            self.finished.notify_all();
+            ran = true;
+        }
+        ran
+    }
+}
+
 impl Backend {
-    /// A backend for `disk`; `async` starts its worker thread (named
-    /// `disk-io`, under the device threads' seccomp filter).
-    pub fn new(disk: DiskFile, io: DiskIo) -> std::io::Result<Backend> {
+    pub fn new(disk: DiskFile, io: DiskIo) -> Backend {
         let disk = Arc::new(disk);
         let mode = match io {
             DiskIo::Sync => Mode::Sync { done: VecDeque::new() },
-            DiskIo::Async => {
-                let (tx, rx) = mpsc::channel::<(u64, Op)>();
-                let shared = Arc::new(Shared::default());
-                let (d, s) = (disk.clone(), shared.clone());
-                let thread = std::thread::Builder::new().name("disk-io".into()).spawn(move || work(&d, &s, &rx))?;
-                Mode::Async(Worker { jobs: Some(tx), shared, thread: Some(thread) })
-            }
+            DiskIo::Async => Mode::Async(Arc::new(Deferred { disk: disk.clone(), state: Mutex::default(), finished: Condvar::new() })),
         };
-        Ok(Backend { disk, mode })
+        Backend { disk, mode }
     }
 
     pub fn io(&self) -> DiskIo {
@@ -211,31 +219,24 @@ impl Backend {
         }
     }
 
-    /// Where the worker says a result is ready (async only).
-    pub fn set_doorbell(&self, doorbell: EventFd) {
-        if let Mode::Async(w) = &self.mode {
-            *w.shared.doorbell.locked() = Some(doorbell);
+    /// What the device thread runs after each pass (async only).
+    pub fn deferred(&self) -> Option<Arc<dyn DeferredIo>> {
+        match &self.mode {
+            Mode::Sync { .. } => None,
+            Mode::Async(d) => Some(d.clone()),
         }
     }
 
-    /// Run `op` (sync: now, on this thread); its result comes back from
-    /// `next_done` after those of every operation submitted before.
+    /// Run `op` (sync: now; async: queue it for the device thread); its
+    /// result comes back from `next_done` after those of every operation
+    /// submitted before.
     pub fn submit(&mut self, seq: u64, op: Op) {
         match &mut self.mode {
             Mode::Sync { done } => {
                 let (status, data) = self.disk.run(op);
                 done.push_back(Done { seq, status, data });
             }
-            Mode::Async(w) => {
-                w.shared.lock().queued += 1;
-                let sent = w.jobs.as_ref().is_some_and(|jobs| jobs.send((seq, op)).is_ok());
-                if !sent {
-                    // The worker is gone (it cannot be while the device lives).
-                    let mut st = w.shared.lock();
-                    st.queued -= 1;
-                    st.done.push_back(Done { seq, status: STATUS_IOERR, data: Vec::new() });
-                }
-            }
+            Mode::Async(d) => d.lock().ops.push_back((seq, op)),
         }
     }
 
@@ -243,52 +244,33 @@ impl Backend {
     pub fn next_done(&mut self) -> Option<Done> {
         match &mut self.mode {
             Mode::Sync { done } => done.pop_front(),
-            Mode::Async(w) => w.shared.lock().done.pop_front(),
+            Mode::Async(d) => d.lock().done.pop_front(),
         }
     }
 
-    /// Wait until every submitted operation has finished (their results
-    /// may wait in `next_done`).
-    pub fn wait_idle(&self) {
-        if let Mode::Async(w) = &self.mode {
-            let mut st = w.shared.lock();
-            while st.queued > 0 {
-                st = sync::wait(&w.shared.idle, st);
+    /// Forget every operation: wait for the one running (if any), drop
+    /// those not started and every result not taken.
+    pub fn forget(&mut self) {
+        match &mut self.mode {
+            Mode::Sync { done } => done.clear(),
+            Mode::Async(d) => {
+                let mut st = d.lock();
+                st.ops.clear();
+                while st.running {
+                    st = sync::wait(&d.finished, st);
+                }
+                st.done.clear();
             }
-        }
-    }
-}
-
-/// The worker: operations in order, each result queued, then the doorbell.
-fn work(disk: &DiskFile, shared: &Shared, jobs: &mpsc::Receiver<(u64, Op)>) {
-    crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Device);
-    crate::seccomp::forbidden_call_for_tests("disk-io");
-    while let Ok((seq, op)) = jobs.recv() {
-        let (status, data) = disk.run(op);
-        {
-            let mut st = shared.lock();
-            st.done.push_back(Done { seq, status, data });
-            st.queued -= 1;
-            if st.queued == 0 {
-                shared.idle.notify_all();
-            }
-        }
-        if let Some(doorbell) = shared.doorbell.locked().as_ref() {
-            // A doorbell already rung stays rung: nothing to do.
-            let _ = doorbell.write(1);
         }
     }
 }
 
 impl Drop for Backend {
     /// Operations already submitted still reach the disk (a write the guest
-    /// issued is not dropped on the floor); then the worker ends.
+    /// issued is not dropped on the floor).
     fn drop(&mut self) {
-        if let Mode::Async(w) = &mut self.mode {
-            drop(w.jobs.take());
-            if let Some(t) = w.thread.take() {
-                let _ = t.join();
-            }
+        if let Mode::Async(d) = &self.mode {
+            d.run();
         }
     }
 }

@@ -1,9 +1,10 @@
 //! virtio-blk backed by a raw file.
 //!
 //! The device thread pops each request, keeps it on the *pending list*
-//! (`request`) and issues its I/O to the disk's backend (`io`: on the
-//! device thread itself, or on an I/O worker with `--disk-io async`); it
-//! places the used entry when the I/O is done, on a later pass of its own.
+//! (`request`) and issues its I/O to the disk's backend (`io`: run inside
+//! the pass, or with `--disk-io async` after it, with the device unlocked,
+//! so a pause does not wait for it); it places the used entry when the I/O
+//! is done, in a pass.
 //! Requests are issued and completed in the order they were popped, and at
 //! most one write is in flight at a time (see `issue_ready`).
 //!
@@ -28,12 +29,11 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_blk as blk;
 use virtio_queue::{Queue, QueueT};
-use vmm_sys_util::eventfd::EventFd;
 
 pub use io::DiskIo;
 pub use request::{PendingRequest, Segment};
 
-use super::{drain, read_config_bytes, Pass, VirtioDevice, VirtioError};
+use super::{drain, read_config_bytes, DeferredIo, Pass, VirtioDevice, VirtioError};
 use crate::devices::{DeviceError, DeviceKind, ModelState};
 use crate::hooks::{DiskWriteObserver, Hooks};
 use crate::memory::GuestMemory;
@@ -60,8 +60,6 @@ pub enum BlockError {
     Open { path: String, err: std::io::Error },
     #[error("disk {path} is {len} bytes, not a whole number of 512-byte sectors")]
     Size { path: String, len: u64 },
-    #[error("cannot start the I/O worker of disk {path}: {err}")]
-    Worker { path: String, err: std::io::Error },
 }
 
 /// The disk's own saved state: its size, which the guest already knows,
@@ -105,7 +103,7 @@ impl Block {
         let label = format!("ftvm-{:x}", crc32c::crc32c(name.as_bytes()));
         id[..label.len().min(ID_LEN)].copy_from_slice(&label.as_bytes()[..label.len().min(ID_LEN)]);
         let disk = DiskFile { file, path: path.to_owned(), hooks: hooks.clone() };
-        let backend = Backend::new(disk, io).map_err(|err| BlockError::Worker { path: name, err })?;
+        let backend = Backend::new(disk, io);
         Ok(Block { backend, path: path.to_owned(), sectors: len / SECTOR, id, hooks, pending: VecDeque::new(), next_seq: 0 })
     }
 
@@ -156,8 +154,9 @@ impl Block {
     /// the write observer asks to wait. So each write is admitted while the
     /// observer's journal is below its bound with no other write on its
     /// way there, and the journal's bound holds as with synchronous I/O.
-    /// Returns false if a request must wait (its turn comes with a result
-    /// or the observer's wake-up, both of which ring the device's doorbell).
+    /// Returns false if a request must wait (its turn comes with a result,
+    /// after which the device thread takes another pass, or with the
+    /// observer's wake-up).
     fn issue_ready(&mut self, mem: &GuestMemory, observer: Option<&dyn DiskWriteObserver>) -> bool {
         let mut write_in_flight = self.pending.iter().any(|r| r.issued && r.req.kind == REQ_OUT);
         for i in 0..self.pending.len() {
@@ -242,8 +241,8 @@ impl VirtioDevice for Block {
         drain(&mut queues[0], mem, 0, |q| self.serve(q, mem))
     }
 
-    fn set_doorbell(&mut self, doorbell: EventFd) {
-        self.backend.set_doorbell(doorbell);
+    fn deferred_io(&self) -> Option<Arc<dyn DeferredIo>> {
+        self.backend.deferred()
     }
 
     /// The requests in flight are forgotten (their I/O may still finish:
@@ -288,9 +287,8 @@ impl Persist for Block {
             }
             other => return Err(bad(format!("saved state is not a disk's: {other:?}"))),
         };
-        // This device's own requests (if it ran) finish first and are forgotten.
-        self.backend.wait_idle();
-        while self.backend.next_done().is_some() {}
+        // This device's own requests (if it ran) are forgotten.
+        self.backend.forget();
         self.pending.clear();
         for req in &saved.pending {
             let seq = self.next_seq;

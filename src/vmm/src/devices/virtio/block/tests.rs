@@ -1,7 +1,5 @@
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex};
-
-use vmm_sys_util::eventfd::EventFd;
+use std::sync::Mutex;
 
 use super::*;
 use crate::devices::virtio::mmio::MmioTransport;
@@ -26,31 +24,13 @@ fn contents_after_write(sector: u64, data: &[u8]) -> Vec<u8> {
 }
 
 /// What the disk-write hook is told, in order; `wait` makes it refuse
-/// more requests; while `hold` is closed, `written` does not return (so a
-/// disk's I/O worker stops right after a write reached the image).
+/// more requests.
 #[derive(Default)]
-struct WriteLog(Mutex<Vec<(u64, Vec<u8>)>>, AtomicBool, Hold);
-
-#[derive(Default)]
-struct Hold {
-    closed: Mutex<bool>,
-    changed: Condvar,
-}
-
-impl Hold {
-    fn set(&self, closed: bool) {
-        *self.closed.locked() = closed;
-        self.changed.notify_all();
-    }
-}
+struct WriteLog(Mutex<Vec<(u64, Vec<u8>)>>, AtomicBool);
 
 impl DiskWriteObserver for WriteLog {
     fn written(&self, offset: u64, data: &[u8]) {
         self.0.locked().push((offset, data.to_vec()));
-        let mut closed = self.2.closed.locked();
-        while *closed {
-            closed = crate::sync::wait(&self.2.changed, closed);
-        }
     }
 
     fn accepting(&self) -> bool {
@@ -62,26 +42,21 @@ impl DiskWriteObserver for WriteLog {
 const MODES: [DiskIo; 2] = [DiskIo::Sync, DiskIo::Async];
 
 /// A running virtio-blk device on a patterned disk image, with the
-/// driver side of its queue, a log of the disk-write hook, and the
-/// device's doorbell (rung by its I/O worker).
+/// driver side of its queue and a log of the disk-write hook.
 struct Rig<'m> {
     disk: TempDisk,
     transport: MmioTransport,
     driver: Driver<'m>,
     mem: &'m GuestMemory,
     writes: Arc<WriteLog>,
-    doorbell: EventFd,
 }
 
-/// A device on `disk` with I/O run as `io`, a fresh hook log and doorbell.
-fn device(disk: &TempDisk, io: DiskIo) -> (MmioTransport, Arc<WriteLog>, EventFd) {
+/// A device on `disk` with I/O run as `io`, and a fresh hook log.
+fn device(disk: &TempDisk, io: DiskIo) -> (MmioTransport, Arc<WriteLog>) {
     let hooks = Arc::new(Hooks::default());
     let writes = Arc::new(WriteLog::default());
     hooks.set_disk_writes(Some(writes.clone()));
-    let mut transport = disk.transport_with(io, hooks);
-    let doorbell = EventFd::new(0).expect("eventfd");
-    transport.set_doorbell(doorbell.try_clone().expect("eventfd"));
-    (transport, writes, doorbell)
+    (disk.transport_with(io, hooks), writes)
 }
 
 impl<'m> Rig<'m> {
@@ -91,16 +66,21 @@ impl<'m> Rig<'m> {
 
     fn with(ram: &'m GuestRam, io: DiskIo) -> Rig<'m> {
         let disk = TempDisk::with_contents(&original_contents());
-        let (mut transport, writes, doorbell) = device(&disk, io);
+        let (mut transport, writes) = device(&disk, io);
         let driver = Driver::new(ram.memory());
         driver.start(&mut transport);
-        Rig { disk, transport, driver, mem: ram.memory(), writes, doorbell }
+        Rig { disk, transport, driver, mem: ram.memory(), writes }
     }
 
-    /// Kick, then serve again at each of the I/O worker's results until no
-    /// request is in flight.
+    /// Kick, then, as the device thread does, run the I/O left for after
+    /// the pass and serve again, until no request is in flight.
     fn settle(&mut self) {
-        settle(&mut self.transport, &self.doorbell, self.mem);
+        settle(&mut self.transport, self.mem);
+    }
+
+    /// What the device thread does after a pass (`--disk-io async`).
+    fn run_io(&self) -> bool {
+        run_io(&self.transport)
     }
 
     fn pending(&self) -> Vec<PendingRequest> {
@@ -363,16 +343,21 @@ fn restore_rejects_a_network_cards_state() {
     assert!(matches!(err, DeviceError::Restore { kind: DeviceKind::Block, .. }), "{err}");
 }
 
-/// Kick `transport`, then serve again at each result its I/O worker rings
-/// `doorbell` for, until no request is in flight.
-fn settle(transport: &mut MmioTransport, doorbell: &EventFd, mem: &GuestMemory) {
+/// Kick `transport`, then run its deferred I/O and serve again, until no
+/// request is in flight.
+fn settle(transport: &mut MmioTransport, mem: &GuestMemory) {
     loop {
         transport.process_queue(0, mem).expect("requests served");
         if pending(transport).is_empty() {
             return;
         }
-        doorbell.read().expect("doorbell");
+        assert!(run_io(transport), "requests in flight and no I/O to run");
     }
+}
+
+/// The device thread's work after a pass: the I/O of `--disk-io async`.
+fn run_io(transport: &MmioTransport) -> bool {
+    transport.deferred_io().is_some_and(|io| io.run())
 }
 
 /// The device's pending list, as it saves it.
@@ -384,15 +369,16 @@ fn pending(transport: &MmioTransport) -> Vec<PendingRequest> {
 }
 
 #[test]
-fn with_async_io_results_reach_the_guest_only_when_the_device_serves_its_queue() {
+fn with_async_io_the_io_runs_after_the_pass_and_its_result_reaches_the_guest_in_the_next() {
     let ram = guest_ram();
     let mut rig = Rig::with(&ram, DiskIo::Async);
     let data = pattern(SECTOR as usize, 70);
     let buf = rig.driver.readable(&data);
     let request = rig.offer(REQ_OUT, 3, &[buf]);
     assert!(!rig.kick().expect("issued"), "nothing used yet");
-    // The worker wrote the disk and rang the doorbell ...
-    rig.doorbell.read().expect("doorbell");
+    assert_eq!(rig.disk.contents(), original_contents(), "the pass did no I/O");
+    // The device thread runs the I/O after the pass (a pause would not wait) ...
+    assert!(rig.run_io());
     assert_eq!(rig.disk.contents(), contents_after_write(3, &data));
     assert_eq!(rig.written_to_hook(), [(3 * SECTOR, data)]);
     // ... but placed nothing in guest memory: the request is still in flight.
@@ -424,8 +410,8 @@ fn with_async_io_requests_wait_in_the_queue_while_the_write_hook_asks_to() {
 }
 
 /// Overlapping writes and a read of what they wrote, in flight when the
-/// device is saved (its I/O worker held right after the first write reached
-/// the disk); restored over a disk that has that write and over one that
+/// device is saved (the first write already in the disk, its result not
+/// placed yet); restored over a disk that has that write and over one that
 /// has none (a backup's, a checkpoint older), with either kind of I/O: the
 /// requests are issued again in order, and disk and read end up as if
 /// each write had happened once.
@@ -436,11 +422,12 @@ fn requests_in_flight_are_saved_and_issued_again_in_order_by_a_restored_device()
     let (a, b) = (pattern(2 * SECTOR as usize, 80), pattern(SECTOR as usize, 90));
     let (a_buf, b_buf) = (rig.driver.readable(&a), rig.driver.readable(&b));
     let read_into = rig.driver.writable(4 * SECTOR as u32, 0xaa);
-    rig.writes.2.set(true);
     let w1 = rig.offer(REQ_OUT, 1, &[a_buf]);
     let w2 = rig.offer(REQ_OUT, 2, &[b_buf]);
     let r = rig.offer(REQ_IN, 0, &[read_into]);
     assert!(!rig.kick().expect("issued"));
+    assert!(rig.run_io());
+    assert_eq!(rig.disk.contents(), contents_after_write(1, &a));
     let saved = rig.transport.save().expect("save");
     // The first write is in flight, the second waits for it (one write at
     // a time), and the read waits in the queue behind them.
@@ -456,8 +443,6 @@ fn requests_in_flight_are_saved_and_issued_again_in_order_by_a_restored_device()
     // Through the snapshot encoding, as a restore in a new process sees it.
     let saved: crate::devices::DeviceState = crate::persist::decode(&crate::persist::encode(&saved)).expect("decode");
     assert_eq!(saved.requests_in_flight(), 2);
-    // Let the first device go; it completes nothing without another pass.
-    rig.writes.2.set(false);
     assert_eq!(rig.status(w1), NO_STATUS);
 
     let mut expected = original_contents();
@@ -467,10 +452,10 @@ fn requests_in_flight_are_saved_and_issued_again_in_order_by_a_restored_device()
     for io in MODES {
         for start in [original_contents(), first_landed.clone()] {
             let disk = TempDisk::with_contents(&start);
-            let (mut restored, writes, doorbell) = device(&disk, io);
+            let (mut restored, writes) = device(&disk, io);
             restored.restore(&saved).expect("restore");
             restored.issue_restored(rig.mem);
-            settle(&mut restored, &doorbell, rig.mem);
+            settle(&mut restored, rig.mem);
             assert!(disk.contents() == expected, "{io}: the disk after the writes issued again");
             assert_eq!(writes.0.locked().clone(), [(SECTOR, a.clone()), (2 * SECTOR, b.clone())], "{io}");
             assert_eq!(rig.driver.used(), [(u32::from(w1.head), 1), (u32::from(w2.head), 1), (u32::from(r.head), 4 * SECTOR as u32 + 1)]);
@@ -492,14 +477,12 @@ fn a_reset_forgets_the_requests_in_flight() {
     let mut rig = Rig::with(&ram, DiskIo::Async);
     let data = pattern(SECTOR as usize, 40);
     let buf = rig.driver.readable(&data);
-    rig.writes.2.set(true);
     let request = rig.offer(REQ_OUT, 0, &[buf]);
     assert!(!rig.kick().expect("issued"));
     assert_eq!(rig.pending().len(), 1);
     crate::devices::virtio::test_util::write_reg(&mut rig.transport, virtio_bindings::virtio_mmio::VIRTIO_MMIO_STATUS, 0);
     assert!(rig.pending().is_empty());
-    rig.writes.2.set(false);
-    rig.doorbell.read().expect("doorbell");
+    assert!(rig.run_io(), "the write still runs");
     assert!(!rig.kick().expect("a reset device does nothing"));
     assert_eq!(rig.status(request), NO_STATUS);
     // The driver sets the device up again on fresh rings: the old result
