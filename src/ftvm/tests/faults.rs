@@ -485,11 +485,11 @@ fn with_disks_the_backup_disk_holds_every_acknowledged_write_after_a_takeover() 
     kill_the_primary_and_check_the_disks(Pair::start("fdisk", Arbiter::None, Some(64 << 20)));
 }
 
-/// The primary's disk slowed down (every write 20 ms), its I/O on a worker
-/// (`--disk-io async`): the kv guest is nearly always waiting for a log
-/// write when a checkpoint freezes it, so checkpoints carry that write on
-/// the disk's pending list, and the backup issues it again when it takes
-/// over. Every acknowledged write is still in the backup's disk and its kv
+/// The primary's disk slowed down (every write 20 ms), its I/O outside
+/// the device's lock (`--disk-io async`): the kv guest is nearly always
+/// waiting for a log write when a checkpoint freezes it, so checkpoints
+/// carry that write on the disk's pending list, and the backup issues it
+/// again when it takes over. Every acknowledged write is still in the backup's disk and its kv
 /// state.
 #[test]
 fn with_a_slow_disk_writes_in_flight_at_the_freeze_survive_a_takeover() {
