@@ -10,6 +10,7 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use ftvm_replication::pipeline::{capture, encode, predict, prefetch, transport, trigger};
 use ftvm_replication::{OnBackupLoss, DEFAULT_PIPELINE_DEPTH};
+use ftvm_vmm::devices::virtio::block::DiskIo;
 use ftvm_vmm::devices::virtio::net::NetConfig;
 use ftvm_vmm::DirtyBackend;
 
@@ -410,6 +411,13 @@ pub struct HostArgs {
     /// Disk backed by a raw file (its size must be a multiple of 512 bytes).
     #[arg(long, value_name = "PATH")]
     pub disk: Option<PathBuf>,
+    /// Where the disk's I/O runs: `async` after its device thread's pass, with
+    /// the device unlocked, so a pause (a checkpoint, a snapshot) never waits
+    /// for the disk: requests in flight are saved with the disk and issued
+    /// again by a VM restored from that state; `sync` inside the pass, which a
+    /// pause waits for.
+    #[arg(long, value_name = "sync|async", default_value = "async")]
+    pub disk_io: DiskIo,
     /// Run the VMM's threads without their seccomp filters (docs/seccomp.md).
     #[arg(long)]
     pub no_seccomp: bool,

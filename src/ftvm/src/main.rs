@@ -32,7 +32,7 @@ impl HostArgs {
             api_socket: self.api_socket,
             seccomp: !self.no_seccomp,
             metrics_listen: self.metrics_listen,
-            devices: ftvm_vmm::devices::DeviceConfig { net: self.net, disk: self.disk },
+            devices: ftvm_vmm::devices::DeviceConfig { net: self.net, disk: self.disk, disk_io: self.disk_io },
             replicate,
             standbys: Vec::new(),
             user: None,
@@ -124,7 +124,11 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
         Command::Backup(args) => {
             let config = BackupConfig {
                 listen: args.listen,
-                devices: ftvm_vmm::devices::DeviceConfig { net: args.host.net.clone(), disk: args.host.disk.clone() },
+                devices: ftvm_vmm::devices::DeviceConfig {
+                    net: args.host.net.clone(),
+                    disk: args.host.disk.clone(),
+                    disk_io: args.host.disk_io,
+                },
                 mem_size: args.memory.map(|m| m.saturating_mul(1 << 20)),
                 vcpus: args.vcpus,
                 failure_timeout: args.failure_timeout_ms.map(Duration::from_millis),
@@ -203,7 +207,16 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
             let path = std::path::absolute(&output).unwrap_or(output);
             let request = api::Request::Snapshot { path: path.display().to_string(), stop };
             let r = call(&ClientArgs { api_socket, timeout }, request)?;
-            outln!("snapshot {} written: {} bytes, VM paused {} us", path.display(), r.bytes.unwrap_or(0), r.pause_us.unwrap_or(0));
+            let pending = match r.disk_pending.unwrap_or(0) {
+                0 => String::new(),
+                n => format!(", {n} disk request(s) in flight (issued again on restore)"),
+            };
+            outln!(
+                "snapshot {} written: {} bytes, VM paused {} us{pending}",
+                path.display(),
+                r.bytes.unwrap_or(0),
+                r.pause_us.unwrap_or(0)
+            );
             Ok(0)
         }
         Command::Status { client, json } => {

@@ -20,23 +20,24 @@
 //! - (c) the primary SIGSTOPped for 1 s and 3 s under client load, with
 //!   and without the arbiter: nothing leaves its TAP after it resumes;
 //! - (d) `--disk` on both sides (the kv guest's append-only log): after a
-//!   takeover the backup's disk holds every acknowledged write.
+//!   takeover the backup's disk holds every acknowledged write; also with
+//!   the primary's disk slowed down (`slow-disk`), so checkpoints carry
+//!   writes in flight, which the backup issues again.
 //!
 //! The whole file takes about 25 s on an idle 2-core host.
 
 mod common;
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{image, status};
+use common::{image, logged_sets, status};
 use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::fault_proxy::{Fault, FaultProxy, Way};
 use ftvm_testkit::pcap::{self, Tcpdump};
 use ftvm_testkit::process::Process;
-use ftvm_testkit::resp::{self, Reply};
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR};
 use ftvm_testkit::writers::{self, Writers};
@@ -90,6 +91,12 @@ impl Pair {
     /// `disk`: the size of a disk on each side (the guest logs every write
     /// to it before acknowledging it).
     fn start(tag: &str, arbiter: Arbiter, disk: Option<u64>) -> Pair {
+        Pair::start_with(tag, arbiter, disk, &[], None)
+    }
+
+    /// `start` with `args` for both VMMs and the test fault `fault`
+    /// (`FTVM_TEST_FAULT`) for the primary.
+    fn start_with(tag: &str, arbiter: Arbiter, disk: Option<u64>, args: &[&str], fault: Option<&str>) -> Pair {
         let topo = Topology::new(tag).unwrap();
         let dir = Scratch::new(&format!("faults-{tag}")).unwrap().keep_on_panic();
         let proxy = FaultProxy::insert(&topo).unwrap();
@@ -108,6 +115,7 @@ impl Pair {
         let mut cmd = topo.command("h2", env!("CARGO_BIN_EXE_ftvm"));
         cmd.args(["backup", "--listen", &format!("{H2_REPL_ADDR}:{REPL_PORT}"), "--net", &net_arg()])
             .args(["--failure-timeout-ms", FAILURE_MS])
+            .args(args)
             .env("FTVM_LOG", "info");
         if let Some(e) = &etcd {
             cmd.args(["--arbiter", &e.endpoint_on("127.0.0.1")]);
@@ -128,7 +136,11 @@ impl Pair {
             .args(["--failure-timeout-ms", FAILURE_MS])
             .arg("--api-socket")
             .arg(&socket)
+            .args(args)
             .env("FTVM_LOG", "info");
+        if let Some(fault) = fault {
+            cmd.env("FTVM_TEST_FAULT", fault);
+        }
         if let Some(e) = &etcd {
             cmd.args(["--arbiter", e.endpoint()]);
         }
@@ -468,27 +480,40 @@ fn a_primary_stalled_3s_without_an_arbiter_stays_paused() {
 
 // ------------------------------------------------------------- (d) disks
 
-/// Every SET in the kv guest's append-only log at the start of `disk`,
-/// the last value of each key.
-fn logged_sets(disk: &Path) -> std::collections::HashMap<String, Vec<u8>> {
-    let bytes = std::fs::read(disk).unwrap();
-    let mut sets = std::collections::HashMap::new();
-    for (payload, _) in ftvm_kv::aof::records(&bytes) {
-        let mut r = payload;
-        if let Ok(Reply::Array(Some(args))) = resp::read_reply(&mut r) {
-            if let [Reply::Bulk(Some(cmd)), Reply::Bulk(Some(k)), Reply::Bulk(Some(v)), ..] = &args[..] {
-                if cmd.eq_ignore_ascii_case(b"SET") {
-                    sets.insert(String::from_utf8_lossy(k).into_owned(), v.clone());
-                }
-            }
-        }
-    }
-    sets
-}
-
 #[test]
 fn with_disks_the_backup_disk_holds_every_acknowledged_write_after_a_takeover() {
-    let Pair { topo, dir, proxy, mut primary, mut backup, writers, .. } = Pair::start("fdisk", Arbiter::None, Some(64 << 20));
+    kill_the_primary_and_check_the_disks(Pair::start("fdisk", Arbiter::None, Some(64 << 20)));
+}
+
+/// The primary's disk slowed down (every write 20 ms), its I/O outside
+/// the device's lock (`--disk-io async`): the kv guest is nearly always
+/// waiting for a log write when a checkpoint freezes it, so checkpoints
+/// carry that write on the disk's pending list, and the backup issues it
+/// again when it takes over. Every acknowledged write is still in the backup's disk and its kv
+/// state.
+#[test]
+fn with_a_slow_disk_writes_in_flight_at_the_freeze_survive_a_takeover() {
+    let pair = Pair::start_with("fslow", Arbiter::None, Some(64 << 20), &["--disk-io", "async"], Some("slow-disk:20"));
+    let t0 = Instant::now();
+    loop {
+        let out = common::ftvm().args(["status", "--json", "--api-socket"]).arg(&pair.socket).output().unwrap();
+        let reply: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        if reply["replication"]["last"]["disk_pending"].as_u64().is_some_and(|n| n > 0) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "no checkpoint with a disk write in flight: {reply}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let backup_log = kill_the_primary_and_check_the_disks(pair);
+    assert!(backup_log.contains("issuing again the disk requests in flight"), "the takeover issued no write again:\n{backup_log}");
+}
+
+/// The primary's host dies (its link first, then its VMM); the backup takes
+/// over and serves the writers on; then it is stopped, and every
+/// acknowledged write must be in its kv state and in its disk's log.
+/// Returns the backup's log.
+fn kill_the_primary_and_check_the_disks(pair: Pair) -> String {
+    let Pair { topo, dir, proxy, mut primary, mut backup, writers, .. } = pair;
     std::thread::sleep(Duration::from_millis(800));
     // The primary's host dies: its link first, then its VMM.
     let at = Instant::now();
@@ -523,4 +548,5 @@ fn with_disks_the_backup_disk_holds_every_acknowledged_write_after_a_takeover() 
     assert_eq!(verified.lost(), 0, "missing {:?}", &verified.missing[..verified.missing.len().min(5)]);
     assert!(missing.is_empty(), "acknowledged writes missing from the backup's disk: {:?}", &missing[..missing.len().min(5)]);
     assert!(sets.len() >= report.acked.len());
+    backup.stderr()
 }

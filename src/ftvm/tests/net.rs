@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use ftvm_testkit::netns;
 use ftvm_testkit::process::{Process, WaitError};
-use ftvm_testkit::resp::{Client, Reply};
+use ftvm_testkit::resp::{self, Client, Reply};
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::tmpfs::{self, FileSystem, Tmpfs};
 use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, TAP};
@@ -484,4 +484,62 @@ fn snapshot_and_restore_keep_device_state_and_tcp_connections() {
     assert_eq!(conn.call(&[b"GET", b"before"]).unwrap(), Reply::Bulk(Some(b"1".to_vec())));
     assert_eq!(conn.call(&[b"SET", b"after", b"2"]).unwrap(), Reply::Simple("OK".into()));
     assert_eq!(cli1(&topo, &["MGET", "before", "after"]), "1\n2");
+}
+
+/// A snapshot taken while the kv guest waits for a log write (its disk
+/// slowed to 3 s a write, `--disk-io async`) carries the write on the
+/// disk's pending list; the VMM is then killed before the write reaches
+/// the disk. `ftvm restore` (here with `--disk-io sync`) issues it again
+/// before the guest runs: the client that sent the SET gets its `+OK` from
+/// the restored guest, and the write is in the disk's log and in the kv
+/// state.
+#[test]
+fn a_snapshot_with_a_disk_write_in_flight_is_restored_with_the_write_done() {
+    let topo = Topology::new("snapw").unwrap();
+    let scratch = Scratch::new("net-snapw").unwrap();
+    let disk = scratch.sparse_file("kv.disk", 16 << 20).unwrap();
+    let (socket, snap) = (scratch.join("api.sock"), scratch.join("vm.snap"));
+    let net = format!("tap={TAP},mac={GUEST_MAC}");
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.args(["run", "--image"])
+        .arg(image("kv"))
+        .args(["--net", &net, "--cmdline", &format!("ip={GUEST_ADDR}/24 aof=on"), "--disk-io", "async", "--disk"])
+        .arg(&disk)
+        .arg("--api-socket")
+        .arg(&socket)
+        .env("FTVM_TEST_FAULT", "slow-disk:3000");
+    let mut vmm = Process::spawn_collected("ftvm", &mut cmd).expect("ftvm spawns");
+    wait_for_line(&mut vmm, "kv: listening on 10.0.0.2:6379");
+
+    let mut client = netns::run_in(&topo.ns("client"), || Client::connect(guest(), Duration::from_secs(10))).unwrap().expect("connect");
+    let mut set = Vec::new();
+    let args: [&[u8]; 3] = [b"SET", b"inflight", b"written-while-saved"];
+    resp::encode(&mut set, &args);
+    client.send(&set).expect("send SET");
+    // Snapshots (the VM runs on) until one has the log write in flight.
+    let t0 = Instant::now();
+    loop {
+        let out = ftvm().args(["snapshot", "--api-socket"]).arg(&socket).arg("--output").arg(&snap).output().unwrap();
+        assert!(out.status.success(), "snapshot failed: {}", stderr(&out));
+        if stdout(&out).contains("1 disk request(s) in flight") {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "no snapshot with the write in flight: {}\n{}", stdout(&out), vmm.output());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The VMM dies with the write still on its way (it takes 3 s).
+    vmm.kill();
+    assert!(!logged_sets(&disk).contains_key("inflight"), "the write reached the disk before the VMM died");
+
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.args(["restore", "--snapshot"]).arg(&snap).args(["--net", &net, "--disk-io", "sync", "--disk"]).arg(&disk).env("FTVM_LOG", "info");
+    let mut vmm = Process::spawn_collected("ftvm restore", &mut cmd).expect("ftvm spawns");
+    client.set_timeout(Duration::from_secs(20)).unwrap();
+    let reply = client.read().unwrap_or_else(|e| panic!("no reply to the SET after the restore ({e}):\n{}", vmm.output()));
+    assert!(reply.is_ok(), "{reply:?}");
+    assert_eq!(cli1(&topo, &["GET", "inflight"]), "written-while-saved");
+    assert_running(&mut vmm);
+    assert!(vmm.output().contains("issuing again the disk requests in flight"), "{}", vmm.output());
+    vmm.kill();
+    assert_eq!(logged_sets(&disk).get("inflight").map(Vec::as_slice), Some(&b"written-while-saved"[..]));
 }

@@ -10,8 +10,9 @@
 //! `syncvm-digest:1` makes consensus-ordered replicas record a digest of
 //! the whole guest memory at each `syncvm` (the leader's at its freeze, the
 //! secondary's once the pages are applied), so a test can compare them.
-//! (`forbidden-syscall:KIND` is `ftvm_vmm::seccomp`'s.) Never set outside
-//! tests.
+//! (`forbidden-syscall:KIND` is `ftvm_vmm::seccomp`'s; `slow-disk:MS`, every
+//! disk write MS ms longer, is `ftvm_vmm::devices::virtio::block`'s.) Never
+//! set outside tests.
 
 use std::io;
 use std::sync::OnceLock;

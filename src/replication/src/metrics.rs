@@ -21,6 +21,10 @@ pub struct EpochMetrics {
     pub disk_writes: u64,
     /// Bytes of disk data the checkpoint carries.
     pub disk_bytes: u64,
+    /// Disk requests in flight at the freeze (`--disk-io async`): saved
+    /// with the disk, issued again by the backup if it takes over.
+    #[serde(default)]
+    pub disk_pending: u64,
     /// Why the checkpoint was taken: `epoch` (its epoch reached the
     /// maximum), `journal` (the disk journal's early mark), `idle` (output
     /// held and the guest idle), `hold` (output held for the hold bound),

@@ -31,7 +31,9 @@ use ftvm_vmm::pages::FormatError;
 /// RejoinStart, RejoinHashes, RejoinPages, RejoinAck.
 /// Version 9: a checkpoint's state carries the fake-ACK proxy's flows and
 /// stored segments (`CheckpointState::fake_ack`, `--fake-ack`).
-pub const PROTOCOL_VERSION: u16 = 9;
+/// Version 10: a disk's saved state carries its pending list (requests in
+/// flight, `ftvm_vmm::devices::virtio::block::PendingRequest`).
+pub const PROTOCOL_VERSION: u16 = 10;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

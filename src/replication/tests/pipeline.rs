@@ -49,7 +49,7 @@ fn replica_with_disk(first_epoch: u64, disk: Option<&Path>) -> Replica {
     let (console, _) = Console::capture();
     let config = BackupConfig {
         listen: String::new(),
-        devices: DeviceConfig { net: None, disk: disk.map(Path::to_owned) },
+        devices: DeviceConfig { net: None, disk: disk.map(Path::to_owned), ..Default::default() },
         mem_size: None,
         vcpus: None,
         failure_timeout: Some(Duration::from_secs(1)),

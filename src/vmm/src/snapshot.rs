@@ -16,7 +16,7 @@ use crate::persist;
 use crate::vm::VmState;
 
 const MAGIC: &[u8; 8] = b"FTVMSNAP";
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// A state larger than this is corruption, not a VM.
 const MAX_STATE: u64 = 64 << 20;
 /// Bytes gathered before each write to the file.

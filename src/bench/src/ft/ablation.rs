@@ -43,6 +43,17 @@ pub const SWITCHES: &[Switch] = &[
     Switch { name: "prefetch", values: &[("off", &["--prefetch", "off"]), ("on", &["--prefetch", "on"])] },
 ];
 
+/// The switch that needs a disk: measured on its own workload (`DISK_WORKLOAD`).
+pub const DISK_IO: Switch = Switch { name: "disk-io", values: &[("async", &["--disk-io", "async"]), ("sync", &["--disk-io", "sync"])] };
+/// The `--disk-io` workloads: the kv guest logging every write to its disk
+/// (`aof=on`) under redis-benchmark SET and GET, the disk as it is and
+/// slowed to `SLOW_DISK_MS` a write (`FTVM_TEST_FAULT=slow-disk`), each
+/// with its number of requests.
+const DISK_RUNS: [(u64, u64); 2] = [(0, 10_000), (SLOW_DISK_MS, 1000)];
+const SLOW_DISK_MS: u64 = 5;
+/// Its value size.
+const DISK_VALUE: u32 = 100;
+
 /// Switch values measured together too (each is also measured alone above).
 pub const COMBINATIONS: &[(&str, &[&str])] = &[
     ("capture=cow predict-writes=adaptive", &["--capture", "cow", "--predict-writes", "adaptive"]),
@@ -75,7 +86,11 @@ pub fn long_help() -> String {
          unreplicated VM in the same run. Prints, per switch value: throughput and latency with the unreplicated figure and \
          their ratio, and per epoch the mean pause, dirty pages, pages in the stop-and-copy and prefetched ahead of it, \
          time from pause to acknowledgement, bytes, bytes per byte of dirty page, bytes saved by diffs, \
-         encoding time per page and output hold; writes ablation.csv and ablation.svg (the throughput ratios).",
+         encoding time per page and output hold. `--disk-io async|sync` is measured on its own workload: the kv guest logging \
+         every write to its disk (10000 requests of {DISK_VALUE} bytes), and with each write slowed by {SLOW_DISK_MS} ms \
+         (FTVM_TEST_FAULT=slow-disk, 1000 requests), with the pause's 99th percentile, the time stopping the VM before it (which waits for the disk's \
+         device thread) and the disk requests in flight per checkpoint. --switches NAME,... \
+         measures only those switches. Writes ablation.csv and ablation.svg (the throughput ratios).",
         MEMTOUCH.0,
         KV_VALUES.map(|v| v.to_string()).join(", "),
         switches.join(", ")
@@ -126,18 +141,29 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let scratch = Scratch::new("bench-ablation")?;
     let scratch = scratch.path();
     let mut rows = Vec::new();
+    // `--switches`: a combination counts as each switch it sets.
+    let wanted = |setting: &str| {
+        opts.switches.as_ref().is_none_or(|only| only.iter().any(|s| setting.split(' ').any(|part| part.starts_with(&format!("{s}=")))))
+    };
+    let settings: Vec<_> = settings().filter(|(s, _)| wanted(s)).collect();
+    let disk_io = wanted("disk-io=");
 
     let (workload, load) = MEMTOUCH;
     let cmdline = format!("{load} duration={}s", opts.seconds);
-    let (base, _) = runs::memtouch(&cmdline, None, scratch)?;
-    for (setting, args) in settings() {
-        for &e in &epochs {
-            let (rate, m) = runs::memtouch(&cmdline, Some(Replicated { epoch_ms: e, args }), scratch)?;
-            rows.extend(rows_of(&setting, workload, e, &[("writes/s".into(), rate, "writes/s", base)], &m.unwrap_or_default(), false));
+    if !settings.is_empty() {
+        let (base, _) = runs::memtouch(&cmdline, None, scratch)?;
+        for (setting, args) in &settings {
+            for &e in &epochs {
+                let (rate, m) = runs::memtouch(&cmdline, Some(Replicated { epoch_ms: e, args }), scratch)?;
+                rows.extend(rows_of(setting, workload, e, &[("writes/s".into(), rate, "writes/s", base)], &m.unwrap_or_default(), false));
+            }
         }
     }
 
-    if !opts.no_network {
+    if !opts.no_network && disk_io {
+        rows.extend(disk_io_rows(&epochs, scratch)?);
+    }
+    if !opts.no_network && !settings.is_empty() {
         let topo = Topology::new("abl")?;
         let metrics = scratch.join("kv.jsonl");
         for value in KV_VALUES {
@@ -147,7 +173,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
                 runs::redis_benchmark(&topo, KV_PIPELINE, opts.requests * 10, value)?
             };
-            for (setting, args) in settings() {
+            for (setting, args) in &settings {
                 for &e in &epochs {
                     let ft = {
                         let _vm = runs::start_kv(&topo, Some(Replicated { epoch_ms: e, args }), scratch, "kv", &metrics)?;
@@ -161,7 +187,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                         figures.push((format!("{} p50", b.test), b.p50_ms, "ms", r.p50_ms));
                         figures.push((format!("{} p99", b.test), b.p99_ms, "ms", r.p99_ms));
                     }
-                    rows.extend(rows_of(&setting, &workload, e, &figures, &m, true));
+                    rows.extend(rows_of(setting, &workload, e, &figures, &m, true));
                 }
             }
         }
@@ -188,6 +214,65 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         },
     )?;
     Ok(())
+}
+
+/// `--disk-io`, each value against the unreplicated VM on the same slow disk.
+fn disk_io_rows(epochs: &[u64], scratch: &Path) -> Result<Vec<Row>, BoxError> {
+    let topo = Topology::new("abld")?;
+    let metrics = scratch.join("kvdisk.jsonl");
+    let mut rows = Vec::new();
+    for (slow_ms, requests) in DISK_RUNS {
+        rows.extend(disk_io_workload(&topo, epochs, scratch, &metrics, slow_ms, requests)?);
+    }
+    Ok(rows)
+}
+
+/// `disk_io_rows` for one workload: writes `slow_ms` slower, `requests` per run.
+fn disk_io_workload(
+    topo: &Topology,
+    epochs: &[u64],
+    scratch: &Path,
+    metrics: &Path,
+    slow_ms: u64,
+    requests: u64,
+) -> Result<Vec<Row>, BoxError> {
+    let fault = format!("slow-disk:{slow_ms}");
+    let disk = runs::KvDisk { fault: &fault };
+    let base = {
+        let _vm = runs::start_kv_on(topo, None, scratch, "kvdisk", metrics, Some(&disk))?;
+        runs::redis_benchmark(topo, KV_PIPELINE, requests, DISK_VALUE)?
+    };
+    let workload = format!("kv aof, writes +{slow_ms} ms, -P {KV_PIPELINE} -d {DISK_VALUE}");
+    let mut rows = Vec::new();
+    for (value, args) in DISK_IO.values {
+        for &e in epochs {
+            let ft = {
+                let _vm = runs::start_kv_on(topo, Some(Replicated { epoch_ms: e, args }), scratch, "kvdisk", metrics, Some(&disk))?;
+                runs::redis_benchmark(topo, KV_PIPELINE, requests, DISK_VALUE)?
+            };
+            let m = runs::epoch_means(metrics);
+            let mut figures = Vec::new();
+            for (b, r) in ft.iter().zip(&base) {
+                figures.push((format!("{} requests/s", b.test), b.rps, "req/s", r.rps));
+                figures.push((format!("{} p99", b.test), b.p99_ms, "ms", r.p99_ms));
+            }
+            let group = format!("{}={value}", DISK_IO.name);
+            rows.extend(rows_of(&group, &workload, e, &figures, &m, true));
+            let row = |figure: &str, value, unit| Row {
+                group: group.clone(),
+                case: format!("{workload}, epoch {e} ms: {figure}"),
+                value,
+                unit,
+                reference: None,
+            };
+            rows.push(row("pause p99", m.pause_p99_us, "us"));
+            // A pause waits for the device threads in `stop_us`, before `pause_us` counts.
+            rows.push(row("stop", m.stop_us, "us"));
+            rows.push(row("stop p99", m.stop_p99_us, "us"));
+            rows.push(row("disk requests in flight/checkpoint", m.disk_pending, "requests"));
+        }
+    }
+    Ok(rows)
 }
 
 /// The diff encoder's block compare per page, for every kernel this CPU

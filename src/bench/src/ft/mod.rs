@@ -62,8 +62,9 @@ pub struct Options {
     /// Matrix vCPU counts (memtouch writes from every vCPU).
     #[arg(long, value_delimiter = ',', default_values_t = [1, 2])]
     vcpus: Vec<u32>,
-    /// Matrix: only these switches (names as in the SWITCHES table, e.g.
-    /// predict-writes) [default: all].
+    /// Ablation and matrix: only these switches (names as in the SWITCHES
+    /// table, e.g. predict-writes; the ablation also knows disk-io)
+    /// [default: all].
     #[arg(long, value_delimiter = ',')]
     switches: Option<Vec<String>>,
 }

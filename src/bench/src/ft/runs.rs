@@ -48,6 +48,8 @@ pub struct EpochMeans {
     pub output_share: f64,
     /// 99th percentile of the pause.
     pub pause_p99_us: f64,
+    /// 99th percentile of stopping the VM before the pause (`stop_us`).
+    pub stop_p99_us: f64,
     /// Write prediction (`--predict-writes`): pages left writable, tracked
     /// first writes (dirty pages not left writable), predicted pages not
     /// sent because unchanged.
@@ -65,6 +67,8 @@ pub struct EpochMeans {
     pub prefetched_pages: f64,
     /// Frame bytes the fake-ACK proxy stored at the freeze (`--fake-ack`).
     pub fake_ack_bytes: f64,
+    /// Disk requests in flight at the freeze (`--disk-io async`).
+    pub disk_pending: f64,
 }
 
 impl EpochMeans {
@@ -124,6 +128,7 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
         release_us: mean("release_us"),
         output_share: if lines.is_empty() { 0.0 } else { by_output as f64 / lines.len() as f64 },
         pause_p99_us: p99("pause_us"),
+        stop_p99_us: p99("stop_us"),
         predicted: mean("predicted"),
         first_writes: mean("first_writes"),
         fake_dirty: mean("fake_dirty"),
@@ -133,6 +138,7 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
         encode_ns: mean("encode_ns"),
         prefetched_pages: mean("prefetched_pages"),
         fake_ack_bytes: mean("fake_ack_bytes"),
+        disk_pending: mean("disk_pending"),
     }
 }
 
@@ -241,16 +247,46 @@ fn redis(topo: &Topology, args: &[&str]) -> Option<Reply> {
 /// `metrics`), ready to serve; stderr goes to `LOG.primary.err` and
 /// `LOG.backup.err` in `dir`.
 pub fn start_kv(topo: &Topology, ft: Option<Replicated>, dir: &Path, log: &str, metrics: &Path) -> Result<Kv, BoxError> {
+    start_kv_on(topo, ft, dir, log, metrics, None)
+}
+
+/// The disk of a kv run: the guest logs every write to it (`aof=on`);
+/// `fault` is the primary's `FTVM_TEST_FAULT` (a slow disk).
+pub struct KvDisk<'a> {
+    pub fault: &'a str,
+}
+
+/// `start_kv`, with a fresh 64 MiB disk on each side in `dir` if `disk`.
+pub fn start_kv_on(
+    topo: &Topology,
+    ft: Option<Replicated>,
+    dir: &Path,
+    log: &str,
+    metrics: &Path,
+    disk: Option<&KvDisk>,
+) -> Result<Kv, BoxError> {
     let net = format!("tap=tap0,mac={GUEST_MAC}");
     let backup_addr = format!("{H2_REPL_ADDR}:7000");
     let image = paths::images().join("kv.elf");
     let mut backup = None;
     let mut cmd = topo.command("h1", ftvm_bin());
-    cmd.args(["run", "--net", &net, "--cmdline", &format!("ip={GUEST_ADDR}/24"), "--image"]).arg(&image);
+    let aof = if disk.is_some() { " aof=on" } else { "" };
+    cmd.args(["run", "--net", &net, "--cmdline", &format!("ip={GUEST_ADDR}/24{aof}"), "--image"]).arg(&image);
+    let fresh_disk = |name: &str| -> Result<std::path::PathBuf, BoxError> {
+        let path = dir.join(name);
+        std::fs::File::create(&path)?.set_len(64 << 20)?;
+        Ok(path)
+    };
+    if let Some(d) = disk {
+        cmd.arg("--disk").arg(fresh_disk("kv-primary.img")?).env("FTVM_TEST_FAULT", d.fault);
+    }
     if let Some(ft) = ft {
         let _ = std::fs::remove_file(metrics);
         let mut b = topo.command("h2", ftvm_bin());
         b.args(["backup", "--listen", &backup_addr, "--net", &net]).env("FTVM_LOG", "warn");
+        if disk.is_some() {
+            b.arg("--disk").arg(fresh_disk("kv-backup.img")?);
+        }
         backup = Some(Process::spawn_logged("ftvm backup", &mut b, dir, &format!("{log}.backup"))?);
         cmd.args(["--replicate-to", &backup_addr, "--epoch-ms", &ft.epoch_ms.to_string()]).arg("--metrics").arg(metrics).args(ft.args);
     }

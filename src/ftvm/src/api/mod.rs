@@ -89,6 +89,9 @@ pub struct Response {
     pub bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pause_us: Option<u64>,
+    /// A snapshot's disk requests in flight (saved, issued again on restore).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk_pending: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replication: Option<ftvm_replication::Status>,
 }

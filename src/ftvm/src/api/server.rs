@@ -315,19 +315,22 @@ impl ApiServer {
             (Request::Snapshot { path, stop }, Some(vm)) => {
                 let t0 = Instant::now();
                 vm.pause();
-                let result = vm
-                    .save()
-                    .map_err(|e| e.to_string())
-                    .and_then(|state| snapshot::write(Path::new(&path), &state, vm.ram()).map_err(|e| e.to_string()));
+                let result = vm.save().map_err(|e| e.to_string()).and_then(|state| {
+                    let pending = state.devices.iter().map(|d| d.requests_in_flight() as u64).sum::<u64>();
+                    snapshot::write(Path::new(&path), &state, vm.ram()).map(|bytes| (bytes, pending)).map_err(|e| e.to_string())
+                });
                 let pause_us = t0.elapsed().as_micros() as u64;
                 if !stop {
                     vm.resume();
                 }
                 match result {
-                    Ok(bytes) => {
-                        tracing::info!(path, bytes, pause_us, "snapshot written");
+                    Ok((bytes, disk_pending)) => {
+                        tracing::info!(path, bytes, pause_us, disk_pending, "snapshot written");
                         let action = if stop { Action::Stop } else { Action::None };
-                        (Response { bytes: Some(bytes), pause_us: Some(pause_us), ..Response::ok() }, action)
+                        (
+                            Response { bytes: Some(bytes), pause_us: Some(pause_us), disk_pending: Some(disk_pending), ..Response::ok() },
+                            action,
+                        )
                     }
                     Err(e) => (Response::error(e), Action::None),
                 }

@@ -133,3 +133,22 @@ pub fn wait_log(vmm: &mut Process, want: &str, timeout: Duration) -> String {
         Err(WaitError::TimedOut(_)) => panic!("no '{want}' from {} after {timeout:?}: {}", vmm.name(), vmm.stderr()),
     }
 }
+
+/// Every SET in the kv guest's append-only log at the start of `disk`,
+/// the last value of each key.
+pub fn logged_sets(disk: &Path) -> std::collections::HashMap<String, Vec<u8>> {
+    use ftvm_testkit::resp::{self, Reply};
+    let bytes = std::fs::read(disk).unwrap();
+    let mut sets = std::collections::HashMap::new();
+    for (payload, _) in ftvm_kv::aof::records(&bytes) {
+        let mut r = payload;
+        if let Ok(Reply::Array(Some(args))) = resp::read_reply(&mut r) {
+            if let [Reply::Bulk(Some(cmd)), Reply::Bulk(Some(k)), Reply::Bulk(Some(v)), ..] = &args[..] {
+                if cmd.eq_ignore_ascii_case(b"SET") {
+                    sets.insert(String::from_utf8_lossy(k).into_owned(), v.clone());
+                }
+            }
+        }
+    }
+    sets
+}

@@ -59,6 +59,8 @@ pub struct Taken {
     pub disk_writes: u64,
     /// Bytes of disk data the checkpoint carries.
     pub disk_bytes: u64,
+    /// Disk requests in flight at the freeze (saved in its state).
+    pub disk_pending: u64,
     /// Why it was taken, how long its epoch ran (from the previous resume)
     /// and the longest it could have run: set by whoever triggered it.
     pub trigger: trigger::Reason,
@@ -198,6 +200,8 @@ impl Pipeline {
             // Nothing left writable: every dirty page took a first write.
             None => predict::Figures { first_writes: pages.len() as u64, ..predict::Figures::default() },
         };
+        // Before `filter` may leave an unchanged disk's state out.
+        let disk_pending = thawed.state.vm.devices.iter().flatten().map(|d| d.requests_in_flight() as u64).sum();
         self.sent_state.filter(&mut thawed.state.vm);
         let encoded = encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
         let bytes = protocol::payload_len(&self.frame);
@@ -213,6 +217,7 @@ impl Pipeline {
             dirty_pages: pages.len() as u64 + prefetched.only_ahead,
             disk_writes: thawed.state.disk.len() as u64,
             disk_bytes: thawed.state.disk.iter().map(|w| w.data.len() as u64).sum(),
+            disk_pending,
             predict: predicted,
             commit_pages: encoded.pages.pages,
             page_bytes: encoded.pages.bytes,

@@ -340,6 +340,7 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         dirty_pages: taken.dirty_pages,
         disk_writes: taken.disk_writes,
         disk_bytes: taken.disk_bytes,
+        disk_pending: taken.disk_pending,
         trigger: taken.trigger,
         epoch_us: taken.epoch_len.as_micros() as u64,
         max_epoch_us: taken.max_epoch.as_micros() as u64,

@@ -20,7 +20,7 @@ use crate::persist::Persist;
 use crate::run_control::Events;
 use crate::sync::Lock;
 use gate::Gate;
-use virtio::block::{Block, BlockError};
+use virtio::block::{Block, BlockError, DiskIo};
 use virtio::mmio::{MmioTransport, TransportState, REG_QUEUE_NOTIFY};
 use virtio::net::{Net, NetConfig, NetState, TapError};
 
@@ -38,6 +38,8 @@ pub fn mmio_base(mem_size: u64) -> u64 {
 pub struct DeviceConfig {
     pub net: Option<NetConfig>,
     pub disk: Option<PathBuf>,
+    /// Where the disk's I/O runs (`--disk-io`).
+    pub disk_io: DiskIo,
 }
 
 impl DeviceConfig {
@@ -142,12 +144,25 @@ pub struct DeviceState {
     pub model: ModelState,
 }
 
+impl DeviceState {
+    /// Requests the device had in flight when it was saved (a disk's
+    /// pending list).
+    pub fn requests_in_flight(&self) -> usize {
+        match &self.model {
+            ModelState::Block(b) => b.pending.len(),
+            ModelState::Net(_) => 0,
+        }
+    }
+}
+
 struct Slot {
     base: u64,
     transport: Mutex<MmioTransport>,
     /// One doorbell per queue, written by KVM on a QueueNotify store.
     notify: Vec<EventFd>,
     stop: EventFd,
+    /// What the device thread runs after each pass, unlocked.
+    io: Option<Arc<dyn virtio::DeferredIo>>,
 }
 
 impl Slot {
@@ -200,7 +215,7 @@ impl Devices {
             models.push(Box::new(net));
         }
         if let Some(disk) = &config.disk {
-            models.push(Box::new(Block::open(disk, hooks.clone())?));
+            models.push(Box::new(Block::open(disk, config.disk_io, hooks.clone())?));
         }
         let os = |op| move |err| DeviceError::Os { op, err };
         let mut slots = Vec::new();
@@ -214,8 +229,9 @@ impl Devices {
                     .map_err(|e| DeviceError::Os { op: "KVM_IOEVENTFD", err: e.into() })?;
                 notify.push(evt);
             }
+            let io = transport.deferred_io();
             let stop = EventFd::new(libc::EFD_NONBLOCK).map_err(os("eventfd"))?;
-            slots.push(Arc::new(Slot { base, transport: Mutex::new(transport), notify, stop }));
+            slots.push(Arc::new(Slot { base, transport: Mutex::new(transport), notify, stop, io }));
         }
         // A device thread's pass serves every queue: ringing the first
         // doorbell is enough to bring it back.
@@ -321,7 +337,10 @@ impl Devices {
         Ok(())
     }
 
-    /// Stop all device work; when this returns no device touches guest memory.
+    /// Stop all device work; when this returns no device touches guest
+    /// memory. Disk I/O in progress outside a device's pass (`--disk-io
+    /// async`) is not waited for: it never touches guest memory, and its
+    /// requests stay on the disk's pending list.
     pub fn pause(&self) {
         self.gate.set(Some(true), false);
         for slot in &self.slots {
@@ -360,7 +379,9 @@ impl Persist for Devices {
 
 impl Devices {
     /// `restore` for devices that already ran: their threads must be
-    /// paused (`pause`), so no request is in progress.
+    /// paused (`pause`), so no request is in progress. Guest memory must
+    /// be restored already: requests the devices had in flight are issued
+    /// again from their buffers, before the guest runs.
     pub fn restore_paused(&self, states: &[DeviceState]) -> Result<(), DeviceError> {
         let present = self.kinds();
         let saved: Vec<DeviceKind> = states.iter().map(|s| s.kind).collect();
@@ -369,6 +390,9 @@ impl Devices {
         }
         for (slot, state) in self.slots.iter().zip(states) {
             slot.lock().restore(state)?;
+        }
+        for slot in &self.slots {
+            slot.lock().issue_restored(&self.mem);
         }
         Ok(())
     }

@@ -34,6 +34,8 @@ pub fn serve(slot: &Slot, gate: &Gate, mem: &GuestMemory, events: &Events) {
         return;
     }
     let mut ready = vec![EpollEvent::default(); 8];
+    // Work left by a restore (requests issued again) runs now.
+    run_deferred(slot);
     while gate.wait_running() {
         match epoll.wait(100, &mut ready) {
             Ok(n) if ready[..n].iter().any(|e| e.data() == TOKEN_STOP) => return,
@@ -71,5 +73,17 @@ pub fn serve(slot: &Slot, gate: &Gate, mem: &GuestMemory, events: &Events) {
         if used {
             events.signal();
         }
+        run_deferred(slot);
+    }
+}
+
+/// The device's work outside its lock (a disk's I/O): a pause taken
+/// meanwhile does not wait for it. Results come back through the next
+/// pass, which the doorbell makes immediate (after a pause, the pass after
+/// the resume).
+fn run_deferred(slot: &Slot) {
+    if slot.io.as_ref().is_some_and(|io| io.run()) {
+        // A doorbell already rung stays rung: nothing to do.
+        let _ = slot.notify[0].write(1);
     }
 }

@@ -225,6 +225,18 @@ impl MmioTransport {
         self.device.process_host(&mut self.queues, mem)
     }
 
+    pub fn deferred_io(&self) -> Option<std::sync::Arc<dyn super::DeferredIo>> {
+        self.device.deferred_io()
+    }
+
+    /// Issue the requests a restored device had in flight (see
+    /// `VirtioDevice::issue_restored`).
+    pub fn issue_restored(&mut self, mem: &GuestMemory) {
+        if self.active() {
+            self.device.issue_restored(mem);
+        }
+    }
+
     /// A device error the driver must see: the device stops working.
     pub fn fail(&mut self) {
         self.regs.status |= VIRTIO_CONFIG_S_FAILED;

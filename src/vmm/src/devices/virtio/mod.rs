@@ -11,6 +11,7 @@ pub mod net;
 mod test_util;
 
 use std::os::fd::RawFd;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueState, QueueT};
@@ -57,6 +58,15 @@ pub trait VirtioDevice: Send + Persist<State = ModelState, Error = DeviceError> 
     }
     /// The driver reset the device.
     fn reset(&mut self) {}
+    /// Work the device's thread does after each pass with the device
+    /// unlocked, so a pause does not wait for it (a disk's I/O with
+    /// `--disk-io async`).
+    fn deferred_io(&self) -> Option<Arc<dyn DeferredIo>> {
+        None
+    }
+    /// Restored state left requests in flight (a disk's pending list):
+    /// issue them again, now that guest memory is restored too.
+    fn issue_restored(&mut self, _mem: &GuestMemory) {}
     /// Drop host-side input that is queued but not delivered.
     fn drop_queued_host_input(&mut self) {}
     /// Queue `frames` as host input, delivered before anything else the
@@ -66,6 +76,14 @@ pub trait VirtioDevice: Send + Persist<State = ModelState, Error = DeviceError> 
     fn take_injected_host_input(&mut self) -> Vec<Vec<u8>> {
         Vec::new()
     }
+}
+
+/// Work a device leaves to its thread's time outside the device's lock.
+/// It must not touch guest memory: a pause does not wait for it.
+pub trait DeferredIo: Send + Sync {
+    /// Do what is queued; true if anything was done (the device then has
+    /// results to place in a pass).
+    fn run(&self) -> bool;
 }
 
 /// Copy the part of a device's config space at `offset` into `data`;

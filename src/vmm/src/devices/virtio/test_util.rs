@@ -18,7 +18,7 @@ use virtio_queue::desc::RawDescriptor;
 use virtio_queue::mock::MockSplitQueue;
 use vm_memory::{Address, Bytes, GuestAddress};
 
-use super::block::Block;
+use super::block::{Block, DiskIo};
 use super::mmio::MmioTransport;
 use crate::hooks::Hooks;
 use crate::memory::{GuestMemory, GuestRam};
@@ -75,9 +75,14 @@ impl TempDisk {
         fs::read(&self.path).expect("read temporary disk image")
     }
 
-    /// A virtio-blk transport over this image.
+    /// A virtio-blk transport over this image, its I/O on the caller's thread.
     pub fn transport(&self, hooks: Arc<Hooks>) -> MmioTransport {
-        MmioTransport::new(Box::new(Block::open(&self.path, hooks).expect("open temporary disk image")))
+        self.transport_with(DiskIo::Sync, hooks)
+    }
+
+    /// A virtio-blk transport over this image with its I/O run as `io` says.
+    pub fn transport_with(&self, io: DiskIo, hooks: Arc<Hooks>) -> MmioTransport {
+        MmioTransport::new(Box::new(Block::open(&self.path, io, hooks).expect("open temporary disk image")))
     }
 }
 
@@ -197,6 +202,16 @@ impl<'m> Driver<'m> {
         let mut bytes = vec![0u8; buf.len as usize];
         self.mem.read_slice(&mut bytes, GuestAddress(buf.addr)).expect("buffer in guest RAM");
         bytes
+    }
+
+    /// Set the bytes of `buf` to `byte`.
+    pub fn fill(&self, buf: Buf, byte: u8) {
+        self.mem.write_slice(&vec![byte; buf.len as usize], GuestAddress(buf.addr)).expect("buffer in guest RAM");
+    }
+
+    /// Forget the used ring's entries (its index back to 0).
+    pub fn clear_used(&self) {
+        self.mem.write_obj(0u16, USED_RING.unchecked_add(2)).expect("used ring in guest RAM");
     }
 
     /// The used ring's entries so far: (chain head, bytes written).
