@@ -80,15 +80,8 @@ struct Cluster {
 
 impl Cluster {
     fn new(tag: &str, extra: &[&str]) -> Cluster {
-        let topo = Topology::new(tag).unwrap();
-        let dir = Scratch::new(&format!("replicas-{tag}")).unwrap().keep_on_panic();
         let extra = extra.iter().map(|s| s.to_string()).collect();
-        let mut c =
-            Cluster { topo, dir, procs: [None, None, None], starts: [0; 3], extra, peers: peers(), witness_host: "h2", standby: false };
-        for id in 1..=3 {
-            c.start(id);
-        }
-        c
+        Cluster::start_all(Topology::new(tag).unwrap(), tag, extra, peers(), "h2", false)
     }
 
     /// As `new`, the witness with a standby VM on a second TAP of h2.
@@ -102,21 +95,7 @@ impl Cluster {
             let out = topo.command("h2", "ip").args(args).output().unwrap();
             assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         }
-        let dir = Scratch::new(&format!("replicas-{tag}")).unwrap().keep_on_panic();
-        let mut c = Cluster {
-            topo,
-            dir,
-            procs: [None, None, None],
-            starts: [0; 3],
-            extra: Vec::new(),
-            peers: peers(),
-            witness_host: "h2",
-            standby: true,
-        };
-        for id in 1..=3 {
-            c.start(id);
-        }
-        c
+        Cluster::start_all(topo, tag, Vec::new(), peers(), "h2", true)
     }
 
     /// Replicas that talk over the LAN: each host gets an address on its
@@ -128,18 +107,13 @@ impl Cluster {
             let out = topo.command(host, "ip").args(["addr", "add", &format!("{addr}/24"), "dev", "br0"]).output().unwrap();
             assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         }
-        let dir = Scratch::new(&format!("replicas-{tag}")).unwrap().keep_on_panic();
         let peers = format!("1={LAN_H1}:7101,2={LAN_H2}:7102,3={CLIENT_ADDR}:7103");
-        let mut c = Cluster {
-            topo,
-            dir,
-            procs: [None, None, None],
-            starts: [0; 3],
-            extra: Vec::new(),
-            peers,
-            witness_host: "client",
-            standby: false,
-        };
+        Cluster::start_all(topo, tag, Vec::new(), peers, "client", false)
+    }
+
+    fn start_all(topo: Topology, tag: &str, extra: Vec<String>, peers: String, witness_host: &'static str, standby: bool) -> Cluster {
+        let dir = Scratch::new(&format!("replicas-{tag}")).unwrap().keep_on_panic();
+        let mut c = Cluster { topo, dir, procs: [None, None, None], starts: [0; 3], extra, peers, witness_host, standby };
         for id in 1..=3 {
             c.start(id);
         }
