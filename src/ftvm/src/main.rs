@@ -190,6 +190,10 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 max_interval: Duration::from_millis(args.sync_ms),
                 pages: args.sync_pages,
                 rejoin: args.rejoin,
+                failover: ftvm_replication::vsmr::failover::Options {
+                    fast: args.fast_election,
+                    failure_timeout: args.failure_timeout_ms.map(Duration::from_millis),
+                },
             };
             let source = match args.image {
                 Some(image) => run::Source::Replica {
@@ -279,6 +283,9 @@ fn print_status(r: &api::Response) {
             outln!("standbys: {}", rep.standbys.join(", "));
         }
         outln!("detail: {}", rep.detail);
+        if let Some(e) = &rep.election {
+            outln!("elected: {e}");
+        }
         if let Some(m) = &rep.last_sync {
             outln!(
                 "last syncvm {} (term {}): {} pages dirty, {} divergent, pause {} us, {} bytes sent since the previous, {} us after it{}",

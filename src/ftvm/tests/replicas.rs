@@ -299,14 +299,41 @@ fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
         c.kill(leader);
         let acked = w.acked();
         assert_eq!(c.wait_leader(false, Duration::from_secs(10)), other, "round {round}: the secondary took over");
+        let how = elected_on_detection(&c, other, leader);
         wait_acked_beyond(&w, acked, &c, &format!("round {round}: after replica {leader} was killed"));
         c.start(leader);
         // Protected again once the restarted replica was brought up to date.
         assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other, "round {round}");
-        eprintln!("round {round}: killed {leader}, {other} leads, {} writes acknowledged", w.acked());
+        eprintln!("round {round}: killed {leader}, {other} leads ({how}), {} writes acknowledged", w.acked());
     }
     let n = verify_all(&c, w);
     eprintln!("{kills} leader kills, {n} acknowledged writes, none lost");
+}
+
+/// What `ftvm status` of replica `id` says started the election it won
+/// last: (term, the rest of the line).
+fn elected(c: &Cluster, id: u64) -> (u64, String) {
+    let st = c.status(id);
+    let line = st.lines().find_map(|l| l.strip_prefix("elected: term ")).unwrap_or_default();
+    let (term, rest) = line.split_once(", ").unwrap_or(("0", ""));
+    (term.parse().unwrap_or(0), rest.to_string())
+}
+
+/// `--fast-election` (the default): the new leader `id` stood because the
+/// killed leader's link closed, not because raft's election timeout ran
+/// out; or, when the witness's log was ahead of it (the dead leader had
+/// sent the witness more), the witness stood for that reason and handed
+/// leadership over to it at once.
+fn elected_on_detection(c: &Cluster, id: u64, killed: u64) -> String {
+    let closed = format!("started when leader {killed}'s link closed");
+    let (term, how) = elected(c, id);
+    if how.starts_with("handed over by 3") {
+        let (wterm, whow) = elected(c, 3);
+        assert!(wterm + 1 == term && whow.starts_with(&closed), "replica {id}: term {term}, {how}; the witness: term {wterm}, {whow}");
+    } else {
+        assert!(how.starts_with(&closed), "replica {id} was elected in term {term} {how}, not on the failure detection:\n{}", c.logs());
+    }
+    how
 }
 
 /// Over authenticated links (`--secret-file`).
