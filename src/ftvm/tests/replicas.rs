@@ -370,6 +370,13 @@ fn a_stalled_leader_is_replaced_once_silent_past_the_failure_timeout() {
     c.topo.forget_guest().unwrap();
     wait_acked_beyond(&w, acked, &c, "after the leader stalled");
     c.procs[(leader - 1) as usize].as_mut().unwrap().signal(libc::SIGCONT).unwrap();
+    // It says it leads until it finds the newer term (and a syncvm it was
+    // running times out).
+    let t0 = Instant::now();
+    while !c.status(leader).contains("role: secondary") {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the resumed old leader did not step down: {}", c.status(leader));
+        std::thread::sleep(Duration::from_millis(50));
+    }
     assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other, "the resumed old leader became the secondary");
     let n = verify_all(&c, w);
     eprintln!("replica {other} took over ({how}); {n} acknowledged writes, none lost");
