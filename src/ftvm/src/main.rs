@@ -181,6 +181,9 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
             if args.image.is_none() && args.host.net.is_some() {
                 return Err(run::RunError::Usage("--net needs --image: a witness without a VM has no network card".into()));
             }
+            if args.fast_election == ftvm_replication::vsmr::failover::FastElection::Off && args.failure_timeout_ms.is_some() {
+                return Err(run::RunError::Usage("--failure-timeout-ms needs --fast-election on (it starts an election at once)".into()));
+            }
             let config = ftvm_replication::vsmr::ReplicaConfig {
                 id: args.id,
                 peers,
