@@ -290,6 +290,11 @@ struct Failover {
     /// the full syncvm then sent.
     precopy_pages: f64,
     full_sync_pages: f64,
+    /// VSMR: the new leader's election, from its start (the failure
+    /// detected, or the election timeout) to leading; and whether the
+    /// failure detection started it (`--fast-election`).
+    election_ms: f64,
+    started_by: &'static str,
 }
 
 fn status(ftvm: &Path, socket: &Path) -> String {
@@ -331,6 +336,23 @@ fn failover(topo: &Topology, ftvm: &Path, setup: &mut Setup, mode: Mode) -> Resu
     };
     if vsmr {
         let survivor = 1 - victim;
+        let socket = setup.replicas[survivor].1.clone().ok_or("no socket")?;
+        // `elected: term T, <what started it>, leading N us later`.
+        let st = status(ftvm, &socket);
+        let elected = st.lines().find_map(|l| l.strip_prefix("elected: ")).unwrap_or("unknown").to_string();
+        eprintln!("{}: the new leader was elected: {elected}", mode.name());
+        f.started_by = if elected.contains("link closed") || elected.contains("silent") {
+            "the failure detected"
+        } else if elected.contains("handed over") {
+            "a hand-over"
+        } else {
+            "the election timeout"
+        };
+        f.election_ms = elected
+            .rsplit_once("leading ")
+            .and_then(|(_, us)| us.split(' ').next())
+            .and_then(|us| us.parse::<f64>().ok())
+            .map_or(f64::NAN, |us| us / 1e3);
         let lines_before = std::fs::read_to_string(&setup.metrics[survivor]).unwrap_or_default().lines().count();
         let t1 = Instant::now();
         let (cmd, socket) = &mut setup.replicas[victim];
@@ -416,6 +438,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         rows.push(row(format!("first reply after the kill, {} (ref: primary-backup)", mode.name()), f.first_reply_ms, "ms", pb));
         rows.push(row(format!("every connection answered again, {}", mode.name()), f.all_replied_ms, "ms", None));
         if matches!(mode, Mode::Vsmr | Mode::VsmrBlocks) {
+            rows.push(row(format!("new leader: from {} to leading, {}", f.started_by, mode.name()), f.election_ms, "ms", None));
             rows.push(row(format!("restarted replica: protected again after, {}", mode.name()), f.rejoin_ms, "ms", None));
             rows.push(row(format!("restarted replica: leader's pause in its full syncvm, {}", mode.name()), f.rejoin_pause_ms, "ms", None));
             rows.push(row(format!("restarted replica: pages pre-copied, {}", mode.name()), f.precopy_pages, "pages", None));

@@ -307,6 +307,20 @@ pub struct ReplicaArgs {
     /// differing page copied in the pause).
     #[arg(long, default_value = "precopy", value_name = "precopy|syncvm")]
     pub rejoin: ftvm_replication::vsmr::rejoin::RejoinMode,
+    /// Start an election as soon as this replica finds the leader dead:
+    /// the link the leader dialled here closed (its VMM died), or, with
+    /// --failure-timeout-ms, nothing came from it that long. Pre-vote first,
+    /// so a replica that alone lost the leader disrupts nothing; the
+    /// witness only votes at once. off: only raft's randomized election
+    /// timeout (200-400 ms of silence). Give every replica the same.
+    #[arg(long, default_value = "on", value_name = "on|off")]
+    pub fast_election: ftvm_replication::vsmr::failover::FastElection,
+    /// With --fast-election on: take the leader for dead after this long
+    /// without a message from it (30 to 60000; heartbeats come every 20 ms).
+    /// Default: only a closed link tells (a stalled or cut-off leader is
+    /// then found by the election timeout).
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(30..=60000))]
+    pub failure_timeout_ms: Option<u64>,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

@@ -181,6 +181,9 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
             if args.image.is_none() && args.host.net.is_some() {
                 return Err(run::RunError::Usage("--net needs --image: a witness without a VM has no network card".into()));
             }
+            if args.fast_election == ftvm_replication::vsmr::failover::FastElection::Off && args.failure_timeout_ms.is_some() {
+                return Err(run::RunError::Usage("--failure-timeout-ms needs --fast-election on (it starts an election at once)".into()));
+            }
             let config = ftvm_replication::vsmr::ReplicaConfig {
                 id: args.id,
                 peers,
@@ -190,6 +193,10 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 max_interval: Duration::from_millis(args.sync_ms),
                 pages: args.sync_pages,
                 rejoin: args.rejoin,
+                failover: ftvm_replication::vsmr::failover::Options {
+                    fast: args.fast_election,
+                    failure_timeout: args.failure_timeout_ms.map(Duration::from_millis),
+                },
             };
             let source = match args.image {
                 Some(image) => run::Source::Replica {
@@ -279,6 +286,9 @@ fn print_status(r: &api::Response) {
             outln!("standbys: {}", rep.standbys.join(", "));
         }
         outln!("detail: {}", rep.detail);
+        if let Some(e) = &rep.election {
+            outln!("elected: {e}");
+        }
         if let Some(m) = &rep.last_sync {
             outln!(
                 "last syncvm {} (term {}): {} pages dirty, {} divergent, pause {} us, {} bytes sent since the previous, {} us after it{}",

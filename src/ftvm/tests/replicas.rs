@@ -7,12 +7,18 @@
 //!
 //! - `no_acknowledged_write_is_lost_over_leader_kills`: the leader's VMM is
 //!   SIGKILLed at random moments (mid-`syncvm` included) again and again;
-//!   the secondary takes over, the killed replica is restarted and brought
-//!   up to date (pre-copy, full `syncvm`); every write a client saw
+//!   the secondary takes over, elected because the killed leader's link
+//!   closed (`--fast-election`) and not by raft's election timeout; the
+//!   killed replica is restarted and brought up to date (pre-copy, full
+//!   `syncvm`); every write a client saw
 //!   acknowledged reads back from the last leader.
 //! - `..._with_block_patches`: the same, divergent pages sent as their
 //!   differing 64-byte blocks (`--sync-pages blocks`), restarted replicas
 //!   brought up to date by the full `syncvm` alone (`--rejoin syncvm`).
+//! - `a_stalled_leader_is_replaced_once_silent_past_the_failure_timeout`:
+//!   the leader's VMM is SIGSTOPped (its links stay open); the secondary
+//!   stands because of its silence past `--failure-timeout-ms`, serves,
+//!   and the resumed old leader becomes its secondary.
 //! - `witness_loss_keeps_the_service_protected` (over authenticated links):
 //!   without the witness the
 //!   two VM replicas are a majority: writes go on, `syncvm`s go on, and the
@@ -273,14 +279,81 @@ fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
         c.kill(leader);
         let acked = w.acked();
         assert_eq!(c.wait_leader(false, Duration::from_secs(10)), other, "round {round}: the secondary took over");
+        let how = elected_on_detection(&c, other, &format!("started when leader {leader}'s link closed"));
         wait_acked_beyond(&w, acked, &c, &format!("round {round}: after replica {leader} was killed"));
         c.start(leader);
         // Protected again once the restarted replica was brought up to date.
         assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other, "round {round}");
-        eprintln!("round {round}: killed {leader}, {other} leads, {} writes acknowledged", w.acked());
+        eprintln!("round {round}: killed {leader}, {other} leads ({how}), {} writes acknowledged", w.acked());
     }
     let n = verify_all(&c, w);
     eprintln!("{kills} leader kills, {n} acknowledged writes, none lost");
+}
+
+/// What `ftvm status` of replica `id` says started the election it won
+/// last: (term, the rest of the line).
+fn elected(c: &Cluster, id: u64) -> (u64, String) {
+    let st = c.status(id);
+    let line = st.lines().find_map(|l| l.strip_prefix("elected: term ")).unwrap_or_default();
+    let (term, rest) = line.split_once(", ").unwrap_or(("0", ""));
+    (term.parse().unwrap_or(0), rest.to_string())
+}
+
+/// `--fast-election` (the default): the new leader `id` stood because it
+/// found the old leader dead (`detected`: how), not because raft's
+/// election timeout ran out; or, when the witness's log was ahead of it
+/// (the dead leader had sent the witness more), the witness stood for
+/// that reason and handed leadership over to it at once. Returns how.
+fn elected_on_detection(c: &Cluster, id: u64, detected: &str) -> String {
+    let (term, how) = elected(c, id);
+    if how.starts_with("handed over by 3") {
+        let (wterm, whow) = elected(c, 3);
+        assert!(wterm + 1 == term && whow.starts_with(detected), "replica {id}: term {term}, {how}; the witness: term {wterm}, {whow}");
+    } else {
+        assert!(how.starts_with(detected), "replica {id} was elected in term {term} {how}, not on the failure detection:\n{}", c.logs());
+    }
+    how
+}
+
+/// `--failure-timeout-ms 100`: the leader's VMM is stopped (SIGSTOP), so
+/// its links stay open and it only falls silent. The secondary must stand
+/// because the leader was silent past the failure timeout (its status
+/// says so), not by raft's election timeout, and serve; resumed, the old
+/// leader finds a newer term, steps down and becomes the secondary again;
+/// nothing acknowledged is lost.
+#[test]
+fn a_stalled_leader_is_replaced_once_silent_past_the_failure_timeout() {
+    let mut c = Cluster::new("vsil", &["--failure-timeout-ms", "100"]);
+    c.wait_leader(true, Duration::from_secs(30));
+    let w = writers(&c, "t");
+    wait_acked_beyond(&w, 0, &c, "start");
+    std::thread::sleep(Duration::from_millis(500));
+    let leader = c.wait_leader(true, Duration::from_secs(20));
+    let other = 3 - leader;
+    let (before, _) = elected(&c, leader);
+    c.procs[(leader - 1) as usize].as_mut().unwrap().signal(libc::SIGSTOP).unwrap();
+    let acked = w.acked();
+    // (The stopped replica does not answer `ftvm status`.)
+    let t0 = Instant::now();
+    while !c.status(other).contains("role: leader") {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the secondary did not take over from the stalled leader:\n{}", c.logs());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let how = elected_on_detection(&c, other, &format!("started when leader {leader} was silent past the failure timeout"));
+    assert!(elected(&c, other).0 > before, "elected before the stall: {how}");
+    c.topo.forget_guest().unwrap();
+    wait_acked_beyond(&w, acked, &c, "after the leader stalled");
+    c.procs[(leader - 1) as usize].as_mut().unwrap().signal(libc::SIGCONT).unwrap();
+    // It says it leads until it finds the newer term (and a syncvm it was
+    // running times out).
+    let t0 = Instant::now();
+    while !c.status(leader).contains("role: secondary") {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the resumed old leader did not step down: {}", c.status(leader));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other, "the resumed old leader became the secondary");
+    let n = verify_all(&c, w);
+    eprintln!("replica {other} took over ({how}); {n} acknowledged writes, none lost");
 }
 
 /// Over authenticated links (`--secret-file`).

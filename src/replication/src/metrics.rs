@@ -148,6 +148,10 @@ pub struct Status {
     /// Consensus-ordered replicas: the last `syncvm`'s figures.
     #[serde(default)]
     pub last_sync: Option<crate::vsmr::SyncMetrics>,
+    /// Consensus-ordered replicas: what started the election that made
+    /// this replica leader (the last one it won).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub election: Option<crate::vsmr::failover::Election>,
 }
 
 /// Shared, updated by the replication threads, read by the control socket.

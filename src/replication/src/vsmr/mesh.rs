@@ -232,8 +232,13 @@ impl Mesh {
         loop {
             let kind = match link.recv(FRAME_LIMIT, &mut buf) {
                 Ok(k) => k,
-                Err(ProtocolError::Closed) => return tracing::info!(id = hello.id, "peer link closed"),
-                Err(e) => return tracing::warn!(id = hello.id, "peer link: {e}"),
+                Err(e) => {
+                    match e {
+                        ProtocolError::Closed => tracing::info!(id = hello.id, "peer link closed"),
+                        e => tracing::warn!(id = hello.id, "peer link: {e}"),
+                    }
+                    return self.lost(hello.id, routes);
+                }
             };
             self.peers.locked().insert(hello.id, PeerInfo { witness: hello.witness, standby: hello.standby, heard: Some(Instant::now()) });
             let msg = Inbound { from: hello.id, kind, payload: std::mem::take(&mut buf) };
@@ -261,6 +266,20 @@ impl Mesh {
                 return;
             }
         }
+    }
+}
+
+impl Mesh {
+    /// The link a peer dialled here broke: its process most likely died
+    /// (a killed VMM's sockets close at once). It no longer counts as
+    /// alive, and the consensus thread may take it for a lost leader. A
+    /// live peer whose link broke for another reason dials again at its
+    /// next message, which makes it alive again.
+    fn lost(&self, id: u64, routes: &Routes) {
+        if let Some(p) = self.peers.locked().get_mut(&id) {
+            p.heard = None;
+        }
+        let _ = routes.raft.send(Event::PeerLost(id));
     }
 }
 

@@ -6,6 +6,7 @@
 //! The witness votes and keeps the log but runs no VM, and never leads.
 //! See docs/replicas.md.
 
+pub mod failover;
 pub mod log;
 pub mod mesh;
 pub mod node;
@@ -91,6 +92,8 @@ pub struct ReplicaConfig {
     pub pages: sync::PageMode,
     /// How a replica this leader has not synchronized is brought up to date.
     pub rejoin: rejoin::RejoinMode,
+    /// How a dead leader is found: at once, or by raft's election timeout.
+    pub failover: failover::Options,
 }
 
 /// `--peers 1=HOST:PORT,2=HOST:PORT,3=HOST:PORT`, checked against `--id`.
@@ -151,8 +154,14 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
     // Every VM replica of a new group may lead; the witness (a standby
     // too) not before it was brought up to date.
     let eligible = Arc::new(AtomicBool::new(!witness));
-    let node_config =
-        NodeConfig { id: config.id, voters: config.peers.iter().map(|(i, _)| *i).collect(), witness, eligible: eligible.clone() };
+    let node_config = NodeConfig {
+        id: config.id,
+        voters: config.peers.iter().map(|(i, _)| *i).collect(),
+        witness,
+        eligible: eligible.clone(),
+        failover: config.failover,
+        status: status.clone(),
+    };
     node::start(node_config, mesh.clone(), events_rx, committed_tx, view.clone())?;
     let metrics = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
     match vm {

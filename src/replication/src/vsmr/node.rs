@@ -11,6 +11,7 @@
 //! snapshot, which carries no data: a replica that far behind is brought
 //! up to date by a full `syncvm` anyway.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
@@ -19,12 +20,14 @@ use std::time::{Duration, Instant};
 use protobuf::Message as _;
 use raft::eraftpb::{ConfState, EntryType, Message, MessageType};
 use raft::storage::MemStorage;
-use raft::{Config, RawNode, StateRole};
+use raft::{Config, RawNode, StateRole, INVALID_ID};
 
 use ftvm_vmm::sync::Lock;
 
+use super::failover::{self, Cause, Detection, Election, FastElection, Lost};
 use super::log::Entry;
 use super::mesh::{Inbound, Mesh};
+use crate::metrics::StatusCell;
 use crate::protocol::{self, Kind};
 use crate::ReplicationError;
 
@@ -40,6 +43,8 @@ pub const ALIVE: Duration = Duration::from_millis(500);
 /// What drives the consensus thread.
 pub enum Event {
     Peer(Inbound),
+    /// The link this peer dialled here closed (`Mesh`).
+    PeerLost(u64),
     /// Append this entry to the log (only a leader does; others drop it).
     Propose(Vec<u8>),
     /// A `syncvm` completed at this index: the log before it is not needed
@@ -81,6 +86,9 @@ pub struct NodeConfig {
     /// witness, or a replica that was never brought up to date, hands
     /// leadership on to one that may.
     pub eligible: Arc<AtomicBool>,
+    pub failover: failover::Options,
+    /// Where the election that made this replica leader is shown.
+    pub status: StatusCell,
 }
 
 /// Start the consensus thread. `view` is kept up to date; committed
@@ -116,7 +124,19 @@ pub fn start(
         .name("consensus".into())
         .spawn(move || {
             ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Replication);
-            Loop { node, mesh, committed, view, config, compacted: 0 }.run(events)
+            Loop {
+                node,
+                mesh,
+                committed,
+                view,
+                config,
+                compacted: 0,
+                heard: HashMap::new(),
+                leader_since: (INVALID_ID, 0, Instant::now()),
+                lost: None,
+                round: None,
+            }
+            .run(events)
         })
         .map_err(ReplicationError::Thread)?;
     Ok(())
@@ -130,6 +150,14 @@ struct Loop {
     config: NodeConfig,
     /// The log is compacted up to here.
     compacted: u64,
+    /// When a raft message from each peer last arrived.
+    heard: HashMap<u64, Instant>,
+    /// The leader this replica follows, its term, and since when.
+    leader_since: (u64, u64, Instant),
+    /// The leader found dead, while the election this calls for runs.
+    lost: Option<Lost>,
+    /// What started the election this replica runs: shown if it wins.
+    round: Option<(Cause, Instant)>,
 }
 
 impl Loop {
@@ -149,7 +177,7 @@ impl Loop {
                 Err(RecvTimeoutError::Disconnected) => return,
             }
             if Instant::now() >= next_tick {
-                self.node.tick();
+                self.tick();
                 next_tick = (next_tick + TICK).max(Instant::now());
                 self.hand_over();
             }
@@ -164,6 +192,7 @@ impl Loop {
             Event::Peer(msg) => match Message::parse_from_bytes(&msg.payload) {
                 // The sender is who its authenticated link says it is.
                 Ok(mut m) if m.from == msg.from && m.to == self.config.id => {
+                    self.heard.insert(m.from, Instant::now());
                     let log = &self.node.raft.raft_log;
                     if m.get_msg_type() == MessageType::MsgHeartbeat && m.commit > log.last_index() {
                         // This replica restarted under the same leader and
@@ -176,11 +205,17 @@ impl Loop {
                         tracing::debug!(commit = m.commit, last = log.last_index(), "a heartbeat beyond this log: committing nothing");
                         m.commit = log.committed;
                     }
-                    let _ = self.node.step(m);
+                    self.step(m);
                 }
                 Ok(m) => tracing::warn!(link = msg.from, from = m.from, to = m.to, "dropped a raft message not from its link's peer"),
                 Err(e) => tracing::warn!(from = msg.from, "dropped a malformed raft message: {e}"),
             },
+            Event::PeerLost(id) => {
+                let raft = &self.node.raft;
+                if raft.state == StateRole::Follower && raft.leader_id == id && id != self.config.id {
+                    self.detected(id, Detection::LinkClosed);
+                }
+            }
             Event::Propose(data) => {
                 if self.node.raft.state == StateRole::Leader {
                     let _ = self.node.propose(vec![], data);
@@ -194,6 +229,100 @@ impl Loop {
                     let _ = store.wl().compact(index);
                 }
             }
+        }
+    }
+
+    /// Step a peer's message, noting what it starts: a leader's hand-over
+    /// makes this replica campaign; a candidate behind this replica's log,
+    /// while the leader is found dead, cannot win its vote, so this
+    /// replica stands itself (and hands over if it may not lead).
+    fn step(&mut self, m: Message) {
+        let raft = &self.node.raft;
+        let (from, kind) = (m.from, m.get_msg_type());
+        let was = raft.state;
+        let behind = kind == MessageType::MsgRequestPreVote
+            && self.lost.is_some_and(|l| l.term == raft.term)
+            && raft.state != StateRole::Leader
+            && (m.log_term, m.index) < (raft.raft_log.last_term(), raft.raft_log.last_index());
+        let _ = self.node.step(m);
+        let now = self.node.raft.state;
+        if kind == MessageType::MsgTimeoutNow && was != now && now == StateRole::Candidate {
+            self.round = Some((Cause::Handover { from }, Instant::now()));
+        }
+        if let (true, Some(lost)) = (behind, self.lost) {
+            tracing::info!(candidate = from, "a candidate is behind this log while the leader is lost: standing");
+            self.campaign(lost.cause(), lost.at);
+        }
+    }
+
+    /// A raft tick, then this replica's own failure detection: the
+    /// leader's silence past `--failure-timeout-ms`, and the retries of an
+    /// election it called for that no peer answered yet (a peer that did
+    /// not yet find the leader dead ignores a pre-vote).
+    fn tick(&mut self) {
+        self.node.tick();
+        let raft = &self.node.raft;
+        let me = self.config.id;
+        // The randomized timeout fired (tick_election resets the count).
+        if matches!(raft.state, StateRole::PreCandidate | StateRole::Candidate) && raft.election_elapsed == 0 {
+            self.round = Some((Cause::Timeout, Instant::now()));
+        }
+        let key = (raft.leader_id, raft.term);
+        if (self.leader_since.0, self.leader_since.1) != key {
+            self.leader_since = (key.0, key.1, Instant::now());
+        }
+        if let Some(lost) = self.lost {
+            let expired = lost.at.elapsed() >= TICK * ELECTION_TICKS as u32;
+            if expired || (raft.term > lost.term && raft.leader_id != INVALID_ID) {
+                self.lost = None;
+            } else if raft.state == StateRole::PreCandidate && self.round.is_some_and(|(c, _)| c == lost.cause()) {
+                self.campaign(lost.cause(), lost.at);
+            }
+            return;
+        }
+        let (FastElection::On, Some(timeout)) = (self.config.failover.fast, self.config.failover.failure_timeout) else { return };
+        let leader = raft.leader_id;
+        if raft.state != StateRole::Follower || leader == INVALID_ID || leader == me {
+            return;
+        }
+        let last = self.heard.get(&leader).copied().map_or(self.leader_since.2, |t| t.max(self.leader_since.2));
+        if last.elapsed() >= timeout {
+            self.detected(leader, Detection::Silent);
+        }
+    }
+
+    /// The leader `leader` is found dead: give up the lease (grant votes at
+    /// once) and, if this replica may lead, campaign (pre-vote first).
+    fn detected(&mut self, leader: u64, how: Detection) {
+        if self.config.failover.fast == FastElection::Off {
+            return;
+        }
+        let raft = &mut self.node.raft;
+        let lost = Lost { leader, how, term: raft.term, at: Instant::now() };
+        self.lost = Some(lost);
+        // check-quorum's lease: a follower ignores votes while it heard
+        // from a leader within the election timeout.
+        raft.election_elapsed = raft.election_elapsed.max(raft.election_timeout());
+        if self.config.eligible.load(Ordering::SeqCst) {
+            tracing::warn!(leader, ?how, term = raft.term, "the leader is lost: starting an election");
+            self.campaign(lost.cause(), lost.at);
+        } else {
+            tracing::info!(leader, ?how, term = raft.term, "the leader is lost: voting at once (this replica does not stand)");
+        }
+    }
+
+    fn campaign(&mut self, cause: Cause, since: Instant) {
+        if !self.round.is_some_and(|(c, _)| c == cause) {
+            self.round = Some((cause, since));
+        }
+        // raft-rs starts with a pre-vote (pre_vote is set).
+        let _ = self.node.campaign();
+        // The randomized timeout is the fallback: it fires only once this
+        // election went unanswered that long (the retries above run for
+        // one election timeout), not because `detected` aged the lease.
+        let raft = &mut self.node.raft;
+        if raft.state == StateRole::PreCandidate {
+            raft.election_elapsed = 0;
         }
     }
 
@@ -257,6 +386,9 @@ impl Loop {
         let mut ready = self.node.ready();
         if let Some(ss) = ready.ss() {
             tracing::info!(term = self.node.raft.term, leader = ss.leader_id, role = ?ss.raft_state, "consensus role");
+            if ss.raft_state == StateRole::Leader {
+                self.elected();
+            }
         }
         self.send(ready.take_messages());
         if !ready.snapshot().is_empty() {
@@ -289,6 +421,17 @@ impl Loop {
             let _ = store.wl().compact(self.compacted);
         }
         Ok(())
+    }
+}
+
+impl Loop {
+    /// This replica leads: show what started the election it won.
+    fn elected(&mut self) {
+        let (cause, since) = self.round.take().unwrap_or((Cause::Timeout, Instant::now()));
+        self.lost = None;
+        let e = Election { term: self.node.raft.term, cause, after_us: since.elapsed().as_micros() as u64 };
+        tracing::info!("elected: {e}");
+        self.config.status.lock().election = Some(e);
     }
 }
 
