@@ -100,6 +100,9 @@ fn an_unreachable_arbiter_holds_the_takeover_back() {
     let mut b = backup(&addr, &arbiter);
     let mut p = primary(&addr, &arbiter);
     protected(&mut p);
+    // The arbiter goes silent once the backup knows whom to take the VM
+    // from (before that it never takes over: a different refusal).
+    wait_for(&mut b, "backup", "read the VM's ownership from the arbiter", Duration::from_secs(10));
     etcd.process().signal(libc::SIGSTOP).unwrap();
     p.kill();
     wait_for(&mut b, "backup", "not taking over until the arbiter answers", Duration::from_secs(10));

@@ -435,7 +435,10 @@ fn follow(
                 // takeover must swap out; read once synchronized (after the Ack).
                 if let (Some(arbiter), None, Some(_)) = (arbiter, &replica.owner_seen, &replica.committed) {
                     match arbiter.read() {
-                        Ok(ownership) => replica.owner_seen = Some(ownership),
+                        Ok(ownership) => {
+                            tracing::info!(generation = ownership.generation, "read the VM's ownership from the arbiter");
+                            replica.owner_seen = Some(ownership);
+                        }
                         Err(e) => tracing::warn!("cannot read the VM's ownership yet: {e}"),
                     }
                 }
