@@ -11,9 +11,10 @@
 //! both carried (written late in each epoch, or all through it) is hot; it
 //! is left for the stop-and-copy (`carry`) and, where the dirty backend
 //! can, left writable, so the guest takes no extra tracked first write for
-//! it. A cold page sent and written again goes again in a later round. The
-//! rounds crowd towards the planned freeze (`Schedule`), the last one
-//! right before it, so little is written between it and the freeze. The backup stages what
+//! it. A cold page sent and written again is left writable too, and goes
+//! again in the epoch's last round. The rounds crowd towards the planned
+//! freeze (`Schedule`), the last one right before it, so little is written
+//! between it and the freeze. The backup stages what
 //! arrives and commits it only with the checkpoint of the same epoch
 //! (`backup::Replica::stage_prefetch`): a primary that dies mid-epoch
 //! leaves it exactly at the last checkpoint.
@@ -172,13 +173,27 @@ impl Prefetcher {
     /// was dirtied). Pages go through `encoder`, the checkpoint's, so a
     /// diff in the checkpoint is made against what the backup will have
     /// staged.
-    pub fn round(&mut self, vm: &Vm, epoch: u64, encoder: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
+    pub fn round(&mut self, vm: &Vm, epoch: u64, last: bool, encoder: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
         self.harvested.clear();
         vm.harvest_dirty(&mut self.harvested)?;
-        // A page sent earlier in the epoch and written since goes again
-        // (it is cold as long as the checkpoints say so: written by chance).
+        if last {
+            // What earlier rounds deferred goes now, with what they could
+            // not send: every page the freeze would take but a hot one.
+            // (Those pages were harvested and are tracked since, so what
+            // is read now is reported again if written after this.)
+            self.hot.copy_from(&self.carry);
+            self.hot.subtract(&self.recent);
+            self.harvested.or_words(self.hot.words());
+            self.carry.intersect(&self.recent);
+        }
         self.hot.copy_from(&self.recent);
-        self.hot.or_words(self.carry.words());
+        if !last {
+            // Sent and written again: deferred to the last round, writable
+            // meanwhile (each send re-protects a page, and one written
+            // again is likely to be written once more).
+            self.hot.or_words(self.sent_pages.words());
+            self.hot.or_words(self.carry.words());
+        }
         self.hot.intersect(&self.harvested);
         // Before any page is read: a write after this is reported again.
         vm.rearm_dirty(&self.hot)?;

@@ -374,14 +374,14 @@ impl Worker {
                 return None;
             }
             let plan = pacing.plan(since);
-            let next_round = self.pipeline.prefetches().then(|| rounds.next(plan.since, plan.max_epoch)).flatten().map(|(at, _)| at);
+            let next_round = self.pipeline.prefetches().then(|| rounds.next(plan.since, plan.max_epoch)).flatten();
             // Back now and then to look at the loss and stop flags.
             let look =
-                next_round.map_or(Instant::now() + Duration::from_millis(20), |at| at.min(Instant::now() + Duration::from_millis(20)));
+                next_round.map_or(Instant::now() + Duration::from_millis(20), |(at, _)| at.min(Instant::now() + Duration::from_millis(20)));
             let Some(reason) = self.trigger.wait(&plan, &guest, || session.in_flight() < depth, look) else {
-                if next_round.is_some_and(|at| Instant::now() >= at) {
+                if let Some((_, last)) = next_round.filter(|(at, _)| Instant::now() >= *at) {
                     let started = Instant::now();
-                    if let Err(loss) = prefetch_round(&mut self.pipeline, &self.vm, self.epoch, session) {
+                    if let Err(loss) = prefetch_round(&mut self.pipeline, &self.vm, self.epoch, last, session) {
                         return Some(loss);
                     }
                     let finished = Instant::now();
@@ -394,7 +394,6 @@ impl Worker {
                 }
                 continue;
             };
-            tracing::debug!(at_us = Instant::now().duration_since(plan.since).as_micros() as u64, "freeze");
             rounds.new_epoch();
             let epoch = self.epoch;
             self.epoch += 1;
@@ -567,8 +566,8 @@ fn claim_at_start(arbiter: &Arbiter, me: &str) -> Result<Ownership, ReplicationE
 }
 
 /// Send the backup the open epoch's (`epoch`) write-cold dirty pages (`--prefetch`).
-fn prefetch_round(pipeline: &mut Pipeline, vm: &Vm, epoch: u64, session: &Session) -> Result<(), BackupLoss> {
-    match pipeline.prefetch(vm, epoch) {
+fn prefetch_round(pipeline: &mut Pipeline, vm: &Vm, epoch: u64, last: bool, session: &Session) -> Result<(), BackupLoss> {
+    match pipeline.prefetch(vm, epoch, last) {
         Ok(Some(frame)) => session.send_prefetch(epoch, frame).map_err(|loss| session.loss_after(loss)),
         Ok(None) => Ok(()),
         Err(err) => Err(BackupLoss::Checkpoint { epoch, err }),
