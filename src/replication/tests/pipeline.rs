@@ -452,15 +452,16 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
         fill_pages(&primary, 1100..1120, 0x23);
         let frame = pipeline.prefetch(&primary, 2, false).unwrap().expect("cold pages to send").to_vec();
         replica.stage_prefetch(prefetch_payload(&frame), limit).unwrap();
-        // Written again after they were sent: left for the epoch's last
-        // round (no checkpoint says they are hot).
+        // Written again after they were sent: deferred to the epoch's last
+        // quarter (no checkpoint says they are hot).
         fill_pages(&primary, 1100..1104, 0x24);
         fill_pages(&primary, 1200..1201, 0x25);
         let one = pipeline.prefetch(&primary, 2, false).unwrap().expect("page 1200 is cold").to_vec();
         replica.stage_prefetch(prefetch_payload(&one), limit).unwrap();
-        // The last round sends them again (the later copy wins on the backup).
+        // A round of the last quarter sends them again (the later copy wins
+        // on the backup).
         let four = pipeline.prefetch(&primary, 2, true).unwrap().expect("pages 1100..1104 deferred").to_vec();
-        assert!(one.len() < four.len(), "{diff}: page 1200 first, pages 1100..1104 in the last round");
+        assert!(one.len() < four.len(), "{diff}: page 1200 first, pages 1100..1104 in a late round");
         replica.stage_prefetch(prefetch_payload(&four), limit).unwrap();
         // Written after the last round: the stop-and-copy takes it.
         fill_pages(&primary, 1300..1302, 0x26);

@@ -159,11 +159,11 @@ impl Pipeline {
     }
 
     /// A prefetch round for the open epoch `epoch`, while the guest runs
-    /// (`last`: its last before the planned freeze): the frame to send, if
+    /// (`resend`: `prefetch::Schedule::resends`): the frame to send, if
     /// there is anything to send.
-    pub fn prefetch(&mut self, vm: &Vm, epoch: u64, last: bool) -> Result<Option<&[u8]>, ReplicationError> {
+    pub fn prefetch(&mut self, vm: &Vm, epoch: u64, resend: bool) -> Result<Option<&[u8]>, ReplicationError> {
         match &mut self.prefetch {
-            Some(p) => p.round(vm, epoch, last, self.encoder.as_mut()),
+            Some(p) => p.round(vm, epoch, resend, self.encoder.as_mut()),
             None => Ok(None),
         }
     }

@@ -11,10 +11,10 @@
 //! both carried (written late in each epoch, or all through it) is hot; it
 //! is left for the stop-and-copy (`carry`) and, where the dirty backend
 //! can, left writable, so the guest takes no extra tracked first write for
-//! it. A cold page sent and written again is left writable too, and goes
-//! again in the epoch's last round. The rounds crowd towards the planned
-//! freeze (`Schedule`), the last one right before it, so little is written
-//! between it and the freeze. The backup stages what
+//! it. The rounds crowd towards the planned freeze (`Schedule`), the last
+//! one right before it, so little is written between it and the freeze. A
+//! cold page sent and written again goes again in a round of the epoch's
+//! last quarter (one before is left writable and deferred to those). The backup stages what
 //! arrives and commits it only with the checkpoint of the same epoch
 //! (`backup::Replica::stage_prefetch`): a primary that dies mid-epoch
 //! leaves it exactly at the last checkpoint.
@@ -111,6 +111,16 @@ impl Schedule {
         }
     }
 
+    /// Whether the round due at `at` (`last`: the epoch's last) sends the
+    /// pages earlier rounds deferred, and again those it sent and that
+    /// were written since: the epoch's last quarter's rounds do. Sent
+    /// earlier, such a page would likely be written again before the
+    /// freeze: each send re-protects it, so the guest pays one more tracked
+    /// first write for nothing.
+    pub fn resends(since: Instant, max_epoch: Duration, at: Instant, last: bool) -> bool {
+        last || at >= since + max_epoch * 3 / 4
+    }
+
     /// A checkpoint was taken: the next epoch has all its rounds ahead.
     pub fn new_epoch(&mut self) {
         self.done = 0;
@@ -170,27 +180,25 @@ impl Prefetcher {
     }
 
     /// One round for epoch `epoch`: the frame to send (None: nothing cold
-    /// was dirtied). Pages go through `encoder`, the checkpoint's, so a
-    /// diff in the checkpoint is made against what the backup will have
-    /// staged.
-    pub fn round(&mut self, vm: &Vm, epoch: u64, last: bool, encoder: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
+    /// was dirtied). `resend` (`Schedule::resends`): send the pages earlier
+    /// rounds deferred, and again those sent and written since; otherwise
+    /// defer them, left writable. Pages go through `encoder`, the
+    /// checkpoint's, so a diff in the checkpoint is made against what the
+    /// backup will have staged.
+    pub fn round(&mut self, vm: &Vm, epoch: u64, resend: bool, encoder: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
         self.harvested.clear();
         vm.harvest_dirty(&mut self.harvested)?;
-        if last {
-            // What earlier rounds deferred goes now, with what they could
-            // not send: every page the freeze would take but a hot one.
-            // (Those pages were harvested and are tracked since, so what
-            // is read now is reported again if written after this.)
+        if resend {
+            // Every page the freeze would take but a hot one. (A deferred
+            // page was harvested and is tracked since, so what is read now
+            // is reported again if written after this.)
             self.hot.copy_from(&self.carry);
             self.hot.subtract(&self.recent);
             self.harvested.or_words(self.hot.words());
             self.carry.intersect(&self.recent);
         }
         self.hot.copy_from(&self.recent);
-        if !last {
-            // Sent and written again: deferred to the last round, writable
-            // meanwhile (each send re-protects a page, and one written
-            // again is likely to be written once more).
+        if !resend {
             self.hot.or_words(self.sent_pages.words());
             self.hot.or_words(self.carry.words());
         }
@@ -279,6 +287,10 @@ mod tests {
         let second = rounds(&mut s, since, ms(0.1));
         assert_eq!(second.last(), Some(&(EPOCH - ms(0.1) - SLACK, true)));
         assert_eq!(second.len() as u32, ROUNDS, "{second:?}");
+        // The rounds of the last quarter send again what was written since
+        // it was sent; the one at half-time defers it.
+        let resends: Vec<bool> = second.iter().map(|&(at, last)| Schedule::resends(since, EPOCH, since + at, last)).collect();
+        assert_eq!(resends, [false, true, true, true, true, true, true]);
     }
 
     #[test]

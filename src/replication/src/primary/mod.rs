@@ -379,9 +379,10 @@ impl Worker {
             let look =
                 next_round.map_or(Instant::now() + Duration::from_millis(20), |(at, _)| at.min(Instant::now() + Duration::from_millis(20)));
             let Some(reason) = self.trigger.wait(&plan, &guest, || session.in_flight() < depth, look) else {
-                if let Some((_, last)) = next_round.filter(|(at, _)| Instant::now() >= *at) {
+                if let Some((at, last)) = next_round.filter(|(at, _)| Instant::now() >= *at) {
                     let started = Instant::now();
-                    if let Err(loss) = prefetch_round(&mut self.pipeline, &self.vm, self.epoch, last, session) {
+                    let resend = prefetch::Schedule::resends(plan.since, plan.max_epoch, at, last);
+                    if let Err(loss) = prefetch_round(&mut self.pipeline, &self.vm, self.epoch, resend, session) {
                         return Some(loss);
                     }
                     let finished = Instant::now();
@@ -566,8 +567,8 @@ fn claim_at_start(arbiter: &Arbiter, me: &str) -> Result<Ownership, ReplicationE
 }
 
 /// Send the backup the open epoch's (`epoch`) write-cold dirty pages (`--prefetch`).
-fn prefetch_round(pipeline: &mut Pipeline, vm: &Vm, epoch: u64, last: bool, session: &Session) -> Result<(), BackupLoss> {
-    match pipeline.prefetch(vm, epoch, last) {
+fn prefetch_round(pipeline: &mut Pipeline, vm: &Vm, epoch: u64, resend: bool, session: &Session) -> Result<(), BackupLoss> {
+    match pipeline.prefetch(vm, epoch, resend) {
         Ok(Some(frame)) => session.send_prefetch(epoch, frame).map_err(|loss| session.loss_after(loss)),
         Ok(None) => Ok(()),
         Err(err) => Err(BackupLoss::Checkpoint { epoch, err }),
