@@ -437,7 +437,7 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
 
         // Epoch 1: nothing recent yet, so every page harvested is cold.
         fill_pages(&primary, 1000..1040, 0x11);
-        let frame = pipeline.prefetch(&primary, 1).unwrap().expect("cold pages to send").to_vec();
+        let frame = pipeline.prefetch(&primary, 1, true).unwrap().expect("cold pages to send").to_vec();
         let before = ram_bytes(&replica.vm);
         replica.stage_prefetch(prefetch_payload(&frame), limit).unwrap();
         assert!(ram_bytes(&replica.vm) == before, "{diff}: staged pages are not in RAM yet");
@@ -450,18 +450,24 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
         // page harvested is cold again.
         fill_pages(&primary, 1000..1010, 0x22);
         fill_pages(&primary, 1100..1120, 0x23);
-        let frame = pipeline.prefetch(&primary, 2).unwrap().expect("cold pages to send").to_vec();
+        let frame = pipeline.prefetch(&primary, 2, false).unwrap().expect("cold pages to send").to_vec();
         replica.stage_prefetch(prefetch_payload(&frame), limit).unwrap();
-        // Written again after they were sent: hot, left to the checkpoint.
+        // Written again after they were sent: deferred to the epoch's last
+        // quarter (no checkpoint says they are hot).
         fill_pages(&primary, 1100..1104, 0x24);
         fill_pages(&primary, 1200..1201, 0x25);
-        let frame = pipeline.prefetch(&primary, 2).unwrap().expect("page 1200 is cold").to_vec();
-        replica.stage_prefetch(prefetch_payload(&frame), limit).unwrap();
+        let one = pipeline.prefetch(&primary, 2, false).unwrap().expect("page 1200 is cold").to_vec();
+        replica.stage_prefetch(prefetch_payload(&one), limit).unwrap();
+        // A round of the last quarter sends them again (the later copy wins
+        // on the backup).
+        let four = pipeline.prefetch(&primary, 2, true).unwrap().expect("pages 1100..1104 deferred").to_vec();
+        assert!(one.len() < four.len(), "{diff}: page 1200 first, pages 1100..1104 in a late round");
+        replica.stage_prefetch(prefetch_payload(&four), limit).unwrap();
         // Written after the last round: the stop-and-copy takes it.
         fill_pages(&primary, 1300..1302, 0x26);
         let before = ram_bytes(&replica.vm);
         let (taken, frame) = pipeline.take(&primary, 2).unwrap();
-        assert_eq!((taken.prefetched.pages, taken.commit_pages, taken.dirty_pages), (31, 6, 33), "{diff}");
+        assert_eq!((taken.prefetched.pages, taken.commit_pages, taken.dirty_pages), (35, 2, 33), "{diff}");
         assert!(ram_bytes(&replica.vm) == before, "{diff}: staging changed nothing");
         commit(&mut replica, frame);
         assert!(ram_bytes(&replica.vm) == ram_bytes(&primary), "{diff}: after checkpoint 2");
@@ -471,7 +477,7 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
         // evidence of heat: they go ahead.
         fill_pages(&primary, 1300..1302, 0x31);
         fill_pages(&primary, 1400..1410, 0x32);
-        let frame = pipeline.prefetch(&primary, 3).unwrap().expect("cold pages to send").to_vec();
+        let frame = pipeline.prefetch(&primary, 3, true).unwrap().expect("cold pages to send").to_vec();
         let payload = prefetch_payload(&frame);
         // A round of another epoch is refused, and nothing is staged for it.
         assert!(replica.stage_prefetch(payload.clone(), limit).is_ok());
@@ -492,7 +498,7 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
         // pages 1300..1302 are hot and stay for the stop-and-copy.
         fill_pages(&primary, 1300..1302, 0x41);
         fill_pages(&primary, 1500..1501, 0x42);
-        assert!(pipeline.prefetch(&primary, 4).unwrap().is_some());
+        assert!(pipeline.prefetch(&primary, 4, true).unwrap().is_some());
         let (taken, _) = pipeline.take(&primary, 4).unwrap();
         assert_eq!((taken.prefetched.pages, taken.commit_pages), (1, 2), "{diff}");
     }

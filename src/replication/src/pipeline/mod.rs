@@ -158,11 +158,12 @@ impl Pipeline {
         self.prefetch.is_some()
     }
 
-    /// A prefetch round for the open epoch `epoch`, while the guest runs:
-    /// the frame to send, if there is anything to send.
-    pub fn prefetch(&mut self, vm: &Vm, epoch: u64) -> Result<Option<&[u8]>, ReplicationError> {
+    /// A prefetch round for the open epoch `epoch`, while the guest runs
+    /// (`resend`: `prefetch::Schedule::resends`): the frame to send, if
+    /// there is anything to send.
+    pub fn prefetch(&mut self, vm: &Vm, epoch: u64, resend: bool) -> Result<Option<&[u8]>, ReplicationError> {
         match &mut self.prefetch {
-            Some(p) => p.round(vm, epoch, self.encoder.as_mut()),
+            Some(p) => p.round(vm, epoch, resend, self.encoder.as_mut()),
             None => Ok(None),
         }
     }

@@ -8,14 +8,18 @@
 //! read is reported again and goes again (in a later round or in the
 //! checkpoint), so a torn read is never what the backup commits. Write-cold
 //! pages go first, in fact only they go: a page the last two checkpoints
-//! both carried (written late in each epoch, or all through it), or one
-//! already sent in this epoch and written again, is hot; it is left for the
-//! stop-and-copy
-//! (`carry`) and, where the dirty backend can, left writable, so the guest
-//! takes no extra tracked first write for it. The backup stages what
+//! both carried (written late in each epoch, or all through it) is hot; it
+//! is left for the stop-and-copy (`carry`) and, where the dirty backend
+//! can, left writable, so the guest takes no extra tracked first write for
+//! it. The rounds crowd towards the planned freeze (`Schedule`), the last
+//! one right before it, so little is written between it and the freeze. A
+//! cold page sent and written again goes again in a round of the epoch's
+//! last quarter (one before is left writable and deferred to those). The backup stages what
 //! arrives and commits it only with the checkpoint of the same epoch
 //! (`backup::Replica::stage_prefetch`): a primary that dies mid-epoch
 //! leaves it exactly at the last checkpoint.
+
+use std::time::{Duration, Instant};
 
 use ftvm_vmm::memory::PAGE;
 use ftvm_vmm::pages::{BundleWriter, PageEncoder};
@@ -35,10 +39,94 @@ switch! {
     }
 }
 
-/// Prefetch rounds per epoch, evenly spaced over its planned length (the
-/// last quarter is left to the stop-and-copy: what is written there is
-/// likely written again before the freeze).
+/// Prefetch rounds per epoch at most.
 pub const ROUNDS: u32 = 7;
+
+/// How long the last round of an epoch is assumed to take before one was
+/// measured.
+const FIRST_LEAD: Duration = Duration::from_micros(500);
+
+/// What the last round's lead adds to the measured length of a last round:
+/// the replication thread's wake-up is late by about this on a loaded host.
+const SLACK: Duration = Duration::from_micros(100);
+
+/// When an epoch's rounds run. Every page written between the last round
+/// and the freeze goes in the stop-and-copy, so the last round ends right
+/// before the planned freeze (its lead is the length of the previous
+/// epoch's last round, plus some slack); the ones before it each halve what
+/// is left of the epoch (at 1/2, 3/4, 7/8, ... of it), so the rounds grow
+/// denser and smaller towards the freeze and a page is sent as late as
+/// possible, when it is least likely to be written again before the
+/// freeze.
+#[derive(Clone, Copy, Debug)]
+pub struct Schedule {
+    /// Rounds before the last done (or skipped) in the open epoch.
+    done: u32,
+    /// The open epoch's last round ran (or was skipped).
+    last_done: bool,
+    /// The last round starts this long before the planned freeze.
+    lead: Duration,
+}
+
+impl Default for Schedule {
+    fn default() -> Schedule {
+        Schedule { done: 0, last_done: false, lead: FIRST_LEAD + SLACK }
+    }
+}
+
+impl Schedule {
+    /// When the next round of the epoch that started at `since`, planned to
+    /// last `max_epoch`, is due, and whether it is the epoch's last (None:
+    /// the epoch had its rounds).
+    pub fn next(&self, since: Instant, max_epoch: Duration) -> Option<(Instant, bool)> {
+        if self.last_done {
+            return None;
+        }
+        let last = since + max_epoch.saturating_sub(self.lead);
+        let halving = since + max_epoch - max_epoch / (1u32 << (self.done + 1).min(31));
+        Some(if self.done + 1 < ROUNDS && halving < last { (halving, false) } else { (last, true) })
+    }
+
+    /// A round ran from `started` to `finished`: skip the rounds before the
+    /// last that are already due (they would find almost nothing new), and
+    /// the last if the freeze is nearer than half its lead; learn from the
+    /// epoch's last round how long before the freeze it must start.
+    pub fn ran(&mut self, since: Instant, max_epoch: Duration, started: Instant, finished: Instant) {
+        if let Some((_, true)) = self.next(since, max_epoch) {
+            self.last_done = true;
+            self.lead = (finished.saturating_duration_since(started) + SLACK).min(max_epoch / 4);
+            return;
+        }
+        self.done += 1;
+        while let Some((at, last)) = self.next(since, max_epoch) {
+            if last {
+                // Still worth it if it can end about when the freeze is planned.
+                self.last_done = finished + self.lead / 2 >= since + max_epoch;
+                break;
+            }
+            if at > finished {
+                break;
+            }
+            self.done += 1;
+        }
+    }
+
+    /// Whether the round due at `at` (`last`: the epoch's last) sends the
+    /// pages earlier rounds deferred, and again those it sent and that
+    /// were written since: the epoch's last quarter's rounds do. Sent
+    /// earlier, such a page would likely be written again before the
+    /// freeze: each send re-protects it, so the guest pays one more tracked
+    /// first write for nothing.
+    pub fn resends(since: Instant, max_epoch: Duration, at: Instant, last: bool) -> bool {
+        last || at >= since + max_epoch * 3 / 4
+    }
+
+    /// A checkpoint was taken: the next epoch has all its rounds ahead.
+    pub fn new_epoch(&mut self) {
+        self.done = 0;
+        self.last_done = false;
+    }
+}
 
 /// What the prefetch rounds of one epoch sent.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -92,15 +180,27 @@ impl Prefetcher {
     }
 
     /// One round for epoch `epoch`: the frame to send (None: nothing cold
-    /// was dirtied). Pages go through `encoder`, the checkpoint's, so a
-    /// diff in the checkpoint is made against what the backup will have
-    /// staged.
-    pub fn round(&mut self, vm: &Vm, epoch: u64, encoder: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
+    /// was dirtied). `resend` (`Schedule::resends`): send the pages earlier
+    /// rounds deferred, and again those sent and written since; otherwise
+    /// defer them, left writable. Pages go through `encoder`, the
+    /// checkpoint's, so a diff in the checkpoint is made against what the
+    /// backup will have staged.
+    pub fn round(&mut self, vm: &Vm, epoch: u64, resend: bool, encoder: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
         self.harvested.clear();
         vm.harvest_dirty(&mut self.harvested)?;
+        if resend {
+            // Every page the freeze would take but a hot one. (A deferred
+            // page was harvested and is tracked since, so what is read now
+            // is reported again if written after this.)
+            self.hot.copy_from(&self.carry);
+            self.hot.subtract(&self.recent);
+            self.harvested.or_words(self.hot.words());
+            self.carry.intersect(&self.recent);
+        }
         self.hot.copy_from(&self.recent);
-        for other in [&self.sent_pages, &self.carry] {
-            self.hot.or_words(other.words());
+        if !resend {
+            self.hot.or_words(self.sent_pages.words());
+            self.hot.or_words(self.carry.words());
         }
         self.hot.intersect(&self.harvested);
         // Before any page is read: a write after this is reported again.
@@ -108,6 +208,7 @@ impl Prefetcher {
         self.carry.or_words(self.hot.words());
         self.harvested.subtract(&self.hot);
         let cold = self.harvested.count();
+        tracing::debug!(hot = self.hot.count(), cold, "prefetch round harvested");
         let most = 8 + ftvm_vmm::pages::max_bundle_len(0, cold);
         if cold == 0 || self.sent.bytes + most > self.limit {
             // Over the epoch's budget: the checkpoint takes them.
@@ -150,5 +251,58 @@ impl Prefetcher {
             b.clear();
         }
         self.sent = Sent::default();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EPOCH: Duration = Duration::from_millis(16);
+
+    /// The rounds of one epoch as the primary runs them, each taking `took`.
+    fn rounds(schedule: &mut Schedule, since: Instant, took: Duration) -> Vec<(Duration, bool)> {
+        let mut at = Vec::new();
+        let mut free = since;
+        while let Some((due, last)) = schedule.next(since, EPOCH) {
+            at.push((due - since, last));
+            let started = due.max(free);
+            free = started + took;
+            schedule.ran(since, EPOCH, started, free);
+        }
+        at
+    }
+
+    #[test]
+    fn rounds_halve_what_is_left_and_the_last_starts_its_lead_before_the_freeze() {
+        let mut s = Schedule::default();
+        let since = Instant::now();
+        let ms = |f: f64| Duration::from_secs_f64(f / 1e3);
+        let first = rounds(&mut s, since, ms(0.1));
+        let lead = FIRST_LEAD + SLACK;
+        assert_eq!(first, vec![(ms(8.0), false), (ms(12.0), false), (ms(14.0), false), (ms(15.0), false), (EPOCH - lead, true)]);
+        // The next epoch's last round starts as long before the freeze as
+        // the last one took, plus the slack.
+        s.new_epoch();
+        let second = rounds(&mut s, since, ms(0.1));
+        assert_eq!(second.last(), Some(&(EPOCH - ms(0.1) - SLACK, true)));
+        assert_eq!(second.len() as u32, ROUNDS, "{second:?}");
+        // The rounds of the last quarter send again what was written since
+        // it was sent; the one at half-time defers it.
+        let resends: Vec<bool> = second.iter().map(|&(at, last)| Schedule::resends(since, EPOCH, since + at, last)).collect();
+        assert_eq!(resends, [false, true, true, true, true, true, true]);
+    }
+
+    #[test]
+    fn a_slow_round_skips_the_rounds_it_overran_but_not_the_last() {
+        let mut s = Schedule::default();
+        let since = Instant::now();
+        let (first, _) = s.next(since, EPOCH).unwrap();
+        // The first round ends past the second and third ones' times.
+        s.ran(since, EPOCH, first, since + Duration::from_millis(14) + Duration::from_micros(1));
+        assert_eq!(s.next(since, EPOCH), Some((since + Duration::from_millis(15), false)));
+        // One that ends right before the freeze leaves no time for the last.
+        s.ran(since, EPOCH, since + Duration::from_millis(15), since + EPOCH - Duration::from_micros(100));
+        assert_eq!(s.next(since, EPOCH), None);
     }
 }

@@ -21,7 +21,7 @@ use crate::metrics::{MetricsLog, Role, Status, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::pipeline::prefetch;
 use crate::pipeline::transport::Auth;
-use crate::pipeline::trigger::{self, Pacing, Plan, Reason, Sample, Trigger};
+use crate::pipeline::trigger::{self, Pacing, Reason, Sample, Trigger};
 use crate::pipeline::{Pipeline, Switches};
 use crate::protocol::{Kind, ProtocolError};
 use crate::switch::switch;
@@ -363,8 +363,8 @@ impl Worker {
         let depth = self.config.pipeline_depth.max(1);
         let guest = trigger::GuestView { vm: &self.vm, output: &self.output };
         let mut since = Instant::now();
-        // Prefetch rounds done in the open epoch.
-        let mut rounds = 0;
+        // When the open epoch's prefetch rounds run.
+        let mut rounds = prefetch::Schedule::default();
         loop {
             if let Some(loss) = session.take_loss() {
                 return Some(loss);
@@ -374,20 +374,28 @@ impl Worker {
                 return None;
             }
             let plan = pacing.plan(since);
-            let next_round = self.pipeline.prefetches().then(|| prefetch_round_at(&plan, rounds)).flatten();
+            let next_round = self.pipeline.prefetches().then(|| rounds.next(plan.since, plan.max_epoch)).flatten();
             // Back now and then to look at the loss and stop flags.
             let look =
-                next_round.map_or(Instant::now() + Duration::from_millis(20), |at| at.min(Instant::now() + Duration::from_millis(20)));
+                next_round.map_or(Instant::now() + Duration::from_millis(20), |(at, _)| at.min(Instant::now() + Duration::from_millis(20)));
             let Some(reason) = self.trigger.wait(&plan, &guest, || session.in_flight() < depth, look) else {
-                if next_round.is_some_and(|at| Instant::now() >= at) {
-                    rounds += 1;
-                    if let Err(loss) = prefetch_round(&mut self.pipeline, &self.vm, self.epoch, session) {
+                if let Some((at, last)) = next_round.filter(|(at, _)| Instant::now() >= *at) {
+                    let started = Instant::now();
+                    let resend = prefetch::Schedule::resends(plan.since, plan.max_epoch, at, last);
+                    if let Err(loss) = prefetch_round(&mut self.pipeline, &self.vm, self.epoch, resend, session) {
                         return Some(loss);
                     }
+                    let finished = Instant::now();
+                    tracing::debug!(
+                        at_us = started.duration_since(plan.since).as_micros() as u64,
+                        took_us = (finished - started).as_micros() as u64,
+                        "prefetch round"
+                    );
+                    rounds.ran(plan.since, plan.max_epoch, started, finished);
                 }
                 continue;
             };
-            rounds = 0;
+            rounds.new_epoch();
             let epoch = self.epoch;
             self.epoch += 1;
             let held = self.output.held_since();
@@ -558,16 +566,9 @@ fn claim_at_start(arbiter: &Arbiter, me: &str) -> Result<Ownership, ReplicationE
     }
 }
 
-/// When prefetch round `done` (counting from 0) of the epoch planned by
-/// `plan` is due: the rounds are spread evenly over the epoch's planned
-/// length (None: the epoch has had its rounds).
-fn prefetch_round_at(plan: &Plan, done: u32) -> Option<Instant> {
-    (done < prefetch::ROUNDS).then(|| plan.since + plan.max_epoch * (done + 1) / (prefetch::ROUNDS + 1))
-}
-
 /// Send the backup the open epoch's (`epoch`) write-cold dirty pages (`--prefetch`).
-fn prefetch_round(pipeline: &mut Pipeline, vm: &Vm, epoch: u64, session: &Session) -> Result<(), BackupLoss> {
-    match pipeline.prefetch(vm, epoch) {
+fn prefetch_round(pipeline: &mut Pipeline, vm: &Vm, epoch: u64, resend: bool, session: &Session) -> Result<(), BackupLoss> {
+    match pipeline.prefetch(vm, epoch, resend) {
         Ok(Some(frame)) => session.send_prefetch(epoch, frame).map_err(|loss| session.loss_after(loss)),
         Ok(None) => Ok(()),
         Err(err) => Err(BackupLoss::Checkpoint { epoch, err }),
