@@ -155,29 +155,31 @@ fn fold(mut sum: u32) -> u16 {
     !(sum as u16)
 }
 
+/// The ones'-complement sum of `seg`'s pseudo-header and TCP segment, as
+/// `frame` holds them (checksum field included).
+fn tcp_sum(frame: &[u8], seg: &Segment) -> u32 {
+    let tcp_len = (seg.end - seg.tcp) as u32;
+    let sum = sum16(0, &frame[seg.ip + 12..seg.ip + 20]) + u32::from(PROTO_TCP) + tcp_len;
+    sum16(sum, &frame[seg.tcp..seg.end])
+}
+
 /// Recompute the TCP checksum of `seg` in `frame` (pseudo-header included).
 fn tcp_checksum(frame: &mut [u8], seg: &Segment) {
     frame[seg.tcp + 16..seg.tcp + 18].fill(0);
-    let tcp_len = (seg.end - seg.tcp) as u32;
-    let mut sum = sum16(0, &frame[seg.ip + 12..seg.ip + 20]);
-    sum += u32::from(PROTO_TCP) + tcp_len;
-    sum = sum16(sum, &frame[seg.tcp..seg.end]);
-    frame[seg.tcp + 16..seg.tcp + 18].copy_from_slice(&fold(sum).to_be_bytes());
+    let sum = fold(tcp_sum(frame, seg));
+    frame[seg.tcp + 16..seg.tcp + 18].copy_from_slice(&sum.to_be_bytes());
     // The checksum is complete now: clear the header's NEEDS_CSUM.
     frame[0] &= !1;
 }
 
-/// Whether the TCP checksum of `frame`'s segment is right (tests, and the
-/// proxy's own frames).
+/// Whether the TCP checksum of `frame`'s segment is right.
+#[cfg(test)]
 pub fn checksum_ok(frame: &[u8]) -> bool {
-    let Some(seg) = parse(frame) else { return false };
-    let tcp_len = (seg.end - seg.tcp) as u32;
-    let mut sum = sum16(0, &frame[seg.ip + 12..seg.ip + 20]);
-    sum += u32::from(PROTO_TCP) + tcp_len;
-    fold(sum16(sum, &frame[seg.tcp..seg.end])) == 0
+    parse(frame).is_some_and(|seg| fold(tcp_sum(frame, &seg)) == 0)
 }
 
 /// Whether the IPv4 header checksum of `frame` is right.
+#[cfg(test)]
 pub fn ip_checksum_ok(frame: &[u8]) -> bool {
     let Some(seg) = parse(frame) else { return false };
     fold(sum16(0, &frame[seg.ip..seg.tcp])) == 0
