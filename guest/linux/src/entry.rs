@@ -84,6 +84,9 @@ impl Frame {
 /// The program's rsp between `syscall` and the switch to the kernel stack.
 #[no_mangle]
 static mut FTVM_LINUX_USER_RSP: u64 = 0;
+/// Set by the `syscall=jmp` entry, taken (cleared) by [`take_via_jmp`].
+#[no_mangle]
+static mut FTVM_LINUX_VIA_JMP: u8 = 0;
 /// Top of the running thread's kernel stack; `sched` sets it on every switch.
 #[no_mangle]
 pub(crate) static mut FTVM_LINUX_KSTACK_TOP: u64 = 0;
@@ -91,9 +94,23 @@ pub(crate) static mut FTVM_LINUX_KSTACK_TOP: u64 = 0;
 global_asm!(
     ".globl ftvm_linux_syscall_entry",
     ".globl ftvm_linux_return_to_user",
+    ".globl ftvm_linux_jmp_entry",
+    // From a `syscall=jmp` stub (see `sysjmp`): rcx = return address, rax =
+    // number, as after `syscall`; r11 is made the caller's RFLAGS here, on
+    // the kernel stack (pushfq on the program's stack would write into its
+    // red zone), and DF cleared as the VMM's SFMASK clears it.
+    "ftvm_linux_jmp_entry:",
+    "mov [rip + FTVM_LINUX_USER_RSP], rsp",
+    "mov rsp, [rip + FTVM_LINUX_KSTACK_TOP]",
+    "pushfq",
+    "pop r11",
+    "cld",
+    "mov byte ptr [rip + FTVM_LINUX_VIA_JMP], 1",
+    "jmp 2f",
     "ftvm_linux_syscall_entry:",
     "mov [rip + FTVM_LINUX_USER_RSP], rsp",
     "mov rsp, [rip + FTVM_LINUX_KSTACK_TOP]",
+    "2:",
     "push qword ptr [rip + FTVM_LINUX_USER_RSP]",
     "push rcx",
     "push r11",
@@ -143,6 +160,21 @@ extern "C" {
     /// The address the VMM puts in LSTAR (through the image's ABI note).
     pub fn ftvm_linux_syscall_entry();
     fn ftvm_linux_return_to_user();
+    /// Where `syscall=jmp` stubs continue (see `sysjmp`).
+    pub fn ftvm_linux_jmp_entry();
+}
+
+/// Whether the system call being served came through a `syscall=jmp` stub
+/// (not a `syscall` instruction); clears the mark for the next call.
+pub fn take_via_jmp() -> bool {
+    let p = &raw mut FTVM_LINUX_VIA_JMP;
+    // SAFETY: one vCPU runs the program and the runtime (see the module
+    // doc): nothing else touches the byte between the entry and here.
+    unsafe {
+        let was = p.read();
+        p.write(0);
+        was != 0
+    }
 }
 
 extern "C" fn dispatch_entry(frame: &mut Frame) {

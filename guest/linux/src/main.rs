@@ -32,6 +32,8 @@ mod random;
 mod sched;
 mod start;
 mod sys;
+mod sysjmp;
+mod text;
 mod vdso;
 
 use core::alloc::Layout;
@@ -101,12 +103,18 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     }
     fd::init_stdio();
     let vdso = opts.vdso.then(vdso::build);
-    if opts.patch_syscalls {
-        patch::init(&program);
+    match opts.syscall {
+        options::SyscallMode::Trap => {}
+        options::SyscallMode::Jmp => sysjmp::init(&program),
+        options::SyscallMode::Patch => patch::init(&program),
     }
+    SYSCALL_MODE.call_once(|| opts.syscall);
     let frame = start::initial_frame(&program, &cmd.argv, &cmd.env, vdso, stack, stack + MAIN_STACK);
     sched::start(frame)
 }
+
+/// How system calls reach the entry, once the program runs.
+static SYSCALL_MODE: spin::Once<options::SyscallMode> = spin::Once::new();
 
 /// The program is done (exit_group, or its last thread exited).
 pub fn exit_program(status: i32) -> ! {
@@ -117,6 +125,16 @@ pub fn exit_program(status: i32) -> ! {
     }
     if patch::enabled() {
         println!("linux: {} syscall instructions were rewritten into calls", patch::patched());
+    }
+    // How the program's system calls came in: what `syscall=` is worth.
+    if let Some(mode) = SYSCALL_MODE.get() {
+        let (calls, jumped) = sysjmp::calls();
+        let called = patch::called();
+        let trapped = calls - jumped - called;
+        match mode {
+            options::SyscallMode::Jmp => println!("linux: syscall=jmp trapped={trapped} {}", sysjmp::report()),
+            _ => println!("linux: syscall={} trapped={trapped} calls={calls}", mode.name()),
+        }
     }
     ftvm_rt::exit(status & 0xff)
 }

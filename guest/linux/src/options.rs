@@ -8,7 +8,7 @@
 //! | `disk=PATH` | mount the virtio-blk disk's file system at PATH (e.g. `/data`) |
 //! | `cwd=PATH` | the program's working directory (default `/`, or the disk's mount point) |
 //! | `vdso=on\|off` | give the program a vDSO for the clock calls (default on; see `vdso`) |
-//! | `syscall=trap\|patch` | leave `syscall` instructions as they are (default), or rewrite them into calls as they run (see `patch`) |
+//! | `syscall=jmp\|trap\|patch` | rewrite the instruction before each `syscall` into a jump to a stub when it can (default, see `sysjmp`), leave `syscall` instructions trapping, or rewrite them into calls through page 0 (see `patch`) |
 //! | `notify=exact\|eager` | notify the network device by the virtio event-index rule (default), or whenever the ring is past the device's event index, as before (for measuring) |
 
 use alloc::format;
@@ -17,6 +17,27 @@ use alloc::vec::Vec;
 
 use ftvm_rt::net::NetConfig;
 
+/// How the program's `syscall` instructions reach the system-call entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyscallMode {
+    /// As they are: each one traps to the hypervisor first.
+    Trap,
+    /// Sites rewritten into jumps to per-site stubs (`sysjmp`).
+    Jmp,
+    /// `syscall` rewritten into `call *%rax` through page 0 (`patch`).
+    Patch,
+}
+
+impl SyscallMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            SyscallMode::Trap => "trap",
+            SyscallMode::Jmp => "jmp",
+            SyscallMode::Patch => "patch",
+        }
+    }
+}
+
 pub struct Options {
     pub net: Option<NetConfig>,
     pub epoch_ns: Option<u64>,
@@ -24,7 +45,7 @@ pub struct Options {
     pub disk: Option<String>,
     pub cwd: Option<String>,
     pub vdso: bool,
-    pub patch_syscalls: bool,
+    pub syscall: SyscallMode,
     /// The exact event-index rule for device notifications.
     pub exact_notify: bool,
 }
@@ -38,7 +59,7 @@ impl Options {
             disk: None,
             cwd: None,
             vdso: true,
-            patch_syscalls: false,
+            syscall: SyscallMode::Jmp,
             exact_notify: true,
         };
         let mut net_words: Vec<&str> = Vec::new();
@@ -54,10 +75,11 @@ impl Options {
                 "disk" | "cwd" => return Err(format!("{k}= needs an absolute path")),
                 "vdso" => o.vdso = on_off(k, v)?,
                 "syscall" => {
-                    o.patch_syscalls = match v {
-                        "trap" => false,
-                        "patch" => true,
-                        _ => return Err(format!("bad syscall= value {v:?} (expected trap or patch)")),
+                    o.syscall = match v {
+                        "trap" => SyscallMode::Trap,
+                        "jmp" => SyscallMode::Jmp,
+                        "patch" => SyscallMode::Patch,
+                        _ => return Err(format!("bad syscall= value {v:?} (expected jmp, trap or patch)")),
                     }
                 }
                 "notify" => {

@@ -37,35 +37,19 @@ use crate::entry;
 
 const SYSCALL: [u8; 2] = [0x0f, 0x05];
 const CALL_RAX: [u8; 2] = [0xff, 0xd0];
-const PT_LOAD: u32 = 1;
-const PF_X: u32 = 1;
 
 /// The program's executable segments, [start, end), once patching is on.
 static TEXT: Once<Vec<(u64, u64)>> = Once::new();
 /// Sites rewritten so far.
 static PATCHED: AtomicU64 = AtomicU64::new(0);
+/// System calls that came through the trampoline (no trap).
+static CALLED: AtomicU64 = AtomicU64::new(0);
 /// Their addresses, sorted: the only places the trampoline is called from.
 static SITES: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 
 /// Turn patching on for `program` (its segments are loaded).
 pub fn init(program: &Program) {
-    let mut text = Vec::new();
-    for i in 0..u64::from(program.phnum) {
-        let ph = program.phdr + i * u64::from(program.phent);
-        // SAFETY: the VMM loaded the program's headers at `phdr` (AT_PHDR),
-        // in the program's memory, which the runtime owns until it starts.
-        let (kind, flags, vaddr, memsz) = unsafe {
-            (
-                (ph as *const u32).read_unaligned(),
-                ((ph + 4) as *const u32).read_unaligned(),
-                ((ph + 16) as *const u64).read_unaligned(),
-                ((ph + 40) as *const u64).read_unaligned(),
-            )
-        };
-        if kind == PT_LOAD && flags & PF_X != 0 {
-            text.push((vaddr, vaddr.saturating_add(memsz)));
-        }
-    }
+    let text = crate::text::segments(program);
     ftvm_rt::map_syscall_page(entry::ftvm_linux_syscall_entry);
     TEXT.call_once(|| text);
 }
@@ -92,7 +76,7 @@ pub fn site(ret: u64) -> Entry {
     let Ok(bytes) = crate::sys::user::bytes(at, 2) else { return Entry::NullCall };
     let bytes = [bytes[0], bytes[1]];
     if bytes == SYSCALL {
-        if text.iter().any(|&(start, end)| at >= start && ret <= end) {
+        if crate::text::contains(text, at, ret) {
             let p = at as *mut [u8; 2];
             // SAFETY: the two bytes lie in an executable segment of the
             // program (checked), identity-mapped and writable from here; the
@@ -109,6 +93,7 @@ pub fn site(ret: u64) -> Entry {
         return Entry::Syscall;
     }
     if bytes == CALL_RAX && SITES.lock().binary_search(&at).is_ok() {
+        CALLED.fetch_add(1, Ordering::Relaxed);
         return Entry::Syscall;
     }
     Entry::NullCall
@@ -121,4 +106,9 @@ pub fn enabled() -> bool {
 /// Sites rewritten so far.
 pub fn patched() -> u64 {
     PATCHED.load(Ordering::Relaxed)
+}
+
+/// System calls that came through the trampoline from a rewritten site.
+pub fn called() -> u64 {
+    CALLED.load(Ordering::Relaxed)
 }

@@ -25,6 +25,11 @@ use crate::sched;
 pub type SysResult = Result<u64, Errno>;
 
 pub fn dispatch(frame: &mut Frame) {
+    let via_jmp = crate::entry::take_via_jmp();
+    crate::sysjmp::count(via_jmp);
+    if !via_jmp {
+        crate::sysjmp::trapped(frame.rip, frame.rax);
+    }
     if crate::patch::site(frame.rip) == crate::patch::Entry::NullCall {
         // Without the trampoline page this would have been a page fault at
         // address 0: end the program the same way, not serve a `read`.
