@@ -270,8 +270,39 @@ fn median_f64(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// System calls and system-call traps per request over a Linux guest's
+/// whole life (warm-up included), from the line its runtime prints when
+/// redis-server exits: `linux: syscall=MODE trapped=T ... calls=C`.
+type SyscallCounts = Option<(f64, f64)>;
+
+/// Stop redis-server in `guest` (SHUTDOWN NOSAVE) after it served `served`
+/// requests, and read its runtime's system-call counts.
+fn syscall_counts(topo: &Topology, guest: &mut Guest, served: u64) -> Result<(f64, f64), BoxError> {
+    // No reply comes: the VM stops, and its connection with it.
+    let _ = topo
+        .command("client", "timeout")
+        .args(["3", "redis-cli", "-h", GUEST_ADDR, "-p", PORT, "SHUTDOWN", "NOSAVE"])
+        .stdin(Stdio::null())
+        .output();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while guest.vmm.try_wait().is_none() {
+        if Instant::now() > deadline {
+            return Err(format!("the guest did not stop after SHUTDOWN: {}", guest.vmm.output()).into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = guest.vmm.stdout();
+    let line = out.lines().find(|l| l.starts_with("linux: syscall=")).ok_or_else(|| format!("no system-call counts at exit: {out}"))?;
+    let field = |key: &str| -> Result<f64, BoxError> {
+        let v = line.split_whitespace().find_map(|w| w.strip_prefix(key)).and_then(|v| v.parse::<u64>().ok());
+        Ok(v.ok_or_else(|| format!("no {key} in {line:?}"))? as f64 / served.max(1) as f64)
+    };
+    Ok((field("calls=")?, field("trapped=")?))
+}
+
 /// The guest with runtime options `variant`, unreplicated, against the
-/// native server, alternating run by run.
+/// native server, alternating run by run; with `--app redis` also its
+/// system calls and traps per request.
 fn unreplicated(
     topo: &Topology,
     ftvm: &Path,
@@ -279,7 +310,7 @@ fn unreplicated(
     opts: &Options,
     variant: &str,
     native: &mut Process,
-) -> Result<Paired, BoxError> {
+) -> Result<(Paired, SyscallCounts), BoxError> {
     let mut guest = Guest::start(topo, ftvm, image, opts.app, variant, None)?;
     wait_serving(topo, GUEST_ADDR, &mut guest.vmm)?;
     warm_up(topo, GUEST_ADDR, opts)?;
@@ -301,7 +332,15 @@ fn unreplicated(
         }
         figures.push((p, [median(g_set), median(g_get)], [median(n_set), median(n_get)], (median_f64(g_cpu), median_f64(n_cpu))));
     }
-    Ok(figures)
+    let counts = match opts.app {
+        App::Redis => {
+            // SET and GET per run; one warm-up run, then every measured one.
+            let served = 2 * opts.requests * (1 + (opts.repeat * opts.pipeline.len()) as u64);
+            Some(syscall_counts(topo, &mut guest, served)?)
+        }
+        App::Kv => None,
+    };
+    Ok((figures, counts))
 }
 
 fn ftvm_path(opts: &Options) -> Result<PathBuf, BoxError> {
@@ -352,7 +391,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     // Unreplicated, one vCPU (the default), alternating with the native
     // server so that drift on the host hits both alike; then each variant
     // the same way.
-    let figures = unreplicated(&topo, &ftvm, &image, opts, "", &mut native)?;
+    let (figures, counts) = unreplicated(&topo, &ftvm, &image, opts, "", &mut native)?;
     let mut variants = Vec::new();
     for v in &opts.variant {
         variants.push((v.as_str(), unreplicated(&topo, &ftvm, &image, opts, v, &mut native)?));
@@ -382,6 +421,17 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let mut rows = Vec::new();
     let mut chart = Vec::new();
     let name = app.name();
+    // Counted, not timed: what the system-call entry costs hardly depends
+    // on what else the host runs.
+    let all = std::iter::once(("", &counts)).chain(variants.iter().map(|(v, (_, c))| (*v, c)));
+    for (v, c) in all {
+        if let Some((calls, traps)) = c {
+            let label = if v.is_empty() { String::new() } else { format!(", {v}") };
+            let group = format!("{name} system calls, whole guest run");
+            rows.push(Row { group: group.clone(), case: format!("calls per request{label}"), value: *calls, unit: "", reference: None });
+            rows.push(Row { group, case: format!("traps per request{label}"), value: *traps, unit: "", reference: None });
+        }
+    }
     for (k, ((p, unrep, native, cpu), prot)) in figures.into_iter().zip(protected).enumerate() {
         let group = format!("{name} SET+GET -P {p} -c {}", opts.clients);
         rows.push(Row {
@@ -392,7 +442,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             reference: Some(cpu.1),
         });
         for (v, runs) in &variants {
-            let (_, _, _, vcpu) = &runs[k];
+            let (_, _, _, vcpu) = &runs.0[k];
             rows.push(Row {
                 group: group.clone(),
                 case: format!("CPU per request unreplicated, {v} (ref: native)"),
@@ -413,7 +463,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                     reference: Some(pick(n)),
                 });
                 for (v, runs) in &variants {
-                    let (_, vg, vn, _) = &runs[k];
+                    let (_, vg, vn, _) = &runs.0[k];
                     rows.push(Row {
                         group: group.clone(),
                         case: format!("{what} unreplicated, {v} (ref: native)"),
@@ -435,7 +485,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             chart.push((format!("{group}: native"), n.rps));
             chart.push((format!("{group}: ftvm"), g.rps));
             for (v, runs) in &variants {
-                chart.push((format!("{group}: ftvm {v}"), runs[k].1[i].rps));
+                chart.push((format!("{group}: ftvm {v}"), runs.0[k].1[i].rps));
             }
             if let Some(pr) = &prot {
                 chart.push((format!("{group}: ftvm protected"), pr[i].rps));
