@@ -11,7 +11,7 @@
 //! still traps and is served. The stub is
 //!
 //! ```text
-//!     <the 5 bytes the jmp replaced>   ; mov $nr,%eax (or musl's store)
+//!     <the instruction(s) from the jmp to the syscall>  ; mov $nr,%eax
 //!     lea  site+2(%rip), %rcx          ; the return address, as `syscall`
 //!     jmp  ftvm_linux_jmp_entry        ; RFLAGS into r11 on the kernel stack
 //! ```
@@ -29,8 +29,12 @@
 //! - musl's `__syscall_cp_asm` (read, write, epoll_pwait and every other
 //!   cancellable call of a program linked with `pthread_cancel`, such as
 //!   redis-server): the whole routine, 42 bytes fixed by musl's assembly
-//!   source, matches byte for byte; the rewritten instruction is its
-//!   `mov %r11,8(%rsp)` (`4c 89 5c 24 08`), the number already in rax.
+//!   source, matches byte for byte, so its instruction boundaries are
+//!   known. The rewritten instruction is one of its last three 5-byte
+//!   moves (`mov %r11,8(%rsp)`, `mov 16(%rsp),%r9`, `mov 8(%rsp),%r8`:
+//!   the nearest the `syscall` that lies within 16 aligned bytes; being 5
+//!   bytes apart, one always does), and the stub runs it and the moves
+//!   after it; the number is already in rax.
 //!
 //! What could still go wrong, and why it is accepted:
 //! - Without disassembling from a known boundary, `b8 imm32` could be the
@@ -74,7 +78,7 @@ use spin::{Mutex, Once};
 
 use crate::entry;
 
-/// Bytes per stub (17 used, padded with `int3`).
+/// Bytes per stub (at most 15 moved + 12, padded with `int3`).
 const STUB_SIZE: usize = 32;
 /// Stubs available: redis-server has 203 `syscall` instructions.
 const STUB_COUNT: usize = 2048;
@@ -103,6 +107,9 @@ const MUSL_SYSCALL_CP_ASM: [u8; 42] = [
 ];
 /// Where its `syscall` is.
 const MUSL_SITE: u64 = 39;
+/// Where its 5-byte, position-independent moves start (`mov %r11,8(%rsp)`,
+/// `mov 16(%rsp),%r9`, `mov 8(%rsp),%r8`): what the `jmp` may replace.
+const MUSL_MOVES: [u64; 3] = [34, 29, 24];
 
 #[repr(C, align(4096))]
 struct Pool([[u8; STUB_SIZE]; STUB_COUNT]);
@@ -179,8 +186,10 @@ pub fn trapped(ret: u64, nr: u64) {
 
 impl State {
     fn rewrite(&mut self, site: u64, nr: u64) -> Outcome {
-        let Some(kind) = recognise(site, nr) else { return Outcome::Unknown };
-        let at = site - 5;
+        let Some((kind, at)) = recognise(site, nr) else { return Outcome::Unknown };
+        if !crate::text::contains(&self.text, at, site + 2) {
+            return Outcome::Unknown;
+        }
         let block = at & !15;
         if at + 5 > block + 16 {
             return Outcome::Unaligned;
@@ -193,29 +202,32 @@ impl State {
         // function (under the lock) writes.
         let stub = unsafe { (*pool).0.as_mut_ptr().add(self.used) };
         let stub_addr = stub as u64;
+        // The instructions from `at` to the `syscall`, then lea and jmp.
+        let moved = (site - at) as usize;
+        let (lea, jmp) = (moved, moved + 7);
         let rel = |from: u64, to: u64| i32::try_from(to.wrapping_sub(from) as i64).ok();
         let (Some(jump), Some(ret), Some(entry)) = (
             rel(at + 5, stub_addr),
-            rel(stub_addr + 12, site + 2),
-            rel(stub_addr + 17, entry::ftvm_linux_jmp_entry as *const () as u64),
+            rel(stub_addr + jmp as u64, site + 2),
+            rel(stub_addr + jmp as u64 + 5, entry::ftvm_linux_jmp_entry as *const () as u64),
         ) else {
             return Outcome::NoRoom;
         };
-        // SAFETY: 16 aligned bytes of the program's text (checked in
-        // `trapped`: the 5 bytes are in it; the block is in the same page),
-        // identity-mapped and writable from here.
+        let mut code = [INT3; STUB_SIZE];
+        // SAFETY: program text (checked above), identity-mapped.
+        code[..moved].copy_from_slice(unsafe { core::slice::from_raw_parts(at as *const u8, moved) });
+        code[lea..lea + 3].copy_from_slice(&[0x48, 0x8d, 0x0d]); // lea disp32(%rip),%rcx
+        code[lea + 3..jmp].copy_from_slice(&ret.to_le_bytes());
+        code[jmp] = JMP_REL32;
+        code[jmp + 1..jmp + 5].copy_from_slice(&entry.to_le_bytes());
+        // SAFETY: a stub no site jumps to yet (handed out once, here).
+        unsafe { stub.write(code) };
+        self.used += 1;
+        // SAFETY: 16 aligned bytes around program text (the block lies in
+        // the page of the 5 bytes), identity-mapped and writable from here.
         let old = unsafe { core::ptr::read_volatile(block as *const u128) };
         let mut bytes = old.to_le_bytes();
         let off = (at - block) as usize;
-        let mut code = [INT3; STUB_SIZE];
-        code[..5].copy_from_slice(&bytes[off..off + 5]);
-        code[5..8].copy_from_slice(&[0x48, 0x8d, 0x0d]); // lea disp32(%rip),%rcx
-        code[8..12].copy_from_slice(&ret.to_le_bytes());
-        code[12] = JMP_REL32;
-        code[13..17].copy_from_slice(&entry.to_le_bytes());
-        // SAFETY: a stub no site jumps to yet (handed out once, below).
-        unsafe { stub.write(code) };
-        self.used += 1;
         bytes[off] = JMP_REL32;
         bytes[off + 1..off + 5].copy_from_slice(&jump.to_le_bytes());
         // SAFETY: as above; one locked 16-byte compare-and-exchange (see the
@@ -228,13 +240,19 @@ impl State {
     }
 }
 
-/// The instruction before a `syscall` at `site` that trapped with `nr`, if
-/// it is one a stub can run in its place.
-fn recognise(site: u64, nr: u64) -> Option<Outcome> {
+/// Whether a `syscall` at `site` that trapped with `nr` can be rewritten:
+/// what it is, and the address of the whole 5-byte instruction that the
+/// `jmp` replaces (the stub runs it and anything between it and the
+/// `syscall`).
+fn recognise(site: u64, nr: u64) -> Option<(Outcome, u64)> {
     use crate::sys::user::bytes;
     if let Ok(b) = bytes(site.wrapping_sub(MUSL_SITE), MUSL_SYSCALL_CP_ASM.len() as u64) {
         if b == MUSL_SYSCALL_CP_ASM {
-            return Some(Outcome::Musl);
+            // Its three 5-byte moves, nearest the `syscall` first: 5 apart,
+            // so at least one lies within 16 aligned bytes.
+            let start = site - MUSL_SITE;
+            let at = MUSL_MOVES.iter().map(|&k| start + k).find(|&at| at % 16 <= 11).unwrap_or(site - 5);
+            return Some((Outcome::Musl, at));
         }
     }
     let b = bytes(site.wrapping_sub(6), 8).ok()?;
@@ -242,7 +260,7 @@ fn recognise(site: u64, nr: u64) -> Option<Outcome> {
         return None;
     }
     let imm = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-    (u64::from(imm) == nr && !extends_opcode(b[0])).then_some(Outcome::Mov)
+    (u64::from(imm) == nr && !extends_opcode(b[0])).then_some((Outcome::Mov, site - 5))
 }
 
 /// Whether `b`, right before a `b8`, could make the `b8` part of a longer
