@@ -26,7 +26,6 @@ mod fs;
 mod mm;
 mod net;
 mod options;
-mod patch;
 mod pipe;
 mod random;
 mod sched;
@@ -106,7 +105,6 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     match opts.syscall {
         options::SyscallMode::Trap => {}
         options::SyscallMode::Jmp => sysjmp::init(&program),
-        options::SyscallMode::Patch => patch::init(&program),
     }
     SYSCALL_MODE.call_once(|| opts.syscall);
     let frame = start::initial_frame(&program, &cmd.argv, &cmd.env, vdso, stack, stack + MAIN_STACK);
@@ -123,17 +121,13 @@ pub fn exit_program(status: i32) -> ! {
     if let Err(e) = fs::sync_all() {
         println!("linux: writing files back to the disk at exit failed: errno {e}");
     }
-    if patch::enabled() {
-        println!("linux: {} syscall instructions were rewritten into calls", patch::patched());
-    }
     // How the program's system calls came in: what `syscall=` is worth.
     if let Some(mode) = SYSCALL_MODE.get() {
         let (calls, jumped) = sysjmp::calls();
-        let called = patch::called();
-        let trapped = calls - jumped - called;
+        let trapped = calls - jumped;
         match mode {
             options::SyscallMode::Jmp => println!("linux: syscall=jmp trapped={trapped} {}", sysjmp::report()),
-            _ => println!("linux: syscall={} trapped={trapped} calls={calls}", mode.name()),
+            options::SyscallMode::Trap => println!("linux: syscall=trap trapped={trapped} calls={calls}"),
         }
     }
     ftvm_rt::exit(status & 0xff)

@@ -8,7 +8,7 @@
 //! | `disk=PATH` | mount the virtio-blk disk's file system at PATH (e.g. `/data`) |
 //! | `cwd=PATH` | the program's working directory (default `/`, or the disk's mount point) |
 //! | `vdso=on\|off` | give the program a vDSO for the clock calls (default on; see `vdso`) |
-//! | `syscall=jmp\|trap\|patch` | rewrite the instruction before each `syscall` into a jump to a stub when it can (default, see `sysjmp`), leave `syscall` instructions trapping, or rewrite them into calls through page 0 (see `patch`) |
+//! | `syscall=jmp\|trap` | rewrite the instruction before each `syscall` into a jump to a stub when it can (default, see `sysjmp`), or leave every `syscall` instruction trapping (for measuring) |
 //! | `notify=exact\|eager` | notify the network device by the virtio event-index rule (default), or whenever the ring is past the device's event index, as before (for measuring) |
 
 use alloc::format;
@@ -24,18 +24,6 @@ pub enum SyscallMode {
     Trap,
     /// Sites rewritten into jumps to per-site stubs (`sysjmp`).
     Jmp,
-    /// `syscall` rewritten into `call *%rax` through page 0 (`patch`).
-    Patch,
-}
-
-impl SyscallMode {
-    pub fn name(self) -> &'static str {
-        match self {
-            SyscallMode::Trap => "trap",
-            SyscallMode::Jmp => "jmp",
-            SyscallMode::Patch => "patch",
-        }
-    }
 }
 
 pub struct Options {
@@ -78,8 +66,7 @@ impl Options {
                     o.syscall = match v {
                         "trap" => SyscallMode::Trap,
                         "jmp" => SyscallMode::Jmp,
-                        "patch" => SyscallMode::Patch,
-                        _ => return Err(format!("bad syscall= value {v:?} (expected jmp, trap or patch)")),
+                        _ => return Err(format!("bad syscall= value {v:?} (expected jmp or trap)")),
                     }
                 }
                 "notify" => {

@@ -1,6 +1,5 @@
 //! The program's executable segments, read from its program headers: the
-//! only bytes the system-call rewrites ([`crate::sysjmp`], [`crate::patch`])
-//! ever change.
+//! only bytes the system-call rewrite ([`crate::sysjmp`]) ever changes.
 
 use alloc::vec::Vec;
 

@@ -6,7 +6,7 @@
 
 use core::arch::asm;
 
-use ftvm_abi::{port, Abort, ConsoleWrite, Exit, Kick, SyscallPage, Wait};
+use ftvm_abi::{port, Abort, ConsoleWrite, Exit, Kick, Wait};
 
 /// # Safety
 /// `block` must be the argument block type the VMM expects on `port`, and
@@ -42,13 +42,6 @@ pub fn kick() {
     // SAFETY: the block holds no addresses, so the VMM touches only the
     // block itself.
     unsafe { call(port::KICK, &mut b) };
-}
-
-pub fn syscall_page(entry: u64) {
-    let mut b = SyscallPage { entry };
-    // SAFETY: the block holds no addresses the VMM dereferences (`entry`
-    // is only written into the trampoline page).
-    unsafe { call(port::SYSCALL_PAGE, &mut b) };
 }
 
 /// Asks the VMM to stop the VM; it does not resume this vCPU normally.

@@ -56,13 +56,6 @@ pub fn kick() {
     hypercall::kick();
 }
 
-/// Have the VMM map its system-call trampoline at address 0, jumping to
-/// `entry` (see `ftvm_abi::SyscallPage`): from then on `call *%rax` with a
-/// system-call number in `rax` enters `entry` as `syscall` would.
-pub fn map_syscall_page(entry: unsafe extern "C" fn()) {
-    hypercall::syscall_page(entry as *const () as u64);
-}
-
 /// The ftvm ABI note (`ftvm_abi::note`) as it sits in the image: header,
 /// name and descriptor with 4-byte ELF note alignment, so packed.
 #[doc(hidden)]

@@ -45,8 +45,6 @@ pub mod port {
     pub const ABORT: u16 = 0x503;
     /// [`super::Kick`]
     pub const KICK: u16 = 0x504;
-    /// [`super::SyscallPage`]
-    pub const SYSCALL_PAGE: u16 = 0x505;
     /// Used by the VMM's ring-0 exception stubs, not by guests: `al` holds
     /// the vector.
     pub const EXCEPTION: u16 = 0x5ff;
@@ -98,49 +96,6 @@ pub struct Abort {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Kick {
     pub reserved: u64,
-}
-
-/// Map the system-call trampoline page at virtual address 0 (user,
-/// read-only, executable; unmapped otherwise), for a runtime that rewrites
-/// a program's `syscall` instructions into `call *%rax` (see
-/// [`syscall_page`]). Its stub enters `entry` with the registers as a
-/// `syscall` instruction leaves them.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SyscallPage {
-    pub entry: u64,
-}
-
-/// The trampoline page of [`port::SYSCALL_PAGE`]: `call *%rax` with `rax` =
-/// a system-call number below [`SLED`] lands in a run of `nop`s that ends
-/// in a stub which pops the return address into `rcx`, copies RFLAGS to
-/// `r11`, clears TF, DF, NT and AC (as the VMM's SFMASK does for `syscall`)
-/// and jumps to the entry. The rest of the page is `int3`, so a number
-/// between the stub and the page end traps.
-pub mod syscall_page {
-    /// Bytes of `nop` at the start of the page.
-    pub const SLED: usize = 512;
-
-    /// Bytes of the stub, the entry address included.
-    pub const STUB: usize = 28;
-
-    /// The page for a system-call entry at `entry`.
-    pub fn build(entry: u64) -> [u8; super::PAGE_SIZE as usize] {
-        let mut page = [0xcc; super::PAGE_SIZE as usize];
-        page[..SLED].fill(0x90);
-        let stub = [
-            0x59, // pop rcx
-            0x9c, // pushfq
-            0x41, 0x5b, // pop r11
-            0x41, 0x53, // push r11
-            0x81, 0x24, 0x24, 0xff, 0xba, 0xfb, 0xff, // and dword ptr [rsp], !(TF | DF | NT | AC)
-            0x9d, // popfq
-            0xff, 0x25, 0, 0, 0, 0, // jmp qword ptr [rip + 0]
-        ];
-        page[SLED..SLED + stub.len()].copy_from_slice(&stub);
-        page[SLED + stub.len()..SLED + stub.len() + 8].copy_from_slice(&entry.to_le_bytes());
-        page
-    }
 }
 
 /// Boot information at [`layout::BOOT_INFO_ADDR`], passed in `rdi` to every

@@ -37,7 +37,7 @@ fn read_text(shared: &VmShared, buf: u64, len: u64) -> Result<Vec<u8>, String> {
 
 /// Handle `out` to a hypercall port; `None` if `port` is not one.
 pub fn handle(shared: &VmShared, vcpu: u32, port: u16, data: &[u8]) -> Option<Outcome> {
-    if !(port::CONSOLE_WRITE..=port::SYSCALL_PAGE).contains(&port) {
+    if !(port::CONSOLE_WRITE..=port::KICK).contains(&port) {
         return None;
     }
     let Ok(addr) = <[u8; 4]>::try_from(data).map(u32::from_le_bytes) else {
@@ -49,7 +49,6 @@ pub fn handle(shared: &VmShared, vcpu: u32, port: u16, data: &[u8]) -> Option<Ou
         port::WAIT => wait(shared, addr as u64),
         port::EXIT => read_u64(shared, addr as u64).map(|s| Outcome::Stop(VmExit::Exited(s as u8))),
         port::ABORT => abort(shared, vcpu, addr as u64),
-        port::SYSCALL_PAGE => syscall_page(shared, addr as u64),
         _ => {
             shared.events.signal();
             Ok(Outcome::Continue)
@@ -72,16 +71,6 @@ fn abort(shared: &VmShared, vcpu: u32, addr: u64) -> Result<Outcome, String> {
     let (msg, len) = (read_u64(shared, addr)?, read_u64(shared, addr + 8)?);
     let message = String::from_utf8_lossy(&read_text(shared, msg, len)?).into_owned();
     Ok(Outcome::Stop(VmExit::Panic { vcpu, message }))
-}
-
-/// Map the system-call trampoline at address 0. Written through the guest
-/// memory API like any VMM write to guest memory, so it is dirty-tracked and
-/// reaches the backup and snapshots. Page 0 went from not present to
-/// present: no stale translation can exist for it.
-fn syscall_page(shared: &VmShared, addr: u64) -> Result<Outcome, String> {
-    let entry = read_u64(shared, addr)?;
-    crate::arch::tables::map_syscall_page(shared.ram.memory(), entry).map_err(|e| e.to_string())?;
-    Ok(Outcome::Continue)
 }
 
 /// A wait the VMM cuts short for its own reasons (a checkpoint's pause, a

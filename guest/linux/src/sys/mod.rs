@@ -30,15 +30,6 @@ pub fn dispatch(frame: &mut Frame) {
     if !via_jmp {
         crate::sysjmp::trapped(frame.rip, frame.rax);
     }
-    if crate::patch::site(frame.rip) == crate::patch::Entry::NullCall {
-        // Without the trampoline page this would have been a page fault at
-        // address 0: end the program the same way, not serve a `read`.
-        ftvm_rt::println!(
-            "linux: the program jumped into page 0 (a null function pointer?), return address {:#x}: stopping it as a fault",
-            frame.rip
-        );
-        ftvm_rt::exit(1);
-    }
     let nr = frame.rax;
     let a = frame.args();
     let r = match nr {

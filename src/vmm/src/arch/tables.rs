@@ -126,13 +126,6 @@ fn write_page_tables(mem: &GuestMemory, mem_size: u64, mmio: Option<(u64, u64)>)
     Ok(())
 }
 
-/// Put the system-call trampoline (`ftvm_abi::syscall_page`) for `entry` in
-/// page 0 and map it for CPL3, read-only and executable.
-pub fn map_syscall_page(mem: &GuestMemory, entry: u64) -> Result<(), vm_memory::GuestMemoryError> {
-    mem.write_slice(&ftvm_abi::syscall_page::build(entry), GuestAddress(0))?;
-    mem.write_obj(PTE_PRESENT | PTE_USER, GuestAddress(PT0_ADDR))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,24 +150,6 @@ mod tests {
         assert_eq!(read(mem, PDPT_ADDR + 8) & !0xfff, PD_ADDR + 4096, "second GiB has a directory");
         assert_eq!(read(mem, PD_ADDR + 4096), (1 << 30) | 0x87, "device window mapped");
         assert_eq!(read(mem, PD_ADDR + 4096 + 8), 0);
-    }
-
-    #[test]
-    fn the_syscall_page_is_user_read_only_with_a_sled_and_a_stub() {
-        let ram = GuestRam::new(4 << 20, false).unwrap();
-        write_system_area(ram.memory(), 1, 4 << 20, None).unwrap();
-        let mem = ram.memory();
-        map_syscall_page(mem, 0x23_4567).unwrap();
-        assert_eq!(read(mem, PT0_ADDR), PTE_PRESENT | PTE_USER, "page 0 user read-only");
-        let mut page = [0u8; 4096];
-        mem.read_slice(&mut page, GuestAddress(0)).unwrap();
-        let sled = ftvm_abi::syscall_page::SLED;
-        assert!(page[..sled].iter().all(|&b| b == 0x90));
-        assert_eq!(page[sled..sled + 4], [0x59, 0x9c, 0x41, 0x5b], "pop rcx; pushfq; pop r11");
-        assert_eq!(page[sled + 14..sled + 16], [0xff, 0x25], "jmp [rip]");
-        let stub_end = sled + ftvm_abi::syscall_page::STUB;
-        assert_eq!(u64::from_le_bytes(page[stub_end - 8..stub_end].try_into().unwrap()), 0x23_4567);
-        assert!(page[stub_end..].iter().all(|&b| b == 0xcc));
     }
 
     #[test]
