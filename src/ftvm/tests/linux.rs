@@ -209,7 +209,10 @@ fn files_on_the_disk_survive_the_vm_and_a_foreign_disk_is_left_alone() {
     };
     let out = run("write", &disk);
     assert_eq!(out.status.code(), Some(0), "{}{}", stdout(&out), stderr(&out));
-    assert_eq!(without_counts(&stdout(&out)), "linux: disk mounted at /data (31 MiB free, formatted now: it was blank)\ndiskfiles: wrote\n");
+    assert_eq!(
+        without_counts(&stdout(&out)),
+        "linux: disk mounted at /data (31 MiB free, formatted now: it was blank)\ndiskfiles: wrote\n"
+    );
     let out = run("check", &disk);
     assert_eq!(out.status.code(), Some(0), "{}{}", stdout(&out), stderr(&out));
     assert_eq!(without_counts(&stdout(&out)), "linux: disk mounted at /data (31 MiB free)\ndiskfiles: check ok\n");
