@@ -6,6 +6,7 @@
 //! The witness votes and keeps the log but runs no VM, and never leads.
 //! See docs/replicas.md.
 
+pub mod disk;
 pub mod failover;
 pub mod log;
 pub mod mesh;
@@ -25,6 +26,7 @@ use serde::{Deserialize, Serialize};
 use ftvm_vmm::Vm;
 
 use crate::metrics::{MetricsLog, Role, StatusCell};
+use crate::output::DiskJournal;
 use crate::pipeline::transport::Auth;
 use crate::ReplicationError;
 use mesh::{Mesh, PeerHello, Routes};
@@ -53,6 +55,11 @@ pub struct SyncMetrics {
     pub divergent_pages: u64,
     /// Bytes of the divergent pages and state message.
     pub page_bytes: u64,
+    /// Disk blocks (4 KiB) written on either VM replica since the previous
+    /// `syncvm` (the union; every block in a full one).
+    pub dirty_blocks: u64,
+    /// Of those, blocks whose contents differed: sent.
+    pub divergent_blocks: u64,
     /// How long this replica's guest was paused.
     pub pause_us: u64,
     /// From the previous `syncvm`'s end to this one's start.
@@ -166,6 +173,13 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
     let metrics = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
     match vm {
         Some(vm) => {
+            let disk = match &vm.config().devices.disk {
+                Some(path) => Some(
+                    disk::ReplicaDisk::open(path, Arc::new(DiskJournal::new(Arc::default(), vm.devices().waker())))
+                        .map_err(|e| ReplicationError::Disk(format!("cannot open the disk {}: {e}", path.display())))?,
+                ),
+                None => None,
+            };
             let shared = Arc::new(replica::Shared::new(
                 config.id,
                 vm,
@@ -176,6 +190,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                 status.clone(),
                 metrics,
                 replica::Options { max_interval: config.max_interval, pages: config.pages, rejoin: config.rejoin, standby: witness },
+                disk,
             ));
             replica::start(shared, committed_rx, replica::Inboxes { sync: sync_rx, join: join_rx, precopy: precopy_rx })
                 .map_err(ReplicationError::Thread)?;

@@ -21,6 +21,7 @@ use ftvm_vmm::hooks::{FrameSink, HostInputFilter};
 use ftvm_vmm::sync::{self as vsync, Lock};
 use ftvm_vmm::Vm;
 
+use super::disk::ReplicaDisk;
 use super::log::Entry;
 use super::mesh::{Inbound, Mesh};
 use super::node::{Committed, Event, View, ALIVE};
@@ -76,6 +77,8 @@ pub struct Shared {
     pub status: StatusCell,
     pub metrics: MetricsLog,
     pub options: Options,
+    /// The VM's disk (`--disk`): its own image, compared at each `syncvm`.
+    pub disk: Option<ReplicaDisk>,
     /// The VM is held (paused) for a leader's pre-copy, or as a standby:
     /// released by this replica's first successful `syncvm`.
     held: AtomicBool,
@@ -167,6 +170,7 @@ impl Shared {
         status: StatusCell,
         metrics: MetricsLog,
         options: Options,
+        disk: Option<ReplicaDisk>,
     ) -> Shared {
         Shared {
             id,
@@ -178,6 +182,7 @@ impl Shared {
             status,
             metrics,
             options,
+            disk,
             held: AtomicBool::new(false),
             ram_writer: Mutex::new(()),
             jobs: Mutex::new(None),
@@ -197,6 +202,7 @@ pub fn start(shared: Arc<Shared>, committed: Receiver<Committed>, inboxes: Inbox
     let hooks = shared.vm.hooks();
     hooks.set_tx(Some(Arc::new(Discard)));
     hooks.set_host_input(Some(Arc::new(Input(shared.clone()))));
+    shared.track_disk_as_secondary();
     shared.vm.start_dirty_tracking().map_err(std::io::Error::other)?;
     if shared.options.standby {
         // Its guest has nothing to do until a leader copies it its state.
@@ -214,6 +220,15 @@ pub fn start(shared: Arc<Shared>, committed: Receiver<Committed>, inboxes: Inbox
 }
 
 impl Shared {
+    /// Record the guest's disk writes in the journal a secondary's
+    /// `syncvm` takes (until this replica leads: then its leadership's).
+    fn track_disk_as_secondary(&self) {
+        if let Some(d) = &self.disk {
+            d.journal.start();
+            self.vm.hooks().set_disk_writes(Some(d.journal.clone()));
+        }
+    }
+
     /// Hold the VM (once) until this replica's next successful `syncvm`.
     fn hold(&self) {
         if !self.held.swap(true, Ordering::SeqCst) {
@@ -234,7 +249,7 @@ impl Shared {
 fn precopy_loop(s: &Shared, jobs: Receiver<Job>, inbox: Receiver<Inbound>) {
     for (session, (lead, peer)) in (1..).zip(jobs) {
         // Its messages carry (term, session), as syncvm's carry (term, index).
-        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer, id: SyncId { term: lead.term, index: session } };
+        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer, id: SyncId { term: lead.term, index: session }, disk: None };
         let t0 = Instant::now();
         s.status.lock().detail = format!("leader: bringing replica {peer} up to date (pre-copy); UNPROTECTED");
         let mut m = RejoinMetrics { term: lead.term, peer, ..RejoinMetrics::default() };
@@ -266,7 +281,7 @@ fn join_loop(s: &Shared, inbox: Receiver<Inbound>) {
     let mut session: Option<(u64, SyncId)> = None;
     while let Ok(msg) = inbox.recv() {
         let Some(id) = SyncId::parse(&msg.payload) else { continue };
-        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: msg.from, id };
+        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: msg.from, id, disk: None };
         let _writer = s.ram_writer.locked();
         match msg.kind {
             Kind::RejoinStart => {
@@ -413,6 +428,13 @@ impl Applier {
         // Held from now until the next syncvm (or consensus barrier).
         output.protect(0);
         let journal = Arc::new(DiskJournal::new(trigger.clone(), vm.devices().waker()));
+        if s.disk.is_some() {
+            // Its freeze takes the writes; a full journal asks for a syncvm.
+            // (Those recorded before are not needed: a new leadership's
+            // first syncvm compares every block.)
+            journal.start();
+            vm.hooks().set_disk_writes(Some(journal.clone()));
+        }
         let freeze = PauseAndSave::new(vm.ram().pages(), output.clone(), journal);
         let lead = Arc::new(Leadership {
             term,
@@ -463,6 +485,8 @@ impl Applier {
         // whoever leads now has its own.
         s.vm.hooks().set_tx(Some(Arc::new(Discard)));
         s.vm.hooks().set_idle(None);
+        // Whoever leads next compares every block at its first syncvm.
+        s.track_disk_as_secondary();
         s.status.lock().protected = false;
         tracing::warn!(term = lead.term, held = lead.output.held_frames(), "stepped down: {why}; held output dropped");
     }
@@ -483,7 +507,7 @@ impl Applier {
                 Ok(Figures { pause, ..Figures::default() })
             }
             Ok(frozen) => {
-                let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: secondary, id };
+                let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: secondary, id, disk: s.disk.as_ref() };
                 sync::lead(&x, &s.vm, frozen, full, s.options.pages)
             }
         };
@@ -530,7 +554,7 @@ impl Applier {
             return;
         }
         let t0 = Instant::now();
-        let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: leader, id };
+        let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: leader, id, disk: s.disk.as_ref() };
         // No pre-copy batch lands during the syncvm, nor after it succeeded.
         let writer = s.ram_writer.locked();
         let result = sync::follow(&x, &s.vm, full || !s.in_step.load(Ordering::SeqCst));
@@ -587,6 +611,8 @@ impl Applier {
             dirty_pages: f.dirty_pages,
             divergent_pages: f.divergent_pages,
             page_bytes: f.page_bytes,
+            dirty_blocks: f.dirty_blocks,
+            divergent_blocks: f.divergent_blocks,
             pause_us: f.pause.as_micros() as u64,
             interval_us: interval.as_micros() as u64,
             sync_us: t0.elapsed().as_micros() as u64,
