@@ -49,6 +49,9 @@ pub struct PeerHello {
     /// A witness with a VM: picked as secondary only when no other VM
     /// replica is alive.
     pub standby: bool,
+    /// The size of its VM's disk in bytes (0: none). A VM replica whose
+    /// disk differs from this one's in size is never its secondary.
+    pub disk: u64,
 }
 
 /// A message from a peer.
@@ -76,6 +79,8 @@ pub struct Routes {
 pub struct PeerInfo {
     pub witness: bool,
     pub standby: bool,
+    /// Its VM's disk size (0: none).
+    pub disk: u64,
     /// When a message from it last arrived.
     pub heard: Option<Instant>,
 }
@@ -229,6 +234,15 @@ impl Mesh {
         }
         let _ = link.set_recv_timeout(None);
         tracing::info!(%peer, id = hello.id, witness = hello.witness, "peer connected");
+        if !hello.witness && !self.me.witness && hello.disk != self.me.disk {
+            tracing::error!(
+                id = hello.id,
+                "replica {} has a disk of {} bytes, this one {} (0: none): they cannot synchronize; give every VM replica a disk of the same size",
+                hello.id,
+                hello.disk,
+                self.me.disk
+            );
+        }
         loop {
             let kind = match link.recv(FRAME_LIMIT, &mut buf) {
                 Ok(k) => k,
@@ -240,7 +254,7 @@ impl Mesh {
                     return self.lost(hello.id, routes);
                 }
             };
-            self.peers.locked().insert(hello.id, PeerInfo { witness: hello.witness, standby: hello.standby, heard: Some(Instant::now()) });
+            self.peers.locked().insert(hello.id, PeerInfo { witness: hello.witness, standby: hello.standby, disk: hello.disk, heard: Some(Instant::now()) });
             let msg = Inbound { from: hello.id, kind, payload: std::mem::take(&mut buf) };
             let delivered = match kind {
                 Kind::Raft => routes.raft.send(Event::Peer(msg)).is_ok(),

@@ -141,6 +141,14 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
         (Some(_), true) => "standby witness: VM held until a leader needs it".into(),
         (Some(_), false) => "secondary: waiting for a leader".into(),
     };
+    let disk = match (&vm, vm.as_ref().and_then(|v| v.config().devices.disk.clone())) {
+        (Some(vm), Some(path)) => Some(
+            disk::ReplicaDisk::open(&path, Arc::new(DiskJournal::new(Arc::default(), vm.devices().waker())))
+                .map_err(|e| ReplicationError::Disk(format!("cannot open the disk {}: {e}", path.display())))?,
+        ),
+        _ => None,
+    };
+    let disk_size = disk.as_ref().map_or(0, disk::ReplicaDisk::size);
     let listen = config.peers.iter().find(|(i, _)| *i == config.id).map(|(_, a)| a.clone()).expect("parse_peers checked --id");
     let others: Vec<(u64, String)> = config.peers.iter().filter(|(i, _)| *i != config.id).cloned().collect();
     let (events_tx, events_rx) = mpsc::channel();
@@ -150,7 +158,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
     let routes = Routes { raft: events_tx.clone(), sync: sync_tx, join: join_tx, precopy: precopy_tx };
     // Peers pick secondaries among replicas with a VM: a standby says it has one.
     let mesh = Mesh::start(
-        PeerHello { id: config.id, witness: vm.is_none(), standby: witness && vm.is_some() },
+        PeerHello { id: config.id, witness: vm.is_none(), standby: witness && vm.is_some(), disk: disk_size },
         &listen,
         &others,
         config.auth.clone(),
@@ -173,13 +181,6 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
     let metrics = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
     match vm {
         Some(vm) => {
-            let disk = match &vm.config().devices.disk {
-                Some(path) => Some(
-                    disk::ReplicaDisk::open(path, Arc::new(DiskJournal::new(Arc::default(), vm.devices().waker())))
-                        .map_err(|e| ReplicationError::Disk(format!("cannot open the disk {}: {e}", path.display())))?,
-                ),
-                None => None,
-            };
             let shared = Arc::new(replica::Shared::new(
                 config.id,
                 vm,

@@ -698,6 +698,8 @@ fn pick_secondary(s: &Shared, lead: &Leadership) -> u64 {
     let mut alive: Vec<(bool, u64)> = peers
         .iter()
         .filter(|(id, p)| **id != s.id && !p.witness && p.heard.is_some_and(|t| t.elapsed() < ALIVE))
+        // Its disk could not be synchronized with this one (logged when it connected).
+        .filter(|(_, p)| p.disk == s.disk.as_ref().map_or(0, ReplicaDisk::size))
         .map(|(id, p)| (p.standby, *id))
         .collect();
     alive.sort_unstable();
