@@ -197,6 +197,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     fast: args.fast_election,
                     failure_timeout: args.failure_timeout_ms.map(Duration::from_millis),
                 },
+                replay: args.takeover_replay,
             };
             let source = match args.image {
                 Some(image) => run::Source::Replica {

@@ -11,6 +11,7 @@ pub mod failover;
 pub mod log;
 pub mod mesh;
 pub mod node;
+pub mod recent;
 pub mod rejoin;
 mod replica;
 pub mod sync;
@@ -101,6 +102,9 @@ pub struct ReplicaConfig {
     pub rejoin: rejoin::RejoinMode,
     /// How a dead leader is found: at once, or by raft's election timeout.
     pub failover: failover::Options,
+    /// `--takeover-replay`: a new leader sends its guest's output since its
+    /// last `syncvm`.
+    pub replay: recent::Mode,
 }
 
 /// `--peers 1=HOST:PORT,2=HOST:PORT,3=HOST:PORT`, checked against `--id`.
@@ -190,7 +194,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                 eligible,
                 status.clone(),
                 metrics,
-                replica::Options { max_interval: config.max_interval, pages: config.pages, rejoin: config.rejoin, standby: witness },
+                replica::Options { max_interval: config.max_interval, pages: config.pages, rejoin: config.rejoin, standby: witness, replay: config.replay },
                 disk,
             ));
             replica::start(shared, committed_rx, replica::Inboxes { sync: sync_rx, join: join_rx, precopy: precopy_rx })

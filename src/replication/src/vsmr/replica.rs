@@ -23,6 +23,7 @@ use ftvm_vmm::Vm;
 
 use super::disk::ReplicaDisk;
 use super::log::Entry;
+use super::recent::{self, Recent};
 use super::mesh::{Inbound, Mesh};
 use super::node::{Committed, Event, View, ALIVE};
 use super::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
@@ -51,6 +52,8 @@ pub struct Options {
     /// A witness with a VM: held from the start, until a leader brings it
     /// up to date.
     pub standby: bool,
+    /// `--takeover-replay`.
+    pub replay: recent::Mode,
 }
 
 /// What arrives for a VM replica's threads from its links.
@@ -79,6 +82,9 @@ pub struct Shared {
     pub options: Options,
     /// The VM's disk (`--disk`): its own image, compared at each `syncvm`.
     pub disk: Option<ReplicaDisk>,
+    /// The guest's output while this replica does not lead: kept since the
+    /// last completed `syncvm` (`--takeover-replay on`), sent at takeover.
+    recent: Arc<Recent>,
     /// The VM is held (paused) for a leader's pre-copy, or as a standby:
     /// released by this replica's first successful `syncvm`.
     held: AtomicBool,
@@ -181,6 +187,7 @@ impl Shared {
             eligible,
             status,
             metrics,
+            recent: Arc::new(Recent::new(options.replay)),
             options,
             disk,
             held: AtomicBool::new(false),
@@ -200,7 +207,7 @@ impl Shared {
 /// threads).
 pub fn start(shared: Arc<Shared>, committed: Receiver<Committed>, inboxes: Inboxes) -> std::io::Result<()> {
     let hooks = shared.vm.hooks();
-    hooks.set_tx(Some(Arc::new(Discard)));
+    hooks.set_tx(Some(shared.recent.clone()));
     hooks.set_host_input(Some(Arc::new(Input(shared.clone()))));
     shared.track_disk_as_secondary();
     shared.vm.start_dirty_tracking().map_err(std::io::Error::other)?;
@@ -423,8 +430,9 @@ impl Applier {
         s.current.store(true, Ordering::SeqCst);
         let vm = &s.vm;
         let network = vm.devices().tap_sink().unwrap_or_else(|| Arc::new(Discard));
+        let output_network = network.clone();
         let trigger = Arc::new(Trigger::default());
-        let output = Arc::new(OutputBuffer::new(network).with_waker(vm.devices().waker()).with_trigger(trigger.clone()));
+        let output = Arc::new(OutputBuffer::new(output_network).with_waker(vm.devices().waker()).with_trigger(trigger.clone()));
         // Held from now until the next syncvm (or consensus barrier).
         output.protect(0);
         let journal = Arc::new(DiskJournal::new(trigger.clone(), vm.devices().waker()));
@@ -454,6 +462,16 @@ impl Applier {
         vm.hooks().set_idle(Some(trigger));
         *s.lead.locked() = Some(lead.clone());
         crate::backup::announce(vm);
+        // Its guest's output since its last syncvm: of the state it serves
+        // from now (`recent`); whatever the guest sends next is held.
+        let (frames, dropped) = s.recent.take();
+        let replayed = frames.len();
+        for f in &frames {
+            network.send(f);
+        }
+        if s.options.replay == recent::Mode::On {
+            tracing::info!(term, frames = replayed, dropped, "takeover: sent the guest's {replayed} frames since the last syncvm");
+        }
         {
             let mut st = s.status.lock();
             st.role = Role::Leader;
@@ -483,7 +501,8 @@ impl Applier {
         lead.ran.notify_all();
         // The output held since the last syncvm is dropped with the buffer:
         // whoever leads now has its own.
-        s.vm.hooks().set_tx(Some(Arc::new(Discard)));
+        s.recent.clear();
+        s.vm.hooks().set_tx(Some(s.recent.clone()));
         s.vm.hooks().set_idle(None);
         // Whoever leads next compares every block at its first syncvm.
         s.track_disk_as_secondary();
@@ -557,7 +576,9 @@ impl Applier {
         let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: leader, id, disk: s.disk.as_ref() };
         // No pre-copy batch lands during the syncvm, nor after it succeeded.
         let writer = s.ram_writer.locked();
-        let result = sync::follow(&x, &s.vm, full || !s.in_step.load(Ordering::SeqCst));
+        // Inside the pause once applied: what the guest sent before is of
+        // the execution the leader's state replaced.
+        let result = sync::follow(&x, &s.vm, full || !s.in_step.load(Ordering::SeqCst), || s.recent.clear());
         s.in_step.store(result.is_ok(), Ordering::SeqCst);
         if result.is_ok() {
             // (A syncvm that failed before the acknowledgement changed

@@ -413,10 +413,14 @@ fn lead_paused(
 /// resume; `full` when it is not in step with the leader (never
 /// synchronized, or a failed `syncvm` took its dirty set). On an error
 /// nothing was applied.
-pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncError> {
+/// `applied` runs once the leader's state is applied, before the resume.
+pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool, applied: impl FnOnce()) -> Result<Figures, SyncError> {
     vm.pause();
     let t0 = Instant::now();
     let result = follow_paused(x, vm, full);
+    if result.is_ok() {
+        applied();
+    }
     vm.resume();
     let mut figures = result?;
     figures.pause = t0.elapsed();
