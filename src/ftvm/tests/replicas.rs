@@ -306,6 +306,7 @@ fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
     let w = writers(&c, &format!("k{seed:x}"));
     wait_acked_beyond(&w, 0, &c, "start");
     let mut fallbacks = Vec::new();
+    let mut replayed = 0;
     for round in 0..kills {
         std::thread::sleep(Duration::from_millis(rng.range(100, 1500)));
         let leader = c.wait_leader(true, Duration::from_secs(20));
@@ -320,14 +321,33 @@ fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
             e
         });
         wait_acked_beyond(&w, acked, &c, &format!("round {round}: after replica {leader} was killed"));
+        replayed += replayed_frames(&c, other);
         c.start(leader);
         // Protected again once the restarted replica was brought up to date.
         assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other, "round {round}");
         eprintln!("round {round}: killed {leader}, {other} leads ({how}), {} writes acknowledged", w.acked());
     }
     let n = verify_all(&c, w);
-    eprintln!("{kills} leader kills, {n} acknowledged writes, none lost; {} elections by the timeout", fallbacks.len());
+    eprintln!(
+        "{kills} leader kills, {n} acknowledged writes, none lost; {} elections by the timeout; {replayed} frames replayed at takeovers",
+        fallbacks.len()
+    );
+    // `--takeover-replay on` (the default): with 8 clients writing, the new
+    // leaders' guests had sent frames since their last syncvm.
+    assert!(replayed > 0, "no new leader sent its guest's recent frames:\n{}", c.logs());
     assert!(fallbacks.len() * 2 <= kills as usize, "most new leaders did not stand on the failure detection: {fallbacks:?}\n{}", c.logs());
+}
+
+/// The frames replica `id` sent at its latest takeover, from its log
+/// (`--takeover-replay on`).
+fn replayed_frames(c: &Cluster, id: u64) -> u64 {
+    let log = c.procs[(id - 1) as usize].as_ref().map(|p| p.stderr()).unwrap_or_default();
+    log.lines()
+        .rev()
+        .find_map(|l| l.split("takeover: sent the guest's ").nth(1))
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 /// What `ftvm status` of replica `id` says started the election it won
@@ -668,7 +688,13 @@ fn with_disks_no_acknowledged_write_is_lost_and_the_new_leaders_log_has_them() {
         assert!(!report.acked.is_empty(), "no write was acknowledged");
         let v = writers::verify(guest(), Some(&c.topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(20))
             .unwrap();
-        assert_eq!(v.lost(), 0, "acknowledged writes lost: {:?}\n{}", v.missing.iter().chain(&v.wrong).take(5).collect::<Vec<_>>(), c.logs());
+        assert_eq!(
+            v.lost(),
+            0,
+            "acknowledged writes lost: {:?}\n{}",
+            v.missing.iter().chain(&v.wrong).take(5).collect::<Vec<_>>(),
+            c.logs()
+        );
         report.acked
     };
     // The guest logged each write before acknowledging it (a synchronous

@@ -254,7 +254,10 @@ impl Mesh {
                     return self.lost(hello.id, routes);
                 }
             };
-            self.peers.locked().insert(hello.id, PeerInfo { witness: hello.witness, standby: hello.standby, disk: hello.disk, heard: Some(Instant::now()) });
+            self.peers.locked().insert(
+                hello.id,
+                PeerInfo { witness: hello.witness, standby: hello.standby, disk: hello.disk, heard: Some(Instant::now()) },
+            );
             let msg = Inbound { from: hello.id, kind, payload: std::mem::take(&mut buf) };
             let delivered = match kind {
                 Kind::Raft => routes.raft.send(Event::Peer(msg)).is_ok(),

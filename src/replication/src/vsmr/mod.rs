@@ -194,7 +194,13 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                 eligible,
                 status.clone(),
                 metrics,
-                replica::Options { max_interval: config.max_interval, pages: config.pages, rejoin: config.rejoin, standby: witness, replay: config.replay },
+                replica::Options {
+                    max_interval: config.max_interval,
+                    pages: config.pages,
+                    rejoin: config.rejoin,
+                    standby: witness,
+                    replay: config.replay,
+                },
                 disk,
             ));
             replica::start(shared, committed_rx, replica::Inboxes { sync: sync_rx, join: join_rx, precopy: precopy_rx })

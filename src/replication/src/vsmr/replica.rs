@@ -23,9 +23,9 @@ use ftvm_vmm::Vm;
 
 use super::disk::ReplicaDisk;
 use super::log::Entry;
-use super::recent::{self, Recent};
 use super::mesh::{Inbound, Mesh};
 use super::node::{Committed, Event, View, ALIVE};
+use super::recent::{self, Recent};
 use super::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
 use super::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
 use super::{SyncMetrics, SyncRole};
