@@ -80,7 +80,7 @@ impl ReplicaDisk {
 
     /// Whether `w` is one whole block of this disk, as the leader sends them.
     pub fn fits(&self, w: &DiskWrite) -> bool {
-        w.offset % BLOCK == 0 && w.offset < self.size && w.data.len() as u64 == BLOCK.min(self.size - w.offset)
+        w.offset.is_multiple_of(BLOCK) && w.offset < self.size && w.data.len() as u64 == BLOCK.min(self.size - w.offset)
     }
 }
 
