@@ -321,11 +321,12 @@ fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
             e
         });
         wait_acked_beyond(&w, acked, &c, &format!("round {round}: after replica {leader} was killed"));
-        replayed += replayed_frames(&c, other);
+        let sent = replayed_frames(&c, other);
+        replayed += sent;
         c.start(leader);
         // Protected again once the restarted replica was brought up to date.
         assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other, "round {round}");
-        eprintln!("round {round}: killed {leader}, {other} leads ({how}), {} writes acknowledged", w.acked());
+        eprintln!("round {round}: killed {leader}, {other} leads ({how}), sent {sent} recent frames, {} writes acknowledged", w.acked());
     }
     let n = verify_all(&c, w);
     eprintln!(

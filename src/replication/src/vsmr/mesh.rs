@@ -59,6 +59,10 @@ pub struct Inbound {
     pub from: u64,
     pub kind: Kind,
     pub payload: Vec<u8>,
+    /// Not a message: the link from `from` closed at this instant (sent to
+    /// the `syncvm` route, so that an exchange with a dead peer ends at
+    /// once instead of at its step timeout, its guest paused meanwhile).
+    pub lost: Option<Instant>,
 }
 
 /// Where the messages that arrive go, by kind.
@@ -258,7 +262,7 @@ impl Mesh {
                 hello.id,
                 PeerInfo { witness: hello.witness, standby: hello.standby, disk: hello.disk, heard: Some(Instant::now()) },
             );
-            let msg = Inbound { from: hello.id, kind, payload: std::mem::take(&mut buf) };
+            let msg = Inbound { from: hello.id, kind, payload: std::mem::take(&mut buf), lost: None };
             let delivered = match kind {
                 Kind::Raft => routes.raft.send(Event::Peer(msg)).is_ok(),
                 Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages | Kind::SyncAck => {
@@ -297,6 +301,7 @@ impl Mesh {
             p.heard = None;
         }
         let _ = routes.raft.send(Event::PeerLost(id));
+        let _ = routes.sync.send(Inbound { from: id, kind: Kind::PeerHello, payload: Vec::new(), lost: Some(Instant::now()) });
     }
 }
 

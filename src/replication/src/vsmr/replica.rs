@@ -256,7 +256,14 @@ impl Shared {
 fn precopy_loop(s: &Shared, jobs: Receiver<Job>, inbox: Receiver<Inbound>) {
     for (session, (lead, peer)) in (1..).zip(jobs) {
         // Its messages carry (term, session), as syncvm's carry (term, index).
-        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer, id: SyncId { term: lead.term, index: session }, disk: None };
+        let x = Exchange {
+            mesh: &s.mesh,
+            inbox: &inbox,
+            peer,
+            id: SyncId { term: lead.term, index: session },
+            disk: None,
+            started: Instant::now(),
+        };
         let t0 = Instant::now();
         s.status.lock().detail = format!("leader: bringing replica {peer} up to date (pre-copy); UNPROTECTED");
         let mut m = RejoinMetrics { term: lead.term, peer, ..RejoinMetrics::default() };
@@ -288,7 +295,7 @@ fn join_loop(s: &Shared, inbox: Receiver<Inbound>) {
     let mut session: Option<(u64, SyncId)> = None;
     while let Ok(msg) = inbox.recv() {
         let Some(id) = SyncId::parse(&msg.payload) else { continue };
-        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: msg.from, id, disk: None };
+        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: msg.from, id, disk: None, started: Instant::now() };
         let _writer = s.ram_writer.locked();
         match msg.kind {
             Kind::RejoinStart => {
@@ -526,7 +533,7 @@ impl Applier {
                 Ok(Figures { pause, ..Figures::default() })
             }
             Ok(frozen) => {
-                let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: secondary, id, disk: s.disk.as_ref() };
+                let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: secondary, id, disk: s.disk.as_ref(), started: t0 };
                 sync::lead(&x, &s.vm, frozen, full, s.options.pages)
             }
         };
@@ -573,7 +580,7 @@ impl Applier {
             return;
         }
         let t0 = Instant::now();
-        let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: leader, id, disk: s.disk.as_ref() };
+        let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: leader, id, disk: s.disk.as_ref(), started: t0 };
         // No pre-copy batch lands during the syncvm, nor after it succeeded.
         let writer = s.ram_writer.locked();
         // Inside the pause once applied: what the guest sent before is of

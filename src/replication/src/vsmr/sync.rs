@@ -155,6 +155,8 @@ pub enum SyncError {
     Protocol(#[from] ProtocolError),
     #[error("cannot send to the peer")]
     Send,
+    #[error("the peer's link closed")]
+    PeerLost,
     #[error(transparent)]
     Vm(#[from] ftvm_vmm::VmError),
     #[error("the replica is stopping")]
@@ -196,6 +198,8 @@ pub struct Exchange<'a> {
     pub id: SyncId,
     /// The VM's disk, if it has one.
     pub disk: Option<&'a ReplicaDisk>,
+    /// When the exchange began: the peer's link closing after this ends it.
+    pub started: Instant,
 }
 
 impl Exchange<'_> {
@@ -227,7 +231,16 @@ impl Exchange<'_> {
                 Err(RecvTimeoutError::Timeout) => return Err(SyncError::Timeout(timeout)),
                 Err(RecvTimeoutError::Disconnected) => return Err(SyncError::Closed),
             };
-            if msg.from != self.peer || !kinds.contains(&msg.kind) {
+            if msg.from != self.peer {
+                continue;
+            }
+            if let Some(at) = msg.lost {
+                if at >= self.started {
+                    return Err(SyncError::PeerLost);
+                }
+                continue;
+            }
+            if !kinds.contains(&msg.kind) {
                 continue;
             }
             let Some(id) = SyncId::parse(&msg.payload) else { continue };
