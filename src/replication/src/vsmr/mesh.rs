@@ -162,6 +162,11 @@ impl Mesh {
         self.peers.locked().clone()
     }
 
+    /// The link from `id` closed and nothing came from it since.
+    pub fn is_lost(&self, id: u64) -> bool {
+        self.peers.locked().get(&id).is_some_and(|p| p.heard.is_none())
+    }
+
     pub fn me(&self) -> PeerHello {
         self.me
     }

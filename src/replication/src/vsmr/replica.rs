@@ -261,7 +261,7 @@ fn precopy_loop(s: &Shared, jobs: Receiver<Job>, inbox: Receiver<Inbound>) {
             inbox: &inbox,
             peer,
             id: SyncId { term: lead.term, index: session },
-            disk: None,
+            disk: s.disk.as_ref(),
             started: Instant::now(),
         };
         let t0 = Instant::now();
@@ -275,6 +275,7 @@ fn precopy_loop(s: &Shared, jobs: Receiver<Job>, inbox: Receiver<Inbound>) {
                 peer,
                 rounds = m.rounds,
                 pages = m.pages,
+                blocks = m.blocks,
                 left = m.left,
                 bytes = m.precopy_bytes,
                 ms = t0.elapsed().as_millis() as u64,
@@ -295,7 +296,7 @@ fn join_loop(s: &Shared, inbox: Receiver<Inbound>) {
     let mut session: Option<(u64, SyncId)> = None;
     while let Ok(msg) = inbox.recv() {
         let Some(id) = SyncId::parse(&msg.payload) else { continue };
-        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: msg.from, id, disk: None, started: Instant::now() };
+        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: msg.from, id, disk: s.disk.as_ref(), started: Instant::now() };
         let _writer = s.ram_writer.locked();
         match msg.kind {
             Kind::RejoinStart => {
@@ -312,7 +313,15 @@ fn join_loop(s: &Shared, inbox: Receiver<Inbound>) {
                     session = Some((msg.from, id));
                     s.status.lock().detail = format!("rejoining: pre-copy from {}", msg.from);
                 }
-                if x.send(Kind::RejoinHashes, &rejoin::answer(&s.vm, in_step)).is_err() {
+                let answer = match rejoin::answer(&s.vm, s.disk.as_ref(), in_step) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!(leader = msg.from, "pre-copy: {e}");
+                        session = None;
+                        continue;
+                    }
+                };
+                if x.send(Kind::RejoinHashes, &answer).is_err() {
                     session = None;
                 }
             }
@@ -322,7 +331,7 @@ fn join_loop(s: &Shared, inbox: Receiver<Inbound>) {
                 if session != Some((msg.from, id)) || s.current.load(Ordering::SeqCst) {
                     continue;
                 }
-                match rejoin::write_pages(&msg.payload, &s.vm) {
+                match rejoin::write_pages(&msg.payload, &s.vm, s.disk.as_ref()) {
                     Ok(seq) => {
                         let _ = x.send(Kind::RejoinAck, &seq.to_le_bytes());
                     }

@@ -226,6 +226,11 @@ impl Exchange<'_> {
         let timeout = STEP_TIMEOUT + PER_PAGE * pages as u32;
         let deadline = Instant::now() + timeout;
         loop {
+            // Its link closed before this exchange began (the notice then
+            // counts as stale) and it did not come back.
+            if self.mesh.is_lost(self.peer) {
+                return Err(SyncError::PeerLost);
+            }
             let msg = match self.inbox.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok(m) => m,
                 Err(RecvTimeoutError::Timeout) => return Err(SyncError::Timeout(timeout)),
