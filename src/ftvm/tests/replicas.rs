@@ -714,14 +714,26 @@ fn with_disks_no_acknowledged_write_is_lost_and_the_new_leaders_log_has_them() {
 
 /// The two VM replicas start with different disks: replica 2's has
 /// garbage in its last 256 KiB (beyond the kv guest's log, which it never
-/// reads). The first `syncvm` (full: a new leadership's first) compares
-/// every block and repairs them: with the guest idle (no client, so no
-/// disk write), both images are then byte for byte the same.
+/// reads). The leader brings its secondary up to date before their first
+/// `syncvm`: its pre-copy must send exactly the 64 garbage blocks, and the
+/// full `syncvm` after it compare every block; with the guest idle (no
+/// client, so no disk write), both images are then byte for byte the same.
 #[test]
 fn syncvm_repairs_divergent_disks() {
+    divergent_disks("vddiv", &[]);
+}
+
+/// The same with `--rejoin syncvm`: the full `syncvm` alone must send the
+/// 64 blocks.
+#[test]
+fn syncvm_repairs_divergent_disks_without_precopy() {
+    divergent_disks("vddis", &["--rejoin", "syncvm"]);
+}
+
+fn divergent_disks(tag: &str, extra: &[&str]) {
     const SIZE: u64 = 16 << 20;
     const GARBAGE: u64 = 256 << 10;
-    let topo = Topology::new("vddiv").unwrap();
+    let topo = Topology::new(tag).unwrap();
     let prepare = |path: &std::path::Path| {
         if path.ends_with("r2.img") {
             use std::os::unix::fs::FileExt;
@@ -729,13 +741,16 @@ fn syncvm_repairs_divergent_disks() {
             std::fs::OpenOptions::new().write(true).open(path).unwrap().write_all_at(&garbage, SIZE - GARBAGE).unwrap();
         }
     };
-    let c = Cluster::start_with_disks(topo, "vddiv", Vec::new(), peers(), "h2", false, Some(SIZE), prepare);
+    let c = Cluster::start_with_disks(topo, tag, extra.iter().map(|s| s.to_string()).collect(), peers(), "h2", false, Some(SIZE), prepare);
     assert_ne!(std::fs::read(c.disk_path(1)).unwrap(), std::fs::read(c.disk_path(2)).unwrap());
     let leader = c.wait_leader(true, Duration::from_secs(30));
-    let first = c.metrics(leader).into_iter().find(|m| m["ok"] == true && m["peer"].as_u64().is_some_and(|p| p != 0)).unwrap();
+    let m = c.metrics(leader);
+    let first = m.iter().find(|m| m["ok"] == true && m["peer"].as_u64().is_some_and(|p| p != 0)).unwrap();
     assert_eq!(first["full"], true, "{first}");
     assert_eq!(first["dirty_blocks"].as_u64(), Some(SIZE / 4096), "a full syncvm compares every block: {first}");
-    assert_eq!(first["divergent_blocks"].as_u64(), Some(GARBAGE / 4096), "only the garbage differed: {first}");
+    let precopied = m.iter().filter_map(|l| l["rejoin"]["blocks"].as_u64()).sum::<u64>();
+    let expected = if extra.is_empty() { (GARBAGE / 4096, 0) } else { (0, GARBAGE / 4096) };
+    assert_eq!((precopied, first["divergent_blocks"].as_u64().unwrap()), expected, "(pre-copied, full syncvm) blocks: {m:?}");
     let (a, b) = (std::fs::read(c.disk_path(1)).unwrap(), std::fs::read(c.disk_path(2)).unwrap());
     let differ = a.chunks(4096).zip(b.chunks(4096)).filter(|(x, y)| x != y).count();
     assert_eq!(differ, 0, "{differ} blocks still differ after the syncvm:\n{}", c.logs());
