@@ -758,3 +758,43 @@ fn divergent_disks(tag: &str, extra: &[&str]) {
     let garbage_kept = a[(SIZE - GARBAGE) as usize..].iter().any(|&x| x != 0);
     assert_eq!(garbage_kept, leader == 2, "leader {leader}");
 }
+
+/// Replica 2's disk is twice the size of replica 1's: each VM replica
+/// says so in one line when the other connects, the leader never picks the
+/// other as its secondary (it serves, unprotected, its syncvms consensus
+/// barriers), and nothing fails.
+#[test]
+fn disks_of_different_sizes_are_refused_as_secondaries() {
+    const SIZE: u64 = 4 << 20;
+    let topo = Topology::new("vdsz").unwrap();
+    let prepare = |path: &std::path::Path| {
+        if path.ends_with("r2.img") {
+            std::fs::OpenOptions::new().write(true).open(path).unwrap().set_len(2 * SIZE).unwrap();
+        }
+    };
+    let c = Cluster::start_with_disks(topo, "vdsz", Vec::new(), peers(), "h2", false, Some(SIZE), prepare);
+    let leader = c.wait_leader(false, Duration::from_secs(30));
+    let other = 3 - leader;
+    let t0 = Instant::now();
+    let said = |id: u64| {
+        c.procs[(id - 1) as usize].as_ref().unwrap().stderr().contains(&format!(
+            "replica {} has a disk of {} bytes, this one {}",
+            3 - id,
+            if id == 1 { 2 * SIZE } else { SIZE },
+            if id == 1 { SIZE } else { 2 * SIZE }
+        ))
+    };
+    while !(said(1) && said(2)) {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the size mismatch was not reported:\n{}", c.logs());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Barriers go on; none names the other replica.
+    let before = c.metrics(leader).len();
+    while c.metrics(leader).len() < before + 5 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "no syncvms:\n{}", c.logs());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let m = c.metrics(leader);
+    assert!(m.iter().all(|l| l["peer"] == 0 && l["ok"] == true), "a syncvm with replica {other}, or a failed one: {m:?}");
+    assert!(c.status(leader).contains("protected: no"), "{}", c.status(leader));
+}
