@@ -35,7 +35,8 @@ use ftvm_vmm::pages::FormatError;
 /// flight, `ftvm_vmm::devices::virtio::block::PendingRequest`).
 /// Version 11: `syncvm` compares disks too: SyncBitmap carries the disk's
 /// size and dirty blocks, SyncHashes the blocks' hashes, SyncPages the
-/// divergent blocks (`vsmr::disk`).
+/// divergent blocks (`vsmr::disk`); RejoinHashes the hash of every disk
+/// block, and RejoinPages may carry disk blocks after its sequence number.
 pub const PROTOCOL_VERSION: u16 = 11;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
