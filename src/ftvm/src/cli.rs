@@ -278,7 +278,7 @@ pub struct ReplicaArgs {
     /// Alone, it runs no VM and never leads; with the VM options (--image,
     /// --net, ...) it is a standby: its VM stays paused until a leader that
     /// lost its secondary brings it up to date and makes it the secondary.
-    #[arg(long, conflicts_with = "disk")]
+    #[arg(long)]
     pub witness: bool,
     /// Guest image (every VM replica boots the same one); a witness with one
     /// is a standby.
@@ -321,6 +321,12 @@ pub struct ReplicaArgs {
     /// then found by the election timeout).
     #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(30..=60000))]
     pub failure_timeout_ms: Option<u64>,
+    /// While not leading, keep the guest's frames since the last syncvm
+    /// (at most 16 MiB) and send them on becoming the leader: replies the
+    /// old leader held reach their clients without waiting for a TCP
+    /// retransmission. off: discard them.
+    #[arg(long, default_value = "on", value_name = "on|off")]
+    pub takeover_replay: ftvm_replication::vsmr::recent::Mode,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

@@ -175,8 +175,8 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
         }
         Command::Replica(args) => {
             let peers = ftvm_replication::vsmr::parse_peers(&args.peers, args.id).map_err(run::RunError::Usage)?;
-            if args.host.disk.is_some() {
-                return Err(run::RunError::Usage("--disk: consensus-ordered replicas do not replicate disks yet".into()));
+            if args.host.disk.is_some() && args.image.is_none() {
+                return Err(run::RunError::Usage("--disk needs --image: a witness without a VM has no disk".into()));
             }
             if args.image.is_none() && args.host.net.is_some() {
                 return Err(run::RunError::Usage("--net needs --image: a witness without a VM has no network card".into()));
@@ -197,6 +197,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     fast: args.fast_election,
                     failure_timeout: args.failure_timeout_ms.map(Duration::from_millis),
                 },
+                replay: args.takeover_replay,
             };
             let source = match args.image {
                 Some(image) => run::Source::Replica {
@@ -208,7 +209,11 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 },
                 None => run::Source::Witness(Box::new(config)),
             };
-            run::run(source, args.host.into_options(None))
+            let mut host = args.host;
+            // A replica's disk I/O runs in the device's pass: a pause (a
+            // syncvm) then finds no write in progress (docs/replicas.md).
+            host.disk_io = ftvm_vmm::devices::virtio::block::DiskIo::Sync;
+            run::run(source, host.into_options(None))
         }
         Command::Snapshot { api_socket, timeout, output, stop } => {
             let path = std::path::absolute(&output).unwrap_or(output);

@@ -82,6 +82,9 @@ struct Cluster {
     witness_host: &'static str,
     /// The witness runs a standby VM (on its own TAP, `tap1` in h2).
     standby: bool,
+    /// Each VM replica has a disk of this size (`r{id}.img`, kept across
+    /// restarts) with the kv guest's append-only log on it.
+    disk: Option<u64>,
 }
 
 impl Cluster {
@@ -118,12 +121,37 @@ impl Cluster {
     }
 
     fn start_all(topo: Topology, tag: &str, extra: Vec<String>, peers: String, witness_host: &'static str, standby: bool) -> Cluster {
+        Cluster::start_with_disks(topo, tag, extra, peers, witness_host, standby, None, |_| {})
+    }
+
+    /// As `start_all`, each VM replica with a disk of `disk` bytes, which
+    /// `prepare` may write into before the replicas start.
+    #[allow(clippy::too_many_arguments)]
+    fn start_with_disks(
+        topo: Topology,
+        tag: &str,
+        extra: Vec<String>,
+        peers: String,
+        witness_host: &'static str,
+        standby: bool,
+        disk: Option<u64>,
+        prepare: impl Fn(&std::path::Path),
+    ) -> Cluster {
         let dir = Scratch::new(&format!("replicas-{tag}")).unwrap().keep_on_panic();
-        let mut c = Cluster { topo, dir, procs: [None, None, None], starts: [0; 3], extra, peers, witness_host, standby };
+        if let Some(size) = disk {
+            for id in 1..=2 {
+                prepare(&dir.sparse_file(&format!("r{id}.img"), size).unwrap());
+            }
+        }
+        let mut c = Cluster { topo, dir, procs: [None, None, None], starts: [0; 3], extra, peers, witness_host, standby, disk };
         for id in 1..=3 {
             c.start(id);
         }
         c
+    }
+
+    fn disk_path(&self, id: u64) -> std::path::PathBuf {
+        self.dir.join(format!("r{id}.img"))
     }
 
     fn socket(&self, id: u64) -> std::path::PathBuf {
@@ -152,7 +180,12 @@ impl Cluster {
         if id != 3 || self.standby {
             let tap = if id == 3 { "tap1" } else { "tap0" };
             cmd.arg("--image").arg(image("kv"));
-            cmd.args(["--memory", "64", "--cmdline", &format!("ip={GUEST_ADDR}/24"), "--net", &format!("tap={tap},mac={GUEST_MAC}")]);
+            let mut cmdline = format!("ip={GUEST_ADDR}/24");
+            if self.disk.is_some() {
+                cmd.arg("--disk").arg(self.disk_path(id));
+                cmdline.push_str(" aof=on");
+            }
+            cmd.args(["--memory", "64", "--cmdline", &cmdline, "--net", &format!("tap={tap},mac={GUEST_MAC}")]);
         }
         let log = format!("r{id}.{}", self.starts[i]);
         let p = Process::spawn_logged(&format!("replica {id}"), &mut cmd, self.dir.path(), &log).unwrap();
@@ -273,6 +306,7 @@ fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
     let w = writers(&c, &format!("k{seed:x}"));
     wait_acked_beyond(&w, 0, &c, "start");
     let mut fallbacks = Vec::new();
+    let mut replayed = 0;
     for round in 0..kills {
         std::thread::sleep(Duration::from_millis(rng.range(100, 1500)));
         let leader = c.wait_leader(true, Duration::from_secs(20));
@@ -287,14 +321,34 @@ fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
             e
         });
         wait_acked_beyond(&w, acked, &c, &format!("round {round}: after replica {leader} was killed"));
+        let sent = replayed_frames(&c, other);
+        replayed += sent;
         c.start(leader);
         // Protected again once the restarted replica was brought up to date.
         assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other, "round {round}");
-        eprintln!("round {round}: killed {leader}, {other} leads ({how}), {} writes acknowledged", w.acked());
+        eprintln!("round {round}: killed {leader}, {other} leads ({how}), sent {sent} recent frames, {} writes acknowledged", w.acked());
     }
     let n = verify_all(&c, w);
-    eprintln!("{kills} leader kills, {n} acknowledged writes, none lost; {} elections by the timeout", fallbacks.len());
+    eprintln!(
+        "{kills} leader kills, {n} acknowledged writes, none lost; {} elections by the timeout; {replayed} frames replayed at takeovers",
+        fallbacks.len()
+    );
+    // `--takeover-replay on` (the default): with 8 clients writing, the new
+    // leaders' guests had sent frames since their last syncvm.
+    assert!(replayed > 0, "no new leader sent its guest's recent frames:\n{}", c.logs());
     assert!(fallbacks.len() * 2 <= kills as usize, "most new leaders did not stand on the failure detection: {fallbacks:?}\n{}", c.logs());
+}
+
+/// The frames replica `id` sent at its latest takeover, from its log
+/// (`--takeover-replay on`).
+fn replayed_frames(c: &Cluster, id: u64) -> u64 {
+    let log = c.procs[(id - 1) as usize].as_ref().map(|p| p.stderr()).unwrap_or_default();
+    log.lines()
+        .rev()
+        .find_map(|l| l.split("takeover: sent the guest's ").nth(1))
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 /// What `ftvm status` of replica `id` says started the election it won
@@ -593,4 +647,154 @@ fn a_standby_witness_replaces_a_lost_secondary() {
     assert_eq!(c.wait_leader(false, Duration::from_secs(15)), 3, "the former witness took over");
     wait_acked_beyond(&w, acked, &c, "after the leader was killed");
     verify_all(&c, w);
+}
+
+// ------------------------------------------------------------------ disks
+
+/// Each VM replica has its own disk with the kv guest's append-only log on
+/// it. The leader is killed three times at random moments and the killed
+/// replica restarted (its disk as it was: the full `syncvm` that makes it
+/// the secondary again brings the blocks written meanwhile); every
+/// acknowledged write reads back, and the last leader's disk (a replica
+/// that was itself killed and brought up to date) logs every one of them.
+#[test]
+fn with_disks_no_acknowledged_write_is_lost_and_the_new_leaders_log_has_them() {
+    let seed = std::env::var("FTVM_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::process::id() as u64);
+    eprintln!("seed {seed} (FTVM_TEST_SEED)");
+    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let topo = Topology::new("vdisk").unwrap();
+    let mut c = Cluster::start_with_disks(topo, "vdisk", Vec::new(), peers(), "h2", false, Some(64 << 20), |_| {});
+    c.wait_leader(true, Duration::from_secs(30));
+    let w = writers(&c, &format!("d{seed:x}"));
+    wait_acked_beyond(&w, 0, &c, "start");
+    let mut leader = 0;
+    let mut precopied = 0;
+    for round in 0..3 {
+        std::thread::sleep(Duration::from_millis(rng.range(300, 1500)));
+        let old = c.wait_leader(true, Duration::from_secs(20));
+        c.kill(old);
+        let acked = w.acked();
+        leader = c.wait_leader(false, Duration::from_secs(10));
+        assert_eq!(leader, 3 - old, "round {round}: the secondary took over");
+        wait_acked_beyond(&w, acked, &c, &format!("round {round}: after replica {old} was killed"));
+        c.start(old);
+        assert_eq!(c.wait_leader(true, Duration::from_secs(30)), leader, "round {round}");
+        // The log grew while the replica was down: its pre-copy (or the
+        // full syncvm after it) sent it disk blocks.
+        let m = c.metrics(leader);
+        let copied: u64 = m.iter().filter_map(|l| l["rejoin"]["blocks"].as_u64()).sum();
+        let synced: u64 = m.iter().filter(|l| l["full"] == true && l["ok"] == true).filter_map(|l| l["divergent_blocks"].as_u64()).sum();
+        assert!(copied + synced > 0, "round {round}: no disk block reached the restarted replica:\n{m:?}");
+        precopied += copied;
+        eprintln!("round {round}: killed {old}, {leader} leads, {copied} + {synced} blocks copied, {} writes acknowledged", w.acked());
+    }
+    assert!(precopied > 0, "no pre-copy sent disk blocks");
+    let report_acked = {
+        let report = w.stop();
+        assert!(!report.acked.is_empty(), "no write was acknowledged");
+        let v = writers::verify(guest(), Some(&c.topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(20))
+            .unwrap();
+        assert_eq!(
+            v.lost(),
+            0,
+            "acknowledged writes lost: {:?}\n{}",
+            v.missing.iter().chain(&v.wrong).take(5).collect::<Vec<_>>(),
+            c.logs()
+        );
+        report.acked
+    };
+    // The guest logged each write before acknowledging it (a synchronous
+    // disk write): the leader's image holds them all.
+    c.kill(leader);
+    let sets = common::logged_sets(&c.disk_path(leader));
+    let missing: Vec<_> = report_acked.iter().filter(|k| sets.get(*k) != Some(&writers::value(k, VALUE_LEN))).collect();
+    eprintln!("{} writes acknowledged, {} SETs in leader {leader}'s log, {} missing", report_acked.len(), sets.len(), missing.len());
+    assert!(missing.is_empty(), "acknowledged writes missing from the leader's disk: {:?}", &missing[..missing.len().min(5)]);
+}
+
+/// The two VM replicas start with different disks: replica 2's has
+/// garbage in its last 256 KiB (beyond the kv guest's log, which it never
+/// reads). The leader brings its secondary up to date before their first
+/// `syncvm`: its pre-copy must send exactly the 64 garbage blocks, and the
+/// full `syncvm` after it compare every block; with the guest idle (no
+/// client, so no disk write), both images are then byte for byte the same.
+#[test]
+fn syncvm_repairs_divergent_disks() {
+    divergent_disks("vddiv", &[]);
+}
+
+/// The same with `--rejoin syncvm`: the full `syncvm` alone must send the
+/// 64 blocks.
+#[test]
+fn syncvm_repairs_divergent_disks_without_precopy() {
+    divergent_disks("vddis", &["--rejoin", "syncvm"]);
+}
+
+fn divergent_disks(tag: &str, extra: &[&str]) {
+    const SIZE: u64 = 16 << 20;
+    const GARBAGE: u64 = 256 << 10;
+    let topo = Topology::new(tag).unwrap();
+    let prepare = |path: &std::path::Path| {
+        if path.ends_with("r2.img") {
+            use std::os::unix::fs::FileExt;
+            let garbage: Vec<u8> = (0..GARBAGE).map(|i| (i * 7 + 13) as u8).collect();
+            std::fs::OpenOptions::new().write(true).open(path).unwrap().write_all_at(&garbage, SIZE - GARBAGE).unwrap();
+        }
+    };
+    let c = Cluster::start_with_disks(topo, tag, extra.iter().map(|s| s.to_string()).collect(), peers(), "h2", false, Some(SIZE), prepare);
+    assert_ne!(std::fs::read(c.disk_path(1)).unwrap(), std::fs::read(c.disk_path(2)).unwrap());
+    let leader = c.wait_leader(true, Duration::from_secs(30));
+    let m = c.metrics(leader);
+    let first = m.iter().find(|m| m["ok"] == true && m["peer"].as_u64().is_some_and(|p| p != 0)).unwrap();
+    assert_eq!(first["full"], true, "{first}");
+    assert_eq!(first["dirty_blocks"].as_u64(), Some(SIZE / 4096), "a full syncvm compares every block: {first}");
+    let precopied = m.iter().filter_map(|l| l["rejoin"]["blocks"].as_u64()).sum::<u64>();
+    let expected = if extra.is_empty() { (GARBAGE / 4096, 0) } else { (0, GARBAGE / 4096) };
+    assert_eq!((precopied, first["divergent_blocks"].as_u64().unwrap()), expected, "(pre-copied, full syncvm) blocks: {m:?}");
+    let (a, b) = (std::fs::read(c.disk_path(1)).unwrap(), std::fs::read(c.disk_path(2)).unwrap());
+    let differ = a.chunks(4096).zip(b.chunks(4096)).filter(|(x, y)| x != y).count();
+    assert_eq!(differ, 0, "{differ} blocks still differ after the syncvm:\n{}", c.logs());
+    // The leader's disk won: the garbage is on both or on neither.
+    let garbage_kept = a[(SIZE - GARBAGE) as usize..].iter().any(|&x| x != 0);
+    assert_eq!(garbage_kept, leader == 2, "leader {leader}");
+}
+
+/// Replica 2's disk is twice the size of replica 1's: each VM replica
+/// says so in one line when the other connects, the leader never picks the
+/// other as its secondary (it serves, unprotected, its syncvms consensus
+/// barriers), and nothing fails.
+#[test]
+fn disks_of_different_sizes_are_refused_as_secondaries() {
+    const SIZE: u64 = 4 << 20;
+    let topo = Topology::new("vdsz").unwrap();
+    let prepare = |path: &std::path::Path| {
+        if path.ends_with("r2.img") {
+            std::fs::OpenOptions::new().write(true).open(path).unwrap().set_len(2 * SIZE).unwrap();
+        }
+    };
+    let c = Cluster::start_with_disks(topo, "vdsz", Vec::new(), peers(), "h2", false, Some(SIZE), prepare);
+    let leader = c.wait_leader(false, Duration::from_secs(30));
+    let other = 3 - leader;
+    let t0 = Instant::now();
+    let said = |id: u64| {
+        c.procs[(id - 1) as usize].as_ref().unwrap().stderr().contains(&format!(
+            "replica {} has a disk of {} bytes, this one {}",
+            3 - id,
+            if id == 1 { 2 * SIZE } else { SIZE },
+            if id == 1 { SIZE } else { 2 * SIZE }
+        ))
+    };
+    while !(said(1) && said(2)) {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the size mismatch was not reported:\n{}", c.logs());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Barriers go on; none names the other replica.
+    let before = c.metrics(leader).len();
+    while c.metrics(leader).len() < before + 5 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "no syncvms:\n{}", c.logs());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let m = c.metrics(leader);
+    assert!(m.iter().all(|l| l["peer"] == 0 && l["ok"] == true), "a syncvm with replica {other}, or a failed one: {m:?}");
+    assert!(c.status(leader).contains("protected: no"), "{}", c.status(leader));
 }

@@ -45,6 +45,8 @@ pub enum ReplicationError {
     Send(std::io::Error),
     #[error("cannot read the primary's disk: {0}")]
     PrimaryDisk(std::io::Error),
+    #[error("{0}")]
+    Disk(String),
     #[error("this backup cannot apply the primary's stream ({0}); it told the primary and stops without taking over")]
     CannotApply(#[from] pipeline::apply::ApplyError),
     #[error("checkpoint {epoch} would be {bytes} bytes, over the {limit}-byte limit of this VM's shape")]

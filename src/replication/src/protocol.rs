@@ -33,7 +33,11 @@ use ftvm_vmm::pages::FormatError;
 /// stored segments (`CheckpointState::fake_ack`, `--fake-ack`).
 /// Version 10: a disk's saved state carries its pending list (requests in
 /// flight, `ftvm_vmm::devices::virtio::block::PendingRequest`).
-pub const PROTOCOL_VERSION: u16 = 10;
+/// Version 11: `syncvm` compares disks too: SyncBitmap carries the disk's
+/// size and dirty blocks, SyncHashes the blocks' hashes, SyncPages the
+/// divergent blocks (`vsmr::disk`); RejoinHashes the hash of every disk
+/// block, and RejoinPages may carry disk blocks after its sequence number.
+pub const PROTOCOL_VERSION: u16 = 11;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

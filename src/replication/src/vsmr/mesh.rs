@@ -49,6 +49,9 @@ pub struct PeerHello {
     /// A witness with a VM: picked as secondary only when no other VM
     /// replica is alive.
     pub standby: bool,
+    /// The size of its VM's disk in bytes (0: none). A VM replica whose
+    /// disk differs from this one's in size is never its secondary.
+    pub disk: u64,
 }
 
 /// A message from a peer.
@@ -56,6 +59,10 @@ pub struct Inbound {
     pub from: u64,
     pub kind: Kind,
     pub payload: Vec<u8>,
+    /// Not a message: the link from `from` closed at this instant (sent to
+    /// the `syncvm` route, so that an exchange with a dead peer ends at
+    /// once instead of at its step timeout, its guest paused meanwhile).
+    pub lost: Option<Instant>,
 }
 
 /// Where the messages that arrive go, by kind.
@@ -76,6 +83,8 @@ pub struct Routes {
 pub struct PeerInfo {
     pub witness: bool,
     pub standby: bool,
+    /// Its VM's disk size (0: none).
+    pub disk: u64,
     /// When a message from it last arrived.
     pub heard: Option<Instant>,
 }
@@ -151,6 +160,11 @@ impl Mesh {
     /// What the links told of each peer.
     pub fn peers(&self) -> HashMap<u64, PeerInfo> {
         self.peers.locked().clone()
+    }
+
+    /// The link from `id` closed and nothing came from it since.
+    pub fn is_lost(&self, id: u64) -> bool {
+        self.peers.locked().get(&id).is_some_and(|p| p.heard.is_none())
     }
 
     pub fn me(&self) -> PeerHello {
@@ -229,6 +243,15 @@ impl Mesh {
         }
         let _ = link.set_recv_timeout(None);
         tracing::info!(%peer, id = hello.id, witness = hello.witness, "peer connected");
+        if !hello.witness && !self.me.witness && hello.disk != self.me.disk {
+            tracing::error!(
+                id = hello.id,
+                "replica {} has a disk of {} bytes, this one {} (0: none): they cannot synchronize; give every VM replica a disk of the same size",
+                hello.id,
+                hello.disk,
+                self.me.disk
+            );
+        }
         loop {
             let kind = match link.recv(FRAME_LIMIT, &mut buf) {
                 Ok(k) => k,
@@ -240,8 +263,11 @@ impl Mesh {
                     return self.lost(hello.id, routes);
                 }
             };
-            self.peers.locked().insert(hello.id, PeerInfo { witness: hello.witness, standby: hello.standby, heard: Some(Instant::now()) });
-            let msg = Inbound { from: hello.id, kind, payload: std::mem::take(&mut buf) };
+            self.peers.locked().insert(
+                hello.id,
+                PeerInfo { witness: hello.witness, standby: hello.standby, disk: hello.disk, heard: Some(Instant::now()) },
+            );
+            let msg = Inbound { from: hello.id, kind, payload: std::mem::take(&mut buf), lost: None };
             let delivered = match kind {
                 Kind::Raft => routes.raft.send(Event::Peer(msg)).is_ok(),
                 Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages | Kind::SyncAck => {
@@ -280,6 +306,7 @@ impl Mesh {
             p.heard = None;
         }
         let _ = routes.raft.send(Event::PeerLost(id));
+        let _ = routes.sync.send(Inbound { from: id, kind: Kind::PeerHello, payload: Vec::new(), lost: Some(Instant::now()) });
     }
 }
 

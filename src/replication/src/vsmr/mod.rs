@@ -6,10 +6,12 @@
 //! The witness votes and keeps the log but runs no VM, and never leads.
 //! See docs/replicas.md.
 
+pub mod disk;
 pub mod failover;
 pub mod log;
 pub mod mesh;
 pub mod node;
+pub mod recent;
 pub mod rejoin;
 mod replica;
 pub mod sync;
@@ -25,6 +27,7 @@ use serde::{Deserialize, Serialize};
 use ftvm_vmm::Vm;
 
 use crate::metrics::{MetricsLog, Role, StatusCell};
+use crate::output::DiskJournal;
 use crate::pipeline::transport::Auth;
 use crate::ReplicationError;
 use mesh::{Mesh, PeerHello, Routes};
@@ -53,6 +56,11 @@ pub struct SyncMetrics {
     pub divergent_pages: u64,
     /// Bytes of the divergent pages and state message.
     pub page_bytes: u64,
+    /// Disk blocks (4 KiB) written on either VM replica since the previous
+    /// `syncvm` (the union; every block in a full one).
+    pub dirty_blocks: u64,
+    /// Of those, blocks whose contents differed: sent.
+    pub divergent_blocks: u64,
     /// How long this replica's guest was paused.
     pub pause_us: u64,
     /// From the previous `syncvm`'s end to this one's start.
@@ -94,6 +102,9 @@ pub struct ReplicaConfig {
     pub rejoin: rejoin::RejoinMode,
     /// How a dead leader is found: at once, or by raft's election timeout.
     pub failover: failover::Options,
+    /// `--takeover-replay`: a new leader sends its guest's output since its
+    /// last `syncvm`.
+    pub replay: recent::Mode,
 }
 
 /// `--peers 1=HOST:PORT,2=HOST:PORT,3=HOST:PORT`, checked against `--id`.
@@ -134,6 +145,14 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
         (Some(_), true) => "standby witness: VM held until a leader needs it".into(),
         (Some(_), false) => "secondary: waiting for a leader".into(),
     };
+    let disk = match (&vm, vm.as_ref().and_then(|v| v.config().devices.disk.clone())) {
+        (Some(vm), Some(path)) => Some(
+            disk::ReplicaDisk::open(&path, Arc::new(DiskJournal::new(Arc::default(), vm.devices().waker())))
+                .map_err(|e| ReplicationError::Disk(format!("cannot open the disk {}: {e}", path.display())))?,
+        ),
+        _ => None,
+    };
+    let disk_size = disk.as_ref().map_or(0, disk::ReplicaDisk::size);
     let listen = config.peers.iter().find(|(i, _)| *i == config.id).map(|(_, a)| a.clone()).expect("parse_peers checked --id");
     let others: Vec<(u64, String)> = config.peers.iter().filter(|(i, _)| *i != config.id).cloned().collect();
     let (events_tx, events_rx) = mpsc::channel();
@@ -143,7 +162,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
     let routes = Routes { raft: events_tx.clone(), sync: sync_tx, join: join_tx, precopy: precopy_tx };
     // Peers pick secondaries among replicas with a VM: a standby says it has one.
     let mesh = Mesh::start(
-        PeerHello { id: config.id, witness: vm.is_none(), standby: witness && vm.is_some() },
+        PeerHello { id: config.id, witness: vm.is_none(), standby: witness && vm.is_some(), disk: disk_size },
         &listen,
         &others,
         config.auth.clone(),
@@ -175,7 +194,14 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                 eligible,
                 status.clone(),
                 metrics,
-                replica::Options { max_interval: config.max_interval, pages: config.pages, rejoin: config.rejoin, standby: witness },
+                replica::Options {
+                    max_interval: config.max_interval,
+                    pages: config.pages,
+                    rejoin: config.rejoin,
+                    standby: witness,
+                    replay: config.replay,
+                },
+                disk,
             ));
             replica::start(shared, committed_rx, replica::Inboxes { sync: sync_rx, join: join_rx, precopy: precopy_rx })
                 .map_err(ReplicationError::Thread)?;

@@ -20,6 +20,14 @@
 //! to be exact: the full `syncvm` that follows compares every page with
 //! both VMs paused. The primary-backup pre-copy's message builder
 //! (`primary::precopy::page_frame`) and the bundle encoding are shared.
+//!
+//! A disk (`vsmr::disk`) is copied the same way, in the same rounds: the
+//! replica sends the hash of every block with its page hashes, the leader
+//! sends the blocks whose hash is not what the replica holds, read from
+//! its image while its guest runs (a block written meanwhile is sent again
+//! next round, or left to the full `syncvm`, which compares every block),
+//! as `RejoinPages` messages without pages whose state carries the blocks
+//! after the sequence number.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -27,10 +35,12 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_128;
 
 use ftvm_vmm::memory::PAGE;
-use ftvm_vmm::pages::{Bundle, Cursor};
+use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
 use ftvm_vmm::Vm;
 
+use super::disk::{ReplicaDisk, BLOCK};
 use super::sync::{hash_pages, Exchange, SyncError, ID_LEN};
+use crate::output::DiskWrite;
 use crate::primary::precopy::page_frame;
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::switch::switch;
@@ -64,6 +74,8 @@ struct HashesMsg {
     in_step: bool,
     /// XXH3-128 of every page, in order.
     hashes: Vec<u128>,
+    /// XXH3-128 of every block of its disk, in order (none without one).
+    blocks: Vec<u128>,
 }
 
 /// One pre-copy, as the leader records it (`--metrics`: a line
@@ -80,6 +92,9 @@ pub struct RejoinMetrics {
     pub rounds: u64,
     /// Pages sent, over all rounds.
     pub pages: u64,
+    /// Disk blocks (4 KiB) sent, over all rounds.
+    #[serde(default)]
+    pub blocks: u64,
     /// Pages that had changed again when it stopped: left to the full `syncvm`.
     pub left: u64,
     /// Bytes of the `RejoinPages` messages.
@@ -109,11 +124,19 @@ pub fn precopy(x: &Exchange<'_>, vm: &Vm, serving: &AtomicBool, m: &mut RejoinMe
         m.skipped = true;
         return Ok(());
     }
-    if reply.hashes.len() as u64 != n {
-        return Err(ProtocolError::Corrupt(format!("{} page hashes for {n} pages", reply.hashes.len())).into());
+    let nblocks = x.disk.map_or(0, ReplicaDisk::blocks);
+    if reply.hashes.len() as u64 != n || reply.blocks.len() as u64 != nblocks {
+        return Err(ProtocolError::Corrupt(format!(
+            "{} page hashes for {n} pages, {} block hashes for {nblocks} blocks",
+            reply.hashes.len(),
+            reply.blocks.len()
+        ))
+        .into());
     }
-    // What the replica holds, page by page.
+    // What the replica holds, page by page and block by block.
     let mut known = reply.hashes;
+    let mut known_blocks = reply.blocks;
+    let all_blocks: Vec<u64> = (0..nblocks).collect();
     let all: Vec<u64> = (0..n).collect();
     let mut buf = vec![0u8; PAGE];
     let (mut sent, mut acked) = (0u64, 0u64);
@@ -123,11 +146,38 @@ pub fn precopy(x: &Exchange<'_>, vm: &Vm, serving: &AtomicBool, m: &mut RejoinMe
         }
         let now = hash_pages(ram, &all);
         let changed: Vec<u64> = all.iter().copied().filter(|&p| now[p as usize] != known[p as usize]).collect();
-        m.left = changed.len() as u64;
-        if changed.is_empty() || round == ROUNDS || (round > 0 && changed.len() < DONE_PAGES) {
+        let changed_blocks: Vec<u64> = match x.disk {
+            Some(d) => {
+                let now = d.hash(&all_blocks).map_err(|e| SyncError::Disk(e.to_string()))?;
+                all_blocks.iter().copied().filter(|&b| now[b as usize] != known_blocks[b as usize]).collect()
+            }
+            None => Vec::new(),
+        };
+        let left = changed.len() + changed_blocks.len();
+        m.left = left as u64;
+        if left == 0 || round == ROUNDS || (round > 0 && left < DONE_PAGES) {
             break;
         }
         m.rounds += 1;
+        for batch in changed_blocks.chunks(BATCH_PAGES) {
+            while sent - acked >= WINDOW {
+                acked = acked.max(wait_ack(x)?);
+            }
+            sent += 1;
+            let d = x.disk.expect("blocks only with a disk");
+            let mut blocks = Vec::with_capacity(batch.len());
+            for &b in batch {
+                let data = d.read(b).map_err(|e| SyncError::Disk(e.to_string()))?;
+                known_blocks[b as usize] = xxh3_128(&data);
+                blocks.push(DiskWrite { offset: b * BLOCK, data });
+            }
+            let frame = blocks_frame(x, sent, &blocks);
+            m.precopy_bytes += frame.len() as u64;
+            m.blocks += batch.len() as u64;
+            if !x.mesh.send(x.peer, frame) {
+                return Err(SyncError::Send);
+            }
+        }
         for batch in changed.chunks(BATCH_PAGES) {
             while sent - acked >= WINDOW {
                 acked = acked.max(wait_ack(x)?);
@@ -152,6 +202,19 @@ pub fn precopy(x: &Exchange<'_>, vm: &Vm, serving: &AtomicBool, m: &mut RejoinMe
     Ok(())
 }
 
+/// A `RejoinPages` message without pages: its state is the sequence
+/// number, then the blocks.
+fn blocks_frame(x: &Exchange<'_>, seq: u64, blocks: &[DiskWrite]) -> Vec<u8> {
+    let mut state = seq.to_le_bytes().to_vec();
+    state.extend_from_slice(&postcard::to_allocvec(blocks).expect("serializes"));
+    let mut frame = Vec::new();
+    protocol::begin_frame(&mut frame, Kind::RejoinPages);
+    frame.extend_from_slice(&x.id.header());
+    BundleWriter::begin(&mut frame, &state, &mut RawEncoder, false).finish();
+    protocol::finish_frame(&mut frame);
+    frame
+}
+
 fn wait_ack(x: &Exchange<'_>) -> Result<u64, SyncError> {
     let payload = x.expect(Kind::RejoinAck, BATCH_PAGES as u64)?;
     let seq = payload.get(ID_LEN..ID_LEN + 8).ok_or_else(|| ProtocolError::Corrupt("a short RejoinAck".into()))?;
@@ -160,20 +223,34 @@ fn wait_ack(x: &Exchange<'_>) -> Result<u64, SyncError> {
 
 /// The replica's answer to `RejoinStart`: in step (skip), or the hash of
 /// every page of its (held) VM.
-pub fn answer(vm: &Vm, in_step: bool) -> Vec<u8> {
+pub fn answer(vm: &Vm, disk: Option<&ReplicaDisk>, in_step: bool) -> Result<Vec<u8>, SyncError> {
     let hashes = if in_step { Vec::new() } else { hash_pages(vm.ram(), &(0..vm.ram().pages()).collect::<Vec<_>>()) };
-    postcard::to_allocvec(&HashesMsg { in_step, hashes }).expect("serializes")
+    let blocks = match disk {
+        Some(d) if !in_step => d.hash(&d.all()).map_err(|e| SyncError::Disk(e.to_string()))?,
+        _ => Vec::new(),
+    };
+    Ok(postcard::to_allocvec(&HashesMsg { in_step, hashes, blocks }).expect("serializes"))
 }
 
 /// The replica writes one `RejoinPages` message (checked whole first) into
 /// its held VM; returns its sequence number, to acknowledge.
-pub fn write_pages(payload: &[u8], vm: &Vm) -> Result<u64, SyncError> {
+/// Disk blocks after the sequence number are written into `disk` (each
+/// checked to be one whole block of it first).
+pub fn write_pages(payload: &[u8], vm: &Vm, disk: Option<&ReplicaDisk>) -> Result<u64, SyncError> {
     let mut c = Cursor::new(payload.get(ID_LEN..).unwrap_or_default());
     let bundle = Bundle::parse(&mut c, vm.ram().pages()).map_err(ProtocolError::from)?;
     if !c.is_empty() {
         return Err(ProtocolError::Corrupt("rejoin pages have trailing bytes".into()).into());
     }
-    let seq: [u8; 8] = bundle.state.try_into().map_err(|_| ProtocolError::Corrupt("rejoin pages without a sequence number".into()))?;
+    let (seq, blocks) =
+        bundle.state.split_at_checked(8).ok_or_else(|| ProtocolError::Corrupt("rejoin pages without a sequence number".into()))?;
+    if !blocks.is_empty() {
+        let blocks: Vec<DiskWrite> = protocol::decode(blocks)?;
+        let Some(d) = disk.filter(|d| blocks.iter().all(|w| d.fits(w))) else {
+            return Err(ProtocolError::Corrupt("rejoin disk blocks that are not blocks of this disk".into()).into());
+        };
+        d.write(&blocks).map_err(SyncError::Disk)?;
+    }
     bundle.apply(vm.ram()).map_err(ftvm_vmm::VmError::from)?;
-    Ok(u64::from_le_bytes(seq))
+    Ok(u64::from_le_bytes(seq.try_into().expect("8 bytes")))
 }

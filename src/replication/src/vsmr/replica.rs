@@ -21,9 +21,11 @@ use ftvm_vmm::hooks::{FrameSink, HostInputFilter};
 use ftvm_vmm::sync::{self as vsync, Lock};
 use ftvm_vmm::Vm;
 
+use super::disk::ReplicaDisk;
 use super::log::Entry;
 use super::mesh::{Inbound, Mesh};
 use super::node::{Committed, Event, View, ALIVE};
+use super::recent::{self, Recent};
 use super::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
 use super::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
 use super::{SyncMetrics, SyncRole};
@@ -50,6 +52,8 @@ pub struct Options {
     /// A witness with a VM: held from the start, until a leader brings it
     /// up to date.
     pub standby: bool,
+    /// `--takeover-replay`.
+    pub replay: recent::Mode,
 }
 
 /// What arrives for a VM replica's threads from its links.
@@ -76,6 +80,11 @@ pub struct Shared {
     pub status: StatusCell,
     pub metrics: MetricsLog,
     pub options: Options,
+    /// The VM's disk (`--disk`): its own image, compared at each `syncvm`.
+    pub disk: Option<ReplicaDisk>,
+    /// The guest's output while this replica does not lead: kept since the
+    /// last completed `syncvm` (`--takeover-replay on`), sent at takeover.
+    recent: Arc<Recent>,
     /// The VM is held (paused) for a leader's pre-copy, or as a standby:
     /// released by this replica's first successful `syncvm`.
     held: AtomicBool,
@@ -167,6 +176,7 @@ impl Shared {
         status: StatusCell,
         metrics: MetricsLog,
         options: Options,
+        disk: Option<ReplicaDisk>,
     ) -> Shared {
         Shared {
             id,
@@ -177,7 +187,9 @@ impl Shared {
             eligible,
             status,
             metrics,
+            recent: Arc::new(Recent::new(options.replay)),
             options,
+            disk,
             held: AtomicBool::new(false),
             ram_writer: Mutex::new(()),
             jobs: Mutex::new(None),
@@ -195,8 +207,9 @@ impl Shared {
 /// threads).
 pub fn start(shared: Arc<Shared>, committed: Receiver<Committed>, inboxes: Inboxes) -> std::io::Result<()> {
     let hooks = shared.vm.hooks();
-    hooks.set_tx(Some(Arc::new(Discard)));
+    hooks.set_tx(Some(shared.recent.clone()));
     hooks.set_host_input(Some(Arc::new(Input(shared.clone()))));
+    shared.track_disk_as_secondary();
     shared.vm.start_dirty_tracking().map_err(std::io::Error::other)?;
     if shared.options.standby {
         // Its guest has nothing to do until a leader copies it its state.
@@ -214,6 +227,15 @@ pub fn start(shared: Arc<Shared>, committed: Receiver<Committed>, inboxes: Inbox
 }
 
 impl Shared {
+    /// Record the guest's disk writes in the journal a secondary's
+    /// `syncvm` takes (until this replica leads: then its leadership's).
+    fn track_disk_as_secondary(&self) {
+        if let Some(d) = &self.disk {
+            d.journal.start();
+            self.vm.hooks().set_disk_writes(Some(d.journal.clone()));
+        }
+    }
+
     /// Hold the VM (once) until this replica's next successful `syncvm`.
     fn hold(&self) {
         if !self.held.swap(true, Ordering::SeqCst) {
@@ -234,7 +256,14 @@ impl Shared {
 fn precopy_loop(s: &Shared, jobs: Receiver<Job>, inbox: Receiver<Inbound>) {
     for (session, (lead, peer)) in (1..).zip(jobs) {
         // Its messages carry (term, session), as syncvm's carry (term, index).
-        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer, id: SyncId { term: lead.term, index: session } };
+        let x = Exchange {
+            mesh: &s.mesh,
+            inbox: &inbox,
+            peer,
+            id: SyncId { term: lead.term, index: session },
+            disk: s.disk.as_ref(),
+            started: Instant::now(),
+        };
         let t0 = Instant::now();
         s.status.lock().detail = format!("leader: bringing replica {peer} up to date (pre-copy); UNPROTECTED");
         let mut m = RejoinMetrics { term: lead.term, peer, ..RejoinMetrics::default() };
@@ -246,6 +275,7 @@ fn precopy_loop(s: &Shared, jobs: Receiver<Job>, inbox: Receiver<Inbound>) {
                 peer,
                 rounds = m.rounds,
                 pages = m.pages,
+                blocks = m.blocks,
                 left = m.left,
                 bytes = m.precopy_bytes,
                 ms = t0.elapsed().as_millis() as u64,
@@ -266,7 +296,7 @@ fn join_loop(s: &Shared, inbox: Receiver<Inbound>) {
     let mut session: Option<(u64, SyncId)> = None;
     while let Ok(msg) = inbox.recv() {
         let Some(id) = SyncId::parse(&msg.payload) else { continue };
-        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: msg.from, id };
+        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: msg.from, id, disk: s.disk.as_ref(), started: Instant::now() };
         let _writer = s.ram_writer.locked();
         match msg.kind {
             Kind::RejoinStart => {
@@ -283,7 +313,15 @@ fn join_loop(s: &Shared, inbox: Receiver<Inbound>) {
                     session = Some((msg.from, id));
                     s.status.lock().detail = format!("rejoining: pre-copy from {}", msg.from);
                 }
-                if x.send(Kind::RejoinHashes, &rejoin::answer(&s.vm, in_step)).is_err() {
+                let answer = match rejoin::answer(&s.vm, s.disk.as_ref(), in_step) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!(leader = msg.from, "pre-copy: {e}");
+                        session = None;
+                        continue;
+                    }
+                };
+                if x.send(Kind::RejoinHashes, &answer).is_err() {
                     session = None;
                 }
             }
@@ -293,7 +331,7 @@ fn join_loop(s: &Shared, inbox: Receiver<Inbound>) {
                 if session != Some((msg.from, id)) || s.current.load(Ordering::SeqCst) {
                     continue;
                 }
-                match rejoin::write_pages(&msg.payload, &s.vm) {
+                match rejoin::write_pages(&msg.payload, &s.vm, s.disk.as_ref()) {
                     Ok(seq) => {
                         let _ = x.send(Kind::RejoinAck, &seq.to_le_bytes());
                     }
@@ -408,11 +446,19 @@ impl Applier {
         s.current.store(true, Ordering::SeqCst);
         let vm = &s.vm;
         let network = vm.devices().tap_sink().unwrap_or_else(|| Arc::new(Discard));
+        let output_network = network.clone();
         let trigger = Arc::new(Trigger::default());
-        let output = Arc::new(OutputBuffer::new(network).with_waker(vm.devices().waker()).with_trigger(trigger.clone()));
+        let output = Arc::new(OutputBuffer::new(output_network).with_waker(vm.devices().waker()).with_trigger(trigger.clone()));
         // Held from now until the next syncvm (or consensus barrier).
         output.protect(0);
         let journal = Arc::new(DiskJournal::new(trigger.clone(), vm.devices().waker()));
+        if s.disk.is_some() {
+            // Its freeze takes the writes; a full journal asks for a syncvm.
+            // (Those recorded before are not needed: a new leadership's
+            // first syncvm compares every block.)
+            journal.start();
+            vm.hooks().set_disk_writes(Some(journal.clone()));
+        }
         let freeze = PauseAndSave::new(vm.ram().pages(), output.clone(), journal);
         let lead = Arc::new(Leadership {
             term,
@@ -432,6 +478,16 @@ impl Applier {
         vm.hooks().set_idle(Some(trigger));
         *s.lead.locked() = Some(lead.clone());
         crate::backup::announce(vm);
+        // Its guest's output since its last syncvm: of the state it serves
+        // from now (`recent`); whatever the guest sends next is held.
+        let (frames, dropped) = s.recent.take();
+        let replayed = frames.len();
+        for f in &frames {
+            network.send(f);
+        }
+        if s.options.replay == recent::Mode::On {
+            tracing::info!(term, frames = replayed, dropped, "takeover: sent the guest's {replayed} frames since the last syncvm");
+        }
         {
             let mut st = s.status.lock();
             st.role = Role::Leader;
@@ -461,8 +517,11 @@ impl Applier {
         lead.ran.notify_all();
         // The output held since the last syncvm is dropped with the buffer:
         // whoever leads now has its own.
-        s.vm.hooks().set_tx(Some(Arc::new(Discard)));
+        s.recent.clear();
+        s.vm.hooks().set_tx(Some(s.recent.clone()));
         s.vm.hooks().set_idle(None);
+        // Whoever leads next compares every block at its first syncvm.
+        s.track_disk_as_secondary();
         s.status.lock().protected = false;
         tracing::warn!(term = lead.term, held = lead.output.held_frames(), "stepped down: {why}; held output dropped");
     }
@@ -483,7 +542,7 @@ impl Applier {
                 Ok(Figures { pause, ..Figures::default() })
             }
             Ok(frozen) => {
-                let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: secondary, id };
+                let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: secondary, id, disk: s.disk.as_ref(), started: t0 };
                 sync::lead(&x, &s.vm, frozen, full, s.options.pages)
             }
         };
@@ -530,10 +589,12 @@ impl Applier {
             return;
         }
         let t0 = Instant::now();
-        let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: leader, id };
+        let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: leader, id, disk: s.disk.as_ref(), started: t0 };
         // No pre-copy batch lands during the syncvm, nor after it succeeded.
         let writer = s.ram_writer.locked();
-        let result = sync::follow(&x, &s.vm, full || !s.in_step.load(Ordering::SeqCst));
+        // Inside the pause once applied: what the guest sent before is of
+        // the execution the leader's state replaced.
+        let result = sync::follow(&x, &s.vm, full || !s.in_step.load(Ordering::SeqCst), || s.recent.clear());
         s.in_step.store(result.is_ok(), Ordering::SeqCst);
         if result.is_ok() {
             // (A syncvm that failed before the acknowledgement changed
@@ -587,6 +648,8 @@ impl Applier {
             dirty_pages: f.dirty_pages,
             divergent_pages: f.divergent_pages,
             page_bytes: f.page_bytes,
+            dirty_blocks: f.dirty_blocks,
+            divergent_blocks: f.divergent_blocks,
             pause_us: f.pause.as_micros() as u64,
             interval_us: interval.as_micros() as u64,
             sync_us: t0.elapsed().as_micros() as u64,
@@ -672,6 +735,8 @@ fn pick_secondary(s: &Shared, lead: &Leadership) -> u64 {
     let mut alive: Vec<(bool, u64)> = peers
         .iter()
         .filter(|(id, p)| **id != s.id && !p.witness && p.heard.is_some_and(|t| t.elapsed() < ALIVE))
+        // Its disk could not be synchronized with this one (logged when it connected).
+        .filter(|(_, p)| p.disk == s.disk.as_ref().map_or(0, ReplicaDisk::size))
         .map(|(id, p)| (p.standby, *id))
         .collect();
     alive.sort_unstable();

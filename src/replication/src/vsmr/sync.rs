@@ -36,8 +36,10 @@ use ftvm_vmm::memory::{GuestRam, PAGE};
 use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
 use ftvm_vmm::{PageBitmap, Vm, VmState};
 
+use super::disk::{self, ReplicaDisk};
 use super::mesh::{Inbound, Mesh};
 use crate::checkpoint::StateDelta;
+use crate::output::DiskWrite;
 use crate::pipeline::freeze::Frozen;
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::switch::switch;
@@ -82,11 +84,18 @@ struct BitmapMsg {
     /// (or lost track of its writes), or the secondary is not in step.
     full: bool,
     words: Vec<u64>,
+    /// This replica's disk size in bytes (0: no disk): both must match.
+    disk_size: u64,
+    /// The disk's 4 KiB blocks written since the last `syncvm` (empty
+    /// when `full`), sorted.
+    blocks: Vec<u64>,
 }
 
 #[derive(Serialize, Deserialize)]
 struct HashesMsg {
     hashes: Vec<u128>,
+    /// XXH3-128 of each block of the union of both dirty block sets.
+    blocks: Vec<u128>,
 }
 
 /// `SyncWant`: the divergent pages whose block hashes the leader asks for.
@@ -120,6 +129,8 @@ struct SyncState {
     /// `--sync-pages blocks`: divergent pages of which only some blocks
     /// differ (the others travel whole, as bundle entries).
     patches: Vec<BlockPatch>,
+    /// The disk blocks whose hashes differed, whole.
+    disk: Vec<DiskWrite>,
 }
 
 const BLOCK: usize = 64;
@@ -144,10 +155,14 @@ pub enum SyncError {
     Protocol(#[from] ProtocolError),
     #[error("cannot send to the peer")]
     Send,
+    #[error("the peer's link closed")]
+    PeerLost,
     #[error(transparent)]
     Vm(#[from] ftvm_vmm::VmError),
     #[error("the replica is stopping")]
     Closed,
+    #[error("disk: {0}")]
+    Disk(String),
     /// After the acknowledgement: the leader may release output this
     /// replica's VM does not hold.
     #[error("acknowledged but could not apply: {0}")]
@@ -165,6 +180,10 @@ pub struct Figures {
     pub pause: Duration,
     /// Bytes of the `SyncPages` message.
     pub page_bytes: u64,
+    /// Disk blocks written on either side since the previous `syncvm`.
+    pub dirty_blocks: u64,
+    /// Of those, blocks whose contents differed (sent).
+    pub divergent_blocks: u64,
     /// Tests (`FTVM_TEST_FAULT=syncvm-digest:1`): XXH3-64 over the page
     /// hashes of all guest memory, as the leader froze it and as the
     /// secondary has it once the pages are applied.
@@ -177,6 +196,10 @@ pub struct Exchange<'a> {
     pub inbox: &'a Receiver<Inbound>,
     pub peer: u64,
     pub id: SyncId,
+    /// The VM's disk, if it has one.
+    pub disk: Option<&'a ReplicaDisk>,
+    /// When the exchange began: the peer's link closing after this ends it.
+    pub started: Instant,
 }
 
 impl Exchange<'_> {
@@ -203,12 +226,26 @@ impl Exchange<'_> {
         let timeout = STEP_TIMEOUT + PER_PAGE * pages as u32;
         let deadline = Instant::now() + timeout;
         loop {
+            // Its link closed before this exchange began (the notice then
+            // counts as stale) and it did not come back.
+            if self.mesh.is_lost(self.peer) {
+                return Err(SyncError::PeerLost);
+            }
             let msg = match self.inbox.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok(m) => m,
                 Err(RecvTimeoutError::Timeout) => return Err(SyncError::Timeout(timeout)),
                 Err(RecvTimeoutError::Disconnected) => return Err(SyncError::Closed),
             };
-            if msg.from != self.peer || !kinds.contains(&msg.kind) {
+            if msg.from != self.peer {
+                continue;
+            }
+            if let Some(at) = msg.lost {
+                if at >= self.started {
+                    return Err(SyncError::PeerLost);
+                }
+                continue;
+            }
+            if !kinds.contains(&msg.kind) {
                 continue;
             }
             let Some(id) = SyncId::parse(&msg.payload) else { continue };
@@ -221,10 +258,31 @@ impl Exchange<'_> {
 
     /// Send this side's dirty bitmap, receive the other's: the union, or
     /// every page when either side asks for a full compare.
-    fn swap_bitmaps(&self, mine: &PageBitmap, full: bool) -> Result<PageBitmap, SyncError> {
+    /// The same for the disk's dirty blocks (`blocks`): their union too.
+    fn swap_bitmaps(&self, mine: &PageBitmap, blocks: Vec<u64>, full: bool) -> Result<(PageBitmap, Vec<u64>), SyncError> {
         let words = if full { Vec::new() } else { mine.words().to_vec() };
-        self.send(Kind::SyncBitmap, &postcard::to_allocvec(&BitmapMsg { full, words }).expect("serializes"))?;
+        let disk_size = self.disk.map_or(0, ReplicaDisk::size);
+        let blocks = if full { Vec::new() } else { blocks };
+        let msg = BitmapMsg { full, words, disk_size, blocks };
+        self.send(Kind::SyncBitmap, &postcard::to_allocvec(&msg).expect("serializes"))?;
         let theirs: BitmapMsg = protocol::decode(&self.expect(Kind::SyncBitmap, 0)?[ID_LEN..])?;
+        if theirs.disk_size != disk_size {
+            return Err(ProtocolError::Corrupt(format!(
+                "replica {} has a disk of {} bytes, this one of {disk_size} (0: none): every VM replica needs a disk of the same size",
+                self.peer, theirs.disk_size
+            ))
+            .into());
+        }
+        let blocks = match self.disk {
+            Some(d) if full || theirs.full => d.all(),
+            Some(d) => {
+                if theirs.blocks.iter().any(|&b| b >= d.blocks()) {
+                    return Err(ProtocolError::Corrupt("a dirty disk block beyond the disk".into()).into());
+                }
+                disk::union(&msg.blocks, &theirs.blocks)
+            }
+            None => Vec::new(),
+        };
         let mut union = PageBitmap::new(mine.capacity());
         if full || theirs.full {
             union.set_range(0, mine.capacity() - 1);
@@ -240,7 +298,15 @@ impl Exchange<'_> {
             union.copy_from(mine);
             union.or_words(&theirs.words);
         }
-        Ok(union)
+        Ok((union, blocks))
+    }
+
+    /// This side's hashes of `blocks` of its disk.
+    fn hash_blocks(&self, blocks: &[u64]) -> Result<Vec<u128>, SyncError> {
+        match self.disk {
+            Some(d) => d.hash(blocks).map_err(|e| SyncError::Disk(e.to_string())),
+            None => Ok(Vec::new()),
+        }
     }
 }
 
@@ -252,7 +318,9 @@ pub fn lead(x: &Exchange<'_>, vm: &Vm, mut frozen: Frozen<'_>, full: bool, mode:
     let none = StateDelta { memory: None, vcpus: Vec::new(), devices: Vec::new(), clock: None };
     // The freeze saved every component: a whole state.
     let state = std::mem::replace(&mut frozen.state.vm, none).over(None);
-    let result = lead_paused(x, vm, &frozen.dirty, state, full, mode, &pending_input);
+    // The leadership's journal, taken by the freeze: this side's dirty blocks.
+    let blocks = x.disk.map(|d| disk::dirty_blocks(&frozen.state.disk, d.size())).unwrap_or_default();
+    let result = lead_paused(x, vm, &frozen.dirty, blocks, state, full, mode, &pending_input);
     let pause = frozen.thaw().pause;
     // The guest takes them next, as the secondary's will.
     vm.devices().inject_host_input(pending_input);
@@ -262,22 +330,42 @@ pub fn lead(x: &Exchange<'_>, vm: &Vm, mut frozen: Frozen<'_>, full: bool, mode:
     Ok(figures)
 }
 
+#[allow(clippy::too_many_arguments)]
 fn lead_paused(
     x: &Exchange<'_>,
     vm: &Vm,
     dirty: &PageBitmap,
+    blocks: Vec<u64>,
     state: VmState,
     full: bool,
     mode: PageMode,
     pending: &[Vec<u8>],
 ) -> Result<Figures, SyncError> {
-    let union = x.swap_bitmaps(dirty, full)?;
+    let (union, blocks) = x.swap_bitmaps(dirty, blocks, full)?;
     let pages: Vec<u64> = union.pages().collect();
     let mine = hash_pages(vm.ram(), &pages);
-    let theirs: HashesMsg = protocol::decode(&x.expect(Kind::SyncHashes, pages.len() as u64)?[ID_LEN..])?;
-    if theirs.hashes.len() != pages.len() {
-        return Err(ProtocolError::Corrupt(format!("{} hashes for {} pages", theirs.hashes.len(), pages.len())).into());
+    let my_blocks = x.hash_blocks(&blocks)?;
+    let theirs: HashesMsg = protocol::decode(&x.expect(Kind::SyncHashes, pages.len() as u64 + blocks.len() as u64)?[ID_LEN..])?;
+    if theirs.hashes.len() != pages.len() || theirs.blocks.len() != blocks.len() {
+        return Err(ProtocolError::Corrupt(format!(
+            "{} hashes for {} pages, {} for {} disk blocks",
+            theirs.hashes.len(),
+            pages.len(),
+            theirs.blocks.len(),
+            blocks.len()
+        ))
+        .into());
     }
+    let mut disk_blocks = Vec::new();
+    if let Some(d) = x.disk {
+        for ((&b, a), t) in blocks.iter().zip(&my_blocks).zip(&theirs.blocks) {
+            if a != t {
+                let data = d.read(b).map_err(|e| SyncError::Disk(e.to_string()))?;
+                disk_blocks.push(DiskWrite { offset: b * disk::BLOCK, data });
+            }
+        }
+    }
+    let divergent_blocks = disk_blocks.len() as u64;
     let divergent: Vec<u64> = pages.iter().zip(&mine).zip(&theirs.hashes).filter(|((_, a), b)| a != b).map(|((&p, _), _)| p).collect();
     let mut whole = Vec::new();
     let mut patches = Vec::new();
@@ -311,7 +399,8 @@ fn lead_paused(
         _ => whole = divergent.clone(),
     }
     let memory_digest = crate::fault::syncvm_digest().then(|| digest(vm.ram()));
-    let state = postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches }).expect("serializes");
+    let state =
+        postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches, disk: disk_blocks }).expect("serializes");
     let mut frame = Vec::new();
     protocol::begin_frame(&mut frame, Kind::SyncPages);
     frame.extend_from_slice(&x.id.header());
@@ -332,6 +421,8 @@ fn lead_paused(
         divergent_pages: divergent.len() as u64,
         pause: Duration::ZERO,
         page_bytes,
+        dirty_blocks: blocks.len() as u64,
+        divergent_blocks,
         memory_digest,
     })
 }
@@ -340,10 +431,14 @@ fn lead_paused(
 /// resume; `full` when it is not in step with the leader (never
 /// synchronized, or a failed `syncvm` took its dirty set). On an error
 /// nothing was applied.
-pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncError> {
+/// `applied` runs once the leader's state is applied, before the resume.
+pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool, applied: impl FnOnce()) -> Result<Figures, SyncError> {
     vm.pause();
     let t0 = Instant::now();
     let result = follow_paused(x, vm, full);
+    if result.is_ok() {
+        applied();
+    }
     vm.resume();
     let mut figures = result?;
     figures.pause = t0.elapsed();
@@ -353,11 +448,15 @@ pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncErro
 fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncError> {
     let mut dirty = PageBitmap::new(vm.ram().pages());
     vm.collect_dirty(&mut dirty, &PageBitmap::new(vm.ram().pages()))?;
-    let union = x.swap_bitmaps(&dirty, full)?;
+    // Its disk's writes since the last syncvm (none is in progress: the
+    // disk's I/O runs in the device's pass, which the pause waited for).
+    let blocks = x.disk.map(|d| disk::dirty_blocks(&d.journal.take(), d.size())).unwrap_or_default();
+    let (union, blocks) = x.swap_bitmaps(&dirty, blocks, full)?;
     let pages: Vec<u64> = union.pages().collect();
     let hashes = hash_pages(vm.ram(), &pages);
-    x.send(Kind::SyncHashes, &postcard::to_allocvec(&HashesMsg { hashes }).expect("serializes"))?;
-    let (mut kind, mut payload) = x.expect_any(&[Kind::SyncWant, Kind::SyncPages], pages.len() as u64)?;
+    let block_hashes = x.hash_blocks(&blocks)?;
+    x.send(Kind::SyncHashes, &postcard::to_allocvec(&HashesMsg { hashes, blocks: block_hashes }).expect("serializes"))?;
+    let (mut kind, mut payload) = x.expect_any(&[Kind::SyncWant, Kind::SyncPages], pages.len() as u64 + blocks.len() as u64)?;
     if kind == Kind::SyncWant {
         let want: WantMsg = protocol::decode(&payload[ID_LEN..])?;
         if want.pages.iter().any(|&p| !union.is_set(p)) {
@@ -383,25 +482,37 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
             return Err(ProtocolError::Corrupt(format!("a block patch of page {} does not fit", patch.page)).into());
         }
     }
+    if !state.disk.is_empty() {
+        let fits = |w: &DiskWrite| x.disk.is_some_and(|d| d.fits(w) && blocks.binary_search(&(w.offset / disk::BLOCK)).is_ok());
+        if let Some(w) = state.disk.iter().find(|w| !fits(w)) {
+            return Err(ProtocolError::Corrupt(format!("a disk block at {} that is not one of the compared blocks", w.offset)).into());
+        }
+    }
     let divergent = bundle.len() + state.patches.len() as u64;
     x.send(Kind::SyncAck, &[])?;
     // Commit: pages (checked against RAM at parse), patches (checked
     // above), then the state. None of it should fail now; if it does, this
     // replica acknowledged what it does not hold.
-    let memory_digest = commit(vm, &bundle, &state).map_err(|e| SyncError::Unusable(e.to_string()))?;
+    let memory_digest = commit(vm, x.disk, &bundle, &state).map_err(|e| SyncError::Unusable(e.to_string()))?;
     vm.devices().inject_host_input(state.pending_input);
     Ok(Figures {
         dirty_pages: pages.len() as u64,
         divergent_pages: divergent,
         pause: Duration::ZERO,
         page_bytes: payload.len() as u64,
+        dirty_blocks: blocks.len() as u64,
+        divergent_blocks: state.disk.len() as u64,
         memory_digest,
     })
 }
 
 /// The secondary's commit of a staged `SyncPages`; the memory digest when
 /// tests ask for it.
-fn commit(vm: &Vm, bundle: &Bundle<'_>, state: &SyncState) -> Result<Option<u64>, SyncError> {
+fn commit(vm: &Vm, disk: Option<&ReplicaDisk>, bundle: &Bundle<'_>, state: &SyncState) -> Result<Option<u64>, SyncError> {
+    // The disk first: a failed write is undone, and then nothing changed.
+    if let Some(d) = disk {
+        d.write(&state.disk).map_err(SyncError::Disk)?;
+    }
     bundle.apply(vm.ram()).map_err(ftvm_vmm::VmError::from)?;
     let mut buf = vec![0u8; PAGE];
     for patch in &state.patches {
