@@ -12,7 +12,7 @@ use ftvm_replication::pipeline::{capture, encode, predict, prefetch, transport, 
 use ftvm_replication::{OnBackupLoss, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::devices::virtio::block::DiskIo;
 use ftvm_vmm::devices::virtio::net::NetConfig;
-use ftvm_vmm::DirtyBackend;
+use ftvm_vmm::{DirtyBackend, IdlePause};
 
 use crate::output::errln;
 use crate::{config, demo};
@@ -421,6 +421,11 @@ pub struct HostArgs {
     /// Dirty-page tracking backend: bitmap or ring.
     #[arg(long, value_name = "bitmap|ring", default_value = "bitmap")]
     pub dirty_backend: DirtyBackend,
+    /// How a pause (a checkpoint, a snapshot) stops a vCPU idle in the wait
+    /// hypercall: `park` counts it stopped where it waits, without waking it;
+    /// `kick` wakes it and steps it back over its wait first.
+    #[arg(long, value_name = "park|kick", default_value = "park")]
+    pub idle_pause: IdlePause,
     /// Serve the control API on this Unix socket (for `ftvm status`, `pause`, `resume`, `stop`, `snapshot`, `protect`).
     #[arg(long, value_name = "PATH")]
     pub api_socket: Option<PathBuf>,

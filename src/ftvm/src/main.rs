@@ -29,6 +29,7 @@ impl HostArgs {
         run::HostOptions {
             prefault: self.prefault,
             dirty_backend: self.dirty_backend,
+            idle_pause: self.idle_pause,
             api_socket: self.api_socket,
             seccomp: !self.no_seccomp,
             metrics_listen: self.metrics_listen,
@@ -135,6 +136,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 heartbeat: Duration::from_millis(args.heartbeat_ms),
                 prefault: args.host.prefault,
                 dirty_backend: args.host.dirty_backend,
+                idle_pause: args.host.idle_pause,
                 console: Console::default(),
                 metrics: args.metrics,
                 arbiter: args.arbiter.arbiter(args.host.net.as_ref()),

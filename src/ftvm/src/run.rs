@@ -14,7 +14,7 @@ use ftvm_replication::vsmr::{self, ReplicaConfig};
 use ftvm_replication::{Backup, BackupConfig, Outcome, Primary, PrimaryConfig, ReplicationError, StatusCell};
 use ftvm_vmm::seccomp::{self, ThreadKind};
 use ftvm_vmm::snapshot::{self, SnapshotError};
-use ftvm_vmm::{DirtyBackend, Persist, Vm, VmConfig, VmError, VmExit};
+use ftvm_vmm::{DirtyBackend, IdlePause, Persist, Vm, VmConfig, VmError, VmExit};
 
 use crate::api::client::ClientError;
 use crate::api::server::{Action, ApiContext, ApiServer};
@@ -74,6 +74,7 @@ pub enum Source {
 pub struct HostOptions {
     pub prefault: bool,
     pub dirty_backend: DirtyBackend,
+    pub idle_pause: IdlePause,
     pub api_socket: Option<PathBuf>,
     /// Filter the VMM's system calls (docs/seccomp.md).
     pub seccomp: bool,
@@ -120,6 +121,7 @@ fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
         vcpus,
         prefault: host.prefault,
         dirty_backend: host.dirty_backend,
+        idle_pause: host.idle_pause,
         devices: host.devices.clone(),
         ..Default::default()
     };

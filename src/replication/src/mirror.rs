@@ -39,7 +39,7 @@ use std::collections::VecDeque;
 use std::io;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use ftvm_vmm::hooks::HostInputFilter;
@@ -151,16 +151,32 @@ impl Codec {
     }
 }
 
-/// The primary's end: sends copies of frames, never waiting.
+/// The primary's end: copies of frames, sent to the backup by a thread of
+/// its own. The device thread only queues them: a UDP send per frame inside
+/// the device's pass (tens of frames per pass under load) was most of the
+/// time a checkpoint's pause waited for that pass.
 pub struct Sender {
-    socket: UdpSocket,
-    peer: SocketAddr,
-    codec: Codec,
-    seq: AtomicU64,
-    buf: Mutex<Vec<u8>>,
+    shared: Arc<SenderShared>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+struct SenderShared {
+    queue: Mutex<Queued>,
+    ready: Condvar,
     stopped: AtomicBool,
     dropped: AtomicU64,
+    sent: AtomicU64,
 }
+
+#[derive(Default)]
+struct Queued {
+    frames: Vec<(bool, u64, Vec<u8>)>,
+    bytes: usize,
+}
+
+/// Frame bytes queued and not sent yet beyond which copies are dropped (a
+/// stalled sender thread must not grow the primary without bound).
+const QUEUE_BOUND: usize = 4 << 20;
 
 impl Sender {
     /// A sender from the primary's address `local` to the backup's mirror
@@ -168,34 +184,90 @@ impl Sender {
     pub fn new(local: IpAddr, peer: SocketAddr, codec: Codec) -> io::Result<Sender> {
         let socket = UdpSocket::bind((local, 0))?;
         socket.set_nonblocking(true)?;
-        Ok(Sender {
-            socket,
-            peer,
-            codec,
-            seq: AtomicU64::new(0),
-            buf: Mutex::new(Vec::new()),
+        let shared = Arc::new(SenderShared {
+            queue: Mutex::new(Queued::default()),
+            ready: Condvar::new(),
             stopped: AtomicBool::new(false),
             dropped: AtomicU64::new(0),
-        })
+            sent: AtomicU64::new(0),
+        });
+        let worker = shared.clone();
+        let thread = std::thread::Builder::new().name("mirror".into()).spawn(move || {
+            ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Replication);
+            worker.run(&socket, peer, &codec);
+        })?;
+        Ok(Sender { shared, thread: Mutex::new(Some(thread)) })
     }
 
     /// A copy of `frame`, received (`input`) or transmitted by the guest in `epoch`.
     pub fn send(&self, input: bool, epoch: u64, frame: &[u8]) {
-        if self.stopped.load(Ordering::Relaxed) || HEAD + frame.len() + TAG > MAX_DATAGRAM {
+        let s = &self.shared;
+        if s.stopped.load(Ordering::Relaxed) || HEAD + frame.len() + TAG > MAX_DATAGRAM {
             return;
         }
-        let mut buf = self.buf.locked();
-        self.codec.encode(input, self.seq.fetch_add(1, Ordering::Relaxed), epoch, frame, &mut buf);
-        if self.socket.send_to(&buf, self.peer).is_err() {
-            // A full socket or an unreachable backup: the client retransmits instead.
-            self.dropped.fetch_add(1, Ordering::Relaxed);
+        let mut q = s.queue.locked();
+        if q.bytes + frame.len() > QUEUE_BOUND {
+            // The client retransmits instead.
+            s.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let wake = q.frames.is_empty();
+        q.bytes += frame.len();
+        q.frames.push((input, epoch, frame.to_vec()));
+        drop(q);
+        if wake {
+            s.ready.notify_one();
         }
     }
 
     /// Send nothing more (the session with this backup ended).
     pub fn stop(&self) {
-        if !self.stopped.swap(true, Ordering::Relaxed) {
-            tracing::info!(sent = self.seq.load(Ordering::Relaxed), dropped = self.dropped.load(Ordering::Relaxed), "frame mirror ended");
+        let s = &self.shared;
+        if !s.stopped.swap(true, Ordering::Relaxed) {
+            drop(s.queue.locked()); // the thread is waiting or will see the flag
+            s.ready.notify_one();
+            tracing::info!(sent = s.sent.load(Ordering::Relaxed), dropped = s.dropped.load(Ordering::Relaxed), "frame mirror ended");
+        }
+    }
+}
+
+impl Drop for Sender {
+    fn drop(&mut self) {
+        self.stop();
+        if let Some(t) = self.thread.locked().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl SenderShared {
+    /// Send what is queued, in order, until stopped.
+    fn run(&self, socket: &UdpSocket, peer: SocketAddr, codec: &Codec) {
+        let mut batch = Vec::new();
+        let mut buf = Vec::new();
+        let mut seq = 0u64;
+        loop {
+            {
+                let mut q = self.queue.locked();
+                while q.frames.is_empty() && !self.stopped.load(Ordering::Relaxed) {
+                    q = ftvm_vmm::sync::wait(&self.ready, q);
+                }
+                if self.stopped.load(Ordering::Relaxed) {
+                    return;
+                }
+                std::mem::swap(&mut batch, &mut q.frames);
+                q.bytes = 0;
+            }
+            for (input, epoch, frame) in batch.drain(..) {
+                codec.encode(input, seq, epoch, &frame, &mut buf);
+                seq += 1;
+                if socket.send_to(&buf, peer).is_err() {
+                    // A full socket or an unreachable backup: the client retransmits instead.
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    self.sent.fetch_add(1, Ordering::Relaxed);
+                }
+            }
         }
     }
 }

@@ -56,6 +56,7 @@ fn replica_with_disk(first_epoch: u64, disk: Option<&Path>) -> Replica {
         heartbeat: Duration::from_millis(5),
         prefault: false,
         dirty_backend: DirtyBackend::Bitmap,
+        idle_pause: Default::default(),
         console,
         metrics: None,
         arbiter: None,

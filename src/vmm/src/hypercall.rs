@@ -9,6 +9,7 @@ use vm_memory::{Bytes, GuestAddress};
 use ftvm_abi::port;
 
 use crate::exit::VmExit;
+use crate::run_control::IdlePause;
 use crate::shared::VmShared;
 
 /// Longest console write or panic message accepted in one call.
@@ -19,6 +20,9 @@ pub enum Outcome {
     /// Run the hypercall again once the vCPU next runs, as if it had never
     /// been made: the guest sees no return (see `wait`).
     Restart,
+    /// The wait hypercall, to be waited out by the vCPU thread with its
+    /// vCPU unlocked and counted as parked (`IdlePause::Park`).
+    Park(WaitCall),
     Stop(VmExit),
 }
 
@@ -73,20 +77,50 @@ fn abort(shared: &VmShared, vcpu: u32, addr: u64) -> Result<Outcome, String> {
     Ok(Outcome::Stop(VmExit::Panic { vcpu, message }))
 }
 
-/// A wait the VMM cuts short for its own reasons (a checkpoint's pause, a
-/// stop) is restarted rather than returned: an idle vCPU then keeps exactly
-/// the registers it had, so a checkpoint finds it unchanged, and the guest
-/// is not woken once per checkpoint for nothing.
-fn wait(shared: &VmShared, addr: u64) -> Result<Outcome, String> {
-    let (deadline_ns, seen) = (read_u64(shared, addr)?, read_u64(shared, addr + 8)?);
-    let deadline = (deadline_ns != u64::MAX).then(|| std::time::Instant::now() + shared.clock().until(deadline_ns));
-    shared.enter_wait();
-    let seq = shared.events.wait(seen, deadline, || shared.control.should_leave());
-    shared.leave_wait();
-    let woken = seq != seen || deadline.is_some_and(|d| std::time::Instant::now() >= d);
-    if !woken && shared.control.should_leave() {
-        return Ok(Outcome::Restart);
+/// A wait hypercall's arguments: wake when the event sequence moves past
+/// `seen` or at `deadline`.
+pub struct WaitCall {
+    addr: u64,
+    seen: u64,
+    deadline: Option<std::time::Instant>,
+}
+
+impl WaitCall {
+    fn read(shared: &VmShared, addr: u64) -> Result<WaitCall, String> {
+        let (deadline_ns, seen) = (read_u64(shared, addr)?, read_u64(shared, addr + 8)?);
+        let deadline = (deadline_ns != u64::MAX).then(|| std::time::Instant::now() + shared.clock().until(deadline_ns));
+        Ok(WaitCall { addr, seen, deadline })
     }
-    shared.ram.memory().write_obj(seq, GuestAddress(addr + 16)).map_err(|e| e.to_string())?;
-    Ok(Outcome::Continue)
+
+    /// Block until an event or the deadline (the sequence to return), or
+    /// until `interrupted` says so (None).
+    pub fn block(&self, shared: &VmShared, interrupted: impl Fn() -> bool) -> Option<u64> {
+        shared.enter_wait();
+        let seq = shared.events.wait(self.seen, self.deadline, interrupted);
+        shared.leave_wait();
+        let woken = seq != self.seen || self.deadline.is_some_and(|d| std::time::Instant::now() >= d);
+        woken.then_some(seq)
+    }
+
+    /// Return `seq` to the guest.
+    pub fn finish(&self, shared: &VmShared, seq: u64) -> Result<(), String> {
+        shared.ram.memory().write_obj(seq, GuestAddress(self.addr + 16)).map_err(|e| e.to_string())
+    }
+}
+
+/// With `IdlePause::Park` the vCPU thread blocks, with its vCPU unlocked
+/// (`Outcome::Park`). With `Kick`, a wait the VMM cuts short for its own
+/// reasons (a checkpoint's pause, a stop) is restarted rather than
+/// returned: an idle vCPU then keeps exactly the registers it had, so a
+/// checkpoint finds it unchanged, and the guest is not woken once per
+/// checkpoint for nothing.
+fn wait(shared: &VmShared, addr: u64) -> Result<Outcome, String> {
+    let call = WaitCall::read(shared, addr)?;
+    if shared.idle_pause == IdlePause::Park {
+        return Ok(Outcome::Park(call));
+    }
+    match call.block(shared, || shared.control.should_leave()) {
+        Some(seq) => call.finish(shared, seq).map(|()| Outcome::Continue),
+        None => Ok(Outcome::Restart),
+    }
 }

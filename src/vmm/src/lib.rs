@@ -30,4 +30,5 @@ pub use exit::{GuestFault, VmExit};
 pub use hooks::{Console, Hooks};
 pub use memory::PageBitmap;
 pub use persist::Persist;
+pub use run_control::IdlePause;
 pub use vm::{Vm, VmConfig, VmError, VmState};

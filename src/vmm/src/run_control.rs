@@ -43,6 +43,40 @@ pub fn register_kvm_run(run: *mut kvm_run) {
     KVM_RUN.with(|r| r.set(run));
 }
 
+/// How a pause stops a vCPU that waits in the wait hypercall.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum IdlePause {
+    /// It counts as parked where it waits, without being woken: its `out`
+    /// is still pending in KVM, which advances RIP past it only when the
+    /// vCPU next runs, so its saved registers are those before the wait
+    /// and a restored copy waits again. An idle guest stops at no cost.
+    #[default]
+    Park,
+    /// It is woken, steps back over its `out` and parks like a vCPU taken
+    /// out of KVM_RUN: two thread wake-ups and three vCPU ioctls per pause.
+    Kick,
+}
+
+impl std::fmt::Display for IdlePause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            IdlePause::Park => "park",
+            IdlePause::Kick => "kick",
+        })
+    }
+}
+
+impl std::str::FromStr for IdlePause {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "park" => Ok(IdlePause::Park),
+            "kick" => Ok(IdlePause::Kick),
+            _ => Err(format!("unknown idle pause '{s}' (expected park or kick)")),
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
     Run,
@@ -133,6 +167,30 @@ impl RunControl {
         st.mode == Mode::Run
     }
 
+    /// Whether the VM is stopping for good.
+    pub fn stopping(&self) -> bool {
+        self.lock().mode == Mode::Stop
+    }
+
+    /// vCPU side (`IdlePause::Park`): the thread is about to block in the
+    /// wait hypercall, its vCPU unlocked and not in KVM_RUN; it counts as
+    /// parked until `unpark_from_wait`.
+    pub fn park_in_wait(&self) {
+        self.lock().parked += 1;
+        self.changed.notify_all();
+    }
+
+    /// vCPU side: the wait ended. Stays parked while the VM is paused, then
+    /// stops counting; false when the thread must end.
+    pub fn unpark_from_wait(&self) -> bool {
+        let mut st = self.lock();
+        while st.mode == Mode::Pause {
+            st = sync::wait(&self.changed, st);
+        }
+        st.parked -= 1;
+        st.mode == Mode::Run
+    }
+
     /// vCPU side: the thread is ending.
     pub fn finished(&self) {
         self.lock().finished += 1;
@@ -210,6 +268,33 @@ mod tests {
             t.join().unwrap();
         }
         assert_eq!(ctl.lock().finished, 2);
+    }
+
+    #[test]
+    fn a_vcpu_parked_in_its_wait_counts_as_parked_until_the_pause_ends() {
+        let ctl = Arc::new(RunControl::new(1, Mode::Run));
+        ctl.park_in_wait();
+        ctl.request(Mode::Pause);
+        ctl.wait_parked(); // returns at once: nobody had to be woken
+        let waiter = ctl.clone();
+        let h = std::thread::spawn(move || waiter.unpark_from_wait());
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!h.is_finished(), "a waiter woken during the pause must stay parked");
+        assert_eq!(ctl.lock().parked, 1);
+        ctl.request(Mode::Run);
+        assert!(h.join().unwrap());
+        assert_eq!(ctl.lock().parked, 0);
+        ctl.park_in_wait();
+        ctl.request(Mode::Stop);
+        assert!(!ctl.unpark_from_wait(), "a stop ends the thread");
+    }
+
+    #[test]
+    fn idle_pause_names_round_trip() {
+        for mode in [IdlePause::Park, IdlePause::Kick] {
+            assert_eq!(mode.to_string().parse::<IdlePause>(), Ok(mode));
+        }
+        assert!("sleep".parse::<IdlePause>().is_err());
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::dirty::{DirtyError, DirtyLog};
 use crate::exit::VmExit;
 use crate::hooks::{Console, Hooks};
 use crate::memory::GuestRam;
-use crate::run_control::{self, Events, Mode, RunControl};
+use crate::run_control::{self, Events, IdlePause, Mode, RunControl};
 use crate::sync::Lock;
 
 /// State shared between the VM owner and its vCPU threads.
@@ -32,6 +32,7 @@ pub struct VmShared {
     pub threads: Mutex<Vec<libc::pthread_t>>,
     /// vCPUs blocked in the wait hypercall right now.
     pub(crate) waiting: AtomicUsize,
+    pub idle_pause: IdlePause,
 }
 
 impl VmShared {
@@ -77,6 +78,22 @@ impl VmShared {
     /// Get every vCPU thread out of KVM_RUN and out of the wait hypercall.
     pub fn kick_all(&self) {
         self.events.wake_all();
+        self.signal_all();
+    }
+
+    /// Get every vCPU thread that is not parked out of KVM_RUN, for a pause
+    /// (`RunControl::request` came first). With `IdlePause::Park` a thread
+    /// in the wait hypercall already counts as parked and is not woken for
+    /// it. Every thread is signalled: one that just left its wait may be on
+    /// its way into KVM_RUN.
+    pub fn kick_for_pause(&self) {
+        match self.idle_pause {
+            IdlePause::Park => self.signal_all(),
+            IdlePause::Kick => self.kick_all(),
+        }
+    }
+
+    fn signal_all(&self) {
         for &t in self.threads.locked().iter() {
             // SAFETY: `t` is a live vCPU thread of this VM: threads remove
             // themselves from the list (under this lock) before they end; the

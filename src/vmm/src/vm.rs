@@ -22,7 +22,7 @@ use crate::exit::VmExit;
 use crate::hooks::{Console, Hooks};
 use crate::memory::{GuestRam, MemoryError, MemoryState, PageBitmap};
 use crate::persist::Persist;
-use crate::run_control::{self, Events, Mode, RunControl};
+use crate::run_control::{self, Events, IdlePause, Mode, RunControl};
 use crate::shared::VmShared;
 use crate::sync::Lock;
 use crate::vcpu::{saveable_msrs, StateError, Vcpu, VcpuState};
@@ -78,6 +78,7 @@ pub struct VmConfig {
     /// Populate all of guest RAM up front.
     pub prefault: bool,
     pub dirty_backend: DirtyBackend,
+    pub idle_pause: IdlePause,
     pub console: Console,
     pub devices: DeviceConfig,
 }
@@ -89,6 +90,7 @@ impl Default for VmConfig {
             vcpus: 1,
             prefault: false,
             dirty_backend: DirtyBackend::Bitmap,
+            idle_pause: IdlePause::default(),
             console: Console::default(),
             devices: DeviceConfig::default(),
         }
@@ -238,6 +240,7 @@ impl Vm {
             exit_event: EventFd::new(libc::EFD_NONBLOCK).map_err(|err| VmError::Os { op: "eventfd", err })?,
             threads: Mutex::new(Vec::new()),
             waiting: AtomicUsize::new(0),
+            idle_pause: config.idle_pause,
         });
         let vcpus = vcpus.into_iter().map(|fd| Arc::new(Mutex::new(Vcpu::new(fd, msrs.clone())))).collect();
         Ok(Vm {
@@ -324,7 +327,7 @@ impl Vm {
             return;
         }
         self.shared.control.request(Mode::Pause);
-        self.shared.kick_all();
+        self.shared.kick_for_pause();
         self.shared.control.wait_parked();
         // After the vCPUs, so requests they issued last are still served.
         self.shared.devices.pause();

@@ -41,6 +41,7 @@ pub const SWITCHES: &[Switch] = &[
     Switch { name: "diff", values: &[("off", &["--diff", "off"]), ("xor", &["--diff", "xor"]), ("lz4", &["--diff", "lz4"])] },
     Switch { name: "device-state", values: &[("all", &["--device-state", "all"]), ("changed", &["--device-state", "changed"])] },
     Switch { name: "prefetch", values: &[("off", &["--prefetch", "off"]), ("on", &["--prefetch", "on"])] },
+    Switch { name: "idle-pause", values: &[("park", &["--idle-pause", "park"]), ("kick", &["--idle-pause", "kick"])] },
 ];
 
 /// The switch that needs a disk: measured on its own workload (`DISK_WORKLOAD`).
@@ -81,7 +82,7 @@ pub fn long_help() -> String {
     format!(
         "Measure each optimisation switch on and off instead of sweeping epoch lengths. The same short workloads ({}: \
          random writes into 64 MiB, almost every one a new dirty page; the kv guest under redis-benchmark SET and GET, \
-         -P {KV_PIPELINE} -c 50, with values of {} bytes) run replicated with epochs of {DEFAULT_EPOCH_MS} ms (or --epochs) \
+         -P 16 (or --pipeline) -c 50, with values of {} bytes) run replicated with epochs of {DEFAULT_EPOCH_MS} ms (or --epochs) \
          once per value of each switch of `ftvm run` ({}) and for each combination in COMBINATIONS, the other switches at their defaults, and once on the \
          unreplicated VM in the same run. Prints, per switch value: throughput and latency with the unreplicated figure and \
          their ratio, and per epoch the mean pause, dirty pages, pages in the stop-and-copy and prefetched ahead of it, \
@@ -121,6 +122,10 @@ fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'stati
     rows.push(row("encode/page", m.encode_ns_per_page(), "ns", None));
     if output {
         rows.push(row("output hold", m.hold_us / 1e3, "ms", None));
+        rows.push(row("hold: waiting for the trigger", m.wait_us / 1e3, "ms", None));
+        rows.push(row("hold: stopping the VM", m.stop_us / 1e3, "ms", None));
+        rows.push(row("hold: resume to ack", m.ack_us / 1e3, "ms", None));
+        rows.push(row("hold: release", m.release_us / 1e3, "ms", None));
     }
     rows
 }
@@ -171,16 +176,16 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             // requests keep its run from being over in a few tens of ms.
             let base = {
                 let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
-                runs::redis_benchmark(&topo, KV_PIPELINE, opts.requests * 10, value)?
+                runs::redis_benchmark(&topo, opts.pipeline, opts.requests * 10, value)?
             };
             for (setting, args) in &settings {
                 for &e in &epochs {
                     let ft = {
                         let _vm = runs::start_kv(&topo, Some(Replicated { epoch_ms: e, args }), scratch, "kv", &metrics)?;
-                        runs::redis_benchmark(&topo, KV_PIPELINE, opts.requests, value)?
+                        runs::redis_benchmark(&topo, opts.pipeline, opts.requests, value)?
                     };
                     let m = runs::epoch_means(&metrics);
-                    let workload = format!("kv -P {KV_PIPELINE} -d {value}");
+                    let workload = format!("kv -P {} -d {value}", opts.pipeline);
                     let mut figures = Vec::new();
                     for (b, r) in ft.iter().zip(&base) {
                         figures.push((format!("{} requests/s", b.test), b.rps, "req/s", r.rps));

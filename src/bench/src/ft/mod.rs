@@ -62,6 +62,10 @@ pub struct Options {
     /// Matrix vCPU counts (memtouch writes from every vCPU).
     #[arg(long, value_delimiter = ',', default_values_t = [1, 2])]
     vcpus: Vec<u32>,
+    /// Ablation: requests each connection pipelines in the kv runs
+    /// (redis-benchmark -P).
+    #[arg(long, default_value_t = 16)]
+    pipeline: u32,
     /// Ablation and matrix: only these switches (names as in the SWITCHES
     /// table, e.g. predict-writes; the ablation also knows disk-io)
     /// [default: all].

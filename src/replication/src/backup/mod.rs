@@ -13,7 +13,7 @@ use ftvm_vmm::arch::compat::CpuProfile;
 use ftvm_vmm::devices::DeviceConfig;
 use ftvm_vmm::hooks::GuestProxy;
 use ftvm_vmm::sync::Lock;
-use ftvm_vmm::{Console, DirtyBackend, Persist, Vm};
+use ftvm_vmm::{Console, DirtyBackend, IdlePause, Persist, Vm};
 
 use crate::arbiter::{Arbiter, Claim};
 use crate::bounds;
@@ -42,6 +42,7 @@ pub struct BackupConfig {
     pub heartbeat: Duration,
     pub prefault: bool,
     pub dirty_backend: DirtyBackend,
+    pub idle_pause: IdlePause,
     pub console: Console,
     /// Log every applied checkpoint as a JSON line here.
     pub metrics: Option<std::path::PathBuf>,

@@ -96,6 +96,7 @@ impl Replica {
             vcpus: hello.vcpus,
             prefault: c.prefault,
             dirty_backend: c.dirty_backend,
+            idle_pause: c.idle_pause,
             console: c.console.clone(),
             devices: c.devices.clone(),
         };

@@ -20,6 +20,7 @@ use crate::persist::Persist;
 use crate::run_control::Events;
 use crate::sync::Lock;
 use gate::Gate;
+pub(crate) use gate::PauseFlag;
 use virtio::block::{Block, BlockError, DiskIo};
 use virtio::mmio::{MmioTransport, TransportState, REG_QUEUE_NOTIFY};
 use virtio::net::{Net, NetConfig, NetState, TapError};
@@ -209,8 +210,9 @@ impl Devices {
         // In the order `DeviceConfig::kinds` lists them.
         let mut models: Vec<Box<dyn virtio::VirtioDevice>> = Vec::new();
         let mut tap = None;
+        let gate = Arc::new(Gate::default());
         if let Some(net) = &config.net {
-            let net = Net::new(net, hooks.clone())?;
+            let net = Net::new(net, hooks.clone(), gate.pause_flag())?;
             tap = Some(net.tap_sink());
             models.push(Box::new(net));
         }
@@ -237,7 +239,7 @@ impl Devices {
         // doorbell is enough to bring it back.
         let doorbells = slots.iter().map(|s| s.notify[0].try_clone()).collect::<Result<Vec<_>, _>>().map_err(os("eventfd"))?;
         let waker = Waker(doorbells.into());
-        Ok(Devices { slots, gate: Arc::new(Gate::default()), threads: Mutex::new(Vec::new()), mem, events, tap, waker })
+        Ok(Devices { slots, gate, threads: Mutex::new(Vec::new()), mem, events, tap, waker })
     }
 
     /// Wakes the device threads (for hooks that made a device wait).
@@ -350,6 +352,11 @@ impl Devices {
 
     pub fn resume(&self) {
         self.gate.set(Some(false), false);
+        // A pass cut short by the pause (`PauseFlag`) left work that no new
+        // event may announce (the TAP is watched edge-triggered).
+        if self.gate.take_work_left() {
+            self.waker.wake();
+        }
     }
 
     pub fn stop(&self) {

@@ -17,11 +17,18 @@ pub struct Vcpu {
     pub fd: VcpuFd,
     /// The MSRs that round-trip on this host (`state::saveable_msrs`).
     msrs: Arc<[u32]>,
+    /// How many times state was loaded into it: its thread, back from a
+    /// wait parked in place, must not finish that wait into new state.
+    restores: u64,
 }
 
 impl Vcpu {
     pub fn new(fd: VcpuFd, msrs: Arc<[u32]>) -> Vcpu {
-        Vcpu { fd, msrs }
+        Vcpu { fd, msrs, restores: 0 }
+    }
+
+    pub fn restores(&self) -> u64 {
+        self.restores
     }
 }
 
@@ -34,6 +41,7 @@ impl Persist for Vcpu {
     }
 
     fn restore(&mut self, state: &VcpuState) -> Result<(), StateError> {
+        self.restores += 1;
         state.load(&self.fd)
     }
 }

@@ -1,13 +1,13 @@
 //! vCPU threads: run the guest, dispatch its exits, park on request.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
 use super::Vcpu;
 use crate::arch::tables::has_error_code;
 use crate::exit::{GuestFault, VmExit};
-use crate::hypercall::{self, Outcome};
+use crate::hypercall::{self, Outcome, WaitCall};
 use crate::run_control;
 use crate::shared::VmShared;
 use crate::sync::Lock;
@@ -24,12 +24,7 @@ pub fn thread_main(index: u32, vcpu: Arc<Mutex<Vcpu>>, shared: Arc<VmShared>) {
     shared.register_thread(me);
     crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Vcpu);
     while shared.control.park_until_run() {
-        let mut vcpu = vcpu.locked();
-        run_control::register_kvm_run(vcpu.fd.get_kvm_run());
-        let stop = run_until_asked_to_leave(index, &mut vcpu.fd, &shared);
-        run_control::register_kvm_run(std::ptr::null_mut());
-        drop(vcpu);
-        if let Some(exit) = stop {
+        if let Some(exit) = run_until_asked_to_leave(index, &vcpu, &shared) {
             shared.stop(exit);
         }
     }
@@ -44,11 +39,59 @@ enum Action {
     RingFull,
 }
 
-fn run_until_asked_to_leave(index: u32, vcpu: &mut VcpuFd, shared: &VmShared) -> Option<VmExit> {
+/// The vCPU, locked and registered for kicks while this thread holds it.
+struct Held<'a> {
+    vcpu: &'a Mutex<Vcpu>,
+    guard: MutexGuard<'a, Vcpu>,
+}
+
+impl<'a> Held<'a> {
+    fn take(vcpu: &'a Mutex<Vcpu>) -> Held<'a> {
+        let mut guard = vcpu.locked();
+        run_control::register_kvm_run(guard.fd.get_kvm_run());
+        Held { vcpu, guard }
+    }
+
+    /// Block in the wait hypercall `call` with the vCPU unlocked and counted
+    /// as parked (`IdlePause::Park`), so a pause neither wakes this thread
+    /// nor waits for it. False when the thread must end.
+    fn wait_parked(self, call: &WaitCall, shared: &VmShared, io_pending: &mut bool) -> Result<(Held<'a>, bool), String> {
+        let vcpu = self.vcpu;
+        let restores = self.guard.restores();
+        drop(self);
+        shared.control.park_in_wait();
+        let seq = call.block(shared, || shared.control.stopping());
+        let run = shared.control.unpark_from_wait();
+        let mut held = Held::take(vcpu);
+        if !run {
+            return Ok((held, false));
+        }
+        if held.guard.restores() != restores {
+            // Another VM's state was loaded meanwhile: what runs next is
+            // its registers, not the end of this wait.
+            settle_restored(&mut held.guard.fd).map_err(|e| format!("settling a restored wait: {e}"))?;
+            *io_pending = false;
+        } else if let Some(seq) = seq {
+            call.finish(shared, seq).map_err(|e| format!("bad wait hypercall: {e}"))?;
+        }
+        Ok((held, true))
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        run_control::register_kvm_run(std::ptr::null_mut());
+    }
+}
+
+fn run_until_asked_to_leave(index: u32, vcpu: &Mutex<Vcpu>, shared: &VmShared) -> Option<VmExit> {
+    let mut held = Held::take(vcpu);
     // Whether the last exit was an I/O exit that KVM completes only on the
-    // next KVM_RUN; state must not be saved before that happens.
+    // next KVM_RUN; state must not be saved before that happens (except
+    // for a wait parked in place, whose `out` is meant to run again).
     let mut io_pending = false;
     loop {
+        let vcpu = &mut held.guard.fd;
         if shared.control.should_leave() {
             if io_pending {
                 complete_pending_io(vcpu);
@@ -93,6 +136,11 @@ fn run_until_asked_to_leave(index: u32, vcpu: &mut VcpuFd, shared: &VmShared) ->
                 }
                 io_pending = false;
             }
+            Action::Outcome(Outcome::Park(call)) => match held.wait_parked(&call, shared, &mut io_pending) {
+                Ok((again, true)) => held = again,
+                Ok((_, false)) => return None,
+                Err(e) => return Some(VmExit::Error(format!("vCPU {index}: {e}"))),
+            },
             Action::Outcome(Outcome::Stop(exit)) => return Some(exit),
             Action::Fault => return Some(read_fault(index, vcpu, shared)),
             Action::RingFull => {
@@ -122,6 +170,15 @@ fn complete_pending_io(vcpu: &mut VcpuFd) {
     vcpu.set_kvm_immediate_exit(1);
     let _ = vcpu.run();
     vcpu.set_kvm_immediate_exit(0);
+}
+
+/// The vCPU's registers were replaced while an `out` of its own was pending
+/// in KVM: complete that `out` (KVM would step over the instruction at the
+/// new RIP if it is the same address) and put the new registers back.
+fn settle_restored(vcpu: &mut VcpuFd) -> Result<(), kvm_ioctls::Error> {
+    let regs = vcpu.get_regs()?;
+    complete_pending_io(vcpu);
+    vcpu.set_regs(&regs)
 }
 
 /// Complete the pending `out` and step back over it, so the vCPU runs it

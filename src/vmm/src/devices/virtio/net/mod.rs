@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 
 use super::{drain, read_config_bytes, Pass, VirtioDevice, VirtioError};
-use crate::devices::{DeviceError, DeviceKind, ModelState};
+use crate::devices::{DeviceError, DeviceKind, ModelState, PauseFlag};
 use crate::hooks::{FrameSink, Hooks};
 use crate::memory::GuestMemory;
 use crate::persist::Persist;
@@ -99,13 +99,24 @@ pub struct Net {
     injected: VecDeque<Vec<u8>>,
     frame: Vec<u8>,
     hooks: Arc<Hooks>,
+    /// A pause waits for this device's pass: stop reading the TAP.
+    pausing: PauseFlag,
 }
 
 impl Net {
-    pub fn new(config: &NetConfig, hooks: Arc<Hooks>) -> Result<Net, TapError> {
+    pub fn new(config: &NetConfig, hooks: Arc<Hooks>, pausing: PauseFlag) -> Result<Net, TapError> {
         let tap = Tap::open(&config.tap)?;
         let tap_writer = Arc::new(TapWriter(Mutex::new(tap.try_clone_file()?)));
-        Ok(Net { tap, tap_writer, mac: config.mac, tap_readable: true, injected: VecDeque::new(), frame: vec![0; MAX_FRAME], hooks })
+        Ok(Net {
+            tap,
+            tap_writer,
+            mac: config.mac,
+            tap_readable: true,
+            injected: VecDeque::new(),
+            frame: vec![0; MAX_FRAME],
+            hooks,
+            pausing,
+        })
     }
 
     /// Sends frames straight to the TAP.
@@ -131,6 +142,13 @@ impl Net {
                 }
                 break;
             };
+            if self.pausing.raised() && self.injected.is_empty() {
+                // Frames still on the TAP belong to no epoch yet: they are
+                // read after the pause (its resume rings the doorbell).
+                q.go_to_previous_position();
+                self.pausing.left_work();
+                break;
+            }
             if let Some(frame) = self.injected.pop_front() {
                 let n = frame.len().min(MAX_FRAME);
                 self.frame[..n].copy_from_slice(&frame[..n]);
