@@ -228,6 +228,12 @@ pub struct ReplicationArgs {
     /// with --encrypt.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub mirror: ftvm_replication::mirror::Mode,
+    /// Scheduling of the checkpoint thread (while it protects) and of the
+    /// acknowledgement reader: normal, or real-time (SCHED_FIFO, as the
+    /// heartbeats), so a held reply does not wait for the host's other work
+    /// to let them run.
+    #[arg(long, default_value = "normal", value_name = "normal|realtime")]
+    pub priority: ftvm_replication::liveness::Priority,
     /// Fake ACK: while the guest's TCP data waits in the output buffer,
     /// acknowledge it to the guest on the peer's behalf so its send buffer
     /// empties at once (on); the proxy's state (what was acknowledged and
@@ -398,6 +404,10 @@ pub struct BackupArgs {
     /// Drop a connection that has not authenticated and said Hello within this long.
     #[arg(long, value_name = "MS", default_value_t = 5000)]
     pub handshake_timeout_ms: u64,
+    /// Scheduling of the thread that receives and applies checkpoints:
+    /// normal, or real-time (SCHED_FIFO, as the heartbeats).
+    #[arg(long, default_value = "normal", value_name = "normal|realtime")]
+    pub priority: ftvm_replication::liveness::Priority,
     /// Once this backup took over, protect the VM with the first of these
     /// backups (`ftvm backup --listen ADDR`) that answers, in order, without
     /// an operator, and again after every loss of its backup
@@ -454,7 +464,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 22] = [
+const PRIMARY_ONLY: [&str; 23] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -468,6 +478,7 @@ const PRIMARY_ONLY: [&str; 22] = [
     "device_state",
     "transport",
     "mirror",
+    "priority",
     "fake_ack",
     "trigger",
     "pipeline_depth",

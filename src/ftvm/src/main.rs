@@ -72,6 +72,7 @@ impl ReplicationArgs {
             pipeline_depth: args.pipeline_depth as usize,
             auth,
             mirror: args.mirror,
+            priority: args.priority,
             fake_ack: args.fake_ack,
             standbys: Vec::new(),
         }))
@@ -137,6 +138,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 prefault: args.host.prefault,
                 dirty_backend: args.host.dirty_backend,
                 idle_pause: args.host.idle_pause,
+                priority: args.priority,
                 console: Console::default(),
                 metrics: args.metrics,
                 arbiter: args.arbiter.arbiter(args.host.net.as_ref()),
@@ -162,6 +164,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 auth: config.auth.clone(),
                 mirror: Default::default(),
                 fake_ack: Default::default(),
+                priority: Default::default(),
                 // After a later loss too, the standbys protect it.
                 standbys: args.standby.clone(),
             };

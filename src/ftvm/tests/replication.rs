@@ -138,6 +138,21 @@ fn memory_survives_failover_with_only_changed_state_sent() {
     assert!(changed < all * 0.8, "an idle vCPU's state is left out: {changed:.0} state bytes per epoch against {all:.0}");
 }
 
+/// Both ways of stopping a vCPU idle in its wait (one of the two vCPUs
+/// idles throughout, so every checkpoint saves it there) leave a backup that
+/// resumes the whole VM: with `park` its wait was never made as far as the
+/// saved state goes, and the restored vCPU makes it again.
+#[test]
+fn memory_survives_failover_with_each_idle_pause() {
+    // Kicked with the checkpoint thread and acknowledgement reader at
+    // real-time priority, to run that switch through a failover too.
+    for args in [&["--idle-pause", "park"][..], &["--idle-pause", "kick", "--priority", "realtime"]] {
+        let mode = args[1];
+        let pauses = memory_survives_failover_with(args, &[(2, 1, 800)], "pause_us");
+        assert!(pauses.iter().all(|&p| p > 0.0), "--idle-pause {mode}: checkpoints were taken: {pauses:?}");
+    }
+}
+
 /// With `--prefetch on` (alone, and with every other checkpoint switch it
 /// combines with) pages go ahead of their checkpoints, and a kill at any
 /// point of an epoch (staged pages or not) leaves the backup exactly at

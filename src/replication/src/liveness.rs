@@ -32,6 +32,7 @@
 //! the peer's silence, and before it declares the peer lost it reads every
 //! datagram already queued on its socket.
 
+use crate::switch::switch;
 use std::io;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::os::fd::AsRawFd;
@@ -682,8 +683,38 @@ fn wait_readable(socket: &UdpSocket, wait: Duration) {
     unsafe { libc::ppoll(&mut fd, 1, &ts, std::ptr::null()) };
 }
 
+switch! {
+    /// How the threads a held reply waits for are scheduled: the primary's
+    /// checkpoint thread while it protects, its acknowledgement reader, and
+    /// the backup's thread that receives and applies checkpoints.
+    pub enum Priority {
+        Normal = "normal",
+        /// Real-time (SCHED_FIFO, as the heartbeats): woken ahead of every
+        /// normal thread of the host, if the process may.
+        Realtime = "realtime",
+    }
+}
+
+impl Priority {
+    /// Apply to the calling thread.
+    pub fn apply(self) {
+        match self {
+            Priority::Realtime => raise_priority(),
+            Priority::Normal => normal_priority(),
+        }
+    }
+}
+
+/// Run the calling thread at normal priority again (threads it creates
+/// inherit its policy).
+pub(crate) fn normal_priority() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: as in `raise_priority`.
+    unsafe { libc::pthread_setschedparam(libc::pthread_self(), libc::SCHED_OTHER, &param) };
+}
+
 /// Run this thread above every normal thread of the host, if allowed.
-fn raise_priority() {
+pub(crate) fn raise_priority() {
     let param = libc::sched_param { sched_priority: RT_PRIORITY };
     // SAFETY: changes only the calling thread's scheduling, with a valid
     // parameter struct that outlives the call.

@@ -42,6 +42,7 @@ pub const SWITCHES: &[Switch] = &[
     Switch { name: "device-state", values: &[("all", &["--device-state", "all"]), ("changed", &["--device-state", "changed"])] },
     Switch { name: "prefetch", values: &[("off", &["--prefetch", "off"]), ("on", &["--prefetch", "on"])] },
     Switch { name: "idle-pause", values: &[("park", &["--idle-pause", "park"]), ("kick", &["--idle-pause", "kick"])] },
+    Switch { name: "priority", values: &[("normal", &["--priority", "normal"]), ("realtime", &["--priority", "realtime"])] },
 ];
 
 /// The switch that needs a disk: measured on its own workload (`DISK_WORKLOAD`).

@@ -99,6 +99,15 @@ fn free_port() -> u16 {
 
 /// Means over the JSON-lines metrics file, skipping the first epochs
 /// (pre-copy aftermath).
+/// Switches that both sides take: a setting measured is given to the
+/// backup too.
+const BOTH_SIDES: [&str; 2] = ["--idle-pause", "--priority"];
+
+/// The `BOTH_SIDES` flags of `args`, with their values.
+fn backup_side<'a>(args: &[&'a str]) -> Vec<&'a str> {
+    args.windows(2).filter(|w| BOTH_SIDES.contains(&w[0])).flat_map(|w| [w[0], w[1]]).collect()
+}
+
 pub fn epoch_means(path: &Path) -> EpochMeans {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).skip(3).collect();
@@ -166,7 +175,10 @@ pub fn memtouch_on(vcpus: u32, cmdline: &str, ft: Option<Replicated>, dir: &Path
     if let Some(ft) = ft {
         let addr = format!("127.0.0.1:{}", free_port());
         let mut b = Command::new(ftvm_bin());
-        b.args(["backup", "--listen", &addr]).stdout(Stdio::null()).stderr(std::fs::File::create(dir.join("backup.log"))?);
+        b.args(["backup", "--listen", &addr])
+            .args(backup_side(ft.args))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("backup.log"))?);
         _backup = Some(Process::spawn("ftvm backup", &mut b)?);
         cmd.args(["--replicate-to", &addr, "--epoch-ms", &ft.epoch_ms.to_string()]).arg("--metrics").arg(&metrics).args(ft.args);
     }
@@ -283,7 +295,7 @@ pub fn start_kv_on(
     if let Some(ft) = ft {
         let _ = std::fs::remove_file(metrics);
         let mut b = topo.command("h2", ftvm_bin());
-        b.args(["backup", "--listen", &backup_addr, "--net", &net]).env("FTVM_LOG", "warn");
+        b.args(["backup", "--listen", &backup_addr, "--net", &net]).args(backup_side(ft.args)).env("FTVM_LOG", "warn");
         if disk.is_some() {
             b.arg("--disk").arg(fresh_disk("kv-backup.img")?);
         }

@@ -92,6 +92,8 @@ pub struct PrimaryConfig {
     pub mirror: crate::mirror::Mode,
     /// Acknowledge the guest's held TCP data on the peer's behalf (`fakeack`).
     pub fake_ack: crate::fakeack::Mode,
+    /// How the checkpoint thread and the acknowledgement reader run.
+    pub priority: crate::liveness::Priority,
     /// After losing its backup, try these backups in order, again every
     /// [`STANDBY_RETRY`] until one protects the VM (a promoted backup's
     /// `--standby`); empty: wait for `Primary::protect`.
@@ -359,6 +361,15 @@ impl Worker {
     /// Checkpoint whenever the trigger says so until the backup is lost
     /// (returns why) or the primary stops (returns None after saying goodbye).
     fn protect(&mut self, session: &Session) -> Option<BackupLoss> {
+        // Only while protecting: the threads this one creates outside it
+        // (a new backup's session) inherit its scheduling.
+        self.config.priority.apply();
+        let loss = self.protect_with(session);
+        crate::liveness::Priority::Normal.apply();
+        loss
+    }
+
+    fn protect_with(&mut self, session: &Session) -> Option<BackupLoss> {
         let mut pacing = Pacing::new(self.config.switches.trigger, Duration::from_millis(self.config.epoch_ms));
         let depth = self.config.pipeline_depth.max(1);
         let guest = trigger::GuestView { vm: &self.vm, output: &self.output };

@@ -177,11 +177,12 @@ impl Session {
             let mut acks = link.try_clone().map_err(ReplicationError::Send)?;
             acks.set_recv_timeout(None).map_err(ReplicationError::Send)?;
             let (output, shared, status, metrics) = (cx.output.clone(), shared.clone(), cx.status.clone(), cx.metrics.clone());
-            let (trigger, backup) = (cx.trigger.clone(), cx.config.backup.clone());
+            let (trigger, backup, priority) = (cx.trigger.clone(), cx.config.backup.clone(), cx.config.priority);
             std::thread::Builder::new()
                 .name("replication-acks".into())
                 .spawn(move || {
                     seccomp::install_or_exit(seccomp::ThreadKind::Replication);
+                    priority.apply();
                     read_acks(acks.as_mut(), &output, &shared, &trigger, &status, &metrics, &backup)
                 })
                 .map_err(ReplicationError::Thread)?
