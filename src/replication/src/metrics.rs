@@ -67,6 +67,11 @@ pub struct EpochMetrics {
     /// (`--prefetch`; the checkpoint carries those written again since).
     #[serde(default)]
     pub prefetched_pages: u64,
+    /// Of those sends, the ones of pages written again before the freeze
+    /// (the checkpoint carried them too; each cost the guest a tracked
+    /// first write): what `--prefetch adaptive` watches.
+    #[serde(default)]
+    pub prefetch_wasted: u64,
     /// Bytes its pages took on the wire (entry headers included).
     pub page_bytes: u64,
     /// Bytes sub-page diffs saved against sending their pages whole: the

@@ -17,7 +17,10 @@
 //! last quarter (one before is left writable and deferred to those). The backup stages what
 //! arrives and commits it only with the checkpoint of the same epoch
 //! (`backup::Replica::stage_prefetch`): a primary that dies mid-epoch
-//! leaves it exactly at the last checkpoint.
+//! leaves it exactly at the last checkpoint. With `adaptive` the rounds run
+//! only while few of their sends are wasted (`adaptive::Gate`).
+
+mod adaptive;
 
 use std::time::{Duration, Instant};
 
@@ -36,6 +39,9 @@ switch! {
         Off = "off",
         /// Write-cold pages dirtied earlier in the epoch go ahead of the checkpoint.
         On = "on",
+        /// As `on`, in the epochs after one whose rounds' sends were mostly
+        /// not written again before the freeze (`adaptive::Gate`).
+        Adaptive = "adaptive",
     }
 }
 
@@ -131,12 +137,21 @@ impl Schedule {
 /// What the prefetch rounds of one epoch sent.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Sent {
+    /// Pages sent (a page sent twice counts twice).
     pub pages: u64,
     /// Bytes of their frames.
     pub bytes: u64,
     /// Of those pages, the ones the checkpoint does not carry again (not
     /// written since they were sent).
     pub only_ahead: u64,
+}
+
+impl Sent {
+    /// Sends of pages written again before the freeze: the checkpoint
+    /// carries them anyway, and each cost the guest a tracked first write.
+    pub fn wasted(&self) -> u64 {
+        self.pages - self.only_ahead
+    }
 }
 
 /// One epoch's prefetch rounds, and what the freeze must add to its dirty set.
@@ -159,9 +174,22 @@ pub struct Prefetcher {
     sent: Sent,
     /// The most the rounds of one epoch send (the backup stages at most this).
     limit: u64,
+    /// `adaptive`: whether the open epoch runs rounds (`on`: always).
+    gate: Option<adaptive::Gate>,
 }
 
 impl Prefetcher {
+    /// For a guest of `ram_pages` pages; one epoch's rounds send at most
+    /// `limit` bytes. None for `Mode::Off`.
+    pub fn for_mode(mode: Mode, ram_pages: u64, limit: u64) -> Option<Prefetcher> {
+        let mut p = match mode {
+            Mode::Off => return None,
+            Mode::On | Mode::Adaptive => Prefetcher::new(ram_pages, limit),
+        };
+        p.gate = (mode == Mode::Adaptive).then(adaptive::Gate::default);
+        Some(p)
+    }
+
     /// For a guest of `ram_pages` pages; one epoch's rounds send at most `limit` bytes.
     pub fn new(ram_pages: u64, limit: u64) -> Prefetcher {
         let empty = PageBitmap::new(ram_pages);
@@ -176,7 +204,14 @@ impl Prefetcher {
             frame: Vec::new(),
             sent: Sent::default(),
             limit,
+            gate: None,
         }
+    }
+
+    /// Whether the open epoch runs rounds (with `adaptive`, not while they
+    /// are found wasteful).
+    pub fn runs(&self) -> bool {
+        self.gate.as_ref().is_none_or(adaptive::Gate::open)
     }
 
     /// One round for epoch `epoch`: the frame to send (None: nothing cold
@@ -242,6 +277,9 @@ impl Prefetcher {
         self.sent_pages.subtract(dirty);
         self.sent.only_ahead = self.sent_pages.count();
         self.sent_pages.clear();
+        if let Some(g) = &mut self.gate {
+            g.observe(&self.sent);
+        }
         std::mem::take(&mut self.sent)
     }
 
@@ -251,6 +289,9 @@ impl Prefetcher {
             b.clear();
         }
         self.sent = Sent::default();
+        if let Some(g) = &mut self.gate {
+            g.reset();
+        }
     }
 }
 
