@@ -158,6 +158,11 @@ impl Pipeline {
         self.prefetch.as_ref().is_some_and(prefetch::Prefetcher::runs)
     }
 
+    /// Whether the open epoch's round at `depth` (`prefetch::Schedule::depth`) runs.
+    pub fn prefetches_at(&self, depth: u32) -> bool {
+        self.prefetch.as_ref().is_some_and(|p| p.runs_round(depth))
+    }
+
     /// A prefetch round for the open epoch `epoch`, while the guest runs
     /// (`resend`: `prefetch::Schedule::resends`): the frame to send, if
     /// there is anything to send.

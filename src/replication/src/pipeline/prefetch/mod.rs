@@ -127,6 +127,17 @@ impl Schedule {
         last || at >= since + max_epoch * 3 / 4
     }
 
+    /// How late in the epoch the round due at `at` is: `k` for the round at
+    /// 1 - 1/2^k of it (1 at half-time), `ROUNDS` for the last.
+    pub fn depth(since: Instant, max_epoch: Duration, at: Instant, last: bool) -> u32 {
+        if last {
+            return ROUNDS;
+        }
+        let left = max_epoch.saturating_sub(at.saturating_duration_since(since)).max(Duration::from_nanos(1));
+        let k = (max_epoch.as_secs_f64() / left.as_secs_f64()).log2().round();
+        (k.max(1.0) as u32).min(ROUNDS - 1)
+    }
+
     /// A checkpoint was taken: the next epoch has all its rounds ahead.
     pub fn new_epoch(&mut self) {
         self.done = 0;
@@ -212,6 +223,12 @@ impl Prefetcher {
     /// are found wasteful).
     pub fn runs(&self) -> bool {
         self.gate.as_ref().is_none_or(adaptive::Gate::open)
+    }
+
+    /// Whether the open epoch's round at `depth` (`Schedule::depth`) runs
+    /// (with `adaptive`, the rounds start as late as their waste says).
+    pub fn runs_round(&self, depth: u32) -> bool {
+        self.gate.as_ref().is_none_or(|g| g.runs(depth))
     }
 
     /// One round for epoch `epoch`: the frame to send (None: nothing cold
@@ -332,6 +349,8 @@ mod tests {
         // it was sent; the one at half-time defers it.
         let resends: Vec<bool> = second.iter().map(|&(at, last)| Schedule::resends(since, EPOCH, since + at, last)).collect();
         assert_eq!(resends, [false, true, true, true, true, true, true]);
+        let depths: Vec<u32> = second.iter().map(|&(at, last)| Schedule::depth(since, EPOCH, since + at, last)).collect();
+        assert_eq!(depths, [1, 2, 3, 4, 5, 6, ROUNDS]);
     }
 
     #[test]
