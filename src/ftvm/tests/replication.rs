@@ -155,6 +155,37 @@ fn memory_survives_failover_with_prefetch() {
     assert!(ahead.iter().all(|&p| p > 0.0), "with every switch: {ahead:?}");
 }
 
+/// `--prefetch adaptive` follows the guest. Unthrottled random writes over
+/// 16 MiB rewrite most pages a round sends before the freeze (each such
+/// send a wasted tracked first write): the rounds start later in the epoch
+/// or stop (`prefetch_start` above 0), and a kill still leaves the backup
+/// exactly at the last checkpoint. Slow random writes over 64 MiB are
+/// almost never written twice in an epoch: every round runs and their
+/// pages go ahead.
+#[test]
+fn adaptive_prefetch_starts_later_when_sends_are_wasted() {
+    let start = memory_survives_failover_with(&["--prefetch", "adaptive"], &[(1, 1, 1200)], "prefetch_start");
+    assert!(start[0] > 0.0, "rewritten pages made the rounds start later or stop: mean start {start:?}");
+
+    let dir = Scratch::new("adaptive-prefetch").unwrap();
+    let metrics = dir.join("cold.jsonl");
+    let addr = free_addr();
+    let b = backup(&addr, &[]);
+    let work = "ws=64M pattern=random rate=10000 writes=15000 report=0";
+    let p = spawn(primary(&addr, 1, work, &["--epoch-ms", "20", "--prefetch", "adaptive"]).arg("--metrics").arg(&metrics));
+    let (p, b) = (finish(p), finish(b));
+    assert!(p.status.success(), "{}", stderr(&p));
+    assert!(b.status.success(), "{}", stderr(&b));
+    let epochs: Vec<serde_json::Value> =
+        std::fs::read_to_string(&metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let n = |key: &str| epochs.iter().map(|e| e[key].as_u64().unwrap()).collect::<Vec<_>>();
+    let (start, ahead, wasted) = (n("prefetch_start"), n("prefetched_pages"), n("prefetch_wasted"));
+    let all_rounds = start.iter().filter(|&&s| s == 0).count();
+    assert!(all_rounds * 10 >= epochs.len() * 9, "cold writes: every round ran in most epochs: {start:?}");
+    let (ahead, wasted): (u64, u64) = (ahead.iter().sum(), wasted.iter().sum());
+    assert!(ahead > 1000 && wasted * 7 < ahead, "cold pages went ahead, few wasted: {ahead} sent, {wasted} wasted");
+}
+
 /// A primary that dies right after a prefetch round (its pages staged on
 /// the backup, their checkpoint never sent) leaves the backup at the
 /// checkpoint before: it takes over from there, and the guest's result is

@@ -58,6 +58,16 @@ impl Gate {
         self.off_for == 0
     }
 
+    /// The depth the open epoch's rounds start from: 0 all run, `ROUNDS`
+    /// the last alone, `ROUNDS + 1` none.
+    pub fn start(&self) -> u32 {
+        if self.open() {
+            self.from
+        } else {
+            ROUNDS + 1
+        }
+    }
+
     /// Whether the open epoch's round at `depth` runs.
     pub fn runs(&self, depth: u32) -> bool {
         self.open() && depth >= self.from
@@ -101,7 +111,7 @@ mod tests {
     use super::*;
 
     fn sent(pages: u64, wasted: u64) -> Sent {
-        Sent { pages, bytes: pages * 4096, only_ahead: pages - wasted }
+        Sent { pages, bytes: pages * 4096, only_ahead: pages - wasted, start: 0 }
     }
 
     /// Epochs the gate stays closed.

@@ -155,6 +155,10 @@ pub struct Sent {
     /// Of those pages, the ones the checkpoint does not carry again (not
     /// written since they were sent).
     pub only_ahead: u64,
+    /// `adaptive`: the depth (`Schedule::depth`) the epoch's rounds
+    /// started from: 0 all of them, `ROUNDS` the last alone, `ROUNDS + 1`
+    /// none (always 0 with `on`).
+    pub start: u32,
 }
 
 impl Sent {
@@ -295,6 +299,7 @@ impl Prefetcher {
         self.sent.only_ahead = self.sent_pages.count();
         self.sent_pages.clear();
         if let Some(g) = &mut self.gate {
+            self.sent.start = g.start();
             g.observe(&self.sent);
         }
         std::mem::take(&mut self.sent)
