@@ -254,11 +254,11 @@ pub struct ReplicationArgs {
     /// In-epoch transfer: during each epoch, send the backup the write-cold
     /// pages dirtied earlier in it while the guest runs (staged there until
     /// the epoch's checkpoint commits them), so the checkpoint carries only
-    /// the pages written again since. off, on, or adaptive (rounds stop for
-    /// a while, longer each time, after an epoch in which more than a
-    /// quarter of the pages they sent were written again before the
-    /// checkpoint: each such send cost the guest a tracked first write).
-    /// Not with --predict-writes.
+    /// the pages written again since. off, on, or adaptive (after an epoch
+    /// in which more than one page in seven the rounds sent was written
+    /// again before the checkpoint, each such send a tracked first write
+    /// for the guest, the rounds start later in the epoch, down to the
+    /// last alone, then stop for a while). Not with --predict-writes.
     #[arg(long, default_value = "off", value_name = "off|on|adaptive")]
     pub prefetch: prefetch::Mode,
     #[command(flatten)]
