@@ -384,8 +384,8 @@ impl Worker {
                     let resend = prefetch::Schedule::resends(plan.since, plan.max_epoch, at, last);
                     // With `--prefetch adaptive`, an early round may be skipped:
                     // its pages stay writable for a later one.
-                    let depth = prefetch::Schedule::depth(plan.since, plan.max_epoch, at, last);
-                    if self.pipeline.prefetches_at(depth) {
+                    let late = prefetch::Schedule::depth(plan.since, plan.max_epoch, at, last);
+                    if self.pipeline.prefetches_at(late) {
                         if let Err(loss) = prefetch_round(&mut self.pipeline, &self.vm, self.epoch, resend, session) {
                             return Some(loss);
                         }
