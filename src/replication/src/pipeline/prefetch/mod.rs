@@ -17,8 +17,9 @@
 //! last quarter (one before is left writable and deferred to those). The backup stages what
 //! arrives and commits it only with the checkpoint of the same epoch
 //! (`backup::Replica::stage_prefetch`): a primary that dies mid-epoch
-//! leaves it exactly at the last checkpoint. With `adaptive` the rounds run
-//! only while few of their sends are wasted (`adaptive::Gate`).
+//! leaves it exactly at the last checkpoint. With `adaptive` the rounds start
+//! only as early in the epoch as few of their sends are wasted
+//! (`adaptive::Gate`).
 
 mod adaptive;
 
@@ -39,8 +40,10 @@ switch! {
         Off = "off",
         /// Write-cold pages dirtied earlier in the epoch go ahead of the checkpoint.
         On = "on",
-        /// As `on`, in the epochs after one whose rounds' sends were mostly
-        /// not written again before the freeze (`adaptive::Gate`).
+        /// As `on`, but the rounds start as late in the epoch as the last
+        /// epoch's wasted sends (pages written again before the freeze)
+        /// say, and stop for a while when even the last round alone
+        /// wastes (`adaptive::Gate`).
         Adaptive = "adaptive",
     }
 }
