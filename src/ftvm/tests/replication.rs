@@ -82,8 +82,19 @@ const LONG_WORK: &str = "ws=16M pattern=random writes=500000000 report=100ms";
 /// delay): with fewer writers than vCPUs the rest idle. Returns the mean
 /// of `key` over the primary's epochs of each run.
 fn memory_survives_failover_with(extra: &[&str], runs: &[(u32, u32, u64)], key: &str) -> Vec<f64> {
+    memory_survives_failover_epochs(extra, runs)
+        .iter()
+        .map(|epochs| {
+            let values: Vec<u64> = epochs.iter().map(|e| e[key].as_u64().unwrap()).collect();
+            values.iter().sum::<u64>() as f64 / values.len() as f64
+        })
+        .collect()
+}
+
+/// As `memory_survives_failover_with`, returning each run's epoch metrics.
+fn memory_survives_failover_epochs(extra: &[&str], runs: &[(u32, u32, u64)]) -> Vec<Vec<serde_json::Value>> {
     let dir = Scratch::new("failover-memory").unwrap().keep_on_panic();
-    let mut means = Vec::new();
+    let mut all = Vec::new();
     for &(vcpus, writers, delay_ms) in runs {
         let addr = free_addr();
         let metrics = dir.join(format!("{vcpus}-{writers}-{delay_ms}.jsonl"));
@@ -103,11 +114,11 @@ fn memory_survives_failover_with(extra: &[&str], runs: &[(u32, u32, u64)], key: 
         let what = format!("{vcpus} vCPUs, {writers} writing, {extra:?}, killed after {delay_ms} ms");
         assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(&work, writers)), "{what}");
         let text = std::fs::read_to_string(&metrics).unwrap();
-        let values: Vec<u64> = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()[key].as_u64().unwrap()).collect();
-        assert!(!values.is_empty(), "{what}: no epoch metrics");
-        means.push(values.iter().sum::<u64>() as f64 / values.len() as f64);
+        let epochs: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert!(!epochs.is_empty(), "{what}: no epoch metrics");
+        all.push(epochs);
     }
-    means
+    all
 }
 
 #[test]
@@ -156,16 +167,26 @@ fn memory_survives_failover_with_prefetch() {
 }
 
 /// `--prefetch adaptive` follows the guest. Unthrottled random writes over
-/// 16 MiB rewrite most pages a round sends before the freeze (each such
-/// send a wasted tracked first write): the rounds start later in the epoch
-/// or stop (`prefetch_start` above 0), and a kill still leaves the backup
+/// 16 MiB rewrite many pages a round sends before the freeze (each such
+/// send a wasted tracked first write): after an epoch that wasted more
+/// than one send in seven, the next one's rounds start later in the epoch
+/// or stop (`prefetch_start` grows), and a kill still leaves the backup
 /// exactly at the last checkpoint. Slow random writes over 64 MiB are
 /// almost never written twice in an epoch: every round runs and their
 /// pages go ahead.
 #[test]
 fn adaptive_prefetch_starts_later_when_sends_are_wasted() {
-    let start = memory_survives_failover_with(&["--prefetch", "adaptive"], &[(1, 1, 1200)], "prefetch_start");
-    assert!(start[0] > 0.0, "rewritten pages made the rounds start later or stop: mean start {start:?}");
+    let epochs = &memory_survives_failover_epochs(&["--prefetch", "adaptive"], &[(1, 1, 1200)])[0];
+    let n = |e: &serde_json::Value, key: &str| e[key].as_u64().unwrap();
+    let wasteful = |e: &serde_json::Value| n(e, "prefetched_pages") >= 32 && n(e, "prefetch_wasted") * 7 > n(e, "prefetched_pages");
+    let after_waste: Vec<(u64, u64)> =
+        epochs.windows(2).filter(|w| wasteful(&w[0])).map(|w| (n(&w[0], "prefetch_start"), n(&w[1], "prefetch_start"))).collect();
+    assert!(!after_waste.is_empty(), "rounds wasted sends on a writer that rewrites its pages");
+    // From 7 (the last round alone) the next step is 8: no rounds.
+    assert!(
+        after_waste.iter().all(|&(before, next)| next > before),
+        "after a wasteful epoch the rounds start later: (start, next start) {after_waste:?}"
+    );
 
     let dir = Scratch::new("adaptive-prefetch").unwrap();
     let metrics = dir.join("cold.jsonl");
