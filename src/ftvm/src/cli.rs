@@ -260,8 +260,12 @@ pub struct ReplicationArgs {
     /// In-epoch transfer: during each epoch, send the backup the write-cold
     /// pages dirtied earlier in it while the guest runs (staged there until
     /// the epoch's checkpoint commits them), so the checkpoint carries only
-    /// the pages written again since. off or on. Not with --predict-writes.
-    #[arg(long, default_value = "off", value_name = "off|on")]
+    /// the pages written again since. off, on, or adaptive (after an epoch
+    /// in which more than one page in seven the rounds sent was written
+    /// again before the checkpoint, each such send a tracked first write
+    /// for the guest, the rounds start later in the epoch, down to the
+    /// last alone, then stop for a while). Not with --predict-writes.
+    #[arg(long, default_value = "off", value_name = "off|on|adaptive")]
     pub prefetch: prefetch::Mode,
     #[command(flatten)]
     pub arbiter: ArbiterArgs,

@@ -82,8 +82,19 @@ const LONG_WORK: &str = "ws=16M pattern=random writes=500000000 report=100ms";
 /// delay): with fewer writers than vCPUs the rest idle. Returns the mean
 /// of `key` over the primary's epochs of each run.
 fn memory_survives_failover_with(extra: &[&str], runs: &[(u32, u32, u64)], key: &str) -> Vec<f64> {
+    memory_survives_failover_epochs(extra, runs)
+        .iter()
+        .map(|epochs| {
+            let values: Vec<u64> = epochs.iter().map(|e| e[key].as_u64().unwrap()).collect();
+            values.iter().sum::<u64>() as f64 / values.len() as f64
+        })
+        .collect()
+}
+
+/// As `memory_survives_failover_with`, returning each run's epoch metrics.
+fn memory_survives_failover_epochs(extra: &[&str], runs: &[(u32, u32, u64)]) -> Vec<Vec<serde_json::Value>> {
     let dir = Scratch::new("failover-memory").unwrap().keep_on_panic();
-    let mut means = Vec::new();
+    let mut all = Vec::new();
     for &(vcpus, writers, delay_ms) in runs {
         let addr = free_addr();
         let metrics = dir.join(format!("{vcpus}-{writers}-{delay_ms}.jsonl"));
@@ -103,11 +114,11 @@ fn memory_survives_failover_with(extra: &[&str], runs: &[(u32, u32, u64)], key: 
         let what = format!("{vcpus} vCPUs, {writers} writing, {extra:?}, killed after {delay_ms} ms");
         assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(&work, writers)), "{what}");
         let text = std::fs::read_to_string(&metrics).unwrap();
-        let values: Vec<u64> = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()[key].as_u64().unwrap()).collect();
-        assert!(!values.is_empty(), "{what}: no epoch metrics");
-        means.push(values.iter().sum::<u64>() as f64 / values.len() as f64);
+        let epochs: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert!(!epochs.is_empty(), "{what}: no epoch metrics");
+        all.push(epochs);
     }
-    means
+    all
 }
 
 #[test]
@@ -168,6 +179,47 @@ fn memory_survives_failover_with_prefetch() {
     let all = ["--prefetch", "on", "--diff", "lz4", "--device-state", "changed", "--capture", "cow"];
     let ahead = memory_survives_failover_with(&all, &[(2, 2, 900)], "prefetched_pages");
     assert!(ahead.iter().all(|&p| p > 0.0), "with every switch: {ahead:?}");
+}
+
+/// `--prefetch adaptive` follows the guest. Unthrottled random writes over
+/// 16 MiB rewrite many pages a round sends before the freeze (each such
+/// send a wasted tracked first write): after an epoch that wasted more
+/// than one send in seven, the next one's rounds start later in the epoch
+/// or stop (`prefetch_start` grows), and a kill still leaves the backup
+/// exactly at the last checkpoint. Slow random writes over 64 MiB are
+/// almost never written twice in an epoch: every round runs and their
+/// pages go ahead.
+#[test]
+fn adaptive_prefetch_starts_later_when_sends_are_wasted() {
+    let epochs = &memory_survives_failover_epochs(&["--prefetch", "adaptive"], &[(1, 1, 1200)])[0];
+    let n = |e: &serde_json::Value, key: &str| e[key].as_u64().unwrap();
+    let wasteful = |e: &serde_json::Value| n(e, "prefetched_pages") >= 32 && n(e, "prefetch_wasted") * 7 > n(e, "prefetched_pages");
+    let after_waste: Vec<(u64, u64)> =
+        epochs.windows(2).filter(|w| wasteful(&w[0])).map(|w| (n(&w[0], "prefetch_start"), n(&w[1], "prefetch_start"))).collect();
+    assert!(!after_waste.is_empty(), "rounds wasted sends on a writer that rewrites its pages");
+    // From 7 (the last round alone) the next step is 8: no rounds.
+    assert!(
+        after_waste.iter().all(|&(before, next)| next > before),
+        "after a wasteful epoch the rounds start later: (start, next start) {after_waste:?}"
+    );
+
+    let dir = Scratch::new("adaptive-prefetch").unwrap();
+    let metrics = dir.join("cold.jsonl");
+    let addr = free_addr();
+    let b = backup(&addr, &[]);
+    let work = "ws=64M pattern=random rate=10000 writes=15000 report=0";
+    let p = spawn(primary(&addr, 1, work, &["--epoch-ms", "20", "--prefetch", "adaptive"]).arg("--metrics").arg(&metrics));
+    let (p, b) = (finish(p), finish(b));
+    assert!(p.status.success(), "{}", stderr(&p));
+    assert!(b.status.success(), "{}", stderr(&b));
+    let epochs: Vec<serde_json::Value> =
+        std::fs::read_to_string(&metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let n = |key: &str| epochs.iter().map(|e| e[key].as_u64().unwrap()).collect::<Vec<_>>();
+    let (start, ahead, wasted) = (n("prefetch_start"), n("prefetched_pages"), n("prefetch_wasted"));
+    let all_rounds = start.iter().filter(|&&s| s == 0).count();
+    assert!(all_rounds * 10 >= epochs.len() * 9, "cold writes: every round ran in most epochs: {start:?}");
+    let (ahead, wasted): (u64, u64) = (ahead.iter().sum(), wasted.iter().sum());
+    assert!(ahead > 1000 && wasted * 7 < ahead, "cold pages went ahead, few wasted: {ahead} sent, {wasted} wasted");
 }
 
 /// A primary that dies right after a prefetch round (its pages staged on

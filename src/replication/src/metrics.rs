@@ -67,6 +67,16 @@ pub struct EpochMetrics {
     /// (`--prefetch`; the checkpoint carries those written again since).
     #[serde(default)]
     pub prefetched_pages: u64,
+    /// Of those sends, the ones of pages written again before the freeze
+    /// (the checkpoint carried them too; each cost the guest a tracked
+    /// first write): what `--prefetch adaptive` watches.
+    #[serde(default)]
+    pub prefetch_wasted: u64,
+    /// `--prefetch adaptive`: how late in the epoch its rounds started (0:
+    /// all ran; k: from the round at 1 - 1/2^k of the epoch; 7: the last
+    /// alone; 8: none).
+    #[serde(default)]
+    pub prefetch_start: u32,
     /// Bytes its pages took on the wire (entry headers included).
     pub page_bytes: u64,
     /// Bytes sub-page diffs saved against sending their pages whole: the

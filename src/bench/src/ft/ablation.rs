@@ -40,7 +40,10 @@ pub const SWITCHES: &[Switch] = &[
     },
     Switch { name: "diff", values: &[("off", &["--diff", "off"]), ("xor", &["--diff", "xor"]), ("lz4", &["--diff", "lz4"])] },
     Switch { name: "device-state", values: &[("all", &["--device-state", "all"]), ("changed", &["--device-state", "changed"])] },
-    Switch { name: "prefetch", values: &[("off", &["--prefetch", "off"]), ("on", &["--prefetch", "on"])] },
+    Switch {
+        name: "prefetch",
+        values: &[("off", &["--prefetch", "off"]), ("on", &["--prefetch", "on"]), ("adaptive", &["--prefetch", "adaptive"])],
+    },
     Switch { name: "idle-pause", values: &[("park", &["--idle-pause", "park"]), ("kick", &["--idle-pause", "kick"])] },
     Switch { name: "priority", values: &[("normal", &["--priority", "normal"]), ("realtime", &["--priority", "realtime"])] },
 ];
@@ -115,6 +118,7 @@ fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'stati
     rows.push(row("dirty pages/epoch", m.dirty_pages, "pages", None));
     rows.push(row("stop-and-copy pages/epoch", m.commit_pages, "pages", None));
     rows.push(row("prefetched pages/epoch", m.prefetched_pages, "pages", None));
+    rows.push(row("prefetch wasted/epoch", m.prefetch_wasted, "pages", None));
     rows.push(row("pause to ack", m.pause_to_ack_us() / 1e3, "ms", None));
     rows.push(row("bytes/epoch", m.bytes, "bytes", None));
     rows.push(row("bytes per dirty-page byte", m.bytes_per_dirty_byte(), "ratio", None));

@@ -67,6 +67,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                         rows.push(row("dirty pages/epoch", m.dirty_pages, "pages", None));
                         rows.push(row("stop-and-copy pages/epoch", m.commit_pages, "pages", None));
                         rows.push(row("prefetched pages/epoch", m.prefetched_pages, "pages", None));
+                        rows.push(row("prefetch wasted/epoch", m.prefetch_wasted, "pages", None));
                         rows.push(row("pause to ack", m.pause_to_ack_us() / 1e3, "ms", None));
                         rows.push(row("first writes/epoch", m.first_writes, "pages", None));
                         rows.push(row("left writable/epoch", m.predicted, "pages", None));

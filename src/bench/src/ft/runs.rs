@@ -65,6 +65,8 @@ pub struct EpochMeans {
     pub encode_ns: f64,
     /// Pages sent ahead of the checkpoint while the guest ran (`--prefetch`).
     pub prefetched_pages: f64,
+    /// Of those, sends of pages written again before the freeze.
+    pub prefetch_wasted: f64,
     /// Frame bytes the fake-ACK proxy stored at the freeze (`--fake-ack`).
     pub fake_ack_bytes: f64,
     /// Disk requests in flight at the freeze (`--disk-io async`).
@@ -146,6 +148,7 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
         state_bytes: mean("state_bytes"),
         encode_ns: mean("encode_ns"),
         prefetched_pages: mean("prefetched_pages"),
+        prefetch_wasted: mean("prefetch_wasted"),
         fake_ack_bytes: mean("fake_ack_bytes"),
         disk_pending: mean("disk_pending"),
     }

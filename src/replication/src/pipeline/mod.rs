@@ -124,9 +124,9 @@ impl Pipeline {
             // The ring re-protects every page it harvested.
             return Err(ReplicationError::Unsupported("--predict-writes needs --dirty-backend bitmap"));
         }
-        if switches.prefetch == prefetch::Mode::On && switches.predict_writes != predict::Mode::Off {
+        if switches.prefetch != prefetch::Mode::Off && switches.predict_writes != predict::Mode::Off {
             // Both decide which pages stay writable, on different evidence.
-            return Err(ReplicationError::Unsupported("--prefetch on and --predict-writes cannot be used together"));
+            return Err(ReplicationError::Unsupported("--prefetch and --predict-writes cannot be used together"));
         }
         let limit = crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus);
         Ok(Pipeline {
@@ -134,7 +134,7 @@ impl Pipeline {
             predict: Prediction::new(switches.predict_writes, pages),
             leave_none: LeaveNone::new(pages),
             capture: capture::new(switches.capture, vm)?,
-            prefetch: (switches.prefetch == prefetch::Mode::On).then(|| prefetch::Prefetcher::new(pages, limit)),
+            prefetch: prefetch::Prefetcher::for_mode(switches.prefetch, pages, limit),
             encoder: encode::new(switches.encoding, switches.diff, pages),
             sent_state: encode::SentState::new(switches.device_state),
             frame: Vec::new(),
@@ -153,9 +153,14 @@ impl Pipeline {
         }
     }
 
-    /// Whether `--prefetch` is on.
+    /// Whether the open epoch runs `--prefetch` rounds.
     pub fn prefetches(&self) -> bool {
-        self.prefetch.is_some()
+        self.prefetch.as_ref().is_some_and(prefetch::Prefetcher::runs)
+    }
+
+    /// Whether the open epoch's round at `depth` (`prefetch::Schedule::depth`) runs.
+    pub fn prefetches_at(&self, depth: u32) -> bool {
+        self.prefetch.as_ref().is_some_and(|p| p.runs_round(depth))
     }
 
     /// A prefetch round for the open epoch `epoch`, while the guest runs

@@ -393,8 +393,13 @@ impl Worker {
                 if let Some((at, last)) = next_round.filter(|(at, _)| Instant::now() >= *at) {
                     let started = Instant::now();
                     let resend = prefetch::Schedule::resends(plan.since, plan.max_epoch, at, last);
-                    if let Err(loss) = prefetch_round(&mut self.pipeline, &self.vm, self.epoch, resend, session) {
-                        return Some(loss);
+                    // With `--prefetch adaptive`, an early round may be skipped:
+                    // its pages stay writable for a later one.
+                    let late = prefetch::Schedule::depth(plan.since, plan.max_epoch, at, last);
+                    if self.pipeline.prefetches_at(late) {
+                        if let Err(loss) = prefetch_round(&mut self.pipeline, &self.vm, self.epoch, resend, session) {
+                            return Some(loss);
+                        }
                     }
                     let finished = Instant::now();
                     tracing::debug!(

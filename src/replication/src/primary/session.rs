@@ -354,6 +354,8 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         bytes: bytes as u64 + taken.prefetched.bytes,
         commit_pages: taken.commit_pages,
         prefetched_pages: taken.prefetched.pages,
+        prefetch_wasted: taken.prefetched.wasted(),
+        prefetch_start: taken.prefetched.start,
         page_bytes: taken.page_bytes,
         diff_bytes_saved: taken.diff_bytes_saved,
         state_bytes: taken.state_bytes,

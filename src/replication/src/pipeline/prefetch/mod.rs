@@ -17,7 +17,11 @@
 //! last quarter (one before is left writable and deferred to those). The backup stages what
 //! arrives and commits it only with the checkpoint of the same epoch
 //! (`backup::Replica::stage_prefetch`): a primary that dies mid-epoch
-//! leaves it exactly at the last checkpoint.
+//! leaves it exactly at the last checkpoint. With `adaptive` the rounds start
+//! only as early in the epoch as few of their sends are wasted
+//! (`adaptive::Gate`).
+
+mod adaptive;
 
 use std::time::{Duration, Instant};
 
@@ -36,6 +40,11 @@ switch! {
         Off = "off",
         /// Write-cold pages dirtied earlier in the epoch go ahead of the checkpoint.
         On = "on",
+        /// As `on`, but the rounds start as late in the epoch as the last
+        /// epoch's wasted sends (pages written again before the freeze)
+        /// say, and stop for a while when even the last round alone
+        /// wastes (`adaptive::Gate`).
+        Adaptive = "adaptive",
     }
 }
 
@@ -121,6 +130,17 @@ impl Schedule {
         last || at >= since + max_epoch * 3 / 4
     }
 
+    /// How late in the epoch the round due at `at` is: `k` for the round at
+    /// 1 - 1/2^k of it (1 at half-time), `ROUNDS` for the last.
+    pub fn depth(since: Instant, max_epoch: Duration, at: Instant, last: bool) -> u32 {
+        if last {
+            return ROUNDS;
+        }
+        let left = max_epoch.saturating_sub(at.saturating_duration_since(since)).max(Duration::from_nanos(1));
+        let k = (max_epoch.as_secs_f64() / left.as_secs_f64()).log2().round();
+        (k.max(1.0) as u32).min(ROUNDS - 1)
+    }
+
     /// A checkpoint was taken: the next epoch has all its rounds ahead.
     pub fn new_epoch(&mut self) {
         self.done = 0;
@@ -131,12 +151,25 @@ impl Schedule {
 /// What the prefetch rounds of one epoch sent.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Sent {
+    /// Pages sent (a page sent twice counts twice).
     pub pages: u64,
     /// Bytes of their frames.
     pub bytes: u64,
     /// Of those pages, the ones the checkpoint does not carry again (not
     /// written since they were sent).
     pub only_ahead: u64,
+    /// `adaptive`: the depth (`Schedule::depth`) the epoch's rounds
+    /// started from: 0 all of them, `ROUNDS` the last alone, `ROUNDS + 1`
+    /// none (always 0 with `on`).
+    pub start: u32,
+}
+
+impl Sent {
+    /// Sends of pages written again before the freeze: the checkpoint
+    /// carries them anyway, and each cost the guest a tracked first write.
+    pub fn wasted(&self) -> u64 {
+        self.pages - self.only_ahead
+    }
 }
 
 /// One epoch's prefetch rounds, and what the freeze must add to its dirty set.
@@ -159,9 +192,22 @@ pub struct Prefetcher {
     sent: Sent,
     /// The most the rounds of one epoch send (the backup stages at most this).
     limit: u64,
+    /// `adaptive`: whether the open epoch runs rounds (`on`: always).
+    gate: Option<adaptive::Gate>,
 }
 
 impl Prefetcher {
+    /// For a guest of `ram_pages` pages; one epoch's rounds send at most
+    /// `limit` bytes. None for `Mode::Off`.
+    pub fn for_mode(mode: Mode, ram_pages: u64, limit: u64) -> Option<Prefetcher> {
+        let mut p = match mode {
+            Mode::Off => return None,
+            Mode::On | Mode::Adaptive => Prefetcher::new(ram_pages, limit),
+        };
+        p.gate = (mode == Mode::Adaptive).then(adaptive::Gate::default);
+        Some(p)
+    }
+
     /// For a guest of `ram_pages` pages; one epoch's rounds send at most `limit` bytes.
     pub fn new(ram_pages: u64, limit: u64) -> Prefetcher {
         let empty = PageBitmap::new(ram_pages);
@@ -176,7 +222,20 @@ impl Prefetcher {
             frame: Vec::new(),
             sent: Sent::default(),
             limit,
+            gate: None,
         }
+    }
+
+    /// Whether the open epoch runs rounds (with `adaptive`, not while they
+    /// are found wasteful).
+    pub fn runs(&self) -> bool {
+        self.gate.as_ref().is_none_or(adaptive::Gate::open)
+    }
+
+    /// Whether the open epoch's round at `depth` (`Schedule::depth`) runs
+    /// (with `adaptive`, the rounds start as late as their waste says).
+    pub fn runs_round(&self, depth: u32) -> bool {
+        self.gate.as_ref().is_none_or(|g| g.runs(depth))
     }
 
     /// One round for epoch `epoch`: the frame to send (None: nothing cold
@@ -242,6 +301,10 @@ impl Prefetcher {
         self.sent_pages.subtract(dirty);
         self.sent.only_ahead = self.sent_pages.count();
         self.sent_pages.clear();
+        if let Some(g) = &mut self.gate {
+            self.sent.start = g.start();
+            g.observe(&self.sent);
+        }
         std::mem::take(&mut self.sent)
     }
 
@@ -251,6 +314,9 @@ impl Prefetcher {
             b.clear();
         }
         self.sent = Sent::default();
+        if let Some(g) = &mut self.gate {
+            g.reset();
+        }
     }
 }
 
@@ -291,6 +357,8 @@ mod tests {
         // it was sent; the one at half-time defers it.
         let resends: Vec<bool> = second.iter().map(|&(at, last)| Schedule::resends(since, EPOCH, since + at, last)).collect();
         assert_eq!(resends, [false, true, true, true, true, true, true]);
+        let depths: Vec<u32> = second.iter().map(|&(at, last)| Schedule::depth(since, EPOCH, since + at, last)).collect();
+        assert_eq!(depths, [1, 2, 3, 4, 5, 6, ROUNDS]);
     }
 
     #[test]
