@@ -33,7 +33,9 @@ use ftvm_vmm::pages::FormatError;
 /// stored segments (`CheckpointState::fake_ack`, `--fake-ack`).
 /// Version 10: a disk's saved state carries its pending list (requests in
 /// flight, `ftvm_vmm::devices::virtio::block::PendingRequest`).
-pub const PROTOCOL_VERSION: u16 = 10;
+/// Version 13: a checkpoint's fake-ACK state is whole or the changes since
+/// the previous checkpoint (`fakeack::delta::Carried`, `--fake-ack-state`).
+pub const PROTOCOL_VERSION: u16 = 13;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

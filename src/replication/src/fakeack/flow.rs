@@ -107,7 +107,7 @@ pub struct Flow {
     told_edge: u32,
     guest_fin: bool,
     peer_fin: bool,
-    store: VecDeque<Stored>,
+    pub(super) store: VecDeque<Stored>,
     #[serde(skip)]
     timer: Timer,
 }
@@ -162,7 +162,18 @@ impl Flow {
         ack.wrapping_add(u32::from(window) << self.shift())
     }
 
-    fn stored_bytes(&self) -> u64 {
+    /// Its fields without the store (what a change of the flow carries
+    /// besides the segments; `delta`).
+    pub(super) fn fields(&self) -> Flow {
+        Flow { store: VecDeque::new(), timer: Timer::default(), ..*self }
+    }
+
+    /// Take `fields`' fields, keeping this flow's store and timer.
+    pub(super) fn set_fields(&mut self, fields: Flow) {
+        *self = Flow { store: std::mem::take(&mut self.store), timer: std::mem::take(&mut self.timer), ..fields };
+    }
+
+    pub(super) fn stored_bytes(&self) -> u64 {
         self.store.iter().map(|s| s.frame.len() as u64).sum()
     }
 
@@ -179,8 +190,8 @@ impl Flow {
 /// What the proxy holds: all flows, and what their stores hold together.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Table {
-    flows: BTreeMap<FlowKey, Flow>,
-    stored: u64,
+    pub(super) flows: BTreeMap<FlowKey, Flow>,
+    pub(super) stored: u64,
     /// Stored frame bytes over all flows beyond which segments pass without
     /// a made-up ACK (the guest waits for the peer's); twice as many at
     /// most are stored (what the guest sent unacknowledged).

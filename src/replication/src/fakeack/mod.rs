@@ -18,10 +18,11 @@
 //!   released epochs: output commit holds for every resent frame.
 //!
 //! The table (flows and stores) is saved at each checkpoint's freeze and
-//! applied with it on the backup; a backup that takes over first sends
+//! applied with it on the backup (whole, or as what changed: `delta`); a backup that takes over first sends
 //! every stored segment (the peer may have none of it), then runs its own
 //! proxy from that state. See docs/replication.md, "Fake ACK".
 
+pub mod delta;
 pub mod flow;
 pub mod segment;
 
@@ -55,7 +56,7 @@ const TICK: Duration = Duration::from_millis(20);
 /// The hold bound still ends the epoch if the guest keeps sending.
 const BUSY_AFTER_ACK: Duration = Duration::from_micros(500);
 
-/// The proxy state a checkpoint carries.
+/// The proxy's whole state, as saved at a freeze and held by a backup.
 pub type State = Table;
 
 /// Where the guest's frames go on to, and what tells held from released.
