@@ -41,6 +41,15 @@ pub const SWITCHES: &[Switch] = &[
     Switch { name: "diff", values: &[("off", &["--diff", "off"]), ("xor", &["--diff", "xor"]), ("lz4", &["--diff", "lz4"])] },
     Switch { name: "device-state", values: &[("all", &["--device-state", "all"]), ("changed", &["--device-state", "changed"])] },
     Switch { name: "prefetch", values: &[("off", &["--prefetch", "off"]), ("on", &["--prefetch", "on"])] },
+    Switch { name: "fake-ack", values: &[("off", &["--fake-ack", "off"]), ("on", &["--fake-ack", "on"])] },
+    // Only with the proxy on (its state is what this switch sends).
+    Switch {
+        name: "fake-ack-state",
+        values: &[
+            ("changed", &["--fake-ack", "on", "--fake-ack-state", "changed"]),
+            ("all", &["--fake-ack", "on", "--fake-ack-state", "all"]),
+        ],
+    },
 ];
 
 /// The switch that needs a disk: measured on its own workload (`DISK_WORKLOAD`).
@@ -118,6 +127,7 @@ fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'stati
     rows.push(row("bytes per dirty-page byte", m.bytes_per_dirty_byte(), "ratio", None));
     rows.push(row("diff bytes saved/epoch", m.diff_bytes_saved, "bytes", None));
     rows.push(row("state bytes/epoch", m.state_bytes, "bytes", None));
+    rows.push(row("fake-acked bytes carried/epoch", m.fake_ack_sent_bytes, "bytes", None));
     rows.push(row("encode/page", m.encode_ns_per_page(), "ns", None));
     if output {
         rows.push(row("output hold", m.hold_us / 1e3, "ms", None));
