@@ -825,6 +825,11 @@ fn bulk_reads_with_fake_ack_survive_failover() {
     backup.kill();
     let epochs = jsonl(&dir.join("primary.epochs.jsonl"));
     let fake_acked = epochs.iter().map(|v| field(v, "fake_ack_bytes")).max().unwrap_or(0);
+    // `--fake-ack-state changed` (the default): after the first, each
+    // checkpoint carries only the segments stored since the one before.
+    let carried: u64 = epochs.iter().map(|v| field(v, "fake_ack_sent_bytes")).sum();
+    let stored: u64 = epochs.iter().map(|v| field(v, "fake_ack_bytes")).sum();
+    let partial = epochs.iter().filter(|v| field(v, "fake_ack_sent_bytes") < field(v, "fake_ack_bytes")).count();
     let resent = err
         .lines()
         .find(|l| l.contains("fake ACK: took over"))
@@ -832,12 +837,18 @@ fn bulk_reads_with_fake_ack_survive_failover() {
         .map(|r| r.split(|c: char| !c.is_ascii_digit()).next().unwrap_or("").parse::<u64>().unwrap_or(0));
     eprintln!(
         "fake ACK bulk reads: {before} before the kill, {} in all; most stored at a checkpoint {fake_acked} bytes; \
-         the backup resent {resent:?} segments; {} writes acknowledged, {} lost",
+         the backup resent {resent:?} segments; {} writes acknowledged, {} lost; frame bytes carried {carried} of {stored} stored \
+         ({partial} checkpoints carried less than was stored)",
         total,
         report.acked.len(),
         verified.lost()
     );
     assert!(fake_acked > 0, "no checkpoint carried fake-acknowledged data");
+    assert!(
+        epochs.iter().all(|v| field(v, "fake_ack_sent_bytes") <= field(v, "fake_ack_bytes")),
+        "a checkpoint carried more than was stored"
+    );
+    assert!(partial > 0, "no checkpoint carried the proxy's state as changes");
     assert!(resent.is_some(), "the takeover did not run a fake-ACK proxy: {err}");
     assert!(!report.acked.is_empty(), "no write acknowledged");
     assert_eq!(verified.lost(), 0, "acknowledged writes lost: missing {:?}, wrong {:?}", verified.missing, verified.wrong);

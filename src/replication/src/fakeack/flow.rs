@@ -27,6 +27,10 @@ pub const RTO: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: u32 = 5;
 /// Duplicate ACKs from the peer that make the proxy resend its oldest segment.
 const DUP_ACKS: u32 = 3;
+/// Payload bytes from which a segment counts as full-sized (`Sent::bulk`):
+/// Ethernet's MSS is 1460, and a stack sends full segments while it has
+/// more queued than one holds.
+pub const BULK_SEGMENT: u32 = 1024;
 
 /// A connection: the guest's end and the peer's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -203,6 +207,9 @@ pub struct Table {
 pub struct Sent {
     /// An ACK to give the guest.
     pub ack: Option<Vec<u8>>,
+    /// The acknowledged segment was full-sized: part of a bulk send, whose
+    /// sender goes on once acknowledged (a short one usually ends a reply).
+    pub bulk: bool,
 }
 
 impl Table {
@@ -254,7 +261,7 @@ impl Table {
             let window = flow.window_from(ack);
             flow.told_ack = ack;
             flow.told_edge = flow.edge(ack, window);
-            return Sent { ack: Some(segment::pure_ack(&seg, seg.ack, ack, window)) };
+            return Sent { ack: Some(segment::pure_ack(&seg, seg.ack, ack, window)), bulk: false };
         }
         // Every segment is stored (unless after a gap or beyond all room),
         // acknowledged or not: a store that covers everything the guest
@@ -281,7 +288,7 @@ impl Table {
         let window = flow.window_from(end);
         flow.told_ack = end;
         flow.told_edge = flow.edge(end, window);
-        Sent { ack: Some(segment::pure_ack(&seg, seg.ack, end, window)) }
+        Sent { ack: Some(segment::pure_ack(&seg, seg.ack, end, window)), bulk: seg.len >= BULK_SEGMENT }
     }
 
     fn guest_syn(&mut self, key: FlowKey, seg: &Segment) {
@@ -489,8 +496,11 @@ mod tests {
             assert_eq!(u32::from(ack.window), (8192 * 4 - 1000) / 4);
             assert_eq!(t.stored_bytes(), data(start, 1000).len() as u64);
             assert!(t.consistent());
+            assert!(!sent.bulk, "a short segment");
+            // A full-sized one is part of a bulk send.
+            assert!(t.guest_sent(&data(start.wrapping_add(1000), 1460), Some(3)).bulk);
             // Not while output is unheld.
-            assert_eq!(t.guest_sent(&data(start.wrapping_add(1000), 10), None), Sent::default());
+            assert_eq!(t.guest_sent(&data(start.wrapping_add(2460), 10), None), Sent::default());
         }
     }
 
