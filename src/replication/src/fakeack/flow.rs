@@ -31,6 +31,10 @@ const DUP_ACKS: u32 = 3;
 /// Ethernet's MSS is 1460, and a stack sends full segments while it has
 /// more queued than one holds.
 pub const BULK_SEGMENT: u32 = 1024;
+/// Bytes of a flow the peer has not acknowledged from which the guest's
+/// sender would be held back without the proxy (half the kv guest's 64 KiB
+/// send buffer): below it the made-up ACK does not change its pace.
+pub const BULK_UNACKNOWLEDGED: u32 = 32 << 10;
 
 /// A connection: the guest's end and the peer's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -288,7 +292,8 @@ impl Table {
         let window = flow.window_from(end);
         flow.told_ack = end;
         flow.told_edge = flow.edge(end, window);
-        Sent { ack: Some(segment::pure_ack(&seg, seg.ack, end, window)), bulk: seg.len >= BULK_SEGMENT }
+        let bulk = seg.len >= BULK_SEGMENT && end.wrapping_sub(flow.real_ack) >= BULK_UNACKNOWLEDGED;
+        Sent { ack: Some(segment::pure_ack(&seg, seg.ack, end, window)), bulk }
     }
 
     fn guest_syn(&mut self, key: FlowKey, seg: &Segment) {
@@ -497,10 +502,19 @@ mod tests {
             assert_eq!(t.stored_bytes(), data(start, 1000).len() as u64);
             assert!(t.consistent());
             assert!(!sent.bulk, "a short segment");
-            // A full-sized one is part of a bulk send.
-            assert!(t.guest_sent(&data(start.wrapping_add(1000), 1460), Some(3)).bulk);
+            // A full-sized one with half a send buffer unacknowledged by the peer is part of a bulk send.
+            assert!(!t.guest_sent(&data(start.wrapping_add(1000), 1460), Some(3)).bulk, "little unacknowledged");
+            // (The peer's window grows to hold it.)
+            t.peer_sent(&mut peer_ack(start, 65535), 3, &mut Vec::new());
+            let mut at = start.wrapping_add(2460);
+            while at.wrapping_sub(start) + 1460 < BULK_UNACKNOWLEDGED {
+                t.guest_sent(&data(at, 1460), Some(3));
+                at = at.wrapping_add(1460);
+            }
+            assert!(t.guest_sent(&data(at, 1460), Some(3)).bulk);
+            at = at.wrapping_add(1460);
             // Not while output is unheld.
-            assert_eq!(t.guest_sent(&data(start.wrapping_add(2460), 10), None), Sent::default());
+            assert_eq!(t.guest_sent(&data(at, 10), None), Sent::default());
         }
     }
 
