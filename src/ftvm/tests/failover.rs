@@ -1056,11 +1056,27 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str
 
 #[test]
 fn backup_loss_then_reprotection_then_failover() {
-    let topo = Topology::new("rept").unwrap();
+    reprotection_then_failover("rept", &[]);
+}
+
+/// With the fake-ACK proxy, whose state goes as changes over the previous
+/// checkpoint's: the new backup gets it whole first (it would refuse
+/// changes over a state it never received, and stop).
+#[test]
+fn backup_loss_then_reprotection_then_failover_with_fake_ack() {
+    reprotection_then_failover("reptf", &["--fake-ack", "on"]);
+}
+
+/// The primary loses its backup, keeps serving, is protected again by a new
+/// one, then dies: the new backup takes over with every acknowledged write.
+fn reprotection_then_failover(topology: &str, extra: &[&str]) {
+    let topo = Topology::new(topology).unwrap();
     topo.restore().unwrap();
-    let dir = scratch("reprotect");
+    let dir = scratch(&format!("reprotect{}", extra.join("").replace("--", "-")));
     let mut backup1 = start_backup(&topo, &dir, "backup1");
-    let mut primary = start_primary(&topo, &dir, "primary", &["--failure-timeout-ms", "300", "--on-backup-loss", "continue"]);
+    let mut args = vec!["--failure-timeout-ms", "300", "--on-backup-loss", "continue"];
+    args.extend_from_slice(extra);
+    let mut primary = start_primary(&topo, &dir, "primary", &args);
     let socket = dir.join("primary.sock");
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
     let client_ns = topo.ns("client");
