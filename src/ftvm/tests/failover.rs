@@ -21,7 +21,7 @@
 //!   across a takeover.
 //! - `backup_loss_then_reprotection_then_failover`: the primary keeps
 //!   serving when its backup dies, is protected again by a new one, and
-//!   that one takes over with every write.
+//!   that one takes over with every write (`..._with_fake_ack` too).
 
 mod common;
 
