@@ -241,6 +241,12 @@ pub struct ReplicationArgs {
     /// takes over sends it. off: the guest hears only the peer's ACKs.
     #[arg(long, default_value = "off", value_name = "off|on")]
     pub fake_ack: ftvm_replication::fakeack::Mode,
+    /// With --fake-ack on, how each checkpoint carries the proxy's state:
+    /// changed (what changed since the previous checkpoint: segments stored
+    /// and acknowledged since, flows changed; the backup keeps the rest), or
+    /// all (the whole state every time).
+    #[arg(long, default_value = "changed", value_name = "changed|all")]
+    pub fake_ack_state: ftvm_replication::fakeack::delta::Sending,
     /// What starts a checkpoint. output: output is held and the guest idle,
     /// or held output waited its bound, or the epoch reached its maximum;
     /// periodic: every --epoch-ms.
@@ -484,6 +490,7 @@ const PRIMARY_ONLY: [&str; 23] = [
     "mirror",
     "priority",
     "fake_ack",
+    "fake_ack_state",
     "trigger",
     "pipeline_depth",
     "predict_writes",

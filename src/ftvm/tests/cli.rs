@@ -75,10 +75,12 @@ fn replication_flags_need_replicate_to() {
 }
 
 #[test]
-fn fake_ack_takes_off_or_on() {
+fn fake_ack_takes_off_or_on_and_its_state_changed_or_all() {
     let probe = image("probe");
     let out = ftvm_args(&["run", "--image", probe.to_str().unwrap(), "--replicate-to", "127.0.0.1:1", "--fake-ack", "maybe"]);
     assert_refused(&out, &["--fake-ack", "'maybe'", "off or on"], "maybe");
+    let out = ftvm_args(&["run", "--image", probe.to_str().unwrap(), "--replicate-to", "127.0.0.1:1", "--fake-ack-state", "some"]);
+    assert_refused(&out, &["--fake-ack-state", "'some'", "changed or all"], "some");
 }
 
 #[test]

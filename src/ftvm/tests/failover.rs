@@ -21,7 +21,7 @@
 //!   across a takeover.
 //! - `backup_loss_then_reprotection_then_failover`: the primary keeps
 //!   serving when its backup dies, is protected again by a new one, and
-//!   that one takes over with every write.
+//!   that one takes over with every write (`..._with_fake_ack` too).
 
 mod common;
 
@@ -822,6 +822,11 @@ fn bulk_reads_with_fake_ack_survive_failover() {
     backup.kill();
     let epochs = jsonl(&dir.join("primary.epochs.jsonl"));
     let fake_acked = epochs.iter().map(|v| field(v, "fake_ack_bytes")).max().unwrap_or(0);
+    // `--fake-ack-state changed` (the default): after the first, each
+    // checkpoint carries only the segments stored since the one before.
+    let carried: u64 = epochs.iter().map(|v| field(v, "fake_ack_sent_bytes")).sum();
+    let stored: u64 = epochs.iter().map(|v| field(v, "fake_ack_bytes")).sum();
+    let partial = epochs.iter().filter(|v| field(v, "fake_ack_sent_bytes") < field(v, "fake_ack_bytes")).count();
     let resent = err
         .lines()
         .find(|l| l.contains("fake ACK: took over"))
@@ -829,12 +834,18 @@ fn bulk_reads_with_fake_ack_survive_failover() {
         .map(|r| r.split(|c: char| !c.is_ascii_digit()).next().unwrap_or("").parse::<u64>().unwrap_or(0));
     eprintln!(
         "fake ACK bulk reads: {before} before the kill, {} in all; most stored at a checkpoint {fake_acked} bytes; \
-         the backup resent {resent:?} segments; {} writes acknowledged, {} lost",
+         the backup resent {resent:?} segments; {} writes acknowledged, {} lost; frame bytes carried {carried} of {stored} stored \
+         ({partial} checkpoints carried less than was stored)",
         total,
         report.acked.len(),
         verified.lost()
     );
     assert!(fake_acked > 0, "no checkpoint carried fake-acknowledged data");
+    assert!(
+        epochs.iter().all(|v| field(v, "fake_ack_sent_bytes") <= field(v, "fake_ack_bytes")),
+        "a checkpoint carried more than was stored"
+    );
+    assert!(partial > 0, "no checkpoint carried the proxy's state as changes");
     assert!(resent.is_some(), "the takeover did not run a fake-ACK proxy: {err}");
     assert!(!report.acked.is_empty(), "no write acknowledged");
     assert_eq!(verified.lost(), 0, "acknowledged writes lost: missing {:?}, wrong {:?}", verified.missing, verified.wrong);
@@ -1042,11 +1053,27 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str
 
 #[test]
 fn backup_loss_then_reprotection_then_failover() {
-    let topo = Topology::new("rept").unwrap();
+    reprotection_then_failover("rept", &[]);
+}
+
+/// With the fake-ACK proxy, whose state goes as changes over the previous
+/// checkpoint's: the new backup gets it whole first (it would refuse
+/// changes over a state it never received, and stop).
+#[test]
+fn backup_loss_then_reprotection_then_failover_with_fake_ack() {
+    reprotection_then_failover("reptf", &["--fake-ack", "on"]);
+}
+
+/// The primary loses its backup, keeps serving, is protected again by a new
+/// one, then dies: the new backup takes over with every acknowledged write.
+fn reprotection_then_failover(topology: &str, extra: &[&str]) {
+    let topo = Topology::new(topology).unwrap();
     topo.restore().unwrap();
-    let dir = scratch("reprotect");
+    let dir = scratch(&format!("reprotect{}", extra.join("").replace("--", "-")));
     let mut backup1 = start_backup(&topo, &dir, "backup1");
-    let mut primary = start_primary(&topo, &dir, "primary", &["--failure-timeout-ms", "300", "--on-backup-loss", "continue"]);
+    let mut args = vec!["--failure-timeout-ms", "300", "--on-backup-loss", "continue"];
+    args.extend_from_slice(extra);
+    let mut primary = start_primary(&topo, &dir, "primary", &args);
     let socket = dir.join("primary.sock");
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
     let client_ns = topo.ns("client");

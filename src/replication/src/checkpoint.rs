@@ -22,9 +22,10 @@ pub struct CheckpointState {
     /// The guest's disk writes of the epoch, in the order they completed.
     pub disk: Vec<DiskWrite>,
     /// The fake-ACK proxy's flows and stored data at the freeze
-    /// (`--fake-ack on`): a backup that takes over sends what the peer has
-    /// not acknowledged and runs the proxy on.
-    pub fake_ack: Option<crate::fakeack::State>,
+    /// (`--fake-ack on`), whole or as changes over the previous
+    /// checkpoint's (`fakeack::delta`): a backup that takes over sends what
+    /// the peer has not acknowledged and runs the proxy on.
+    pub fake_ack: Option<crate::fakeack::delta::Carried>,
 }
 
 /// The VM's state as a checkpoint carries it: every component (guest
@@ -135,6 +136,9 @@ pub struct Checkpoint<'a> {
     pub epoch: u64,
     pub state: CheckpointState,
     pub pages: Bundle<'a>,
+    /// The fake-ACK proxy's whole state after this checkpoint: made by the
+    /// apply's stage from `state.fake_ack` over what the replica holds.
+    pub fake_ack: Option<crate::fakeack::State>,
 }
 
 impl<'a> Checkpoint<'a> {
@@ -153,6 +157,6 @@ impl<'a> Checkpoint<'a> {
                 w.offset
             )));
         }
-        Ok(Checkpoint { epoch, state, pages })
+        Ok(Checkpoint { epoch, state, pages, fake_ack: None })
     }
 }

@@ -91,6 +91,11 @@ pub struct EpochMetrics {
     pub fake_ack_bytes: u64,
     #[serde(default)]
     pub fake_ack_flows: u64,
+    /// Of those, the frame bytes the checkpoint carried: all of them with
+    /// `--fake-ack-state all`, those stored since the previous checkpoint
+    /// with `changed`.
+    #[serde(default)]
+    pub fake_ack_sent_bytes: u64,
     /// Time spent encoding its pages (after the guest resumed).
     pub encode_ns: u64,
     /// From resuming the guest until the checkpoint was handed to the socket

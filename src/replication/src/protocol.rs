@@ -37,7 +37,9 @@ use ftvm_vmm::pages::FormatError;
 /// size and dirty blocks, SyncHashes the blocks' hashes, SyncPages the
 /// divergent blocks (`vsmr::disk`); RejoinHashes the hash of every disk
 /// block, and RejoinPages may carry disk blocks after its sequence number.
-pub const PROTOCOL_VERSION: u16 = 11;
+/// Version 12: a checkpoint's fake-ACK state is whole or the changes since
+/// the previous checkpoint (`fakeack::delta::Carried`, `--fake-ack-state`).
+pub const PROTOCOL_VERSION: u16 = 12;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

@@ -44,6 +44,15 @@ pub const SWITCHES: &[Switch] = &[
         name: "prefetch",
         values: &[("off", &["--prefetch", "off"]), ("on", &["--prefetch", "on"]), ("adaptive", &["--prefetch", "adaptive"])],
     },
+    Switch { name: "fake-ack", values: &[("off", &["--fake-ack", "off"]), ("on", &["--fake-ack", "on"])] },
+    // Only with the proxy on (its state is what this switch sends).
+    Switch {
+        name: "fake-ack-state",
+        values: &[
+            ("changed", &["--fake-ack", "on", "--fake-ack-state", "changed"]),
+            ("all", &["--fake-ack", "on", "--fake-ack-state", "all"]),
+        ],
+    },
     Switch { name: "idle-pause", values: &[("park", &["--idle-pause", "park"]), ("kick", &["--idle-pause", "kick"])] },
     Switch { name: "priority", values: &[("normal", &["--priority", "normal"]), ("realtime", &["--priority", "realtime"])] },
 ];
@@ -124,6 +133,7 @@ fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'stati
     rows.push(row("bytes per dirty-page byte", m.bytes_per_dirty_byte(), "ratio", None));
     rows.push(row("diff bytes saved/epoch", m.diff_bytes_saved, "bytes", None));
     rows.push(row("state bytes/epoch", m.state_bytes, "bytes", None));
+    rows.push(row("fake-acked bytes carried/epoch", m.fake_ack_sent_bytes, "bytes", None));
     rows.push(row("encode/page", m.encode_ns_per_page(), "ns", None));
     if output {
         rows.push(row("output hold", m.hold_us / 1e3, "ms", None));

@@ -45,6 +45,11 @@ pub struct Options {
     /// without --fake-ack, against the unreplicated VM).
     #[arg(long, conflicts_with_all = ["ablation", "failover", "no_network"])]
     bulk_only: bool,
+    /// Only kv under redis-benchmark, -P 1 and -P 16 (each setting, and at
+    /// the default epoch with and without --fake-ack, against the
+    /// unreplicated VM).
+    #[arg(long, conflicts_with_all = ["ablation", "failover", "no_network", "bulk_only"])]
+    kv_only: bool,
     /// Measure each optimisation switch on and off instead of sweeping
     /// epoch lengths (--help says how).
     #[arg(long, long_help = ablation::long_help())]

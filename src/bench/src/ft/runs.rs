@@ -69,6 +69,8 @@ pub struct EpochMeans {
     pub prefetch_wasted: f64,
     /// Frame bytes the fake-ACK proxy stored at the freeze (`--fake-ack`).
     pub fake_ack_bytes: f64,
+    /// Of those, the frame bytes the checkpoint carried (`--fake-ack-state`).
+    pub fake_ack_sent_bytes: f64,
     /// Disk requests in flight at the freeze (`--disk-io async`).
     pub disk_pending: f64,
 }
@@ -150,6 +152,7 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
         prefetched_pages: mean("prefetched_pages"),
         prefetch_wasted: mean("prefetch_wasted"),
         fake_ack_bytes: mean("fake_ack_bytes"),
+        fake_ack_sent_bytes: mean("fake_ack_sent_bytes"),
         disk_pending: mean("disk_pending"),
     }
 }

@@ -1,8 +1,10 @@
 //! The epoch sweep: for each epoch length with periodic checkpoints, for
 //! output-triggered checkpoints, and for the unreplicated VM in the same
 //! run: memtouch at several dirty rates, kv under redis-benchmark (SET and
-//! GET, -P 1 and -P 16, 50 connections), a bulk read (GET of a 4 MiB
-//! value, repeated; at the default epoch also with `--fake-ack on`), per-epoch pause, dirty pages, bytes, epoch length and
+//! GET, -P 1 and -P 16, 50 connections; at the default epoch also with
+//! `--fake-ack on`), a bulk read (GET of a 4 MiB value, repeated; at the
+//! default epoch also with `--fake-ack on`, and output-triggered with the
+//! proxy's state sent whole, `--fake-ack-state all`), per-epoch pause, dirty pages, bytes, epoch length and
 //! output hold with its steps (trigger wait, stop, resume to ack, release),
 //! and failover per kind of failure (`failover`).
 
@@ -59,6 +61,18 @@ fn fake_ack_settings(settings: &[Setting]) -> Vec<Setting> {
 
 const FAKE_ACK_OUTPUT: &[&str] = &["--trigger", "output", "--fake-ack", "on"];
 const FAKE_ACK_PERIODIC: &[&str] = &["--trigger", "periodic", "--fake-ack", "on"];
+const FAKE_ACK_OUTPUT_WHOLE: &[&str] = &["--trigger", "output", "--fake-ack", "on", "--fake-ack-state", "all"];
+
+/// The bulk read's extra settings: `fake_ack_settings`, then the
+/// output-triggered one with the proxy's state sent whole every checkpoint
+/// (what `--fake-ack-state changed` saves).
+fn bulk_settings(settings: &[Setting]) -> Vec<Setting> {
+    let mut extra = fake_ack_settings(settings);
+    if let Some(s) = extra.iter().find(|s| s.args == FAKE_ACK_OUTPUT) {
+        extra.push(Setting { name: format!("{}, state whole", s.name), epoch_ms: s.epoch_ms, args: FAKE_ACK_OUTPUT_WHOLE });
+    }
+    extra
+}
 
 /// Per-epoch rows of one replicated run.
 fn epoch_rows(group: &str, setting: &str, m: &EpochMeans, output: bool) -> Vec<Row> {
@@ -96,7 +110,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         ("50k pages/s", format!("ws=64M pattern=random rate=50000 duration={secs}s report=0")),
         ("unthrottled 4 MiB hot set", format!("ws=4M pattern=random duration={secs}s report=0")),
     ];
-    for (name, cmdline) in loads.iter().filter(|_| !opts.bulk_only) {
+    for (name, cmdline) in loads.iter().filter(|_| !opts.bulk_only && !opts.kv_only) {
         let (base, _) = runs::memtouch(cmdline, None, scratch)?;
         for s in &settings {
             let (rate, m) = runs::memtouch(cmdline, Some(s.replicated()), scratch)?;
@@ -119,7 +133,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
                 runs::redis_benchmark(&topo, pipeline, opts.requests, 3)?
             };
-            for s in &settings {
+            for s in settings.iter().chain(&fake_ack_settings(&settings)) {
                 let ft = {
                     let _vm = runs::start_kv(&topo, Some(s.replicated()), scratch, "kv", &metrics)?;
                     runs::redis_benchmark(&topo, pipeline, opts.requests, 3)?
@@ -139,12 +153,15 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 rows.extend(epoch_rows(&format!("kv epochs -P {pipeline}"), &s.name, &runs::epoch_means(&metrics), true));
             }
         }
+        if opts.kv_only {
+            return publish(out, &rows);
+        }
         let group = format!("kv bulk read GET {} MiB x{}", runs::BULK_BYTES >> 20, opts.bulk_reads);
         let base = {
             let _vm = runs::start_kv(&topo, None, scratch, "kv", &metrics)?;
             runs::bulk_read(&topo, opts.bulk_reads)?
         };
-        for s in settings.iter().chain(&fake_ack_settings(&settings)) {
+        for s in settings.iter().chain(&bulk_settings(&settings)) {
             let rate = {
                 let _vm = runs::start_kv(&topo, Some(s.replicated()), scratch, "kv", &metrics)?;
                 runs::bulk_read(&topo, opts.bulk_reads)?
@@ -161,6 +178,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                     reference: None,
                 };
                 rows.push(row("fake-acked bytes stored at a checkpoint", means.fake_ack_bytes, "bytes"));
+                rows.push(row("fake-acked bytes carried by a checkpoint", means.fake_ack_sent_bytes, "bytes"));
                 rows.push(row("state bytes/epoch", means.state_bytes, "bytes"));
             }
         }
@@ -168,6 +186,10 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             rows.extend(failover::measure(&topo, scratch, e, opts.failure_timeout_ms, opts.failovers)?);
         }
     }
+    publish(out, &rows)
+}
+
+fn publish(out: &Path, rows: &[Row]) -> Result<(), BoxError> {
     let bars = rows
         .iter()
         .filter(|r| matches!(r.unit, "writes/s" | "req/s" | "MB/s"))
@@ -176,7 +198,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     report::publish(
         out,
         "ft",
-        &rows,
+        rows,
         &report::BarChart {
             title: "throughput under FT relative to the unreplicated VM",
             category: "workload, trigger and epoch length",
@@ -207,5 +229,8 @@ mod tests {
         assert_eq!(f.len(), 2);
         assert_eq!((f[0].name.as_str(), f[0].args), ("periodic 20 ms, fake ACK", FAKE_ACK_PERIODIC));
         assert_eq!((f[1].name.as_str(), f[1].args), ("output, max 20 ms, fake ACK", FAKE_ACK_OUTPUT));
+        let b = bulk_settings(&settings(&[5, 20]));
+        assert_eq!(b.len(), 3);
+        assert_eq!((b[2].name.as_str(), b[2].args), ("output, max 20 ms, fake ACK, state whole", FAKE_ACK_OUTPUT_WHOLE));
     }
 }

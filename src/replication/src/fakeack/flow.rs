@@ -27,6 +27,14 @@ pub const RTO: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: u32 = 5;
 /// Duplicate ACKs from the peer that make the proxy resend its oldest segment.
 const DUP_ACKS: u32 = 3;
+/// Payload bytes from which a segment counts as full-sized (`Sent::bulk`):
+/// Ethernet's MSS is 1460, and a stack sends full segments while it has
+/// more queued than one holds.
+pub const BULK_SEGMENT: u32 = 1024;
+/// Bytes of a flow the peer has not acknowledged from which the guest's
+/// sender would be held back without the proxy (half the kv guest's 64 KiB
+/// send buffer): below it the made-up ACK does not change its pace.
+pub const BULK_UNACKNOWLEDGED: u32 = 32 << 10;
 
 /// A connection: the guest's end and the peer's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -107,7 +115,7 @@ pub struct Flow {
     told_edge: u32,
     guest_fin: bool,
     peer_fin: bool,
-    store: VecDeque<Stored>,
+    pub(super) store: VecDeque<Stored>,
     #[serde(skip)]
     timer: Timer,
 }
@@ -162,7 +170,18 @@ impl Flow {
         ack.wrapping_add(u32::from(window) << self.shift())
     }
 
-    fn stored_bytes(&self) -> u64 {
+    /// Its fields without the store (what a change of the flow carries
+    /// besides the segments; `delta`).
+    pub(super) fn fields(&self) -> Flow {
+        Flow { store: VecDeque::new(), timer: Timer::default(), ..*self }
+    }
+
+    /// Take `fields`' fields, keeping this flow's store and timer.
+    pub(super) fn set_fields(&mut self, fields: Flow) {
+        *self = Flow { store: std::mem::take(&mut self.store), timer: std::mem::take(&mut self.timer), ..fields };
+    }
+
+    pub(super) fn stored_bytes(&self) -> u64 {
         self.store.iter().map(|s| s.frame.len() as u64).sum()
     }
 
@@ -179,8 +198,8 @@ impl Flow {
 /// What the proxy holds: all flows, and what their stores hold together.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Table {
-    flows: BTreeMap<FlowKey, Flow>,
-    stored: u64,
+    pub(super) flows: BTreeMap<FlowKey, Flow>,
+    pub(super) stored: u64,
     /// Stored frame bytes over all flows beyond which segments pass without
     /// a made-up ACK (the guest waits for the peer's); twice as many at
     /// most are stored (what the guest sent unacknowledged).
@@ -192,6 +211,9 @@ pub struct Table {
 pub struct Sent {
     /// An ACK to give the guest.
     pub ack: Option<Vec<u8>>,
+    /// The acknowledged segment was full-sized: part of a bulk send, whose
+    /// sender goes on once acknowledged (a short one usually ends a reply).
+    pub bulk: bool,
 }
 
 impl Table {
@@ -243,7 +265,7 @@ impl Table {
             let window = flow.window_from(ack);
             flow.told_ack = ack;
             flow.told_edge = flow.edge(ack, window);
-            return Sent { ack: Some(segment::pure_ack(&seg, seg.ack, ack, window)) };
+            return Sent { ack: Some(segment::pure_ack(&seg, seg.ack, ack, window)), bulk: false };
         }
         // Every segment is stored (unless after a gap or beyond all room),
         // acknowledged or not: a store that covers everything the guest
@@ -270,7 +292,8 @@ impl Table {
         let window = flow.window_from(end);
         flow.told_ack = end;
         flow.told_edge = flow.edge(end, window);
-        Sent { ack: Some(segment::pure_ack(&seg, seg.ack, end, window)) }
+        let bulk = seg.len >= BULK_SEGMENT && end.wrapping_sub(flow.real_ack) >= BULK_UNACKNOWLEDGED;
+        Sent { ack: Some(segment::pure_ack(&seg, seg.ack, end, window)), bulk }
     }
 
     fn guest_syn(&mut self, key: FlowKey, seg: &Segment) {
@@ -478,8 +501,20 @@ mod tests {
             assert_eq!(u32::from(ack.window), (8192 * 4 - 1000) / 4);
             assert_eq!(t.stored_bytes(), data(start, 1000).len() as u64);
             assert!(t.consistent());
+            assert!(!sent.bulk, "a short segment");
+            // A full-sized one with half a send buffer unacknowledged by the peer is part of a bulk send.
+            assert!(!t.guest_sent(&data(start.wrapping_add(1000), 1460), Some(3)).bulk, "little unacknowledged");
+            // (The peer's window grows to hold it.)
+            t.peer_sent(&mut peer_ack(start, 65535), 3, &mut Vec::new());
+            let mut at = start.wrapping_add(2460);
+            while at.wrapping_sub(start) + 1460 < BULK_UNACKNOWLEDGED {
+                t.guest_sent(&data(at, 1460), Some(3));
+                at = at.wrapping_add(1460);
+            }
+            assert!(t.guest_sent(&data(at, 1460), Some(3)).bulk);
+            at = at.wrapping_add(1460);
             // Not while output is unheld.
-            assert_eq!(t.guest_sent(&data(start.wrapping_add(1000), 10), None), Sent::default());
+            assert_eq!(t.guest_sent(&data(at, 10), None), Sent::default());
         }
     }
 

@@ -18,10 +18,11 @@
 //!   released epochs: output commit holds for every resent frame.
 //!
 //! The table (flows and stores) is saved at each checkpoint's freeze and
-//! applied with it on the backup; a backup that takes over first sends
+//! applied with it on the backup (whole, or as what changed: `delta`); a backup that takes over first sends
 //! every stored segment (the peer may have none of it), then runs its own
 //! proxy from that state. See docs/replication.md, "Fake ACK".
 
+pub mod delta;
 pub mod flow;
 pub mod segment;
 
@@ -48,14 +49,17 @@ switch! {
 
 /// How often the timer looks for stored data to send again.
 const TICK: Duration = Duration::from_millis(20);
-/// After a made-up ACK, how long the guest does not count as idle for an
-/// output-triggered checkpoint: it may go idle before the card has given
-/// it the ACK (the card delivers it after its transmit pass), and then
-/// wakes to send on. Without this, each epoch ends after one send buffer.
-/// The hold bound still ends the epoch if the guest keeps sending.
+/// After a made-up ACK for a full-sized segment (`flow::Sent::bulk`), how
+/// long the guest does not count as idle for an output-triggered
+/// checkpoint: it may go idle before the card has given it the ACK (the
+/// card delivers it after its transmit pass), and then wakes to send on.
+/// Without this, each epoch of a bulk send ends after one send buffer. The
+/// hold bound still ends the epoch if the guest keeps sending. Not after a
+/// short segment: that usually ends a reply, and delaying the checkpoint
+/// for every reply of a request-response load (kv) doubled its latency.
 const BUSY_AFTER_ACK: Duration = Duration::from_micros(500);
 
-/// The proxy state a checkpoint carries.
+/// The proxy's whole state, as saved at a freeze and held by a backup.
 pub type State = Table;
 
 /// Where the guest's frames go on to, and what tells held from released.
@@ -181,9 +185,10 @@ impl FrameSink for FakeAck {
                 None
             }
         };
-        if let Some(ack) = self.table.locked().guest_sent(frame, epoch).ack {
+        let sent = self.table.locked().guest_sent(frame, epoch);
+        if let Some(ack) = sent.ack {
             self.made_up.locked().push(ack);
-            if let Next::Held(output) = &self.next {
+            if let (Next::Held(output), true) = (&self.next, sent.bulk) {
                 // The guest idles now only to wake to this ACK and send on.
                 output.busy_until(Instant::now() + BUSY_AFTER_ACK);
             }

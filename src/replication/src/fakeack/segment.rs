@@ -1,8 +1,15 @@
 //! TCP over IPv4 in the network card's frames (virtio-net header, Ethernet,
 //! IPv4, TCP): find the fields the proxy reads, rewrite a segment's
-//! acknowledgement and window, make up a pure ACK. Checksums are always
-//! recomputed whole: frames are small, and a header that asked for a
-//! partial checksum (`NEEDS_CSUM`) gets a complete one.
+//! acknowledgement and window, make up a pure ACK. The headers are read and
+//! written with `smoltcp::wire`. Checksums are always recomputed whole:
+//! frames are small, and a header that asked for a partial checksum
+//! (`NEEDS_CSUM`) gets a complete one.
+
+use smoltcp::phy::ChecksumCapabilities;
+use smoltcp::wire::{
+    EthernetAddress, EthernetFrame, EthernetProtocol, EthernetRepr, IpAddress, IpProtocol, Ipv4Address, Ipv4Packet, Ipv4Repr, TcpControl,
+    TcpOption, TcpPacket, TcpRepr, TcpSeqNumber,
+};
 
 use ftvm_vmm::devices::virtio::net::VNET_HDR_LEN;
 
@@ -12,16 +19,11 @@ pub const RST: u8 = 0x04;
 pub const ACK: u8 = 0x10;
 
 const ETH: usize = 14;
-const ETHERTYPE_IPV4: [u8; 2] = [0x08, 0x00];
-const PROTO_TCP: u8 = 6;
 const IP_MIN: usize = 20;
-const TCP_MIN: usize = 20;
-/// TCP option kinds.
-const OPT_END: u8 = 0;
-const OPT_NOP: u8 = 1;
-const OPT_WSCALE: u8 = 3;
 /// The largest window shift TCP allows (RFC 7323).
 pub const MAX_SHIFT: u8 = 14;
+/// The TTL of a made-up ACK.
+const HOP_LIMIT: u8 = 64;
 
 /// One end of a TCP connection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
@@ -39,6 +41,7 @@ pub struct Segment {
     pub dst: Endpoint,
     pub seq: u32,
     pub ack: u32,
+    /// FIN, SYN, RST and ACK (the flags the proxy reads).
     pub flags: u8,
     /// As on the wire (not scaled).
     pub window: u16,
@@ -46,9 +49,9 @@ pub struct Segment {
     pub len: u32,
     /// The window scale option (in SYN segments).
     pub wscale: Option<u8>,
-    ip: usize,
+    /// Where the TCP header starts in the frame, and where the IP datagram
+    /// ends (Ethernet padding follows).
     tcp: usize,
-    /// End of the IP datagram in the frame (Ethernet padding follows).
     end: usize,
 }
 
@@ -61,113 +64,69 @@ impl Segment {
     pub fn seq_len(&self) -> u32 {
         self.len + u32::from(self.has(SYN)) + u32::from(self.has(FIN))
     }
-}
 
-fn be16(b: &[u8], at: usize) -> u16 {
-    u16::from_be_bytes([b[at], b[at + 1]])
-}
-
-fn be32(b: &[u8], at: usize) -> u32 {
-    u32::from_be_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+    fn addresses(&self) -> (IpAddress, IpAddress) {
+        (IpAddress::Ipv4(Ipv4Address::from(self.src.ip)), IpAddress::Ipv4(Ipv4Address::from(self.dst.ip)))
+    }
 }
 
 /// The TCP segment in `frame` (with its virtio-net header), if it is an
 /// unfragmented TCP/IPv4 one whose lengths add up.
 pub fn parse(frame: &[u8]) -> Option<Segment> {
-    let ip = VNET_HDR_LEN + ETH;
-    if frame.len() < ip + IP_MIN + TCP_MIN || frame[VNET_HDR_LEN + 12..ip] != ETHERTYPE_IPV4 {
+    let eth = EthernetFrame::new_checked(frame.get(VNET_HDR_LEN..)?).ok()?;
+    if eth.ethertype() != EthernetProtocol::Ipv4 {
         return None;
     }
-    let ihl = usize::from(frame[ip] & 0x0f) * 4;
-    let total = usize::from(be16(frame, ip + 2));
-    let fragment = be16(frame, ip + 6) & 0x3fff;
-    if frame[ip] >> 4 != 4
-        || ihl < IP_MIN
-        || frame[ip + 9] != PROTO_TCP
-        || fragment != 0
-        || total < ihl + TCP_MIN
-        || ip + total > frame.len()
+    let ip = Ipv4Packet::new_checked(eth.payload()).ok()?;
+    // (smoltcp checks the lengths against the buffer, not the header's minimum.)
+    if ip.version() != 4
+        || usize::from(ip.header_len()) < IP_MIN
+        || ip.next_header() != IpProtocol::Tcp
+        || ip.more_frags()
+        || ip.frag_offset() != 0
     {
         return None;
     }
-    let tcp = ip + ihl;
-    let doff = usize::from(frame[tcp + 12] >> 4) * 4;
-    if doff < TCP_MIN || ihl + doff > total {
-        return None;
-    }
-    let mac = |at: usize| -> [u8; 6] { frame[at..at + 6].try_into().expect("6 bytes") };
-    let ipv4 = |at: usize| -> [u8; 4] { frame[at..at + 4].try_into().expect("4 bytes") };
+    let tcp = TcpPacket::new_checked(ip.payload()).ok()?;
+    let flags = [(tcp.fin(), FIN), (tcp.syn(), SYN), (tcp.rst(), RST), (tcp.ack(), ACK)]
+        .into_iter()
+        .filter(|(set, _)| *set)
+        .fold(0, |flags, (_, flag)| flags | flag);
+    let at = VNET_HDR_LEN + ETH;
     Some(Segment {
-        dst_mac: mac(VNET_HDR_LEN),
-        src_mac: mac(VNET_HDR_LEN + 6),
-        src: Endpoint { ip: ipv4(ip + 12), port: be16(frame, tcp) },
-        dst: Endpoint { ip: ipv4(ip + 16), port: be16(frame, tcp + 2) },
-        seq: be32(frame, tcp + 4),
-        ack: be32(frame, tcp + 8),
-        flags: frame[tcp + 13],
-        window: be16(frame, tcp + 14),
-        len: (total - ihl - doff) as u32,
-        wscale: window_scale(&frame[tcp + TCP_MIN..tcp + doff]),
-        ip,
-        tcp,
-        end: ip + total,
+        dst_mac: eth.dst_addr().0,
+        src_mac: eth.src_addr().0,
+        src: Endpoint { ip: ip.src_addr().octets(), port: tcp.src_port() },
+        dst: Endpoint { ip: ip.dst_addr().octets(), port: tcp.dst_port() },
+        seq: tcp.seq_number().0 as u32,
+        ack: tcp.ack_number().0 as u32,
+        flags,
+        window: tcp.window_len(),
+        len: tcp.payload().len() as u32,
+        wscale: window_scale(tcp.options()),
+        tcp: at + usize::from(ip.header_len()),
+        end: at + usize::from(ip.total_len()),
     })
 }
 
-/// The window scale option among `options`, clamped to what TCP allows.
-fn window_scale(options: &[u8]) -> Option<u8> {
-    let mut i = 0;
-    while i < options.len() {
-        match options[i] {
-            OPT_END => return None,
-            OPT_NOP => i += 1,
-            kind => {
-                let len = usize::from(*options.get(i + 1)?);
-                if len < 2 || i + len > options.len() {
-                    return None;
-                }
-                if kind == OPT_WSCALE && len == 3 {
-                    return Some(options[i + 2].min(MAX_SHIFT));
-                }
-                i += len;
-            }
+/// The window scale option among `options`, clamped to what TCP allows;
+/// none if they are malformed.
+fn window_scale(mut options: &[u8]) -> Option<u8> {
+    while !options.is_empty() {
+        let (rest, option) = TcpOption::parse(options).ok()?;
+        match option {
+            TcpOption::EndOfList => return None,
+            TcpOption::WindowScale(shift) => return Some(shift.min(MAX_SHIFT)),
+            _ => options = rest,
         }
     }
     None
 }
 
-/// Ones' complement sum of `data` (as big-endian 16-bit words) onto `sum`.
-fn sum16(mut sum: u32, data: &[u8]) -> u32 {
-    let mut chunks = data.chunks_exact(2);
-    for c in &mut chunks {
-        sum += u32::from(u16::from_be_bytes([c[0], c[1]]));
-    }
-    if let [last] = chunks.remainder() {
-        sum += u32::from(*last) << 8;
-    }
-    sum
-}
-
-fn fold(mut sum: u32) -> u16 {
-    while sum >> 16 != 0 {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
-/// The ones'-complement sum of `seg`'s pseudo-header and TCP segment, as
-/// `frame` holds them (checksum field included).
-fn tcp_sum(frame: &[u8], seg: &Segment) -> u32 {
-    let tcp_len = (seg.end - seg.tcp) as u32;
-    let sum = sum16(0, &frame[seg.ip + 12..seg.ip + 20]) + u32::from(PROTO_TCP) + tcp_len;
-    sum16(sum, &frame[seg.tcp..seg.end])
-}
-
 /// Recompute the TCP checksum of `seg` in `frame` (pseudo-header included).
 fn tcp_checksum(frame: &mut [u8], seg: &Segment) {
-    frame[seg.tcp + 16..seg.tcp + 18].fill(0);
-    let sum = fold(tcp_sum(frame, seg));
-    frame[seg.tcp + 16..seg.tcp + 18].copy_from_slice(&sum.to_be_bytes());
+    let (src, dst) = seg.addresses();
+    TcpPacket::new_unchecked(&mut frame[seg.tcp..seg.end]).fill_checksum(&src, &dst);
     // The checksum is complete now: clear the header's NEEDS_CSUM.
     frame[0] &= !1;
 }
@@ -175,21 +134,24 @@ fn tcp_checksum(frame: &mut [u8], seg: &Segment) {
 /// Whether the TCP checksum of `frame`'s segment is right.
 #[cfg(test)]
 pub fn checksum_ok(frame: &[u8]) -> bool {
-    parse(frame).is_some_and(|seg| fold(tcp_sum(frame, &seg)) == 0)
+    parse(frame).is_some_and(|seg| {
+        let (src, dst) = seg.addresses();
+        TcpPacket::new_unchecked(&frame[seg.tcp..seg.end]).verify_checksum(&src, &dst)
+    })
 }
 
 /// Whether the IPv4 header checksum of `frame` is right.
 #[cfg(test)]
 pub fn ip_checksum_ok(frame: &[u8]) -> bool {
-    let Some(seg) = parse(frame) else { return false };
-    fold(sum16(0, &frame[seg.ip..seg.tcp])) == 0
+    parse(frame).is_some() && Ipv4Packet::new_unchecked(&frame[VNET_HDR_LEN + ETH..]).verify_checksum()
 }
 
 /// Give `seg` (parsed from `frame`) acknowledgement `ack` and window
 /// `window`, with its checksum fixed.
 pub fn set_ack_window(frame: &mut [u8], seg: &Segment, ack: u32, window: u16) {
-    frame[seg.tcp + 8..seg.tcp + 12].copy_from_slice(&ack.to_be_bytes());
-    frame[seg.tcp + 14..seg.tcp + 16].copy_from_slice(&window.to_be_bytes());
+    let mut tcp = TcpPacket::new_unchecked(&mut frame[seg.tcp..seg.end]);
+    tcp.set_ack_number(TcpSeqNumber(ack as i32));
+    tcp.set_window_len(window);
     tcp_checksum(frame, seg);
 }
 
@@ -197,32 +159,37 @@ pub fn set_ack_window(frame: &mut [u8], seg: &Segment, ack: u32, window: u16) {
 /// segment the guest sent): sequence number `seq`, acknowledging `ack`,
 /// advertising `window` (as on the wire), with a zeroed virtio-net header.
 pub fn pure_ack(seg: &Segment, seq: u32, ack: u32, window: u16) -> Vec<u8> {
-    let mut f = vec![0u8; VNET_HDR_LEN + ETH + IP_MIN + TCP_MIN];
-    let e = VNET_HDR_LEN;
-    f[e..e + 6].copy_from_slice(&seg.src_mac);
-    f[e + 6..e + 12].copy_from_slice(&seg.dst_mac);
-    f[e + 12..e + 14].copy_from_slice(&ETHERTYPE_IPV4);
-    let ip = e + ETH;
-    f[ip] = 0x45;
-    f[ip + 2..ip + 4].copy_from_slice(&((IP_MIN + TCP_MIN) as u16).to_be_bytes());
+    let tcp = TcpRepr {
+        src_port: seg.dst.port,
+        dst_port: seg.src.port,
+        control: TcpControl::None,
+        seq_number: TcpSeqNumber(seq as i32),
+        ack_number: Some(TcpSeqNumber(ack as i32)),
+        window_len: window,
+        window_scale: None,
+        max_seg_size: None,
+        sack_permitted: false,
+        sack_ranges: [None; 3],
+        timestamp: None,
+        payload: &[],
+    };
     // Don't fragment; identification 0 (allowed with DF, RFC 6864).
-    f[ip + 6] = 0x40;
-    f[ip + 8] = 64;
-    f[ip + 9] = PROTO_TCP;
-    f[ip + 12..ip + 16].copy_from_slice(&seg.dst.ip);
-    f[ip + 16..ip + 20].copy_from_slice(&seg.src.ip);
-    let ip_sum = fold(sum16(0, &f[ip..ip + IP_MIN]));
-    f[ip + 10..ip + 12].copy_from_slice(&ip_sum.to_be_bytes());
-    let tcp = ip + IP_MIN;
-    f[tcp..tcp + 2].copy_from_slice(&seg.dst.port.to_be_bytes());
-    f[tcp + 2..tcp + 4].copy_from_slice(&seg.src.port.to_be_bytes());
-    f[tcp + 4..tcp + 8].copy_from_slice(&seq.to_be_bytes());
-    f[tcp + 8..tcp + 12].copy_from_slice(&ack.to_be_bytes());
-    f[tcp + 12] = ((TCP_MIN / 4) as u8) << 4;
-    f[tcp + 13] = ACK;
-    f[tcp + 14..tcp + 16].copy_from_slice(&window.to_be_bytes());
-    let made = parse(&f).expect("a well-formed segment");
-    tcp_checksum(&mut f, &made);
+    let ip = Ipv4Repr {
+        src_addr: Ipv4Address::from(seg.dst.ip),
+        dst_addr: Ipv4Address::from(seg.src.ip),
+        next_header: IpProtocol::Tcp,
+        payload_len: tcp.buffer_len(),
+        hop_limit: HOP_LIMIT,
+    };
+    let eth =
+        EthernetRepr { src_addr: EthernetAddress(seg.dst_mac), dst_addr: EthernetAddress(seg.src_mac), ethertype: EthernetProtocol::Ipv4 };
+    let mut f = vec![0u8; VNET_HDR_LEN + eth.buffer_len() + ip.buffer_len() + tcp.buffer_len()];
+    let checksums = ChecksumCapabilities::default();
+    let mut frame = EthernetFrame::new_unchecked(&mut f[VNET_HDR_LEN..]);
+    eth.emit(&mut frame);
+    let mut packet = Ipv4Packet::new_unchecked(frame.payload_mut());
+    ip.emit(&mut packet, &checksums);
+    tcp.emit(&mut TcpPacket::new_unchecked(packet.payload_mut()), &IpAddress::Ipv4(ip.src_addr), &IpAddress::Ipv4(ip.dst_addr), &checksums);
     f
 }
 
@@ -244,6 +211,11 @@ pub fn later(a: u32, b: u32) -> u32 {
 pub(crate) mod tests {
     use super::*;
 
+    const TCP_MIN: usize = 20;
+    /// TCP option kinds.
+    const OPT_NOP: u8 = 1;
+    const OPT_WSCALE: u8 = 3;
+
     pub const GUEST: Endpoint = Endpoint { ip: [10, 0, 0, 2], port: 6379 };
     pub const PEER: Endpoint = Endpoint { ip: [10, 0, 0, 1], port: 40000 };
     pub const GUEST_MAC: [u8; 6] = [0x52, 0x54, 0, 0x12, 0x34, 0x56];
@@ -255,36 +227,37 @@ pub(crate) mod tests {
     pub fn frame(from: Endpoint, to: Endpoint, seq: u32, ack: u32, flags: u8, window: u16, options: &[u8], payload: &[u8]) -> Vec<u8> {
         assert_eq!(options.len() % 4, 0);
         let (src_mac, dst_mac) = if from == GUEST { (GUEST_MAC, PEER_MAC) } else { (PEER_MAC, GUEST_MAC) };
-        let seg = Segment {
-            src_mac: dst_mac,
-            dst_mac: src_mac,
-            src: to,
-            dst: from,
-            seq: 0,
-            ack: 0,
-            flags: 0,
-            window: 0,
-            len: 0,
-            wscale: None,
-            ip: 0,
-            tcp: 0,
-            end: 0,
+        let tcp_len = TCP_MIN + options.len() + payload.len();
+        let ip = Ipv4Repr {
+            src_addr: Ipv4Address::from(from.ip),
+            dst_addr: Ipv4Address::from(to.ip),
+            next_header: IpProtocol::Tcp,
+            payload_len: tcp_len,
+            hop_limit: HOP_LIMIT,
         };
-        // A pure ACK in the right direction, then grown.
-        let mut f = pure_ack(&seg, seq, ack, window);
-        let tcp = VNET_HDR_LEN + ETH + IP_MIN;
-        f[tcp + 12] = (((TCP_MIN + options.len()) / 4) as u8) << 4;
-        f[tcp + 13] = flags;
-        f.extend_from_slice(options);
-        f.extend_from_slice(payload);
-        let ip = VNET_HDR_LEN + ETH;
-        let total = (f.len() - ip) as u16;
-        f[ip + 2..ip + 4].copy_from_slice(&total.to_be_bytes());
-        f[ip + 10..ip + 12].fill(0);
-        let ip_sum = fold(sum16(0, &f[ip..ip + IP_MIN]));
-        f[ip + 10..ip + 12].copy_from_slice(&ip_sum.to_be_bytes());
-        let s = parse(&f).expect("valid");
-        tcp_checksum(&mut f, &s);
+        let eth =
+            EthernetRepr { src_addr: EthernetAddress(src_mac), dst_addr: EthernetAddress(dst_mac), ethertype: EthernetProtocol::Ipv4 };
+        let mut f = vec![0u8; VNET_HDR_LEN + ETH + IP_MIN + tcp_len];
+        let mut e = EthernetFrame::new_unchecked(&mut f[VNET_HDR_LEN..]);
+        eth.emit(&mut e);
+        let mut p = Ipv4Packet::new_unchecked(e.payload_mut());
+        ip.emit(&mut p, &ChecksumCapabilities::default());
+        let mut t = TcpPacket::new_unchecked(p.payload_mut());
+        t.set_src_port(from.port);
+        t.set_dst_port(to.port);
+        t.set_seq_number(TcpSeqNumber(seq as i32));
+        t.set_ack_number(TcpSeqNumber(ack as i32));
+        t.set_header_len((TCP_MIN + options.len()) as u8);
+        t.clear_flags();
+        t.set_fin(flags & FIN != 0);
+        t.set_syn(flags & SYN != 0);
+        t.set_rst(flags & RST != 0);
+        t.set_psh(flags & 0x08 != 0);
+        t.set_ack(flags & ACK != 0);
+        t.set_window_len(window);
+        t.options_mut().copy_from_slice(options);
+        t.payload_mut().copy_from_slice(payload);
+        t.fill_checksum(&IpAddress::Ipv4(ip.src_addr), &IpAddress::Ipv4(ip.dst_addr));
         f
     }
 
@@ -300,6 +273,11 @@ pub(crate) mod tests {
         let s = parse(&d).unwrap();
         assert_eq!((s.len, s.seq_len(), s.wscale), (5, 6, None));
         assert!(checksum_ok(&d));
+        // A shift beyond TCP's limit is clamped; malformed options give none.
+        let big = frame(PEER, GUEST, 1, 0, SYN, 1, &[OPT_NOP, OPT_WSCALE, 3, 20], b"");
+        assert_eq!(parse(&big).unwrap().wscale, Some(MAX_SHIFT));
+        let bad = frame(PEER, GUEST, 1, 0, SYN, 1, &[OPT_NOP, 8, 9, OPT_WSCALE], b"");
+        assert_eq!(parse(&bad).unwrap().wscale, None);
     }
 
     #[test]
@@ -316,6 +294,9 @@ pub(crate) mod tests {
         let mut fragment = f.clone();
         fragment[VNET_HDR_LEN + ETH + 6] = 0x20; // more fragments
         assert!(parse(&fragment).is_none());
+        let mut short_ip = f.clone();
+        short_ip[VNET_HDR_LEN + ETH] = 0x44; // IHL 4: shorter than an IPv4 header
+        assert!(parse(&short_ip).is_none());
         let mut bad_offset = f;
         bad_offset[VNET_HDR_LEN + ETH + IP_MIN + 12] = 0xf0;
         assert!(parse(&bad_offset).is_none());
@@ -333,6 +314,12 @@ pub(crate) mod tests {
             assert!(checksum_ok(&f) && ip_checksum_ok(&f));
             assert_eq!(f[0] & 1, 0);
         }
+        // Ethernet padding after the datagram takes no part in the checksum.
+        let mut padded = frame(PEER, GUEST, 7, 8, ACK, 1000, &[], b"");
+        padded.extend_from_slice(&[0xee; 6]);
+        let s = parse(&padded).unwrap();
+        set_ack_window(&mut padded, &s, 9, 10);
+        assert!(checksum_ok(&padded));
     }
 
     #[test]
@@ -343,6 +330,8 @@ pub(crate) mod tests {
         assert_eq!((s.src, s.dst, s.src_mac, s.dst_mac), (PEER, GUEST, PEER_MAC, GUEST_MAC));
         assert_eq!((s.seq, s.ack, s.flags, s.window, s.len), (77, 1100, ACK, 300, 0));
         assert!(checksum_ok(&a) && ip_checksum_ok(&a));
+        assert_eq!(a.len(), VNET_HDR_LEN + ETH + IP_MIN + TCP_MIN);
+        assert_eq!(&a[..VNET_HDR_LEN], &[0; VNET_HDR_LEN], "a zeroed virtio-net header");
     }
 
     #[test]

@@ -8,6 +8,7 @@ use ftvm_vmm::{PageBitmap, Persist, Vm};
 
 use super::predict::LeaveWritable;
 use crate::checkpoint::{CheckpointState, StateDelta};
+use crate::fakeack::delta::Carried;
 use crate::fakeack::FakeAck;
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::ReplicationError;
@@ -109,7 +110,7 @@ impl Freeze for PauseAndSave {
         // The proxy's state with the guest's, both at this instant: the
         // guest was told acknowledged exactly what the store holds beyond
         // the peer (the card is parked, no frame is halfway through).
-        let fake_ack = self.fake_ack.as_ref().map(|p| p.save());
+        let fake_ack = self.fake_ack.as_ref().map(|p| Carried::Whole(p.save()));
         let state = CheckpointState { vm: StateDelta::whole(vm.save()?), disk: self.journal.take(), fake_ack };
         tracing::debug!(
             stop_us = (t0 - pause.since).as_micros() as u64,

@@ -29,6 +29,7 @@ use std::time::Duration;
 use ftvm_vmm::pages::PageEncoder;
 use ftvm_vmm::{DirtyBackend, Vm};
 
+use crate::fakeack::delta::Carried;
 use crate::fakeack::FakeAck;
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::protocol;
@@ -48,6 +49,7 @@ pub struct Switches {
     pub trigger: trigger::Mode,
     pub predict_writes: predict::Mode,
     pub prefetch: prefetch::Mode,
+    pub fake_ack_state: crate::fakeack::delta::Sending,
 }
 
 /// What taking one checkpoint cost.
@@ -83,6 +85,9 @@ pub struct Taken {
     /// `--fake-ack`: frame bytes the proxy stored at the freeze, and its flows.
     pub fake_ack_bytes: u64,
     pub fake_ack_flows: u64,
+    /// Of `fake_ack_bytes`, the frame bytes the checkpoint carries (all of
+    /// them whole, those stored since the previous checkpoint as changes).
+    pub fake_ack_sent_bytes: u64,
     /// Time spent encoding its pages.
     pub encode_ns: u64,
     /// What `--prefetch` sent of its epoch while the guest ran.
@@ -101,6 +106,8 @@ pub struct Pipeline {
     prefetch: Option<prefetch::Prefetcher>,
     encoder: Box<dyn PageEncoder>,
     sent_state: encode::SentState,
+    /// What the backup holds of the fake-ACK proxy's state.
+    sent_fake_ack: crate::fakeack::delta::Sender,
     frame: Vec<u8>,
     /// The largest checkpoint payload the backup accepts from this VM.
     limit: u64,
@@ -137,6 +144,7 @@ impl Pipeline {
             prefetch: prefetch::Prefetcher::for_mode(switches.prefetch, pages, limit),
             encoder: encode::new(switches.encoding, switches.diff, pages),
             sent_state: encode::SentState::new(switches.device_state),
+            sent_fake_ack: crate::fakeack::delta::Sender::new(switches.fake_ack_state),
             frame: Vec::new(),
             limit,
         })
@@ -178,6 +186,7 @@ impl Pipeline {
     pub fn new_backup(&mut self) {
         self.encoder.reset();
         self.sent_state.reset();
+        self.sent_fake_ack.reset();
     }
 
     /// Take checkpoint `epoch`: the VM is paused only for the freeze (and
@@ -209,6 +218,12 @@ impl Pipeline {
         // Before `filter` may leave an unchanged disk's state out.
         let disk_pending = thawed.state.vm.devices.iter().flatten().map(|d| d.requests_in_flight() as u64).sum();
         self.sent_state.filter(&mut thawed.state.vm);
+        // The proxy's whole table as saved at the freeze, and what of it goes.
+        let (mut fake_ack_bytes, mut fake_ack_flows) = (0, 0);
+        if let Some(Carried::Whole(table)) = thawed.state.fake_ack.take() {
+            (fake_ack_bytes, fake_ack_flows) = (table.stored_bytes(), table.flows() as u64);
+            thawed.state.fake_ack = Some(self.sent_fake_ack.carry(epoch, table));
+        }
         let encoded = encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
         let bytes = protocol::payload_len(&self.frame);
         if bytes > self.limit {
@@ -229,8 +244,9 @@ impl Pipeline {
             page_bytes: encoded.pages.bytes,
             diff_bytes_saved: encoded.pages.diff_saved,
             state_bytes: encoded.state_bytes,
-            fake_ack_bytes: thawed.state.fake_ack.as_ref().map_or(0, |t| t.stored_bytes()),
-            fake_ack_flows: thawed.state.fake_ack.as_ref().map_or(0, |t| t.flows() as u64),
+            fake_ack_bytes,
+            fake_ack_flows,
+            fake_ack_sent_bytes: thawed.state.fake_ack.as_ref().map_or(0, Carried::frame_bytes),
             encode_ns: encoded.pages_ns,
             prefetched,
             ..Taken::default()

@@ -361,6 +361,7 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         state_bytes: taken.state_bytes,
         fake_ack_bytes: taken.fake_ack_bytes,
         fake_ack_flows: taken.fake_ack_flows,
+        fake_ack_sent_bytes: taken.fake_ack_sent_bytes,
         encode_ns: taken.encode_ns,
         transfer_us: transfer.as_micros() as u64,
         ..EpochMetrics::default()

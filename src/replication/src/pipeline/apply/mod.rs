@@ -53,7 +53,7 @@ pub struct InPlace {
 
 impl Apply for InPlace {
     fn stage<'a>(&mut self, replica: &Replica, payload: &'a [u8]) -> Result<Checkpoint<'a>, ApplyError> {
-        let ckpt = Checkpoint::parse(payload, replica.vm.ram().pages(), replica.disk_size)?;
+        let mut ckpt = Checkpoint::parse(payload, replica.vm.ram().pages(), replica.disk_size)?;
         if ckpt.epoch != replica.next_epoch {
             return Err(ProtocolError::Corrupt(format!("checkpoint {} arrived, {} was expected", ckpt.epoch, replica.next_epoch)).into());
         }
@@ -62,6 +62,12 @@ impl Apply for InPlace {
         }
         if replica.disk.is_none() && !ckpt.state.disk.is_empty() {
             return Err(ProtocolError::Corrupt(format!("checkpoint {} writes to a disk this replica does not have", ckpt.epoch)).into());
+        }
+        // The proxy's whole state, made now so that the commit cannot fail on it.
+        let held = replica.committed.as_ref().map(|(epoch, _)| *epoch).zip(replica.fake_ack.as_ref());
+        if let Some(carried) = ckpt.state.fake_ack.take() {
+            let whole = carried.over(held).map_err(|why| ProtocolError::Corrupt(format!("checkpoint {}: {why}", ckpt.epoch)))?;
+            ckpt.fake_ack = Some(whole);
         }
         Ok(ckpt)
     }
@@ -90,8 +96,8 @@ impl Apply for InPlace {
         // Cannot fail either: `stage` checked the state against this base.
         let state = checkpoint.state.vm.over(replica.committed.take().map(|(_, state)| state));
         replica.committed = Some((epoch, state));
-        // The proxy's state belongs to this checkpoint (whole every time).
-        replica.fake_ack = checkpoint.state.fake_ack;
+        // The proxy's state belongs to this checkpoint (made whole at stage).
+        replica.fake_ack = checkpoint.fake_ack;
         Ok(())
     }
 }
