@@ -474,7 +474,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 23] = [
+const PRIMARY_ONLY: [&str; 24] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
