@@ -463,7 +463,8 @@ fn read_acks(
                 // Room in the pipeline window.
                 trigger.poke();
                 for mut f in done {
-                    f.metrics.ack_us = f.resumed.elapsed().as_micros() as u64;
+                    // To the acknowledgement's arrival: the release is `release_us`.
+                    f.metrics.ack_us = arrived.saturating_duration_since(f.resumed).as_micros() as u64;
                     if f.metrics.transfer_us == 0 {
                         // Acknowledged before the sender finished its bookkeeping:
                         // the transfer was over by then at the latest.
