@@ -18,8 +18,7 @@ use ftvm_vmm::{Console, DirtyBackend, IdlePause, Persist, Vm};
 use crate::arbiter::{Arbiter, Claim};
 use crate::bounds;
 use crate::fakeack::FakeAck;
-use crate::liveness::Priority;
-use crate::liveness::{self, Heartbeats, Observer, Pulse, SessionHalf, Timing};
+use crate::liveness::{self, Heartbeats, Observer, Priority, Pulse, SessionHalf, Timing};
 use crate::metrics::{AppliedEpoch, MetricsLog, Role, StatusCell};
 use crate::mirror::{self, Mirror};
 use crate::pipeline::apply::{Apply, ApplyError, InPlace};
@@ -151,7 +150,10 @@ impl Backup {
             st.peer = peer.clone();
         }
         let log = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
-        let ended = follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log, &mirror.frames, config.priority);
+        // Back to normal before a takeover: the threads it creates inherit it.
+        config.priority.apply();
+        let ended = follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log, &mirror.frames);
+        Priority::Normal.apply();
         // Following ended: no more heartbeats to this primary.
         drop(beats);
         let lost_unix_us = unix_ns() / 1000;
@@ -401,35 +403,15 @@ fn follow(
     status: &StatusCell,
     log: &MetricsLog,
     mirror: &Mirror,
-    priority: Priority,
 ) -> Ended {
     // What the primary may send, computed as the primary does.
     let limit = bounds::checkpoint_limit(replica.vm.config().mem_size, replica.vm.config().vcpus);
     let mut apply = InPlace::default();
     let mut buf = Vec::new();
-    // Back to normal before a takeover: the threads it creates inherit it.
-    priority.apply();
-    let ended = follow_stream(link, replica, arbiter, status, log, mirror, limit, &mut apply, &mut buf);
-    Priority::Normal.apply();
-    ended
-}
-
-#[allow(clippy::too_many_arguments)]
-fn follow_stream(
-    link: &mut dyn Transport,
-    replica: &mut Replica,
-    arbiter: Option<&Arbiter>,
-    status: &StatusCell,
-    log: &MetricsLog,
-    mirror: &Mirror,
-    limit: u64,
-    apply: &mut InPlace,
-    buf: &mut Vec<u8>,
-) -> Ended {
     loop {
         // Frames cut short or damaged are what a primary dying mid-send
         // leaves: this replica stays at its last checkpoint and takes over.
-        let kind = match link.recv(limit, buf) {
+        let kind = match link.recv(limit, &mut buf) {
             Ok(k) => k,
             Err(e @ (ProtocolError::Corrupt(_) | ProtocolError::Version { .. } | ProtocolError::Unauthenticated(_))) => {
                 tracing::error!("rejected replication data: {e}; staying at the last good checkpoint");
@@ -439,13 +421,15 @@ fn follow_stream(
         };
         let unexpected = |what: String| Err(Stop::CannotApply(ProtocolError::Corrupt(what).into()));
         let result = match kind {
-            Kind::Pages if replica.committed.is_none() => replica.precopy_pages(buf).map_err(Stop::CannotApply),
-            Kind::Disk if replica.committed.is_none() => replica.precopy_disk(buf).map_err(Stop::CannotApply),
-            Kind::Prefetch if replica.committed.is_some() => replica.stage_prefetch(std::mem::take(buf), limit).map_err(Stop::CannotApply),
-            Kind::Checkpoint => apply_checkpoint(link, apply, replica, buf, status, log).map(|epoch| mirror.applied(epoch)),
+            Kind::Pages if replica.committed.is_none() => replica.precopy_pages(&buf).map_err(Stop::CannotApply),
+            Kind::Disk if replica.committed.is_none() => replica.precopy_disk(&buf).map_err(Stop::CannotApply),
+            Kind::Prefetch if replica.committed.is_some() => {
+                replica.stage_prefetch(std::mem::take(&mut buf), limit).map_err(Stop::CannotApply)
+            }
+            Kind::Checkpoint => apply_checkpoint(link, &mut apply, replica, &buf, status, log).map(|epoch| mirror.applied(epoch)),
             // Only after a checkpoint: the primary acknowledged state to run from.
             Kind::Handover if replica.committed.is_some() => return Ended::HandedOver,
-            Kind::Bye => match protocol::decode::<i32>(buf) {
+            Kind::Bye => match protocol::decode::<i32>(&buf) {
                 Ok(status) => return Ended::Finished(status),
                 Err(e) => Err(Stop::CannotApply(e.into())),
             },
@@ -470,7 +454,7 @@ fn follow_stream(
                 // Synchronized, the primary reads what this backup sends at
                 // once; before that it only sends.
                 let reading = replica.committed.is_some();
-                refuse(link, &e, reading, limit, buf);
+                refuse(link, &e, reading, limit, &mut buf);
                 return Ended::CannotApply(e);
             }
         }
