@@ -419,11 +419,15 @@ fn a_partition_without_an_arbiter_leaves_the_primary_paused() {
 // ------------------------------------------------------- (b) one direction
 
 #[test]
-fn primary_to_backup_cut_the_backup_takes_over_and_the_primary_is_fenced() {
-    // The backup hears nothing, wins the VM; its closing of the stream
-    // still reaches the primary, which loses its claim.
+fn primary_to_backup_cut_leaves_one_owner_and_fences_the_other() {
+    // The backup hears nothing and claims the VM; its closing of the stream
+    // still reaches the primary, which claims too. Usually the backup, which
+    // starts first, wins and the primary is fenced; on a loaded host the
+    // primary's claim can land first, and the backup is fenced instead
+    // (seen once). Either way exactly one serves and nothing is lost, which
+    // `settle` checks; a loser left paused or serving would fail here.
     let (winner, loser, _) = cut("fp2b", Arbiter::Beside, &[Way::H1ToH2]);
-    assert_eq!((winner, loser), (Winner::Backup, Loser::Fenced));
+    assert_eq!(loser, Loser::Fenced, "the side that lost the claim is fenced (winner: {winner:?})");
 }
 
 #[test]
