@@ -151,7 +151,11 @@ impl Backup {
             st.peer = peer.clone();
         }
         let log = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
-        let ended = follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log, &mirror.frames, config.priority);
+        // This thread receives and applies the checkpoints (`--priority`).
+        config.priority.apply();
+        let ended = follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log, &mirror.frames);
+        // Back to normal before a takeover: the threads it creates inherit it.
+        Priority::Normal.apply();
         // Following ended: no more heartbeats to this primary.
         drop(beats);
         let lost_unix_us = unix_ns() / 1000;
@@ -401,31 +405,11 @@ fn follow(
     status: &StatusCell,
     log: &MetricsLog,
     mirror: &Mirror,
-    priority: Priority,
 ) -> Ended {
     // What the primary may send, computed as the primary does.
     let limit = bounds::checkpoint_limit(replica.vm.config().mem_size, replica.vm.config().vcpus);
-    let mut apply = InPlace::default();
-    let mut buf = Vec::new();
-    // Back to normal before a takeover: the threads it creates inherit it.
-    priority.apply();
-    let ended = follow_stream(link, replica, arbiter, status, log, mirror, limit, &mut apply, &mut buf);
-    Priority::Normal.apply();
-    ended
-}
-
-#[allow(clippy::too_many_arguments)]
-fn follow_stream(
-    link: &mut dyn Transport,
-    replica: &mut Replica,
-    arbiter: Option<&Arbiter>,
-    status: &StatusCell,
-    log: &MetricsLog,
-    mirror: &Mirror,
-    limit: u64,
-    apply: &mut InPlace,
-    buf: &mut Vec<u8>,
-) -> Ended {
+    let apply = &mut InPlace::default();
+    let buf = &mut Vec::new();
     loop {
         // Frames cut short or damaged are what a primary dying mid-send
         // leaves: this replica stays at its last checkpoint and takes over.
