@@ -130,11 +130,25 @@ impl App {
     }
 }
 
-fn start_primary(topo: &Topology, dir: &Scratch, tag: &str, extra: &[&str]) -> Process {
-    start_primary_app(topo, dir, tag, App::Kv, extra)
+/// A backup in h2 (logs `backup_tag`) and a primary of `app` in h1 (logs,
+/// metrics and API socket `primary_tag`) replicating to it with `extra`
+/// arguments, returned once the primary says it is protected: (backup,
+/// primary, the primary's API socket).
+fn start_protected(
+    topo: &Topology,
+    dir: &Scratch,
+    (backup_tag, primary_tag): (&str, &str),
+    app: App,
+    extra: &[&str],
+) -> (Process, Process, PathBuf) {
+    let backup = start_backup(topo, dir, backup_tag);
+    let mut primary = start_primary(topo, dir, primary_tag, app, extra);
+    let socket = dir.join(format!("{primary_tag}.sock"));
+    wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
+    (backup, primary, socket)
 }
 
-fn start_primary_app(topo: &Topology, dir: &Scratch, tag: &str, app: App, extra: &[&str]) -> Process {
+fn start_primary(topo: &Topology, dir: &Scratch, tag: &str, app: App, extra: &[&str]) -> Process {
     let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
     cmd.arg("run")
         .args(app.args())
@@ -533,10 +547,7 @@ fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, k
         .unwrap();
     assert!(out.status.success(), "tc: {}", String::from_utf8_lossy(&out.stderr));
     let (cap, pcap) = capture(topo, "h2", dir, &format!("{tag}.repl.pcap"), &["-i", "repl", "-s", "256", "tcp", "port", "7000"]);
-    let mut backup = start_backup(topo, dir, &format!("{tag}.backup"));
-    let mut primary = start_primary_app(topo, dir, &format!("{tag}.primary"), app, switches);
-    let socket = dir.join(format!("{tag}.primary.sock"));
-    wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
+    let (mut backup, mut primary, _) = start_protected(topo, dir, (&format!("{tag}.backup"), &format!("{tag}.primary")), app, switches);
     topo.forget_guest().unwrap();
 
     // Big values, pipelined on many connections: every epoch dirties
@@ -757,9 +768,7 @@ fn bulk_reads_with_fake_ack_survive_failover() {
     let topo = Topology::new("fackb").unwrap();
     topo.restore().unwrap();
     let dir = scratch("fake-ack-bulk");
-    let mut backup = start_backup(&topo, &dir, "backup");
-    let mut primary = start_primary(&topo, &dir, "primary", &["--fake-ack", "on"]);
-    wait_status(&dir.join("primary.sock"), "protected: yes", &mut primary, Duration::from_secs(20));
+    let (mut backup, mut primary, _) = start_protected(&topo, &dir, ("backup", "primary"), App::Kv, &["--fake-ack", "on"]);
     topo.forget_guest().unwrap();
     const BULK: usize = 4 << 20;
     let value: Vec<u8> = (0..BULK).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3]).collect();
@@ -923,11 +932,8 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str
     topo.restore().unwrap();
     let fake_ack = extra.contains(&"--fake-ack");
     let dir = scratch(&format!("commit-{trigger}{}", if fake_ack { "-fake-ack" } else { "" }));
-    let mut backup = start_backup(&topo, &dir, "backup");
-    let mut args = vec!["--trigger", trigger];
-    args.extend_from_slice(extra);
-    let mut primary = start_primary(&topo, &dir, "primary", &args);
-    wait_status(&dir.join("primary.sock"), "protected: yes", &mut primary, Duration::from_secs(20));
+    let args = [&["--trigger", trigger][..], extra].concat();
+    let (mut backup, mut primary, _) = start_protected(&topo, &dir, ("backup", "primary"), App::Kv, &args);
     let (cap, pcap) = capture(
         &topo,
         "client",
@@ -1070,12 +1076,8 @@ fn reprotection_then_failover(topology: &str, extra: &[&str]) {
     let topo = Topology::new(topology).unwrap();
     topo.restore().unwrap();
     let dir = scratch(&format!("reprotect{}", extra.join("").replace("--", "-")));
-    let mut backup1 = start_backup(&topo, &dir, "backup1");
-    let mut args = vec!["--failure-timeout-ms", "300", "--on-backup-loss", "continue"];
-    args.extend_from_slice(extra);
-    let mut primary = start_primary(&topo, &dir, "primary", &args);
-    let socket = dir.join("primary.sock");
-    wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
+    let args = [&["--failure-timeout-ms", "300", "--on-backup-loss", "continue"][..], extra].concat();
+    let (mut backup1, mut primary, socket) = start_protected(&topo, &dir, ("backup1", "primary"), App::Kv, &args);
     let client_ns = topo.ns("client");
     let config = |prefix: &str| writers::Config {
         addr: guest(),

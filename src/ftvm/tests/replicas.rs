@@ -75,6 +75,13 @@ struct Cluster {
     dir: Scratch,
     procs: [Option<Process>; 3],
     starts: [u32; 3],
+    layout: Layout,
+}
+
+/// What a cluster's replicas are given; the default: no extra options,
+/// replicas over the replication links (`peers()`), the witness in h2
+/// without a VM, no disks.
+struct Layout {
     /// Options every replica gets.
     extra: Vec<String>,
     /// `--peers`, and where the witness runs.
@@ -87,10 +94,21 @@ struct Cluster {
     disk: Option<u64>,
 }
 
+impl Default for Layout {
+    fn default() -> Layout {
+        Layout { extra: Vec::new(), peers: peers(), witness_host: "h2", standby: false, disk: None }
+    }
+}
+
+impl Layout {
+    fn with_extra(extra: &[&str]) -> Layout {
+        Layout { extra: extra.iter().map(|s| s.to_string()).collect(), ..Layout::default() }
+    }
+}
+
 impl Cluster {
     fn new(tag: &str, extra: &[&str]) -> Cluster {
-        let extra = extra.iter().map(|s| s.to_string()).collect();
-        Cluster::start_all(Topology::new(tag).unwrap(), tag, extra, peers(), "h2", false)
+        Cluster::launch(Topology::new(tag).unwrap(), tag, Layout::with_extra(extra), |_| {})
     }
 
     /// As `new`, the witness with a standby VM on a second TAP of h2.
@@ -104,7 +122,7 @@ impl Cluster {
             let out = topo.command("h2", "ip").args(args).output().unwrap();
             assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         }
-        Cluster::start_all(topo, tag, Vec::new(), peers(), "h2", true)
+        Cluster::launch(topo, tag, Layout { standby: true, ..Layout::default() }, |_| {})
     }
 
     /// Replicas that talk over the LAN: each host gets an address on its
@@ -117,33 +135,20 @@ impl Cluster {
             assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         }
         let peers = format!("1={LAN_H1}:7101,2={LAN_H2}:7102,3={CLIENT_ADDR}:7103");
-        Cluster::start_all(topo, tag, Vec::new(), peers, "client", false)
+        Cluster::launch(topo, tag, Layout { peers, witness_host: "client", ..Layout::default() }, |_| {})
     }
 
-    fn start_all(topo: Topology, tag: &str, extra: Vec<String>, peers: String, witness_host: &'static str, standby: bool) -> Cluster {
-        Cluster::start_with_disks(topo, tag, extra, peers, witness_host, standby, None, |_| {})
-    }
-
-    /// As `start_all`, each VM replica with a disk of `disk` bytes, which
-    /// `prepare` may write into before the replicas start.
-    #[allow(clippy::too_many_arguments)]
-    fn start_with_disks(
-        topo: Topology,
-        tag: &str,
-        extra: Vec<String>,
-        peers: String,
-        witness_host: &'static str,
-        standby: bool,
-        disk: Option<u64>,
-        prepare: impl Fn(&std::path::Path),
-    ) -> Cluster {
+    /// The three replicas on `topo`, laid out as `layout`; with disks
+    /// (`layout.disk`), `prepare` may write into each VM replica's before
+    /// the replicas start.
+    fn launch(topo: Topology, tag: &str, layout: Layout, prepare: impl Fn(&std::path::Path)) -> Cluster {
         let dir = Scratch::new(&format!("replicas-{tag}")).unwrap().keep_on_panic();
-        if let Some(size) = disk {
+        if let Some(size) = layout.disk {
             for id in 1..=2 {
                 prepare(&dir.sparse_file(&format!("r{id}.img"), size).unwrap());
             }
         }
-        let mut c = Cluster { topo, dir, procs: [None, None, None], starts: [0; 3], extra, peers, witness_host, standby, disk };
+        let mut c = Cluster { topo, dir, procs: [None, None, None], starts: [0; 3], layout };
         for id in 1..=3 {
             c.start(id);
         }
@@ -164,24 +169,24 @@ impl Cluster {
         let host = match id {
             1 => "h1",
             2 => "h2",
-            _ => self.witness_host,
+            _ => self.layout.witness_host,
         };
         let mut cmd: Command = self.topo.command(host, env!("CARGO_BIN_EXE_ftvm"));
         let _ = std::fs::remove_file(self.socket(id));
-        cmd.args(["replica", "--id", &id.to_string(), "--peers", &self.peers, "--api-socket"])
+        cmd.args(["replica", "--id", &id.to_string(), "--peers", &self.layout.peers, "--api-socket"])
             .arg(self.socket(id))
             .arg("--metrics")
             .arg(self.dir.join(format!("r{id}.{}.jsonl", self.starts[i])))
-            .args(&self.extra)
+            .args(&self.layout.extra)
             .env("FTVM_LOG", "info");
         if id == 3 {
             cmd.arg("--witness");
         }
-        if id != 3 || self.standby {
+        if id != 3 || self.layout.standby {
             let tap = if id == 3 { "tap1" } else { "tap0" };
             cmd.arg("--image").arg(image("kv"));
             let mut cmdline = format!("ip={GUEST_ADDR}/24");
-            if self.disk.is_some() {
+            if self.layout.disk.is_some() {
                 cmd.arg("--disk").arg(self.disk_path(id));
                 cmdline.push_str(" aof=on");
             }
@@ -212,7 +217,7 @@ impl Cluster {
 
     /// The VM replica that serves, protected if `protected`.
     fn leader(&self, protected: bool) -> Option<u64> {
-        let vms = if self.standby { 3 } else { 2 };
+        let vms = if self.layout.standby { 3 } else { 2 };
         (1..=vms).find(|&id| {
             self.procs[(id - 1) as usize].is_some() && {
                 let st = self.status(id);
@@ -663,7 +668,7 @@ fn with_disks_no_acknowledged_write_is_lost_and_the_new_leaders_log_has_them() {
     eprintln!("seed {seed} (FTVM_TEST_SEED)");
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let topo = Topology::new("vdisk").unwrap();
-    let mut c = Cluster::start_with_disks(topo, "vdisk", Vec::new(), peers(), "h2", false, Some(64 << 20), |_| {});
+    let mut c = Cluster::launch(topo, "vdisk", Layout { disk: Some(64 << 20), ..Layout::default() }, |_| {});
     c.wait_leader(true, Duration::from_secs(30));
     let w = writers(&c, &format!("d{seed:x}"));
     wait_acked_beyond(&w, 0, &c, "start");
@@ -741,7 +746,7 @@ fn divergent_disks(tag: &str, extra: &[&str]) {
             std::fs::OpenOptions::new().write(true).open(path).unwrap().write_all_at(&garbage, SIZE - GARBAGE).unwrap();
         }
     };
-    let c = Cluster::start_with_disks(topo, tag, extra.iter().map(|s| s.to_string()).collect(), peers(), "h2", false, Some(SIZE), prepare);
+    let c = Cluster::launch(topo, tag, Layout { disk: Some(SIZE), ..Layout::with_extra(extra) }, prepare);
     assert_ne!(std::fs::read(c.disk_path(1)).unwrap(), std::fs::read(c.disk_path(2)).unwrap());
     let leader = c.wait_leader(true, Duration::from_secs(30));
     let m = c.metrics(leader);
@@ -772,7 +777,7 @@ fn disks_of_different_sizes_are_refused_as_secondaries() {
             std::fs::OpenOptions::new().write(true).open(path).unwrap().set_len(2 * SIZE).unwrap();
         }
     };
-    let c = Cluster::start_with_disks(topo, "vdsz", Vec::new(), peers(), "h2", false, Some(SIZE), prepare);
+    let c = Cluster::launch(topo, "vdsz", Layout { disk: Some(SIZE), ..Layout::default() }, prepare);
     let leader = c.wait_leader(false, Duration::from_secs(30));
     let other = 3 - leader;
     let t0 = Instant::now();

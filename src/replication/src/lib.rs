@@ -17,7 +17,6 @@ pub mod output;
 pub mod pipeline;
 pub mod primary;
 pub mod protocol;
-mod switch;
 pub mod telemetry;
 pub mod vsmr;
 

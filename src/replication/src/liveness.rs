@@ -32,7 +32,7 @@
 //! the peer's silence, and before it declares the peer lost it reads every
 //! datagram already queued on its socket.
 
-use crate::switch::switch;
+use ftvm_vmm::switch;
 use std::io;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::os::fd::AsRawFd;

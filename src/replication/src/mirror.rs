@@ -48,7 +48,7 @@ use ftvm_vmm::sync::Lock;
 use crate::liveness::{Keys, SessionId};
 use crate::output::OutputBuffer;
 use crate::protocol::PROTOCOL_VERSION;
-use crate::switch::switch;
+use ftvm_vmm::switch;
 
 switch! {
     /// `--mirror`: send the backup a copy of the guest's frames so that a

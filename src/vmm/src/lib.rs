@@ -21,6 +21,7 @@ mod run_control;
 pub mod seccomp;
 mod shared;
 pub mod snapshot;
+mod switch;
 pub mod sync;
 pub mod vcpu;
 pub mod vm;

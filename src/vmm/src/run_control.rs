@@ -43,37 +43,17 @@ pub fn register_kvm_run(run: *mut kvm_run) {
     KVM_RUN.with(|r| r.set(run));
 }
 
-/// How a pause stops a vCPU that waits in the wait hypercall.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum IdlePause {
-    /// It counts as parked where it waits, without being woken: its `out`
-    /// is still pending in KVM, which advances RIP past it only when the
-    /// vCPU next runs, so its saved registers are those before the wait
-    /// and a restored copy waits again. An idle guest stops at no cost.
-    #[default]
-    Park,
-    /// It is woken, steps back over its `out` and parks like a vCPU taken
-    /// out of KVM_RUN: two thread wake-ups and three vCPU ioctls per pause.
-    Kick,
-}
-
-impl std::fmt::Display for IdlePause {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            IdlePause::Park => "park",
-            IdlePause::Kick => "kick",
-        })
-    }
-}
-
-impl std::str::FromStr for IdlePause {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "park" => Ok(IdlePause::Park),
-            "kick" => Ok(IdlePause::Kick),
-            _ => Err(format!("unknown idle pause '{s}' (expected park or kick)")),
-        }
+crate::switch! {
+    /// How a pause stops a vCPU that waits in the wait hypercall (`--idle-pause`).
+    pub enum IdlePause {
+        /// It counts as parked where it waits, without being woken: its `out`
+        /// is still pending in KVM, which advances RIP past it only when the
+        /// vCPU next runs, so its saved registers are those before the wait
+        /// and a restored copy waits again. An idle guest stops at no cost.
+        Park = "park",
+        /// It is woken, steps back over its `out` and parks like a vCPU taken
+        /// out of KVM_RUN: two thread wake-ups and three vCPU ioctls per pause.
+        Kick = "kick",
     }
 }
 

@@ -18,7 +18,8 @@ use ftvm_vmm::{Console, DirtyBackend, IdlePause, Persist, Vm};
 use crate::arbiter::{Arbiter, Claim};
 use crate::bounds;
 use crate::fakeack::FakeAck;
-use crate::liveness::{self, Heartbeats, Observer, Priority, Pulse, SessionHalf, Timing};
+use crate::liveness::Priority;
+use crate::liveness::{self, Heartbeats, Observer, Pulse, SessionHalf, Timing};
 use crate::metrics::{AppliedEpoch, MetricsLog, Role, StatusCell};
 use crate::mirror::{self, Mirror};
 use crate::pipeline::apply::{Apply, ApplyError, InPlace};
@@ -150,9 +151,10 @@ impl Backup {
             st.peer = peer.clone();
         }
         let log = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
-        // Back to normal before a takeover: the threads it creates inherit it.
+        // This thread receives and applies the checkpoints (`--priority`).
         config.priority.apply();
         let ended = follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log, &mirror.frames);
+        // Back to normal before a takeover: the threads it creates inherit it.
         Priority::Normal.apply();
         // Following ended: no more heartbeats to this primary.
         drop(beats);
@@ -406,12 +408,12 @@ fn follow(
 ) -> Ended {
     // What the primary may send, computed as the primary does.
     let limit = bounds::checkpoint_limit(replica.vm.config().mem_size, replica.vm.config().vcpus);
-    let mut apply = InPlace::default();
-    let mut buf = Vec::new();
+    let apply = &mut InPlace::default();
+    let buf = &mut Vec::new();
     loop {
         // Frames cut short or damaged are what a primary dying mid-send
         // leaves: this replica stays at its last checkpoint and takes over.
-        let kind = match link.recv(limit, &mut buf) {
+        let kind = match link.recv(limit, buf) {
             Ok(k) => k,
             Err(e @ (ProtocolError::Corrupt(_) | ProtocolError::Version { .. } | ProtocolError::Unauthenticated(_))) => {
                 tracing::error!("rejected replication data: {e}; staying at the last good checkpoint");
@@ -421,15 +423,13 @@ fn follow(
         };
         let unexpected = |what: String| Err(Stop::CannotApply(ProtocolError::Corrupt(what).into()));
         let result = match kind {
-            Kind::Pages if replica.committed.is_none() => replica.precopy_pages(&buf).map_err(Stop::CannotApply),
-            Kind::Disk if replica.committed.is_none() => replica.precopy_disk(&buf).map_err(Stop::CannotApply),
-            Kind::Prefetch if replica.committed.is_some() => {
-                replica.stage_prefetch(std::mem::take(&mut buf), limit).map_err(Stop::CannotApply)
-            }
-            Kind::Checkpoint => apply_checkpoint(link, &mut apply, replica, &buf, status, log).map(|epoch| mirror.applied(epoch)),
+            Kind::Pages if replica.committed.is_none() => replica.precopy_pages(buf).map_err(Stop::CannotApply),
+            Kind::Disk if replica.committed.is_none() => replica.precopy_disk(buf).map_err(Stop::CannotApply),
+            Kind::Prefetch if replica.committed.is_some() => replica.stage_prefetch(std::mem::take(buf), limit).map_err(Stop::CannotApply),
+            Kind::Checkpoint => apply_checkpoint(link, apply, replica, buf, status, log).map(|epoch| mirror.applied(epoch)),
             // Only after a checkpoint: the primary acknowledged state to run from.
             Kind::Handover if replica.committed.is_some() => return Ended::HandedOver,
-            Kind::Bye => match protocol::decode::<i32>(&buf) {
+            Kind::Bye => match protocol::decode::<i32>(buf) {
                 Ok(status) => return Ended::Finished(status),
                 Err(e) => Err(Stop::CannotApply(e.into())),
             },
@@ -454,7 +454,7 @@ fn follow(
                 // Synchronized, the primary reads what this backup sends at
                 // once; before that it only sends.
                 let reading = replica.committed.is_some();
-                refuse(link, &e, reading, limit, &mut buf);
+                refuse(link, &e, reading, limit, buf);
                 return Ended::CannotApply(e);
             }
         }

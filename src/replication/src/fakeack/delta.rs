@@ -23,7 +23,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::flow::{Flow, FlowKey, Stored, Table, MAX_FLOWS};
-use crate::switch::switch;
+use ftvm_vmm::switch;
 
 switch! {
     /// `--fake-ack-state`: how each checkpoint carries the proxy's state.

@@ -34,8 +34,8 @@ use ftvm_vmm::hooks::{FrameSink, GuestProxy};
 use ftvm_vmm::sync::Lock;
 
 use crate::output::OutputBuffer;
-use crate::switch::switch;
 pub use flow::Table;
+use ftvm_vmm::switch;
 
 switch! {
     /// `--fake-ack`: acknowledge the guest's held TCP data on the peer's behalf.

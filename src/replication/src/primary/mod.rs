@@ -24,8 +24,8 @@ use crate::pipeline::transport::Auth;
 use crate::pipeline::trigger::{self, Pacing, Reason, Sample, Trigger};
 use crate::pipeline::{Pipeline, Switches};
 use crate::protocol::{Kind, ProtocolError};
-use crate::switch::switch;
 use crate::ReplicationError;
+use ftvm_vmm::switch;
 use session::{Context, Session};
 
 switch! {

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::switch::switch;
+use ftvm_vmm::switch;
 
 switch! {
     /// `--fast-election`: start an election as soon as the leader is found dead.

@@ -29,7 +29,7 @@ use std::sync::Mutex;
 use ftvm_vmm::hooks::FrameSink;
 use ftvm_vmm::sync::Lock;
 
-use crate::switch::switch;
+use ftvm_vmm::switch;
 
 switch! {
     /// `--takeover-replay`: whether a new leader sends its guest's frames

@@ -43,7 +43,7 @@ use super::sync::{hash_pages, Exchange, SyncError, ID_LEN};
 use crate::output::DiskWrite;
 use crate::primary::precopy::page_frame;
 use crate::protocol::{self, Kind, ProtocolError};
-use crate::switch::switch;
+use ftvm_vmm::switch;
 
 /// Pages per `RejoinPages` message (1 MiB).
 const BATCH_PAGES: usize = 256;

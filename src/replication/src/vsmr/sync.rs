@@ -42,7 +42,7 @@ use crate::checkpoint::StateDelta;
 use crate::output::DiskWrite;
 use crate::pipeline::freeze::Frozen;
 use crate::protocol::{self, Kind, ProtocolError};
-use crate::switch::switch;
+use ftvm_vmm::switch;
 
 /// How long one side waits for the other's next message, beyond the time
 /// the other needs to hash or copy its pages: a dead peer costs the paused

@@ -10,9 +10,6 @@ pub mod bitmap;
 mod ioctls;
 pub mod ring;
 
-use std::fmt;
-use std::str::FromStr;
-
 use kvm_ioctls::VmFd;
 
 use crate::memory::PageBitmap;
@@ -25,32 +22,13 @@ pub enum DirtyError {
     Ioctl { op: &'static str, err: std::io::Error },
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum DirtyBackend {
-    /// KVM_GET_DIRTY_LOG + KVM_CLEAR_DIRTY_LOG (manual protect).
-    #[default]
-    Bitmap,
-    /// KVM's per-vCPU dirty ring.
-    Ring,
-}
-
-impl fmt::Display for DirtyBackend {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            DirtyBackend::Bitmap => "bitmap",
-            DirtyBackend::Ring => "ring",
-        })
-    }
-}
-
-impl FromStr for DirtyBackend {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "bitmap" => Ok(DirtyBackend::Bitmap),
-            "ring" => Ok(DirtyBackend::Ring),
-            _ => Err(format!("unknown dirty backend '{s}' (expected bitmap or ring)")),
-        }
+crate::switch! {
+    /// Where dirty pages come from (`--dirty-backend`).
+    pub enum DirtyBackend {
+        /// KVM_GET_DIRTY_LOG + KVM_CLEAR_DIRTY_LOG (manual protect).
+        Bitmap = "bitmap",
+        /// KVM's per-vCPU dirty ring.
+        Ring = "ring",
     }
 }
 

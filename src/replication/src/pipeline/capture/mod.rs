@@ -5,8 +5,8 @@ mod cow;
 use ftvm_vmm::memory::PAGE;
 use ftvm_vmm::{PageBitmap, Vm};
 
-use crate::switch::switch;
 use crate::ReplicationError;
+use ftvm_vmm::switch;
 
 switch! {
     /// `--capture`: how pages are captured.

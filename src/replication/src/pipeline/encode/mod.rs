@@ -15,8 +15,8 @@ use super::capture::Captured;
 use super::last_sent::LastSent;
 use crate::checkpoint::CheckpointState;
 use crate::protocol::{self, Kind};
-use crate::switch::switch;
 pub use diff::DiffEncoder;
+use ftvm_vmm::switch;
 pub use state::{SentState, States};
 
 switch! {

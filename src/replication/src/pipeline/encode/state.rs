@@ -17,7 +17,7 @@ use serde::Serialize;
 use ftvm_vmm::vcpu::VcpuState;
 
 use crate::checkpoint::{StateDelta, VcpuDelta, MSR_IA32_TSC};
-use crate::switch::switch;
+use ftvm_vmm::switch;
 
 switch! {
     /// `--device-state`: which vCPU and device state a checkpoint carries.

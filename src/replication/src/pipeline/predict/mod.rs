@@ -22,7 +22,7 @@ pub use fake_dirty::FakeDirtyFilter;
 use ftvm_vmm::PageBitmap;
 
 use super::capture::Captured;
-use crate::switch::switch;
+use ftvm_vmm::switch;
 
 switch! {
     /// `--predict-writes`: which pages to leave write-enabled at each freeze.

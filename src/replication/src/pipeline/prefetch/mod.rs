@@ -30,8 +30,8 @@ use ftvm_vmm::pages::{BundleWriter, PageEncoder};
 use ftvm_vmm::{PageBitmap, Vm};
 
 use crate::protocol::{self, Kind};
-use crate::switch::switch;
 use crate::ReplicationError;
+use ftvm_vmm::switch;
 
 switch! {
     /// `--prefetch`: send pages of the open epoch while the guest runs.

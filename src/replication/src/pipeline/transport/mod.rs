@@ -19,7 +19,7 @@ pub use tcp::{accept, connect, TcpTransport};
 
 use crate::liveness::{self, Pulse};
 use crate::protocol::{Kind as FrameKind, ProtocolError};
-use crate::switch::switch;
+use ftvm_vmm::switch;
 
 switch! {
     /// `--transport`: how frames travel.

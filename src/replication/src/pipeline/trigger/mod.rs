@@ -27,7 +27,7 @@ use ftvm_vmm::sync::{self, Lock};
 use ftvm_vmm::Vm;
 
 use crate::output::OutputBuffer;
-use crate::switch::switch;
+use ftvm_vmm::switch;
 pub use pacing::{Pacing, Sample};
 
 switch! {

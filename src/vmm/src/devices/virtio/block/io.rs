@@ -11,11 +11,9 @@
 //! and their results come back in that order.
 
 use std::collections::VecDeque;
-use std::fmt;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
@@ -24,35 +22,15 @@ use crate::devices::virtio::DeferredIo;
 use crate::hooks::Hooks;
 use crate::sync::{self, Lock};
 
-/// How a disk runs its requests' I/O.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum DiskIo {
-    /// In the device thread's pass: a pause waits for the request in progress.
-    Sync,
-    /// After the pass, with the device unlocked: requests in flight at a
-    /// pause stay on the device's pending list, saved with it, and complete
-    /// in a pass after the resume.
-    #[default]
-    Async,
-}
-
-impl fmt::Display for DiskIo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            DiskIo::Sync => "sync",
-            DiskIo::Async => "async",
-        })
-    }
-}
-
-impl FromStr for DiskIo {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "sync" => Ok(DiskIo::Sync),
-            "async" => Ok(DiskIo::Async),
-            _ => Err(format!("unknown disk I/O mode {s:?} (expected sync or async)")),
-        }
+crate::switch! {
+    /// How a disk runs its requests' I/O (`--disk-io`).
+    pub enum DiskIo {
+        /// After the pass, with the device unlocked: requests in flight at a
+        /// pause stay on the device's pending list, saved with it, and complete
+        /// in a pass after the resume.
+        Async = "async",
+        /// In the device thread's pass: a pause waits for the request in progress.
+        Sync = "sync",
     }
 }
 
@@ -284,6 +262,7 @@ mod tests {
         for io in [DiskIo::Sync, DiskIo::Async] {
             assert_eq!(io.to_string().parse::<DiskIo>(), Ok(io));
         }
-        assert!("fast".parse::<DiskIo>().unwrap_err().contains("sync or async"));
+        assert_eq!(DiskIo::default(), DiskIo::Async);
+        assert_eq!("fast".parse::<DiskIo>().unwrap_err(), "unknown value 'fast' (expected async or sync)");
     }
 }

@@ -1,8 +1,12 @@
-//! Switches: small enums named on the command line (`--capture pause`).
+//! Switches: small enums named on the command line (`--capture pause`,
+//! `--dirty-backend ring`), defined once here for this crate and the
+//! replication crate.
 
 /// An enum whose values parse from and print as their command-line names;
 /// `VALUES` lists them (for help texts and the ablation benchmark). The
-/// first value is the default.
+/// first value is the default. The enum derives serde's traits, so the
+/// crate using the macro depends on `serde` (with `derive`).
+#[macro_export]
 macro_rules! switch {
     (
         $(#[$meta:meta])*
@@ -12,7 +16,7 @@ macro_rules! switch {
         }
     ) => {
         $(#[$meta])*
-        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ::serde::Serialize, ::serde::Deserialize)]
         pub enum $name {
             $(#[doc = $first_doc])*
             #[default]
@@ -24,7 +28,7 @@ macro_rules! switch {
             pub const VALUES: &'static [&'static str] = &[$first_text, $($text),*];
         }
 
-        impl std::str::FromStr for $name {
+        impl ::std::str::FromStr for $name {
             type Err = String;
             fn from_str(s: &str) -> Result<Self, String> {
                 match s {
@@ -35,8 +39,8 @@ macro_rules! switch {
             }
         }
 
-        impl std::fmt::Display for $name {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        impl ::std::fmt::Display for $name {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
                 f.write_str(match self {
                     $name::$first => $first_text,
                     $($name::$variant => $text,)*
@@ -46,11 +50,9 @@ macro_rules! switch {
     };
 }
 
-pub(crate) use switch;
-
 #[cfg(test)]
 mod tests {
-    switch! {
+    crate::switch! {
         /// Test switch.
         pub enum Colour {
             /// The first.
