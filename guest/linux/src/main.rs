@@ -97,6 +97,7 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     sys::time::set_epoch(opts.epoch_ns);
     fs::init(&opts)?;
     ftvm_rt::net::set_exact_notify(opts.exact_notify);
+    ftvm_rt::net::set_idle_poll(opts.idle_poll_us.saturating_mul(1000));
     if let Some(net) = opts.net {
         net::init(net).map_err(|e| format!("network: {e}"))?;
     }
@@ -129,6 +130,10 @@ pub fn exit_program(status: i32) -> ! {
             options::SyscallMode::Jmp => println!("linux: syscall=jmp trapped={trapped} {}", sysjmp::report()),
             options::SyscallMode::Trap => println!("linux: syscall=trap trapped={trapped} calls={calls}"),
         }
+    }
+    // Where the VM exits of the network path come from.
+    if let Some(counts) = net::report() {
+        println!("linux: net {counts}");
     }
     ftvm_rt::exit(status & 0xff)
 }

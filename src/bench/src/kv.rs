@@ -270,14 +270,16 @@ fn median_f64(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// System calls and system-call traps per request over a Linux guest's
-/// whole life (warm-up included), from the line its runtime prints when
-/// redis-server exits: `linux: syscall=MODE trapped=T ... calls=C`.
-type SyscallCounts = Option<(f64, f64)>;
+/// Counts per request over a Linux guest's whole life (warm-up included),
+/// from the lines its runtime prints when redis-server exits: system calls
+/// and their traps (`linux: syscall=MODE trapped=T ... calls=C`), then the
+/// network's frames, device notifications, WAIT hypercalls and idle-poll
+/// hits (`linux: net rx_frames=... waits=...`). Each is (name, per request).
+type SyscallCounts = Option<Vec<(String, f64)>>;
 
 /// Stop redis-server in `guest` (SHUTDOWN NOSAVE) after it served `served`
-/// requests, and read its runtime's system-call counts.
-fn syscall_counts(topo: &Topology, guest: &mut Guest, served: u64) -> Result<(f64, f64), BoxError> {
+/// requests, and read its runtime's counts.
+fn syscall_counts(topo: &Topology, guest: &mut Guest, served: u64) -> Result<Vec<(String, f64)>, BoxError> {
     // No reply comes: the VM stops, and its connection with it.
     let _ = topo
         .command("client", "timeout")
@@ -293,11 +295,17 @@ fn syscall_counts(topo: &Topology, guest: &mut Guest, served: u64) -> Result<(f6
     }
     let out = guest.vmm.stdout();
     let line = out.lines().find(|l| l.starts_with("linux: syscall=")).ok_or_else(|| format!("no system-call counts at exit: {out}"))?;
-    let field = |key: &str| -> Result<f64, BoxError> {
-        let v = line.split_whitespace().find_map(|w| w.strip_prefix(key)).and_then(|v| v.parse::<u64>().ok());
-        Ok(v.ok_or_else(|| format!("no {key} in {line:?}"))? as f64 / served.max(1) as f64)
+    let per_request = |line: &str, key: &str| -> Result<f64, BoxError> {
+        let v = line.split_whitespace().find_map(|w| w.strip_prefix(key)?.strip_prefix('=')).and_then(|v| v.parse::<u64>().ok());
+        Ok(v.ok_or_else(|| format!("no {key}= in {line:?}"))? as f64 / served.max(1) as f64)
     };
-    Ok((field("calls=")?, field("trapped=")?))
+    let mut counts = vec![("calls".to_string(), per_request(line, "calls")?), ("traps".to_string(), per_request(line, "trapped")?)];
+    if let Some(net) = out.lines().find_map(|l| l.strip_prefix("linux: net ")) {
+        for key in net.split_whitespace().filter_map(|w| w.split_once('=').map(|(k, _)| k)) {
+            counts.push((key.to_string(), per_request(net, key)?));
+        }
+    }
+    Ok(counts)
 }
 
 /// The guest with runtime options `variant`, unreplicated, against the
@@ -421,15 +429,14 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let mut rows = Vec::new();
     let mut chart = Vec::new();
     let name = app.name();
-    // Counted, not timed: what the system-call entry costs hardly depends
-    // on what else the host runs.
+    // Counted, not timed: system calls, traps and exits per request hardly
+    // depend on what else the host runs.
     let all = std::iter::once(("", &counts)).chain(variants.iter().map(|(v, (_, c))| (*v, c)));
     for (v, c) in all {
-        if let Some((calls, traps)) = c {
-            let label = if v.is_empty() { String::new() } else { format!(", {v}") };
-            let group = format!("{name} system calls, whole guest run");
-            rows.push(Row { group: group.clone(), case: format!("calls per request{label}"), value: *calls, unit: "", reference: None });
-            rows.push(Row { group, case: format!("traps per request{label}"), value: *traps, unit: "", reference: None });
+        let label = if v.is_empty() { String::new() } else { format!(", {v}") };
+        let group = format!("{name} system calls and exits, whole guest run");
+        for (key, value) in c.iter().flatten() {
+            rows.push(Row { group: group.clone(), case: format!("{key} per request{label}"), value: *value, unit: "", reference: None });
         }
     }
     for (k, ((p, unrep, native, cpu), prot)) in figures.into_iter().zip(protected).enumerate() {
