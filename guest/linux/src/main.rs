@@ -97,7 +97,6 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     sys::time::set_epoch(opts.epoch_ns);
     fs::init(&opts)?;
     ftvm_rt::net::set_exact_notify(opts.exact_notify);
-    ftvm_rt::net::set_idle_poll(opts.idle_poll_us.saturating_mul(1000));
     if let Some(net) = opts.net {
         net::init(net).map_err(|e| format!("network: {e}"))?;
     }

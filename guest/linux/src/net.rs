@@ -144,13 +144,12 @@ pub fn report() -> Option<alloc::string::String> {
     let st = g.as_ref()?.stack.stats();
     let polls = POLLS.load(core::sync::atomic::Ordering::Relaxed);
     Some(alloc::format!(
-        "rx_frames={} tx_frames={} rx_notifies={} tx_notifies={} waits={} idle_poll_hits={} polls={polls}",
+        "rx_frames={} tx_frames={} rx_notifies={} tx_notifies={} waits={} polls={polls}",
         st.rx_frames,
         st.tx_frames,
         st.rx_notifies,
         st.tx_notifies,
-        time::waits(),
-        ftvm_rt::net::idle_poll_hits()
+        time::waits()
     ))
 }
 

@@ -9,7 +9,6 @@
 //! | `cwd=PATH` | the program's working directory (default `/`, or the disk's mount point) |
 //! | `vdso=on\|off` | give the program a vDSO for the clock calls (default on; see `vdso`) |
 //! | `syscall=jmp\|trap` | rewrite the instruction before each `syscall` into a jump to a stub when it can (default, see `sysjmp`), or leave every `syscall` instruction trapping (for measuring) |
-//! | `idlepoll=US` | before sleeping in WAIT, watch the receive ring for up to US microseconds (default 0: sleep at once; see `ftvm_rt::net::set_idle_poll`) |
 //! | `notify=exact\|eager` | notify the network device by the virtio event-index rule (default), or whenever the ring is past the device's event index, as before (for measuring) |
 
 use alloc::format;
@@ -17,10 +16,6 @@ use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 
 use ftvm_rt::net::NetConfig;
-
-/// Longest `idlepoll=`: beyond a millisecond the spinning costs more CPU
-/// than any exit it saves.
-const MAX_IDLE_POLL_US: u64 = 1000;
 
 /// How the program's `syscall` instructions reach the system-call entry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,8 +36,6 @@ pub struct Options {
     pub syscall: SyscallMode,
     /// The exact event-index rule for device notifications.
     pub exact_notify: bool,
-    /// Microseconds to poll the receive ring before an idle WAIT.
-    pub idle_poll_us: u64,
 }
 
 impl Options {
@@ -56,7 +49,6 @@ impl Options {
             vdso: true,
             syscall: SyscallMode::Jmp,
             exact_notify: true,
-            idle_poll_us: 0,
         };
         let mut net_words: Vec<&str> = Vec::new();
         for w in words {
@@ -82,12 +74,6 @@ impl Options {
                         "exact" => true,
                         "eager" => false,
                         _ => return Err(format!("bad notify= value {v:?} (expected exact or eager)")),
-                    }
-                }
-                "idlepoll" => {
-                    o.idle_poll_us = num()?;
-                    if o.idle_poll_us > MAX_IDLE_POLL_US {
-                        return Err(format!("idlepoll= at most {MAX_IDLE_POLL_US} (microseconds), was {v}"));
                     }
                 }
                 _ => return Err(format!("unknown runtime option {k}=")),

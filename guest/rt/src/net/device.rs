@@ -138,12 +138,6 @@ impl VirtioNet {
         self.inner.borrow().stats
     }
 
-    /// Whether the device has returned a received frame not yet taken: a
-    /// read of the used ring in guest memory, no VM exit.
-    pub(crate) fn rx_pending(&mut self) -> bool {
-        self.inner.get_mut().rx.peek_used().is_some()
-    }
-
     /// Tell the device about buffers queued since the last call.
     pub(crate) fn notify(&mut self) {
         self.inner.get_mut().notify();

@@ -19,7 +19,6 @@
 
 mod device;
 mod event_idx;
-mod idle;
 mod listen;
 
 use alloc::vec::Vec;
@@ -32,7 +31,6 @@ use smoltcp::wire::{EthernetAddress, HardwareAddress, IpCidr, Ipv4Cidr};
 
 pub use device::NetStats;
 pub use event_idx::set_exact as set_exact_notify;
-pub use idle::{idle_poll_hits, set_idle_poll};
 pub use listen::ListenConfig;
 
 use crate::time;
@@ -228,7 +226,7 @@ impl Stack {
             None => u64::MAX,
         };
         let deadline = now_ns.saturating_add(delay_ns.min(MAX_IDLE_NS)).min(deadline_ns);
-        if deadline > now_ns && !idle::poll_for_frame(&mut self.device, now_ns, deadline) {
+        if deadline > now_ns {
             time::wait(deadline);
         }
     }
