@@ -240,29 +240,43 @@ type Metric = (&'static str, &'static str, fn(&Figures) -> f64);
 const METRICS: [Metric; 3] = [("throughput", "req/s", |f| f.rps), ("latency p50", "ms", |f| f.p50_ms), ("latency p99", "ms", |f| f.p99_ms)];
 
 /// Per pipeline depth: (depth, guest [SET, GET], native [SET, GET], CPU
-/// time per request (guest, native) in microseconds).
-type Paired = Vec<(u32, [Figures; 2], [Figures; 2], (f64, f64))>;
+/// time per request (guest, native, the guest's device threads alone) in
+/// microseconds).
+type Paired = Vec<(u32, [Figures; 2], [Figures; 2], (f64, f64, f64))>;
 
 /// CPU time every thread of process `pid` has had so far, in nanoseconds
 /// (`/proc/PID/task/*/schedstat`): the VMM's vCPU, device and other threads,
-/// or the native redis-server's.
-fn cpu_ns(pid: u32) -> Result<u64, BoxError> {
-    let mut total = 0;
+/// or the native redis-server's; and that of the VMM's device threads
+/// (named `deviceN`: the TAP I/O) alone.
+fn cpu_ns(pid: u32) -> Result<(u64, u64), BoxError> {
+    let (mut total, mut device) = (0, 0);
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        let stat = std::fs::read_to_string(task?.path().join("schedstat"))?;
-        total += stat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).ok_or("unreadable schedstat")?;
+        let task = task?.path();
+        let stat = std::fs::read_to_string(task.join("schedstat"))?;
+        let ns = stat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).ok_or("unreadable schedstat")?;
+        total += ns;
+        if std::fs::read_to_string(task.join("comm")).is_ok_and(|c| c.starts_with("device")) {
+            device += ns;
+        }
     }
-    Ok(total)
+    Ok((total, device))
 }
 
 /// [`benchmark`], with the CPU time `server` used per request meanwhile,
 /// in microseconds. Unlike throughput, it hardly depends on what else the
-/// host runs at the time.
-fn benchmark_cpu(topo: &Topology, addr: &str, opts: &Options, pipeline: u32, server: u32) -> Result<(Figures, Figures, f64), BoxError> {
+/// host runs at the time. Also the device threads' share of it.
+fn benchmark_cpu(
+    topo: &Topology,
+    addr: &str,
+    opts: &Options,
+    pipeline: u32,
+    server: u32,
+) -> Result<(Figures, Figures, f64, f64), BoxError> {
     let before = cpu_ns(server)?;
     let (set, get) = benchmark(topo, addr, opts, pipeline)?;
-    let used = cpu_ns(server)?.saturating_sub(before);
-    Ok((set, get, used as f64 / 1000.0 / (2 * opts.requests) as f64))
+    let after = cpu_ns(server)?;
+    let per_request = |ns: u64| ns as f64 / 1000.0 / (2 * opts.requests) as f64;
+    Ok((set, get, per_request(after.0.saturating_sub(before.0)), per_request(after.1.saturating_sub(before.1))))
 }
 
 fn median_f64(mut v: Vec<f64>) -> f64 {
@@ -325,20 +339,26 @@ fn unreplicated(
     let mut figures = Vec::new();
     for &p in &opts.pipeline {
         let (mut g_set, mut g_get, mut n_set, mut n_get) = (vec![], vec![], vec![], vec![]);
-        let (mut g_cpu, mut n_cpu) = (vec![], vec![]);
+        let (mut g_cpu, mut n_cpu, mut d_cpu) = (vec![], vec![], vec![]);
         for _ in 0..opts.repeat {
-            let (s, g, cpu) = benchmark_cpu(topo, GUEST_ADDR, opts, p, guest.vmm.id())?;
+            let (s, g, cpu, device) = benchmark_cpu(topo, GUEST_ADDR, opts, p, guest.vmm.id())?;
+            d_cpu.push(device);
             g_set.push(s);
             g_get.push(g);
             g_cpu.push(cpu);
             guest.check_alive()?;
             check_alive(native)?;
-            let (s, g, cpu) = benchmark_cpu(topo, NATIVE_ADDR, opts, p, native.id())?;
+            let (s, g, cpu, _) = benchmark_cpu(topo, NATIVE_ADDR, opts, p, native.id())?;
             n_set.push(s);
             n_get.push(g);
             n_cpu.push(cpu);
         }
-        figures.push((p, [median(g_set), median(g_get)], [median(n_set), median(n_get)], (median_f64(g_cpu), median_f64(n_cpu))));
+        figures.push((
+            p,
+            [median(g_set), median(g_get)],
+            [median(n_set), median(n_get)],
+            (median_f64(g_cpu), median_f64(n_cpu), median_f64(d_cpu)),
+        ));
     }
     let counts = match opts.app {
         App::Redis => {
@@ -445,6 +465,15 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             group: group.clone(),
             case: "CPU per request unreplicated (ref: native)".into(),
             value: cpu.0,
+            unit: "us",
+            reference: Some(cpu.1),
+        });
+        // Of which the VMM's device threads (frames through the TAP): the
+        // part of the VMM's CPU that is not the guest.
+        rows.push(Row {
+            group: group.clone(),
+            case: "CPU per request unreplicated, device threads only (ref: native)".into(),
+            value: cpu.2,
             unit: "us",
             reference: Some(cpu.1),
         });
