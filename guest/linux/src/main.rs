@@ -130,5 +130,9 @@ pub fn exit_program(status: i32) -> ! {
             options::SyscallMode::Trap => println!("linux: syscall=trap trapped={trapped} calls={calls}"),
         }
     }
+    // Where the VM exits of the network path come from.
+    if let Some(counts) = net::report() {
+        println!("linux: net {counts}");
+    }
     ftvm_rt::exit(status & 0xff)
 }

@@ -133,10 +133,31 @@ impl Net {
     }
 }
 
+/// Stack polls made, for the counts printed at exit.
+static POLLS: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(0);
+
+/// What the network did over the program's life, for diagnostics: one
+/// line with the frames, the device notifications (VM exits), the WAIT
+/// hypercalls (VM exits) and the stack polls; None without a network.
+pub fn report() -> Option<alloc::string::String> {
+    let g = NET.lock();
+    let st = g.as_ref()?.stack.stats();
+    let polls = POLLS.load(core::sync::atomic::Ordering::Relaxed);
+    Some(alloc::format!(
+        "rx_frames={} tx_frames={} rx_notifies={} tx_notifies={} waits={} polls={polls}",
+        st.rx_frames,
+        st.tx_frames,
+        st.rx_notifies,
+        st.tx_notifies,
+        time::waits()
+    ))
+}
+
 /// Run the stack: frames in and out. True if anything happened.
 pub fn poll() -> bool {
     let mut g = NET.lock();
     let Some(net) = g.as_mut() else { return false };
+    POLLS.fetch_add(1, core::sync::atomic::Ordering::Relaxed);
     let progress = net.stack.poll();
     net.maintain();
     progress

@@ -23,6 +23,14 @@ static CLOCK: AtomicPtr<ClockPage> = AtomicPtr::new(core::ptr::null_mut());
 /// look at its condition, which is what makes sleeping race-free.
 static SEEN: [AtomicU64; MAX_VCPUS] = [const { AtomicU64::new(0) }; MAX_VCPUS];
 
+/// WAIT hypercalls made (each one a VM exit to the VMM), for diagnostics.
+static WAITS: AtomicU64 = AtomicU64::new(0);
+
+/// How many WAIT hypercalls this guest has made.
+pub fn waits() -> u64 {
+    WAITS.load(Ordering::Relaxed)
+}
+
 pub(crate) fn init(clock: *const ClockPage) {
     CLOCK.store(clock as *mut ClockPage, Ordering::Release);
 }
@@ -84,6 +92,7 @@ fn read_clock() -> (ClockPage, u64) {
 /// re-check their condition afterwards.
 pub fn wait(deadline_ns: u64) {
     let slot = &SEEN[vcpu_id()];
+    WAITS.fetch_add(1, Ordering::Relaxed);
     let seq = hypercall::wait(deadline_ns, slot.load(Ordering::Relaxed));
     slot.store(seq, Ordering::Relaxed);
 }

@@ -240,29 +240,43 @@ type Metric = (&'static str, &'static str, fn(&Figures) -> f64);
 const METRICS: [Metric; 3] = [("throughput", "req/s", |f| f.rps), ("latency p50", "ms", |f| f.p50_ms), ("latency p99", "ms", |f| f.p99_ms)];
 
 /// Per pipeline depth: (depth, guest [SET, GET], native [SET, GET], CPU
-/// time per request (guest, native) in microseconds).
-type Paired = Vec<(u32, [Figures; 2], [Figures; 2], (f64, f64))>;
+/// time per request (guest, native, the guest's device threads alone) in
+/// microseconds).
+type Paired = Vec<(u32, [Figures; 2], [Figures; 2], (f64, f64, f64))>;
 
 /// CPU time every thread of process `pid` has had so far, in nanoseconds
 /// (`/proc/PID/task/*/schedstat`): the VMM's vCPU, device and other threads,
-/// or the native redis-server's.
-fn cpu_ns(pid: u32) -> Result<u64, BoxError> {
-    let mut total = 0;
+/// or the native redis-server's; and that of the VMM's device threads
+/// (named `deviceN`: the TAP I/O) alone.
+fn cpu_ns(pid: u32) -> Result<(u64, u64), BoxError> {
+    let (mut total, mut device) = (0, 0);
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        let stat = std::fs::read_to_string(task?.path().join("schedstat"))?;
-        total += stat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).ok_or("unreadable schedstat")?;
+        let task = task?.path();
+        let stat = std::fs::read_to_string(task.join("schedstat"))?;
+        let ns = stat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).ok_or("unreadable schedstat")?;
+        total += ns;
+        if std::fs::read_to_string(task.join("comm")).is_ok_and(|c| c.starts_with("device")) {
+            device += ns;
+        }
     }
-    Ok(total)
+    Ok((total, device))
 }
 
 /// [`benchmark`], with the CPU time `server` used per request meanwhile,
 /// in microseconds. Unlike throughput, it hardly depends on what else the
-/// host runs at the time.
-fn benchmark_cpu(topo: &Topology, addr: &str, opts: &Options, pipeline: u32, server: u32) -> Result<(Figures, Figures, f64), BoxError> {
+/// host runs at the time. Also the device threads' share of it.
+fn benchmark_cpu(
+    topo: &Topology,
+    addr: &str,
+    opts: &Options,
+    pipeline: u32,
+    server: u32,
+) -> Result<(Figures, Figures, f64, f64), BoxError> {
     let before = cpu_ns(server)?;
     let (set, get) = benchmark(topo, addr, opts, pipeline)?;
-    let used = cpu_ns(server)?.saturating_sub(before);
-    Ok((set, get, used as f64 / 1000.0 / (2 * opts.requests) as f64))
+    let after = cpu_ns(server)?;
+    let per_request = |ns: u64| ns as f64 / 1000.0 / (2 * opts.requests) as f64;
+    Ok((set, get, per_request(after.0.saturating_sub(before.0)), per_request(after.1.saturating_sub(before.1))))
 }
 
 fn median_f64(mut v: Vec<f64>) -> f64 {
@@ -270,14 +284,16 @@ fn median_f64(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// System calls and system-call traps per request over a Linux guest's
-/// whole life (warm-up included), from the line its runtime prints when
-/// redis-server exits: `linux: syscall=MODE trapped=T ... calls=C`.
-type SyscallCounts = Option<(f64, f64)>;
+/// Counts per request over a Linux guest's whole life (warm-up included),
+/// from the lines its runtime prints when redis-server exits: system calls
+/// and their traps (`linux: syscall=MODE trapped=T ... calls=C`), then the
+/// network's frames, device notifications, WAIT hypercalls and idle-poll
+/// hits (`linux: net rx_frames=... waits=...`). Each is (name, per request).
+type SyscallCounts = Option<Vec<(String, f64)>>;
 
 /// Stop redis-server in `guest` (SHUTDOWN NOSAVE) after it served `served`
-/// requests, and read its runtime's system-call counts.
-fn syscall_counts(topo: &Topology, guest: &mut Guest, served: u64) -> Result<(f64, f64), BoxError> {
+/// requests, and read its runtime's counts.
+fn syscall_counts(topo: &Topology, guest: &mut Guest, served: u64) -> Result<Vec<(String, f64)>, BoxError> {
     // No reply comes: the VM stops, and its connection with it.
     let _ = topo
         .command("client", "timeout")
@@ -293,11 +309,17 @@ fn syscall_counts(topo: &Topology, guest: &mut Guest, served: u64) -> Result<(f6
     }
     let out = guest.vmm.stdout();
     let line = out.lines().find(|l| l.starts_with("linux: syscall=")).ok_or_else(|| format!("no system-call counts at exit: {out}"))?;
-    let field = |key: &str| -> Result<f64, BoxError> {
-        let v = line.split_whitespace().find_map(|w| w.strip_prefix(key)).and_then(|v| v.parse::<u64>().ok());
-        Ok(v.ok_or_else(|| format!("no {key} in {line:?}"))? as f64 / served.max(1) as f64)
+    let per_request = |line: &str, key: &str| -> Result<f64, BoxError> {
+        let v = line.split_whitespace().find_map(|w| w.strip_prefix(key)?.strip_prefix('=')).and_then(|v| v.parse::<u64>().ok());
+        Ok(v.ok_or_else(|| format!("no {key}= in {line:?}"))? as f64 / served.max(1) as f64)
     };
-    Ok((field("calls=")?, field("trapped=")?))
+    let mut counts = vec![("calls".to_string(), per_request(line, "calls")?), ("traps".to_string(), per_request(line, "trapped")?)];
+    if let Some(net) = out.lines().find_map(|l| l.strip_prefix("linux: net ")) {
+        for key in net.split_whitespace().filter_map(|w| w.split_once('=').map(|(k, _)| k)) {
+            counts.push((key.to_string(), per_request(net, key)?));
+        }
+    }
+    Ok(counts)
 }
 
 /// The guest with runtime options `variant`, unreplicated, against the
@@ -317,20 +339,26 @@ fn unreplicated(
     let mut figures = Vec::new();
     for &p in &opts.pipeline {
         let (mut g_set, mut g_get, mut n_set, mut n_get) = (vec![], vec![], vec![], vec![]);
-        let (mut g_cpu, mut n_cpu) = (vec![], vec![]);
+        let (mut g_cpu, mut n_cpu, mut d_cpu) = (vec![], vec![], vec![]);
         for _ in 0..opts.repeat {
-            let (s, g, cpu) = benchmark_cpu(topo, GUEST_ADDR, opts, p, guest.vmm.id())?;
+            let (s, g, cpu, device) = benchmark_cpu(topo, GUEST_ADDR, opts, p, guest.vmm.id())?;
+            d_cpu.push(device);
             g_set.push(s);
             g_get.push(g);
             g_cpu.push(cpu);
             guest.check_alive()?;
             check_alive(native)?;
-            let (s, g, cpu) = benchmark_cpu(topo, NATIVE_ADDR, opts, p, native.id())?;
+            let (s, g, cpu, _) = benchmark_cpu(topo, NATIVE_ADDR, opts, p, native.id())?;
             n_set.push(s);
             n_get.push(g);
             n_cpu.push(cpu);
         }
-        figures.push((p, [median(g_set), median(g_get)], [median(n_set), median(n_get)], (median_f64(g_cpu), median_f64(n_cpu))));
+        figures.push((
+            p,
+            [median(g_set), median(g_get)],
+            [median(n_set), median(n_get)],
+            (median_f64(g_cpu), median_f64(n_cpu), median_f64(d_cpu)),
+        ));
     }
     let counts = match opts.app {
         App::Redis => {
@@ -421,15 +449,14 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let mut rows = Vec::new();
     let mut chart = Vec::new();
     let name = app.name();
-    // Counted, not timed: what the system-call entry costs hardly depends
-    // on what else the host runs.
+    // Counted, not timed: system calls, traps and exits per request hardly
+    // depend on what else the host runs.
     let all = std::iter::once(("", &counts)).chain(variants.iter().map(|(v, (_, c))| (*v, c)));
     for (v, c) in all {
-        if let Some((calls, traps)) = c {
-            let label = if v.is_empty() { String::new() } else { format!(", {v}") };
-            let group = format!("{name} system calls, whole guest run");
-            rows.push(Row { group: group.clone(), case: format!("calls per request{label}"), value: *calls, unit: "", reference: None });
-            rows.push(Row { group, case: format!("traps per request{label}"), value: *traps, unit: "", reference: None });
+        let label = if v.is_empty() { String::new() } else { format!(", {v}") };
+        let group = format!("{name} system calls and exits, whole guest run");
+        for (key, value) in c.iter().flatten() {
+            rows.push(Row { group: group.clone(), case: format!("{key} per request{label}"), value: *value, unit: "", reference: None });
         }
     }
     for (k, ((p, unrep, native, cpu), prot)) in figures.into_iter().zip(protected).enumerate() {
@@ -438,6 +465,15 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             group: group.clone(),
             case: "CPU per request unreplicated (ref: native)".into(),
             value: cpu.0,
+            unit: "us",
+            reference: Some(cpu.1),
+        });
+        // Of which the VMM's device threads (frames through the TAP): the
+        // part of the VMM's CPU that is not the guest.
+        rows.push(Row {
+            group: group.clone(),
+            case: "CPU per request unreplicated, device threads only (ref: native)".into(),
+            value: cpu.2,
             unit: "us",
             reference: Some(cpu.1),
         });

@@ -43,6 +43,10 @@ pub struct NetStats {
     pub rx_errors: u64,
     /// Frames smoltcp built that could not be queued.
     pub tx_dropped: u64,
+    /// Queue notifications (each a VM exit) of the receive and transmit
+    /// queues.
+    pub rx_notifies: u64,
+    pub tx_notifies: u64,
 }
 
 pub(crate) struct VirtioNet {
@@ -193,9 +197,11 @@ impl Inner {
     fn notify(&mut self) {
         if core::mem::take(&mut self.rx_added) && self.rx_notifier.needed(|| self.rx.should_notify()) {
             self.transport.notify(RX);
+            self.stats.rx_notifies += 1;
         }
         if core::mem::take(&mut self.tx_added) && self.tx_notifier.needed(|| self.tx.should_notify()) {
             self.transport.notify(TX);
+            self.stats.tx_notifies += 1;
         }
     }
 }
