@@ -321,8 +321,9 @@ impl Prefetcher {
     /// With `--prefetch-by pull` it must run with the guest paused: the
     /// pages of lists the backup has not confirmed go in the checkpoint.
     pub fn close_epoch(&mut self, dirty: &mut PageBitmap) -> Sent {
+        self.hot.clear();
         if let Some(lists) = &mut self.pull {
-            let unread = lists.close(dirty);
+            let unread = lists.close(&mut self.hot);
             tracing::debug!(unread, "pages listed and not confirmed at the freeze go in the checkpoint");
         }
         self.staged = 0;
@@ -330,6 +331,10 @@ impl Prefetcher {
         self.recent.copy_from(dirty);
         self.recent.intersect(&self.last);
         self.last.copy_from(dirty);
+        // Listed, not confirmed yet: the checkpoint carries them, but they
+        // were written before the round that listed them, which says
+        // nothing of how late in the epoch they are written.
+        dirty.or_words(self.hot.words());
         self.carry.clear();
         self.sent_pages.subtract(dirty);
         self.sent.only_ahead = self.sent_pages.count();
