@@ -414,13 +414,13 @@ fn prefetch_payload(frame: &[u8]) -> Vec<u8> {
     buf
 }
 
-/// Write `byte` over the first 64 bytes of each of `pages` (the rest of
-/// each page stays: a diff of it is small).
-fn touch_pages(vm: &Vm, pages: std::ops::Range<u64>, byte: u8) {
+/// Write `byte` over the 64-byte block `block` of each of `pages` (the
+/// rest of each page stays: a diff of it is small).
+fn touch_pages(vm: &Vm, pages: std::ops::Range<u64>, block: usize, byte: u8) {
     let mut page = vec![0u8; PAGE];
     for p in pages {
         vm.ram().read_page(p, &mut page).unwrap();
-        page[..64].fill(byte);
+        page[block * 64..(block + 1) * 64].fill(byte);
         vm.ram().write_page(p, &page).unwrap();
     }
 }
@@ -487,16 +487,18 @@ fn pulled_pages_read_after_the_freeze_are_carried_by_the_checkpoint() {
 
         // Epoch 2: pages 1100..1120 listed; the freeze comes before the
         // backup confirmed the list, so the checkpoint carries them.
-        touch_pages(&primary, 1100..1120, 0x21);
+        touch_pages(&primary, 1100..1120, 0, 0x21);
         let frame = pipeline.prefetch(&primary, 2, true).unwrap().expect("cold pages to list").to_vec();
         let late = pull_list(&frame);
         let (taken, frame) = pipeline.take(&primary, 2).unwrap();
         let frame = frame.to_vec();
         assert_eq!((taken.prefetched.pages, taken.commit_pages, taken.prefetched.only_ahead), (20, 20, 0), "{diff}");
         let at_checkpoint_2 = ram_bytes(&primary);
-        // The guest runs epoch 3 and writes a listed page; only then does
-        // the backup read the list (and stages epoch 3's content for 2).
-        touch_pages(&primary, 1100..1101, 0x31);
+        // The guest runs epoch 3 and writes another block of a listed
+        // page; only then does the backup read the list (and stages epoch
+        // 3's content for 2). A diff against checkpoint 1's copy would
+        // carry block 0 only and leave that block as epoch 3 wrote it.
+        touch_pages(&primary, 1100..1101, 63, 0x31);
         replica.stage_pulled(&ram, &late, limit).unwrap();
         commit(&mut replica, &frame);
         assert!(ram_bytes(&replica.vm) == at_checkpoint_2, "{diff}: the backup is exactly at checkpoint 2");
