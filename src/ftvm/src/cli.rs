@@ -481,7 +481,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 24] = [
+const PRIMARY_ONLY: [&str; 25] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",

@@ -188,7 +188,8 @@ fn memory_survives_failover_with_prefetch() {
 /// whole pages, the dirty ring and adaptive rounds.
 #[test]
 fn memory_survives_failover_with_pulled_prefetch() {
-    let ahead = memory_survives_failover_with(&["--prefetch", "on", "--prefetch-by", "pull"], &[(1, 1, 600), (2, 2, 1000)], "prefetched_pages");
+    let ahead =
+        memory_survives_failover_with(&["--prefetch", "on", "--prefetch-by", "pull"], &[(1, 1, 600), (2, 2, 1000)], "prefetched_pages");
     assert!(ahead.iter().all(|&p| p > 0.0), "the backup read pages ahead of their checkpoints: {ahead:?}");
     let others = ["--prefetch", "adaptive", "--prefetch-by", "pull", "--diff", "off", "--dirty-backend", "ring"];
     let ahead = memory_survives_failover_with(&others, &[(1, 1, 700)], "prefetched_pages");
