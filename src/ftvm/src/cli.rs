@@ -273,6 +273,13 @@ pub struct ReplicationArgs {
     /// last alone, then stop for a while). Not with --predict-writes.
     #[arg(long, default_value = "off", value_name = "off|on|adaptive")]
     pub prefetch: prefetch::Mode,
+    /// How --prefetch's pages reach the backup: push (the primary reads
+    /// and sends them) or pull (it sends their numbers; the backup, on
+    /// the same host, reads them itself from a read-only mapping of this
+    /// VM's memory, handed over a Unix socket to a process of the same
+    /// user). Needs --prefetch on or adaptive.
+    #[arg(long, default_value = "push", value_name = "push|pull")]
+    pub prefetch_by: prefetch::pull::By,
     #[command(flatten)]
     pub arbiter: ArbiterArgs,
     #[command(flatten)]
@@ -474,7 +481,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 24] = [
+const PRIMARY_ONLY: [&str; 25] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -495,6 +502,7 @@ const PRIMARY_ONLY: [&str; 24] = [
     "pipeline_depth",
     "predict_writes",
     "prefetch",
+    "prefetch_by",
     "arbiter",
     "name",
     "secret_file",

@@ -68,6 +68,7 @@ impl ReplicationArgs {
                 trigger: args.trigger,
                 predict_writes: args.predict_writes,
                 prefetch: args.prefetch,
+                prefetch_by: args.prefetch_by,
                 fake_ack_state: args.fake_ack_state,
             },
             pipeline_depth: args.pipeline_depth as usize,

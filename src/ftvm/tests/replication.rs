@@ -181,6 +181,21 @@ fn memory_survives_failover_with_prefetch() {
     assert!(ahead.iter().all(|&p| p > 0.0), "with every switch: {ahead:?}");
 }
 
+/// With `--prefetch-by pull` the backup reads the rounds' pages itself,
+/// from a read-only mapping of the primary's guest memory (both run on
+/// this host), and a kill at any point of an epoch still leaves it exactly
+/// at the primary's last checkpoint: with diffs (the default), and with
+/// whole pages, the dirty ring and adaptive rounds.
+#[test]
+fn memory_survives_failover_with_pulled_prefetch() {
+    let ahead =
+        memory_survives_failover_with(&["--prefetch", "on", "--prefetch-by", "pull"], &[(1, 1, 600), (2, 2, 1000)], "prefetched_pages");
+    assert!(ahead.iter().all(|&p| p > 0.0), "the backup read pages ahead of their checkpoints: {ahead:?}");
+    let others = ["--prefetch", "adaptive", "--prefetch-by", "pull", "--diff", "off", "--dirty-backend", "ring"];
+    let ahead = memory_survives_failover_with(&others, &[(1, 1, 700)], "prefetched_pages");
+    assert!(ahead.iter().all(|&p| p > 0.0), "adaptive, whole pages, the dirty ring: {ahead:?}");
+}
+
 /// `--prefetch adaptive` follows the guest. Unthrottled random writes over
 /// 16 MiB rewrite many pages a round sends before the freeze (each such
 /// send a wasted tracked first write): after an epoch that wasted more
@@ -225,12 +240,20 @@ fn adaptive_prefetch_starts_later_when_sends_are_wasted() {
 /// A primary that dies right after a prefetch round (its pages staged on
 /// the backup, their checkpoint never sent) leaves the backup at the
 /// checkpoint before: it takes over from there, and the guest's result is
-/// exact.
+/// exact. With `--prefetch-by pull` the backup may still be reading the
+/// dead primary's memory (its mapping keeps it) when the stream breaks.
 #[test]
 fn a_failure_mid_prefetch_leaves_the_last_checkpoint() {
+    for by in ["push", "pull"] {
+        a_failure_mid_prefetch_with(by);
+    }
+}
+
+fn a_failure_mid_prefetch_with(by: &str) {
     let addr = free_addr();
     let b = backup(&addr, &[]);
-    let p = spawn(primary(&addr, 1, WORK, &["--epoch-ms", "20", "--prefetch", "on"]).env("FTVM_TEST_FAULT", "die-after-prefetch:6"));
+    let args = ["--epoch-ms", "20", "--prefetch", "on", "--prefetch-by", by];
+    let p = spawn(primary(&addr, 1, WORK, &args).env("FTVM_TEST_FAULT", "die-after-prefetch:6"));
     let (p, b) = (finish(p), finish(b));
     let perr = stderr(&p);
     assert_eq!(p.status.code(), Some(137), "the primary 'crashed' after a prefetch round: {perr}");
@@ -240,8 +263,9 @@ fn a_failure_mid_prefetch_leaves_the_last_checkpoint() {
     assert!(died_in >= 6, "{perr}");
     let err = stderr(&b);
     assert!(b.status.success(), "{err}");
-    assert_eq!(took_over_at(&err), Some(died_in - 1), "the staged pages of epoch {died_in} were not applied: {err}");
-    assert_eq!(checksum_of(&b), Some(expected_memtouch_checksum(WORK, 1)));
+    assert_eq!(took_over_at(&err), Some(died_in - 1), "{by}: the staged pages of epoch {died_in} were not applied: {err}");
+    assert_eq!(err.contains("mapped the primary's guest memory"), by == "pull", "{by}: {err}");
+    assert_eq!(checksum_of(&b), Some(expected_memtouch_checksum(WORK, 1)), "{by}");
 }
 
 fn run_with_fault(fault: &str) -> (Output, Output) {

@@ -52,6 +52,8 @@ pub enum ReplicationError {
     CheckpointTooLarge { epoch: u64, bytes: u64, limit: u64 },
     #[error("{0}")]
     Unsupported(&'static str),
+    #[error("--prefetch-by pull: {0}")]
+    Pull(#[from] pipeline::prefetch::pull::PullError),
     #[error("copy-on-write capture: {0}")]
     WriteProtect(ftvm_vmm::memory::WriteProtectError),
     #[error("cannot write metrics: {0}")]

@@ -39,7 +39,9 @@ use ftvm_vmm::pages::FormatError;
 /// block, and RejoinPages may carry disk blocks after its sequence number.
 /// Version 12: a checkpoint's fake-ACK state is whole or the changes since
 /// the previous checkpoint (`fakeack::delta::Carried`, `--fake-ack-state`).
-pub const PROTOCOL_VERSION: u16 = 12;
+/// Version 14: the backup pulls prefetched pages (`--prefetch-by pull`):
+/// PullMap, PullList, PullDone (`pipeline::prefetch::pull`).
+pub const PROTOCOL_VERSION: u16 = 14;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.
@@ -71,6 +73,15 @@ pub enum Kind {
     /// The primary stopped its guest, and the backup acknowledged the last
     /// checkpoint: it runs the VM from here (`ftvm switchover`).
     Handover = 16,
+    /// `--prefetch-by pull`: the name of the primary's Unix socket that
+    /// hands a same-host backup its guest memory, read-only (`PullMap`).
+    PullMap = 17,
+    /// `--prefetch-by pull`: a list of pages of the open epoch the backup
+    /// reads from that mapping and stages (`PullList`).
+    PullList = 18,
+    /// `--prefetch-by pull`, backup to primary: the backup finished
+    /// reading the list with this number (u64).
+    PullDone = 19,
     /// Consensus-ordered replicas (`vsmr`): who dials, first on a link.
     PeerHello = 20,
     /// A raft message (protobuf, as raft-rs encodes it).
@@ -117,6 +128,9 @@ impl Kind {
             14 => Kind::AuthAccept,
             15 => Kind::Prefetch,
             16 => Kind::Handover,
+            17 => Kind::PullMap,
+            18 => Kind::PullList,
+            19 => Kind::PullDone,
             20 => Kind::PeerHello,
             21 => Kind::Raft,
             22 => Kind::SyncBitmap,
@@ -168,6 +182,17 @@ fn io_err(e: io::Error) -> ProtocolError {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ProtocolError::Timeout,
         _ => ProtocolError::Io(e),
     }
+}
+
+/// `--prefetch-by pull`: pages of the open epoch `epoch` for the backup to
+/// read from its read-only mapping of the primary's guest memory and stage
+/// (`pipeline::prefetch::pull`); it answers `PullDone` with `list`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullList {
+    pub epoch: u64,
+    /// Numbers lists of one primary, increasing.
+    pub list: u64,
+    pub pages: Vec<u64>,
 }
 
 /// What the primary tells the backup first: who it is and the VM's shape.

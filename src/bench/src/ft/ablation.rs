@@ -42,7 +42,13 @@ pub const SWITCHES: &[Switch] = &[
     Switch { name: "device-state", values: &[("all", &["--device-state", "all"]), ("changed", &["--device-state", "changed"])] },
     Switch {
         name: "prefetch",
-        values: &[("off", &["--prefetch", "off"]), ("on", &["--prefetch", "on"]), ("adaptive", &["--prefetch", "adaptive"])],
+        values: &[
+            ("off", &["--prefetch", "off"]),
+            ("on", &["--prefetch", "on"]),
+            ("adaptive", &["--prefetch", "adaptive"]),
+            // The backup reads the pages itself (`--prefetch-by pull`).
+            ("pull", &["--prefetch", "on", "--prefetch-by", "pull"]),
+        ],
     },
     Switch { name: "fake-ack", values: &[("off", &["--fake-ack", "off"]), ("on", &["--fake-ack", "on"])] },
     // Only with the proxy on (its state is what this switch sends).

@@ -21,7 +21,7 @@ pub fn long_help() -> String {
          (--patterns: seq writes each page in turn, random any page, hotcold 90% of writes into 10% of the pages), vCPU \
          count (--vcpus) and epoch length (--epochs, default {EPOCHS_MS:?} ms): once unreplicated, then replicated once per \
          value of each switch (--switches, default all of {}) and per combination of them in the COMBINATIONS table. Prints per case: writes/s against the unreplicated run \
-         (ratio), pause mean and p99, dirty pages, pages in the stop-and-copy and prefetched ahead of it, time from pause \
+         (ratio), pause mean and p99, dirty pages, pages in the stop-and-copy and prefetched ahead of it, bytes on the link, time from pause \
          to acknowledgement, tracked first writes (dirty pages not left writable), pages left \
          writable and fake-dirty pages filtered per epoch; writes ablation-matrix.csv and .svg (the ratios). Each run \
          lasts --seconds.",
@@ -68,6 +68,8 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                         rows.push(row("stop-and-copy pages/epoch", m.commit_pages, "pages", None));
                         rows.push(row("prefetched pages/epoch", m.prefetched_pages, "pages", None));
                         rows.push(row("prefetch wasted/epoch", m.prefetch_wasted, "pages", None));
+                        // Every byte of the epoch on the link, early or late.
+                        rows.push(row("bytes/epoch", m.bytes, "bytes", None));
                         rows.push(row("pause to ack", m.pause_to_ack_us() / 1e3, "ms", None));
                         rows.push(row("first writes/epoch", m.first_writes, "pages", None));
                         rows.push(row("left writable/epoch", m.predicted, "pages", None));

@@ -23,8 +23,9 @@ use crate::liveness::{self, Heartbeats, Observer, Pulse, SessionHalf, Timing};
 use crate::metrics::{AppliedEpoch, MetricsLog, Role, StatusCell};
 use crate::mirror::{self, Mirror};
 use crate::pipeline::apply::{Apply, ApplyError, InPlace};
+use crate::pipeline::prefetch::pull::PrimaryRam;
 use crate::pipeline::transport::{self, Auth, Transport};
-use crate::protocol::{self, Heartbeat, Hello, Kind, ProtocolError, Welcome};
+use crate::protocol::{self, Heartbeat, Hello, Kind, ProtocolError, PullList, Welcome};
 use crate::ReplicationError;
 pub use replica::Replica;
 
@@ -410,6 +411,8 @@ fn follow(
     let limit = bounds::checkpoint_limit(replica.vm.config().mem_size, replica.vm.config().vcpus);
     let apply = &mut InPlace::default();
     let buf = &mut Vec::new();
+    // `--prefetch-by pull`: the primary's guest memory, read-only.
+    let mut primary_ram: Option<PrimaryRam> = None;
     loop {
         // Frames cut short or damaged are what a primary dying mid-send
         // leaves: this replica stays at its last checkpoint and takes over.
@@ -426,6 +429,18 @@ fn follow(
             Kind::Pages if replica.committed.is_none() => replica.precopy_pages(buf).map_err(Stop::CannotApply),
             Kind::Disk if replica.committed.is_none() => replica.precopy_disk(buf).map_err(Stop::CannotApply),
             Kind::Prefetch if replica.committed.is_some() => replica.stage_prefetch(std::mem::take(buf), limit).map_err(Stop::CannotApply),
+            Kind::PullMap if primary_ram.is_none() => match map_primary(replica, buf) {
+                Ok(ram) => {
+                    tracing::info!("mapped the primary's guest memory read-only; reading prefetched pages from it");
+                    primary_ram = Some(ram);
+                    Ok(())
+                }
+                Err(e) => Err(Stop::CannotApply(e)),
+            },
+            Kind::PullList if replica.committed.is_some() => match &primary_ram {
+                Some(ram) => pull_list(link, replica, ram, buf, limit),
+                None => unexpected("a list of pages to read before the primary's memory was shared".into()),
+            },
             Kind::Checkpoint => apply_checkpoint(link, apply, replica, buf, status, log).map(|epoch| mirror.applied(epoch)),
             // Only after a checkpoint: the primary acknowledged state to run from.
             Kind::Handover if replica.committed.is_some() => return Ended::HandedOver,
@@ -485,6 +500,24 @@ fn refuse(link: &mut dyn Transport, e: &ApplyError, reading: bool, limit: u64, b
             Err(_) => break, // hung up
         }
     }
+}
+
+/// How long the primary's memory socket may take to hand its memfd over.
+const MAP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// `PullMap`: take the primary's guest memory from the socket it names.
+fn map_primary(replica: &Replica, payload: &[u8]) -> Result<PrimaryRam, ApplyError> {
+    let name = protocol::decode::<String>(payload)?;
+    Ok(PrimaryRam::map(&name, replica.vm.ram().size(), MAP_TIMEOUT)?)
+}
+
+/// `PullList`: read the listed pages from the primary's memory, stage them
+/// for their checkpoint, and confirm the list (only then may the primary
+/// leave them out of it).
+fn pull_list(link: &mut dyn Transport, replica: &mut Replica, ram: &PrimaryRam, payload: &[u8], limit: u64) -> Result<(), Stop> {
+    let list = protocol::decode::<PullList>(payload).map_err(|e| Stop::CannotApply(e.into()))?;
+    replica.stage_pulled(ram, &list, limit).map_err(Stop::CannotApply)?;
+    link.send(&protocol::message(Kind::PullDone, &list.list)).map_err(|e| Stop::Lost(format!("cannot confirm pulled pages: {e}")))
 }
 
 fn apply_checkpoint(

@@ -5,13 +5,15 @@ use std::path::Path;
 
 use ftvm_vmm::arch::compat::CpuProfile;
 use ftvm_vmm::devices::KindList;
-use ftvm_vmm::pages::{Bundle, Cursor};
+use ftvm_vmm::memory::PAGE;
+use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
 use ftvm_vmm::{Vm, VmConfig, VmState};
 
 use super::BackupConfig;
 use crate::arbiter::Ownership;
 use crate::pipeline::apply::{ApplyError, DiskImage};
-use crate::protocol::{Hello, ProtocolError};
+use crate::pipeline::prefetch::pull::PrimaryRam;
+use crate::protocol::{Hello, ProtocolError, PullList};
 
 pub struct Replica {
     /// Never runs until it takes over.
@@ -155,6 +157,25 @@ impl Replica {
         self.staged.payloads.push(payload);
         self.staged.bytes = bytes;
         Ok(())
+    }
+
+    /// Stage the pages `list` names (`--prefetch-by pull`), read now from
+    /// the primary's memory `ram`, as a prefetch frame of their epoch.
+    pub fn stage_pulled(&mut self, ram: &PrimaryRam, list: &PullList, limit: u64) -> Result<(), ApplyError> {
+        let pages = self.vm.ram().pages();
+        if let Some(p) = list.pages.iter().find(|&&p| p >= pages.min(ram.pages())) {
+            return Err(ProtocolError::Corrupt(format!("pulled page {p} is beyond guest RAM")).into());
+        }
+        let mut payload = Vec::with_capacity(8 + ftvm_vmm::pages::max_bundle_len(0, list.pages.len() as u64) as usize);
+        payload.extend_from_slice(&list.epoch.to_le_bytes());
+        let (mut raw, mut page) = (RawEncoder, vec![0u8; PAGE]);
+        let mut bundle = BundleWriter::begin(&mut payload, &[], &mut raw, false);
+        for &p in &list.pages {
+            ram.read_page(p, &mut page);
+            bundle.page(p, &page);
+        }
+        bundle.finish();
+        self.stage_prefetch(payload, limit)
     }
 
     /// Write the staged pages into RAM, in the order they arrived (a diff

@@ -49,6 +49,7 @@ pub struct Switches {
     pub trigger: trigger::Mode,
     pub predict_writes: predict::Mode,
     pub prefetch: prefetch::Mode,
+    pub prefetch_by: prefetch::pull::By,
     pub fake_ack_state: crate::fakeack::delta::Sending,
 }
 
@@ -135,13 +136,16 @@ impl Pipeline {
             // Both decide which pages stay writable, on different evidence.
             return Err(ReplicationError::Unsupported("--prefetch and --predict-writes cannot be used together"));
         }
+        if switches.prefetch_by == prefetch::pull::By::Pull && switches.prefetch == prefetch::Mode::Off {
+            return Err(ReplicationError::Unsupported("--prefetch-by pull needs --prefetch on or adaptive"));
+        }
         let limit = crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus);
         Ok(Pipeline {
             freeze: Box::new(freeze::PauseAndSave::new(pages, output, journal).with_fake_ack(fake_ack)),
             predict: Prediction::new(switches.predict_writes, pages),
             leave_none: LeaveNone::new(pages),
             capture: capture::new(switches.capture, vm)?,
-            prefetch: prefetch::Prefetcher::for_mode(switches.prefetch, pages, limit),
+            prefetch: prefetch::Prefetcher::for_mode(switches.prefetch, switches.prefetch_by, pages, limit),
             encoder: encode::new(switches.encoding, switches.diff, pages),
             sent_state: encode::SentState::new(switches.device_state),
             sent_fake_ack: crate::fakeack::delta::Sender::new(switches.fake_ack_state),
@@ -159,6 +163,12 @@ impl Pipeline {
         if let Some(p) = &mut self.prefetch {
             p.reset();
         }
+    }
+
+    /// `--prefetch-by pull`: where the backup's confirmations of the lists
+    /// it read go (None: the rounds push their pages, or there are none).
+    pub fn pull_confirmations(&self) -> Option<Arc<std::sync::atomic::AtomicU64>> {
+        self.prefetch.as_ref().and_then(prefetch::Prefetcher::pull_confirmations)
     }
 
     /// Whether the open epoch runs `--prefetch` rounds.

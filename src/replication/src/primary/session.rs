@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -18,6 +18,7 @@ use crate::liveness::{self, Heartbeats, Observer, Pulse, Timing};
 use crate::metrics::{EpochMetrics, MetricsLog, Role, StatusCell};
 use crate::mirror;
 use crate::output::{DiskJournal, OutputBuffer};
+use crate::pipeline::prefetch::pull::Offer;
 use crate::pipeline::transport::{self, AuthTransport, Transport};
 use crate::pipeline::trigger::{Reason, Trigger};
 use crate::pipeline::{Pipeline, Taken};
@@ -125,6 +126,9 @@ impl Session {
         cx.status.lock().detail = format!("synchronizing backup {}", cx.config.backup);
         let welcome = handshake(link.as_mut(), cx.vm, cx.config, *epoch, mine)?;
         let theirs = welcome.heartbeat;
+        if pipeline.pull_confirmations().is_some() {
+            share_memory(link.as_mut(), cx)?;
+        }
         // Heartbeats both ways from here on, pre-copy included.
         let shared = Arc::new(Shared::default());
         let pulse = Pulse::new();
@@ -178,12 +182,13 @@ impl Session {
             acks.set_recv_timeout(None).map_err(ReplicationError::Send)?;
             let (output, shared, status, metrics) = (cx.output.clone(), shared.clone(), cx.status.clone(), cx.metrics.clone());
             let (trigger, backup, priority) = (cx.trigger.clone(), cx.config.backup.clone(), cx.config.priority);
+            let pulled = pipeline.pull_confirmations();
             std::thread::Builder::new()
                 .name("replication-acks".into())
                 .spawn(move || {
                     seccomp::install_or_exit(seccomp::ThreadKind::Replication);
                     priority.apply();
-                    read_acks(acks.as_mut(), &output, &shared, &trigger, &status, &metrics, &backup)
+                    read_acks(acks.as_mut(), &output, &shared, &trigger, &status, &metrics, &backup, pulled.as_deref())
                 })
                 .map_err(ReplicationError::Thread)?
         };
@@ -284,6 +289,22 @@ impl Drop for Session {
             let _ = r.join();
         }
     }
+}
+
+/// `--prefetch-by pull`: hand the backup a read-only view of the guest's
+/// memory (`prefetch::pull`), before anything else it is sent.
+fn share_memory(link: &mut dyn Transport, cx: &Context) -> Result<(), ReplicationError> {
+    let offer = Offer::new()?;
+    link.send(&protocol::message(Kind::PullMap, &offer.name())).map_err(ReplicationError::Send)?;
+    if let Err(e) = offer.serve(cx.vm.ram().memfd(), cx.config.connect_timeout) {
+        // A backup that could not take it (on another host, say) said why.
+        return Err(match refusal_behind(link, ReplicationError::Send(std::io::Error::other(e.to_string()))) {
+            refused @ ReplicationError::Refused(_) => refused,
+            _ => e.into(),
+        });
+    }
+    tracing::info!("the backup maps the guest's memory; it reads prefetched pages itself");
+    Ok(())
 }
 
 /// Bringing a new backup up to date failed with `e`. Asked to stop, the
@@ -428,6 +449,7 @@ fn handshake(
 
 /// Acknowledgements release output; silence or a closed stream means the
 /// backup is gone.
+#[allow(clippy::too_many_arguments)]
 fn read_acks(
     link: &mut dyn Transport,
     output: &OutputBuffer,
@@ -436,6 +458,7 @@ fn read_acks(
     status: &StatusCell,
     metrics: &MetricsLog,
     backup: &str,
+    pulled: Option<&AtomicU64>,
 ) {
     let mut buf = Vec::new();
     let loss = loop {
@@ -480,6 +503,13 @@ fn read_acks(
                     status.lock().last = Some(f.metrics);
                 }
             }
+            // `--prefetch-by pull`: the backup read this list of pages.
+            Ok(Kind::PullDone) => match (pulled, protocol::decode::<u64>(&buf)) {
+                (Some(confirmed), Ok(list)) => {
+                    confirmed.fetch_max(list, Ordering::AcqRel);
+                }
+                _ => break BackupLoss::Unexpected(Kind::PullDone),
+            },
             Ok(Kind::Refuse) => break BackupLoss::Refused(protocol::decode::<String>(&buf).unwrap_or_else(|e| e.to_string())),
             Ok(other) => break BackupLoss::Unexpected(other),
             Err(e) => break BackupLoss::Stream(e),

@@ -12,6 +12,11 @@ pub trait PageEncoder: Send {
     /// The reader starts over (a new backup): forget whatever this encoder
     /// assumed about the pages it holds.
     fn reset(&mut self) {}
+
+    /// The reader got page `page` some other way (`--prefetch-by pull`: the
+    /// backup read it itself): what this encoder assumed about its copy of
+    /// that page no longer holds, so its next encoding must not rely on it.
+    fn forget(&mut self, _page: u64) {}
 }
 
 /// Whole pages, with all-zero pages sent as a bare tag.

@@ -34,6 +34,9 @@ pub enum ApplyError {
     Unusable { epoch: u64, reason: String },
     #[error("pre-copy: cannot write the disk replica: {0}")]
     Precopy(io::Error),
+    /// `--prefetch-by pull`: the primary's memory cannot be mapped.
+    #[error(transparent)]
+    Pull(#[from] crate::pipeline::prefetch::pull::PullError),
 }
 
 pub trait Apply: Send {

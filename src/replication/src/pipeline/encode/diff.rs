@@ -89,6 +89,11 @@ impl PageEncoder for DiffEncoder {
         self.kept.clear();
         self.base.reset();
     }
+
+    fn forget(&mut self, page: u64) {
+        self.kept.forget(page);
+        self.base.forget(page);
+    }
 }
 
 #[cfg(test)]

@@ -19,9 +19,11 @@
 //! (`backup::Replica::stage_prefetch`): a primary that dies mid-epoch
 //! leaves it exactly at the last checkpoint. With `adaptive` the rounds start
 //! only as early in the epoch as few of their sends are wasted
-//! (`adaptive::Gate`).
+//! (`adaptive::Gate`). With `--prefetch-by pull` the rounds send only
+//! the pages' numbers and the backup reads them itself (`pull`).
 
 mod adaptive;
+pub mod pull;
 
 use std::time::{Duration, Instant};
 
@@ -194,18 +196,29 @@ pub struct Prefetcher {
     limit: u64,
     /// `adaptive`: whether the open epoch runs rounds (`on`: always).
     gate: Option<adaptive::Gate>,
+    /// `--prefetch-by pull`: the lists the backup reads itself.
+    pull: Option<pull::Lists>,
+    /// What the open epoch's rounds had the backup stage, at most (it
+    /// stages up to `limit`).
+    staged: u64,
 }
 
 impl Prefetcher {
     /// For a guest of `ram_pages` pages; one epoch's rounds send at most
     /// `limit` bytes. None for `Mode::Off`.
-    pub fn for_mode(mode: Mode, ram_pages: u64, limit: u64) -> Option<Prefetcher> {
+    pub fn for_mode(mode: Mode, by: pull::By, ram_pages: u64, limit: u64) -> Option<Prefetcher> {
         let mut p = match mode {
             Mode::Off => return None,
             Mode::On | Mode::Adaptive => Prefetcher::new(ram_pages, limit),
         };
         p.gate = (mode == Mode::Adaptive).then(adaptive::Gate::default);
+        p.pull = (by == pull::By::Pull).then(pull::Lists::default);
         Some(p)
+    }
+
+    /// `--prefetch-by pull`: where the backup's confirmations go.
+    pub fn pull_confirmations(&self) -> Option<std::sync::Arc<std::sync::atomic::AtomicU64>> {
+        self.pull.as_ref().map(pull::Lists::confirmations)
     }
 
     /// For a guest of `ram_pages` pages; one epoch's rounds send at most `limit` bytes.
@@ -223,6 +236,8 @@ impl Prefetcher {
             sent: Sent::default(),
             limit,
             gate: None,
+            pull: None,
+            staged: 0,
         }
     }
 
@@ -243,7 +258,9 @@ impl Prefetcher {
     /// rounds deferred, and again those sent and written since; otherwise
     /// defer them, left writable. Pages go through `encoder`, the
     /// checkpoint's, so a diff in the checkpoint is made against what the
-    /// backup will have staged.
+    /// backup will have staged. With `--prefetch-by pull` the frame only
+    /// lists the pages, and `encoder` forgets its copies of them (the
+    /// backup reads what they hold, which the encoder never sees).
     pub fn round(&mut self, vm: &Vm, epoch: u64, resend: bool, encoder: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
         self.harvested.clear();
         vm.harvest_dirty(&mut self.harvested)?;
@@ -269,10 +286,19 @@ impl Prefetcher {
         let cold = self.harvested.count();
         tracing::debug!(hot = self.hot.count(), cold, "prefetch round harvested");
         let most = 8 + ftvm_vmm::pages::max_bundle_len(0, cold);
-        if cold == 0 || self.sent.bytes + most > self.limit {
+        if cold == 0 || self.staged + most > self.limit {
             // Over the epoch's budget: the checkpoint takes them.
             self.carry.or_words(self.harvested.words());
             return Ok(None);
+        }
+        self.sent_pages.or_words(self.harvested.words());
+        if let Some(lists) = &mut self.pull {
+            lists.list(&mut self.frame, epoch, &self.harvested);
+            self.harvested.pages().for_each(|p| encoder.forget(p));
+            self.sent.pages += cold;
+            self.sent.bytes += self.frame.len() as u64;
+            self.staged += most;
+            return Ok(Some(&self.frame));
         }
         protocol::begin_frame(&mut self.frame, Kind::Prefetch);
         self.frame.extend_from_slice(&epoch.to_le_bytes());
@@ -283,20 +309,32 @@ impl Prefetcher {
         }
         let written = bundle.finish();
         protocol::finish_frame(&mut self.frame);
-        self.sent_pages.or_words(self.harvested.words());
         self.sent.pages += written.pages;
         self.sent.bytes += self.frame.len() as u64;
+        self.staged += self.frame.len() as u64;
         Ok(Some(&self.frame))
     }
 
     /// At the freeze of the epoch: add the pages harvested and not sent to
     /// its dirty set, remember which pages are hot, and return what
     /// the epoch's rounds sent (the next epoch starts from nothing).
+    /// With `--prefetch-by pull` it must run with the guest paused: the
+    /// pages of lists the backup has not confirmed go in the checkpoint.
     pub fn close_epoch(&mut self, dirty: &mut PageBitmap) -> Sent {
+        self.hot.clear();
+        if let Some(lists) = &mut self.pull {
+            let unread = lists.close(&mut self.hot);
+            tracing::debug!(unread, "pages listed and not confirmed at the freeze go in the checkpoint");
+        }
+        self.staged = 0;
         dirty.or_words(self.carry.words());
         self.recent.copy_from(dirty);
         self.recent.intersect(&self.last);
         self.last.copy_from(dirty);
+        // Listed, not confirmed yet: the checkpoint carries them, but they
+        // were written before the round that listed them, which says
+        // nothing of how late in the epoch they are written.
+        dirty.or_words(self.hot.words());
         self.carry.clear();
         self.sent_pages.subtract(dirty);
         self.sent.only_ahead = self.sent_pages.count();
@@ -314,8 +352,12 @@ impl Prefetcher {
             b.clear();
         }
         self.sent = Sent::default();
+        self.staged = 0;
         if let Some(g) = &mut self.gate {
             g.reset();
+        }
+        if let Some(l) = &mut self.pull {
+            l.reset();
         }
     }
 }
