@@ -297,6 +297,16 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
     leader_kills("vblk", &["--sync-pages", "blocks", "--rejoin", "syncvm"], 5);
 }
 
+/// The same with every throughput switch on: the secondary's guest gets
+/// entries once appended (`--early-apply`), the consensus thread delivers
+/// input itself (`--direct-input`), appends batched, `syncvm`s spaced by
+/// the pause alone, the acknowledgement awaited off the applier.
+#[test]
+fn no_acknowledged_write_is_lost_over_leader_kills_with_early_apply() {
+    let on = ["--early-apply", "on", "--direct-input", "on", "--batch-append", "on", "--sync-spacing", "pause", "--ack-wait", "proposer"];
+    leader_kills("vear", &on, 5);
+}
+
 fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
     let seed = std::env::var("FTVM_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::process::id() as u64);
     eprintln!("seed {seed} (FTVM_TEST_SEED)");
