@@ -348,12 +348,12 @@ pub struct ReplicaArgs {
     /// secondary are then a majority: it is committed), and the leader
     /// sends no separate commit notice; off, once the leader's next message
     /// says it is committed. Give every replica the same.
-    #[arg(long, default_value = "off", value_name = "off|on")]
+    #[arg(long, default_value = "on", value_name = "on|off")]
     pub early_apply: ftvm_replication::vsmr::tuning::EarlyApply,
     /// on: appends queued for one peer in one round of the consensus
     /// thread go as one message (fewer messages and wake-ups); off: one
     /// per proposal.
-    #[arg(long, default_value = "off", value_name = "off|on")]
+    #[arg(long, default_value = "on", value_name = "on|off")]
     pub batch_append: ftvm_replication::vsmr::tuning::BatchAppend,
     /// What spaces two syncvms when output is held: cost (the whole syncvm,
     /// its consensus round and the acknowledgement included, as a

@@ -7,15 +7,15 @@ use crate::switch::switch;
 switch! {
     /// `--early-apply`: when the secondary's guest gets a log entry.
     pub enum EarlyApply {
-        /// When the secondary learns that it is committed (the leader's
-        /// next message after the commit).
-        Off = "off",
         /// As soon as the secondary has appended it, if it is of the
         /// current term: with three voters the leader and this replica are
         /// a majority, so it is committed (raft's own commit rule, counted
         /// here instead of at the leader). The leader then sends no
         /// separate commit notice (`skip_bcast_commit`).
         On = "on",
+        /// When the secondary learns that it is committed (the leader's
+        /// next message after the commit).
+        Off = "off",
     }
 }
 
@@ -23,11 +23,11 @@ switch! {
     /// `--batch-append`: raft messages to one peer per round of the
     /// consensus thread.
     pub enum BatchAppend {
-        /// One append per proposal (raft-rs's default).
-        Off = "off",
         /// Appends queued for a peer in one round merge into one message
         /// (raft-rs's `batch_append`).
         On = "on",
+        /// One append per proposal (raft-rs's default).
+        Off = "off",
     }
 }
 
