@@ -78,6 +78,10 @@ pub struct SyncMetrics {
     /// consensus round); 0 on the secondary.
     #[serde(default)]
     pub propose_us: u64,
+    /// The leader: its freeze (vCPUs paused, dirty set and VM state
+    /// taken); the secondary: taking its dirty set once paused.
+    #[serde(default)]
+    pub freeze_us: u64,
     /// From sending this side's dirty bitmap until the peer's arrived.
     #[serde(default)]
     pub bitmap_us: u64,

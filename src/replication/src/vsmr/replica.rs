@@ -588,7 +588,11 @@ impl Applier {
         let propose = lead.proposed.locked().take().map_or(Duration::ZERO, |p| t0.saturating_duration_since(p));
         let done = Done { id, epoch, secondary, full, t0, propose };
         let inbox = self.sync_inbox.locked();
-        let result = match lead.freeze.locked().freeze(&s.vm, epoch, &mut LeaveNone::new(s.vm.ram().pages())) {
+        let mut freezer = lead.freeze.locked();
+        let frozen = freezer.freeze(&s.vm, epoch, &mut LeaveNone::new(s.vm.ram().pages()));
+        let freeze = t0.elapsed();
+        let with_freeze = |f: Figures| Figures { steps: sync::Steps { freeze, ..f.steps }, ..f };
+        let result = match frozen {
             Err(e) => Err(SyncError::Protocol(crate::ProtocolError::Corrupt(e.to_string()))),
             Ok(frozen) if secondary == 0 => {
                 // A barrier: consensus committed it, so this replica led then.
@@ -598,8 +602,8 @@ impl Applier {
             Ok(frozen) => {
                 let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: secondary, id, disk: s.disk.as_ref(), started: t0 };
                 match s.options.ack_wait {
-                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages),
-                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages) {
+                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages).map(with_freeze),
+                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages).map(with_freeze) {
                         Ok(figures) => {
                             // The proposer waits for the acknowledgement and
                             // releases; this thread delivers input meanwhile.
@@ -613,6 +617,7 @@ impl Applier {
                 }
             }
         };
+        drop(freezer);
         drop(inbox);
         s.synced(&lead, done, result);
     }
@@ -746,6 +751,7 @@ impl Shared {
             sync_us: t0.elapsed().as_micros() as u64,
             messages,
             propose_us: us(propose),
+            freeze_us: us(f.steps.freeze),
             bitmap_us: us(f.steps.bitmap),
             hash_us: us(f.steps.hash),
             wait_us: us(f.steps.wait),

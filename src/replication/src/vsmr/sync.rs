@@ -195,6 +195,9 @@ pub struct Figures {
 /// Where a `syncvm`'s time went, on one side.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Steps {
+    /// The leader: its freeze (the vCPUs paused, the dirty set and the VM
+    /// state taken); the secondary: taking its dirty set once paused.
+    pub freeze: Duration,
     /// From sending this side's bitmap until the peer's arrived.
     pub bitmap: Duration,
     /// Hashing the union (pages and disk blocks).
@@ -489,12 +492,13 @@ pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool, applied: impl FnOnce()) -> 
 }
 
 fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncError> {
+    let t = Instant::now();
     let mut dirty = PageBitmap::new(vm.ram().pages());
     vm.collect_dirty(&mut dirty, &PageBitmap::new(vm.ram().pages()))?;
     // Its disk's writes since the last syncvm (none is in progress: the
     // disk's I/O runs in the device's pass, which the pause waited for).
     let blocks = x.disk.map(|d| disk::dirty_blocks(&d.journal.take(), d.size())).unwrap_or_default();
-    let mut steps = Steps::default();
+    let mut steps = Steps { freeze: t.elapsed(), ..Steps::default() };
     let (union, blocks, bitmap) = x.swap_bitmaps(&dirty, blocks, full)?;
     steps.bitmap = bitmap;
     let pages: Vec<u64> = union.pages().collect();
