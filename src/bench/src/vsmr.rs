@@ -60,6 +60,14 @@ pub struct Options {
     /// `--rejoin syncvm` to measure rejoining without pre-copy).
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     vsmr_flags: String,
+    /// VSMR: also measure a third VSMR setting in the same run, "VSMR B":
+    /// whole pages with these options after --vsmr-flags (a switch on
+    /// against its default in "VSMR").
+    #[arg(long, allow_hyphen_values = true)]
+    vsmr_b_flags: Option<String>,
+    /// Skip the failover of each replicated setting (throughput only).
+    #[arg(long)]
+    no_failover: bool,
     /// The ftvm binary (default: next to ftvm-bench).
     #[arg(long)]
     ftvm: Option<PathBuf>,
@@ -75,9 +83,20 @@ enum Mode {
     Vsmr,
     /// `--sync-pages blocks`.
     VsmrBlocks,
+    /// `--sync-pages whole` with `--vsmr-b-flags`.
+    VsmrB,
 }
 
 const MODES: [Mode; 5] = [Mode::Unreplicated, Mode::PrimaryBackup, Mode::PrimaryBackupWhole, Mode::Vsmr, Mode::VsmrBlocks];
+
+/// The settings of this run: `MODES`, and "VSMR B" with `--vsmr-b-flags`.
+fn modes(opts: &Options) -> Vec<Mode> {
+    let mut modes = MODES.to_vec();
+    if opts.vsmr_b_flags.is_some() {
+        modes.push(Mode::VsmrB);
+    }
+    modes
+}
 
 impl Mode {
     fn name(self) -> &'static str {
@@ -87,6 +106,7 @@ impl Mode {
             Mode::PrimaryBackupWhole => "primary-backup whole pages",
             Mode::Vsmr => "VSMR",
             Mode::VsmrBlocks => "VSMR blocks",
+            Mode::VsmrB => "VSMR B",
         }
     }
 }
@@ -152,13 +172,16 @@ fn start(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options
             procs.push(Process::spawn_collected("ftvm run (primary)", &mut cmd)?);
             metrics.push(m);
         }
-        Mode::Vsmr | Mode::VsmrBlocks => {
+        Mode::Vsmr | Mode::VsmrBlocks | Mode::VsmrB => {
             let peers = format!("1={H1_REPL_ADDR}:7101,2={H2_REPL_ADDR}:7102,3={H2_REPL_ADDR}:7103");
             for (id, host) in [(1, "h1"), (2, "h2"), (3, "h2")] {
                 let mut cmd = topo.command(host, ftvm);
                 cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", &opts.sync_ms.to_string()]);
-                cmd.args(["--sync-pages", if mode == Mode::Vsmr { "whole" } else { "blocks" }]);
+                cmd.args(["--sync-pages", if mode == Mode::VsmrBlocks { "blocks" } else { "whole" }]);
                 cmd.args(opts.vsmr_flags.split_whitespace());
+                if mode == Mode::VsmrB {
+                    cmd.args(opts.vsmr_b_flags.as_deref().unwrap_or_default().split_whitespace());
+                }
                 let mut socket = None;
                 if id == 3 {
                     cmd.arg("--witness");
@@ -244,7 +267,14 @@ struct Sums {
     divergent: f64,
     syncs: f64,
     interval_us: f64,
+    /// Frames sent on the replication links (every replica's lines).
+    messages: f64,
+    /// VSMR: the leader's steps, summed over its `syncvm`s (`STEPS`).
+    steps: [f64; STEPS.len()],
 }
+
+/// The leader's per-step `syncvm` timings (metrics fields, µs).
+const STEPS: [&str; 7] = ["propose_us", "pause_us", "freeze_us", "bitmap_us", "hash_us", "wait_us", "ack_us"];
 
 fn read_sums(files: &[PathBuf], from: &[usize]) -> (Sums, Vec<usize>) {
     let mut s = Sums::default();
@@ -257,12 +287,16 @@ fn read_sums(files: &[PathBuf], from: &[usize]) -> (Sums, Vec<usize>) {
             let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
             let num = |k: &str| v.get(k).and_then(|x| x.as_f64()).unwrap_or(0.0);
             s.bytes += num("bytes");
+            s.messages += num("messages");
             // VSMR: the leader's lines carry the comparison (not full ones).
             if v.get("role").and_then(|r| r.as_str()) == Some("leader") && v.get("full") == Some(&serde_json::Value::Bool(false)) {
                 s.dirty += num("dirty_pages");
                 s.divergent += num("divergent_pages");
                 s.syncs += 1.0;
                 s.interval_us += num("interval_us");
+                for (sum, k) in s.steps.iter_mut().zip(STEPS) {
+                    *sum += num(k);
+                }
             }
         }
     }
@@ -311,7 +345,7 @@ fn status(ftvm: &Path, socket: &Path) -> String {
 fn failover(topo: &Topology, ftvm: &Path, setup: &mut Setup, mode: Mode) -> Result<Failover, BoxError> {
     let clients = Clients::start(topo)?;
     std::thread::sleep(Duration::from_millis(500));
-    let vsmr = matches!(mode, Mode::Vsmr | Mode::VsmrBlocks);
+    let vsmr = matches!(mode, Mode::Vsmr | Mode::VsmrBlocks | Mode::VsmrB);
     // PB: procs are [backup, primary]; VSMR: the replicas by id - 1.
     let victim = if vsmr {
         (0..2)
@@ -402,7 +436,7 @@ fn measure(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Optio
         let (sums, _) = read_sums(&setup.metrics, &from);
         out.push(Measured { set, get, sums });
     }
-    let failover = if mode == Mode::Unreplicated { None } else { Some(failover(topo, ftvm, &mut setup, mode)?) };
+    let failover = if mode == Mode::Unreplicated || opts.no_failover { None } else { Some(failover(topo, ftvm, &mut setup, mode)?) };
     Ok((out, failover))
 }
 
@@ -418,7 +452,8 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let dir = Scratch::new("bench-vsmr")?;
     let mut results = Vec::new();
     let mut failovers = Vec::new();
-    for mode in MODES {
+    let modes = modes(opts);
+    for &mode in &modes {
         let (r, f) = measure(&topo, &ftvm, &dir, mode, opts)?;
         results.push(r);
         failovers.push(f);
@@ -426,7 +461,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let mut rows = Vec::new();
     let group = "failover: serving VMM killed, 8 clients sending SETs".to_string();
     let pb = failovers[1].map(|f| f.first_reply_ms);
-    for (m, mode) in MODES.into_iter().enumerate() {
+    for (m, &mode) in modes.iter().enumerate() {
         let Some(f) = failovers[m] else { continue };
         let row = |case: String, value: f64, unit: &'static str, reference: Option<f64>| Row {
             group: group.clone(),
@@ -437,7 +472,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         };
         rows.push(row(format!("first reply after the kill, {} (ref: primary-backup)", mode.name()), f.first_reply_ms, "ms", pb));
         rows.push(row(format!("every connection answered again, {}", mode.name()), f.all_replied_ms, "ms", None));
-        if matches!(mode, Mode::Vsmr | Mode::VsmrBlocks) {
+        if matches!(mode, Mode::Vsmr | Mode::VsmrBlocks | Mode::VsmrB) {
             rows.push(row(format!("new leader: from {} to leading, {}", f.started_by, mode.name()), f.election_ms, "ms", None));
             rows.push(row(format!("restarted replica: protected again after, {}", mode.name()), f.rejoin_ms, "ms", None));
             rows.push(row(format!("restarted replica: leader's pause in its full syncvm, {}", mode.name()), f.rejoin_pause_ms, "ms", None));
@@ -450,8 +485,8 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         let group = format!("kv -P {p} -c {}", opts.clients);
         let unrep = &results[0][i];
         let requests = 2.0 * opts.requests as f64;
-        let mut per_request = [0.0; MODES.len()];
-        for (m, mode) in MODES.into_iter().enumerate() {
+        let mut per_request = vec![0.0; modes.len()];
+        for (m, &mode) in modes.iter().enumerate() {
             let r = &results[m][i];
             for (test, f, base) in [("SET", &r.set, &unrep.set), ("GET", &r.get, &unrep.get)] {
                 for (what, unit, v, b) in
@@ -469,7 +504,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             }
             per_request[m] = r.sums.bytes / requests;
         }
-        for (m, mode) in MODES.into_iter().enumerate().skip(1) {
+        for (m, &mode) in modes.iter().enumerate().skip(1) {
             rows.push(Row {
                 group: group.clone(),
                 case: format!("replication bytes per request, {} (ref: primary-backup)", mode.name()),
@@ -478,8 +513,24 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 reference: Some(per_request[1]),
             });
         }
-        for (m, mode) in MODES.into_iter().enumerate().skip(3) {
+        for (m, &mode) in modes.iter().enumerate().skip(3) {
             let v = &results[m][i].sums;
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("messages on replication links per request, {}", mode.name()),
+                value: v.messages / requests,
+                unit: "messages",
+                reference: None,
+            });
+            for (sum, step) in v.steps.iter().zip(STEPS) {
+                rows.push(Row {
+                    group: group.clone(),
+                    case: format!("{} leader's mean syncvm {}", mode.name(), step.trim_end_matches("_us")),
+                    value: if v.syncs > 0.0 { sum / v.syncs } else { 0.0 },
+                    unit: "us",
+                    reference: None,
+                });
+            }
             rows.push(Row {
                 group: group.clone(),
                 case: format!("{} divergent pages (ref: dirty pages)", mode.name()),

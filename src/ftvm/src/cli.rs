@@ -350,6 +350,34 @@ pub struct ReplicaArgs {
     /// retransmission. off: discard them.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub takeover_replay: ftvm_replication::vsmr::recent::Mode,
+    /// When the secondary's guest gets a log entry: on, as soon as the
+    /// secondary has appended it (with three replicas the leader and the
+    /// secondary are then a majority: it is committed), and the leader
+    /// sends no separate commit notice; off, once the leader's next message
+    /// says it is committed. Give every replica the same.
+    #[arg(long, default_value = "on", value_name = "on|off")]
+    pub early_apply: ftvm_replication::vsmr::tuning::EarlyApply,
+    /// on: appends queued for one peer in one round of the consensus
+    /// thread go as one message (fewer messages and wake-ups); off: one
+    /// per proposal.
+    #[arg(long, default_value = "on", value_name = "on|off")]
+    pub batch_append: ftvm_replication::vsmr::tuning::BatchAppend,
+    /// What spaces two syncvms when output is held: cost (the whole syncvm,
+    /// its consensus round and the acknowledgement included, as a
+    /// primary-backup checkpoint) or pause (only the leader's pause).
+    #[arg(long, default_value = "cost", value_name = "cost|pause")]
+    pub sync_spacing: ftvm_replication::vsmr::tuning::SyncSpacing,
+    /// on: the consensus thread puts committed input into the guest itself
+    /// when the applier thread has nothing earlier to run (one thread
+    /// wake-up fewer per batch); off: always through the applier.
+    #[arg(long, default_value = "off", value_name = "off|on")]
+    pub direct_input: ftvm_replication::vsmr::tuning::DirectInput,
+    /// Which thread of the leader waits for the secondary's acknowledgement
+    /// of a syncvm (after which the output is released): applier (no
+    /// committed input reaches the guest meanwhile) or proposer (the
+    /// applier goes on delivering input once the guest resumed).
+    #[arg(long, default_value = "applier", value_name = "applier|proposer")]
+    pub ack_wait: ftvm_replication::vsmr::tuning::AckWait,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

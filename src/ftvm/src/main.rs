@@ -205,6 +205,13 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     failure_timeout: args.failure_timeout_ms.map(Duration::from_millis),
                 },
                 replay: args.takeover_replay,
+                tuning: ftvm_replication::vsmr::tuning::Tuning {
+                    early_apply: args.early_apply,
+                    batch_append: args.batch_append,
+                    sync_spacing: args.sync_spacing,
+                    direct_input: args.direct_input,
+                    ack_wait: args.ack_wait,
+                },
             };
             let source = match args.image {
                 Some(image) => run::Source::Replica {

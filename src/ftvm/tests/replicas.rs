@@ -302,6 +302,19 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
     leader_kills("vblk", &["--sync-pages", "blocks", "--rejoin", "syncvm"], 5);
 }
 
+/// The same with every throughput switch the other way from its default
+/// (docs/replicas.md, "Throughput switches"): the secondary's guest gets
+/// entries once committed (`--early-apply off`), one append per proposal,
+/// the consensus thread delivers input itself (`--direct-input on`), the
+/// acknowledgement awaited off the applier, `syncvm`s spaced by the pause
+/// alone.
+#[test]
+fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_flipped() {
+    let flipped =
+        ["--early-apply", "off", "--batch-append", "off", "--direct-input", "on", "--ack-wait", "proposer", "--sync-spacing", "pause"];
+    leader_kills("vflp", &flipped, 5);
+}
+
 fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
     let seed = std::env::var("FTVM_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::process::id() as u64);
     eprintln!("seed {seed} (FTVM_TEST_SEED)");

@@ -95,6 +95,8 @@ pub struct Mesh {
     peers: Mutex<HashMap<u64, PeerInfo>>,
     /// Bytes this replica sent on its links (all kinds), for the metrics.
     sent: AtomicU64,
+    /// Frames sent, likewise.
+    frames: AtomicU64,
     stop: AtomicBool,
 }
 
@@ -116,7 +118,14 @@ impl Mesh {
             senders.insert(*id, tx);
             queues.push((*id, addr.clone(), rx));
         }
-        let mesh = Arc::new(Mesh { me, senders, peers: Mutex::default(), sent: AtomicU64::new(0), stop: AtomicBool::new(false) });
+        let mesh = Arc::new(Mesh {
+            me,
+            senders,
+            peers: Mutex::default(),
+            sent: AtomicU64::new(0),
+            frames: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+        });
         for (id, addr, rx) in queues {
             let (mesh, auth) = (mesh.clone(), auth.clone());
             std::thread::Builder::new()
@@ -152,9 +161,9 @@ impl Mesh {
         }
     }
 
-    /// Bytes sent since the last call.
-    pub fn take_sent(&self) -> u64 {
-        self.sent.swap(0, Ordering::Relaxed)
+    /// Bytes and frames sent since the last call.
+    pub fn take_sent(&self) -> (u64, u64) {
+        (self.sent.swap(0, Ordering::Relaxed), self.frames.swap(0, Ordering::Relaxed))
     }
 
     /// What the links told of each peer.
@@ -201,6 +210,7 @@ impl Mesh {
             match l.send(&frame) {
                 Ok(()) => {
                     self.sent.fetch_add(frame.len() as u64, Ordering::Relaxed);
+                    self.frames.fetch_add(1, Ordering::Relaxed);
                 }
                 Err(e) => {
                     tracing::debug!(peer = id, "link lost: {e}");

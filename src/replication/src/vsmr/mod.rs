@@ -8,6 +8,7 @@
 
 pub mod disk;
 pub mod failover;
+pub mod gate;
 pub mod log;
 pub mod mesh;
 pub mod node;
@@ -15,6 +16,7 @@ pub mod recent;
 pub mod rejoin;
 mod replica;
 pub mod sync;
+pub mod tuning;
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -67,6 +69,34 @@ pub struct SyncMetrics {
     pub interval_us: u64,
     /// From the start of the pause until the exchange ended.
     pub sync_us: u64,
+    /// Frames this replica sent on its replication links since the
+    /// previous `syncvm` (as `bytes`).
+    #[serde(default)]
+    pub messages: u64,
+    /// The steps (docs/replicas.md, "Metrics"). The leader: from its
+    /// proposal of the `Sync` entry until its applier reached it (the
+    /// consensus round); 0 on the secondary.
+    #[serde(default)]
+    pub propose_us: u64,
+    /// The leader: its freeze (vCPUs paused, dirty set and VM state
+    /// taken); the secondary: taking its dirty set once paused.
+    #[serde(default)]
+    pub freeze_us: u64,
+    /// From sending this side's dirty bitmap until the peer's arrived.
+    #[serde(default)]
+    pub bitmap_us: u64,
+    /// Hashing the union's pages and disk blocks, this side.
+    #[serde(default)]
+    pub hash_us: u64,
+    /// The leader: waiting for the secondary's hashes once its own were
+    /// done (and the block hashes of `--sync-pages blocks`); the
+    /// secondary: from sending its hashes until the leader's pages came.
+    #[serde(default)]
+    pub wait_us: u64,
+    /// The leader: from resuming its guest until the secondary's
+    /// acknowledgement (which releases the output); 0 on the secondary.
+    #[serde(default)]
+    pub ack_us: u64,
     /// Tests only (`FTVM_TEST_FAULT=syncvm-digest:1`): a digest of all
     /// guest memory, the leader's at its freeze, the secondary's once the
     /// pages are applied: equal when the divergence was repaired.
@@ -105,6 +135,8 @@ pub struct ReplicaConfig {
     /// `--takeover-replay`: a new leader sends its guest's output since its
     /// last `syncvm`.
     pub replay: recent::Mode,
+    /// The throughput switches (`tuning`).
+    pub tuning: tuning::Tuning,
 }
 
 /// `--peers 1=HOST:PORT,2=HOST:PORT,3=HOST:PORT`, checked against `--id`.
@@ -173,6 +205,12 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
     // Every VM replica of a new group may lead; the witness (a standby
     // too) not before it was brought up to date.
     let eligible = Arc::new(AtomicBool::new(!witness));
+    // Whether the VM is held (`replica`), shared with the input gate.
+    let held = Arc::new(AtomicBool::new(false));
+    let gate = match (&vm, config.tuning.direct_input) {
+        (Some(vm), tuning::DirectInput::On) => Some(Arc::new(gate::InputGate::new(vm.clone(), held.clone()))),
+        _ => None,
+    };
     let node_config = NodeConfig {
         id: config.id,
         voters: config.peers.iter().map(|(i, _)| *i).collect(),
@@ -180,6 +218,8 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
         eligible: eligible.clone(),
         failover: config.failover,
         status: status.clone(),
+        tuning: config.tuning,
+        gate: gate.clone(),
     };
     node::start(node_config, mesh.clone(), events_rx, committed_tx, view.clone())?;
     let metrics = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
@@ -200,8 +240,12 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                     rejoin: config.rejoin,
                     standby: witness,
                     replay: config.replay,
+                    spacing: config.tuning.sync_spacing,
+                    ack_wait: config.tuning.ack_wait,
                 },
                 disk,
+                held,
+                gate,
             ));
             replica::start(shared, committed_rx, replica::Inboxes { sync: sync_rx, join: join_rx, precopy: precopy_rx })
                 .map_err(ReplicationError::Thread)?;

@@ -25,8 +25,10 @@ use raft::{Config, RawNode, StateRole, INVALID_ID};
 use ftvm_vmm::sync::Lock;
 
 use super::failover::{self, Cause, Detection, Election, FastElection, Lost};
+use super::gate::InputGate;
 use super::log::Entry;
 use super::mesh::{Inbound, Mesh};
+use super::tuning::{BatchAppend, EarlyApply, Tuning};
 use crate::metrics::StatusCell;
 use crate::protocol::{self, Kind};
 use crate::ReplicationError;
@@ -68,6 +70,9 @@ pub enum Committed {
         term: u64,
         leader: u64,
     },
+    /// `Input` entries in log order that the consensus thread could not
+    /// deliver itself (`--direct-input on`, `gate`).
+    Inputs(Vec<Vec<u8>>),
 }
 
 /// What this replica believes about leadership right now.
@@ -89,6 +94,20 @@ pub struct NodeConfig {
     pub failover: failover::Options,
     /// Where the election that made this replica leader is shown.
     pub status: StatusCell,
+    /// `--early-apply`, `--batch-append`.
+    pub tuning: Tuning,
+    /// `--direct-input on` on a VM replica: committed input goes into the
+    /// guest from this thread when the applier has nothing earlier.
+    pub gate: Option<Arc<InputGate>>,
+}
+
+impl NodeConfig {
+    /// Whether a follower may hand entries on once appended: with three
+    /// voters the leader and this replica are a majority
+    /// (`tuning::EarlyApply`).
+    fn early_apply(&self) -> bool {
+        self.tuning.early_apply == EarlyApply::On && self.voters.len() == 3
+    }
 }
 
 /// Start the consensus thread. `view` is kept up to date; committed
@@ -114,6 +133,10 @@ pub fn start(
         // secondary usually wins; should it win, it hands over at once.
         min_election_tick: if config.witness { 3 * ELECTION_TICKS } else { 0 },
         max_election_tick: if config.witness { 5 * ELECTION_TICKS } else { 0 },
+        // Followers that apply on append need no separate commit notice:
+        // one message per peer per commit fewer.
+        skip_bcast_commit: config.early_apply(),
+        batch_append: config.tuning.batch_append == BatchAppend::On,
         ..Default::default()
     };
     raft_config.validate().map_err(|e| ReplicationError::Consensus(e.to_string()))?;
@@ -135,6 +158,7 @@ pub fn start(
                 leader_since: (INVALID_ID, 0, Instant::now()),
                 lost: None,
                 round: None,
+                delivered: 0,
             }
             .run(events)
         })
@@ -158,6 +182,9 @@ struct Loop {
     lost: Option<Lost>,
     /// What started the election this replica runs: shown if it wins.
     round: Option<(Cause, Instant)>,
+    /// Entries up to here were handed on (`committed`): committed ones,
+    /// and with `--early-apply on` appended ones of the current term.
+    delivered: u64,
 }
 
 impl Loop {
@@ -358,7 +385,14 @@ impl Loop {
     }
 
     fn apply(&mut self, entries: Vec<raft::eraftpb::Entry>) -> Result<(), ()> {
+        let gate = self.config.gate.clone();
+        let mut direct = Vec::new();
         for e in entries {
+            // Handed on already, on append (`early_apply`).
+            if e.index <= self.delivered {
+                continue;
+            }
+            self.delivered = e.index;
             if e.get_entry_type() != EntryType::EntryNormal {
                 continue;
             }
@@ -373,9 +407,35 @@ impl Loop {
                     }
                 }
             };
+            if let Some(gate) = &gate {
+                if let Committed::Entry { entry: Entry::Input(frame), .. } = c {
+                    direct.push(frame);
+                    continue;
+                }
+                self.deliver(gate, &mut direct)?;
+                gate.handing();
+            }
             self.committed.send(c).map_err(|_| ())?;
         }
-        Ok(())
+        match &gate {
+            Some(gate) => self.deliver(gate, &mut direct),
+            None => Ok(()),
+        }
+    }
+
+    /// `--direct-input on`: committed input into the guest, or to the
+    /// applier if it has something earlier.
+    fn deliver(&self, gate: &InputGate, frames: &mut Vec<Vec<u8>>) -> Result<(), ()> {
+        if frames.is_empty() {
+            return Ok(());
+        }
+        match gate.deliver(std::mem::take(frames)) {
+            None => Ok(()),
+            Some(frames) => {
+                gate.handing();
+                self.committed.send(Committed::Inputs(frames)).map_err(|_| ())
+            }
+        }
     }
 
     fn on_ready(&mut self) -> Result<(), ()> {
@@ -397,6 +457,7 @@ impl Loop {
             self.config.eligible.store(false, Ordering::SeqCst);
             tracing::info!(index = ready.snapshot().get_metadata().index, "caught up from a snapshot: needs a full syncvm");
             let _ = store.wl().apply_snapshot(ready.snapshot().clone());
+            self.delivered = self.delivered.max(ready.snapshot().get_metadata().index);
         }
         self.apply(ready.take_committed_entries())?;
         if !ready.entries().is_empty() {
@@ -412,6 +473,7 @@ impl Loop {
         }
         self.send(light.take_messages());
         self.apply(light.take_committed_entries())?;
+        self.apply_appended()?;
         self.node.advance_apply();
         let raft = &self.node.raft;
         *self.view.locked() = View { term: raft.term, leader: raft.leader_id, is_leader: raft.state == StateRole::Leader };
@@ -425,6 +487,39 @@ impl Loop {
 }
 
 impl Loop {
+    /// `--early-apply on`, a follower: hand on the entries appended (and
+    /// acknowledged: the persisted messages went first) up to the last of
+    /// the current term. Only the current term's leader makes entries of
+    /// its term, and it sent this replica a prefix of its own log, so the
+    /// leader and this replica both hold them: with three voters, a
+    /// majority, which any later leader's log includes (raft's election
+    /// rule), exactly as when the leader counts this replica's
+    /// acknowledgement and commits them. Entries of earlier terms before
+    /// such an entry are committed with it.
+    fn apply_appended(&mut self) -> Result<(), ()> {
+        if !self.config.early_apply() {
+            return Ok(());
+        }
+        let raft = &self.node.raft;
+        let log = &raft.raft_log;
+        if raft.state != StateRole::Follower
+            || raft.leader_id == INVALID_ID
+            || log.last_term() != raft.term
+            || log.last_index() <= self.delivered
+        {
+            return Ok(());
+        }
+        let from = (self.delivered + 1).max(log.first_index());
+        match log.entries(from, None, raft::GetEntriesContext::empty(false)) {
+            Ok(entries) => self.apply(entries),
+            Err(e) => {
+                // Raft's commit hands them on later.
+                tracing::debug!(from, "cannot read appended entries: {e}");
+                Ok(())
+            }
+        }
+    }
+
     /// This replica leads: show what started the election it won.
     fn elected(&mut self) {
         let (cause, since) = self.round.take().unwrap_or((Cause::Timeout, Instant::now()));

@@ -22,12 +22,14 @@ use ftvm_vmm::sync::{self as vsync, Lock};
 use ftvm_vmm::Vm;
 
 use super::disk::ReplicaDisk;
+use super::gate::InputGate;
 use super::log::Entry;
 use super::mesh::{Inbound, Mesh};
 use super::node::{Committed, Event, View, ALIVE};
 use super::recent::{self, Recent};
 use super::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
 use super::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
+use super::tuning::{AckWait, SyncSpacing};
 use super::{SyncMetrics, SyncRole};
 use crate::metrics::{MetricsLog, Role, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
@@ -54,6 +56,10 @@ pub struct Options {
     pub standby: bool,
     /// `--takeover-replay`.
     pub replay: recent::Mode,
+    /// `--sync-spacing`.
+    pub spacing: SyncSpacing,
+    /// `--ack-wait`.
+    pub ack_wait: AckWait,
 }
 
 /// What arrives for a VM replica's threads from its links.
@@ -87,7 +93,11 @@ pub struct Shared {
     recent: Arc<Recent>,
     /// The VM is held (paused) for a leader's pre-copy, or as a standby:
     /// released by this replica's first successful `syncvm`.
-    held: AtomicBool,
+    held: Arc<AtomicBool>,
+    /// `--direct-input on`: the consensus thread delivers input when this
+    /// replica's applier has nothing earlier; the applier says when it is
+    /// done with what it took.
+    gate: Option<Arc<InputGate>>,
     /// Taken by whoever writes guest memory from outside while the VM is
     /// held (the joiner) and by the secondary's `syncvm`: a pre-copy batch
     /// never lands in the middle of a `syncvm`, nor after one succeeded.
@@ -121,6 +131,11 @@ struct Leadership {
     serving: AtomicBool,
     /// A `syncvm` proposed and not yet run.
     pending: Mutex<bool>,
+    /// When the proposer proposed it (`propose_us`).
+    proposed: Mutex<Option<Instant>>,
+    /// `--ack-wait proposer`: a `syncvm` whose pages were sent and whose
+    /// acknowledgement the proposer is to wait for (set under `pending`).
+    unacked: Mutex<Option<(Done, Figures)>>,
     ran: Condvar,
     /// The last figures, for the proposer's pacing.
     last: Mutex<Option<Figures>>,
@@ -130,6 +145,20 @@ struct Leadership {
     rejoin: Mutex<Rejoin>,
     /// When this leadership began.
     started: Instant,
+}
+
+/// Which `syncvm` of a leadership ended, for its release and record.
+#[derive(Clone, Copy, Debug)]
+struct Done {
+    id: SyncId,
+    /// The output epoch its freeze closed.
+    epoch: u64,
+    secondary: u64,
+    full: bool,
+    /// When the applier reached it.
+    t0: Instant,
+    /// From the proposal to `t0`.
+    propose: Duration,
 }
 
 /// A leader's pre-copy of a replica it has not synchronized.
@@ -177,6 +206,8 @@ impl Shared {
         metrics: MetricsLog,
         options: Options,
         disk: Option<ReplicaDisk>,
+        held: Arc<AtomicBool>,
+        gate: Option<Arc<InputGate>>,
     ) -> Shared {
         Shared {
             id,
@@ -190,7 +221,8 @@ impl Shared {
             recent: Arc::new(Recent::new(options.replay)),
             options,
             disk,
-            held: AtomicBool::new(false),
+            held,
+            gate,
             ram_writer: Mutex::new(()),
             jobs: Mutex::new(None),
             current: AtomicBool::new(false),
@@ -222,6 +254,7 @@ pub fn start(shared: Arc<Shared>, committed: Receiver<Committed>, inboxes: Inbox
     std::thread::Builder::new().name("precopy".into()).spawn(move || precopy_loop(&s, jobs, precopy))?;
     let s = shared.clone();
     std::thread::Builder::new().name("joiner".into()).spawn(move || join_loop(&s, join))?;
+    let sync_inbox = Arc::new(Mutex::new(sync_inbox));
     std::thread::Builder::new().name("applier".into()).spawn(move || Applier { shared, sync_inbox }.run(committed))?;
     Ok(())
 }
@@ -348,7 +381,9 @@ fn join_loop(s: &Shared, inbox: Receiver<Inbound>) {
 
 struct Applier {
     shared: Arc<Shared>,
-    sync_inbox: Receiver<Inbound>,
+    /// The `syncvm` exchange's messages: the applier's, and with
+    /// `--ack-wait proposer` the proposer's for the acknowledgement.
+    sync_inbox: Arc<Mutex<Receiver<Inbound>>>,
 }
 
 impl Applier {
@@ -361,24 +396,37 @@ impl Applier {
                 Err(RecvTimeoutError::Disconnected) => return,
             };
             self.check_leadership();
+            // Entries taken and not yet done with (`InputGate`).
+            let mut taken = 0;
             for c in first.into_iter().chain(committed.try_iter()) {
+                taken += 1;
                 // Held for a pre-copy (or as a standby), the VM's input is
                 // replaced whole at its syncvm: do not let it pile up.
-                if self.shared.held.load(Ordering::SeqCst) {
-                    if let Committed::Entry { entry: Entry::Input(_), .. } = c {
-                        continue;
-                    }
+                if self.shared.held.load(Ordering::SeqCst)
+                    && matches!(c, Committed::Entry { entry: Entry::Input(_), .. } | Committed::Inputs(_))
+                {
+                    continue;
                 }
                 match c {
                     Committed::Entry { entry: Entry::Input(frame), .. } => input.push(frame),
+                    Committed::Inputs(frames) => input.extend(frames),
                     other => {
                         // In log order: the input before it reaches the guest first.
                         self.deliver(&mut input);
                         self.apply(other);
+                        self.done(&mut taken);
                     }
                 }
             }
             self.deliver(&mut input);
+            self.done(&mut taken);
+        }
+    }
+
+    /// The entries taken so far are done with: their input is delivered.
+    fn done(&self, taken: &mut u64) {
+        if let Some(gate) = &self.shared.gate {
+            gate.done(std::mem::take(taken));
         }
     }
 
@@ -411,7 +459,7 @@ impl Applier {
                     self.out_of_step();
                 }
             }
-            Committed::Entry { entry: Entry::Input(_), .. } => unreachable!("input is delivered in batches"),
+            Committed::Entry { entry: Entry::Input(_), .. } | Committed::Inputs(_) => unreachable!("input is delivered in batches"),
         }
     }
 
@@ -468,6 +516,8 @@ impl Applier {
             epoch: AtomicU64::new(0),
             serving: AtomicBool::new(true),
             pending: Mutex::new(false),
+            proposed: Mutex::new(None),
+            unacked: Mutex::new(None),
             ran: Condvar::new(),
             last: Mutex::new(None),
             synced: Mutex::new(None),
@@ -497,9 +547,10 @@ impl Applier {
         }
         tracing::warn!(term, "LEADER: serving the VM");
         let shared = s.clone();
+        let inbox = self.sync_inbox.clone();
         let _ = std::thread::Builder::new().name("proposer".into()).spawn(move || {
             ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Replication);
-            propose_loop(&shared, &lead)
+            propose_loop(&shared, &lead, &inbox)
         });
     }
 
@@ -534,7 +585,14 @@ impl Applier {
         }
         let epoch = lead.epoch.fetch_add(1, Ordering::SeqCst);
         let t0 = Instant::now();
-        let result = match lead.freeze.locked().freeze(&s.vm, epoch, &mut LeaveNone::new(s.vm.ram().pages())) {
+        let propose = lead.proposed.locked().take().map_or(Duration::ZERO, |p| t0.saturating_duration_since(p));
+        let done = Done { id, epoch, secondary, full, t0, propose };
+        let inbox = self.sync_inbox.locked();
+        let mut freezer = lead.freeze.locked();
+        let frozen = freezer.freeze(&s.vm, epoch, &mut LeaveNone::new(s.vm.ram().pages()));
+        let freeze = t0.elapsed();
+        let with_freeze = |f: Figures| Figures { steps: sync::Steps { freeze, ..f.steps }, ..f };
+        let result = match frozen {
             Err(e) => Err(SyncError::Protocol(crate::ProtocolError::Corrupt(e.to_string()))),
             Ok(frozen) if secondary == 0 => {
                 // A barrier: consensus committed it, so this replica led then.
@@ -542,45 +600,26 @@ impl Applier {
                 Ok(Figures { pause, ..Figures::default() })
             }
             Ok(frozen) => {
-                let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: secondary, id, disk: s.disk.as_ref(), started: t0 };
-                sync::lead(&x, &s.vm, frozen, full, s.options.pages)
+                let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: secondary, id, disk: s.disk.as_ref(), started: t0 };
+                match s.options.ack_wait {
+                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages).map(with_freeze),
+                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages).map(with_freeze) {
+                        Ok(figures) => {
+                            // The proposer waits for the acknowledgement and
+                            // releases; this thread delivers input meanwhile.
+                            let _pending = lead.pending.locked();
+                            *lead.unacked.locked() = Some((done, figures));
+                            lead.ran.notify_all();
+                            return;
+                        }
+                        Err(e) => Err(e),
+                    },
+                }
             }
         };
-        match &result {
-            Ok(f) => {
-                let released = lead.output.release_through(epoch);
-                let _ = s.events.send(Event::Compact(id.index));
-                *lead.synced.locked() = (secondary != 0).then_some(secondary);
-                let mut st = s.status.lock();
-                st.protected = secondary != 0;
-                st.detail =
-                    if secondary != 0 { format!("leader: secondary {secondary}") } else { "leader: UNPROTECTED (no secondary)".into() };
-                drop(st);
-                tracing::debug!(
-                    index = id.index,
-                    secondary,
-                    full,
-                    released = released.frames,
-                    divergent = f.divergent_pages,
-                    "syncvm done"
-                );
-            }
-            Err(e) => {
-                *lead.synced.locked() = None;
-                // Its dirty set was taken: were it a secondary later, the
-                // next syncvm must compare every page.
-                s.in_step.store(false, Ordering::SeqCst);
-                let mut st = s.status.lock();
-                st.protected = false;
-                st.detail = format!("leader: syncvm with {secondary} failed: {e}");
-                drop(st);
-                tracing::warn!(index = id.index, secondary, "syncvm failed: {e}; output stays held");
-            }
-        }
-        self.record(id, SyncRole::Leader, secondary, full, t0, &result);
-        *lead.last.locked() = result.ok();
-        *lead.pending.locked() = false;
-        lead.ran.notify_all();
+        drop(freezer);
+        drop(inbox);
+        s.synced(&lead, done, result);
     }
 
     fn follow_sync(&self, id: SyncId, leader: u64, full: bool) {
@@ -589,7 +628,8 @@ impl Applier {
             return;
         }
         let t0 = Instant::now();
-        let x = Exchange { mesh: &s.mesh, inbox: &self.sync_inbox, peer: leader, id, disk: s.disk.as_ref(), started: t0 };
+        let inbox = self.sync_inbox.locked();
+        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: leader, id, disk: s.disk.as_ref(), started: t0 };
         // No pre-copy batch lands during the syncvm, nor after it succeeded.
         let writer = s.ram_writer.locked();
         // Inside the pause once applied: what the guest sent before is of
@@ -625,11 +665,65 @@ impl Applier {
                 tracing::warn!(index = id.index, leader, "syncvm failed: {e}; nothing applied");
             }
         }
-        self.record(id, SyncRole::Secondary, leader, full, t0, &result);
+        s.record(id, SyncRole::Secondary, leader, full, t0, &result, Duration::ZERO);
+    }
+}
+
+impl Shared {
+    /// A `syncvm` this leader ran is over (acknowledged, or failed):
+    /// release the output it closed, record it, let the proposer go on.
+    fn synced(&self, lead: &Leadership, done: Done, result: Result<Figures, SyncError>) {
+        let s = self;
+        let Done { id, epoch, secondary, full, t0, propose } = done;
+        match &result {
+            Ok(f) => {
+                let released = lead.output.release_through(epoch);
+                let _ = s.events.send(Event::Compact(id.index));
+                *lead.synced.locked() = (secondary != 0).then_some(secondary);
+                let mut st = s.status.lock();
+                st.protected = secondary != 0;
+                st.detail =
+                    if secondary != 0 { format!("leader: secondary {secondary}") } else { "leader: UNPROTECTED (no secondary)".into() };
+                drop(st);
+                tracing::debug!(
+                    index = id.index,
+                    secondary,
+                    full,
+                    released = released.frames,
+                    divergent = f.divergent_pages,
+                    "syncvm done"
+                );
+            }
+            Err(e) => {
+                *lead.synced.locked() = None;
+                // Its dirty set was taken: were it a secondary later, the
+                // next syncvm must compare every page.
+                s.in_step.store(false, Ordering::SeqCst);
+                let mut st = s.status.lock();
+                st.protected = false;
+                st.detail = format!("leader: syncvm with {secondary} failed: {e}");
+                drop(st);
+                tracing::warn!(index = id.index, secondary, "syncvm failed: {e}; output stays held");
+            }
+        }
+        s.record(id, SyncRole::Leader, secondary, full, t0, &result, propose);
+        *lead.last.locked() = result.ok();
+        *lead.pending.locked() = false;
+        lead.ran.notify_all();
     }
 
-    fn record(&self, id: SyncId, role: SyncRole, peer: u64, full: bool, t0: Instant, result: &Result<Figures, SyncError>) {
-        let s = &self.shared;
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        &self,
+        id: SyncId,
+        role: SyncRole,
+        peer: u64,
+        full: bool,
+        t0: Instant,
+        result: &Result<Figures, SyncError>,
+        propose: Duration,
+    ) {
+        let s = self;
         let interval = {
             let mut last = s.last_sync.locked();
             let i = t0.saturating_duration_since(*last);
@@ -637,6 +731,8 @@ impl Applier {
             i
         };
         let f = result.as_ref().copied().unwrap_or_default();
+        let (bytes, messages) = s.mesh.take_sent();
+        let us = |d: Duration| d.as_micros() as u64;
         let m = SyncMetrics {
             term: id.term,
             index: id.index,
@@ -644,7 +740,7 @@ impl Applier {
             peer,
             full,
             ok: result.is_ok(),
-            bytes: s.mesh.take_sent(),
+            bytes,
             dirty_pages: f.dirty_pages,
             divergent_pages: f.divergent_pages,
             page_bytes: f.page_bytes,
@@ -653,6 +749,13 @@ impl Applier {
             pause_us: f.pause.as_micros() as u64,
             interval_us: interval.as_micros() as u64,
             sync_us: t0.elapsed().as_micros() as u64,
+            messages,
+            propose_us: us(propose),
+            freeze_us: us(f.steps.freeze),
+            bitmap_us: us(f.steps.bitmap),
+            hash_us: us(f.steps.hash),
+            wait_us: us(f.steps.wait),
+            ack_us: us(f.steps.ack),
             memory_digest: f.memory_digest,
         };
         s.metrics.record(&m);
@@ -662,7 +765,7 @@ impl Applier {
 
 /// While `lead` serves: propose a `syncvm` whenever the output trigger
 /// says so, one at a time.
-fn propose_loop(s: &Shared, lead: &Arc<Leadership>) {
+fn propose_loop(s: &Shared, lead: &Arc<Leadership>, inbox: &Mutex<Receiver<Inbound>>) {
     let mut pacing = Pacing::new(trigger::Mode::Output, s.options.max_interval);
     let guest = trigger::GuestView { vm: &s.vm, output: &lead.output };
     let mut since = Instant::now();
@@ -682,23 +785,47 @@ fn propose_loop(s: &Shared, lead: &Arc<Leadership>) {
         }
         let full = secondary != 0 && full;
         *lead.pending.locked() = true;
+        *lead.proposed.locked() = Some(Instant::now());
         let _ = s.events.send(Event::Propose(Entry::Sync { leader: s.id, secondary, full }.encode()));
         let mut pending = lead.pending.locked();
         let deadline = Instant::now() + PROPOSAL_TIMEOUT;
-        while *pending && lead.serving.load(Ordering::SeqCst) && Instant::now() < deadline {
+        loop {
+            // `--ack-wait proposer`: the applier sent the pages (it sets
+            // this under `pending`, so no notice is missed).
+            let unacked = lead.unacked.locked().take();
+            if let Some((done, figures)) = unacked {
+                drop(pending);
+                await_ack(s, lead, inbox, done, figures);
+                pending = lead.pending.locked();
+                continue;
+            }
+            if !(*pending && lead.serving.load(Ordering::SeqCst) && Instant::now() < deadline) {
+                break;
+            }
             pending = vsync::wait_timeout(&lead.ran, pending, deadline.saturating_duration_since(Instant::now()));
         }
         *pending = false;
         drop(pending);
         let f = lead.last.locked().take().unwrap_or_default();
-        pacing.record(&Sample {
-            pause: f.pause,
-            cost: start.elapsed(),
-            dirty_pages: f.dirty_pages,
-            epoch: start.saturating_duration_since(since),
-        });
+        let cost = match s.options.spacing {
+            SyncSpacing::Cost => start.elapsed(),
+            // Only what stops the guest: the next syncvm may follow at
+            // twice its pause (`Pacing::spacing`).
+            SyncSpacing::Pause => f.pause,
+        };
+        pacing.record(&Sample { pause: f.pause, cost, dirty_pages: f.dirty_pages, epoch: start.saturating_duration_since(since) });
         since = Instant::now();
     }
+}
+
+/// `--ack-wait proposer`: the secondary's acknowledgement of a `syncvm`
+/// whose pages the applier sent, then its release.
+fn await_ack(s: &Shared, lead: &Leadership, inbox: &Mutex<Receiver<Inbound>>, done: Done, figures: Figures) {
+    let inbox = inbox.locked();
+    let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: done.secondary, id: done.id, disk: s.disk.as_ref(), started: done.t0 };
+    let result = sync::await_ack(&x).map(|ack| Figures { steps: sync::Steps { ack, ..figures.steps }, ..figures });
+    drop(inbox);
+    s.synced(lead, done, result);
 }
 
 /// Whether the leader may run the full `syncvm` that makes `peer` its

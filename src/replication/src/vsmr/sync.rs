@@ -188,6 +188,25 @@ pub struct Figures {
     /// hashes of all guest memory, as the leader froze it and as the
     /// secondary has it once the pages are applied.
     pub memory_digest: Option<u64>,
+    /// The steps (`SyncMetrics`' `bitmap_us`, `hash_us`, `wait_us`, `ack_us`).
+    pub steps: Steps,
+}
+
+/// Where a `syncvm`'s time went, on one side.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Steps {
+    /// The leader: its freeze (the vCPUs paused, the dirty set and the VM
+    /// state taken); the secondary: taking its dirty set once paused.
+    pub freeze: Duration,
+    /// From sending this side's bitmap until the peer's arrived.
+    pub bitmap: Duration,
+    /// Hashing the union (pages and disk blocks).
+    pub hash: Duration,
+    /// The leader: waiting for the secondary's hashes (and block hashes);
+    /// the secondary: from sending its hashes until the pages came.
+    pub wait: Duration,
+    /// The leader: from its resume until the acknowledgement.
+    pub ack: Duration,
 }
 
 /// The exchange with one peer.
@@ -259,13 +278,16 @@ impl Exchange<'_> {
     /// Send this side's dirty bitmap, receive the other's: the union, or
     /// every page when either side asks for a full compare.
     /// The same for the disk's dirty blocks (`blocks`): their union too.
-    fn swap_bitmaps(&self, mine: &PageBitmap, blocks: Vec<u64>, full: bool) -> Result<(PageBitmap, Vec<u64>), SyncError> {
+    /// Also how long the peer's bitmap took to come once this one's was sent.
+    fn swap_bitmaps(&self, mine: &PageBitmap, blocks: Vec<u64>, full: bool) -> Result<(PageBitmap, Vec<u64>, Duration), SyncError> {
         let words = if full { Vec::new() } else { mine.words().to_vec() };
         let disk_size = self.disk.map_or(0, ReplicaDisk::size);
         let blocks = if full { Vec::new() } else { blocks };
         let msg = BitmapMsg { full, words, disk_size, blocks };
         self.send(Kind::SyncBitmap, &postcard::to_allocvec(&msg).expect("serializes"))?;
+        let sent = Instant::now();
         let theirs: BitmapMsg = protocol::decode(&self.expect(Kind::SyncBitmap, 0)?[ID_LEN..])?;
+        let waited = sent.elapsed();
         if theirs.disk_size != disk_size {
             return Err(ProtocolError::Corrupt(format!(
                 "replica {} has a disk of {} bytes, this one of {disk_size} (0: none): every VM replica needs a disk of the same size",
@@ -298,7 +320,7 @@ impl Exchange<'_> {
             union.copy_from(mine);
             union.or_words(&theirs.words);
         }
-        Ok((union, blocks))
+        Ok((union, blocks, waited))
     }
 
     /// This side's hashes of `blocks` of its disk.
@@ -313,7 +335,23 @@ impl Exchange<'_> {
 /// The leader's side, with its VM frozen (dirty set and state taken, the
 /// output epoch closed, in the pause): resumes the guest as soon as the
 /// pages are sent, returns once the secondary acknowledged them.
-pub fn lead(x: &Exchange<'_>, vm: &Vm, mut frozen: Frozen<'_>, full: bool, mode: PageMode) -> Result<Figures, SyncError> {
+pub fn lead(x: &Exchange<'_>, vm: &Vm, frozen: Frozen<'_>, full: bool, mode: PageMode) -> Result<Figures, SyncError> {
+    let mut figures = lead_unacked(x, vm, frozen, full, mode)?;
+    figures.steps.ack = await_ack(x)?;
+    Ok(figures)
+}
+
+/// The secondary's acknowledgement of this `syncvm`'s pages (the leader,
+/// once its guest resumed): how long it took.
+pub fn await_ack(x: &Exchange<'_>) -> Result<Duration, SyncError> {
+    let resumed = Instant::now();
+    x.expect(Kind::SyncAck, 0)?;
+    Ok(resumed.elapsed())
+}
+
+/// `lead` up to the resume: the pages are sent; the acknowledgement
+/// (`await_ack`) is still to come, and the output must wait for it.
+pub fn lead_unacked(x: &Exchange<'_>, vm: &Vm, mut frozen: Frozen<'_>, full: bool, mode: PageMode) -> Result<Figures, SyncError> {
     let pending_input = vm.devices().take_injected_host_input();
     let none = StateDelta { memory: None, vcpus: Vec::new(), devices: Vec::new(), clock: None };
     // The freeze saved every component: a whole state.
@@ -326,7 +364,6 @@ pub fn lead(x: &Exchange<'_>, vm: &Vm, mut frozen: Frozen<'_>, full: bool, mode:
     vm.devices().inject_host_input(pending_input);
     let mut figures = result?;
     figures.pause = pause;
-    x.expect(Kind::SyncAck, 0)?;
     Ok(figures)
 }
 
@@ -341,11 +378,17 @@ fn lead_paused(
     mode: PageMode,
     pending: &[Vec<u8>],
 ) -> Result<Figures, SyncError> {
-    let (union, blocks) = x.swap_bitmaps(dirty, blocks, full)?;
+    let mut steps = Steps::default();
+    let (union, blocks, bitmap) = x.swap_bitmaps(dirty, blocks, full)?;
+    steps.bitmap = bitmap;
     let pages: Vec<u64> = union.pages().collect();
+    let t = Instant::now();
     let mine = hash_pages(vm.ram(), &pages);
     let my_blocks = x.hash_blocks(&blocks)?;
+    steps.hash = t.elapsed();
+    let t = Instant::now();
     let theirs: HashesMsg = protocol::decode(&x.expect(Kind::SyncHashes, pages.len() as u64 + blocks.len() as u64)?[ID_LEN..])?;
+    steps.wait = t.elapsed();
     if theirs.hashes.len() != pages.len() || theirs.blocks.len() != blocks.len() {
         return Err(ProtocolError::Corrupt(format!(
             "{} hashes for {} pages, {} for {} disk blocks",
@@ -373,7 +416,9 @@ fn lead_paused(
     match mode {
         PageMode::Blocks if !divergent.is_empty() => {
             x.send(Kind::SyncWant, &postcard::to_allocvec(&WantMsg { pages: divergent.clone() }).expect("serializes"))?;
+            let t = Instant::now();
             let theirs: BlockHashesMsg = protocol::decode(&x.expect(Kind::SyncBlockHashes, divergent.len() as u64)?[ID_LEN..])?;
+            steps.wait += t.elapsed();
             if theirs.hashes.len() != divergent.len() * BLOCKS {
                 return Err(ProtocolError::Corrupt(format!("{} block hashes for {} pages", theirs.hashes.len(), divergent.len())).into());
             }
@@ -424,6 +469,7 @@ fn lead_paused(
         dirty_blocks: blocks.len() as u64,
         divergent_blocks,
         memory_digest,
+        steps,
     })
 }
 
@@ -446,16 +492,22 @@ pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool, applied: impl FnOnce()) -> 
 }
 
 fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncError> {
+    let t = Instant::now();
     let mut dirty = PageBitmap::new(vm.ram().pages());
     vm.collect_dirty(&mut dirty, &PageBitmap::new(vm.ram().pages()))?;
     // Its disk's writes since the last syncvm (none is in progress: the
     // disk's I/O runs in the device's pass, which the pause waited for).
     let blocks = x.disk.map(|d| disk::dirty_blocks(&d.journal.take(), d.size())).unwrap_or_default();
-    let (union, blocks) = x.swap_bitmaps(&dirty, blocks, full)?;
+    let mut steps = Steps { freeze: t.elapsed(), ..Steps::default() };
+    let (union, blocks, bitmap) = x.swap_bitmaps(&dirty, blocks, full)?;
+    steps.bitmap = bitmap;
     let pages: Vec<u64> = union.pages().collect();
+    let t = Instant::now();
     let hashes = hash_pages(vm.ram(), &pages);
     let block_hashes = x.hash_blocks(&blocks)?;
+    steps.hash = t.elapsed();
     x.send(Kind::SyncHashes, &postcard::to_allocvec(&HashesMsg { hashes, blocks: block_hashes }).expect("serializes"))?;
+    let t = Instant::now();
     let (mut kind, mut payload) = x.expect_any(&[Kind::SyncWant, Kind::SyncPages], pages.len() as u64 + blocks.len() as u64)?;
     if kind == Kind::SyncWant {
         let want: WantMsg = protocol::decode(&payload[ID_LEN..])?;
@@ -466,6 +518,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
         x.send(Kind::SyncBlockHashes, &postcard::to_allocvec(&BlockHashesMsg { hashes }).expect("serializes"))?;
         (kind, payload) = x.expect_any(&[Kind::SyncPages], want.pages.len() as u64)?;
     }
+    steps.wait = t.elapsed();
     debug_assert_eq!(kind, Kind::SyncPages);
     // Stage: everything parsed and checked before anything changes.
     let mut c = Cursor::new(&payload[ID_LEN..]);
@@ -503,6 +556,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
         dirty_blocks: blocks.len() as u64,
         divergent_blocks: state.disk.len() as u64,
         memory_digest,
+        steps,
     })
 }
 

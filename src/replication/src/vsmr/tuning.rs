@@ -1,0 +1,79 @@
+//! Throughput switches of consensus-ordered replicas, each measured on
+//! and off (docs/replicas.md, "Measured"): where a request's time goes
+//! between the leader's TAP and the release of its reply.
+
+use crate::switch::switch;
+
+switch! {
+    /// `--early-apply`: when the secondary's guest gets a log entry.
+    pub enum EarlyApply {
+        /// As soon as the secondary has appended it, if it is of the
+        /// current term: with three voters the leader and this replica are
+        /// a majority, so it is committed (raft's own commit rule, counted
+        /// here instead of at the leader). The leader then sends no
+        /// separate commit notice (`skip_bcast_commit`).
+        On = "on",
+        /// When the secondary learns that it is committed (the leader's
+        /// next message after the commit).
+        Off = "off",
+    }
+}
+
+switch! {
+    /// `--batch-append`: raft messages to one peer per round of the
+    /// consensus thread.
+    pub enum BatchAppend {
+        /// Appends queued for a peer in one round merge into one message
+        /// (raft-rs's `batch_append`).
+        On = "on",
+        /// One append per proposal (raft-rs's default).
+        Off = "off",
+    }
+}
+
+switch! {
+    /// `--sync-spacing`: what the proposer's spacing between two
+    /// `syncvm`s learns from.
+    pub enum SyncSpacing {
+        /// The whole `syncvm` from its proposal to the secondary's
+        /// acknowledgement (as a primary-backup checkpoint's cost).
+        Cost = "cost",
+        /// Only the leader's pause: the consensus round and the wait for
+        /// the acknowledgement do not stop the guest, so they do not delay
+        /// the next `syncvm`.
+        Pause = "pause",
+    }
+}
+
+switch! {
+    /// `--direct-input`: which thread puts committed input into the guest.
+    pub enum DirectInput {
+        /// The applier, woken by the consensus thread.
+        Off = "off",
+        /// The consensus thread itself when the applier has nothing earlier
+        /// (`gate`): one thread wake-up fewer per batch.
+        On = "on",
+    }
+}
+
+switch! {
+    /// `--ack-wait`: which thread of the leader waits for the secondary's
+    /// acknowledgement of a `syncvm` (then releases the output).
+    pub enum AckWait {
+        /// The applier: no committed input reaches the guest meanwhile.
+        Applier = "applier",
+        /// The proposer (which waits for the `syncvm` anyway): the
+        /// applier goes on delivering input as soon as the guest resumed.
+        Proposer = "proposer",
+    }
+}
+
+/// The switches together.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Tuning {
+    pub early_apply: EarlyApply,
+    pub batch_append: BatchAppend,
+    pub sync_spacing: SyncSpacing,
+    pub direct_input: DirectInput,
+    pub ack_wait: AckWait,
+}
