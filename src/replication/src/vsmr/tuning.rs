@@ -2,7 +2,7 @@
 //! and off (docs/replicas.md, "Measured"): where a request's time goes
 //! between the leader's TAP and the release of its reply.
 
-use crate::switch::switch;
+use ftvm_vmm::switch;
 
 switch! {
     /// `--early-apply`: when the secondary's guest gets a log entry.
