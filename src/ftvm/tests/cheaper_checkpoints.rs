@@ -47,8 +47,7 @@ fn checksum_of(out: &Output) -> Option<String> {
 
 /// The primary's per-epoch metrics, summed per field.
 fn totals(metrics: &Path, fields: &[&str]) -> Vec<u64> {
-    let text = std::fs::read_to_string(metrics).unwrap();
-    let epochs: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let epochs = json_lines(metrics);
     fields.iter().map(|f| epochs.iter().map(|e| e[f].as_u64().unwrap_or_else(|| panic!("no {f} in {e}"))).sum()).collect()
 }
 

@@ -106,8 +106,7 @@ fn no_false_failures(tag: &str, secs: u64) {
     assert!(!b_err.contains("PRIMARY LOST"), "the backup took a live primary over:\n{b_err}");
 
     // The load was real: thousands of dirty pages per epoch.
-    let epochs: Vec<serde_json::Value> =
-        std::fs::read_to_string(&metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let epochs: Vec<serde_json::Value> = json_lines(&metrics);
     let mut dirty: Vec<u64> = epochs.iter().map(|e| e["dirty_pages"].as_u64().unwrap()).collect();
     dirty.sort_unstable();
     let median = dirty[dirty.len() / 2];

@@ -497,8 +497,12 @@ fn syncvm_repairs_divergence() {
     }
     procs[2].kill();
     let lines = |id: u64| -> Vec<serde_json::Value> {
-        let text = std::fs::read_to_string(dir.join(format!("r{id}.jsonl"))).unwrap_or_default();
-        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+        let path = dir.join(format!("r{id}.jsonl"));
+        if path.exists() {
+            common::json_lines(&path)
+        } else {
+            Vec::new()
+        }
     };
     let all: Vec<serde_json::Value> = lines(1).into_iter().chain(lines(2)).filter(|l| l["ok"] == true).collect();
     let key = |l: &serde_json::Value| (l["term"].as_u64().unwrap(), l["index"].as_u64().unwrap());

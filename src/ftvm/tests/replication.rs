@@ -113,8 +113,7 @@ fn memory_survives_failover_epochs(extra: &[&str], runs: &[(u32, u32, u64)]) -> 
         assert!(took_over_at(&err).is_some(), "no takeover: {err}");
         let what = format!("{vcpus} vCPUs, {writers} writing, {extra:?}, killed after {delay_ms} ms");
         assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(&work, writers)), "{what}");
-        let text = std::fs::read_to_string(&metrics).unwrap();
-        let epochs: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let epochs = json_lines(&metrics);
         assert!(!epochs.is_empty(), "{what}: no epoch metrics");
         all.push(epochs);
     }
@@ -227,8 +226,7 @@ fn adaptive_prefetch_starts_later_when_sends_are_wasted() {
     let (p, b) = (finish(p), finish(b));
     assert!(p.status.success(), "{}", stderr(&p));
     assert!(b.status.success(), "{}", stderr(&b));
-    let epochs: Vec<serde_json::Value> =
-        std::fs::read_to_string(&metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let epochs: Vec<serde_json::Value> = json_lines(&metrics);
     let n = |key: &str| epochs.iter().map(|e| e[key].as_u64().unwrap()).collect::<Vec<_>>();
     let (start, ahead, wasted) = (n("prefetch_start"), n("prefetched_pages"), n("prefetch_wasted"));
     let all_rounds = start.iter().filter(|&&s| s == 0).count();
@@ -566,8 +564,7 @@ fn fast_disk_writes_give_bounded_checkpoints_and_an_equal_replica() {
     assert!(b_err.contains("backup done") && !b_err.contains("PRIMARY LOST"), "{b_err}");
 
     // Every checkpoint stayed within the bound, so some ended their epoch early.
-    let epochs: Vec<serde_json::Value> =
-        std::fs::read_to_string(&metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let epochs: Vec<serde_json::Value> = json_lines(&metrics);
     let field = |e: &serde_json::Value, k: &str| e[k].as_u64().unwrap_or_else(|| panic!("no {k} in {e}"));
     let limit = checkpoint_limit(MEM, 1);
     for e in &epochs {
@@ -790,8 +787,7 @@ fn held_output_and_an_idle_guest_start_a_checkpoint() {
         assert!(out.status.success(), "{}", stderr(&out));
         assert!(stdout(&out).contains("probe: ticker done n=60"), "{}", stdout(&out));
         finish(b);
-        let epochs: Vec<serde_json::Value> =
-            std::fs::read_to_string(&metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let epochs: Vec<serde_json::Value> = json_lines(&metrics);
         let by = |reason: &str| epochs.iter().filter(|e| e["trigger"] == reason).collect::<Vec<_>>();
         let us = |e: &serde_json::Value, k: &str| e[k].as_u64().unwrap();
         assert_eq!((by("sync").len(), by("stop").len()), (1, 1), "{trigger}: {epochs:?}");

@@ -39,9 +39,9 @@ use ftvm_vmm::pages::FormatError;
 /// block, and RejoinPages may carry disk blocks after its sequence number.
 /// Version 12: a checkpoint's fake-ACK state is whole or the changes since
 /// the previous checkpoint (`fakeack::delta::Carried`, `--fake-ack-state`).
-/// Version 14: the backup pulls prefetched pages (`--prefetch-by pull`):
+/// Version 13: the backup pulls prefetched pages (`--prefetch-by pull`):
 /// PullMap, PullList, PullDone (`pipeline::prefetch::pull`).
-pub const PROTOCOL_VERSION: u16 = 14;
+pub const PROTOCOL_VERSION: u16 = 13;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

@@ -152,3 +152,13 @@ pub fn logged_sets(disk: &Path) -> std::collections::HashMap<String, Vec<u8>> {
     }
     sets
 }
+
+/// The JSON lines of a metrics file. A last line without its newline is
+/// left out: a VMM killed in the middle of writing it (a write to a file
+/// can stop between two pages when the process is killed) leaves it cut
+/// short. Every complete line must parse.
+pub fn json_lines(path: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
+    complete.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{}: {e}: {l}", path.display()))).collect()
+}
