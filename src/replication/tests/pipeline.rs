@@ -99,6 +99,25 @@ fn checkpoint_with_writes(vm: &Vm, writes: &[(u64, Vec<u8>)]) -> Vec<u8> {
     frame.to_vec()
 }
 
+/// A primary tracking its dirty pages, a pipeline with `switches` over it
+/// (output going nowhere) and its started disk journal.
+fn tracked(switches: &Switches) -> (Vm, Pipeline, Arc<DiskJournal>) {
+    let primary = vm();
+    primary.start_dirty_tracking().unwrap();
+    let output = Arc::new(OutputBuffer::new(Arc::new(Nowhere)));
+    let journal = Arc::new(DiskJournal::default());
+    journal.start();
+    let pipeline = Pipeline::new(switches, &primary, output, journal.clone()).unwrap();
+    (primary, pipeline, journal)
+}
+
+/// Stage and commit checkpoint `frame` into `replica`; both must succeed.
+fn stage_and_commit(apply: &mut InPlace, replica: &mut Replica, frame: &[u8]) {
+    let payload = payload(frame);
+    let staged = apply.stage(replica, &payload).unwrap();
+    apply.commit(replica, staged).unwrap();
+}
+
 fn payload(frame: &[u8]) -> Vec<u8> {
     let mut buf = Vec::new();
     assert_eq!(protocol::read_frame(&mut &frame[..], 1 << 30, &mut buf).unwrap(), Kind::Checkpoint);
@@ -297,13 +316,7 @@ fn diff_checkpoints_rebuild_the_primarys_memory_and_an_undone_one_changes_nothin
         File::create(&path).unwrap().set_len(DISK).unwrap();
         let mut replica = replica_with_disk(1, Some(&path));
         let pages = |vm: &Vm| ram_bytes(vm)[1000 * PAGE..1040 * PAGE].to_vec();
-        let primary = vm();
-        primary.start_dirty_tracking().unwrap();
-        let output = Arc::new(OutputBuffer::new(Arc::new(Nowhere)));
-        let journal = Arc::new(DiskJournal::default());
-        journal.start();
-        let switches = Switches { diff, ..Switches::default() };
-        let mut pipeline = Pipeline::new(&switches, &primary, output, journal.clone()).unwrap();
+        let (primary, mut pipeline, journal) = tracked(&Switches { diff, ..Switches::default() });
         let mut apply = InPlace::default();
         let mut saved = 0;
         for epoch in 1..=6u64 {
@@ -445,13 +458,7 @@ fn pull_list(frame: &[u8]) -> protocol::PullList {
 #[test]
 fn pulled_pages_read_after_the_freeze_are_carried_by_the_checkpoint() {
     for diff in [Diff::Off, Diff::Lz4] {
-        let primary = vm();
-        primary.start_dirty_tracking().unwrap();
-        let output = Arc::new(OutputBuffer::new(Arc::new(Nowhere)));
-        let journal = Arc::new(DiskJournal::default());
-        journal.start();
-        let switches = Switches { diff, prefetch: Mode::On, prefetch_by: By::Pull, ..Switches::default() };
-        let mut pipeline = Pipeline::new(&switches, &primary, output, journal).unwrap();
+        let (primary, mut pipeline, _) = tracked(&Switches { diff, prefetch: Mode::On, prefetch_by: By::Pull, ..Switches::default() });
         let confirmed = pipeline.pull_confirmations().expect("pull rounds");
         let offer = Offer::new().unwrap();
         let (name, size) = (offer.name().to_string(), primary.ram().size());
@@ -461,11 +468,7 @@ fn pulled_pages_read_after_the_freeze_are_carried_by_the_checkpoint() {
         let mut replica = replica(1);
         let mut apply = InPlace::default();
         let limit = bounds::checkpoint_limit(MEM, 1);
-        let mut commit = |replica: &mut Replica, frame: &[u8]| {
-            let payload = payload(frame);
-            let staged = apply.stage(replica, &payload).unwrap();
-            apply.commit(replica, staged).unwrap();
-        };
+        let mut commit = |replica: &mut Replica, frame: &[u8]| stage_and_commit(&mut apply, replica, frame);
 
         // Epoch 1: a list read and confirmed before the freeze; pages
         // written after the round go in the checkpoint (and the diff
@@ -531,21 +534,11 @@ fn pulled_pages_read_after_the_freeze_are_carried_by_the_checkpoint() {
 #[test]
 fn prefetched_pages_commit_only_with_their_checkpoint() {
     for diff in [Diff::Off, Diff::Lz4] {
-        let primary = vm();
-        primary.start_dirty_tracking().unwrap();
-        let output = Arc::new(OutputBuffer::new(Arc::new(Nowhere)));
-        let journal = Arc::new(DiskJournal::default());
-        journal.start();
-        let switches = Switches { diff, prefetch: Mode::On, ..Switches::default() };
-        let mut pipeline = Pipeline::new(&switches, &primary, output, journal).unwrap();
+        let (primary, mut pipeline, _) = tracked(&Switches { diff, prefetch: Mode::On, ..Switches::default() });
         let mut replica = replica(1);
         let mut apply = InPlace::default();
         let limit = bounds::checkpoint_limit(MEM, 1);
-        let mut commit = |replica: &mut Replica, frame: &[u8]| {
-            let payload = payload(frame);
-            let staged = apply.stage(replica, &payload).unwrap();
-            apply.commit(replica, staged).unwrap();
-        };
+        let mut commit = |replica: &mut Replica, frame: &[u8]| stage_and_commit(&mut apply, replica, frame);
 
         // Epoch 1: nothing recent yet, so every page harvested is cold.
         fill_pages(&primary, 1000..1040, 0x11);
