@@ -101,8 +101,6 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_or(7700, |a| a.port())
 }
 
-/// Means over the JSON-lines metrics file, skipping the first epochs
-/// (pre-copy aftermath).
 /// Switches that both sides take: a setting measured is given to the
 /// backup too.
 const BOTH_SIDES: [&str; 2] = ["--idle-pause", "--priority"];
@@ -112,6 +110,8 @@ fn backup_side<'a>(args: &[&'a str]) -> Vec<&'a str> {
     args.windows(2).filter(|w| BOTH_SIDES.contains(&w[0])).flat_map(|w| [w[0], w[1]]).collect()
 }
 
+/// Means over the JSON-lines metrics file, skipping the first epochs
+/// (pre-copy aftermath).
 pub fn epoch_means(path: &Path) -> EpochMeans {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<serde_json::Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).skip(3).collect();
