@@ -703,6 +703,15 @@ impl Priority {
             Priority::Normal => normal_priority(),
         }
     }
+
+    /// Run `work` on the calling thread at this priority, then go back to
+    /// normal: threads the caller creates afterwards inherit its policy.
+    pub fn during<T>(self, work: impl FnOnce() -> T) -> T {
+        self.apply();
+        let result = work();
+        Priority::Normal.apply();
+        result
+    }
 }
 
 /// Run the calling thread at normal priority again (threads it creates

@@ -152,11 +152,9 @@ impl Backup {
             st.peer = peer.clone();
         }
         let log = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
-        // This thread receives and applies the checkpoints (`--priority`).
-        config.priority.apply();
-        let ended = follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log, &mirror.frames);
-        // Back to normal before a takeover: the threads it creates inherit it.
-        Priority::Normal.apply();
+        // This thread receives and applies the checkpoints (`--priority`),
+        // then is back to normal for a takeover, whose threads inherit it.
+        let ended = config.priority.during(|| follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log, &mirror.frames));
         // Following ended: no more heartbeats to this primary.
         drop(beats);
         let lost_unix_us = unix_ns() / 1000;

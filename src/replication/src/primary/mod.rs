@@ -361,12 +361,9 @@ impl Worker {
     /// Checkpoint whenever the trigger says so until the backup is lost
     /// (returns why) or the primary stops (returns None after saying goodbye).
     fn protect(&mut self, session: &Session) -> Option<BackupLoss> {
-        // Only while protecting: the threads this one creates outside it
-        // (a new backup's session) inherit its scheduling.
-        self.config.priority.apply();
-        let loss = self.protect_with(session);
-        crate::liveness::Priority::Normal.apply();
-        loss
+        // Only while protecting: outside it this thread creates threads (a
+        // new backup's session), which would inherit the priority.
+        self.config.priority.during(|| self.protect_with(session))
     }
 
     fn protect_with(&mut self, session: &Session) -> Option<BackupLoss> {
