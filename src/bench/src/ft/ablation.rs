@@ -361,4 +361,40 @@ mod tests {
             assert!(s.values.len() >= 2, "{}: a switch needs something to compare", s.name);
         }
     }
+
+    /// The table is written by hand (some values need other flags with
+    /// them); this keeps it from drifting from the switches themselves.
+    #[test]
+    fn the_table_measures_every_value_of_each_switch_default_first() {
+        use ftvm_replication::pipeline::{capture, encode, predict, prefetch, trigger};
+        use ftvm_replication::{fakeack, liveness, mirror};
+        let declared: &[(&str, &[&str])] = &[
+            ("dirty-backend", ftvm_vmm::DirtyBackend::VALUES),
+            ("mirror", mirror::Mode::VALUES),
+            ("trigger", trigger::Mode::VALUES),
+            ("capture", capture::Mode::VALUES),
+            ("predict-writes", predict::Mode::VALUES),
+            ("diff", encode::Diff::VALUES),
+            ("device-state", encode::States::VALUES),
+            ("prefetch", prefetch::Mode::VALUES),
+            ("fake-ack", fakeack::Mode::VALUES),
+            ("fake-ack-state", fakeack::delta::Sending::VALUES),
+            ("idle-pause", ftvm_vmm::IdlePause::VALUES),
+            ("priority", liveness::Priority::VALUES),
+            ("disk-io", ftvm_vmm::devices::virtio::block::DiskIo::VALUES),
+        ];
+        let table: Vec<&Switch> = SWITCHES.iter().chain([&DISK_IO]).collect();
+        let depth = table.iter().find(|s| s.name == "pipeline-depth").expect("pipeline-depth is measured");
+        assert_eq!(depth.values[0].0, ftvm_replication::DEFAULT_PIPELINE_DEPTH.to_string());
+        for (name, values) in declared {
+            let Some(switch) = table.iter().find(|s| s.name == *name) else {
+                panic!("switch {name} is not in the ablation");
+            };
+            let measured: Vec<&str> = switch.values.iter().map(|(v, _)| *v).collect();
+            assert_eq!(measured[0], values[0], "{name}: the default comes first");
+            for v in *values {
+                assert!(measured.contains(v), "{name}: value {v} is not measured");
+            }
+        }
+    }
 }

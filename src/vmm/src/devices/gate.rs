@@ -8,7 +8,10 @@ use crate::sync::{self, Lock};
 /// Lets the pauser stop every device thread between two pieces of work.
 #[derive(Default)]
 pub struct Gate {
-    state: Mutex<(bool, bool)>, // (paused, stopping)
+    /// Whether the gate is stopping for good. The paused flag lives in
+    /// `pausing` so devices can read it mid-pass without this lock; it is
+    /// only written with this lock held, so a waiter cannot miss a change.
+    stopping: Mutex<bool>,
     changed: Condvar,
     pausing: PauseFlag,
 }
@@ -37,21 +40,21 @@ impl PauseFlag {
 }
 
 impl Gate {
-    fn lock(&self) -> MutexGuard<'_, (bool, bool)> {
-        self.state.locked()
+    fn lock(&self) -> MutexGuard<'_, bool> {
+        self.stopping.locked()
     }
 
     /// Block while paused; false once stopping.
     pub fn wait_running(&self) -> bool {
-        let mut st = self.lock();
-        while st.0 && !st.1 {
-            st = sync::wait(&self.changed, st);
+        let mut stopping = self.lock();
+        while self.pausing.raised() && !*stopping {
+            stopping = sync::wait(&self.changed, stopping);
         }
-        !st.1
+        !*stopping
     }
 
     pub fn paused(&self) -> bool {
-        self.lock().0
+        self.pausing.raised()
     }
 
     pub fn pause_flag(&self) -> PauseFlag {
@@ -66,10 +69,9 @@ impl Gate {
     pub fn set(&self, paused: Option<bool>, stopping: bool) {
         let mut st = self.lock();
         if let Some(p) = paused {
-            st.0 = p;
             self.pausing.0.raised.store(p, Ordering::Release);
         }
-        st.1 |= stopping;
+        *st |= stopping;
         self.changed.notify_all();
     }
 }
