@@ -26,26 +26,21 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::SocketAddrV4;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{ftvm, image, status, wait_log, wait_status};
+use common::{ftvm, guest_kv, image, net_on, scratch_for, spawn_logged, status, wait_log, wait_status, KV_PORT};
 use ftvm_testkit::netns;
 use ftvm_testkit::process::Process;
 use ftvm_testkit::resp::{self, encode, Client, Reply};
 use ftvm_testkit::scratch::Scratch;
-use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR};
+use ftvm_testkit::topology::{Topology, GUEST_ADDR, H2_REPL_ADDR};
 use ftvm_testkit::writers::{self, Writers};
 
-const KV_PORT: u16 = 6379;
 const REPL_PORT: u16 = 7000;
 const EPOCH_MS: u64 = 20;
-
-fn guest() -> SocketAddr {
-    SocketAddr::new(GUEST_ADDR.parse().unwrap(), KV_PORT)
-}
 
 fn repl_peer() -> SocketAddrV4 {
     SocketAddrV4::new(H2_REPL_ADDR.parse().unwrap(), REPL_PORT)
@@ -53,10 +48,6 @@ fn repl_peer() -> SocketAddrV4 {
 
 fn backup_addr() -> String {
     format!("{H2_REPL_ADDR}:{REPL_PORT}")
-}
-
-fn net_arg() -> String {
-    format!("tap=tap0,mac={GUEST_MAC}")
 }
 
 /// Deterministic randomness, printed seeds: xorshift64.
@@ -79,23 +70,12 @@ impl Rng {
     }
 }
 
-/// A scratch directory for one test's files, kept if the test fails.
-fn scratch(tag: &str) -> Scratch {
-    Scratch::new(&format!("failover-{tag}")).unwrap().keep_on_panic()
-}
-
-/// `cmd` with its stdout and stderr in `dir` (`LOG.out`, `LOG.err`),
-/// killed when dropped.
-fn spawn(mut cmd: Command, what: &str, dir: &Scratch, log: &str) -> Process {
-    Process::spawn_logged(what, &mut cmd, dir.path(), log).unwrap_or_else(|e| panic!("{e}"))
-}
-
 fn start_backup(topo: &Topology, dir: &Scratch, tag: &str) -> Process {
     let mut cmd = topo.command("h2", env!("CARGO_BIN_EXE_ftvm"));
-    cmd.args(["backup", "--listen", &backup_addr(), "--net", &net_arg(), "--metrics"])
+    cmd.args(["backup", "--listen", &backup_addr(), "--net", &net_on("tap0"), "--metrics"])
         .arg(dir.join(format!("{tag}.applied.jsonl")))
         .env("FTVM_LOG", "info");
-    spawn(cmd, "backup", dir, tag)
+    spawn_logged(cmd, "backup", dir, tag)
 }
 
 /// The guest serving Redis's protocol on GUEST_ADDR:6379.
@@ -152,7 +132,7 @@ fn start_primary(topo: &Topology, dir: &Scratch, tag: &str, app: App, extra: &[&
     let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
     cmd.arg("run")
         .args(app.args())
-        .args(["--net", &net_arg()])
+        .args(["--net", &net_on("tap0")])
         .args(["--replicate-to", &backup_addr(), "--epoch-ms", &EPOCH_MS.to_string()])
         .arg("--metrics")
         .arg(dir.join(format!("{tag}.epochs.jsonl")))
@@ -160,7 +140,7 @@ fn start_primary(topo: &Topology, dir: &Scratch, tag: &str, app: App, extra: &[&
         .arg(dir.join(format!("{tag}.sock")))
         .args(extra)
         .env("FTVM_LOG", "info");
-    spawn(cmd, "primary", dir, tag)
+    spawn_logged(cmd, "primary", dir, tag)
 }
 
 /// A capture by tcpdump inside a namespace, started before returning.
@@ -168,7 +148,7 @@ fn capture(topo: &Topology, role: &str, dir: &Scratch, name: &str, args: &[&str]
     let file = dir.join(name);
     let mut cmd = topo.command(role, "tcpdump");
     cmd.args(["-U", "--immediate-mode", "-n", "-Z", "root", "--time-stamp-precision=nano", "-w"]).arg(&file).args(args);
-    let mut g = spawn(cmd, "tcpdump", dir, name);
+    let mut g = spawn_logged(cmd, "tcpdump", dir, name);
     let t0 = Instant::now();
     while !g.stderr().contains("listening on") {
         assert!(g.running(), "tcpdump failed: {}", g.stderr());
@@ -222,7 +202,7 @@ fn probe_until_served(ns: String, from: Instant, timeout: Duration) -> std::thre
         }
         while from.elapsed() < timeout {
             // Short timeouts: a SYN to the dead host is not worth waiting for.
-            if let Ok(mut c) = Client::connect(guest(), Duration::from_millis(10)) {
+            if let Ok(mut c) = Client::connect(guest_kv(), Duration::from_millis(10)) {
                 let _ = c.set_timeout(Duration::from_millis(100));
                 if matches!(c.call(&[b"PING"]), Ok(Reply::Simple(ref s)) if s == "PONG") {
                     return Some(Instant::now());
@@ -554,7 +534,7 @@ fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, k
     // hundreds of pages, so checkpoints take a while to send.
     let value_len = 16 * 1024;
     let writers = Writers::start(writers::Config {
-        addr: guest(),
+        addr: guest_kv(),
         netns: Some(topo.ns("client")),
         connections: 8,
         pipeline: 4,
@@ -586,8 +566,9 @@ fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, k
     std::thread::sleep(Duration::from_millis(200));
     let writes_resumed = writers.first_ack_after_mark().map(|t| (t - done.at).as_secs_f64() * 1e3);
     let report = writers.stop();
-    let verified = writers::verify(guest(), Some(&topo.ns("client")), &report.acked, value_len, Instant::now() + Duration::from_secs(10))
-        .expect("read back the acknowledged writes");
+    let verified =
+        writers::verify(guest_kv(), Some(&topo.ns("client")), &report.acked, value_len, Instant::now() + Duration::from_secs(10))
+            .expect("read back the acknowledged writes");
 
     let epoch = took_over_at(&err).expect("takeover epoch");
     let applied = jsonl(&dir.join(format!("{tag}.backup.applied.jsonl")));
@@ -675,7 +656,7 @@ fn no_acknowledged_write_is_lost_with_fake_ack_and_periodic_checkpoints() {
 /// seeds from `seed` (or `FTVM_FAILOVER_SEED`) on.
 fn no_acknowledged_write_is_lost(trigger: &str, topology: &str, seed: u64, extra: &[&str]) {
     let topo = Topology::new(topology).unwrap();
-    let dir = scratch(&format!("writes-{trigger}{}", extra.join("").replace("--", "-")));
+    let dir = scratch_for("failover", &format!("writes-{trigger}{}", extra.join("").replace("--", "-")));
     // Whole pages: checkpoints long enough on the wire that kills aimed at
     // a transfer land inside one (the default compressed diffs have their
     // own kill test below).
@@ -731,7 +712,7 @@ fn no_acknowledged_write_is_lost(trigger: &str, topology: &str, seed: u64, extra
 #[test]
 fn no_acknowledged_write_is_lost_with_cheaper_checkpoints() {
     let topo = Topology::new("failcow").unwrap();
-    let dir = scratch("writes-cow");
+    let dir = scratch_for("failover", "writes-cow");
     let switches = ["--capture", "cow", "--predict-writes", "adaptive"];
     for (trial, kind) in [Kill::Sigkill, Kill::InTransfer, Kill::LinksThenSigkill].into_iter().enumerate() {
         let r = one_failover_trial(&topo, &dir, trial, 0xc0e + trial as u64, kind, App::Kv, &switches);
@@ -745,7 +726,7 @@ fn no_acknowledged_write_is_lost_with_cheaper_checkpoints() {
 #[test]
 fn no_acknowledged_write_is_lost_with_diffs_and_only_changed_state() {
     let topo = Topology::new("faild").unwrap();
-    let dir = scratch("writes-diff");
+    let dir = scratch_for("failover", "writes-diff");
     let extra = ["--diff", "lz4", "--device-state", "changed"];
     for (trial, kind) in [Kill::Sigkill, Kill::InTransfer, Kill::LinksThenSigkill].into_iter().enumerate() {
         one_failover_trial(&topo, &dir, trial, 0xd1ff + trial as u64, kind, App::Kv, &extra);
@@ -767,7 +748,7 @@ fn bulk_reads_with_fake_ack_survive_failover() {
 
     let topo = Topology::new("fackb").unwrap();
     topo.restore().unwrap();
-    let dir = scratch("fake-ack-bulk");
+    let dir = scratch_for("failover", "fake-ack-bulk");
     let (mut backup, mut primary, _) = start_protected(&topo, &dir, ("backup", "primary"), App::Kv, &["--fake-ack", "on"]);
     topo.forget_guest().unwrap();
     const BULK: usize = 4 << 20;
@@ -776,7 +757,7 @@ fn bulk_reads_with_fake_ack_survive_failover() {
     let reader = {
         let (stop, reads) = (stop.clone(), reads.clone());
         netns::spawn_in(&topo.ns("client"), "bulk", move || -> Result<usize, String> {
-            let mut c = Client::connect(guest(), Duration::from_secs(20)).map_err(|e| e.to_string())?;
+            let mut c = Client::connect(guest_kv(), Duration::from_secs(20)).map_err(|e| e.to_string())?;
             match c.call(&[b"SET", b"bulk", &value]) {
                 Ok(r) if r.is_ok() => {}
                 other => return Err(format!("SET of the bulk value: {other:?}")),
@@ -797,7 +778,7 @@ fn bulk_reads_with_fake_ack_survive_failover() {
         .unwrap()
     };
     let writers = Writers::start(writers::Config {
-        addr: guest(),
+        addr: guest_kv(),
         netns: Some(topo.ns("client")),
         connections: 2,
         pipeline: 4,
@@ -826,7 +807,7 @@ fn bulk_reads_with_fake_ack_survive_failover() {
     stop.store(true, Ordering::SeqCst);
     let total = reader.join().unwrap().unwrap().expect("every GET returned the value");
     let report = writers.stop();
-    let verified = writers::verify(guest(), Some(&topo.ns("client")), &report.acked, 4096, Instant::now() + Duration::from_secs(10))
+    let verified = writers::verify(guest_kv(), Some(&topo.ns("client")), &report.acked, 4096, Instant::now() + Duration::from_secs(10))
         .expect("read back the acknowledged writes");
     backup.kill();
     let epochs = jsonl(&dir.join("primary.epochs.jsonl"));
@@ -931,7 +912,7 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str
     let topo = Topology::new(topology).unwrap();
     topo.restore().unwrap();
     let fake_ack = extra.contains(&"--fake-ack");
-    let dir = scratch(&format!("commit-{trigger}{}", if fake_ack { "-fake-ack" } else { "" }));
+    let dir = scratch_for("failover", &format!("commit-{trigger}{}", if fake_ack { "-fake-ack" } else { "" }));
     let args = [&["--trigger", trigger][..], extra].concat();
     let (mut backup, mut primary, _) = start_protected(&topo, &dir, ("backup", "primary"), App::Kv, &args);
     let (cap, pcap) = capture(
@@ -944,7 +925,7 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str
 
     // Memory-dirtying writes alongside.
     let writers = Writers::start(writers::Config {
-        addr: guest(),
+        addr: guest_kv(),
         netns: Some(topo.ns("client")),
         connections: 2,
         pipeline: 4,
@@ -958,7 +939,7 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str
     let timers: Vec<_> = (0..4)
         .map(|_| {
             netns::spawn_in(&topo.ns("client"), "time", move || -> std::io::Result<u64> {
-                let mut c = Client::connect(guest(), Duration::from_secs(2))?;
+                let mut c = Client::connect(guest_kv(), Duration::from_secs(2))?;
                 let mut req = Vec::new();
                 for _ in 0..4 {
                     encode(&mut req, &[b"TIME"]);
@@ -1075,12 +1056,12 @@ fn backup_loss_then_reprotection_then_failover_with_fake_ack() {
 fn reprotection_then_failover(topology: &str, extra: &[&str]) {
     let topo = Topology::new(topology).unwrap();
     topo.restore().unwrap();
-    let dir = scratch(&format!("reprotect{}", extra.join("").replace("--", "-")));
+    let dir = scratch_for("failover", &format!("reprotect{}", extra.join("").replace("--", "-")));
     let args = [&["--failure-timeout-ms", "300", "--on-backup-loss", "continue"][..], extra].concat();
     let (mut backup1, mut primary, socket) = start_protected(&topo, &dir, ("backup1", "primary"), App::Kv, &args);
     let client_ns = topo.ns("client");
     let config = |prefix: &str| writers::Config {
-        addr: guest(),
+        addr: guest_kv(),
         netns: Some(client_ns.clone()),
         connections: 4,
         pipeline: 2,
@@ -1137,7 +1118,7 @@ fn reprotection_then_failover(topology: &str, extra: &[&str]) {
     let resumed = w.first_ack_after_mark().map(|t| t - done.at);
     acked.extend(w.stop().acked);
 
-    let verified = writers::verify(guest(), Some(&client_ns), &acked, 1000, Instant::now() + Duration::from_secs(10)).unwrap();
+    let verified = writers::verify(guest_kv(), Some(&client_ns), &acked, 1000, Instant::now() + Duration::from_secs(10)).unwrap();
     for (k, v) in [("cli-before", "1"), ("cli-unprotected", "2"), ("cli-reprotected", "3")] {
         let (ok, out) = topo.redis_cli(GUEST_ADDR, &["GET", k]);
         assert!(ok && out.trim() == v, "{k} after failover: {out}");
@@ -1168,7 +1149,7 @@ fn reprotection_then_failover(topology: &str, extra: &[&str]) {
 /// no acknowledged write was lost.
 fn redis_trials(topology: &str, trials: usize, app: App) -> Vec<TrialResult> {
     let topo = Topology::new(topology).unwrap();
-    let dir = scratch(topology);
+    let dir = scratch_for("failover", topology);
     let base: u64 = std::env::var("FTVM_FAILOVER_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed);
     let kinds = [Kill::Sigkill, Kill::InTransfer, Kill::SigkillThenLinks, Kill::InTransfer, Kill::LinksThenSigkill, Kill::InTransfer];
     let results: Vec<_> =

@@ -28,33 +28,22 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{image, logged_sets, status};
+use common::{guest_kv, image, logged_sets, net_on, spawn_logged, status};
 use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::fault_proxy::{Fault, FaultProxy, Way};
 use ftvm_testkit::pcap::{self, Tcpdump};
 use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
-use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR};
+use ftvm_testkit::topology::{Topology, GUEST_ADDR, H2_REPL_ADDR};
 use ftvm_testkit::writers::{self, Writers};
 
-const KV_PORT: u16 = 6379;
 const REPL_PORT: u16 = 7000;
 /// Both sides' failure timeout, so a partition is a real race for ownership.
 const FAILURE_MS: &str = "100";
 const VALUE_LEN: usize = 1000;
-
-fn guest() -> SocketAddr {
-    SocketAddr::new(GUEST_ADDR.parse().unwrap(), KV_PORT)
-}
-
-fn net_arg() -> String {
-    format!("tap=tap0,mac={GUEST_MAC}")
-}
 
 /// Where the arbiter is, if there is one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,10 +72,6 @@ struct Pair {
     socket: PathBuf,
 }
 
-fn spawn(mut cmd: Command, what: &str, dir: &Scratch, log: &str) -> Process {
-    Process::spawn_logged(what, &mut cmd, dir.path(), log).unwrap_or_else(|e| panic!("{e}"))
-}
-
 impl Pair {
     /// `disk`: the size of a disk on each side (the guest logs every write
     /// to it before acknowledging it).
@@ -113,7 +98,7 @@ impl Pair {
         let taps = [tap("h1").unwrap(), tap("h2").unwrap()];
 
         let mut cmd = topo.command("h2", env!("CARGO_BIN_EXE_ftvm"));
-        cmd.args(["backup", "--listen", &format!("{H2_REPL_ADDR}:{REPL_PORT}"), "--net", &net_arg()])
+        cmd.args(["backup", "--listen", &format!("{H2_REPL_ADDR}:{REPL_PORT}"), "--net", &net_on("tap0")])
             .args(["--failure-timeout-ms", FAILURE_MS])
             .args(args)
             .env("FTVM_LOG", "info");
@@ -125,13 +110,13 @@ impl Pair {
             cmd.arg("--disk").arg(dir.sparse_file("backup.img", size).unwrap());
             cmdline.push_str(" aof=on");
         }
-        let backup = spawn(cmd, "backup", &dir, "backup");
+        let backup = spawn_logged(cmd, "backup", &dir, "backup");
 
         let socket = dir.join("primary.sock");
         let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
         cmd.args(["run", "--image"])
             .arg(image("kv"))
-            .args(["--net", &net_arg(), "--cmdline", &cmdline])
+            .args(["--net", &net_on("tap0"), "--cmdline", &cmdline])
             .args(["--replicate-to", &format!("{H2_REPL_ADDR}:{REPL_PORT}"), "--epoch-ms", "20"])
             .args(["--failure-timeout-ms", FAILURE_MS])
             .arg("--api-socket")
@@ -147,7 +132,7 @@ impl Pair {
         if let Some(size) = disk {
             cmd.arg("--disk").arg(dir.sparse_file("primary.img", size).unwrap());
         }
-        let mut primary = spawn(cmd, "primary", &dir, "primary");
+        let mut primary = spawn_logged(cmd, "primary", &dir, "primary");
         let t0 = Instant::now();
         while !status(&socket).contains("protected: yes") {
             assert!(primary.running(), "the primary exited: {}", primary.stderr());
@@ -155,7 +140,7 @@ impl Pair {
             std::thread::sleep(Duration::from_millis(20));
         }
         let writers = Writers::start(writers::Config {
-            addr: guest(),
+            addr: guest_kv(),
             netns: Some(topo.ns("client")),
             connections: 4,
             pipeline: 2,
@@ -242,7 +227,7 @@ fn settle(mut pair: Pair, fault_at: Instant, resumed_ns: Option<u64>) -> Outcome
     std::thread::sleep(Duration::from_millis(300));
     let report = pair.writers.stop();
     let verified =
-        writers::verify(guest(), Some(&pair.topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(10))
+        writers::verify(guest_kv(), Some(&pair.topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(10))
             .expect("read the acknowledged writes back");
     assert!(winner_p.running(), "the winner exited: {}", winner_p.stderr());
     if loser == Loser::Paused {
@@ -533,7 +518,7 @@ fn kill_the_primary_and_check_the_disks(pair: Pair) -> String {
     std::thread::sleep(Duration::from_millis(500));
     let report = writers.stop();
     let verified =
-        writers::verify(guest(), Some(&topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(10)).unwrap();
+        writers::verify(guest_kv(), Some(&topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(10)).unwrap();
     // The new primary's guest logged every write before acknowledging it:
     // stop it and read its disk, the backup's replica.
     backup.signal(libc::SIGTERM).unwrap();

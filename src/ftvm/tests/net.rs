@@ -18,11 +18,6 @@ use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::tmpfs::{self, FileSystem, Tmpfs};
 use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, TAP};
 
-/// The kv guest's address from the client namespace.
-fn guest() -> std::net::SocketAddr {
-    format!("{GUEST_ADDR}:6379").parse().expect("valid address")
-}
-
 /// How long a guest may take from spawn to serving.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -436,7 +431,7 @@ fn no_stall_when_the_guest_tx_ring_index_wraps() {
     const SIZE: usize = 100_000;
     // ~70 frames per reply: 3000 replies carry the index past 65536 three times.
     let slow = netns::run_in(&topo.ns("client"), || {
-        let mut c = Client::connect(guest(), Duration::from_secs(5)).unwrap();
+        let mut c = Client::connect(guest_kv(), Duration::from_secs(5)).unwrap();
         assert_eq!(c.call(&[b"SET", b"k", &[b'w'; SIZE]]).unwrap(), Reply::Simple("OK".into()));
         let mut slow = Vec::new();
         for i in 0..3000 {
@@ -469,8 +464,8 @@ fn snapshot_and_restore_keep_device_state_and_tcp_connections() {
     let mut first = Process::spawn_collected("ftvm run", &mut first).expect("ftvm spawns");
     assert!(topo.wait_for_ping(GUEST_ADDR, BOOT_TIMEOUT), "guest never came up");
     // One connection, kept open across the snapshot and the restore.
-    let mut conn =
-        netns::run_in(&topo.ns("client"), || Client::connect(guest(), Duration::from_secs(10)).expect("connect")).expect("client thread");
+    let mut conn = netns::run_in(&topo.ns("client"), || Client::connect(guest_kv(), Duration::from_secs(10)).expect("connect"))
+        .expect("client thread");
     assert_eq!(conn.call(&[b"SET", b"before", b"1"]).unwrap(), Reply::Simple("OK".into()));
     let out = ftvm().args(["snapshot", "--stop", "--api-socket"]).arg(&socket).arg("--output").arg(&snap).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
@@ -511,7 +506,7 @@ fn a_snapshot_with_a_disk_write_in_flight_is_restored_with_the_write_done() {
     let mut vmm = Process::spawn_collected("ftvm", &mut cmd).expect("ftvm spawns");
     wait_for_line(&mut vmm, "kv: listening on 10.0.0.2:6379");
 
-    let mut client = netns::run_in(&topo.ns("client"), || Client::connect(guest(), Duration::from_secs(10))).unwrap().expect("connect");
+    let mut client = netns::run_in(&topo.ns("client"), || Client::connect(guest_kv(), Duration::from_secs(10))).unwrap().expect("connect");
     let mut set = Vec::new();
     let args: [&[u8]; 3] = [b"SET", b"inflight", b"written-while-saved"];
     resp::encode(&mut set, &args);

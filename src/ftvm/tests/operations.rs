@@ -27,48 +27,31 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{ftvm, image, status, wait_log, wait_status};
+use common::{ftvm, guest_kv, image, net_on, scratch_for, spawn_logged, status, wait_log, wait_status};
 use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
-use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H1_REPL_ADDR, H2_REPL_ADDR};
+use ftvm_testkit::topology::{Topology, GUEST_ADDR, H1_REPL_ADDR, H2_REPL_ADDR};
 use ftvm_testkit::writers::{self, Writers};
 
 const VALUE_LEN: usize = 200;
 
-fn guest() -> SocketAddr {
-    SocketAddr::new(GUEST_ADDR.parse().unwrap(), 6379)
-}
-
-fn scratch(tag: &str) -> Scratch {
-    Scratch::new(&format!("operations-{tag}")).unwrap().keep_on_panic()
-}
-
-fn spawn(mut cmd: Command, what: &str, dir: &Scratch, log: &str) -> Process {
-    Process::spawn_logged(what, &mut cmd, dir.path(), log).unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn net(tap: &str) -> String {
-    format!("tap={tap},mac={GUEST_MAC}")
-}
-
 /// `ftvm backup` in `role`'s namespace on TAP `tap`, listening on `listen`.
 fn start_backup(topo: &Topology, dir: &Scratch, role: &str, tap: &str, listen: &str, extra: &[&str]) -> Process {
     let mut cmd = topo.command(role, env!("CARGO_BIN_EXE_ftvm"));
-    cmd.args(["backup", "--listen", listen, "--net", &net(tap), "--api-socket"])
+    cmd.args(["backup", "--listen", listen, "--net", &net_on(tap), "--api-socket"])
         .arg(dir.join(format!("{}.sock", listen.replace([':', '.'], "_"))))
         .args(extra)
         .env("FTVM_LOG", "info");
     // One log per process, though several listen on the same address in turn.
     static STARTED: AtomicUsize = AtomicUsize::new(0);
     let n = STARTED.fetch_add(1, Ordering::Relaxed);
-    spawn(cmd, "backup", dir, &format!("{}-{n}", listen.replace([':', '.'], "_")))
+    spawn_logged(cmd, "backup", dir, &format!("{}-{n}", listen.replace([':', '.'], "_")))
 }
 
 fn backup_socket(dir: &Scratch, listen: &str) -> std::path::PathBuf {
@@ -78,8 +61,8 @@ fn backup_socket(dir: &Scratch, listen: &str) -> std::path::PathBuf {
 /// A kv primary in h1 on tap0 (`ftvm run` or `ftvm restore`, by `args`).
 fn start_primary(topo: &Topology, dir: &Scratch, tag: &str, args: &[String]) -> Process {
     let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
-    cmd.args(args).args(["--net", &net("tap0"), "--api-socket"]).arg(dir.join(format!("{tag}.sock"))).env("FTVM_LOG", "info");
-    spawn(cmd, "primary", dir, tag)
+    cmd.args(args).args(["--net", &net_on("tap0"), "--api-socket"]).arg(dir.join(format!("{tag}.sock"))).env("FTVM_LOG", "info");
+    spawn_logged(cmd, "primary", dir, tag)
 }
 
 fn kv_run(backup: Option<&str>) -> Vec<String> {
@@ -93,7 +76,7 @@ fn kv_run(backup: Option<&str>) -> Vec<String> {
 
 fn writers(topo: &Topology, prefix: &str) -> Writers {
     Writers::start(writers::Config {
-        addr: guest(),
+        addr: guest_kv(),
         netns: Some(topo.ns("client")),
         connections: 4,
         pipeline: 2,
@@ -120,7 +103,7 @@ fn until_served_again(w: Writers, mark: Instant) -> Vec<String> {
 /// Every key of `acked` reads back from the VM serving now.
 fn assert_none_lost(topo: &Topology, acked: &[String]) {
     let client = topo.ns("client");
-    let verified = writers::verify(guest(), Some(&client), acked, VALUE_LEN, Instant::now() + Duration::from_secs(15)).unwrap();
+    let verified = writers::verify(guest_kv(), Some(&client), acked, VALUE_LEN, Instant::now() + Duration::from_secs(15)).unwrap();
     eprintln!("acknowledged {}, verified {}, lost {}", acked.len(), verified.checked, verified.lost());
     assert!(!acked.is_empty());
     assert_eq!(
@@ -136,7 +119,7 @@ fn assert_none_lost(topo: &Topology, acked: &[String]) {
 fn a_restored_vm_is_protected_from_the_start() {
     let topo = Topology::new("oprest").unwrap();
     topo.restore().unwrap();
-    let dir = scratch("restore");
+    let dir = scratch_for("operations", "restore");
     let backup_addr = format!("{H2_REPL_ADDR}:7000");
 
     // An unreplicated kv guest takes writes, then is snapshotted and stopped.
@@ -191,7 +174,7 @@ fn add_tap(topo: &Topology, role: &str, tap: &str) {
 fn a_promoted_backup_protects_itself_with_its_standby() {
     let topo = Topology::new("opstby").unwrap();
     topo.restore().unwrap();
-    let dir = scratch("standby");
+    let dir = scratch_for("operations", "standby");
     // backup1 on h2; its standbys backup2 and backup3 on h1 beside the
     // primary (TAPs of their own); the first standby listed never answers.
     add_tap(&topo, "h1", "tap1");
@@ -266,7 +249,7 @@ fn switchover_with_an_arbiter_hands_over_ownership_too() {
 fn switchover(arbiter: bool) {
     let topo = Topology::new(if arbiter { "opswia" } else { "opswit" }).unwrap();
     topo.restore().unwrap();
-    let dir = scratch(if arbiter { "switchover-arbiter" } else { "switchover" });
+    let dir = scratch_for("operations", if arbiter { "switchover-arbiter" } else { "switchover" });
     let backup_addr = format!("{H2_REPL_ADDR}:7000");
     let etcd = arbiter.then(|| Etcd::start_in(dir.path(), &topo.ns("h2"), &[H2_REPL_ADDR, "127.0.0.1"]).unwrap());
     let (on_h1, on_h2) = match &etcd {
@@ -317,7 +300,7 @@ fn proc_status(pid: u32, key: &str) -> String {
 fn the_vmm_drops_to_an_unprivileged_user() {
     let topo = Topology::new("opuser").unwrap();
     topo.restore().unwrap();
-    let dir = scratch("user");
+    let dir = scratch_for("operations", "user");
     let id = |flag: &str| String::from_utf8(Command::new("id").args([flag, "nobody"]).output().unwrap().stdout).unwrap().trim().to_string();
     let (uid, gid) = (id("-u"), id("-g"));
     let disk = dir.join("disk.img");
@@ -375,7 +358,7 @@ fn the_vmm_drops_to_an_unprivileged_user() {
 fn upgrade_sequence_moves_the_vm_without_losing_a_write() {
     let topo = Topology::new("opupgr").unwrap();
     topo.restore().unwrap();
-    let dir = scratch("upgrade");
+    let dir = scratch_for("operations", "upgrade");
     let (h1, h2) = (format!("{H1_REPL_ADDR}:7000"), format!("{H2_REPL_ADDR}:7000"));
     let standby = ["--standby", h1.as_str()];
     let mut backup = start_backup(&topo, &dir, "h2", "tap0", &h2, &standby);
@@ -427,7 +410,7 @@ fn the_operations_guide_files_check() {
     run(Command::new("promtool").arg("check").arg("config").arg(ops.join("prometheus.yml")));
     run(Command::new("promtool").arg("test").arg("rules").arg(ops.join("ftvm-rules.test.yml")));
     // The units as installed, with ftvm where this build has it.
-    let dir = scratch("units");
+    let dir = scratch_for("operations", "units");
     for unit in ["ftvm-primary.service", "ftvm-backup.service"] {
         let text = std::fs::read_to_string(ops.join(unit)).unwrap();
         assert!(text.contains("ExecStart=/usr/local/bin/ftvm "), "{unit}");

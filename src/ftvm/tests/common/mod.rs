@@ -3,13 +3,14 @@
 //! from `ftvm-testkit`).
 #![allow(dead_code)]
 
-use std::net::TcpListener;
+use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use ftvm_testkit::process::{Process, WaitError};
-use ftvm_testkit::topology::{Topology, GUEST_ADDR};
+use ftvm_testkit::scratch::Scratch;
+use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC};
 use ftvm_workloads::memtouch::{self, Config, Writer};
 
 /// A guest image built by `scripts/build-images.sh`. Missing images are a
@@ -19,6 +20,31 @@ pub fn image(name: &str) -> PathBuf {
     let path = root.join("target/images").join(format!("{name}.elf"));
     assert!(path.exists(), "guest image {} missing: run scripts/build-images.sh", path.display());
     path
+}
+
+/// The port the kv guest and redis-server serve on.
+pub const KV_PORT: u16 = 6379;
+
+/// The guest's kv service in the test topology.
+pub fn guest_kv() -> SocketAddr {
+    SocketAddr::new(GUEST_ADDR.parse().unwrap(), KV_PORT)
+}
+
+/// `--net` for TAP `tap` with the topology's guest MAC.
+pub fn net_on(tap: &str) -> String {
+    format!("tap={tap},mac={GUEST_MAC}")
+}
+
+/// A scratch directory named after the test file and the test, kept if
+/// the test panics.
+pub fn scratch_for(file: &str, tag: &str) -> Scratch {
+    Scratch::new(&format!("{file}-{tag}")).unwrap().keep_on_panic()
+}
+
+/// `cmd` with its stdout and stderr in `dir` (`LOG.out`, `LOG.err`),
+/// killed when dropped.
+pub fn spawn_logged(mut cmd: Command, what: &str, dir: &Scratch, log: &str) -> Process {
+    Process::spawn_logged(what, &mut cmd, dir.path(), log).unwrap_or_else(|e| panic!("{e}"))
 }
 
 pub fn ftvm() -> Command {
