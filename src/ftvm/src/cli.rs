@@ -11,7 +11,8 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use ftvm_replication::pipeline::{capture, encode, predict, prefetch, transport, trigger};
 use ftvm_replication::{OnBackupLoss, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::devices::virtio::block::DiskIo;
-use ftvm_vmm::devices::virtio::net::NetConfig;
+use ftvm_vmm::devices::virtio::net::{NetConfig, NetOffload};
+use ftvm_vmm::devices::DeviceSched;
 use ftvm_vmm::{DirtyBackend, IdlePause};
 
 use crate::output::errln;
@@ -498,6 +499,19 @@ pub struct HostArgs {
     /// pause waits for.
     #[arg(long, value_name = "sync|async", default_value = "async")]
     pub disk_io: DiskIo,
+    /// What the network card offers the guest to leave to the host: `csum`
+    /// (checksum offload both ways: the guest neither computes TCP/UDP
+    /// checksums for what it sends nor checks those of frames from this
+    /// host, which the TAP marks as checked or partial) or `off`. A restored
+    /// or taken-over VM keeps what its driver negotiated.
+    #[arg(long, value_name = "csum|off", default_value = "csum")]
+    pub net_offload: NetOffload,
+    /// The device threads' scheduling policy: `batch` (SCHED_BATCH: a device
+    /// thread woken by a frame does not preempt the vCPU running on its CPU;
+    /// it runs on an idle CPU or when the vCPU waits, sparing vCPU context
+    /// switches, which are costly under nested KVM) or `normal`.
+    #[arg(long, value_name = "batch|normal", default_value = "batch")]
+    pub device_sched: DeviceSched,
     /// Run the VMM's threads without their seccomp filters (docs/seccomp.md).
     #[arg(long)]
     pub no_seccomp: bool,
