@@ -506,11 +506,11 @@ pub struct HostArgs {
     /// or taken-over VM keeps what its driver negotiated.
     #[arg(long, value_name = "csum|off", default_value = "csum")]
     pub net_offload: NetOffload,
-    /// The device threads' scheduling policy: `batch` (SCHED_BATCH: a device
-    /// thread woken by a frame does not preempt the vCPU running on its CPU;
-    /// it runs on an idle CPU or when the vCPU waits, sparing vCPU context
-    /// switches, which are costly under nested KVM) or `normal`.
-    #[arg(long, value_name = "batch|normal", default_value = "batch")]
+    /// The device threads' scheduling policy: `normal` (as every thread) or
+    /// `batch` (SCHED_BATCH: a device thread woken by a frame does not
+    /// preempt the vCPU running on its CPU; it runs on an idle CPU or when
+    /// the vCPU waits or its time slice ends).
+    #[arg(long, value_name = "normal|batch", default_value = "normal")]
     pub device_sched: DeviceSched,
     /// Run the VMM's threads without their seccomp filters (docs/seccomp.md).
     #[arg(long)]

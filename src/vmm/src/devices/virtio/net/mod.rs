@@ -274,6 +274,10 @@ impl VirtioDevice for Net {
     /// restored from one that offered more keeps what it negotiated.
     fn features_acked(&mut self, acked: u64) {
         let flags = if acked & VIRTIO_NET_F_GUEST_CSUM != 0 { tap::TUN_F_CSUM } else { 0 };
+        if acked != 0 {
+            let csum = acked & (VIRTIO_NET_F_CSUM | VIRTIO_NET_F_GUEST_CSUM) != 0;
+            tracing::info!(tap = self.tap.name(), checksum_offload = csum, "network card negotiated");
+        }
         if let Err(e) = self.tap.set_offload(flags) {
             // The TAP then checksums what it hands over: still correct.
             tracing::warn!(error = %e, "TAP offload not changed");
