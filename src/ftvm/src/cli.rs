@@ -12,7 +12,6 @@ use ftvm_replication::pipeline::{capture, encode, predict, prefetch, transport, 
 use ftvm_replication::{OnBackupLoss, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::devices::virtio::block::DiskIo;
 use ftvm_vmm::devices::virtio::net::{NetConfig, NetOffload};
-use ftvm_vmm::devices::DeviceSched;
 use ftvm_vmm::{DirtyBackend, IdlePause};
 
 use crate::output::errln;
@@ -506,12 +505,6 @@ pub struct HostArgs {
     /// or taken-over VM keeps what its driver negotiated.
     #[arg(long, value_name = "csum|off", default_value = "csum")]
     pub net_offload: NetOffload,
-    /// The device threads' scheduling policy: `normal` (as every thread) or
-    /// `batch` (SCHED_BATCH: a device thread woken by a frame does not
-    /// preempt the vCPU running on its CPU; it runs on an idle CPU or when
-    /// the vCPU waits or its time slice ends).
-    #[arg(long, value_name = "normal|batch", default_value = "normal")]
-    pub device_sched: DeviceSched,
     /// Run the VMM's threads without their seccomp filters (docs/seccomp.md).
     #[arg(long)]
     pub no_seccomp: bool,

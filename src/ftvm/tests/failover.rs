@@ -909,14 +909,10 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_output_t
 }
 
 /// The same without checksum offload (on by default, so the tests above
-/// run with it) and with SCHED_BATCH device threads.
+/// run with it).
 #[test]
-fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_without_net_offload_with_batch_device_threads() {
-    output_commit_holds_every_reply_until_its_checkpoint_is_applied(
-        "output",
-        "ocnoff",
-        &["--net-offload", "off", "--device-sched", "batch"],
-    );
+fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_without_net_offload() {
+    output_commit_holds_every_reply_until_its_checkpoint_is_applied("output", "ocnoff", &["--net-offload", "off"]);
 }
 
 #[test]

@@ -347,11 +347,11 @@ fn redis_benchmark_pipelined_runs_without_errors() {
     assert!(count(&net, "waits") > 0 && count(&net, "polls") > 0, "{text}");
 }
 
-/// The same with the card offering no offload (smoltcp computes and checks
-/// every checksum) and SCHED_BATCH device threads.
+/// The same with the card offering no offload: smoltcp computes and checks
+/// every checksum.
 #[test]
-fn redis_benchmark_pipelined_runs_without_errors_without_net_offload_with_batch_device_threads() {
-    let (topo, mut vmm) = pipelined_benchmark("lxbenchoff", "--net-offload=off --device-sched=batch");
+fn redis_benchmark_pipelined_runs_without_errors_without_net_offload() {
+    let (topo, mut vmm) = pipelined_benchmark("lxbenchoff", "--net-offload=off");
     let text = shut_down(&topo, &mut vmm);
     assert!(text.contains("linux: network up ip=10.0.0.2/24 offload=none"), "{text}");
     let net = net_counts(&text);

@@ -2,7 +2,6 @@
 //! own thread, which can be paused with the vCPUs and saved with the VM.
 
 mod gate;
-mod sched;
 mod serve;
 pub mod virtio;
 
@@ -22,7 +21,6 @@ use crate::run_control::Events;
 use crate::sync::Lock;
 use gate::Gate;
 pub(crate) use gate::PauseFlag;
-pub use sched::DeviceSched;
 use virtio::block::{Block, BlockError, DiskIo};
 use virtio::mmio::{MmioTransport, TransportState, REG_QUEUE_NOTIFY};
 use virtio::net::{Net, NetConfig, NetOffload, NetState, TapError};
@@ -45,8 +43,6 @@ pub struct DeviceConfig {
     pub disk_io: DiskIo,
     /// What the network card offers to offload (`--net-offload`).
     pub net_offload: NetOffload,
-    /// The device threads' scheduling policy (`--device-sched`).
-    pub device_sched: DeviceSched,
 }
 
 impl DeviceConfig {
@@ -186,7 +182,6 @@ pub struct Devices {
     events: Arc<Events>,
     tap: Option<Arc<dyn FrameSink>>,
     waker: Waker,
-    sched: DeviceSched,
 }
 
 impl DeviceConfig {
@@ -246,7 +241,7 @@ impl Devices {
         // doorbell is enough to bring it back.
         let doorbells = slots.iter().map(|s| s.notify[0].try_clone()).collect::<Result<Vec<_>, _>>().map_err(os("eventfd"))?;
         let waker = Waker(doorbells.into());
-        Ok(Devices { slots, gate, threads: Mutex::new(Vec::new()), mem, events, tap, waker, sched: config.device_sched })
+        Ok(Devices { slots, gate, threads: Mutex::new(Vec::new()), mem, events, tap, waker })
     }
 
     /// Wakes the device threads (for hooks that made a device wait).
@@ -339,11 +334,8 @@ impl Devices {
             return Ok(());
         }
         for (i, slot) in self.slots.iter().enumerate() {
-            let (slot, gate, mem, events, sched) = (slot.clone(), self.gate.clone(), self.mem.clone(), self.events.clone(), self.sched);
-            let t = std::thread::Builder::new().name(format!("device{i}")).spawn(move || {
-                sched.apply();
-                serve::serve(&slot, &gate, &mem, &events)
-            })?;
+            let (slot, gate, mem, events) = (slot.clone(), self.gate.clone(), self.mem.clone(), self.events.clone());
+            let t = std::thread::Builder::new().name(format!("device{i}")).spawn(move || serve::serve(&slot, &gate, &mem, &events))?;
             threads.push(t);
         }
         Ok(())
