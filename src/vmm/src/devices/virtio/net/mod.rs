@@ -31,15 +31,17 @@ crate::switch! {
     /// (`--net-offload`).
     pub enum NetOffload {
         /// Checksum offload both ways (VIRTIO_NET_F_CSUM and GUEST_CSUM):
-        /// the guest sends TCP/UDP frames with the checksum left partial
-        /// (the kernel completes it, or, as on a veth, a receiver on this
-        /// host never needs it), and the TAP hands it frames from this
-        /// host unchecksummed, marked so in the virtio-net header.
+        /// the guest may send frames with the checksum left partial (the
+        /// runtime's driver does so for TCP; the kernel completes it, or,
+        /// as on a veth, a receiver on this host never needs it), and the
+        /// TAP hands it frames from this host unchecksummed, marked so in
+        /// the virtio-net header.
         Csum = "csum",
         /// None: the guest computes and checks every checksum.
         Off = "off",
     }
 }
+
 const RX: usize = 0;
 const TX: usize = 1;
 /// Largest frame with header we move (no offloads: MTU-sized frames).
