@@ -81,6 +81,7 @@ static NET: Mutex<Option<Net>> = Mutex::new(None);
 pub fn init(config: NetConfig) -> Result<(), ftvm_rt::net::Error> {
     let stack = Stack::new(config)?;
     let ip = config.ip;
+    let offload = if stack.checksum_offload() { "csum" } else { "none" };
     *NET.lock() = Some(Net {
         stack,
         socks: BTreeMap::new(),
@@ -89,7 +90,7 @@ pub fn init(config: NetConfig) -> Result<(), ftvm_rt::net::Error> {
         listeners: BTreeSet::new(),
         next_port: FIRST_EPHEMERAL_PORT,
     });
-    ftvm_rt::println!("linux: network up ip={ip}");
+    ftvm_rt::println!("linux: network up ip={ip} offload={offload}");
     Ok(())
 }
 
@@ -144,8 +145,9 @@ pub fn report() -> Option<alloc::string::String> {
     let st = g.as_ref()?.stack.stats();
     let polls = POLLS.load(core::sync::atomic::Ordering::Relaxed);
     Some(alloc::format!(
-        "rx_frames={} tx_frames={} rx_notifies={} tx_notifies={} waits={} polls={polls}",
+        "rx_frames={} rx_bad_csum={} tx_frames={} rx_notifies={} tx_notifies={} waits={} polls={polls}",
         st.rx_frames,
+        st.rx_bad_csum,
         st.tx_frames,
         st.rx_notifies,
         st.tx_notifies,

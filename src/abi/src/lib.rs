@@ -230,6 +230,19 @@ pub mod virtio {
     pub mod net {
         /// The device's MAC address is in its configuration space.
         pub const F_MAC: u64 = 1 << 5;
+        /// The driver may send frames with a partial TCP/UDP checksum
+        /// (header flag [`HDR_F_NEEDS_CSUM`]).
+        pub const F_CSUM: u64 = 1 << 0;
+        /// The driver accepts frames with a partial checksum
+        /// ([`HDR_F_NEEDS_CSUM`]) or one the host already checked
+        /// ([`HDR_F_DATA_VALID`]); frames with neither it checks itself.
+        pub const F_GUEST_CSUM: u64 = 1 << 1;
+        /// Header `flags`: the checksum at `csum_start + csum_offset` holds
+        /// only the pseudo-header's sum; the rest is summed from
+        /// `csum_start` to the end of the frame.
+        pub const HDR_F_NEEDS_CSUM: u8 = 1;
+        /// Header `flags` (received frames): the checksum was verified.
+        pub const HDR_F_DATA_VALID: u8 = 2;
         /// Bytes of the `virtio_net_hdr_v1` in front of every frame on both
         /// queues: 12, because under VERSION_1 it always carries
         /// `num_buffers` (5.1.6).

@@ -58,7 +58,9 @@ pub struct Options {
     /// With `--app redis`: also measure the guest with these runtime
     /// options (the words before `--` on its command line, e.g.
     /// `vdso=off`), unreplicated against native in the same run: one switch
-    /// on and off. Repeatable; one extra VM per value.
+    /// on and off. Words starting with `--` are `ftvm run` options instead
+    /// (e.g. `--variant='--net-offload=off'`). Repeatable; one extra VM per
+    /// value.
     #[arg(long)]
     variant: Vec<String>,
     /// Skip the protected runs (only unreplicated against native).
@@ -97,15 +99,19 @@ impl App {
     /// `ftvm run` arguments after the image: memory and command line, with
     /// extra runtime options `variant` (Linux personality only).
     fn run_args(self, variant: &str) -> Vec<String> {
+        let (vmm, runtime): (Vec<&str>, Vec<&str>) = variant.split_whitespace().partition(|w| w.starts_with("--"));
+        let mut args: Vec<String> = vmm.into_iter().map(String::from).collect();
+        let runtime = runtime.join(" ");
         match self {
-            App::Kv => vec!["--cmdline".into(), format!("ip={GUEST_ADDR}/24")],
-            App::Redis => vec![
+            App::Kv => args.extend(["--cmdline".into(), format!("ip={GUEST_ADDR}/24")]),
+            App::Redis => args.extend([
                 "--memory".into(),
                 "512".into(),
                 "--cmdline".into(),
-                format!("{variant} ip={GUEST_ADDR}/24 -- redis-server {}", REDIS_ARGS.join(" ")).trim_start().to_string(),
-            ],
+                format!("{runtime} ip={GUEST_ADDR}/24 -- redis-server {}", REDIS_ARGS.join(" ")).trim_start().to_string(),
+            ]),
         }
+        args
     }
 }
 
@@ -241,15 +247,17 @@ const METRICS: [Metric; 3] = [("throughput", "req/s", |f| f.rps), ("latency p50"
 
 /// Per pipeline depth: (depth, guest [SET, GET], native [SET, GET], CPU
 /// time per request (guest, native, the guest's device threads alone) in
-/// microseconds).
-type Paired = Vec<(u32, [Figures; 2], [Figures; 2], (f64, f64, f64))>;
+/// microseconds, then context switches per request (guest, native)).
+type Paired = Vec<(u32, [Figures; 2], [Figures; 2], (f64, f64, f64, f64, f64))>;
 
 /// CPU time every thread of process `pid` has had so far, in nanoseconds
 /// (`/proc/PID/task/*/schedstat`): the VMM's vCPU, device and other threads,
-/// or the native redis-server's; and that of the VMM's device threads
-/// (named `deviceN`: the TAP I/O) alone.
-fn cpu_ns(pid: u32) -> Result<(u64, u64), BoxError> {
-    let (mut total, mut device) = (0, 0);
+/// or the native redis-server's; that of the VMM's device threads (named
+/// `deviceN`: the TAP I/O) alone; and the context switches of all its
+/// threads, voluntary and not (`/proc/PID/task/*/status`), which cost more
+/// than their share under nested KVM.
+fn cpu_ns(pid: u32) -> Result<(u64, u64, u64), BoxError> {
+    let (mut total, mut device, mut switches) = (0, 0, 0);
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
         let task = task?.path();
         let stat = std::fs::read_to_string(task.join("schedstat"))?;
@@ -258,25 +266,34 @@ fn cpu_ns(pid: u32) -> Result<(u64, u64), BoxError> {
         if std::fs::read_to_string(task.join("comm")).is_ok_and(|c| c.starts_with("device")) {
             device += ns;
         }
+        let status = std::fs::read_to_string(task.join("status"))?;
+        switches += status
+            .lines()
+            .filter(|l| l.contains("ctxt_switches:"))
+            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .sum::<u64>();
     }
-    Ok((total, device))
+    Ok((total, device, switches))
 }
 
 /// [`benchmark`], with the CPU time `server` used per request meanwhile,
 /// in microseconds. Unlike throughput, it hardly depends on what else the
-/// host runs at the time. Also the device threads' share of it.
+/// host runs at the time. Also the device threads' share of it, and the
+/// server's context switches per request.
 fn benchmark_cpu(
     topo: &Topology,
     addr: &str,
     opts: &Options,
     pipeline: u32,
     server: u32,
-) -> Result<(Figures, Figures, f64, f64), BoxError> {
+) -> Result<(Figures, Figures, f64, f64, f64), BoxError> {
     let before = cpu_ns(server)?;
     let (set, get) = benchmark(topo, addr, opts, pipeline)?;
     let after = cpu_ns(server)?;
-    let per_request = |ns: u64| ns as f64 / 1000.0 / (2 * opts.requests) as f64;
-    Ok((set, get, per_request(after.0.saturating_sub(before.0)), per_request(after.1.saturating_sub(before.1))))
+    let requests = (2 * opts.requests) as f64;
+    let per_request = |ns: u64| ns as f64 / 1000.0 / requests;
+    let switches = after.2.saturating_sub(before.2) as f64 / requests;
+    Ok((set, get, per_request(after.0.saturating_sub(before.0)), per_request(after.1.saturating_sub(before.1)), switches))
 }
 
 fn median_f64(mut v: Vec<f64>) -> f64 {
@@ -339,16 +356,18 @@ fn unreplicated(
     let mut figures = Vec::new();
     for &p in &opts.pipeline {
         let (mut g_set, mut g_get, mut n_set, mut n_get) = (vec![], vec![], vec![], vec![]);
-        let (mut g_cpu, mut n_cpu, mut d_cpu) = (vec![], vec![], vec![]);
+        let (mut g_cpu, mut n_cpu, mut d_cpu, mut g_sw, mut n_sw) = (vec![], vec![], vec![], vec![], vec![]);
         for _ in 0..opts.repeat {
-            let (s, g, cpu, device) = benchmark_cpu(topo, GUEST_ADDR, opts, p, guest.vmm.id())?;
+            let (s, g, cpu, device, switches) = benchmark_cpu(topo, GUEST_ADDR, opts, p, guest.vmm.id())?;
             d_cpu.push(device);
+            g_sw.push(switches);
             g_set.push(s);
             g_get.push(g);
             g_cpu.push(cpu);
             guest.check_alive()?;
             check_alive(native)?;
-            let (s, g, cpu, _) = benchmark_cpu(topo, NATIVE_ADDR, opts, p, native.id())?;
+            let (s, g, cpu, _, switches) = benchmark_cpu(topo, NATIVE_ADDR, opts, p, native.id())?;
+            n_sw.push(switches);
             n_set.push(s);
             n_get.push(g);
             n_cpu.push(cpu);
@@ -357,7 +376,7 @@ fn unreplicated(
             p,
             [median(g_set), median(g_get)],
             [median(n_set), median(n_get)],
-            (median_f64(g_cpu), median_f64(n_cpu), median_f64(d_cpu)),
+            (median_f64(g_cpu), median_f64(n_cpu), median_f64(d_cpu), median_f64(g_sw), median_f64(n_sw)),
         ));
     }
     let counts = match opts.app {
@@ -485,6 +504,24 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 value: vcpu.0,
                 unit: "us",
                 reference: Some(vcpu.1),
+            });
+        }
+        // Counted: the server's threads' context switches.
+        rows.push(Row {
+            group: group.clone(),
+            case: "context switches per request unreplicated (ref: native)".into(),
+            value: cpu.3,
+            unit: "",
+            reference: Some(cpu.4),
+        });
+        for (v, runs) in &variants {
+            let (_, _, _, vcpu) = &runs.0[k];
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("context switches per request unreplicated, {v} (ref: native)"),
+                value: vcpu.3,
+                unit: "",
+                reference: Some(vcpu.4),
             });
         }
         for (i, test) in ["SET", "GET"].into_iter().enumerate() {

@@ -11,7 +11,7 @@ use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use ftvm_replication::pipeline::{capture, encode, predict, prefetch, transport, trigger};
 use ftvm_replication::{OnBackupLoss, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::devices::virtio::block::DiskIo;
-use ftvm_vmm::devices::virtio::net::NetConfig;
+use ftvm_vmm::devices::virtio::net::{NetConfig, NetOffload};
 use ftvm_vmm::{DirtyBackend, IdlePause};
 
 use crate::output::errln;
@@ -498,6 +498,13 @@ pub struct HostArgs {
     /// pause waits for.
     #[arg(long, value_name = "sync|async", default_value = "async")]
     pub disk_io: DiskIo,
+    /// What the network card offers the guest to leave to the host: `csum`
+    /// (checksum offload both ways: the guest neither computes TCP/UDP
+    /// checksums for what it sends nor checks those of frames from this
+    /// host, which the TAP marks as checked or partial) or `off`. A restored
+    /// or taken-over VM keeps what its driver negotiated.
+    #[arg(long, value_name = "csum|off", default_value = "csum")]
+    pub net_offload: NetOffload,
     /// Run the VMM's threads without their seccomp filters (docs/seccomp.md).
     #[arg(long)]
     pub no_seccomp: bool,

@@ -889,6 +889,13 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_output_t
     output_commit_holds_every_reply_until_its_checkpoint_is_applied("output", "ocomo", &[]);
 }
 
+/// The same without checksum offload (on by default, so the tests above
+/// run with it).
+#[test]
+fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_without_net_offload() {
+    output_commit_holds_every_reply_until_its_checkpoint_is_applied("output", "ocnoff", &["--net-offload", "off"]);
+}
+
 #[test]
 fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_periodic_checkpoints() {
     output_commit_holds_every_reply_until_its_checkpoint_is_applied("periodic", "ocomp", &[]);
@@ -965,6 +972,13 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str
     // Let the last replies' checkpoints be applied and logged.
     std::thread::sleep(Duration::from_millis(300));
     stop_capture(cap);
+    // The guest's frames carried partial checksums unless offload was off.
+    let offload = !extra.windows(2).any(|w| w == ["--net-offload", "off"]);
+    assert!(
+        primary.output().contains(&format!("checksum_offload={offload}")),
+        "the primary's card did not negotiate checksum_offload={offload}:\n{}",
+        primary.output()
+    );
     primary.kill();
     backup.kill();
 

@@ -12,14 +12,15 @@ use alloc::vec::Vec;
 use core::cell::RefCell;
 
 use ftvm_abi::device_kind;
-use ftvm_abi::virtio::net::{F_MAC, HDR_LEN};
+use ftvm_abi::virtio::net::{F_CSUM, F_GUEST_CSUM, F_MAC, HDR_LEN};
 use ftvm_abi::virtio::{F_RING_EVENT_IDX, F_VERSION_1};
-use smoltcp::phy::{self, DeviceCapabilities, Medium};
+use smoltcp::phy::{self, Checksum, DeviceCapabilities, Medium};
 use smoltcp::time::Instant;
 use virtio_drivers::queue::VirtQueue;
 use virtio_drivers::transport::mmio::MmioTransport;
 use virtio_drivers::transport::{DeviceStatus, DeviceType, Transport};
 
+use super::csum;
 use super::event_idx::{self, Notifier, Recorder};
 use crate::virtio::{self, Claim, OpenError};
 
@@ -41,6 +42,9 @@ pub struct NetStats {
     pub tx_frames: u64,
     /// Received buffers the device reported as shorter than the header.
     pub rx_errors: u64,
+    /// Received frames dropped for a wrong TCP or UDP checksum (checked
+    /// by the driver under checksum offload).
+    pub rx_bad_csum: u64,
     /// Frames smoltcp built that could not be queued.
     pub tx_dropped: u64,
     /// Queue notifications (each a VM exit) of the receive and transmit
@@ -52,6 +56,8 @@ pub struct NetStats {
 pub(crate) struct VirtioNet {
     inner: RefCell<Inner>,
     mac: [u8; 6],
+    /// Checksum offload negotiated (both F_CSUM and F_GUEST_CSUM).
+    csum: bool,
 }
 
 struct Inner {
@@ -71,6 +77,7 @@ struct Inner {
     rx_notifier: Notifier,
     tx_notifier: Notifier,
     stats: NetStats,
+    csum: bool,
 }
 
 impl VirtioNet {
@@ -84,7 +91,12 @@ impl VirtioNet {
         if offered & F_VERSION_1 == 0 || offered & F_MAC == 0 {
             return Err(OpenError::Unexpected("device lacks VERSION_1 or MAC"));
         }
-        let features = offered & (F_VERSION_1 | F_MAC | F_RING_EVENT_IDX);
+        let mut features = offered & (F_VERSION_1 | F_MAC | F_RING_EVENT_IDX | F_CSUM | F_GUEST_CSUM);
+        // Offload is taken both ways or not at all (one smoltcp setting).
+        let csum = features & (F_CSUM | F_GUEST_CSUM) == F_CSUM | F_GUEST_CSUM;
+        if !csum {
+            features &= !(F_CSUM | F_GUEST_CSUM);
+        }
         t.write_driver_features(features);
         let ok = DeviceStatus::ACKNOWLEDGE | DeviceStatus::DRIVER | DeviceStatus::FEATURES_OK;
         t.set_status(ok);
@@ -121,17 +133,22 @@ impl VirtioNet {
             rx_notifier: notifier(rx_area),
             tx_notifier: notifier(tx_area),
             stats: NetStats::default(),
+            csum,
         };
         for _ in 0..QUEUE_SIZE {
             inner.post_rx(vec![0u8; BUF_LEN].into_boxed_slice());
         }
         inner.transport.finish_init();
         inner.notify();
-        Ok(VirtioNet { inner: RefCell::new(inner), mac })
+        Ok(VirtioNet { inner: RefCell::new(inner), mac, csum })
     }
 
     pub(crate) fn mac(&self) -> [u8; 6] {
         self.mac
+    }
+
+    pub(crate) fn checksum_offload(&self) -> bool {
+        self.csum
     }
 
     pub(crate) fn stats(&self) -> NetStats {
@@ -229,8 +246,13 @@ impl phy::Device for VirtioNet {
                 inner.post_rx(buf);
                 continue;
             }
-            inner.stats.rx_frames += 1;
             let len = written.min(buf.len()) - HDR_LEN;
+            if inner.csum && !csum::rx_ok(buf[0], &buf[HDR_LEN..HDR_LEN + len]) {
+                inner.stats.rx_bad_csum += 1;
+                inner.post_rx(buf);
+                continue;
+            }
+            inner.stats.rx_frames += 1;
             let dev = &self.inner;
             return Some((RxToken { buf: Some(buf), len, dev }, TxToken { dev }));
         }
@@ -249,8 +271,14 @@ impl phy::Device for VirtioNet {
         let mut caps = DeviceCapabilities::default();
         caps.medium = Medium::Ethernet;
         caps.max_transmission_unit = MAX_FRAME;
-        // No offloads are negotiated: smoltcp computes and checks every
-        // checksum itself (the default).
+        if self.csum {
+            // TCP checksums are the device's to complete (`csum`); UDP ones
+            // smoltcp still computes (rare, and a computed zero would need
+            // care), but checks neither: the driver did (`csum::rx_ok`).
+            caps.checksum.tcp = Checksum::None;
+            caps.checksum.udp = Checksum::Tx;
+        }
+        // Otherwise smoltcp computes and checks every checksum (the default).
         caps
     }
 }
@@ -298,11 +326,18 @@ impl phy::TxToken for TxToken<'_> {
             self.dev.borrow_mut().stats.tx_dropped += 1;
             return r;
         }
-        let buf = self.dev.borrow_mut().tx_free.pop();
+        let (buf, offload) = {
+            let mut inner = self.dev.borrow_mut();
+            (inner.tx_free.pop(), inner.csum)
+        };
         let mut buf = buf.unwrap_or_else(|| vec![0u8; BUF_LEN].into_boxed_slice());
-        // All-zero header: no offloads, no GSO.
-        buf[..HDR_LEN].fill(0);
         let r = f(&mut buf[HDR_LEN..HDR_LEN + len]);
+        if offload {
+            csum::offload_tx(&mut buf[..HDR_LEN + len]);
+        } else {
+            // All-zero header: no offloads, no GSO.
+            buf[..HDR_LEN].fill(0);
+        }
         self.dev.borrow_mut().send(buf, HDR_LEN + len);
         r
     }

@@ -17,6 +17,7 @@
 //! }
 //! ```
 
+mod csum;
 mod device;
 mod event_idx;
 mod listen;
@@ -157,6 +158,12 @@ impl Stack {
 
     pub fn stats(&self) -> NetStats {
         self.device.stats()
+    }
+
+    /// Whether the device took checksum offload (the VMM's `--net-offload
+    /// csum`): TCP checksums are left to the host both ways.
+    pub fn checksum_offload(&self) -> bool {
+        self.device.checksum_offload()
     }
 
     pub fn sockets(&self) -> &SocketSet<'static> {

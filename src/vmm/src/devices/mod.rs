@@ -23,7 +23,7 @@ use gate::Gate;
 pub(crate) use gate::PauseFlag;
 use virtio::block::{Block, BlockError, DiskIo};
 use virtio::mmio::{MmioTransport, TransportState, REG_QUEUE_NOTIFY};
-use virtio::net::{Net, NetConfig, NetState, TapError};
+use virtio::net::{Net, NetConfig, NetOffload, NetState, TapError};
 
 /// Each device's register block.
 pub const MMIO_SLOT_SIZE: u64 = 0x1000;
@@ -41,6 +41,8 @@ pub struct DeviceConfig {
     pub disk: Option<PathBuf>,
     /// Where the disk's I/O runs (`--disk-io`).
     pub disk_io: DiskIo,
+    /// What the network card offers to offload (`--net-offload`).
+    pub net_offload: NetOffload,
 }
 
 impl DeviceConfig {
@@ -212,7 +214,7 @@ impl Devices {
         let mut tap = None;
         let gate = Arc::new(Gate::default());
         if let Some(net) = &config.net {
-            let net = Net::new(net, hooks.clone(), gate.pause_flag())?;
+            let net = Net::new(net, config.net_offload, hooks.clone(), gate.pause_flag())?;
             tap = Some(net.tap_sink());
             models.push(Box::new(net));
         }

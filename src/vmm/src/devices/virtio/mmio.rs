@@ -200,7 +200,11 @@ impl MmioTransport {
             self.reset();
             return;
         }
+        let was_active = self.active();
         self.regs.status = v;
+        if !was_active && self.active() {
+            self.device.features_acked(self.regs.acked_features);
+        }
     }
 
     fn reset(&mut self) {
@@ -263,7 +267,11 @@ impl Persist for MmioTransport {
         }
         self.queues = saved.queues.iter().map(|q| q.to_queue()).collect::<Result<_, _>>().map_err(|e| bad(format!("queue: {e}")))?;
         self.regs = TransportState { queues: Vec::new(), ..saved.clone() };
-        self.device.restore(&state.model)
+        self.device.restore(&state.model)?;
+        // The host side follows what the restored driver negotiated (none
+        // yet if it had not finished).
+        self.device.features_acked(if self.active() { self.regs.acked_features } else { 0 });
+        Ok(())
     }
 }
 

@@ -56,6 +56,10 @@ pub trait VirtioDevice: Send + Persist<State = ModelState, Error = DeviceError> 
     fn process_host(&mut self, _queues: &mut [Queue], _mem: &GuestMemory) -> Result<bool, VirtioError> {
         Ok(false)
     }
+    /// The driver finished negotiating (DRIVER_OK), or a device was
+    /// restored (`acked` 0 if its driver had not finished): the features
+    /// both sides use from now on.
+    fn features_acked(&mut self, _acked: u64) {}
     /// The driver reset the device.
     fn reset(&mut self) {}
     /// Work the device's thread does after each pass with the device
@@ -183,6 +187,10 @@ mod tests {
         assert_eq!(abi::F_VERSION_1, 1 << config::VIRTIO_F_VERSION_1);
         assert_eq!(abi::F_RING_EVENT_IDX, 1 << ring::VIRTIO_RING_F_EVENT_IDX);
         assert_eq!(abi::net::F_MAC, 1 << net::VIRTIO_NET_F_MAC);
+        assert_eq!(abi::net::F_CSUM, 1 << net::VIRTIO_NET_F_CSUM);
+        assert_eq!(abi::net::F_GUEST_CSUM, 1 << net::VIRTIO_NET_F_GUEST_CSUM);
+        assert_eq!(u32::from(abi::net::HDR_F_NEEDS_CSUM), net::VIRTIO_NET_HDR_F_NEEDS_CSUM);
+        assert_eq!(u32::from(abi::net::HDR_F_DATA_VALID), net::VIRTIO_NET_HDR_F_DATA_VALID);
         assert_eq!(abi::net::HDR_LEN, std::mem::size_of::<net::virtio_net_hdr_v1>());
         assert_eq!(abi::net::HDR_LEN, super::net::VNET_HDR_LEN);
         assert_eq!(abi::blk::F_FLUSH, 1 << blk::VIRTIO_BLK_F_FLUSH);

@@ -21,6 +21,27 @@ use crate::sync::Lock;
 pub use tap::{Tap, TapError, VNET_HDR_LEN};
 
 const VIRTIO_NET_F_MAC: u64 = 1 << virtio_bindings::virtio_net::VIRTIO_NET_F_MAC;
+/// The driver may leave TCP/UDP checksums partial in frames it sends.
+const VIRTIO_NET_F_CSUM: u64 = 1 << virtio_bindings::virtio_net::VIRTIO_NET_F_CSUM;
+/// The driver takes frames whose checksum is partial (or already checked).
+const VIRTIO_NET_F_GUEST_CSUM: u64 = 1 << virtio_bindings::virtio_net::VIRTIO_NET_F_GUEST_CSUM;
+
+crate::switch! {
+    /// What the network card offers the guest's driver to leave undone
+    /// (`--net-offload`).
+    pub enum NetOffload {
+        /// Checksum offload both ways (VIRTIO_NET_F_CSUM and GUEST_CSUM):
+        /// the guest may send frames with the checksum left partial (the
+        /// runtime's driver does so for TCP; the kernel completes it, or,
+        /// as on a veth, a receiver on this host never needs it), and the
+        /// TAP hands it frames from this host unchecksummed, marked so in
+        /// the virtio-net header.
+        Csum = "csum",
+        /// None: the guest computes and checks every checksum.
+        Off = "off",
+    }
+}
+
 const RX: usize = 0;
 const TX: usize = 1;
 /// Largest frame with header we move (no offloads: MTU-sized frames).
@@ -91,6 +112,7 @@ impl FrameSink for TapWriter {
 
 pub struct Net {
     tap: Tap,
+    offload: NetOffload,
     tap_writer: Arc<TapWriter>,
     mac: [u8; 6],
     /// The TAP had a frame the last time we looked (it is polled edge-triggered).
@@ -104,11 +126,15 @@ pub struct Net {
 }
 
 impl Net {
-    pub fn new(config: &NetConfig, hooks: Arc<Hooks>, pausing: PauseFlag) -> Result<Net, TapError> {
+    pub fn new(config: &NetConfig, offload: NetOffload, hooks: Arc<Hooks>, pausing: PauseFlag) -> Result<Net, TapError> {
         let tap = Tap::open(&config.tap)?;
+        // A TAP kept from an earlier VM may still have offloads on: none
+        // until this VM's driver negotiates them.
+        tap.set_offload(0)?;
         let tap_writer = Arc::new(TapWriter(Mutex::new(tap.try_clone_file()?)));
         Ok(Net {
             tap,
+            offload,
             tap_writer,
             mac: config.mac,
             tap_readable: true,
@@ -238,7 +264,26 @@ impl VirtioDevice for Net {
     }
 
     fn features(&self) -> u64 {
-        VIRTIO_NET_F_MAC
+        match self.offload {
+            NetOffload::Csum => VIRTIO_NET_F_MAC | VIRTIO_NET_F_CSUM | VIRTIO_NET_F_GUEST_CSUM,
+            NetOffload::Off => VIRTIO_NET_F_MAC,
+        }
+    }
+
+    /// Frames the guest sends need nothing from the TAP to be accepted
+    /// (it takes NEEDS_CSUM frames always); what the TAP may hand the guest
+    /// follows GUEST_CSUM. This holds whatever this VMM offers: a VM
+    /// restored from one that offered more keeps what it negotiated.
+    fn features_acked(&mut self, acked: u64) {
+        let flags = if acked & VIRTIO_NET_F_GUEST_CSUM != 0 { tap::TUN_F_CSUM } else { 0 };
+        if acked != 0 {
+            let csum = acked & (VIRTIO_NET_F_CSUM | VIRTIO_NET_F_GUEST_CSUM) != 0;
+            tracing::info!(tap = self.tap.name(), checksum_offload = csum, "network card negotiated");
+        }
+        if let Err(e) = self.tap.set_offload(flags) {
+            // The TAP then checksums what it hands over: still correct.
+            tracing::warn!(error = %e, "TAP offload not changed");
+        }
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
@@ -279,6 +324,7 @@ impl VirtioDevice for Net {
 
     fn reset(&mut self) {
         self.tap_readable = true;
+        self.features_acked(0);
     }
 
     fn drop_queued_host_input(&mut self) {

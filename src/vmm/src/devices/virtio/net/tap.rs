@@ -6,11 +6,16 @@ use std::io::{self, Read};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 
-use vmm_sys_util::ioctl::{ioctl_with_mut_ref, ioctl_with_ref};
+use vmm_sys_util::ioctl::{ioctl_with_mut_ref, ioctl_with_ref, ioctl_with_val};
 use vmm_sys_util::ioctl_iow_nr;
 
 ioctl_iow_nr!(TUNSETIFF, b'T' as u32, 202, libc::c_int);
 ioctl_iow_nr!(TUNSETVNETHDRSZ, b'T' as u32, 216, libc::c_int);
+ioctl_iow_nr!(TUNSETOFFLOAD, b'T' as u32, 208, libc::c_uint);
+
+/// `TUNSETOFFLOAD` flag: the kernel may hand us frames whose TCP/UDP
+/// checksum is left partial (the virtio-net header's NEEDS_CSUM).
+pub const TUN_F_CSUM: libc::c_uint = 0x01;
 
 /// Size of `virtio_net_hdr_v1`, which VERSION_1 devices always use.
 pub const VNET_HDR_LEN: usize = 12;
@@ -25,6 +30,8 @@ pub enum TapError {
     Attach { name: String, err: io::Error },
     #[error("cannot bring TAP '{name}' up: {err}")]
     Up { name: String, err: io::Error },
+    #[error("cannot set the offloads of TAP '{name}': {err}")]
+    Offload { name: String, err: io::Error },
 }
 
 #[repr(C)]
@@ -77,6 +84,16 @@ impl Tap {
 
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// What the kernel may leave undone in the frames it hands us
+    /// (`TUN_F_*`): the guest's driver negotiated to accept that.
+    pub fn set_offload(&self, flags: libc::c_uint) -> Result<(), TapError> {
+        // SAFETY: TUNSETOFFLOAD takes its flags as the argument itself.
+        if unsafe { ioctl_with_val(&self.file, TUNSETOFFLOAD(), flags.into()) } < 0 {
+            return Err(TapError::Offload { name: self.name.clone(), err: io::Error::last_os_error() });
+        }
+        Ok(())
     }
 
     /// Read one frame (with its virtio-net header); `WouldBlock` when none.
