@@ -274,7 +274,7 @@ struct Sums {
 }
 
 /// The leader's per-step `syncvm` timings (metrics fields, µs).
-const STEPS: [&str; 7] = ["propose_us", "pause_us", "freeze_us", "bitmap_us", "hash_us", "wait_us", "ack_us"];
+const STEPS: [&str; 8] = ["propose_us", "pause_us", "freeze_us", "bitmap_us", "copy_us", "hash_us", "wait_us", "ack_us"];
 
 fn read_sums(files: &[PathBuf], from: &[usize]) -> (Sums, Vec<usize>) {
     let mut s = Sums::default();

@@ -6,6 +6,7 @@
 //! The witness votes and keeps the log but runs no VM, and never leads.
 //! See docs/replicas.md.
 
+pub mod aside;
 pub mod disk;
 pub mod failover;
 pub mod gate;
@@ -82,10 +83,16 @@ pub struct SyncMetrics {
     /// taken); the secondary: taking its dirty set once paused.
     #[serde(default)]
     pub freeze_us: u64,
-    /// From sending this side's dirty bitmap until the peer's arrived.
+    /// From sending this side's dirty bitmap until the peer's arrived
+    /// (the leader's copy of its own dirty pages meanwhile not counted).
     #[serde(default)]
     pub bitmap_us: u64,
-    /// Hashing the union's pages and disk blocks, this side.
+    /// The leader with `--early-resume on`: copying the union's pages and
+    /// disk blocks aside, in its pause (0 otherwise).
+    #[serde(default)]
+    pub copy_us: u64,
+    /// Hashing the union's pages and disk blocks, this side (the leader
+    /// with `--early-resume on`: its copy, after the resume).
     #[serde(default)]
     pub hash_us: u64,
     /// The leader: waiting for the secondary's hashes once its own were
@@ -93,7 +100,7 @@ pub struct SyncMetrics {
     /// secondary: from sending its hashes until the leader's pages came.
     #[serde(default)]
     pub wait_us: u64,
-    /// The leader: from resuming its guest until the secondary's
+    /// The leader: from sending the pages until the secondary's
     /// acknowledgement (which releases the output); 0 on the secondary.
     #[serde(default)]
     pub ack_us: u64,
@@ -242,6 +249,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                     replay: config.replay,
                     spacing: config.tuning.sync_spacing,
                     ack_wait: config.tuning.ack_wait,
+                    early_resume: config.tuning.early_resume,
                 },
                 disk,
                 held,

@@ -29,7 +29,7 @@ use super::node::{Committed, Event, View, ALIVE};
 use super::recent::{self, Recent};
 use super::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
 use super::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
-use super::tuning::{AckWait, SyncSpacing};
+use super::tuning::{AckWait, EarlyResume, SyncSpacing};
 use super::{SyncMetrics, SyncRole};
 use crate::metrics::{MetricsLog, Role, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
@@ -60,6 +60,8 @@ pub struct Options {
     pub spacing: SyncSpacing,
     /// `--ack-wait`.
     pub ack_wait: AckWait,
+    /// `--early-resume`.
+    pub early_resume: EarlyResume,
 }
 
 /// What arrives for a VM replica's threads from its links.
@@ -602,8 +604,8 @@ impl Applier {
             Ok(frozen) => {
                 let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: secondary, id, disk: s.disk.as_ref(), started: t0 };
                 match s.options.ack_wait {
-                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages).map(with_freeze),
-                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages).map(with_freeze) {
+                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages, s.options.early_resume).map(with_freeze),
+                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages, s.options.early_resume).map(with_freeze) {
                         Ok(figures) => {
                             // The proposer waits for the acknowledgement and
                             // releases; this thread delivers input meanwhile.
@@ -753,6 +755,7 @@ impl Shared {
             propose_us: us(propose),
             freeze_us: us(f.steps.freeze),
             bitmap_us: us(f.steps.bitmap),
+            copy_us: us(f.steps.copy),
             hash_us: us(f.steps.hash),
             wait_us: us(f.steps.wait),
             ack_us: us(f.steps.ack),

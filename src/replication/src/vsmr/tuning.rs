@@ -68,6 +68,20 @@ switch! {
     }
 }
 
+switch! {
+    /// `--early-resume`: when the leader's guest resumes in a `syncvm`.
+    pub enum EarlyResume {
+        /// Once the bitmaps are swapped and the union's pages and disk
+        /// blocks are copied aside (`aside`): hashing, the wait for the
+        /// secondary's hashes and the sending of the divergent pages read
+        /// the copy while the guest runs. Not in a full `syncvm` (it would
+        /// copy all of memory).
+        On = "on",
+        /// Once the divergent pages are sent.
+        Off = "off",
+    }
+}
+
 /// The switches together.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Tuning {
@@ -76,4 +90,5 @@ pub struct Tuning {
     pub sync_spacing: SyncSpacing,
     pub direct_input: DirectInput,
     pub ack_wait: AckWait,
+    pub early_resume: EarlyResume,
 }
