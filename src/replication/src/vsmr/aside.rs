@@ -20,22 +20,37 @@ use super::disk::ReplicaDisk;
 /// Copy on every core from this many pages (as `sync::hash_pages`).
 const PARALLEL_FROM: usize = 256;
 
-/// Pages and disk blocks as they were when copied.
+/// Pages and disk blocks as they were when copied. Kept by the leader from
+/// one `syncvm` to the next (`clear`): its buffer, as large as the largest
+/// union so far, is then already allocated and mapped, so the copy in the
+/// pause takes no page faults and writes no zeroes first.
 #[derive(Default)]
 pub struct Aside {
     /// (page, its slot in `data`), sorted by page.
     index: Vec<(u64, usize)>,
+    /// Slots in use: the first `used` pages of `data`.
+    used: usize,
     data: Vec<u8>,
     /// (block, its bytes), sorted by block.
     blocks: Vec<(u64, Vec<u8>)>,
 }
 
 impl Aside {
-    /// Copy `pages` of `ram` (none copied before; the guest paused).
+    /// Forget what was copied (the buffer stays).
+    pub fn clear(&mut self) {
+        self.index.clear();
+        self.used = 0;
+        self.blocks.clear();
+    }
+
+    /// Copy `pages` of `ram` (none copied since `clear`; the guest paused).
     pub fn copy(&mut self, ram: &GuestRam, pages: &[u64]) -> Result<(), MemoryError> {
-        let first = self.data.len() / PAGE;
-        self.data.resize(self.data.len() + pages.len() * PAGE, 0);
-        let out = &mut self.data[first * PAGE..];
+        let first = self.used;
+        let end = (first + pages.len()) * PAGE;
+        if self.data.len() < end {
+            self.data.resize(end, 0);
+        }
+        let out = &mut self.data[first * PAGE..end];
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
         if pages.len() < PARALLEL_FROM || threads == 1 {
             copy_into(ram, pages, out)?;
@@ -47,6 +62,7 @@ impl Aside {
                 workers.into_iter().try_for_each(|w| w.join().expect("a copy thread panicked"))
             })?;
         }
+        self.used += pages.len();
         self.index.extend(pages.iter().enumerate().map(|(i, &p)| (p, first + i)));
         self.index.sort_unstable();
         Ok(())
@@ -109,9 +125,20 @@ impl Aside {
     }
 }
 
+/// A plain memcpy per page: about 3x faster here than `GuestRam::read_page`'s
+/// volatile copy (0.1 against 0.27 µs per page into a warm buffer), and
+/// the copy is the leader's pause.
 fn copy_into(ram: &GuestRam, pages: &[u64], out: &mut [u8]) -> Result<(), MemoryError> {
-    for (&p, o) in pages.iter().zip(out.chunks_exact_mut(PAGE)) {
-        ram.read_page(p, o)?;
+    for (&page, o) in pages.iter().zip(out.chunks_exact_mut(PAGE)) {
+        if page >= ram.pages() {
+            return Err(MemoryError::OutOfRange { page });
+        }
+        // SAFETY: the page lies inside guest RAM's mapping (checked above),
+        // which lives as long as `ram`, and `o` is one page long. The guest
+        // and the VMM's devices are paused, so nothing writes the page
+        // meanwhile (were one to, the copy would only be torn, as a
+        // `read_page` of a page being written is).
+        unsafe { std::ptr::copy_nonoverlapping(ram.host_base().add(page as usize * PAGE), o.as_mut_ptr(), PAGE) };
     }
     Ok(())
 }
@@ -154,6 +181,12 @@ mod tests {
         assert_eq!(aside.page(7).unwrap(), vec![7u8; PAGE].as_slice());
         assert!(aside.page(2).is_none(), "a page outside the union was not copied");
         assert!(aside.copy(&ram, &[pages]).is_err(), "a page beyond RAM is refused");
+        // The next syncvm's copy reuses the buffer: nothing of the last one is left.
+        aside.clear();
+        aside.copy(&ram, &[2]).unwrap();
+        assert_eq!(aside.pages(), 1);
+        assert!(aside.page(7).is_none());
+        assert_eq!(aside.page(2).unwrap(), vec![0xeeu8; PAGE].as_slice());
     }
 
     #[test]

@@ -21,6 +21,7 @@ use ftvm_vmm::hooks::{FrameSink, HostInputFilter};
 use ftvm_vmm::sync::{self as vsync, Lock};
 use ftvm_vmm::Vm;
 
+use super::aside::Aside;
 use super::disk::ReplicaDisk;
 use super::gate::InputGate;
 use super::log::Entry;
@@ -128,6 +129,9 @@ struct Leadership {
     output: Arc<OutputBuffer>,
     trigger: Arc<Trigger>,
     freeze: Mutex<PauseAndSave>,
+    /// `--early-resume on`: the copy of each `syncvm`'s union (`aside`),
+    /// its buffer kept from one to the next.
+    aside: Mutex<Aside>,
     /// Output epochs closed so far (the next freeze closes this one).
     epoch: AtomicU64,
     serving: AtomicBool,
@@ -515,6 +519,7 @@ impl Applier {
             output: output.clone(),
             trigger: trigger.clone(),
             freeze: Mutex::new(freeze),
+            aside: Mutex::new(Aside::default()),
             epoch: AtomicU64::new(0),
             serving: AtomicBool::new(true),
             pending: Mutex::new(false),
@@ -603,9 +608,11 @@ impl Applier {
             }
             Ok(frozen) => {
                 let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: secondary, id, disk: s.disk.as_ref(), started: t0 };
+                let mut aside = lead.aside.locked();
+                let aside = (s.options.early_resume == EarlyResume::On).then_some(&mut *aside);
                 match s.options.ack_wait {
-                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages, s.options.early_resume).map(with_freeze),
-                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages, s.options.early_resume).map(with_freeze) {
+                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages, aside).map(with_freeze),
+                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages, aside).map(with_freeze) {
                         Ok(figures) => {
                             // The proposer waits for the acknowledgement and
                             // releases; this thread delivers input meanwhile.

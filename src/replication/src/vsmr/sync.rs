@@ -43,7 +43,6 @@ use ftvm_vmm::{PageBitmap, Vm, VmState};
 
 use super::aside::Aside;
 use super::disk::{self, ReplicaDisk};
-use super::tuning::EarlyResume;
 use super::mesh::{Inbound, Mesh};
 use crate::checkpoint::StateDelta;
 use crate::output::DiskWrite;
@@ -400,10 +399,10 @@ impl Contents<'_> {
 
 /// The leader's side, with its VM frozen (dirty set and state taken, the
 /// output epoch closed, in the pause): resumes the guest as soon as the
-/// pages are sent (with `early`, once the union is copied aside), returns
-/// once the secondary acknowledged them.
-pub fn lead(x: &Exchange<'_>, vm: &Vm, frozen: Frozen<'_>, full: bool, mode: PageMode, early: EarlyResume) -> Result<Figures, SyncError> {
-    let mut figures = lead_unacked(x, vm, frozen, full, mode, early)?;
+/// pages are sent (with `aside`, once the union is copied into it),
+/// returns once the secondary acknowledged them.
+pub fn lead(x: &Exchange<'_>, vm: &Vm, frozen: Frozen<'_>, full: bool, mode: PageMode, aside: Option<&mut Aside>) -> Result<Figures, SyncError> {
+    let mut figures = lead_unacked(x, vm, frozen, full, mode, aside)?;
     figures.steps.ack = await_ack(x)?;
     Ok(figures)
 }
@@ -419,8 +418,8 @@ pub fn await_ack(x: &Exchange<'_>) -> Result<Duration, SyncError> {
 /// `lead` up to the sending of the pages: the acknowledgement
 /// (`await_ack`) is still to come, and the output must wait for it. The
 /// guest runs again by then: resumed after the pages were sent, or with
-/// `early` (`--early-resume on`, not in a full `syncvm`) as soon as the
-/// union was copied aside, before it is hashed. Either way the frames it
+/// `aside` (`--early-resume on`; not in a full `syncvm`) as soon as the
+/// union was copied into it, before it is hashed. Either way the frames it
 /// sends from its resume on are in the next output epoch (the freeze
 /// closed this one), released only by the next `syncvm`.
 pub fn lead_unacked(
@@ -429,7 +428,7 @@ pub fn lead_unacked(
     mut frozen: Frozen<'_>,
     full: bool,
     mode: PageMode,
-    early: EarlyResume,
+    aside: Option<&mut Aside>,
 ) -> Result<Figures, SyncError> {
     let pending_input = vm.devices().take_injected_host_input();
     let none = StateDelta { memory: None, vcpus: Vec::new(), devices: Vec::new(), clock: None };
@@ -440,13 +439,13 @@ pub fn lead_unacked(
     // All of memory as frozen (tests only: it reads every page).
     let memory_digest = crate::fault::syncvm_digest().then(|| digest(vm.ram()));
     let mut steps = Steps::default();
-    let result = if early == EarlyResume::On && !full {
-        let copied = copy_aside(x, vm, &frozen.dirty, blocks, &mut steps);
+    let result = if let Some(aside) = aside.filter(|_| !full) {
+        let copied = copy_aside(x, vm, &frozen.dirty, blocks, aside, &mut steps);
         let pause = frozen.thaw().pause;
         // The guest takes them next, as the secondary's will.
         vm.devices().inject_host_input(pending_input.clone());
-        copied.and_then(|(aside, pages, blocks)| {
-            let figures = compare_and_send(x, &Contents::Aside(&aside), &pages, &blocks, state, mode, &pending_input, &mut steps)?;
+        copied.and_then(|(pages, blocks)| {
+            let figures = compare_and_send(x, &Contents::Aside(aside), &pages, &blocks, state, mode, &pending_input, &mut steps)?;
             Ok(Figures { pause, ..figures })
         })
     } else {
@@ -464,9 +463,16 @@ pub fn lead_unacked(
 
 /// `--early-resume on`, in the pause: swap the dirty sets, copying this
 /// side's dirty pages meanwhile, then copy the rest of the union and its
-/// disk blocks. The union's pages and blocks, and their copy.
-fn copy_aside(x: &Exchange<'_>, vm: &Vm, dirty: &PageBitmap, blocks: Vec<u64>, steps: &mut Steps) -> Result<(Aside, Vec<u64>, Vec<u64>), SyncError> {
-    let mut aside = Aside::default();
+/// disk blocks into `aside`. The union's pages and blocks.
+fn copy_aside(
+    x: &Exchange<'_>,
+    vm: &Vm,
+    dirty: &PageBitmap,
+    blocks: Vec<u64>,
+    aside: &mut Aside,
+    steps: &mut Steps,
+) -> Result<(Vec<u64>, Vec<u64>), SyncError> {
+    aside.clear();
     let mut copy = Duration::ZERO;
     let (union, blocks, bitmap) = x.swap_bitmaps(dirty, blocks, false, || {
         let t = Instant::now();
@@ -485,7 +491,7 @@ fn copy_aside(x: &Exchange<'_>, vm: &Vm, dirty: &PageBitmap, blocks: Vec<u64>, s
         aside.copy_blocks(d, &blocks).map_err(|e| SyncError::Disk(e.to_string()))?;
     }
     steps.copy = copy + t.elapsed();
-    Ok((aside, union.pages().collect(), blocks))
+    Ok((union.pages().collect(), blocks))
 }
 
 /// The leader's comparison, once the union is known: hash its pages and
