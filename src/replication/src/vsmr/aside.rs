@@ -53,7 +53,7 @@ impl Aside {
         let data = self.data.as_mut().expect("mapped above").as_mut_slice();
         // A union has each page once, so it never holds more than guest RAM.
         let out = data.get_mut(first * PAGE..end).ok_or(MemoryError::OutOfRange { page: (end / PAGE) as u64 })?;
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
+        let threads = super::sync::threads();
         if pages.len() < PARALLEL_FROM || threads == 1 {
             copy_into(ram, pages, out)?;
         } else {
@@ -96,7 +96,7 @@ impl Aside {
     /// XXH3-128 of each page as copied (0 for one not copied, which the
     /// caller never asks for: it copied the union it hashes).
     pub fn hash_pages(&self, pages: &[u64]) -> Vec<u128> {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
+        let threads = super::sync::threads();
         let hash = |pages: &[u64], out: &mut [u128]| {
             for (&p, o) in pages.iter().zip(out) {
                 *o = self.page(p).map_or(0, xxh3_128);

@@ -32,6 +32,7 @@
 //! acknowledgement: a leader that dies mid-transfer leaves it as it was.
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -711,15 +712,22 @@ fn commit(vm: &Vm, disk: Option<&ReplicaDisk>, bundle: &Bundle<'_>, state: &Sync
     Ok(memory_digest)
 }
 
+/// Threads to hash or copy a large union on: the cores, at most 16.
+/// Counted once: `available_parallelism` reads the cgroup's CPU quota from
+/// files each call (25 µs here), which was a tenth of a `syncvm`'s pause.
+pub(super) fn threads() -> usize {
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(16))
+}
+
 /// XXH3-128 of each page, on every core.
 pub fn hash_pages(ram: &GuestRam, pages: &[u64]) -> Vec<u128> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
     let mut out = vec![0u128; pages.len()];
-    if pages.len() < 256 || threads == 1 {
+    if pages.len() < 256 || threads() == 1 {
         hash_into(ram, pages, &mut out);
         return out;
     }
-    let chunk = pages.len().div_ceil(threads);
+    let chunk = pages.len().div_ceil(threads());
     std::thread::scope(|s| {
         for (p, o) in pages.chunks(chunk).zip(out.chunks_mut(chunk)) {
             s.spawn(move || hash_into(ram, p, o));
