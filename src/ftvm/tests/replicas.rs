@@ -307,11 +307,24 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
 /// entries once committed (`--early-apply off`), one append per proposal,
 /// the consensus thread delivers input itself (`--direct-input on`), the
 /// acknowledgement awaited off the applier, `syncvm`s spaced by the pause
-/// alone.
+/// alone, the leader's guest resumed only once the pages are sent
+/// (`--early-resume off`).
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_flipped() {
-    let flipped =
-        ["--early-apply", "off", "--batch-append", "off", "--direct-input", "on", "--ack-wait", "proposer", "--sync-spacing", "pause"];
+    let flipped = [
+        "--early-apply",
+        "off",
+        "--batch-append",
+        "off",
+        "--direct-input",
+        "on",
+        "--ack-wait",
+        "proposer",
+        "--sync-spacing",
+        "pause",
+        "--early-resume",
+        "off",
+    ];
     leader_kills("vflp", &flipped, 5);
 }
 
