@@ -386,6 +386,13 @@ pub struct ReplicaArgs {
     /// either way.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub early_resume: ftvm_replication::vsmr::tuning::EarlyResume,
+    /// Which thread of the leader releases a syncvm's held output once
+    /// the secondary acknowledged it: waiter (the thread that waits for
+    /// the acknowledgement, --ack-wait) or link (the thread that reads it
+    /// from the secondary's link, at once; the applier goes on delivering
+    /// input meanwhile).
+    #[arg(long, default_value = "waiter", value_name = "waiter|link")]
+    pub ack_release: ftvm_replication::vsmr::tuning::AckRelease,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

@@ -212,6 +212,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     direct_input: args.direct_input,
                     ack_wait: args.ack_wait,
                     early_resume: args.early_resume,
+                    ack_release: args.ack_release,
                 },
             };
             let source = match args.image {

@@ -308,7 +308,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
 /// the consensus thread delivers input itself (`--direct-input on`), the
 /// acknowledgement awaited off the applier, `syncvm`s spaced by the pause
 /// alone, the leader's guest resumed only once the pages are sent
-/// (`--early-resume off`).
+/// (`--early-resume off`), the output released by the link thread that
+/// reads the acknowledgement (`--ack-release link`).
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_flipped() {
     let flipped = [
@@ -324,6 +325,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_
         "pause",
         "--early-resume",
         "off",
+        "--ack-release",
+        "link",
     ];
     leader_kills("vflp", &flipped, 5);
 }

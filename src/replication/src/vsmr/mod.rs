@@ -15,6 +15,7 @@ pub mod mesh;
 pub mod node;
 pub mod recent;
 pub mod rejoin;
+pub mod release;
 mod replica;
 pub mod sync;
 pub mod tuning;
@@ -198,7 +199,8 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
     let (sync_tx, sync_rx) = mpsc::channel();
     let (join_tx, join_rx) = mpsc::channel();
     let (precopy_tx, precopy_rx) = mpsc::channel();
-    let routes = Routes { raft: events_tx.clone(), sync: sync_tx, join: join_tx, precopy: precopy_tx };
+    let acks = Arc::new(release::Awaited::default());
+    let routes = Routes { raft: events_tx.clone(), sync: sync_tx, join: join_tx, precopy: precopy_tx, acks: acks.clone() };
     // Peers pick secondaries among replicas with a VM: a standby says it has one.
     let mesh = Mesh::start(
         PeerHello { id: config.id, witness: vm.is_none(), standby: witness && vm.is_some(), disk: disk_size },
@@ -250,10 +252,12 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                     spacing: config.tuning.sync_spacing,
                     ack_wait: config.tuning.ack_wait,
                     early_resume: config.tuning.early_resume,
+                    ack_release: config.tuning.ack_release,
                 },
                 disk,
                 held,
                 gate,
+                acks,
             ));
             replica::start(shared, committed_rx, replica::Inboxes { sync: sync_rx, join: join_rx, precopy: precopy_rx })
                 .map_err(ReplicationError::Thread)?;

@@ -30,7 +30,8 @@ use super::node::{Committed, Event, View, ALIVE};
 use super::recent::{self, Recent};
 use super::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
 use super::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
-use super::tuning::{AckWait, EarlyResume, SyncSpacing};
+use super::release::Awaited;
+use super::tuning::{AckRelease, AckWait, EarlyResume, SyncSpacing};
 use super::{SyncMetrics, SyncRole};
 use crate::metrics::{MetricsLog, Role, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
@@ -63,6 +64,8 @@ pub struct Options {
     pub ack_wait: AckWait,
     /// `--early-resume`.
     pub early_resume: EarlyResume,
+    /// `--ack-release`.
+    pub ack_release: AckRelease,
 }
 
 /// What arrives for a VM replica's threads from its links.
@@ -117,6 +120,9 @@ pub struct Shared {
     lead: Mutex<Option<Arc<Leadership>>>,
     /// When the previous `syncvm` ended here.
     last_sync: Mutex<Instant>,
+    /// `--ack-release link`: the acknowledgement a link thread releases
+    /// the output of (shared with the mesh's routes).
+    acks: Arc<Awaited>,
     /// As a secondary: its memory equalled the leader's at the last
     /// `syncvm` and its writes since are tracked (otherwise the next
     /// `syncvm` compares every page).
@@ -214,6 +220,7 @@ impl Shared {
         disk: Option<ReplicaDisk>,
         held: Arc<AtomicBool>,
         gate: Option<Arc<InputGate>>,
+        acks: Arc<Awaited>,
     ) -> Shared {
         Shared {
             id,
@@ -234,6 +241,7 @@ impl Shared {
             current: AtomicBool::new(false),
             lead: Mutex::new(None),
             last_sync: Mutex::new(Instant::now()),
+            acks,
             in_step: AtomicBool::new(false),
         }
     }
@@ -573,6 +581,8 @@ impl Applier {
         // secondary, or as out of step: `apply`).
         lead.serving.store(false, Ordering::SeqCst);
         lead.ran.notify_all();
+        // No link thread releases anything of it from now on.
+        s.acks.cancel();
         // The output held since the last syncvm is dropped with the buffer:
         // whoever leads now has its own.
         s.recent.clear();
@@ -610,6 +620,10 @@ impl Applier {
                 let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: secondary, id, disk: s.disk.as_ref(), started: t0 };
                 let mut aside = lead.aside.locked();
                 let aside = (s.options.early_resume == EarlyResume::On).then_some(&mut *aside);
+                if s.options.ack_release == AckRelease::Link {
+                    // Before any page is sent: the acknowledgement cannot come first.
+                    s.acks.expect(secondary, id, epoch, lead.output.clone());
+                }
                 match s.options.ack_wait {
                     AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages, aside).map(with_freeze),
                     AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages, aside).map(with_freeze) {
@@ -684,6 +698,9 @@ impl Shared {
     fn synced(&self, lead: &Leadership, done: Done, result: Result<Figures, SyncError>) {
         let s = self;
         let Done { id, epoch, secondary, full, t0, propose } = done;
+        // A link thread may have released this epoch already
+        // (`--ack-release link`); after this, it releases nothing more.
+        s.acks.cancel();
         match &result {
             Ok(f) => {
                 let released = lead.output.release_through(epoch);

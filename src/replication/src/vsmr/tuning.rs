@@ -82,6 +82,19 @@ switch! {
     }
 }
 
+switch! {
+    /// `--ack-release`: which thread of the leader releases a `syncvm`'s
+    /// output once the secondary acknowledged it (`release`).
+    pub enum AckRelease {
+        /// The thread that waits for the acknowledgement (`--ack-wait`),
+        /// once the link thread handed it over.
+        Waiter = "waiter",
+        /// The link thread that reads it, at once (as primary-backup's
+        /// acknowledgement reader).
+        Link = "link",
+    }
+}
+
 /// The switches together.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Tuning {
@@ -91,4 +104,5 @@ pub struct Tuning {
     pub direct_input: DirectInput,
     pub ack_wait: AckWait,
     pub early_resume: EarlyResume,
+    pub ack_release: AckRelease,
 }
