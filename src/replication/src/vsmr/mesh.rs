@@ -285,8 +285,14 @@ impl Mesh {
             let delivered = match kind {
                 Kind::Raft => routes.raft.send(Event::Peer(msg)).is_ok(),
                 Kind::SyncAck => {
-                    routes.acks.acked(msg.from, &msg.payload);
-                    routes.sync.send(msg).is_ok()
+                    // `--ack-release link`: the acknowledgement first, so
+                    // that the applier goes on while this thread releases.
+                    let release = routes.acks.take(msg.from, &msg.payload);
+                    let delivered = routes.sync.send(msg).is_ok();
+                    if let Some(r) = release {
+                        r.run();
+                    }
+                    delivered
                 }
                 Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages => routes.sync.send(msg).is_ok(),
                 // A witness has no VM: nobody reads these (dropped with

@@ -6,9 +6,9 @@
 //! redis-benchmark): off the applier, committed input reaches the guest
 //! meanwhile, and the acknowledgement's hand-off no longer delays it.
 //!
-//! The applier still receives the acknowledgement and does everything
-//! else (status, compaction, metrics, the next `syncvm`); its own release
-//! then finds nothing left of that epoch.
+//! The link thread hands the acknowledgement on first, then releases: the
+//! waiting thread does everything else (status, compaction, metrics, the
+//! next `syncvm`) meanwhile, and leaves the release to it.
 
 use std::sync::{Arc, Mutex};
 
@@ -19,7 +19,16 @@ use crate::output::OutputBuffer;
 
 /// The one acknowledgement the leader awaits, for the link thread.
 #[derive(Default)]
-pub struct Awaited(Mutex<Option<Expected>>);
+pub struct Awaited(Mutex<State>);
+
+#[derive(Default)]
+enum State {
+    #[default]
+    Idle,
+    Expected(Expected),
+    /// A link thread took it: that thread releases the output.
+    Taken,
+}
 
 struct Expected {
     peer: u64,
@@ -29,31 +38,47 @@ struct Expected {
     output: Arc<OutputBuffer>,
 }
 
+/// A release a link thread is to make (`Awaited::take`), once it handed
+/// the acknowledgement on.
+pub struct Release {
+    epoch: u64,
+    output: Arc<OutputBuffer>,
+}
+
+impl Release {
+    pub fn run(self) {
+        self.output.release_through(self.epoch);
+    }
+}
+
 impl Awaited {
     /// From before the `syncvm`'s pages are sent: `peer`'s `SyncAck` of
     /// `id` releases `output` through `epoch`.
     pub fn expect(&self, peer: u64, id: SyncId, epoch: u64, output: Arc<OutputBuffer>) {
-        *self.0.locked() = Some(Expected { peer, id, epoch, output });
+        *self.0.locked() = State::Expected(Expected { peer, id, epoch, output });
     }
 
     /// The `syncvm` is over (acknowledged or failed) or this replica
-    /// stepped down: release nothing more. Waits for a release in progress.
-    pub fn cancel(&self) {
-        *self.0.locked() = None;
+    /// stepped down: no link thread takes it from now on. Whether one took
+    /// it (then that thread releases the output: the caller need not).
+    pub fn cancel(&self) -> bool {
+        matches!(std::mem::take(&mut *self.0.locked()), State::Taken)
     }
 
-    /// A link thread read a `SyncAck` from `from` (its payload): release
-    /// if it is the awaited one. Whether it released.
-    pub fn acked(&self, from: u64, payload: &[u8]) -> bool {
-        let mut awaited = self.0.locked();
-        let matches = awaited.as_ref().is_some_and(|e| e.peer == from && SyncId::parse(payload) == Some(e.id));
-        if !matches {
-            return false;
+    /// A link thread read a `SyncAck` from `from` (its payload): the
+    /// release to make if it is the awaited one. The acknowledgement is
+    /// then true whatever happens next (the secondary staged the leader's
+    /// state and commits it), so the release stands even if the waiting
+    /// thread gave up meanwhile or this replica stepped down: the `Sync`
+    /// entry was committed, and every later leader applied it.
+    pub fn take(&self, from: u64, payload: &[u8]) -> Option<Release> {
+        let mut state = self.0.locked();
+        let State::Expected(e) = &*state else { return None };
+        if e.peer != from || SyncId::parse(payload) != Some(e.id) {
+            return None;
         }
-        let e = awaited.take().expect("checked above");
-        // Under the lock: a `cancel` returns only once this is done.
-        e.output.release_through(e.epoch);
-        true
+        let State::Expected(e) = std::mem::replace(&mut *state, State::Taken) else { unreachable!("matched above") };
+        Some(Release { epoch: e.epoch, output: e.output })
     }
 }
 
@@ -89,18 +114,21 @@ mod tests {
         let awaited = Awaited::default();
         let id = SyncId { term: 1, index: 7 };
         awaited.expect(2, id, 0, output.clone());
-        assert!(!awaited.acked(3, &ack(id)), "another replica's ack");
-        assert!(!awaited.acked(2, &ack(SyncId { term: 1, index: 6 })), "a stale syncvm's ack");
-        assert!(!awaited.acked(2, b"short"), "a malformed ack");
+        assert!(awaited.take(3, &ack(id)).is_none(), "another replica's ack");
+        assert!(awaited.take(2, &ack(SyncId { term: 1, index: 6 })).is_none(), "a stale syncvm's ack");
+        assert!(awaited.take(2, b"short").is_none(), "a malformed ack");
         assert!(wire.0.locked().is_empty());
-        assert!(awaited.acked(2, &ack(id)));
+        let release = awaited.take(2, &ack(id)).expect("the awaited ack");
+        assert!(awaited.take(2, &ack(id)).is_none(), "taken once");
+        assert!(wire.0.locked().is_empty(), "released only when run");
+        release.run();
         assert_eq!(*wire.0.locked(), vec![b"before the freeze".to_vec()]);
-        assert!(!awaited.acked(2, &ack(id)), "released once");
-        // A cancelled wait releases nothing.
+        assert!(awaited.cancel(), "the waiting thread learns that the link thread released");
+        // A cancelled wait: nothing taken, the waiting thread releases.
         output.close_epoch();
         awaited.expect(2, SyncId { term: 1, index: 8 }, 1, output.clone());
-        awaited.cancel();
-        assert!(!awaited.acked(2, &ack(SyncId { term: 1, index: 8 })));
+        assert!(!awaited.cancel());
+        assert!(awaited.take(2, &ack(SyncId { term: 1, index: 8 })).is_none());
         assert_eq!(wire.0.locked().len(), 1);
     }
 }

@@ -581,7 +581,7 @@ impl Applier {
         // secondary, or as out of step: `apply`).
         lead.serving.store(false, Ordering::SeqCst);
         lead.ran.notify_all();
-        // No link thread releases anything of it from now on.
+        // No link thread takes an acknowledgement of it from now on.
         s.acks.cancel();
         // The output held since the last syncvm is dropped with the buffer:
         // whoever leads now has its own.
@@ -698,12 +698,13 @@ impl Shared {
     fn synced(&self, lead: &Leadership, done: Done, result: Result<Figures, SyncError>) {
         let s = self;
         let Done { id, epoch, secondary, full, t0, propose } = done;
-        // A link thread may have released this epoch already
-        // (`--ack-release link`); after this, it releases nothing more.
-        s.acks.cancel();
+        // `--ack-release link`: the link thread that read the
+        // acknowledgement releases this epoch (after this, no link thread
+        // takes one).
+        let link_releases = s.acks.cancel();
         match &result {
             Ok(f) => {
-                let released = lead.output.release_through(epoch);
+                let released = if link_releases { Default::default() } else { lead.output.release_through(epoch) };
                 let _ = s.events.send(Event::Compact(id.index));
                 *lead.synced.locked() = (secondary != 0).then_some(secondary);
                 let mut st = s.status.lock();
