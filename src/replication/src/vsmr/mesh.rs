@@ -294,7 +294,9 @@ impl Mesh {
                     }
                     delivered
                 }
-                Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages => routes.sync.send(msg).is_ok(),
+                Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages => {
+                    routes.sync.send(msg).is_ok()
+                }
                 // A witness has no VM: nobody reads these (dropped with
                 // the receiver).
                 Kind::RejoinStart | Kind::RejoinPages => {

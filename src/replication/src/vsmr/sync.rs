@@ -393,7 +393,9 @@ impl Contents<'_> {
         match self {
             Contents::Live(_, Some(d)) => d.read(block).map_err(|e| SyncError::Disk(e.to_string())),
             Contents::Live(_, None) => Err(SyncError::Disk("no disk".into())),
-            Contents::Aside(a) => a.block(block).map(<[u8]>::to_vec).ok_or_else(|| SyncError::Disk(format!("block {block} was not copied"))),
+            Contents::Aside(a) => {
+                a.block(block).map(<[u8]>::to_vec).ok_or_else(|| SyncError::Disk(format!("block {block} was not copied")))
+            }
         }
     }
 }
@@ -402,7 +404,14 @@ impl Contents<'_> {
 /// output epoch closed, in the pause): resumes the guest as soon as the
 /// pages are sent (with `aside`, once the union is copied into it),
 /// returns once the secondary acknowledged them.
-pub fn lead(x: &Exchange<'_>, vm: &Vm, frozen: Frozen<'_>, full: bool, mode: PageMode, aside: Option<&mut Aside>) -> Result<Figures, SyncError> {
+pub fn lead(
+    x: &Exchange<'_>,
+    vm: &Vm,
+    frozen: Frozen<'_>,
+    full: bool,
+    mode: PageMode,
+    aside: Option<&mut Aside>,
+) -> Result<Figures, SyncError> {
     let mut figures = lead_unacked(x, vm, frozen, full, mode, aside)?;
     figures.steps.ack = await_ack(x)?;
     Ok(figures)
