@@ -450,14 +450,29 @@ pub fn lead_unacked(
     let memory_digest = crate::fault::syncvm_digest().then(|| digest(vm.ram()));
     let mut steps = Steps::default();
     let result = if let Some(aside) = aside.filter(|_| !full) {
-        let copied = copy_aside(x, vm, &frozen.dirty, blocks, aside, &mut steps);
-        let pause = frozen.thaw().pause;
-        // The guest takes them next, as the secondary's will.
-        vm.devices().inject_host_input(pending_input.clone());
-        copied.and_then(|(pages, blocks)| {
-            let figures = compare_and_send(x, &Contents::Aside(aside), &pages, &blocks, state, mode, &pending_input, &mut steps)?;
-            Ok(Figures { pause, ..figures })
-        })
+        match copy_aside(x, vm, &frozen.dirty, blocks, aside, &mut steps) {
+            Ok(Copied::Whole(pages, blocks)) => {
+                // The secondary asked to compare everything: still paused,
+                // read it live rather than copy all of memory and disk.
+                let result =
+                    compare_and_send(x, &Contents::Live(vm.ram(), x.disk), &pages, &blocks, state, mode, &pending_input, &mut steps);
+                let pause = frozen.thaw().pause;
+                vm.devices().inject_host_input(pending_input);
+                result.map(|figures| Figures { pause, ..figures })
+            }
+            Ok(Copied::Aside(pages, blocks)) => {
+                let pause = frozen.thaw().pause;
+                // The guest takes them next, as the secondary's will.
+                vm.devices().inject_host_input(pending_input.clone());
+                let result = compare_and_send(x, &Contents::Aside(aside), &pages, &blocks, state, mode, &pending_input, &mut steps);
+                result.map(|figures| Figures { pause, ..figures })
+            }
+            Err(e) => {
+                frozen.thaw();
+                vm.devices().inject_host_input(pending_input);
+                Err(e)
+            }
+        }
     } else {
         let result = x.swap_bitmaps(&frozen.dirty, blocks, full, || Ok(())).and_then(|(union, blocks, bitmap)| {
             steps.bitmap = bitmap;
@@ -471,9 +486,18 @@ pub fn lead_unacked(
     result.map(|figures| Figures { memory_digest, steps, ..figures })
 }
 
+/// What `copy_aside` did with the union (its pages and disk blocks).
+enum Copied {
+    /// Copied into the aside: the guest may resume.
+    Aside(Vec<u64>, Vec<u64>),
+    /// Not copied: the union is every page (the secondary asked for a full
+    /// compare), which is read in the pause as with `--early-resume off`.
+    Whole(Vec<u64>, Vec<u64>),
+}
+
 /// `--early-resume on`, in the pause: swap the dirty sets, copying this
 /// side's dirty pages meanwhile, then copy the rest of the union and its
-/// disk blocks into `aside`. The union's pages and blocks.
+/// disk blocks into `aside`.
 fn copy_aside(
     x: &Exchange<'_>,
     vm: &Vm,
@@ -481,7 +505,7 @@ fn copy_aside(
     blocks: Vec<u64>,
     aside: &mut Aside,
     steps: &mut Steps,
-) -> Result<(Vec<u64>, Vec<u64>), SyncError> {
+) -> Result<Copied, SyncError> {
     aside.clear();
     let mut copy = Duration::ZERO;
     let (union, blocks, bitmap) = x.swap_bitmaps(dirty, blocks, false, || {
@@ -492,6 +516,10 @@ fn copy_aside(
         Ok(())
     })?;
     steps.bitmap = bitmap;
+    if union.count() == union.capacity() {
+        steps.copy = copy;
+        return Ok(Copied::Whole(union.pages().collect(), blocks));
+    }
     let t = Instant::now();
     let mut rest = union.clone();
     rest.subtract(dirty);
@@ -501,7 +529,7 @@ fn copy_aside(
         aside.copy_blocks(d, &blocks).map_err(|e| SyncError::Disk(e.to_string()))?;
     }
     steps.copy = copy + t.elapsed();
-    Ok((union.pages().collect(), blocks))
+    Ok(Copied::Aside(union.pages().collect(), blocks))
 }
 
 /// The leader's comparison, once the union is known: hash its pages and
