@@ -74,8 +74,9 @@ switch! {
         /// Once the bitmaps are swapped and the union's pages and disk
         /// blocks are copied aside (`aside`): hashing, the wait for the
         /// secondary's hashes and the sending of the divergent pages read
-        /// the copy while the guest runs. Not in a full `syncvm` (it would
-        /// copy all of memory).
+        /// the copy while the guest runs. Not when every page is compared
+        /// (a full `syncvm`, or a secondary not in step): it would copy
+        /// all of memory and disk.
         On = "on",
         /// Once the divergent pages are sent.
         Off = "off",
