@@ -274,7 +274,7 @@ struct Sums {
 }
 
 /// The leader's per-step `syncvm` timings (metrics fields, µs).
-const STEPS: [&str; 7] = ["propose_us", "pause_us", "freeze_us", "bitmap_us", "hash_us", "wait_us", "ack_us"];
+const STEPS: [&str; 8] = ["propose_us", "pause_us", "freeze_us", "bitmap_us", "copy_us", "hash_us", "wait_us", "ack_us"];
 
 fn read_sums(files: &[PathBuf], from: &[usize]) -> (Sums, Vec<usize>) {
     let mut s = Sums::default();
@@ -307,6 +307,28 @@ struct Measured {
     set: Figures,
     get: Figures,
     sums: Sums,
+    /// CPU time (user and system) of this setting's VMM processes during
+    /// the redis-benchmark run, in µs: a count the host's load disturbs
+    /// less than throughput.
+    cpu_us: f64,
+}
+
+/// CPU time so far (user and system, µs) of the processes `pids`, from
+/// `/proc/PID/stat` (each VMM is `ip netns exec`, which execs it in place).
+fn cpu_us(pids: &[u32]) -> f64 {
+    // SAFETY: sysconf reads a constant.
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    pids.iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+        .filter_map(|stat| {
+            // Fields after the command name (which may hold spaces): utime and stime are the 12th and 13th.
+            let rest = stat.rsplit_once(')')?.1;
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some(f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?)
+        })
+        .sum::<f64>()
+        * 1e6
+        / tick
 }
 
 /// One failover of the serving VMM, in milliseconds.
@@ -429,12 +451,15 @@ fn measure(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Optio
     let mut out = Vec::new();
     for &p in &opts.pipeline {
         let (_, from) = read_sums(&setup.metrics, &[]);
+        let pids: Vec<u32> = setup.procs.iter().map(Process::id).collect();
+        let cpu_before = cpu_us(&pids);
         let (set, get) = benchmark(topo, opts, p)?;
+        let cpu_us = cpu_us(&pids) - cpu_before;
         setup.check_alive()?;
         // The last syncvm or checkpoint of the run lands shortly after it.
         std::thread::sleep(Duration::from_millis(300));
         let (sums, _) = read_sums(&setup.metrics, &from);
-        out.push(Measured { set, get, sums });
+        out.push(Measured { set, get, sums, cpu_us });
     }
     let failover = if mode == Mode::Unreplicated || opts.no_failover { None } else { Some(failover(topo, ftvm, &mut setup, mode)?) };
     Ok((out, failover))
@@ -503,6 +528,15 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 chart.push((format!("{test} -P {p}: {}", mode.name()), f.rps));
             }
             per_request[m] = r.sums.bytes / requests;
+        }
+        for (m, &mode) in modes.iter().enumerate() {
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("VMM CPU time per request, {} (ref: unreplicated)", mode.name()),
+                value: results[m][i].cpu_us / requests,
+                unit: "us",
+                reference: Some(unrep.cpu_us / requests),
+            });
         }
         for (m, &mode) in modes.iter().enumerate().skip(1) {
             rows.push(Row {

@@ -378,6 +378,21 @@ pub struct ReplicaArgs {
     /// applier goes on delivering input once the guest resumed).
     #[arg(long, default_value = "applier", value_name = "applier|proposer")]
     pub ack_wait: ftvm_replication::vsmr::tuning::AckWait,
+    /// When the leader's guest resumes in a syncvm: on, once the dirty
+    /// sets are swapped and their union's pages and disk blocks copied
+    /// aside (hashing, comparing and sending then read the copy while the
+    /// guest runs; not in a full syncvm); off, once the divergent pages
+    /// are sent. Output stays held until the secondary's acknowledgement
+    /// either way.
+    #[arg(long, default_value = "on", value_name = "on|off")]
+    pub early_resume: ftvm_replication::vsmr::tuning::EarlyResume,
+    /// Which thread of the leader releases a syncvm's held output once
+    /// the secondary acknowledged it: waiter (the thread that waits for
+    /// the acknowledgement, --ack-wait) or link (the thread that reads it
+    /// from the secondary's link, at once; the applier goes on delivering
+    /// input meanwhile).
+    #[arg(long, default_value = "waiter", value_name = "waiter|link")]
+    pub ack_release: ftvm_replication::vsmr::tuning::AckRelease,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

@@ -217,6 +217,8 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     sync_spacing: args.sync_spacing,
                     direct_input: args.direct_input,
                     ack_wait: args.ack_wait,
+                    early_resume: args.early_resume,
+                    ack_release: args.ack_release,
                 },
             };
             let source = match args.image {

@@ -307,11 +307,27 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
 /// entries once committed (`--early-apply off`), one append per proposal,
 /// the consensus thread delivers input itself (`--direct-input on`), the
 /// acknowledgement awaited off the applier, `syncvm`s spaced by the pause
-/// alone.
+/// alone, the leader's guest resumed only once the pages are sent
+/// (`--early-resume off`), the output released by the link thread that
+/// reads the acknowledgement (`--ack-release link`).
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_flipped() {
-    let flipped =
-        ["--early-apply", "off", "--batch-append", "off", "--direct-input", "on", "--ack-wait", "proposer", "--sync-spacing", "pause"];
+    let flipped = [
+        "--early-apply",
+        "off",
+        "--batch-append",
+        "off",
+        "--direct-input",
+        "on",
+        "--ack-wait",
+        "proposer",
+        "--sync-spacing",
+        "pause",
+        "--early-resume",
+        "off",
+        "--ack-release",
+        "link",
+    ];
     leader_kills("vflp", &flipped, 5);
 }
 
@@ -471,16 +487,28 @@ fn witness_loss_keeps_the_service_protected() {
 /// Two vCPUs writing random pages at a rate limited by the clock: the two
 /// VM replicas diverge between `syncvm`s. After every completed `syncvm`
 /// the secondary's memory must be exactly the leader's at its freeze
-/// (digests recorded under `FTVM_TEST_FAULT=syncvm-digest:1`).
+/// (digests recorded under `FTVM_TEST_FAULT=syncvm-digest:1`), though with
+/// `--early-resume on` (the default) the leader's guest ran on, writing,
+/// while its pages were hashed and sent from the copy taken in the pause.
 #[test]
 fn syncvm_repairs_divergence() {
-    let dir = Scratch::new("replicas-digest").unwrap().keep_on_panic();
+    repairs_divergence("on");
+}
+
+/// The same with the leader resuming only once the pages are sent.
+#[test]
+fn syncvm_repairs_divergence_with_early_resume_off() {
+    repairs_divergence("off");
+}
+
+fn repairs_divergence(early_resume: &str) {
+    let dir = Scratch::new(&format!("replicas-digest-{early_resume}")).unwrap().keep_on_panic();
     let addrs: Vec<String> = (0..3).map(|_| common::free_addr()).collect();
     let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
     let mut procs = Vec::new();
     for id in 1..=3u64 {
         let mut cmd = ftvm();
-        cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", "50", "--metrics"])
+        cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", "50", "--early-resume", early_resume, "--metrics"])
             .arg(dir.join(format!("r{id}.jsonl")))
             .env("FTVM_TEST_FAULT", "syncvm-digest:1")
             .env("FTVM_LOG", "info");
@@ -516,6 +544,8 @@ fn syncvm_repairs_divergence() {
         compared += 1;
         if l["full"] == false && l["divergent_pages"].as_u64().unwrap() > 0 {
             repaired += 1;
+            // The copy aside is what the leader paused for, or nothing.
+            assert_eq!(l["copy_us"].as_u64().unwrap() > 0, early_resume == "on", "{l}");
         }
     }
     assert!(compared >= 5, "only {compared} completed syncvms to compare:\n{}\n{}", procs[0].stderr(), procs[1].stderr());

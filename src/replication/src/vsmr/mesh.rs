@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use ftvm_vmm::sync::Lock;
 
 use super::node::Event;
+use super::release::Awaited;
 use crate::pipeline::transport::{self, Auth, AuthTransport, Transport};
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::ReplicationError;
@@ -76,6 +77,9 @@ pub struct Routes {
     pub join: Sender<Inbound>,
     /// A replica's answers to this leader's pre-copy (`RejoinHashes`, `RejoinAck`).
     pub precopy: Sender<Inbound>,
+    /// `--ack-release link`: the acknowledgement whose output this link
+    /// thread releases itself (before handing it to the applier).
+    pub acks: Arc<Awaited>,
 }
 
 /// What is known of a peer from its links.
@@ -280,7 +284,17 @@ impl Mesh {
             let msg = Inbound { from: hello.id, kind, payload: std::mem::take(&mut buf), lost: None };
             let delivered = match kind {
                 Kind::Raft => routes.raft.send(Event::Peer(msg)).is_ok(),
-                Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages | Kind::SyncAck => {
+                Kind::SyncAck => {
+                    // `--ack-release link`: the acknowledgement first, so
+                    // that the applier goes on while this thread releases.
+                    let release = routes.acks.take(msg.from, &msg.payload);
+                    let delivered = routes.sync.send(msg).is_ok();
+                    if let Some(r) = release {
+                        r.run();
+                    }
+                    delivered
+                }
+                Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages => {
                     routes.sync.send(msg).is_ok()
                 }
                 // A witness has no VM: nobody reads these (dropped with

@@ -6,6 +6,7 @@
 //! The witness votes and keeps the log but runs no VM, and never leads.
 //! See docs/replicas.md.
 
+pub mod aside;
 pub mod disk;
 pub mod failover;
 pub mod gate;
@@ -14,6 +15,7 @@ pub mod mesh;
 pub mod node;
 pub mod recent;
 pub mod rejoin;
+pub mod release;
 mod replica;
 pub mod sync;
 pub mod tuning;
@@ -82,10 +84,16 @@ pub struct SyncMetrics {
     /// taken); the secondary: taking its dirty set once paused.
     #[serde(default)]
     pub freeze_us: u64,
-    /// From sending this side's dirty bitmap until the peer's arrived.
+    /// From sending this side's dirty bitmap until the peer's arrived
+    /// (the leader's copy of its own dirty pages meanwhile not counted).
     #[serde(default)]
     pub bitmap_us: u64,
-    /// Hashing the union's pages and disk blocks, this side.
+    /// The leader with `--early-resume on`: copying the union's pages and
+    /// disk blocks aside, in its pause (0 otherwise).
+    #[serde(default)]
+    pub copy_us: u64,
+    /// Hashing the union's pages and disk blocks, this side (the leader
+    /// with `--early-resume on`: its copy, after the resume).
     #[serde(default)]
     pub hash_us: u64,
     /// The leader: waiting for the secondary's hashes once its own were
@@ -93,7 +101,7 @@ pub struct SyncMetrics {
     /// secondary: from sending its hashes until the leader's pages came.
     #[serde(default)]
     pub wait_us: u64,
-    /// The leader: from resuming its guest until the secondary's
+    /// The leader: from sending the pages until the secondary's
     /// acknowledgement (which releases the output); 0 on the secondary.
     #[serde(default)]
     pub ack_us: u64,
@@ -191,7 +199,8 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
     let (sync_tx, sync_rx) = mpsc::channel();
     let (join_tx, join_rx) = mpsc::channel();
     let (precopy_tx, precopy_rx) = mpsc::channel();
-    let routes = Routes { raft: events_tx.clone(), sync: sync_tx, join: join_tx, precopy: precopy_tx };
+    let acks = Arc::new(release::Awaited::default());
+    let routes = Routes { raft: events_tx.clone(), sync: sync_tx, join: join_tx, precopy: precopy_tx, acks: acks.clone() };
     // Peers pick secondaries among replicas with a VM: a standby says it has one.
     let mesh = Mesh::start(
         PeerHello { id: config.id, witness: vm.is_none(), standby: witness && vm.is_some(), disk: disk_size },
@@ -242,10 +251,13 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                     replay: config.replay,
                     spacing: config.tuning.sync_spacing,
                     ack_wait: config.tuning.ack_wait,
+                    early_resume: config.tuning.early_resume,
+                    ack_release: config.tuning.ack_release,
                 },
                 disk,
                 held,
                 gate,
+                acks,
             ));
             replica::start(shared, committed_rx, replica::Inboxes { sync: sync_rx, join: join_rx, precopy: precopy_rx })
                 .map_err(ReplicationError::Thread)?;

@@ -21,6 +21,7 @@ use ftvm_vmm::hooks::{FrameSink, HostInputFilter};
 use ftvm_vmm::sync::{self as vsync, Lock};
 use ftvm_vmm::Vm;
 
+use super::aside::Aside;
 use super::disk::ReplicaDisk;
 use super::gate::InputGate;
 use super::log::Entry;
@@ -28,8 +29,9 @@ use super::mesh::{Inbound, Mesh};
 use super::node::{Committed, Event, View, ALIVE};
 use super::recent::{self, Recent};
 use super::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
+use super::release::Awaited;
 use super::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
-use super::tuning::{AckWait, SyncSpacing};
+use super::tuning::{AckRelease, AckWait, EarlyResume, SyncSpacing};
 use super::{SyncMetrics, SyncRole};
 use crate::metrics::{MetricsLog, Role, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
@@ -60,6 +62,10 @@ pub struct Options {
     pub spacing: SyncSpacing,
     /// `--ack-wait`.
     pub ack_wait: AckWait,
+    /// `--early-resume`.
+    pub early_resume: EarlyResume,
+    /// `--ack-release`.
+    pub ack_release: AckRelease,
 }
 
 /// What arrives for a VM replica's threads from its links.
@@ -114,6 +120,9 @@ pub struct Shared {
     lead: Mutex<Option<Arc<Leadership>>>,
     /// When the previous `syncvm` ended here.
     last_sync: Mutex<Instant>,
+    /// `--ack-release link`: the acknowledgement a link thread releases
+    /// the output of (shared with the mesh's routes).
+    acks: Arc<Awaited>,
     /// As a secondary: its memory equalled the leader's at the last
     /// `syncvm` and its writes since are tracked (otherwise the next
     /// `syncvm` compares every page).
@@ -126,6 +135,9 @@ struct Leadership {
     output: Arc<OutputBuffer>,
     trigger: Arc<Trigger>,
     freeze: Mutex<PauseAndSave>,
+    /// `--early-resume on`: the copy of each `syncvm`'s union (`aside`),
+    /// its buffer kept from one to the next.
+    aside: Mutex<Aside>,
     /// Output epochs closed so far (the next freeze closes this one).
     epoch: AtomicU64,
     serving: AtomicBool,
@@ -208,6 +220,7 @@ impl Shared {
         disk: Option<ReplicaDisk>,
         held: Arc<AtomicBool>,
         gate: Option<Arc<InputGate>>,
+        acks: Arc<Awaited>,
     ) -> Shared {
         Shared {
             id,
@@ -228,6 +241,7 @@ impl Shared {
             current: AtomicBool::new(false),
             lead: Mutex::new(None),
             last_sync: Mutex::new(Instant::now()),
+            acks,
             in_step: AtomicBool::new(false),
         }
     }
@@ -513,6 +527,7 @@ impl Applier {
             output: output.clone(),
             trigger: trigger.clone(),
             freeze: Mutex::new(freeze),
+            aside: Mutex::new(Aside::default()),
             epoch: AtomicU64::new(0),
             serving: AtomicBool::new(true),
             pending: Mutex::new(false),
@@ -566,6 +581,8 @@ impl Applier {
         // secondary, or as out of step: `apply`).
         lead.serving.store(false, Ordering::SeqCst);
         lead.ran.notify_all();
+        // No link thread takes an acknowledgement of it from now on.
+        s.acks.cancel();
         // The output held since the last syncvm is dropped with the buffer:
         // whoever leads now has its own.
         s.recent.clear();
@@ -601,9 +618,15 @@ impl Applier {
             }
             Ok(frozen) => {
                 let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: secondary, id, disk: s.disk.as_ref(), started: t0 };
+                let mut aside = lead.aside.locked();
+                let aside = (s.options.early_resume == EarlyResume::On).then_some(&mut *aside);
+                if s.options.ack_release == AckRelease::Link {
+                    // Before any page is sent: the acknowledgement cannot come first.
+                    s.acks.expect(secondary, id, epoch, lead.output.clone());
+                }
                 match s.options.ack_wait {
-                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages).map(with_freeze),
-                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages).map(with_freeze) {
+                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages, aside).map(with_freeze),
+                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages, aside).map(with_freeze) {
                         Ok(figures) => {
                             // The proposer waits for the acknowledgement and
                             // releases; this thread delivers input meanwhile.
@@ -675,9 +698,13 @@ impl Shared {
     fn synced(&self, lead: &Leadership, done: Done, result: Result<Figures, SyncError>) {
         let s = self;
         let Done { id, epoch, secondary, full, t0, propose } = done;
+        // `--ack-release link`: the link thread that read the
+        // acknowledgement releases this epoch (after this, no link thread
+        // takes one).
+        let link_releases = s.acks.cancel();
         match &result {
             Ok(f) => {
-                let released = lead.output.release_through(epoch);
+                let released = if link_releases { Default::default() } else { lead.output.release_through(epoch) };
                 let _ = s.events.send(Event::Compact(id.index));
                 *lead.synced.locked() = (secondary != 0).then_some(secondary);
                 let mut st = s.status.lock();
@@ -753,6 +780,7 @@ impl Shared {
             propose_us: us(propose),
             freeze_us: us(f.steps.freeze),
             bitmap_us: us(f.steps.bitmap),
+            copy_us: us(f.steps.copy),
             hash_us: us(f.steps.hash),
             wait_us: us(f.steps.wait),
             ack_us: us(f.steps.ack),

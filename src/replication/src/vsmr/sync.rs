@@ -15,10 +15,15 @@
 //!  compare: divergent pages
 //!  SyncPages (divergent pages, VM state,
 //!             undelivered input) ──────────▶ stage (parse, check)
-//!  resume                                    
+//!  resume
 //!            ◀───────────────────────────── SyncAck
 //!  release the closed epoch's output         apply pages, then state; resume
 //! ```
+//!
+//! With `--early-resume on` the leader copies the union's pages and disk
+//! blocks aside once the bitmaps are swapped (`aside`), resumes, and then
+//! hashes, compares and sends from the copy; the secondary's side is the
+//! same either way.
 //!
 //! Every message carries the `Sync` entry's term and index; anything else
 //! is a leftover of an abandoned `syncvm` and is dropped. A full `syncvm`
@@ -27,6 +32,7 @@
 //! acknowledgement: a leader that dies mid-transfer leaves it as it was.
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -36,6 +42,7 @@ use ftvm_vmm::memory::{GuestRam, PAGE};
 use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
 use ftvm_vmm::{PageBitmap, Vm, VmState};
 
+use super::aside::Aside;
 use super::disk::{self, ReplicaDisk};
 use super::mesh::{Inbound, Mesh};
 use crate::checkpoint::StateDelta;
@@ -198,14 +205,19 @@ pub struct Steps {
     /// The leader: its freeze (the vCPUs paused, the dirty set and the VM
     /// state taken); the secondary: taking its dirty set once paused.
     pub freeze: Duration,
-    /// From sending this side's bitmap until the peer's arrived.
+    /// From sending this side's bitmap until the peer's arrived (the
+    /// leader's copy of its own dirty pages meanwhile not counted).
     pub bitmap: Duration,
-    /// Hashing the union (pages and disk blocks).
+    /// The leader with `--early-resume on`: copying the union's pages and
+    /// disk blocks aside, in the pause.
+    pub copy: Duration,
+    /// Hashing the union (pages and disk blocks): the leader with
+    /// `--early-resume on` hashes its copy, its guest running.
     pub hash: Duration,
     /// The leader: waiting for the secondary's hashes (and block hashes);
     /// the secondary: from sending its hashes until the pages came.
     pub wait: Duration,
-    /// The leader: from its resume until the acknowledgement.
+    /// The leader: from sending the pages until the acknowledgement.
     pub ack: Duration,
 }
 
@@ -278,13 +290,23 @@ impl Exchange<'_> {
     /// Send this side's dirty bitmap, receive the other's: the union, or
     /// every page when either side asks for a full compare.
     /// The same for the disk's dirty blocks (`blocks`): their union too.
-    /// Also how long the peer's bitmap took to come once this one's was sent.
-    fn swap_bitmaps(&self, mine: &PageBitmap, blocks: Vec<u64>, full: bool) -> Result<(PageBitmap, Vec<u64>, Duration), SyncError> {
+    /// `meanwhile` runs between the sending and the receiving (the
+    /// leader's copy of its own dirty pages with `--early-resume on`).
+    /// Also how long the peer's bitmap took to come once this one's was
+    /// sent and `meanwhile` was done.
+    fn swap_bitmaps(
+        &self,
+        mine: &PageBitmap,
+        blocks: Vec<u64>,
+        full: bool,
+        meanwhile: impl FnOnce() -> Result<(), SyncError>,
+    ) -> Result<(PageBitmap, Vec<u64>, Duration), SyncError> {
         let words = if full { Vec::new() } else { mine.words().to_vec() };
         let disk_size = self.disk.map_or(0, ReplicaDisk::size);
         let blocks = if full { Vec::new() } else { blocks };
         let msg = BitmapMsg { full, words, disk_size, blocks };
         self.send(Kind::SyncBitmap, &postcard::to_allocvec(&msg).expect("serializes"))?;
+        meanwhile()?;
         let sent = Instant::now();
         let theirs: BitmapMsg = protocol::decode(&self.expect(Kind::SyncBitmap, 0)?[ID_LEN..])?;
         let waited = sent.elapsed();
@@ -332,59 +354,202 @@ impl Exchange<'_> {
     }
 }
 
+/// Where the leader reads the frozen contents of the union it compares
+/// and sends: its VM's memory and disk while its guest is paused, or the
+/// copy taken in the pause (`--early-resume on`) once it runs again.
+enum Contents<'a> {
+    Live(&'a GuestRam, Option<&'a ReplicaDisk>),
+    Aside(&'a Aside),
+}
+
+impl Contents<'_> {
+    fn hash_pages(&self, pages: &[u64]) -> Vec<u128> {
+        match self {
+            Contents::Live(ram, _) => hash_pages(ram, pages),
+            Contents::Aside(a) => a.hash_pages(pages),
+        }
+    }
+
+    fn hash_blocks(&self, blocks: &[u64]) -> Result<Vec<u128>, SyncError> {
+        match self {
+            Contents::Live(_, Some(d)) => d.hash(blocks).map_err(|e| SyncError::Disk(e.to_string())),
+            Contents::Live(_, None) => Ok(Vec::new()),
+            Contents::Aside(a) => Ok(a.hash_blocks(blocks)),
+        }
+    }
+
+    fn page(&self, page: u64, buf: &mut [u8]) -> Result<(), SyncError> {
+        match self {
+            Contents::Live(ram, _) => ram.read_page(page, buf).map_err(|e| ftvm_vmm::VmError::from(e).into()),
+            Contents::Aside(a) => {
+                let p = a.page(page).ok_or_else(|| SyncError::Vm(ftvm_vmm::memory::MemoryError::OutOfRange { page }.into()))?;
+                buf[..PAGE].copy_from_slice(p);
+                Ok(())
+            }
+        }
+    }
+
+    fn block(&self, block: u64) -> Result<Vec<u8>, SyncError> {
+        match self {
+            Contents::Live(_, Some(d)) => d.read(block).map_err(|e| SyncError::Disk(e.to_string())),
+            Contents::Live(_, None) => Err(SyncError::Disk("no disk".into())),
+            Contents::Aside(a) => {
+                a.block(block).map(<[u8]>::to_vec).ok_or_else(|| SyncError::Disk(format!("block {block} was not copied")))
+            }
+        }
+    }
+}
+
 /// The leader's side, with its VM frozen (dirty set and state taken, the
 /// output epoch closed, in the pause): resumes the guest as soon as the
-/// pages are sent, returns once the secondary acknowledged them.
-pub fn lead(x: &Exchange<'_>, vm: &Vm, frozen: Frozen<'_>, full: bool, mode: PageMode) -> Result<Figures, SyncError> {
-    let mut figures = lead_unacked(x, vm, frozen, full, mode)?;
+/// pages are sent (with `aside`, once the union is copied into it),
+/// returns once the secondary acknowledged them.
+pub fn lead(
+    x: &Exchange<'_>,
+    vm: &Vm,
+    frozen: Frozen<'_>,
+    full: bool,
+    mode: PageMode,
+    aside: Option<&mut Aside>,
+) -> Result<Figures, SyncError> {
+    let mut figures = lead_unacked(x, vm, frozen, full, mode, aside)?;
     figures.steps.ack = await_ack(x)?;
     Ok(figures)
 }
 
 /// The secondary's acknowledgement of this `syncvm`'s pages (the leader,
-/// once its guest resumed): how long it took.
+/// once they are sent): how long it took.
 pub fn await_ack(x: &Exchange<'_>) -> Result<Duration, SyncError> {
-    let resumed = Instant::now();
+    let sent = Instant::now();
     x.expect(Kind::SyncAck, 0)?;
-    Ok(resumed.elapsed())
+    Ok(sent.elapsed())
 }
 
-/// `lead` up to the resume: the pages are sent; the acknowledgement
-/// (`await_ack`) is still to come, and the output must wait for it.
-pub fn lead_unacked(x: &Exchange<'_>, vm: &Vm, mut frozen: Frozen<'_>, full: bool, mode: PageMode) -> Result<Figures, SyncError> {
+/// `lead` up to the sending of the pages: the acknowledgement
+/// (`await_ack`) is still to come, and the output must wait for it. The
+/// guest runs again by then: resumed after the pages were sent, or with
+/// `aside` (`--early-resume on`; not in a full `syncvm`) as soon as the
+/// union was copied into it, before it is hashed. Either way the frames it
+/// sends from its resume on are in the next output epoch (the freeze
+/// closed this one), released only by the next `syncvm`.
+pub fn lead_unacked(
+    x: &Exchange<'_>,
+    vm: &Vm,
+    mut frozen: Frozen<'_>,
+    full: bool,
+    mode: PageMode,
+    aside: Option<&mut Aside>,
+) -> Result<Figures, SyncError> {
     let pending_input = vm.devices().take_injected_host_input();
     let none = StateDelta { memory: None, vcpus: Vec::new(), devices: Vec::new(), clock: None };
     // The freeze saved every component: a whole state.
     let state = std::mem::replace(&mut frozen.state.vm, none).over(None);
     // The leadership's journal, taken by the freeze: this side's dirty blocks.
     let blocks = x.disk.map(|d| disk::dirty_blocks(&frozen.state.disk, d.size())).unwrap_or_default();
-    let result = lead_paused(x, vm, &frozen.dirty, blocks, state, full, mode, &pending_input);
-    let pause = frozen.thaw().pause;
-    // The guest takes them next, as the secondary's will.
-    vm.devices().inject_host_input(pending_input);
-    let mut figures = result?;
-    figures.pause = pause;
-    Ok(figures)
+    // All of memory as frozen (tests only: it reads every page).
+    let memory_digest = crate::fault::syncvm_digest().then(|| digest(vm.ram()));
+    let mut steps = Steps::default();
+    let result = if let Some(aside) = aside.filter(|_| !full) {
+        match copy_aside(x, vm, &frozen.dirty, blocks, aside, &mut steps) {
+            Ok(Copied::Whole(pages, blocks)) => {
+                // The secondary asked to compare everything: still paused,
+                // read it live rather than copy all of memory and disk.
+                let result =
+                    compare_and_send(x, &Contents::Live(vm.ram(), x.disk), &pages, &blocks, state, mode, &pending_input, &mut steps);
+                let pause = frozen.thaw().pause;
+                vm.devices().inject_host_input(pending_input);
+                result.map(|figures| Figures { pause, ..figures })
+            }
+            Ok(Copied::Aside(pages, blocks)) => {
+                let pause = frozen.thaw().pause;
+                // The guest takes them next, as the secondary's will.
+                vm.devices().inject_host_input(pending_input.clone());
+                let result = compare_and_send(x, &Contents::Aside(aside), &pages, &blocks, state, mode, &pending_input, &mut steps);
+                result.map(|figures| Figures { pause, ..figures })
+            }
+            Err(e) => {
+                frozen.thaw();
+                vm.devices().inject_host_input(pending_input);
+                Err(e)
+            }
+        }
+    } else {
+        let result = x.swap_bitmaps(&frozen.dirty, blocks, full, || Ok(())).and_then(|(union, blocks, bitmap)| {
+            steps.bitmap = bitmap;
+            let pages: Vec<u64> = union.pages().collect();
+            compare_and_send(x, &Contents::Live(vm.ram(), x.disk), &pages, &blocks, state, mode, &pending_input, &mut steps)
+        });
+        let pause = frozen.thaw().pause;
+        vm.devices().inject_host_input(pending_input);
+        result.map(|figures| Figures { pause, ..figures })
+    };
+    result.map(|figures| Figures { memory_digest, steps, ..figures })
 }
 
-#[allow(clippy::too_many_arguments)]
-fn lead_paused(
+/// What `copy_aside` did with the union (its pages and disk blocks).
+enum Copied {
+    /// Copied into the aside: the guest may resume.
+    Aside(Vec<u64>, Vec<u64>),
+    /// Not copied: the union is every page (the secondary asked for a full
+    /// compare), which is read in the pause as with `--early-resume off`.
+    Whole(Vec<u64>, Vec<u64>),
+}
+
+/// `--early-resume on`, in the pause: swap the dirty sets, copying this
+/// side's dirty pages meanwhile, then copy the rest of the union and its
+/// disk blocks into `aside`.
+fn copy_aside(
     x: &Exchange<'_>,
     vm: &Vm,
     dirty: &PageBitmap,
     blocks: Vec<u64>,
+    aside: &mut Aside,
+    steps: &mut Steps,
+) -> Result<Copied, SyncError> {
+    aside.clear();
+    let mut copy = Duration::ZERO;
+    let (union, blocks, bitmap) = x.swap_bitmaps(dirty, blocks, false, || {
+        let t = Instant::now();
+        let mine: Vec<u64> = dirty.pages().collect();
+        aside.copy(vm.ram(), &mine).map_err(ftvm_vmm::VmError::from)?;
+        copy = t.elapsed();
+        Ok(())
+    })?;
+    steps.bitmap = bitmap;
+    if union.count() == union.capacity() {
+        steps.copy = copy;
+        return Ok(Copied::Whole(union.pages().collect(), blocks));
+    }
+    let t = Instant::now();
+    let mut rest = union.clone();
+    rest.subtract(dirty);
+    let rest: Vec<u64> = rest.pages().collect();
+    aside.copy(vm.ram(), &rest).map_err(ftvm_vmm::VmError::from)?;
+    if let Some(d) = x.disk {
+        aside.copy_blocks(d, &blocks).map_err(|e| SyncError::Disk(e.to_string()))?;
+    }
+    steps.copy = copy + t.elapsed();
+    Ok(Copied::Aside(union.pages().collect(), blocks))
+}
+
+/// The leader's comparison, once the union is known: hash its pages and
+/// blocks as frozen (`contents`), take the secondary's hashes, send the
+/// divergent pages and blocks with the VM state and the guest's
+/// undelivered input (`pending`).
+#[allow(clippy::too_many_arguments)]
+fn compare_and_send(
+    x: &Exchange<'_>,
+    contents: &Contents<'_>,
+    pages: &[u64],
+    blocks: &[u64],
     state: VmState,
-    full: bool,
     mode: PageMode,
     pending: &[Vec<u8>],
+    steps: &mut Steps,
 ) -> Result<Figures, SyncError> {
-    let mut steps = Steps::default();
-    let (union, blocks, bitmap) = x.swap_bitmaps(dirty, blocks, full)?;
-    steps.bitmap = bitmap;
-    let pages: Vec<u64> = union.pages().collect();
     let t = Instant::now();
-    let mine = hash_pages(vm.ram(), &pages);
-    let my_blocks = x.hash_blocks(&blocks)?;
+    let mine = contents.hash_pages(pages);
+    let my_blocks = contents.hash_blocks(blocks)?;
     steps.hash = t.elapsed();
     let t = Instant::now();
     let theirs: HashesMsg = protocol::decode(&x.expect(Kind::SyncHashes, pages.len() as u64 + blocks.len() as u64)?[ID_LEN..])?;
@@ -400,12 +565,9 @@ fn lead_paused(
         .into());
     }
     let mut disk_blocks = Vec::new();
-    if let Some(d) = x.disk {
-        for ((&b, a), t) in blocks.iter().zip(&my_blocks).zip(&theirs.blocks) {
-            if a != t {
-                let data = d.read(b).map_err(|e| SyncError::Disk(e.to_string()))?;
-                disk_blocks.push(DiskWrite { offset: b * disk::BLOCK, data });
-            }
+    for ((&b, a), t) in blocks.iter().zip(&my_blocks).zip(&theirs.blocks) {
+        if a != t {
+            disk_blocks.push(DiskWrite { offset: b * disk::BLOCK, data: contents.block(b)? });
         }
     }
     let divergent_blocks = disk_blocks.len() as u64;
@@ -423,7 +585,7 @@ fn lead_paused(
                 return Err(ProtocolError::Corrupt(format!("{} block hashes for {} pages", theirs.hashes.len(), divergent.len())).into());
             }
             for (&p, hashes) in divergent.iter().zip(theirs.hashes.chunks_exact(BLOCKS)) {
-                vm.ram().read_page(p, &mut buf).map_err(ftvm_vmm::VmError::from)?;
+                contents.page(p, &mut buf)?;
                 let mut patch = BlockPatch { page: p, mask: 0, data: Vec::new() };
                 for (b, (block, h)) in buf.chunks_exact(BLOCK).zip(hashes).enumerate() {
                     if xxh3_64(block) != *h {
@@ -443,7 +605,6 @@ fn lead_paused(
         }
         _ => whole = divergent.clone(),
     }
-    let memory_digest = crate::fault::syncvm_digest().then(|| digest(vm.ram()));
     let state =
         postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches, disk: disk_blocks }).expect("serializes");
     let mut frame = Vec::new();
@@ -452,7 +613,7 @@ fn lead_paused(
     let mut encoder = RawEncoder;
     let mut bundle = BundleWriter::begin(&mut frame, &state, &mut encoder, false);
     for &p in &whole {
-        vm.ram().read_page(p, &mut buf).map_err(ftvm_vmm::VmError::from)?;
+        contents.page(p, &mut buf)?;
         bundle.page(p, &buf);
     }
     bundle.finish();
@@ -468,8 +629,8 @@ fn lead_paused(
         page_bytes,
         dirty_blocks: blocks.len() as u64,
         divergent_blocks,
-        memory_digest,
-        steps,
+        memory_digest: None,
+        steps: *steps,
     })
 }
 
@@ -499,7 +660,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
     // disk's I/O runs in the device's pass, which the pause waited for).
     let blocks = x.disk.map(|d| disk::dirty_blocks(&d.journal.take(), d.size())).unwrap_or_default();
     let mut steps = Steps { freeze: t.elapsed(), ..Steps::default() };
-    let (union, blocks, bitmap) = x.swap_bitmaps(&dirty, blocks, full)?;
+    let (union, blocks, bitmap) = x.swap_bitmaps(&dirty, blocks, full, || Ok(()))?;
     steps.bitmap = bitmap;
     let pages: Vec<u64> = union.pages().collect();
     let t = Instant::now();
@@ -588,15 +749,22 @@ fn commit(vm: &Vm, disk: Option<&ReplicaDisk>, bundle: &Bundle<'_>, state: &Sync
     Ok(memory_digest)
 }
 
+/// Threads to hash or copy a large union on: the cores, at most 16.
+/// Counted once: `available_parallelism` reads the cgroup's CPU quota from
+/// files each call (25 µs here), which was a tenth of a `syncvm`'s pause.
+pub(super) fn threads() -> usize {
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(16))
+}
+
 /// XXH3-128 of each page, on every core.
 pub fn hash_pages(ram: &GuestRam, pages: &[u64]) -> Vec<u128> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(16);
     let mut out = vec![0u128; pages.len()];
-    if pages.len() < 256 || threads == 1 {
+    if pages.len() < 256 || threads() == 1 {
         hash_into(ram, pages, &mut out);
         return out;
     }
-    let chunk = pages.len().div_ceil(threads);
+    let chunk = pages.len().div_ceil(threads());
     std::thread::scope(|s| {
         for (p, o) in pages.chunks(chunk).zip(out.chunks_mut(chunk)) {
             s.spawn(move || hash_into(ram, p, o));

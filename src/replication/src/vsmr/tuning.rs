@@ -68,6 +68,34 @@ switch! {
     }
 }
 
+switch! {
+    /// `--early-resume`: when the leader's guest resumes in a `syncvm`.
+    pub enum EarlyResume {
+        /// Once the bitmaps are swapped and the union's pages and disk
+        /// blocks are copied aside (`aside`): hashing, the wait for the
+        /// secondary's hashes and the sending of the divergent pages read
+        /// the copy while the guest runs. Not when every page is compared
+        /// (a full `syncvm`, or a secondary not in step): it would copy
+        /// all of memory and disk.
+        On = "on",
+        /// Once the divergent pages are sent.
+        Off = "off",
+    }
+}
+
+switch! {
+    /// `--ack-release`: which thread of the leader releases a `syncvm`'s
+    /// output once the secondary acknowledged it (`release`).
+    pub enum AckRelease {
+        /// The thread that waits for the acknowledgement (`--ack-wait`),
+        /// once the link thread handed it over.
+        Waiter = "waiter",
+        /// The link thread that reads it, at once (as primary-backup's
+        /// acknowledgement reader).
+        Link = "link",
+    }
+}
+
 /// The switches together.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Tuning {
@@ -76,4 +104,6 @@ pub struct Tuning {
     pub sync_spacing: SyncSpacing,
     pub direct_input: DirectInput,
     pub ack_wait: AckWait,
+    pub early_resume: EarlyResume,
+    pub ack_release: AckRelease,
 }
