@@ -61,6 +61,7 @@ pub const SWITCHES: &[Switch] = &[
     },
     Switch { name: "idle-pause", values: &[("park", &["--idle-pause", "park"]), ("kick", &["--idle-pause", "kick"])] },
     Switch { name: "priority", values: &[("normal", &["--priority", "normal"]), ("realtime", &["--priority", "realtime"])] },
+    Switch { name: "net-offload", values: &[("csum", &["--net-offload", "csum"]), ("off", &["--net-offload", "off"])] },
 ];
 
 /// The switch that needs a disk: measured on its own workload (`DISK_WORKLOAD`).
@@ -382,6 +383,7 @@ mod tests {
             ("idle-pause", ftvm_vmm::IdlePause::VALUES),
             ("priority", liveness::Priority::VALUES),
             ("disk-io", ftvm_vmm::devices::virtio::block::DiskIo::VALUES),
+            ("net-offload", ftvm_vmm::devices::virtio::net::NetOffload::VALUES),
         ];
         let table: Vec<&Switch> = SWITCHES.iter().chain([&DISK_IO]).collect();
         let depth = table.iter().find(|s| s.name == "pipeline-depth").expect("pipeline-depth is measured");

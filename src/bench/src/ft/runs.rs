@@ -103,7 +103,7 @@ fn free_port() -> u16 {
 
 /// Switches that both sides take: a setting measured is given to the
 /// backup too.
-const BOTH_SIDES: [&str; 2] = ["--idle-pause", "--priority"];
+const BOTH_SIDES: [&str; 3] = ["--idle-pause", "--priority", "--net-offload"];
 
 /// The `BOTH_SIDES` flags of `args`, with their values.
 fn backup_side<'a>(args: &[&'a str]) -> Vec<&'a str> {
