@@ -18,6 +18,8 @@ pub mod pipeline;
 pub mod primary;
 pub mod protocol;
 pub mod telemetry;
+#[cfg(test)]
+mod test_util;
 pub mod vsmr;
 
 pub use backup::{Backup, BackupConfig, Outcome};

@@ -222,15 +222,7 @@ mod tests {
     use super::segment::tests::{frame, GUEST, PEER};
     use super::segment::{parse, ACK, SYN};
     use super::*;
-
-    #[derive(Default)]
-    struct Wire(Mutex<Vec<Vec<u8>>>);
-
-    impl FrameSink for Wire {
-        fn send(&self, frame: &[u8]) {
-            self.0.locked().push(frame.to_vec());
-        }
-    }
+    use crate::test_util::Wire;
 
     fn handshake(proxy: &FakeAck) {
         let mut syn = frame(PEER, GUEST, 1000, 0, SYN, 65535, &[], b"");

@@ -85,16 +85,8 @@ impl Awaited {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::Wire;
     use ftvm_vmm::hooks::FrameSink;
-
-    #[derive(Default)]
-    struct Wire(Mutex<Vec<Vec<u8>>>);
-
-    impl FrameSink for Wire {
-        fn send(&self, frame: &[u8]) {
-            self.0.locked().push(frame.to_vec());
-        }
-    }
 
     fn ack(id: SyncId) -> Vec<u8> {
         id.header().to_vec()
