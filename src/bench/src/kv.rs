@@ -248,7 +248,12 @@ const METRICS: [Metric; 3] = [("throughput", "req/s", |f| f.rps), ("latency p50"
 /// Per pipeline depth: (depth, guest [SET, GET], native [SET, GET], CPU
 /// time per request (guest, native, the guest's device threads alone) in
 /// microseconds, then context switches per request (guest, native)).
-type Paired = Vec<(u32, [Figures; 2], [Figures; 2], (f64, f64, f64, f64, f64))>;
+/// Per request, medians over the runs: the VMM's CPU time (us), native's,
+/// the VMM's device threads', the VMM's context switches, native's.
+type CpuCounts = (f64, f64, f64, f64, f64);
+type Paired = Vec<(u32, [Figures; 2], [Figures; 2], CpuCounts)>;
+/// One figure of `CpuCounts` and native's, for a row.
+type PickCounts = fn(&CpuCounts) -> (f64, f64);
 
 /// CPU time every thread of process `pid` has had so far, in nanoseconds
 /// (`/proc/PID/task/*/schedstat`): the VMM's vCPU, device and other threads,
@@ -480,13 +485,18 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     }
     for (k, ((p, unrep, native, cpu), prot)) in figures.into_iter().zip(protected).enumerate() {
         let group = format!("{name} SET+GET -P {p} -c {}", opts.clients);
-        rows.push(Row {
-            group: group.clone(),
-            case: "CPU per request unreplicated (ref: native)".into(),
-            value: cpu.0,
-            unit: "us",
-            reference: Some(cpu.1),
-        });
+        // CPU time and (counted) the server threads' context switches, for
+        // the default VM and each variant, each against native's.
+        let per_request: [(&str, &str, PickCounts); 2] = [("CPU", "us", |c| (c.0, c.1)), ("context switches", "", |c| (c.3, c.4))];
+        for (what, unit, pick) in per_request {
+            let all = std::iter::once(("", &cpu)).chain(variants.iter().map(|(v, runs)| (*v, &runs.0[k].3)));
+            for (v, c) in all {
+                let label = if v.is_empty() { String::new() } else { format!(", {v}") };
+                let (value, native) = pick(c);
+                let case = format!("{what} per request unreplicated{label} (ref: native)");
+                rows.push(Row { group: group.clone(), case, value, unit, reference: Some(native) });
+            }
+        }
         // Of which the VMM's device threads (frames through the TAP): the
         // part of the VMM's CPU that is not the guest.
         rows.push(Row {
@@ -496,34 +506,6 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             unit: "us",
             reference: Some(cpu.1),
         });
-        for (v, runs) in &variants {
-            let (_, _, _, vcpu) = &runs.0[k];
-            rows.push(Row {
-                group: group.clone(),
-                case: format!("CPU per request unreplicated, {v} (ref: native)"),
-                value: vcpu.0,
-                unit: "us",
-                reference: Some(vcpu.1),
-            });
-        }
-        // Counted: the server's threads' context switches.
-        rows.push(Row {
-            group: group.clone(),
-            case: "context switches per request unreplicated (ref: native)".into(),
-            value: cpu.3,
-            unit: "",
-            reference: Some(cpu.4),
-        });
-        for (v, runs) in &variants {
-            let (_, _, _, vcpu) = &runs.0[k];
-            rows.push(Row {
-                group: group.clone(),
-                case: format!("context switches per request unreplicated, {v} (ref: native)"),
-                value: vcpu.3,
-                unit: "",
-                reference: Some(vcpu.4),
-            });
-        }
         for (i, test) in ["SET", "GET"].into_iter().enumerate() {
             let group = format!("{name} {test} -P {p} -c {}", opts.clients);
             let (g, n) = (&unrep[i], &native[i]);
