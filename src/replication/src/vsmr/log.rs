@@ -15,6 +15,11 @@ pub enum Entry {
     /// page (a secondary it has not synchronized before). `secondary` 0:
     /// no secondary, only a barrier (the leader still leads when it commits).
     Sync { leader: u64, secondary: u64, full: bool },
+    /// Frames that reached the leader's TAP together (one read pass of its
+    /// network card, or queued for the consensus thread in one round;
+    /// `--input-batch on`), delivered in this order: one entry, one raft
+    /// bookkeeping and one delivery for all of them.
+    Inputs(Vec<Vec<u8>>),
 }
 
 impl Entry {
@@ -33,7 +38,11 @@ mod tests {
 
     #[test]
     fn entries_round_trip_and_garbage_is_refused() {
-        for e in [Entry::Input(vec![1, 2, 3]), Entry::Sync { leader: 1, secondary: 2, full: true }] {
+        for e in [
+            Entry::Input(vec![1, 2, 3]),
+            Entry::Sync { leader: 1, secondary: 2, full: true },
+            Entry::Inputs(vec![vec![4, 5], vec![], vec![6]]),
+        ] {
             assert_eq!(Entry::decode(&e.encode()).unwrap(), e);
         }
         assert!(Entry::decode(&[9, 9, 9]).is_err());

@@ -253,6 +253,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                     ack_wait: config.tuning.ack_wait,
                     early_resume: config.tuning.early_resume,
                     ack_release: config.tuning.ack_release,
+                    input_batch: config.tuning.input_batch,
                 },
                 disk,
                 held,

@@ -49,6 +49,10 @@ pub enum Event {
     PeerLost(u64),
     /// Append this entry to the log (only a leader does; others drop it).
     Propose(Vec<u8>),
+    /// `--input-batch on`: frames the leader's TAP gave in one read pass.
+    /// Those queued in one round of this thread become one `Inputs` entry,
+    /// proposed before any later proposal (only a leader; others drop them).
+    Inputs(Vec<Vec<u8>>),
     /// A `syncvm` completed at this index: the log before it is not needed
     /// any more (a replica that lacks it gets raft's snapshot and then a
     /// full `syncvm`).
@@ -159,6 +163,7 @@ pub fn start(
                 lost: None,
                 round: None,
                 delivered: 0,
+                inputs: Vec::new(),
             }
             .run(events)
         })
@@ -185,6 +190,8 @@ struct Loop {
     /// Entries up to here were handed on (`committed`): committed ones,
     /// and with `--early-apply on` appended ones of the current term.
     delivered: u64,
+    /// `--input-batch on`: frames of this round, not yet proposed.
+    inputs: Vec<Vec<u8>>,
 }
 
 impl Loop {
@@ -199,6 +206,7 @@ impl Loop {
                     for ev in events.try_iter().take(256) {
                         self.handle(ev);
                     }
+                    self.propose_inputs();
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return,
@@ -243,7 +251,14 @@ impl Loop {
                     self.detected(id, Detection::LinkClosed);
                 }
             }
+            Event::Inputs(frames) => {
+                if self.node.raft.state == StateRole::Leader {
+                    self.inputs.extend(frames);
+                }
+            }
             Event::Propose(data) => {
+                // The input queued before this proposal goes first.
+                self.propose_inputs();
                 if self.node.raft.state == StateRole::Leader {
                     let _ = self.node.propose(vec![], data);
                 }
@@ -256,6 +271,17 @@ impl Loop {
                     let _ = store.wl().compact(index);
                 }
             }
+        }
+    }
+
+    /// `--input-batch on`: the frames queued so far as one entry.
+    fn propose_inputs(&mut self) {
+        if self.inputs.is_empty() {
+            return;
+        }
+        let frames = std::mem::take(&mut self.inputs);
+        if self.node.raft.state == StateRole::Leader {
+            let _ = self.node.propose(vec![], Entry::Inputs(frames).encode());
         }
     }
 
@@ -408,9 +434,16 @@ impl Loop {
                 }
             };
             if let Some(gate) = &gate {
-                if let Committed::Entry { entry: Entry::Input(frame), .. } = c {
-                    direct.push(frame);
-                    continue;
+                match c {
+                    Committed::Entry { entry: Entry::Input(frame), .. } => {
+                        direct.push(frame);
+                        continue;
+                    }
+                    Committed::Entry { entry: Entry::Inputs(frames), .. } => {
+                        direct.extend(frames);
+                        continue;
+                    }
+                    _ => {}
                 }
                 self.deliver(gate, &mut direct)?;
                 gate.handing();
