@@ -224,6 +224,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
         id: config.id,
         voters: config.peers.iter().map(|(i, _)| *i).collect(),
         witness,
+        vm: vm.is_some(),
         eligible: eligible.clone(),
         failover: config.failover,
         status: status.clone(),
@@ -268,7 +269,8 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
             std::thread::Builder::new()
                 .name("witness".into())
                 .spawn(move || {
-                    // The witness agrees on entries and treats syncvm as a no-op.
+                    // The witness agrees on entries and treats syncvm as a
+                    // no-op: the consensus thread hands on only who leads.
                     for c in committed_rx {
                         if let Committed::LeaderStart { term, leader, .. } = c {
                             let mut st = status.lock();

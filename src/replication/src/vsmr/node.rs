@@ -91,6 +91,10 @@ pub struct NodeConfig {
     pub id: u64,
     pub voters: Vec<u64>,
     pub witness: bool,
+    /// This replica runs a VM: committed entries go to its applier. A
+    /// witness without one is told only who leads (`LeaderStart`): its
+    /// thread would be woken for every entry only to drop it.
+    pub vm: bool,
     /// This replica may lead (a VM replica with the current state): the
     /// witness, or a replica that was never brought up to date, hands
     /// leadership on to one that may.
@@ -424,6 +428,8 @@ impl Loop {
             }
             let c = if e.data.is_empty() {
                 Committed::LeaderStart { index: e.index, term: e.term, leader: self.node.raft.leader_id }
+            } else if !self.config.vm {
+                continue;
             } else {
                 match Entry::decode(&e.data) {
                     Ok(entry) => Committed::Entry { index: e.index, term: e.term, entry },
