@@ -1,6 +1,8 @@
 //! What the replicated log holds (raft entries' data, postcard-encoded):
 //! the leader's network input and its `syncvm` points, in one order.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use serde::{Deserialize, Serialize};
 
 use crate::protocol::ProtocolError;
@@ -29,6 +31,26 @@ impl Entry {
 
     pub fn decode(data: &[u8]) -> Result<Entry, ProtocolError> {
         crate::protocol::decode(data)
+    }
+}
+
+/// Input entries and their frames handed on by the consensus thread since
+/// the last `take` (the `syncvm` metrics' `input_entries`, `input_frames`).
+#[derive(Debug, Default)]
+pub struct InputCounts {
+    entries: AtomicU64,
+    frames: AtomicU64,
+}
+
+impl InputCounts {
+    pub fn add(&self, frames: usize) {
+        self.entries.fetch_add(1, Ordering::Relaxed);
+        self.frames.fetch_add(frames as u64, Ordering::Relaxed);
+    }
+
+    /// (entries, frames) since the previous call.
+    pub fn take(&self) -> (u64, u64) {
+        (self.entries.swap(0, Ordering::Relaxed), self.frames.swap(0, Ordering::Relaxed))
     }
 }
 

@@ -26,7 +26,7 @@ use ftvm_vmm::sync::Lock;
 
 use super::failover::{self, Cause, Detection, Election, FastElection, Lost};
 use super::gate::InputGate;
-use super::log::Entry;
+use super::log::{Entry, InputCounts};
 use super::mesh::{Inbound, Mesh};
 use super::tuning::{BatchAppend, EarlyApply, Tuning};
 use crate::metrics::StatusCell;
@@ -39,6 +39,8 @@ const ELECTION_TICKS: usize = 20;
 const HEARTBEAT_TICKS: usize = 2;
 /// Entries kept behind the applied index before compaction.
 const KEEP_ENTRIES: u64 = 4096;
+/// `--input-batch on`: at most about this many frames per `Inputs` entry.
+const ROUND_FRAMES: usize = 64;
 /// A peer counts as alive when a message from it arrived this recently.
 pub const ALIVE: Duration = Duration::from_millis(500);
 
@@ -107,6 +109,8 @@ pub struct NodeConfig {
     /// `--direct-input on` on a VM replica: committed input goes into the
     /// guest from this thread when the applier has nothing earlier.
     pub gate: Option<Arc<InputGate>>,
+    /// Input entries and frames handed on (the `syncvm` metrics).
+    pub inputs: Arc<InputCounts>,
 }
 
 impl NodeConfig {
@@ -258,6 +262,9 @@ impl Loop {
             Event::Inputs(frames) => {
                 if self.node.raft.state == StateRole::Leader {
                     self.inputs.extend(frames);
+                    if self.inputs.len() >= ROUND_FRAMES {
+                        self.propose_inputs();
+                    }
                 }
             }
             Event::Propose(data) => {
@@ -432,7 +439,14 @@ impl Loop {
                 continue;
             } else {
                 match Entry::decode(&e.data) {
-                    Ok(entry) => Committed::Entry { index: e.index, term: e.term, entry },
+                    Ok(entry) => {
+                        match &entry {
+                            Entry::Input(_) => self.config.inputs.add(1),
+                            Entry::Inputs(frames) => self.config.inputs.add(frames.len()),
+                            Entry::Sync { .. } => {}
+                        }
+                        Committed::Entry { index: e.index, term: e.term, entry }
+                    }
                     Err(err) => {
                         tracing::error!(index = e.index, "a committed entry does not decode: {err}");
                         continue;

@@ -24,7 +24,7 @@ use ftvm_vmm::Vm;
 use super::aside::Aside;
 use super::disk::ReplicaDisk;
 use super::gate::InputGate;
-use super::log::Entry;
+use super::log::{Entry, InputCounts};
 use super::mesh::{Inbound, Mesh};
 use super::node::{Committed, Event, View, ALIVE};
 use super::recent::{self, Recent};
@@ -125,6 +125,8 @@ pub struct Shared {
     /// `--ack-release link`: the acknowledgement a link thread releases
     /// the output of (shared with the mesh's routes).
     acks: Arc<Awaited>,
+    /// Input entries and frames the consensus thread handed on.
+    inputs: Arc<InputCounts>,
     /// As a secondary: its memory equalled the leader's at the last
     /// `syncvm` and its writes since are tracked (otherwise the next
     /// `syncvm` compares every page).
@@ -193,6 +195,10 @@ impl FrameSink for Discard {
     fn send(&self, _frame: &[u8]) {}
 }
 
+/// `--input-batch on`: at most this many frames of one pass per `Inputs`
+/// event (and so per log entry).
+const PASS_FRAMES: usize = 64;
+
 /// The TAP's frames become proposals while this replica leads; the guest
 /// gets them from the log, never straight from the TAP.
 struct Input {
@@ -208,7 +214,14 @@ impl HostInputFilter for Input {
         let serving = self.shared.lead.locked().as_ref().is_some_and(|l| l.serving.load(Ordering::Relaxed));
         if serving {
             match &self.pass {
-                Some(pass) => pass.locked().push(frame.to_vec()),
+                Some(pass) => {
+                    let mut frames = pass.locked();
+                    frames.push(frame.to_vec());
+                    // A long pass (a flood) still goes on in bounded entries.
+                    if frames.len() >= PASS_FRAMES {
+                        let _ = self.shared.events.send(Event::Inputs(std::mem::take(&mut *frames)));
+                    }
+                }
                 None => {
                     let _ = self.shared.events.send(Event::Propose(Entry::Input(frame.to_vec()).encode()));
                 }
@@ -243,6 +256,7 @@ impl Shared {
         held: Arc<AtomicBool>,
         gate: Option<Arc<InputGate>>,
         acks: Arc<Awaited>,
+        inputs: Arc<InputCounts>,
     ) -> Shared {
         Shared {
             id,
@@ -264,6 +278,7 @@ impl Shared {
             lead: Mutex::new(None),
             last_sync: Mutex::new(Instant::now()),
             acks,
+            inputs,
             in_step: AtomicBool::new(false),
         }
     }
@@ -788,6 +803,7 @@ impl Shared {
         };
         let f = result.as_ref().copied().unwrap_or_default();
         let (bytes, messages) = s.mesh.take_sent();
+        let (input_entries, input_frames) = s.inputs.take();
         let us = |d: Duration| d.as_micros() as u64;
         let m = SyncMetrics {
             term: id.term,
@@ -813,6 +829,8 @@ impl Shared {
             hash_us: us(f.steps.hash),
             wait_us: us(f.steps.wait),
             ack_us: us(f.steps.ack),
+            input_entries,
+            input_frames,
             memory_digest: f.memory_digest,
         };
         s.metrics.record(&m);
