@@ -455,10 +455,7 @@ impl Applier {
                 // Held for a pre-copy (or as a standby), the VM's input is
                 // replaced whole at its syncvm: do not let it pile up.
                 if self.shared.held.load(Ordering::SeqCst)
-                    && matches!(
-                        c,
-                        Committed::Entry { entry: Entry::Input(_) | Entry::Inputs(_), .. } | Committed::Inputs(_)
-                    )
+                    && matches!(c, Committed::Entry { entry: Entry::Input(_) | Entry::Inputs(_), .. } | Committed::Inputs(_))
                 {
                     continue;
                 }
