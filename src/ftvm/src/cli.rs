@@ -393,6 +393,14 @@ pub struct ReplicaArgs {
     /// input meanwhile).
     #[arg(long, default_value = "waiter", value_name = "waiter|link")]
     pub ack_release: ftvm_replication::vsmr::tuning::AckRelease,
+    /// How the leader's network input becomes log entries: off, one entry
+    /// per frame, each handed to the consensus thread as read; on, the
+    /// frames of one read pass of the TAP go to the consensus thread
+    /// together and those it finds queued in one round become one entry
+    /// (one raft entry, encoding and delivery per batch). Replicas with
+    /// either setting work together.
+    #[arg(long, default_value = "off", value_name = "off|on")]
+    pub input_batch: ftvm_replication::vsmr::tuning::InputBatch,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

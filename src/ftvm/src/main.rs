@@ -219,6 +219,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     ack_wait: args.ack_wait,
                     early_resume: args.early_resume,
                     ack_release: args.ack_release,
+                    input_batch: args.input_batch,
                 },
             };
             let source = match args.image {

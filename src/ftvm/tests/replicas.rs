@@ -15,6 +15,8 @@
 //! - `..._with_block_patches`: the same, divergent pages sent as their
 //!   differing 64-byte blocks (`--sync-pages blocks`), restarted replicas
 //!   brought up to date by the full `syncvm` alone (`--rejoin syncvm`).
+//! - `..._with_input_batches`: the same with `--input-batch on`; log
+//!   entries held several frames (`input_frames` > `input_entries`).
 //! - `a_stalled_leader_is_replaced_once_silent_past_the_failure_timeout`:
 //!   the leader's VMM is SIGSTOPped (its links stay open); the secondary
 //!   stands because of its silence past `--failure-timeout-ms`, serves,
@@ -309,7 +311,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
 /// acknowledgement awaited off the applier, `syncvm`s spaced by the pause
 /// alone, the leader's guest resumed only once the pages are sent
 /// (`--early-resume off`), the output released by the link thread that
-/// reads the acknowledgement (`--ack-release link`).
+/// reads the acknowledgement (`--ack-release link`), the frames of one
+/// read pass of the leader's TAP in one log entry (`--input-batch on`).
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_flipped() {
     let flipped = [
@@ -327,11 +330,33 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_
         "off",
         "--ack-release",
         "link",
+        "--input-batch",
+        "on",
     ];
     leader_kills("vflp", &flipped, 5);
 }
 
-fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
+/// The same with the frames of one read pass of the leader's TAP in one
+/// log entry (`--input-batch on`, docs/replicas.md): input still reaches
+/// both guests in log order, and entries did carry several frames.
+#[test]
+fn no_acknowledged_write_is_lost_over_leader_kills_with_input_batches() {
+    let c = leader_kills("vbat", &["--input-batch", "on"], 5);
+    let (mut entries, mut frames) = (0, 0);
+    for id in [1, 2] {
+        for m in c.metrics(id) {
+            entries += m["input_entries"].as_u64().unwrap_or(0);
+            frames += m["input_frames"].as_u64().unwrap_or(0);
+        }
+    }
+    eprintln!("{frames} input frames in {entries} log entries since the last restarts");
+    assert!(entries > 0, "no input entries in the metrics");
+    assert!(frames > entries, "no entry held more than one frame: {frames} frames in {entries} entries");
+}
+
+/// Kill the leader `kills` times under writers; every acknowledged write
+/// reads back. Returns the cluster, still running.
+fn leader_kills(tag: &str, extra: &[&str], kills: u32) -> Cluster {
     let seed = std::env::var("FTVM_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::process::id() as u64);
     eprintln!("seed {seed} (FTVM_TEST_SEED)");
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
@@ -371,6 +396,7 @@ fn leader_kills(tag: &str, extra: &[&str], kills: u32) {
     // leaders' guests had sent frames since their last syncvm.
     assert!(replayed > 0, "no new leader sent its guest's recent frames:\n{}", c.logs());
     assert!(fallbacks.len() * 2 <= kills as usize, "most new leaders did not stand on the failure detection: {fallbacks:?}\n{}", c.logs());
+    c
 }
 
 /// The frames replica `id` sent at its latest takeover, from its log

@@ -41,7 +41,9 @@ use ftvm_vmm::pages::FormatError;
 /// the previous checkpoint (`fakeack::delta::Carried`, `--fake-ack-state`).
 /// Version 13: the backup pulls prefetched pages (`--prefetch-by pull`):
 /// PullMap, PullList, PullDone (`pipeline::prefetch::pull`).
-pub const PROTOCOL_VERSION: u16 = 13;
+/// Version 14: a replica's log entry may hold several input frames
+/// (`vsmr::log::Entry::Inputs`, `--input-batch on`).
+pub const PROTOCOL_VERSION: u16 = 14;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

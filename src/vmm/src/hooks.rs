@@ -39,6 +39,11 @@ pub trait DiskWriteObserver: Send + Sync {
 pub trait HostInputFilter: Send + Sync {
     /// Whether to deliver `frame` to the guest.
     fn admit(&self, frame: &[u8]) -> bool;
+
+    /// The network card ended a pass of reading the TAP: every frame it
+    /// read since the previous call was shown to `admit`. A filter that
+    /// keeps frames to handle them together does so now.
+    fn pass_end(&self) {}
 }
 
 /// Stands between the guest's TCP and the network's (a proxy that

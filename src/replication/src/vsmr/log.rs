@@ -1,6 +1,8 @@
 //! What the replicated log holds (raft entries' data, postcard-encoded):
 //! the leader's network input and its `syncvm` points, in one order.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use serde::{Deserialize, Serialize};
 
 use crate::protocol::ProtocolError;
@@ -15,6 +17,11 @@ pub enum Entry {
     /// page (a secondary it has not synchronized before). `secondary` 0:
     /// no secondary, only a barrier (the leader still leads when it commits).
     Sync { leader: u64, secondary: u64, full: bool },
+    /// Frames that reached the leader's TAP together (one read pass of its
+    /// network card, or queued for the consensus thread in one round;
+    /// `--input-batch on`), delivered in this order: one entry, one raft
+    /// bookkeeping and one delivery for all of them.
+    Inputs(Vec<Vec<u8>>),
 }
 
 impl Entry {
@@ -27,13 +34,37 @@ impl Entry {
     }
 }
 
+/// Input entries and their frames handed on by the consensus thread since
+/// the last `take` (the `syncvm` metrics' `input_entries`, `input_frames`).
+#[derive(Debug, Default)]
+pub struct InputCounts {
+    entries: AtomicU64,
+    frames: AtomicU64,
+}
+
+impl InputCounts {
+    pub fn add(&self, frames: usize) {
+        self.entries.fetch_add(1, Ordering::Relaxed);
+        self.frames.fetch_add(frames as u64, Ordering::Relaxed);
+    }
+
+    /// (entries, frames) since the previous call.
+    pub fn take(&self) -> (u64, u64) {
+        (self.entries.swap(0, Ordering::Relaxed), self.frames.swap(0, Ordering::Relaxed))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn entries_round_trip_and_garbage_is_refused() {
-        for e in [Entry::Input(vec![1, 2, 3]), Entry::Sync { leader: 1, secondary: 2, full: true }] {
+        for e in [
+            Entry::Input(vec![1, 2, 3]),
+            Entry::Sync { leader: 1, secondary: 2, full: true },
+            Entry::Inputs(vec![vec![4, 5], vec![], vec![6]]),
+        ] {
             assert_eq!(Entry::decode(&e.encode()).unwrap(), e);
         }
         assert!(Entry::decode(&[9, 9, 9]).is_err());

@@ -105,6 +105,13 @@ pub struct SyncMetrics {
     /// acknowledgement (which releases the output); 0 on the secondary.
     #[serde(default)]
     pub ack_us: u64,
+    /// Input log entries this replica was handed since the previous
+    /// `syncvm`, and the frames in them (more frames than entries:
+    /// `--input-batch on` put several in one).
+    #[serde(default)]
+    pub input_entries: u64,
+    #[serde(default)]
+    pub input_frames: u64,
     /// Tests only (`FTVM_TEST_FAULT=syncvm-digest:1`): a digest of all
     /// guest memory, the leader's at its freeze, the secondary's once the
     /// pages are applied: equal when the divergence was repaired.
@@ -220,15 +227,18 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
         (Some(vm), tuning::DirectInput::On) => Some(Arc::new(gate::InputGate::new(vm.clone(), held.clone()))),
         _ => None,
     };
+    let inputs = Arc::new(log::InputCounts::default());
     let node_config = NodeConfig {
         id: config.id,
         voters: config.peers.iter().map(|(i, _)| *i).collect(),
         witness,
+        vm: vm.is_some(),
         eligible: eligible.clone(),
         failover: config.failover,
         status: status.clone(),
         tuning: config.tuning,
         gate: gate.clone(),
+        inputs: inputs.clone(),
     };
     node::start(node_config, mesh.clone(), events_rx, committed_tx, view.clone())?;
     let metrics = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
@@ -253,11 +263,13 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                     ack_wait: config.tuning.ack_wait,
                     early_resume: config.tuning.early_resume,
                     ack_release: config.tuning.ack_release,
+                    input_batch: config.tuning.input_batch,
                 },
                 disk,
                 held,
                 gate,
                 acks,
+                inputs,
             ));
             replica::start(shared, committed_rx, replica::Inboxes { sync: sync_rx, join: join_rx, precopy: precopy_rx })
                 .map_err(ReplicationError::Thread)?;
@@ -267,7 +279,8 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
             std::thread::Builder::new()
                 .name("witness".into())
                 .spawn(move || {
-                    // The witness agrees on entries and treats syncvm as a no-op.
+                    // The witness agrees on entries and treats syncvm as a
+                    // no-op: the consensus thread hands on only who leads.
                     for c in committed_rx {
                         if let Committed::LeaderStart { term, leader, .. } = c {
                             let mut st = status.lock();

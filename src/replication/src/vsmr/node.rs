@@ -26,7 +26,7 @@ use ftvm_vmm::sync::Lock;
 
 use super::failover::{self, Cause, Detection, Election, FastElection, Lost};
 use super::gate::InputGate;
-use super::log::Entry;
+use super::log::{Entry, InputCounts};
 use super::mesh::{Inbound, Mesh};
 use super::tuning::{BatchAppend, EarlyApply, Tuning};
 use crate::metrics::StatusCell;
@@ -39,6 +39,8 @@ const ELECTION_TICKS: usize = 20;
 const HEARTBEAT_TICKS: usize = 2;
 /// Entries kept behind the applied index before compaction.
 const KEEP_ENTRIES: u64 = 4096;
+/// `--input-batch on`: at most about this many frames per `Inputs` entry.
+const ROUND_FRAMES: usize = 64;
 /// A peer counts as alive when a message from it arrived this recently.
 pub const ALIVE: Duration = Duration::from_millis(500);
 
@@ -49,6 +51,10 @@ pub enum Event {
     PeerLost(u64),
     /// Append this entry to the log (only a leader does; others drop it).
     Propose(Vec<u8>),
+    /// `--input-batch on`: frames the leader's TAP gave in one read pass.
+    /// Those queued in one round of this thread become one `Inputs` entry,
+    /// proposed before any later proposal (only a leader; others drop them).
+    Inputs(Vec<Vec<u8>>),
     /// A `syncvm` completed at this index: the log before it is not needed
     /// any more (a replica that lacks it gets raft's snapshot and then a
     /// full `syncvm`).
@@ -87,6 +93,10 @@ pub struct NodeConfig {
     pub id: u64,
     pub voters: Vec<u64>,
     pub witness: bool,
+    /// This replica runs a VM: committed entries go to its applier. A
+    /// witness without one is told only who leads (`LeaderStart`): its
+    /// thread would be woken for every entry only to drop it.
+    pub vm: bool,
     /// This replica may lead (a VM replica with the current state): the
     /// witness, or a replica that was never brought up to date, hands
     /// leadership on to one that may.
@@ -99,6 +109,8 @@ pub struct NodeConfig {
     /// `--direct-input on` on a VM replica: committed input goes into the
     /// guest from this thread when the applier has nothing earlier.
     pub gate: Option<Arc<InputGate>>,
+    /// Input entries and frames handed on (the `syncvm` metrics).
+    pub inputs: Arc<InputCounts>,
 }
 
 impl NodeConfig {
@@ -159,6 +171,7 @@ pub fn start(
                 lost: None,
                 round: None,
                 delivered: 0,
+                inputs: Vec::new(),
             }
             .run(events)
         })
@@ -185,6 +198,8 @@ struct Loop {
     /// Entries up to here were handed on (`committed`): committed ones,
     /// and with `--early-apply on` appended ones of the current term.
     delivered: u64,
+    /// `--input-batch on`: frames of this round, not yet proposed.
+    inputs: Vec<Vec<u8>>,
 }
 
 impl Loop {
@@ -199,6 +214,7 @@ impl Loop {
                     for ev in events.try_iter().take(256) {
                         self.handle(ev);
                     }
+                    self.propose_inputs();
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return,
@@ -243,7 +259,17 @@ impl Loop {
                     self.detected(id, Detection::LinkClosed);
                 }
             }
+            Event::Inputs(frames) => {
+                if self.node.raft.state == StateRole::Leader {
+                    self.inputs.extend(frames);
+                    if self.inputs.len() >= ROUND_FRAMES {
+                        self.propose_inputs();
+                    }
+                }
+            }
             Event::Propose(data) => {
+                // The input queued before this proposal goes first.
+                self.propose_inputs();
                 if self.node.raft.state == StateRole::Leader {
                     let _ = self.node.propose(vec![], data);
                 }
@@ -256,6 +282,17 @@ impl Loop {
                     let _ = store.wl().compact(index);
                 }
             }
+        }
+    }
+
+    /// `--input-batch on`: the frames queued so far as one entry.
+    fn propose_inputs(&mut self) {
+        if self.inputs.is_empty() {
+            return;
+        }
+        let frames = std::mem::take(&mut self.inputs);
+        if self.node.raft.state == StateRole::Leader {
+            let _ = self.node.propose(vec![], Entry::Inputs(frames).encode());
         }
     }
 
@@ -398,9 +435,18 @@ impl Loop {
             }
             let c = if e.data.is_empty() {
                 Committed::LeaderStart { index: e.index, term: e.term, leader: self.node.raft.leader_id }
+            } else if !self.config.vm {
+                continue;
             } else {
                 match Entry::decode(&e.data) {
-                    Ok(entry) => Committed::Entry { index: e.index, term: e.term, entry },
+                    Ok(entry) => {
+                        match &entry {
+                            Entry::Input(_) => self.config.inputs.add(1),
+                            Entry::Inputs(frames) => self.config.inputs.add(frames.len()),
+                            Entry::Sync { .. } => {}
+                        }
+                        Committed::Entry { index: e.index, term: e.term, entry }
+                    }
                     Err(err) => {
                         tracing::error!(index = e.index, "a committed entry does not decode: {err}");
                         continue;
@@ -408,9 +454,16 @@ impl Loop {
                 }
             };
             if let Some(gate) = &gate {
-                if let Committed::Entry { entry: Entry::Input(frame), .. } = c {
-                    direct.push(frame);
-                    continue;
+                match c {
+                    Committed::Entry { entry: Entry::Input(frame), .. } => {
+                        direct.push(frame);
+                        continue;
+                    }
+                    Committed::Entry { entry: Entry::Inputs(frames), .. } => {
+                        direct.extend(frames);
+                        continue;
+                    }
+                    _ => {}
                 }
                 self.deliver(gate, &mut direct)?;
                 gate.handing();

@@ -24,14 +24,14 @@ use ftvm_vmm::Vm;
 use super::aside::Aside;
 use super::disk::ReplicaDisk;
 use super::gate::InputGate;
-use super::log::Entry;
+use super::log::{Entry, InputCounts};
 use super::mesh::{Inbound, Mesh};
 use super::node::{Committed, Event, View, ALIVE};
 use super::recent::{self, Recent};
 use super::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
 use super::release::Awaited;
 use super::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
-use super::tuning::{AckRelease, AckWait, EarlyResume, SyncSpacing};
+use super::tuning::{AckRelease, AckWait, EarlyResume, InputBatch, SyncSpacing};
 use super::{SyncMetrics, SyncRole};
 use crate::metrics::{MetricsLog, Role, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
@@ -66,6 +66,8 @@ pub struct Options {
     pub early_resume: EarlyResume,
     /// `--ack-release`.
     pub ack_release: AckRelease,
+    /// `--input-batch`.
+    pub input_batch: InputBatch,
 }
 
 /// What arrives for a VM replica's threads from its links.
@@ -123,6 +125,8 @@ pub struct Shared {
     /// `--ack-release link`: the acknowledgement a link thread releases
     /// the output of (shared with the mesh's routes).
     acks: Arc<Awaited>,
+    /// Input entries and frames the consensus thread handed on.
+    inputs: Arc<InputCounts>,
     /// As a secondary: its memory equalled the leader's at the last
     /// `syncvm` and its writes since are tracked (otherwise the next
     /// `syncvm` compares every page).
@@ -191,17 +195,48 @@ impl FrameSink for Discard {
     fn send(&self, _frame: &[u8]) {}
 }
 
+/// `--input-batch on`: at most this many frames of one pass per `Inputs`
+/// event (and so per log entry).
+const PASS_FRAMES: usize = 64;
+
 /// The TAP's frames become proposals while this replica leads; the guest
 /// gets them from the log, never straight from the TAP.
-struct Input(Arc<Shared>);
+struct Input {
+    shared: Arc<Shared>,
+    /// `--input-batch on`: the frames of this read pass of the TAP, sent
+    /// to the consensus thread together at its end (only the network
+    /// card's thread calls the filter, so the lock is never contended).
+    pass: Option<Mutex<Vec<Vec<u8>>>>,
+}
 
 impl HostInputFilter for Input {
     fn admit(&self, frame: &[u8]) -> bool {
-        let serving = self.0.lead.locked().as_ref().is_some_and(|l| l.serving.load(Ordering::Relaxed));
+        let serving = self.shared.lead.locked().as_ref().is_some_and(|l| l.serving.load(Ordering::Relaxed));
         if serving {
-            let _ = self.0.events.send(Event::Propose(Entry::Input(frame.to_vec()).encode()));
+            match &self.pass {
+                Some(pass) => {
+                    let mut frames = pass.locked();
+                    frames.push(frame.to_vec());
+                    // A long pass (a flood) still goes on in bounded entries.
+                    if frames.len() >= PASS_FRAMES {
+                        let _ = self.shared.events.send(Event::Inputs(std::mem::take(&mut *frames)));
+                    }
+                }
+                None => {
+                    let _ = self.shared.events.send(Event::Propose(Entry::Input(frame.to_vec()).encode()));
+                }
+            }
         }
         false
+    }
+
+    fn pass_end(&self) {
+        if let Some(pass) = &self.pass {
+            let frames = std::mem::take(&mut *pass.locked());
+            if !frames.is_empty() {
+                let _ = self.shared.events.send(Event::Inputs(frames));
+            }
+        }
     }
 }
 
@@ -221,6 +256,7 @@ impl Shared {
         held: Arc<AtomicBool>,
         gate: Option<Arc<InputGate>>,
         acks: Arc<Awaited>,
+        inputs: Arc<InputCounts>,
     ) -> Shared {
         Shared {
             id,
@@ -242,6 +278,7 @@ impl Shared {
             lead: Mutex::new(None),
             last_sync: Mutex::new(Instant::now()),
             acks,
+            inputs,
             in_step: AtomicBool::new(false),
         }
     }
@@ -254,7 +291,8 @@ impl Shared {
 pub fn start(shared: Arc<Shared>, committed: Receiver<Committed>, inboxes: Inboxes) -> std::io::Result<()> {
     let hooks = shared.vm.hooks();
     hooks.set_tx(Some(shared.recent.clone()));
-    hooks.set_host_input(Some(Arc::new(Input(shared.clone()))));
+    let pass = (shared.options.input_batch == InputBatch::On).then(Mutex::default);
+    hooks.set_host_input(Some(Arc::new(Input { shared: shared.clone(), pass })));
     shared.track_disk_as_secondary();
     shared.vm.start_dirty_tracking().map_err(std::io::Error::other)?;
     if shared.options.standby {
@@ -417,12 +455,13 @@ impl Applier {
                 // Held for a pre-copy (or as a standby), the VM's input is
                 // replaced whole at its syncvm: do not let it pile up.
                 if self.shared.held.load(Ordering::SeqCst)
-                    && matches!(c, Committed::Entry { entry: Entry::Input(_), .. } | Committed::Inputs(_))
+                    && matches!(c, Committed::Entry { entry: Entry::Input(_) | Entry::Inputs(_), .. } | Committed::Inputs(_))
                 {
                     continue;
                 }
                 match c {
                     Committed::Entry { entry: Entry::Input(frame), .. } => input.push(frame),
+                    Committed::Entry { entry: Entry::Inputs(frames), .. } => input.extend(frames),
                     Committed::Inputs(frames) => input.extend(frames),
                     other => {
                         // In log order: the input before it reaches the guest first.
@@ -473,7 +512,9 @@ impl Applier {
                     self.out_of_step();
                 }
             }
-            Committed::Entry { entry: Entry::Input(_), .. } | Committed::Inputs(_) => unreachable!("input is delivered in batches"),
+            Committed::Entry { entry: Entry::Input(_) | Entry::Inputs(_), .. } | Committed::Inputs(_) => {
+                unreachable!("input is delivered in batches")
+            }
         }
     }
 
@@ -759,6 +800,7 @@ impl Shared {
         };
         let f = result.as_ref().copied().unwrap_or_default();
         let (bytes, messages) = s.mesh.take_sent();
+        let (input_entries, input_frames) = s.inputs.take();
         let us = |d: Duration| d.as_micros() as u64;
         let m = SyncMetrics {
             term: id.term,
@@ -784,6 +826,8 @@ impl Shared {
             hash_us: us(f.steps.hash),
             wait_us: us(f.steps.wait),
             ack_us: us(f.steps.ack),
+            input_entries,
+            input_frames,
             memory_digest: f.memory_digest,
         };
         s.metrics.record(&m);

@@ -154,6 +154,16 @@ impl Net {
     /// receive buffers while both exist. With no buffer left, ask the driver
     /// to kick us when it posts one.
     fn receive(&mut self, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, VirtioError> {
+        let result = self.receive_pass(queues, mem);
+        // Also after an error: what the filter kept of this pass must not
+        // wait for the next one.
+        if let Some(filter) = self.hooks.host_input() {
+            filter.pass_end();
+        }
+        result
+    }
+
+    fn receive_pass(&mut self, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, VirtioError> {
         let proxy = self.hooks.guest_proxy();
         if let Some(p) = &proxy {
             self.injected.extend(p.take_made_up());
