@@ -399,7 +399,7 @@ pub struct ReplicaArgs {
     /// together and those it finds queued in one round become one entry
     /// (one raft entry, encoding and delivery per batch). Replicas with
     /// either setting work together.
-    #[arg(long, default_value = "off", value_name = "off|on")]
+    #[arg(long, default_value = "on", value_name = "on|off")]
     pub input_batch: ftvm_replication::vsmr::tuning::InputBatch,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]

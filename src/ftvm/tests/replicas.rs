@@ -311,8 +311,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
 /// acknowledgement awaited off the applier, `syncvm`s spaced by the pause
 /// alone, the leader's guest resumed only once the pages are sent
 /// (`--early-resume off`), the output released by the link thread that
-/// reads the acknowledgement (`--ack-release link`), the frames of one
-/// read pass of the leader's TAP in one log entry (`--input-batch on`).
+/// reads the acknowledgement (`--ack-release link`), one log entry per
+/// input frame (`--input-batch off`).
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_flipped() {
     let flipped = [
@@ -331,14 +331,15 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_
         "--ack-release",
         "link",
         "--input-batch",
-        "on",
+        "off",
     ];
     leader_kills("vflp", &flipped, 5);
 }
 
 /// The same with the frames of one read pass of the leader's TAP in one
-/// log entry (`--input-batch on`, docs/replicas.md): input still reaches
-/// both guests in log order, and entries did carry several frames.
+/// log entry (`--input-batch on`, the default, docs/replicas.md): input
+/// still reaches both guests in log order, and entries did carry several
+/// frames.
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_input_batches() {
     let c = leader_kills("vbat", &["--input-batch", "on"], 5);

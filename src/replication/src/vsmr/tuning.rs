@@ -99,15 +99,15 @@ switch! {
 switch! {
     /// `--input-batch`: how the leader's network input becomes log entries.
     pub enum InputBatch {
-        /// One `Input` entry per frame, each sent to the consensus thread
-        /// as it is read from the TAP.
-        Off = "off",
         /// The frames of one read pass of the TAP go to the consensus
         /// thread together, and the frames it finds queued in one round
         /// become one `Inputs` entry: raft's per-entry work, the encoding
         /// and the delivery to the guest once per batch, and one wake-up of
         /// the consensus thread per pass.
         On = "on",
+        /// One `Input` entry per frame, each sent to the consensus thread
+        /// as it is read from the TAP.
+        Off = "off",
     }
 }
 
