@@ -522,9 +522,10 @@ pub struct HostArgs {
     #[arg(long, value_name = "sync|async", default_value = "async")]
     pub disk_io: DiskIo,
     /// What the network card offers the guest to leave to the host: `csum`
-    /// (checksum offload both ways: the guest neither computes TCP/UDP
-    /// checksums for what it sends nor checks those of frames from this
-    /// host, which the TAP marks as checked or partial) or `off`. A restored
+    /// (checksum offload both ways: the guest's runtime leaves the TCP
+    /// checksums of what it sends partial, for the host to complete, and
+    /// checks no TCP/UDP checksum of frames the TAP marks as checked or
+    /// partial) or `off`. A restored
     /// or taken-over VM keeps what its driver negotiated.
     #[arg(long, value_name = "csum|off", default_value = "csum")]
     pub net_offload: NetOffload,
