@@ -9,6 +9,7 @@
 //! capture"), without the 20-35 µs fault of each first write after the
 //! resume.
 
+use std::convert::Infallible;
 use std::io;
 
 use xxhash_rust::xxh3::xxh3_128;
@@ -16,9 +17,7 @@ use xxhash_rust::xxh3::xxh3_128;
 use ftvm_vmm::memory::{GuestRam, MemoryError, PAGE};
 
 use super::disk::ReplicaDisk;
-
-/// Copy on every core from this many pages (as `sync::hash_pages`).
-const PARALLEL_FROM: usize = 256;
+use super::sync::on_cores;
 
 /// Pages and disk blocks as they were when copied. Kept by the leader from
 /// one `syncvm` to the next (`clear`): its buffer is then already mapped,
@@ -53,17 +52,7 @@ impl Aside {
         let data = self.data.as_mut().expect("mapped above").as_mut_slice();
         // A union has each page once, so it never holds more than guest RAM.
         let out = data.get_mut(first * PAGE..end).ok_or(MemoryError::OutOfRange { page: (end / PAGE) as u64 })?;
-        let threads = super::sync::threads();
-        if pages.len() < PARALLEL_FROM || threads == 1 {
-            copy_into(ram, pages, out)?;
-        } else {
-            let chunk = pages.len().div_ceil(threads);
-            std::thread::scope(|s| {
-                let workers: Vec<_> =
-                    pages.chunks(chunk).zip(out.chunks_mut(chunk * PAGE)).map(|(p, o)| s.spawn(move || copy_into(ram, p, o))).collect();
-                workers.into_iter().try_for_each(|w| w.join().expect("a copy thread panicked"))
-            })?;
-        }
+        on_cores(pages, out, PAGE, |p, o| copy_into(ram, p, o))?;
         self.used += pages.len();
         self.index.extend(pages.iter().enumerate().map(|(i, &p)| (p, first + i)));
         self.index.sort_unstable();
@@ -96,22 +85,12 @@ impl Aside {
     /// XXH3-128 of each page as copied (0 for one not copied, which the
     /// caller never asks for: it copied the union it hashes).
     pub fn hash_pages(&self, pages: &[u64]) -> Vec<u128> {
-        let threads = super::sync::threads();
-        let hash = |pages: &[u64], out: &mut [u128]| {
+        let mut out = vec![0u128; pages.len()];
+        let Ok(()) = on_cores(pages, &mut out, 1, |pages, out| {
             for (&p, o) in pages.iter().zip(out) {
                 *o = self.page(p).map_or(0, xxh3_128);
             }
-        };
-        let mut out = vec![0u128; pages.len()];
-        if pages.len() < PARALLEL_FROM || threads == 1 {
-            hash(pages, &mut out);
-            return out;
-        }
-        let chunk = pages.len().div_ceil(threads);
-        std::thread::scope(|s| {
-            for (p, o) in pages.chunks(chunk).zip(out.chunks_mut(chunk)) {
-                s.spawn(move || hash(p, o));
-            }
+            Ok::<(), Infallible>(())
         });
         out
     }
@@ -127,9 +106,6 @@ impl Aside {
     }
 }
 
-/// A plain memcpy per page: about 3x faster here than `GuestRam::read_page`'s
-/// volatile copy (0.1 against 0.27 µs per page into a warm buffer), and
-/// the copy is the leader's pause.
 /// Anonymous memory for the copy, on transparent huge pages where the host
 /// gives them: with 4 KiB pages the copy's stores into the buffer cost a
 /// TLB miss each new page, which under nested paging tripled the copy
@@ -199,6 +175,9 @@ impl Drop for Buffer {
     }
 }
 
+/// A plain memcpy per page: about 3x faster here than `GuestRam::read_page`'s
+/// volatile copy (0.1 against 0.27 µs per page into a warm buffer), and
+/// the copy is the leader's pause.
 fn copy_into(ram: &GuestRam, pages: &[u64], out: &mut [u8]) -> Result<(), MemoryError> {
     for (&page, o) in pages.iter().zip(out.chunks_exact_mut(PAGE)) {
         if page >= ram.pages() {
@@ -237,7 +216,7 @@ mod tests {
         let rest: Vec<u64> = (0..pages).filter(|p| p % 3 == 1).collect();
         let mut union: Vec<u64> = mine.iter().chain(&rest).copied().collect();
         union.sort_unstable();
-        assert!(mine.len() >= PARALLEL_FROM, "the parallel copy is exercised");
+        assert!(mine.len() >= crate::vsmr::sync::PARALLEL_FROM, "the parallel copy is exercised");
         let mut aside = Aside::default();
         aside.copy(&ram, &mine).unwrap();
         aside.copy(&ram, &rest).unwrap();

@@ -31,6 +31,7 @@
 //! The secondary applies only a whole, checked message, after its
 //! acknowledgement: a leader that dies mid-transfer leaves it as it was.
 
+use std::convert::Infallible;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -449,50 +450,46 @@ pub fn lead_unacked(
     // All of memory as frozen (tests only: it reads every page).
     let memory_digest = crate::fault::syncvm_digest().then(|| digest(vm.ram()));
     let mut steps = Steps::default();
-    let result = if let Some(aside) = aside.filter(|_| !full) {
-        match copy_aside(x, vm, &frozen.dirty, blocks, aside, &mut steps) {
-            Ok(Copied::Whole(pages, blocks)) => {
-                // The secondary asked to compare everything: still paused,
-                // read it live rather than copy all of memory and disk.
-                let result =
-                    compare_and_send(x, &Contents::Live(vm.ram(), x.disk), &pages, &blocks, state, mode, &pending_input, &mut steps);
-                let pause = frozen.thaw().pause;
-                vm.devices().inject_host_input(pending_input);
-                result.map(|figures| Figures { pause, ..figures })
-            }
-            Ok(Copied::Aside(pages, blocks)) => {
-                let pause = frozen.thaw().pause;
-                // The guest takes them next, as the secondary's will.
-                vm.devices().inject_host_input(pending_input.clone());
-                let result = compare_and_send(x, &Contents::Aside(aside), &pages, &blocks, state, mode, &pending_input, &mut steps);
-                result.map(|figures| Figures { pause, ..figures })
-            }
-            Err(e) => {
-                frozen.thaw();
-                vm.devices().inject_host_input(pending_input);
-                Err(e)
-            }
-        }
-    } else {
-        let result = x.swap_bitmaps(&frozen.dirty, blocks, full, || Ok(())).and_then(|(union, blocks, bitmap)| {
+    let mut aside = aside.filter(|_| !full);
+    let union = match aside.as_deref_mut() {
+        Some(aside) => copy_aside(x, vm, &frozen.dirty, blocks, aside, &mut steps),
+        None => x.swap_bitmaps(&frozen.dirty, blocks, full, || Ok(())).map(|(union, blocks, bitmap)| {
             steps.bitmap = bitmap;
-            let pages: Vec<u64> = union.pages().collect();
-            compare_and_send(x, &Contents::Live(vm.ram(), x.disk), &pages, &blocks, state, mode, &pending_input, &mut steps)
-        });
-        let pause = frozen.thaw().pause;
-        vm.devices().inject_host_input(pending_input);
-        result.map(|figures| Figures { pause, ..figures })
+            Copied::Live(union.pages().collect(), blocks)
+        }),
     };
-    result.map(|figures| Figures { memory_digest, steps, ..figures })
+    // The guest goes on, and takes the pending input next, as the
+    // secondary's will.
+    let resume = |frozen: Frozen<'_>, pending: Vec<Vec<u8>>| {
+        let pause = frozen.thaw().pause;
+        vm.devices().inject_host_input(pending);
+        pause
+    };
+    let (result, pause) = match union {
+        Err(e) => (Err(e), resume(frozen, pending_input)),
+        // Copied: the guest runs again while the copy is compared and sent.
+        Ok(Copied::Aside(pages, blocks)) => {
+            let pause = resume(frozen, pending_input.clone());
+            let contents = Contents::Aside(aside.as_deref().expect("the union was copied into it"));
+            (compare_and_send(x, &contents, &pages, &blocks, state, mode, &pending_input, &mut steps), pause)
+        }
+        // Read live: the guest waits until the pages are sent.
+        Ok(Copied::Live(pages, blocks)) => {
+            let contents = Contents::Live(vm.ram(), x.disk);
+            let result = compare_and_send(x, &contents, &pages, &blocks, state, mode, &pending_input, &mut steps);
+            (result, resume(frozen, pending_input))
+        }
+    };
+    result.map(|figures| Figures { pause, memory_digest, steps, ..figures })
 }
 
-/// What `copy_aside` did with the union (its pages and disk blocks).
+/// Where the leader reads the union (its pages and disk blocks) from.
 enum Copied {
     /// Copied into the aside: the guest may resume.
     Aside(Vec<u64>, Vec<u64>),
-    /// Not copied: the union is every page (the secondary asked for a full
-    /// compare), which is read in the pause as with `--early-resume off`.
-    Whole(Vec<u64>, Vec<u64>),
+    /// Not copied, read live in the pause: `--early-resume off`, or the
+    /// union is every page (the secondary asked for a full compare).
+    Live(Vec<u64>, Vec<u64>),
 }
 
 /// `--early-resume on`, in the pause: swap the dirty sets, copying this
@@ -518,7 +515,7 @@ fn copy_aside(
     steps.bitmap = bitmap;
     if union.count() == union.capacity() {
         steps.copy = copy;
-        return Ok(Copied::Whole(union.pages().collect(), blocks));
+        return Ok(Copied::Live(union.pages().collect(), blocks));
     }
     let t = Instant::now();
     let mut rest = union.clone();
@@ -752,23 +749,40 @@ fn commit(vm: &Vm, disk: Option<&ReplicaDisk>, bundle: &Bundle<'_>, state: &Sync
 /// Threads to hash or copy a large union on: the cores, at most 16.
 /// Counted once: `available_parallelism` reads the cgroup's CPU quota from
 /// files each call (25 µs here), which was a tenth of a `syncvm`'s pause.
-pub(super) fn threads() -> usize {
+fn threads() -> usize {
     static THREADS: OnceLock<usize> = OnceLock::new();
     *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(16))
+}
+
+/// Below this many pages one thread does the work (`on_cores`).
+pub(super) const PARALLEL_FROM: usize = 256;
+
+/// `work` over `pages` and their part of `out` (`per` items of it a page),
+/// split over the cores once the pages are many.
+pub(super) fn on_cores<T: Send, E: Send>(
+    pages: &[u64],
+    out: &mut [T],
+    per: usize,
+    work: impl Fn(&[u64], &mut [T]) -> Result<(), E> + Sync,
+) -> Result<(), E> {
+    let threads = threads();
+    if pages.len() < PARALLEL_FROM || threads == 1 {
+        return work(pages, out);
+    }
+    let chunk = pages.len().div_ceil(threads);
+    let work = &work;
+    std::thread::scope(|s| {
+        let workers: Vec<_> = pages.chunks(chunk).zip(out.chunks_mut(chunk * per)).map(|(p, o)| s.spawn(move || work(p, o))).collect();
+        workers.into_iter().try_for_each(|w| w.join().expect("a worker thread panicked"))
+    })
 }
 
 /// XXH3-128 of each page, on every core.
 pub fn hash_pages(ram: &GuestRam, pages: &[u64]) -> Vec<u128> {
     let mut out = vec![0u128; pages.len()];
-    if pages.len() < 256 || threads() == 1 {
-        hash_into(ram, pages, &mut out);
-        return out;
-    }
-    let chunk = pages.len().div_ceil(threads());
-    std::thread::scope(|s| {
-        for (p, o) in pages.chunks(chunk).zip(out.chunks_mut(chunk)) {
-            s.spawn(move || hash_into(ram, p, o));
-        }
+    let Ok(()) = on_cores(pages, &mut out, 1, |p, o| {
+        hash_into(ram, p, o);
+        Ok::<(), Infallible>(())
     });
     out
 }
