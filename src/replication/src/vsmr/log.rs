@@ -24,6 +24,10 @@ pub enum Entry {
     Inputs(Vec<Vec<u8>>),
 }
 
+/// Most frames one `Inputs` entry holds: a long read pass (a flood) still
+/// goes into the log in bounded entries.
+pub const MAX_INPUT_FRAMES: usize = 64;
+
 impl Entry {
     pub fn encode(&self) -> Vec<u8> {
         postcard::to_allocvec(self).expect("log entries serialize")

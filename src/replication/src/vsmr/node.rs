@@ -26,7 +26,7 @@ use ftvm_vmm::sync::Lock;
 
 use super::failover::{self, Cause, Detection, Election, FastElection, Lost};
 use super::gate::InputGate;
-use super::log::{Entry, InputCounts};
+use super::log::{Entry, InputCounts, MAX_INPUT_FRAMES};
 use super::mesh::{Inbound, Mesh};
 use super::tuning::{BatchAppend, EarlyApply, Tuning};
 use crate::metrics::StatusCell;
@@ -39,8 +39,6 @@ const ELECTION_TICKS: usize = 20;
 const HEARTBEAT_TICKS: usize = 2;
 /// Entries kept behind the applied index before compaction.
 const KEEP_ENTRIES: u64 = 4096;
-/// `--input-batch on`: at most about this many frames per `Inputs` entry.
-const ROUND_FRAMES: usize = 64;
 /// A peer counts as alive when a message from it arrived this recently.
 pub const ALIVE: Duration = Duration::from_millis(500);
 
@@ -261,10 +259,12 @@ impl Loop {
             }
             Event::Inputs(frames) => {
                 if self.node.raft.state == StateRole::Leader {
-                    self.inputs.extend(frames);
-                    if self.inputs.len() >= ROUND_FRAMES {
+                    // An event holds at most MAX_INPUT_FRAMES (the network
+                    // card's side), so neither does an entry.
+                    if self.inputs.len() + frames.len() > MAX_INPUT_FRAMES {
                         self.propose_inputs();
                     }
+                    self.inputs.extend(frames);
                 }
             }
             Event::Propose(data) => {

@@ -24,7 +24,7 @@ use ftvm_vmm::Vm;
 use super::aside::Aside;
 use super::disk::ReplicaDisk;
 use super::gate::InputGate;
-use super::log::{Entry, InputCounts};
+use super::log::{Entry, InputCounts, MAX_INPUT_FRAMES};
 use super::mesh::{Inbound, Mesh};
 use super::node::{Committed, Event, View, ALIVE};
 use super::recent::{self, Recent};
@@ -195,10 +195,6 @@ impl FrameSink for Discard {
     fn send(&self, _frame: &[u8]) {}
 }
 
-/// `--input-batch on`: at most this many frames of one pass per `Inputs`
-/// event (and so per log entry).
-const PASS_FRAMES: usize = 64;
-
 /// The TAP's frames become proposals while this replica leads; the guest
 /// gets them from the log, never straight from the TAP.
 struct Input {
@@ -218,7 +214,7 @@ impl HostInputFilter for Input {
                     let mut frames = pass.locked();
                     frames.push(frame.to_vec());
                     // A long pass (a flood) still goes on in bounded entries.
-                    if frames.len() >= PASS_FRAMES {
+                    if frames.len() >= MAX_INPUT_FRAMES {
                         let _ = self.shared.events.send(Event::Inputs(std::mem::take(&mut *frames)));
                     }
                 }
