@@ -56,8 +56,6 @@ pub struct NetStats {
 pub(crate) struct VirtioNet {
     inner: RefCell<Inner>,
     mac: [u8; 6],
-    /// Checksum offload negotiated (both F_CSUM and F_GUEST_CSUM).
-    csum: bool,
 }
 
 struct Inner {
@@ -77,6 +75,7 @@ struct Inner {
     rx_notifier: Notifier,
     tx_notifier: Notifier,
     stats: NetStats,
+    /// Checksum offload negotiated (both F_CSUM and F_GUEST_CSUM).
     csum: bool,
 }
 
@@ -140,7 +139,7 @@ impl VirtioNet {
         }
         inner.transport.finish_init();
         inner.notify();
-        Ok(VirtioNet { inner: RefCell::new(inner), mac, csum })
+        Ok(VirtioNet { inner: RefCell::new(inner), mac })
     }
 
     pub(crate) fn mac(&self) -> [u8; 6] {
@@ -148,7 +147,7 @@ impl VirtioNet {
     }
 
     pub(crate) fn checksum_offload(&self) -> bool {
-        self.csum
+        self.inner.borrow().csum
     }
 
     pub(crate) fn stats(&self) -> NetStats {
@@ -271,7 +270,7 @@ impl phy::Device for VirtioNet {
         let mut caps = DeviceCapabilities::default();
         caps.medium = Medium::Ethernet;
         caps.max_transmission_unit = MAX_FRAME;
-        if self.csum {
+        if self.checksum_offload() {
             // TCP checksums are the device's to complete (`csum`); UDP ones
             // smoltcp still computes (rare, and a computed zero would need
             // care), but checks neither: the driver did (`csum::rx_ok`).
