@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -52,9 +52,10 @@ fn primary(addr: &str, extra: &[&str]) -> Command {
 /// Run a primary until it is protected and its guest makes progress, kill
 /// it, and check that the backup took over with the guest's memory whole.
 fn protect_then_fail_over(addr: &str, extra: &[&str], backup: Process) -> String {
-    let mut p = Process::spawn("primary", &mut primary(addr, extra)).unwrap();
-    let mut lines = BufReader::new(p.child_mut().stdout.take().unwrap()).lines();
-    assert!(lines.any(|l| l.unwrap().contains("t=")), "the primary made no progress");
+    let mut p = Process::spawn_collected("primary", &mut primary(addr, extra)).unwrap();
+    // Protected, not just running: the guest prints during pre-copy too, and
+    // a primary lost then leaves its backup nothing to take over.
+    wait_for(&mut p, "primary", "the VM is protected", Duration::from_secs(60));
     std::thread::sleep(Duration::from_millis(400));
     p.kill();
     let out = finish(backup);

@@ -719,16 +719,21 @@ fn a_promoted_backup_is_protected_again() {
     let dir = Scratch::new("promote").unwrap();
     let socket = dir.join("b1.sock");
     let (addr1, addr2) = (free_addr(), free_addr());
-    let b1 = backup(&addr1, &["--api-socket", path_str(&socket)]);
-    let mut p = spawn(&mut primary(&addr1, 1, LONG_WORK, &["--epoch-ms", "10"]));
-    let _lines = wait_for_progress(&mut p);
+    let mut b1 = Process::spawn_collected(
+        "backup 1",
+        ftvm().args(["backup", "--listen", &addr1, "--api-socket", path_str(&socket)]).env("FTVM_LOG", "info"),
+    )
+    .unwrap();
+    let mut p = Process::spawn_collected("primary", &mut primary(&addr1, 1, LONG_WORK, &["--epoch-ms", "10"])).unwrap();
+    // Killed once protected: a primary lost during pre-copy (when its guest
+    // prints already) leaves its backup nothing to take over.
+    wait_for(&mut p, "primary", "the VM is protected", Duration::from_secs(60));
     kill(&mut p);
-    wait_for_status(&socket, "role: primary");
+    wait_status(&socket, "role: primary", &mut b1, Duration::from_secs(30));
     let b2 = backup(&addr2, &[]);
     let out = ftvm().args(["protect", "--api-socket", path_str(&socket), "--backup", &addr2]).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
-    wait_for_status(&socket, "protected: yes");
-    let mut b1 = b1;
+    wait_status(&socket, "protected: yes", &mut b1, Duration::from_secs(30));
     kill(&mut b1);
     let out = finish(b2);
     let err = stderr(&out);
