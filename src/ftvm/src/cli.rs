@@ -404,6 +404,12 @@ pub struct ReplicaArgs {
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,
+    /// Keep this replica's raft term and vote in this file (created if
+    /// missing; synced before any vote or acknowledgement leaves), so that
+    /// once restarted it cannot vote twice in one term. Without it a
+    /// restarted replica starts from term 0.
+    #[arg(long, value_name = "PATH")]
+    pub raft_state: Option<PathBuf>,
     #[command(flatten)]
     pub channel: ChannelArgs,
     #[command(flatten)]

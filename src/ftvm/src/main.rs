@@ -203,6 +203,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 witness: args.witness,
                 auth: args.channel.auth()?,
                 metrics: args.metrics,
+                raft_state: args.raft_state,
                 max_interval: Duration::from_millis(args.sync_ms),
                 pages: args.sync_pages,
                 rejoin: args.rejoin,

@@ -179,6 +179,8 @@ impl Cluster {
             .arg(self.socket(id))
             .arg("--metrics")
             .arg(self.dir.join(format!("r{id}.{}.jsonl", self.starts[i])))
+            .arg("--raft-state")
+            .arg(self.dir.join(format!("r{id}.state")))
             .args(&self.layout.extra)
             .env("FTVM_LOG", "info");
         if id == 3 {
@@ -237,6 +239,12 @@ impl Cluster {
             assert!(t0.elapsed() < timeout, "no {}leader after {timeout:?}:\n{}", if protected { "protected " } else { "" }, self.logs());
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The highest raft term in replica `id`'s log since its last start.
+    fn logged_term(&self, id: u64) -> u64 {
+        let p = self.procs[(id - 1) as usize].as_ref().expect("running");
+        p.stderr().split("term=").skip(1).filter_map(|t| t.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()).max().unwrap_or(0)
     }
 
     fn logs(&self) -> String {
@@ -655,6 +663,7 @@ fn rejoin_figures(c: &Cluster, leader: u64, peer: u64) -> (u64, u64) {
 /// date by live pre-copy and a full `syncvm` (which finds fewer pages to
 /// send than the pre-copy did), and is protected again; then the leader
 /// is killed, and the rejoined replica serves every acknowledged write.
+/// The restarted replica starts at the term it had reached (`--raft-state`).
 #[test]
 fn a_restarted_secondary_rejoins_by_precopy_and_takes_over() {
     let mut c = Cluster::new("vrej", &[]);
@@ -663,6 +672,8 @@ fn a_restarted_secondary_rejoins_by_precopy_and_takes_over() {
     let w = writers(&c, "j");
     wait_acked_beyond(&w, 0, &c, "start");
     std::thread::sleep(Duration::from_millis(500));
+    let term = c.logged_term(other);
+    assert!(term >= 1, "{}", c.logs());
     c.kill(other);
     let acked = w.acked();
     wait_acked_beyond(&w, acked + 100, &c, "after the secondary was killed");
@@ -670,6 +681,10 @@ fn a_restarted_secondary_rejoins_by_precopy_and_takes_over() {
     assert!(st.contains("role: leader") && st.contains("protected: no"), "{st}");
     c.start(other);
     assert_eq!(c.wait_leader(true, Duration::from_secs(30)), leader, "the leader is protected again");
+    let restarted = c.procs[(other - 1) as usize].as_ref().unwrap().stderr();
+    let kept = restarted.lines().find(|l| l.contains("term and vote from")).unwrap_or_else(|| panic!("no term kept:\n{restarted}"));
+    let kept_term: u64 = kept.split("term=").nth(1).and_then(|t| t.split(' ').next()?.parse().ok()).unwrap_or(0);
+    assert!(kept_term >= term, "killed at term {term}; restarted with: {kept}");
     let (precopied, full) = rejoin_figures(&c, leader, other);
     assert!(precopied > 0, "the restarted replica got no pre-copy");
     assert!(full < precopied, "the full syncvm sent {full} pages, the pre-copy {precopied}: it did not help");

@@ -76,6 +76,8 @@ pub enum ReplicationError {
     Fenced { owner: String, generation: u64 },
     #[error("consensus: {0}")]
     Consensus(String),
+    #[error(transparent)]
+    RaftState(#[from] vsmr::vote::VoteFileError),
     #[error("the primary was lost before this backup had read the VM's ownership from the arbiter; not taking over")]
     NoOwnershipView,
 }

@@ -164,8 +164,11 @@ const API: &[Syscall] = syscalls![
 
 /// Beyond the socket I/O of [`API`]: heartbeat threads run at real-time
 /// priority on a chosen CPU; the acknowledgement reader releases output to
-/// the TAP (write) and wakes devices (eventfd writes).
+/// the TAP (write) and wakes devices (eventfd writes); a replica's
+/// consensus thread keeps its term and vote (`--raft-state`: pwrite, fdatasync).
 const REPLICATION: &[Syscall] = syscalls![
+    SYS_pwrite64,
+    SYS_fdatasync,
     SYS_sched_setscheduler,
     SYS_sched_getscheduler,
     SYS_sched_setaffinity,

@@ -19,6 +19,7 @@ pub mod release;
 mod replica;
 pub mod sync;
 pub mod tuning;
+pub mod vote;
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -152,6 +153,8 @@ pub struct ReplicaConfig {
     pub replay: recent::Mode,
     /// The throughput switches (`tuning`).
     pub tuning: tuning::Tuning,
+    /// `--raft-state`: keep the term and vote in this file.
+    pub raft_state: Option<PathBuf>,
 }
 
 /// `--peers 1=HOST:PORT,2=HOST:PORT,3=HOST:PORT`, checked against `--id`.
@@ -186,6 +189,11 @@ pub fn parse_peers(s: &str, me: u64) -> Result<Vec<(u64, String)>, String> {
 /// brings it up to date (docs/replicas.md, "Replacing a replica").
 pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, ReplicationError> {
     let witness = config.witness;
+    // Read before any link opens: a replica that cannot keep its vote stays out.
+    let votes = match &config.raft_state {
+        Some(path) => Some(vote::VoteFile::open(path, config.id)?),
+        None => None,
+    };
     let status = StatusCell::new(if vm.is_none() { Role::Witness } else { Role::Secondary });
     status.lock().detail = match (&vm, witness) {
         (None, _) => "witness".into(),
@@ -239,6 +247,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
         tuning: config.tuning,
         gate: gate.clone(),
         inputs: inputs.clone(),
+        votes,
     };
     node::start(node_config, mesh.clone(), events_rx, committed_tx, view.clone())?;
     let metrics = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;

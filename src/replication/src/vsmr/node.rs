@@ -9,7 +9,8 @@
 //! The log lives in memory (`MemStorage`); it is compacted behind the
 //! applied index, and a peer that needs what was compacted gets raft's
 //! snapshot, which carries no data: a replica that far behind is brought
-//! up to date by a full `syncvm` anyway.
+//! up to date by a full `syncvm` anyway. Only the term and vote must
+//! outlive a replica (`--raft-state`, `vote`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,6 +30,7 @@ use super::gate::InputGate;
 use super::log::{Entry, InputCounts, MAX_INPUT_FRAMES};
 use super::mesh::{Inbound, Mesh};
 use super::tuning::{BatchAppend, EarlyApply, Tuning};
+use super::vote::{Vote, VoteFile};
 use crate::metrics::StatusCell;
 use crate::protocol::{self, Kind};
 use crate::ReplicationError;
@@ -109,6 +111,9 @@ pub struct NodeConfig {
     pub gate: Option<Arc<InputGate>>,
     /// Input entries and frames handed on (the `syncvm` metrics).
     pub inputs: Arc<InputCounts>,
+    /// `--raft-state`: where the term and vote are kept, and what it held
+    /// at start.
+    pub votes: Option<(VoteFile, Option<Vote>)>,
 }
 
 impl NodeConfig {
@@ -123,7 +128,7 @@ impl NodeConfig {
 /// Start the consensus thread. `view` is kept up to date; committed
 /// entries go to `committed`.
 pub fn start(
-    config: NodeConfig,
+    mut config: NodeConfig,
     mesh: Arc<Mesh>,
     events: Receiver<Event>,
     committed: Sender<Committed>,
@@ -150,7 +155,11 @@ pub fn start(
         ..Default::default()
     };
     raft_config.validate().map_err(|e| ReplicationError::Consensus(e.to_string()))?;
-    let storage = MemStorage::new_with_conf_state(ConfState::from((config.voters.clone(), vec![])));
+    let (votes, held) = config.votes.take().unzip();
+    if let (Some(file), Some(Some(v))) = (&votes, held) {
+        tracing::info!(term = v.term, vote = v.vote, "term and vote from {}", file.path().display());
+    }
+    let storage = storage(&config.voters, held.flatten());
     let logger = slog::Logger::root(TracingDrain, slog::o!());
     let node = RawNode::new(&raft_config, storage, &logger).map_err(|e| ReplicationError::Consensus(e.to_string()))?;
     std::thread::Builder::new()
@@ -170,11 +179,24 @@ pub fn start(
                 round: None,
                 delivered: 0,
                 inputs: Vec::new(),
+                votes,
             }
             .run(events)
         })
         .map_err(ReplicationError::Thread)?;
     Ok(())
+}
+
+/// An empty log for `voters`, at the term and vote kept (`--raft-state`).
+fn storage(voters: &[u64], held: Option<Vote>) -> MemStorage {
+    let storage = MemStorage::new_with_conf_state(ConfState::from((voters.to_vec(), vec![])));
+    if let Some(v) = held {
+        let mut store = storage.wl();
+        let hs = store.mut_hard_state();
+        hs.set_term(v.term);
+        hs.set_vote(v.vote);
+    }
+    storage
 }
 
 struct Loop {
@@ -198,6 +220,7 @@ struct Loop {
     delivered: u64,
     /// `--input-batch on`: frames of this round, not yet proposed.
     inputs: Vec<Vec<u8>>,
+    votes: Option<VoteFile>,
 }
 
 impl Loop {
@@ -518,6 +541,15 @@ impl Loop {
         }
         if let Some(hs) = ready.hs() {
             store.wl().set_hardstate(hs.clone());
+            // Before the votes and acknowledgements that rest on it leave.
+            if let Some(file) = &mut self.votes {
+                if let Err(e) = file.store(Vote { term: hs.term, vote: hs.vote }) {
+                    // Voting on without it could elect two leaders in a term.
+                    tracing::error!("cannot keep the raft term and vote in {}: {e}", file.path().display());
+                    eprintln!("ftvm: error: cannot keep the raft term and vote in {}: {e}; this replica stops", file.path().display());
+                    std::process::exit(1);
+                }
+            }
         }
         self.send(ready.take_persisted_messages());
         let mut light = self.node.advance(ready);
@@ -598,5 +630,33 @@ impl slog::Drain for TracingDrain {
             _ => tracing::debug!(target: "raft", "{}", record.msg()),
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Replica 1 asked by candidate 3 for its vote in term 5, as it answers
+    /// after a restart with `held` read back: does it grant it?
+    fn grants_vote_to_3_in_term_5(held: Option<Vote>) -> bool {
+        let config = Config { id: 1, election_tick: ELECTION_TICKS, heartbeat_tick: HEARTBEAT_TICKS, ..Default::default() };
+        let logger = slog::Logger::root(slog::Discard, slog::o!());
+        let mut node = RawNode::new(&config, storage(&[1, 2, 3], held), &logger).unwrap();
+        let mut ask = Message::default();
+        ask.set_msg_type(MessageType::MsgRequestVote);
+        (ask.from, ask.to, ask.term) = (3, 1, 5);
+        node.step(ask).unwrap();
+        let mut ready = node.ready();
+        let answer = ready.take_persisted_messages().into_iter().find(|m| m.get_msg_type() == MessageType::MsgRequestVoteResponse);
+        !answer.expect("an answer to the vote request").reject
+    }
+
+    #[test]
+    fn a_vote_kept_across_a_restart_is_not_given_twice_in_its_term() {
+        assert!(grants_vote_to_3_in_term_5(None), "a replica with no state kept grants it");
+        assert!(!grants_vote_to_3_in_term_5(Some(Vote { term: 5, vote: 2 })), "it voted for 2 in term 5 before its restart");
+        assert!(grants_vote_to_3_in_term_5(Some(Vote { term: 5, vote: 3 })), "the same candidate again");
+        assert!(grants_vote_to_3_in_term_5(Some(Vote { term: 4, vote: 2 })), "a vote of an earlier term");
     }
 }
