@@ -312,7 +312,9 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
 /// alone, the leader's guest resumed only once the pages are sent
 /// (`--early-resume off`), the output released by the link thread that
 /// reads the acknowledgement (`--ack-release link`), one log entry per
-/// input frame (`--input-batch off`).
+/// input frame (`--input-batch off`), the next `syncvm` proposed while the
+/// previous one awaits its acknowledgement (`--sync-pipeline on`: the
+/// link thread's releases in order).
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_flipped() {
     let flipped = [
@@ -332,6 +334,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_
         "link",
         "--input-batch",
         "off",
+        "--sync-pipeline",
+        "on",
     ];
     leader_kills("vflp", &flipped, 5);
 }
@@ -353,6 +357,24 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_input_batches() {
     eprintln!("{frames} input frames in {entries} log entries since the last restarts");
     assert!(entries > 0, "no input entries in the metrics");
     assert!(frames > entries, "no entry held more than one frame: {frames} frames in {entries} entries");
+}
+
+/// The same with the next `syncvm` proposed, frozen and exchanged while
+/// the previous one awaits its acknowledgement (`--sync-pipeline on`,
+/// docs/replicas.md): leaders are killed with two `syncvm`s in flight,
+/// and the leaders' metrics must show `syncvm`s that were proposed so.
+#[test]
+fn no_acknowledged_write_is_lost_over_leader_kills_with_sync_pipeline() {
+    let c = leader_kills("vpip", &["--sync-pipeline", "on"], 5);
+    let (mut syncs, mut overlapped) = (0, 0);
+    for id in [1, 2] {
+        for m in c.metrics(id).iter().filter(|m| m["role"] == "leader" && m["ok"] == true) {
+            syncs += 1;
+            overlapped += u64::from(m["overlapped"] == true);
+        }
+    }
+    eprintln!("{overlapped} of {syncs} completed syncvms since the last restarts were proposed before the previous one's acknowledgement");
+    assert!(overlapped > 0, "no syncvm was proposed while the previous one awaited its acknowledgement ({syncs} syncvms)");
 }
 
 /// Kill the leader `kills` times under writers; every acknowledged write
@@ -519,23 +541,36 @@ fn witness_loss_keeps_the_service_protected() {
 /// while its pages were hashed and sent from the copy taken in the pause.
 #[test]
 fn syncvm_repairs_divergence() {
-    repairs_divergence("on");
+    repairs_divergence("on", &[]);
 }
 
 /// The same with the leader resuming only once the pages are sent.
 #[test]
 fn syncvm_repairs_divergence_with_early_resume_off() {
-    repairs_divergence("off");
+    repairs_divergence("off", &[]);
 }
 
-fn repairs_divergence(early_resume: &str) {
-    let dir = Scratch::new(&format!("replicas-digest-{early_resume}")).unwrap().keep_on_panic();
+/// The same with `--sync-pipeline on`: the acknowledgements are awaited
+/// off the applier, and a `syncvm` may be proposed and frozen before the
+/// previous one's acknowledgement; the secondary then compares, at the
+/// next, the pages it wrote since its last one, those the apply of the
+/// leader's pages wrote among them.
+#[test]
+fn syncvm_repairs_divergence_with_sync_pipeline() {
+    repairs_divergence("on", &["--sync-pipeline", "on"]);
+}
+
+fn repairs_divergence(early_resume: &str, extra: &[&str]) {
+    let tag = if extra.is_empty() { early_resume.to_string() } else { format!("{early_resume}-pipe") };
+    let dir = Scratch::new(&format!("replicas-digest-{tag}")).unwrap().keep_on_panic();
     let addrs: Vec<String> = (0..3).map(|_| common::free_addr()).collect();
     let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
     let mut procs = Vec::new();
     for id in 1..=3u64 {
         let mut cmd = ftvm();
-        cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", "50", "--early-resume", early_resume, "--metrics"])
+        cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", "50", "--early-resume", early_resume])
+            .args(extra)
+            .arg("--metrics")
             .arg(dir.join(format!("r{id}.jsonl")))
             .env("FTVM_TEST_FAULT", "syncvm-digest:1")
             .env("FTVM_LOG", "info");

@@ -169,6 +169,10 @@ pub enum SyncError {
     Vm(#[from] ftvm_vmm::VmError),
     #[error("the replica is stopping")]
     Closed,
+    /// `--sync-pipeline on`: a `syncvm` before it failed (or this replica
+    /// stepped down), so its acknowledgement releases nothing.
+    #[error("abandoned: an earlier syncvm failed")]
+    Abandoned,
     #[error("disk: {0}")]
     Disk(String),
     /// After the acknowledgement: the leader may release output this
