@@ -185,6 +185,10 @@ struct Flight {
     /// Failed `syncvm`s of this leadership so far: one proposed before a
     /// failure is abandoned with it (`release`).
     failures: u64,
+    /// `--sync-pipeline on`, for the proposer's pacing: when the guest of
+    /// the `syncvm` whose pages were just sent resumed, and the applier's
+    /// time for it (from reaching its entry until the pages were sent).
+    sent: Option<(Instant, Duration)>,
 }
 
 /// A `syncvm` as its proposer proposed it.
@@ -747,6 +751,8 @@ impl Applier {
                         flight.acking += 1;
                     }
                     flight.proposed = false;
+                    let pause = figures.map_or(Duration::ZERO, |f| f.pause);
+                    flight.sent = Some((t0 + pause, sent.saturating_duration_since(t0)));
                     *lead.last.locked() = figures;
                     lead.ran.notify_all();
                     drop(flight);
@@ -1005,16 +1011,24 @@ fn propose_loop(s: &Shared, lead: &Arc<Leadership>, inbox: &Mutex<Receiver<Inbou
             flight = vsync::wait_timeout(&lead.ran, flight, deadline.saturating_duration_since(Instant::now()));
         }
         flight.proposed = false;
+        let sent = flight.sent.take();
         drop(flight);
         let f = lead.last.locked().take().unwrap_or_default();
-        let cost = match s.options.spacing {
-            SyncSpacing::Cost => start.elapsed(),
+        let cost = match (s.options.spacing, sent) {
+            // `--sync-pipeline on`: as a pipelined checkpoint's, the work
+            // that must end before the next one can start (the applier's:
+            // freeze, exchange, pages sent), not the consensus round nor
+            // the acknowledgement, which the next one overlaps.
+            (SyncSpacing::Cost, Some((_, work))) => work,
+            (SyncSpacing::Cost, None) => start.elapsed(),
             // Only what stops the guest: the next syncvm may follow at
             // twice its pause (`Pacing::spacing`).
-            SyncSpacing::Pause => f.pause,
+            (SyncSpacing::Pause, _) => f.pause,
         };
         pacing.record(&Sample { pause: f.pause, cost, dirty_pages: f.dirty_pages, epoch: start.saturating_duration_since(since) });
-        since = Instant::now();
+        // The spacing runs from the guest's resume: with one syncvm at a
+        // time, the next may start only once this one is over anyway.
+        since = sent.map_or_else(Instant::now, |(resumed, _)| resumed);
     }
 }
 
