@@ -541,38 +541,44 @@ fn witness_loss_keeps_the_service_protected() {
 /// while its pages were hashed and sent from the copy taken in the pause.
 #[test]
 fn syncvm_repairs_divergence() {
-    repairs_divergence("on", &[]);
+    repairs_divergence("on", false);
 }
 
 /// The same with the leader resuming only once the pages are sent.
 #[test]
 fn syncvm_repairs_divergence_with_early_resume_off() {
-    repairs_divergence("off", &[]);
+    repairs_divergence("off", false);
 }
 
-/// The same with `--sync-pipeline on`: the acknowledgements are awaited
-/// off the applier, and a `syncvm` may be proposed and frozen before the
-/// previous one's acknowledgement; the secondary then compares, at the
-/// next, the pages it wrote since its last one, those the apply of the
-/// leader's pages wrote among them.
+/// The same with `--sync-pipeline on`, the secondary holding each
+/// acknowledgement 20 ms (`syncvm-digest-slow-ack:20`) and `syncvm`s at
+/// most 10 ms apart: the leader proposes, freezes and exchanges the next
+/// `syncvm` before the previous one's acknowledgement (some must have),
+/// while the secondary handles it only once it applied the previous one,
+/// comparing the pages it wrote since, those the apply wrote among them.
 #[test]
 fn syncvm_repairs_divergence_with_sync_pipeline() {
-    repairs_divergence("on", &["--sync-pipeline", "on"]);
+    repairs_divergence("on", true);
 }
 
-fn repairs_divergence(early_resume: &str, extra: &[&str]) {
-    let tag = if extra.is_empty() { early_resume.to_string() } else { format!("{early_resume}-pipe") };
+fn repairs_divergence(early_resume: &str, pipeline: bool) {
+    let tag = if pipeline { format!("{early_resume}-pipe") } else { early_resume.to_string() };
+    let (fault, extra): (&str, &[&str]) = if pipeline {
+        ("syncvm-digest-slow-ack:20", &["--sync-pipeline", "on", "--sync-ms", "10"])
+    } else {
+        ("syncvm-digest:1", &["--sync-ms", "50"])
+    };
     let dir = Scratch::new(&format!("replicas-digest-{tag}")).unwrap().keep_on_panic();
     let addrs: Vec<String> = (0..3).map(|_| common::free_addr()).collect();
     let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
     let mut procs = Vec::new();
     for id in 1..=3u64 {
         let mut cmd = ftvm();
-        cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", "50", "--early-resume", early_resume])
+        cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--early-resume", early_resume])
             .args(extra)
             .arg("--metrics")
             .arg(dir.join(format!("r{id}.jsonl")))
-            .env("FTVM_TEST_FAULT", "syncvm-digest:1")
+            .env("FTVM_TEST_FAULT", fault)
             .env("FTVM_LOG", "info");
         if id == 3 {
             cmd.arg("--witness");
@@ -599,11 +605,13 @@ fn repairs_divergence(early_resume: &str, extra: &[&str]) {
     let leaders: Vec<&serde_json::Value> = all.iter().filter(|l| l["role"] == "leader").collect();
     let mut compared = 0;
     let mut repaired = 0;
+    let mut overlapped = 0;
     for l in &leaders {
         let Some(s) = all.iter().find(|s| s["role"] == "secondary" && key(s) == key(l)) else { continue };
         assert_eq!(l["memory_digest"], s["memory_digest"], "syncvm {:?}: the secondary's memory is not the leader's", key(l));
         assert!(l["memory_digest"].is_u64(), "no digest recorded: {l}");
         compared += 1;
+        overlapped += u64::from(l["overlapped"] == true);
         if l["full"] == false && l["divergent_pages"].as_u64().unwrap() > 0 {
             repaired += 1;
             // The copy aside is what the leader paused for, or nothing.
@@ -612,7 +620,10 @@ fn repairs_divergence(early_resume: &str, extra: &[&str]) {
     }
     assert!(compared >= 5, "only {compared} completed syncvms to compare:\n{}\n{}", procs[0].stderr(), procs[1].stderr());
     assert!(repaired >= 1, "no syncvm found divergent pages to repair ({compared} compared)");
-    eprintln!("{compared} syncvms compared, {repaired} repaired divergent pages");
+    assert_eq!(overlapped > 0, pipeline, "{overlapped} of {compared} proposed before the previous one's acknowledgement");
+    eprintln!(
+        "{compared} syncvms compared, {repaired} repaired divergent pages, {overlapped} proposed before the previous one's acknowledgement"
+    );
 }
 
 /// The leader's host is cut off (its LAN and replication links deleted):

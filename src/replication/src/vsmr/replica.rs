@@ -848,16 +848,20 @@ impl Shared {
             }
             s.acks.finish(id, result.is_ok())
         };
+        // (Ended after this replica stepped down, by the acknowledgement
+        // thread or the proposer: the status is the new role's.)
+        let serving = lead.serving.load(Ordering::SeqCst);
         match &result {
             Ok(f) => {
                 let released = if link_releases { Default::default() } else { lead.output.release_through(epoch) };
                 let _ = s.events.send(Event::Compact(id.index));
                 *lead.synced.locked() = (secondary != 0).then_some(secondary);
-                let mut st = s.status.lock();
-                st.protected = secondary != 0;
-                st.detail =
-                    if secondary != 0 { format!("leader: secondary {secondary}") } else { "leader: UNPROTECTED (no secondary)".into() };
-                drop(st);
+                if serving {
+                    let mut st = s.status.lock();
+                    st.protected = secondary != 0;
+                    st.detail =
+                        if secondary != 0 { format!("leader: secondary {secondary}") } else { "leader: UNPROTECTED (no secondary)".into() };
+                }
                 tracing::debug!(
                     index = id.index,
                     secondary,
@@ -872,10 +876,11 @@ impl Shared {
                 // Its dirty set was taken: were it a secondary later, the
                 // next syncvm must compare every page.
                 s.in_step.store(false, Ordering::SeqCst);
-                let mut st = s.status.lock();
-                st.protected = false;
-                st.detail = format!("leader: syncvm with {secondary} failed: {e}");
-                drop(st);
+                if serving {
+                    let mut st = s.status.lock();
+                    st.protected = false;
+                    st.detail = format!("leader: syncvm with {secondary} failed: {e}");
+                }
                 tracing::warn!(index = id.index, secondary, "syncvm failed: {e}; output stays held");
             }
         }
