@@ -94,11 +94,13 @@ struct Layout {
     /// Each VM replica has a disk of this size (`r{id}.img`, kept across
     /// restarts) with the kv guest's append-only log on it.
     disk: Option<u64>,
+    /// `FTVM_TEST_FAULT` for every replica.
+    fault: Option<&'static str>,
 }
 
 impl Default for Layout {
     fn default() -> Layout {
-        Layout { extra: Vec::new(), peers: peers(), witness_host: "h2", standby: false, disk: None }
+        Layout { extra: Vec::new(), peers: peers(), witness_host: "h2", standby: false, disk: None, fault: None }
     }
 }
 
@@ -181,6 +183,9 @@ impl Cluster {
             .arg(self.dir.join(format!("r{id}.{}.jsonl", self.starts[i])))
             .args(&self.layout.extra)
             .env("FTVM_LOG", "info");
+        if let Some(fault) = self.layout.fault {
+            cmd.env("FTVM_TEST_FAULT", fault);
+        }
         if id == 3 {
             cmd.arg("--witness");
         }
@@ -361,11 +366,18 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_input_batches() {
 
 /// The same with the next `syncvm` proposed, frozen and exchanged while
 /// the previous one awaits its acknowledgement (`--sync-pipeline on`,
-/// docs/replicas.md): leaders are killed with two `syncvm`s in flight,
-/// and the leaders' metrics must show `syncvm`s that were proposed so.
+/// docs/replicas.md). The writers wait for their replies, which the
+/// previous `syncvm`'s acknowledgement releases, so the output trigger
+/// seldom finds output to hold before it; here the secondaries hold each
+/// acknowledgement 10 ms (`FTVM_TEST_FAULT=syncvm-slow-ack:10`) and
+/// `syncvm`s are at most 5 ms apart, so that most overlap the previous
+/// one: leaders are killed with two `syncvm`s in flight, and the leaders'
+/// metrics must show `syncvm`s that were proposed so.
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_sync_pipeline() {
-    let c = leader_kills("vpip", &["--sync-pipeline", "on"], 5);
+    let tag = "vpip";
+    let layout = Layout { fault: Some("syncvm-slow-ack:10"), ..Layout::with_extra(&["--sync-pipeline", "on", "--sync-ms", "5"]) };
+    let c = leader_kills_in(Cluster::launch(Topology::new(tag).unwrap(), tag, layout, |_| {}), 5);
     let (mut syncs, mut overlapped) = (0, 0);
     for id in [1, 2] {
         for m in c.metrics(id).iter().filter(|m| m["role"] == "leader" && m["ok"] == true) {
@@ -380,10 +392,14 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_sync_pipeline() {
 /// Kill the leader `kills` times under writers; every acknowledged write
 /// reads back. Returns the cluster, still running.
 fn leader_kills(tag: &str, extra: &[&str], kills: u32) -> Cluster {
+    leader_kills_in(Cluster::new(tag, extra), kills)
+}
+
+/// `leader_kills` on a cluster just launched.
+fn leader_kills_in(mut c: Cluster, kills: u32) -> Cluster {
     let seed = std::env::var("FTVM_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::process::id() as u64);
     eprintln!("seed {seed} (FTVM_TEST_SEED)");
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
-    let mut c = Cluster::new(tag, extra);
     c.wait_leader(true, Duration::from_secs(30));
     let w = writers(&c, &format!("k{seed:x}"));
     wait_acked_beyond(&w, 0, &c, "start");

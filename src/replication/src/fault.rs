@@ -12,7 +12,8 @@
 //! secondary's once the pages are applied), so a test can compare them;
 //! `syncvm-digest-slow-ack:MS` does too, and makes a secondary hold each
 //! `syncvm`'s acknowledgement MS ms (its guest paused), so that the leader
-//! proposes the next one before it (`--sync-pipeline on`).
+//! proposes the next one before it (`--sync-pipeline on`);
+//! `syncvm-slow-ack:MS` only holds the acknowledgements.
 //! (`forbidden-syscall:KIND` is `ftvm_vmm::seccomp`'s; `slow-disk:MS`, every
 //! disk write MS ms longer, is `ftvm_vmm::devices::virtio::block`'s.) Never
 //! set outside tests.
@@ -40,6 +41,8 @@ pub enum Fault {
     SyncvmDigest,
     /// The same, and secondaries acknowledge late (`syncvm_slow_ack`).
     SyncvmDigestSlowAck,
+    /// Secondaries acknowledge late, without the digests.
+    SyncvmSlowAck,
 }
 
 fn configured() -> Option<(Fault, u64)> {
@@ -55,6 +58,7 @@ fn configured() -> Option<(Fault, u64)> {
             "die-after-prefetch" => Fault::DieAfterPrefetch,
             "syncvm-digest" => Fault::SyncvmDigest,
             "syncvm-digest-slow-ack" => Fault::SyncvmDigestSlowAck,
+            "syncvm-slow-ack" => Fault::SyncvmSlowAck,
             _ => return None,
         };
         Some((fault, epoch.parse().ok()?))
@@ -99,7 +103,7 @@ pub fn syncvm_digest() -> bool {
 /// How long a secondary holds each `syncvm`'s acknowledgement.
 pub fn syncvm_slow_ack() -> Option<std::time::Duration> {
     match configured() {
-        Some((Fault::SyncvmDigestSlowAck, ms)) => Some(std::time::Duration::from_millis(ms)),
+        Some((Fault::SyncvmDigestSlowAck | Fault::SyncvmSlowAck, ms)) => Some(std::time::Duration::from_millis(ms)),
         _ => None,
     }
 }
@@ -109,9 +113,12 @@ impl Fault {
     pub fn inject(self, link: &mut dyn Transport, frame: &[u8]) -> io::Result<()> {
         tracing::warn!(fault = ?self, "test fault injected; the primary dies now");
         match self {
-            Fault::StallApply | Fault::XsaveSize | Fault::DieAfterPrefetch | Fault::SyncvmDigest | Fault::SyncvmDigestSlowAck => {
-                return Err(io::Error::other("not a primary's fault"))
-            }
+            Fault::StallApply
+            | Fault::XsaveSize
+            | Fault::DieAfterPrefetch
+            | Fault::SyncvmDigest
+            | Fault::SyncvmDigestSlowAck
+            | Fault::SyncvmSlowAck => return Err(io::Error::other("not a primary's fault")),
             Fault::Truncate => link.send(&frame[..frame.len() / 2])?,
             Fault::Flip => {
                 let mut bad = frame.to_vec();
