@@ -131,15 +131,16 @@ impl Cluster {
 
     /// Replicas that talk over the LAN: each host gets an address on its
     /// bridge, the witness runs in the client's namespace, so cutting
-    /// either host leaves the other two a majority.
-    fn on_lan(tag: &str) -> Cluster {
+    /// either host leaves the other two a majority; `extra` and `fault`
+    /// as in `Layout`.
+    fn on_lan(tag: &str, extra: &[&str], fault: Option<&'static str>) -> Cluster {
         let topo = Topology::new(tag).unwrap();
         for (host, addr) in [("h1", LAN_H1), ("h2", LAN_H2)] {
             let out = topo.command(host, "ip").args(["addr", "add", &format!("{addr}/24"), "dev", "br0"]).output().unwrap();
             assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         }
         let peers = format!("1={LAN_H1}:7101,2={LAN_H2}:7102,3={CLIENT_ADDR}:7103");
-        Cluster::launch(topo, tag, Layout { peers, witness_host: "client", ..Layout::default() }, |_| {})
+        Cluster::launch(topo, tag, Layout { peers, witness_host: "client", fault, ..Layout::with_extra(extra) }, |_| {})
     }
 
     /// The three replicas on `topo`, laid out as `layout`; with disks
@@ -651,7 +652,19 @@ fn repairs_divergence(early_resume: &str, pipeline: bool) {
 /// lost.
 #[test]
 fn a_leader_cut_off_in_a_minority_releases_nothing_more() {
-    let c = Cluster::on_lan("vpart");
+    cut_off_in_a_minority(Cluster::on_lan("vpart", &[], None));
+}
+
+/// The same with `--sync-pipeline on`, `syncvm`s overlapping as in
+/// `..._over_leader_kills_with_sync_pipeline`: the leader is cut off with
+/// two `syncvm`s in flight; neither acknowledgement comes, and it
+/// releases nothing more.
+#[test]
+fn a_leader_cut_off_in_a_minority_releases_nothing_more_with_sync_pipeline() {
+    cut_off_in_a_minority(Cluster::on_lan("vppar", &["--sync-pipeline", "on", "--sync-ms", "5"], Some("syncvm-slow-ack:10")));
+}
+
+fn cut_off_in_a_minority(c: Cluster) {
     let leader = c.wait_leader(true, Duration::from_secs(30));
     let other = 3 - leader;
     let host = |id: u64| if id == 1 { "h1" } else { "h2" };
