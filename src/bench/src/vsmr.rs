@@ -269,6 +269,9 @@ struct Sums {
     interval_us: f64,
     /// Frames sent on the replication links (every replica's lines).
     messages: f64,
+    /// VSMR: the leader's `syncvm`s proposed while the previous one awaited
+    /// its acknowledgement (`--sync-pipeline on`).
+    overlapped: f64,
     /// VSMR: the leader's steps, summed over its `syncvm`s (`STEPS`).
     steps: [f64; STEPS.len()],
 }
@@ -294,6 +297,7 @@ fn read_sums(files: &[PathBuf], from: &[usize]) -> (Sums, Vec<usize>) {
                 s.divergent += num("divergent_pages");
                 s.syncs += 1.0;
                 s.interval_us += num("interval_us");
+                s.overlapped += f64::from(u8::from(v.get("overlapped") == Some(&serde_json::Value::Bool(true))));
                 for (sum, k) in s.steps.iter_mut().zip(STEPS) {
                     *sum += num(k);
                 }
@@ -578,6 +582,25 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 value: if v.syncs > 0.0 { v.interval_us / v.syncs / 1000.0 } else { 0.0 },
                 unit: "ms",
                 reference: None,
+            });
+            // From start to start (the interval above runs from one's end
+            // to the next one's start, none when they overlap): the SET and
+            // GET runs' time over the leader's syncvms.
+            let r = &results[m][i];
+            let seconds = opts.requests as f64 / r.set.rps + opts.requests as f64 / r.get.rps;
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("{} syncvm period (start to start)", mode.name()),
+                value: if v.syncs > 0.0 { seconds * 1000.0 / v.syncs } else { 0.0 },
+                unit: "ms",
+                reference: None,
+            });
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("{} syncvms proposed before the previous one's acknowledgement (ref: all)", mode.name()),
+                value: v.overlapped,
+                unit: "syncvms",
+                reference: Some(v.syncs),
             });
         }
     }

@@ -401,6 +401,14 @@ pub struct ReplicaArgs {
     /// either setting work together.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub input_batch: ftvm_replication::vsmr::tuning::InputBatch,
+    /// Whether the leader proposes the next syncvm while the previous one
+    /// awaits the secondary's acknowledgement: off, one at a time; on, the
+    /// next one's consensus round, freeze and exchange run as soon as the
+    /// previous one's pages are sent (at most two in flight), and a thread
+    /// of its own awaits the acknowledgements and releases the output, in
+    /// order. Only the leader's side changes.
+    #[arg(long, default_value = "off", value_name = "off|on")]
+    pub sync_pipeline: ftvm_replication::vsmr::tuning::SyncPipeline,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

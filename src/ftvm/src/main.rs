@@ -221,6 +221,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     early_resume: args.early_resume,
                     ack_release: args.ack_release,
                     input_batch: args.input_batch,
+                    sync_pipeline: args.sync_pipeline,
                 },
             };
             let source = match args.image {

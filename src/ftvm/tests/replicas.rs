@@ -94,11 +94,13 @@ struct Layout {
     /// Each VM replica has a disk of this size (`r{id}.img`, kept across
     /// restarts) with the kv guest's append-only log on it.
     disk: Option<u64>,
+    /// `FTVM_TEST_FAULT` for every replica.
+    fault: Option<&'static str>,
 }
 
 impl Default for Layout {
     fn default() -> Layout {
-        Layout { extra: Vec::new(), peers: peers(), witness_host: "h2", standby: false, disk: None }
+        Layout { extra: Vec::new(), peers: peers(), witness_host: "h2", standby: false, disk: None, fault: None }
     }
 }
 
@@ -129,15 +131,16 @@ impl Cluster {
 
     /// Replicas that talk over the LAN: each host gets an address on its
     /// bridge, the witness runs in the client's namespace, so cutting
-    /// either host leaves the other two a majority.
-    fn on_lan(tag: &str) -> Cluster {
+    /// either host leaves the other two a majority; `extra` and `fault`
+    /// as in `Layout`.
+    fn on_lan(tag: &str, extra: &[&str], fault: Option<&'static str>) -> Cluster {
         let topo = Topology::new(tag).unwrap();
         for (host, addr) in [("h1", LAN_H1), ("h2", LAN_H2)] {
             let out = topo.command(host, "ip").args(["addr", "add", &format!("{addr}/24"), "dev", "br0"]).output().unwrap();
             assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         }
         let peers = format!("1={LAN_H1}:7101,2={LAN_H2}:7102,3={CLIENT_ADDR}:7103");
-        Cluster::launch(topo, tag, Layout { peers, witness_host: "client", ..Layout::default() }, |_| {})
+        Cluster::launch(topo, tag, Layout { peers, witness_host: "client", fault, ..Layout::with_extra(extra) }, |_| {})
     }
 
     /// The three replicas on `topo`, laid out as `layout`; with disks
@@ -183,6 +186,9 @@ impl Cluster {
             .arg(self.dir.join(format!("r{id}.state")))
             .args(&self.layout.extra)
             .env("FTVM_LOG", "info");
+        if let Some(fault) = self.layout.fault {
+            cmd.env("FTVM_TEST_FAULT", fault);
+        }
         if id == 3 {
             cmd.arg("--witness");
         }
@@ -320,7 +326,9 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
 /// alone, the leader's guest resumed only once the pages are sent
 /// (`--early-resume off`), the output released by the link thread that
 /// reads the acknowledgement (`--ack-release link`), one log entry per
-/// input frame (`--input-batch off`).
+/// input frame (`--input-batch off`), the next `syncvm` proposed while the
+/// previous one awaits its acknowledgement (`--sync-pipeline on`: the
+/// link thread's releases in order).
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_flipped() {
     let flipped = [
@@ -340,6 +348,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_
         "link",
         "--input-batch",
         "off",
+        "--sync-pipeline",
+        "on",
     ];
     leader_kills("vflp", &flipped, 5);
 }
@@ -363,13 +373,42 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_input_batches() {
     assert!(frames > entries, "no entry held more than one frame: {frames} frames in {entries} entries");
 }
 
+/// The same with the next `syncvm` proposed, frozen and exchanged while
+/// the previous one awaits its acknowledgement (`--sync-pipeline on`,
+/// docs/replicas.md). The writers wait for their replies, which the
+/// previous `syncvm`'s acknowledgement releases, so the output trigger
+/// seldom finds output to hold before it; here the secondaries hold each
+/// acknowledgement 10 ms (`FTVM_TEST_FAULT=syncvm-slow-ack:10`) and
+/// `syncvm`s are at most 5 ms apart, so that most overlap the previous
+/// one: leaders are killed with two `syncvm`s in flight, and the leaders'
+/// metrics must show `syncvm`s that were proposed so.
+#[test]
+fn no_acknowledged_write_is_lost_over_leader_kills_with_sync_pipeline() {
+    let tag = "vpip";
+    let layout = Layout { fault: Some("syncvm-slow-ack:10"), ..Layout::with_extra(&["--sync-pipeline", "on", "--sync-ms", "5"]) };
+    let c = leader_kills_in(Cluster::launch(Topology::new(tag).unwrap(), tag, layout, |_| {}), 5);
+    let (mut syncs, mut overlapped) = (0, 0);
+    for id in [1, 2] {
+        for m in c.metrics(id).iter().filter(|m| m["role"] == "leader" && m["ok"] == true) {
+            syncs += 1;
+            overlapped += u64::from(m["overlapped"] == true);
+        }
+    }
+    eprintln!("{overlapped} of {syncs} completed syncvms since the last restarts were proposed before the previous one's acknowledgement");
+    assert!(overlapped > 0, "no syncvm was proposed while the previous one awaited its acknowledgement ({syncs} syncvms)");
+}
+
 /// Kill the leader `kills` times under writers; every acknowledged write
 /// reads back. Returns the cluster, still running.
 fn leader_kills(tag: &str, extra: &[&str], kills: u32) -> Cluster {
+    leader_kills_in(Cluster::new(tag, extra), kills)
+}
+
+/// `leader_kills` on a cluster just launched.
+fn leader_kills_in(mut c: Cluster, kills: u32) -> Cluster {
     let seed = std::env::var("FTVM_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::process::id() as u64);
     eprintln!("seed {seed} (FTVM_TEST_SEED)");
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
-    let mut c = Cluster::new(tag, extra);
     c.wait_leader(true, Duration::from_secs(30));
     let w = writers(&c, &format!("k{seed:x}"));
     wait_acked_beyond(&w, 0, &c, "start");
@@ -527,25 +566,44 @@ fn witness_loss_keeps_the_service_protected() {
 /// while its pages were hashed and sent from the copy taken in the pause.
 #[test]
 fn syncvm_repairs_divergence() {
-    repairs_divergence("on");
+    repairs_divergence("on", false);
 }
 
 /// The same with the leader resuming only once the pages are sent.
 #[test]
 fn syncvm_repairs_divergence_with_early_resume_off() {
-    repairs_divergence("off");
+    repairs_divergence("off", false);
 }
 
-fn repairs_divergence(early_resume: &str) {
-    let dir = Scratch::new(&format!("replicas-digest-{early_resume}")).unwrap().keep_on_panic();
+/// The same with `--sync-pipeline on`, the secondary holding each
+/// acknowledgement 20 ms (`syncvm-digest-slow-ack:20`) and `syncvm`s at
+/// most 10 ms apart: the leader proposes, freezes and exchanges the next
+/// `syncvm` before the previous one's acknowledgement (some must have),
+/// while the secondary handles it only once it applied the previous one,
+/// comparing the pages it wrote since, those the apply wrote among them.
+#[test]
+fn syncvm_repairs_divergence_with_sync_pipeline() {
+    repairs_divergence("on", true);
+}
+
+fn repairs_divergence(early_resume: &str, pipeline: bool) {
+    let tag = if pipeline { format!("{early_resume}-pipe") } else { early_resume.to_string() };
+    let (fault, extra): (&str, &[&str]) = if pipeline {
+        ("syncvm-digest-slow-ack:20", &["--sync-pipeline", "on", "--sync-ms", "10"])
+    } else {
+        ("syncvm-digest:1", &["--sync-ms", "50"])
+    };
+    let dir = Scratch::new(&format!("replicas-digest-{tag}")).unwrap().keep_on_panic();
     let addrs: Vec<String> = (0..3).map(|_| common::free_addr()).collect();
     let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
     let mut procs = Vec::new();
     for id in 1..=3u64 {
         let mut cmd = ftvm();
-        cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", "50", "--early-resume", early_resume, "--metrics"])
+        cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--early-resume", early_resume])
+            .args(extra)
+            .arg("--metrics")
             .arg(dir.join(format!("r{id}.jsonl")))
-            .env("FTVM_TEST_FAULT", "syncvm-digest:1")
+            .env("FTVM_TEST_FAULT", fault)
             .env("FTVM_LOG", "info");
         if id == 3 {
             cmd.arg("--witness");
@@ -572,11 +630,13 @@ fn repairs_divergence(early_resume: &str) {
     let leaders: Vec<&serde_json::Value> = all.iter().filter(|l| l["role"] == "leader").collect();
     let mut compared = 0;
     let mut repaired = 0;
+    let mut overlapped = 0;
     for l in &leaders {
         let Some(s) = all.iter().find(|s| s["role"] == "secondary" && key(s) == key(l)) else { continue };
         assert_eq!(l["memory_digest"], s["memory_digest"], "syncvm {:?}: the secondary's memory is not the leader's", key(l));
         assert!(l["memory_digest"].is_u64(), "no digest recorded: {l}");
         compared += 1;
+        overlapped += u64::from(l["overlapped"] == true);
         if l["full"] == false && l["divergent_pages"].as_u64().unwrap() > 0 {
             repaired += 1;
             // The copy aside is what the leader paused for, or nothing.
@@ -585,7 +645,10 @@ fn repairs_divergence(early_resume: &str) {
     }
     assert!(compared >= 5, "only {compared} completed syncvms to compare:\n{}\n{}", procs[0].stderr(), procs[1].stderr());
     assert!(repaired >= 1, "no syncvm found divergent pages to repair ({compared} compared)");
-    eprintln!("{compared} syncvms compared, {repaired} repaired divergent pages");
+    assert_eq!(overlapped > 0, pipeline, "{overlapped} of {compared} proposed before the previous one's acknowledgement");
+    eprintln!(
+        "{compared} syncvms compared, {repaired} repaired divergent pages, {overlapped} proposed before the previous one's acknowledgement"
+    );
 }
 
 /// The leader's host is cut off (its LAN and replication links deleted):
@@ -597,7 +660,19 @@ fn repairs_divergence(early_resume: &str) {
 /// lost.
 #[test]
 fn a_leader_cut_off_in_a_minority_releases_nothing_more() {
-    let c = Cluster::on_lan("vpart");
+    cut_off_in_a_minority(Cluster::on_lan("vpart", &[], None));
+}
+
+/// The same with `--sync-pipeline on`, `syncvm`s overlapping as in
+/// `..._over_leader_kills_with_sync_pipeline`: the leader is cut off with
+/// two `syncvm`s in flight; neither acknowledgement comes, and it
+/// releases nothing more.
+#[test]
+fn a_leader_cut_off_in_a_minority_releases_nothing_more_with_sync_pipeline() {
+    cut_off_in_a_minority(Cluster::on_lan("vppar", &["--sync-pipeline", "on", "--sync-ms", "5"], Some("syncvm-slow-ack:10")));
+}
+
+fn cut_off_in_a_minority(c: Cluster) {
     let leader = c.wait_leader(true, Duration::from_secs(30));
     let other = 3 - leader;
     let host = |id: u64| if id == 1 { "h1" } else { "h2" };

@@ -9,7 +9,11 @@
 //! of N bytes (so it refuses a primary whose vCPUs need more);
 //! `syncvm-digest:1` makes consensus-ordered replicas record a digest of
 //! the whole guest memory at each `syncvm` (the leader's at its freeze, the
-//! secondary's once the pages are applied), so a test can compare them.
+//! secondary's once the pages are applied), so a test can compare them;
+//! `syncvm-digest-slow-ack:MS` does too, and makes a secondary hold each
+//! `syncvm`'s acknowledgement MS ms (its guest paused), so that the leader
+//! proposes the next one before it (`--sync-pipeline on`);
+//! `syncvm-slow-ack:MS` only holds the acknowledgements.
 //! (`forbidden-syscall:KIND` is `ftvm_vmm::seccomp`'s; `slow-disk:MS`, every
 //! disk write MS ms longer, is `ftvm_vmm::devices::virtio::block`'s.) Never
 //! set outside tests.
@@ -35,6 +39,10 @@ pub enum Fault {
     DieAfterPrefetch,
     /// Replicas digest guest memory at each `syncvm` (`syncvm_digest`).
     SyncvmDigest,
+    /// The same, and secondaries acknowledge late (`syncvm_slow_ack`).
+    SyncvmDigestSlowAck,
+    /// Secondaries acknowledge late, without the digests.
+    SyncvmSlowAck,
 }
 
 fn configured() -> Option<(Fault, u64)> {
@@ -49,6 +57,8 @@ fn configured() -> Option<(Fault, u64)> {
             "xsave-size" => Fault::XsaveSize,
             "die-after-prefetch" => Fault::DieAfterPrefetch,
             "syncvm-digest" => Fault::SyncvmDigest,
+            "syncvm-digest-slow-ack" => Fault::SyncvmDigestSlowAck,
+            "syncvm-slow-ack" => Fault::SyncvmSlowAck,
             _ => return None,
         };
         Some((fault, epoch.parse().ok()?))
@@ -87,7 +97,15 @@ pub fn host_profile(mut profile: CpuProfile) -> CpuProfile {
 
 /// Whether replicas digest guest memory at each `syncvm`.
 pub fn syncvm_digest() -> bool {
-    matches!(configured(), Some((Fault::SyncvmDigest, _)))
+    matches!(configured(), Some((Fault::SyncvmDigest | Fault::SyncvmDigestSlowAck, _)))
+}
+
+/// How long a secondary holds each `syncvm`'s acknowledgement.
+pub fn syncvm_slow_ack() -> Option<std::time::Duration> {
+    match configured() {
+        Some((Fault::SyncvmDigestSlowAck | Fault::SyncvmSlowAck, ms)) => Some(std::time::Duration::from_millis(ms)),
+        _ => None,
+    }
 }
 
 impl Fault {
@@ -95,9 +113,12 @@ impl Fault {
     pub fn inject(self, link: &mut dyn Transport, frame: &[u8]) -> io::Result<()> {
         tracing::warn!(fault = ?self, "test fault injected; the primary dies now");
         match self {
-            Fault::StallApply | Fault::XsaveSize | Fault::DieAfterPrefetch | Fault::SyncvmDigest => {
-                return Err(io::Error::other("not a primary's fault"))
-            }
+            Fault::StallApply
+            | Fault::XsaveSize
+            | Fault::DieAfterPrefetch
+            | Fault::SyncvmDigest
+            | Fault::SyncvmDigestSlowAck
+            | Fault::SyncvmSlowAck => return Err(io::Error::other("not a primary's fault")),
             Fault::Truncate => link.send(&frame[..frame.len() / 2])?,
             Fault::Flip => {
                 let mut bad = frame.to_vec();

@@ -77,8 +77,9 @@ pub struct Routes {
     pub join: Sender<Inbound>,
     /// A replica's answers to this leader's pre-copy (`RejoinHashes`, `RejoinAck`).
     pub precopy: Sender<Inbound>,
-    /// `--ack-release link`: the acknowledgement whose output this link
-    /// thread releases itself (before handing it to the applier).
+    /// The acknowledgements the leader awaits (`release`): with
+    /// `--ack-release link` this link thread releases their output itself
+    /// (before handing them to the applier).
     pub acks: Arc<Awaited>,
 }
 
@@ -330,6 +331,7 @@ impl Mesh {
             p.heard = None;
         }
         let _ = routes.raft.send(Event::PeerLost(id));
+        routes.acks.lost(id);
         let _ = routes.sync.send(Inbound { from: id, kind: Kind::PeerHello, payload: Vec::new(), lost: Some(Instant::now()) });
     }
 }

@@ -81,6 +81,10 @@ pub struct SyncMetrics {
     /// consensus round); 0 on the secondary.
     #[serde(default)]
     pub propose_us: u64,
+    /// The leader with `--sync-pipeline on`: proposed while the previous
+    /// `syncvm` still awaited its acknowledgement.
+    #[serde(default)]
+    pub overlapped: bool,
     /// The leader: its freeze (vCPUs paused, dirty set and VM state
     /// taken); the secondary: taking its dirty set once paused.
     #[serde(default)]
@@ -273,6 +277,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                     early_resume: config.tuning.early_resume,
                     ack_release: config.tuning.ack_release,
                     input_batch: config.tuning.input_batch,
+                    sync_pipeline: config.tuning.sync_pipeline,
                 },
                 disk,
                 held,

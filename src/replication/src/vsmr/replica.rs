@@ -7,13 +7,16 @@
 //! committed entries in order, injects input and runs `syncvm`; while this
 //! replica leads, a *proposer* decides when to propose the next `syncvm`
 //! (the output trigger of the primary-backup pipeline: output held and
-//! the guest idle, a hold bound, a maximum interval), and a *pre-copy*
+//! the guest idle, a hold bound, a maximum interval), with
+//! `--sync-pipeline on` an *acknowledgement* thread awaits the
+//! secondary's acknowledgements of `syncvm`s whose pages were sent and
+//! releases their output, in order, and a *pre-copy*
 //! worker brings a replica it has not synchronized up to date while the
 //! guest runs (`rejoin`); a *joiner* thread takes such a pre-copy into
 //! this replica's held VM.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,9 +32,9 @@ use super::mesh::{Inbound, Mesh};
 use super::node::{Committed, Event, View, ALIVE};
 use super::recent::{self, Recent};
 use super::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
-use super::release::Awaited;
+use super::release::{Awaited, Waited};
 use super::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
-use super::tuning::{AckRelease, AckWait, EarlyResume, InputBatch, SyncSpacing};
+use super::tuning::{AckRelease, AckWait, EarlyResume, InputBatch, SyncPipeline, SyncSpacing};
 use super::{SyncMetrics, SyncRole};
 use crate::metrics::{MetricsLog, Role, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
@@ -68,6 +71,8 @@ pub struct Options {
     pub ack_release: AckRelease,
     /// `--input-batch`.
     pub input_batch: InputBatch,
+    /// `--sync-pipeline`.
+    pub sync_pipeline: SyncPipeline,
 }
 
 /// What arrives for a VM replica's threads from its links.
@@ -145,13 +150,16 @@ struct Leadership {
     /// Output epochs closed so far (the next freeze closes this one).
     epoch: AtomicU64,
     serving: AtomicBool,
-    /// A `syncvm` proposed and not yet run.
-    pending: Mutex<bool>,
-    /// When the proposer proposed it (`propose_us`).
-    proposed: Mutex<Option<Instant>>,
+    /// The `syncvm`s under way (`ran` tells of changes).
+    flight: Mutex<Flight>,
+    /// The next one as the proposer proposed it.
+    proposed: Mutex<Option<Proposed>>,
     /// `--ack-wait proposer`: a `syncvm` whose pages were sent and whose
-    /// acknowledgement the proposer is to wait for (set under `pending`).
+    /// acknowledgement the proposer is to wait for (set under `flight`).
     unacked: Mutex<Option<(Done, Figures)>>,
+    /// `--sync-pipeline on`: `syncvm`s whose pages were sent (or that
+    /// failed before), in order, for the acknowledgement thread.
+    acker: Mutex<Option<Sender<Unacked>>>,
     ran: Condvar,
     /// The last figures, for the proposer's pacing.
     last: Mutex<Option<Figures>>,
@@ -162,6 +170,44 @@ struct Leadership {
     /// When this leadership began.
     started: Instant,
 }
+
+/// The leader's `syncvm`s under way.
+#[derive(Default)]
+struct Flight {
+    /// A `syncvm` proposed and not yet run: with `--sync-pipeline on`,
+    /// until its pages are sent (or it failed before), otherwise until it
+    /// is over.
+    proposed: bool,
+    /// `--sync-pipeline on`: `syncvm`s whose pages were sent and that are
+    /// not over yet (the acknowledgement thread's), all with `secondary`.
+    acking: usize,
+    secondary: u64,
+    /// Failed `syncvm`s of this leadership so far: one proposed before a
+    /// failure is abandoned with it (`release`).
+    failures: u64,
+    /// `--sync-pipeline on`, for the proposer's pacing: when the guest of
+    /// the `syncvm` whose pages were just sent resumed, and the applier's
+    /// time for it (from reaching its entry until the pages were sent).
+    sent: Option<(Instant, Duration)>,
+}
+
+/// A `syncvm` as its proposer proposed it.
+#[derive(Clone, Copy, Debug)]
+struct Proposed {
+    /// When (`propose_us`).
+    at: Instant,
+    /// `Flight::failures` then: a failure after it abandons it.
+    failures: u64,
+    /// An earlier one awaited its acknowledgement then (`--sync-pipeline on`).
+    overlapped: bool,
+}
+
+/// `--sync-pipeline on`: how many `syncvm`s may be in flight at once.
+const PIPELINE_DEPTH: usize = 2;
+
+/// A `syncvm` for the acknowledgement thread: its pages were sent at
+/// `sent` (the figures), or it failed before.
+type Unacked = (Done, Instant, Result<Figures, SyncError>);
 
 /// Which `syncvm` of a leadership ended, for its release and record.
 #[derive(Clone, Copy, Debug)]
@@ -175,6 +221,11 @@ struct Done {
     t0: Instant,
     /// From the proposal to `t0`.
     propose: Duration,
+    /// Its acknowledgement is the acknowledgement thread's
+    /// (`--sync-pipeline on`): the proposer did not wait for it.
+    pipelined: bool,
+    /// Proposed while an earlier one awaited its acknowledgement.
+    overlapped: bool,
 }
 
 /// A leader's pre-copy of a replica it has not synchronized.
@@ -567,9 +618,10 @@ impl Applier {
             aside: Mutex::new(Aside::default()),
             epoch: AtomicU64::new(0),
             serving: AtomicBool::new(true),
-            pending: Mutex::new(false),
+            flight: Mutex::new(Flight::default()),
             proposed: Mutex::new(None),
             unacked: Mutex::new(None),
+            acker: Mutex::new(None),
             ran: Condvar::new(),
             last: Mutex::new(None),
             synced: Mutex::new(None),
@@ -598,6 +650,15 @@ impl Applier {
             st.detail = "leader: waiting for a secondary".into();
         }
         tracing::warn!(term, "LEADER: serving the VM");
+        if s.options.sync_pipeline == SyncPipeline::On {
+            let (tx, rx) = mpsc::channel();
+            *lead.acker.locked() = Some(tx);
+            let (shared, lead) = (s.clone(), lead.clone());
+            let _ = std::thread::Builder::new().name("sync-acks".into()).spawn(move || {
+                ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Replication);
+                ack_loop(&shared, &lead, &rx)
+            });
+        }
         let shared = s.clone();
         let inbox = self.sync_inbox.clone();
         let _ = std::thread::Builder::new().name("proposer".into()).spawn(move || {
@@ -618,8 +679,9 @@ impl Applier {
         // secondary, or as out of step: `apply`).
         lead.serving.store(false, Ordering::SeqCst);
         lead.ran.notify_all();
-        // No link thread takes an acknowledgement of it from now on.
-        s.acks.cancel();
+        // No link thread takes an acknowledgement of it from now on, and
+        // the acknowledgement thread's waits end.
+        s.acks.clear();
         // The output held since the last syncvm is dropped with the buffer:
         // whoever leads now has its own.
         s.recent.clear();
@@ -639,8 +701,16 @@ impl Applier {
         }
         let epoch = lead.epoch.fetch_add(1, Ordering::SeqCst);
         let t0 = Instant::now();
-        let propose = lead.proposed.locked().take().map_or(Duration::ZERO, |p| t0.saturating_duration_since(p));
-        let done = Done { id, epoch, secondary, full, t0, propose };
+        let proposed = lead.proposed.locked().take();
+        let propose = proposed.map_or(Duration::ZERO, |p| t0.saturating_duration_since(p.at));
+        // (An entry proposed long ago, whose proposer gave up on it, counts
+        // as proposed now.)
+        let failures = proposed.map_or_else(|| lead.flight.locked().failures, |p| p.failures);
+        let overlapped = proposed.is_some_and(|p| p.overlapped);
+        // Its acknowledgement is awaited by the acknowledgement thread
+        // (the proposer pipelines only these: `propose_loop`).
+        let pipelined = s.options.sync_pipeline == SyncPipeline::On && secondary != 0 && !full;
+        let done = Done { id, epoch, secondary, full, t0, propose, pipelined, overlapped };
         let inbox = self.sync_inbox.locked();
         let mut freezer = lead.freeze.locked();
         let frozen = freezer.freeze(&s.vm, epoch, &mut LeaveNone::new(s.vm.ram().pages()));
@@ -657,9 +727,41 @@ impl Applier {
                 let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: secondary, id, disk: s.disk.as_ref(), started: t0 };
                 let mut aside = lead.aside.locked();
                 let aside = (s.options.early_resume == EarlyResume::On).then_some(&mut *aside);
-                if s.options.ack_release == AckRelease::Link {
-                    // Before any page is sent: the acknowledgement cannot come first.
-                    s.acks.expect(secondary, id, epoch, lead.output.clone());
+                let link = s.options.ack_release == AckRelease::Link;
+                if link || pipelined {
+                    // Before any page is sent: the acknowledgement cannot
+                    // come first. Under `flight`: a failure is counted, and
+                    // the syncvms awaited then abandoned, wholly before or
+                    // after this.
+                    let flight = lead.flight.locked();
+                    s.acks.expect(secondary, id, epoch, lead.output.clone(), link, flight.failures != failures);
+                }
+                if pipelined {
+                    let result = sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages, aside).map(with_freeze);
+                    // The acknowledgement thread takes it from here, in
+                    // order; the proposer may propose the next one.
+                    let sent = Instant::now();
+                    let figures = result.as_ref().ok().copied();
+                    let mut flight = lead.flight.locked();
+                    let unhanded = match lead.acker.locked().as_ref() {
+                        Some(acker) => acker.send((done, sent, result)).err().map(|e| e.0),
+                        None => Some((done, sent, result)),
+                    };
+                    if unhanded.is_none() {
+                        flight.acking += 1;
+                    }
+                    flight.proposed = false;
+                    let pause = figures.map_or(Duration::ZERO, |f| f.pause);
+                    flight.sent = Some((t0 + pause, sent.saturating_duration_since(t0)));
+                    *lead.last.locked() = figures;
+                    lead.ran.notify_all();
+                    drop(flight);
+                    if unhanded.is_some() {
+                        // The acknowledgement thread is gone (it ends with
+                        // the leadership): this syncvm is over.
+                        s.synced(&lead, done, Err(SyncError::Closed));
+                    }
+                    return;
                 }
                 match s.options.ack_wait {
                     AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages, aside).map(with_freeze),
@@ -667,7 +769,7 @@ impl Applier {
                         Ok(figures) => {
                             // The proposer waits for the acknowledgement and
                             // releases; this thread delivers input meanwhile.
-                            let _pending = lead.pending.locked();
+                            let _flight = lead.flight.locked();
                             *lead.unacked.locked() = Some((done, figures));
                             lead.ran.notify_all();
                             return;
@@ -725,7 +827,7 @@ impl Applier {
                 tracing::warn!(index = id.index, leader, "syncvm failed: {e}; nothing applied");
             }
         }
-        s.record(id, SyncRole::Secondary, leader, full, t0, &result, Duration::ZERO);
+        s.record(id, SyncRole::Secondary, leader, full, t0, &result, (Duration::ZERO, false));
     }
 }
 
@@ -734,21 +836,32 @@ impl Shared {
     /// release the output it closed, record it, let the proposer go on.
     fn synced(&self, lead: &Leadership, done: Done, result: Result<Figures, SyncError>) {
         let s = self;
-        let Done { id, epoch, secondary, full, t0, propose } = done;
+        let Done { id, epoch, secondary, full, t0, propose, pipelined, overlapped } = done;
         // `--ack-release link`: the link thread that read the
         // acknowledgement releases this epoch (after this, no link thread
-        // takes one).
-        let link_releases = s.acks.cancel();
+        // takes one). A failure abandons the syncvms proposed before it
+        // (under `flight`, with the count the applier looks at).
+        let link_releases = {
+            let mut flight = lead.flight.locked();
+            if result.is_err() {
+                flight.failures += 1;
+            }
+            s.acks.finish(id, result.is_ok())
+        };
+        // (Ended after this replica stepped down, by the acknowledgement
+        // thread or the proposer: the status is the new role's.)
+        let serving = lead.serving.load(Ordering::SeqCst);
         match &result {
             Ok(f) => {
                 let released = if link_releases { Default::default() } else { lead.output.release_through(epoch) };
                 let _ = s.events.send(Event::Compact(id.index));
                 *lead.synced.locked() = (secondary != 0).then_some(secondary);
-                let mut st = s.status.lock();
-                st.protected = secondary != 0;
-                st.detail =
-                    if secondary != 0 { format!("leader: secondary {secondary}") } else { "leader: UNPROTECTED (no secondary)".into() };
-                drop(st);
+                if serving {
+                    let mut st = s.status.lock();
+                    st.protected = secondary != 0;
+                    st.detail =
+                        if secondary != 0 { format!("leader: secondary {secondary}") } else { "leader: UNPROTECTED (no secondary)".into() };
+                }
                 tracing::debug!(
                     index = id.index,
                     secondary,
@@ -763,16 +876,23 @@ impl Shared {
                 // Its dirty set was taken: were it a secondary later, the
                 // next syncvm must compare every page.
                 s.in_step.store(false, Ordering::SeqCst);
-                let mut st = s.status.lock();
-                st.protected = false;
-                st.detail = format!("leader: syncvm with {secondary} failed: {e}");
-                drop(st);
+                if serving {
+                    let mut st = s.status.lock();
+                    st.protected = false;
+                    st.detail = format!("leader: syncvm with {secondary} failed: {e}");
+                }
                 tracing::warn!(index = id.index, secondary, "syncvm failed: {e}; output stays held");
             }
         }
-        s.record(id, SyncRole::Leader, secondary, full, t0, &result, propose);
-        *lead.last.locked() = result.ok();
-        *lead.pending.locked() = false;
+        s.record(id, SyncRole::Leader, secondary, full, t0, &result, (propose, overlapped));
+        let mut flight = lead.flight.locked();
+        if pipelined {
+            // (The proposer learnt its figures when its pages were sent.)
+            flight.acking = flight.acking.saturating_sub(1);
+        } else {
+            *lead.last.locked() = result.ok();
+            flight.proposed = false;
+        }
         lead.ran.notify_all();
     }
 
@@ -785,7 +905,9 @@ impl Shared {
         full: bool,
         t0: Instant,
         result: &Result<Figures, SyncError>,
-        propose: Duration,
+        // The leader's: from its proposal to `t0`, and whether an earlier
+        // one awaited its acknowledgement then.
+        (propose, overlapped): (Duration, bool),
     ) {
         let s = self;
         let interval = {
@@ -816,6 +938,7 @@ impl Shared {
             sync_us: t0.elapsed().as_micros() as u64,
             messages,
             propose_us: us(propose),
+            overlapped,
             freeze_us: us(f.steps.freeze),
             bitmap_us: us(f.steps.bitmap),
             copy_us: us(f.steps.copy),
@@ -832,12 +955,17 @@ impl Shared {
 }
 
 /// While `lead` serves: propose a `syncvm` whenever the output trigger
-/// says so, one at a time.
+/// says so, one at a time; with `--sync-pipeline on` the next one as soon
+/// as the previous one's pages are sent, while its acknowledgement is
+/// awaited (at most `PIPELINE_DEPTH` in flight).
 fn propose_loop(s: &Shared, lead: &Arc<Leadership>, inbox: &Mutex<Receiver<Inbound>>) {
     let mut pacing = Pacing::new(trigger::Mode::Output, s.options.max_interval);
     let guest = trigger::GuestView { vm: &s.vm, output: &lead.output };
     let mut since = Instant::now();
     while lead.serving.load(Ordering::SeqCst) {
+        // Room for one more: with one at a time (`acking` stays 0) there
+        // always is here.
+        wait_flight(lead, |f| f.acking < PIPELINE_DEPTH);
         let plan = pacing.plan(since);
         let look = Instant::now() + Duration::from_millis(20);
         if lead.trigger.wait(&plan, &guest, || true, look).is_none() {
@@ -846,43 +974,103 @@ fn propose_loop(s: &Shared, lead: &Arc<Leadership>, inbox: &Mutex<Receiver<Inbou
         let start = Instant::now();
         let mut secondary = pick_secondary(s, lead);
         let full = secondary != 0 && *lead.synced.locked() != Some(secondary);
+        let overlaps = |f: &Flight| f.acking > 0 && (full || secondary == 0 || secondary != f.secondary);
+        if overlaps(&lead.flight.locked()) {
+            // Only a syncvm that compares the dirty pages with the same
+            // secondary may follow one not yet acknowledged: a full one
+            // (and its pre-copy) or a barrier waits until the previous
+            // ones are over, then the choice is made again.
+            wait_flight(lead, |f| f.acking == 0);
+            continue;
+        }
         if full && !rejoined(s, lead, secondary) {
             // A barrier meanwhile: output is released unprotected, as with
             // no secondary at all.
             secondary = 0;
         }
         let full = secondary != 0 && full;
-        *lead.pending.locked() = true;
-        *lead.proposed.locked() = Some(Instant::now());
+        {
+            let mut flight = lead.flight.locked();
+            flight.proposed = true;
+            if secondary != 0 {
+                flight.secondary = secondary;
+            }
+            *lead.proposed.locked() = Some(Proposed { at: Instant::now(), failures: flight.failures, overlapped: flight.acking > 0 });
+        }
         let _ = s.events.send(Event::Propose(Entry::Sync { leader: s.id, secondary, full }.encode()));
-        let mut pending = lead.pending.locked();
+        let mut flight = lead.flight.locked();
         let deadline = Instant::now() + PROPOSAL_TIMEOUT;
         loop {
             // `--ack-wait proposer`: the applier sent the pages (it sets
-            // this under `pending`, so no notice is missed).
+            // this under `flight`, so no notice is missed).
             let unacked = lead.unacked.locked().take();
             if let Some((done, figures)) = unacked {
-                drop(pending);
+                drop(flight);
                 await_ack(s, lead, inbox, done, figures);
-                pending = lead.pending.locked();
+                flight = lead.flight.locked();
                 continue;
             }
-            if !(*pending && lead.serving.load(Ordering::SeqCst) && Instant::now() < deadline) {
+            if !(flight.proposed && lead.serving.load(Ordering::SeqCst) && Instant::now() < deadline) {
                 break;
             }
-            pending = vsync::wait_timeout(&lead.ran, pending, deadline.saturating_duration_since(Instant::now()));
+            flight = vsync::wait_timeout(&lead.ran, flight, deadline.saturating_duration_since(Instant::now()));
         }
-        *pending = false;
-        drop(pending);
+        flight.proposed = false;
+        let sent = flight.sent.take();
+        drop(flight);
         let f = lead.last.locked().take().unwrap_or_default();
-        let cost = match s.options.spacing {
-            SyncSpacing::Cost => start.elapsed(),
+        let cost = match (s.options.spacing, sent) {
+            // `--sync-pipeline on`: as a pipelined checkpoint's, the work
+            // that must end before the next one can start (the applier's:
+            // freeze, exchange, pages sent), not the consensus round nor
+            // the acknowledgement, which the next one overlaps.
+            (SyncSpacing::Cost, Some((_, work))) => work,
+            (SyncSpacing::Cost, None) => start.elapsed(),
             // Only what stops the guest: the next syncvm may follow at
             // twice its pause (`Pacing::spacing`).
-            SyncSpacing::Pause => f.pause,
+            (SyncSpacing::Pause, _) => f.pause,
         };
         pacing.record(&Sample { pause: f.pause, cost, dirty_pages: f.dirty_pages, epoch: start.saturating_duration_since(since) });
-        since = Instant::now();
+        // The spacing runs from the guest's resume: with one syncvm at a
+        // time, the next may start only once this one is over anyway.
+        since = sent.map_or_else(Instant::now, |(resumed, _)| resumed);
+    }
+}
+
+/// Wait until `ok` holds for `lead`'s `syncvm`s in flight, or it stops
+/// serving.
+fn wait_flight(lead: &Leadership, ok: impl Fn(&Flight) -> bool) {
+    let mut flight = lead.flight.locked();
+    while !ok(&flight) && lead.serving.load(Ordering::SeqCst) {
+        // (Stepping down notifies `ran`; the timeout is a backstop.)
+        flight = vsync::wait_timeout(&lead.ran, flight, Duration::from_millis(20));
+    }
+}
+
+/// `--sync-pipeline on`, while `lead` serves (and until what it was
+/// handed is done): await the secondary's acknowledgement of each
+/// `syncvm` whose pages were sent, in order, and end it (release its
+/// output, record it). One that failed, or whose acknowledgement does not
+/// come, abandons those after it (`release`): they end failed too.
+fn ack_loop(s: &Shared, lead: &Leadership, unacked: &Receiver<Unacked>) {
+    loop {
+        let (done, sent, result) = match unacked.recv_timeout(Duration::from_millis(20)) {
+            Ok(u) => u,
+            Err(RecvTimeoutError::Timeout) if lead.serving.load(Ordering::SeqCst) => continue,
+            Err(_) => return,
+        };
+        let result = result.and_then(|figures| {
+            let peer = done.secondary;
+            let waited = s.acks.wait(done.id, sent + sync::STEP_TIMEOUT, || s.mesh.is_lost(peer));
+            let ack = sent.elapsed();
+            match waited {
+                Waited::Acked => Ok(Figures { steps: sync::Steps { ack, ..figures.steps }, ..figures }),
+                Waited::Lost => Err(SyncError::PeerLost),
+                Waited::Abandoned => Err(SyncError::Abandoned),
+                Waited::Timeout => Err(SyncError::Timeout(sync::STEP_TIMEOUT)),
+            }
+        });
+        s.synced(lead, done, result);
     }
 }
 

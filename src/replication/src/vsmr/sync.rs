@@ -169,6 +169,10 @@ pub enum SyncError {
     Vm(#[from] ftvm_vmm::VmError),
     #[error("the replica is stopping")]
     Closed,
+    /// `--sync-pipeline on`: a `syncvm` before it failed (or this replica
+    /// stepped down), so its acknowledgement releases nothing.
+    #[error("abandoned: an earlier syncvm failed")]
+    Abandoned,
     #[error("disk: {0}")]
     Disk(String),
     /// After the acknowledgement: the leader may release output this
@@ -700,6 +704,10 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
         }
     }
     let divergent = bundle.len() + state.patches.len() as u64;
+    if let Some(late) = crate::fault::syncvm_slow_ack() {
+        // Tests: the leader's next syncvm is proposed before this ack.
+        std::thread::sleep(late);
+    }
     x.send(Kind::SyncAck, &[])?;
     // Commit: pages (checked against RAM at parse), patches (checked
     // above), then the state. None of it should fail now; if it does, this

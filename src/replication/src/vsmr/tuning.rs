@@ -111,6 +111,23 @@ switch! {
     }
 }
 
+switch! {
+    /// `--sync-pipeline`: whether the leader proposes the next `syncvm`
+    /// while the previous one awaits its acknowledgement.
+    pub enum SyncPipeline {
+        /// One `syncvm` at a time: the next is proposed once the previous
+        /// one was acknowledged (and its output released).
+        Off = "off",
+        /// Two in flight: the next is proposed (its consensus round, then
+        /// its freeze and exchange) as soon as the previous one's pages
+        /// are sent; an acknowledgement thread awaits the acknowledgements
+        /// and releases the output, in order (`release`). Only between
+        /// `syncvm`s with the same secondary that compare the dirty pages
+        /// (not a full one, nor a barrier).
+        On = "on",
+    }
+}
+
 /// The switches together.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Tuning {
@@ -122,4 +139,5 @@ pub struct Tuning {
     pub early_resume: EarlyResume,
     pub ack_release: AckRelease,
     pub input_batch: InputBatch,
+    pub sync_pipeline: SyncPipeline,
 }
