@@ -401,6 +401,12 @@ pub struct ReplicaArgs {
     /// either setting work together.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub input_batch: ftvm_replication::vsmr::tuning::InputBatch,
+    /// How a link's sender thread sends the messages queued for its peer:
+    /// on, all it finds queued in one system call (writev), each still its
+    /// own frame with its own MAC and sequence number; off, one send per
+    /// message.
+    #[arg(long, default_value = "on", value_name = "on|off")]
+    pub link_batch: ftvm_replication::vsmr::tuning::LinkBatch,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

@@ -220,6 +220,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     early_resume: args.early_resume,
                     ack_release: args.ack_release,
                     input_batch: args.input_batch,
+                    link_batch: args.link_batch,
                 },
             };
             let source = match args.image {

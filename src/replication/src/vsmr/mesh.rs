@@ -7,7 +7,8 @@
 //! `PeerHello` that says who dials.
 //!
 //! Sending never blocks the caller: each peer has a sender thread with a
-//! queue, which (re)connects as needed. A raft message lost with a broken
+//! queue, which (re)connects as needed and sends whatever it finds queued
+//! with one system call (`--link-batch`). A raft message lost with a broken
 //! link is retried by raft itself; a lost `syncvm` message makes that
 //! `syncvm` time out, and the leader tries again.
 
@@ -24,6 +25,7 @@ use ftvm_vmm::sync::Lock;
 
 use super::node::Event;
 use super::release::Awaited;
+use super::tuning::LinkBatch;
 use crate::pipeline::transport::{self, Auth, AuthTransport, Transport};
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::ReplicationError;
@@ -113,6 +115,7 @@ impl Mesh {
         peers: &[(u64, String)],
         auth: Option<Auth>,
         routes: Routes,
+        batch: LinkBatch,
     ) -> Result<Arc<Mesh>, ReplicationError> {
         let listener = TcpListener::bind(listen).map_err(|err| ReplicationError::Listen { addr: listen.into(), err })?;
         let mut senders = HashMap::new();
@@ -134,7 +137,7 @@ impl Mesh {
             let (mesh, auth) = (mesh.clone(), auth.clone());
             std::thread::Builder::new()
                 .name(format!("peer-tx-{id}"))
-                .spawn(move || mesh.send_loop(id, &addr, auth.as_ref(), rx))
+                .spawn(move || mesh.send_loop(id, &addr, auth.as_ref(), rx, batch))
                 .map_err(ReplicationError::Thread)?;
         }
         let m = mesh.clone();
@@ -188,11 +191,16 @@ impl Mesh {
         self.stop.store(true, Ordering::SeqCst);
     }
 
-    fn send_loop(&self, id: u64, addr: &str, auth: Option<&Auth>, rx: Receiver<Vec<u8>>) {
+    fn send_loop(&self, id: u64, addr: &str, auth: Option<&Auth>, rx: Receiver<Vec<u8>>, batch: LinkBatch) {
+        let most = match batch {
+            LinkBatch::On => transport::BATCH_FRAMES,
+            LinkBatch::Off => 1,
+        };
         let mut link: Option<Box<dyn Transport>> = None;
+        let mut frames: Vec<Vec<u8>> = Vec::with_capacity(most);
         loop {
-            let frame = match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(f) => f,
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(f) => frames.push(f),
                 Err(RecvTimeoutError::Timeout) => {
                     if self.stop.load(Ordering::SeqCst) {
                         return;
@@ -200,21 +208,26 @@ impl Mesh {
                     continue;
                 }
                 Err(RecvTimeoutError::Disconnected) => return,
-            };
+            }
+            // `--link-batch on`: what else is queued for this peer by now
+            // goes with it, in one system call (nothing waits for more).
+            frames.extend(rx.try_iter().take(most - 1));
             if link.is_none() {
                 match dial(addr, auth, self.me) {
                     Ok(l) => link = Some(l),
                     Err(e) => {
-                        tracing::debug!(peer = id, "cannot reach peer: {e}");
+                        tracing::debug!(peer = id, frames = frames.len(), "cannot reach peer: {e}");
+                        frames.clear();
                         continue;
                     }
                 }
             }
             let Some(l) = link.as_mut() else { continue };
-            match l.send(&frame) {
+            let batch: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+            match l.send_batch(&batch) {
                 Ok(()) => {
-                    self.sent.fetch_add(frame.len() as u64, Ordering::Relaxed);
-                    self.frames.fetch_add(1, Ordering::Relaxed);
+                    self.sent.fetch_add(batch.iter().map(|f| f.len() as u64).sum(), Ordering::Relaxed);
+                    self.frames.fetch_add(batch.len() as u64, Ordering::Relaxed);
                 }
                 Err(e) => {
                     tracing::debug!(peer = id, "link lost: {e}");
@@ -222,6 +235,7 @@ impl Mesh {
                     link = None;
                 }
             }
+            frames.clear();
         }
     }
 

@@ -111,6 +111,21 @@ switch! {
     }
 }
 
+switch! {
+    /// `--link-batch`: how a peer link's sender thread sends what is
+    /// queued for its peer.
+    pub enum LinkBatch {
+        /// Every message queued by the time it wakes (at most
+        /// `transport::BATCH_FRAMES`), each its own frame (with its own MAC
+        /// and sequence number under `--secret-file`), in one `writev`:
+        /// one system call for the raft messages and `syncvm` messages of
+        /// a consensus round instead of one per message.
+        On = "on",
+        /// One `send` per message.
+        Off = "off",
+    }
+}
+
 /// The switches together.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Tuning {
@@ -122,4 +137,5 @@ pub struct Tuning {
     pub early_resume: EarlyResume,
     pub ack_release: AckRelease,
     pub input_batch: InputBatch,
+    pub link_batch: LinkBatch,
 }
