@@ -401,10 +401,11 @@ pub struct ReplicaArgs {
     /// either setting work together.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub input_batch: ftvm_replication::vsmr::tuning::InputBatch,
-    /// How a link's sender thread sends the messages queued for its peer:
-    /// on, all it finds queued in one system call (writev), each still its
-    /// own frame with its own MAC and sequence number; off, one send per
-    /// message.
+    /// System calls per message on the links between replicas: on, a
+    /// link's sender sends all it finds queued in one writev (each still
+    /// its own frame, with its own MAC and sequence number) and a link's
+    /// reader reads what has arrived in one call and parses the frames in
+    /// it; off, one send per message and a read per part of each frame.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub link_batch: ftvm_replication::vsmr::tuning::LinkBatch,
     /// Write one JSON line per syncvm to this file.

@@ -318,7 +318,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
 /// alone, the leader's guest resumed only once the pages are sent
 /// (`--early-resume off`), the output released by the link thread that
 /// reads the acknowledgement (`--ack-release link`), one log entry per
-/// input frame (`--input-batch off`).
+/// input frame (`--input-batch off`), one `send` per message on the links
+/// (`--link-batch off`).
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_flipped() {
     let flipped = [
@@ -337,6 +338,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_
         "--ack-release",
         "link",
         "--input-batch",
+        "off",
+        "--link-batch",
         "off",
     ];
     leader_kills("vflp", &flipped, 5);

@@ -8,7 +8,8 @@
 //!
 //! Sending never blocks the caller: each peer has a sender thread with a
 //! queue, which (re)connects as needed and sends whatever it finds queued
-//! with one system call (`--link-batch`). A raft message lost with a broken
+//! with one system call (`--link-batch`); a link's reader reads what has
+//! arrived in one call and parses the frames in it. A raft message lost with a broken
 //! link is retried by raft itself; a lost `syncvm` message makes that
 //! `syncvm` time out, and the leader tries again.
 
@@ -106,6 +107,16 @@ pub struct Mesh {
     stop: AtomicBool,
 }
 
+/// `--link-batch on`: an accepted link reads what has arrived in one call
+/// and parses the frames in it.
+fn accepted(stream: std::net::TcpStream, batch: LinkBatch) -> std::io::Result<transport::TcpTransport> {
+    let link = transport::TcpTransport::new(stream)?;
+    Ok(match batch {
+        LinkBatch::On => link.with_read_ahead(),
+        LinkBatch::Off => link,
+    })
+}
+
 impl Mesh {
     /// Listen on `listen`, dial `peers` (id, address) as they come up, and
     /// hand every message that arrives on by its kind (`routes`).
@@ -146,7 +157,7 @@ impl Mesh {
             .spawn(move || {
                 for stream in listener.incoming() {
                     let Ok(stream) = stream else { continue };
-                    let Ok(link) = transport::TcpTransport::new(stream) else { continue };
+                    let Ok(link) = accepted(stream, batch) else { continue };
                     let (m, auth, routes) = (m.clone(), auth.clone(), routes.clone());
                     let peer = link.peer();
                     let _ = std::thread::Builder::new().name("peer-rx".into()).spawn(move || {
