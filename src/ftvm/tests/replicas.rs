@@ -667,9 +667,8 @@ fn a_following_replica_leaves_its_tap_unread_and_serves_after_takeover() {
     let out = c.topo.command("client", "cat").arg("/sys/class/net/eth0/address").output().unwrap();
     let client_mac = frames::parse_mac(&String::from_utf8_lossy(&out.stdout)).unwrap();
     let guest_mac = frames::parse_mac(GUEST_MAC).unwrap();
-    let echo = |id: u16, seq: u16| {
-        frames::echo_request(client_mac, guest_mac, CLIENT_ADDR.parse().unwrap(), GUEST_ADDR.parse().unwrap(), id, seq)
-    };
+    let echo =
+        |id: u16, seq: u16| frames::echo_request(client_mac, guest_mac, CLIENT_ADDR.parse().unwrap(), GUEST_ADDR.parse().unwrap(), id, seq);
     let read = tap_frames_read(&c, host);
     frames::send_on(&c.topo.ns(host), "tap0", (0..20).map(|seq| echo(STALE, seq)).collect()).unwrap();
     // Time for a device thread that watched the TAP to read them, and for

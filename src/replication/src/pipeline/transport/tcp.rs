@@ -201,7 +201,7 @@ mod tests {
         let addr = listener.local_addr().unwrap().to_string();
         // Small and large frames (some larger than the read-ahead buffer),
         // more than one writev's worth; read through the read-ahead buffer.
-        let len = |i: u32| if i % 100 == 0 { 3 * READ_AHEAD + 5 } else { (i as usize % 7) * 300 };
+        let len = |i: u32| if i.is_multiple_of(100) { 3 * READ_AHEAD + 5 } else { (i as usize % 7) * 300 };
         let frames: Vec<Vec<u8>> = (0..1500u32).map(|i| protocol::frame(Kind::Raft, &vec![i as u8; len(i)])).collect();
         let expected: Vec<Vec<u8>> = (0..1500u32).map(|i| vec![i as u8; len(i)]).collect();
         let server = std::thread::spawn(move || {
