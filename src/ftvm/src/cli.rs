@@ -409,6 +409,13 @@ pub struct ReplicaArgs {
     /// order. Only the leader's side changes.
     #[arg(long, default_value = "off", value_name = "off|on")]
     pub sync_pipeline: ftvm_replication::vsmr::tuning::SyncPipeline,
+    /// System calls per message on the links between replicas: on, a
+    /// link's sender sends all it finds queued in one writev (each still
+    /// its own frame, with its own MAC and sequence number) and a link's
+    /// reader reads what has arrived in one call and parses the frames in
+    /// it; off, one send per message and a read per part of each frame.
+    #[arg(long, default_value = "on", value_name = "on|off")]
+    pub link_batch: ftvm_replication::vsmr::tuning::LinkBatch,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

@@ -222,6 +222,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     ack_release: args.ack_release,
                     input_batch: args.input_batch,
                     sync_pipeline: args.sync_pipeline,
+                    link_batch: args.link_batch,
                 },
             };
             let source = match args.image {

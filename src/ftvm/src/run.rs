@@ -219,6 +219,11 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
         }
         source => {
             let v = Arc::new(built.expect("built above"));
+            if matches!(source, Source::Replica { .. }) {
+                // A VSMR replica's guest takes input from the log; its TAP
+                // is read only while it leads (from its first pass on).
+                v.devices().set_host_input(false);
+            }
             v.start().map_err(os("start vCPU threads"))?;
             watch(v.exit_event().as_raw_fd(), EXIT)?;
             if let Source::Replica { config, .. } = source {

@@ -32,6 +32,11 @@
 //!   secondary is killed and restarted; the leader brings it up to date by
 //!   live pre-copy, then a full `syncvm`; then the leader is killed and the
 //!   rejoined replica serves with every acknowledged write.
+//! - `a_following_replica_leaves_its_tap_unread_and_serves_after_takeover`:
+//!   frames put onto the secondary's TAP are not read while it follows
+//!   (the TAP's count of frames read stays put); after the leader is
+//!   killed it serves a real client, and those frames never reach its
+//!   guest (no echo reply to them, while a fresh echo request is answered).
 //! - `a_standby_witness_replaces_a_lost_secondary`: the witness runs a
 //!   held VM (`--witness` with the VM options); when the secondary dies the
 //!   leader brings the witness up to date and protects the VM with it;
@@ -44,7 +49,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{ftvm, image};
-use ftvm_testkit::pcap::Tcpdump;
+use ftvm_testkit::frames;
+use ftvm_testkit::pcap::{self, Tcpdump};
 use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::{Topology, CLIENT_ADDR, GUEST_ADDR, GUEST_MAC, H1_REPL_ADDR, H2_REPL_ADDR};
@@ -328,7 +334,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
 /// reads the acknowledgement (`--ack-release link`), one log entry per
 /// input frame (`--input-batch off`), the next `syncvm` proposed while the
 /// previous one awaits its acknowledgement (`--sync-pipeline on`: the
-/// link thread's releases in order).
+/// link thread's releases in order), one `send` per message on the links
+/// (`--link-batch off`).
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_flipped() {
     let flipped = [
@@ -350,6 +357,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_
         "off",
         "--sync-pipeline",
         "on",
+        "--link-batch",
+        "off",
     ];
     leader_kills("vflp", &flipped, 5);
 }
@@ -712,6 +721,68 @@ fn cut_off_in_a_minority(c: Cluster) {
     // Back on the network, the old leader follows and is synchronized.
     c.topo.restore().unwrap();
     assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other);
+    verify_all(&c, w);
+}
+
+/// Frames the VMM read from `tap0` of `host`: a TAP counts a frame as
+/// transmitted when its reader takes it.
+fn tap_frames_read(c: &Cluster, host: &str) -> u64 {
+    let out = c.topo.command(host, "cat").arg("/sys/class/net/tap0/statistics/tx_packets").output().unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+/// The secondary's network card does not read its TAP while it follows
+/// (its guest's input comes from the log), and what queued in it
+/// meanwhile is dropped when it takes over: echo requests from the
+/// client's addresses put onto its TAP during the follow get no answer,
+/// while one put there after the takeover does (the guest answers pings),
+/// and a real client's writes go on.
+#[test]
+fn a_following_replica_leaves_its_tap_unread_and_serves_after_takeover() {
+    const STALE: u16 = 0x5e1e;
+    const FRESH: u16 = 0xf4e5;
+    let mut c = Cluster::new("vtap", &[]);
+    let leader = c.wait_leader(true, Duration::from_secs(30));
+    let follower = 3 - leader;
+    let host = if follower == 1 { "h1" } else { "h2" };
+    let w = writers(&c, "u");
+    wait_acked_beyond(&w, 0, &c, "start");
+    let out = c.topo.command("client", "cat").arg("/sys/class/net/eth0/address").output().unwrap();
+    let client_mac = frames::parse_mac(&String::from_utf8_lossy(&out.stdout)).unwrap();
+    let guest_mac = frames::parse_mac(GUEST_MAC).unwrap();
+    let echo =
+        |id: u16, seq: u16| frames::echo_request(client_mac, guest_mac, CLIENT_ADDR.parse().unwrap(), GUEST_ADDR.parse().unwrap(), id, seq);
+    let read = tap_frames_read(&c, host);
+    frames::send_on(&c.topo.ns(host), "tap0", (0..20).map(|seq| echo(STALE, seq)).collect()).unwrap();
+    // Time for a device thread that watched the TAP to read them, and for
+    // two syncvms (at most 100 ms apart).
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(c.status(follower).contains("role: secondary"), "{}", c.status(follower));
+    let unread = tap_frames_read(&c, host);
+    assert_eq!(unread, read, "the following replica read {} frames from its TAP", unread - read);
+    // What its VMM writes to its TAP from here on.
+    let capture = Tcpdump::start(&c.topo, host, c.dir.path(), "follower.tap.pcap", &["-i", "tap0", "-Q", "in", "icmp"]).unwrap();
+    c.kill(leader);
+    let acked = w.acked();
+    assert_eq!(c.wait_leader(false, Duration::from_secs(10)), follower, "the secondary took over");
+    wait_acked_beyond(&w, acked, &c, "after the leader was killed");
+    assert!(tap_frames_read(&c, host) > unread, "the new leader does not read its TAP");
+    // The guest answers an echo request that reaches it.
+    let t0 = Instant::now();
+    let mut seq = 0;
+    let replies = loop {
+        frames::send_on(&c.topo.ns(host), "tap0", vec![echo(FRESH, seq)]).unwrap();
+        seq += 1;
+        std::thread::sleep(Duration::from_millis(200));
+        let ids: Vec<u16> = pcap::read(capture.file()).unwrap().iter().filter_map(|f| frames::echo_reply_id(&f.data)).collect();
+        if ids.contains(&FRESH) || t0.elapsed() > Duration::from_secs(10) {
+            break ids;
+        }
+    };
+    capture.finish().unwrap();
+    assert!(replies.contains(&FRESH), "the new leader's guest answered no echo request ({seq} sent):\n{}", c.logs());
+    let stale = replies.iter().filter(|&&id| id == STALE).count();
+    assert_eq!(stale, 0, "{stale} echo requests put onto the TAP while the replica followed reached its guest");
     verify_all(&c, w);
 }
 

@@ -13,6 +13,7 @@
 //!   through this process, which delays, holds, drops or cuts its frames,
 //!   each direction on its own;
 //! - [`pcap::Tcpdump`]: a capture inside a namespace, and its frames;
+//!   [`frames`], made-up frames put straight onto an interface;
 //! - [`etcd::Etcd`]: a private etcd, the replication arbiter (on loopback,
 //!   or inside a namespace of a topology);
 //! - [`resp`]: a small blocking Redis (RESP2) client, and [`writers`], client
@@ -24,6 +25,7 @@
 
 pub mod etcd;
 pub mod fault_proxy;
+pub mod frames;
 pub mod netns;
 pub mod pcap;
 pub mod process;

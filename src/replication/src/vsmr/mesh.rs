@@ -7,7 +7,9 @@
 //! `PeerHello` that says who dials.
 //!
 //! Sending never blocks the caller: each peer has a sender thread with a
-//! queue, which (re)connects as needed. A raft message lost with a broken
+//! queue, which (re)connects as needed and sends whatever it finds queued
+//! with one system call (`--link-batch`); a link's reader reads what has
+//! arrived in one call and parses the frames in it. A raft message lost with a broken
 //! link is retried by raft itself; a lost `syncvm` message makes that
 //! `syncvm` time out, and the leader tries again.
 
@@ -24,6 +26,7 @@ use ftvm_vmm::sync::Lock;
 
 use super::node::Event;
 use super::release::Awaited;
+use super::tuning::LinkBatch;
 use crate::pipeline::transport::{self, Auth, AuthTransport, Transport};
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::ReplicationError;
@@ -105,6 +108,16 @@ pub struct Mesh {
     stop: AtomicBool,
 }
 
+/// `--link-batch on`: an accepted link reads what has arrived in one call
+/// and parses the frames in it.
+fn accepted(stream: std::net::TcpStream, batch: LinkBatch) -> std::io::Result<transport::TcpTransport> {
+    let link = transport::TcpTransport::new(stream)?;
+    Ok(match batch {
+        LinkBatch::On => link.with_read_ahead(),
+        LinkBatch::Off => link,
+    })
+}
+
 impl Mesh {
     /// Listen on `listen`, dial `peers` (id, address) as they come up, and
     /// hand every message that arrives on by its kind (`routes`).
@@ -114,6 +127,7 @@ impl Mesh {
         peers: &[(u64, String)],
         auth: Option<Auth>,
         routes: Routes,
+        batch: LinkBatch,
     ) -> Result<Arc<Mesh>, ReplicationError> {
         let listener = TcpListener::bind(listen).map_err(|err| ReplicationError::Listen { addr: listen.into(), err })?;
         let mut senders = HashMap::new();
@@ -135,7 +149,7 @@ impl Mesh {
             let (mesh, auth) = (mesh.clone(), auth.clone());
             std::thread::Builder::new()
                 .name(format!("peer-tx-{id}"))
-                .spawn(move || mesh.send_loop(id, &addr, auth.as_ref(), rx))
+                .spawn(move || mesh.send_loop(id, &addr, auth.as_ref(), rx, batch))
                 .map_err(ReplicationError::Thread)?;
         }
         let m = mesh.clone();
@@ -144,7 +158,7 @@ impl Mesh {
             .spawn(move || {
                 for stream in listener.incoming() {
                     let Ok(stream) = stream else { continue };
-                    let Ok(link) = transport::TcpTransport::new(stream) else { continue };
+                    let Ok(link) = accepted(stream, batch) else { continue };
                     let (m, auth, routes) = (m.clone(), auth.clone(), routes.clone());
                     let peer = link.peer();
                     let _ = std::thread::Builder::new().name("peer-rx".into()).spawn(move || {
@@ -189,11 +203,16 @@ impl Mesh {
         self.stop.store(true, Ordering::SeqCst);
     }
 
-    fn send_loop(&self, id: u64, addr: &str, auth: Option<&Auth>, rx: Receiver<Vec<u8>>) {
+    fn send_loop(&self, id: u64, addr: &str, auth: Option<&Auth>, rx: Receiver<Vec<u8>>, batch: LinkBatch) {
+        let most = match batch {
+            LinkBatch::On => transport::BATCH_FRAMES,
+            LinkBatch::Off => 1,
+        };
         let mut link: Option<Box<dyn Transport>> = None;
+        let mut frames: Vec<Vec<u8>> = Vec::with_capacity(most);
         loop {
-            let frame = match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(f) => f,
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(f) => frames.push(f),
                 Err(RecvTimeoutError::Timeout) => {
                     if self.stop.load(Ordering::SeqCst) {
                         return;
@@ -201,21 +220,26 @@ impl Mesh {
                     continue;
                 }
                 Err(RecvTimeoutError::Disconnected) => return,
-            };
+            }
+            // `--link-batch on`: what else is queued for this peer by now
+            // goes with it, in one system call (nothing waits for more).
+            frames.extend(rx.try_iter().take(most - 1));
             if link.is_none() {
                 match dial(addr, auth, self.me) {
                     Ok(l) => link = Some(l),
                     Err(e) => {
-                        tracing::debug!(peer = id, "cannot reach peer: {e}");
+                        tracing::debug!(peer = id, frames = frames.len(), "cannot reach peer: {e}");
+                        frames.clear();
                         continue;
                     }
                 }
             }
             let Some(l) = link.as_mut() else { continue };
-            match l.send(&frame) {
+            let batch: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+            match l.send_batch(&batch) {
                 Ok(()) => {
-                    self.sent.fetch_add(frame.len() as u64, Ordering::Relaxed);
-                    self.frames.fetch_add(1, Ordering::Relaxed);
+                    self.sent.fetch_add(batch.iter().map(|f| f.len() as u64).sum(), Ordering::Relaxed);
+                    self.frames.fetch_add(batch.len() as u64, Ordering::Relaxed);
                 }
                 Err(e) => {
                     tracing::debug!(peer = id, "link lost: {e}");
@@ -223,6 +247,7 @@ impl Mesh {
                     link = None;
                 }
             }
+            frames.clear();
         }
     }
 

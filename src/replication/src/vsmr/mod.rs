@@ -227,6 +227,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
         &others,
         config.auth.clone(),
         routes,
+        config.tuning.link_batch,
     )?;
     let (committed_tx, committed_rx) = mpsc::channel();
     let view = Arc::new(Mutex::new(View::default()));

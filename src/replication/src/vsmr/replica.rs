@@ -3,7 +3,8 @@
 //! `syncvm` that follows it), and it runs each committed `syncvm`.
 //!
 //! Threads: the device thread's input hook only queues frames for the
-//! consensus thread (PLOVER's non-blocking consensus); the *applier* takes
+//! consensus thread (PLOVER's non-blocking consensus), and the device
+//! thread reads the TAP only while this replica leads; the *applier* takes
 //! committed entries in order, injects input and runs `syncvm`; while this
 //! replica leads, a *proposer* decides when to propose the next `syncvm`
 //! (the output trigger of the primary-backup pipeline: output held and
@@ -247,7 +248,9 @@ impl FrameSink for Discard {
 }
 
 /// The TAP's frames become proposals while this replica leads; the guest
-/// gets them from the log, never straight from the TAP.
+/// gets them from the log, never straight from the TAP. (The network card
+/// reads its TAP only while this replica leads; a frame read in the
+/// moment before or after is dropped here.)
 struct Input {
     shared: Arc<Shared>,
     /// `--input-batch on`: the frames of this read pass of the TAP, sent
@@ -337,6 +340,9 @@ impl Shared {
 /// threads).
 pub fn start(shared: Arc<Shared>, committed: Receiver<Committed>, inboxes: Inboxes) -> std::io::Result<()> {
     let hooks = shared.vm.hooks();
+    // Its guest's input comes from the log: its TAP is read only while it
+    // leads (`take_over`), not to drop every frame that reaches it meanwhile.
+    shared.vm.devices().set_host_input(false);
     hooks.set_tx(Some(shared.recent.clone()));
     let pass = (shared.options.input_batch == InputBatch::On).then(Mutex::default);
     hooks.set_host_input(Some(Arc::new(Input { shared: shared.clone(), pass })));
@@ -631,6 +637,9 @@ impl Applier {
         vm.hooks().set_tx(Some(output));
         vm.hooks().set_idle(Some(trigger));
         *s.lead.locked() = Some(lead.clone());
+        // From here its TAP's frames are proposed. Those that queued in it
+        // while it followed were never ordered: the network card drops them.
+        vm.devices().set_host_input(true);
         crate::backup::announce(vm);
         // Its guest's output since its last syncvm: of the state it serves
         // from now (`recent`); whatever the guest sends next is held.
@@ -679,6 +688,8 @@ impl Applier {
         // secondary, or as out of step: `apply`).
         lead.serving.store(false, Ordering::SeqCst);
         lead.ran.notify_all();
+        // Its input comes from the log again: its TAP is left unread.
+        s.vm.devices().set_host_input(false);
         // No link thread takes an acknowledgement of it from now on, and
         // the acknowledgement thread's waits end.
         s.acks.clear();

@@ -128,6 +128,23 @@ switch! {
     }
 }
 
+switch! {
+    /// `--link-batch`: system calls per message on the peer links.
+    pub enum LinkBatch {
+        /// A link's sender thread sends every message queued by the time
+        /// it wakes (at most `transport::BATCH_FRAMES`), each its own frame
+        /// (with its own MAC and sequence number under `--secret-file`), in
+        /// one `writev`: one system call for the raft and `syncvm` messages
+        /// of a consensus round instead of one per message. A link's
+        /// reader reads what has arrived (up to 64 KiB) in one call and
+        /// parses the frames in it.
+        On = "on",
+        /// One `send` per message; three reads per frame (header, payload,
+        /// checksum), twice that with `--secret-file` (the seal).
+        Off = "off",
+    }
+}
+
 /// The switches together.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Tuning {
@@ -140,4 +157,5 @@ pub struct Tuning {
     pub ack_release: AckRelease,
     pub input_batch: InputBatch,
     pub sync_pipeline: SyncPipeline,
+    pub link_batch: LinkBatch,
 }

@@ -269,6 +269,19 @@ impl Devices {
         }
     }
 
+    /// Read host input (a TAP) or not: off, a network card reads nothing
+    /// from its TAP and its device thread does not watch it (no wake-up per
+    /// frame); on again, it drops what queued meanwhile before reading.
+    /// For a VM whose input comes from elsewhere (a VSMR replica that does
+    /// not lead gets it from the log).
+    pub fn set_host_input(&self, on: bool) {
+        for slot in &self.slots {
+            slot.lock().set_host_input(on);
+        }
+        // The device threads watch (or stop watching) the TAP at their next pass.
+        self.waker.wake();
+    }
+
     /// Deliver `frames` (each with its virtio-net header, as the TAP gives
     /// them) to the guest's network card before any frame from its TAP:
     /// input that reached another host (a primary that failed) on its way

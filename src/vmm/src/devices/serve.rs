@@ -1,6 +1,6 @@
 //! The device thread: doorbells and host I/O in, used buffers out.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
@@ -26,9 +26,10 @@ pub fn serve(slot: &Slot, gate: &Gate, mem: &GuestMemory, events: &Events) {
     for (q, evt) in slot.notify.iter().enumerate() {
         ok &= add(evt.as_raw_fd(), EventSet::IN, q as u64).is_ok();
     }
-    if let Some(fd) = slot.lock().host_fd() {
-        ok &= add(fd, EventSet::IN | EventSet::EDGE_TRIGGERED, TOKEN_HOST).is_ok();
-    }
+    // The host descriptor watched: it comes and goes with the device's
+    // host input (`set_host_input`), which rings the doorbell to bring us here.
+    let mut watched = None;
+    ok &= watch_host(&epoll, slot.lock().host_fd(), &mut watched);
     if !ok {
         tracing::error!("device thread cannot watch its descriptors");
         return;
@@ -37,21 +38,30 @@ pub fn serve(slot: &Slot, gate: &Gate, mem: &GuestMemory, events: &Events) {
     // Work left by a restore (requests issued again) runs now.
     run_deferred(slot);
     while gate.wait_running() {
-        match epoll.wait(100, &mut ready) {
+        let n = match epoll.wait(100, &mut ready) {
             Ok(n) if ready[..n].iter().any(|e| e.data() == TOKEN_STOP) => return,
-            Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => 0,
             Err(e) => {
                 tracing::error!(error = %e, "device thread epoll failed");
                 return;
             }
-        }
+        };
         let mut transport = slot.lock();
+        if !watch_host(&epoll, transport.host_fd(), &mut watched) {
+            tracing::error!("device thread cannot watch its host descriptor");
+            return;
+        }
         if gate.paused() {
             continue; // doorbells stay pending; the pass after resume serves them
         }
-        for evt in &slot.notify {
-            let _ = evt.read();
+        // Only the doorbells epoll reported: reading the others costs a
+        // system call each and finds nothing (one rung since stays
+        // readable, level-triggered, and brings the thread back).
+        for e in &ready[..n] {
+            if let Some(evt) = slot.notify.get(e.data() as usize) {
+                let _ = evt.read();
+            }
         }
         let mut used = false;
         let mut result = Ok(());
@@ -75,6 +85,27 @@ pub fn serve(slot: &Slot, gate: &Gate, mem: &GuestMemory, events: &Events) {
         }
         run_deferred(slot);
     }
+}
+
+/// Watch `want` (edge-triggered) instead of `watched`, if they differ.
+/// An unwatched TAP wakes nobody for its frames; a newly watched one that
+/// has frames already reports them at once.
+fn watch_host(epoll: &Epoll, want: Option<RawFd>, watched: &mut Option<RawFd>) -> bool {
+    if want == *watched {
+        return true;
+    }
+    if let Some(fd) = watched.take() {
+        if epoll.ctl(ControlOperation::Delete, fd, EpollEvent::default()).is_err() {
+            return false;
+        }
+    }
+    if let Some(fd) = want {
+        if epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(EventSet::IN | EventSet::EDGE_TRIGGERED, TOKEN_HOST)).is_err() {
+            return false;
+        }
+        *watched = Some(fd);
+    }
+    true
 }
 
 /// The device's work outside its lock (a disk's I/O): a pause taken

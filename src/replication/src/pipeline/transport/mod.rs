@@ -29,10 +29,20 @@ switch! {
     }
 }
 
+/// Frames a caller should hand `send_batch` at most: each may take two
+/// pieces of a `writev` (a seal and the frame), whose limit is 1024.
+pub const BATCH_FRAMES: usize = 256;
+
 /// One end of a replication channel: ordered, reliable, both ways.
 pub trait Transport: Send {
     /// Send one complete frame.
     fn send(&mut self, frame: &[u8]) -> io::Result<()>;
+    /// Send complete frames in order, as `send` each, in as few system
+    /// calls as the transport can (TCP: one `writev` for up to
+    /// [`BATCH_FRAMES`] of them).
+    fn send_batch(&mut self, frames: &[&[u8]]) -> io::Result<()> {
+        frames.iter().try_for_each(|f| self.send(f))
+    }
     /// Receive one whole, verified frame whose payload is at most `limit`
     /// bytes into `buf`.
     fn recv(&mut self, limit: u64, buf: &mut Vec<u8>) -> Result<FrameKind, ProtocolError>;
@@ -61,6 +71,10 @@ pub trait Transport: Send {
 impl Transport for Box<dyn Transport> {
     fn send(&mut self, frame: &[u8]) -> io::Result<()> {
         (**self).send(frame)
+    }
+
+    fn send_batch(&mut self, frames: &[&[u8]]) -> io::Result<()> {
+        (**self).send_batch(frames)
     }
 
     fn recv(&mut self, limit: u64, buf: &mut Vec<u8>) -> Result<FrameKind, ProtocolError> {

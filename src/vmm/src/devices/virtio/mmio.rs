@@ -97,6 +97,10 @@ impl MmioTransport {
         self.device.host_fd()
     }
 
+    pub fn set_host_input(&mut self, on: bool) {
+        self.device.set_host_input(on);
+    }
+
     fn selected(&mut self) -> Option<&mut Queue> {
         self.queues.get_mut(self.regs.queue_sel as usize)
     }

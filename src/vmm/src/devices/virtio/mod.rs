@@ -48,10 +48,16 @@ pub trait VirtioDevice: Send + Persist<State = ModelState, Error = DeviceError> 
     /// The driver kicked queue `index` (or the device is re-checking it).
     /// Returns whether any used buffer was added.
     fn process_queue(&mut self, index: usize, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, VirtioError>;
-    /// A host-side descriptor the device waits on (a TAP), if any.
+    /// A host-side descriptor the device waits on (a TAP), if any. None
+    /// while its host input is off (`set_host_input`): the device thread
+    /// then does not watch it.
     fn host_fd(&self) -> Option<RawFd> {
         None
     }
+    /// Read host input (on, the default) or leave it unread in the host's
+    /// queue (off). Turned on again, the device first drops what queued
+    /// meanwhile: it arrived while nobody was to take it.
+    fn set_host_input(&mut self, _on: bool) {}
     /// The host-side descriptor is ready. Returns whether used buffers were added.
     fn process_host(&mut self, _queues: &mut [Queue], _mem: &GuestMemory) -> Result<bool, VirtioError> {
         Ok(false)

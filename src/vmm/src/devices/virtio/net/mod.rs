@@ -117,6 +117,9 @@ pub struct Net {
     mac: [u8; 6],
     /// The TAP had a frame the last time we looked (it is polled edge-triggered).
     tap_readable: bool,
+    /// Read the TAP (`set_host_input`); off, frames wait in the kernel's
+    /// queue (which drops beyond its length) and are dropped when it turns on.
+    host_input: bool,
     /// Frames the host injected, delivered before the TAP's.
     injected: VecDeque<Vec<u8>>,
     frame: Vec<u8>,
@@ -138,6 +141,7 @@ impl Net {
             tap_writer,
             mac: config.mac,
             tap_readable: true,
+            host_input: true,
             injected: VecDeque::new(),
             frame: vec![0; MAX_FRAME],
             hooks,
@@ -171,7 +175,7 @@ impl Net {
         let q = &mut queues[RX];
         let err = |err| VirtioError::Queue { queue: RX, err };
         let mut used = false;
-        while self.tap_readable || !self.injected.is_empty() {
+        while (self.tap_readable && self.host_input) || !self.injected.is_empty() {
             let Some(chain) = q.pop_descriptor_chain(mem) else {
                 if q.enable_notification(mem).map_err(err)? {
                     continue; // the driver posted buffers meanwhile
@@ -324,7 +328,19 @@ impl VirtioDevice for Net {
     }
 
     fn host_fd(&self) -> Option<RawFd> {
-        Some(self.tap.as_raw_fd())
+        self.host_input.then(|| self.tap.as_raw_fd())
+    }
+
+    fn set_host_input(&mut self, on: bool) {
+        if on && !self.host_input {
+            // Not for this VM: they came while it took no input from here.
+            self.tap.drain();
+            self.tap_readable = true;
+        }
+        if on != self.host_input {
+            tracing::debug!(tap = self.tap.name(), on, "TAP input");
+        }
+        self.host_input = on;
     }
 
     fn process_host(&mut self, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, VirtioError> {
