@@ -301,6 +301,31 @@ fn benchmark_cpu(
     Ok((set, get, per_request(after.0.saturating_sub(before.0)), per_request(after.1.saturating_sub(before.1)), switches))
 }
 
+/// Iterations of each [`in_server`] loop.
+const IN_SERVER_OPS: u32 = 1_000_000;
+
+/// The commands alone, without the network: the CPU time `server` (every
+/// thread) spends per SET and per GET of redis-benchmark's key when a Lua
+/// script calls them in a loop (`EVAL`), in nanoseconds. redis-server's own
+/// work (parsing aside) with no frames, system calls or exits, so the same
+/// binary in the guest and natively should cost the same: what the network
+/// figures add on top of it is the I/O path.
+fn in_server(topo: &Topology, addr: &str, server: u32) -> Result<[f64; 2], BoxError> {
+    let mut per_op = [0.0; 2];
+    let key = "key:__rand_int__";
+    for (slot, call) in per_op.iter_mut().zip([format!("redis.call('set','{key}','xxx')"), format!("redis.call('get','{key}')")]) {
+        let script = format!("for i=1,{IN_SERVER_OPS} do {call} end return 1");
+        let before = cpu_ns(server)?.0;
+        let (ok, reply) = topo.redis_cli(addr, &["EVAL", &script, "0"]);
+        let after = cpu_ns(server)?.0;
+        if !ok || reply.trim() != "1" {
+            return Err(format!("EVAL at {addr} failed: {reply}").into());
+        }
+        *slot = after.saturating_sub(before) as f64 / f64::from(IN_SERVER_OPS);
+    }
+    Ok(per_op)
+}
+
 fn median_f64(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -312,6 +337,8 @@ fn median_f64(mut v: Vec<f64>) -> f64 {
 /// network's frames, device notifications, WAIT hypercalls and idle-poll
 /// hits (`linux: net rx_frames=... waits=...`). Each is (name, per request).
 type SyscallCounts = Option<Vec<(String, f64)>>;
+/// [`in_server`] of the guest and of native (Linux personality only).
+type InServer = Option<[[f64; 2]; 2]>;
 
 /// Stop redis-server in `guest` (SHUTDOWN NOSAVE) after it served `served`
 /// requests, and read its runtime's counts.
@@ -346,7 +373,8 @@ fn syscall_counts(topo: &Topology, guest: &mut Guest, served: u64) -> Result<Vec
 
 /// The guest with runtime options `variant`, unreplicated, against the
 /// native server, alternating run by run; with `--app redis` also its
-/// system calls and traps per request.
+/// system calls and traps per request, and [`in_server`] for the guest and
+/// native (`[guest, native]`, each `[SET, GET]`).
 fn unreplicated(
     topo: &Topology,
     ftvm: &Path,
@@ -354,7 +382,7 @@ fn unreplicated(
     opts: &Options,
     variant: &str,
     native: &mut Process,
-) -> Result<(Paired, SyscallCounts), BoxError> {
+) -> Result<(Paired, SyscallCounts, InServer), BoxError> {
     let mut guest = Guest::start(topo, ftvm, image, opts.app, variant, None)?;
     wait_serving(topo, GUEST_ADDR, &mut guest.vmm)?;
     warm_up(topo, GUEST_ADDR, opts)?;
@@ -384,15 +412,18 @@ fn unreplicated(
             (median_f64(g_cpu), median_f64(n_cpu), median_f64(d_cpu), median_f64(g_sw), median_f64(n_sw)),
         ));
     }
-    let counts = match opts.app {
+    let (counts, in_server) = match opts.app {
         App::Redis => {
+            // After the network runs (the key exists, memory has grown),
+            // before the counts (the EVALs add two requests to them).
+            let both = [in_server(topo, GUEST_ADDR, guest.vmm.id())?, in_server(topo, NATIVE_ADDR, native.id())?];
             // SET and GET per run; one warm-up run, then every measured one.
             let served = 2 * opts.requests * (1 + (opts.repeat * opts.pipeline.len()) as u64);
-            Some(syscall_counts(topo, &mut guest, served)?)
+            (Some(syscall_counts(topo, &mut guest, served)?), Some(both))
         }
-        App::Kv => None,
+        App::Kv => (None, None),
     };
-    Ok((figures, counts))
+    Ok((figures, counts, in_server))
 }
 
 fn ftvm_path(opts: &Options) -> Result<PathBuf, BoxError> {
@@ -443,7 +474,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     // Unreplicated, one vCPU (the default), alternating with the native
     // server so that drift on the host hits both alike; then each variant
     // the same way.
-    let (figures, counts) = unreplicated(&topo, &ftvm, &image, opts, "", &mut native)?;
+    let (figures, counts, in_server) = unreplicated(&topo, &ftvm, &image, opts, "", &mut native)?;
     let mut variants = Vec::new();
     for v in &opts.variant {
         variants.push((v.as_str(), unreplicated(&topo, &ftvm, &image, opts, v, &mut native)?));
@@ -475,12 +506,28 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let name = app.name();
     // Counted, not timed: system calls, traps and exits per request hardly
     // depend on what else the host runs.
-    let all = std::iter::once(("", &counts)).chain(variants.iter().map(|(v, (_, c))| (*v, c)));
+    let all = std::iter::once(("", &counts)).chain(variants.iter().map(|(v, (_, c, _))| (*v, c)));
     for (v, c) in all {
         let label = if v.is_empty() { String::new() } else { format!(", {v}") };
         let group = format!("{name} system calls and exits, whole guest run");
         for (key, value) in c.iter().flatten() {
             rows.push(Row { group: group.clone(), case: format!("{key} per request{label}"), value: *value, unit: "", reference: None });
+        }
+    }
+    // The commands alone (no network), each VM against native measured
+    // right after it.
+    let all = std::iter::once(("", &in_server)).chain(variants.iter().map(|(v, (_, _, e))| (*v, e)));
+    for (v, e) in all {
+        let Some([guest, native]) = e else { continue };
+        let label = if v.is_empty() { String::new() } else { format!(", {v}") };
+        for (i, test) in ["SET", "GET"].into_iter().enumerate() {
+            rows.push(Row {
+                group: format!("{name} commands inside the server (EVAL loop, no network)"),
+                case: format!("CPU per {test} unreplicated{label} (ref: native)"),
+                value: guest[i],
+                unit: "ns",
+                reference: Some(native[i]),
+            });
         }
     }
     for (k, ((p, unrep, native, cpu), prot)) in figures.into_iter().zip(protected).enumerate() {
