@@ -208,13 +208,17 @@ fn wait_serving(topo: &Topology, addr: &str, server: &mut Process) -> Result<(),
     }
 }
 
-/// Parse redis-benchmark --csv: a header naming the columns, then one line
-/// per test. Returns (test, figures) in order.
-/// One redis-benchmark run of SET and GET against `addr`.
+/// One redis-benchmark run of SET, then one of GET, against `addr`.
 fn benchmark(topo: &Topology, addr: &str, opts: &Options, pipeline: u32) -> Result<(Figures, Figures), BoxError> {
+    Ok((benchmark_one(topo, addr, opts, pipeline, "SET")?, benchmark_one(topo, addr, opts, pipeline, "GET")?))
+}
+
+/// One redis-benchmark run of `test` (SET or GET) against `addr`: one test
+/// per run, so that the CPU time around it is that test's.
+fn benchmark_one(topo: &Topology, addr: &str, opts: &Options, pipeline: u32, test: &str) -> Result<Figures, BoxError> {
     let out = topo
         .command("client", "timeout")
-        .args(["300", "redis-benchmark", "-h", addr, "-p", PORT, "-t", "set,get", "--csv"])
+        .args(["300", "redis-benchmark", "-h", addr, "-p", PORT, "-t", &test.to_lowercase(), "--csv"])
         .args(["-n", &opts.requests.to_string(), "-c", &opts.clients.to_string(), "-P", &pipeline.to_string()])
         .stdin(Stdio::null())
         .output()?;
@@ -223,8 +227,7 @@ fn benchmark(topo: &Topology, addr: &str, opts: &Options, pipeline: u32) -> Resu
         return Err(format!("redis-benchmark against {addr} failed ({}): {all}", out.status).into());
     }
     let rows = redis_benchmark::parse(&String::from_utf8_lossy(&out.stdout))?;
-    let find = |t: &str| rows.iter().find(|f| f.test == t).cloned().ok_or_else(|| format!("no {t} line: {all}"));
-    Ok((find("SET")?, find("GET")?))
+    rows.iter().find(|f| f.test == test).cloned().ok_or_else(|| format!("no {test} line: {all}").into())
 }
 
 /// One unmeasured run at the deepest pipeline: a fresh server first grows
@@ -250,7 +253,9 @@ const METRICS: [Metric; 3] = [("throughput", "req/s", |f| f.rps), ("latency p50"
 /// microseconds, then context switches per request (guest, native)).
 /// Per request, medians over the runs: the VMM's CPU time (us), native's,
 /// the VMM's device threads', the VMM's context switches, native's.
-type CpuCounts = (f64, f64, f64, f64, f64);
+/// Then per test (SET, GET): the VMM's CPU time per request, its device
+/// threads', native's.
+type CpuCounts = (f64, f64, f64, f64, f64, [[f64; 3]; 2]);
 type Paired = Vec<(u32, [Figures; 2], [Figures; 2], CpuCounts)>;
 /// One figure of `CpuCounts` and native's, for a row.
 type PickCounts = fn(&CpuCounts) -> (f64, f64);
@@ -283,22 +288,58 @@ fn cpu_ns(pid: u32) -> Result<(u64, u64, u64), BoxError> {
 
 /// [`benchmark`], with the CPU time `server` used per request meanwhile,
 /// in microseconds. Unlike throughput, it hardly depends on what else the
-/// host runs at the time. Also the device threads' share of it, and the
-/// server's context switches per request.
+/// host runs at the time. Also the device threads' share of it, the
+/// server's context switches per request, and the CPU time per request of
+/// each test alone ([`PerTest`]).
 fn benchmark_cpu(
     topo: &Topology,
     addr: &str,
     opts: &Options,
     pipeline: u32,
     server: u32,
-) -> Result<(Figures, Figures, f64, f64, f64), BoxError> {
+) -> Result<(Figures, Figures, f64, f64, f64, PerTest), BoxError> {
     let before = cpu_ns(server)?;
-    let (set, get) = benchmark(topo, addr, opts, pipeline)?;
+    let set = benchmark_one(topo, addr, opts, pipeline, "SET")?;
+    let between = cpu_ns(server)?;
+    let get = benchmark_one(topo, addr, opts, pipeline, "GET")?;
     let after = cpu_ns(server)?;
     let requests = (2 * opts.requests) as f64;
     let per_request = |ns: u64| ns as f64 / 1000.0 / requests;
     let switches = after.2.saturating_sub(before.2) as f64 / requests;
-    Ok((set, get, per_request(after.0.saturating_sub(before.0)), per_request(after.1.saturating_sub(before.1)), switches))
+    // Each test alone: twice the share of both tests' requests.
+    let test =
+        |a: (u64, u64, u64), b: (u64, u64, u64)| [2.0 * per_request(b.0.saturating_sub(a.0)), 2.0 * per_request(b.1.saturating_sub(a.1))];
+    let per_test = [test(before, between), test(between, after)];
+    Ok((set, get, per_request(after.0.saturating_sub(before.0)), per_request(after.1.saturating_sub(before.1)), switches, per_test))
+}
+
+/// CPU time per request of SET and of GET, each `[all threads, device
+/// threads]` in microseconds.
+type PerTest = [[f64; 2]; 2];
+
+/// Iterations of each [`in_server`] loop.
+const IN_SERVER_OPS: u32 = 1_000_000;
+
+/// The commands alone, without the network: the CPU time `server` (every
+/// thread) spends per SET and per GET of redis-benchmark's key when a Lua
+/// script calls them in a loop (`EVAL`), in nanoseconds. redis-server's own
+/// work (parsing aside) with no frames, system calls or exits, so the same
+/// binary in the guest and natively should cost the same: what the network
+/// figures add on top of it is the I/O path.
+fn in_server(topo: &Topology, addr: &str, server: u32) -> Result<[f64; 2], BoxError> {
+    let mut per_op = [0.0; 2];
+    let key = "key:__rand_int__";
+    for (slot, call) in per_op.iter_mut().zip([format!("redis.call('set','{key}','xxx')"), format!("redis.call('get','{key}')")]) {
+        let script = format!("for i=1,{IN_SERVER_OPS} do {call} end return 1");
+        let before = cpu_ns(server)?.0;
+        let (ok, reply) = topo.redis_cli(addr, &["EVAL", &script, "0"]);
+        let after = cpu_ns(server)?.0;
+        if !ok || reply.trim() != "1" {
+            return Err(format!("EVAL at {addr} failed: {reply}").into());
+        }
+        *slot = after.saturating_sub(before) as f64 / f64::from(IN_SERVER_OPS);
+    }
+    Ok(per_op)
 }
 
 fn median_f64(mut v: Vec<f64>) -> f64 {
@@ -312,6 +353,8 @@ fn median_f64(mut v: Vec<f64>) -> f64 {
 /// network's frames, device notifications, WAIT hypercalls and idle-poll
 /// hits (`linux: net rx_frames=... waits=...`). Each is (name, per request).
 type SyscallCounts = Option<Vec<(String, f64)>>;
+/// [`in_server`] of the guest and of native (Linux personality only).
+type InServer = Option<[[f64; 2]; 2]>;
 
 /// Stop redis-server in `guest` (SHUTDOWN NOSAVE) after it served `served`
 /// requests, and read its runtime's counts.
@@ -346,7 +389,8 @@ fn syscall_counts(topo: &Topology, guest: &mut Guest, served: u64) -> Result<Vec
 
 /// The guest with runtime options `variant`, unreplicated, against the
 /// native server, alternating run by run; with `--app redis` also its
-/// system calls and traps per request.
+/// system calls and traps per request, and [`in_server`] for the guest and
+/// native (`[guest, native]`, each `[SET, GET]`).
 fn unreplicated(
     topo: &Topology,
     ftvm: &Path,
@@ -354,7 +398,7 @@ fn unreplicated(
     opts: &Options,
     variant: &str,
     native: &mut Process,
-) -> Result<(Paired, SyscallCounts), BoxError> {
+) -> Result<(Paired, SyscallCounts, InServer), BoxError> {
     let mut guest = Guest::start(topo, ftvm, image, opts.app, variant, None)?;
     wait_serving(topo, GUEST_ADDR, &mut guest.vmm)?;
     warm_up(topo, GUEST_ADDR, opts)?;
@@ -362,8 +406,14 @@ fn unreplicated(
     for &p in &opts.pipeline {
         let (mut g_set, mut g_get, mut n_set, mut n_get) = (vec![], vec![], vec![], vec![]);
         let (mut g_cpu, mut n_cpu, mut d_cpu, mut g_sw, mut n_sw) = (vec![], vec![], vec![], vec![], vec![]);
+        // Per test (SET, GET): the VMM's, its device threads', native's.
+        let mut tests: [[Vec<f64>; 3]; 2] = Default::default();
         for _ in 0..opts.repeat {
-            let (s, g, cpu, device, switches) = benchmark_cpu(topo, GUEST_ADDR, opts, p, guest.vmm.id())?;
+            let (s, g, cpu, device, switches, per_test) = benchmark_cpu(topo, GUEST_ADDR, opts, p, guest.vmm.id())?;
+            for (t, [all, dev]) in per_test.into_iter().enumerate() {
+                tests[t][0].push(all);
+                tests[t][1].push(dev);
+            }
             d_cpu.push(device);
             g_sw.push(switches);
             g_set.push(s);
@@ -371,7 +421,10 @@ fn unreplicated(
             g_cpu.push(cpu);
             guest.check_alive()?;
             check_alive(native)?;
-            let (s, g, cpu, _, switches) = benchmark_cpu(topo, NATIVE_ADDR, opts, p, native.id())?;
+            let (s, g, cpu, _, switches, per_test) = benchmark_cpu(topo, NATIVE_ADDR, opts, p, native.id())?;
+            for (t, [all, _]) in per_test.into_iter().enumerate() {
+                tests[t][2].push(all);
+            }
             n_sw.push(switches);
             n_set.push(s);
             n_get.push(g);
@@ -381,18 +434,21 @@ fn unreplicated(
             p,
             [median(g_set), median(g_get)],
             [median(n_set), median(n_get)],
-            (median_f64(g_cpu), median_f64(n_cpu), median_f64(d_cpu), median_f64(g_sw), median_f64(n_sw)),
+            (median_f64(g_cpu), median_f64(n_cpu), median_f64(d_cpu), median_f64(g_sw), median_f64(n_sw), tests.map(|t| t.map(median_f64))),
         ));
     }
-    let counts = match opts.app {
+    let (counts, in_server) = match opts.app {
         App::Redis => {
+            // After the network runs (the key exists, memory has grown),
+            // before the counts (the EVALs add two requests to them).
+            let both = [in_server(topo, GUEST_ADDR, guest.vmm.id())?, in_server(topo, NATIVE_ADDR, native.id())?];
             // SET and GET per run; one warm-up run, then every measured one.
             let served = 2 * opts.requests * (1 + (opts.repeat * opts.pipeline.len()) as u64);
-            Some(syscall_counts(topo, &mut guest, served)?)
+            (Some(syscall_counts(topo, &mut guest, served)?), Some(both))
         }
-        App::Kv => None,
+        App::Kv => (None, None),
     };
-    Ok((figures, counts))
+    Ok((figures, counts, in_server))
 }
 
 fn ftvm_path(opts: &Options) -> Result<PathBuf, BoxError> {
@@ -443,7 +499,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     // Unreplicated, one vCPU (the default), alternating with the native
     // server so that drift on the host hits both alike; then each variant
     // the same way.
-    let (figures, counts) = unreplicated(&topo, &ftvm, &image, opts, "", &mut native)?;
+    let (figures, counts, in_server) = unreplicated(&topo, &ftvm, &image, opts, "", &mut native)?;
     let mut variants = Vec::new();
     for v in &opts.variant {
         variants.push((v.as_str(), unreplicated(&topo, &ftvm, &image, opts, v, &mut native)?));
@@ -475,12 +531,28 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let name = app.name();
     // Counted, not timed: system calls, traps and exits per request hardly
     // depend on what else the host runs.
-    let all = std::iter::once(("", &counts)).chain(variants.iter().map(|(v, (_, c))| (*v, c)));
+    let all = std::iter::once(("", &counts)).chain(variants.iter().map(|(v, (_, c, _))| (*v, c)));
     for (v, c) in all {
         let label = if v.is_empty() { String::new() } else { format!(", {v}") };
         let group = format!("{name} system calls and exits, whole guest run");
         for (key, value) in c.iter().flatten() {
             rows.push(Row { group: group.clone(), case: format!("{key} per request{label}"), value: *value, unit: "", reference: None });
+        }
+    }
+    // The commands alone (no network), each VM against native measured
+    // right after it.
+    let all = std::iter::once(("", &in_server)).chain(variants.iter().map(|(v, (_, _, e))| (*v, e)));
+    for (v, e) in all {
+        let Some([guest, native]) = e else { continue };
+        let label = if v.is_empty() { String::new() } else { format!(", {v}") };
+        for (i, test) in ["SET", "GET"].into_iter().enumerate() {
+            rows.push(Row {
+                group: format!("{name} commands inside the server (EVAL loop, no network)"),
+                case: format!("CPU per {test} unreplicated{label} (ref: native)"),
+                value: guest[i],
+                unit: "ns",
+                reference: Some(native[i]),
+            });
         }
     }
     for (k, ((p, unrep, native, cpu), prot)) in figures.into_iter().zip(protected).enumerate() {
@@ -509,6 +581,18 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         for (i, test) in ["SET", "GET"].into_iter().enumerate() {
             let group = format!("{name} {test} -P {p} -c {}", opts.clients);
             let (g, n) = (&unrep[i], &native[i]);
+            // This test alone: the VMM's CPU per request and its device
+            // threads', against native's.
+            let [all, device, native_all] = cpu.5[i];
+            for (case, value) in [("CPU per request unreplicated", all), ("CPU per request unreplicated, device threads only", device)] {
+                rows.push(Row {
+                    group: group.clone(),
+                    case: format!("{case} (ref: native)"),
+                    value,
+                    unit: "us",
+                    reference: Some(native_all),
+                });
+            }
             for (what, unit, pick) in METRICS {
                 rows.push(Row {
                     group: group.clone(),
