@@ -40,6 +40,8 @@
 //!   held VM (`--witness` with the VM options); when the secondary dies the
 //!   leader brings the witness up to date and protects the VM with it;
 //!   then the leader dies and the former witness serves.
+//!   `..._with_the_guest_paused_meanwhile`: the same with
+//!   `--on-secondary-loss pause` (no barrier `syncvm`).
 
 mod common;
 
@@ -120,7 +122,7 @@ impl Cluster {
     }
 
     /// As `new`, the witness with a standby VM on a second TAP of h2.
-    fn with_standby(tag: &str) -> Cluster {
+    fn with_standby(tag: &str, extra: &[&str]) -> Cluster {
         let topo = Topology::new(tag).unwrap();
         for args in [
             &["tuntap", "add", "dev", "tap1", "mode", "tap", "vnet_hdr"][..],
@@ -130,7 +132,7 @@ impl Cluster {
             let out = topo.command("h2", "ip").args(args).output().unwrap();
             assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         }
-        Cluster::launch(topo, tag, Layout { standby: true, ..Layout::default() }, |_| {})
+        Cluster::launch(topo, tag, Layout { standby: true, ..Layout::with_extra(extra) }, |_| {})
     }
 
     /// Replicas that talk over the LAN: each host gets an address on its
@@ -862,7 +864,21 @@ fn barriers(c: &Cluster, id: u64) -> usize {
 /// every acknowledged write.
 #[test]
 fn a_standby_witness_replaces_a_lost_secondary() {
-    let mut c = Cluster::with_standby("vsby");
+    standby_replaces("vsby", "continue");
+}
+
+/// The same with `--on-secondary-loss pause`: the leader's guest is paused
+/// from the secondary's loss until the standby is synchronized (which the
+/// writes wait for), and no leader `syncvm` is a barrier.
+#[test]
+fn a_standby_witness_replaces_a_lost_secondary_with_the_guest_paused_meanwhile() {
+    standby_replaces("vsbp", "pause");
+}
+
+/// `a_standby_witness_replaces_a_lost_secondary` with `--on-secondary-loss
+/// policy`.
+fn standby_replaces(tag: &str, policy: &str) {
+    let mut c = Cluster::with_standby(tag, &["--on-secondary-loss", policy]);
     let leader = c.wait_leader(true, Duration::from_secs(30));
     assert_ne!(leader, 3, "the standby led");
     let other = 3 - leader;
@@ -875,7 +891,9 @@ fn a_standby_witness_replaces_a_lost_secondary() {
     std::thread::sleep(Duration::from_millis(500));
     c.kill(other);
     let acked = w.acked();
+    let lost = Instant::now();
     wait_acked_beyond(&w, acked, &c, "after the secondary was killed");
+    eprintln!("{policy}: the first write acknowledged {:?} after the secondary's kill", lost.elapsed());
     // Protected again, by the witness.
     let t0 = Instant::now();
     while !(c.status(leader).contains("secondary 3") && c.status(leader).contains("protected: yes")) {
@@ -892,6 +910,9 @@ fn a_standby_witness_replaces_a_lost_secondary() {
     std::thread::sleep(Duration::from_millis(1000));
     let st = c.status(leader);
     assert!(st.contains("secondary 3") && st.contains("protected: yes"), "{st}");
+    if policy == "pause" {
+        assert_eq!(barriers(&c, leader), 0, "the leader released output after barriers");
+    }
     c.kill(leader);
     let acked = w.acked();
     assert_eq!(c.wait_leader(false, Duration::from_secs(15)), 3, "the former witness took over");
