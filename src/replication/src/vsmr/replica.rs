@@ -173,8 +173,10 @@ struct Leadership {
     /// When this leadership began.
     started: Instant,
     /// `--on-secondary-loss pause`: the guest is held (`Vm::hold`) until
-    /// a full `syncvm` makes a replica the secondary.
-    paused: AtomicBool,
+    /// a full `syncvm` makes a replica the secondary, or until this
+    /// leadership ends. (A lock, not a flag: the hold and a step-down's
+    /// end of it must not interleave.)
+    paused: Mutex<bool>,
 }
 
 /// The leader's `syncvm`s under way.
@@ -386,7 +388,10 @@ impl Shared {
     /// proposes no barrier), until a full `syncvm` makes a replica the
     /// secondary (`unpause`).
     fn pause_unprotected(&self, lead: &Leadership, why: &str) {
-        if !lead.paused.swap(true, Ordering::SeqCst) {
+        let mut paused = lead.paused.locked();
+        // (Once it stopped serving, `step_down` ended any hold: none now.)
+        if !*paused && lead.serving.load(Ordering::SeqCst) {
+            *paused = true;
             self.vm.hold();
             tracing::error!(
                 term = lead.term,
@@ -401,7 +406,9 @@ impl Shared {
 
     /// End `pause_unprotected`'s hold, if any.
     fn unpause(&self, lead: &Leadership) {
-        if lead.paused.swap(false, Ordering::SeqCst) {
+        let mut paused = lead.paused.locked();
+        if *paused {
+            *paused = false;
             self.vm.release();
             tracing::warn!(term = lead.term, "the guest runs again");
         }
@@ -429,7 +436,9 @@ fn precopy_loop(s: &Shared, jobs: Receiver<Job>, inbox: Receiver<Inbound>) {
             started: Instant::now(),
         };
         let t0 = Instant::now();
-        s.status.lock().detail = if lead.paused.load(Ordering::SeqCst) {
+        // (Not under the status lock: `pause_unprotected` takes it inside `paused`.)
+        let paused = *lead.paused.locked();
+        s.status.lock().detail = if paused {
             format!("{}; bringing replica {peer} up to date (pre-copy)", loss::PAUSED)
         } else {
             format!("leader: bringing replica {peer} up to date (pre-copy); UNPROTECTED")
@@ -663,7 +672,7 @@ impl Applier {
             synced: Mutex::new(None),
             rejoin: Mutex::new(Rejoin::Idle),
             started: Instant::now(),
-            paused: AtomicBool::new(false),
+            paused: Mutex::new(false),
         });
         if s.options.on_secondary_loss == OnSecondaryLoss::Pause {
             // No secondary is synchronized with this leadership yet (its
@@ -680,7 +689,8 @@ impl Applier {
         let replayed = frames.len();
         // With `--on-secondary-loss pause` they are held too: only this VM
         // has the state they tell of until its first syncvm.
-        let replay: &dyn FrameSink = if lead.paused.load(Ordering::SeqCst) { &*lead.output } else { &*network };
+        let paused = *lead.paused.locked();
+        let replay: &dyn FrameSink = if paused { &*lead.output } else { &*network };
         for f in &frames {
             replay.send(f);
         }
@@ -692,11 +702,8 @@ impl Applier {
             st.role = Role::Leader;
             st.term = term;
             st.protected = false;
-            st.detail = if lead.paused.load(Ordering::SeqCst) {
-                format!("{}; waiting for a secondary", loss::PAUSED)
-            } else {
-                "leader: waiting for a secondary".into()
-            };
+            st.detail =
+                if paused { format!("{}; waiting for a secondary", loss::PAUSED) } else { "leader: waiting for a secondary".into() };
         }
         tracing::warn!(term, "LEADER: serving the VM");
         if s.options.sync_pipeline == SyncPipeline::On {
