@@ -804,7 +804,7 @@ fn restarted_secondary(tag: &str, policy: &str) {
     let (precopied, full) = rejoin_figures(&c, leader, other);
     assert!(precopied > 0, "the restarted replica got no pre-copy");
     assert!(full < precopied, "the full syncvm sent {full} pages, the pre-copy {precopied}: it did not help");
-    let rejoin = c.metrics(leader).into_iter().filter_map(|l| l.get("rejoin").cloned()).filter(|r| r["peer"] == other).next_back();
+    let rejoin = c.metrics(leader).into_iter().filter_map(|l| l.get("rejoin").cloned()).rfind(|r| r["peer"] == other);
     let (rounds, us) = rejoin.map_or((0, 0), |r| (r["rounds"].as_u64().unwrap_or(0), r["duration_us"].as_u64().unwrap_or(0)));
     eprintln!("{policy}: pre-copy sent {precopied} pages in {rounds} rounds, {us} us; the full syncvm then {full}");
     wait_acked_beyond(&w, w.acked() + 100, &c, "protected again");
