@@ -36,6 +36,7 @@
 //!   the same with `--on-secondary-loss pause`: the leader's guest is
 //!   paused while it has no synchronized secondary (no frame on its TAP,
 //!   no write acknowledged, no barrier `syncvm`), then runs on protected.
+//!   `..._with_sync_pipeline`: the same with `--sync-pipeline on`.
 //! - `a_standby_witness_replaces_a_lost_secondary`: the witness runs a
 //!   held VM (`--witness` with the VM options); when the secondary dies the
 //!   leader brings the witness up to date and protects the VM with it;
@@ -747,7 +748,7 @@ fn rejoin_figures(c: &Cluster, leader: u64, peer: u64) -> (u64, u64) {
 /// The restarted replica starts at the term it had reached (`--raft-state`).
 #[test]
 fn a_restarted_secondary_rejoins_by_precopy_and_takes_over() {
-    restarted_secondary("vrej", "continue");
+    restarted_secondary("vrej", "continue", &[]);
 }
 
 /// The same with `--on-secondary-loss pause`: once the secondary is
@@ -758,14 +759,21 @@ fn a_restarted_secondary_rejoins_by_precopy_and_takes_over() {
 /// after the leader's kill pauses in turn until the killed one is back.
 #[test]
 fn a_leader_without_a_synchronized_secondary_pauses_with_its_output_held() {
-    restarted_secondary("vhld", "pause");
+    restarted_secondary("vhld", "pause", &[]);
 }
 
-/// `--on-secondary-loss policy` (`continue` or `pause`) over a secondary's
-/// loss and restart, then the leader's.
-fn restarted_secondary(tag: &str, policy: &str) {
+/// The same with `--sync-pipeline on`: the failed `syncvm`s that pause the
+/// guest end on the acknowledgement thread, two in flight.
+#[test]
+fn a_leader_without_a_synchronized_secondary_pauses_with_its_output_held_with_sync_pipeline() {
+    restarted_secondary("vhlp", "pause", &["--sync-pipeline", "on", "--sync-ms", "5"]);
+}
+
+/// `--on-secondary-loss policy` (`continue` or `pause`; `extra` options
+/// too) over a secondary's loss and restart, then the leader's.
+fn restarted_secondary(tag: &str, policy: &str, extra: &[&str]) {
     let pause = policy == "pause";
-    let mut c = Cluster::new(tag, &["--on-secondary-loss", policy]);
+    let mut c = Cluster::new(tag, &[&["--on-secondary-loss", policy][..], extra].concat());
     let leader = c.wait_leader(true, Duration::from_secs(30));
     let other = 3 - leader;
     let host = if leader == 1 { "h1" } else { "h2" };
@@ -804,7 +812,11 @@ fn restarted_secondary(tag: &str, policy: &str) {
     let (precopied, full) = rejoin_figures(&c, leader, other);
     assert!(precopied > 0, "the restarted replica got no pre-copy");
     assert!(full < precopied, "the full syncvm sent {full} pages, the pre-copy {precopied}: it did not help");
-    let rejoin = c.metrics(leader).into_iter().filter_map(|l| l.get("rejoin").cloned()).rfind(|r| r["peer"] == other);
+    let rejoin = c
+        .metrics(leader)
+        .into_iter()
+        .filter_map(|l| l.get("rejoin").cloned())
+        .rfind(|r| r["peer"] == other && r["ok"] == true && r["skipped"] == false);
     let (rounds, us) = rejoin.map_or((0, 0), |r| (r["rounds"].as_u64().unwrap_or(0), r["duration_us"].as_u64().unwrap_or(0)));
     eprintln!("{policy}: pre-copy sent {precopied} pages in {rounds} rounds, {us} us; the full syncvm then {full}");
     wait_acked_beyond(&w, w.acked() + 100, &c, "protected again");
