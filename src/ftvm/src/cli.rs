@@ -350,6 +350,14 @@ pub struct ReplicaArgs {
     /// retransmission. off: discard them.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub takeover_replay: ftvm_replication::vsmr::recent::Mode,
+    /// What the leader does while it has no synchronized secondary (the
+    /// secondary lost, or not yet brought up to date: at the group's start
+    /// and after a takeover, until its first full syncvm): continue, its
+    /// output released after consensus barriers with one copy of the VM's
+    /// state; pause, its guest paused and its output held until a replica
+    /// is synchronized (that syncvm's acknowledgement releases it).
+    #[arg(long, default_value = "continue", value_name = "continue|pause")]
+    pub on_secondary_loss: ftvm_replication::vsmr::loss::OnSecondaryLoss,
     /// When the secondary's guest gets a log entry: on, as soon as the
     /// secondary has appended it (with three replicas the leader and the
     /// secondary are then a majority: it is committed), and the leader

@@ -212,6 +212,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     failure_timeout: args.failure_timeout_ms.map(Duration::from_millis),
                 },
                 replay: args.takeover_replay,
+                on_secondary_loss: args.on_secondary_loss,
                 tuning: ftvm_replication::vsmr::tuning::Tuning {
                     early_apply: args.early_apply,
                     batch_append: args.batch_append,

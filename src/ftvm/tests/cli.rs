@@ -84,6 +84,13 @@ fn fake_ack_takes_off_or_on_and_its_state_changed_or_all() {
 }
 
 #[test]
+fn replica_on_secondary_loss_takes_continue_or_pause() {
+    let peers = "1=127.0.0.1:7101,2=127.0.0.1:7102,3=127.0.0.1:7103";
+    let out = ftvm_args(&["replica", "--id", "1", "--peers", peers, "--witness", "--on-secondary-loss", "hold"]);
+    assert_refused(&out, &["--on-secondary-loss", "'hold'", "continue or pause"], "hold");
+}
+
+#[test]
 fn epoch_ms_has_a_minimum() {
     let probe = image("probe");
     for epoch in ["0", "4"] {

@@ -32,6 +32,11 @@
 //!   secondary is killed and restarted; the leader brings it up to date by
 //!   live pre-copy, then a full `syncvm`; then the leader is killed and the
 //!   rejoined replica serves with every acknowledged write.
+//! - `a_leader_without_a_synchronized_secondary_pauses_with_its_output_held`:
+//!   the same with `--on-secondary-loss pause`: the leader's guest is
+//!   paused while it has no synchronized secondary (no frame on its TAP,
+//!   no write acknowledged, no barrier `syncvm`), then runs on protected.
+//!   `..._with_sync_pipeline`: the same with `--sync-pipeline on`.
 //! - `a_following_replica_leaves_its_tap_unread_and_serves_after_takeover`:
 //!   frames put onto the secondary's TAP are not read while it follows
 //!   (the TAP's count of frames read stays put); after the leader is
@@ -41,6 +46,8 @@
 //!   held VM (`--witness` with the VM options); when the secondary dies the
 //!   leader brings the witness up to date and protects the VM with it;
 //!   then the leader dies and the former witness serves.
+//!   `..._with_the_guest_paused_meanwhile`: the same with
+//!   `--on-secondary-loss pause` (no barrier `syncvm`).
 
 mod common;
 
@@ -122,7 +129,7 @@ impl Cluster {
     }
 
     /// As `new`, the witness with a standby VM on a second TAP of h2.
-    fn with_standby(tag: &str) -> Cluster {
+    fn with_standby(tag: &str, extra: &[&str]) -> Cluster {
         let topo = Topology::new(tag).unwrap();
         for args in [
             &["tuntap", "add", "dev", "tap1", "mode", "tap", "vnet_hdr"][..],
@@ -132,7 +139,7 @@ impl Cluster {
             let out = topo.command("h2", "ip").args(args).output().unwrap();
             assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
         }
-        Cluster::launch(topo, tag, Layout { standby: true, ..Layout::default() }, |_| {})
+        Cluster::launch(topo, tag, Layout { standby: true, ..Layout::with_extra(extra) }, |_| {})
     }
 
     /// Replicas that talk over the LAN: each host gets an address on its
@@ -812,9 +819,37 @@ fn rejoin_figures(c: &Cluster, leader: u64, peer: u64) -> (u64, u64) {
 /// The restarted replica starts at the term it had reached (`--raft-state`).
 #[test]
 fn a_restarted_secondary_rejoins_by_precopy_and_takes_over() {
-    let mut c = Cluster::new("vrej", &[]);
+    restarted_secondary("vrej", "continue", &[]);
+}
+
+/// The same with `--on-secondary-loss pause`: once the secondary is
+/// killed the leader's guest is paused (`ftvm status`), no frame leaves
+/// its TAP and no write is acknowledged until the restarted replica is
+/// synchronized; no leader released output after a `syncvm` naming no
+/// secondary (a barrier), not even at the group's start; the new leader
+/// after the leader's kill pauses in turn until the killed one is back.
+#[test]
+fn a_leader_without_a_synchronized_secondary_pauses_with_its_output_held() {
+    restarted_secondary("vhld", "pause", &[]);
+}
+
+/// The same with `--sync-pipeline on`: the failed `syncvm`s that pause the
+/// guest end on the acknowledgement thread, two in flight.
+#[test]
+fn a_leader_without_a_synchronized_secondary_pauses_with_its_output_held_with_sync_pipeline() {
+    restarted_secondary("vhlp", "pause", &["--sync-pipeline", "on", "--sync-ms", "5"]);
+}
+
+/// `--on-secondary-loss policy` (`continue` or `pause`; `extra` options
+/// too) over a secondary's loss and restart, then the leader's.
+fn restarted_secondary(tag: &str, policy: &str, extra: &[&str]) {
+    let pause = policy == "pause";
+    let mut c = Cluster::new(tag, &[&["--on-secondary-loss", policy][..], extra].concat());
     let leader = c.wait_leader(true, Duration::from_secs(30));
     let other = 3 - leader;
+    let host = if leader == 1 { "h1" } else { "h2" };
+    // What the leader's VMM writes to its TAP (direction "in" on a TAP).
+    let tap = Tcpdump::start(&c.topo, host, c.dir.path(), "leader.tap.pcap", &["-i", "tap0", "-Q", "in", "-s", "96"]).unwrap();
     let w = writers(&c, "j");
     wait_acked_beyond(&w, 0, &c, "start");
     std::thread::sleep(Duration::from_millis(500));
@@ -822,9 +857,23 @@ fn a_restarted_secondary_rejoins_by_precopy_and_takes_over() {
     assert!(term >= 1, "{}", c.logs());
     c.kill(other);
     let acked = w.acked();
-    wait_acked_beyond(&w, acked + 100, &c, "after the secondary was killed");
-    let st = c.status(leader);
-    assert!(st.contains("role: leader") && st.contains("protected: no"), "{st}");
+    // With pause: the capture's window in which the guest must be silent.
+    let mut silent = None;
+    if pause {
+        wait_status(&c, leader, "state: paused");
+        let st = c.status(leader);
+        assert!(st.contains("protected: no") && st.contains("PAUSED: no synchronized secondary (--on-secondary-loss pause)"), "{st}");
+        // (Replies already on their way when it paused land first.)
+        std::thread::sleep(Duration::from_millis(200));
+        let (from, held) = (ftvm_testkit::pcap::now_ns(), w.acked());
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_eq!(w.acked(), held, "writes were acknowledged while the leader's guest was paused:\n{}", c.logs());
+        silent = Some((from, ftvm_testkit::pcap::now_ns()));
+    } else {
+        wait_acked_beyond(&w, acked + 100, &c, "after the secondary was killed");
+        let st = c.status(leader);
+        assert!(st.contains("role: leader") && st.contains("protected: no") && st.contains("state: running"), "{st}");
+    }
     c.start(other);
     assert_eq!(c.wait_leader(true, Duration::from_secs(30)), leader, "the leader is protected again");
     let restarted = c.procs[(other - 1) as usize].as_ref().unwrap().stderr();
@@ -834,14 +883,60 @@ fn a_restarted_secondary_rejoins_by_precopy_and_takes_over() {
     let (precopied, full) = rejoin_figures(&c, leader, other);
     assert!(precopied > 0, "the restarted replica got no pre-copy");
     assert!(full < precopied, "the full syncvm sent {full} pages, the pre-copy {precopied}: it did not help");
-    eprintln!("pre-copy sent {precopied} pages, the full syncvm then {full}");
+    let rejoin = c
+        .metrics(leader)
+        .into_iter()
+        .filter_map(|l| l.get("rejoin").cloned())
+        .rfind(|r| r["peer"] == other && r["ok"] == true && r["skipped"] == false);
+    let (rounds, us) = rejoin.map_or((0, 0), |r| (r["rounds"].as_u64().unwrap_or(0), r["duration_us"].as_u64().unwrap_or(0)));
+    eprintln!("{policy}: pre-copy sent {precopied} pages in {rounds} rounds, {us} us; the full syncvm then {full}");
     wait_acked_beyond(&w, w.acked() + 100, &c, "protected again");
+    assert!(c.status(leader).contains("state: running"), "{}", c.status(leader));
+    // Over the group's start and the secondary's loss: with pause no
+    // leader syncvm was a barrier; with continue the leader ran on with them.
+    let unprotected = barriers(&c, leader);
+    if pause {
+        assert_eq!(unprotected, 0, "the leader released output after {unprotected} barriers");
+    } else {
+        assert!(unprotected > 0, "the leader without its secondary proposed no barrier");
+    }
     c.kill(leader);
     let acked = w.acked();
     assert_eq!(c.wait_leader(false, Duration::from_secs(10)), other, "the rejoined replica took over");
+    if pause {
+        // Alone with the witness, the new leader pauses in turn until the
+        // killed replica is back and synchronized.
+        wait_status(&c, other, "state: paused");
+        c.start(leader);
+        assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other, "the new leader is protected");
+        assert_eq!(barriers(&c, other), 0, "the new leader released output after barriers");
+    }
     wait_acked_beyond(&w, acked, &c, "after the leader was killed");
+    let frames = tap.finish().unwrap();
+    if let Some((from, to)) = silent {
+        let mac: [u8; 6] = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
+        let from_guest = frames.iter().filter(|f| f.src_mac() == Some(mac));
+        assert!(from_guest.clone().any(|f| f.ts_ns < from), "the capture saw no frame of the guest's");
+        let late = from_guest.filter(|f| (from..to).contains(&f.ts_ns)).count();
+        assert_eq!(late, 0, "the paused leader put {late} frames on its TAP");
+    }
     let n = verify_all(&c, w);
     eprintln!("{n} acknowledged writes, none lost");
+}
+
+/// Wait until replica `id`'s `ftvm status` says `what`.
+fn wait_status(c: &Cluster, id: u64, what: &str) {
+    let t0 = Instant::now();
+    while !c.status(id).contains(what) {
+        assert!(t0.elapsed() < Duration::from_secs(10), "replica {id} never said `{what}`: {}\n{}", c.status(id), c.logs());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The completed `syncvm`s replica `id` led since its last start that
+/// named no secondary (consensus barriers, each releasing output).
+fn barriers(c: &Cluster, id: u64) -> usize {
+    c.metrics(id).iter().filter(|m| m["role"] == "leader" && m["ok"] == true && m["peer"] == 0).count()
 }
 
 /// The witness with the VM options is a standby: its VM stays held while
@@ -852,7 +947,21 @@ fn a_restarted_secondary_rejoins_by_precopy_and_takes_over() {
 /// every acknowledged write.
 #[test]
 fn a_standby_witness_replaces_a_lost_secondary() {
-    let mut c = Cluster::with_standby("vsby");
+    standby_replaces("vsby", "continue");
+}
+
+/// The same with `--on-secondary-loss pause`: the leader's guest is paused
+/// from the secondary's loss until the standby is synchronized (which the
+/// writes wait for), and no leader `syncvm` is a barrier.
+#[test]
+fn a_standby_witness_replaces_a_lost_secondary_with_the_guest_paused_meanwhile() {
+    standby_replaces("vsbp", "pause");
+}
+
+/// `a_standby_witness_replaces_a_lost_secondary` with `--on-secondary-loss
+/// policy`.
+fn standby_replaces(tag: &str, policy: &str) {
+    let mut c = Cluster::with_standby(tag, &["--on-secondary-loss", policy]);
     let leader = c.wait_leader(true, Duration::from_secs(30));
     assert_ne!(leader, 3, "the standby led");
     let other = 3 - leader;
@@ -865,7 +974,9 @@ fn a_standby_witness_replaces_a_lost_secondary() {
     std::thread::sleep(Duration::from_millis(500));
     c.kill(other);
     let acked = w.acked();
+    let lost = Instant::now();
     wait_acked_beyond(&w, acked, &c, "after the secondary was killed");
+    eprintln!("{policy}: the first write acknowledged {:?} after the secondary's kill", lost.elapsed());
     // Protected again, by the witness.
     let t0 = Instant::now();
     while !(c.status(leader).contains("secondary 3") && c.status(leader).contains("protected: yes")) {
@@ -882,6 +993,9 @@ fn a_standby_witness_replaces_a_lost_secondary() {
     std::thread::sleep(Duration::from_millis(1000));
     let st = c.status(leader);
     assert!(st.contains("secondary 3") && st.contains("protected: yes"), "{st}");
+    if policy == "pause" {
+        assert_eq!(barriers(&c, leader), 0, "the leader released output after barriers");
+    }
     c.kill(leader);
     let acked = w.acked();
     assert_eq!(c.wait_leader(false, Duration::from_secs(15)), 3, "the former witness took over");

@@ -11,6 +11,7 @@ pub mod disk;
 pub mod failover;
 pub mod gate;
 pub mod log;
+pub mod loss;
 pub mod mesh;
 pub mod node;
 pub mod recent;
@@ -155,6 +156,10 @@ pub struct ReplicaConfig {
     /// `--takeover-replay`: a new leader sends its guest's output since its
     /// last `syncvm`.
     pub replay: recent::Mode,
+    /// `--on-secondary-loss`: whether a leader with no synchronized
+    /// secondary runs on (releasing output after consensus barriers) or
+    /// pauses its guest with its output held.
+    pub on_secondary_loss: loss::OnSecondaryLoss,
     /// The throughput switches (`tuning`).
     pub tuning: tuning::Tuning,
     /// `--raft-state`: keep the term and vote in this file.
@@ -279,6 +284,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                     ack_release: config.tuning.ack_release,
                     input_batch: config.tuning.input_batch,
                     sync_pipeline: config.tuning.sync_pipeline,
+                    on_secondary_loss: config.on_secondary_loss,
                 },
                 disk,
                 held,

@@ -29,6 +29,7 @@ use super::aside::Aside;
 use super::disk::ReplicaDisk;
 use super::gate::InputGate;
 use super::log::{Entry, InputCounts, MAX_INPUT_FRAMES};
+use super::loss::{self, OnSecondaryLoss};
 use super::mesh::{Inbound, Mesh};
 use super::node::{Committed, Event, View, ALIVE};
 use super::recent::{self, Recent};
@@ -74,6 +75,8 @@ pub struct Options {
     pub input_batch: InputBatch,
     /// `--sync-pipeline`.
     pub sync_pipeline: SyncPipeline,
+    /// `--on-secondary-loss`.
+    pub on_secondary_loss: OnSecondaryLoss,
 }
 
 /// What arrives for a VM replica's threads from its links.
@@ -170,6 +173,11 @@ struct Leadership {
     rejoin: Mutex<Rejoin>,
     /// When this leadership began.
     started: Instant,
+    /// `--on-secondary-loss pause`: the guest is held (`Vm::hold`) until
+    /// a full `syncvm` makes a replica the secondary, or until this
+    /// leadership ends. (A lock, not a flag: the hold and a step-down's
+    /// end of it must not interleave.)
+    paused: Mutex<bool>,
 }
 
 /// The leader's `syncvm`s under way.
@@ -381,6 +389,37 @@ impl Shared {
         }
     }
 
+    /// `--on-secondary-loss pause`: while `lead` has no synchronized
+    /// secondary its guest is held, and its output with it (the proposer
+    /// proposes no barrier), until a full `syncvm` makes a replica the
+    /// secondary (`unpause`).
+    fn pause_unprotected(&self, lead: &Leadership, why: &str) {
+        let mut paused = lead.paused.locked();
+        // (Once it stopped serving, `step_down` ended any hold: none now.)
+        if !*paused && lead.serving.load(Ordering::SeqCst) {
+            *paused = true;
+            self.vm.hold();
+            tracing::error!(
+                term = lead.term,
+                held = lead.output.held_frames(),
+                "{why}: the guest is paused, its output held, until a secondary is synchronized (--on-secondary-loss pause)"
+            );
+            let mut st = self.status.lock();
+            st.protected = false;
+            st.detail = format!("{}: {why}", loss::PAUSED);
+        }
+    }
+
+    /// End `pause_unprotected`'s hold, if any.
+    fn unpause(&self, lead: &Leadership) {
+        let mut paused = lead.paused.locked();
+        if *paused {
+            *paused = false;
+            self.vm.release();
+            tracing::warn!(term = lead.term, "the guest runs again");
+        }
+    }
+
     /// This VM no longer matches what the leader released: it may not
     /// lead, and the next `syncvm` it takes part in compares every page.
     fn out_of_step(&self) {
@@ -403,7 +442,13 @@ fn precopy_loop(s: &Shared, jobs: Receiver<Job>, inbox: Receiver<Inbound>) {
             started: Instant::now(),
         };
         let t0 = Instant::now();
-        s.status.lock().detail = format!("leader: bringing replica {peer} up to date (pre-copy); UNPROTECTED");
+        // (Not under the status lock: `pause_unprotected` takes it inside `paused`.)
+        let paused = *lead.paused.locked();
+        s.status.lock().detail = if paused {
+            format!("{}; bringing replica {peer} up to date (pre-copy)", loss::PAUSED)
+        } else {
+            format!("leader: bringing replica {peer} up to date (pre-copy); UNPROTECTED")
+        };
         let mut m = RejoinMetrics { term: lead.term, peer, ..RejoinMetrics::default() };
         let result = rejoin::precopy(&x, &s.vm, &lead.serving, &mut m);
         m.ok = result.is_ok();
@@ -633,7 +678,13 @@ impl Applier {
             synced: Mutex::new(None),
             rejoin: Mutex::new(Rejoin::Idle),
             started: Instant::now(),
+            paused: Mutex::new(false),
         });
+        if s.options.on_secondary_loss == OnSecondaryLoss::Pause {
+            // No secondary is synchronized with this leadership yet (its
+            // first syncvm is a full one): nothing runs or goes out before.
+            s.pause_unprotected(&lead, "no secondary synchronized yet");
+        }
         vm.hooks().set_tx(Some(output));
         vm.hooks().set_idle(Some(trigger));
         *s.lead.locked() = Some(lead.clone());
@@ -645,8 +696,12 @@ impl Applier {
         // from now (`recent`); whatever the guest sends next is held.
         let (frames, dropped) = s.recent.take();
         let replayed = frames.len();
+        // With `--on-secondary-loss pause` they are held too: only this VM
+        // has the state they tell of until its first syncvm.
+        let paused = *lead.paused.locked();
+        let replay: &dyn FrameSink = if paused { &*lead.output } else { &*network };
         for f in &frames {
-            network.send(f);
+            replay.send(f);
         }
         if s.options.replay == recent::Mode::On {
             tracing::info!(term, frames = replayed, dropped, "takeover: sent the guest's {replayed} frames since the last syncvm");
@@ -656,7 +711,8 @@ impl Applier {
             st.role = Role::Leader;
             st.term = term;
             st.protected = false;
-            st.detail = "leader: waiting for a secondary".into();
+            st.detail =
+                if paused { format!("{}; waiting for a secondary", loss::PAUSED) } else { "leader: waiting for a secondary".into() };
         }
         tracing::warn!(term, "LEADER: serving the VM");
         if s.options.sync_pipeline == SyncPipeline::On {
@@ -690,6 +746,9 @@ impl Applier {
         lead.ran.notify_all();
         // Its input comes from the log again: its TAP is left unread.
         s.vm.devices().set_host_input(false);
+        // Not leading, its guest runs as any replica's (its output goes
+        // nowhere but `recent`).
+        s.unpause(&lead);
         // No link thread takes an acknowledgement of it from now on, and
         // the acknowledgement thread's waits end.
         s.acks.clear();
@@ -867,6 +926,10 @@ impl Shared {
                 let released = if link_releases { Default::default() } else { lead.output.release_through(epoch) };
                 let _ = s.events.send(Event::Compact(id.index));
                 *lead.synced.locked() = (secondary != 0).then_some(secondary);
+                if secondary != 0 {
+                    // Its output went out above: the guest runs on, protected.
+                    s.unpause(lead);
+                }
                 if serving {
                     let mut st = s.status.lock();
                     st.protected = secondary != 0;
@@ -887,12 +950,21 @@ impl Shared {
                 // Its dirty set was taken: were it a secondary later, the
                 // next syncvm must compare every page.
                 s.in_step.store(false, Ordering::SeqCst);
+                tracing::warn!(index = id.index, secondary, "syncvm failed: {e}; output stays held");
                 if serving {
+                    let pause = s.options.on_secondary_loss == OnSecondaryLoss::Pause;
+                    if pause {
+                        // No other VM holds the state of the output held now.
+                        s.pause_unprotected(lead, "the secondary's syncvm failed");
+                    }
                     let mut st = s.status.lock();
                     st.protected = false;
-                    st.detail = format!("leader: syncvm with {secondary} failed: {e}");
+                    st.detail = if pause {
+                        format!("{}: syncvm with {secondary} failed: {e}", loss::PAUSED)
+                    } else {
+                        format!("leader: syncvm with {secondary} failed: {e}")
+                    };
                 }
-                tracing::warn!(index = id.index, secondary, "syncvm failed: {e}; output stays held");
             }
         }
         s.record(id, SyncRole::Leader, secondary, full, t0, &result, (propose, overlapped));
@@ -998,6 +1070,14 @@ fn propose_loop(s: &Shared, lead: &Arc<Leadership>, inbox: &Mutex<Receiver<Inbou
             // A barrier meanwhile: output is released unprotected, as with
             // no secondary at all.
             secondary = 0;
+        }
+        if secondary == 0 && s.options.on_secondary_loss == OnSecondaryLoss::Pause {
+            // No barrier: the guest stays paused and its output held until
+            // a full syncvm (after the pre-copy, if one runs) can be
+            // proposed.
+            s.pause_unprotected(lead, "no synchronized secondary");
+            std::thread::sleep(Duration::from_millis(20));
+            continue;
         }
         let full = secondary != 0 && full;
         {
