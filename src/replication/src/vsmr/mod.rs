@@ -13,6 +13,7 @@ pub mod gate;
 pub mod log;
 pub mod mesh;
 pub mod node;
+pub mod outbox;
 pub mod recent;
 pub mod rejoin;
 pub mod release;
