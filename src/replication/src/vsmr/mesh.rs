@@ -8,7 +8,8 @@
 //!
 //! Sending never blocks the caller: each peer has a sender thread with a
 //! queue, which (re)connects as needed and sends whatever it finds queued
-//! with one system call (`--link-batch`); a link's reader reads what has
+//! with one system call (`--link-batch`; the consensus thread queues a
+//! round's raft messages for a peer as one entry, `outbox`); a link's reader reads what has
 //! arrived in one call and parses the frames in it. A raft message lost with a broken
 //! link is retried by raft itself; a lost `syncvm` message makes that
 //! `syncvm` time out, and the leader tries again.
