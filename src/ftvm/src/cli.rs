@@ -417,8 +417,10 @@ pub struct ReplicaArgs {
     /// order. Only the leader's side changes.
     #[arg(long, default_value = "off", value_name = "off|on")]
     pub sync_pipeline: ftvm_replication::vsmr::tuning::SyncPipeline,
-    /// System calls per message on the links between replicas: on, a
-    /// link's sender sends all it finds queued in one writev (each still
+    /// System calls per message on the links between replicas: on, the
+    /// consensus thread hands each peer's sender a round's raft messages
+    /// at once (one wake-up), a link's sender sends all it finds queued
+    /// in one writev (each still
     /// its own frame, with its own MAC and sequence number) and a link's
     /// reader reads what has arrived in one call and parses the frames in
     /// it; off, one send per message and a read per part of each frame.

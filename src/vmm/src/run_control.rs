@@ -181,27 +181,41 @@ impl RunControl {
 /// Device events and kicks that wake vCPUs blocked in the wait hypercall.
 #[derive(Default)]
 pub struct Events {
-    seq: Mutex<u64>,
+    state: Mutex<EventState>,
     changed: Condvar,
+}
+
+#[derive(Default)]
+struct EventState {
+    seq: u64,
+    /// vCPUs blocked in `wait`. A device thread signals after every pass
+    /// that used buffers, mostly while no vCPU waits: `Condvar::notify_all`
+    /// makes a system call whether anyone waits or not, so it is skipped
+    /// then. Counted under the lock: a waiter that comes after the signal
+    /// sees the new sequence before it blocks.
+    waiters: usize,
 }
 
 impl Events {
     pub fn signal(&self) {
-        *self.seq.locked() += 1;
-        self.changed.notify_all();
+        let mut st = self.state.locked();
+        st.seq += 1;
+        if st.waiters > 0 {
+            self.changed.notify_all();
+        }
     }
 
     /// Wake every waiter without an event (they re-check why they wait).
     pub fn wake_all(&self) {
-        let _guard = self.seq.locked();
+        let _guard = self.state.locked();
         self.changed.notify_all();
     }
 
     /// Block until the sequence moves past `seen`, `deadline` passes or
     /// `interrupted` says so; returns the current sequence.
     pub fn wait(&self, seen: u64, deadline: Option<Instant>, interrupted: impl Fn() -> bool) -> u64 {
-        let mut seq = self.seq.locked();
-        while *seq == seen && !interrupted() {
+        let mut st = self.state.locked();
+        while st.seq == seen && !interrupted() {
             let timeout = match deadline {
                 Some(d) => match d.checked_duration_since(Instant::now()) {
                     Some(t) if !t.is_zero() => t,
@@ -210,9 +224,11 @@ impl Events {
                 // Wake now and then anyway: cheap insurance against a lost wake-up.
                 None => Duration::from_secs(1),
             };
-            seq = sync::wait_timeout(&self.changed, seq, timeout);
+            st.waiters += 1;
+            st = sync::wait_timeout(&self.changed, st, timeout);
+            st.waiters -= 1;
         }
-        *seq
+        st.seq
     }
 }
 
@@ -220,6 +236,25 @@ impl Events {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn a_signal_wakes_a_blocked_waiter_and_costs_nothing_without_one() {
+        let events = Arc::new(Events::default());
+        // No waiter: the sequence moves, nobody is notified.
+        events.signal();
+        assert_eq!(events.wait(0, None, || false), 1, "a signal before the wait is seen at once");
+        let waiter = {
+            let events = events.clone();
+            // A lost wake-up would leave it blocked for the hour.
+            std::thread::spawn(move || events.wait(1, Some(Instant::now() + Duration::from_secs(3600)), || false))
+        };
+        while events.state.locked().waiters == 0 {
+            std::thread::yield_now();
+        }
+        events.signal();
+        assert_eq!(waiter.join().unwrap(), 2, "the blocked waiter woke to the new sequence");
+        assert_eq!(events.state.locked().waiters, 0);
+    }
 
     #[test]
     fn pause_waits_for_every_vcpu() {

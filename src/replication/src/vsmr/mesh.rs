@@ -8,7 +8,8 @@
 //!
 //! Sending never blocks the caller: each peer has a sender thread with a
 //! queue, which (re)connects as needed and sends whatever it finds queued
-//! with one system call (`--link-batch`); a link's reader reads what has
+//! with one system call (`--link-batch`; the consensus thread queues a
+//! round's raft messages for a peer as one entry, `outbox`); a link's reader reads what has
 //! arrived in one call and parses the frames in it. A raft message lost with a broken
 //! link is retried by raft itself; a lost `syncvm` message makes that
 //! `syncvm` time out, and the leader tries again.
@@ -36,8 +37,9 @@ use crate::ReplicationError;
 /// what a peer can make this side allocate, and grows with the bytes that
 /// really arrive.
 const FRAME_LIMIT: u64 = 1 << 36;
-/// Messages queued for one peer at most; beyond it raft messages are
-/// dropped (raft retries) rather than letting a dead peer grow memory.
+/// Messages (or batches: a consensus round's raft messages for a peer go
+/// as one, `outbox`) queued for one peer at most; beyond it raft messages
+/// are dropped (raft retries) rather than letting a dead peer grow memory.
 const QUEUE: usize = 4096;
 /// How long a dial may take before the message it carries is dropped.
 const DIAL_TIMEOUT: Duration = Duration::from_millis(200);
@@ -99,7 +101,8 @@ pub struct PeerInfo {
 
 pub struct Mesh {
     me: PeerHello,
-    senders: HashMap<u64, SyncSender<Vec<u8>>>,
+    /// Each peer's sender thread's queue: batches of frames, sent in order.
+    senders: HashMap<u64, SyncSender<Vec<Vec<u8>>>>,
     peers: Mutex<HashMap<u64, PeerInfo>>,
     /// Bytes this replica sent on its links (all kinds), for the metrics.
     sent: AtomicU64,
@@ -174,7 +177,17 @@ impl Mesh {
 
     /// Queue `frame` for peer `to`; false when it was dropped (unknown peer, full queue).
     pub fn send(&self, to: u64, frame: Vec<u8>) -> bool {
-        match self.senders.get(&to).map(|s| s.try_send(frame)) {
+        self.send_batch(to, vec![frame])
+    }
+
+    /// Queue `frames` for peer `to` together: its sender thread is woken
+    /// once for them (`outbox`). False when they were dropped (unknown
+    /// peer, full queue).
+    pub fn send_batch(&self, to: u64, frames: Vec<Vec<u8>>) -> bool {
+        if frames.is_empty() {
+            return true;
+        }
+        match self.senders.get(&to).map(|s| s.try_send(frames)) {
             Some(Ok(())) => true,
             Some(Err(TrySendError::Full(_))) | Some(Err(TrySendError::Disconnected(_))) | None => false,
         }
@@ -203,7 +216,7 @@ impl Mesh {
         self.stop.store(true, Ordering::SeqCst);
     }
 
-    fn send_loop(&self, id: u64, addr: &str, auth: Option<&Auth>, rx: Receiver<Vec<u8>>, batch: LinkBatch) {
+    fn send_loop(&self, id: u64, addr: &str, auth: Option<&Auth>, rx: Receiver<Vec<Vec<u8>>>, batch: LinkBatch) {
         let most = match batch {
             LinkBatch::On => transport::BATCH_FRAMES,
             LinkBatch::Off => 1,
@@ -212,7 +225,7 @@ impl Mesh {
         let mut frames: Vec<Vec<u8>> = Vec::with_capacity(most);
         loop {
             match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(f) => frames.push(f),
+                Ok(f) => frames.extend(f),
                 Err(RecvTimeoutError::Timeout) => {
                     if self.stop.load(Ordering::SeqCst) {
                         return;
@@ -223,7 +236,12 @@ impl Mesh {
             }
             // `--link-batch on`: what else is queued for this peer by now
             // goes with it, in one system call (nothing waits for more).
-            frames.extend(rx.try_iter().take(most - 1));
+            while frames.len() < most {
+                match rx.try_recv() {
+                    Ok(f) => frames.extend(f),
+                    Err(_) => break,
+                }
+            }
             if link.is_none() {
                 match dial(addr, auth, self.me) {
                     Ok(l) => link = Some(l),
@@ -235,16 +253,20 @@ impl Mesh {
                 }
             }
             let Some(l) = link.as_mut() else { continue };
-            let batch: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
-            match l.send_batch(&batch) {
-                Ok(()) => {
-                    self.sent.fetch_add(batch.iter().map(|f| f.len() as u64).sum(), Ordering::Relaxed);
-                    self.frames.fetch_add(batch.len() as u64, Ordering::Relaxed);
-                }
-                Err(e) => {
-                    tracing::debug!(peer = id, "link lost: {e}");
-                    l.shutdown();
-                    link = None;
+            // At most `most` frames per system call (one with `off`).
+            for chunk in frames.chunks(most) {
+                let batch: Vec<&[u8]> = chunk.iter().map(Vec::as_slice).collect();
+                match l.send_batch(&batch) {
+                    Ok(()) => {
+                        self.sent.fetch_add(batch.iter().map(|f| f.len() as u64).sum(), Ordering::Relaxed);
+                        self.frames.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        tracing::debug!(peer = id, "link lost: {e}");
+                        l.shutdown();
+                        link = None;
+                        break;
+                    }
                 }
             }
             frames.clear();

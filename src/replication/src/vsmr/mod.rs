@@ -14,6 +14,7 @@ pub mod log;
 pub mod loss;
 pub mod mesh;
 pub mod node;
+pub mod outbox;
 pub mod recent;
 pub mod rejoin;
 pub mod release;

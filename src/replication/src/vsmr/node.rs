@@ -29,7 +29,8 @@ use super::failover::{self, Cause, Detection, Election, FastElection, Lost};
 use super::gate::InputGate;
 use super::log::{Entry, InputCounts, MAX_INPUT_FRAMES};
 use super::mesh::{Inbound, Mesh};
-use super::tuning::{BatchAppend, EarlyApply, Tuning};
+use super::outbox::Outbox;
+use super::tuning::{BatchAppend, EarlyApply, LinkBatch, Tuning};
 use super::vote::{Vote, VoteFile};
 use crate::metrics::StatusCell;
 use crate::protocol::{self, Kind};
@@ -179,6 +180,7 @@ pub fn start(
                 round: None,
                 delivered: 0,
                 inputs: Vec::new(),
+                outbox: Outbox::default(),
                 votes,
             }
             .run(events)
@@ -220,6 +222,9 @@ struct Loop {
     delivered: u64,
     /// `--input-batch on`: frames of this round, not yet proposed.
     inputs: Vec<Vec<u8>>,
+    /// `--link-batch on`: this round's raft messages, per peer, until
+    /// `flush` hands each peer's to its sender thread at once.
+    outbox: Outbox,
     votes: Option<VoteFile>,
 }
 
@@ -433,14 +438,30 @@ impl Loop {
         }
     }
 
-    fn send(&self, msgs: Vec<Message>) {
+    /// With `--link-batch on` the messages wait in the outbox for the
+    /// round's `flush`; with `off` each goes to its peer's sender thread at once.
+    fn send(&mut self, msgs: Vec<Message>) {
         for m in msgs {
             match m.write_to_bytes() {
                 Ok(bytes) => {
-                    self.mesh.send(m.to, protocol::frame(Kind::Raft, &bytes));
+                    let frame = protocol::frame(Kind::Raft, &bytes);
+                    match self.config.tuning.link_batch {
+                        LinkBatch::On => self.outbox.push(m.to, frame),
+                        LinkBatch::Off => {
+                            self.mesh.send(m.to, frame);
+                        }
+                    }
                 }
                 Err(e) => tracing::error!("cannot encode a raft message: {e}"),
             }
+        }
+    }
+
+    /// Hand each peer the round's messages for it as one batch: one
+    /// wake-up of its sender thread.
+    fn flush(&mut self) {
+        for (to, frames) in self.outbox.drain() {
+            self.mesh.send_batch(to, frames);
         }
     }
 
@@ -527,6 +548,9 @@ impl Loop {
             }
         }
         self.send(ready.take_messages());
+        // Applied once this round's messages are on their way (`flush`):
+        // delivering input to the guest does not delay the appends.
+        let committed = ready.take_committed_entries();
         if !ready.snapshot().is_empty() {
             // No data: the input behind it is gone, so this VM no longer
             // matches the others until a full syncvm; it may not lead.
@@ -535,7 +559,6 @@ impl Loop {
             let _ = store.wl().apply_snapshot(ready.snapshot().clone());
             self.delivered = self.delivered.max(ready.snapshot().get_metadata().index);
         }
-        self.apply(ready.take_committed_entries())?;
         if !ready.entries().is_empty() {
             let _ = store.wl().append(ready.entries());
         }
@@ -557,6 +580,8 @@ impl Loop {
             store.wl().mut_hard_state().set_commit(commit);
         }
         self.send(light.take_messages());
+        self.flush();
+        self.apply(committed)?;
         self.apply(light.take_committed_entries())?;
         self.apply_appended()?;
         self.node.advance_apply();

@@ -131,8 +131,10 @@ switch! {
 switch! {
     /// `--link-batch`: system calls per message on the peer links.
     pub enum LinkBatch {
-        /// A link's sender thread sends every message queued by the time
-        /// it wakes (at most `transport::BATCH_FRAMES`), each its own frame
+        /// The consensus thread hands each peer's sender thread the raft
+        /// messages of one round together (`outbox`: one wake-up per peer
+        /// per round, not per message). A link's sender thread sends every
+        /// message queued by the time it wakes (at most `transport::BATCH_FRAMES`), each its own frame
         /// (with its own MAC and sequence number under `--secret-file`), in
         /// one `writev`: one system call for the raft and `syncvm` messages
         /// of a consensus round instead of one per message. A link's
