@@ -237,7 +237,8 @@ fn adaptive_prefetch_starts_later_when_sends_are_wasted() {
 
 /// A primary that dies right after a prefetch round (its pages staged on
 /// the backup, their checkpoint never sent) leaves the backup at the
-/// checkpoint before: it takes over from there, and the guest's result is
+/// checkpoint before (or the one before that, if the crash also cut that
+/// one's transfer): it takes over from there, and the guest's result is
 /// exact. With `--prefetch-by pull` the backup may still be reading the
 /// dead primary's memory (its mapping keeps it) when the stream breaks.
 #[test]
@@ -261,7 +262,13 @@ fn a_failure_mid_prefetch_with(by: &str) {
     assert!(died_in >= 6, "{perr}");
     let err = stderr(&b);
     assert!(b.status.success(), "{err}");
-    assert_eq!(took_over_at(&err), Some(died_in - 1), "{by}: the staged pages of epoch {died_in} were not applied: {err}");
+    // Never the epoch whose prefetch round was staged. Usually the one
+    // before; one earlier still when the crash also cut that checkpoint's
+    // transfer (with pull the backup was still reading its pages from the
+    // primary's memory; seen on a loaded host), which the primary cannot
+    // have had acknowledged.
+    let at = took_over_at(&err).unwrap_or_else(|| panic!("{by}: no takeover: {err}"));
+    assert!((died_in - 2..died_in).contains(&at), "{by}: took over at {at}, the primary died in epoch {died_in}: {err}");
     assert_eq!(err.contains("mapped the primary's guest memory"), by == "pull", "{by}: {err}");
     assert_eq!(checksum_of(&b), Some(expected_memtouch_checksum(WORK, 1)), "{by}");
 }
