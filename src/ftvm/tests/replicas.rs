@@ -263,12 +263,17 @@ impl Cluster {
     /// The highest raft term in replica `id`'s log since its last start.
     fn logged_term(&self, id: u64) -> u64 {
         let p = self.procs[(id - 1) as usize].as_ref().expect("running");
-        p.stderr().split("term=").skip(1).filter_map(|t| t.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()).max().unwrap_or(0)
+        terms(&p.stderr()).max().unwrap_or(0)
     }
 
     fn logs(&self) -> String {
         self.procs.iter().flatten().map(|p| format!("--- {}:\n{}", p.name(), tail(&p.stderr(), 30))).collect()
     }
+}
+
+/// The raft terms a replica's log names (`term=N`), in order.
+fn terms(log: &str) -> impl Iterator<Item = u64> + '_ {
+    log.split("term=").skip(1).filter_map(|t| t.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
 }
 
 fn tail(s: &str, n: usize) -> String {
@@ -878,7 +883,7 @@ fn restarted_secondary(tag: &str, policy: &str, extra: &[&str]) {
     assert_eq!(c.wait_leader(true, Duration::from_secs(30)), leader, "the leader is protected again");
     let restarted = c.procs[(other - 1) as usize].as_ref().unwrap().stderr();
     let kept = restarted.lines().find(|l| l.contains("term and vote from")).unwrap_or_else(|| panic!("no term kept:\n{restarted}"));
-    let kept_term: u64 = kept.split("term=").nth(1).and_then(|t| t.split(' ').next()?.parse().ok()).unwrap_or(0);
+    let kept_term = terms(kept).next().unwrap_or(0);
     assert!(kept_term >= term, "killed at term {term}; restarted with: {kept}");
     let (precopied, full) = rejoin_figures(&c, leader, other);
     assert!(precopied > 0, "the restarted replica got no pre-copy");
