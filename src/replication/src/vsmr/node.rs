@@ -568,8 +568,9 @@ impl Loop {
             if let Some(file) = &mut self.votes {
                 if let Err(e) = file.store(Vote { term: hs.term, vote: hs.vote }) {
                     // Voting on without it could elect two leaders in a term.
-                    tracing::error!("cannot keep the raft term and vote in {}: {e}", file.path().display());
-                    eprintln!("ftvm: error: cannot keep the raft term and vote in {}: {e}; this replica stops", file.path().display());
+                    let why = format!("cannot keep the raft term and vote in {}: {e}; this replica stops", file.path().display());
+                    tracing::error!("{why}");
+                    eprintln!("ftvm: error: {why}");
                     std::process::exit(1);
                 }
             }
