@@ -9,6 +9,7 @@ mod kv;
 mod paths;
 mod redis_benchmark;
 mod report;
+mod threads;
 mod vm_costs;
 mod vsmr;
 

@@ -13,6 +13,7 @@
 //! the backup (primary-backup) or the secondary and the witness (VSMR) in
 //! `NAME-h2`, redis-benchmark in `NAME-client`.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -25,6 +26,7 @@ use crate::ft::failover::Clients;
 use crate::paths::sibling_binary;
 use crate::redis_benchmark::{self, Figures};
 use crate::report::{self, Row};
+use crate::threads;
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -315,6 +317,26 @@ struct Measured {
     /// the redis-benchmark run, in µs: a count the host's load disturbs
     /// less than throughput.
     cpu_us: f64,
+    /// CPU time (ns) by process and kind of thread during the run, each
+    /// process named by its part (`leader`, `backup`, ...).
+    threads: Vec<(String, BTreeMap<String, u64>)>,
+}
+
+/// What each process of `setup` does (for the CPU rows by thread).
+fn parts(ftvm: &Path, setup: &Setup, mode: Mode) -> Vec<String> {
+    match mode {
+        Mode::Unreplicated => vec!["VMM".into()],
+        Mode::PrimaryBackup | Mode::PrimaryBackupWhole => vec!["backup".into(), "primary".into()],
+        Mode::Vsmr | Mode::VsmrBlocks | Mode::VsmrB => setup
+            .replicas
+            .iter()
+            .map(|(_, socket)| {
+                let Some(socket) = socket else { return "witness".to_string() };
+                let st = status(ftvm, socket);
+                st.lines().find_map(|l| l.strip_prefix("role: ")).unwrap_or("replica").trim().to_string()
+            })
+            .collect(),
+    }
 }
 
 /// CPU time so far (user and system, µs) of the processes `pids`, from
@@ -456,14 +478,18 @@ fn measure(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Optio
     for &p in &opts.pipeline {
         let (_, from) = read_sums(&setup.metrics, &[]);
         let pids: Vec<u32> = setup.procs.iter().map(Process::id).collect();
+        let names = parts(ftvm, &setup, mode);
+        let by_thread = || pids.iter().map(|&pid| threads::cpu_ns_by_thread(pid).unwrap_or_default()).collect::<Vec<_>>();
+        let threads_before = by_thread();
         let cpu_before = cpu_us(&pids);
         let (set, get) = benchmark(topo, opts, p)?;
         let cpu_us = cpu_us(&pids) - cpu_before;
+        let threads = names.into_iter().zip(threads_before.iter().zip(by_thread())).map(|(n, (b, a))| (n, threads::spent(b, &a))).collect();
         setup.check_alive()?;
         // The last syncvm or checkpoint of the run lands shortly after it.
         std::thread::sleep(Duration::from_millis(300));
         let (sums, _) = read_sums(&setup.metrics, &from);
-        out.push(Measured { set, get, sums, cpu_us });
+        out.push(Measured { set, get, sums, cpu_us, threads });
     }
     let failover = if mode == Mode::Unreplicated || opts.no_failover { None } else { Some(failover(topo, ftvm, &mut setup, mode)?) };
     Ok((out, failover))
@@ -541,6 +567,24 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 unit: "us",
                 reference: Some(unrep.cpu_us / requests),
             });
+        }
+        // Where it goes: each process's kinds of thread that used at least
+        // 0.5 µs per request.
+        for (m, &mode) in modes.iter().enumerate() {
+            for (part, threads) in &results[m][i].threads {
+                for (kind, &ns) in threads {
+                    let us = ns as f64 / 1e3 / requests;
+                    if us >= 0.5 {
+                        rows.push(Row {
+                            group: group.clone(),
+                            case: format!("VMM CPU time per request by thread, {}: {part} {kind}", mode.name()),
+                            value: us,
+                            unit: "us",
+                            reference: None,
+                        });
+                    }
+                }
+            }
         }
         for (m, &mode) in modes.iter().enumerate().skip(1) {
             rows.push(Row {

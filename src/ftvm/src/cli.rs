@@ -426,6 +426,13 @@ pub struct ReplicaArgs {
     /// it; off, one send per message and a read per part of each frame.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub link_batch: ftvm_replication::vsmr::tuning::LinkBatch,
+    /// Write-fault prediction on each VM replica: at each syncvm, leave the
+    /// pages its guest is likely to write again writable (no tracked first
+    /// write for them); they are then compared at every syncvm, written or
+    /// not. off, histase or adaptive, as for `ftvm run`. Needs
+    /// --dirty-backend bitmap.
+    #[arg(long, default_value = "off", value_name = "off|histase|adaptive")]
+    pub predict_writes: predict::Mode,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

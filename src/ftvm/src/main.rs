@@ -224,6 +224,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     input_batch: args.input_batch,
                     sync_pipeline: args.sync_pipeline,
                     link_batch: args.link_batch,
+                    predict_writes: args.predict_writes,
                 },
             };
             let source = match args.image {

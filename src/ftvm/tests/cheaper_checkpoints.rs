@@ -130,12 +130,18 @@ fn memory_survives_failover_when_every_page_is_rewritten() {
 
 #[test]
 fn write_prediction_needs_the_bitmap_backend() {
-    let mut cmd: Command = ftvm();
-    let out = cmd
-        .args(["run", "--replicate-to", &free_addr(), "--predict-writes", "histase", "--dirty-backend", "ring", "--image"])
-        .arg(image("memtouch"))
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    assert_eq!(stderr(&out).trim(), "ftvm: error: --predict-writes needs --dirty-backend bitmap");
+    let peers = format!("1={},2={},3={}", free_addr(), free_addr(), free_addr());
+    let replica = ["replica", "--id", "1", "--peers", &peers];
+    let replicate = ["run", "--replicate-to", &free_addr()];
+    for (command, mode) in [(&replicate[..], "histase"), (&replica[..], "adaptive")] {
+        let mut cmd: Command = ftvm();
+        let out = cmd
+            .args(command)
+            .args(["--predict-writes", mode, "--dirty-backend", "ring", "--image"])
+            .arg(image("memtouch"))
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{command:?}");
+        assert_eq!(stderr(&out).trim(), "ftvm: error: --predict-writes needs --dirty-backend bitmap", "{command:?}");
+    }
 }

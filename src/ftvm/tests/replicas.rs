@@ -347,7 +347,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
 /// input frame (`--input-batch off`), the next `syncvm` proposed while the
 /// previous one awaits its acknowledgement (`--sync-pipeline on`: the
 /// link thread's releases in order), one `send` per message on the links
-/// (`--link-batch off`).
+/// (`--link-batch off`), pages the guests are likely to write again left
+/// writable (`--predict-writes adaptive`).
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_flipped() {
     let flipped = [
@@ -371,6 +372,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_
         "on",
         "--link-batch",
         "off",
+        "--predict-writes",
+        "adaptive",
     ];
     leader_kills("vflp", &flipped, 5);
 }
@@ -607,8 +610,25 @@ fn syncvm_repairs_divergence_with_sync_pipeline() {
     repairs_divergence("on", true);
 }
 
+/// The same with write prediction (`--predict-writes adaptive`): pages
+/// left writable on either replica are compared at every `syncvm`, written
+/// or not, and the ones that were written are found and repaired.
+#[test]
+fn syncvm_repairs_divergence_with_write_prediction() {
+    let leaders = divergence_repaired("predict", "on", false, &["--predict-writes", "adaptive"]);
+    let predicted: u64 = leaders.iter().map(|l| l["predicted"].as_u64().unwrap()).sum();
+    let written: u64 = leaders.iter().map(|l| l["predicted_written"].as_u64().unwrap()).sum();
+    eprintln!("the leaders left {predicted} pages writable through their syncvms' intervals, {written} of them written");
+    assert!(written > 0 && written <= predicted, "{written} of {predicted} pages left writable were written");
+}
+
 fn repairs_divergence(early_resume: &str, pipeline: bool) {
     let tag = if pipeline { format!("{early_resume}-pipe") } else { early_resume.to_string() };
+    divergence_repaired(&tag, early_resume, pipeline, &[]);
+}
+
+/// The leaders' metrics of the `syncvm`s compared.
+fn divergence_repaired(tag: &str, early_resume: &str, pipeline: bool, more: &[&str]) -> Vec<serde_json::Value> {
     let (fault, extra): (&str, &[&str]) = if pipeline {
         ("syncvm-digest-slow-ack:20", &["--sync-pipeline", "on", "--sync-ms", "10"])
     } else {
@@ -622,6 +642,7 @@ fn repairs_divergence(early_resume: &str, pipeline: bool) {
         let mut cmd = ftvm();
         cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--early-resume", early_resume])
             .args(extra)
+            .args(more)
             .arg("--metrics")
             .arg(dir.join(format!("r{id}.jsonl")))
             .env("FTVM_TEST_FAULT", fault)
@@ -649,14 +670,14 @@ fn repairs_divergence(early_resume: &str, pipeline: bool) {
     let all: Vec<serde_json::Value> = lines(1).into_iter().chain(lines(2)).filter(|l| l["ok"] == true).collect();
     let key = |l: &serde_json::Value| (l["term"].as_u64().unwrap(), l["index"].as_u64().unwrap());
     let leaders: Vec<&serde_json::Value> = all.iter().filter(|l| l["role"] == "leader").collect();
-    let mut compared = 0;
+    let mut compared = Vec::new();
     let mut repaired = 0;
     let mut overlapped = 0;
-    for l in &leaders {
+    for l in leaders {
         let Some(s) = all.iter().find(|s| s["role"] == "secondary" && key(s) == key(l)) else { continue };
         assert_eq!(l["memory_digest"], s["memory_digest"], "syncvm {:?}: the secondary's memory is not the leader's", key(l));
         assert!(l["memory_digest"].is_u64(), "no digest recorded: {l}");
-        compared += 1;
+        compared.push(l.clone());
         overlapped += u64::from(l["overlapped"] == true);
         if l["full"] == false && l["divergent_pages"].as_u64().unwrap() > 0 {
             repaired += 1;
@@ -664,12 +685,12 @@ fn repairs_divergence(early_resume: &str, pipeline: bool) {
             assert_eq!(l["copy_us"].as_u64().unwrap() > 0, early_resume == "on", "{l}");
         }
     }
-    assert!(compared >= 5, "only {compared} completed syncvms to compare:\n{}\n{}", procs[0].stderr(), procs[1].stderr());
-    assert!(repaired >= 1, "no syncvm found divergent pages to repair ({compared} compared)");
-    assert_eq!(overlapped > 0, pipeline, "{overlapped} of {compared} proposed before the previous one's acknowledgement");
-    eprintln!(
-        "{compared} syncvms compared, {repaired} repaired divergent pages, {overlapped} proposed before the previous one's acknowledgement"
-    );
+    let n = compared.len();
+    assert!(n >= 5, "only {n} completed syncvms to compare:\n{}\n{}", procs[0].stderr(), procs[1].stderr());
+    assert!(repaired >= 1, "no syncvm found divergent pages to repair ({n} compared)");
+    assert_eq!(overlapped > 0, pipeline, "{overlapped} of {n} proposed before the previous one's acknowledgement");
+    eprintln!("{n} syncvms compared, {repaired} repaired divergent pages, {overlapped} proposed before the previous one's acknowledgement");
+    compared
 }
 
 /// The leader's host is cut off (its LAN and replication links deleted):

@@ -22,6 +22,7 @@ mod replica;
 pub mod sync;
 pub mod tuning;
 pub mod vote;
+pub mod writes;
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -119,6 +120,13 @@ pub struct SyncMetrics {
     pub input_entries: u64,
     #[serde(default)]
     pub input_frames: u64,
+    /// `--predict-writes`: this replica's pages left writable through the
+    /// interval (in the union whether written or not), and of those the
+    /// pages that were written.
+    #[serde(default)]
+    pub predicted: u64,
+    #[serde(default)]
+    pub predicted_written: u64,
     /// Tests only (`FTVM_TEST_FAULT=syncvm-digest:1`): a digest of all
     /// guest memory, the leader's at its freeze, the secondary's once the
     /// pages are applied: equal when the divergence was repaired.
@@ -199,6 +207,11 @@ pub fn parse_peers(s: &str, me: u64) -> Result<Vec<(u64, String)>, String> {
 /// brings it up to date (docs/replicas.md, "Replacing a replica").
 pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, ReplicationError> {
     let witness = config.witness;
+    let ring = vm.as_ref().is_some_and(|v| v.config().dirty_backend != ftvm_vmm::DirtyBackend::Bitmap);
+    if config.tuning.predict_writes != crate::pipeline::predict::Mode::Off && ring {
+        // The ring re-protects every page it harvested.
+        return Err(ReplicationError::Unsupported("--predict-writes needs --dirty-backend bitmap"));
+    }
     // Read before any link opens: a replica that cannot keep its vote stays out.
     let votes = match &config.raft_state {
         Some(path) => Some(vote::VoteFile::open(path, config.id)?),
@@ -286,6 +299,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                     input_batch: config.tuning.input_batch,
                     sync_pipeline: config.tuning.sync_pipeline,
                     on_secondary_loss: config.on_secondary_loss,
+                    predict_writes: config.tuning.predict_writes,
                 },
                 disk,
                 held,

@@ -37,11 +37,12 @@ use super::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
 use super::release::{Awaited, Waited};
 use super::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
 use super::tuning::{AckRelease, AckWait, EarlyResume, InputBatch, SyncPipeline, SyncSpacing};
+use super::writes::Writes;
 use super::{SyncMetrics, SyncRole};
 use crate::metrics::{MetricsLog, Role, StatusCell};
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::pipeline::freeze::{Freeze, PauseAndSave};
-use crate::pipeline::predict::LeaveNone;
+use crate::pipeline::predict;
 use crate::pipeline::trigger::{self, Pacing, Sample, Trigger};
 use crate::protocol::Kind;
 
@@ -77,6 +78,8 @@ pub struct Options {
     pub sync_pipeline: SyncPipeline,
     /// `--on-secondary-loss`.
     pub on_secondary_loss: OnSecondaryLoss,
+    /// `--predict-writes`.
+    pub predict_writes: predict::Mode,
 }
 
 /// What arrives for a VM replica's threads from its links.
@@ -140,6 +143,8 @@ pub struct Shared {
     /// `syncvm` and its writes since are tracked (otherwise the next
     /// `syncvm` compares every page).
     in_step: AtomicBool,
+    /// `--predict-writes`: the pages its `syncvm`s leave writable.
+    writes: Mutex<Writes>,
 }
 
 /// One term of serving as leader.
@@ -316,7 +321,9 @@ impl Shared {
         acks: Arc<Awaited>,
         inputs: Arc<InputCounts>,
     ) -> Shared {
+        let writes = Mutex::new(Writes::new(options.predict_writes, vm.ram().pages()));
         Shared {
+            writes,
             id,
             vm,
             mesh,
@@ -440,6 +447,7 @@ fn precopy_loop(s: &Shared, jobs: Receiver<Job>, inbox: Receiver<Inbound>) {
             id: SyncId { term: lead.term, index: session },
             disk: s.disk.as_ref(),
             started: Instant::now(),
+            writes: None,
         };
         let t0 = Instant::now();
         // (Not under the status lock: `pause_unprotected` takes it inside `paused`.)
@@ -479,7 +487,7 @@ fn join_loop(s: &Shared, inbox: Receiver<Inbound>) {
     let mut session: Option<(u64, SyncId)> = None;
     while let Ok(msg) = inbox.recv() {
         let Some(id) = SyncId::parse(&msg.payload) else { continue };
-        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: msg.from, id, disk: s.disk.as_ref(), started: Instant::now() };
+        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: msg.from, id, disk: s.disk.as_ref(), started: Instant::now(), writes: None };
         let _writer = s.ram_writer.locked();
         match msg.kind {
             Kind::RejoinStart => {
@@ -783,7 +791,8 @@ impl Applier {
         let done = Done { id, epoch, secondary, full, t0, propose, pipelined, overlapped };
         let inbox = self.sync_inbox.locked();
         let mut freezer = lead.freeze.locked();
-        let frozen = freezer.freeze(&s.vm, epoch, &mut LeaveNone::new(s.vm.ram().pages()));
+        // (The exchange takes the prediction again to learn: not held across.)
+        let frozen = freezer.freeze(&s.vm, epoch, s.writes.locked().leave());
         let freeze = t0.elapsed();
         let with_freeze = |f: Figures| Figures { steps: sync::Steps { freeze, ..f.steps }, ..f };
         let result = match frozen {
@@ -794,7 +803,15 @@ impl Applier {
                 Ok(Figures { pause, ..Figures::default() })
             }
             Ok(frozen) => {
-                let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: secondary, id, disk: s.disk.as_ref(), started: t0 };
+                let x = Exchange {
+                    mesh: &s.mesh,
+                    inbox: &inbox,
+                    peer: secondary,
+                    id,
+                    disk: s.disk.as_ref(),
+                    started: t0,
+                    writes: Some(&s.writes),
+                };
                 let mut aside = lead.aside.locked();
                 let aside = (s.options.early_resume == EarlyResume::On).then_some(&mut *aside);
                 let link = s.options.ack_release == AckRelease::Link;
@@ -861,7 +878,7 @@ impl Applier {
         }
         let t0 = Instant::now();
         let inbox = self.sync_inbox.locked();
-        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: leader, id, disk: s.disk.as_ref(), started: t0 };
+        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: leader, id, disk: s.disk.as_ref(), started: t0, writes: Some(&s.writes) };
         // No pre-copy batch lands during the syncvm, nor after it succeeded.
         let writer = s.ram_writer.locked();
         // Inside the pause once applied: what the guest sent before is of
@@ -1030,6 +1047,8 @@ impl Shared {
             ack_us: us(f.steps.ack),
             input_entries,
             input_frames,
+            predicted: f.predicted.predicted,
+            predicted_written: f.predicted.predicted_written,
             memory_digest: f.memory_digest,
         };
         s.metrics.record(&m);
@@ -1169,7 +1188,8 @@ fn ack_loop(s: &Shared, lead: &Leadership, unacked: &Receiver<Unacked>) {
 /// whose pages the applier sent, then its release.
 fn await_ack(s: &Shared, lead: &Leadership, inbox: &Mutex<Receiver<Inbound>>, done: Done, figures: Figures) {
     let inbox = inbox.locked();
-    let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: done.secondary, id: done.id, disk: s.disk.as_ref(), started: done.t0 };
+    let x =
+        Exchange { mesh: &s.mesh, inbox: &inbox, peer: done.secondary, id: done.id, disk: s.disk.as_ref(), started: done.t0, writes: None };
     let result = sync::await_ack(&x).map(|ack| Figures { steps: sync::Steps { ack, ..figures.steps }, ..figures });
     drop(inbox);
     s.synced(lead, done, result);

@@ -33,7 +33,7 @@
 
 use std::convert::Infallible;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -46,11 +46,14 @@ use ftvm_vmm::{PageBitmap, Vm, VmState};
 use super::aside::Aside;
 use super::disk::{self, ReplicaDisk};
 use super::mesh::{Inbound, Mesh};
+use super::writes::Writes;
 use crate::checkpoint::StateDelta;
 use crate::output::DiskWrite;
 use crate::pipeline::freeze::Frozen;
+use crate::pipeline::predict;
 use crate::protocol::{self, Kind, ProtocolError};
 use ftvm_vmm::switch;
+use ftvm_vmm::sync::Lock;
 
 /// How long one side waits for the other's next message, beyond the time
 /// the other needs to hash or copy its pages: a dead peer costs the paused
@@ -202,6 +205,9 @@ pub struct Figures {
     pub memory_digest: Option<u64>,
     /// The steps (`SyncMetrics`' `bitmap_us`, `hash_us`, `wait_us`, `ack_us`).
     pub steps: Steps,
+    /// `--predict-writes`: this side's pages left writable through the
+    /// interval, and how many of them were written.
+    pub predicted: predict::Figures,
 }
 
 /// Where a `syncvm`'s time went, on one side.
@@ -236,6 +242,9 @@ pub struct Exchange<'a> {
     pub disk: Option<&'a ReplicaDisk>,
     /// When the exchange began: the peer's link closing after this ends it.
     pub started: Instant,
+    /// A `syncvm`'s: this replica's write prediction (`--predict-writes`),
+    /// which learns from the union's hashes.
+    pub writes: Option<&'a Mutex<Writes>>,
 }
 
 impl Exchange<'_> {
@@ -552,6 +561,8 @@ fn compare_and_send(
     let mine = contents.hash_pages(pages);
     let my_blocks = contents.hash_blocks(blocks)?;
     steps.hash = t.elapsed();
+    // The leader's pages are what both replicas hold once this succeeds.
+    let predicted = x.writes.map(|w| w.locked().learn(pages, &mine)).unwrap_or_default();
     let t = Instant::now();
     let theirs: HashesMsg = protocol::decode(&x.expect(Kind::SyncHashes, pages.len() as u64 + blocks.len() as u64)?[ID_LEN..])?;
     steps.wait = t.elapsed();
@@ -632,6 +643,7 @@ fn compare_and_send(
         divergent_blocks,
         memory_digest: None,
         steps: *steps,
+        predicted,
     })
 }
 
@@ -656,7 +668,10 @@ pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool, applied: impl FnOnce()) -> 
 fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncError> {
     let t = Instant::now();
     let mut dirty = PageBitmap::new(vm.ram().pages());
-    vm.collect_dirty(&mut dirty, &PageBitmap::new(vm.ram().pages()))?;
+    match x.writes {
+        Some(w) => w.locked().collect(vm, &mut dirty)?,
+        None => vm.collect_dirty(&mut dirty, &PageBitmap::new(vm.ram().pages()))?,
+    }
     // Its disk's writes since the last syncvm (none is in progress: the
     // disk's I/O runs in the device's pass, which the pause waited for).
     let blocks = x.disk.map(|d| disk::dirty_blocks(&d.journal.take(), d.size())).unwrap_or_default();
@@ -668,6 +683,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
     let hashes = hash_pages(vm.ram(), &pages);
     let block_hashes = x.hash_blocks(&blocks)?;
     steps.hash = t.elapsed();
+    let predicted = x.writes.map(|w| w.locked().learn(&pages, &hashes)).unwrap_or_default();
     x.send(Kind::SyncHashes, &postcard::to_allocvec(&HashesMsg { hashes, blocks: block_hashes }).expect("serializes"))?;
     let t = Instant::now();
     let (mut kind, mut payload) = x.expect_any(&[Kind::SyncWant, Kind::SyncPages], pages.len() as u64 + blocks.len() as u64)?;
@@ -713,6 +729,9 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
     // above), then the state. None of it should fail now; if it does, this
     // replica acknowledged what it does not hold.
     let memory_digest = commit(vm, x.disk, &bundle, &state).map_err(|e| SyncError::Unusable(e.to_string()))?;
+    if let Some(w) = x.writes {
+        w.locked().forget(bundle.entries().map(|e| e.page).chain(state.patches.iter().map(|p| p.page)));
+    }
     vm.devices().inject_host_input(state.pending_input);
     Ok(Figures {
         dirty_pages: pages.len() as u64,
@@ -723,6 +742,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
         divergent_blocks: state.disk.len() as u64,
         memory_digest,
         steps,
+        predicted,
     })
 }
 

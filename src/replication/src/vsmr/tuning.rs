@@ -160,4 +160,6 @@ pub struct Tuning {
     pub input_batch: InputBatch,
     pub sync_pipeline: SyncPipeline,
     pub link_batch: LinkBatch,
+    /// `--predict-writes` (`writes`).
+    pub predict_writes: crate::pipeline::predict::Mode,
 }

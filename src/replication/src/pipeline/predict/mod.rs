@@ -136,34 +136,74 @@ impl Prediction {
     /// pages the backup already holds, follow the content of the pages left
     /// writable, and teach the predictor what was really written.
     pub fn filter(&mut self, pages: &mut Captured) -> Figures {
-        let mut figures = Figures { predicted: self.before.count(), first_writes: self.new_faults.count(), ..Figures::default() };
+        let mut step = self.begin();
+        pages.retain(|page, data| step.page(page, || FakeDirtyFilter::hash(data)));
+        step.end()
+    }
+
+    /// The same for a consensus-ordered replica, which sends nothing by
+    /// this: `hashes` are those of `pages` (a `syncvm`'s union, which holds
+    /// every page left writable: they are reported dirty at every harvest)
+    /// as they now are on both replicas. They tell which of the pages left
+    /// writable were written since the last `learn`, which teaches the
+    /// predictor.
+    pub fn learn(&mut self, pages: &[u64], hashes: &[u128]) -> Figures {
+        let mut step = self.begin();
+        for (&page, &hash) in pages.iter().zip(hashes) {
+            step.page(page, || hash);
+        }
+        step.end()
+    }
+
+    /// The content of `pages` changed by other means than the guest's
+    /// writes (a consensus-ordered secondary took the leader's): not known.
+    pub fn forget(&mut self, pages: impl Iterator<Item = u64>) {
+        pages.for_each(|p| self.filter.forget(p));
+    }
+
+    fn begin(&mut self) -> Step<'_> {
+        let figures = Figures { predicted: self.before.count(), first_writes: self.new_faults.count(), ..Figures::default() };
         self.written.copy_from(&self.new_faults);
-        let (before, now, filter, written) = (&self.before, &self.now, &mut self.filter, &mut self.written);
-        pages.retain(|page, data| {
-            let (was_left, is_left) = (before.is_set(page), now.is_set(page));
-            if !was_left && !is_left {
-                return true;
-            }
-            let hash = FakeDirtyFilter::hash(data);
-            let send = !(was_left && filter.holds(page, hash));
-            if was_left {
-                if send {
-                    figures.predicted_written += 1;
-                    written.set(page);
-                } else {
-                    figures.fake_dirty += 1;
-                }
-            }
-            // Only pages left writable need their content followed.
-            if is_left {
-                filter.remember(page, hash);
+        Step { p: self, figures }
+    }
+}
+
+/// One filtering of the last freeze's pages.
+struct Step<'a> {
+    p: &'a mut Prediction,
+    figures: Figures,
+}
+
+impl Step<'_> {
+    /// Whether `page` of the last freeze must be sent: not when it was left
+    /// writable and the backup holds its content already.
+    fn page(&mut self, page: u64, hash: impl FnOnce() -> u128) -> bool {
+        let (was_left, is_left) = (self.p.before.is_set(page), self.p.now.is_set(page));
+        if !was_left && !is_left {
+            return true;
+        }
+        let hash = hash();
+        let send = !(was_left && self.p.filter.holds(page, hash));
+        if was_left {
+            if send {
+                self.figures.predicted_written += 1;
+                self.p.written.set(page);
             } else {
-                filter.forget(page);
+                self.figures.fake_dirty += 1;
             }
-            send
-        });
-        self.predictor.observe(&self.before, &self.written);
-        figures
+        }
+        // Only pages left writable need their content followed.
+        if is_left {
+            self.p.filter.remember(page, hash);
+        } else {
+            self.p.filter.forget(page);
+        }
+        send
+    }
+
+    fn end(self) -> Figures {
+        self.p.predictor.observe(&self.p.before, &self.p.written);
+        self.figures
     }
 }
 
@@ -217,6 +257,23 @@ mod tests {
         let mut pages = Captured::from_pages(&[(1, &a), (2, &b2)]);
         assert_eq!(p.filter(&mut pages).fake_dirty, 0);
         assert_eq!(pages.len(), 2);
+    }
+
+    #[test]
+    fn a_replica_learns_from_the_hashes_of_a_union() {
+        let mut p = Prediction::new(Mode::Adaptive, 256).unwrap();
+        let (a, b, b2, c, d) = (1u128, 2, 9, 3, 4);
+        p.choose(&set(&[1, 2, 3]));
+        assert_eq!(p.learn(&[1, 2, 3], &[a, b, c]), Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3 });
+        // 1..3 were left writable, so reported again; only 2 changed.
+        assert_eq!(p.choose(&set(&[1, 2, 3, 4])).pages().collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+        assert_eq!(p.learn(&[1, 2, 3, 4], &[a, b2, c, d]), Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1 });
+        // The secondary took the leader's page 3: unknown, so counted
+        // written at the next `syncvm` whatever its hash.
+        p.forget([3].into_iter());
+        p.choose(&set(&[1, 2, 3, 4]));
+        let f = p.learn(&[1, 2, 3, 4], &[a, b2, c, d]);
+        assert_eq!((f.predicted, f.predicted_written, f.fake_dirty), (4, 1, 3));
     }
 
     #[test]
