@@ -431,8 +431,23 @@ pub struct ReplicaArgs {
     /// write for them); they are then compared at every syncvm, written or
     /// not. off, histase or adaptive, as for `ftvm run`. Needs
     /// --dirty-backend bitmap.
-    #[arg(long, default_value = "off", value_name = "off|histase|adaptive")]
+    #[arg(long, default_value = "adaptive", value_name = "off|histase|adaptive")]
     pub predict_writes: predict::Mode,
+    /// While this replica leads with a synchronized secondary (whose
+    /// answers then commit every entry), what it sends the witness waits
+    /// this long and goes with what joined it meanwhile: the witness is
+    /// woken once per linger, not once per consensus round. 0: off; at
+    /// most 100000 (0.1 s).
+    #[arg(long, value_name = "US", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(0..=100_000))]
+    pub witness_linger_us: u64,
+    /// When the leader's own guest gets a log entry: commit, once it is
+    /// committed (as every replica's); append, its input and its syncvms
+    /// with a secondary as soon as it appended them (the consensus round
+    /// no longer delays them; output still waits for the secondary's
+    /// acknowledgement, which implies the commit). Only the leader's side
+    /// changes.
+    #[arg(long, default_value = "append", value_name = "commit|append")]
+    pub leader_apply: ftvm_replication::vsmr::tuning::LeaderApply,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

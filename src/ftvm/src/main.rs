@@ -225,6 +225,8 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     sync_pipeline: args.sync_pipeline,
                     link_batch: args.link_batch,
                     predict_writes: args.predict_writes,
+                    witness_linger: Duration::from_micros(args.witness_linger_us),
+                    leader_apply: args.leader_apply,
                 },
             };
             let source = match args.image {

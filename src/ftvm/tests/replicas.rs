@@ -347,8 +347,10 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
 /// input frame (`--input-batch off`), the next `syncvm` proposed while the
 /// previous one awaits its acknowledgement (`--sync-pipeline on`: the
 /// link thread's releases in order), one `send` per message on the links
-/// (`--link-batch off`), pages the guests are likely to write again left
-/// writable (`--predict-writes adaptive`).
+/// (`--link-batch off`), every page the guests write re-protected at each
+/// `syncvm` (`--predict-writes off`), the witness sent every message at
+/// once (`--witness-linger-us 0`), the leader's guest given its input once
+/// committed (`--leader-apply commit`).
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_flipped() {
     let flipped = [
@@ -373,7 +375,11 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_
         "--link-batch",
         "off",
         "--predict-writes",
-        "adaptive",
+        "off",
+        "--witness-linger-us",
+        "0",
+        "--leader-apply",
+        "commit",
     ];
     leader_kills("vflp", &flipped, 5);
 }
@@ -610,12 +616,13 @@ fn syncvm_repairs_divergence_with_sync_pipeline() {
     repairs_divergence("on", true);
 }
 
-/// The same with write prediction (`--predict-writes adaptive`): pages
-/// left writable on either replica are compared at every `syncvm`, written
-/// or not, and the ones that were written are found and repaired.
+/// The same with write prediction (`--predict-writes adaptive`, the
+/// default): pages left writable on either replica are compared at every
+/// `syncvm`, written or not, and the ones that were written are found and
+/// repaired.
 #[test]
 fn syncvm_repairs_divergence_with_write_prediction() {
-    let leaders = divergence_repaired("predict", "on", false, &["--predict-writes", "adaptive"]);
+    let leaders = divergence_repaired("predict", "on", false, &[]);
     let predicted: u64 = leaders.iter().map(|l| l["predicted"].as_u64().unwrap()).sum();
     let written: u64 = leaders.iter().map(|l| l["predicted_written"].as_u64().unwrap()).sum();
     eprintln!("the leaders left {predicted} pages writable through their syncvms' intervals, {written} of them written");
@@ -691,6 +698,60 @@ fn divergence_repaired(tag: &str, early_resume: &str, pipeline: bool, more: &[&s
     assert_eq!(overlapped > 0, pipeline, "{overlapped} of {n} proposed before the previous one's acknowledgement");
     eprintln!("{n} syncvms compared, {repaired} repaired divergent pages, {overlapped} proposed before the previous one's acknowledgement");
     compared
+}
+
+/// `--leader-apply append` (the default): the leader's links to the other
+/// replicas are cut (its address on the LAN taken away) while its TAP stays
+/// up, and echo requests put straight onto its TAP right then are read,
+/// appended and handed to its guest, with nothing to commit them; the other
+/// VM replica and the witness elect a new leader. With
+/// `--on-secondary-loss pause` that leader, without a secondary, proposes
+/// no barrier, so its log is not compacted: once the address is back its
+/// log replaces the old leader's uncommitted entries (not a snapshot), the
+/// old leader says it is out of step, its first `syncvm` as secondary
+/// compares every page, and no acknowledged write is lost.
+#[test]
+fn a_leader_whose_uncommitted_input_is_replaced_is_synchronized_again() {
+    let c = Cluster::on_lan("vtrunc", &["--on-secondary-loss", "pause"], None);
+    let old = c.wait_leader(true, Duration::from_secs(30));
+    let new = 3 - old;
+    let (host, addr) = if old == 1 { ("h1", LAN_H1) } else { ("h2", LAN_H2) };
+    let w = writers(&c, "t");
+    wait_acked_beyond(&w, 0, &c, "start");
+    let out = c.topo.command("client", "cat").arg("/sys/class/net/eth0/address").output().unwrap();
+    let client_mac = frames::parse_mac(&String::from_utf8_lossy(&out.stdout)).unwrap();
+    let guest_mac = frames::parse_mac(GUEST_MAC).unwrap();
+    let echoes: Vec<Vec<u8>> = (0..20)
+        .map(|seq| frames::echo_request(client_mac, guest_mac, CLIENT_ADDR.parse().unwrap(), GUEST_ADDR.parse().unwrap(), 0x7a11, seq))
+        .collect();
+    let address = |op: &str| {
+        let out = c.topo.command(host, "ip").args(["addr", op, &format!("{addr}/24"), "dev", "br0"]).output().unwrap();
+        assert!(out.status.success(), "ip addr {op}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    address("del");
+    frames::send_on(&c.topo.ns(host), "tap0", echoes).unwrap();
+    let t0 = Instant::now();
+    while !c.status(new).contains("role: leader") {
+        assert!(t0.elapsed() < Duration::from_secs(20), "replica {new} and the witness did not elect {new}:\n{}", c.logs());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let syncs_before = c.metrics(old).len();
+    address("add");
+    c.topo.forget_guest().unwrap();
+    let replaced = "entries this replica's guest ran were replaced by the new leader's";
+    let t0 = Instant::now();
+    while !c.procs[(old - 1) as usize].as_ref().unwrap().stderr().contains(replaced) {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the old leader's entries were not replaced:\n{}", c.logs());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let t0 = Instant::now();
+    while !c.status(new).contains("protected: yes") {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{new} not protected again:\n{}", c.logs());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let first = c.metrics(old).iter().skip(syncs_before).find(|m| m["role"] == "secondary" && m["ok"] == true).cloned();
+    assert_eq!(first.as_ref().map(|m| m["full"] == true), Some(true), "the old leader's first syncvm as secondary: {first:?}");
+    verify_all(&c, w);
 }
 
 /// The leader's host is cut off (its LAN and replication links deleted):

@@ -36,6 +36,13 @@ impl Entry {
     pub fn decode(data: &[u8]) -> Result<Entry, ProtocolError> {
         crate::protocol::decode(data)
     }
+
+    /// Whether encoded `data` is an `Input` or `Inputs` entry, without
+    /// decoding (copying) its frames: postcard writes the variant's index
+    /// first, as a varint (one byte here).
+    pub fn is_input(data: &[u8]) -> bool {
+        matches!(data.first(), Some(0 | 2))
+    }
 }
 
 /// Input entries and their frames handed on by the consensus thread since
@@ -72,5 +79,13 @@ mod tests {
             assert_eq!(Entry::decode(&e.encode()).unwrap(), e);
         }
         assert!(Entry::decode(&[9, 9, 9]).is_err());
+    }
+
+    #[test]
+    fn input_is_told_without_decoding() {
+        assert!(Entry::is_input(&Entry::Input(vec![7; 100]).encode()));
+        assert!(Entry::is_input(&Entry::Inputs(vec![vec![7; 100]]).encode()));
+        assert!(!Entry::is_input(&Entry::Sync { leader: 1, secondary: 2, full: false }.encode()));
+        assert!(!Entry::is_input(&[]));
     }
 }

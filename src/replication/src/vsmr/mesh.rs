@@ -109,6 +109,11 @@ pub struct Mesh {
     /// Frames sent, likewise.
     frames: AtomicU64,
     stop: AtomicBool,
+    /// `--witness-linger-us` (zero: off).
+    linger: Duration,
+    /// This replica leads with a synchronized secondary: the witness's
+    /// sender lingers (`set_witness_linger`).
+    lingering: AtomicBool,
 }
 
 /// `--link-batch on`: an accepted link reads what has arrived in one call
@@ -131,6 +136,7 @@ impl Mesh {
         auth: Option<Auth>,
         routes: Routes,
         batch: LinkBatch,
+        linger: Duration,
     ) -> Result<Arc<Mesh>, ReplicationError> {
         let listener = TcpListener::bind(listen).map_err(|err| ReplicationError::Listen { addr: listen.into(), err })?;
         let mut senders = HashMap::new();
@@ -147,6 +153,8 @@ impl Mesh {
             sent: AtomicU64::new(0),
             frames: AtomicU64::new(0),
             stop: AtomicBool::new(false),
+            linger,
+            lingering: AtomicBool::new(false),
         });
         for (id, addr, rx) in queues {
             let (mesh, auth) = (mesh.clone(), auth.clone());
@@ -216,6 +224,21 @@ impl Mesh {
         self.stop.store(true, Ordering::SeqCst);
     }
 
+    /// `--witness-linger-us`: while `on`, what this replica sends a witness
+    /// without a VM waits that long in its queue, and goes with whatever
+    /// joined it meanwhile. Only a leader with a synchronized secondary
+    /// turns it on: the secondary's answers commit every entry then, and
+    /// the witness is only kept up to date, one wake-up per linger instead
+    /// of per consensus round. Without a secondary (or as a candidate)
+    /// the witness's answers are what commits, and nothing waits.
+    pub fn set_witness_linger(&self, on: bool) {
+        self.lingering.store(on, Ordering::Relaxed);
+    }
+
+    fn lingers_for(&self, id: u64) -> bool {
+        !self.linger.is_zero() && self.lingering.load(Ordering::Relaxed) && self.peers.locked().get(&id).is_some_and(|p| p.witness)
+    }
+
     fn send_loop(&self, id: u64, addr: &str, auth: Option<&Auth>, rx: Receiver<Vec<Vec<u8>>>, batch: LinkBatch) {
         let most = match batch {
             LinkBatch::On => transport::BATCH_FRAMES,
@@ -223,6 +246,8 @@ impl Mesh {
         };
         let mut link: Option<Box<dyn Transport>> = None;
         let mut frames: Vec<Vec<u8>> = Vec::with_capacity(most);
+        // The last send took all it could: more is queued, no lingering.
+        let mut full = false;
         loop {
             match rx.recv_timeout(Duration::from_millis(100)) {
                 Ok(f) => frames.extend(f),
@@ -234,8 +259,14 @@ impl Mesh {
                 }
                 Err(RecvTimeoutError::Disconnected) => return,
             }
+            // A sleep, not a timed wait on the queue: the messages queued
+            // meanwhile wake nothing.
+            if !full && self.lingers_for(id) {
+                std::thread::sleep(self.linger);
+            }
             // `--link-batch on`: what else is queued for this peer by now
-            // goes with it, in one system call (nothing waits for more).
+            // goes with it, in one system call (nothing waits for more
+            // unless it lingered).
             while frames.len() < most {
                 match rx.try_recv() {
                     Ok(f) => frames.extend(f),
@@ -253,6 +284,7 @@ impl Mesh {
                 }
             }
             let Some(l) = link.as_mut() else { continue };
+            full = frames.len() >= most;
             // At most `most` frames per system call (one with `off`).
             for chunk in frames.chunks(most) {
                 let batch: Vec<&[u8]> = chunk.iter().map(Vec::as_slice).collect();
@@ -391,4 +423,67 @@ fn dial(addr: &str, auth: Option<&Auth>, me: PeerHello) -> Result<Box<dyn Transp
     };
     link.send(&protocol::message(Kind::PeerHello, &me)).map_err(ReplicationError::Send)?;
     Ok(link)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Routes whose `syncvm` messages (all this test sends) come out of the receiver.
+    fn routes() -> (Routes, Receiver<Inbound>) {
+        let (sync, inbox) = mpsc::channel();
+        let routes = Routes { raft: mpsc::channel().0, sync, join: mpsc::channel().0, precopy: mpsc::channel().0, acks: Arc::default() };
+        (routes, inbox)
+    }
+
+    fn free_addr() -> String {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    }
+
+    fn node(id: u64, witness: bool, addrs: &[(u64, String)], linger: Duration) -> (Arc<Mesh>, Receiver<Inbound>) {
+        let listen = addrs.iter().find(|(i, _)| *i == id).unwrap().1.clone();
+        let others: Vec<(u64, String)> = addrs.iter().filter(|(i, _)| *i != id).cloned().collect();
+        let (routes, inbox) = routes();
+        let hello = PeerHello { id, witness, standby: false, disk: 0 };
+        (Mesh::start(hello, &listen, &others, None, routes, LinkBatch::On, linger).unwrap(), inbox)
+    }
+
+    fn frame(tag: u8) -> Vec<u8> {
+        protocol::frame(Kind::SyncBitmap, &[tag])
+    }
+
+    #[test]
+    fn a_leader_lingers_only_on_what_it_sends_a_witness() {
+        let addrs: Vec<(u64, String)> = (1..=3).map(|i| (i, free_addr())).collect();
+        let linger = Duration::from_secs(2);
+        let (leader, _at_leader) = node(1, false, &addrs, linger);
+        let (secondary, at_secondary) = node(2, false, &addrs, Duration::ZERO);
+        let (witness, at_witness) = node(3, true, &addrs, Duration::ZERO);
+        let wait = Duration::from_secs(20);
+        // Each makes itself known to the leader first.
+        for peer in [&secondary, &witness] {
+            assert!(peer.send(1, frame(0)));
+        }
+        while leader.peers().len() < 2 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Off: nothing waits.
+        assert!(leader.send(3, frame(1)));
+        assert_eq!(at_witness.recv_timeout(wait).unwrap().payload, [1]);
+
+        leader.set_witness_linger(true);
+        let sent = Instant::now();
+        assert!(leader.send(3, frame(2)));
+        assert!(leader.send(2, frame(3)));
+        assert!(leader.send(3, frame(4)));
+        assert_eq!(at_secondary.recv_timeout(wait).unwrap().payload, [3]);
+        assert!(at_witness.try_recv().is_err(), "the witness's messages did not linger");
+        assert_eq!(at_witness.recv_timeout(wait).unwrap().payload, [2]);
+        assert!(sent.elapsed() >= linger);
+        assert_eq!(at_witness.recv_timeout(wait).unwrap().payload, [4], "what joined in the linger went with it");
+        for m in [&leader, &secondary, &witness] {
+            m.stop();
+        }
+    }
 }

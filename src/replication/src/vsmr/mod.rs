@@ -247,6 +247,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
         config.auth.clone(),
         routes,
         config.tuning.link_batch,
+        config.tuning.witness_linger,
     )?;
     let (committed_tx, committed_rx) = mpsc::channel();
     let view = Arc::new(Mutex::new(View::default()));

@@ -30,7 +30,7 @@ use super::gate::InputGate;
 use super::log::{Entry, InputCounts, MAX_INPUT_FRAMES};
 use super::mesh::{Inbound, Mesh};
 use super::outbox::Outbox;
-use super::tuning::{BatchAppend, EarlyApply, LinkBatch, Tuning};
+use super::tuning::{BatchAppend, EarlyApply, LeaderApply, LinkBatch, Tuning};
 use super::vote::{Vote, VoteFile};
 use crate::metrics::StatusCell;
 use crate::protocol::{self, Kind};
@@ -65,6 +65,9 @@ pub enum Event {
 /// An entry the log committed, in log order.
 #[derive(Debug)]
 pub enum Committed {
+    /// Entries this replica's guest ran were replaced by another leader's
+    /// (`--leader-apply append`): its VM no longer follows the log.
+    OutOfStep,
     Entry {
         index: u64,
         term: u64,
@@ -123,6 +126,12 @@ impl NodeConfig {
     /// (`tuning::EarlyApply`).
     fn early_apply(&self) -> bool {
         self.tuning.early_apply == EarlyApply::On && self.voters.len() == 3
+    }
+
+    /// Whether a leader with a VM hands its own input and `syncvm`s on once
+    /// appended (`tuning::LeaderApply`).
+    fn leader_apply(&self) -> bool {
+        self.tuning.leader_apply == LeaderApply::Append && self.vm
     }
 }
 
@@ -559,7 +568,23 @@ impl Loop {
             let _ = store.wl().apply_snapshot(ready.snapshot().clone());
             self.delivered = self.delivered.max(ready.snapshot().get_metadata().index);
         }
-        if !ready.entries().is_empty() {
+        if let Some(first) = ready.entries().first().map(|e| e.index) {
+            if first <= self.delivered {
+                // Only entries a leader handed on before they committed can
+                // be overwritten (`--leader-apply append`): the next
+                // leader's log replaced them. Its guest ran them; it must
+                // not lead, and its next syncvm compares every page. The
+                // new entries there are handed on, so that it takes part
+                // in the new leader's syncvms.
+                tracing::warn!(
+                    from = first,
+                    delivered = self.delivered,
+                    "entries this replica's guest ran were replaced by the new leader's: out of step until a full syncvm"
+                );
+                self.config.eligible.store(false, Ordering::SeqCst);
+                self.delivered = first - 1;
+                self.committed.send(Committed::OutOfStep).map_err(|_| ())?;
+            }
             let _ = store.wl().append(ready.entries());
         }
         if let Some(hs) = ready.hs() {
@@ -607,28 +632,38 @@ impl Loop {
     /// rule), exactly as when the leader counts this replica's
     /// acknowledgement and commits them. Entries of earlier terms before
     /// such an entry are committed with it.
+    ///
+    /// `--leader-apply append`, the leader: hand on its own entries once
+    /// appended, in log order, up to the first one that is neither input
+    /// nor a `syncvm` with a secondary and is not committed yet.
     fn apply_appended(&mut self) -> Result<(), ()> {
-        if !self.config.early_apply() {
-            return Ok(());
-        }
         let raft = &self.node.raft;
         let log = &raft.raft_log;
-        if raft.state != StateRole::Follower
-            || raft.leader_id == INVALID_ID
-            || log.last_term() != raft.term
-            || log.last_index() <= self.delivered
-        {
+        let leads = raft.state == StateRole::Leader;
+        let may = if leads {
+            self.config.leader_apply()
+        } else {
+            self.config.early_apply() && raft.state == StateRole::Follower && raft.leader_id != INVALID_ID
+        };
+        if !may || log.last_term() != raft.term || log.last_index() <= self.delivered {
             return Ok(());
         }
         let from = (self.delivered + 1).max(log.first_index());
-        match log.entries(from, None, raft::GetEntriesContext::empty(false)) {
-            Ok(entries) => self.apply(entries),
+        let mut entries = match log.entries(from, None, raft::GetEntriesContext::empty(false)) {
+            Ok(entries) => entries,
             Err(e) => {
                 // Raft's commit hands them on later.
                 tracing::debug!(from, "cannot read appended entries: {e}");
-                Ok(())
+                return Ok(());
+            }
+        };
+        if leads {
+            let committed = log.committed;
+            if let Some(stop) = entries.iter().position(|e| e.index > committed && !handed_before_commit(e)) {
+                entries.truncate(stop);
             }
         }
+        self.apply(entries)
     }
 
     /// This replica leads: show what started the election it won.
@@ -639,6 +674,15 @@ impl Loop {
         tracing::info!("elected: {e}");
         self.config.status.lock().election = Some(e);
     }
+}
+
+/// `--leader-apply append`: what the leader may hand on before it commits.
+/// Its input, and a `syncvm` with a secondary (the output waits for that
+/// secondary's acknowledgement, given only for an entry it holds): not a
+/// term's first entry nor a barrier, whose commit is what they prove.
+fn handed_before_commit(e: &raft::eraftpb::Entry) -> bool {
+    e.get_entry_type() == EntryType::EntryNormal
+        && (Entry::is_input(&e.data) || matches!(Entry::decode(&e.data), Ok(Entry::Sync { secondary, .. }) if secondary != 0))
 }
 
 /// raft-rs logs through slog: its records go to tracing (target `raft`).

@@ -411,6 +411,7 @@ impl Shared {
                 held = lead.output.held_frames(),
                 "{why}: the guest is paused, its output held, until a secondary is synchronized (--on-secondary-loss pause)"
             );
+            self.mesh.set_witness_linger(false);
             let mut st = self.status.lock();
             st.protected = false;
             st.detail = format!("{}: {why}", loss::PAUSED);
@@ -597,6 +598,7 @@ impl Applier {
 
     fn apply(&self, c: Committed) {
         match c {
+            Committed::OutOfStep => self.out_of_step(),
             Committed::LeaderStart { term, leader, .. } => {
                 if leader == self.shared.id {
                     self.take_over(term);
@@ -715,6 +717,7 @@ impl Applier {
             tracing::info!(term, frames = replayed, dropped, "takeover: sent the guest's {replayed} frames since the last syncvm");
         }
         {
+            s.mesh.set_witness_linger(false);
             let mut st = s.status.lock();
             st.role = Role::Leader;
             st.term = term;
@@ -749,7 +752,10 @@ impl Applier {
         let Some(lead) = s.lead.locked().take() else { return };
         // Its VM stays in step: anything another leader releases from now
         // on follows a Sync entry this replica applies too (as the
-        // secondary, or as out of step: `apply`).
+        // secondary, or as out of step: `apply`). Unless that leader's log
+        // replaces entries its guest ran before they committed
+        // (`--leader-apply append`): then the consensus thread says so
+        // (`Committed::OutOfStep`).
         lead.serving.store(false, Ordering::SeqCst);
         lead.ran.notify_all();
         // Its input comes from the log again: its TAP is left unread.
@@ -767,6 +773,7 @@ impl Applier {
         s.vm.hooks().set_idle(None);
         // Whoever leads next compares every block at its first syncvm.
         s.track_disk_as_secondary();
+        s.mesh.set_witness_linger(false);
         s.status.lock().protected = false;
         tracing::warn!(term = lead.term, held = lead.output.held_frames(), "stepped down: {why}; held output dropped");
     }
@@ -948,6 +955,7 @@ impl Shared {
                     s.unpause(lead);
                 }
                 if serving {
+                    s.mesh.set_witness_linger(secondary != 0);
                     let mut st = s.status.lock();
                     st.protected = secondary != 0;
                     st.detail =
@@ -974,6 +982,7 @@ impl Shared {
                         // No other VM holds the state of the output held now.
                         s.pause_unprotected(lead, "the secondary's syncvm failed");
                     }
+                    s.mesh.set_witness_linger(false);
                     let mut st = s.status.lock();
                     st.protected = false;
                     st.detail = if pause {

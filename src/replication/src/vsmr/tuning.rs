@@ -20,6 +20,26 @@ switch! {
 }
 
 switch! {
+    /// `--leader-apply`: when the leader's own guest gets a log entry.
+    pub enum LeaderApply {
+        /// As soon as the leader appended it (proposed it), if it is input
+        /// or a `syncvm` with a secondary and everything before it was
+        /// handed on: the consensus round no longer delays the leader's
+        /// guest nor its freeze. Output still waits for the secondary's
+        /// acknowledgement of a later `syncvm`, which the secondary gives
+        /// only for an entry it holds, so one the leader and it hold: a
+        /// majority of three, committed (or, with `--early-apply off`,
+        /// known committed). Anything else (a new term's first entry, a
+        /// barrier, which proves leadership by committing) waits for its
+        /// commit. A leader that loses entries its guest ran (cut off, its
+        /// log overwritten by the next leader's) is out of step.
+        Append = "append",
+        /// Once it is committed, as every replica's (PLOVER).
+        Commit = "commit",
+    }
+}
+
+switch! {
     /// `--batch-append`: raft messages to one peer per round of the
     /// consensus thread.
     pub enum BatchAppend {
@@ -162,4 +182,8 @@ pub struct Tuning {
     pub link_batch: LinkBatch,
     /// `--predict-writes` (`writes`).
     pub predict_writes: crate::pipeline::predict::Mode,
+    /// `--leader-apply`.
+    pub leader_apply: LeaderApply,
+    /// `--witness-linger-us` (`Mesh::set_witness_linger`; zero: off).
+    pub witness_linger: std::time::Duration,
 }
