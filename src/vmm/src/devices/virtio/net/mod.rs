@@ -126,6 +126,9 @@ pub struct Net {
     hooks: Arc<Hooks>,
     /// A pause waits for this device's pass: stop reading the TAP.
     pausing: PauseFlag,
+    /// The features the TAP's offloads follow now: a restore of the same
+    /// ones (every consensus-ordered secondary's `syncvm`) changes nothing.
+    acked: u64,
 }
 
 impl Net {
@@ -146,6 +149,7 @@ impl Net {
             frame: vec![0; MAX_FRAME],
             hooks,
             pausing,
+            acked: 0,
         })
     }
 
@@ -289,6 +293,10 @@ impl VirtioDevice for Net {
     /// follows GUEST_CSUM. This holds whatever this VMM offers: a VM
     /// restored from one that offered more keeps what it negotiated.
     fn features_acked(&mut self, acked: u64) {
+        if acked == self.acked {
+            return;
+        }
+        self.acked = acked;
         let flags = if acked & VIRTIO_NET_F_GUEST_CSUM != 0 { tap::TUN_F_CSUM } else { 0 };
         if acked != 0 {
             let csum = acked & (VIRTIO_NET_F_CSUM | VIRTIO_NET_F_GUEST_CSUM) != 0;
