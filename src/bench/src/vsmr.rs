@@ -49,7 +49,7 @@ pub struct Options {
     #[arg(long, default_value_t = 64)]
     memory: u64,
     /// Primary-backup: `ftvm run` replication options (its best: sub-page
-    /// diffs, changed state only, the output trigger).
+    /// diffs, changed state only, write prediction, the output trigger).
     #[arg(long, default_value = "--epoch-ms 20 --diff lz4 --device-state changed --predict-writes adaptive", allow_hyphen_values = true)]
     pb_flags: String,
     /// Primary-backup as PLOVER compared against (MC/Remus): whole pages.
