@@ -448,6 +448,13 @@ pub struct ReplicaArgs {
     /// changes.
     #[arg(long, default_value = "append", value_name = "commit|append")]
     pub leader_apply: ftvm_replication::vsmr::tuning::LeaderApply,
+    /// Whether the leader's syncvm carries its output of the epoch it
+    /// closes (its first 256 KiB): on, the secondary keeps it and sends it
+    /// if it takes over (with --takeover-replay on), so replies a leader
+    /// dies holding after the acknowledgement reach their clients at once;
+    /// off, they come back by the clients' retransmission.
+    #[arg(long, default_value = "on", value_name = "on|off")]
+    pub sync_output: ftvm_replication::vsmr::tuning::SyncOutput,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,

@@ -227,6 +227,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     predict_writes: args.predict_writes,
                     witness_linger: Duration::from_micros(args.witness_linger_us),
                     leader_apply: args.leader_apply,
+                    sync_output: args.sync_output,
                 },
             };
             let source = match args.image {

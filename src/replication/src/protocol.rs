@@ -43,7 +43,9 @@ use ftvm_vmm::pages::FormatError;
 /// PullMap, PullList, PullDone (`pipeline::prefetch::pull`).
 /// Version 14: a replica's log entry may hold several input frames
 /// (`vsmr::log::Entry::Inputs`, `--input-batch on`).
-pub const PROTOCOL_VERSION: u16 = 14;
+/// Version 15: a replica's SyncPages carries the leader's output of the
+/// epoch the `syncvm` closes (`--sync-output on`).
+pub const PROTOCOL_VERSION: u16 = 15;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

@@ -285,6 +285,27 @@ impl OutputBuffer {
         inner.protected.then(|| inner.closed.front().map_or(inner.open.epoch, |h| h.epoch))
     }
 
+    /// Copies of the frames closed epoch `epoch` holds, in order, as far
+    /// as they fit in `limit` bytes (none once it was released).
+    pub fn frames_of(&self, epoch: u64, limit: usize) -> Vec<Vec<u8>> {
+        let inner = self.lock();
+        let Some(held) = inner.closed.iter().find(|h| h.epoch == epoch) else { return Vec::new() };
+        let mut left = limit;
+        held.items
+            .iter()
+            .filter_map(|item| match item {
+                Out::Frame(f) => Some(f),
+                Out::Console(_) => None,
+            })
+            .take_while(|f| {
+                let fits = f.len() <= left;
+                left = left.saturating_sub(f.len());
+                fits
+            })
+            .cloned()
+            .collect()
+    }
+
     /// Frames held right now (all unacknowledged epochs).
     pub fn held_frames(&self) -> usize {
         let inner = self.lock();
@@ -388,6 +409,25 @@ mod tests {
         assert_eq!(drain(&wire), b"d");
         out.send(b"e");
         assert_eq!(drain(&wire), b"e");
+    }
+
+    #[test]
+    fn a_closed_epochs_frames_are_copied_within_a_limit_until_released() {
+        let wire = Arc::new(Wire::default());
+        let out = OutputBuffer::new(wire.clone());
+        out.protect(1);
+        out.send(b"aa");
+        out.send(b"bbb");
+        out.send(b"c");
+        assert!(out.frames_of(1, 100).is_empty(), "the open epoch is not closed yet");
+        assert_eq!(out.close_epoch(), 1);
+        out.send(b"next epoch");
+        assert_eq!(out.frames_of(1, 100), vec![b"aa".to_vec(), b"bbb".to_vec(), b"c".to_vec()]);
+        assert_eq!(out.frames_of(1, 5), vec![b"aa".to_vec(), b"bbb".to_vec()], "the first frames that fit");
+        assert_eq!(out.frames_of(1, 1), Vec::<Vec<u8>>::new());
+        out.release_through(1);
+        assert!(out.frames_of(1, 100).is_empty(), "released");
+        assert_eq!(drain(&wire), b"aabbbc");
     }
 
     #[test]

@@ -301,6 +301,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
                     sync_pipeline: config.tuning.sync_pipeline,
                     on_secondary_loss: config.on_secondary_loss,
                     predict_writes: config.tuning.predict_writes,
+                    sync_output: config.tuning.sync_output,
                 },
                 disk,
                 held,

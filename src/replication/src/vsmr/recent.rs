@@ -51,6 +51,8 @@ struct Inner {
     frames: VecDeque<Vec<u8>>,
     bytes: usize,
     dropped: u64,
+    /// The first this many frames are the leader's (`reset`).
+    leaders: usize,
 }
 
 /// The output sink of a VM replica that does not lead.
@@ -73,16 +75,33 @@ impl Recent {
         inner.frames.clear();
         inner.bytes = 0;
         inner.dropped = 0;
+        inner.leaders = 0;
     }
 
-    /// Everything kept, oldest first, and how many frames were dropped
-    /// past the bound; empties the buffer.
-    pub fn take(&self) -> (Vec<Vec<u8>>, u64) {
+    /// A `syncvm` replaced the guest's state with the leader's, whose
+    /// output of the epoch that `syncvm` closed was `frames` (`--sync-output
+    /// on`): keep those in place of this guest's own. They are output of
+    /// the state this replica now holds, so a takeover may send them (the
+    /// leader may have died before it released them).
+    pub fn reset(&self, frames: Vec<Vec<u8>>) {
+        self.clear();
+        for f in frames {
+            self.send(&f);
+        }
+        let mut inner = self.inner.locked();
+        inner.leaders = inner.frames.len();
+    }
+
+    /// Everything kept, oldest first, how many frames were dropped past
+    /// the bound, and how many of those kept are the leader's (`reset`);
+    /// empties the buffer.
+    pub fn take(&self) -> (Vec<Vec<u8>>, u64, usize) {
         let mut inner = self.inner.locked();
         let frames = std::mem::take(&mut inner.frames).into();
         let dropped = std::mem::take(&mut inner.dropped);
+        let leaders = std::mem::take(&mut inner.leaders);
         inner.bytes = 0;
-        (frames, dropped)
+        (frames, dropped, leaders)
     }
 }
 
@@ -112,15 +131,28 @@ mod tests {
         r.clear();
         r.send(b"b");
         r.send(b"c");
-        assert_eq!(r.take(), (vec![b"b".to_vec(), b"c".to_vec()], 0));
-        assert_eq!(r.take(), (Vec::new(), 0));
+        assert_eq!(r.take(), (vec![b"b".to_vec(), b"c".to_vec()], 0, 0));
+        assert_eq!(r.take(), (Vec::new(), 0, 0));
         let big = vec![0u8; BOUND / 2 + 1];
         r.send(&big);
         r.send(&big);
         r.send(b"d");
-        assert_eq!(r.take(), (vec![big, b"d".to_vec()], 1));
+        assert_eq!(r.take(), (vec![big, b"d".to_vec()], 1, 0));
         let off = Recent::new(Mode::Off);
         off.send(b"x");
-        assert_eq!(off.take(), (Vec::new(), 0));
+        assert_eq!(off.take(), (Vec::new(), 0, 0));
+        off.reset(vec![b"y".to_vec()]);
+        assert_eq!(off.take(), (Vec::new(), 0, 0));
+    }
+
+    #[test]
+    fn a_syncvm_leaves_the_leaders_frames_of_its_epoch() {
+        let r = Recent::new(Mode::On);
+        r.send(b"own, of the replaced execution");
+        r.reset(vec![b"leader 1".to_vec(), b"leader 2".to_vec()]);
+        r.send(b"own, after the apply");
+        let (frames, dropped, leaders) = r.take();
+        assert_eq!(frames, vec![b"leader 1".to_vec(), b"leader 2".to_vec(), b"own, after the apply".to_vec()]);
+        assert_eq!((dropped, leaders), (0, 2));
     }
 }

@@ -36,7 +36,7 @@ use super::recent::{self, Recent};
 use super::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
 use super::release::{Awaited, Waited};
 use super::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
-use super::tuning::{AckRelease, AckWait, EarlyResume, InputBatch, SyncPipeline, SyncSpacing};
+use super::tuning::{AckRelease, AckWait, EarlyResume, InputBatch, SyncOutput, SyncPipeline, SyncSpacing};
 use super::writes::Writes;
 use super::{SyncMetrics, SyncRole};
 use crate::metrics::{MetricsLog, Role, StatusCell};
@@ -80,6 +80,8 @@ pub struct Options {
     pub on_secondary_loss: OnSecondaryLoss,
     /// `--predict-writes`.
     pub predict_writes: predict::Mode,
+    /// `--sync-output`.
+    pub sync_output: SyncOutput,
 }
 
 /// What arrives for a VM replica's threads from its links.
@@ -218,6 +220,10 @@ struct Proposed {
 
 /// `--sync-pipeline on`: how many `syncvm`s may be in flight at once.
 const PIPELINE_DEPTH: usize = 2;
+/// `--sync-output on`: the leader's output of an epoch a `syncvm` carries at
+/// most (its first frames; a client whose reply is beyond gets it by
+/// retransmission, as without it).
+const SYNC_OUTPUT_LIMIT: usize = 256 << 10;
 
 /// A `syncvm` for the acknowledgement thread: its pages were sent at
 /// `sent` (the figures), or it failed before.
@@ -704,7 +710,7 @@ impl Applier {
         crate::backup::announce(vm);
         // Its guest's output since its last syncvm: of the state it serves
         // from now (`recent`); whatever the guest sends next is held.
-        let (frames, dropped) = s.recent.take();
+        let (frames, dropped, leaders) = s.recent.take();
         let replayed = frames.len();
         // With `--on-secondary-loss pause` they are held too: only this VM
         // has the state they tell of until its first syncvm.
@@ -714,7 +720,12 @@ impl Applier {
             replay.send(f);
         }
         if s.options.replay == recent::Mode::On {
-            tracing::info!(term, frames = replayed, dropped, "takeover: sent the guest's {replayed} frames since the last syncvm");
+            tracing::info!(
+                term,
+                frames = replayed,
+                dropped,
+                "takeover: sent the guest's {replayed} frames since the last syncvm ({leaders} of them the last leader's, of the epoch that syncvm closed)"
+            );
         }
         {
             s.mesh.set_witness_linger(false);
@@ -810,6 +821,11 @@ impl Applier {
                 Ok(Figures { pause, ..Figures::default() })
             }
             Ok(frozen) => {
+                // `--sync-output on`: the secondary keeps it for a takeover.
+                let output = match s.options.sync_output {
+                    SyncOutput::On => lead.output.frames_of(frozen.epoch, SYNC_OUTPUT_LIMIT),
+                    SyncOutput::Off => Vec::new(),
+                };
                 let x = Exchange {
                     mesh: &s.mesh,
                     inbox: &inbox,
@@ -831,7 +847,7 @@ impl Applier {
                     s.acks.expect(secondary, id, epoch, lead.output.clone(), link, flight.failures != failures);
                 }
                 if pipelined {
-                    let result = sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages, aside).map(with_freeze);
+                    let result = sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages, aside, output).map(with_freeze);
                     // The acknowledgement thread takes it from here, in
                     // order; the proposer may propose the next one.
                     let sent = Instant::now();
@@ -858,8 +874,9 @@ impl Applier {
                     return;
                 }
                 match s.options.ack_wait {
-                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages, aside).map(with_freeze),
-                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages, aside).map(with_freeze) {
+                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages, aside, output).map(with_freeze),
+                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages, aside, output).map(with_freeze)
+                    {
                         Ok(figures) => {
                             // The proposer waits for the acknowledgement and
                             // releases; this thread delivers input meanwhile.
@@ -890,7 +907,7 @@ impl Applier {
         let writer = s.ram_writer.locked();
         // Inside the pause once applied: what the guest sent before is of
         // the execution the leader's state replaced.
-        let result = sync::follow(&x, &s.vm, full || !s.in_step.load(Ordering::SeqCst), || s.recent.clear());
+        let result = sync::follow(&x, &s.vm, full || !s.in_step.load(Ordering::SeqCst), |output| s.recent.reset(output));
         s.in_step.store(result.is_ok(), Ordering::SeqCst);
         if result.is_ok() {
             // (A syncvm that failed before the acknowledgement changed

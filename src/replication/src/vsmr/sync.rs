@@ -142,6 +142,10 @@ struct SyncState {
     patches: Vec<BlockPatch>,
     /// The disk blocks whose hashes differed, whole.
     disk: Vec<DiskWrite>,
+    /// `--sync-output on`: the leader's output of the epoch this `syncvm`
+    /// closed (held until the acknowledgement), which the secondary keeps
+    /// for a takeover (`recent`).
+    output: Vec<Vec<u8>>,
 }
 
 const BLOCK: usize = 64;
@@ -425,8 +429,9 @@ pub fn lead(
     full: bool,
     mode: PageMode,
     aside: Option<&mut Aside>,
+    output: Vec<Vec<u8>>,
 ) -> Result<Figures, SyncError> {
-    let mut figures = lead_unacked(x, vm, frozen, full, mode, aside)?;
+    let mut figures = lead_unacked(x, vm, frozen, full, mode, aside, output)?;
     figures.steps.ack = await_ack(x)?;
     Ok(figures)
 }
@@ -453,6 +458,7 @@ pub fn lead_unacked(
     full: bool,
     mode: PageMode,
     aside: Option<&mut Aside>,
+    output: Vec<Vec<u8>>,
 ) -> Result<Figures, SyncError> {
     let pending_input = vm.devices().take_injected_host_input();
     let none = StateDelta { memory: None, vcpus: Vec::new(), devices: Vec::new(), clock: None };
@@ -484,12 +490,12 @@ pub fn lead_unacked(
         Ok(Copied::Aside(pages, blocks)) => {
             let pause = resume(frozen, pending_input.clone());
             let contents = Contents::Aside(aside.as_deref().expect("the union was copied into it"));
-            (compare_and_send(x, &contents, &pages, &blocks, state, mode, &pending_input, &mut steps), pause)
+            (compare_and_send(x, &contents, &pages, &blocks, state, mode, &pending_input, output, &mut steps), pause)
         }
         // Read live: the guest waits until the pages are sent.
         Ok(Copied::Live(pages, blocks)) => {
             let contents = Contents::Live(vm.ram(), x.disk);
-            let result = compare_and_send(x, &contents, &pages, &blocks, state, mode, &pending_input, &mut steps);
+            let result = compare_and_send(x, &contents, &pages, &blocks, state, mode, &pending_input, output, &mut steps);
             (result, resume(frozen, pending_input))
         }
     };
@@ -555,6 +561,7 @@ fn compare_and_send(
     state: VmState,
     mode: PageMode,
     pending: &[Vec<u8>],
+    output: Vec<Vec<u8>>,
     steps: &mut Steps,
 ) -> Result<Figures, SyncError> {
     let t = Instant::now();
@@ -617,8 +624,8 @@ fn compare_and_send(
         }
         _ => whole = divergent.clone(),
     }
-    let state =
-        postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches, disk: disk_blocks }).expect("serializes");
+    let state = postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches, disk: disk_blocks, output })
+        .expect("serializes");
     let mut frame = Vec::new();
     protocol::begin_frame(&mut frame, Kind::SyncPages);
     frame.extend_from_slice(&x.id.header());
@@ -652,20 +659,21 @@ fn compare_and_send(
 /// synchronized, or a failed `syncvm` took its dirty set). On an error
 /// nothing was applied.
 /// `applied` runs once the leader's state is applied, before the resume.
-pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool, applied: impl FnOnce()) -> Result<Figures, SyncError> {
+pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool, applied: impl FnOnce(Vec<Vec<u8>>)) -> Result<Figures, SyncError> {
     vm.pause();
     let t0 = Instant::now();
-    let result = follow_paused(x, vm, full);
-    if result.is_ok() {
-        applied();
-    }
+    let result = follow_paused(x, vm, full).map(|(figures, output)| {
+        applied(output);
+        figures
+    });
     vm.resume();
     let mut figures = result?;
     figures.pause = t0.elapsed();
     Ok(figures)
 }
 
-fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncError> {
+/// `follow` in the pause; with the leader's output of the epoch (`--sync-output`).
+fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<Vec<u8>>), SyncError> {
     let t = Instant::now();
     let mut dirty = PageBitmap::new(vm.ram().pages());
     match x.writes {
@@ -733,7 +741,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
         w.locked().forget(bundle.entries().map(|e| e.page).chain(state.patches.iter().map(|p| p.page)));
     }
     vm.devices().inject_host_input(state.pending_input);
-    Ok(Figures {
+    let figures = Figures {
         dirty_pages: pages.len() as u64,
         divergent_pages: divergent,
         pause: Duration::ZERO,
@@ -743,7 +751,8 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<Figures, SyncE
         memory_digest,
         steps,
         predicted,
-    })
+    };
+    Ok((figures, state.output))
 }
 
 /// The secondary's commit of a staged `SyncPages`; the memory digest when

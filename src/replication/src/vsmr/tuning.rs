@@ -104,6 +104,21 @@ switch! {
 }
 
 switch! {
+    /// `--sync-output`: whether the leader's `syncvm` carries its output of
+    /// the epoch the `syncvm` closes.
+    pub enum SyncOutput {
+        /// In `SyncPages` (its first 256 KiB): the secondary keeps it in
+        /// place of its own output of the replaced execution, and sends it
+        /// if it takes over (`--takeover-replay on`). A leader that dies
+        /// after the acknowledgement and before its release no longer
+        /// leaves those replies to the clients' retransmission.
+        On = "on",
+        /// Not carried: those replies come back by retransmission.
+        Off = "off",
+    }
+}
+
+switch! {
     /// `--ack-release`: which thread of the leader releases a `syncvm`'s
     /// output once the secondary acknowledged it (`release`).
     pub enum AckRelease {
@@ -184,6 +199,8 @@ pub struct Tuning {
     pub predict_writes: crate::pipeline::predict::Mode,
     /// `--leader-apply`.
     pub leader_apply: LeaderApply,
+    /// `--sync-output`.
+    pub sync_output: SyncOutput,
     /// `--witness-linger-us` (`Mesh::set_witness_linger`; zero: off).
     pub witness_linger: std::time::Duration,
 }
