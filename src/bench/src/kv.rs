@@ -25,6 +25,7 @@ use ftvm_testkit::topology::{Topology, H2_REPL_ADDR};
 use crate::paths::sibling_binary;
 use crate::redis_benchmark::{self, Figures};
 use crate::report::{self, Row};
+use crate::threads;
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -268,20 +269,12 @@ type PickCounts = fn(&CpuCounts) -> (f64, f64);
 /// than their share under nested KVM.
 fn cpu_ns(pid: u32) -> Result<(u64, u64, u64), BoxError> {
     let (mut total, mut device, mut switches) = (0, 0, 0);
-    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        let task = task?.path();
-        let stat = std::fs::read_to_string(task.join("schedstat"))?;
-        let ns = stat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).ok_or("unreadable schedstat")?;
-        total += ns;
-        if std::fs::read_to_string(task.join("comm")).is_ok_and(|c| c.starts_with("device")) {
-            device += ns;
+    for t in threads::tasks(pid)? {
+        total += t.cpu_ns;
+        if t.kind == "device" {
+            device += t.cpu_ns;
         }
-        let status = std::fs::read_to_string(task.join("status"))?;
-        switches += status
-            .lines()
-            .filter(|l| l.contains("ctxt_switches:"))
-            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-            .sum::<u64>();
+        switches += t.switches;
     }
     Ok((total, device, switches))
 }

@@ -4,19 +4,46 @@
 use std::collections::BTreeMap;
 use std::io;
 
-/// CPU time (ns) each kind of thread of process `pid` has had so far, keyed
-/// by thread name without its number (`vcpu0` and `vcpu1` count as `vcpu`,
-/// `peer-tx-2` as `peer-tx`). Threads that ended are not counted.
-pub fn cpu_ns_by_thread(pid: u32) -> io::Result<BTreeMap<String, u64>> {
-    let mut out = BTreeMap::new();
+/// One thread of a process, as `/proc/PID/task/TID` tells of it.
+pub struct Task {
+    /// Its name without its number (`vcpu0` and `vcpu1` are `vcpu`,
+    /// `peer-tx-2` is `peer-tx`).
+    pub kind: String,
+    /// CPU time it has had so far, in nanoseconds (`schedstat`).
+    pub cpu_ns: u64,
+    /// Its context switches so far, voluntary and not (`status`).
+    pub switches: u64,
+}
+
+/// Every thread of process `pid` now. A thread that ends between the
+/// listing and the reads is left out; anything else unreadable is an error.
+pub fn tasks(pid: u32) -> io::Result<Vec<Task>> {
+    let mut out = Vec::new();
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
         let task = task?.path();
-        // A thread may end between the listing and the reads.
-        let (Ok(stat), Ok(comm)) = (std::fs::read_to_string(task.join("schedstat")), std::fs::read_to_string(task.join("comm"))) else {
-            continue;
+        let read = |file: &str| match std::fs::read_to_string(task.join(file)) {
+            Err(e) if matches!(e.kind(), io::ErrorKind::NotFound) || e.raw_os_error() == Some(libc::ESRCH) => Ok(None),
+            other => other.map(Some),
         };
-        let Some(ns) = stat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()) else { continue };
-        *out.entry(kind(comm.trim()).to_string()).or_default() += ns;
+        let (Some(stat), Some(comm), Some(status)) = (read("schedstat")?, read("comm")?, read("status")?) else { continue };
+        let cpu_ns = stat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "unreadable schedstat"))?;
+        let switches =
+            status.lines().filter(|l| l.contains("ctxt_switches:")).filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()).sum();
+        out.push(Task { kind: kind(comm.trim()).to_string(), cpu_ns, switches });
+    }
+    Ok(out)
+}
+
+/// CPU time (ns) each kind of thread of process `pid` has had so far
+/// (`Task::kind`). Threads that ended are not counted.
+pub fn cpu_ns_by_thread(pid: u32) -> io::Result<BTreeMap<String, u64>> {
+    let mut out = BTreeMap::new();
+    for t in tasks(pid)? {
+        *out.entry(t.kind).or_default() += t.cpu_ns;
     }
     Ok(out)
 }
