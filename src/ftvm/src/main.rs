@@ -338,6 +338,11 @@ fn print_status(r: &api::Response) {
                 if m.ok { "" } else { " (FAILED)" }
             );
         }
+        let started = rep.started_by.nonzero();
+        if !started.is_empty() {
+            let each: Vec<String> = started.iter().map(|(reason, n)| format!("{reason} {n}")).collect();
+            outln!("checkpoints started by: {}", each.join(", "));
+        }
         if let Some(m) = &rep.last {
             outln!(
                 "last epoch {}: started by {}, ran {} us (at most {} us), pause {} us, {} dirty pages, {} bytes, transfer {} us, ack after {} us, {} frames released (held up to {} us)",

@@ -150,6 +150,9 @@ pub struct Status {
     /// A one-line description of the replication state.
     pub detail: String,
     pub last: Option<EpochMetrics>,
+    /// Acknowledged checkpoints so far, by what started them (a primary).
+    #[serde(default)]
+    pub started_by: StartedBy,
     /// The other side: a primary's backup, a backup's primary (empty when none).
     #[serde(default)]
     pub peer: String,
@@ -167,6 +170,45 @@ pub struct Status {
     /// this replica leader (the last one it won).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub election: Option<crate::vsmr::failover::Election>,
+}
+
+/// How many acknowledged checkpoints each trigger started: the last
+/// epoch's figures alone show only the newest, which a poll every so often
+/// can miss when triggers alternate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartedBy {
+    pub epoch: u64,
+    pub journal: u64,
+    pub idle: u64,
+    pub hold: u64,
+    pub sync: u64,
+    pub stop: u64,
+}
+
+impl StartedBy {
+    pub fn count(&mut self, reason: Reason) {
+        *match reason {
+            Reason::Epoch => &mut self.epoch,
+            Reason::Journal => &mut self.journal,
+            Reason::Idle => &mut self.idle,
+            Reason::Hold => &mut self.hold,
+            Reason::Sync => &mut self.sync,
+            Reason::Stop => &mut self.stop,
+        } += 1;
+    }
+
+    /// Each trigger that started any, as `reason count`.
+    pub fn nonzero(&self) -> Vec<(Reason, u64)> {
+        let all = [
+            (Reason::Idle, self.idle),
+            (Reason::Hold, self.hold),
+            (Reason::Epoch, self.epoch),
+            (Reason::Journal, self.journal),
+            (Reason::Sync, self.sync),
+            (Reason::Stop, self.stop),
+        ];
+        all.into_iter().filter(|&(_, n)| n > 0).collect()
+    }
 }
 
 /// Shared, updated by the replication threads, read by the control socket.

@@ -500,7 +500,9 @@ fn read_acks(
                     }
                     metrics.record(&f.metrics);
                     crate::telemetry::telemetry().acknowledged(&f.metrics);
-                    status.lock().last = Some(f.metrics);
+                    let mut st = status.lock();
+                    st.started_by.count(f.metrics.trigger);
+                    st.last = Some(f.metrics);
                 }
             }
             // `--prefetch-by pull`: the backup read this list of pages.
