@@ -10,9 +10,11 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use ftvm_replication::bounds::{checkpoint_limit, JOURNAL_MAX};
+use ftvm_replication::pipeline::prefetch::ROUNDS;
 use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::tmpfs::Tmpfs;
+use ftvm_workloads::memtouch;
 
 /// A VMM process, SIGKILLed on drop so a failing test leaves none behind.
 fn spawn(cmd: &mut Command) -> Process {
@@ -120,6 +122,59 @@ fn memory_survives_failover_epochs(extra: &[&str], runs: &[(u32, u32, u64)]) -> 
     all
 }
 
+/// Epochs that give `--prefetch` rounds a chance: a run with at least
+/// this many of them and no page sent ahead fails.
+const PREFETCH_CHANCES: usize = 3;
+
+/// Each of `runs` (epoch metrics; `what` names the switches) sent pages
+/// ahead of their checkpoints if it gave the rounds a chance. On a loaded
+/// host a run may give them none and rightly send nothing (seen once on
+/// CI: two vCPUs, killed after 1 s, no page ahead in any epoch):
+///
+/// - the replication thread back at an epoch only after its planned end
+///   (the last checkpoint took that long to send, or the thread woke late
+///   for the round due at half the epoch) takes the checkpoint at once,
+///   without the round (`trigger::Plan::decide` before `Schedule::next`);
+///   that epoch ran long, the guest rewrote its whole working set, and the
+///   next checkpoint is as slow to send, so such epochs come in streaks;
+/// - after two checkpoints that both carried the whole working set every
+///   page is hot, and rounds send write-cold pages only;
+/// - with `adaptive`, the gate may hold the rounds back.
+///
+/// So an epoch counts as a chance if it ended on time (from half its
+/// maximum, when the first round is due, to a quarter past it), its rounds
+/// were allowed (`prefetch_start` at most `ROUNDS`), and one of the two
+/// checkpoints before it carried less than nine tenths of the working set.
+/// Rounds send pages in nearly all such epochs (about 14 in 15 measured,
+/// idle host or loaded); a run with `PREFETCH_CHANCES` of them and nothing
+/// sent ahead means the rounds are broken, not crowded out.
+fn assert_prefetched(what: &str, runs: &[Vec<serde_json::Value>]) {
+    let ws = memtouch::Config::parse(LONG_WORK).expect("valid memtouch cmdline").ws_pages;
+    let n = |e: &serde_json::Value, key: &str| e[key].as_u64().unwrap();
+    for epochs in runs {
+        let chance = |w: &[serde_json::Value]| {
+            let (len, max) = (n(&w[2], "epoch_us"), n(&w[2], "max_epoch_us"));
+            let on_time = max > 0 && max / 2 <= len && len <= max * 5 / 4;
+            let cold = n(&w[0], "dirty_pages").min(n(&w[1], "dirty_pages")) < ws * 9 / 10;
+            on_time && cold && n(&w[2], "prefetch_start") <= u64::from(ROUNDS)
+        };
+        let chances = epochs.windows(3).filter(|w| chance(w)).count();
+        let ahead: Vec<u64> = epochs.iter().map(|e| n(e, "prefetched_pages")).collect();
+        let lengths_ms: Vec<u64> = epochs.iter().map(|e| n(e, "epoch_us") / 1000).collect();
+        if chances < PREFETCH_CHANCES {
+            eprintln!(
+                "{what}: rounds had {chances} chances in {} epochs (lengths in ms {lengths_ms:?}); pages ahead not required",
+                epochs.len()
+            );
+            continue;
+        }
+        assert!(
+            ahead.iter().any(|&p| p > 0),
+            "{what}: no page went ahead in {chances} epochs that gave the rounds a chance: pages ahead {ahead:?}, lengths in ms {lengths_ms:?}"
+        );
+    }
+}
+
 #[test]
 fn memory_survives_failover() {
     let saved = memory_survives_failover_with(&[], &[(1, 1, 400), (2, 2, 700), (2, 2, 1100)], "diff_bytes_saved");
@@ -170,14 +225,12 @@ fn memory_survives_failover_with_each_idle_pause() {
 #[test]
 fn memory_survives_failover_with_prefetch() {
     let runs = [(1, 1, 600), (2, 2, 1000)];
-    let ahead = memory_survives_failover_with(&["--prefetch", "on"], &runs, "prefetched_pages");
-    assert!(ahead.iter().all(|&p| p > 0.0), "pages went ahead of their checkpoints: {ahead:?}");
+    assert_prefetched("--prefetch on", &memory_survives_failover_epochs(&["--prefetch", "on"], &runs));
     // The ring re-protects every page a round harvests, hot ones too.
-    let ahead = memory_survives_failover_with(&["--prefetch", "on", "--dirty-backend", "ring"], &[(1, 1, 700)], "prefetched_pages");
-    assert!(ahead.iter().all(|&p| p > 0.0), "with the dirty ring: {ahead:?}");
+    let ring = ["--prefetch", "on", "--dirty-backend", "ring"];
+    assert_prefetched("with the dirty ring", &memory_survives_failover_epochs(&ring, &[(1, 1, 700)]));
     let all = ["--prefetch", "on", "--diff", "lz4", "--device-state", "changed", "--capture", "cow"];
-    let ahead = memory_survives_failover_with(&all, &[(2, 2, 900)], "prefetched_pages");
-    assert!(ahead.iter().all(|&p| p > 0.0), "with every switch: {ahead:?}");
+    assert_prefetched("with every switch", &memory_survives_failover_epochs(&all, &[(2, 2, 900)]));
 }
 
 /// With `--prefetch-by pull` the backup reads the rounds' pages itself,
@@ -187,12 +240,10 @@ fn memory_survives_failover_with_prefetch() {
 /// whole pages, the dirty ring and adaptive rounds.
 #[test]
 fn memory_survives_failover_with_pulled_prefetch() {
-    let ahead =
-        memory_survives_failover_with(&["--prefetch", "on", "--prefetch-by", "pull"], &[(1, 1, 600), (2, 2, 1000)], "prefetched_pages");
-    assert!(ahead.iter().all(|&p| p > 0.0), "the backup read pages ahead of their checkpoints: {ahead:?}");
+    let pull = ["--prefetch", "on", "--prefetch-by", "pull"];
+    assert_prefetched("the backup read pages ahead", &memory_survives_failover_epochs(&pull, &[(1, 1, 600), (2, 2, 1000)]));
     let others = ["--prefetch", "adaptive", "--prefetch-by", "pull", "--diff", "off", "--dirty-backend", "ring"];
-    let ahead = memory_survives_failover_with(&others, &[(1, 1, 700)], "prefetched_pages");
-    assert!(ahead.iter().all(|&p| p > 0.0), "adaptive, whole pages, the dirty ring: {ahead:?}");
+    assert_prefetched("adaptive, whole pages, the dirty ring", &memory_survives_failover_epochs(&others, &[(1, 1, 700)]));
 }
 
 /// `--prefetch adaptive` follows the guest. Unthrottled random writes over
