@@ -78,13 +78,22 @@ const WORK: &str = "ws=16M pattern=random writes=60000000 report=100ms";
 /// while the guest still works.
 const LONG_WORK: &str = "ws=16M pattern=random writes=500000000 report=100ms";
 
+/// For `--prefetch`: random writes at 100,000 a second per writer, a
+/// third of the working set per 10 ms epoch with two, so epochs end on
+/// time and most pages a round finds dirty were not written in the
+/// epochs before (cold: rounds send those). At full speed the guest
+/// rewrites every page each epoch and a loaded host overruns epoch after
+/// epoch, which leaves the rounds nothing to send, rightly. Four seconds
+/// of writes: every kill below lands while the guest still works.
+const PREFETCH_WORK: &str = "ws=16M pattern=random writes=400000 rate=100000 report=100ms";
+
 /// Kill a primary (with `extra` options) after each delay; the backup's
 /// memory must be exactly the primary's at its last checkpoint, which the
 /// guest's final checksum proves. Each run is (vCPUs, memtouch writers,
 /// delay): with fewer writers than vCPUs the rest idle. Returns the mean
 /// of `key` over the primary's epochs of each run.
 fn memory_survives_failover_with(extra: &[&str], runs: &[(u32, u32, u64)], key: &str) -> Vec<f64> {
-    memory_survives_failover_epochs(extra, runs)
+    memory_survives_failover_epochs(LONG_WORK, extra, runs)
         .iter()
         .map(|epochs| {
             let values: Vec<u64> = epochs.iter().map(|e| e[key].as_u64().unwrap()).collect();
@@ -94,13 +103,13 @@ fn memory_survives_failover_with(extra: &[&str], runs: &[(u32, u32, u64)], key: 
 }
 
 /// As `memory_survives_failover_with`, returning each run's epoch metrics.
-fn memory_survives_failover_epochs(extra: &[&str], runs: &[(u32, u32, u64)]) -> Vec<Vec<serde_json::Value>> {
+fn memory_survives_failover_epochs(work: &str, extra: &[&str], runs: &[(u32, u32, u64)]) -> Vec<Vec<serde_json::Value>> {
     let dir = Scratch::new("failover-memory").unwrap().keep_on_panic();
     let mut all = Vec::new();
     for &(vcpus, writers, delay_ms) in runs {
         let addr = free_addr();
         let metrics = dir.join(format!("{vcpus}-{writers}-{delay_ms}.jsonl"));
-        let work = format!("{LONG_WORK} vcpus={writers}");
+        let work = format!("{work} vcpus={writers}");
         let b = backup(&addr, &[]);
         let mut cmd = primary(&addr, vcpus, &work, &["--epoch-ms", "10"]);
         let mut p = Process::spawn_collected("ftvm run", cmd.args(extra).arg("--metrics").arg(&metrics)).unwrap();
@@ -147,9 +156,12 @@ const PREFETCH_CHANCES: usize = 3;
 /// checkpoints before it carried less than nine tenths of the working set.
 /// Rounds send pages in nearly all such epochs (about 14 in 15 measured,
 /// idle host or loaded); a run with `PREFETCH_CHANCES` of them and nothing
-/// sent ahead means the rounds are broken, not crowded out.
-fn assert_prefetched(what: &str, runs: &[Vec<serde_json::Value>]) {
-    let ws = memtouch::Config::parse(LONG_WORK).expect("valid memtouch cmdline").ws_pages;
+/// sent ahead means the rounds are broken, not crowded out. Returns how
+/// many runs were judged: each test needs one at least, so a test whose
+/// every run was crowded out fails rather than passing unchecked.
+fn assert_prefetched(what: &str, runs: &[Vec<serde_json::Value>]) -> usize {
+    let mut judged = 0;
+    let ws = memtouch::Config::parse(PREFETCH_WORK).expect("valid memtouch cmdline").ws_pages;
     let n = |e: &serde_json::Value, key: &str| e[key].as_u64().unwrap();
     for epochs in runs {
         let chance = |w: &[serde_json::Value]| {
@@ -172,7 +184,10 @@ fn assert_prefetched(what: &str, runs: &[Vec<serde_json::Value>]) {
             ahead.iter().any(|&p| p > 0),
             "{what}: no page went ahead in {chances} epochs that gave the rounds a chance: pages ahead {ahead:?}, lengths in ms {lengths_ms:?}"
         );
+        eprintln!("{what}: {} pages ahead in {} epochs, {chances} of them chances", ahead.iter().sum::<u64>(), epochs.len());
+        judged += 1;
     }
+    judged
 }
 
 #[test]
@@ -225,12 +240,13 @@ fn memory_survives_failover_with_each_idle_pause() {
 #[test]
 fn memory_survives_failover_with_prefetch() {
     let runs = [(1, 1, 600), (2, 2, 1000)];
-    assert_prefetched("--prefetch on", &memory_survives_failover_epochs(&["--prefetch", "on"], &runs));
+    let mut judged = assert_prefetched("--prefetch on", &memory_survives_failover_epochs(PREFETCH_WORK, &["--prefetch", "on"], &runs));
     // The ring re-protects every page a round harvests, hot ones too.
     let ring = ["--prefetch", "on", "--dirty-backend", "ring"];
-    assert_prefetched("with the dirty ring", &memory_survives_failover_epochs(&ring, &[(1, 1, 700)]));
+    judged += assert_prefetched("with the dirty ring", &memory_survives_failover_epochs(PREFETCH_WORK, &ring, &[(1, 1, 700)]));
     let all = ["--prefetch", "on", "--diff", "lz4", "--device-state", "changed", "--capture", "cow"];
-    assert_prefetched("with every switch", &memory_survives_failover_epochs(&all, &[(2, 2, 900)]));
+    judged += assert_prefetched("with every switch", &memory_survives_failover_epochs(PREFETCH_WORK, &all, &[(2, 2, 900)]));
+    assert!(judged > 0, "no run gave the prefetch rounds a chance");
 }
 
 /// With `--prefetch-by pull` the backup reads the rounds' pages itself,
@@ -241,9 +257,16 @@ fn memory_survives_failover_with_prefetch() {
 #[test]
 fn memory_survives_failover_with_pulled_prefetch() {
     let pull = ["--prefetch", "on", "--prefetch-by", "pull"];
-    assert_prefetched("the backup read pages ahead", &memory_survives_failover_epochs(&pull, &[(1, 1, 600), (2, 2, 1000)]));
+    let mut judged = assert_prefetched(
+        "the backup read pages ahead",
+        &memory_survives_failover_epochs(PREFETCH_WORK, &pull, &[(1, 1, 600), (2, 2, 1000)]),
+    );
     let others = ["--prefetch", "adaptive", "--prefetch-by", "pull", "--diff", "off", "--dirty-backend", "ring"];
-    assert_prefetched("adaptive, whole pages, the dirty ring", &memory_survives_failover_epochs(&others, &[(1, 1, 700)]));
+    judged += assert_prefetched(
+        "adaptive, whole pages, the dirty ring",
+        &memory_survives_failover_epochs(PREFETCH_WORK, &others, &[(1, 1, 700)]),
+    );
+    assert!(judged > 0, "no run gave the pulled prefetch rounds a chance");
 }
 
 /// `--prefetch adaptive` follows the guest. Unthrottled random writes over
@@ -256,7 +279,7 @@ fn memory_survives_failover_with_pulled_prefetch() {
 /// pages go ahead.
 #[test]
 fn adaptive_prefetch_starts_later_when_sends_are_wasted() {
-    let epochs = &memory_survives_failover_epochs(&["--prefetch", "adaptive"], &[(1, 1, 1200)])[0];
+    let epochs = &memory_survives_failover_epochs(LONG_WORK, &["--prefetch", "adaptive"], &[(1, 1, 1200)])[0];
     let n = |e: &serde_json::Value, key: &str| e[key].as_u64().unwrap();
     let wasteful = |e: &serde_json::Value| n(e, "prefetched_pages") >= 32 && n(e, "prefetch_wasted") * 7 > n(e, "prefetched_pages");
     let after_waste: Vec<(u64, u64)> =
