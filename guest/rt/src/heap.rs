@@ -20,3 +20,8 @@ pub(crate) fn init(memmap: &[MemRegion]) -> MemRegion {
     unsafe { HEAP.lock().init(region.base as *mut u8, region.size as usize) };
     region
 }
+
+/// Bytes of the heap not allocated now (not necessarily in one piece).
+pub fn free_bytes() -> usize {
+    HEAP.lock().free()
+}

@@ -27,7 +27,7 @@ pub use spin::{Mutex, MutexGuard, Once};
 
 pub mod blk;
 pub mod console;
-mod heap;
+pub mod heap;
 mod hypercall;
 mod mem;
 pub mod net;

@@ -221,6 +221,44 @@ fn mget_all(topo: &Topology, keys: &[&str]) -> Vec<String> {
     values
 }
 
+/// A guest whose memory fills refuses further writes with Redis's `-OOM`
+/// and goes on serving: the keys it has stay readable, and writes are
+/// taken again once memory is given back.
+#[test]
+fn a_full_guest_refuses_writes_and_keeps_serving() {
+    const N: usize = 200_000;
+    let topo = Topology::new("oom").unwrap();
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.arg("run").arg("--image").arg(image("kv")).args(["--memory", "16", "--net", &format!("tap={TAP},mac={GUEST_MAC}")]);
+    cmd.args(["--cmdline", &format!("ip={GUEST_ADDR}/24")]);
+    let mut vmm = Process::spawn_collected("ftvm", &mut cmd).expect("ftvm spawns");
+    wait_for_line(&mut vmm, "kv: listening on 10.0.0.2:6379");
+    // About 40 MiB of keys and values for a 16 MiB guest.
+    let value = "v".repeat(100);
+    let input: String = (0..N).map(|i| format!("SET key:{i} {value}\r\n")).collect();
+    let out = client_with_input(&topo, "redis-cli", &["-h", GUEST_ADDR, "--pipe"], input.as_bytes());
+    assert_running(&mut vmm);
+    let text = stdout(&out);
+    assert!(text.contains(&format!("replies: {N}")), "every SET answered: {text}{}", stderr(&out));
+    // redis-cli --pipe ends with "errors: E, replies: R".
+    let errors: usize = text
+        .rsplit("errors: ")
+        .next()
+        .and_then(|rest| rest.split(',').next()?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no error count: {text}"));
+    assert!(errors > 0 && errors < N, "some SETs refused, not all: {text}");
+    let replies = format!("{text}{}", stderr(&out));
+    assert!(replies.contains("OOM command not allowed"), "{replies}");
+    let stored: usize = cli1(&topo, &["DBSIZE"]).parse().unwrap();
+    assert_eq!(stored, N - errors, "every refused SET left no key");
+    assert!(cli1(&topo, &["SET", "one-more", "x"]).starts_with("OOM "));
+    assert_eq!(cli1(&topo, &["GET", "key:0"]), value);
+    assert!(cli1(&topo, &["INFO", "stats"]).contains(&format!("oom_refused_writes:{}", errors + 1)));
+    assert_eq!(cli1(&topo, &["FLUSHALL"]), "OK");
+    assert_eq!(cli1(&topo, &["SET", "one-more", "x"]), "OK");
+    assert_running(&mut vmm);
+}
+
 #[test]
 fn aof_survives_sigkill_and_replays_every_key() {
     const N: usize = 3000;

@@ -45,4 +45,4 @@ pub use cmd::Flow;
 pub use connection::Connection;
 pub use log::{LogError, LogSink, NoLog, ReplayError};
 pub use parse::{MAX_ARGS, MAX_BULK_LEN, MAX_INLINE_LEN, MAX_REQUEST_LEN};
-pub use server::Server;
+pub use server::{Server, MEMORY_RESERVE};

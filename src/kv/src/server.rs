@@ -7,6 +7,10 @@ use alloc::vec::Vec;
 use crate::parse::Parser;
 use crate::store::{Db, NEVER};
 
+/// What a write must leave free (`set_free_memory`): room for the
+/// connections' buffers and replies, the network stack and a log record.
+pub const MEMORY_RESERVE: usize = 1 << 20;
+
 /// The store and its configuration. One per guest; connections share it.
 pub struct Server {
     pub(crate) db: Db,
@@ -17,6 +21,8 @@ pub struct Server {
     pub(crate) replay_parser: Parser,
     /// `now_ms` of the first call, for INFO's uptime.
     pub(crate) started_ms: Option<u64>,
+    /// Bytes the allocator has free (`set_free_memory`).
+    pub(crate) free_memory: Option<fn() -> usize>,
 }
 
 #[derive(Default)]
@@ -25,6 +31,8 @@ pub(crate) struct Stats {
     pub hits: u64,
     pub misses: u64,
     pub expired: u64,
+    /// Writes refused for memory (`-OOM`).
+    pub oom_refused: u64,
 }
 
 impl Default for Server {
@@ -42,6 +50,7 @@ impl Server {
             record: Vec::new(),
             replay_parser: Parser::default(),
             started_ms: None,
+            free_memory: None,
         }
     }
 
@@ -49,6 +58,16 @@ impl Server {
     /// it persists the log. It changes nothing else.
     pub fn set_appendonly(&mut self, on: bool) {
         self.appendonly = on;
+    }
+
+    /// How the server learns what memory is left: writes that would leave
+    /// less than [`MEMORY_RESERVE`] free are refused with `-OOM` (as Redis
+    /// with `maxmemory` and no eviction), so that a full guest goes on
+    /// serving reads and its connections rather than failing an
+    /// allocation, which ends the guest. Without it only the table's
+    /// growth is checked.
+    pub fn set_free_memory(&mut self, free: fn() -> usize) {
+        self.free_memory = Some(free);
     }
 
     /// Live keys as of the latest `now_ms` seen by `handle`, `replay` or

@@ -82,6 +82,16 @@ impl Db {
         self.map.get_mut(key)
     }
 
+    /// Whether `keys` more keys and `bytes` more of keys and values fit:
+    /// the table grows now if it must, fallibly. Its doubling is the one
+    /// large allocation a write makes (tens of MiB in a small guest), where
+    /// an infallible one would end the guest; a value is probed only when
+    /// it is large enough to matter.
+    pub fn room_for(&mut self, keys: usize, bytes: usize) -> bool {
+        const PROBE_FROM: usize = 64 * 1024;
+        self.map.try_reserve(keys).is_ok() && (bytes < PROBE_FROM || Vec::<u8>::new().try_reserve_exact(bytes).is_ok())
+    }
+
     /// Store `value` under `key`, replacing any previous value and expiry.
     pub fn set(&mut self, key: &[u8], value: &[u8], expire_at: u64) {
         let new_timer = match self.map.get_mut(key) {
@@ -187,5 +197,22 @@ impl Db {
             return;
         }
         self.timers.push(Reverse((at, Box::from(key))));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Growth that cannot be had is a refusal, not an abort: the table's
+    /// reservation and the probe of a large value are both fallible.
+    #[test]
+    fn room_that_cannot_be_had_is_refused() {
+        let mut db = Db::default();
+        db.set(b"a", b"1", NEVER);
+        assert!(db.room_for(1, 10));
+        assert!(!db.room_for(usize::MAX / 2, 0), "a table that cannot grow");
+        assert!(!db.room_for(1, isize::MAX as usize), "a value that cannot be allocated");
+        assert_eq!(db.len(), 1);
     }
 }

@@ -356,3 +356,37 @@ fn time_reports_the_clock_in_seconds_and_microseconds() {
     }
     assert_eq!(h.log.records.len(), 1, "TIME logs nothing");
 }
+
+static FREE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+fn free() -> usize {
+    FREE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A write that would leave less than the reserve free is refused with
+/// Redis's `-OOM`, neither logged nor applied; reads, deletes and writes
+/// go on once memory is back.
+#[test]
+fn writes_are_refused_when_memory_runs_out() {
+    use std::sync::atomic::Ordering;
+    let mut h = H::new();
+    h.srv.set_free_memory(free);
+    assert_eq!(h.cmd("SET a 1"), "+OK\r\n");
+    FREE.store(ftvm_kv::MEMORY_RESERVE + 200, Ordering::Relaxed);
+    assert_eq!(h.cmd("SET b 12"), "+OK\r\n", "a small key and value fit above the reserve");
+    let big = "v".repeat(200);
+    assert!(h.cmd(&format!("SET b {big}")).starts_with("-OOM "), "a value that would eat into the reserve");
+    FREE.store(ftvm_kv::MEMORY_RESERVE + 10, Ordering::Relaxed);
+    let records = h.log.records.len();
+    for write in ["SET c 123", "SET a 123", "INCR n", "APPEND a xyz", "MSET x 1 y 2"] {
+        let reply = h.cmd(write);
+        assert!(reply.starts_with("-OOM command not allowed when used memory > 'maxmemory'"), "{write}: {reply}");
+    }
+    assert_eq!(h.log.records.len(), records, "a refused write is not logged");
+    assert_eq!(h.cmd("GET a"), "$1\r\n1\r\n");
+    assert_eq!(h.cmd("EXISTS c n x"), ":0\r\n");
+    assert_eq!(h.cmd("DEL b"), ":1\r\n");
+    assert!(h.cmd("INFO stats").contains("oom_refused_writes:6\r\n"));
+    FREE.store(usize::MAX, Ordering::Relaxed);
+    assert_eq!(h.cmd("SET c 123"), "+OK\r\n");
+}

@@ -94,6 +94,7 @@ fn main(args: &Args) -> i32 {
     // the epoch_ms= offset), read once per pass over the connections.
     let now_us = || opts.epoch_ms.saturating_mul(1000).saturating_add(time::now_ns() / 1000);
     let mut server = Server::new();
+    server.set_free_memory(ftvm_rt::heap::free_bytes);
     let mut log = Log::Off;
     if opts.aof {
         let disk = match Disk::open() {

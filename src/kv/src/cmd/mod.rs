@@ -65,6 +65,22 @@ pub(crate) const COMMANDS: &[(&str, i32)] = &[
     ("ttl", 2),
 ];
 
+/// Redis's prefix for a write refused for memory (`maxmemory`), which
+/// clients know; here the limit is the guest's memory itself.
+pub(crate) const OOM: &str = "OOM command not allowed when used memory > 'maxmemory' (the guest's memory is full; the key was not stored)";
+
+/// Bytes a key costs beyond its name and value (see `execute`).
+const KEY_OVERHEAD: usize = 96;
+
+/// Commands that may add keys: how many at most, given `words` words.
+fn new_keys(cmd: &str, words: usize) -> Option<usize> {
+    match cmd {
+        "set" | "incr" | "decr" | "incrby" | "decrby" | "append" => Some(1),
+        "mset" => Some(words / 2),
+        _ => None,
+    }
+}
+
 pub(crate) const NOT_INTEGER: &str = "ERR value is not an integer or out of range";
 pub(crate) const SYNTAX: &str = "ERR syntax error";
 
@@ -81,6 +97,17 @@ pub(crate) fn execute<L: LogSink>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_
     if (arity >= 0 && n != i64::from(arity)) || (arity < 0 && n < -i64::from(arity)) {
         wrong_arity(cx.out, cmd);
         return Flow::Continue;
+    }
+    if let Some(keys) = new_keys(cmd, a.len()) {
+        // The words are what the store copies; each key also costs its
+        // table slot and two allocations' headers, and a counter its digits.
+        let bytes: usize = a.iter().skip(1).map(<[u8]>::len).sum::<usize>() + keys * KEY_OVERHEAD;
+        let free = srv.free_memory.is_none_or(|free| free() >= bytes.saturating_add(crate::server::MEMORY_RESERVE));
+        if !free || !srv.db.room_for(keys, bytes) {
+            srv.stats.oom_refused += 1;
+            reply::err(cx.out, OOM);
+            return Flow::Continue;
+        }
     }
     match cmd {
         "get" => strings::get(srv, a, cx),
