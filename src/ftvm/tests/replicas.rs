@@ -286,15 +286,23 @@ fn guest() -> SocketAddr {
 }
 
 fn writers(c: &Cluster, prefix: &str) -> Writers {
-    Writers::start(writers::Config {
-        addr: guest(),
-        netns: Some(c.topo.ns("client")),
-        connections: 8,
-        pipeline: 4,
-        value_len: VALUE_LEN,
-        prefix: prefix.into(),
-        timeout: Duration::from_millis(500),
-    })
+    writers_paced(c, prefix, Duration::ZERO)
+}
+
+/// `writers`, each connection sending a batch at most every `every`.
+fn writers_paced(c: &Cluster, prefix: &str, every: Duration) -> Writers {
+    Writers::start_paced(
+        writers::Config {
+            addr: guest(),
+            netns: Some(c.topo.ns("client")),
+            connections: 8,
+            pipeline: 4,
+            value_len: VALUE_LEN,
+            prefix: prefix.into(),
+            timeout: Duration::from_millis(500),
+        },
+        every,
+    )
     .unwrap()
 }
 
@@ -306,8 +314,16 @@ fn wait_acked_beyond(w: &Writers, n: u64, c: &Cluster, what: &str) {
     }
 }
 
+/// The kv guest's 64 MiB hold this many keys: one more grows its table to
+/// 2^19 buckets, an allocation of 29884432 bytes that fails (the guest
+/// panics). Writers at full speed reach it in about 12 s unprotected.
+const GUEST_KEYS: usize = 229_376;
+
 fn verify_all(c: &Cluster, w: Writers) -> usize {
-    let report = w.stop();
+    verify_report(c, w.stop())
+}
+
+fn verify_report(c: &Cluster, report: writers::Report) -> usize {
     assert!(!report.acked.is_empty(), "no write was acknowledged");
     let v =
         writers::verify(guest(), Some(&c.topo.ns("client")), &report.acked, VALUE_LEN, Instant::now() + Duration::from_secs(20)).unwrap();
@@ -794,10 +810,14 @@ fn cut_off_in_a_minority(c: Cluster) {
         Tcpdump::start(&c.topo, host(id), c.dir.path(), &format!("r{id}.tap.pcap"), &["-i", "tap0", "-Q", "in", "-s", "96"]).unwrap()
     };
     let taps = [tap(leader), tap(other)];
-    let w = writers(&c, "p");
+    // At most 3200 writes a second, so that GUEST_KEYS last over a minute
+    // however long the steps before the writers stop take: once, on a
+    // loaded host, 221k writes were acknowledged by then at full speed.
+    let w = writers_paced(&c, "p", Duration::from_millis(10));
     wait_acked_beyond(&w, 0, &c, "start");
     std::thread::sleep(Duration::from_millis(500));
     c.topo.cut_host(host(leader)).unwrap();
+    let cut = Instant::now();
     let acked = w.acked();
     // (The old leader says it leads until it finds it lost its majority.)
     let t0 = Instant::now();
@@ -807,6 +827,13 @@ fn cut_off_in_a_minority(c: Cluster) {
     }
     c.topo.forget_guest().unwrap();
     wait_acked_beyond(&w, acked, &c, "after the leader was cut off");
+    // The new leader serves: the writes have done their part (what the cut
+    // off leader could still put out is its guest's own). Writers left
+    // running through what follows, which took up to 18 s on a loaded host
+    // (the step-down, the captures, the links restored, the rejoin), at up
+    // to 20k unprotected writes a second, filled the guest (GUEST_KEYS):
+    // it panicked, and no leader was protected again.
+    let report = w.stop();
     let t0 = Instant::now();
     while !c.status(leader).contains("role: secondary") {
         assert!(t0.elapsed() < Duration::from_secs(10), "the old leader did not step down: {}", c.status(leader));
@@ -824,8 +851,15 @@ fn cut_off_in_a_minority(c: Cluster) {
     assert_eq!(late, 0, "the old leader put {late} frames on its TAP after the new leader's first");
     // Back on the network, the old leader follows and is synchronized.
     c.topo.restore().unwrap();
+    let restored = cut.elapsed();
     assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other);
-    verify_all(&c, w);
+    eprintln!(
+        "links restored {} ms after the cut, protected again {} ms after that; {} writes acknowledged (the guest holds {GUEST_KEYS} keys)",
+        restored.as_millis(),
+        (cut.elapsed() - restored).as_millis(),
+        report.acked.len()
+    );
+    verify_report(&c, report);
 }
 
 /// Frames the VMM read from `tap0` of `host`: a TAP counts a frame as

@@ -84,6 +84,13 @@ pub struct Report {
 
 impl Writers {
     pub fn start(config: Config) -> io::Result<Writers> {
+        Writers::start_paced(config, Duration::ZERO)
+    }
+
+    /// As `start`, each connection sending a batch at most every `every`:
+    /// at most `connections * pipeline` writes per `every`, however fast
+    /// the server answers (a guest holds only so many keys).
+    pub fn start_paced(config: Config, every: Duration) -> io::Result<Writers> {
         let shared = Arc::new(Shared::default());
         let mut threads = Vec::new();
         for conn in 0..config.connections {
@@ -95,7 +102,7 @@ impl Writers {
                         return Vec::new();
                     }
                 }
-                write_loop(&config, conn, &shared)
+                write_loop(&config, conn, &shared, every)
             })?;
             threads.push(t);
         }
@@ -146,8 +153,9 @@ impl Drop for Writers {
 }
 
 /// One connection's writes until stopped; returns the acknowledged indices.
-fn write_loop(config: &Config, conn: u32, shared: &Shared) -> Vec<u64> {
+fn write_loop(config: &Config, conn: u32, shared: &Shared, every: Duration) -> Vec<u64> {
     let mut acked = Vec::new();
+    let mut next_batch = Instant::now();
     let mut next = 0u64;
     let mut client: Option<Client> = None;
     let mut batch = Vec::new();
@@ -163,6 +171,11 @@ fn write_loop(config: &Config, conn: u32, shared: &Shared) -> Vec<u64> {
                 }
             },
         };
+        let now = Instant::now();
+        if now < next_batch {
+            std::thread::sleep(next_batch - now);
+        }
+        next_batch = Instant::now() + every;
         batch.clear();
         let first = next;
         for i in first..first + config.pipeline as u64 {
