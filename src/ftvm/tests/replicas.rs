@@ -453,6 +453,15 @@ fn leader_kills(tag: &str, extra: &[&str], kills: u32) -> Cluster {
     leader_kills_in(Cluster::new(tag, extra), kills)
 }
 
+/// A killed leader whose VMM was gone (reaped) within this long of its
+/// SIGKILL had closed its links before raft's election timeout (200 ms at
+/// the least) could run out: the failure detection is judged on those
+/// kills. On a loaded host the kernel's teardown of a killed VMM (its
+/// exit waits for SRCU grace periods, in exit_mmap and kvm_destroy_vm,
+/// before the process's sockets close) took up to 7 s, and the election
+/// timeout ran out first.
+const PROMPT_EXIT: Duration = Duration::from_millis(150);
+
 /// `leader_kills` on a cluster just launched.
 fn leader_kills_in(mut c: Cluster, kills: u32) -> Cluster {
     let seed = std::env::var("FTVM_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::process::id() as u64);
@@ -462,19 +471,27 @@ fn leader_kills_in(mut c: Cluster, kills: u32) -> Cluster {
     let w = writers(&c, &format!("k{seed:x}"));
     wait_acked_beyond(&w, 0, &c, "start");
     let mut fallbacks = Vec::new();
+    // Kills whose VMM was gone within PROMPT_EXIT, and those of them after
+    // which the election timeout ran out first.
+    let (mut prompt, mut prompt_fallbacks) = (0, 0);
     let mut replayed = 0;
     let mut carried = 0;
     for round in 0..kills {
         std::thread::sleep(Duration::from_millis(rng.range(100, 1500)));
         let leader = c.wait_leader(true, Duration::from_secs(20));
         let other = 3 - leader;
+        let t = Instant::now();
         c.kill(leader);
+        let gone = t.elapsed();
         let acked = w.acked();
         assert_eq!(c.wait_leader(false, Duration::from_secs(10)), other, "round {round}: the secondary took over");
         // The election timeout stays the fallback: on a loaded host it can
-        // run out before the closed link is seen, now and then.
+        // run out before the closed link is seen, now and then, and does
+        // when the killed VMM takes longer than it to go.
+        prompt += u32::from(gone <= PROMPT_EXIT);
         let how = elected_on_detection(&c, other, &format!("started when leader {leader}'s link closed")).unwrap_or_else(|e| {
-            fallbacks.push(format!("round {round}: {e}"));
+            prompt_fallbacks += u32::from(gone <= PROMPT_EXIT);
+            fallbacks.push(format!("round {round}: VMM gone after {} ms; {e}", gone.as_millis()));
             e
         });
         wait_acked_beyond(&w, acked, &c, &format!("round {round}: after replica {leader} was killed"));
@@ -484,11 +501,17 @@ fn leader_kills_in(mut c: Cluster, kills: u32) -> Cluster {
         c.start(leader);
         // Protected again once the restarted replica was brought up to date.
         assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other, "round {round}");
-        eprintln!("round {round}: killed {leader}, {other} leads ({how}), sent {sent} recent frames, {} writes acknowledged", w.acked());
+        eprintln!(
+            "round {round}: killed {leader} (VMM gone after {} ms), {other} leads ({how}), sent {sent} recent frames, {} writes acknowledged",
+            gone.as_millis(),
+            w.acked()
+        );
     }
     let n = verify_all(&c, w);
     eprintln!(
-        "{kills} leader kills, {n} acknowledged writes, none lost; {} elections by the timeout; {replayed} frames replayed at takeovers, {carried} of them the old leader's",
+        "{kills} leader kills ({prompt} with the VMM gone within {} ms), {n} acknowledged writes (the guest holds {GUEST_KEYS} keys), none lost; \
+         {} elections by the timeout ({prompt_fallbacks} after a prompt kill); {replayed} frames replayed at takeovers, {carried} of them the old leader's",
+        PROMPT_EXIT.as_millis(),
         fallbacks.len()
     );
     // `--takeover-replay on` (the default): with 8 clients writing, the new
@@ -499,7 +522,13 @@ fn leader_kills_in(mut c: Cluster, kills: u32) -> Cluster {
     if !c.layout.extra.iter().any(|a| a == "--sync-output") {
         assert!(carried > 0, "no new leader sent the old leader's output of the last syncvm's epoch:\n{}", c.logs());
     }
-    assert!(fallbacks.len() * 2 <= kills as usize, "most new leaders did not stand on the failure detection: {fallbacks:?}\n{}", c.logs());
+    // (Under two busy loops about 70% of the kills were prompt: a test
+    // with none to judge, about one in 400, asserts nothing here.)
+    assert!(
+        prompt_fallbacks * 2 <= prompt,
+        "most new leaders after a prompt kill ({prompt_fallbacks} of {prompt}) did not stand on the failure detection: {fallbacks:?}\n{}",
+        c.logs()
+    );
     c
 }
 
