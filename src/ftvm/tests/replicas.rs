@@ -314,9 +314,10 @@ fn wait_acked_beyond(w: &Writers, n: u64, c: &Cluster, what: &str) {
     }
 }
 
-/// The kv guest's 64 MiB hold this many keys: one more grows its table to
-/// 2^19 buckets, an allocation of 29884432 bytes that fails (the guest
-/// panics). Writers at full speed reach it in about 12 s unprotected.
+/// The kv guest's 64 MiB hold this many keys: one more would grow its
+/// table to 2^19 buckets, 29884432 bytes the heap cannot give, so it
+/// refuses further writes with `-OOM` (it ended the guest before that
+/// check). Writers at full speed reach it in about 12 s unprotected.
 const GUEST_KEYS: usize = 229_376;
 
 fn verify_all(c: &Cluster, w: Writers) -> usize {
@@ -860,8 +861,9 @@ fn cut_off_in_a_minority(c: Cluster) {
     // off leader could still put out is its guest's own). Writers left
     // running through what follows, which took up to 18 s on a loaded host
     // (the step-down, the captures, the links restored, the rejoin), at up
-    // to 20k unprotected writes a second, filled the guest (GUEST_KEYS):
-    // it panicked, and no leader was protected again.
+    // to 20k unprotected writes a second, filled the guest (GUEST_KEYS;
+    // before its `-OOM` check it panicked, and no leader was protected
+    // again).
     let report = w.stop();
     let t0 = Instant::now();
     while !c.status(leader).contains("role: secondary") {
