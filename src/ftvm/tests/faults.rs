@@ -364,10 +364,18 @@ fn the_proxy_delays_holds_drops_and_cuts_each_direction() {
     let lossy = ok(&pings(&topo, 40));
     assert!((5..35).contains(&lossy), "{lossy} of 40 with half lost");
     proxy.set(Way::H1ToH2, Fault::None);
-    // Held frames go out, late, when the hold ends.
+    // Held frames go out, late, when the hold ends: 300 ms after the first
+    // ping is held (not after ping was started: on a loaded host its first
+    // echo request left 200 ms after, and was held only 97 ms).
     proxy.set(Way::H1ToH2, Fault::Hold);
+    let queued = proxy.counts(Way::H1ToH2).queued;
     let held = std::thread::scope(|s| {
         let h = s.spawn(|| pings(&topo, 2));
+        let t0 = Instant::now();
+        while proxy.counts(Way::H1ToH2).queued == queued && !h.is_finished() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no ping reached the proxy");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         std::thread::sleep(Duration::from_millis(300));
         proxy.set(Way::H1ToH2, Fault::None);
         h.join().unwrap()

@@ -74,6 +74,8 @@ pub struct Counts {
     pub dropped: u64,
     /// Forwarded under the spare rule ([`FaultProxy::spare_tcp_port`]).
     pub spared: u64,
+    /// Kept on arrival, held or delayed (then forwarded or dropped).
+    pub queued: u64,
 }
 
 #[derive(Default)]
@@ -81,6 +83,7 @@ struct Direction {
     forwarded: AtomicU64,
     dropped: AtomicU64,
     spared: AtomicU64,
+    queued: AtomicU64,
 }
 
 struct Shared {
@@ -210,6 +213,7 @@ impl FaultProxy {
             forwarded: d.forwarded.load(Ordering::SeqCst),
             dropped: d.dropped.load(Ordering::SeqCst),
             spared: d.spared.load(Ordering::SeqCst),
+            queued: d.queued.load(Ordering::SeqCst),
         }
     }
 }
@@ -337,7 +341,10 @@ fn forward(shared: &Shared, way: Way, mut from: File, mut to: File) {
                     stats.dropped.fetch_add(1, Ordering::Relaxed);
                 }
                 Fault::None | Fault::Loss(_) if queue.is_empty() => send(&mut to, frame),
-                _ => queue.push_back((Instant::now(), frame.to_vec())),
+                _ => {
+                    queue.push_back((Instant::now(), frame.to_vec()));
+                    stats.queued.fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
     }
