@@ -285,12 +285,25 @@ fn guest() -> SocketAddr {
     SocketAddr::new(GUEST_ADDR.parse().unwrap(), KV_PORT)
 }
 
+/// `writers_paced`'s writer connections send their 4 SETs at most this
+/// often: at most 3200 writes a second, so that the guest's GUEST_KEYS
+/// last over a minute of writes. Unpaced, a leader serving unprotected
+/// (while the killed replica goes, restarts and rejoins, which took 10 s
+/// and more on a loaded host) acknowledged 20k writes a second, and
+/// guests filled up within a test (180852 writes after the first of 5
+/// kills once).
+const WRITE_EVERY: Duration = Duration::from_millis(10);
+
 fn writers(c: &Cluster, prefix: &str) -> Writers {
-    writers_paced(c, prefix, Duration::ZERO)
+    writers_every(c, prefix, Duration::ZERO)
 }
 
-/// `writers`, each connection sending a batch at most every `every`.
-fn writers_paced(c: &Cluster, prefix: &str, every: Duration) -> Writers {
+/// Writers for the tests whose leaders may serve unprotected for long.
+fn writers_paced(c: &Cluster, prefix: &str) -> Writers {
+    writers_every(c, prefix, WRITE_EVERY)
+}
+
+fn writers_every(c: &Cluster, prefix: &str, every: Duration) -> Writers {
     Writers::start_paced(
         writers::Config {
             addr: guest(),
@@ -469,7 +482,7 @@ fn leader_kills_in(mut c: Cluster, kills: u32) -> Cluster {
     eprintln!("seed {seed} (FTVM_TEST_SEED)");
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     c.wait_leader(true, Duration::from_secs(30));
-    let w = writers(&c, &format!("k{seed:x}"));
+    let w = writers_paced(&c, &format!("k{seed:x}"));
     wait_acked_beyond(&w, 0, &c, "start");
     let mut fallbacks = Vec::new();
     // Kills whose VMM was gone within PROMPT_EXIT, and those of them after
@@ -840,10 +853,7 @@ fn cut_off_in_a_minority(c: Cluster) {
         Tcpdump::start(&c.topo, host(id), c.dir.path(), &format!("r{id}.tap.pcap"), &["-i", "tap0", "-Q", "in", "-s", "96"]).unwrap()
     };
     let taps = [tap(leader), tap(other)];
-    // At most 3200 writes a second, so that GUEST_KEYS last over a minute
-    // however long the steps before the writers stop take: once, on a
-    // loaded host, 221k writes were acknowledged by then at full speed.
-    let w = writers_paced(&c, "p", Duration::from_millis(10));
+    let w = writers_paced(&c, "p");
     wait_acked_beyond(&w, 0, &c, "start");
     std::thread::sleep(Duration::from_millis(500));
     c.topo.cut_host(host(leader)).unwrap();
@@ -914,7 +924,7 @@ fn a_following_replica_leaves_its_tap_unread_and_serves_after_takeover() {
     let leader = c.wait_leader(true, Duration::from_secs(30));
     let follower = 3 - leader;
     let host = if follower == 1 { "h1" } else { "h2" };
-    let w = writers(&c, "u");
+    let w = writers_paced(&c, "u");
     wait_acked_beyond(&w, 0, &c, "start");
     let out = c.topo.command("client", "cat").arg("/sys/class/net/eth0/address").output().unwrap();
     let client_mac = frames::parse_mac(&String::from_utf8_lossy(&out.stdout)).unwrap();
