@@ -1142,6 +1142,10 @@ fn reprotection_then_failover(topology: &str, extra: &[&str]) {
 
     // A new backup on the same address protects it again.
     let mut backup2 = start_backup(&topo, &dir, "backup2");
+    // Listening before `protect` tries it (for --connect-timeout-ms): in a
+    // loaded full run a new backup took over 5 s to get there, with two
+    // killed VMMs' KVM teardowns in the kernel.
+    wait_log(&mut backup2, "waiting for a primary", Duration::from_secs(60));
     let out = ftvm().args(["protect", "--api-socket"]).arg(&socket).args(["--backup", &backup_addr()]).output().unwrap();
     assert!(out.status.success(), "ftvm protect: {}", String::from_utf8_lossy(&out.stderr));
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));

@@ -133,6 +133,7 @@ impl Backup {
         let host = crate::fault::host_profile(ftvm_vmm::vm::host_cpu_profile()?);
         let status = StatusCell::new(Role::Backup);
         status.lock().detail = format!("waiting for a primary on {}", config.listen);
+        tracing::info!(listen = %config.listen, "waiting for a primary");
         Ok(Backup { config, listener, heartbeats, mirror, host, status })
     }
 
