@@ -607,13 +607,14 @@ impl Loop {
         }
         self.send(light.take_messages());
         self.flush();
+        // Before the entries go: the applier judges their terms by it.
+        let raft = &self.node.raft;
+        *self.view.locked() = View { term: raft.term, leader: raft.leader_id, is_leader: raft.state == StateRole::Leader };
         self.apply(committed)?;
         self.apply(light.take_committed_entries())?;
         self.apply_appended()?;
         self.node.advance_apply();
-        let raft = &self.node.raft;
-        *self.view.locked() = View { term: raft.term, leader: raft.leader_id, is_leader: raft.state == StateRole::Leader };
-        let applied = raft.raft_log.applied;
+        let applied = self.node.raft.raft_log.applied;
         if applied >= self.compacted + 2 * KEEP_ENTRIES {
             self.compacted = applied - KEEP_ENTRIES;
             let _ = store.wl().compact(self.compacted);

@@ -145,6 +145,8 @@ pub struct Shared {
     /// `syncvm` and its writes since are tracked (otherwise the next
     /// `syncvm` compares every page).
     in_step: AtomicBool,
+    /// This process acknowledged a leader's `syncvm` pages.
+    acknowledged: AtomicBool,
     /// `--predict-writes`: the pages its `syncvm`s leave writable.
     writes: Mutex<Writes>,
 }
@@ -351,6 +353,7 @@ impl Shared {
             acks,
             inputs,
             in_step: AtomicBool::new(false),
+            acknowledged: AtomicBool::new(false),
         }
     }
 }
@@ -436,6 +439,19 @@ impl Shared {
 
     /// This VM no longer matches what the leader released: it may not
     /// lead, and the next `syncvm` it takes part in compares every page.
+    /// Whether a `syncvm` naming this replica as the secondary is one its
+    /// leader has given up by now (a replica catching up from the log
+    /// meets many): waiting for its messages would pause the guest for
+    /// the step timeout each time. Its leader no longer leads when a
+    /// later term began; and a leader compares dirty pages (not `full`)
+    /// only with a secondary whose `syncvm` it saw succeed in its term,
+    /// which, when this process has acknowledged none, was an earlier
+    /// incarnation of this replica. Skipping one the leader does run
+    /// fails it there, which its next (full) `syncvm` repairs.
+    fn abandoned(&self, id: SyncId, full: bool) -> bool {
+        id.term < self.view.locked().term || (!full && !self.acknowledged.load(Ordering::SeqCst))
+    }
+
     fn out_of_step(&self) {
         self.current.store(false, Ordering::SeqCst);
         self.in_step.store(false, Ordering::SeqCst);
@@ -620,7 +636,14 @@ impl Applier {
                 if leader == self.shared.id {
                     self.lead_sync(id, secondary, full);
                 } else if secondary == self.shared.id {
-                    self.follow_sync(id, leader, full);
+                    if self.shared.abandoned(id, full) {
+                        // As after a failed one: the next comparison is
+                        // of every page.
+                        self.shared.in_step.store(false, Ordering::SeqCst);
+                        tracing::debug!(index, term, leader, "skipped a syncvm its leader no longer runs");
+                    } else {
+                        self.follow_sync(id, leader, full);
+                    }
                 } else {
                     // The leader released output this VM has no state for.
                     self.out_of_step();
@@ -909,6 +932,9 @@ impl Applier {
         // the execution the leader's state replaced.
         let result = sync::follow(&x, &s.vm, full || !s.in_step.load(Ordering::SeqCst), |output| s.recent.reset(output));
         s.in_step.store(result.is_ok(), Ordering::SeqCst);
+        if matches!(result, Ok(_) | Err(SyncError::Unusable(_))) {
+            s.acknowledged.store(true, Ordering::SeqCst);
+        }
         if result.is_ok() {
             // (A syncvm that failed before the acknowledgement changed
             // nothing: whatever this VM held, it holds.)
