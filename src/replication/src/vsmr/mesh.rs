@@ -43,6 +43,9 @@ const FRAME_LIMIT: u64 = 1 << 36;
 const QUEUE: usize = 4096;
 /// How long a dial may take before the message it carries is dropped.
 const DIAL_TIMEOUT: Duration = Duration::from_millis(200);
+/// A dialled link whose bytes go unacknowledged this long is dropped and
+/// dialled again at the next message (`TcpTransport::set_user_timeout`).
+const UNACKED_TIMEOUT: Duration = Duration::from_secs(2);
 /// The handshake of an accepted link must be complete within this long.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -417,6 +420,7 @@ impl Mesh {
 
 fn dial(addr: &str, auth: Option<&Auth>, me: PeerHello) -> Result<Box<dyn Transport>, ReplicationError> {
     let tcp = transport::connect(addr, DIAL_TIMEOUT)?;
+    tcp.set_user_timeout(UNACKED_TIMEOUT).map_err(ReplicationError::Send)?;
     let mut link: Box<dyn Transport> = match auth {
         Some(auth) => Box::new(AuthTransport::initiate(tcp, auth)?),
         None => Box::new(tcp),
