@@ -91,6 +91,9 @@ pub struct Routes {
     pub acks: Arc<Awaited>,
 }
 
+/// An accepted link: its number, and a handle to shut it down.
+type Accepted = (u64, Box<dyn Transport>);
+
 /// What is known of a peer from its links.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PeerInfo {
@@ -107,6 +110,12 @@ pub struct Mesh {
     /// Each peer's sender thread's queue: batches of frames, sent in order.
     senders: HashMap<u64, SyncSender<Vec<Vec<u8>>>>,
     peers: Mutex<HashMap<u64, PeerInfo>>,
+    /// Each peer's accepted link. A peer that dials again dropped the old
+    /// one (its bytes went unacknowledged: a partition), which would
+    /// otherwise keep its reader waiting for ever.
+    accepted: Mutex<HashMap<u64, Accepted>>,
+    /// Numbers the accepted links.
+    links: AtomicU64,
     /// Bytes this replica sent on its links (all kinds), for the metrics.
     sent: AtomicU64,
     /// Frames sent, likewise.
@@ -153,6 +162,8 @@ impl Mesh {
             me,
             senders,
             peers: Mutex::default(),
+            accepted: Mutex::default(),
+            links: AtomicU64::new(0),
             sent: AtomicU64::new(0),
             frames: AtomicU64::new(0),
             stop: AtomicBool::new(false),
@@ -339,6 +350,15 @@ impl Mesh {
             return tracing::warn!(%peer, id = hello.id, "refused a peer that is not in --peers");
         }
         let _ = link.set_recv_timeout(None);
+        let number = self.links.fetch_add(1, Ordering::Relaxed);
+        let old = match link.try_clone() {
+            Ok(handle) => self.accepted.locked().insert(hello.id, (number, handle)),
+            // (Then this link ends as any would, the peer lost.)
+            Err(_) => self.accepted.locked().remove(&hello.id),
+        };
+        if let Some((_, old)) = old {
+            old.shutdown();
+        }
         tracing::info!(%peer, id = hello.id, witness = hello.witness, "peer connected");
         if !hello.witness && !self.me.witness && hello.disk != self.me.disk {
             tracing::error!(
@@ -353,6 +373,13 @@ impl Mesh {
             let kind = match link.recv(FRAME_LIMIT, &mut buf) {
                 Ok(k) => k,
                 Err(e) => {
+                    let mut accepted = self.accepted.locked();
+                    if accepted.get(&hello.id).is_some_and(|(n, _)| *n != number) {
+                        // Replaced: the peer is on its new link.
+                        return tracing::debug!(id = hello.id, "a replaced peer link ended: {e}");
+                    }
+                    accepted.remove(&hello.id);
+                    drop(accepted);
                     match e {
                         ProtocolError::Closed => tracing::info!(id = hello.id, "peer link closed"),
                         e => tracing::warn!(id = hello.id, "peer link: {e}"),
@@ -455,6 +482,36 @@ mod tests {
 
     fn frame(tag: u8) -> Vec<u8> {
         protocol::frame(Kind::SyncBitmap, &[tag])
+    }
+
+    /// A link to `addr` that says it is replica `id`.
+    fn dial_as(addr: &str, id: u64) -> Box<dyn Transport> {
+        dial(addr, None, PeerHello { id, witness: false, standby: false, disk: 0 }).unwrap()
+    }
+
+    #[test]
+    fn a_peer_that_dials_again_replaces_its_old_link_without_counting_as_lost() {
+        let addrs: Vec<(u64, String)> = (1..=2).map(|i| (i, free_addr())).collect();
+        let (node1, at1) = node(1, false, &addrs, Duration::ZERO);
+        let wait = Duration::from_secs(20);
+        let mut old = dial_as(&addrs[0].1, 2);
+        old.send(&frame(1)).unwrap();
+        assert_eq!(at1.recv_timeout(wait).unwrap().payload, [1]);
+        let mut new = dial_as(&addrs[0].1, 2);
+        new.send(&frame(2)).unwrap();
+        assert_eq!(at1.recv_timeout(wait).unwrap().payload, [2]);
+        // The old one was shut down: its reader is gone, and its end of
+        // the connection reads the close.
+        old.set_recv_timeout(Some(wait)).unwrap();
+        let mut buf = Vec::new();
+        assert!(matches!(old.recv(FRAME_LIMIT, &mut buf), Err(ProtocolError::Closed)));
+        assert!(!node1.is_lost(2), "the replaced link's end made its peer look lost");
+        assert!(at1.try_recv().is_err(), "the replaced link's end reached the syncvm route");
+        // The current link's end does.
+        new.shutdown();
+        let notice = at1.recv_timeout(wait).unwrap();
+        assert!(notice.lost.is_some() && node1.is_lost(2));
+        node1.stop();
     }
 
     #[test]
