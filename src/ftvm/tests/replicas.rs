@@ -608,11 +608,7 @@ fn a_stalled_leader_is_replaced_once_silent_past_the_failure_timeout() {
     c.procs[(leader - 1) as usize].as_mut().unwrap().signal(libc::SIGSTOP).unwrap();
     let acked = w.acked();
     // (The stopped replica does not answer `ftvm status`.)
-    let t0 = Instant::now();
-    while !c.status(other).contains("role: leader") {
-        assert!(t0.elapsed() < Duration::from_secs(10), "the secondary did not take over from the stalled leader:\n{}", c.logs());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_status(&c, other, &["role: leader"], Duration::from_secs(10), "the secondary did not take over from the stalled leader");
     let how = elected_on_detection(&c, other, &format!("started when leader {leader} was silent past the failure timeout"))
         .unwrap_or_else(|e| panic!("{e}\n{}", c.logs()));
     assert!(elected(&c, other).0 > before, "elected before the stall: {how}");
@@ -621,11 +617,7 @@ fn a_stalled_leader_is_replaced_once_silent_past_the_failure_timeout() {
     c.procs[(leader - 1) as usize].as_mut().unwrap().signal(libc::SIGCONT).unwrap();
     // It says it leads until it finds the newer term (and a syncvm it was
     // running times out).
-    let t0 = Instant::now();
-    while !c.status(leader).contains("role: secondary") {
-        assert!(t0.elapsed() < Duration::from_secs(10), "the resumed old leader did not step down: {}", c.status(leader));
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_status(&c, leader, &["role: secondary"], Duration::from_secs(10), "the resumed old leader did not step down");
     assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other, "the resumed old leader became the secondary");
     let n = verify_all(&c, w);
     eprintln!("replica {other} took over ({how}); {n} acknowledged writes, none lost");
@@ -799,11 +791,7 @@ fn a_leader_whose_uncommitted_input_is_replaced_is_synchronized_again() {
     };
     address("del");
     frames::send_on(&c.topo.ns(host), "tap0", echoes).unwrap();
-    let t0 = Instant::now();
-    while !c.status(new).contains("role: leader") {
-        assert!(t0.elapsed() < Duration::from_secs(20), "replica {new} and the witness did not elect {new}:\n{}", c.logs());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_status(&c, new, &["role: leader"], Duration::from_secs(20), &format!("replica {new} and the witness did not elect {new}"));
     let syncs_before = c.metrics(old).len();
     address("add");
     c.topo.forget_guest().unwrap();
@@ -813,11 +801,7 @@ fn a_leader_whose_uncommitted_input_is_replaced_is_synchronized_again() {
         assert!(t0.elapsed() < Duration::from_secs(20), "the old leader's entries were not replaced:\n{}", c.logs());
         std::thread::sleep(Duration::from_millis(50));
     }
-    let t0 = Instant::now();
-    while !c.status(new).contains("protected: yes") {
-        assert!(t0.elapsed() < Duration::from_secs(30), "{new} not protected again:\n{}", c.logs());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_status(&c, new, &["protected: yes"], Duration::from_secs(30), &format!("{new} not protected again"));
     let first = c.metrics(old).iter().skip(syncs_before).find(|m| m["role"] == "secondary" && m["ok"] == true).cloned();
     assert_eq!(first.as_ref().map(|m| m["full"] == true), Some(true), "the old leader's first syncvm as secondary: {first:?}");
     verify_all(&c, w);
@@ -863,11 +847,7 @@ fn cut_off_in_a_minority(c: Cluster) {
     let cut = Instant::now();
     let acked = w.acked();
     // (The old leader says it leads until it finds it lost its majority.)
-    let t0 = Instant::now();
-    while !c.status(other).contains("role: leader") {
-        assert!(t0.elapsed() < Duration::from_secs(10), "the other VM replica and the witness did not elect it:\n{}", c.logs());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_status(&c, other, &["role: leader"], Duration::from_secs(10), "the other VM replica and the witness did not elect it");
     c.topo.forget_guest().unwrap();
     wait_acked_beyond(&w, acked, &c, "after the leader was cut off");
     // The new leader serves: the writes have done their part (what the cut
@@ -878,11 +858,7 @@ fn cut_off_in_a_minority(c: Cluster) {
     // before its `-OOM` check it panicked, and no leader was protected
     // again).
     let report = w.stop();
-    let t0 = Instant::now();
-    while !c.status(leader).contains("role: secondary") {
-        assert!(t0.elapsed() < Duration::from_secs(10), "the old leader did not step down: {}", c.status(leader));
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_status(&c, leader, &["role: secondary"], Duration::from_secs(10), "the old leader did not step down");
     std::thread::sleep(Duration::from_millis(500));
     let [old, new] = taps.map(|t| t.finish().unwrap());
     let mac: [u8; 6] = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
@@ -1044,7 +1020,7 @@ fn restarted_secondary(tag: &str, policy: &str, extra: &[&str]) {
     // With pause: the capture's window in which the guest must be silent.
     let mut silent = None;
     if pause {
-        wait_status(&c, leader, "state: paused");
+        wait_status(&c, leader, &["state: paused"], Duration::from_secs(10), "the leader did not pause");
         let st = c.status(leader);
         assert!(st.contains("protected: no") && st.contains("PAUSED: no synchronized secondary (--on-secondary-loss pause)"), "{st}");
         // (Replies already on their way when it paused land first.)
@@ -1091,7 +1067,7 @@ fn restarted_secondary(tag: &str, policy: &str, extra: &[&str]) {
     if pause {
         // Alone with the witness, the new leader pauses in turn until the
         // killed replica is back and synchronized.
-        wait_status(&c, other, "state: paused");
+        wait_status(&c, other, &["state: paused"], Duration::from_secs(10), "the new leader did not pause");
         c.start(leader);
         assert_eq!(c.wait_leader(true, Duration::from_secs(30)), other, "the new leader is protected");
         assert_eq!(barriers(&c, other), 0, "the new leader released output after barriers");
@@ -1109,11 +1085,16 @@ fn restarted_secondary(tag: &str, policy: &str, extra: &[&str]) {
     eprintln!("{n} acknowledged writes, none lost");
 }
 
-/// Wait until replica `id`'s `ftvm status` says `what`.
-fn wait_status(c: &Cluster, id: u64, what: &str) {
+/// Wait until replica `id`'s `ftvm status` says each of `says`; `what`
+/// is how a timeout reads.
+fn wait_status(c: &Cluster, id: u64, says: &[&str], within: Duration, what: &str) {
     let t0 = Instant::now();
-    while !c.status(id).contains(what) {
-        assert!(t0.elapsed() < Duration::from_secs(10), "replica {id} never said `{what}`: {}\n{}", c.status(id), c.logs());
+    loop {
+        let st = c.status(id);
+        if says.iter().all(|s| st.contains(s)) {
+            return;
+        }
+        assert!(t0.elapsed() < within, "{what}: replica {id} never said {says:?} in {within:?}: {st}\n{}", c.logs());
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -1172,11 +1153,7 @@ fn standby_replaces(tag: &str, policy: &str) {
     wait_acked_beyond(&w, acked, &c, "after the secondary was killed");
     eprintln!("{policy}: the first write acknowledged {:?} after the secondary's kill", lost.elapsed());
     // Protected again, by the witness.
-    let t0 = Instant::now();
-    while !(c.status(leader).contains("secondary 3") && c.status(leader).contains("protected: yes")) {
-        assert!(t0.elapsed() < Duration::from_secs(30), "the witness did not become the secondary: {}\n{}", c.status(leader), c.logs());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_status(&c, leader, &["secondary 3", "protected: yes"], Duration::from_secs(30), "the witness did not become the secondary");
     let (precopied, _) = rejoin_figures(&c, leader, 3);
     assert!(precopied > 0, "the witness got no pre-copy");
     // The killed replica comes back (a voter: without it the witness
@@ -1218,24 +1195,17 @@ fn a_replica_restarted_under_a_new_leader_skips_the_old_terms_syncvms() {
     wait_acked_beyond(&w, 0, &c, "start");
     std::thread::sleep(Duration::from_millis(500));
     c.kill(other);
-    let t0 = Instant::now();
-    while !(c.status(leader).contains("secondary 3") && c.status(leader).contains("protected: yes")) {
-        assert!(t0.elapsed() < Duration::from_secs(30), "the witness did not become the secondary: {}\n{}", c.status(leader), c.logs());
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_status(&c, leader, &["secondary 3", "protected: yes"], Duration::from_secs(30), "the witness did not become the secondary");
     c.procs[(leader - 1) as usize].as_mut().unwrap().signal(libc::SIGSTOP).unwrap();
     let acked = w.acked();
     c.start(other);
-    let t0 = Instant::now();
-    while !(c.status(3).contains("role: leader") && c.status(3).contains(&format!("secondary {other}"))) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the former witness did not lead with the restarted replica as its secondary: {}\n{}",
-            c.status(3),
-            c.logs()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_status(
+        &c,
+        3,
+        &["role: leader", format!("secondary {other}").as_str()],
+        Duration::from_secs(30),
+        "the former witness did not lead with the restarted replica as its secondary",
+    );
     c.topo.forget_guest().unwrap();
     wait_acked_beyond(&w, acked, &c, "after the leader stopped");
     c.kill(leader);
