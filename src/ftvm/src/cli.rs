@@ -426,6 +426,13 @@ pub struct ReplicaArgs {
     /// it; off, one send per message and a read per part of each frame.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub link_batch: ftvm_replication::vsmr::tuning::LinkBatch,
+    /// Who writes a message to a peer's link: on, the thread that sends it
+    /// (consensus, applier) when nothing is queued for that peer before
+    /// it, the link is up and idle, and its socket has room (the write
+    /// cannot block); otherwise, and always with off, the link's sender
+    /// thread (one thread wake-up more per message).
+    #[arg(long, default_value = "off", value_name = "off|on")]
+    pub link_direct: ftvm_replication::vsmr::tuning::LinkDirect,
     /// Write-fault prediction on each VM replica: at each syncvm, leave the
     /// pages its guest is likely to write again writable (no tracked first
     /// write for them); they are then compared at every syncvm, written or

@@ -377,7 +377,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_block_patches() {
 /// input frame (`--input-batch off`), the next `syncvm` proposed while the
 /// previous one awaits its acknowledgement (`--sync-pipeline on`: the
 /// link thread's releases in order), one `send` per message on the links
-/// (`--link-batch off`), every page the guests write re-protected at each
+/// (`--link-batch off`), written by the thread that sends them where the
+/// link is idle (`--link-direct on`), every page the guests write re-protected at each
 /// `syncvm` (`--predict-writes off`), the witness sent every message at
 /// once (`--witness-linger-us 0`), the leader's guest given its input once
 /// committed (`--leader-apply commit`), no output carried in `syncvm`s
@@ -405,6 +406,8 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_
         "on",
         "--link-batch",
         "off",
+        "--link-direct",
+        "on",
         "--predict-writes",
         "off",
         "--witness-linger-us",

@@ -16,7 +16,7 @@
 
 use std::collections::HashMap;
 use std::net::TcpListener;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -27,7 +27,7 @@ use ftvm_vmm::sync::Lock;
 
 use super::node::Event;
 use super::release::Awaited;
-use super::tuning::LinkBatch;
+use super::tuning::{LinkBatch, LinkDirect};
 use crate::pipeline::transport::{self, Auth, AuthTransport, Transport};
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::ReplicationError;
@@ -91,6 +91,30 @@ pub struct Routes {
     pub acks: Arc<Awaited>,
 }
 
+/// One peer's outgoing side: its sender thread's queue (batches of frames,
+/// sent in order) and the link, which with `--link-direct on` the thread
+/// that sends a message may also write itself.
+struct Outgoing {
+    queue: SyncSender<Vec<Vec<u8>>>,
+    link: Mutex<Option<Box<dyn Transport>>>,
+    /// Frames queued that the sender thread has not yet sent or dropped:
+    /// none may be overtaken.
+    queued: AtomicUsize,
+}
+
+/// What a frame may add to its size on the link beyond its bytes (a seal
+/// with `--secret-file`), for `Mesh::send_now`'s room check.
+const FRAME_SLACK: usize = 128;
+
+/// The links' switches.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LinkOptions {
+    pub batch: LinkBatch,
+    pub direct: LinkDirect,
+    /// `--witness-linger-us` (zero: off).
+    pub linger: Duration,
+}
+
 /// An accepted link: its number, and a handle to shut it down.
 type Accepted = (u64, Box<dyn Transport>);
 
@@ -107,8 +131,10 @@ pub struct PeerInfo {
 
 pub struct Mesh {
     me: PeerHello,
-    /// Each peer's sender thread's queue: batches of frames, sent in order.
-    senders: HashMap<u64, SyncSender<Vec<Vec<u8>>>>,
+    /// Each peer's outgoing side.
+    out: HashMap<u64, Arc<Outgoing>>,
+    /// `--link-direct`.
+    direct: LinkDirect,
     peers: Mutex<HashMap<u64, PeerInfo>>,
     /// Each peer's accepted link. A peer that dials again dropped the old
     /// one (its bytes went unacknowledged: a partition), which would
@@ -147,20 +173,22 @@ impl Mesh {
         peers: &[(u64, String)],
         auth: Option<Auth>,
         routes: Routes,
-        batch: LinkBatch,
-        linger: Duration,
+        options: LinkOptions,
     ) -> Result<Arc<Mesh>, ReplicationError> {
+        let LinkOptions { batch, direct, linger } = options;
         let listener = TcpListener::bind(listen).map_err(|err| ReplicationError::Listen { addr: listen.into(), err })?;
-        let mut senders = HashMap::new();
+        let mut out = HashMap::new();
         let mut queues = Vec::new();
         for (id, addr) in peers {
-            let (tx, rx) = mpsc::sync_channel(QUEUE);
-            senders.insert(*id, tx);
-            queues.push((*id, addr.clone(), rx));
+            let (queue, rx) = mpsc::sync_channel(QUEUE);
+            let o = Arc::new(Outgoing { queue, link: Mutex::new(None), queued: AtomicUsize::new(0) });
+            out.insert(*id, o.clone());
+            queues.push((*id, addr.clone(), o, rx));
         }
         let mesh = Arc::new(Mesh {
             me,
-            senders,
+            out,
+            direct,
             peers: Mutex::default(),
             accepted: Mutex::default(),
             links: AtomicU64::new(0),
@@ -170,11 +198,11 @@ impl Mesh {
             linger,
             lingering: AtomicBool::new(false),
         });
-        for (id, addr, rx) in queues {
+        for (id, addr, out, rx) in queues {
             let (mesh, auth) = (mesh.clone(), auth.clone());
             std::thread::Builder::new()
                 .name(format!("peer-tx-{id}"))
-                .spawn(move || mesh.send_loop(id, &addr, auth.as_ref(), rx, batch))
+                .spawn(move || mesh.send_loop(id, &addr, auth.as_ref(), &out, rx, batch))
                 .map_err(ReplicationError::Thread)?;
         }
         let m = mesh.clone();
@@ -209,9 +237,57 @@ impl Mesh {
         if frames.is_empty() {
             return true;
         }
-        match self.senders.get(&to).map(|s| s.try_send(frames)) {
-            Some(Ok(())) => true,
-            Some(Err(TrySendError::Full(_))) | Some(Err(TrySendError::Disconnected(_))) | None => false,
+        let Some(out) = self.out.get(&to) else { return false };
+        if self.direct == LinkDirect::On && !self.lingers_for(to) {
+            if let Some(sent) = self.send_now(to, out, &frames) {
+                return sent;
+            }
+        }
+        let n = frames.len();
+        out.queued.fetch_add(n, Ordering::SeqCst);
+        match out.queue.try_send(frames) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                out.queued.fetch_sub(n, Ordering::SeqCst);
+                false
+            }
+        }
+    }
+
+    /// `--link-direct on`: write `frames` to the peer's link from this
+    /// thread, if nothing queued is still to go before them, the link is
+    /// up and no other thread writes it, and its socket has room for them
+    /// (the write does not block the caller). None when not (they are
+    /// queued for the sender thread); else whether they went (a failed
+    /// write drops the link, which the sender thread dials again).
+    fn send_now(&self, id: u64, out: &Outgoing, frames: &[Vec<u8>]) -> Option<bool> {
+        if frames.len() > transport::BATCH_FRAMES || out.queued.load(Ordering::SeqCst) != 0 {
+            return None;
+        }
+        let mut link = out.link.try_lock().ok()?;
+        // (The sender thread counts what it took off only after writing it,
+        // under this lock: nothing queued is overtaken.)
+        if out.queued.load(Ordering::SeqCst) != 0 {
+            return None;
+        }
+        let l = link.as_mut()?;
+        let bytes: usize = frames.iter().map(Vec::len).sum();
+        if l.room()? < bytes + FRAME_SLACK * frames.len() {
+            return None;
+        }
+        let batch: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+        match l.send_batch(&batch) {
+            Ok(()) => {
+                self.sent.fetch_add(bytes as u64, Ordering::Relaxed);
+                self.frames.fetch_add(frames.len() as u64, Ordering::Relaxed);
+                Some(true)
+            }
+            Err(e) => {
+                tracing::debug!(peer = id, "link lost: {e}");
+                l.shutdown();
+                *link = None;
+                Some(false)
+            }
         }
     }
 
@@ -253,12 +329,11 @@ impl Mesh {
         !self.linger.is_zero() && self.lingering.load(Ordering::Relaxed) && self.peers.locked().get(&id).is_some_and(|p| p.witness)
     }
 
-    fn send_loop(&self, id: u64, addr: &str, auth: Option<&Auth>, rx: Receiver<Vec<Vec<u8>>>, batch: LinkBatch) {
+    fn send_loop(&self, id: u64, addr: &str, auth: Option<&Auth>, out: &Outgoing, rx: Receiver<Vec<Vec<u8>>>, batch: LinkBatch) {
         let most = match batch {
             LinkBatch::On => transport::BATCH_FRAMES,
             LinkBatch::Off => 1,
         };
-        let mut link: Option<Box<dyn Transport>> = None;
         let mut frames: Vec<Vec<u8>> = Vec::with_capacity(most);
         // The last send took all it could: more is queued, no lingering.
         let mut full = false;
@@ -287,35 +362,41 @@ impl Mesh {
                     Err(_) => break,
                 }
             }
-            if link.is_none() {
-                match dial(addr, auth, self.me) {
-                    Ok(l) => link = Some(l),
-                    Err(e) => {
-                        tracing::debug!(peer = id, frames = frames.len(), "cannot reach peer: {e}");
-                        frames.clear();
-                        continue;
-                    }
-                }
-            }
-            let Some(l) = link.as_mut() else { continue };
             full = frames.len() >= most;
-            // At most `most` frames per system call (one with `off`).
-            for chunk in frames.chunks(most) {
-                let batch: Vec<&[u8]> = chunk.iter().map(Vec::as_slice).collect();
-                match l.send_batch(&batch) {
-                    Ok(()) => {
-                        self.sent.fetch_add(batch.iter().map(|f| f.len() as u64).sum(), Ordering::Relaxed);
-                        self.frames.fetch_add(batch.len() as u64, Ordering::Relaxed);
-                    }
-                    Err(e) => {
-                        tracing::debug!(peer = id, "link lost: {e}");
-                        l.shutdown();
-                        link = None;
-                        break;
-                    }
+            self.write_out(id, addr, auth, out, &frames, most);
+            // Only now: a direct sender waits until these went.
+            out.queued.fetch_sub(frames.len(), Ordering::SeqCst);
+            frames.clear();
+        }
+    }
+
+    /// The sender thread's write of `frames` (dialling first if the link
+    /// is down), at most `most` per system call (one with `--link-batch
+    /// off`); they are dropped if the peer cannot be reached or the link
+    /// breaks.
+    fn write_out(&self, id: u64, addr: &str, auth: Option<&Auth>, out: &Outgoing, frames: &[Vec<u8>], most: usize) {
+        let mut link = out.link.locked();
+        if link.is_none() {
+            match dial(addr, auth, self.me) {
+                Ok(l) => *link = Some(l),
+                Err(e) => return tracing::debug!(peer = id, frames = frames.len(), "cannot reach peer: {e}"),
+            }
+        }
+        let Some(l) = link.as_mut() else { return };
+        for chunk in frames.chunks(most) {
+            let batch: Vec<&[u8]> = chunk.iter().map(Vec::as_slice).collect();
+            match l.send_batch(&batch) {
+                Ok(()) => {
+                    self.sent.fetch_add(batch.iter().map(|f| f.len() as u64).sum(), Ordering::Relaxed);
+                    self.frames.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::debug!(peer = id, "link lost: {e}");
+                    l.shutdown();
+                    *link = None;
+                    return;
                 }
             }
-            frames.clear();
         }
     }
 
@@ -346,7 +427,7 @@ impl Mesh {
             Ok(h) => h,
             Err(e) => return tracing::warn!(%peer, "peer link: bad PeerHello: {e}"),
         };
-        if hello.id == self.me.id || !self.senders.contains_key(&hello.id) {
+        if hello.id == self.me.id || !self.out.contains_key(&hello.id) {
             return tracing::warn!(%peer, id = hello.id, "refused a peer that is not in --peers");
         }
         let _ = link.set_recv_timeout(None);
@@ -473,15 +554,59 @@ mod tests {
     }
 
     fn node(id: u64, witness: bool, addrs: &[(u64, String)], linger: Duration) -> (Arc<Mesh>, Receiver<Inbound>) {
+        node_with(id, witness, addrs, LinkOptions { batch: LinkBatch::On, direct: LinkDirect::Off, linger })
+    }
+
+    fn node_with(id: u64, witness: bool, addrs: &[(u64, String)], options: LinkOptions) -> (Arc<Mesh>, Receiver<Inbound>) {
         let listen = addrs.iter().find(|(i, _)| *i == id).unwrap().1.clone();
         let others: Vec<(u64, String)> = addrs.iter().filter(|(i, _)| *i != id).cloned().collect();
         let (routes, inbox) = routes();
         let hello = PeerHello { id, witness, standby: false, disk: 0 };
-        (Mesh::start(hello, &listen, &others, None, routes, LinkBatch::On, linger).unwrap(), inbox)
+        (Mesh::start(hello, &listen, &others, None, routes, options).unwrap(), inbox)
     }
 
     fn frame(tag: u8) -> Vec<u8> {
         protocol::frame(Kind::SyncBitmap, &[tag])
+    }
+
+    /// `--link-direct on`: messages sent from two threads at once, each
+    /// in turn written directly or queued for the sender thread (the first
+    /// ones while the link is being dialled, later ones whenever the
+    /// socket or the link is busy), arrive complete and each thread's in
+    /// the order it sent them.
+    #[test]
+    fn direct_and_queued_sends_keep_each_senders_order() {
+        let addrs: Vec<(u64, String)> = (1..=2).map(|i| (i, free_addr())).collect();
+        let options = LinkOptions { batch: LinkBatch::On, direct: LinkDirect::On, linger: Duration::ZERO };
+        let (sender, _) = node_with(1, false, &addrs, options);
+        let (_receiver, inbox) = node_with(2, false, &addrs, options);
+        const EACH: u32 = 20_000;
+        let threads: Vec<_> = (0..2u8)
+            .map(|t| {
+                let sender = sender.clone();
+                std::thread::spawn(move || {
+                    for i in 0..EACH {
+                        let mut body = vec![t];
+                        body.extend_from_slice(&i.to_le_bytes());
+                        // A full queue drops (as for raft's messages): retry.
+                        while !sender.send(2, protocol::frame(Kind::SyncBitmap, &body)) {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut next = [0u32; 2];
+        while next != [EACH; 2] {
+            let m = inbox.recv_timeout(Duration::from_secs(20)).expect("a message went missing");
+            let (t, i) = (m.payload[0] as usize, u32::from_le_bytes(m.payload[1..5].try_into().unwrap()));
+            assert_eq!(i, next[t], "thread {t}'s messages out of order");
+            next[t] += 1;
+        }
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        let (_, frames) = sender.take_sent();
+        assert_eq!(frames, 2 * EACH as u64);
+        sender.stop();
     }
 
     /// A link to `addr` that says it is replica `id`.

@@ -38,7 +38,7 @@ use crate::metrics::{MetricsLog, Role, StatusCell};
 use crate::output::DiskJournal;
 use crate::pipeline::transport::Auth;
 use crate::ReplicationError;
-use mesh::{Mesh, PeerHello, Routes};
+use mesh::{LinkOptions, Mesh, PeerHello, Routes};
 use node::{Committed, NodeConfig, View};
 
 /// One `syncvm` as a replica records it (`--metrics`, `ftvm status`).
@@ -246,8 +246,7 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
         &others,
         config.auth.clone(),
         routes,
-        config.tuning.link_batch,
-        config.tuning.witness_linger,
+        LinkOptions { batch: config.tuning.link_batch, direct: config.tuning.link_direct, linger: config.tuning.witness_linger },
     )?;
     let (committed_tx, committed_rx) = mpsc::channel();
     let view = Arc::new(Mutex::new(View::default()));

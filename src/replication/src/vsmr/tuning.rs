@@ -182,6 +182,21 @@ switch! {
     }
 }
 
+switch! {
+    /// `--link-direct`: who writes a message to a peer's link.
+    pub enum LinkDirect {
+        /// The peer's sender thread, always (one wake-up of it per
+        /// message or round).
+        Off = "off",
+        /// The thread that sends it (the consensus thread, the applier),
+        /// when nothing is queued for the peer before it, the link is up
+        /// and not being written, and its socket has room for it (so the
+        /// write does not block); otherwise the sender thread. A
+        /// message's path loses a thread wake-up.
+        On = "on",
+    }
+}
+
 /// The switches together.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Tuning {
@@ -195,6 +210,7 @@ pub struct Tuning {
     pub input_batch: InputBatch,
     pub sync_pipeline: SyncPipeline,
     pub link_batch: LinkBatch,
+    pub link_direct: LinkDirect,
     /// `--predict-writes` (`writes`).
     pub predict_writes: crate::pipeline::predict::Mode,
     /// `--leader-apply`.

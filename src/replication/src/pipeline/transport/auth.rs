@@ -465,6 +465,11 @@ impl<T: Transport> Transport for AuthTransport<T> {
         self.inner.shutdown();
     }
 
+    /// (Each frame then takes its seal too.)
+    fn room(&self) -> Option<usize> {
+        self.inner.room()
+    }
+
     fn peer(&self) -> String {
         self.inner.peer()
     }

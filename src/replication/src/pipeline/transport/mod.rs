@@ -66,6 +66,11 @@ pub trait Transport: Send {
     fn heartbeat_keys(&self) -> Option<liveness::Keys> {
         None
     }
+    /// Bytes a send could take now without blocking, if the transport
+    /// knows.
+    fn room(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl Transport for Box<dyn Transport> {
@@ -107,5 +112,9 @@ impl Transport for Box<dyn Transport> {
 
     fn heartbeat_keys(&self) -> Option<liveness::Keys> {
         (**self).heartbeat_keys()
+    }
+
+    fn room(&self) -> Option<usize> {
+        (**self).room()
     }
 }

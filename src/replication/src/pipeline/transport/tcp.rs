@@ -195,6 +195,27 @@ impl Transport for TcpTransport {
     fn observe(&mut self, pulse: Arc<Pulse>) {
         self.pulse = Some(pulse);
     }
+
+    /// Half the send buffer (the kernel counts its bookkeeping in
+    /// SO_SNDBUF, which it sets to twice what is asked) less what is
+    /// queued in it, unsent or unacknowledged.
+    fn room(&self) -> Option<usize> {
+        let fd = self.stream.as_raw_fd();
+        let mut queued: libc::c_int = 0;
+        // SAFETY: TIOCOUTQ (SIOCOUTQ) on this stream's open descriptor
+        // writes one c_int, into `queued`.
+        if unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut queued) } != 0 {
+            return None;
+        }
+        let mut size: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: SO_SNDBUF is a c_int; `len` says how many bytes `size` has.
+        let rc = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, (&mut size as *mut libc::c_int).cast(), &mut len) };
+        if rc != 0 {
+            return None;
+        }
+        usize::try_from(size / 2 - queued).ok()
+    }
 }
 
 #[cfg(test)]
