@@ -265,8 +265,9 @@ impl Mesh {
             return None;
         }
         let mut link = out.link.try_lock().ok()?;
-        // (The sender thread counts what it took off only after writing it,
-        // under this lock: nothing queued is overtaken.)
+        // (The sender thread lowers the count only once it wrote what it
+        // took off: zero, with the lock held, means nothing queued is
+        // still to go.)
         if out.queued.load(Ordering::SeqCst) != 0 {
             return None;
         }
