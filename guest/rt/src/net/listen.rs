@@ -9,7 +9,6 @@
 //! (buffers included) instead of being freed and reallocated.
 
 use alloc::collections::{BTreeSet, VecDeque};
-use alloc::vec;
 use alloc::vec::Vec;
 
 use smoltcp::iface::{SocketHandle, SocketSet};
@@ -54,6 +53,14 @@ pub(crate) struct Listener {
     /// False once closed: no socket listens, and the listener is gone when
     /// its last connection is released and reset.
     open: bool,
+}
+
+/// `len` zero bytes, or None when the heap has no room for them.
+fn zeroed(len: usize) -> Option<Vec<u8>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).ok()?;
+    v.resize(len, 0);
+    Some(v)
 }
 
 fn tcp<'a>(sockets: &'a mut SocketSet<'static>, h: SocketHandle) -> &'a mut tcp::Socket<'static> {
@@ -140,9 +147,12 @@ impl Listener {
             }
         }
         while self.open && listening < self.config.backlog && self.total() < self.config.max_conns {
-            let rx = tcp::SocketBuffer::new(vec![0u8; self.config.rx_buffer]);
-            let tx = tcp::SocketBuffer::new(vec![0u8; self.config.tx_buffer]);
-            let mut s = tcp::Socket::new(rx, tx);
+            // A full heap leaves fewer sockets listening (later SYNs are
+            // refused) instead of ending the guest.
+            let (Some(rx), Some(tx)) = (zeroed(self.config.rx_buffer), zeroed(self.config.tx_buffer)) else {
+                return;
+            };
+            let mut s = tcp::Socket::new(tcp::SocketBuffer::new(rx), tcp::SocketBuffer::new(tx));
             s.set_nagle_enabled(!self.config.nodelay);
             if s.listen(self.config.port).is_err() {
                 // Only a zero port fails, which Stack::listen refuses.
