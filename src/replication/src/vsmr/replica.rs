@@ -437,8 +437,6 @@ impl Shared {
         }
     }
 
-    /// This VM no longer matches what the leader released: it may not
-    /// lead, and the next `syncvm` it takes part in compares every page.
     /// Whether a `syncvm` naming this replica as the secondary is one its
     /// leader has given up by now (a replica catching up from the log
     /// meets many): waiting for its messages would pause the guest for
@@ -452,6 +450,8 @@ impl Shared {
         id.term < self.view.locked().term || (!full && !self.acknowledged.load(Ordering::SeqCst))
     }
 
+    /// This VM no longer matches what the leader released: it may not
+    /// lead, and the next `syncvm` it takes part in compares every page.
     fn out_of_step(&self) {
         self.current.store(false, Ordering::SeqCst);
         self.in_step.store(false, Ordering::SeqCst);
