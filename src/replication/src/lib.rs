@@ -17,6 +17,7 @@ pub mod output;
 pub mod pipeline;
 pub mod primary;
 pub mod protocol;
+mod sockopt;
 pub mod telemetry;
 #[cfg(test)]
 mod test_util;

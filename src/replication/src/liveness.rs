@@ -45,6 +45,7 @@ use ftvm_vmm::seccomp;
 
 use crate::metrics::Role;
 use crate::protocol::PROTOCOL_VERSION;
+use crate::sockopt;
 
 /// Default of `--heartbeat-ms`.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(5);
@@ -219,24 +220,12 @@ pub fn bind_backup(listen: SocketAddr) -> io::Result<UdpSocket> {
 /// Mark heartbeats urgent: the host's highest unprivileged queueing
 /// priority, and DSCP EF (expedited forwarding) on the network. Best effort.
 fn prioritize(socket: &UdpSocket) {
-    let set = |level, name, value: libc::c_int| {
-        // SAFETY: setsockopt on a socket this process owns, with a pointer to
-        // an int that lives across the call and its correct length.
-        unsafe {
-            libc::setsockopt(
-                socket.as_raw_fd(),
-                level,
-                name,
-                (&value as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        }
-    };
-    set(libc::SOL_SOCKET, libc::SO_PRIORITY, 6);
-    match socket.local_addr() {
+    let set = |level, name, value| sockopt::set(socket.as_raw_fd(), level, name, value);
+    let _ = set(libc::SOL_SOCKET, libc::SO_PRIORITY, 6);
+    let _ = match socket.local_addr() {
         Ok(SocketAddr::V4(_)) => set(libc::IPPROTO_IP, libc::IP_TOS, 0xb8),
         Ok(SocketAddr::V6(_)) => set(libc::IPPROTO_IPV6, libc::IPV6_TCLASS, 0xb8),
-        Err(_) => 0,
+        Err(_) => Ok(()),
     };
 }
 

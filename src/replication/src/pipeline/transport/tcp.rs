@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use super::Transport;
 use crate::liveness::Pulse;
 use crate::protocol::{self, Kind, ProtocolError};
+use crate::sockopt;
 use crate::ReplicationError;
 
 /// Bytes read ahead of the frame being parsed (`with_read_ahead`).
@@ -36,22 +37,8 @@ impl TcpTransport {
     /// waiting after the partition heals for the next retransmission
     /// (27.7 s after a 28 s cut once).
     pub(crate) fn set_user_timeout(&self, timeout: Duration) -> io::Result<()> {
-        let ms = libc::c_uint::try_from(timeout.as_millis()).unwrap_or(libc::c_uint::MAX);
-        // SAFETY: the descriptor is this stream's, open for its lifetime;
-        // the option value is a c_uint the call reads `size_of` bytes of.
-        let rc = unsafe {
-            libc::setsockopt(
-                self.stream.as_raw_fd(),
-                libc::IPPROTO_TCP,
-                libc::TCP_USER_TIMEOUT,
-                (&ms as *const libc::c_uint).cast(),
-                std::mem::size_of::<libc::c_uint>() as libc::socklen_t,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
+        sockopt::set(self.stream.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, ms)
     }
 
     /// Read what has arrived, up to 64 KiB, in one call and parse frames
@@ -207,13 +194,7 @@ impl Transport for TcpTransport {
         if unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut queued) } != 0 {
             return None;
         }
-        let mut size: libc::c_int = 0;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: SO_SNDBUF is a c_int; `len` says how many bytes `size` has.
-        let rc = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, (&mut size as *mut libc::c_int).cast(), &mut len) };
-        if rc != 0 {
-            return None;
-        }
+        let size = sockopt::get(fd, libc::SOL_SOCKET, libc::SO_SNDBUF).ok()?;
         usize::try_from(size / 2 - queued).ok()
     }
 }
