@@ -2,6 +2,8 @@
 //! (The heap cannot span holes, and the VMM is expected to hand out guest RAM
 //! as one large FREE region anyway.)
 
+use alloc::vec::Vec;
+
 use ftvm_abi::{mem_kind, MemRegion};
 use linked_list_allocator::LockedHeap;
 
@@ -24,4 +26,14 @@ pub(crate) fn init(memmap: &[MemRegion]) -> MemRegion {
 /// Bytes of the heap not allocated now (not necessarily in one piece).
 pub fn free_bytes() -> usize {
     HEAP.lock().free()
+}
+
+/// `len` zero bytes, or None when the heap has no room for them: for
+/// buffers a full guest can do without for a while, where `vec!` would end
+/// it.
+pub fn try_zeroed(len: usize) -> Option<Vec<u8>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).ok()?;
+    v.resize(len, 0);
+    Some(v)
 }

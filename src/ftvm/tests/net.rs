@@ -233,6 +233,16 @@ fn a_full_guest_refuses_writes_and_keeps_serving() {
     cmd.args(["--cmdline", &format!("ip={GUEST_ADDR}/24")]);
     let mut vmm = Process::spawn_collected("ftvm", &mut cmd).expect("ftvm spawns");
     wait_for_line(&mut vmm, "kv: listening on 10.0.0.2:6379");
+    const BIG: usize = 512 << 10;
+    let connect = |n: usize| {
+        netns::run_in(&topo.ns("client"), move || {
+            (0..n).filter_map(|_| Client::connect(guest_kv(), Duration::from_secs(2)).ok()).collect::<Vec<_>>()
+        })
+        .unwrap()
+    };
+    let mut c = connect(1).pop().expect("connect");
+    assert!(c.call(&[b"SET", b"big", &vec![b'b'; BIG]]).unwrap().is_ok());
+    drop(c);
     // About 40 MiB of keys and values for a 16 MiB guest.
     let value = "v".repeat(100);
     let input: String = (0..N).map(|i| format!("SET key:{i} {value}\r\n")).collect();
@@ -250,7 +260,7 @@ fn a_full_guest_refuses_writes_and_keeps_serving() {
     let replies = format!("{text}{}", stderr(&out));
     assert!(replies.contains("OOM command not allowed"), "{replies}");
     let stored: usize = cli1(&topo, &["DBSIZE"]).parse().unwrap();
-    assert_eq!(stored, N - errors, "every refused SET left no key");
+    assert_eq!(stored, N - errors + 1, "every refused SET left no key");
     assert!(cli1(&topo, &["SET", "one-more", "x"]).starts_with("OOM "));
     assert_eq!(cli1(&topo, &["GET", "key:0"]), value);
     assert!(cli1(&topo, &["INFO", "stats"]).contains(&format!("oom_refused_writes:{}", errors + 1)));
@@ -258,15 +268,77 @@ fn a_full_guest_refuses_writes_and_keeps_serving() {
     // replacement needs 128 KiB of buffers the full heap may not have.
     // The guest then listens on fewer sockets (later ones are refused)
     // and lives; it ended with an allocation failure before.
-    let held = netns::run_in(&topo.ns("client"), || {
-        let addr: std::net::SocketAddr = format!("{GUEST_ADDR}:6379").parse().unwrap();
-        (0..48).filter_map(|_| std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()).collect::<Vec<_>>()
-    })
-    .unwrap();
+    let held = connect(48);
     assert!(!held.is_empty(), "no connection was accepted");
     std::thread::sleep(Duration::from_millis(300));
     assert_running(&mut vmm);
     drop(held);
+    assert_eq!(cli1(&topo, &["GET", "key:0"]), value);
+    // Clients each sending 256 KiB of an unfinished 1 MiB SET: the guest
+    // buffers a request until it is whole, and these buffers outgrow the
+    // heap. It closes connections whose buffers cannot grow (it ended
+    // with an allocation failure before) and serves the others.
+    let senders = connect(24);
+    assert!(!senders.is_empty(), "no sender connected");
+    let mut unfinished = format!("*3\r\n$3\r\nSET\r\n$3\r\nbig\r\n${}\r\n", 1 << 20).into_bytes();
+    unfinished.resize(unfinished.len() + (256 << 10), b'b');
+    let unfinished = std::sync::Arc::new(unfinished);
+    // Each from its own thread: a closed connection's write fails, one that
+    // waits for room blocks up to its timeout.
+    let senders: Vec<Client> = senders
+        .into_iter()
+        .map(|mut c| {
+            let unfinished = unfinished.clone();
+            std::thread::spawn(move || {
+                c.set_timeout(Duration::from_secs(5)).unwrap();
+                let _ = c.send(&unfinished);
+                c
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    assert_running(&mut vmm);
+    let info = cli1(&topo, &["INFO", "stats"]);
+    let closed: usize = info
+        .lines()
+        .find_map(|l| l.strip_prefix("oom_closed_connections:"))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no oom_closed_connections: {info}"));
+    assert!(closed > 0, "the guest closed none of the connections whose buffers outgrew the heap: {info}");
+    drop(senders);
+    // Readers of the 512 KiB value, 8 GETs at once on each of 16
+    // connections: one read's replies outgrow the heap. A value that does
+    // not fit gets an error in its place (the guest ended before).
+    let mut readers = connect(16);
+    let mut gets = Vec::new();
+    for _ in 0..8 {
+        resp::encode(&mut gets, &[b"GET", b"big"]);
+    }
+    for r in &mut readers {
+        r.set_timeout(Duration::from_secs(20)).unwrap();
+        r.send(&gets).unwrap();
+    }
+    // A connection whose buffers cannot grow is reset (as above).
+    let (mut values, mut refused, mut reset) = (0, 0, 0);
+    for r in &mut readers {
+        for _ in 0..8 {
+            match r.read() {
+                Ok(Reply::Bulk(Some(v))) if v.len() == BIG => values += 1,
+                Ok(Reply::Error(e)) if e.starts_with("OOM not enough memory for the reply") => refused += 1,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                    reset += 1;
+                    break;
+                }
+                other => panic!("GET big: {other:?}"),
+            }
+        }
+    }
+    eprintln!("GET big: {values} values, {refused} refused, {reset} connections reset");
+    assert_running(&mut vmm);
+    assert!(refused > 0, "every one of {values} values fitted: the test did not fill the heap");
+    drop(readers);
     assert_eq!(cli1(&topo, &["GET", "key:0"]), value);
     assert_eq!(cli1(&topo, &["FLUSHALL"]), "OK");
     assert_eq!(cli1(&topo, &["SET", "one-more", "x"]), "OK");

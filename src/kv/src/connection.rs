@@ -30,6 +30,15 @@ impl Connection {
         self.pending.len()
     }
 
+    /// Make room for `n` more input bytes without allocating in `handle`,
+    /// which keeps at most that many of an input of `n` bytes. False when
+    /// the heap cannot give it: the caller should not feed this connection
+    /// (a full guest sheds it rather than fail an allocation, which ends
+    /// the guest).
+    pub fn reserve_input(&mut self, n: usize) -> bool {
+        self.pending.try_reserve(n).is_ok()
+    }
+
     /// Whether the connection has seen QUIT or a protocol error.
     pub fn is_closing(&self) -> bool {
         self.closing

@@ -30,7 +30,15 @@ pub fn array_len(out: &mut Vec<u8>, n: usize) {
     out.extend_from_slice(b"\r\n");
 }
 
+/// A value too big for the memory left gets an error in its place (a
+/// valid reply, in an array too), rather than an allocation failure,
+/// which ends a guest.
 pub fn bulk(out: &mut Vec<u8>, b: &[u8]) {
+    // Room for the value, its length and three CRLFs.
+    if out.try_reserve(b.len() + 32).is_err() {
+        err(out, "OOM not enough memory for the reply");
+        return;
+    }
     out.push(b'$');
     push_u64(out, b.len() as u64);
     out.extend_from_slice(b"\r\n");

@@ -33,6 +33,9 @@ pub(crate) struct Stats {
     pub expired: u64,
     /// Writes refused for memory (`-OOM`).
     pub oom_refused: u64,
+    /// Connections closed because their buffers could not grow
+    /// (`count_oom_closed`).
+    pub oom_closed: u64,
 }
 
 impl Default for Server {
@@ -68,6 +71,12 @@ impl Server {
     /// growth is checked.
     pub fn set_free_memory(&mut self, free: fn() -> usize) {
         self.free_memory = Some(free);
+    }
+
+    /// Count a connection the transport closed because the heap could not
+    /// give its buffers (INFO's `oom_closed_connections`).
+    pub fn count_oom_closed(&mut self) {
+        self.stats.oom_closed += 1;
     }
 
     /// Live keys as of the latest `now_ms` seen by `handle`, `replay` or

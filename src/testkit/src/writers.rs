@@ -228,7 +228,8 @@ impl Verified {
 }
 
 /// GET every key (pipelined, from `netns`) and compare it with the value
-/// it was written with. Connection trouble is retried until `deadline`.
+/// it was written with. Connection trouble and `-OOM` replies (a full guest
+/// without room for the replies just then) are retried until `deadline`.
 pub fn verify(addr: SocketAddr, netns_name: Option<&str>, keys: &[String], value_len: usize, deadline: Instant) -> io::Result<Verified> {
     let keys = keys.to_vec();
     let run = move || -> io::Result<Verified> {
@@ -253,7 +254,13 @@ pub fn verify(addr: SocketAddr, netns_name: Option<&str>, keys: &[String], value
                 encode(&mut req, &[b"GET", k.as_bytes()]);
             }
             let replies: io::Result<Vec<Reply>> = c.send(&req).and_then(|_| batch.iter().map(|_| c.read()).collect());
+            // A full guest may have no memory for a reply just now; the
+            // value is not lost, so ask again.
+            let out_of_memory = |r: &Reply| matches!(r, Reply::Error(e) if e.starts_with("OOM "));
             match replies {
+                Ok(replies) if replies.iter().any(out_of_memory) && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
                 Ok(replies) => {
                     for (k, r) in batch.iter().zip(replies) {
                         match r {

@@ -25,6 +25,10 @@ const SLICE_LINES: usize = 64;
 const SMALL_SLICE_LINES: usize = 4;
 /// Stop reading while this many reply bytes wait for the send buffer.
 const OUT_HIGH_WATER: usize = 64 * 1024;
+/// Reply room made before each slice, so that the usual replies of one
+/// call (a pipelined burst of small ones, a value of up to 16 KiB) do not
+/// allocate.
+const OUT_ROOM: usize = 16 * 1024;
 
 pub struct Client {
     pub handle: SocketHandle,
@@ -56,6 +60,18 @@ impl Client {
         let mut progress = self.flush(s);
         while !self.closing && self.pending() < OUT_HIGH_WATER && s.can_recv() {
             self.compact();
+            if !self.make_room() {
+                // A full heap: drop this connection and its buffers (the
+                // client sees a reset, so no reply it waits for was
+                // acknowledged) rather than fail an allocation.
+                cx.server.count_oom_closed();
+                s.abort();
+                self.closing = true;
+                self.out = Vec::new();
+                self.sent = 0;
+                self.conn = Connection::new();
+                return (true, false);
+            }
             let lines = if self.amplifying { SMALL_SLICE_LINES } else { SLICE_LINES };
             let before = self.out.len();
             let mut flow = Flow::Continue;
@@ -102,6 +118,12 @@ impl Client {
         if self.out.capacity() > 16 * OUT_HIGH_WATER {
             self.out.shrink_to(OUT_HIGH_WATER);
         }
+    }
+
+    /// Whether the buffers have room for one more slice and its replies
+    /// (`INPUT_SLICE`, `OUT_ROOM`).
+    fn make_room(&mut self) -> bool {
+        self.out.try_reserve(OUT_ROOM).is_ok() && self.conn.reserve_input(INPUT_SLICE)
     }
 
     fn pending(&self) -> usize {

@@ -22,6 +22,7 @@ use virtio_drivers::transport::{DeviceStatus, DeviceType, Transport};
 
 use super::csum;
 use super::event_idx::{self, Notifier, Recorder};
+use crate::heap::try_zeroed;
 use crate::virtio::{self, Claim, OpenError};
 
 /// The VMM offers 256 (its QueueNumMax); a full ring of receive buffers
@@ -126,7 +127,8 @@ impl VirtioNet {
             _claim: claim,
             rx_posted: (0..QUEUE_SIZE).map(|_| None).collect(),
             tx_posted: (0..QUEUE_SIZE).map(|_| None).collect(),
-            tx_free: Vec::new(),
+            // Never grows: there are at most QUEUE_SIZE TX buffers (`can_send`).
+            tx_free: Vec::with_capacity(QUEUE_SIZE),
             rx_added: false,
             tx_added: false,
             rx_notifier: notifier(rx_area),
@@ -189,8 +191,19 @@ impl Inner {
         }
     }
 
-    fn can_send(&self) -> bool {
-        self.tx.available_desc() >= 1
+    /// A free descriptor and a buffer for it. TX buffers are made as
+    /// needed, while every one made is in the ring: a full heap then waits
+    /// for one to come back (sends wait, as when the ring is full) instead
+    /// of ending the guest.
+    fn can_send(&mut self) -> bool {
+        if self.tx.available_desc() == 0 {
+            return false;
+        }
+        if self.tx_free.is_empty() {
+            let Some(buf) = try_zeroed(BUF_LEN) else { return false };
+            self.tx_free.push(buf.into_boxed_slice());
+        }
+        true
     }
 
     fn send(&mut self, buf: Box<[u8]>, len: usize) {
@@ -329,6 +342,7 @@ impl phy::TxToken for TxToken<'_> {
             let mut inner = self.dev.borrow_mut();
             (inner.tx_free.pop(), inner.csum)
         };
+        // `transmit` and `receive` hand out a token only with a free buffer.
         let mut buf = buf.unwrap_or_else(|| vec![0u8; BUF_LEN].into_boxed_slice());
         let r = f(&mut buf[HDR_LEN..HDR_LEN + len]);
         if offload {

@@ -14,6 +14,8 @@ use alloc::vec::Vec;
 use smoltcp::iface::{SocketHandle, SocketSet};
 use smoltcp::socket::tcp::{self, State};
 
+use crate::heap::try_zeroed;
+
 /// How to listen on a port; see [`crate::net::Stack::listen`].
 #[derive(Clone, Copy, Debug)]
 pub struct ListenConfig {
@@ -53,14 +55,6 @@ pub(crate) struct Listener {
     /// False once closed: no socket listens, and the listener is gone when
     /// its last connection is released and reset.
     open: bool,
-}
-
-/// `len` zero bytes, or None when the heap has no room for them.
-fn zeroed(len: usize) -> Option<Vec<u8>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len).ok()?;
-    v.resize(len, 0);
-    Some(v)
 }
 
 fn tcp<'a>(sockets: &'a mut SocketSet<'static>, h: SocketHandle) -> &'a mut tcp::Socket<'static> {
@@ -149,7 +143,7 @@ impl Listener {
         while self.open && listening < self.config.backlog && self.total() < self.config.max_conns {
             // A full heap leaves fewer sockets listening (later SYNs are
             // refused) instead of ending the guest.
-            let (Some(rx), Some(tx)) = (zeroed(self.config.rx_buffer), zeroed(self.config.tx_buffer)) else {
+            let (Some(rx), Some(tx)) = (try_zeroed(self.config.rx_buffer), try_zeroed(self.config.tx_buffer)) else {
                 return;
             };
             let mut s = tcp::Socket::new(tcp::SocketBuffer::new(rx), tcp::SocketBuffer::new(tx));

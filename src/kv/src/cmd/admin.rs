@@ -62,6 +62,7 @@ pub fn info<L>(srv: &mut Server, a: Args<'_>, cx: &mut Ctx<'_, L>) {
                 line(&mut text, "keyspace_hits", srv.stats.hits);
                 line(&mut text, "keyspace_misses", srv.stats.misses);
                 line(&mut text, "oom_refused_writes", srv.stats.oom_refused);
+                line(&mut text, "oom_closed_connections", srv.stats.oom_closed);
             }
             _ => {
                 text.extend_from_slice(b"# Keyspace\r\ndb0:keys=");

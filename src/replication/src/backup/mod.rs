@@ -191,6 +191,7 @@ impl Backup {
         let t0 = Instant::now();
         let mut vm = replica.vm;
         vm.restore(&state)?;
+        let restore_us = t0.elapsed().as_micros() as u64;
         announce(&vm);
         // What the primary may not have released of this epoch goes out
         // first (in the order the guest sent it); then the guest runs, and
@@ -221,6 +222,7 @@ impl Backup {
             }
         }
         vm.devices().inject_host_input(replay.input);
+        let replay_us = t0.elapsed().as_micros() as u64 - restore_us;
         let vm = Arc::new(vm);
         vm.start().map_err(ReplicationError::Thread)?;
         let resume_us = t0.elapsed().as_micros() as u64;
@@ -232,6 +234,8 @@ impl Backup {
                 reason,
                 lost_unix_us,
                 resume_us,
+                restore_us,
+                replay_us,
                 replayed_out,
                 replayed_in,
                 "PRIMARY LOST: took over from the last committed checkpoint"

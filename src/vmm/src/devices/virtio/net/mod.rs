@@ -99,6 +99,24 @@ fn mac_string(mac: &[u8; 6]) -> String {
     mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
 }
 
+/// The TAP offloads (`TUN_F_*`) a driver that accepted `features` takes:
+/// frames whose checksum it completes if it accepted GUEST_CSUM.
+fn offload_flags(features: u64) -> libc::c_uint {
+    if features & VIRTIO_NET_F_GUEST_CSUM != 0 {
+        tap::TUN_F_CSUM
+    } else {
+        0
+    }
+}
+
+/// The TAP offload flags to set once a driver accepted `acked`, if they
+/// differ from `current`. A reset (nothing accepted) keeps them: the
+/// driver's next negotiation sets what it needs.
+fn offload_change(acked: u64, current: libc::c_uint) -> Option<libc::c_uint> {
+    let flags = offload_flags(acked);
+    (acked != 0 && flags != current).then_some(flags)
+}
+
 /// Writes frames to the TAP (shared by the device and by host senders).
 struct TapWriter(Mutex<File>);
 
@@ -129,14 +147,23 @@ pub struct Net {
     /// The features the TAP's offloads follow now: a restore of the same
     /// ones (every consensus-ordered secondary's `syncvm`) changes nothing.
     acked: u64,
+    /// The TAP's offload flags (`TUN_F_*`) as last set.
+    tap_offload: libc::c_uint,
 }
 
 impl Net {
     pub fn new(config: &NetConfig, offload: NetOffload, hooks: Arc<Hooks>, pausing: PauseFlag) -> Result<Net, TapError> {
         let tap = Tap::open(&config.tap)?;
-        // A TAP kept from an earlier VM may still have offloads on: none
-        // until this VM's driver negotiates them.
-        tap.set_offload(0)?;
+        // Set now (a TAP kept from an earlier VM may have others) to what
+        // a driver accepting this card's offer needs, so that the
+        // negotiation, or the restore that takes a VM over, need not set
+        // them: a TAP ioctl takes the kernel's network configuration lock
+        // (rtnl), which a loaded host's namespace teardown held for up to
+        // 20 s, and the takeover waited on it. A driver that accepts less
+        // gets frames already queued as the TAP made them before it
+        // negotiated (partial checksums it may drop, as a lost frame).
+        let tap_offload = offload_flags(Self::offered(offload));
+        tap.set_offload(tap_offload)?;
         let tap_writer = Arc::new(TapWriter(Mutex::new(tap.try_clone_file()?)));
         Ok(Net {
             tap,
@@ -150,7 +177,15 @@ impl Net {
             hooks,
             pausing,
             acked: 0,
+            tap_offload,
         })
+    }
+
+    fn offered(offload: NetOffload) -> u64 {
+        match offload {
+            NetOffload::Csum => VIRTIO_NET_F_MAC | VIRTIO_NET_F_CSUM | VIRTIO_NET_F_GUEST_CSUM,
+            NetOffload::Off => VIRTIO_NET_F_MAC,
+        }
     }
 
     /// Sends frames straight to the TAP.
@@ -282,10 +317,7 @@ impl VirtioDevice for Net {
     }
 
     fn features(&self) -> u64 {
-        match self.offload {
-            NetOffload::Csum => VIRTIO_NET_F_MAC | VIRTIO_NET_F_CSUM | VIRTIO_NET_F_GUEST_CSUM,
-            NetOffload::Off => VIRTIO_NET_F_MAC,
-        }
+        Self::offered(self.offload)
     }
 
     /// Frames the guest sends need nothing from the TAP to be accepted
@@ -297,14 +329,16 @@ impl VirtioDevice for Net {
             return;
         }
         self.acked = acked;
-        let flags = if acked & VIRTIO_NET_F_GUEST_CSUM != 0 { tap::TUN_F_CSUM } else { 0 };
         if acked != 0 {
             let csum = acked & (VIRTIO_NET_F_CSUM | VIRTIO_NET_F_GUEST_CSUM) != 0;
             tracing::info!(tap = self.tap.name(), checksum_offload = csum, "network card negotiated");
         }
-        if let Err(e) = self.tap.set_offload(flags) {
-            // The TAP then checksums what it hands over: still correct.
-            tracing::warn!(error = %e, "TAP offload not changed");
+        let Some(flags) = offload_change(acked, self.tap_offload) else { return };
+        match self.tap.set_offload(flags) {
+            Ok(()) => self.tap_offload = flags,
+            // The TAP may then hand over frames whose checksum the guest
+            // must complete and will not: lost frames, which TCP resends.
+            Err(e) => tracing::warn!(error = %e, "TAP offload not changed"),
         }
     }
 
@@ -402,6 +436,22 @@ impl Persist for Net {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A TAP opened for this card's offer needs no change when a driver
+    /// accepts all of it, as every restore of such a VM does (a TAP ioctl
+    /// can wait seconds for the kernel's rtnl lock, on a takeover's path).
+    #[test]
+    fn the_tap_offload_changes_only_when_the_driver_accepts_less() {
+        for offload in [NetOffload::Csum, NetOffload::Off] {
+            let opened = offload_flags(Net::offered(offload));
+            assert_eq!(offload_change(Net::offered(offload), opened), None, "{offload:?}");
+            assert_eq!(offload_change(0, opened), None, "a reset keeps the flags");
+        }
+        let csum = offload_flags(Net::offered(NetOffload::Csum));
+        assert_eq!(csum, tap::TUN_F_CSUM);
+        assert_eq!(offload_change(VIRTIO_NET_F_MAC, csum), Some(0), "a driver without GUEST_CSUM");
+        assert_eq!(offload_change(VIRTIO_NET_F_MAC | VIRTIO_NET_F_GUEST_CSUM, 0), Some(tap::TUN_F_CSUM));
+    }
 
     #[test]
     fn parses_net_option() {
