@@ -560,6 +560,10 @@ fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, k
         timeout: Duration::from_millis(300),
     })
     .unwrap();
+    // 96 + 32 MiB for a 256 MiB guest, however long a trial runs: a full
+    // one would refuse writes, and then have no room for the replies of
+    // the read-back.
+    writers.limit(6144, 2048);
     let t0 = Instant::now();
     while writers.acked() == 0 {
         assert!(t0.elapsed() < Duration::from_secs(10), "no write acknowledged: {}", primary.stderr());

@@ -62,6 +62,12 @@ struct Shared {
     /// write sent after it.
     mark: Mutex<Option<Instant>>,
     first_after_mark: Mutex<Option<Instant>>,
+    /// Writes `limit` counts before the mark, and since it (`mark` zeroes it).
+    sent_before_mark: AtomicU64,
+    sent_after_mark: AtomicU64,
+    /// `limit`'s bounds on writes sent before and after the mark.
+    limit_before_mark: AtomicU64,
+    limit_after_mark: AtomicU64,
 }
 
 /// Writers at work; `stop` returns what they got acknowledged.
@@ -92,6 +98,8 @@ impl Writers {
     /// the server answers (a guest holds only so many keys).
     pub fn start_paced(config: Config, every: Duration) -> io::Result<Writers> {
         let shared = Arc::new(Shared::default());
+        shared.limit_before_mark.store(u64::MAX, Ordering::Relaxed);
+        shared.limit_after_mark.store(u64::MAX, Ordering::Relaxed);
         let mut threads = Vec::new();
         for conn in 0..config.connections {
             let (config, shared) = (config.clone(), shared.clone());
@@ -121,9 +129,19 @@ impl Writers {
         self.shared.failures.load(Ordering::Relaxed)
     }
 
+    /// Send at most `before_mark` writes in all until the mark, and at most
+    /// `after_mark` after it; the connections then wait for `stop`. However
+    /// long a trial runs on a slow host, the guest is then not filled (it
+    /// would refuse further writes, and may have no room to reply).
+    pub fn limit(&self, before_mark: u64, after_mark: u64) {
+        self.shared.limit_before_mark.store(before_mark, Ordering::SeqCst);
+        self.shared.limit_after_mark.store(after_mark, Ordering::SeqCst);
+    }
+
     /// Note `at` (a kill); see `first_ack_after_mark`.
     pub fn mark(&self, at: Instant) {
         *self.shared.first_after_mark.lock().unwrap() = None;
+        self.shared.sent_after_mark.store(0, Ordering::SeqCst);
         *self.shared.mark.lock().unwrap() = Some(at);
     }
 
@@ -152,6 +170,18 @@ impl Drop for Writers {
     }
 }
 
+impl Shared {
+    /// Take `n` writes from what `limit` allows, if it allows them.
+    fn may_send(&self, n: u64) -> bool {
+        let (count, limit) = if self.mark.lock().unwrap().is_some() {
+            (&self.sent_after_mark, self.limit_after_mark.load(Ordering::SeqCst))
+        } else {
+            (&self.sent_before_mark, self.limit_before_mark.load(Ordering::SeqCst))
+        };
+        count.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| c.checked_add(n).filter(|&t| t <= limit)).is_ok()
+    }
+}
+
 /// One connection's writes until stopped; returns the acknowledged indices.
 fn write_loop(config: &Config, conn: u32, shared: &Shared, every: Duration) -> Vec<u64> {
     let mut acked = Vec::new();
@@ -171,6 +201,10 @@ fn write_loop(config: &Config, conn: u32, shared: &Shared, every: Duration) -> V
                 }
             },
         };
+        if !shared.may_send(config.pipeline as u64) {
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        }
         let now = Instant::now();
         if now < next_batch {
             std::thread::sleep(next_batch - now);
@@ -287,6 +321,18 @@ pub fn verify(addr: SocketAddr, netns_name: Option<&str>, keys: &[String], value
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_limit_counts_writes_before_and_after_the_mark() {
+        let shared = Shared::default();
+        shared.limit_before_mark.store(8, Ordering::SeqCst);
+        shared.limit_after_mark.store(4, Ordering::SeqCst);
+        assert!(shared.may_send(4) && shared.may_send(4));
+        assert!(!shared.may_send(4), "8 before the mark");
+        *shared.mark.lock().unwrap() = Some(Instant::now());
+        assert!(shared.may_send(4));
+        assert!(!shared.may_send(1), "4 after it");
+    }
 
     #[test]
     fn values_are_derived_from_their_keys() {
