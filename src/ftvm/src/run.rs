@@ -125,7 +125,15 @@ fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
         devices: host.devices.clone(),
         ..Default::default()
     };
+    let t0 = std::time::Instant::now();
     let mut vm = Vm::new(config)?;
+    let took = t0.elapsed();
+    if took > SLOW_BUILD {
+        // Opening the TAP takes the kernel's network configuration lock
+        // (rtnl), which a busy host's namespace and device teardown can
+        // hold for seconds: say where the time went.
+        tracing::warn!(ms = took.as_millis() as u64, "building the VM (KVM, guest memory, devices) was slow");
+    }
     match source {
         Source::Image { image, cmdline, .. } | Source::Replica { image, cmdline, .. } => {
             vm.boot(image, cmdline)?;
@@ -139,6 +147,9 @@ fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
     }
     Ok(vm)
 }
+
+/// Building a VM longer than this is logged.
+const SLOW_BUILD: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Run until the VM stops; returns the exit status for this process.
 pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {

@@ -577,7 +577,9 @@ fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, k
     primary.kill(); // reap
     let reaped_ms = done.at.elapsed().as_secs_f64() * 1e3;
     let err = wait_log(&mut backup, "PRIMARY LOST", Duration::from_secs(10));
-    let served = prober.join().unwrap().unwrap().expect("the new primary never answered");
+    let served = prober.join().unwrap().unwrap().unwrap_or_else(|| {
+        panic!("[{trigger}] trial {trial} (seed {seed:#x}, {kind:?}): the new primary never answered; its log:\n{}", backup.stderr())
+    });
     let failover = served - done.at;
     // Keep writing on the new primary for a moment.
     let t0 = Instant::now();

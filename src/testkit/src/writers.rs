@@ -129,8 +129,9 @@ impl Writers {
         self.shared.failures.load(Ordering::Relaxed)
     }
 
-    /// Send at most `before_mark` writes in all until the mark, and at most
-    /// `after_mark` after it; the connections then wait for `stop`. However
+    /// Send at most `before_mark` writes in all until the first mark, and
+    /// at most `after_mark` after each mark; the connections then wait for
+    /// the next mark or `stop`. However
     /// long a trial runs on a slow host, the guest is then not filled (it
     /// would refuse further writes, and may have no room to reply).
     pub fn limit(&self, before_mark: u64, after_mark: u64) {
