@@ -308,6 +308,8 @@ fn a_full_guest_refuses_writes_and_keeps_serving() {
         .unwrap_or_else(|| panic!("no oom_closed_connections: {info}"));
     assert!(closed > 0, "the guest closed none of the connections whose buffers outgrew the heap: {info}");
     drop(senders);
+    // Their buffers given back (the guest resets what is left of them).
+    std::thread::sleep(Duration::from_millis(300));
     // Readers of the 512 KiB value, 8 GETs at once on each of 16
     // connections: one read's replies outgrow the heap. A value that does
     // not fit gets an error in its place (the guest ended before).
@@ -337,7 +339,9 @@ fn a_full_guest_refuses_writes_and_keeps_serving() {
     }
     eprintln!("GET big: {values} values, {refused} refused, {reset} connections reset");
     assert_running(&mut vmm);
-    assert!(refused > 0, "every one of {values} values fitted: the test did not fill the heap");
+    // Which of the two a reader meets depends on what the heap has left
+    // when its turn comes; the guest must survive both.
+    assert!(refused + reset > 0, "every one of {values} values fitted: the test did not fill the heap");
     drop(readers);
     assert_eq!(cli1(&topo, &["GET", "key:0"]), value);
     assert_eq!(cli1(&topo, &["FLUSHALL"]), "OK");
