@@ -194,13 +194,18 @@ fn takeover_reason(err: &str) -> String {
     line.split("reason=").nth(1).map(|r| r.split(" resume_us").next().unwrap_or(r).to_string()).unwrap_or_default()
 }
 
-/// First PONG from a fresh connection, trying from `from` on.
+/// First PONG from a fresh connection, trying from `from` on, for
+/// `timeout` from the first try.
 fn probe_until_served(ns: String, from: Instant, timeout: Duration) -> std::thread::JoinHandle<std::io::Result<Option<Instant>>> {
     netns::spawn_in(&ns, "prober", move || {
         while Instant::now() < from {
             std::thread::sleep(Duration::from_micros(200));
         }
-        while from.elapsed() < timeout {
+        // From now, not from `from`: the kill's link deletions wait for the
+        // kernel's rtnl lock, which a loaded host's namespace teardown held
+        // for over 20 s, and this prober starts only after them.
+        let started = Instant::now();
+        while started.elapsed() < timeout {
             // Short timeouts: a SYN to the dead host is not worth waiting for.
             if let Ok(mut c) = Client::connect(guest_kv(), Duration::from_millis(10)) {
                 let _ = c.set_timeout(Duration::from_millis(100));
@@ -578,7 +583,11 @@ fn one_failover_trial(topo: &Topology, dir: &Scratch, trial: usize, seed: u64, k
     let reaped_ms = done.at.elapsed().as_secs_f64() * 1e3;
     let err = wait_log(&mut backup, "PRIMARY LOST", Duration::from_secs(10));
     let served = prober.join().unwrap().unwrap().unwrap_or_else(|| {
-        panic!("[{trigger}] trial {trial} (seed {seed:#x}, {kind:?}): the new primary never answered; its log:\n{}", backup.stderr())
+        panic!(
+            "[{trigger}] trial {trial} (seed {seed:#x}, {kind:?}, links cut in {} ms): the new primary never answered; its log:\n{}",
+            done.cut.as_millis(),
+            backup.stderr()
+        )
     });
     let failover = served - done.at;
     // Keep writing on the new primary for a moment.
