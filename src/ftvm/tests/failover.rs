@@ -1130,17 +1130,25 @@ fn reprotection_then_failover(topology: &str, extra: &[&str]) {
         prefix: prefix.into(),
         timeout: Duration::from_secs(2),
     };
+    // A bound on each phase's writes: unprotected and unpaced, the 256 MiB
+    // guest filled while a new backup took 14 s to start on a loaded host,
+    // and then refused connections.
+    let start_writers = |prefix: &str| {
+        let w = Writers::start(config(prefix)).unwrap();
+        w.limit(40_000, 40_000);
+        w
+    };
     let mut acked = Vec::new();
 
     // Protected writes.
-    let w = Writers::start(config("before")).unwrap();
+    let w = start_writers("before");
     std::thread::sleep(Duration::from_millis(700));
     acked.extend(w.stop().acked);
     let (ok, out) = topo.redis_cli(GUEST_ADDR, &["SET", "cli-before", "1"]);
     assert!(ok && out.trim() == "OK", "{out}");
 
     // The backup dies; writes go on through it.
-    let w = Writers::start(config("through")).unwrap();
+    let w = start_writers("through");
     std::thread::sleep(Duration::from_millis(200));
     backup1.kill();
     let t0 = Instant::now();
@@ -1170,7 +1178,7 @@ fn reprotection_then_failover(topology: &str, extra: &[&str]) {
     assert!(ok && out.trim() == "OK", "{out}");
 
     // Writes during the final failover.
-    let w = Writers::start(config("after")).unwrap();
+    let w = start_writers("after");
     std::thread::sleep(Duration::from_millis(500));
     let done = kill_host(&topo, primary.id() as i32, Kill::LinksThenSigkill, 0);
     w.mark(done.at);
