@@ -27,6 +27,10 @@ pub const RTO: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: u32 = 5;
 /// Duplicate ACKs from the peer that make the proxy resend its oldest segment.
 const DUP_ACKS: u32 = 3;
+/// A flow whose handshake has not completed after this long is forgotten:
+/// a peer that gave up on a SYN the guest never answered sends nothing
+/// more, and such flows would fill `MAX_FLOWS` for good.
+pub const HALF_OPEN_TIMEOUT: Duration = Duration::from_secs(60);
 /// Payload bytes from which a segment counts as full-sized (`Sent::bulk`):
 /// Ethernet's MSS is 1460, and a stack sends full segments while it has
 /// more queued than one holds.
@@ -128,6 +132,8 @@ struct Timer {
     /// When the oldest released stored segment is sent again.
     rto_at: Option<Instant>,
     backoff: u32,
+    /// When `tick` first saw the flow half open.
+    half_open_since: Option<Instant>,
 }
 
 impl Flow {
@@ -420,6 +426,11 @@ impl Table {
     /// Time passed: segments whose timeout expired (released ones only)
     /// go to `resend`.
     pub fn tick(&mut self, now: Instant, released_before: u64, resend: &mut Vec<Vec<u8>>) {
+        self.flows.retain(|_, flow| {
+            // Half open: nothing stored yet (the guest sends data only
+            // once its SYN-ACK made the flow synced).
+            flow.synced || now.saturating_duration_since(*flow.timer.half_open_since.get_or_insert(now)) < HALF_OPEN_TIMEOUT
+        });
         for flow in self.flows.values_mut() {
             let Some(first) = flow.store.front().filter(|s| s.epoch < released_before) else { continue };
             match flow.timer.rto_at {
@@ -466,6 +477,25 @@ mod tests {
     use super::*;
 
     const WS_OPT: [u8; 4] = [1, 3, 3, 2]; // NOP, window scale 2
+
+    /// A flow whose handshake never completes is forgotten after
+    /// HALF_OPEN_TIMEOUT (of `tick`s); a synced one is kept.
+    #[test]
+    fn half_open_flows_expire() {
+        let mut t = synced(5000);
+        let mut resend = Vec::new();
+        let mut other = PEER;
+        other.port += 1;
+        assert!(t.peer_sent(&mut frame(other, GUEST, 7000, 0, SYN, 65535, &WS_OPT, b""), 0, &mut resend));
+        assert_eq!(t.flows.len(), 2);
+        let now = Instant::now();
+        t.tick(now, 0, &mut resend);
+        t.tick(now + HALF_OPEN_TIMEOUT - Duration::from_secs(1), 0, &mut resend);
+        assert_eq!(t.flows.len(), 2, "not yet");
+        t.tick(now + HALF_OPEN_TIMEOUT, 0, &mut resend);
+        assert_eq!(t.flows.len(), 1, "the half-open flow is gone, the synced one stays");
+        assert!(t.consistent());
+    }
 
     /// A table with one synced flow: the peer connected (its ISN 1000,
     /// window 8192 << 2 after the handshake), the guest accepted (ISN `isn`).
