@@ -131,9 +131,9 @@ impl Writers {
 
     /// Send at most `before_mark` writes in all until the first mark, and
     /// at most `after_mark` after each mark; the connections then wait for
-    /// the next mark or `stop`. However
-    /// long a trial runs on a slow host, the guest is then not filled (it
-    /// would refuse further writes, and may have no room to reply).
+    /// the next mark or `stop`. However long a trial runs on a slow host,
+    /// the guest is then not filled (it would refuse further writes, and
+    /// may have no room to reply).
     pub fn limit(&self, before_mark: u64, after_mark: u64) {
         self.shared.limit_before_mark.store(before_mark, Ordering::SeqCst);
         self.shared.limit_after_mark.store(after_mark, Ordering::SeqCst);

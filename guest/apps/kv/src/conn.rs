@@ -55,22 +55,19 @@ impl Client {
     }
 
     /// Move bytes both ways. Returns (progress, finished): finished means
-    /// the socket is closed and the handle can be released.
+    /// the socket is closed, or is to be reset, and the handle can be
+    /// released.
     pub fn service(&mut self, s: &mut Socket<'static>, cx: &mut Ctx<'_>) -> (bool, bool) {
         let mut progress = self.flush(s);
         while !self.closing && self.pending() < OUT_HIGH_WATER && s.can_recv() {
             self.compact();
             if !self.make_room() {
-                // A full heap: drop this connection and its buffers (the
-                // client sees a reset, so no reply it waits for was
-                // acknowledged) rather than fail an allocation.
+                // A full heap: give the connection up, buffers and all,
+                // rather than fail an allocation. Releasing it while
+                // connected resets it, so no reply its client waits for
+                // was acknowledged.
                 cx.server.count_oom_closed();
-                s.abort();
-                self.closing = true;
-                self.out = Vec::new();
-                self.sent = 0;
-                self.conn = Connection::new();
-                return (true, false);
+                return (true, true);
             }
             let lines = if self.amplifying { SMALL_SLICE_LINES } else { SLICE_LINES };
             let before = self.out.len();

@@ -144,8 +144,8 @@ pub struct Net {
     hooks: Arc<Hooks>,
     /// A pause waits for this device's pass: stop reading the TAP.
     pausing: PauseFlag,
-    /// The features the TAP's offloads follow now: a restore of the same
-    /// ones (every consensus-ordered secondary's `syncvm`) changes nothing.
+    /// The features the driver accepted last: a restore of the same ones
+    /// (every consensus-ordered secondary's `syncvm`) changes nothing.
     acked: u64,
     /// The TAP's offload flags (`TUN_F_*`) as last set.
     tap_offload: libc::c_uint,
