@@ -285,14 +285,18 @@ impl OutputBuffer {
         inner.protected.then(|| inner.closed.front().map_or(inner.open.epoch, |h| h.epoch))
     }
 
-    /// Copies of the frames closed epoch `epoch` holds, in order, as far
-    /// as they fit in `limit` bytes (none once it was released).
-    pub fn frames_of(&self, epoch: u64, limit: usize) -> Vec<Vec<u8>> {
+    /// Copies of the frames every closed epoch up to `epoch` still holds,
+    /// oldest first, as far as they fit in `limit` bytes. With `syncvm`s
+    /// pipelined, the epoch before `epoch` may still await its
+    /// acknowledgement: its frames are as unreleased as `epoch`'s.
+    pub fn frames_through(&self, epoch: u64, limit: usize) -> Vec<Vec<u8>> {
         let inner = self.lock();
-        let Some(held) = inner.closed.iter().find(|h| h.epoch == epoch) else { return Vec::new() };
         let mut left = limit;
-        held.items
+        inner
+            .closed
             .iter()
+            .take_while(|h| h.epoch <= epoch)
+            .flat_map(|h| &h.items)
             .filter_map(|item| match item {
                 Out::Frame(f) => Some(f),
                 Out::Console(_) => None,
@@ -412,21 +416,25 @@ mod tests {
     }
 
     #[test]
-    fn a_closed_epochs_frames_are_copied_within_a_limit_until_released() {
+    fn held_closed_epochs_frames_are_copied_within_a_limit_until_released() {
         let wire = Arc::new(Wire::default());
         let out = OutputBuffer::new(wire.clone());
         out.protect(1);
         out.send(b"aa");
         out.send(b"bbb");
-        out.send(b"c");
-        assert!(out.frames_of(1, 100).is_empty(), "the open epoch is not closed yet");
+        assert!(out.frames_through(1, 100).is_empty(), "the open epoch is not closed yet");
         assert_eq!(out.close_epoch(), 1);
-        out.send(b"next epoch");
-        assert_eq!(out.frames_of(1, 100), vec![b"aa".to_vec(), b"bbb".to_vec(), b"c".to_vec()]);
-        assert_eq!(out.frames_of(1, 5), vec![b"aa".to_vec(), b"bbb".to_vec()], "the first frames that fit");
-        assert_eq!(out.frames_of(1, 1), Vec::<Vec<u8>>::new());
+        out.send(b"c");
+        assert_eq!(out.close_epoch(), 2);
+        out.send(b"open epoch");
+        assert_eq!(out.frames_through(1, 100), vec![b"aa".to_vec(), b"bbb".to_vec()], "not the later epoch");
+        assert_eq!(out.frames_through(2, 100), vec![b"aa".to_vec(), b"bbb".to_vec(), b"c".to_vec()], "every held epoch");
+        assert_eq!(out.frames_through(2, 5), vec![b"aa".to_vec(), b"bbb".to_vec()], "the first frames that fit");
+        assert_eq!(out.frames_through(2, 1), Vec::<Vec<u8>>::new());
         out.release_through(1);
-        assert!(out.frames_of(1, 100).is_empty(), "released");
+        assert_eq!(out.frames_through(2, 100), vec![b"c".to_vec()], "the released epoch is gone");
+        out.release_through(2);
+        assert!(out.frames_through(2, 100).is_empty(), "released");
         assert_eq!(drain(&wire), b"aabbbc");
     }
 

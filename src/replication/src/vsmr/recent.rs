@@ -79,8 +79,8 @@ impl Recent {
     }
 
     /// A `syncvm` replaced the guest's state with the leader's, whose
-    /// output of the epoch that `syncvm` closed was `frames` (`--sync-output
-    /// on`): keep those in place of this guest's own. They are output of
+    /// output still held when it froze for that `syncvm` was `frames`
+    /// (`--sync-output on`): keep those in place of this guest's own. They are output of
     /// the state this replica now holds, so a takeover may send them (the
     /// leader may have died before it released them).
     pub fn reset(&self, frames: Vec<Vec<u8>>) {

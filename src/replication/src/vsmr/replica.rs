@@ -222,8 +222,8 @@ struct Proposed {
 
 /// `--sync-pipeline on`: how many `syncvm`s may be in flight at once.
 const PIPELINE_DEPTH: usize = 2;
-/// `--sync-output on`: the leader's output of an epoch a `syncvm` carries at
-/// most (its first frames; a client whose reply is beyond gets it by
+/// `--sync-output on`: the leader's held output a `syncvm` carries at most
+/// (its first frames; a client whose reply is beyond gets it by
 /// retransmission, as without it).
 const SYNC_OUTPUT_LIMIT: usize = 256 << 10;
 
@@ -747,7 +747,7 @@ impl Applier {
                 term,
                 frames = replayed,
                 dropped,
-                "takeover: sent the guest's {replayed} frames since the last syncvm ({leaders} of them the last leader's, of the epoch that syncvm closed)"
+                "takeover: sent the guest's {replayed} frames since the last syncvm ({leaders} of them the last leader's, held when it froze for that syncvm)"
             );
         }
         {
@@ -846,7 +846,7 @@ impl Applier {
             Ok(frozen) => {
                 // `--sync-output on`: the secondary keeps it for a takeover.
                 let output = match s.options.sync_output {
-                    SyncOutput::On => lead.output.frames_of(frozen.epoch, SYNC_OUTPUT_LIMIT),
+                    SyncOutput::On => lead.output.frames_through(frozen.epoch, SYNC_OUTPUT_LIMIT),
                     SyncOutput::Off => Vec::new(),
                 };
                 let x = Exchange {

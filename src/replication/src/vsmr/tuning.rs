@@ -104,8 +104,9 @@ switch! {
 }
 
 switch! {
-    /// `--sync-output`: whether the leader's `syncvm` carries its output of
-    /// the epoch the `syncvm` closes.
+    /// `--sync-output`: whether the leader's `syncvm` carries its output
+    /// still held: of the epoch the `syncvm` closes and of any earlier one
+    /// not acknowledged yet (`--sync-pipeline on`).
     pub enum SyncOutput {
         /// In `SyncPages` (its first 256 KiB): the secondary keeps it in
         /// place of its own output of the replaced execution, and sends it
