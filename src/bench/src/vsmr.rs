@@ -42,6 +42,11 @@ pub struct Options {
     /// Parallel connections (-c).
     #[arg(long, default_value_t = 50)]
     clients: u32,
+    /// Random keys from a keyspace this large (redis-benchmark -r); 0:
+    /// every request uses the same key, as redis-benchmark does by default
+    /// (a stream that compresses far better than real traffic).
+    #[arg(long, default_value_t = 0)]
+    keyspace: u32,
     /// Pipeline depths to measure (-P), comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = [1u32, 16])]
     pipeline: Vec<u32>,
@@ -64,7 +69,8 @@ pub struct Options {
     vsmr_flags: String,
     /// VSMR: also measure a third VSMR setting in the same run, "VSMR B":
     /// whole pages with these options after --vsmr-flags (a switch on
-    /// against its default in "VSMR").
+    /// against its default in "VSMR"; with `--sync-pages blocks` among
+    /// them, against "VSMR blocks").
     #[arg(long, allow_hyphen_values = true)]
     vsmr_b_flags: Option<String>,
     /// Skip the failover of each replicated setting (throughput only).
@@ -85,7 +91,7 @@ enum Mode {
     Vsmr,
     /// `--sync-pages blocks`.
     VsmrBlocks,
-    /// `--sync-pages whole` with `--vsmr-b-flags`.
+    /// `--sync-pages whole` with `--vsmr-b-flags` (which may name another).
     VsmrB,
 }
 
@@ -179,11 +185,16 @@ fn start(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options
             for (id, host) in [(1, "h1"), (2, "h2"), (3, "h2")] {
                 let mut cmd = topo.command(host, ftvm);
                 cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", &opts.sync_ms.to_string()]);
-                cmd.args(["--sync-pages", if mode == Mode::VsmrBlocks { "blocks" } else { "whole" }]);
-                cmd.args(opts.vsmr_flags.split_whitespace());
-                if mode == Mode::VsmrB {
-                    cmd.args(opts.vsmr_b_flags.as_deref().unwrap_or_default().split_whitespace());
+                let b_flags: Vec<&str> = match mode {
+                    Mode::VsmrB => opts.vsmr_b_flags.as_deref().unwrap_or_default().split_whitespace().collect(),
+                    _ => Vec::new(),
+                };
+                // (Named twice, the option would be refused.)
+                if !b_flags.contains(&"--sync-pages") {
+                    cmd.args(["--sync-pages", if mode == Mode::VsmrBlocks { "blocks" } else { "whole" }]);
                 }
+                cmd.args(opts.vsmr_flags.split_whitespace());
+                cmd.args(b_flags);
                 let mut socket = None;
                 if id == 3 {
                     cmd.arg("--witness");
@@ -249,6 +260,7 @@ fn benchmark(topo: &Topology, opts: &Options, pipeline: u32) -> Result<(Figures,
         .command("client", "timeout")
         .args(["300", "redis-benchmark", "-h", GUEST_ADDR, "-p", PORT, "-t", "set,get", "--csv"])
         .args(["-n", &opts.requests.to_string(), "-c", &opts.clients.to_string(), "-P", &pipeline.to_string()])
+        .args(if opts.keyspace > 0 { vec!["-r".to_string(), opts.keyspace.to_string()] } else { Vec::new() })
         .stdin(Stdio::null())
         .output()?;
     let all = text(&out);

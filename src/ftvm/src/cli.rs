@@ -433,6 +433,13 @@ pub struct ReplicaArgs {
     /// thread (one thread wake-up more per message).
     #[arg(long, default_value = "off", value_name = "off|on")]
     pub link_direct: ftvm_replication::vsmr::tuning::LinkDirect,
+    /// Messages on the links between replicas: lz4, each of at least 256
+    /// bytes goes LZ4-compressed when that makes it shorter (the log
+    /// entries, which carry every input frame to both peers; a syncvm's
+    /// bitmaps and pages); off, as they are. A replica reads either,
+    /// whatever its own setting.
+    #[arg(long, default_value = "lz4", value_name = "lz4|off")]
+    pub link_compress: ftvm_replication::vsmr::tuning::LinkCompress,
     /// Write-fault prediction on each VM replica: at each syncvm, leave the
     /// pages its guest is likely to write again writable (no tracked first
     /// write for them); they are then compared at every syncvm, written or

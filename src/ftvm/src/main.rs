@@ -225,6 +225,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     sync_pipeline: args.sync_pipeline,
                     link_batch: args.link_batch,
                     link_direct: args.link_direct,
+                    link_compress: args.link_compress,
                     predict_writes: args.predict_writes,
                     witness_linger: Duration::from_micros(args.witness_linger_us),
                     leader_apply: args.leader_apply,

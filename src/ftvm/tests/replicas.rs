@@ -421,8 +421,12 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_
         "commit",
         "--sync-output",
         "off",
+        "--link-compress",
+        "off",
     ];
-    leader_kills("vflp", &flipped, 5);
+    let c = leader_kills("vflp", &flipped, 5);
+    let saved: u64 = [1, 2].iter().flat_map(|&id| c.metrics(id)).map(|m| m["saved_bytes"].as_u64().unwrap_or(0)).sum();
+    assert_eq!(saved, 0, "--link-compress off compressed nothing");
 }
 
 /// The same with the frames of one read pass of the leader's TAP in one
@@ -432,14 +436,18 @@ fn no_acknowledged_write_is_lost_over_leader_kills_with_the_throughput_switches_
 #[test]
 fn no_acknowledged_write_is_lost_over_leader_kills_with_input_batches() {
     let c = leader_kills("vbat", &["--input-batch", "on"], 5);
-    let (mut entries, mut frames) = (0, 0);
+    let (mut entries, mut frames, mut sent, mut saved) = (0, 0, 0, 0);
     for id in [1, 2] {
         for m in c.metrics(id) {
             entries += m["input_entries"].as_u64().unwrap_or(0);
             frames += m["input_frames"].as_u64().unwrap_or(0);
+            sent += m["bytes"].as_u64().unwrap_or(0);
+            saved += m["saved_bytes"].as_u64().unwrap_or(0);
         }
     }
-    eprintln!("{frames} input frames in {entries} log entries since the last restarts");
+    eprintln!("{frames} input frames in {entries} log entries since the last restarts; {sent} bytes sent on the links, {saved} more without compression");
+    // `--link-compress lz4`, the default: the entries' frames compress.
+    assert!(saved > 0, "nothing was compressed on the links ({sent} bytes sent)");
     assert!(entries > 0, "no input entries in the metrics");
     assert!(frames > entries, "no entry held more than one frame: {frames} frames in {entries} entries");
 }

@@ -45,7 +45,9 @@ use ftvm_vmm::pages::FormatError;
 /// (`vsmr::log::Entry::Inputs`, `--input-batch on`).
 /// Version 15: a replica's SyncPages carries the leader's output of the
 /// epoch the `syncvm` closes (`--sync-output on`).
-pub const PROTOCOL_VERSION: u16 = 15;
+/// Version 16: messages between replicas may go compressed (`Lz4`,
+/// `--link-compress lz4`).
+pub const PROTOCOL_VERSION: u16 = 16;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.
@@ -112,6 +114,9 @@ pub enum Kind {
     RejoinPages = 30,
     /// Rejoin: the replica wrote the batch with this sequence number.
     RejoinAck = 31,
+    /// Another frame, compressed whole (`vsmr::squeeze`, `--link-compress
+    /// lz4`).
+    Lz4 = 32,
 }
 
 impl Kind {
@@ -147,6 +152,7 @@ impl Kind {
             29 => Kind::RejoinHashes,
             30 => Kind::RejoinPages,
             31 => Kind::RejoinAck,
+            32 => Kind::Lz4,
             _ => return None,
         })
     }

@@ -110,10 +110,12 @@ impl Topology {
     /// Recreate the links a host death deleted and wait until every bridge
     /// port forwards: a new port forwards only once the kernel has seen its
     /// carrier (linkwatch, up to a second later), and until then frames to
-    /// it are silently dropped.
+    /// it are silently dropped. (Linkwatch waits for the kernel's rtnl lock:
+    /// under two busy loops and other tests' namespace teardowns a port
+    /// was still without carrier after 5 s.)
     pub fn restore(&self) -> io::Result<()> {
         self.up()?;
-        let deadline = Instant::now() + Duration::from_secs(5);
+        let deadline = Instant::now() + Duration::from_secs(20);
         for (role, dev) in [("lan", "client"), ("lan", "h1"), ("lan", "h2"), ("h1", "uplink"), ("h2", "uplink")] {
             loop {
                 let out = Command::new("bridge").args(["-n", &self.ns(role), "link", "show", "dev", dev]).output()?;

@@ -19,6 +19,7 @@ pub mod recent;
 pub mod rejoin;
 pub mod release;
 mod replica;
+pub mod squeeze;
 pub mod sync;
 pub mod tuning;
 pub mod vote;
@@ -79,6 +80,10 @@ pub struct SyncMetrics {
     /// previous `syncvm` (as `bytes`).
     #[serde(default)]
     pub messages: u64,
+    /// What compression kept off those links (`--link-compress lz4`): the
+    /// bytes `bytes` would have been more without it.
+    #[serde(default)]
+    pub saved_bytes: u64,
     /// The steps (docs/replicas.md, "Metrics"). The leader: from its
     /// proposal of the `Sync` entry until its applier reached it (the
     /// consensus round); 0 on the secondary.
@@ -246,7 +251,12 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
         &others,
         config.auth.clone(),
         routes,
-        LinkOptions { batch: config.tuning.link_batch, direct: config.tuning.link_direct, linger: config.tuning.witness_linger },
+        LinkOptions {
+            batch: config.tuning.link_batch,
+            direct: config.tuning.link_direct,
+            compress: config.tuning.link_compress,
+            linger: config.tuning.witness_linger,
+        },
     )?;
     let (committed_tx, committed_rx) = mpsc::channel();
     let view = Arc::new(Mutex::new(View::default()));

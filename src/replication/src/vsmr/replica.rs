@@ -1070,6 +1070,7 @@ impl Shared {
         };
         let f = result.as_ref().copied().unwrap_or_default();
         let (bytes, messages) = s.mesh.take_sent();
+        let saved_bytes = s.mesh.take_saved();
         let (input_entries, input_frames) = s.inputs.take();
         let us = |d: Duration| d.as_micros() as u64;
         let m = SyncMetrics {
@@ -1089,6 +1090,7 @@ impl Shared {
             interval_us: interval.as_micros() as u64,
             sync_us: t0.elapsed().as_micros() as u64,
             messages,
+            saved_bytes,
             propose_us: us(propose),
             overlapped,
             freeze_us: us(f.steps.freeze),

@@ -198,6 +198,19 @@ switch! {
     }
 }
 
+switch! {
+    /// `--link-compress`: whether messages go compressed on the peer links
+    /// (`squeeze`).
+    pub enum LinkCompress {
+        /// LZ4, each frame of at least `squeeze::COMPRESS_FROM` bytes that
+        /// comes out shorter: the log entries, which carry every input
+        /// frame to both peers, and a `syncvm`'s bitmaps and pages.
+        Lz4 = "lz4",
+        /// As they are.
+        Off = "off",
+    }
+}
+
 /// The switches together.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Tuning {
@@ -212,6 +225,7 @@ pub struct Tuning {
     pub sync_pipeline: SyncPipeline,
     pub link_batch: LinkBatch,
     pub link_direct: LinkDirect,
+    pub link_compress: LinkCompress,
     /// `--predict-writes` (`writes`).
     pub predict_writes: crate::pipeline::predict::Mode,
     /// `--leader-apply`.
