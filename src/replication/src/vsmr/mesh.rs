@@ -656,15 +656,14 @@ mod tests {
         let options = LinkOptions { batch: LinkBatch::On, direct: LinkDirect::Off, compress: LinkCompress::Lz4, linger: Duration::ZERO };
         let (sender, _) = node_with(1, false, &addrs, options);
         let (_receiver, inbox) = node_with(2, false, &addrs, options);
-        let mut x = 7u32;
-        let mut noise = || {
-            x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (x >> 24) as u8
-        };
         let sent: Vec<(Kind, Vec<u8>)> = (0..200u32)
             .map(|i| match i % 3 {
                 0 => (Kind::SyncPages, [i.to_le_bytes().to_vec(), vec![0; 8192]].concat()),
-                1 => (Kind::SyncHashes, (0..1024).map(|_| noise()).collect()),
+                1 => {
+                    let mut noise = vec![0; 1024];
+                    getrandom::fill(&mut noise).unwrap();
+                    (Kind::SyncHashes, noise)
+                }
                 _ => (Kind::SyncAck, i.to_le_bytes().to_vec()),
             })
             .collect();

@@ -92,15 +92,8 @@ mod tests {
     fn small_or_incompressible_frames_go_as_they_are() {
         let small = protocol::frame(Kind::SyncAck, &[7; 8]);
         assert_eq!(pack(small.clone()), small);
-        let mut x = 0x2545_f491_4f6c_dd1d_u64;
-        let noise: Vec<u8> = (0..4096)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect();
+        let mut noise = vec![0; 4096];
+        getrandom::fill(&mut noise).unwrap();
         let noisy = protocol::frame(Kind::SyncHashes, &noise);
         assert_eq!(pack(noisy.clone()), noisy);
     }
