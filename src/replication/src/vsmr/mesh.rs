@@ -604,6 +604,16 @@ mod tests {
         (Mesh::start(hello, &listen, &others, None, routes, options).unwrap(), inbox)
     }
 
+    /// Replicas 1 and 2 linked with `direct` and `compress`: 1, and 2 with
+    /// what reaches it.
+    fn sender_and_receiver(direct: LinkDirect, compress: LinkCompress) -> (Arc<Mesh>, Arc<Mesh>, Receiver<Inbound>) {
+        let addrs: Vec<(u64, String)> = (1..=2).map(|i| (i, free_addr())).collect();
+        let options = LinkOptions { batch: LinkBatch::On, direct, compress, linger: Duration::ZERO };
+        let (sender, _) = node_with(1, false, &addrs, options);
+        let (receiver, inbox) = node_with(2, false, &addrs, options);
+        (sender, receiver, inbox)
+    }
+
     fn frame(tag: u8) -> Vec<u8> {
         protocol::frame(Kind::SyncBitmap, &[tag])
     }
@@ -615,10 +625,7 @@ mod tests {
     /// the order it sent them.
     #[test]
     fn direct_and_queued_sends_keep_each_senders_order() {
-        let addrs: Vec<(u64, String)> = (1..=2).map(|i| (i, free_addr())).collect();
-        let options = LinkOptions { batch: LinkBatch::On, direct: LinkDirect::On, compress: LinkCompress::Off, linger: Duration::ZERO };
-        let (sender, _) = node_with(1, false, &addrs, options);
-        let (_receiver, inbox) = node_with(2, false, &addrs, options);
+        let (sender, _receiver, inbox) = sender_and_receiver(LinkDirect::On, LinkCompress::Off);
         const EACH: u32 = 20_000;
         let threads: Vec<_> = (0..2u8)
             .map(|t| {
@@ -652,10 +659,7 @@ mod tests {
     /// is, and each arrives as it was sent, in order.
     #[test]
     fn compressed_links_deliver_every_message_as_sent() {
-        let addrs: Vec<(u64, String)> = (1..=2).map(|i| (i, free_addr())).collect();
-        let options = LinkOptions { batch: LinkBatch::On, direct: LinkDirect::Off, compress: LinkCompress::Lz4, linger: Duration::ZERO };
-        let (sender, _) = node_with(1, false, &addrs, options);
-        let (_receiver, inbox) = node_with(2, false, &addrs, options);
+        let (sender, _receiver, inbox) = sender_and_receiver(LinkDirect::Off, LinkCompress::Lz4);
         let sent: Vec<(Kind, Vec<u8>)> = (0..200u32)
             .map(|i| match i % 3 {
                 0 => (Kind::SyncPages, [i.to_le_bytes().to_vec(), vec![0; 8192]].concat()),
