@@ -3,6 +3,7 @@
 //! against a reference measured in the same run (never against constants).
 
 mod channel;
+mod cores;
 mod ft;
 mod ha;
 mod kv;

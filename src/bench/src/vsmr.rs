@@ -22,6 +22,7 @@ use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::{Topology, H1_REPL_ADDR, H2_REPL_ADDR};
 
+use crate::cores::Cores;
 use crate::ft::failover::Clients;
 use crate::paths::sibling_binary;
 use crate::redis_benchmark::{self, Figures};
@@ -73,6 +74,13 @@ pub struct Options {
     /// them, against "VSMR blocks").
     #[arg(long, allow_hyphen_values = true)]
     vsmr_b_flags: Option<String>,
+    /// Give the serving VMM (the unreplicated VM, the primary, the VSMR
+    /// leader) this CPU to itself and run everything else (the backup, the
+    /// other replicas, the clients, this program) on the other CPUs, as if
+    /// the serving VMM had a host of its own. Default: every process may
+    /// run on every CPU.
+    #[arg(long)]
+    serving_core: Option<usize>,
     /// Skip the failover of each replicated setting (throughput only).
     #[arg(long)]
     no_failover: bool,
@@ -400,20 +408,26 @@ fn status(ftvm: &Path, socket: &Path) -> String {
         .unwrap_or_default()
 }
 
+/// Which of `setup.procs` serves the guest: the only VMM, the primary (PB:
+/// procs are [backup, primary]), or the VSMR leader (the replicas by id -
+/// 1; none while no replica says it leads).
+fn serving(ftvm: &Path, setup: &Setup, mode: Mode) -> Option<usize> {
+    match mode {
+        Mode::Unreplicated => Some(0),
+        Mode::PrimaryBackup | Mode::PrimaryBackupWhole => Some(1),
+        Mode::Vsmr | Mode::VsmrBlocks | Mode::VsmrB => {
+            (0..2).find(|&i| setup.replicas[i].1.as_deref().is_some_and(|s| status(ftvm, s).contains("role: leader")))
+        }
+    }
+}
+
 /// Kill the serving VMM under clients sending SETs; with VSMR, restart it
 /// and wait until the new leader is protected again.
 fn failover(topo: &Topology, ftvm: &Path, setup: &mut Setup, mode: Mode) -> Result<Failover, BoxError> {
     let clients = Clients::start(topo)?;
     std::thread::sleep(Duration::from_millis(500));
     let vsmr = matches!(mode, Mode::Vsmr | Mode::VsmrBlocks | Mode::VsmrB);
-    // PB: procs are [backup, primary]; VSMR: the replicas by id - 1.
-    let victim = if vsmr {
-        (0..2)
-            .find(|&i| setup.replicas[i].1.as_deref().is_some_and(|s| status(ftvm, s).contains("role: leader")))
-            .ok_or("no VSMR leader to kill")?
-    } else {
-        1
-    };
+    let victim = serving(ftvm, setup, mode).ok_or("no VSMR leader to kill")?;
     let t0 = Instant::now();
     setup.procs[victim].kill();
     let outages = clients.outages(t0);
@@ -484,8 +498,19 @@ fn failover(topo: &Topology, ftvm: &Path, setup: &mut Setup, mode: Mode) -> Resu
     Ok(f)
 }
 
-fn measure(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options) -> Result<(Vec<Measured>, Option<Failover>), BoxError> {
+fn measure(
+    topo: &Topology,
+    ftvm: &Path,
+    dir: &Scratch,
+    mode: Mode,
+    opts: &Options,
+    cores: Option<&Cores>,
+) -> Result<(Vec<Measured>, Option<Failover>), BoxError> {
     let mut setup = start(topo, ftvm, dir, mode, opts)?;
+    if let Some(cores) = cores {
+        let i = serving(ftvm, &setup, mode).ok_or("no VSMR leader to give the serving core")?;
+        cores.serve(setup.procs[i].id()).map_err(|e| format!("pinning {}: {e}", setup.procs[i].name()))?;
+    }
     let mut out = Vec::new();
     for &p in &opts.pipeline {
         let (_, from) = read_sums(&setup.metrics, &[]);
@@ -515,13 +540,14 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     if opts.pipeline.is_empty() {
         return Err("--pipeline needs at least one depth".into());
     }
+    let cores = opts.serving_core.map(Cores::split).transpose()?;
     let topo = Topology::new("vsmb")?;
     let dir = Scratch::new("bench-vsmr")?;
     let mut results = Vec::new();
     let mut failovers = Vec::new();
     let modes = modes(opts);
     for &mode in &modes {
-        let (r, f) = measure(&topo, &ftvm, &dir, mode, opts)?;
+        let (r, f) = measure(&topo, &ftvm, &dir, mode, opts, cores.as_ref())?;
         results.push(r);
         failovers.push(f);
     }
