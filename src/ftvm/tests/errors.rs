@@ -104,3 +104,49 @@ fn sigterm_and_sigint_stop_the_vm_cleanly() {
         assert!(stdout(&out).contains("probe: tick n="), "the guest ran before the signal");
     }
 }
+
+/// A raft append whose entries do not follow its index (raft-rs panics on
+/// one) from a peer of a group without a secret is dropped with a warning:
+/// the witness lives on.
+#[test]
+fn a_malformed_raft_append_is_dropped() {
+    use ftvm_replication::protocol::{frame, Kind};
+    use std::io::Write;
+
+    let addrs: Vec<String> = (0..3).map(|_| free_addr()).collect();
+    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
+    let mut witness = Process::spawn_collected("witness", ftvm().args(["replica", "--id", "3", "--peers", &peers, "--witness"])).unwrap();
+    let t0 = Instant::now();
+    let mut link = loop {
+        match std::net::TcpStream::connect(&addrs[2]) {
+            Ok(s) => break s,
+            Err(e) => assert!(t0.elapsed() < Duration::from_secs(20), "the witness never listened: {e}\n{}", witness.output()),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // Protobuf by hand: (field << 3 | wire type) then a varint or a length.
+    let varint = |mut n: u64, out: &mut Vec<u8>| loop {
+        let low = (n & 0x7f) as u8;
+        n >>= 7;
+        out.push(if n == 0 { low } else { low | 0x80 });
+        if n == 0 {
+            break;
+        }
+    };
+    let fields = |numbers: &[(u64, u64)], out: &mut Vec<u8>| numbers.iter().for_each(|&(f, v)| (varint(f << 3, out), varint(v, out)).1);
+    let mut entry = Vec::new();
+    fields(&[(2, 1), (3, 5)], &mut entry); // term 1, index 5
+    let mut append = Vec::new();
+    fields(&[(1, 3), (2, 3), (3, 1), (4, 1), (5, 0), (6, 0)], &mut append); // MsgAppend 1 -> 3, term 1, after index 0
+    varint(7 << 3 | 2, &mut append);
+    varint(entry.len() as u64, &mut append);
+    append.extend_from_slice(&entry);
+    fields(&[(8, 5)], &mut append); // commit 5
+                                    // PeerHello { id: 1, witness: false, standby: false, disk: 0 } (postcard).
+    let mut bytes = frame(Kind::PeerHello, &[1, 0, 0, 0]);
+    bytes.extend(frame(Kind::Raft, &append));
+    link.write_all(&bytes).unwrap();
+    wait_log(&mut witness, "dropped an append whose entries do not follow its index", Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(witness.try_wait().is_none(), "the witness ended: {}", witness.output());
+}

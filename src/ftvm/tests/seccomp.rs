@@ -77,3 +77,14 @@ fn a_replication_thread_is_filtered_too() {
     assert!(err.contains("(replication filter) made system call 135 (personality)"), "{err}");
     drop(backup);
 }
+
+/// A host name in an address is looked up under the filters: one that does
+/// not resolve is an error naming it, not a forbidden call.
+#[test]
+fn a_host_name_is_looked_up_under_the_filters() {
+    let out = finish("backup", ftvm().args(["backup", "--listen", "nosuch.invalid:47999"]));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("nosuch.invalid") && !err.contains("seccomp"), "{err}");
+    assert_eq!(err.trim().lines().filter(|l| l.starts_with("ftvm: error")).count(), 1, "{err}");
+}

@@ -174,3 +174,21 @@ fn corrupted_or_truncated_snapshots_are_refused() {
         assert!(stdout(&out).is_empty(), "{what}: guest must not run: {}", stdout(&out));
     }
 }
+
+/// `--output` may replace an earlier snapshot, nothing else: not a file of
+/// the operator's, not the VM's own control socket (which still answers).
+#[test]
+fn a_snapshot_never_replaces_what_is_not_one() {
+    let (vm, snap) = start("noclobber", "probe", 1, "ticker=10");
+    let other = snap.with_file_name("notes.txt");
+    std::fs::write(&other, "the operator's").unwrap();
+    for target in [&other, &vm.socket] {
+        let out = ftvm().args(["snapshot", "--api-socket"]).arg(&vm.socket).arg("--output").arg(target).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{}: {}", target.display(), stderr(&out));
+        assert!(stderr(&out).contains("is not an ftvm snapshot: not replaced"), "{}", stderr(&out));
+    }
+    assert_eq!(std::fs::read_to_string(&other).unwrap(), "the operator's");
+    assert!(status(&vm.socket).contains("state: running"), "the control socket still answers");
+    snapshot(&vm, &snap, false);
+    snapshot(&vm, &snap, true);
+}

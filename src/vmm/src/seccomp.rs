@@ -214,6 +214,9 @@ const VMM: &[Syscall] = syscalls![
     SYS_bind,
     SYS_listen,
     SYS_connect,
+    // Host names in addresses: glibc's resolver sends its A and AAAA
+    // queries in one call.
+    SYS_sendmmsg,
     SYS_getsockname,
     SYS_getpeername,
     SYS_select,

@@ -34,6 +34,8 @@ pub enum SnapshotError {
     Truncated { path: String },
     #[error("snapshot {path} is corrupted: {what}")]
     Corrupted { path: String, what: String },
+    #[error("{0} exists and is not an ftvm snapshot: not replaced (remove it or choose another path)")]
+    NotReplaced(String),
 }
 
 /// Writes through a running crc32c.
@@ -74,9 +76,16 @@ pub fn write(path: &Path, state: &VmState, ram: &GuestRam) -> Result<u64, Snapsh
         let name = name.clone();
         move |err| SnapshotError::Io { op, path: name, err }
     };
+    // An earlier snapshot may be replaced; anything else under that name (a
+    // disk image, the guest's ELF, the control socket) is the operator's.
+    if std::fs::symlink_metadata(path).is_ok() && !holds_snapshot(path) {
+        return Err(SnapshotError::NotReplaced(name));
+    }
     // Write to a temporary name and rename, so a crash or full disk never
     // leaves a half-written file under the final name.
-    let tmp = path.with_extension("partial");
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".partial");
+    let tmp = std::path::PathBuf::from(tmp);
     let file = File::create(&tmp).map_err(io("create"))?;
     let mut out = CrcWriter { inner: BufWriter::with_capacity(WRITE_CHUNK, file), crc: 0 };
     let result = (|| {
@@ -110,6 +119,14 @@ pub fn write(path: &Path, state: &VmState, ram: &GuestRam) -> Result<u64, Snapsh
     }
     std::fs::rename(&tmp, path).map_err(io("rename"))?;
     std::fs::metadata(path).map(|m| m.len()).map_err(io("stat"))
+}
+
+/// Whether `path` is a regular file (not a link to one) that starts as a
+/// snapshot does.
+fn holds_snapshot(path: &Path) -> bool {
+    let regular = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_file());
+    let mut magic = [0u8; MAGIC.len()];
+    regular && File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && &magic == MAGIC
 }
 
 fn format_error(name: &str, e: FormatError) -> SnapshotError {
@@ -245,6 +262,26 @@ mod tests {
             assert!(r.is_err(), "flip in byte {i} accepted");
             assert!(!r.unwrap_err().to_string().ends_with(": "), "error says what is wrong");
         }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn only_an_earlier_snapshot_is_replaced() {
+        let dir = scratch("replace");
+        let (path, before) = written(&dir);
+        let ram = GuestRam::new(RAM, false).unwrap();
+        write(&path, &state(), &ram).unwrap();
+        assert_ne!(std::fs::read(&path).unwrap(), before, "the earlier snapshot was replaced");
+        let disk = dir.join("disk.img");
+        std::fs::write(&disk, [0x5a; 4096]).unwrap();
+        let link = dir.join("link.snap");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        for other in [&disk, &link, &dir] {
+            let e = write(other, &state(), &ram).unwrap_err();
+            assert!(matches!(e, SnapshotError::NotReplaced(_)), "{}: {e}", other.display());
+        }
+        assert_eq!(std::fs::read(&disk).unwrap(), [0x5a; 4096]);
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

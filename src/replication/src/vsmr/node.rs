@@ -269,6 +269,9 @@ impl Loop {
         match ev {
             Event::Peer(msg) => match Message::parse_from_bytes(&msg.payload) {
                 // The sender is who its authenticated link says it is.
+                Ok(m) if m.get_msg_type() == MessageType::MsgAppend && !append_is_sound(&m) => {
+                    tracing::warn!(from = msg.from, index = m.index, "dropped an append whose entries do not follow its index")
+                }
                 Ok(mut m) if m.from == msg.from && m.to == self.config.id => {
                     self.heard.insert(m.from, Instant::now());
                     let log = &self.node.raft.raft_log;
@@ -704,9 +707,41 @@ impl slog::Drain for TracingDrain {
     }
 }
 
+/// Whether an append's entries follow its index one after another, their
+/// terms never below its log term, never falling, never above its own
+/// term: raft-rs slices its log by these numbers and panics on a message
+/// that breaks them, which only a broken or hostile peer sends.
+fn append_is_sound(m: &Message) -> bool {
+    let mut term = m.log_term;
+    m.entries.iter().zip(1u64..).all(|(e, n)| {
+        let sound = m.index.checked_add(n) == Some(e.index) && e.term >= term && e.term <= m.term;
+        term = e.term;
+        sound
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn appends_whose_entries_do_not_follow_their_index_are_not_sound() {
+        let append = |index, log_term, entries: &[(u64, u64)]| {
+            let mut m = Message::default();
+            m.set_msg_type(MessageType::MsgAppend);
+            (m.term, m.index, m.log_term) = (3, index, log_term);
+            m.entries = entries.iter().map(|&(index, term)| raft::eraftpb::Entry { index, term, ..Default::default() }).collect();
+            m
+        };
+        assert!(append_is_sound(&append(4, 1, &[(5, 1), (6, 2), (7, 3)])));
+        assert!(append_is_sound(&append(4, 1, &[])));
+        assert!(!append_is_sound(&append(0, 0, &[(5, 1)])), "a gap after its index");
+        assert!(!append_is_sound(&append(2, 2, &[(3, 2), (1, 2)])), "indices out of order");
+        assert!(!append_is_sound(&append(u64::MAX, 1, &[(0, 1)])), "an index past the last");
+        assert!(!append_is_sound(&append(4, 2, &[(5, 1)])), "a term below the log term");
+        assert!(!append_is_sound(&append(4, 1, &[(5, 2), (6, 1)])), "a falling term");
+        assert!(!append_is_sound(&append(4, 1, &[(5, 4)])), "a term above the message's");
+    }
 
     /// Replica 1 asked by candidate 3 for its vote in term 5, as it answers
     /// after a restart with `held` read back: does it grant it?
