@@ -256,3 +256,18 @@ fn secret_files_are_checked() {
     assert!(!out.status.success() && stderr(&out).contains("--secret-file"), "{}", stderr(&out));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Strangers that hold every handshake slot (idle sockets, with a deadline
+/// far off) do not turn the primary away: a newcomer ends the oldest.
+#[test]
+fn idle_strangers_in_every_handshake_slot_do_not_keep_the_primary_out() {
+    let dir = scratch("slots");
+    let secret = secret_file(&dir, "secret", b"a secret both sides hold\n", 0o600);
+    let addr = free_addr();
+    let b = backup(&addr, &["--secret-file", &secret, "--handshake-timeout-ms", "60000"]);
+    let idle: Vec<TcpStream> = (0..24).map(|_| connect(&addr)).collect();
+    let err = protect_then_fail_over(&addr, &["--secret-file", &secret], b);
+    assert!(err.contains("connections were in their handshake: ended the oldest for this one"), "{err}");
+    drop(idle);
+    let _ = std::fs::remove_dir_all(&dir);
+}

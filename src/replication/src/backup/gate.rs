@@ -3,7 +3,8 @@
 //! deadline (authentication with a secret, then the primary's Hello), so a
 //! stranger (a port probe, an HTTP request, garbage, an idle socket, a
 //! wrong secret) is logged with its address and dropped, and never keeps
-//! the real primary waiting.
+//! the real primary waiting (when every handshake slot is taken, a new
+//! connection ends the oldest).
 
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -18,7 +19,7 @@ use crate::pipeline::transport::{self, Auth, AuthTransport, TcpTransport, Transp
 use crate::protocol::{self, Hello, Kind, ProtocolError, HANDSHAKE_LIMIT};
 use crate::ReplicationError;
 
-/// Connections in their handshake at once; more are dropped on arrival.
+/// Connections in their handshake at once; a new one ends the oldest.
 const MAX_PENDING: usize = 16;
 /// How often the door checks deadlines and whether it should close.
 const TICK_MS: i32 = 100;
@@ -129,8 +130,12 @@ impl Door {
 
     fn admit(&mut self, stream: TcpStream, peer: SocketAddr) {
         if self.pending.len() >= MAX_PENDING {
-            tracing::warn!(%peer, "dropped a connection: {MAX_PENDING} others are still in their handshake");
-            return;
+            // The oldest goes, not the newcomer: strangers that keep the
+            // slots filled must not turn the real primary away, and a
+            // primary's handshake takes a round trip, not the deadline.
+            let oldest = self.pending.remove(0);
+            let _ = oldest.stream.shutdown(Shutdown::Both);
+            tracing::warn!(%peer, "{MAX_PENDING} connections were in their handshake: ended the oldest for this one");
         }
         let deadline = Instant::now() + self.timeout;
         let done = Arc::new(AtomicBool::new(false));
