@@ -105,6 +105,47 @@ fn sigterm_and_sigint_stop_the_vm_cleanly() {
     }
 }
 
+/// A witness (replica 3 of a group without a secret, the others absent)
+/// logging at info, and its peer address.
+fn witness() -> (Process, String) {
+    let addrs: Vec<String> = (0..3).map(|_| free_addr()).collect();
+    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
+    let mut cmd = ftvm();
+    cmd.args(["replica", "--id", "3", "--peers", &peers, "--witness"]).env("FTVM_LOG", "info");
+    (Process::spawn_collected("witness", &mut cmd).unwrap(), addrs[2].clone())
+}
+
+fn dial(witness: &mut Process, addr: &str) -> std::net::TcpStream {
+    let t0 = Instant::now();
+    loop {
+        match std::net::TcpStream::connect(addr) {
+            Ok(s) => return s,
+            Err(e) => assert!(t0.elapsed() < Duration::from_secs(20), "the witness never listened: {e}\n{}", witness.output()),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Peers that never finish their handshake are at most 16 at once: a new
+/// one closes the oldest, so idle strangers neither grow a replica's
+/// threads and memory without bound nor keep a real peer out.
+#[test]
+fn idle_peer_links_are_bounded() {
+    use ftvm_replication::protocol::{frame, Kind};
+    use std::io::{Read, Write};
+
+    let (mut witness, addr) = witness();
+    let mut idle: Vec<std::net::TcpStream> = (0..24).map(|_| dial(&mut witness, &addr)).collect();
+    let mut peer = dial(&mut witness, &addr);
+    peer.write_all(&frame(Kind::PeerHello, &[1, 0, 0, 0])).unwrap();
+    let log = wait_log(&mut witness, "peer connected", Duration::from_secs(20));
+    assert!(log.lines().any(|l| l.contains("peer connected") && l.contains("id=1")), "{log}");
+    let first = &mut idle[0];
+    first.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert!(matches!(first.read(&mut [0; 1]), Ok(0) | Err(_)), "the oldest idle link is still open");
+    assert!(witness.output().contains("peer links were in their handshake: closed the oldest"), "{}", witness.output());
+}
+
 /// A raft append whose entries do not follow its index (raft-rs panics on
 /// one) from a peer of a group without a secret is dropped with a warning:
 /// the witness lives on.
@@ -113,17 +154,8 @@ fn a_malformed_raft_append_is_dropped() {
     use ftvm_replication::protocol::{frame, Kind};
     use std::io::Write;
 
-    let addrs: Vec<String> = (0..3).map(|_| free_addr()).collect();
-    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
-    let mut witness = Process::spawn_collected("witness", ftvm().args(["replica", "--id", "3", "--peers", &peers, "--witness"])).unwrap();
-    let t0 = Instant::now();
-    let mut link = loop {
-        match std::net::TcpStream::connect(&addrs[2]) {
-            Ok(s) => break s,
-            Err(e) => assert!(t0.elapsed() < Duration::from_secs(20), "the witness never listened: {e}\n{}", witness.output()),
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let (mut witness, addr) = witness();
+    let mut link = dial(&mut witness, &addr);
     // Protobuf by hand: (field << 3 | wire type) then a varint or a length.
     let varint = |mut n: u64, out: &mut Vec<u8>| loop {
         let low = (n & 0x7f) as u8;

@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use ftvm_vmm::sync::Lock;
 
+use super::handshakes::{Handshakes, Slot};
 use super::node::Event;
 use super::release::Awaited;
 use super::squeeze;
@@ -215,18 +216,20 @@ impl Mesh {
                 .map_err(ReplicationError::Thread)?;
         }
         let m = mesh.clone();
+        let handshakes = Handshakes::new(HANDSHAKE_TIMEOUT);
         std::thread::Builder::new()
             .name("peer-accept".into())
             .spawn(move || {
                 for stream in listener.incoming() {
                     let Ok(stream) = stream else { continue };
+                    let Some(slot) = handshakes.admit(&stream) else { continue };
                     let Ok(link) = accepted(stream, batch) else { continue };
                     let (m, auth, routes) = (m.clone(), auth.clone(), routes.clone());
                     let peer = link.peer();
                     let _ = std::thread::Builder::new().name("peer-rx".into()).spawn(move || {
                         // It parses what any peer sends: the narrow filter.
                         ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Replication);
-                        m.receive(link, &peer, auth.as_ref(), &routes)
+                        m.receive(link, &peer, auth.as_ref(), &routes, slot)
                     });
                 }
             })
@@ -427,13 +430,14 @@ impl Mesh {
         }
     }
 
-    /// Serve one accepted link until it breaks.
-    fn receive(&self, mut link: transport::TcpTransport, peer: &str, auth: Option<&Auth>, routes: &Routes) {
+    /// Serve one accepted link until it breaks; its handshake holds `slot`.
+    fn receive(&self, mut link: transport::TcpTransport, peer: &str, auth: Option<&Auth>, routes: &Routes, slot: Slot) {
         let mut buf = Vec::new();
         let _ = link.set_recv_timeout(Some(HANDSHAKE_TIMEOUT));
         let first = match link.recv(protocol::HANDSHAKE_LIMIT, &mut buf) {
             Ok(k) => k,
-            Err(e) => return tracing::debug!(%peer, "peer link: {e}"),
+            Err(ProtocolError::Closed) => return tracing::debug!(%peer, "a peer link closed before its handshake"),
+            Err(e) => return tracing::warn!(%peer, "refused a peer link: {e}"),
         };
         let mut link: Box<dyn Transport> = match auth {
             Some(auth) => match AuthTransport::respond(link, first, &buf, auth) {
@@ -445,6 +449,10 @@ impl Mesh {
                 Err(e) => return tracing::warn!(%peer, "refused a peer: {e}"),
             },
             None if first == Kind::PeerHello => Box::new(link),
+            None if first != Kind::AuthHello => {
+                transport::refuse(&mut link, &format!("this is a replica's peer port: expected PeerHello, got {first:?}"));
+                return tracing::warn!(%peer, "refused a peer link: expected PeerHello, got {first:?}");
+            }
             None => {
                 transport::refuse(&mut link, "this replica has no --secret-file; start every replica with the same --secret-file or none");
                 return tracing::warn!(%peer, "refused a peer: it authenticates, this replica does not");
@@ -458,6 +466,7 @@ impl Mesh {
             return tracing::warn!(%peer, id = hello.id, "refused a peer that is not in --peers");
         }
         let _ = link.set_recv_timeout(None);
+        drop(slot);
         let number = self.links.fetch_add(1, Ordering::Relaxed);
         let old = match link.try_clone() {
             Ok(handle) => self.accepted.locked().insert(hello.id, (number, handle)),

@@ -10,6 +10,7 @@ pub mod aside;
 pub mod disk;
 pub mod failover;
 pub mod gate;
+mod handshakes;
 pub mod log;
 pub mod loss;
 pub mod mesh;
