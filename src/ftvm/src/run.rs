@@ -235,15 +235,21 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                 // is read only while it leads (from its first pass on).
                 v.devices().set_host_input(false);
             }
+            // Protected from its start: no output leaves before the backup
+            // has the state behind it, not even while it is being reached.
+            let plumbing = host.replicate.as_ref().map(|config| Primary::plumb(&v, config)).transpose()?;
+            if let Some(p) = &plumbing {
+                p.hold_from_start();
+            }
             v.start().map_err(os("start vCPU threads"))?;
             watch(v.exit_event().as_raw_fd(), EXIT)?;
             if let Source::Replica { config, .. } = source {
                 status = Some(vsmr::start(*config, Some(v.clone()))?);
                 follow(status.as_ref());
             }
-            if let Some(config) = host.replicate.clone() {
+            if let (Some(config), Some(plumbing)) = (host.replicate.clone(), plumbing) {
                 // A stop signal while the backup is brought up to date ends that.
-                match Primary::start(v.clone(), config, signals::stop_requested()) {
+                match Primary::start_plumbed(v.clone(), config, plumbing, signals::stop_requested()) {
                     Ok(p) => {
                         status = Some(p.status_cell());
                         follow(status.as_ref());

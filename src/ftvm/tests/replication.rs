@@ -465,15 +465,24 @@ fn crc32c_of(bytes: &[u8]) -> u32 {
     !crc
 }
 
+/// A primary whose backup cannot be reached, or whose metrics file cannot
+/// be written, ends with one clear line and lets nothing of its guest out
+/// (the probe prints a tick every 20 ms from its start).
 #[test]
 fn unreachable_backup_is_a_clear_error() {
     let addr = free_addr(); // nobody listens here
     let t0 = Instant::now();
-    let out = primary(&addr, 1, WORK, &["--connect-timeout-ms", "500"]).output().unwrap();
+    let out = primary_of("probe", &addr, 1, "ticker=20", &["--connect-timeout-ms", "1500"]).output().unwrap();
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.lines().last().unwrap().starts_with(&format!("ftvm: error: cannot reach the backup at {addr}")), "{err}");
     assert!(t0.elapsed() < Duration::from_secs(10));
+    assert!(!stdout(&out).contains("probe:"), "the guest's output left before a backup had it: {}", stdout(&out));
+    let out = primary_of("probe", &addr, 1, "ticker=20", &["--metrics", "/nonexistent-ftvm-dir/m.jsonl"]).output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.lines().last().unwrap().contains("cannot write metrics: /nonexistent-ftvm-dir/m.jsonl: No such file"), "{err}");
+    assert!(!stdout(&out).contains("probe:"), "{}", stdout(&out));
 }
 
 #[test]

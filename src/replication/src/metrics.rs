@@ -246,8 +246,10 @@ pub struct AppliedEpoch {
 pub struct MetricsLog(Option<Mutex<File>>);
 
 impl MetricsLog {
+    /// The errors name the file.
     pub fn open(path: Option<&Path>) -> std::io::Result<MetricsLog> {
-        Ok(MetricsLog(path.map(File::create).transpose()?.map(Mutex::new)))
+        let open = |p: &Path| File::create(p).map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", p.display())));
+        Ok(MetricsLog(path.map(open).transpose()?.map(Mutex::new)))
     }
 
     pub fn record(&self, m: &impl Serialize) {

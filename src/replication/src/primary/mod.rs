@@ -126,6 +126,33 @@ pub struct Primary {
     thread: Option<JoinHandle<()>>,
 }
 
+/// A VM's output routed through output commit, and what goes with it
+/// (`Primary::plumb`), before its primary reaches the backup.
+pub struct Plumbing {
+    me: String,
+    ownership: Option<Ownership>,
+    metrics: Arc<MetricsLog>,
+    output: Arc<OutputBuffer>,
+    journal: Arc<DiskJournal>,
+    trigger: Arc<Trigger>,
+    fake_ack: Option<Arc<FakeAck>>,
+}
+
+impl Plumbing {
+    /// Hold the guest's output from its first instruction, as part of the
+    /// first checkpoint's epoch: nothing leaves before a backup has the
+    /// state behind it, not while the backup is reached and brought up to
+    /// date, and not at all if it cannot be (a VM that already serves
+    /// unprotected, such as a promoted backup, is not held back while a new
+    /// backup is synchronized).
+    pub fn hold_from_start(&self) {
+        self.output.protect(FIRST_EPOCH);
+    }
+}
+
+/// The number of a new primary's first checkpoint.
+const FIRST_EPOCH: u64 = 0;
+
 /// A planned switch-over (`Primary::hand_over`): asked, then done.
 #[derive(Default)]
 struct Handover {
@@ -139,7 +166,17 @@ impl Primary {
     /// keep checkpointing in the background. Once `cancel` is set (a stop
     /// signal, say), synchronizing gives up with `ReplicationError::Stopped`.
     pub fn start(vm: Arc<Vm>, config: PrimaryConfig, cancel: &AtomicBool) -> Result<Primary, ReplicationError> {
-        let status = StatusCell::new(Role::Primary);
+        let plumbing = Primary::plumb(&vm, &config)?;
+        Primary::start_plumbed(vm, config, plumbing, cancel)
+    }
+
+    /// What comes before the guest runs, for a VM that is protected from
+    /// its start (then `Plumbing::hold_from_start`): the VM claimed at the
+    /// arbiter, the metrics file opened, and the guest's output (network
+    /// frames, console, disk writes) routed through output commit; an
+    /// arbiter or metrics path that does not work ends the VMM before its
+    /// guest ran.
+    pub fn plumb(vm: &Vm, config: &PrimaryConfig) -> Result<Plumbing, ReplicationError> {
         let me = crate::identity(Role::Primary);
         let ownership = match &config.arbiter {
             Some(arbiter) => Some(claim_at_start(arbiter, &me)?),
@@ -175,8 +212,15 @@ impl Primary {
         }
         vm.hooks().set_console(Some(output.clone()));
         vm.hooks().set_disk_writes(Some(journal.clone()));
+        Ok(Plumbing { me, ownership, metrics, output, journal, trigger, fake_ack })
+    }
+
+    /// `start` on a VM already plumbed (`plumb`).
+    pub fn start_plumbed(vm: Arc<Vm>, config: PrimaryConfig, plumbing: Plumbing, cancel: &AtomicBool) -> Result<Primary, ReplicationError> {
+        let Plumbing { me, ownership, metrics, output, journal, trigger, fake_ack } = plumbing;
+        let status = StatusCell::new(Role::Primary);
         let mut pipeline = Pipeline::with_fake_ack(&config.switches, &vm, output.clone(), journal.clone(), fake_ack.clone())?;
-        let mut epoch = 0;
+        let mut epoch = FIRST_EPOCH;
         let cx = Context {
             vm: &vm,
             config: &config,
