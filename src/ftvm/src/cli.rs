@@ -171,7 +171,7 @@ pub struct RunArgs {
 pub struct ReplicationArgs {
     /// Replicate to the backup listening at this address (host:port). The
     /// replication options (--epoch-ms to --transport, --arbiter, --name) need it.
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = host_port)]
     pub replicate_to: Option<String>,
     /// Longest epoch in milliseconds (5 to 60000): the checkpoint interval
     /// with --trigger periodic; with --trigger output, the most an epoch
@@ -308,13 +308,13 @@ pub struct ReplicaArgs {
     #[arg(long, value_name = "PATH", required_unless_present = "witness")]
     pub image: Option<PathBuf>,
     /// Guest memory in MiB (a multiple of 2).
-    #[arg(long, value_name = "MIB", default_value_t = 256)]
+    #[arg(long, value_name = "MIB", default_value_t = 256, requires = "image")]
     pub memory: u64,
     /// Number of vCPUs (1 to 32).
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "image")]
     pub vcpus: u32,
     /// Command line passed to the guest.
-    #[arg(long, default_value = "")]
+    #[arg(long, default_value = "", requires = "image")]
     pub cmdline: String,
     /// Longest interval between two syncvms in milliseconds (5 to 60000);
     /// a syncvm starts sooner when output is held and the guest is idle.
@@ -502,7 +502,7 @@ pub struct ChannelArgs {
 #[derive(Args)]
 pub struct ArbiterArgs {
     /// etcd endpoint deciding ownership (http://HOST:PORT); both sides must name the same one.
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", value_parser = arbiter_url)]
     pub arbiter: Option<String>,
     /// The VM's name at the arbiter (default: from its MAC address).
     #[arg(long, requires = "arbiter")]
@@ -525,7 +525,7 @@ pub struct BackupArgs {
     #[command(flatten)]
     pub config: ConfigArgs,
     /// Address to accept the primary on (host:port).
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = host_port)]
     pub listen: String,
     /// Refuse a primary whose VM has another memory size (MiB, a multiple of 2).
     #[arg(long, value_name = "MIB")]
@@ -554,7 +554,7 @@ pub struct BackupArgs {
     /// backups (`ftvm backup --listen ADDR`) that answers, in order, without
     /// an operator, and again after every loss of its backup
     /// (comma-separated host:port).
-    #[arg(long, value_name = "ADDR[,ADDR...]", value_delimiter = ',')]
+    #[arg(long, value_name = "ADDR[,ADDR...]", value_delimiter = ',', value_parser = host_port)]
     pub standby: Vec<String>,
     #[command(flatten)]
     pub arbiter: ArbiterArgs,
@@ -686,6 +686,26 @@ pub fn epoch_ms(s: &str) -> Result<u64, String> {
 const DEFAULT_HEARTBEAT_MS: u64 = ftvm_replication::liveness::DEFAULT_INTERVAL.as_millis() as u64;
 
 /// A number of milliseconds that must be at least 1.
+/// `HOST:PORT` (a name, an IPv4 address or a bracketed IPv6 one), checked
+/// for its shape at start rather than when it is first dialled (a standby,
+/// say, only after a takeover).
+pub fn host_port(s: &str) -> Result<String, String> {
+    let (host, port) = s.rsplit_once(':').ok_or("not HOST:PORT")?;
+    port.parse::<u16>().map_err(|_| format!("{port:?} is not a port (0 to 65535)"))?;
+    let bracketed = host.starts_with('[') && host.ends_with(']');
+    if host.is_empty() || (host.contains(':') && !bracketed) || host.chars().any(char::is_whitespace) {
+        return Err(format!("{host:?} is not a host name or address"));
+    }
+    Ok(s.to_string())
+}
+
+/// An etcd endpoint: `http://HOST:PORT`.
+pub fn arbiter_url(s: &str) -> Result<String, String> {
+    let rest = s.strip_prefix("http://").ok_or("not http://HOST:PORT")?;
+    host_port(rest.trim_end_matches('/'))?;
+    Ok(s.to_string())
+}
+
 pub fn positive_ms(s: &str) -> Result<u64, String> {
     match s.parse::<u64>() {
         Ok(0) => Err("must be at least 1 ms".into()),
@@ -744,5 +764,13 @@ mod tests {
         assert!(positive_seconds("0").is_err() && positive_seconds("-1").is_err() && positive_seconds("nan").is_err());
         assert_eq!(timeout("1.5"), Ok(Duration::from_millis(1500)));
         assert!(timeout("inf").is_err() && timeout("1e9").is_err());
+        for good in ["10.0.0.1:7000", "h2.example:7000", "localhost:1", "[::1]:65535"] {
+            assert_eq!(host_port(good).as_deref(), Ok(good));
+        }
+        for bad in ["garbage", ",", ":7000", "h2:65536", "h2:port", "::1:7000", "a b:7000", "h2:"] {
+            assert!(host_port(bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(arbiter_url("http://10.0.0.3:2379/").is_ok());
+        assert!(arbiter_url("garbage").is_err() && arbiter_url("http://h3").is_err() && arbiter_url("10.0.0.3:2379").is_err());
     }
 }

@@ -368,3 +368,23 @@ fn backup_takes_a_config_file() {
     let out = ftvm_args(&["backup", "--config", path.to_str().unwrap()]);
     assert_one_line_error(&out, "memory", "backup config with a bad memory size");
 }
+
+/// Addresses are checked for their shape at start, not when first dialled
+/// (a standby only after a takeover), and a witness's VM options need a VM.
+#[test]
+fn addresses_and_witness_options_are_checked_at_start() {
+    let peers = "1=127.0.0.1:7101,2=127.0.0.1:7102,3=127.0.0.1:7103";
+    let cases: [(&[&str], &[&str]); 6] = [
+        (&["backup", "--listen", "127.0.0.1:0", "--standby", "garbage"], &["--standby", "not HOST:PORT"]),
+        (&["backup", "--listen", "127.0.0.1:0", "--standby", "h3:99999"], &["--standby", "is not a port"]),
+        (&["backup", "--listen", "127.0.0.1:0", "--arbiter", "garbage"], &["--arbiter", "not http://HOST:PORT"]),
+        (&["backup", "--listen", "nowhere"], &["--listen", "not HOST:PORT"]),
+        (&["run", "--image", "x", "--replicate-to", "h2:port"], &["--replicate-to", "is not a port"]),
+        (&["replica", "--id", "3", "--peers", peers, "--witness", "--memory", "512"], &["--image"]),
+    ];
+    for (args, wants) in cases {
+        assert_refused(&ftvm_args(args), wants, &format!("{args:?}"));
+    }
+    let out = ftvm_args(&["replica", "--id", "3", "--peers", "1=127.0.0.1:7101,2=127.0.0.1:7101,3=127.0.0.1:7103", "--witness"]);
+    assert_one_line_error(&out, "replicas 1 and 2 are both at 127.0.0.1:7101", "one address for two replicas");
+}

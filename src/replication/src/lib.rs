@@ -33,7 +33,7 @@ pub use protocol::{ProtocolError, PROTOCOL_VERSION};
 pub enum ReplicationError {
     #[error("cannot reach the backup at {addr}: {err}")]
     Unreachable { addr: String, err: String },
-    #[error("cannot listen for a primary on {addr}: {err}")]
+    #[error("cannot listen on {addr}: {err}")]
     Listen { addr: String, err: std::io::Error },
     #[error("the backup refused this primary: {0}")]
     Refused(String),

@@ -196,7 +196,11 @@ pub fn parse_peers(s: &str, me: u64) -> Result<Vec<(u64, String)>, String> {
         if peers.iter().any(|(i, _)| *i == id) {
             return Err(format!("replica {id} is listed twice"));
         }
-        peers.push((id, addr.trim().to_string()));
+        let addr = addr.trim();
+        if let Some((other, _)) = peers.iter().find(|(_, a)| a == addr) {
+            return Err(format!("replicas {other} and {id} are both at {addr}: each needs an address of its own"));
+        }
+        peers.push((id, addr.to_string()));
     }
     if peers.len() < 3 {
         return Err(format!("{} replicas listed; at least three are needed so that a majority survives a failure", peers.len()));
@@ -353,6 +357,7 @@ mod tests {
         assert_eq!(p, vec![(1, "10.0.0.1:7000".into()), (2, "10.0.0.2:7000".into()), (3, "h:1".into())]);
         assert!(parse_peers("1=a:1,2=b:2", 1).unwrap_err().contains("at least three"));
         assert!(parse_peers("1=a:1,1=b:2,3=c:3", 1).unwrap_err().contains("twice"));
+        assert!(parse_peers("1=a:1,2=a:1,3=c:3", 1).unwrap_err().contains("replicas 1 and 2 are both at a:1"));
         assert!(parse_peers("1=a:1,2=b:2,3=c:3", 4).unwrap_err().contains("--id 4"));
         assert!(parse_peers("0=a:1,2=b:2,3=c:3", 2).unwrap_err().contains("start at 1"));
         assert!(parse_peers("1=a,2=b:2,3=c:3", 2).unwrap_err().contains("HOST:PORT"));

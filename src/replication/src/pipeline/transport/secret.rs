@@ -4,7 +4,7 @@
 
 use std::fmt;
 use std::io::Read;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 /// Key derivation context of the long-term key (BLAKE3 `derive_key`).
@@ -38,7 +38,9 @@ impl Secret {
     /// group nor others may read or write.
     pub fn from_file(path: &Path) -> Result<Secret, SecretError> {
         let read = |err| SecretError::Read { path: path.into(), err };
-        let mut file = std::fs::File::open(path).map_err(read)?;
+        // Non-blocking: opening a FIFO would wait for a writer (the check
+        // below refuses it); reads of a regular file are not affected.
+        let mut file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map_err(read)?;
         // The checks look at the file that was opened, not at the path again.
         let meta = file.metadata().map_err(read)?;
         if !meta.is_file() {
@@ -120,5 +122,13 @@ mod tests {
         assert!(matches!(Secret::from_file(&missing), Err(SecretError::Read { .. })));
         assert!(matches!(Secret::from_file(Path::new("/")), Err(SecretError::NotAFile { .. } | SecretError::Permissions { .. })));
         assert!(matches!(Secret::from_file(&file("big", &vec![1u8; MAX_LEN as usize + 1], 0o600)), Err(SecretError::TooLarge { .. })));
+        // A FIFO with no writer: refused, not waited on.
+        let fifo = std::env::temp_dir().join(format!("ftvm-secret-test-fifo-{}", std::process::id()));
+        let _ = std::fs::remove_file(&fifo);
+        let name = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path; mkfifo only creates the file.
+        assert_eq!(unsafe { libc::mkfifo(name.as_ptr(), 0o600) }, 0);
+        assert!(matches!(Secret::from_file(&fifo), Err(SecretError::NotAFile { .. })));
+        std::fs::remove_file(&fifo).unwrap();
     }
 }
