@@ -102,6 +102,19 @@ fn main() -> ExitCode {
         .log_internal_errors(false)
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("FTVM_LOG").unwrap_or_else(|_| "warn".into()))
         .init();
+    // One line, written here: the default hook's backtrace machinery makes
+    // calls (getcwd) that a thread's seccomp filter forbids, and the
+    // process then ended by SIGSYS instead of saying what panicked. Then
+    // the whole process ends: a VMM missing one of its threads (the one
+    // reading acknowledgements, say) could hold its guest's output for good
+    // while its heartbeats keep the backup from taking over.
+    std::panic::set_hook(Box::new(|info| {
+        let thread = std::thread::current();
+        let what = info.payload().downcast_ref::<&str>().copied().or_else(|| info.payload().downcast_ref::<String>().map(String::as_str));
+        let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+        errln!("ftvm: error: thread {} panicked{at}: {}", thread.name().unwrap_or("?"), what.unwrap_or("(no message)"));
+        std::process::abort();
+    }));
     match dispatch(cli::parse().command) {
         Ok(status) => ExitCode::from(status as u8),
         Err(e) => {

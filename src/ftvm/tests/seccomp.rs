@@ -88,3 +88,22 @@ fn a_host_name_is_looked_up_under_the_filters() {
     assert!(err.contains("nosuch.invalid") && !err.contains("seccomp"), "{err}");
     assert_eq!(err.trim().lines().filter(|l| l.starts_with("ftvm: error")).count(), 1, "{err}");
 }
+
+/// A thread that panics under its filter says so in one line (the
+/// default panic output made calls the filter forbids, and the process
+/// ended by SIGSYS with a line about getcwd instead).
+#[test]
+fn a_panic_under_a_filter_is_reported_as_a_panic() {
+    let addr = free_addr();
+    let backup = Process::spawn_collected("backup", ftvm().args(["backup", "--listen", &addr]).stdin(Stdio::null())).unwrap();
+    let mut primary = ftvm();
+    primary
+        .args(["run", "--cmdline", "ticker=20", "--replicate-to", &addr, "--image", image("probe").to_str().unwrap()])
+        .env("FTVM_TEST_FAULT", "panic:replication");
+    let out = finish("primary", &mut primary);
+    let err = stderr(&out);
+    assert_ne!(out.status.code(), Some(159), "{err}");
+    assert!(err.contains("panicked at") && err.contains("test fault: a replication thread panics under its filter"), "{err}");
+    assert!(!err.contains("seccomp filter forbids"), "{err}");
+    drop(backup);
+}

@@ -352,13 +352,17 @@ fn program(kind: ThreadKind, mode: u8) -> Result<&'static BpfProgram, SeccompErr
 }
 
 /// `FTVM_TEST_FAULT=forbidden-syscall:KIND`: right after installing its
-/// filter, a thread of that kind makes a call no list allows (tests only).
+/// filter, a thread of that kind makes a call no list allows;
+/// `FTVM_TEST_FAULT=panic:KIND`: it panics (tests only).
 fn forbidden_call_for_tests(kind: ThreadKind) {
     let asked = std::env::var("FTVM_TEST_FAULT").ok();
     if asked.as_deref().and_then(|f| f.strip_prefix("forbidden-syscall:")) == Some(kind.name()) {
         tracing::warn!(kind = kind.name(), "test fault: making a forbidden system call");
         // SAFETY: personality(0xffffffff) only queries the persona.
         unsafe { libc::syscall(libc::SYS_personality, 0xffff_ffffu64) };
+    }
+    if asked.as_deref().and_then(|f| f.strip_prefix("panic:")) == Some(kind.name()) {
+        panic!("test fault: a {} thread panics under its filter", kind.name());
     }
 }
 
