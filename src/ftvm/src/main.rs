@@ -129,16 +129,18 @@ fn call(client: &ClientArgs, request: api::Request) -> Result<api::Response, run
     Ok(api::client::call(&client.api_socket, &request, client.timeout)?)
 }
 
+/// `--memory` in bytes; a size no host could map is refused as given (a
+/// saturated product would be reported as another number).
+fn bytes_of_mib(mib: u64) -> Result<u64, run::RunError> {
+    mib.checked_mul(1 << 20).ok_or_else(|| run::RunError::Usage(format!("--memory {mib} MiB is more than any host can map")))
+}
+
 fn dispatch(command: Command) -> Result<i32, run::RunError> {
     match command {
         Command::Run(args) => {
             let replicate = args.replication.primary(&args.host)?;
-            let source = run::Source::Image {
-                image: args.image,
-                mem_size: args.memory.saturating_mul(1 << 20),
-                vcpus: args.vcpus,
-                cmdline: args.cmdline,
-            };
+            let source =
+                run::Source::Image { image: args.image, mem_size: bytes_of_mib(args.memory)?, vcpus: args.vcpus, cmdline: args.cmdline };
             let mut host = args.host.into_options(replicate);
             host.user = args.user.as_deref().map(privilege::User::lookup).transpose()?;
             run::run(source, host)
@@ -152,7 +154,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                     disk_io: args.host.disk_io,
                     net_offload: args.host.net_offload,
                 },
-                mem_size: args.memory.map(|m| m.saturating_mul(1 << 20)),
+                mem_size: args.memory.map(bytes_of_mib).transpose()?,
                 vcpus: args.vcpus,
                 failure_timeout: args.failure_timeout_ms.map(Duration::from_millis),
                 heartbeat: Duration::from_millis(args.heartbeat_ms),
@@ -248,7 +250,7 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
             let source = match args.image {
                 Some(image) => run::Source::Replica {
                     image,
-                    mem_size: args.memory.saturating_mul(1 << 20),
+                    mem_size: bytes_of_mib(args.memory)?,
                     vcpus: args.vcpus,
                     cmdline: args.cmdline,
                     config: Box::new(config),

@@ -67,7 +67,8 @@ fn bad_images() {
 #[test]
 fn bad_vm_shapes() {
     let probe = image("probe");
-    let cases: [(&[&str], &str); 5] = [
+    let cases: [(&[&str], &str); 6] = [
+        (&["--memory", "18446744073709551615"], "--memory 18446744073709551615 MiB is more than any host can map"),
         (&["--vcpus", "99"], "99 vCPUs requested"),
         (&["--vcpus", "0"], "0 vCPUs requested"),
         (&["--memory", "4", "--vcpus", "4"], "too little guest memory"),
