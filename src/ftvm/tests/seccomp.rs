@@ -63,19 +63,24 @@ fn a_forbidden_system_call_ends_the_vmm_with_one_line() {
     assert_eq!(finish("unfiltered", &mut cmd).status.code(), Some(7));
 }
 
-#[test]
-fn a_replication_thread_is_filtered_too() {
+/// A primary replicating to a backup, with `FTVM_TEST_FAULT=fault`: how it
+/// ended.
+fn primary_with_fault(fault: &str) -> Output {
     let addr = free_addr();
-    let backup = Process::spawn_collected("backup", ftvm().args(["backup", "--listen", &addr]).stdin(Stdio::null())).unwrap();
+    let _backup = Process::spawn_collected("backup", ftvm().args(["backup", "--listen", &addr]).stdin(Stdio::null())).unwrap();
     let mut primary = ftvm();
     primary
         .args(["run", "--cmdline", "ticker=20", "--replicate-to", &addr, "--image", image("probe").to_str().unwrap()])
-        .env("FTVM_TEST_FAULT", "forbidden-syscall:replication");
-    let out = finish("primary", &mut primary);
+        .env("FTVM_TEST_FAULT", fault);
+    finish("primary", &mut primary)
+}
+
+#[test]
+fn a_replication_thread_is_filtered_too() {
+    let out = primary_with_fault("forbidden-syscall:replication");
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(159), "{err}");
     assert!(err.contains("(replication filter) made system call 135 (personality)"), "{err}");
-    drop(backup);
 }
 
 /// A host name in an address is looked up under the filters: one that does
@@ -94,16 +99,9 @@ fn a_host_name_is_looked_up_under_the_filters() {
 /// ended by SIGSYS with a line about getcwd instead).
 #[test]
 fn a_panic_under_a_filter_is_reported_as_a_panic() {
-    let addr = free_addr();
-    let backup = Process::spawn_collected("backup", ftvm().args(["backup", "--listen", &addr]).stdin(Stdio::null())).unwrap();
-    let mut primary = ftvm();
-    primary
-        .args(["run", "--cmdline", "ticker=20", "--replicate-to", &addr, "--image", image("probe").to_str().unwrap()])
-        .env("FTVM_TEST_FAULT", "panic:replication");
-    let out = finish("primary", &mut primary);
+    let out = primary_with_fault("panic:replication");
     let err = stderr(&out);
     assert_ne!(out.status.code(), Some(159), "{err}");
     assert!(err.contains("panicked at") && err.contains("test fault: a replication thread panics under its filter"), "{err}");
     assert!(!err.contains("seccomp filter forbids"), "{err}");
-    drop(backup);
 }
