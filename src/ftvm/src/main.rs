@@ -266,17 +266,21 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
         Command::Snapshot { api_socket, timeout, output, stop } => {
             let path = std::path::absolute(&output).unwrap_or(output);
             let request = api::Request::Snapshot { path: path.display().to_string(), stop };
+            let socket = api_socket.display().to_string();
             let r = call(&ClientArgs { api_socket, timeout }, request)?;
+            // Every VMM that wrote one says its size.
+            let Some(bytes) = r.bytes else {
+                return Err(api::client::ClientError::Protocol {
+                    path: socket,
+                    err: "a snapshot reply without the snapshot's size".into(),
+                }
+                .into());
+            };
             let pending = match r.disk_pending.unwrap_or(0) {
                 0 => String::new(),
                 n => format!(", {n} disk request(s) in flight (issued again on restore)"),
             };
-            outln!(
-                "snapshot {} written: {} bytes, VM paused {} us{pending}",
-                path.display(),
-                r.bytes.unwrap_or(0),
-                r.pause_us.unwrap_or(0)
-            );
+            outln!("snapshot {} written: {} bytes, VM paused {} us{pending}", path.display(), bytes, r.pause_us.unwrap_or(0));
             Ok(0)
         }
         Command::Status { client, json } => {

@@ -87,6 +87,27 @@ fn silent_and_slow_clients_do_not_delay_others() {
     trickler.join().unwrap();
 }
 
+/// A reply that says ok but not what was done (a snapshot without its size)
+/// is an invalid reply, not "written: 0 bytes".
+#[test]
+fn a_snapshot_reply_without_its_size_is_refused() {
+    use std::io::{BufRead, BufReader, Write};
+    let dir = Scratch::new("api-hollow").unwrap();
+    let socket = dir.join("hollow.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let mut line = String::new();
+            let _ = BufReader::new(&stream).read_line(&mut line);
+            let _ = (&stream).write_all(b"{\"version\":1,\"ok\":true}\n");
+        }
+    });
+    let out = client(&["snapshot", "--output", dir.join("vm.snap").to_str().unwrap()], &socket);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("sent an invalid reply: a snapshot reply without the snapshot's size"), "{err}");
+}
+
 #[test]
 fn a_server_that_never_answers_is_one_clear_error() {
     let dir = Scratch::new("api-mute").unwrap();

@@ -84,6 +84,13 @@ fn bad_vm_shapes() {
 fn unreachable_control_socket() {
     let out = ftvm().args(["status", "--api-socket", "/nonexistent/ftvm.sock"]).output().unwrap();
     assert_one_line_error(&out, "cannot reach the VMM at /nonexistent/ftvm.sock", "status");
+    let dir = Scratch::new("not-a-socket").unwrap();
+    let file = dir.join("vm.sock");
+    std::fs::write(&file, "").unwrap();
+    for path in [&file, &dir.join("")] {
+        let out = ftvm().args(["status", "--api-socket"]).arg(path).output().unwrap();
+        assert_one_line_error(&out, "is not a control socket (a VMM's --api-socket)", "a file or a directory");
+    }
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! (connecting included) within a timeout.
 
 use std::io::Write;
+use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::mpsc;
@@ -13,6 +14,8 @@ use super::{LineError, LineReader, Request, Response, API_VERSION};
 pub enum ClientError {
     #[error("cannot reach the VMM at {path}: {err}")]
     Connect { path: String, err: std::io::Error },
+    #[error("{path} is not a control socket (a VMM's --api-socket)")]
+    NotASocket { path: String },
     #[error("the VMM at {path} did not answer within {}", seconds(*.timeout))]
     Timeout { path: String, timeout: Duration },
     #[error("control socket {path}: {err}")]
@@ -54,6 +57,10 @@ pub fn call(socket: &Path, request: &Request, timeout: Duration) -> Result<Respo
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => timed_out(),
         _ => ClientError::Io { path: path.clone(), err },
     };
+    // (A regular file or a directory would say "connection refused".)
+    if std::fs::metadata(socket).is_ok_and(|m| !m.file_type().is_socket()) {
+        return Err(ClientError::NotASocket { path });
+    }
     let stream = connect(socket, deadline).map_err(|err| ClientError::Connect { path: path.clone(), err })?.ok_or_else(timed_out)?;
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     stream.set_write_timeout(Some(left)).map_err(io)?;
