@@ -87,20 +87,25 @@ fn silent_and_slow_clients_do_not_delay_others() {
     trickler.join().unwrap();
 }
 
+/// A control socket in a scratch directory whose every connection `serve`
+/// takes, on a thread of its own.
+fn fake_vmm(tag: &str, serve: fn(UnixStream)) -> (Scratch, PathBuf) {
+    let dir = Scratch::new(tag).unwrap();
+    let socket = dir.join("api.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    std::thread::spawn(move || listener.incoming().flatten().for_each(serve));
+    (dir, socket)
+}
+
 /// A reply that says ok but not what was done (a snapshot without its size)
 /// is an invalid reply, not "written: 0 bytes".
 #[test]
 fn a_snapshot_reply_without_its_size_is_refused() {
     use std::io::{BufRead, BufReader, Write};
-    let dir = Scratch::new("api-hollow").unwrap();
-    let socket = dir.join("hollow.sock");
-    let listener = UnixListener::bind(&socket).unwrap();
-    std::thread::spawn(move || {
-        for stream in listener.incoming().flatten() {
-            let mut line = String::new();
-            let _ = BufReader::new(&stream).read_line(&mut line);
-            let _ = (&stream).write_all(b"{\"version\":1,\"ok\":true}\n");
-        }
+    let (dir, socket) = fake_vmm("api-hollow", |stream| {
+        let mut line = String::new();
+        let _ = BufReader::new(&stream).read_line(&mut line);
+        let _ = (&stream).write_all(b"{\"version\":1,\"ok\":true}\n");
     });
     let out = client(&["snapshot", "--output", dir.join("vm.snap").to_str().unwrap()], &socket);
     let err = stderr(&out);
@@ -110,16 +115,8 @@ fn a_snapshot_reply_without_its_size_is_refused() {
 
 #[test]
 fn a_server_that_never_answers_is_one_clear_error() {
-    let dir = Scratch::new("api-mute").unwrap();
-    let socket = dir.join("mute.sock");
-    let listener = UnixListener::bind(&socket).unwrap();
-    // Accept and hold every connection, never answering.
-    std::thread::spawn(move || {
-        let mut held = Vec::new();
-        for stream in listener.incoming() {
-            held.push(stream);
-        }
-    });
+    // Every connection held, never answered.
+    let (_dir, socket) = fake_vmm("api-mute", std::mem::forget);
     let cases: [&'static [&'static str]; 4] = [&["status"], &["pause"], &["stop"], &["status", "--timeout", "1"]];
     let clients: Vec<_> = cases
         .into_iter()
