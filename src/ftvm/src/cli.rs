@@ -685,7 +685,6 @@ pub fn epoch_ms(s: &str) -> Result<u64, String> {
 /// Default of `--heartbeat-ms` (both sides).
 const DEFAULT_HEARTBEAT_MS: u64 = ftvm_replication::liveness::DEFAULT_INTERVAL.as_millis() as u64;
 
-/// A number of milliseconds that must be at least 1.
 /// `HOST:PORT` (a name, an IPv4 address or a bracketed IPv6 one), checked
 /// for its shape at start rather than when it is first dialled (a standby,
 /// say, only after a takeover).
@@ -706,6 +705,7 @@ pub fn arbiter_url(s: &str) -> Result<String, String> {
     Ok(s.to_string())
 }
 
+/// A number of milliseconds that must be at least 1.
 pub fn positive_ms(s: &str) -> Result<u64, String> {
     match s.parse::<u64>() {
         Ok(0) => Err("must be at least 1 ms".into()),

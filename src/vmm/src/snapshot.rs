@@ -78,8 +78,10 @@ pub fn write(path: &Path, state: &VmState, ram: &GuestRam) -> Result<u64, Snapsh
     };
     // An earlier snapshot may be replaced; anything else under that name (a
     // disk image, the guest's ELF, the control socket) is the operator's.
-    if std::fs::symlink_metadata(path).is_ok() && !holds_snapshot(path) {
-        return Err(SnapshotError::NotReplaced(name));
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_file() || !starts_as_snapshot(path) {
+            return Err(SnapshotError::NotReplaced(name));
+        }
     }
     // Write to a temporary name and rename, so a crash or full disk never
     // leaves a half-written file under the final name.
@@ -121,12 +123,11 @@ pub fn write(path: &Path, state: &VmState, ram: &GuestRam) -> Result<u64, Snapsh
     std::fs::metadata(path).map(|m| m.len()).map_err(io("stat"))
 }
 
-/// Whether `path` is a regular file (not a link to one) that starts as a
-/// snapshot does.
-fn holds_snapshot(path: &Path) -> bool {
-    let regular = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_file());
+/// Whether the file at `path` starts as a snapshot does (of any version:
+/// an older one may be replaced too).
+fn starts_as_snapshot(path: &Path) -> bool {
     let mut magic = [0u8; MAGIC.len()];
-    regular && File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && &magic == MAGIC
+    File::open(path).and_then(|mut f| f.read_exact(&mut magic)).is_ok() && &magic == MAGIC
 }
 
 fn format_error(name: &str, e: FormatError) -> SnapshotError {
