@@ -581,6 +581,11 @@ pub struct HostArgs {
     /// Serve the control API on this Unix socket (for `ftvm status`, `pause`, `resume`, `stop`, `snapshot`, `protect`).
     #[arg(long, value_name = "PATH")]
     pub api_socket: Option<PathBuf>,
+    /// Let the members of this group use the control socket too (mode
+    /// 0660). By default only the user the VMM runs as and root can: whoever
+    /// can use it can snapshot all of guest memory.
+    #[arg(long, value_name = "NAME", requires = "api_socket")]
+    pub api_group: Option<String>,
     /// Network card on TAP device NAME (created if absent) with MAC address MAC
     /// (default 52:54:00:12:34:56; unicast and not all zero).
     #[arg(long, value_name = "tap=NAME[,mac=MAC]")]

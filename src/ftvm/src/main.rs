@@ -31,6 +31,7 @@ impl HostArgs {
             dirty_backend: self.dirty_backend,
             idle_pause: self.idle_pause,
             api_socket: self.api_socket,
+            api_group: self.api_group,
             seccomp: !self.no_seccomp,
             metrics_listen: self.metrics_listen,
             devices: ftvm_vmm::devices::DeviceConfig {

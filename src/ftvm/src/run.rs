@@ -2,7 +2,7 @@
 //! its backup; then serve signals and the control socket until it stops.
 
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -17,6 +17,7 @@ use ftvm_vmm::snapshot::{self, SnapshotError};
 use ftvm_vmm::{DirtyBackend, IdlePause, Persist, Vm, VmConfig, VmError, VmExit};
 
 use crate::api::client::ClientError;
+use crate::api::access::{Access, AccessError, Group};
 use crate::api::server::{Action, ApiContext, ApiServer};
 use crate::api::Response;
 use crate::exporter::{Exporter, ExporterError};
@@ -45,6 +46,8 @@ pub enum RunError {
     Secret(#[from] ftvm_replication::pipeline::transport::SecretError),
     #[error(transparent)]
     Privilege(#[from] crate::privilege::PrivilegeError),
+    #[error(transparent)]
+    Access(#[from] AccessError),
     #[error("{0}")]
     Usage(String),
 }
@@ -76,6 +79,8 @@ pub struct HostOptions {
     pub dirty_backend: DirtyBackend,
     pub idle_pause: IdlePause,
     pub api_socket: Option<PathBuf>,
+    /// Let this group's members use the control socket too.
+    pub api_group: Option<String>,
     /// Filter the VMM's system calls (docs/seccomp.md).
     pub seccomp: bool,
     /// Serve Prometheus metrics here.
@@ -148,27 +153,33 @@ fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
     Ok(vm)
 }
 
+/// Serve the control socket at `path` to the VMM's user (the one it
+/// becomes with `--user`), root and `--api-group`.
+fn bind_api(path: &Path, host: &HostOptions) -> Result<ApiServer, RunError> {
+    // SAFETY: geteuid has no preconditions.
+    let owner = host.user.as_ref().map_or_else(|| unsafe { libc::geteuid() }, |u| u.uid);
+    let group = host.api_group.as_deref().map(Group::lookup).transpose()?;
+    ApiServer::bind(path, Access { owner, group }).map_err(|err| RunError::Api { path: path.display().to_string(), err })
+}
+
 /// Building a VM longer than this is logged.
 const SLOW_BUILD: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Run until the VM stops; returns the exit status for this process.
 pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
+    if let Source::Backup(config) = &source {
+        // What a primary's arrival would find wrong, found now.
+        ftvm_vmm::vm::check_shape(config.mem_size, config.vcpus)?;
+        config.devices.check().map_err(VmError::from)?;
+    }
+    // Before the filters: the socket is made its owner's (umask, chown, chmod).
+    let api = host.api_socket.as_ref().map(|p| bind_api(p, &host)).transpose()?;
     if host.seccomp {
         // This thread creates every other: its filter is the widest, and
         // each thread narrows it to its kind's as it starts.
         seccomp::enable()?;
         seccomp::install(ThreadKind::Vmm)?;
     }
-    if let Source::Backup(config) = &source {
-        // What a primary's arrival would find wrong, found now.
-        ftvm_vmm::vm::check_shape(config.mem_size, config.vcpus)?;
-        config.devices.check().map_err(VmError::from)?;
-    }
-    let api = host
-        .api_socket
-        .as_ref()
-        .map(|p| ApiServer::bind(p).map_err(|err| RunError::Api { path: p.display().to_string(), err }))
-        .transpose()?;
     // A VM of its own (not a backup's; a witness has none) is built now, while this is the only
     // thread: `--user` then drops root before any other thread starts.
     let built = match &source {

@@ -267,7 +267,7 @@ fn switchover(arbiter: bool) {
     let out = ftvm().args(["switchover", "--api-socket"]).arg(backup_socket(&dir, &backup_addr)).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("not a replicating primary") && err.lines().count() == 1, "{err}");
+    assert!(err.contains("this VMM is a backup: ask its primary to switch over") && err.lines().count() == 1, "{err}");
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(30));
 
     let w = writers(&topo, "switch");

@@ -8,6 +8,7 @@
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use crate::memory::{GuestRam, PAGE};
@@ -88,7 +89,18 @@ pub fn write(path: &Path, state: &VmState, ram: &GuestRam) -> Result<u64, Snapsh
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".partial");
     let tmp = std::path::PathBuf::from(tmp);
-    let file = File::create(&tmp).map_err(io("create"))?;
+    // Owner-only from its first byte, whatever the umask: it holds all of
+    // guest memory. A leftover of a write that was cut off may have another
+    // mode, so it is replaced, not reused.
+    let create = || std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp);
+    let file = match create() {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            std::fs::remove_file(&tmp).map_err(io("replace"))?;
+            create()
+        }
+        r => r,
+    }
+    .map_err(io("create"))?;
     let mut out = CrcWriter { inner: BufWriter::with_capacity(WRITE_CHUNK, file), crc: 0 };
     let result = (|| {
         out.write_all(MAGIC)?;

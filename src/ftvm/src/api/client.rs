@@ -16,6 +16,8 @@ pub enum ClientError {
     Connect { path: String, err: std::io::Error },
     #[error("{path} is not a control socket (a VMM's --api-socket)")]
     NotASocket { path: String },
+    #[error("no VMM serves {path} (a socket left by a VMM that ended)")]
+    Stale { path: String },
     #[error("the VMM at {path} did not answer within {}", seconds(*.timeout))]
     Timeout { path: String, timeout: Duration },
     #[error("control socket {path}: {err}")]
@@ -61,10 +63,25 @@ pub fn call(socket: &Path, request: &Request, timeout: Duration) -> Result<Respo
     if std::fs::metadata(socket).is_ok_and(|m| !m.file_type().is_socket()) {
         return Err(ClientError::NotASocket { path });
     }
-    let stream = connect(socket, deadline).map_err(|err| ClientError::Connect { path: path.clone(), err })?.ok_or_else(timed_out)?;
+    let stream = connect(socket, deadline)
+        .map_err(|err| match err.kind() {
+            std::io::ErrorKind::ConnectionRefused => ClientError::Stale { path: path.clone() },
+            _ => ClientError::Connect { path: path.clone(), err },
+        })?
+        .ok_or_else(timed_out)?;
     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
     stream.set_write_timeout(Some(left)).map_err(io)?;
-    (&stream).write_all(request.to_line().as_bytes()).map_err(io)?;
+    // A VMM that refuses this client (another user's, or too many) answers
+    // with one error line and closes before reading the request: that
+    // line, not the broken pipe, is what went wrong.
+    let written = (&stream).write_all(request.to_line().as_bytes());
+    if let Err(err) = written {
+        let refused = matches!(err.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset);
+        match LineReader::new(&stream).next_line(deadline) {
+            Ok(Some(line)) if refused => return reply_of(&path, &line),
+            _ => return Err(io(err)),
+        }
+    }
     let reply = match LineReader::new(&stream).next_line(deadline) {
         Ok(Some(line)) => line,
         Ok(None) => return Err(ClientError::Protocol { path, err: "the VMM closed the connection without a reply".into() }),
@@ -72,7 +89,13 @@ pub fn call(socket: &Path, request: &Request, timeout: Duration) -> Result<Respo
         Err(LineError::TooLong) => return Err(ClientError::Protocol { path, err: "reply too long".into() }),
         Err(LineError::Io(err)) => return Err(io(err)),
     };
-    let response: Response = serde_json::from_str(&reply).map_err(|e| ClientError::Protocol { path: path.clone(), err: e.to_string() })?;
+    reply_of(&path, &reply)
+}
+
+/// The reply in `line`, or the error it reports.
+fn reply_of(path: &str, line: &str) -> Result<Response, ClientError> {
+    let path = path.to_owned();
+    let response: Response = serde_json::from_str(line).map_err(|e| ClientError::Protocol { path: path.clone(), err: e.to_string() })?;
     if response.version != API_VERSION {
         return Err(ClientError::Version { path, theirs: response.version });
     }

@@ -2,6 +2,7 @@
 //! request and every reply carries the API version; a request of another
 //! version gets an error reply naming both.
 
+pub mod access;
 pub mod client;
 pub mod server;
 

@@ -20,13 +20,16 @@ use ftvm_vmm::snapshot;
 use ftvm_vmm::Persist;
 use ftvm_vmm::Vm;
 
+use super::access::{self, Access};
 use super::{LineError, LineReader, Request, Response};
 
 /// A client has this long to send each complete request line.
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
 /// And this long to take each reply.
 const REPLY_DEADLINE: Duration = Duration::from_secs(5);
-/// Clients connected at once; more are answered with an error and closed.
+/// Clients connected at once; a newcomer beyond them ends the oldest
+/// connection that is waiting for its request (or, when every one is busy
+/// with a request, is answered with an error and closed).
 pub const MAX_CLIENTS: usize = 64;
 /// How long a stopping VMM waits for replies still on their way.
 const DRAIN: Duration = Duration::from_secs(2);
@@ -44,9 +47,10 @@ pub struct ApiServer {
     submit: mpsc::Sender<Pending>,
     /// Readable when requests wait in `requests`.
     wake: Arc<EventFd>,
-    clients: Arc<AtomicUsize>,
+    clients: Arc<Clients>,
     /// Requests handed to the event loop whose reply is not written yet.
     in_flight: Arc<AtomicUsize>,
+    access: Access,
     /// The VM is held paused by `ftvm pause` (replication may hold it too).
     paused_by_operator: AtomicBool,
     /// Where the reply to a switch-over goes once it is done (`reply_switchover`).
@@ -65,7 +69,7 @@ pub enum Action {
 }
 
 impl ApiServer {
-    pub fn bind(path: &Path) -> std::io::Result<ApiServer> {
+    pub fn bind(path: &Path, access: Access) -> std::io::Result<ApiServer> {
         // A socket file left by a VMM that died is stale; a live one is not
         // ours to take, and anything that is not a socket is not ours at all.
         if let Ok(meta) = std::fs::symlink_metadata(path) {
@@ -81,7 +85,7 @@ impl ApiServer {
             }
             std::fs::remove_file(path)?;
         }
-        let listener = UnixListener::bind(path)?;
+        let listener = access.bind(path)?;
         listener.set_nonblocking(true)?;
         let (submit, requests) = mpsc::channel();
         Ok(ApiServer {
@@ -90,8 +94,9 @@ impl ApiServer {
             requests,
             submit,
             wake: Arc::new(EventFd::new(libc::EFD_NONBLOCK)?),
-            clients: Arc::new(AtomicUsize::new(0)),
+            clients: Arc::new(Clients::default()),
             in_flight: Arc::new(AtomicUsize::new(0)),
+            access,
             paused_by_operator: AtomicBool::new(false),
             switchover: std::sync::Mutex::new(None),
         })
@@ -110,15 +115,26 @@ impl ApiServer {
     /// Accept every pending connection and start a thread for each.
     pub fn accept_all(&self) {
         while let Ok((stream, _)) = self.listener.accept() {
-            if self.clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
-                self.clients.fetch_sub(1, Ordering::SeqCst);
-                tracing::warn!("control socket: {MAX_CLIENTS} clients connected already; refusing one");
-                let _ = stream.set_nonblocking(true);
-                let _ = (&stream).write_all(Response::error(format!("too many control clients ({MAX_CLIENTS})")).to_line().as_bytes());
-                continue;
+            match access::peer(&stream) {
+                Ok(peer) if self.access.allows(&peer) => {}
+                Ok(peer) => {
+                    tracing::warn!(uid = peer.uid, pid = peer.pid, "control socket: refused a client of another user");
+                    refuse(&stream, &format!("permission denied: uid {} may not use this control socket", peer.uid));
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!("control socket: cannot read a client's credentials ({e}); refusing it");
+                    continue;
+                }
             }
+            let Some(slot) = self.clients.admit(&stream) else {
+                tracing::warn!("control socket: {MAX_CLIENTS} clients connected, each with a request in progress; refusing one");
+                refuse(&stream, &format!("too many control clients ({MAX_CLIENTS}), all busy"));
+                continue;
+            };
             let client = Client {
                 stream,
+                slot,
                 submit: self.submit.clone(),
                 wake: self.wake.clone(),
                 clients: self.clients.clone(),
@@ -185,9 +201,11 @@ impl Drop for ApiServer {
 /// One connected client, served on its own thread.
 struct Client {
     stream: UnixStream,
+    /// Its place in `clients`.
+    slot: u64,
     submit: mpsc::Sender<Pending>,
     wake: Arc<EventFd>,
-    clients: Arc<AtomicUsize>,
+    clients: Arc<Clients>,
     in_flight: Arc<AtomicUsize>,
 }
 
@@ -214,6 +232,7 @@ impl Client {
             if line.trim().is_empty() {
                 continue;
             }
+            let _busy = self.clients.busy(self.slot);
             let replied = match Request::from_line(&line) {
                 Ok(request) => {
                     self.in_flight.fetch_add(1, Ordering::SeqCst);
@@ -247,7 +266,85 @@ impl Client {
 
 impl Drop for Client {
     fn drop(&mut self) {
-        self.clients.fetch_sub(1, Ordering::SeqCst);
+        self.clients.leave(self.slot);
+    }
+}
+
+/// Answer a client we do not serve with one error line, and close.
+fn refuse(stream: &UnixStream, why: &str) {
+    let _ = stream.set_nonblocking(true);
+    let mut stream = stream;
+    let _ = stream.write_all(Response::error(why).to_line().as_bytes());
+}
+
+/// The clients connected now, oldest first, so that a newcomer can end the
+/// oldest one that is only waiting (connections left open by a stuck
+/// script, or by somebody holding every place, never lock the operator out).
+#[derive(Default)]
+struct Clients {
+    list: std::sync::Mutex<Vec<Connected>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+struct Connected {
+    slot: u64,
+    /// A handle to shut its connection down with.
+    stream: UnixStream,
+    /// Carrying out a request (not to be ended).
+    busy: bool,
+}
+
+impl Clients {
+    /// A place for `stream`, ending the oldest waiting client if all are
+    /// taken; None when every client is busy.
+    fn admit(&self, stream: &UnixStream) -> Option<u64> {
+        let handle = stream.try_clone().ok()?;
+        let mut list = self.list.locked();
+        if list.len() >= MAX_CLIENTS {
+            let oldest = list.iter().position(|c| !c.busy)?;
+            let ended = list.remove(oldest);
+            let _ = ended.stream.shutdown(std::net::Shutdown::Both);
+            tracing::warn!("control socket: {MAX_CLIENTS} clients connected; ended the one waiting longest for its request");
+        }
+        let slot = self.next.fetch_add(1, Ordering::SeqCst);
+        list.push(Connected { slot, stream: handle, busy: false });
+        Some(slot)
+    }
+
+    /// Mark `slot` busy until the guard is dropped.
+    fn busy(&self, slot: u64) -> Busy<'_> {
+        self.set_busy(slot, true);
+        Busy { clients: self, slot }
+    }
+
+    fn set_busy(&self, slot: u64, busy: bool) {
+        if let Some(c) = self.list.locked().iter_mut().find(|c| c.slot == slot) {
+            c.busy = busy;
+        }
+    }
+
+    fn leave(&self, slot: u64) {
+        self.list.locked().retain(|c| c.slot != slot);
+    }
+}
+
+struct Busy<'a> {
+    clients: &'a Clients,
+    slot: u64,
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.clients.set_busy(self.slot, false);
+    }
+}
+
+/// Why a VMM that is not a protected primary cannot switch over.
+fn no_backup_to_switch_to(has_vm: bool, replication: Option<&ftvm_replication::Status>) -> &'static str {
+    match (has_vm, replication) {
+        (false, _) => "this VMM is a backup: ask its primary to switch over",
+        (true, Some(_)) => "the VM is not protected: there is no backup to hand it over to (`ftvm protect` gives it one)",
+        (true, None) => "the VM is not replicated (started without --replicate-to): there is no backup to hand it over to",
     }
 }
 
@@ -289,10 +386,10 @@ impl ApiServer {
                 (None, _) => (Response::error("this VMM is not a replicating primary"), Action::None),
             },
             (Request::Stop, _) => (state("stopping"), Action::Stop),
-            (Request::Switchover, _) => match (ctx.primary, replication) {
+            (Request::Switchover, _) => match (ctx.primary, &replication) {
                 (Some(_), Some(st)) if st.protected => (state("switching over"), Action::Switchover),
                 (Some(_), _) => (Response::error("the VM is not protected: there is no backup to hand it over to"), Action::None),
-                (None, _) => (Response::error("this VMM is not a replicating primary"), Action::None),
+                (None, _) => (Response::error(no_backup_to_switch_to(ctx.vm.is_some(), replication.as_ref())), Action::None),
             },
             (_, None) => (Response::error("no VM is running here yet (a backup before takeover)"), Action::None),
             (Request::Pause, Some(vm)) => {
@@ -311,6 +408,11 @@ impl ApiServer {
                     return (Response::error("the VM stays paused: replication holds it (see `ftvm status`)"), Action::None);
                 }
                 (state("running"), Action::None)
+            }
+            // The VMM's working directory is nobody's business: `ftvm
+            // snapshot` sends the path made absolute where it was typed.
+            (Request::Snapshot { path, .. }, Some(_)) if !Path::new(&path).is_absolute() => {
+                (Response::error(format!("snapshot path {path} is not absolute")), Action::None)
             }
             (Request::Snapshot { path, stop }, Some(vm)) => {
                 let t0 = Instant::now();
