@@ -534,7 +534,8 @@ pub struct BackupArgs {
     #[arg(long, value_name = "N")]
     pub vcpus: Option<u32>,
     /// Take over after this long without hearing from the primary: no
-    /// heartbeat, no byte of its stream (default: five epochs, at least 200 ms).
+    /// heartbeat, no byte of its stream (default: 30 ms, six heartbeats of
+    /// the primary's default --heartbeat-ms).
     #[arg(long, value_name = "MS", value_parser = positive_ms)]
     pub failure_timeout_ms: Option<u64>,
     /// Send the primary a heartbeat (a UDP datagram from the --listen port) this often.

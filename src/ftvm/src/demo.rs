@@ -350,7 +350,7 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
     write_secret(&secret)?;
     outln!("secret: 32 random bytes in {} (mode 0600): both sides authenticate the replication channel with it", secret.display());
     let setup =
-        Setup { args, topo: &topo, ftvm, image, dir, secret, arbiter_h1, arbiter_h2, backup_timeout_ms: (5 * args.epoch_ms).max(200) };
+        Setup { args, topo: &topo, ftvm, image, dir, secret, arbiter_h1, arbiter_h2, backup_timeout_ms: ftvm_replication::liveness::DEFAULT_FAILURE_TIMEOUT.as_millis() as u64 };
 
     let (mut lost, mut unfenced) = (0, 0);
     let mut summary = Vec::new();

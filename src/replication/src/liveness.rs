@@ -49,6 +49,12 @@ use crate::sockopt;
 
 /// Default of `--heartbeat-ms`.
 pub const DEFAULT_INTERVAL: Duration = Duration::from_millis(5);
+/// Default of the backup's `--failure-timeout-ms`: six heartbeat intervals.
+/// Heartbeats go on real-time threads of their own, apart from checkpoints
+/// and pre-copy, and the judge does not count time it was itself held up,
+/// so this holds on a host whose cores are saturated (the heartbeat soak,
+/// README) while a cut host is found lost within tens of milliseconds.
+pub const DEFAULT_FAILURE_TIMEOUT: Duration = Duration::from_millis(30);
 
 const MAGIC: &[u8; 4] = b"FTVH";
 const FROM_PRIMARY: u8 = 1;

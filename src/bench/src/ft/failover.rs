@@ -195,11 +195,20 @@ pub struct Setup {
     pub mirror: &'static str,
     pub epoch_ms: u64,
     pub timeout_ms: u64,
+    /// The clients' minimum retransmission timeout, if not Linux's default.
+    pub client_rto_min_ms: Option<u64>,
 }
 
 /// One failover of kind `failure`.
 pub fn trial(topo: &Topology, etcd: &Etcd, failure: Failure, setup: Setup, dir: &Path) -> Result<Trial, BoxError> {
-    let Setup { mirror, epoch_ms, timeout_ms } = setup;
+    let Setup { mirror, epoch_ms, timeout_ms, client_rto_min_ms } = setup;
+    if let Some(ms) = client_rto_min_ms {
+        let client = topo.ns("client");
+        let route = ["-n", &client, "route", "replace", "10.0.0.0/24", "dev", "eth0", "rto_min", &format!("{ms}ms")];
+        if !Command::new("ip").args(route).status()?.success() {
+            return Err(format!("cannot set rto_min {ms}ms on the clients' route").into());
+        }
+    }
     let ftvm = paths::sibling_binary("ftvm");
     let net = format!("tap=tap0,mac={GUEST_MAC}");
     let backup_addr = format!("{H2_REPL_ADDR}:7000");
@@ -290,12 +299,13 @@ fn median(v: &mut [f64]) -> f64 {
 /// `trials` failovers of every kind with `epoch_ms` epochs, with and
 /// without `--mirror`: the table rows (medians over trials; gaps over every
 /// connection of every trial).
-pub fn measure(topo: &Topology, dir: &Path, epoch_ms: u64, timeout_ms: u64, trials: usize) -> Result<Vec<Row>, BoxError> {
+pub fn measure(topo: &Topology, dir: &Path, epoch_ms: u64, opts: &Options) -> Result<Vec<Row>, BoxError> {
+    let (timeout_ms, trials, client_rto_min_ms) = (opts.failure_timeout_ms, opts.failovers, opts.client_rto_min_ms);
     let etcd = Etcd::start_in(dir, &topo.ns("h2"), &[H2_REPL_ADDR, "127.0.0.1"])?;
     let mut rows = Vec::new();
     for failure in Failure::ALL {
         for mirror in ["on", "off"] {
-            let setup = Setup { mirror, epoch_ms, timeout_ms };
+            let setup = Setup { mirror, epoch_ms, timeout_ms, client_rto_min_ms };
             let (mut detection, mut first, mut next, mut silence, mut broken) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), 0);
             for _ in 0..trials {
                 let t = trial(topo, &etcd, failure, setup, dir)?;
@@ -308,7 +318,10 @@ pub fn measure(topo: &Topology, dir: &Path, epoch_ms: u64, timeout_ms: u64, tria
             let worst = |v: &[f64]| v.iter().copied().fold(f64::NAN, f64::max);
             let (worst_next, worst_silence) = (worst(&next), worst(&silence));
             let row = |case: &str, value, unit| Row {
-                group: format!("failover: {} (epoch {epoch_ms} ms, failure timeout {timeout_ms} ms)", failure.name()),
+                group: match client_rto_min_ms {
+                    None => format!("failover: {} (epoch {epoch_ms} ms, failure timeout {timeout_ms} ms)", failure.name()),
+                    Some(rto) => format!("failover: {} (epoch {epoch_ms} ms, failure timeout {timeout_ms} ms, clients' rto_min {rto} ms)", failure.name()),
+                },
                 case: format!("--mirror {mirror}: {case}"),
                 value,
                 unit,
@@ -333,7 +346,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let topo = Topology::new("ftf")?;
     let mut rows = Vec::new();
     for e in opts.epochs.clone().unwrap_or(vec![20]) {
-        rows.extend(measure(&topo, scratch.path(), e, opts.failure_timeout_ms, opts.failovers)?);
+        rows.extend(measure(&topo, scratch.path(), e, opts)?);
     }
     let bars = rows
         .iter()

@@ -34,6 +34,11 @@ pub struct Options {
     /// Failure timeout of both sides in the failover runs, in milliseconds.
     #[arg(long, default_value_t = 30)]
     failure_timeout_ms: u64,
+    /// In the failover runs, the clients' minimum TCP retransmission timeout
+    /// (a route's rto_min in their namespace; Linux's default is 200 ms):
+    /// isolates what the clients' own timer adds to the client-seen gap.
+    #[arg(long, value_name = "MS")]
+    client_rto_min_ms: Option<u64>,
     /// Only the failovers: per kind of failure (VMM killed, host cut,
     /// primary stalled), detection, first reply and client-seen gap.
     #[arg(long, conflicts_with = "ablation")]

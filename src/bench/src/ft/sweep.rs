@@ -183,7 +183,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             }
         }
         for &e in epochs.iter().filter(|_| !opts.bulk_only) {
-            rows.extend(failover::measure(&topo, scratch, e, opts.failure_timeout_ms, opts.failovers)?);
+            rows.extend(failover::measure(&topo, scratch, e, opts)?);
         }
     }
     publish(out, &rows)

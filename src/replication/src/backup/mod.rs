@@ -38,7 +38,7 @@ pub struct BackupConfig {
     pub mem_size: Option<u64>,
     pub vcpus: Option<u32>,
     /// Nothing heard from the primary (no heartbeat, no byte of the stream)
-    /// for this long means it is dead (default: five epochs, at least 200 ms).
+    /// for this long means it is dead (default: [`liveness::DEFAULT_FAILURE_TIMEOUT`]).
     pub failure_timeout: Option<Duration>,
     /// How often to send the primary a heartbeat.
     pub heartbeat: Duration,
@@ -370,7 +370,7 @@ fn watch(
     mine: SessionHalf,
     socket: &UdpSocket,
 ) -> Result<(Heartbeats, Verdict), ReplicationError> {
-    let timeout = config.failure_timeout.unwrap_or(Duration::from_millis((5 * hello.epoch_ms).max(200)));
+    let timeout = config.failure_timeout.unwrap_or(liveness::DEFAULT_FAILURE_TIMEOUT);
     // No timeout on the stream: a large checkpoint or a quiet pre-copy may
     // keep it silent for long.
     link.set_recv_timeout(None).map_err(ReplicationError::Send)?;
