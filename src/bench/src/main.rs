@@ -10,6 +10,7 @@ mod kv;
 mod paths;
 mod redis_benchmark;
 mod report;
+mod soak;
 mod threads;
 mod vm_costs;
 mod vsmr;
@@ -55,6 +56,11 @@ enum Command {
     /// then per setting a failover (first reply after the serving VMM is
     /// killed) and, for VSMR, the killed replica's rejoin.
     Vsmr(vsmr::Options),
+    /// Randomized failovers under tracked writers (`ftvm demo --soak`): the
+    /// primary's VMM killed, its host dead, stalled, its replication link
+    /// cut, in random orders; acknowledged writes lost (must be 0), old
+    /// primaries not fenced (must be 0), first reply after each failure.
+    Soak(soak::Options),
 }
 
 fn main() -> ExitCode {
@@ -70,6 +76,7 @@ fn main() -> ExitCode {
         Command::Channel(opts) => channel::run(&opts, &cli.out),
         Command::Ha(opts) => ha::run(&opts, &cli.out),
         Command::Vsmr(opts) => vsmr::run(&opts, &cli.out),
+        Command::Soak(opts) => soak::run(&opts, &cli.out),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -60,6 +60,18 @@ pub struct DemoArgs {
     /// scripts/build-redis.sh, on the runtime's Linux personality).
     #[arg(long, value_enum, default_value_t = App::Kv)]
     app: App,
+    /// The soak (`ftvm-bench soak`): every round runs all four failures (the
+    /// primary's VMM killed, its host dies, it stalls, the replication link
+    /// is cut) in a random order, each after a random 1 s to --seconds of load.
+    #[arg(long)]
+    soak: bool,
+    /// The soak's random seed (default: a fresh one, printed, to run the same plan again).
+    #[arg(long, value_name = "N", requires = "soak")]
+    seed: Option<u64>,
+    /// Append one JSON line per scenario (round, scenario, load, first reply,
+    /// acknowledged, verified and lost writes, fenced) to this file.
+    #[arg(long, value_name = "PATH")]
+    results: Option<PathBuf>,
 }
 
 /// The guest the demo protects; both serve Redis's protocol on port 6379.
@@ -241,22 +253,30 @@ fn redis_cli(topo: &Topology, args: &[&str]) -> String {
     }
 }
 
-/// The failures the demo shows.
+/// The failures the demo shows (the first two), and the soak's.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Scenario {
     /// h1 dies: its links are cut and its VMM is SIGKILLed.
     HostDies,
     /// The primary's VMM is SIGSTOPped, its links up, then SIGCONTed.
     PrimaryStalls,
+    /// The primary's VMM is SIGKILLed, its host and links up.
+    VmmKilled,
+    /// The replication link goes down on h1 (its VMM runs on, the LAN is up,
+    /// the arbiter unreachable from it), then comes back.
+    LinkCut,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 2] = [Scenario::HostDies, Scenario::PrimaryStalls];
+    const DEMO: [Scenario; 2] = [Scenario::HostDies, Scenario::PrimaryStalls];
+    const SOAK: [Scenario; 4] = [Scenario::VmmKilled, Scenario::HostDies, Scenario::PrimaryStalls, Scenario::LinkCut];
 
     fn title(self) -> &'static str {
         match self {
             Scenario::HostDies => "the primary's host dies",
             Scenario::PrimaryStalls => "the primary stalls",
+            Scenario::VmmKilled => "the primary's VMM is killed",
+            Scenario::LinkCut => "the replication link is cut",
         }
     }
 
@@ -265,8 +285,39 @@ impl Scenario {
         match self {
             Scenario::HostDies => "hostdeath",
             Scenario::PrimaryStalls => "stall",
+            Scenario::VmmKilled => "kill",
+            Scenario::LinkCut => "linkcut",
         }
     }
+}
+
+/// The scenarios to run, in order, each with its seconds of load: the demo's
+/// two per round, or the soak's four per round in a random order.
+fn plan(args: &DemoArgs, seed: u64) -> Vec<(u32, Scenario, f64)> {
+    let mut rng = seed | 1;
+    let mut next = move || {
+        // xorshift64: reproducible from the printed seed, nothing more needed.
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let mut plan = Vec::new();
+    for round in 1..=args.trials {
+        if !args.soak {
+            plan.extend(Scenario::DEMO.map(|s| (round, s, args.seconds)));
+            continue;
+        }
+        let mut kinds = Scenario::SOAK;
+        for i in (1..kinds.len()).rev() {
+            kinds.swap(i, (next() % (i as u64 + 1)) as usize);
+        }
+        for kind in kinds {
+            let seconds = if args.seconds <= 1.0 { args.seconds } else { 1.0 + (next() % 1000) as f64 / 1000.0 * (args.seconds - 1.0) };
+            plan.push((round, kind, seconds));
+        }
+    }
+    plan
 }
 
 /// What every scenario runs with.
@@ -288,6 +339,9 @@ struct Setup<'a> {
 /// How one scenario ended.
 struct Outcome {
     lost: usize,
+    acknowledged: usize,
+    /// From the failure to the first reply from the new primary.
+    first_reply_ms: f64,
     /// The stalled primary stopped on its own, non-zero, for lost
     /// ownership (always true for a host death).
     fenced: bool,
@@ -349,20 +403,56 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
     let secret = dir.join("secret");
     write_secret(&secret)?;
     outln!("secret: 32 random bytes in {} (mode 0600): both sides authenticate the replication channel with it", secret.display());
-    let setup =
-        Setup { args, topo: &topo, ftvm, image, dir, secret, arbiter_h1, arbiter_h2, backup_timeout_ms: ftvm_replication::liveness::DEFAULT_FAILURE_TIMEOUT.as_millis() as u64 };
+    let setup = Setup {
+        args,
+        topo: &topo,
+        ftvm,
+        image,
+        dir,
+        secret,
+        arbiter_h1,
+        arbiter_h2,
+        backup_timeout_ms: ftvm_replication::liveness::DEFAULT_FAILURE_TIMEOUT.as_millis() as u64,
+    };
 
+    let seed = match args.seed {
+        Some(seed) => seed,
+        None => {
+            let mut bytes = [0u8; 8];
+            File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)).map_err(|e| format!("reading /dev/urandom: {e}"))?;
+            u64::from_le_bytes(bytes)
+        }
+    };
+    if args.soak {
+        outln!("soak: {} rounds of four failures in a random order, seed {seed} (--seed {seed} runs the same plan)", args.trials);
+    }
     let (mut lost, mut unfenced) = (0, 0);
     let mut summary = Vec::new();
-    for trial in 1..=args.trials {
-        for (i, scenario) in Scenario::ALL.into_iter().enumerate() {
-            let round = if args.trials > 1 { format!(", round {trial} of {}", args.trials) } else { String::new() };
-            outln!("\n== scenario {}{round}: {}", i + 1, scenario.title());
-            let outcome = scenario_run(&setup, trial, scenario)?;
-            lost += outcome.lost;
-            unfenced += usize::from(!outcome.fenced);
-            summary.push(outcome.summary);
+    let per_round = if args.soak { Scenario::SOAK.len() } else { Scenario::DEMO.len() };
+    for (i, (trial, scenario, seconds)) in plan(args, seed).into_iter().enumerate() {
+        let round = if args.trials > 1 { format!(", round {trial} of {}", args.trials) } else { String::new() };
+        outln!("\n== scenario {}{round}: {}", i % per_round + 1, scenario.title());
+        let outcome = scenario_run(&setup, trial, scenario, seconds)?;
+        lost += outcome.lost;
+        unfenced += usize::from(!outcome.fenced);
+        if let Some(path) = &args.results {
+            let line = serde_json::json!({
+                "round": trial,
+                "scenario": scenario.tag(),
+                "load_s": seconds,
+                "first_reply_ms": outcome.first_reply_ms,
+                "acknowledged": outcome.acknowledged,
+                "lost": outcome.lost,
+                "fenced": outcome.fenced,
+            });
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .and_then(|mut f| writeln!(f, "{line}"))
+                .map_err(|e| format!("--results {}: {e}", path.display()))?;
         }
+        summary.push(outcome.summary);
     }
     outln!();
     for s in &summary {
@@ -371,9 +461,13 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
     drop(etcd);
     drop(topo);
     if lost == 0 && unfenced == 0 {
-        outln!(
-            "OK: every acknowledged write survived the loss of its host and the stall of its primary, and the stalled primary was fenced"
-        );
+        if args.soak {
+            outln!("OK: every acknowledged write survived {} failures, and every old primary that lived on was fenced", summary.len());
+        } else {
+            outln!(
+                "OK: every acknowledged write survived the loss of its host and the stall of its primary, and the stalled primary was fenced"
+            );
+        }
         return Ok(true);
     }
     let mut why = Vec::new();
@@ -381,10 +475,17 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
         why.push(format!("{lost} acknowledged writes were lost"));
     }
     if unfenced > 0 {
-        why.push(format!("{unfenced} stalled primaries were not fenced"));
+        why.push(format!("{unfenced} old primaries that lived on were not fenced"));
     }
     outln!("FAILED: {}", why.join("; "));
     Ok(false)
+}
+
+/// Take h1's end of the replication link down or up (a partition between
+/// the hosts; h2 keeps its address, as when a switch port fails).
+fn set_repl_link(topo: &Topology, state: &str) -> Result<(), Error> {
+    let ok = Command::new("ip").args(["-n", &topo.ns("h1"), "link", "set", "repl", state]).status().is_ok_and(|s| s.success());
+    ok.then_some(()).ok_or_else(|| format!("cannot set h1's replication link {state}"))
 }
 
 /// From the client, on fresh connections, until one gets PONG: when the
@@ -430,7 +531,7 @@ fn exited_within(p: &mut Process, timeout: Duration) -> Result<Option<std::proce
     }
 }
 
-fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Error> {
+fn scenario_run(s: &Setup, trial: u32, scenario: Scenario, seconds: f64) -> Result<Outcome, Error> {
     let (args, topo, dir) = (s.args, s.topo, s.dir);
     let tag = format!("{}{trial}", scenario.tag());
     topo.restore().map_err(|e| e.to_string())?;
@@ -500,8 +601,8 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
     let bench = Benchmark::start(topo)?;
     outln!("[client] load: redis-benchmark (8 connections of SETs) and 4 tracked writers (unique keys, each +OK recorded)");
     let t0 = Instant::now();
-    while t0.elapsed().as_secs_f64() < args.seconds {
-        sleep(Duration::from_millis(1000).min(Duration::from_secs_f64((args.seconds - t0.elapsed().as_secs_f64()).max(0.0))))?;
+    while t0.elapsed().as_secs_f64() < seconds {
+        sleep(Duration::from_millis(1000).min(Duration::from_secs_f64((seconds - t0.elapsed().as_secs_f64()).max(0.0))))?;
         outln!("{}", progress_line(t0, &primary_sock, &writers, &bench));
     }
 
@@ -528,6 +629,16 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
             primary.signal(libc::SIGSTOP).map_err(|e| format!("SIGSTOP to the primary: {e}"))?;
             at
         }
+        Scenario::VmmKilled => {
+            let at = Instant::now();
+            primary.kill();
+            at
+        }
+        Scenario::LinkCut => {
+            let at = Instant::now();
+            set_repl_link(topo, "down")?;
+            at
+        }
     };
     writers.mark(failed_at);
     let probe = first_reply(topo, addr, failed_at)?;
@@ -538,6 +649,19 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
         Scenario::HostDies => {
             outln!("[h1] HOST DIES at {when}: links repl and uplink deleted, VMM SIGKILLed ({acked_before} writes acknowledged so far)");
             "the kill"
+        }
+        Scenario::VmmKilled => {
+            outln!("[h1] VMM KILLED at {when}: SIGKILL, its host and links up ({acked_before} writes acknowledged so far)");
+            "the kill"
+        }
+        Scenario::LinkCut => {
+            outln!(
+                "[h1] REPLICATION LINK CUT at {when} for {} ms: h1 reaches neither the backup nor the arbiter, its LAN link stays up \
+                 ({acked_before} writes acknowledged so far)",
+                stall.as_millis()
+            );
+            sleep(stall)?;
+            "the cut"
         }
         Scenario::PrimaryStalls => {
             outln!(
@@ -567,11 +691,22 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
     // The stalled primary resumes: it must find it lost the VM and stop.
     let mut fence_note = String::new();
     let fenced = match scenario {
-        Scenario::HostDies => true,
-        Scenario::PrimaryStalls => {
-            primary.signal(libc::SIGCONT).map_err(|e| format!("SIGCONT to the primary: {e}"))?;
-            let resumed = Instant::now();
-            outln!("[h1] VMM SIGCONTed after {} ms: the old primary resumes with its links up", (resumed - failed_at).as_millis());
+        Scenario::HostDies | Scenario::VmmKilled => true,
+        Scenario::PrimaryStalls | Scenario::LinkCut => {
+            let resumed = if scenario == Scenario::PrimaryStalls {
+                primary.signal(libc::SIGCONT).map_err(|e| format!("SIGCONT to the primary: {e}"))?;
+                let resumed = Instant::now();
+                outln!("[h1] VMM SIGCONTed after {} ms: the old primary resumes with its links up", (resumed - failed_at).as_millis());
+                resumed
+            } else {
+                set_repl_link(topo, "up")?;
+                let resumed = Instant::now();
+                outln!(
+                    "[h1] replication link up again after {} ms: the old primary reaches the arbiter",
+                    (resumed - failed_at).as_millis()
+                );
+                resumed
+            };
             let exit = exited_within(&mut primary, Duration::from_secs(10))?;
             let err = primary.stderr();
             let line = err
@@ -643,11 +778,12 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario) -> Result<Outcome, Er
     let epochs = dump.lines().count();
     let round = if args.trials > 1 { format!(" (round {trial})") } else { String::new() };
     let summary = format!(
-        "{:<24} {epochs} epochs checkpointed, first reply {:.0} ms after {event}; {fence_note}acknowledged {}, verified {}, lost {lost}",
+        "{:<28} {epochs} epochs checkpointed, first reply {:.0} ms after {event}; {fence_note}acknowledged {}, verified {}, lost {lost}",
         format!("{}{round}:", scenario.title()),
         served.map_or(f64::NAN, |t| (t - failed_at).as_secs_f64() * 1e3),
         report.acked.len(),
         verified.checked - verified.lost(),
     );
-    Ok(Outcome { lost, fenced, summary })
+    let first_reply_ms = served.map_or(f64::NAN, |t| (t - failed_at).as_secs_f64() * 1e3);
+    Ok(Outcome { lost, acknowledged: report.acked.len(), first_reply_ms, fenced, summary })
 }

@@ -16,8 +16,8 @@ use ftvm_vmm::seccomp::{self, ThreadKind};
 use ftvm_vmm::snapshot::{self, SnapshotError};
 use ftvm_vmm::{DirtyBackend, IdlePause, Persist, Vm, VmConfig, VmError, VmExit};
 
-use crate::api::client::ClientError;
 use crate::api::access::{Access, AccessError, Group};
+use crate::api::client::ClientError;
 use crate::api::server::{Action, ApiContext, ApiServer};
 use crate::api::Response;
 use crate::exporter::{Exporter, ExporterError};

@@ -290,7 +290,11 @@ fn an_api_group_lets_its_members_use_the_socket() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert!(stdout(&out).contains("state: running"), "{}", stdout(&out));
 
-    let out = ftvm().args(["run", "--api-socket", "/tmp/x.sock", "--api-group", "no-such-group-ftvm", "--image"]).arg(image("probe")).output().unwrap();
+    let out = ftvm()
+        .args(["run", "--api-socket", "/tmp/x.sock", "--api-group", "no-such-group-ftvm", "--image"])
+        .arg(image("probe"))
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert_eq!(stderr(&out).trim(), "ftvm: error: --api-group no-such-group-ftvm: no such group");
 }

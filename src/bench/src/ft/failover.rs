@@ -320,7 +320,10 @@ pub fn measure(topo: &Topology, dir: &Path, epoch_ms: u64, opts: &Options) -> Re
             let row = |case: &str, value, unit| Row {
                 group: match client_rto_min_ms {
                     None => format!("failover: {} (epoch {epoch_ms} ms, failure timeout {timeout_ms} ms)", failure.name()),
-                    Some(rto) => format!("failover: {} (epoch {epoch_ms} ms, failure timeout {timeout_ms} ms, clients' rto_min {rto} ms)", failure.name()),
+                    Some(rto) => format!(
+                        "failover: {} (epoch {epoch_ms} ms, failure timeout {timeout_ms} ms, clients' rto_min {rto} ms)",
+                        failure.name()
+                    ),
                 },
                 case: format!("--mirror {mirror}: {case}"),
                 value,

@@ -52,9 +52,7 @@ pub struct Access {
 impl Access {
     /// Whether a client with these credentials is served.
     pub fn allows(&self, peer: &Peer) -> bool {
-        peer.uid == 0
-            || peer.uid == self.owner
-            || self.group.as_ref().is_some_and(|g| peer.gid == g.gid || g.members.contains(&peer.uid))
+        peer.uid == 0 || peer.uid == self.owner || self.group.as_ref().is_some_and(|g| peer.gid == g.gid || g.members.contains(&peer.uid))
     }
 
     /// Bind `path` with no moment at which others could connect: the umask
@@ -89,7 +87,9 @@ pub fn peer(stream: &UnixStream) -> io::Result<Peer> {
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: `cred` and `len` are valid for writes and `len` holds the
     // size of `cred`, as SO_PEERCRED expects.
-    let r = unsafe { libc::getsockopt(stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
+    let r = unsafe {
+        libc::getsockopt(stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
+    };
     if r != 0 {
         return Err(io::Error::last_os_error());
     }
