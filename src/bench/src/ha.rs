@@ -201,7 +201,7 @@ fn start_ftvm(topo: &Topology, dir: &Path, log: &str, opts: &Options, replicated
     let net = format!("tap=tap0,mac={GUEST_MAC}");
     let backup_addr = format!("{H2_REPL_ADDR}:7000");
     let mut backup = topo.command("h2", ftvm_bin());
-    backup.args(["backup", "--listen", &backup_addr, "--net", &net, "--failure-timeout-ms", &opts.detect_ms.to_string()]);
+    backup.args(["backup", "--insecure", "--listen", &backup_addr, "--net", &net, "--failure-timeout-ms", &opts.detect_ms.to_string()]);
     let backup = match replicated {
         true => Process::spawn_logged("ftvm backup", backup.env("FTVM_LOG", "warn"), dir, &format!("{log}.backup"))?,
         // Unreplicated: a stand-in that does nothing, so both cases have the same shape.
@@ -210,7 +210,7 @@ fn start_ftvm(topo: &Topology, dir: &Path, log: &str, opts: &Options, replicated
     let mut cmd = topo.command("h1", ftvm_bin());
     cmd.args(["run", "--net", &net, "--cmdline", &format!("ip={GUEST_ADDR}/24"), "--image"]).arg(paths::images().join("kv.elf"));
     if replicated {
-        cmd.args(["--replicate-to", &backup_addr, "--epoch-ms", "20", "--api-socket"]).arg(dir.join(format!("{log}.sock")));
+        cmd.args(["--insecure", "--replicate-to", &backup_addr, "--epoch-ms", "20", "--api-socket"]).arg(dir.join(format!("{log}.sock")));
     }
     let mut primary = Process::spawn_logged("ftvm run", cmd.env("FTVM_LOG", "warn"), dir, &format!("{log}.primary"))?;
     wait_serving(topo, &mut primary)?;

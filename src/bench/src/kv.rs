@@ -140,7 +140,7 @@ impl Guest {
         let backup = match protect {
             Some(_) => {
                 let mut cmd = topo.command("h2", ftvm);
-                cmd.args(["backup", "--listen", &backup_addr, "--net", &net]);
+                cmd.args(["backup", "--insecure", "--listen", &backup_addr, "--net", &net]);
                 Some(Process::spawn_collected("ftvm backup", &mut cmd)?)
             }
             None => None,
@@ -148,7 +148,8 @@ impl Guest {
         let mut cmd = topo.command("h1", ftvm);
         cmd.arg("run").arg("--image").arg(image).args(app.run_args(variant)).args(["--net", &net]);
         if let Some((dir, epoch_ms)) = protect {
-            cmd.args(["--replicate-to", &backup_addr, "--epoch-ms", &epoch_ms.to_string(), "--api-socket"]).arg(dir.join("primary.sock"));
+            cmd.args(["--insecure", "--replicate-to", &backup_addr, "--epoch-ms", &epoch_ms.to_string(), "--api-socket"])
+                .arg(dir.join("primary.sock"));
         }
         let vmm = Process::spawn_collected(&format!("ftvm ({})", app.name()), &mut cmd)?;
         let mut guest = Guest { vmm, backup };

@@ -176,13 +176,13 @@ fn start(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options
         Mode::PrimaryBackup | Mode::PrimaryBackupWhole => {
             let backup = format!("{H2_REPL_ADDR}:7000");
             let mut cmd = topo.command("h2", ftvm);
-            cmd.args(["backup", "--listen", &backup, "--net", &format!("tap=tap0,mac={GUEST_MAC}")]);
+            cmd.args(["backup", "--insecure", "--listen", &backup, "--net", &format!("tap=tap0,mac={GUEST_MAC}")]);
             procs.push(Process::spawn_collected("ftvm backup", &mut cmd)?);
             let m = dir.join(format!("{}.jsonl", tag.replace(' ', "-")));
             let mut cmd = topo.command("h1", ftvm);
             cmd.arg("run");
             vm(&mut cmd);
-            cmd.args(["--replicate-to", &backup, "--metrics"]).arg(&m).arg("--api-socket").arg(&socket);
+            cmd.args(["--insecure", "--replicate-to", &backup, "--metrics"]).arg(&m).arg("--api-socket").arg(&socket);
             let flags = if mode == Mode::PrimaryBackup { &opts.pb_flags } else { &opts.pb_whole_flags };
             cmd.args(flags.split_whitespace());
             procs.push(Process::spawn_collected("ftvm run (primary)", &mut cmd)?);
@@ -192,7 +192,7 @@ fn start(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options
             let peers = format!("1={H1_REPL_ADDR}:7101,2={H2_REPL_ADDR}:7102,3={H2_REPL_ADDR}:7103");
             for (id, host) in [(1, "h1"), (2, "h2"), (3, "h2")] {
                 let mut cmd = topo.command(host, ftvm);
-                cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", &opts.sync_ms.to_string()]);
+                cmd.args(["replica", "--insecure", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", &opts.sync_ms.to_string()]);
                 let b_flags: Vec<&str> = match mode {
                     Mode::VsmrB => opts.vsmr_b_flags.as_deref().unwrap_or_default().split_whitespace().collect(),
                     _ => Vec::new(),

@@ -180,7 +180,8 @@ pub struct ReplicationArgs {
     pub epoch_ms: u64,
     /// When the backup is lost: keep running unprotected (continue), or pause with
     /// output held (pause). Default: continue with --arbiter (after winning
-    /// ownership), pause without (a cut link must not leave two VMs running).
+    /// ownership), pause without (a cut link must not leave two VMs running);
+    /// continue needs --arbiter.
     #[arg(long, value_name = "continue|pause")]
     pub on_backup_loss: Option<OnBackupLoss>,
     /// Declare the backup lost after this long without hearing from it: no
@@ -224,10 +225,11 @@ pub struct ReplicationArgs {
     pub transport: transport::Kind,
     /// Send the backup a copy of every frame the guest sends and receives
     /// (UDP), so that after a takeover it replays them and clients need not
-    /// wait for TCP retransmissions (on); or only checkpoints (off). Not
-    /// with --encrypt.
-    #[arg(long, default_value = "on", value_name = "on|off")]
-    pub mirror: ftvm_replication::mirror::Mode,
+    /// wait for TCP retransmissions (on); or only checkpoints (off).
+    /// Default: on, but off with --encrypt (the copies travel unencrypted),
+    /// and --mirror on with --encrypt is refused.
+    #[arg(long, value_name = "on|off")]
+    pub mirror: Option<ftvm_replication::mirror::Mode>,
     /// Scheduling of the checkpoint thread (while it protects) and of the
     /// acknowledgement reader: normal, or real-time (SCHED_FIFO, as the
     /// heartbeats), so a held reply does not wait for the host's other work
@@ -489,13 +491,19 @@ pub struct ReplicaArgs {
 pub struct ChannelArgs {
     /// Authenticate the replication channel with the secret in this file
     /// (both sides use the same file; it must not be accessible by group or
-    /// others). Without it the channel is unauthenticated.
+    /// others). Required, unless --insecure.
     #[arg(long, value_name = "PATH")]
     pub secret_file: Option<PathBuf>,
     /// Encrypt the replication channel too (needs --secret-file; on a
     /// backup: refuse a primary that does not encrypt).
     #[arg(long, requires = "secret_file")]
     pub encrypt: bool,
+    /// Run the replication channel unauthenticated, without --secret-file:
+    /// only for a link nobody else reaches (loopback tests, say), since
+    /// anyone who reaches it can pose as either side or replay a recorded
+    /// stream to a backup.
+    #[arg(long, conflicts_with = "secret_file")]
+    pub insecure: bool,
 }
 
 /// Who owns a replicated VM when primary and backup lose each other.
@@ -620,7 +628,7 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 25] = [
+const PRIMARY_ONLY: [&str; 26] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
@@ -646,6 +654,7 @@ const PRIMARY_ONLY: [&str; 25] = [
     "name",
     "secret_file",
     "encrypt",
+    "insecure",
 ];
 
 /// Parse the command line (exits with clap's usage error on a mistake).

@@ -18,6 +18,7 @@ mod signals;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use ftvm_replication::mirror::Mode;
 use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig, Role, Switches, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::Console;
 
@@ -51,10 +52,36 @@ impl ReplicationArgs {
     /// The primary's configuration, with `--replicate-to`.
     fn primary(self, host: &HostArgs) -> Result<Option<PrimaryConfig>, run::RunError> {
         let args = self;
+        let Some(backup) = args.replicate_to else { return Ok(None) };
         let arbiter = args.arbiter.arbiter(host.net.as_ref());
-        let on_backup_loss = args.on_backup_loss.unwrap_or(if arbiter.is_some() { OnBackupLoss::Continue } else { OnBackupLoss::Pause });
+        let on_backup_loss = match args.on_backup_loss {
+            // A backup that only lost touch with this primary takes over
+            // while it keeps running: two VMs. Only an arbiter prevents that.
+            Some(OnBackupLoss::Continue) if arbiter.is_none() => {
+                return Err(run::RunError::Usage(
+                    "--on-backup-loss continue needs --arbiter URL (without an arbiter a backup that only lost touch with this primary would run the VM too); use --on-backup-loss pause or add --arbiter".into(),
+                ))
+            }
+            Some(chosen) => chosen,
+            None if arbiter.is_some() => OnBackupLoss::Continue,
+            None => OnBackupLoss::Pause,
+        };
         let auth = args.channel.auth()?;
-        Ok(args.replicate_to.map(|backup| PrimaryConfig {
+        let encrypt = auth.as_ref().is_some_and(|a| a.encrypt);
+        let mirror = match args.mirror {
+            Some(Mode::On) if encrypt => {
+                return Err(run::RunError::Usage(
+                    "--mirror on cannot be used with --encrypt: the mirrored frames would travel unencrypted (leave out --mirror, or give --mirror off)".into(),
+                ))
+            }
+            Some(chosen) => chosen,
+            None if encrypt => {
+                tracing::info!("not mirroring frames to the backup: they would travel unencrypted (--encrypt)");
+                Mode::Off
+            }
+            None => Mode::On,
+        };
+        Ok(Some(PrimaryConfig {
             backup,
             epoch_ms: args.epoch_ms,
             failure_timeout: Duration::from_millis(args.failure_timeout_ms),
@@ -79,7 +106,7 @@ impl ReplicationArgs {
             },
             pipeline_depth: args.pipeline_depth as usize,
             auth,
-            mirror: args.mirror,
+            mirror,
             priority: args.priority,
             fake_ack: args.fake_ack,
             standbys: Vec::new(),
@@ -90,7 +117,17 @@ impl ReplicationArgs {
 impl ChannelArgs {
     fn auth(&self) -> Result<Option<ftvm_replication::pipeline::transport::Auth>, run::RunError> {
         use ftvm_replication::pipeline::transport::{Auth, Secret};
-        let Some(path) = &self.secret_file else { return Ok(None) };
+        let Some(path) = &self.secret_file else {
+            if self.insecure {
+                return Ok(None);
+            }
+            // Unauthenticated, anyone who reaches the link could pose as a
+            // primary (a recorded stream replayed to a backup boots the VM
+            // there) or as a backup.
+            return Err(run::RunError::Usage(
+                "the replication channel needs --secret-file PATH (the same secret on both sides), or --insecure for a link nobody else reaches".into(),
+            ));
+        };
         Ok(Some(Auth { secret: Secret::from_file(path)?, encrypt: self.encrypt }))
     }
 }
@@ -186,7 +223,8 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 switches: Switches::default(),
                 pipeline_depth: DEFAULT_PIPELINE_DEPTH as usize,
                 auth: config.auth.clone(),
-                mirror: Default::default(),
+                // As `ftvm run` without --mirror: no unencrypted copies of an encrypted VM's frames.
+                mirror: if config.auth.as_ref().is_some_and(|a| a.encrypt) { Mode::Off } else { Mode::On },
                 fake_ack: Default::default(),
                 priority: Default::default(),
                 // After a later loss too, the standbys protect it.

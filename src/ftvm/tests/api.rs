@@ -209,7 +209,7 @@ fn stop_ends_a_backup_waiting_for_its_primary() {
     let addr = listener.local_addr().unwrap().to_string();
     drop(listener);
     let mut cmd = ftvm();
-    cmd.args(["backup", "--listen", &addr, "--api-socket"]).arg(&socket);
+    cmd.args(["backup", "--insecure", "--listen", &addr, "--api-socket"]).arg(&socket);
     let mut backup = Process::spawn_collected("backup", &mut cmd).unwrap();
     let t0 = Instant::now();
     while !socket.exists() {

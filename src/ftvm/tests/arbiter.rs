@@ -21,12 +21,12 @@ fn vmm(cmd: &mut Command) -> Process {
 }
 
 fn backup(addr: &str, extra: &[&str]) -> Process {
-    vmm(ftvm().args(["backup", "--listen", addr, "--failure-timeout-ms", "200"]).args(extra))
+    vmm(ftvm().args(["backup", "--insecure", "--listen", addr, "--failure-timeout-ms", "200"]).args(extra))
 }
 
 fn primary(addr: &str, extra: &[&str]) -> Process {
     vmm(ftvm()
-        .args(["run", "--cmdline", WORK, "--replicate-to", addr, "--epoch-ms", "10"])
+        .args(["run", "--cmdline", WORK, "--insecure", "--replicate-to", addr, "--epoch-ms", "10"])
         .arg("--image")
         .arg(image("memtouch"))
         .args(extra))

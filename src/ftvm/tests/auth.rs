@@ -150,7 +150,7 @@ fn strangers_and_wrong_secrets_do_not_keep_the_primary_out() {
     let out = primary(&addr, &["--secret-file", &wrong]).output().unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert_eq!(last_line(&out), "ftvm: error: the backup refused this primary: authentication failed");
-    let out = primary(&addr, &[]).output().unwrap();
+    let out = primary(&addr, &["--insecure"]).output().unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(last_line(&out).starts_with("ftvm: error: the backup refused this primary: authentication required"), "{}", stderr(&out));
     assert!(b.running(), "the backup stopped waiting");
@@ -189,7 +189,7 @@ fn an_encrypted_channel_carries_the_vm_to_a_failover() {
 #[test]
 fn a_claimed_length_costs_the_backup_only_what_arrives() {
     let addr = free_addr();
-    let b = backup(&addr, &[]);
+    let b = backup(&addr, &["--insecure"]);
     let mut s = connect(&addr);
     // It sends no heartbeats: the backup's failure timeout (five epochs) is far off.
     let heartbeat = Heartbeat { session: [0; 8], port: 0, interval_ms: 5 };

@@ -15,13 +15,13 @@ use ftvm_testkit::scratch::Scratch;
 
 fn backup(addr: &str) -> Process {
     let mut cmd = ftvm();
-    cmd.args(["backup", "--listen", addr]).env("FTVM_LOG", "info").stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.args(["backup", "--insecure", "--listen", addr]).env("FTVM_LOG", "info").stdout(Stdio::piped()).stderr(Stdio::piped());
     Process::spawn("ftvm backup", &mut cmd).unwrap()
 }
 
 fn primary(addr: &str, vcpus: u32, cmdline: &str, metrics: &Path, switches: &[&str]) -> Process {
     let mut cmd = ftvm();
-    cmd.args(["run", "--vcpus", &vcpus.to_string(), "--cmdline", cmdline, "--replicate-to", addr, "--epoch-ms", "10"])
+    cmd.args(["run", "--vcpus", &vcpus.to_string(), "--cmdline", cmdline, "--insecure", "--replicate-to", addr, "--epoch-ms", "10"])
         .arg("--image")
         .arg(image("memtouch"))
         .arg("--metrics")
@@ -131,8 +131,8 @@ fn memory_survives_failover_when_every_page_is_rewritten() {
 #[test]
 fn write_prediction_needs_the_bitmap_backend() {
     let peers = format!("1={},2={},3={}", free_addr(), free_addr(), free_addr());
-    let replica = ["replica", "--id", "1", "--peers", &peers];
-    let replicate = ["run", "--replicate-to", &free_addr()];
+    let replica = ["replica", "--insecure", "--id", "1", "--peers", &peers];
+    let replicate = ["run", "--insecure", "--replicate-to", &free_addr()];
     for (command, mode) in [(&replicate[..], "histase"), (&replica[..], "adaptive")] {
         let mut cmd: Command = ftvm();
         let out = cmd

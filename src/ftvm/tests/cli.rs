@@ -47,8 +47,9 @@ fn assert_one_line_error(out: &Output, want: &str, case: &str) -> String {
 fn replication_flags_need_replicate_to() {
     let probe = image("probe");
     let probe = probe.to_str().unwrap();
-    let cases: [&[&str]; 14] = [
+    let cases: [&[&str]; 15] = [
         &["--epoch-ms", "10"],
+        &["--insecure"],
         &["--fake-ack", "on"],
         &["--ack-timeout-ms", "500"],
         &["--heartbeat-ms", "2"],
@@ -114,7 +115,7 @@ fn backup_checks_its_flags_at_start() {
     ];
     for (flags, want) in cases {
         // No primary ever connects: the error must come at start.
-        let mut args = vec!["backup", "--listen", "127.0.0.1:0"];
+        let mut args = vec!["backup", "--insecure", "--listen", "127.0.0.1:0"];
         args.extend_from_slice(flags);
         let backup = assert_one_line_error(&ftvm_args(&args), want, &format!("backup {flags:?}"));
         let mut args = vec!["run", "--image", probe.to_str().unwrap()];
@@ -313,7 +314,9 @@ fn api_socket_never_replaces_a_file_that_is_not_a_socket() {
     let precious = dir.join("notes.txt");
     std::fs::write(&precious, b"keep me").unwrap();
     let probe = image("probe");
-    for command in [&["run", "--image", probe.to_str().unwrap(), "--cmdline", "exit=0"][..], &["backup", "--listen", "127.0.0.1:0"][..]] {
+    for command in
+        [&["run", "--image", probe.to_str().unwrap(), "--cmdline", "exit=0"][..], &["backup", "--insecure", "--listen", "127.0.0.1:0"][..]]
+    {
         let mut args = command.to_vec();
         args.extend(["--api-socket", precious.to_str().unwrap()]);
         let out = ftvm_args(&args);
@@ -364,7 +367,7 @@ fn config_file_options_and_overrides() {
 fn backup_takes_a_config_file() {
     let dir = Scratch::new("cli-config-backup").unwrap();
     let path = dir.join("backup.toml");
-    std::fs::write(&path, "listen = \"127.0.0.1:1\"\nmemory = 3\n").unwrap();
+    std::fs::write(&path, "listen = \"127.0.0.1:1\"\nmemory = 3\ninsecure = true\n").unwrap();
     let out = ftvm_args(&["backup", "--config", path.to_str().unwrap()]);
     assert_one_line_error(&out, "memory", "backup config with a bad memory size");
 }
@@ -387,4 +390,124 @@ fn addresses_and_witness_options_are_checked_at_start() {
     }
     let out = ftvm_args(&["replica", "--id", "3", "--peers", "1=127.0.0.1:7101,2=127.0.0.1:7101,3=127.0.0.1:7103", "--witness"]);
     assert_one_line_error(&out, "replicas 1 and 2 are both at 127.0.0.1:7101", "one address for two replicas");
+}
+
+/// A secret file only its owner can read.
+fn secret_file(dir: &Scratch) -> String {
+    let path = dir.join("secret");
+    std::fs::write(&path, [0x5a; 32]).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+/// Issue 29, no unauthenticated channel by default: a primary (`run`,
+/// `restore`), a backup and a replica without `--secret-file` refuse to
+/// start, on one line naming both ways out, before any guest runs or any
+/// primary is waited for (a backup used to wait, unauthenticated);
+/// `--insecure` opts out, and is refused together with `--secret-file`.
+#[test]
+fn replication_needs_a_secret_file_or_insecure() {
+    let dir = Scratch::new("cli-insecure").unwrap();
+    let probe = image("probe");
+    let probe = probe.to_str().unwrap();
+    let peers = "1=127.0.0.1:7101,2=127.0.0.1:7102,3=127.0.0.1:7103";
+    let want = "ftvm: error: the replication channel needs --secret-file PATH (the same secret on both sides), or --insecure for a link nobody else reaches";
+    let cases: [&[&str]; 4] = [
+        &["run", "--image", probe, "--cmdline", "hello", "--replicate-to", "127.0.0.1:1"],
+        &["restore", "--snapshot", "/nonexistent.snap", "--replicate-to", "127.0.0.1:1"],
+        &["backup", "--listen", "127.0.0.1:0"],
+        &["replica", "--id", "3", "--peers", peers, "--witness"],
+    ];
+    for args in cases {
+        let out = ftvm_args(args);
+        assert_eq!(assert_one_line_error(&out, want, &format!("{args:?}")).trim_end(), want);
+        assert!(stdout(&out).is_empty(), "{args:?}: the guest ran: {}", stdout(&out));
+    }
+    // The same from a config file.
+    let config = dir.join("backup.toml");
+    std::fs::write(&config, "listen = \"127.0.0.1:0\"\n").unwrap();
+    assert_one_line_error(&ftvm_args(&["backup", "--config", config.to_str().unwrap()]), want, "backup config file");
+
+    // Both at once is a usage error, on the command line or in a file.
+    let secret = secret_file(&dir);
+    let out = ftvm_args(&["backup", "--listen", "127.0.0.1:0", "--insecure", "--secret-file", &secret]);
+    assert_refused(&out, &["--insecure", "--secret-file"], "backup --insecure --secret-file");
+    let out = ftvm_args(&["run", "--image", probe, "--replicate-to", "127.0.0.1:1", "--secret-file", &secret, "--insecure"]);
+    assert_refused(&out, &["--insecure", "--secret-file"], "run --insecure --secret-file");
+    std::fs::write(&config, format!("listen = \"127.0.0.1:0\"\nsecret-file = {secret:?}\ninsecure = true\n")).unwrap();
+    let out = ftvm_args(&["backup", "--config", config.to_str().unwrap()]);
+    assert_refused(&out, &["--insecure", "--secret-file"], "config file with both");
+
+    // --insecure lets a backup start: it waits for its primary until stopped.
+    let socket = dir.join("b.sock");
+    let mut cmd = ftvm();
+    cmd.args(["backup", "--insecure", "--listen", "127.0.0.1:0", "--api-socket"]).arg(&socket).env("FTVM_LOG", "info");
+    let mut b = Process::spawn_collected("backup", &mut cmd).unwrap();
+    wait_for(&mut b, "backup", "waiting for a primary", HANG);
+    assert_eq!(ftvm_args(&["stop", "--api-socket", socket.to_str().unwrap()]).status.code(), Some(0));
+    assert_eq!(b.wait().unwrap().code(), Some(0), "{}", b.output());
+}
+
+/// Issue 29: `--on-backup-loss continue` without `--arbiter` let a primary
+/// that only lost touch with its backup run on while the backup took over
+/// (two VMs); it is refused at start, from the command line (`run`,
+/// `restore`) or a config file, before any guest runs.
+#[test]
+fn continue_on_backup_loss_needs_an_arbiter() {
+    let dir = Scratch::new("cli-continue").unwrap();
+    let probe = image("probe");
+    let probe = probe.to_str().unwrap();
+    let want = "ftvm: error: --on-backup-loss continue needs --arbiter URL";
+    let primary = ["--insecure", "--replicate-to", "127.0.0.1:1", "--on-backup-loss", "continue"];
+    let run = [&["run", "--image", probe, "--cmdline", "hello"][..], &primary].concat();
+    let restore = [&["restore", "--snapshot", "/nonexistent.snap"][..], &primary].concat();
+    let config = dir.join("primary.toml");
+    std::fs::write(&config, "replicate-to = \"127.0.0.1:1\"\ninsecure = true\non-backup-loss = \"continue\"\n").unwrap();
+    let from_file = ["run", "--image", probe, "--cmdline", "hello", "--config", config.to_str().unwrap()];
+    for args in [&run[..], &restore, &from_file] {
+        let out = ftvm_args(args);
+        assert_one_line_error(&out, want, &format!("{args:?}"));
+        assert!(stdout(&out).is_empty(), "{args:?}: the guest ran: {}", stdout(&out));
+    }
+    // With an arbiter it is taken: the primary goes on to claim the VM there
+    // (no etcd listens: it says so).
+    let out = ftvm_args(&[&run[..], &["--arbiter", "http://127.0.0.1:1"]].concat());
+    let err = assert_one_line_error(&out, "arbiter", "continue with --arbiter");
+    assert!(!err.contains("--on-backup-loss"), "{err}");
+    // pause needs none.
+    let out = ftvm_args(
+        &[&["run", "--image", probe, "--cmdline", "hello", "--connect-timeout-ms", "100"][..], &primary[..4], &["pause"]].concat(),
+    );
+    assert!(out.status.code() == Some(1) && !stderr(&out).contains("--on-backup-loss"), "{}", stderr(&out));
+}
+
+/// Issue 29: mirrored frames travel in clear, so `--mirror on` with
+/// `--encrypt` is refused at start (command line or config file); with
+/// `--encrypt` alone the mirror is off, and the log says so.
+#[test]
+fn mirror_on_is_refused_with_encrypt() {
+    let dir = Scratch::new("cli-mirror").unwrap();
+    let probe = image("probe");
+    let probe = probe.to_str().unwrap();
+    let secret = secret_file(&dir);
+    let want = "ftvm: error: --mirror on cannot be used with --encrypt";
+    let encrypted = ["--replicate-to", "127.0.0.1:1", "--connect-timeout-ms", "100", "--secret-file", &secret, "--encrypt"];
+    let run = [&["run", "--image", probe, "--cmdline", "hello"][..], &encrypted].concat();
+    let restore = [&["restore", "--snapshot", "/nonexistent.snap"][..], &encrypted].concat();
+    let config = dir.join("primary.toml");
+    std::fs::write(&config, format!("replicate-to = \"127.0.0.1:1\"\nsecret-file = {secret:?}\nencrypt = true\nmirror = \"on\"\n"))
+        .unwrap();
+    let from_file = ["run", "--image", probe, "--cmdline", "hello", "--config", config.to_str().unwrap()];
+    for args in [&[&run[..], &["--mirror", "on"]].concat()[..], &[&restore[..], &["--mirror=on"]].concat(), &from_file] {
+        let out = ftvm_args(args);
+        assert_one_line_error(&out, want, &format!("{args:?}"));
+        assert!(stdout(&out).is_empty(), "{args:?}: the guest ran: {}", stdout(&out));
+    }
+    // --mirror off, or no --mirror (off, logged), go on to reach the backup (none there).
+    let out = ftvm_args(&[&run[..], &["--mirror", "off"]].concat());
+    assert!(out.status.code() == Some(1) && !stderr(&out).contains("--mirror"), "{}", stderr(&out));
+    let out = within(ftvm().args(&run).env("FTVM_LOG", "info"), "encrypted, no --mirror");
+    let err = stderr(&out);
+    assert!(out.status.code() == Some(1) && !err.contains("--mirror on"), "{err}");
+    assert!(err.contains("not mirroring frames to the backup: they would travel unencrypted (--encrypt)"), "{err}");
 }

@@ -119,7 +119,7 @@ fn witness() -> (Process, String) {
     let addrs: Vec<String> = (0..3).map(|_| free_addr()).collect();
     let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
     let mut cmd = ftvm();
-    cmd.args(["replica", "--id", "3", "--peers", &peers, "--witness"]).env("FTVM_LOG", "info");
+    cmd.args(["replica", "--insecure", "--id", "3", "--peers", &peers, "--witness"]).env("FTVM_LOG", "info");
     (Process::spawn_collected("witness", &mut cmd).unwrap(), addrs[2].clone())
 }
 

@@ -32,6 +32,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{ftvm, guest_kv, image, net_on, scratch_for, spawn_logged, status, wait_log, wait_status, KV_PORT};
+use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::netns;
 use ftvm_testkit::process::Process;
 use ftvm_testkit::resp::{self, encode, Client, Reply};
@@ -70,10 +71,11 @@ impl Rng {
     }
 }
 
-fn start_backup(topo: &Topology, dir: &Scratch, tag: &str) -> Process {
+fn start_backup(topo: &Topology, dir: &Scratch, tag: &str, extra: &[&str]) -> Process {
     let mut cmd = topo.command("h2", env!("CARGO_BIN_EXE_ftvm"));
-    cmd.args(["backup", "--listen", &backup_addr(), "--net", &net_on("tap0"), "--metrics"])
+    cmd.args(["backup", "--insecure", "--listen", &backup_addr(), "--net", &net_on("tap0"), "--metrics"])
         .arg(dir.join(format!("{tag}.applied.jsonl")))
+        .args(extra)
         .env("FTVM_LOG", "info");
     spawn_logged(cmd, "backup", dir, tag)
 }
@@ -121,7 +123,9 @@ fn start_protected(
     app: App,
     extra: &[&str],
 ) -> (Process, Process, PathBuf) {
-    let backup = start_backup(topo, dir, backup_tag);
+    // The primary's arbiter is the backup's too.
+    let arbiter: Vec<&str> = extra.windows(2).find(|w| w[0] == "--arbiter").map(<[&str]>::to_vec).unwrap_or_default();
+    let backup = start_backup(topo, dir, backup_tag, &arbiter);
     let mut primary = start_primary(topo, dir, primary_tag, app, extra);
     let socket = dir.join(format!("{primary_tag}.sock"));
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
@@ -133,7 +137,7 @@ fn start_primary(topo: &Topology, dir: &Scratch, tag: &str, app: App, extra: &[&
     cmd.arg("run")
         .args(app.args())
         .args(["--net", &net_on("tap0")])
-        .args(["--replicate-to", &backup_addr(), "--epoch-ms", &EPOCH_MS.to_string()])
+        .args(["--insecure", "--replicate-to", &backup_addr(), "--epoch-ms", &EPOCH_MS.to_string()])
         .arg("--metrics")
         .arg(dir.join(format!("{tag}.epochs.jsonl")))
         .arg("--api-socket")
@@ -1118,7 +1122,10 @@ fn reprotection_then_failover(topology: &str, extra: &[&str]) {
     let topo = Topology::new(topology).unwrap();
     topo.restore().unwrap();
     let dir = scratch_for("failover", &format!("reprotect{}", extra.join("").replace("--", "-")));
-    let args = [&["--failure-timeout-ms", "300", "--on-backup-loss", "continue"][..], extra].concat();
+    // Running on unprotected (continue) needs an arbiter: etcd in h2, which
+    // the primary reaches over the replication link, its backups on loopback.
+    let etcd = Etcd::start_in(dir.path(), &topo.ns("h2"), &[H2_REPL_ADDR, "127.0.0.1"]).unwrap();
+    let args = [&["--failure-timeout-ms", "300", "--on-backup-loss", "continue", "--arbiter", etcd.endpoint()][..], extra].concat();
     let (mut backup1, mut primary, socket) = start_protected(&topo, &dir, ("backup1", "primary"), App::Kv, &args);
     let client_ns = topo.ns("client");
     let config = |prefix: &str| writers::Config {
@@ -1164,7 +1171,7 @@ fn reprotection_then_failover(topology: &str, extra: &[&str]) {
     let unprotected_acked = w.acked();
 
     // A new backup on the same address protects it again.
-    let mut backup2 = start_backup(&topo, &dir, "backup2");
+    let mut backup2 = start_backup(&topo, &dir, "backup2", &["--arbiter", &etcd.endpoint_on("127.0.0.1")]);
     // Listening before `protect` tries it (for --connect-timeout-ms): in a
     // loaded full run a new backup took over 5 s to get there, with two
     // killed VMMs' KVM teardowns in the kernel.

@@ -98,7 +98,7 @@ impl Pair {
         let taps = [tap("h1").unwrap(), tap("h2").unwrap()];
 
         let mut cmd = topo.command("h2", env!("CARGO_BIN_EXE_ftvm"));
-        cmd.args(["backup", "--listen", &format!("{H2_REPL_ADDR}:{REPL_PORT}"), "--net", &net_on("tap0")])
+        cmd.args(["backup", "--insecure", "--listen", &format!("{H2_REPL_ADDR}:{REPL_PORT}"), "--net", &net_on("tap0")])
             .args(["--failure-timeout-ms", FAILURE_MS])
             .args(args)
             .env("FTVM_LOG", "info");
@@ -117,7 +117,7 @@ impl Pair {
         cmd.args(["run", "--image"])
             .arg(image("kv"))
             .args(["--net", &net_on("tap0"), "--cmdline", &cmdline])
-            .args(["--replicate-to", &format!("{H2_REPL_ADDR}:{REPL_PORT}"), "--epoch-ms", "20"])
+            .args(["--insecure", "--replicate-to", &format!("{H2_REPL_ADDR}:{REPL_PORT}"), "--epoch-ms", "20"])
             .args(["--failure-timeout-ms", FAILURE_MS])
             .arg("--api-socket")
             .arg(&socket)

@@ -19,6 +19,7 @@ use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use common::*;
+use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::tmpfs::Tmpfs;
@@ -32,7 +33,7 @@ fn vmm(cmd: &mut Command) -> Process {
 }
 
 fn backup(addr: &str, extra: &[&str]) -> Process {
-    vmm(ftvm().args(["backup", "--listen", addr, "--failure-timeout-ms", TIMEOUT]).args(extra))
+    vmm(ftvm().args(["backup", "--listen", addr, "--failure-timeout-ms", TIMEOUT]).args(extra).args(insecure_unless_secret(extra)))
 }
 
 fn primary(addr: &str, cmdline: &str, extra: &[&str]) -> Process {
@@ -40,7 +41,8 @@ fn primary(addr: &str, cmdline: &str, extra: &[&str]) -> Process {
         .args(["run", "--cmdline", cmdline, "--replicate-to", addr, "--failure-timeout-ms", TIMEOUT])
         .arg("--image")
         .arg(image("memtouch"))
-        .args(extra))
+        .args(extra)
+        .args(insecure_unless_secret(extra)))
 }
 
 fn unix_us() -> u64 {
@@ -284,9 +286,20 @@ fn sigterm_during_precopy_stops_the_primary_promptly() {
 /// unacknowledged for the acknowledgement timeout, and runs on.
 #[test]
 fn a_backup_whose_apply_hangs_is_lost_after_the_acknowledgement_timeout() {
+    // Running on unprotected (continue) needs an arbiter, on both sides.
+    let dir = Scratch::new("liveness-hang").unwrap();
+    let etcd = Etcd::start(dir.path()).unwrap();
+    let arbiter = ["--arbiter", etcd.endpoint()];
     let addr = free_addr();
-    let mut b = vmm(ftvm().args(["backup", "--listen", &addr, "--failure-timeout-ms", TIMEOUT]).env("FTVM_TEST_FAULT", "stall-apply:30"));
-    let mut p = primary(&addr, WORK, &["--epoch-ms", "10", "--ack-timeout-ms", "500", "--on-backup-loss", "continue"]);
+    let mut b = vmm(ftvm()
+        .args(["backup", "--insecure", "--listen", &addr, "--failure-timeout-ms", TIMEOUT])
+        .args(arbiter)
+        .env("FTVM_TEST_FAULT", "stall-apply:30"));
+    let mut p = primary(
+        &addr,
+        WORK,
+        &["--epoch-ms", "10", "--ack-timeout-ms", "500", "--on-backup-loss", "continue", "--arbiter", etcd.endpoint()],
+    );
     wait_for(&mut b, "backup", "this backup's apply hangs", Duration::from_secs(30));
     wait_for(&mut p, "primary", "BACKUP LOST", Duration::from_secs(10));
     let log = p.stderr();

@@ -117,12 +117,14 @@ fn encode(s: &str) -> String {
 fn prometheus_scrapes_replication_metrics_that_move_with_epochs_and_failover() {
     let dir = Scratch::new("metrics").unwrap().keep_on_panic();
     let (repl, primary_metrics, backup_metrics) = (free_addr(), free_addr(), free_addr());
-    let mut backup =
-        Process::spawn_collected("backup", logged(ftvm().args(["backup", "--listen", &repl, "--metrics-listen", &backup_metrics])))
-            .unwrap();
+    let mut backup = Process::spawn_collected(
+        "backup",
+        logged(ftvm().args(["backup", "--insecure", "--listen", &repl, "--metrics-listen", &backup_metrics])),
+    )
+    .unwrap();
     let mut primary = Process::spawn_collected(
         "primary",
-        logged(ftvm().args(["run", "--cmdline", WORK, "--replicate-to", &repl, "--epoch-ms", "20"]).args([
+        logged(ftvm().args(["run", "--cmdline", WORK, "--insecure", "--replicate-to", &repl, "--epoch-ms", "20"]).args([
             "--metrics-listen",
             &primary_metrics,
             "--image",

@@ -44,7 +44,7 @@ const VALUE_LEN: usize = 200;
 /// `ftvm backup` in `role`'s namespace on TAP `tap`, listening on `listen`.
 fn start_backup(topo: &Topology, dir: &Scratch, role: &str, tap: &str, listen: &str, extra: &[&str]) -> Process {
     let mut cmd = topo.command(role, env!("CARGO_BIN_EXE_ftvm"));
-    cmd.args(["backup", "--listen", listen, "--net", &net_on(tap), "--api-socket"])
+    cmd.args(["backup", "--insecure", "--listen", listen, "--net", &net_on(tap), "--api-socket"])
         .arg(dir.join(format!("{}.sock", listen.replace([':', '.'], "_"))))
         .args(extra)
         .env("FTVM_LOG", "info");
@@ -69,7 +69,7 @@ fn kv_run(backup: Option<&str>) -> Vec<String> {
     let mut args: Vec<String> =
         vec!["run".into(), "--image".into(), image("kv").display().to_string(), "--cmdline".into(), format!("ip={GUEST_ADDR}/24")];
     if let Some(b) = backup {
-        args.extend(["--replicate-to".into(), b.into()]);
+        args.extend(["--insecure".into(), "--replicate-to".into(), b.into()]);
     }
     args
 }
@@ -141,7 +141,9 @@ fn a_restored_vm_is_protected_from_the_start() {
     let mut backup = start_backup(&topo, &dir, "h2", "tap0", &backup_addr, &[]);
     // (As an unprivileged user: replication needs no privilege once the VM is open.)
     let restore: Vec<String> =
-        ["restore", "--snapshot", &snap.display().to_string(), "--replicate-to", &backup_addr, "--user", "nobody"].map(String::from).into();
+        ["restore", "--snapshot", &snap.display().to_string(), "--insecure", "--replicate-to", &backup_addr, "--user", "nobody"]
+            .map(String::from)
+            .into();
     let mut primary = start_primary(&topo, &dir, "restored", &restore);
     let socket = dir.join("restored.sock");
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(30));

@@ -198,6 +198,7 @@ impl Cluster {
             .arg("--raft-state")
             .arg(self.dir.join(format!("r{id}.state")))
             .args(&self.layout.extra)
+            .args(common::insecure_unless_secret(&self.layout.extra.iter().map(String::as_str).collect::<Vec<_>>()))
             .env("FTVM_LOG", "info");
         if let Some(fault) = self.layout.fault {
             cmd.env("FTVM_TEST_FAULT", fault);
@@ -734,6 +735,7 @@ fn divergence_repaired(tag: &str, early_resume: &str, pipeline: bool, more: &[&s
         cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--early-resume", early_resume])
             .args(extra)
             .args(more)
+            .arg("--insecure")
             .arg("--metrics")
             .arg(dir.join(format!("r{id}.jsonl")))
             .env("FTVM_TEST_FAULT", fault)

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use ftvm_replication::bounds::{checkpoint_limit, JOURNAL_MAX};
 use ftvm_replication::pipeline::prefetch::ROUNDS;
+use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::tmpfs::Tmpfs;
@@ -22,7 +23,14 @@ fn spawn(cmd: &mut Command) -> Process {
 }
 
 fn backup(addr: &str, extra: &[&str]) -> Process {
-    spawn(ftvm().args(["backup", "--listen", addr]).args(extra).env("FTVM_LOG", "info").stdout(Stdio::piped()).stderr(Stdio::piped()))
+    spawn(
+        ftvm()
+            .args(["backup", "--insecure", "--listen", addr])
+            .args(extra)
+            .env("FTVM_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    )
 }
 
 fn primary(addr: &str, vcpus: u32, cmdline: &str, extra: &[&str]) -> Command {
@@ -31,7 +39,7 @@ fn primary(addr: &str, vcpus: u32, cmdline: &str, extra: &[&str]) -> Command {
 
 fn primary_of(image_name: &str, addr: &str, vcpus: u32, cmdline: &str, extra: &[&str]) -> Command {
     let mut cmd = ftvm();
-    cmd.args(["run", "--vcpus", &vcpus.to_string(), "--cmdline", cmdline, "--replicate-to", addr])
+    cmd.args(["run", "--vcpus", &vcpus.to_string(), "--cmdline", cmdline, "--insecure", "--replicate-to", addr])
         .arg("--image")
         .arg(image(image_name))
         .args(extra)
@@ -431,7 +439,7 @@ fn an_incompatible_host_refuses_the_primary_at_connect() {
     let addr = free_addr();
     let mut b = Process::spawn_collected(
         "backup",
-        ftvm().args(["backup", "--listen", &addr]).env("FTVM_LOG", "warn").env("FTVM_TEST_FAULT", "xsave-size:64"),
+        ftvm().args(["backup", "--insecure", "--listen", &addr]).env("FTVM_LOG", "warn").env("FTVM_TEST_FAULT", "xsave-size:64"),
     )
     .unwrap();
     let p = primary(&addr, 1, WORK, &[]).output().unwrap();
@@ -506,11 +514,15 @@ fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str, extra: &[
     let dir = Scratch::new(&format!("reprotect-{policy}")).unwrap().keep_on_panic();
     let socket = dir.join("api.sock");
     let long = "ws=16M pattern=random writes=150000000 report=100ms";
+    // Running on unprotected (continue) needs an arbiter, on both sides.
+    let etcd = (policy == "continue").then(|| Etcd::start(dir.path()).unwrap());
+    let arbiter: Vec<&str> = etcd.iter().flat_map(|e| ["--arbiter", e.endpoint()]).collect();
     let addr1 = free_addr();
-    let mut b1 = backup(&addr1, &[]);
+    let mut b1 = backup(&addr1, &arbiter);
     let mut p = spawn(
         primary(&addr1, 1, long, &["--epoch-ms", "10", "--failure-timeout-ms", "300", "--on-backup-loss", policy])
             .args(extra)
+            .args(&arbiter)
             .arg("--api-socket")
             .arg(&socket),
     );
@@ -529,7 +541,7 @@ fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str, extra: &[
     // A new backup protects it again; then the primary dies and the new
     // backup finishes the job with the right memory.
     let addr2 = free_addr();
-    let b2 = backup(&addr2, &[]);
+    let b2 = backup(&addr2, &arbiter);
     let out = ftvm().args(["protect", "--api-socket"]).arg(&socket).args(["--backup", &addr2]).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     let t0 = Instant::now();
@@ -551,7 +563,7 @@ fn guest_exit_on_the_primary_ends_the_backup_too() {
         let addr = free_addr();
         let b = backup(&addr, &[]);
         let mut cmd = ftvm();
-        cmd.args(["run", "--cmdline", &format!("exit={status}"), "--replicate-to", &addr]).arg("--image").arg(image("probe"));
+        cmd.args(["run", "--cmdline", &format!("exit={status}"), "--insecure", "--replicate-to", &addr]).arg("--image").arg(image("probe"));
         let p = cmd.output().unwrap();
         assert_eq!(p.status.code(), Some(status), "{}", stderr(&p));
         let out = finish(b);
@@ -591,10 +603,25 @@ fn a_full_replica_disk_stops_the_backup_which_never_takes_over() {
     // 8 MiB of space under the backup's 128 MiB replica.
     let fs = Tmpfs::mount("fullreplica", "8M").unwrap();
     let replica = fs.sparse_file("replica.img", DISK).unwrap();
+    // Running on unprotected (continue) needs an arbiter, on both sides
+    // (its data out of the tmpfs: its log alone preallocates 64 MiB).
+    let etcd_dir = Scratch::new("replication-etcd").unwrap();
+    let etcd = Etcd::start(etcd_dir.path()).unwrap();
     let addr = free_addr();
-    let b = backup(&addr, &["--disk", path_str(&replica), "--failure-timeout-ms", "5000"]);
+    let b = backup(&addr, &["--disk", path_str(&replica), "--failure-timeout-ms", "5000", "--arbiter", etcd.endpoint()]);
     // The guest starts writing once it is protected (pre-copy of an empty disk is quick).
-    let extra = ["--memory", "64", "--disk", path_str(&disk), "--failure-timeout-ms", "10000", "--on-backup-loss", "continue"];
+    let extra = [
+        "--memory",
+        "64",
+        "--disk",
+        path_str(&disk),
+        "--failure-timeout-ms",
+        "10000",
+        "--on-backup-loss",
+        "continue",
+        "--arbiter",
+        etcd.endpoint(),
+    ];
     let p = spawn(&mut primary_of("netprobe", &addr, 1, "blk=fill delay=1000", &extra));
     let (p, b) = (finish(p), finish(b));
     let (p_err, b_err) = (stderr(&p), stderr(&b));
@@ -679,7 +706,8 @@ fn a_replica_disk_smaller_than_the_primarys_is_refused_untouched() {
     let junk = vec![0x5a; 1 << 20];
     std::fs::write(&replica, &junk).unwrap();
     let addr = free_addr();
-    let mut b = Process::spawn_collected("backup", ftvm().args(["backup", "--listen", &addr, "--disk", path_str(&replica)])).unwrap();
+    let mut b =
+        Process::spawn_collected("backup", ftvm().args(["backup", "--insecure", "--listen", &addr, "--disk", path_str(&replica)])).unwrap();
     let p = primary_of("netprobe", &addr, 1, "blk=selftest", &["--disk", path_str(&disk)]).output().unwrap();
     // The backup logs the refusal and goes on waiting for its primary.
     b.wait_until(Duration::from_secs(10), |b| b.stderr().contains("refused a primary")).unwrap();
@@ -737,8 +765,12 @@ fn a_failed_reprotection_leaves_the_vm_running_unprotected() {
     let replica2 = small_fs.sparse_file("replica2.img", DISK).unwrap();
     let socket = primary_fs.path().join("api.sock");
 
+    // Running on unprotected (continue) needs an arbiter, on both sides
+    // (its data out of the tmpfs: its log alone preallocates 64 MiB).
+    let etcd_dir = Scratch::new("replication-etcd").unwrap();
+    let etcd = Etcd::start(etcd_dir.path()).unwrap();
     let addr1 = free_addr();
-    let mut b1 = backup(&addr1, &["--disk", path_str(&replica1), "--failure-timeout-ms", "5000"]);
+    let mut b1 = backup(&addr1, &["--disk", path_str(&replica1), "--failure-timeout-ms", "5000", "--arbiter", etcd.endpoint()]);
     // The guest writes its disk (the whole of it) only once all this happened.
     let extra = [
         "--memory",
@@ -751,6 +783,8 @@ fn a_failed_reprotection_leaves_the_vm_running_unprotected() {
         "10000",
         "--on-backup-loss",
         "continue",
+        "--arbiter",
+        etcd.endpoint(),
     ];
     let p = spawn(&mut primary_of("netprobe", &addr1, 1, "blk=fill delay=8000", &extra));
     wait_for_status(&socket, "protected: yes");
@@ -759,7 +793,7 @@ fn a_failed_reprotection_leaves_the_vm_running_unprotected() {
 
     // The new backup's disk fills during pre-copy: it refuses, and the primary runs on as before.
     let addr2 = free_addr();
-    let b2 = backup(&addr2, &["--disk", path_str(&replica2), "--failure-timeout-ms", "5000"]);
+    let b2 = backup(&addr2, &["--disk", path_str(&replica2), "--failure-timeout-ms", "5000", "--arbiter", etcd.endpoint()]);
     let out = ftvm().args(["protect", "--api-socket", path_str(&socket), "--backup", &addr2]).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     let st = wait_for_status(&socket, "re-protection failed");
@@ -788,7 +822,11 @@ fn protected_only_from_the_first_acknowledgement() {
     let socket = dir.join("api.sock");
     let addr = free_addr();
     let mut b = spawn(
-        ftvm().args(["backup", "--listen", &addr]).env("FTVM_TEST_FAULT", "stall-apply:0").stdout(Stdio::null()).stderr(Stdio::null()),
+        ftvm()
+            .args(["backup", "--insecure", "--listen", &addr])
+            .env("FTVM_TEST_FAULT", "stall-apply:0")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
     );
     let mut p =
         spawn(&mut primary(&addr, 1, LONG_WORK, &["--epoch-ms", "10", "--ack-timeout-ms", "60000", "--api-socket", path_str(&socket)]));
@@ -811,7 +849,7 @@ fn a_promoted_backup_is_protected_again() {
     let (addr1, addr2) = (free_addr(), free_addr());
     let mut b1 = Process::spawn_collected(
         "backup 1",
-        ftvm().args(["backup", "--listen", &addr1, "--api-socket", path_str(&socket)]).env("FTVM_LOG", "info"),
+        ftvm().args(["backup", "--insecure", "--listen", &addr1, "--api-socket", path_str(&socket)]).env("FTVM_LOG", "info"),
     )
     .unwrap();
     let mut p = Process::spawn_collected("primary", &mut primary(&addr1, 1, LONG_WORK, &["--epoch-ms", "10"])).unwrap();
@@ -839,7 +877,11 @@ fn a_promoted_backup_is_protected_again() {
 fn console_output_waits_for_the_acknowledgement() {
     let addr = free_addr();
     let mut b = spawn(
-        ftvm().args(["backup", "--listen", &addr]).env("FTVM_TEST_FAULT", "stall-apply:0").stdout(Stdio::null()).stderr(Stdio::null()),
+        ftvm()
+            .args(["backup", "--insecure", "--listen", &addr])
+            .env("FTVM_TEST_FAULT", "stall-apply:0")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
     );
     let mut p =
         Process::spawn_collected("primary", &mut primary(&addr, 1, LONG_WORK, &["--epoch-ms", "10", "--ack-timeout-ms", "60000"])).unwrap();

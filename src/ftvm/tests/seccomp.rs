@@ -67,10 +67,11 @@ fn a_forbidden_system_call_ends_the_vmm_with_one_line() {
 /// ended.
 fn primary_with_fault(fault: &str) -> Output {
     let addr = free_addr();
-    let _backup = Process::spawn_collected("backup", ftvm().args(["backup", "--listen", &addr]).stdin(Stdio::null())).unwrap();
+    let _backup =
+        Process::spawn_collected("backup", ftvm().args(["backup", "--insecure", "--listen", &addr]).stdin(Stdio::null())).unwrap();
     let mut primary = ftvm();
     primary
-        .args(["run", "--cmdline", "ticker=20", "--replicate-to", &addr, "--image", image("probe").to_str().unwrap()])
+        .args(["run", "--cmdline", "ticker=20", "--insecure", "--replicate-to", &addr, "--image", image("probe").to_str().unwrap()])
         .env("FTVM_TEST_FAULT", fault);
     finish("primary", &mut primary)
 }
@@ -87,7 +88,7 @@ fn a_replication_thread_is_filtered_too() {
 /// not resolve is an error naming it, not a forbidden call.
 #[test]
 fn a_host_name_is_looked_up_under_the_filters() {
-    let out = finish("backup", ftvm().args(["backup", "--listen", "nosuch.invalid:47999"]));
+    let out = finish("backup", ftvm().args(["backup", "--insecure", "--listen", "nosuch.invalid:47999"]));
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("nosuch.invalid") && !err.contains("seccomp"), "{err}");

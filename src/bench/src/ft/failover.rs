@@ -216,7 +216,7 @@ pub fn trial(topo: &Topology, etcd: &Etcd, failure: Failure, setup: Setup, dir: 
     // Each trial owns the VM under a fresh name at the arbiter.
     let name = format!("bench-{}", unix_us());
     let mut b = topo.command("h2", &ftvm);
-    b.args(["backup", "--listen", &backup_addr, "--net", &net, "--failure-timeout-ms", &timeout])
+    b.args(["backup", "--insecure", "--listen", &backup_addr, "--net", &net, "--failure-timeout-ms", &timeout])
         .args(["--arbiter", &etcd.endpoint_on("127.0.0.1"), "--name", &name])
         .env("FTVM_LOG", "info");
     let mut backup = Process::spawn_logged("ftvm backup", &mut b, dir, "failover.backup")?;
@@ -224,7 +224,7 @@ pub fn trial(topo: &Topology, etcd: &Etcd, failure: Failure, setup: Setup, dir: 
     p.env("FTVM_LOG", "info");
     p.args(["run", "--net", &net, "--cmdline", &format!("ip={GUEST_ADDR}/24"), "--image"])
         .arg(paths::images().join("kv.elf"))
-        .args(["--replicate-to", &backup_addr, "--epoch-ms", &epoch_ms.to_string(), "--failure-timeout-ms", &timeout])
+        .args(["--insecure", "--replicate-to", &backup_addr, "--epoch-ms", &epoch_ms.to_string(), "--failure-timeout-ms", &timeout])
         .args(["--arbiter", etcd.endpoint(), "--name", &name, "--mirror", mirror]);
     let mut primary = Process::spawn_logged("ftvm run", &mut p, dir, "failover.primary")?;
     runs::wait_for_kv(topo, &[&primary, &backup])?;

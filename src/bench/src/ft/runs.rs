@@ -181,12 +181,15 @@ pub fn memtouch_on(vcpus: u32, cmdline: &str, ft: Option<Replicated>, dir: &Path
     if let Some(ft) = ft {
         let addr = format!("127.0.0.1:{}", free_port());
         let mut b = Command::new(ftvm_bin());
-        b.args(["backup", "--listen", &addr])
+        b.args(["backup", "--insecure", "--listen", &addr])
             .args(backup_side(ft.args))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(dir.join("backup.log"))?);
         _backup = Some(Process::spawn("ftvm backup", &mut b)?);
-        cmd.args(["--replicate-to", &addr, "--epoch-ms", &ft.epoch_ms.to_string()]).arg("--metrics").arg(&metrics).args(ft.args);
+        cmd.args(["--insecure", "--replicate-to", &addr, "--epoch-ms", &ft.epoch_ms.to_string()])
+            .arg("--metrics")
+            .arg(&metrics)
+            .args(ft.args);
     }
     let out = cmd.output()?;
     let text = String::from_utf8_lossy(&out.stdout);
@@ -301,12 +304,15 @@ pub fn start_kv_on(
     if let Some(ft) = ft {
         let _ = std::fs::remove_file(metrics);
         let mut b = topo.command("h2", ftvm_bin());
-        b.args(["backup", "--listen", &backup_addr, "--net", &net]).args(backup_side(ft.args)).env("FTVM_LOG", "warn");
+        b.args(["backup", "--insecure", "--listen", &backup_addr, "--net", &net]).args(backup_side(ft.args)).env("FTVM_LOG", "warn");
         if disk.is_some() {
             b.arg("--disk").arg(fresh_disk("kv-backup.img")?);
         }
         backup = Some(Process::spawn_logged("ftvm backup", &mut b, dir, &format!("{log}.backup"))?);
-        cmd.args(["--replicate-to", &backup_addr, "--epoch-ms", &ft.epoch_ms.to_string()]).arg("--metrics").arg(metrics).args(ft.args);
+        cmd.args(["--insecure", "--replicate-to", &backup_addr, "--epoch-ms", &ft.epoch_ms.to_string()])
+            .arg("--metrics")
+            .arg(metrics)
+            .args(ft.args);
     }
     let primary = Process::spawn_logged("ftvm run", &mut cmd, dir, &format!("{log}.primary"))?;
     let kv = Kv { _backup: backup, primary };

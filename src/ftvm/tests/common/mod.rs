@@ -188,3 +188,14 @@ pub fn json_lines(path: &Path) -> Vec<serde_json::Value> {
     let complete = &text[..text.rfind('\n').map_or(0, |i| i + 1)];
     complete.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{}: {e}: {l}", path.display()))).collect()
 }
+
+/// `--insecure` unless `args` give the replication channel a secret
+/// (`--secret-file`): the tests' replication links are loopback or their
+/// own namespaces', which nobody else reaches.
+pub fn insecure_unless_secret(args: &[&str]) -> &'static [&'static str] {
+    if args.iter().any(|a| a.starts_with("--secret-file")) {
+        &[]
+    } else {
+        &["--insecure"]
+    }
+}
