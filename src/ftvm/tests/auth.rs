@@ -189,9 +189,9 @@ fn an_encrypted_channel_carries_the_vm_to_a_failover() {
 #[test]
 fn a_claimed_length_costs_the_backup_only_what_arrives() {
     let addr = free_addr();
-    let b = backup(&addr, &["--insecure"]);
+    // It sends no heartbeats: a long failure timeout keeps the backup waiting.
+    let b = backup(&addr, &["--insecure", "--failure-timeout-ms", "10000"]);
     let mut s = connect(&addr);
-    // It sends no heartbeats: the backup's failure timeout (five epochs) is far off.
     let heartbeat = Heartbeat { session: [0; 8], port: 0, interval_ms: 5 };
     // The vCPUs of this very host: the backup accepts them.
     let cpu = ftvm_vmm::vm::host_cpu_profile().unwrap();

@@ -65,6 +65,13 @@ const BODY: usize = 4 + 2 + 1 + 1 + 16 + 8;
 const TAG: usize = 32;
 /// No heartbeat this long after the session began: say so (UDP blocked?).
 const FIRST_WARNING: Duration = Duration::from_secs(1);
+/// Until the peer's first heartbeat arrives, silence counts against at
+/// least this, not the failure timeout: a session's start (the primary
+/// setting up pre-copy, its heartbeat threads starting) may keep a live
+/// peer quiet for tens of milliseconds on a loaded host, and a 30 ms
+/// timeout then took a primary that had just connected for dead. A peer
+/// whose heartbeats have begun is judged by the failure timeout alone.
+const START_GRACE: Duration = Duration::from_secs(1);
 /// SCHED_FIFO priority of heartbeat threads: above every normal thread.
 const RT_PRIORITY: i32 = 10;
 /// Shortest wait for a datagram (the socket timeout cannot be zero).
@@ -518,11 +525,12 @@ impl<O: Observer> Beat<O> {
             if self.observer.lost_otherwise() {
                 break "the peer was lost";
             }
-            if self.pulse.silence().saturating_sub(excused) >= self.timing.timeout {
+            let limit = if self.stats.received == 0 { self.timing.timeout.max(START_GRACE) } else { self.timing.timeout };
+            if self.pulse.silence().saturating_sub(excused) >= limit {
                 // What already arrived counts first.
                 self.drain(&mut buf);
                 let silence = self.pulse.silence();
-                if self.pulse.last() == excused_since && silence.saturating_sub(excused) >= self.timing.timeout {
+                if self.pulse.last() == excused_since && silence.saturating_sub(excused) >= limit {
                     tracing::debug!(silence_us = silence.as_micros() as u64, "nothing heard from the {peer}");
                     self.observer.silent(silence, self.timing.timeout);
                     break "the peer fell silent";
@@ -536,7 +544,7 @@ impl<O: Observer> Beat<O> {
                     self.sender.path.peer
                 );
             }
-            let deadline = (self.timing.timeout + excused).saturating_sub(self.pulse.silence());
+            let deadline = (limit + excused).saturating_sub(self.pulse.silence());
             asked = next_send.saturating_duration_since(Instant::now()).min(deadline).max(MIN_WAIT);
             woke = Instant::now();
             wait_readable(&self.sender.path.socket, asked);
@@ -827,6 +835,25 @@ mod tests {
         assert!(!bp.heard_within(Duration::from_millis(100)));
         assert!(Pulse::new().heard_within(Duration::ZERO), "no heartbeat yet: nothing to judge by");
         drop(bh);
+    }
+
+    /// A session's first moments: a peer not heard from yet (the primary
+    /// still setting up its pre-copy) is not lost at a 30 ms timeout.
+    #[test]
+    fn a_peer_not_heard_from_yet_has_the_start_grace() {
+        let timing = Timing { interval: Duration::from_millis(2), timeout: Duration::from_millis(30) };
+        let (p, _b) = pair(true);
+        let v = Verdict::default();
+        let h = Heartbeats::start(p, timing, Pulse::new(), v.clone()).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(*v.0.lock().unwrap(), None, "lost before its first heartbeat, within the start grace");
+        let t0 = Instant::now();
+        while v.0.lock().unwrap().is_none() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "silence never noticed");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(v.0.lock().unwrap().unwrap() >= START_GRACE);
+        drop(h);
     }
 
     #[test]
