@@ -10,7 +10,6 @@ pub mod aside;
 pub mod disk;
 pub mod failover;
 pub mod gate;
-mod handshakes;
 pub mod log;
 pub mod loss;
 pub mod mesh;
