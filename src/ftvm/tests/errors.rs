@@ -215,3 +215,21 @@ fn a_malformed_raft_append_is_dropped() {
     std::thread::sleep(Duration::from_millis(300));
     assert!(witness.try_wait().is_none(), "the witness ended: {}", witness.output());
 }
+
+/// A replica that fails to start (its peer port is taken) leaves no
+/// `--raft-state` file behind, and one that was there before untouched.
+#[test]
+fn a_replica_that_fails_to_start_leaves_no_raft_state_file() {
+    let dir = Scratch::new("raft-state").unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let peers = format!("1={},2={},3={}", free_addr(), free_addr(), taken.local_addr().unwrap());
+    let fresh = dir.join("fresh.state");
+    let kept = dir.join("kept.state");
+    std::fs::write(&kept, b"").unwrap();
+    for state in [&fresh, &kept] {
+        let out = ftvm().args(["replica", "--id", "3", "--peers", &peers, "--witness", "--raft-state"]).arg(state).output().unwrap();
+        assert_one_line_error(&out, "cannot listen on", "taken peer port");
+    }
+    assert!(!fresh.exists(), "a failed replica left {}", fresh.display());
+    assert!(kept.exists(), "a failed replica removed the file it found");
+}
