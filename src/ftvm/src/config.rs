@@ -26,6 +26,8 @@ pub enum ConfigError {
     Syntax { path: String, line: usize, column: usize, message: String },
     #[error("config file {path}: unknown key `{key}` (`ftvm {command}` has no --{key})")]
     UnknownKey { path: String, key: String, command: String },
+    #[error("config file {path}: `{CONFIG}` cannot name another config file (give --{CONFIG} once, on the command line)")]
+    Nested { path: String },
     #[error("config file {path}: `{key}` {problem}")]
     Value { path: String, key: String, problem: String },
 }
@@ -85,6 +87,9 @@ pub fn options(sub: &Command, path: &Path, text: &str) -> Result<(Vec<OsString>,
     let mut ids = Vec::new();
     for (key, value) in &table {
         let value_error = |problem: String| ConfigError::Value { path: shown.clone(), key: key.clone(), problem };
+        if key == CONFIG && sub.get_arguments().any(|a| a.get_id() == CONFIG) {
+            return Err(ConfigError::Nested { path: shown });
+        }
         let arg = sub
             .get_arguments()
             .find(|a| a.get_long() == Some(key.as_str()) && configurable(a))
@@ -213,7 +218,8 @@ mod tests {
         assert!(e.contains("line 2, column 10"), "{e}");
         assert_eq!(e.lines().count(), 1, "{e}");
         let e = parse("config = \"/other.toml\"\n", &["backup"]).err().expect("refused");
-        assert!(e.contains("unknown key `config`"), "{e}");
+        assert!(e.contains("`config` cannot name another config file"), "{e}");
+        assert!(!e.contains("has no --config"), "{e}");
     }
 
     /// The commented examples in docs/config/ parse, and each names every

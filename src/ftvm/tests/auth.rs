@@ -271,3 +271,25 @@ fn idle_strangers_in_every_handshake_slot_do_not_keep_the_primary_out() {
     drop(idle);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Strangers flooding the backup's port are not one line each: the first
+/// 10 refusals are logged one by one, then one line counts the rest.
+#[test]
+fn a_flood_of_strangers_is_a_few_lines_and_a_count() {
+    let addr = free_addr();
+    let mut cmd = ftvm();
+    cmd.args(["backup", "--listen", &addr]).env("FTVM_LOG", "info");
+    let mut b = Process::spawn_collected("backup", &mut cmd).unwrap();
+    const STRANGERS: usize = 40;
+    for _ in 0..STRANGERS {
+        let mut s = connect(&addr);
+        s.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        assert!(closed_by_backup(&mut s), "the backup kept a stranger's connection open");
+    }
+    let log = wait_log(&mut b, "more connections in the last 10 s", Duration::from_secs(30));
+    let one_by_one = log.lines().filter(|l| l.contains("refused a connection")).count();
+    assert_eq!(one_by_one, 10, "{log}");
+    let summary = log.lines().find(|l| l.contains("more connections in the last 10 s")).unwrap();
+    assert!(summary.contains(&format!("refused {} more connections", STRANGERS - 10)), "{log}");
+    assert!(b.running(), "{log}");
+}

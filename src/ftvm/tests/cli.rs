@@ -360,7 +360,47 @@ fn config_file_options_and_overrides() {
     let path = dir.join("primary-only.toml");
     std::fs::write(&path, "epoch-ms = 30\n").unwrap();
     let out = ftvm_args(&["run", "--config", path.to_str().unwrap(), "--image", probe.to_str().unwrap()]);
-    assert_refused(&out, &["`epoch-ms` in config file", "replicate-to"], "primary-only");
+    assert_refused(
+        &out,
+        &["ftvm: error: config file", "primary-only.toml: `epoch-ms` applies only to a replicating primary", "replicate-to"],
+        "primary-only",
+    );
+    assert_eq!(stderr(&out).lines().count(), 1, "primary-only: one line: {}", stderr(&out));
+    // A config file cannot name another one.
+    let path = dir.join("nested.toml");
+    std::fs::write(&path, "config = \"other.toml\"\n").unwrap();
+    for command in ["run", "backup", "replica"] {
+        let out = ftvm_args(&[command, "--config", path.to_str().unwrap()]);
+        assert_refused(&out, &["ftvm: error: config file", "`config` cannot name another config file"], command);
+        assert!(!stderr(&out).contains("has no --config"), "{}", stderr(&out));
+        assert_eq!(stderr(&out).lines().count(), 1, "{command}: one line: {}", stderr(&out));
+    }
+}
+
+/// A single-valued option given twice on the command line is a usage
+/// error, as in the client commands (it kept the last one silently), while
+/// the command line still overrides a config file's option of the same name.
+#[test]
+fn repeated_options_are_refused() {
+    let cases: [&[&str]; 6] = [
+        &["run", "--image", "/a.elf", "--disk", "/a.img", "--disk", "/b.img"],
+        &["run", "--image", "/a.elf", "--image=/b.elf"],
+        &["run", "--image", "/a.elf", "--prefault", "--prefault"],
+        &["backup", "--listen", "127.0.0.1:1", "--memory", "64", "--memory", "128"],
+        &["replica", "--id", "1", "--id", "2", "--peers", "1=a:1,2=b:1,3=c:1"],
+        &["restore", "--snapshot", "/a.snap", "--snapshot", "/b.snap"],
+    ];
+    for args in cases {
+        let repeated = args
+            .iter()
+            .skip(1)
+            .find(|a| a.starts_with("--") && args.iter().filter(|b| b.split('=').next() == a.split('=').next()).count() > 1);
+        let flag = repeated.unwrap().split('=').next().unwrap();
+        assert_refused(&ftvm_args(args), &[flag, "cannot be used multiple times"], &format!("{args:?}"));
+    }
+    // Repeatable options stay repeatable.
+    let out = ftvm_args(&["backup", "--listen", "127.0.0.1:0", "--standby", "127.0.0.1:1", "--standby", "127.0.0.1:2", "--memory", "3"]);
+    assert!(!stderr(&out).contains("multiple times"), "{}", stderr(&out));
 }
 
 #[test]

@@ -151,7 +151,32 @@ fn idle_peer_links_are_bounded() {
     let first = &mut idle[0];
     first.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     assert!(matches!(first.read(&mut [0; 1]), Ok(0) | Err(_)), "the oldest idle link is still open");
-    assert!(witness.output().contains("peer links were in their handshake: closed the oldest"), "{}", witness.output());
+    assert!(witness.output().contains("16 peer links were in their handshake: ended the oldest for this one"), "{}", witness.output());
+}
+
+/// A peer link that sends its handshake a byte at a time, each well within
+/// the read timeout, is closed at its 5 s deadline, though no other
+/// connection arrives to make the replica look.
+#[test]
+fn a_slow_peer_handshake_is_closed_at_its_deadline() {
+    use std::io::Write;
+
+    let (mut witness, addr) = witness();
+    let mut slow = dial(&mut witness, &addr);
+    let t0 = Instant::now();
+    let header = ftvm_replication::protocol::frame(ftvm_replication::protocol::Kind::PeerHello, &[1, 0, 0, 0]);
+    let mut closed = false;
+    for byte in header.iter().cycle().take(20) {
+        std::thread::sleep(Duration::from_millis(750));
+        if slow.write_all(&[*byte]).is_err() {
+            closed = true;
+            break;
+        }
+    }
+    let after = t0.elapsed();
+    assert!(closed, "the slow link is still open after {after:?}\n{}", witness.output());
+    let log = wait_log(&mut witness, "no complete handshake within 5000 ms", Duration::from_secs(10));
+    assert!(log.contains("refused a peer link: no complete handshake within 5000 ms"), "{log}");
 }
 
 /// A raft append whose entries do not follow its index (raft-rs panics on
@@ -189,4 +214,22 @@ fn a_malformed_raft_append_is_dropped() {
     wait_log(&mut witness, "dropped an append whose entries do not follow its index", Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(300));
     assert!(witness.try_wait().is_none(), "the witness ended: {}", witness.output());
+}
+
+/// A replica that fails to start (its peer port is taken) leaves no
+/// `--raft-state` file behind, and one that was there before untouched.
+#[test]
+fn a_replica_that_fails_to_start_leaves_no_raft_state_file() {
+    let dir = Scratch::new("raft-state").unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let peers = format!("1={},2={},3={}", free_addr(), free_addr(), taken.local_addr().unwrap());
+    let fresh = dir.join("fresh.state");
+    let kept = dir.join("kept.state");
+    std::fs::write(&kept, b"").unwrap();
+    for state in [&fresh, &kept] {
+        let out = ftvm().args(["replica", "--id", "3", "--peers", &peers, "--witness", "--raft-state"]).arg(state).output().unwrap();
+        assert_one_line_error(&out, "cannot listen on", "taken peer port");
+    }
+    assert!(!fresh.exists(), "a failed replica left {}", fresh.display());
+    assert!(kept.exists(), "a failed replica removed the file it found");
 }

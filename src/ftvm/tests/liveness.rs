@@ -281,6 +281,35 @@ fn sigterm_during_precopy_stops_the_primary_promptly() {
     assert!(b.stderr().contains("backup done") && !b.stderr().contains("PRIMARY LOST"), "{}", b.output());
 }
 
+/// A "backup" that accepts the connection and then says nothing (no
+/// Welcome) would hold the handshake for its 30 s timeout: SIGTERM stops the
+/// primary at once all the same, as during pre-copy.
+#[test]
+fn sigterm_while_a_silent_backup_holds_the_handshake_stops_the_primary() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let (accepted, connected) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // Accepted and kept open, never written to.
+        let (stream, _) = listener.accept().unwrap();
+        accepted.send(()).unwrap();
+        std::thread::sleep(Duration::from_secs(120));
+        drop(stream);
+    });
+    let mut p = primary(&addr, WORK, &["--memory", "64"]);
+    connected.recv_timeout(Duration::from_secs(30)).expect("the primary never connected");
+    std::thread::sleep(Duration::from_millis(500));
+    let t0 = Instant::now();
+    p.signal(libc::SIGTERM).unwrap();
+    let status = exit_status(&mut p, Duration::from_secs(60));
+    let stopped_after = t0.elapsed();
+    println!("SIGTERM during a silent handshake: the primary exited after {} ms", stopped_after.as_millis());
+    assert_eq!(status.code(), Some(0), "{}", p.output());
+    assert!(p.stderr().contains("ftvm: VM stopped while its backup was being brought up to date"), "{}", p.output());
+    assert!(!p.stderr().contains("timed out"), "{}", p.output());
+    assert!(stopped_after < Duration::from_secs(10), "{stopped_after:?}");
+}
+
 /// A backup whose apply hangs (a test fault) still sends heartbeats, so its
 /// silence never shows it; the primary finds it lost when a checkpoint stays
 /// unacknowledged for the acknowledgement timeout, and runs on.

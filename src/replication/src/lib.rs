@@ -9,6 +9,7 @@ pub mod bounds;
 pub mod checkpoint;
 pub mod fakeack;
 pub mod fault;
+pub mod handshakes;
 pub mod liveness;
 pub mod metrics;
 pub mod mirror;
@@ -17,6 +18,7 @@ pub mod output;
 pub mod pipeline;
 pub mod primary;
 pub mod protocol;
+pub mod refusals;
 mod sockopt;
 pub mod telemetry;
 #[cfg(test)]

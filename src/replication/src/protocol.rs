@@ -405,6 +405,24 @@ fn read_payload(r: &mut impl Read, len: usize, buf: &mut Vec<u8>) -> Result<(), 
 mod tests {
     use super::*;
 
+    /// `docs/replication.md` names the version the code speaks: where it
+    /// says what the version is, and in its frame diagrams.
+    #[test]
+    fn the_documented_protocol_version_is_the_code_s() {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/replication.md")).unwrap();
+        let flat = doc.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(
+            flat.contains(&format!("The version ({PROTOCOL_VERSION}) is checked on every frame")),
+            "docs/replication.md: the version is not {PROTOCOL_VERSION}"
+        );
+        let diagrams: Vec<&str> = doc.lines().filter(|l| l.trim_start().starts_with("\"FTVR\" |")).collect();
+        assert!(!diagrams.is_empty());
+        for line in diagrams {
+            let version = line.split('|').nth(1).unwrap().trim();
+            assert_eq!(version, PROTOCOL_VERSION.to_string(), "docs/replication.md: {line}");
+        }
+    }
+
     fn frame(kind: Kind, payload: &[u8]) -> Vec<u8> {
         let mut v = Vec::new();
         begin_frame(&mut v, kind);

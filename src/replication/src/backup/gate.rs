@@ -7,7 +7,6 @@
 //! connection ends the oldest).
 
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -15,14 +14,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::handshakes::{self, Handshakes};
 use crate::pipeline::transport::{self, Auth, AuthTransport, TcpTransport, Transport};
 use crate::protocol::{self, Hello, Kind, ProtocolError, HANDSHAKE_LIMIT};
 use crate::ReplicationError;
-
-/// Connections in their handshake at once; a new one ends the oldest.
-const MAX_PENDING: usize = 16;
-/// How often the door checks deadlines and whether it should close.
-const TICK_MS: i32 = 100;
 
 /// A peer that completed the handshake and said Hello.
 pub struct Candidate {
@@ -46,7 +41,8 @@ impl Gate {
         let stop = Arc::new(AtomicBool::new(false));
         let (wake, woken) = UnixStream::pair().map_err(ReplicationError::Thread)?;
         let (tx, candidates) = mpsc::channel();
-        let door = Door { listener, woken, auth, timeout, candidates: tx, pending: Vec::new() };
+        let handshakes = Handshakes::new("connections", timeout);
+        let door = Door { listener, woken, auth, candidates: tx, handshakes };
         let thread = {
             let stop = stop.clone();
             std::thread::Builder::new().name("backup-accept".into()).spawn(move || door.run(&stop)).map_err(ReplicationError::Thread)?
@@ -70,39 +66,21 @@ impl Drop for Gate {
     }
 }
 
-/// A connection in its handshake: shut down at its deadline.
-struct Pending {
-    stream: TcpStream,
-    deadline: Instant,
-    done: Arc<AtomicBool>,
-}
-
 struct Door {
     listener: TcpListener,
     /// Readable (closed) when the gate closes.
     woken: UnixStream,
     auth: Option<Auth>,
-    timeout: Duration,
     candidates: Sender<Candidate>,
-    pending: Vec<Pending>,
+    handshakes: Arc<Handshakes>,
 }
 
 impl Door {
     fn run(mut self, stop: &AtomicBool) {
         while !stop.load(Ordering::SeqCst) {
-            self.wait_readable();
-            let now = Instant::now();
-            self.pending.retain(|p| {
-                if p.done.load(Ordering::SeqCst) {
-                    return false;
-                }
-                if now >= p.deadline {
-                    // Its thread, blocked on the socket, sees it end.
-                    let _ = p.stream.shutdown(Shutdown::Both);
-                    return false;
-                }
-                true
-            });
+            // Until a connection arrives, the gate closes or a tick passes.
+            handshakes::wait_readable(&self.listener, Some(&self.woken));
+            self.handshakes.expire();
             loop {
                 match self.listener.accept() {
                     Ok((stream, peer)) => self.admit(stream, peer),
@@ -118,36 +96,18 @@ impl Door {
         }
     }
 
-    /// Sleep until a connection arrives, the gate closes or a tick passes.
-    fn wait_readable(&self) {
-        let mut fds = [
-            libc::pollfd { fd: self.listener.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-            libc::pollfd { fd: self.woken.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-        ];
-        // SAFETY: two valid pollfds that outlive the call; poll only writes `revents`.
-        unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, TICK_MS) };
-    }
-
     fn admit(&mut self, stream: TcpStream, peer: SocketAddr) {
-        if self.pending.len() >= MAX_PENDING {
-            // The oldest goes, not the newcomer: strangers that keep the
-            // slots filled must not turn the real primary away, and a
-            // primary's handshake takes a round trip, not the deadline.
-            let oldest = self.pending.remove(0);
-            let _ = oldest.stream.shutdown(Shutdown::Both);
-            tracing::warn!(%peer, "{MAX_PENDING} connections were in their handshake: ended the oldest for this one");
-        }
-        let deadline = Instant::now() + self.timeout;
-        let done = Arc::new(AtomicBool::new(false));
-        let watch = match stream.try_clone() {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(%peer, "dropped a connection: {e}");
-                return;
-            }
+        // When every slot is taken, the oldest goes, not the newcomer:
+        // strangers that keep the slots filled must not turn the real
+        // primary away, and a primary's handshake takes a round trip, not
+        // the deadline.
+        let Some(slot) = self.handshakes.admit(&stream, peer) else {
+            self.handshakes.refuse(&peer, &"dropped a connection: cannot watch its socket");
+            return;
         };
-        let (auth, timeout, candidates, finished) = (self.auth.clone(), self.timeout, self.candidates.clone(), done.clone());
+        let (auth, timeout, candidates) = (self.auth.clone(), self.handshakes.time(), self.candidates.clone());
         let spawned = std::thread::Builder::new().name("backup-handshake".into()).spawn(move || {
+            let deadline = slot.deadline();
             let raw = stream.try_clone();
             let result = handshake(stream, auth.as_ref(), deadline);
             // Logged before the gentle close, which takes a while: the
@@ -156,22 +116,21 @@ impl Door {
                 Ok(_) => tracing::info!(%peer, "a primary completed the handshake"),
                 // (The door shut it down at the deadline: what the read
                 // then says, "the peer closed", is not what happened.)
-                Err(_) if Instant::now() >= deadline => {
-                    tracing::warn!(%peer, "refused a connection: no complete handshake within {} ms", timeout.as_millis())
+                Err(_) if slot.expired() || Instant::now() >= deadline => {
+                    slot.refuse(&peer, &format_args!("refused a connection: no complete handshake within {} ms", timeout.as_millis()))
                 }
-                Err(e) => tracing::warn!(%peer, "refused a connection: {e}"),
+                Err(e) => slot.refuse(&peer, &format_args!("refused a connection: {e}")),
             }
+            drop(slot);
             if let (Err(_), Ok(raw)) = (&result, &raw) {
                 close_gently(raw);
             }
-            finished.store(true, Ordering::SeqCst);
             if let Ok((link, hello)) = result {
                 let _ = candidates.send(Candidate { link, hello, peer: peer.to_string() });
             }
         });
-        match spawned {
-            Ok(_) => self.pending.push(Pending { stream: watch, deadline, done }),
-            Err(e) => tracing::warn!(%peer, "dropped a connection: cannot start its handshake: {e}"),
+        if let Err(e) = spawned {
+            self.handshakes.refuse(&peer, &format_args!("dropped a connection: cannot start its handshake: {e}"));
         }
     }
 }

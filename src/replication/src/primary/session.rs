@@ -110,13 +110,9 @@ impl Session {
     /// Connect, handshake, pre-copy and send the first checkpoint (`*epoch`,
     /// advanced past it).
     pub fn open(cx: &Context, pipeline: &mut Pipeline, epoch: &mut u64) -> Result<Session, ReplicationError> {
-        let tcp = transport::connect(&cx.config.backup, cx.config.connect_timeout)?;
-        let mut link: Box<dyn Transport> = match &cx.config.auth {
-            Some(auth) => Box::new(AuthTransport::initiate(tcp, auth)?),
-            None => Box::new(tcp),
-        };
+        let tcp = transport::connect_unless(&cx.config.backup, cx.config.connect_timeout, cx.stop)?;
         let no_ip = || ReplicationError::Heartbeat(std::io::Error::other("the transport has no IP addresses"));
-        let (local, remote) = link.addrs().ok_or_else(no_ip)?;
+        let (local, remote) = tcp.addrs().ok_or_else(no_ip)?;
         let socket = liveness::bind_primary(local.ip()).map_err(ReplicationError::Heartbeat)?;
         let mine = Heartbeat {
             session: liveness::session_half().map_err(ReplicationError::Heartbeat)?,
@@ -124,11 +120,24 @@ impl Session {
             interval_ms: cx.config.heartbeat.as_millis() as u64,
         };
         cx.status.lock().detail = format!("synchronizing backup {}", cx.config.backup);
-        let welcome = handshake(link.as_mut(), cx.vm, cx.config, *epoch, mine)?;
+        let pull = pipeline.pull_confirmations().is_some();
+        // A backup that accepted and then says nothing would hold the
+        // handshake for its whole timeout: a stop signal cuts it short
+        // (pre-copy watches the signal itself, and says goodbye).
+        let cut = tcp.try_clone().map_err(ReplicationError::Send)?;
+        let first = *epoch;
+        let (mut link, welcome) = unless_stopped(cx.stop, cut, move || {
+            let mut link: Box<dyn Transport> = match &cx.config.auth {
+                Some(auth) => Box::new(AuthTransport::initiate(tcp, auth)?),
+                None => Box::new(tcp),
+            };
+            let welcome = handshake(link.as_mut(), cx.vm, cx.config, first, mine)?;
+            if pull {
+                share_memory(link.as_mut(), cx)?;
+            }
+            Ok((link, welcome))
+        })?;
         let theirs = welcome.heartbeat;
-        if pipeline.pull_confirmations().is_some() {
-            share_memory(link.as_mut(), cx)?;
-        }
         // Heartbeats both ways from here on, pre-copy included.
         let shared = Arc::new(Shared::default());
         let pulse = Pulse::new();
@@ -305,6 +314,40 @@ fn share_memory(link: &mut dyn Transport, cx: &Context) -> Result<(), Replicatio
     }
     tracing::info!("the backup maps the guest's memory; it reads prefetched pages itself");
     Ok(())
+}
+
+/// Run `work` (the handshake on `link`'s socket) while a
+/// watcher shuts `link` down once `stop` is set, so a read that waits for a
+/// silent backup ends at once; what fails after a stop is
+/// `ReplicationError::Stopped`.
+fn unless_stopped<T>(
+    stop: &AtomicBool,
+    link: Box<dyn Transport>,
+    work: impl FnOnce() -> Result<T, ReplicationError>,
+) -> Result<T, ReplicationError> {
+    let done = &AtomicBool::new(false);
+    let result = std::thread::scope(|scope| {
+        let watcher = std::thread::Builder::new().name("sync-stop".into()).spawn_scoped(scope, move || {
+            seccomp::install_or_exit(seccomp::ThreadKind::Replication);
+            while !done.load(Ordering::SeqCst) {
+                if stop.load(Ordering::SeqCst) {
+                    link.shutdown();
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        if let Err(e) = watcher {
+            return Err(ReplicationError::Thread(e));
+        }
+        let result = work();
+        done.store(true, Ordering::SeqCst);
+        result
+    });
+    match result {
+        Err(_) if stop.load(Ordering::SeqCst) => Err(ReplicationError::Stopped),
+        other => other,
+    }
 }
 
 /// Bringing a new backup up to date failed with `e`. Asked to stop, the

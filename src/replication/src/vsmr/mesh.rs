@@ -25,11 +25,11 @@ use serde::{Deserialize, Serialize};
 
 use ftvm_vmm::sync::Lock;
 
-use super::handshakes::{Handshakes, Slot};
 use super::node::Event;
 use super::release::Awaited;
 use super::squeeze;
 use super::tuning::{LinkBatch, LinkCompress, LinkDirect};
+use crate::handshakes::{self, Handshakes, Slot};
 use crate::pipeline::transport::{self, Auth, AuthTransport, Transport};
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::ReplicationError;
@@ -216,13 +216,26 @@ impl Mesh {
                 .map_err(ReplicationError::Thread)?;
         }
         let m = mesh.clone();
-        let handshakes = Handshakes::new(HANDSHAKE_TIMEOUT);
+        let handshakes = Handshakes::new("peer links", HANDSHAKE_TIMEOUT);
+        // Non-blocking, so that the loop ends handshakes past their time
+        // on its tick even when nothing else arrives.
+        listener.set_nonblocking(true).map_err(ReplicationError::Thread)?;
         std::thread::Builder::new()
             .name("peer-accept".into())
-            .spawn(move || {
-                for stream in listener.incoming() {
-                    let Ok(stream) = stream else { continue };
-                    let Some(slot) = handshakes.admit(&stream) else { continue };
+            .spawn(move || loop {
+                handshakes::wait_readable(&listener, None::<&TcpListener>);
+                handshakes.expire();
+                loop {
+                    let (stream, addr) = match listener.accept() {
+                        Ok(accepted) => accepted,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        // WouldBlock: all taken; others (out of descriptors): next tick.
+                        Err(_) => break,
+                    };
+                    if stream.set_nonblocking(false).is_err() {
+                        continue;
+                    }
+                    let Some(slot) = handshakes.admit(&stream, addr) else { continue };
                     let Ok(link) = accepted(stream, batch) else { continue };
                     let (m, auth, routes) = (m.clone(), auth.clone(), routes.clone());
                     let peer = link.peer();
@@ -434,36 +447,44 @@ impl Mesh {
     fn receive(&self, mut link: transport::TcpTransport, peer: &str, auth: Option<&Auth>, routes: &Routes, slot: Slot) {
         let mut buf = Vec::new();
         let _ = link.set_recv_timeout(Some(HANDSHAKE_TIMEOUT));
+        let refuse = |line: &dyn std::fmt::Display| {
+            if slot.expired() {
+                // (Ended at its deadline: the read says "closed", which is not what happened.)
+                slot.refuse(&peer, &format_args!("refused a peer link: no complete handshake within {} ms", HANDSHAKE_TIMEOUT.as_millis()))
+            } else {
+                slot.refuse(&peer, line)
+            }
+        };
         let first = match link.recv(protocol::HANDSHAKE_LIMIT, &mut buf) {
             Ok(k) => k,
-            Err(ProtocolError::Closed) => return tracing::debug!(%peer, "a peer link closed before its handshake"),
-            Err(e) => return tracing::warn!(%peer, "refused a peer link: {e}"),
+            Err(ProtocolError::Closed) if !slot.expired() => return tracing::debug!(%peer, "a peer link closed before its handshake"),
+            Err(e) => return refuse(&format_args!("refused a peer link: {e}")),
         };
         let mut link: Box<dyn Transport> = match auth {
             Some(auth) => match AuthTransport::respond(link, first, &buf, auth) {
                 Ok(mut l) => match l.recv(protocol::HANDSHAKE_LIMIT, &mut buf) {
                     Ok(Kind::PeerHello) => Box::new(l),
-                    Ok(k) => return tracing::warn!(%peer, "peer link: expected PeerHello, got {k:?}"),
-                    Err(e) => return tracing::warn!(%peer, "peer link: {e}"),
+                    Ok(k) => return refuse(&format_args!("peer link: expected PeerHello, got {k:?}")),
+                    Err(e) => return refuse(&format_args!("peer link: {e}")),
                 },
-                Err(e) => return tracing::warn!(%peer, "refused a peer: {e}"),
+                Err(e) => return refuse(&format_args!("refused a peer: {e}")),
             },
             None if first == Kind::PeerHello => Box::new(link),
             None if first != Kind::AuthHello => {
                 transport::refuse(&mut link, &format!("this is a replica's peer port: expected PeerHello, got {first:?}"));
-                return tracing::warn!(%peer, "refused a peer link: expected PeerHello, got {first:?}");
+                return refuse(&format_args!("refused a peer link: expected PeerHello, got {first:?}"));
             }
             None => {
                 transport::refuse(&mut link, "this replica has no --secret-file; start every replica with the same --secret-file or none");
-                return tracing::warn!(%peer, "refused a peer: it authenticates, this replica does not");
+                return refuse(&"refused a peer: it authenticates, this replica does not");
             }
         };
         let hello: PeerHello = match protocol::decode(&buf) {
             Ok(h) => h,
-            Err(e) => return tracing::warn!(%peer, "peer link: bad PeerHello: {e}"),
+            Err(e) => return refuse(&format_args!("peer link: bad PeerHello: {e}")),
         };
         if hello.id == self.me.id || !self.out.contains_key(&hello.id) {
-            return tracing::warn!(%peer, id = hello.id, "refused a peer that is not in --peers");
+            return refuse(&format_args!("refused a peer that is not in --peers (id {})", hello.id));
         }
         let _ = link.set_recv_timeout(None);
         drop(slot);

@@ -10,7 +10,6 @@ pub mod aside;
 pub mod disk;
 pub mod failover;
 pub mod gate;
-mod handshakes;
 pub mod log;
 pub mod loss;
 pub mod mesh;
@@ -216,6 +215,20 @@ pub fn parse_peers(s: &str, me: u64) -> Result<Vec<(u64, String)>, String> {
 /// A witness with a VM is a standby: its VM stays held until a leader
 /// brings it up to date (docs/replicas.md, "Replacing a replica").
 pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, ReplicationError> {
+    // A replica that fails to start leaves no `--raft-state` file it
+    // created (an empty one would only look like a replica that never
+    // voted); one that existed, or that holds a vote by now, stays.
+    let created = config.raft_state.clone().filter(|path| std::fs::symlink_metadata(path).is_err());
+    let started = start_replica(config, vm);
+    if let (Err(_), Some(path)) = (&started, created) {
+        if std::fs::metadata(&path).is_ok_and(|m| m.len() == 0) {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+    started
+}
+
+fn start_replica(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, ReplicationError> {
     let witness = config.witness;
     let ring = vm.as_ref().is_some_and(|v| v.config().dirty_backend != ftvm_vmm::DirtyBackend::Bitmap);
     if config.tuning.predict_writes != crate::pipeline::predict::Mode::Off && ring {

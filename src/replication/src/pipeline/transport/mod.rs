@@ -15,7 +15,7 @@ use std::time::Duration;
 pub(crate) use auth::refuse;
 pub use auth::{Auth, AuthTransport};
 pub use secret::{Secret, SecretError};
-pub use tcp::{accept, connect, TcpTransport};
+pub use tcp::{accept, connect, connect_unless, TcpTransport};
 
 use crate::liveness::{self, Pulse};
 use crate::protocol::{Kind as FrameKind, ProtocolError};

@@ -3,6 +3,7 @@
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -101,6 +102,12 @@ impl Read for Observed<'_> {
 
 /// Reach the backup at `addr`, retrying until `timeout` passes.
 pub fn connect(addr: &str, timeout: Duration) -> Result<TcpTransport, ReplicationError> {
+    connect_unless(addr, timeout, &AtomicBool::new(false))
+}
+
+/// `connect`, giving up with `ReplicationError::Stopped` between attempts
+/// once `stop` is set (each attempt takes at most a second).
+pub fn connect_unless(addr: &str, timeout: Duration, stop: &AtomicBool) -> Result<TcpTransport, ReplicationError> {
     let deadline = Instant::now() + timeout;
     let unreachable = |err: String| ReplicationError::Unreachable { addr: addr.into(), err };
     loop {
@@ -111,6 +118,9 @@ pub fn connect(addr: &str, timeout: Duration) -> Result<TcpTransport, Replicatio
                 Ok(s) => return TcpTransport::new(s).map_err(ReplicationError::Send),
                 Err(e) => last = e.to_string(),
             }
+        }
+        if stop.load(Ordering::SeqCst) {
+            return Err(ReplicationError::Stopped);
         }
         if Instant::now() >= deadline {
             return Err(unreachable(last));
