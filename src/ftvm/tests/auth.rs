@@ -278,7 +278,7 @@ fn idle_strangers_in_every_handshake_slot_do_not_keep_the_primary_out() {
 fn a_flood_of_strangers_is_a_few_lines_and_a_count() {
     let addr = free_addr();
     let mut cmd = ftvm();
-    cmd.args(["backup", "--listen", &addr]).env("FTVM_LOG", "info");
+    cmd.args(["backup", "--listen", &addr, "--insecure"]).env("FTVM_LOG", "info");
     let mut b = Process::spawn_collected("backup", &mut cmd).unwrap();
     const STRANGERS: usize = 40;
     for _ in 0..STRANGERS {
