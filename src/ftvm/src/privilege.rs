@@ -36,27 +36,15 @@ pub struct User {
 impl User {
     /// Look `name` up in the user database (getpwnam_r).
     pub fn lookup(name: &str) -> Result<User, PrivilegeError> {
-        let c_name = CString::new(name).map_err(|_| PrivilegeError::NoSuchUser(name.into()))?;
-        let mut buf = vec![0u8; 16 * 1024];
-        // SAFETY: all-zero bytes are a valid `passwd` (null pointers, zero IDs);
-        // getpwnam_r fills it in.
-        let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
-        let mut found: *mut libc::passwd = std::ptr::null_mut();
-        // SAFETY: every pointer is valid for the call: a NUL-terminated
-        // name, `pwd` and `found` on our stack, `buf` with its true length.
-        let err = unsafe { libc::getpwnam_r(c_name.as_ptr(), &mut pwd, buf.as_mut_ptr().cast(), buf.len(), &mut found) };
-        if err != 0 {
-            return Err(PrivilegeError::Lookup { name: name.into(), err: std::io::Error::from_raw_os_error(err) });
-        }
-        if found.is_null() {
-            return Err(PrivilegeError::NoSuchUser(name.into()));
-        }
+        let (uid, gid) = ids_of(name)
+            .map_err(|err| PrivilegeError::Lookup { name: name.into(), err })?
+            .ok_or_else(|| PrivilegeError::NoSuchUser(name.into()))?;
         // SAFETY: geteuid has no preconditions.
         let euid = unsafe { libc::geteuid() };
-        if euid != 0 && euid != pwd.pw_uid {
+        if euid != 0 && euid != uid {
             return Err(PrivilegeError::NotRoot { name: name.into(), uid: euid });
         }
-        Ok(User { name: name.into(), uid: pwd.pw_uid, gid: pwd.pw_gid })
+        Ok(User { name: name.into(), uid, gid })
     }
 
     /// Become this user for good: no supplementary groups, then the group,
@@ -82,6 +70,25 @@ impl User {
         }
         tracing::info!(user = %self.name, uid = self.uid, gid = self.gid, "dropped privileges");
         Ok(())
+    }
+}
+
+/// The uid and primary gid of user `name` (getpwnam_r); None if there is
+/// no such user.
+pub fn ids_of(name: &str) -> std::io::Result<Option<(libc::uid_t, libc::gid_t)>> {
+    let Ok(c_name) = CString::new(name) else { return Ok(None) };
+    let mut buf = vec![0u8; 16 * 1024];
+    // SAFETY: all-zero bytes are a valid `passwd` (null pointers, zero IDs);
+    // getpwnam_r fills it in.
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call: a NUL-terminated
+    // name, `pwd` and `found` on our stack, `buf` with its true length.
+    let err = unsafe { libc::getpwnam_r(c_name.as_ptr(), &mut pwd, buf.as_mut_ptr().cast(), buf.len(), &mut found) };
+    match (err, found.is_null()) {
+        (0, true) => Ok(None),
+        (0, false) => Ok(Some((pwd.pw_uid, pwd.pw_gid))),
+        (err, _) => Err(std::io::Error::from_raw_os_error(err)),
     }
 }
 

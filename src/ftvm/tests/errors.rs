@@ -227,7 +227,11 @@ fn a_replica_that_fails_to_start_leaves_no_raft_state_file() {
     let kept = dir.join("kept.state");
     std::fs::write(&kept, b"").unwrap();
     for state in [&fresh, &kept] {
-        let out = ftvm().args(["replica", "--id", "3", "--peers", &peers, "--witness", "--insecure", "--raft-state"]).arg(state).output().unwrap();
+        let out = ftvm()
+            .args(["replica", "--id", "3", "--peers", &peers, "--witness", "--insecure", "--raft-state"])
+            .arg(state)
+            .output()
+            .unwrap();
         assert_one_line_error(&out, "cannot listen on", "taken peer port");
     }
     assert!(!fresh.exists(), "a failed replica left {}", fresh.display());

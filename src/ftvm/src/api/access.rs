@@ -121,7 +121,7 @@ impl Group {
         unsafe {
             while !at.is_null() && !(*at).is_null() {
                 let member = std::ffi::CStr::from_ptr(*at).to_string_lossy().into_owned();
-                if let Some(uid) = uid_of(&member) {
+                if let Ok(Some((uid, _))) = crate::privilege::ids_of(&member) {
                     members.push(uid);
                 }
                 at = at.add(1);
@@ -129,18 +129,6 @@ impl Group {
         }
         Ok(Group { name: name.into(), gid: grp.gr_gid, members })
     }
-}
-
-/// The uid of user `name`, if there is one.
-fn uid_of(name: &str) -> Option<libc::uid_t> {
-    let c_name = CString::new(name).ok()?;
-    let mut buf = vec![0u8; 16 * 1024];
-    // SAFETY: all-zero bytes are a valid `passwd`; getpwnam_r fills it in.
-    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut found: *mut libc::passwd = std::ptr::null_mut();
-    // SAFETY: valid pointers for the call, `buf` with its true length.
-    let err = unsafe { libc::getpwnam_r(c_name.as_ptr(), &mut pwd, buf.as_mut_ptr().cast(), buf.len(), &mut found) };
-    (err == 0 && !found.is_null()).then_some(pwd.pw_uid)
 }
 
 #[cfg(test)]
