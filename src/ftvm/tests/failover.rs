@@ -72,7 +72,7 @@ impl Rng {
 
 fn start_backup(topo: &Topology, dir: &Scratch, tag: &str) -> Process {
     let mut cmd = topo.command("h2", env!("CARGO_BIN_EXE_ftvm"));
-    cmd.args(["backup", "--listen", &backup_addr(), "--net", &net_on("tap0"), "--metrics"])
+    cmd.args(["backup", "--listen", &backup_addr(), "--net", &net_on("tap0"), "--metrics-every-epoch", "--metrics"])
         .arg(dir.join(format!("{tag}.applied.jsonl")))
         .env("FTVM_LOG", "info");
     spawn_logged(cmd, "backup", dir, tag)
@@ -134,7 +134,7 @@ fn start_primary(topo: &Topology, dir: &Scratch, tag: &str, app: App, extra: &[&
         .args(app.args())
         .args(["--net", &net_on("tap0")])
         .args(["--replicate-to", &backup_addr(), "--epoch-ms", &EPOCH_MS.to_string()])
-        .arg("--metrics")
+        .args(["--metrics-every-epoch", "--metrics"])
         .arg(dir.join(format!("{tag}.epochs.jsonl")))
         .arg("--api-socket")
         .arg(dir.join(format!("{tag}.sock")))

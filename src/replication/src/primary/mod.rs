@@ -76,7 +76,7 @@ pub struct PrimaryConfig {
     pub on_backup_loss: OnBackupLoss,
     /// How long to keep trying to reach the backup at start.
     pub connect_timeout: Duration,
-    pub metrics: Option<PathBuf>,
+    pub metrics: Option<crate::metrics::MetricsFile>,
     /// The primary's disk image, copied to the backup during pre-copy.
     pub disk: Option<PathBuf>,
     /// Which implementation each checkpoint stage uses.
@@ -205,7 +205,7 @@ impl Primary {
             Some(arbiter) => Some(claim_at_start(arbiter, &me)?),
             None => None,
         };
-        let metrics = Arc::new(MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?);
+        let metrics = Arc::new(MetricsLog::open(config.metrics.as_ref()).map_err(ReplicationError::Metrics)?);
         // Output commit plugs into the VM's hooks: frames through the
         // buffer, disk writes into the journal.
         // Both are bounded: at their bounds they make the device wait and
