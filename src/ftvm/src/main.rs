@@ -62,7 +62,11 @@ impl ReplicationArgs {
             on_backup_loss,
             arbiter,
             connect_timeout: Duration::from_millis(args.connect_timeout_ms),
-            metrics: args.metrics.map(|path| MetricsFile { path, every_epoch: args.metrics_every_epoch, max_bytes: args.metrics_max_bytes }),
+            metrics: args.metrics.map(|path| MetricsFile {
+                path,
+                every_epoch: args.metrics_every_epoch,
+                max_bytes: args.metrics_max_bytes,
+            }),
             disk: host.disk.clone(),
             switches: Switches {
                 capture: args.capture,
@@ -163,7 +167,11 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 idle_pause: args.host.idle_pause,
                 priority: args.priority,
                 console: Console::default(),
-                metrics: args.metrics.map(|path| MetricsFile { path, every_epoch: args.metrics_every_epoch, max_bytes: args.metrics_max_bytes }),
+                metrics: args.metrics.map(|path| MetricsFile {
+                    path,
+                    every_epoch: args.metrics_every_epoch,
+                    max_bytes: args.metrics_max_bytes,
+                }),
                 arbiter: args.arbiter.arbiter(args.host.net.as_ref()),
                 auth: args.channel.auth()?,
                 handshake_timeout: Duration::from_millis(args.handshake_timeout_ms.max(1)),

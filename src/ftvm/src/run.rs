@@ -398,7 +398,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
                     );
                     p.status_cell().lock().detail =
                         format!("PAUSED: backup lost: {reason}; the guest exited with status {status}, its last output held");
-                    wait_for_stop(&epoll, &mut events, &stop_signal, api.as_ref(), &vm, &p)?;
+                    wait_for_stop(&epoll, &mut events, stop_signal, api.as_ref(), &vm, &p)?;
                     format!("the guest had exited with status {status}; ")
                 }
                 _ => String::new(),

@@ -112,7 +112,8 @@ fn memory_survives_failover_epochs(work: &str, extra: &[&str], runs: &[(u32, u32
         let work = format!("{work} vcpus={writers}");
         let b = backup(&addr, &[]);
         let mut cmd = primary(&addr, vcpus, &work, &["--epoch-ms", "10"]);
-        let mut p = Process::spawn_collected("ftvm run", cmd.args(extra).args(["--metrics-every-epoch", "--metrics"]).arg(&metrics)).unwrap();
+        let mut p =
+            Process::spawn_collected("ftvm run", cmd.args(extra).args(["--metrics-every-epoch", "--metrics"]).arg(&metrics)).unwrap();
         // The delay runs from the first checkpoint: pre-copy takes as long
         // as it takes on a loaded host.
         wait_for(&mut p, "primary", "the VM is protected", Duration::from_secs(60));
@@ -296,7 +297,9 @@ fn adaptive_prefetch_starts_later_when_sends_are_wasted() {
     let addr = free_addr();
     let b = backup(&addr, &[]);
     let work = "ws=64M pattern=random rate=10000 writes=15000 report=0";
-    let p = spawn(primary(&addr, 1, work, &["--epoch-ms", "20", "--prefetch", "adaptive", "--metrics-every-epoch"]).arg("--metrics").arg(&metrics));
+    let p = spawn(
+        primary(&addr, 1, work, &["--epoch-ms", "20", "--prefetch", "adaptive", "--metrics-every-epoch"]).arg("--metrics").arg(&metrics),
+    );
     let (p, b) = (finish(p), finish(b));
     assert!(p.status.success(), "{}", stderr(&p));
     assert!(b.status.success(), "{}", stderr(&b));
@@ -878,7 +881,17 @@ fn held_output_and_an_idle_guest_start_a_checkpoint() {
         let (socket, metrics) = (dir.join("api.sock"), dir.join("epochs.jsonl"));
         let addr = free_addr();
         let b = backup(&addr, &[]);
-        let extra = ["--epoch-ms", "500", "--trigger", trigger, "--metrics-every-epoch", "--metrics", path_str(&metrics), "--api-socket", path_str(&socket)];
+        let extra = [
+            "--epoch-ms",
+            "500",
+            "--trigger",
+            trigger,
+            "--metrics-every-epoch",
+            "--metrics",
+            path_str(&metrics),
+            "--api-socket",
+            path_str(&socket),
+        ];
         let p = spawn(&mut primary_of("probe", &addr, 1, "ticker=20,count=60", &extra));
         // Counts, not the last epoch's trigger: a poll can miss that
         // between two ticks on a loaded host (a CI run did).

@@ -277,8 +277,16 @@ pub fn write_errors() -> u64 {
 /// JSON-lines sink for epoch metrics: written as they come
 /// (`every_epoch`) or summed per second, rotated by size. A write that
 /// fails loses its line, is counted ([`write_errors`]) and warned about
-/// once per streak of the same error; the VM goes on.
-pub struct MetricsLog(Option<Mutex<Sink>>);
+/// once per streak of the same error; the VM goes on. A thread of its own
+/// writes the file (started by `open`, with its opener's seccomp filter:
+/// rotating opens and renames files), so a slow or full disk never delays
+/// the thread that records (the primary's acknowledgement reader).
+pub struct MetricsLog(Option<Writer>);
+
+struct Writer {
+    tx: Mutex<Option<std::sync::mpsc::Sender<serde_json::Value>>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
 
 struct Sink {
     path: PathBuf,
@@ -328,10 +336,15 @@ impl Summary {
                 }
                 serde_json::Value::Number(n) => {
                     let n = n.as_u64().unwrap_or(0);
-                    let sum = self.sum.entry(k.clone()).or_insert(0u64.into());
-                    *sum = (sum.as_u64().unwrap_or(0).saturating_add(n)).into();
                     let max = self.max.entry(k.clone()).or_insert(0u64.into());
                     *max = (max.as_u64().unwrap_or(0).max(n)).into();
+                    // A point in time (the backup's `guest_ns`,
+                    // `applied_unix_ns`) has a latest, not a sum.
+                    if k == "guest_ns" || k.ends_with("unix_ns") {
+                        continue;
+                    }
+                    let sum = self.sum.entry(k.clone()).or_insert(0u64.into());
+                    *sum = (sum.as_u64().unwrap_or(0).saturating_add(n)).into();
                 }
                 serde_json::Value::String(text) => {
                     let by = self.counts.entry(k.clone()).or_insert(serde_json::Value::Object(Default::default()));
@@ -429,7 +442,7 @@ impl MetricsLog {
         let f = File::create(&m.path).map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", m.path.display())))?;
         // Only a regular file is rotated (never a device such as /dev/null).
         let regular = f.metadata().is_ok_and(|md| md.is_file());
-        Ok(MetricsLog(Some(Mutex::new(Sink {
+        let mut sink = Sink {
             path: m.path.clone(),
             file: f,
             size: 0,
@@ -438,26 +451,43 @@ impl MetricsLog {
             second: None,
             failing: None,
             lost: 0,
-        }))))
+        };
+        let (tx, rx) = std::sync::mpsc::channel::<serde_json::Value>();
+        let thread = std::thread::Builder::new()
+            .name("metrics-file".into())
+            .spawn(move || {
+                for record in rx {
+                    sink.record(record);
+                }
+                sink.flush();
+            })
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: cannot start its writer: {e}", m.path.display())))?;
+        Ok(MetricsLog(Some(Writer { tx: Mutex::new(Some(tx)), thread: Mutex::new(Some(thread)) })))
     }
 
     pub fn record(&self, m: &impl Serialize) {
-        if let Some(sink) = &self.0 {
+        if let Some(w) = &self.0 {
             let value = serde_json::to_value(m).expect("metrics serialize");
-            sink.locked().record(value);
+            if let Some(tx) = w.tx.locked().as_ref() {
+                let _ = tx.send(value);
+            }
         }
     }
 
-    /// Write what is summed so far (the last second's line).
-    pub fn flush(&self) {
-        if let Some(sink) = &self.0 {
-            sink.locked().flush();
+    /// Write everything recorded so far (the last second's line too) and
+    /// stop writing.
+    pub fn close(&self) {
+        if let Some(w) = &self.0 {
+            drop(w.tx.locked().take());
+            if let Some(t) = w.thread.locked().take() {
+                let _ = t.join();
+            }
         }
     }
 }
 
 impl Drop for MetricsLog {
     fn drop(&mut self) {
-        self.flush();
+        self.close();
     }
 }

@@ -186,7 +186,10 @@ pub fn memtouch_on(vcpus: u32, cmdline: &str, ft: Option<Replicated>, dir: &Path
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(dir.join("backup.log"))?);
         _backup = Some(Process::spawn("ftvm backup", &mut b)?);
-        cmd.args(["--replicate-to", &addr, "--epoch-ms", &ft.epoch_ms.to_string()]).args(["--metrics-every-epoch", "--metrics"]).arg(&metrics).args(ft.args);
+        cmd.args(["--replicate-to", &addr, "--epoch-ms", &ft.epoch_ms.to_string()])
+            .args(["--metrics-every-epoch", "--metrics"])
+            .arg(&metrics)
+            .args(ft.args);
     }
     let out = cmd.output()?;
     let text = String::from_utf8_lossy(&out.stdout);
@@ -306,7 +309,10 @@ pub fn start_kv_on(
             b.arg("--disk").arg(fresh_disk("kv-backup.img")?);
         }
         backup = Some(Process::spawn_logged("ftvm backup", &mut b, dir, &format!("{log}.backup"))?);
-        cmd.args(["--replicate-to", &backup_addr, "--epoch-ms", &ft.epoch_ms.to_string()]).args(["--metrics-every-epoch", "--metrics"]).arg(metrics).args(ft.args);
+        cmd.args(["--replicate-to", &backup_addr, "--epoch-ms", &ft.epoch_ms.to_string()])
+            .args(["--metrics-every-epoch", "--metrics"])
+            .arg(metrics)
+            .args(ft.args);
     }
     let primary = Process::spawn_logged("ftvm run", &mut cmd, dir, &format!("{log}.primary"))?;
     let kv = Kv { _backup: backup, primary };

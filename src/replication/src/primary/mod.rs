@@ -314,9 +314,7 @@ impl Primary {
         }
         match self.unreleased.locked().clone() {
             None => Finished::Released,
-            Some(reason) => {
-                Finished::Held { reason, frames: self.output.held_frames(), console_bytes: self.output.held_console_bytes() }
-            }
+            Some(reason) => Finished::Held { reason, frames: self.output.held_frames(), console_bytes: self.output.held_console_bytes() },
         }
     }
 }

@@ -289,7 +289,8 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
         votes,
     };
     node::start(node_config, mesh.clone(), events_rx, committed_tx, view.clone())?;
-    let metrics = MetricsLog::open(config.metrics.clone().map(crate::metrics::MetricsFile::every_epoch).as_ref()).map_err(ReplicationError::Metrics)?;
+    let metrics = MetricsLog::open(config.metrics.clone().map(crate::metrics::MetricsFile::every_epoch).as_ref())
+        .map_err(ReplicationError::Metrics)?;
     match vm {
         Some(vm) => {
             let shared = Arc::new(replica::Shared::new(

@@ -83,7 +83,8 @@ impl Apply for InPlace {
                 Err(Failure::Undone(err)) => return Err(ApplyError::Undone { epoch, disk: replica.disk_name.clone(), err }),
                 Err(Failure::NotUndone { err, undo }) => {
                     replica.discard();
-                    let reason = format!("cannot write the disk replica {} ({err}) nor put back what was written ({undo})", replica.disk_name);
+                    let reason =
+                        format!("cannot write the disk replica {} ({err}) nor put back what was written ({undo})", replica.disk_name);
                     return Err(ApplyError::Unusable { epoch, reason });
                 }
             }
