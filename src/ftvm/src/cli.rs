@@ -196,9 +196,20 @@ pub struct ReplicationArgs {
     /// Send the backup a heartbeat (a UDP datagram) this often.
     #[arg(long, value_name = "MS", default_value_t = DEFAULT_HEARTBEAT_MS, value_parser = positive_ms)]
     pub heartbeat_ms: u64,
-    /// Write per-epoch metrics as JSON lines to this file.
+    /// Write metrics as JSON lines to this file: one line per second
+    /// summing that second's epochs (count, first and last epoch, sum and
+    /// max of each figure, epochs per trigger), or one per epoch with
+    /// --metrics-every-epoch. A line that cannot be written (a full disk)
+    /// is dropped, counted and warned about once; the VM goes on.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,
+    /// Write one --metrics line per epoch instead of one per second.
+    #[arg(long)]
+    pub metrics_every_epoch: bool,
+    /// Rotate the --metrics file at this size: it becomes PATH.1 (replacing
+    /// the previous PATH.1) and a new PATH starts; 0 never rotates.
+    #[arg(long, value_name = "BYTES", default_value_t = ftvm_replication::metrics::DEFAULT_METRICS_MAX_BYTES)]
+    pub metrics_max_bytes: u64,
     /// Give up reaching the backup at start after this long.
     #[arg(long, value_name = "MS", default_value_t = 5000)]
     pub connect_timeout_ms: u64,
@@ -549,9 +560,21 @@ pub struct BackupArgs {
     /// Send the primary a heartbeat (a UDP datagram from the --listen port) this often.
     #[arg(long, value_name = "MS", default_value_t = DEFAULT_HEARTBEAT_MS, value_parser = positive_ms)]
     pub heartbeat_ms: u64,
-    /// Log every applied checkpoint (epoch, guest time, wall-clock time) as JSON lines.
+    /// Log applied checkpoints as JSON lines to this file: one line per
+    /// second summing that second's checkpoints (count, first and last
+    /// epoch, sum and max of each figure), or one per checkpoint (epoch,
+    /// guest time, wall-clock time, pages, apply time) with
+    /// --metrics-every-epoch. A line that cannot be written is dropped,
+    /// counted and warned about once; the backup goes on.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,
+    /// Write one --metrics line per applied checkpoint instead of one per second.
+    #[arg(long)]
+    pub metrics_every_epoch: bool,
+    /// Rotate the --metrics file at this size: it becomes PATH.1 (replacing
+    /// the previous PATH.1) and a new PATH starts; 0 never rotates.
+    #[arg(long, value_name = "BYTES", default_value_t = ftvm_replication::metrics::DEFAULT_METRICS_MAX_BYTES)]
+    pub metrics_max_bytes: u64,
     /// Drop a connection that has not authenticated and said Hello within this long.
     #[arg(long, value_name = "MS", default_value_t = 5000)]
     pub handshake_timeout_ms: u64,
@@ -628,13 +651,15 @@ pub struct HostArgs {
 }
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 26] = [
+const PRIMARY_ONLY: [&str; 28] = [
     "epoch_ms",
     "on_backup_loss",
     "failure_timeout_ms",
     "ack_timeout_ms",
     "heartbeat_ms",
     "metrics",
+    "metrics_every_epoch",
+    "metrics_max_bytes",
     "connect_timeout_ms",
     "capture",
     "encoding",

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -88,6 +89,8 @@ struct StatusGauges {
     role: Family<Vec<(&'static str, &'static str)>, Gauge>,
     protected: Gauge,
     epoch: Gauge,
+    /// Counted by the VMM's console sink; brought up to date at each scrape.
+    console_write_errors: Counter,
 }
 
 impl StatusGauges {
@@ -95,6 +98,11 @@ impl StatusGauges {
         r.register("role", "1 for the role this side has now (primary or backup), 0 for the other", self.role.clone());
         r.register("protected", "1 while a backup holds an acknowledged checkpoint of this VM", self.protected.clone());
         r.register("epoch", "Last epoch checkpointed (primary) or applied (backup)", self.epoch.clone());
+        r.register(
+            "console_write_errors",
+            "Writes of guest console output to stdout that failed (a closed or full stdout) and were dropped",
+            self.console_write_errors.clone(),
+        );
     }
 
     fn update(&self, status: Option<&StatusCell>) {
@@ -106,6 +114,8 @@ impl StatusGauges {
         }
         self.protected.set(i64::from(st.protected));
         self.epoch.set(st.epoch as i64);
+        let console = ftvm_vmm::hooks::console_write_errors();
+        self.console_write_errors.inc_by(console.saturating_sub(self.console_write_errors.get()));
     }
 }
 

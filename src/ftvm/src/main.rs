@@ -19,7 +19,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use ftvm_replication::mirror::Mode;
-use ftvm_replication::{BackupConfig, OnBackupLoss, PrimaryConfig, Role, Switches, DEFAULT_PIPELINE_DEPTH};
+use ftvm_replication::{BackupConfig, MetricsFile, OnBackupLoss, PrimaryConfig, Role, Switches, DEFAULT_PIPELINE_DEPTH};
 use ftvm_vmm::Console;
 
 use cli::{ChannelArgs, ClientArgs, Command, HostArgs, ReplicationArgs};
@@ -90,7 +90,11 @@ impl ReplicationArgs {
             on_backup_loss,
             arbiter,
             connect_timeout: Duration::from_millis(args.connect_timeout_ms),
-            metrics: args.metrics,
+            metrics: args.metrics.map(|path| MetricsFile {
+                path,
+                every_epoch: args.metrics_every_epoch,
+                max_bytes: args.metrics_max_bytes,
+            }),
             disk: host.disk.clone(),
             switches: Switches {
                 capture: args.capture,
@@ -201,7 +205,11 @@ fn dispatch(command: Command) -> Result<i32, run::RunError> {
                 idle_pause: args.host.idle_pause,
                 priority: args.priority,
                 console: Console::default(),
-                metrics: args.metrics,
+                metrics: args.metrics.map(|path| MetricsFile {
+                    path,
+                    every_epoch: args.metrics_every_epoch,
+                    max_bytes: args.metrics_max_bytes,
+                }),
                 arbiter: args.arbiter.arbiter(args.host.net.as_ref()),
                 auth: args.channel.auth()?,
                 handshake_timeout: Duration::from_millis(args.handshake_timeout_ms.max(1)),
@@ -366,6 +374,9 @@ fn print_status(r: &api::Response) {
     if let (Some(v), Some(m)) = (r.vcpus, r.memory_mib) {
         outln!("vcpus: {v}");
         outln!("memory: {m} MiB");
+    }
+    if let Some(w) = r.write_errors.filter(|w| *w != api::WriteErrors::default()) {
+        outln!("write errors: {} metrics lines, {} console writes dropped", w.metrics, w.console);
     }
     if let Some(rep) = &r.replication {
         outln!("role: {}", rep.role);

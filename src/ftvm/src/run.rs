@@ -11,7 +11,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use ftvm_replication::vsmr::{self, ReplicaConfig};
-use ftvm_replication::{Backup, BackupConfig, Outcome, Primary, PrimaryConfig, ReplicationError, StatusCell};
+use ftvm_replication::{Backup, BackupConfig, Finished, Outcome, Primary, PrimaryConfig, ReplicationError, StatusCell};
 use ftvm_vmm::seccomp::{self, ThreadKind};
 use ftvm_vmm::snapshot::{self, SnapshotError};
 use ftvm_vmm::{DirtyBackend, IdlePause, Persist, Vm, VmConfig, VmError, VmExit};
@@ -397,8 +397,28 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
         errln!("ftvm: switch-over failed: the backup {backup} did not acknowledge the last checkpoint");
         return Ok(1);
     }
-    if let Some(mut p) = primary {
-        p.finish(exit.status());
+    if let Some(mut p) = primary.take() {
+        if let Finished::Held { reason, frames, console_bytes } = p.finish(exit.status()) {
+            let held = format!("{frames} network frames and {console_bytes} bytes of console output");
+            let guest = match &exit {
+                VmExit::Exited(status) => {
+                    // The guest's exit is output like any other: held with
+                    // the rest, until an operator stops this VMM.
+                    tracing::error!(
+                        "the guest exited with status {status} but its backup was lost before acknowledging its last output ({held}); that output and the exit stay held; stop ftvm to drop them"
+                    );
+                    p.status_cell().lock().detail =
+                        format!("PAUSED: backup lost: {reason}; the guest exited with status {status}, its last output held");
+                    wait_for_stop(&epoll, &mut events, stop_signal, api.as_ref(), &vm, &p)?;
+                    format!("the guest had exited with status {status}; ")
+                }
+                _ => String::new(),
+            };
+            errln!(
+                "ftvm: error: VM stopped with output its backup never acknowledged ({guest}backup lost: {reason}); {held} dropped, not released"
+            );
+            return Ok(1);
+        }
     }
     match &exit {
         VmExit::Exited(_) => tracing::info!("{exit}"),
@@ -406,6 +426,50 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
         _ => errln!("ftvm: {exit}"),
     }
     Ok(exit.status())
+}
+
+/// Serve the control socket until a stop signal or `ftvm stop` (a VM whose
+/// guest exited while its last output is held for an acknowledgement that
+/// will not come).
+fn wait_for_stop(
+    epoll: &Epoll,
+    events: &mut [EpollEvent],
+    stop_signal: &EventFd,
+    api: Option<&ApiServer>,
+    vm: &Vm,
+    primary: &Primary,
+) -> Result<(), RunError> {
+    let status = primary.status_cell();
+    // The VM's exit stays readable: no longer watched.
+    let _ = epoll.ctl(ControlOperation::Delete, vm.exit_event().as_raw_fd(), EpollEvent::default());
+    loop {
+        let n = match epoll.wait(-1, events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(RunError::Os { op: "epoll_wait", err: e }),
+        };
+        for ev in &events[..n] {
+            match ev.data() {
+                SIGNAL => {
+                    let _ = stop_signal.read();
+                    tracing::info!("stop signal received");
+                    return Ok(());
+                }
+                API => {
+                    if let Some(api) = api {
+                        api.accept_all();
+                    }
+                }
+                API_REQUESTS => {
+                    let ctx = ApiContext { vm: Some(vm), status: Some(&status), primary: Some(primary) };
+                    if api.map_or(Action::None, |a| a.serve_requests(&ctx)) == Action::Stop {
+                        return Ok(());
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
 }
 
 /// Protect `vm` (a backup's that took over) with the first of `backups` that

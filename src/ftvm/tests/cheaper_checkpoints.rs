@@ -24,7 +24,7 @@ fn primary(addr: &str, vcpus: u32, cmdline: &str, metrics: &Path, switches: &[&s
     cmd.args(["run", "--vcpus", &vcpus.to_string(), "--cmdline", cmdline, "--insecure", "--replicate-to", addr, "--epoch-ms", "10"])
         .arg("--image")
         .arg(image("memtouch"))
-        .arg("--metrics")
+        .args(["--metrics-every-epoch", "--metrics"])
         .arg(metrics)
         .args(switches)
         .stdout(Stdio::piped())

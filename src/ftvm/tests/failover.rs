@@ -73,7 +73,7 @@ impl Rng {
 
 fn start_backup(topo: &Topology, dir: &Scratch, tag: &str, extra: &[&str]) -> Process {
     let mut cmd = topo.command("h2", env!("CARGO_BIN_EXE_ftvm"));
-    cmd.args(["backup", "--insecure", "--listen", &backup_addr(), "--net", &net_on("tap0"), "--metrics"])
+    cmd.args(["backup", "--insecure", "--listen", &backup_addr(), "--net", &net_on("tap0"), "--metrics-every-epoch", "--metrics"])
         .arg(dir.join(format!("{tag}.applied.jsonl")))
         .args(extra)
         .env("FTVM_LOG", "info");
@@ -138,7 +138,7 @@ fn start_primary(topo: &Topology, dir: &Scratch, tag: &str, app: App, extra: &[&
         .args(app.args())
         .args(["--net", &net_on("tap0")])
         .args(["--insecure", "--replicate-to", &backup_addr(), "--epoch-ms", &EPOCH_MS.to_string()])
-        .arg("--metrics")
+        .args(["--metrics-every-epoch", "--metrics"])
         .arg(dir.join(format!("{tag}.epochs.jsonl")))
         .arg("--api-socket")
         .arg(dir.join(format!("{tag}.sock")))

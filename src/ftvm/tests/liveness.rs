@@ -81,7 +81,8 @@ fn no_false_failures(tag: &str, secs: u64) {
     // 4096 pages, written at random as fast as the guest can: every 20 ms
     // epoch dirties (nearly) all of them, a 16 MiB checkpoint.
     let cmdline = format!("ws=16M pattern=random duration={secs}s report=1s");
-    let extra = [&auth[..], &["--api-socket", socket.to_str().unwrap(), "--metrics", metrics.to_str().unwrap()]].concat();
+    let extra =
+        [&auth[..], &["--api-socket", socket.to_str().unwrap(), "--metrics-every-epoch", "--metrics", metrics.to_str().unwrap()]].concat();
     let mut p = primary(&addr, &cmdline, &extra);
     wait_for(&mut p, "primary", "the VM is protected", Duration::from_secs(30));
     let t0 = Instant::now();

@@ -221,3 +221,105 @@ fn metrics_listen_on_a_busy_address_is_one_line() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains(&format!("cannot serve metrics on {addr}")), "{err}");
 }
+
+// Issue 29: nothing dropped in silence.
+
+/// A primary and a backup whose `--metrics` files cannot be written
+/// (`/dev/full`: every write fails with ENOSPC) and a primary whose stdout
+/// (the guest's console) is `/dev/full` too: each side warns once per
+/// kind, counts every dropped line in `ftvm status` and Prometheus, and
+/// the pair runs the guest to its end.
+#[test]
+fn unwritable_metrics_and_console_are_counted_and_warned_once() {
+    let dir = Scratch::new("metrics-full").unwrap().keep_on_panic();
+    let (socket, b_socket) = (dir.join("p.sock"), dir.join("b.sock"));
+    let (p_listen, b_listen) = (free_addr(), free_addr());
+    let addr = free_addr();
+    let mut b = Process::spawn_collected(
+        "ftvm backup",
+        ftvm().args(["backup", "--listen", &addr, "--metrics", "/dev/full", "--metrics-listen", &b_listen, "--api-socket"]).arg(&b_socket),
+    )
+    .unwrap();
+    let mut cmd = ftvm();
+    cmd.args(["run", "--image"])
+        .arg(image("memtouch"))
+        .args(["--cmdline", "ws=4M pattern=seq duration=4s report=100ms", "--replicate-to", &addr, "--epoch-ms", "20"])
+        .args(["--metrics-every-epoch", "--metrics", "/dev/full", "--metrics-listen", &p_listen, "--api-socket"])
+        .arg(&socket)
+        .stdin(Stdio::null())
+        .stdout(std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap())
+        .stderr(std::fs::File::create(dir.join("p.err")).unwrap());
+    let mut p = Process::spawn("ftvm run", &mut cmd).unwrap();
+    // Errors of both kinds pile up while the guest runs.
+    let errors = |socket: &std::path::Path| -> serde_json::Value {
+        let out = ftvm().args(["status", "--json", "--api-socket"]).arg(socket).output().unwrap();
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).map(|v| v["write_errors"].clone()).unwrap_or_default()
+    };
+    let counted = eventually("primary's errors counted", || {
+        let e = errors(&socket);
+        (e["metrics"].as_u64()? >= 5 && e["console"].as_u64()? >= 5).then_some(e)
+    });
+    let text = status(&socket);
+    assert!(text.contains("write errors: ") && text.contains("metrics lines") && text.contains("console writes dropped"), "{text}");
+    let samples = scrape(&p_listen);
+    assert!(value(&samples, "ftvm_metrics_write_errors_total") >= counted["metrics"].as_f64().unwrap(), "{samples:?}");
+    assert!(value(&samples, "ftvm_console_write_errors_total") >= counted["console"].as_f64().unwrap(), "{samples:?}");
+    // The backup's per-second lines fail too, once a second.
+    eventually("backup's errors counted", || (errors(&b_socket)["metrics"].as_u64()? >= 2).then_some(()));
+    assert!(value(&scrape(&b_listen), "ftvm_metrics_write_errors_total") >= 2.0);
+
+    // The VM went on: the guest ran to its end, both sides stopped as usual.
+    let status = exit_status(&mut p, PATIENCE);
+    let p_err = std::fs::read_to_string(dir.join("p.err")).unwrap();
+    assert!(status.success(), "{p_err}");
+    assert!(exit_status(&mut b, PATIENCE).success(), "{}", b.output());
+    // One warning of each kind, not one per line.
+    assert_eq!(p_err.matches("cannot write metrics: No space left on device").count(), 1, "{p_err}");
+    assert_eq!(p_err.matches("cannot write the guest's console output to stdout").count(), 1, "{p_err}");
+    assert_eq!(b.stderr().matches("cannot write metrics: No space left on device").count(), 1, "{}", b.stderr());
+}
+
+/// By default a metrics line sums a second of epochs; the file is
+/// rotated at `--metrics-max-bytes` into `FILE.1`.
+#[test]
+fn metrics_lines_sum_each_second_and_the_file_rotates() {
+    let dir = Scratch::new("metrics-second").unwrap().keep_on_panic();
+    let (primary_m, backup_m) = (dir.join("p.jsonl"), dir.join("b.jsonl"));
+    let addr = free_addr();
+    let b = Process::spawn_collected("ftvm backup", ftvm().args(["backup", "--listen", &addr, "--metrics"]).arg(&backup_m)).unwrap();
+    let p = Process::spawn_collected(
+        "ftvm run",
+        ftvm()
+            .args(["run", "--image"])
+            .arg(image("memtouch"))
+            .args(["--cmdline", "ws=4M pattern=seq duration=4s report=1s", "--replicate-to", &addr, "--epoch-ms", "20"])
+            .args(["--trigger", "periodic", "--metrics-max-bytes", "1500", "--metrics"])
+            .arg(&primary_m),
+    )
+    .unwrap();
+    let (mut p, mut b) = (p, b);
+    let (p_status, b_status) = (exit_status(&mut p, PATIENCE), exit_status(&mut b, PATIENCE));
+    assert!(p_status.success() && b_status.success(), "{p_status} {b_status}\n{}\n{}", p.output(), b.output());
+    let rotated = dir.join("p.jsonl.1");
+    assert!(rotated.exists(), "no rotation at 1500 bytes");
+    let mut seconds = Vec::new();
+    for path in [&rotated, &primary_m] {
+        let size = std::fs::metadata(path).unwrap().len();
+        let lines = json_lines(path);
+        assert!(!lines.is_empty() && (size <= 1500 || lines.len() == 1), "{}: {size} bytes in {} lines", path.display(), lines.len());
+        for l in lines {
+            let (count, sum, max) = (l["count"].as_u64().unwrap(), &l["sum"], &l["max"]);
+            assert!(count >= 1 && l["first_epoch"].as_u64() <= l["last_epoch"].as_u64(), "{l}");
+            assert!(sum["pause_us"].as_u64() >= max["pause_us"].as_u64() && max["pause_us"].as_u64().is_some(), "{l}");
+            let triggers: u64 = l["trigger"].as_object().unwrap().values().map(|n| n.as_u64().unwrap()).sum();
+            assert_eq!(triggers, count, "{l}");
+            seconds.push((l["second"].as_u64().unwrap(), count));
+        }
+    }
+    // Each line a distinct second, in order; 20 ms epochs: many an epoch per line.
+    assert!(seconds.windows(2).all(|w| w[0].0 < w[1].0), "{seconds:?}");
+    assert!(seconds.iter().any(|&(_, n)| n >= 10), "{seconds:?}");
+    // The backup's lines sum its applied checkpoints the same way.
+    let applied = json_lines(&backup_m);
+    assert!(!applied.is_empty() && applied.iter().all(|l| l["count"].as_u64() >= Some(1) && l["max"]["apply_us"].is_u64()), "{applied:?}");
+}

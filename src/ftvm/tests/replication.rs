@@ -120,7 +120,8 @@ fn memory_survives_failover_epochs(work: &str, extra: &[&str], runs: &[(u32, u32
         let work = format!("{work} vcpus={writers}");
         let b = backup(&addr, &[]);
         let mut cmd = primary(&addr, vcpus, &work, &["--epoch-ms", "10"]);
-        let mut p = Process::spawn_collected("ftvm run", cmd.args(extra).arg("--metrics").arg(&metrics)).unwrap();
+        let mut p =
+            Process::spawn_collected("ftvm run", cmd.args(extra).args(["--metrics-every-epoch", "--metrics"]).arg(&metrics)).unwrap();
         // The delay runs from the first checkpoint: pre-copy takes as long
         // as it takes on a loaded host.
         wait_for(&mut p, "primary", "the VM is protected", Duration::from_secs(60));
@@ -304,7 +305,9 @@ fn adaptive_prefetch_starts_later_when_sends_are_wasted() {
     let addr = free_addr();
     let b = backup(&addr, &[]);
     let work = "ws=64M pattern=random rate=10000 writes=15000 report=0";
-    let p = spawn(primary(&addr, 1, work, &["--epoch-ms", "20", "--prefetch", "adaptive"]).arg("--metrics").arg(&metrics));
+    let p = spawn(
+        primary(&addr, 1, work, &["--epoch-ms", "20", "--prefetch", "adaptive", "--metrics-every-epoch"]).arg("--metrics").arg(&metrics),
+    );
     let (p, b) = (finish(p), finish(b));
     assert!(p.status.success(), "{}", stderr(&p));
     assert!(b.status.success(), "{}", stderr(&b));
@@ -667,6 +670,7 @@ fn fast_disk_writes_give_bounded_checkpoints_and_an_equal_replica() {
         // Epochs of exactly 5 s (output-triggered ones may be shorter).
         "--trigger",
         "periodic",
+        "--metrics-every-epoch",
         "--metrics",
         path_str(&metrics),
         "--failure-timeout-ms",
@@ -798,7 +802,10 @@ fn a_failed_reprotection_leaves_the_vm_running_unprotected() {
     assert!(out.status.success(), "{}", stderr(&out));
     let st = wait_for_status(&socket, "re-protection failed");
     assert!(
-        st.contains("UNPROTECTED: re-protection failed: the backup refused this primary: the backup cannot apply the primary's stream and stops: pre-copy: cannot write the disk replica: No space left on device"),
+        st.contains(&format!(
+            "UNPROTECTED: re-protection failed: the backup refused this primary: the backup cannot apply the primary's stream and stops: pre-copy: cannot write the disk replica {}: No space left on device",
+            replica2.display()
+        )),
         "{st}"
     );
     assert!(st.contains("protected: no") && st.contains("state: running"), "{st}");
@@ -916,7 +923,17 @@ fn held_output_and_an_idle_guest_start_a_checkpoint() {
         let (socket, metrics) = (dir.join("api.sock"), dir.join("epochs.jsonl"));
         let addr = free_addr();
         let b = backup(&addr, &[]);
-        let extra = ["--epoch-ms", "500", "--trigger", trigger, "--metrics", path_str(&metrics), "--api-socket", path_str(&socket)];
+        let extra = [
+            "--epoch-ms",
+            "500",
+            "--trigger",
+            trigger,
+            "--metrics-every-epoch",
+            "--metrics",
+            path_str(&metrics),
+            "--api-socket",
+            path_str(&socket),
+        ];
         let p = spawn(&mut primary_of("probe", &addr, 1, "ticker=20,count=60", &extra));
         // Counts, not the last epoch's trigger: a poll can miss that
         // between two ticks on a loaded host (a CI run did).
@@ -955,4 +972,56 @@ fn held_output_and_an_idle_guest_start_a_checkpoint() {
             );
         }
     }
+}
+
+/// Issue 29: a backup whose disk fills says so and stops; the primary
+/// (default `--on-backup-loss pause`, no arbiter) keeps its guest paused
+/// with its output held: the guest never runs on to its exit, its last
+/// console line never appears. Stopped with SIGTERM, the primary says that
+/// held output was never acknowledged and exits non-zero.
+#[test]
+fn a_full_replica_disk_leaves_the_primary_paused_with_its_output_held() {
+    // The backup fails after 8 MiB, while the guest writes on.
+    full_replica_disk_pauses(128 << 20, &[]);
+}
+
+/// The same when the checkpoint the backup cannot apply is the last one,
+/// taken as the guest exits: the guest's exit and its last line are held
+/// output like any other, never released without an acknowledgement.
+#[test]
+fn a_full_replica_disk_at_the_guests_exit_holds_its_last_output() {
+    // 16 MiB written in one long epoch: the guest has exited when the
+    // backup fails on the last checkpoint, which carries all of them.
+    full_replica_disk_pauses(16 << 20, &["--epoch-ms", "20000", "--trigger", "periodic"]);
+}
+
+fn full_replica_disk_pauses(size: u64, epochs: &[&str]) {
+    let primary_fs = Tmpfs::mount("pausedprimary", "160M").unwrap();
+    let disk = primary_fs.sparse_file("primary.img", size).unwrap();
+    let fs = Tmpfs::mount("pausedreplica", "8M").unwrap();
+    let replica = fs.sparse_file("replica.img", size).unwrap();
+    let addr = free_addr();
+    let b = backup(&addr, &["--disk", path_str(&replica), "--failure-timeout-ms", "5000"]);
+    let extra = [&["--memory", "64", "--disk", path_str(&disk), "--failure-timeout-ms", "10000"], epochs].concat();
+    let mut p = Process::spawn_collected("ftvm run", &mut primary_of("netprobe", &addr, 1, "blk=fill delay=1000", &extra)).unwrap();
+    let b = finish(b);
+    let b_err = stderr(&b);
+    assert_eq!(b.status.code(), Some(1), "{b_err}");
+    let last = b_err.lines().last().unwrap_or_default().to_owned();
+    assert!(last.contains("No space left on device") && last.contains(path_str(&replica)), "{b_err}");
+
+    let p_err = wait_log(&mut p, "BACKUP LOST", Duration::from_secs(60));
+    assert!(p_err.contains("No space left on device"), "the primary names the backup's reason: {p_err}");
+    // Long enough for the guest to finish its writes if it were running.
+    std::thread::sleep(Duration::from_secs(5));
+    assert!(p.running(), "the paused primary exited: {}", p.output());
+    assert!(!p.stdout().contains("blk fill wrote="), "the guest ran on or its held line went out: {}", p.output());
+
+    p.signal(libc::SIGTERM).unwrap();
+    let status = exit_status(&mut p, Duration::from_secs(30));
+    let out = p.output();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(!p.stdout().contains("blk fill wrote="), "held output released at stop: {out}");
+    let last = p.stderr().lines().last().unwrap_or_default().to_owned();
+    assert!(last.starts_with("ftvm: error: ") && last.contains("never acknowledged"), "{out}");
 }

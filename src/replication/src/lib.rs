@@ -26,9 +26,9 @@ mod test_util;
 pub mod vsmr;
 
 pub use backup::{Backup, BackupConfig, Outcome};
-pub use metrics::{EpochMetrics, Role, Status, StatusCell};
+pub use metrics::{EpochMetrics, MetricsFile, Role, Status, StatusCell};
 pub use pipeline::Switches;
-pub use primary::{BackupLoss, OnBackupLoss, Primary, PrimaryConfig, DEFAULT_PIPELINE_DEPTH};
+pub use primary::{BackupLoss, Finished, OnBackupLoss, Primary, PrimaryConfig, DEFAULT_PIPELINE_DEPTH};
 pub use protocol::{ProtocolError, PROTOCOL_VERSION};
 
 #[derive(Debug, thiserror::Error)]

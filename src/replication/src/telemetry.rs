@@ -41,6 +41,7 @@ pub struct Telemetry {
     applied_pages: Counter,
     apply: Histogram,
     takeovers: Counter,
+    metrics_write_errors: Counter,
 }
 
 /// What started a checkpoint (`trigger` in the JSON-lines metrics).
@@ -81,6 +82,7 @@ static TELEMETRY: LazyLock<Telemetry> = LazyLock::new(|| Telemetry {
     applied_pages: Counter::default(),
     apply: seconds(),
     takeovers: Counter::default(),
+    metrics_write_errors: Counter::default(),
 });
 
 /// This process's replication figures.
@@ -132,6 +134,11 @@ impl Telemetry {
     /// The backup took the VM over from a lost primary.
     pub fn took_over(&self) {
         self.takeovers.inc();
+    }
+
+    /// A line of a `--metrics` file could not be written (and was dropped).
+    pub fn metrics_write_failed(&self) {
+        self.metrics_write_errors.inc();
     }
 
     /// Add every figure to `registry` (prefix it `ftvm`).
@@ -187,5 +194,10 @@ impl Telemetry {
         r.register("applied_pages", "Pages the backup applied", self.applied_pages.clone());
         r.register_with_unit("checkpoint_apply", "Time the backup took to apply a checkpoint", Unit::Seconds, self.apply.clone());
         r.register("takeovers", "Failovers: times this backup took the VM over from a lost primary", self.takeovers.clone());
+        r.register(
+            "metrics_write_errors",
+            "Lines of the --metrics file that could not be written (a full disk, say) and were dropped",
+            self.metrics_write_errors.clone(),
+        );
     }
 }

@@ -242,7 +242,7 @@ fn a_commit_that_fills_the_replica_disk_is_undone_byte_for_byte() {
     let mut apply = InPlace::default();
     let staged = apply.stage(&replica, &too_big).unwrap();
     match apply.commit(&mut replica, staged) {
-        Err(ApplyError::Undone { epoch: 5, err }) => assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}"),
+        Err(ApplyError::Undone { epoch: 5, err, .. }) => assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}"),
         Err(e) => panic!("{e}"),
         Ok(()) => panic!("2.5 MiB of writes fit on a 1 MiB tmpfs?"),
     }

@@ -178,11 +178,39 @@ impl std::fmt::Debug for Console {
 
 struct Stdout;
 
+/// Writes of guest console output to the VMM's stdout that failed.
+static CONSOLE_WRITE_ERRORS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// The kind of the last failure while writes fail (one warning a streak).
+static CONSOLE_FAILING: Mutex<Option<std::io::ErrorKind>> = Mutex::new(None);
+
+/// Guest console writes to stdout that failed so far (their output was
+/// dropped), for `ftvm status` and Prometheus.
+pub fn console_write_errors() -> u64 {
+    CONSOLE_WRITE_ERRORS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 impl ConsoleSink for Stdout {
     fn write(&self, bytes: &[u8]) {
         let mut out = std::io::stdout().lock();
-        // A closed stdout must not stop the guest.
-        let _ = out.write_all(bytes).and_then(|_| out.flush());
+        // A closed or full stdout must not stop the guest: the output is
+        // dropped, counted, and warned about once per streak.
+        let result = out.write_all(bytes).and_then(|_| out.flush());
+        drop(out);
+        let mut failing = CONSOLE_FAILING.lock().unwrap_or_else(|p| p.into_inner());
+        match result {
+            Ok(()) => {
+                if let Some(kind) = failing.take() {
+                    tracing::warn!("guest console output reaches stdout again after {kind}");
+                }
+            }
+            Err(e) => {
+                CONSOLE_WRITE_ERRORS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if *failing != Some(e.kind()) {
+                    tracing::warn!("cannot write the guest's console output to stdout: {e}; it is dropped (and counted) while this lasts, the VM goes on");
+                    *failing = Some(e.kind());
+                }
+            }
+        }
     }
 }
 

@@ -187,7 +187,7 @@ pub fn memtouch_on(vcpus: u32, cmdline: &str, ft: Option<Replicated>, dir: &Path
             .stderr(std::fs::File::create(dir.join("backup.log"))?);
         _backup = Some(Process::spawn("ftvm backup", &mut b)?);
         cmd.args(["--insecure", "--replicate-to", &addr, "--epoch-ms", &ft.epoch_ms.to_string()])
-            .arg("--metrics")
+            .args(["--metrics-every-epoch", "--metrics"])
             .arg(&metrics)
             .args(ft.args);
     }
@@ -310,7 +310,7 @@ pub fn start_kv_on(
         }
         backup = Some(Process::spawn_logged("ftvm backup", &mut b, dir, &format!("{log}.backup"))?);
         cmd.args(["--insecure", "--replicate-to", &backup_addr, "--epoch-ms", &ft.epoch_ms.to_string()])
-            .arg("--metrics")
+            .args(["--metrics-every-epoch", "--metrics"])
             .arg(metrics)
             .args(ft.args);
     }

@@ -95,6 +95,24 @@ pub struct Response {
     pub disk_pending: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replication: Option<ftvm_replication::Status>,
+    /// `status`: output this VMM could not write and dropped (counted since it started).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub write_errors: Option<WriteErrors>,
+}
+
+/// Lines of the `--metrics` file and guest console writes to stdout that
+/// failed (a full disk, a closed pipe): dropped, the VM went on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteErrors {
+    pub metrics: u64,
+    pub console: u64,
+}
+
+impl WriteErrors {
+    /// This process's counts now.
+    pub fn now() -> WriteErrors {
+        WriteErrors { metrics: ftvm_replication::metrics::write_errors(), console: ftvm_vmm::hooks::console_write_errors() }
+    }
 }
 
 impl Response {

@@ -361,7 +361,7 @@ impl ApiServer {
         let state = |s: &str| Response { state: Some(s.into()), ..Response::ok() };
         match (request, ctx.vm) {
             (Request::Status, vm) => {
-                let mut response = Response { replication, ..Response::ok() };
+                let mut response = Response { replication, write_errors: Some(super::WriteErrors::now()), ..Response::ok() };
                 match vm {
                     Some(vm) => {
                         response.state = Some(if vm.is_held() { "paused" } else { "running" }.into());

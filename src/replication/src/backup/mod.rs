@@ -49,7 +49,7 @@ pub struct BackupConfig {
     pub priority: Priority,
     pub console: Console,
     /// Log every applied checkpoint as a JSON line here.
-    pub metrics: Option<std::path::PathBuf>,
+    pub metrics: Option<crate::metrics::MetricsFile>,
     /// Decides who owns the VM when primary and backup lose each other;
     /// without one, the backup takes over on silence alone.
     pub arbiter: Option<Arbiter>,
@@ -152,7 +152,7 @@ impl Backup {
             st.detail = format!("synchronizing from primary {peer}");
             st.peer = peer.clone();
         }
-        let log = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
+        let log = MetricsLog::open(config.metrics.as_ref()).map_err(ReplicationError::Metrics)?;
         // This thread receives and applies the checkpoints (`--priority`),
         // then is back to normal for a takeover, whose threads inherit it.
         let ended = config.priority.during(|| follow(link.as_mut(), &mut replica, config.arbiter.as_ref(), &status, &log, &mirror.frames));

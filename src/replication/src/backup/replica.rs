@@ -19,6 +19,8 @@ pub struct Replica {
     /// Never runs until it takes over.
     pub vm: Vm,
     pub disk: Option<Box<dyn DiskImage>>,
+    /// The disk replica's file, as given (`--disk`), for error messages.
+    pub disk_name: String,
     pub disk_size: u64,
     /// The last checkpoint applied: its epoch and its VM state.
     pub committed: Option<(u64, VmState)>,
@@ -116,6 +118,7 @@ impl Replica {
         Ok(Replica {
             vm,
             disk,
+            disk_name: c.devices.disk.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
             disk_size,
             committed: None,
             fake_ack: None,
@@ -208,7 +211,7 @@ impl Replica {
         let (Some(disk), true) = (&self.disk, offset.checked_add(data.len() as u64).is_some_and(|e| e <= self.disk_size)) else {
             return Err(ProtocolError::Corrupt("pre-copy disk data beyond the disk".into()).into());
         };
-        disk.write_at(data, offset).map_err(ApplyError::Precopy)
+        disk.write_at(data, offset).map_err(|err| ApplyError::Precopy { disk: self.disk_name.clone(), err })
     }
 }
 

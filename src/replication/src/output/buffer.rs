@@ -316,6 +316,13 @@ impl OutputBuffer {
         inner.open.frames + inner.closed.iter().map(|h| h.frames).sum::<usize>()
     }
 
+    /// Bytes of console output held right now (all unacknowledged epochs).
+    pub fn held_console_bytes(&self) -> usize {
+        let inner = self.lock();
+        let console = |h: &Held| h.items.iter().map(|i| if let Out::Console(c) = i { c.len() } else { 0 }).sum::<usize>();
+        console(&inner.open) + inner.closed.iter().map(console).sum::<usize>()
+    }
+
     /// What the held frames count against `HELD_OUTPUT_BOUND`.
     pub fn held_cost(&self) -> u64 {
         self.lock().held_cost

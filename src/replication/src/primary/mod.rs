@@ -8,11 +8,12 @@ mod session;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ftvm_vmm::hooks::FrameSink;
+use ftvm_vmm::sync::Lock;
 use ftvm_vmm::Vm;
 
 use crate::arbiter::{Arbiter, Claim, Ownership};
@@ -75,7 +76,7 @@ pub struct PrimaryConfig {
     pub on_backup_loss: OnBackupLoss,
     /// How long to keep trying to reach the backup at start.
     pub connect_timeout: Duration,
-    pub metrics: Option<PathBuf>,
+    pub metrics: Option<crate::metrics::MetricsFile>,
     /// The primary's disk image, copied to the backup during pre-copy.
     pub disk: Option<PathBuf>,
     /// Which implementation each checkpoint stage uses.
@@ -116,9 +117,31 @@ impl FrameSink for NoNetwork {
     fn send(&self, _frame: &[u8]) {}
 }
 
+/// How a primary's replication ended (`Primary::finish`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Finished {
+    /// Every output the guest produced went out: the backup acknowledged
+    /// it, or the VM ran unprotected (`--on-backup-loss continue`).
+    Released,
+    /// The backup was lost before it acknowledged output that is still
+    /// held (`--on-backup-loss pause`, or an unreachable arbiter): that
+    /// output was never released and never will be.
+    Held {
+        /// Why the backup was lost.
+        reason: String,
+        /// Network frames held.
+        frames: usize,
+        /// Bytes of console output held.
+        console_bytes: usize,
+    },
+}
+
 /// A running primary's replication.
 pub struct Primary {
     status: StatusCell,
+    output: Arc<OutputBuffer>,
+    /// Why the backup was lost, while the VM is paused for it with its output held.
+    unreleased: Arc<Mutex<Option<String>>>,
     requests: Sender<String>,
     stop: Arc<AtomicBool>,
     exit_status: Arc<AtomicI32>,
@@ -182,7 +205,7 @@ impl Primary {
             Some(arbiter) => Some(claim_at_start(arbiter, &me)?),
             None => None,
         };
-        let metrics = Arc::new(MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?);
+        let metrics = Arc::new(MetricsLog::open(config.metrics.as_ref()).map_err(ReplicationError::Metrics)?);
         // Output commit plugs into the VM's hooks: frames through the
         // buffer, disk writes into the journal.
         // Both are bounded: at their bounds they make the device wait and
@@ -236,6 +259,8 @@ impl Primary {
         let stop = Arc::new(AtomicBool::new(false));
         let exit_status = Arc::new(AtomicI32::new(0));
         let handover = Arc::new(Handover::default());
+        let unreleased = Arc::new(Mutex::new(None));
+        let kept = output.clone();
         let worker = Worker {
             vm,
             config,
@@ -255,10 +280,11 @@ impl Primary {
             ownership,
             fenced: false,
             fake_ack,
+            unreleased: unreleased.clone(),
         };
         let thread =
             std::thread::Builder::new().name("replication".into()).spawn(move || worker.run(session)).map_err(ReplicationError::Thread)?;
-        Ok(Primary { status, requests, stop, exit_status, handover, thread: Some(thread) })
+        Ok(Primary { status, output: kept, unreleased, requests, stop, exit_status, handover, thread: Some(thread) })
     }
 
     pub fn status(&self) -> Status {
@@ -276,12 +302,19 @@ impl Primary {
 
     /// The VM stopped for good with `status`: send a last checkpoint, wait
     /// for its acknowledgement (so the guest's last output is released), and
-    /// tell the backup to stop too instead of taking over.
-    pub fn finish(&mut self, status: i32) {
+    /// tell the backup to stop too instead of taking over. If the backup is
+    /// lost first (or already was), the loss policy decides: `continue`
+    /// releases the output, `pause` keeps it held, and `Finished::Held`
+    /// says so (it is never released).
+    pub fn finish(&mut self, status: i32) -> Finished {
         self.exit_status.store(status, Ordering::SeqCst);
         self.stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+        match self.unreleased.locked().clone() {
+            None => Finished::Released,
+            Some(reason) => Finished::Held { reason, frames: self.output.held_frames(), console_bytes: self.output.held_console_bytes() },
         }
     }
 }
@@ -300,7 +333,7 @@ impl Primary {
 
 impl Drop for Primary {
     fn drop(&mut self) {
-        self.finish(0);
+        let _ = self.finish(0);
     }
 }
 
@@ -329,6 +362,9 @@ struct Worker {
     fenced: bool,
     /// `--fake-ack`: stopped with the rest when fenced (it resends to the network).
     fake_ack: Option<Arc<FakeAck>>,
+    /// Why the backup was lost, while the VM is paused with its output
+    /// held for that (`Primary::finish` reports it).
+    unreleased: Arc<Mutex<Option<String>>>,
 }
 
 impl Worker {
@@ -393,6 +429,7 @@ impl Worker {
                 if std::mem::take(&mut self.held_by_policy) {
                     self.vm.release();
                 }
+                *self.unreleased.locked() = None;
                 Some(s)
             }
             Err(e) => {
@@ -422,8 +459,7 @@ impl Worker {
                 return Some(loss);
             }
             if self.stop.load(Ordering::SeqCst) {
-                self.farewell(session);
-                return None;
+                return self.farewell(session);
             }
             let plan = pacing.plan(since);
             let next_round = self.pipeline.prefetches().then(|| rounds.next(plan.since, plan.max_epoch)).flatten();
@@ -477,25 +513,39 @@ impl Worker {
 
     /// Last checkpoint of the stopped VM, its acknowledgement, then Bye (or
     /// Handover, for a switch-over, only once everything is acknowledged).
-    fn farewell(&mut self, session: &Session) {
+    /// A backup lost before it acknowledged everything is returned: what
+    /// is still held (the guest's last output) then goes as the loss
+    /// policy has it, and the backup, told nothing, takes over from the
+    /// last checkpoint it has (or has stopped).
+    fn farewell(&mut self, session: &Session) -> Option<BackupLoss> {
         let epoch = self.epoch;
-        let Ok((mut taken, frame)) = self.pipeline.take(&self.vm, epoch) else { return };
+        let (mut taken, frame) = match self.pipeline.take(&self.vm, epoch) {
+            Ok(t) => t,
+            Err(err) => return Some(BackupLoss::Checkpoint { epoch, err }),
+        };
         taken.trigger = Reason::Stop;
         self.epoch += 1;
-        if session.send_checkpoint(&taken, frame, Instant::now()).is_err() {
-            return;
+        let sent = Instant::now();
+        if let Err(loss) = session.send_checkpoint(&taken, frame, sent) {
+            return Some(session.loss_after(loss));
         }
-        let deadline = Instant::now() + self.config.ack_timeout;
+        let deadline = sent + self.config.ack_timeout;
         while !session.is_lost() && !session.acked_all() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
         }
         if !self.handover.asked.load(Ordering::SeqCst) {
+            if let Some(loss) = session.take_loss() {
+                return Some(loss);
+            }
+            if !session.acked_all() {
+                return Some(BackupLoss::Unacknowledged { epoch, waited_ms: sent.elapsed().as_millis() as u64 });
+            }
             session.bye(self.exit_status.load(Ordering::SeqCst));
-            return;
+            return None;
         }
         if session.is_lost() || !session.acked_all() {
             tracing::error!(epoch, "switch-over: the backup did not acknowledge the last checkpoint; it takes over as after a failure");
-            return;
+            return None;
         }
         match session.hand_over() {
             Ok(()) => {
@@ -504,6 +554,7 @@ impl Worker {
             }
             Err(e) => tracing::error!("switch-over: cannot tell the backup: {e}; it takes over as after a failure"),
         }
+        None
     }
 
     /// This primary must never emit again: nor may its fake-ACK proxy resend.
@@ -547,6 +598,7 @@ impl Worker {
                         logged = true;
                     }
                     if self.stop.load(Ordering::SeqCst) {
+                        *self.unreleased.locked() = Some(format!("{reason}; the arbiter was unreachable: {e}"));
                         self.fence();
                         return false;
                     }
@@ -571,6 +623,7 @@ impl Worker {
             }
             OnBackupLoss::Pause => {
                 self.journal.stop();
+                *self.unreleased.locked() = Some(format!("re-protection failed: {e}"));
                 tracing::error!("re-protection failed: {e}; the VM stays paused");
                 format!("PAUSED: re-protection failed: {e}")
             }
@@ -602,7 +655,15 @@ impl Worker {
             OnBackupLoss::Pause => {
                 self.vm.hold();
                 self.held_by_policy = true;
-                tracing::error!(held = output.held_frames(), "BACKUP LOST ({reason}): the VM is paused until a new backup protects it");
+                *self.unreleased.locked() = Some(reason.to_string());
+                if self.stop.load(Ordering::SeqCst) {
+                    tracing::error!(
+                        held = output.held_frames(),
+                        "BACKUP LOST ({reason}) as the VM stopped: its last output stays held (never acknowledged)"
+                    );
+                } else {
+                    tracing::error!(held = output.held_frames(), "BACKUP LOST ({reason}): the VM is paused until a new backup protects it");
+                }
                 let mut st = self.status.lock();
                 st.protected = false;
                 st.detail = format!("PAUSED: backup lost: {reason}");

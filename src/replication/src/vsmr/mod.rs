@@ -302,7 +302,8 @@ fn start_replica(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCel
         votes,
     };
     node::start(node_config, mesh.clone(), events_rx, committed_tx, view.clone())?;
-    let metrics = MetricsLog::open(config.metrics.as_deref()).map_err(ReplicationError::Metrics)?;
+    let metrics = MetricsLog::open(config.metrics.clone().map(crate::metrics::MetricsFile::every_epoch).as_ref())
+        .map_err(ReplicationError::Metrics)?;
     match vm {
         Some(vm) => {
             let shared = Arc::new(replica::Shared::new(

@@ -27,13 +27,13 @@ pub enum ApplyError {
     #[error("{0}")]
     Invalid(#[from] ProtocolError),
     /// The commit failed and was undone: the replica is at the previous checkpoint.
-    #[error("checkpoint {epoch}: cannot write the disk replica ({err}); its writes were undone")]
-    Undone { epoch: u64, err: io::Error },
+    #[error("checkpoint {epoch}: cannot write the disk replica {disk} ({err}); its writes were undone")]
+    Undone { epoch: u64, disk: String, err: io::Error },
     /// The commit failed and could not be undone: the replica was discarded.
     #[error("checkpoint {epoch}: {reason}; the replica matches no checkpoint and was discarded")]
     Unusable { epoch: u64, reason: String },
-    #[error("pre-copy: cannot write the disk replica: {0}")]
-    Precopy(io::Error),
+    #[error("pre-copy: cannot write the disk replica {disk}: {err}")]
+    Precopy { disk: String, err: io::Error },
     /// `--prefetch-by pull`: the primary's memory cannot be mapped.
     #[error(transparent)]
     Pull(#[from] crate::pipeline::prefetch::pull::PullError),
@@ -80,10 +80,11 @@ impl Apply for InPlace {
         if let Some(disk) = &replica.disk {
             match self.undo.write(disk.as_ref(), &checkpoint.state.disk) {
                 Ok(()) => {}
-                Err(Failure::Undone(err)) => return Err(ApplyError::Undone { epoch, err }),
+                Err(Failure::Undone(err)) => return Err(ApplyError::Undone { epoch, disk: replica.disk_name.clone(), err }),
                 Err(Failure::NotUndone { err, undo }) => {
                     replica.discard();
-                    let reason = format!("cannot write the disk replica ({err}) nor put back what was written ({undo})");
+                    let reason =
+                        format!("cannot write the disk replica {} ({err}) nor put back what was written ({undo})", replica.disk_name);
                     return Err(ApplyError::Unusable { epoch, reason });
                 }
             }
