@@ -182,7 +182,10 @@ fn start(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options
             let mut cmd = topo.command("h1", ftvm);
             cmd.arg("run");
             vm(&mut cmd);
-            cmd.args(["--insecure", "--replicate-to", &backup, "--metrics-every-epoch", "--metrics"]).arg(&m).arg("--api-socket").arg(&socket);
+            cmd.args(["--insecure", "--replicate-to", &backup, "--metrics-every-epoch", "--metrics"])
+                .arg(&m)
+                .arg("--api-socket")
+                .arg(&socket);
             let flags = if mode == Mode::PrimaryBackup { &opts.pb_flags } else { &opts.pb_whole_flags };
             cmd.args(flags.split_whitespace());
             procs.push(Process::spawn_collected("ftvm run (primary)", &mut cmd)?);

@@ -775,7 +775,8 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario, seconds: f64) -> Resu
     backup.kill();
     let mut dump = String::new();
     let _ = File::open(dir.join(format!("primary-{tag}.jsonl"))).and_then(|mut f| f.read_to_string(&mut dump));
-    let epochs = dump.lines().count();
+    // One line per second, each counting its epochs (--metrics' default).
+    let epochs: u64 = dump.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["count"].as_u64()).sum();
     let round = if args.trials > 1 { format!(" (round {trial})") } else { String::new() };
     let summary = format!(
         "{:<28} {epochs} epochs checkpointed, first reply {:.0} ms after {event}; {fence_note}acknowledged {}, verified {}, lost {lost}",

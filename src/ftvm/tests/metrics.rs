@@ -237,13 +237,15 @@ fn unwritable_metrics_and_console_are_counted_and_warned_once() {
     let addr = free_addr();
     let mut b = Process::spawn_collected(
         "ftvm backup",
-        ftvm().args(["backup", "--listen", &addr, "--metrics", "/dev/full", "--metrics-listen", &b_listen, "--api-socket"]).arg(&b_socket),
+        ftvm()
+            .args(["backup", "--insecure", "--listen", &addr, "--metrics", "/dev/full", "--metrics-listen", &b_listen, "--api-socket"])
+            .arg(&b_socket),
     )
     .unwrap();
     let mut cmd = ftvm();
     cmd.args(["run", "--image"])
         .arg(image("memtouch"))
-        .args(["--cmdline", "ws=4M pattern=seq duration=4s report=100ms", "--replicate-to", &addr, "--epoch-ms", "20"])
+        .args(["--cmdline", "ws=4M pattern=seq duration=4s report=100ms", "--insecure", "--replicate-to", &addr, "--epoch-ms", "20"])
         .args(["--metrics-every-epoch", "--metrics", "/dev/full", "--metrics-listen", &p_listen, "--api-socket"])
         .arg(&socket)
         .stdin(Stdio::null())
@@ -286,13 +288,14 @@ fn metrics_lines_sum_each_second_and_the_file_rotates() {
     let dir = Scratch::new("metrics-second").unwrap().keep_on_panic();
     let (primary_m, backup_m) = (dir.join("p.jsonl"), dir.join("b.jsonl"));
     let addr = free_addr();
-    let b = Process::spawn_collected("ftvm backup", ftvm().args(["backup", "--listen", &addr, "--metrics"]).arg(&backup_m)).unwrap();
+    let b = Process::spawn_collected("ftvm backup", ftvm().args(["backup", "--insecure", "--listen", &addr, "--metrics"]).arg(&backup_m))
+        .unwrap();
     let p = Process::spawn_collected(
         "ftvm run",
         ftvm()
             .args(["run", "--image"])
             .arg(image("memtouch"))
-            .args(["--cmdline", "ws=4M pattern=seq duration=4s report=1s", "--replicate-to", &addr, "--epoch-ms", "20"])
+            .args(["--cmdline", "ws=4M pattern=seq duration=4s report=1s", "--insecure", "--replicate-to", &addr, "--epoch-ms", "20"])
             .args(["--trigger", "periodic", "--metrics-max-bytes", "1500", "--metrics"])
             .arg(&primary_m),
     )
@@ -302,6 +305,11 @@ fn metrics_lines_sum_each_second_and_the_file_rotates() {
     assert!(p_status.success() && b_status.success(), "{p_status} {b_status}\n{}\n{}", p.output(), b.output());
     let rotated = dir.join("p.jsonl.1");
     assert!(rotated.exists(), "no rotation at 1500 bytes");
+    // The owner's alone, new and rotated alike, whatever the umask.
+    for path in [&rotated, &primary_m, &backup_m] {
+        let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(path).unwrap().permissions()) & 0o777;
+        assert_eq!(mode, 0o600, "{}", path.display());
+    }
     let mut seconds = Vec::new();
     for path in [&rotated, &primary_m] {
         let size = std::fs::metadata(path).unwrap().len();

@@ -395,7 +395,7 @@ impl Sink {
     fn rotate(&mut self) {
         let mut old = self.path.clone().into_os_string();
         old.push(".1");
-        let reopened = std::fs::rename(&self.path, &old).and_then(|()| File::create(&self.path));
+        let reopened = std::fs::rename(&self.path, &old).and_then(|()| create_private(&self.path));
         match reopened {
             Ok(f) => {
                 self.file = f;
@@ -435,11 +435,19 @@ impl Sink {
     }
 }
 
+/// Create (or truncate) `path` for writing; a new file is its owner's
+/// alone (mode 0600, whatever the umask): the figures say what the guest
+/// does, and when, which is nobody else's business.
+fn create_private(path: &std::path::Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)
+}
+
 impl MetricsLog {
     /// The errors name the file.
     pub fn open(file: Option<&MetricsFile>) -> std::io::Result<MetricsLog> {
         let Some(m) = file else { return Ok(MetricsLog(None)) };
-        let f = File::create(&m.path).map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", m.path.display())))?;
+        let f = create_private(&m.path).map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", m.path.display())))?;
         // Only a regular file is rotated (never a device such as /dev/null).
         let regular = f.metadata().is_ok_and(|md| md.is_file());
         let mut sink = Sink {
