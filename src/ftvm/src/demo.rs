@@ -351,8 +351,7 @@ struct Outcome {
 /// A shared secret for the replication channel: 32 random bytes in a new
 /// file only its owner can read (ftvm refuses one that group or others can).
 fn write_secret(path: &Path) -> Result<(), Error> {
-    let mut bytes = [0u8; 32];
-    File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)).map_err(|e| format!("reading /dev/urandom: {e}"))?;
+    let bytes: [u8; 32] = random()?;
     std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -360,6 +359,13 @@ fn write_secret(path: &Path) -> Result<(), Error> {
         .open(path)
         .and_then(|mut f| f.write_all(&bytes))
         .map_err(|e| format!("writing the secret {}: {e}", path.display()))
+}
+
+/// `N` random bytes from the kernel.
+fn random<const N: usize>() -> Result<[u8; N], Error> {
+    let mut bytes = [0u8; N];
+    File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)).map_err(|e| format!("reading /dev/urandom: {e}"))?;
+    Ok(bytes)
 }
 
 fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
@@ -417,11 +423,7 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
 
     let seed = match args.seed {
         Some(seed) => seed,
-        None => {
-            let mut bytes = [0u8; 8];
-            File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes)).map_err(|e| format!("reading /dev/urandom: {e}"))?;
-            u64::from_le_bytes(bytes)
-        }
+        None => u64::from_le_bytes(random()?),
     };
     if args.soak {
         outln!("soak: {} rounds of four failures in a random order, seed {seed} (--seed {seed} runs the same plan)", args.trials);

@@ -288,12 +288,7 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
         if vm.as_ref().is_some_and(|v| v.exit_reason().is_some()) {
             break;
         }
-        let n = match epoll.wait(-1, &mut events) {
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(RunError::Os { op: "epoll_wait", err: e }),
-        };
-        for ev in &events[..n] {
+        for ev in ready(&epoll, &mut events)? {
             match ev.data() {
                 SIGNAL => {
                     let _ = stop_signal.read();
@@ -428,6 +423,18 @@ pub fn run(source: Source, host: HostOptions) -> Result<i32, RunError> {
     Ok(exit.status())
 }
 
+/// The events ready on `epoll`, waiting as long as it takes (a signal
+/// that interrupts the wait is not an error).
+fn ready<'a>(epoll: &Epoll, events: &'a mut [EpollEvent]) -> Result<&'a [EpollEvent], RunError> {
+    loop {
+        match epoll.wait(-1, events) {
+            Ok(n) => return Ok(&events[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(RunError::Os { op: "epoll_wait", err: e }),
+        }
+    }
+}
+
 /// Serve the control socket until a stop signal or `ftvm stop` (a VM whose
 /// guest exited while its last output is held for an acknowledgement that
 /// will not come).
@@ -443,12 +450,7 @@ fn wait_for_stop(
     // The VM's exit stays readable: no longer watched.
     let _ = epoll.ctl(ControlOperation::Delete, vm.exit_event().as_raw_fd(), EpollEvent::default());
     loop {
-        let n = match epoll.wait(-1, events) {
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(RunError::Os { op: "epoll_wait", err: e }),
-        };
-        for ev in &events[..n] {
+        for ev in ready(epoll, events)? {
             match ev.data() {
                 SIGNAL => {
                     let _ = stop_signal.read();

@@ -4,7 +4,6 @@ use std::fmt;
 use std::fs::File;
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
@@ -265,13 +264,10 @@ impl MetricsFile {
     }
 }
 
-/// Lines the metrics files could not write (all of this process's), for
-/// `ftvm status` and Prometheus.
-static WRITE_ERRORS: AtomicU64 = AtomicU64::new(0);
-
-/// Metrics lines lost to write errors (a full disk, say) so far.
+/// Metrics lines lost to write errors (a full disk, say) so far, in all of
+/// this process's metrics files: the Prometheus counter's value.
 pub fn write_errors() -> u64 {
-    WRITE_ERRORS.load(Ordering::Relaxed)
+    crate::telemetry::telemetry().metrics_write_errors()
 }
 
 /// JSON-lines sink for epoch metrics: written as they come
@@ -377,7 +373,6 @@ impl Sink {
                 }
             }
             Err(e) => {
-                WRITE_ERRORS.fetch_add(1, Ordering::Relaxed);
                 crate::telemetry::telemetry().metrics_write_failed();
                 self.lost += 1;
                 if self.failing != Some(e.kind()) {

@@ -141,6 +141,11 @@ impl Telemetry {
         self.metrics_write_errors.inc();
     }
 
+    /// Lines of `--metrics` files dropped so far.
+    pub fn metrics_write_errors(&self) -> u64 {
+        self.metrics_write_errors.get()
+    }
+
     /// Add every figure to `registry` (prefix it `ftvm`).
     pub fn register(&'static self, registry: &mut Registry) {
         let r = registry;
