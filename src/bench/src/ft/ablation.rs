@@ -9,63 +9,10 @@ use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::Topology;
 
 use super::runs::{self, BoxError, EpochMeans, Replicated};
+use super::switches::{self, DISK_IO, SWITCHES};
 use super::Options;
 use crate::report::{self, Row};
 
-/// An optimisation switch of `ftvm run`: its values, each with the
-/// arguments it adds to the primary's `ftvm run` (the first value is
-/// ftvm's default).
-pub struct Switch {
-    pub name: &'static str,
-    pub values: &'static [(&'static str, &'static [&'static str])],
-}
-
-/// Every switch the ablation measures: one line per switch.
-pub const SWITCHES: &[Switch] = &[
-    Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] },
-    Switch { name: "mirror", values: &[("on", &["--mirror", "on"]), ("off", &["--mirror", "off"])] },
-    Switch { name: "trigger", values: &[("output", &["--trigger", "output"]), ("periodic", &["--trigger", "periodic"])] },
-    Switch {
-        name: "pipeline-depth",
-        values: &[("2", &["--pipeline-depth", "2"]), ("1", &["--pipeline-depth", "1"]), ("4", &["--pipeline-depth", "4"])],
-    },
-    Switch { name: "capture", values: &[("pause", &["--capture", "pause"]), ("cow", &["--capture", "cow"])] },
-    Switch {
-        name: "predict-writes",
-        values: &[
-            ("off", &["--predict-writes", "off"]),
-            ("histase", &["--predict-writes", "histase"]),
-            ("adaptive", &["--predict-writes", "adaptive"]),
-        ],
-    },
-    Switch { name: "diff", values: &[("off", &["--diff", "off"]), ("xor", &["--diff", "xor"]), ("lz4", &["--diff", "lz4"])] },
-    Switch { name: "device-state", values: &[("all", &["--device-state", "all"]), ("changed", &["--device-state", "changed"])] },
-    Switch {
-        name: "prefetch",
-        values: &[
-            ("off", &["--prefetch", "off"]),
-            ("on", &["--prefetch", "on"]),
-            ("adaptive", &["--prefetch", "adaptive"]),
-            // The backup reads the pages itself (`--prefetch-by pull`).
-            ("pull", &["--prefetch", "on", "--prefetch-by", "pull"]),
-        ],
-    },
-    Switch { name: "fake-ack", values: &[("off", &["--fake-ack", "off"]), ("on", &["--fake-ack", "on"])] },
-    // Only with the proxy on (its state is what this switch sends).
-    Switch {
-        name: "fake-ack-state",
-        values: &[
-            ("changed", &["--fake-ack", "on", "--fake-ack-state", "changed"]),
-            ("all", &["--fake-ack", "on", "--fake-ack-state", "all"]),
-        ],
-    },
-    Switch { name: "idle-pause", values: &[("park", &["--idle-pause", "park"]), ("kick", &["--idle-pause", "kick"])] },
-    Switch { name: "priority", values: &[("normal", &["--priority", "normal"]), ("realtime", &["--priority", "realtime"])] },
-    Switch { name: "net-offload", values: &[("csum", &["--net-offload", "csum"]), ("off", &["--net-offload", "off"])] },
-];
-
-/// The switch that needs a disk: measured on its own workload (`DISK_WORKLOAD`).
-pub const DISK_IO: Switch = Switch { name: "disk-io", values: &[("async", &["--disk-io", "async"]), ("sync", &["--disk-io", "sync"])] };
 /// The `--disk-io` workloads: the kv guest logging every write to its disk
 /// (`aof=on`) under redis-benchmark SET and GET, the disk as it is and
 /// slowed to `SLOW_DISK_MS` a write (`FTVM_TEST_FAULT=slow-disk`), each
@@ -74,16 +21,6 @@ const DISK_RUNS: [(u64, u64); 2] = [(0, 10_000), (SLOW_DISK_MS, 1000)];
 const SLOW_DISK_MS: u64 = 5;
 /// Its value size.
 const DISK_VALUE: u32 = 100;
-
-/// Switch values measured together too (each is also measured alone above).
-pub const COMBINATIONS: &[(&str, &[&str])] = &[
-    ("capture=cow predict-writes=adaptive", &["--capture", "cow", "--predict-writes", "adaptive"]),
-    ("predict-writes=adaptive diff=lz4", &["--predict-writes", "adaptive", "--diff", "lz4"]),
-    (
-        "capture=cow predict-writes=adaptive diff=lz4 device-state=changed",
-        &["--capture", "cow", "--predict-writes", "adaptive", "--diff", "lz4", "--device-state", "changed"],
-    ),
-];
 
 /// The epoch length measured unless `--epochs` says otherwise.
 pub const DEFAULT_EPOCH_MS: u64 = 20;
@@ -152,28 +89,13 @@ fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'stati
     rows
 }
 
-/// Every (switch, value, arguments) to measure, in table order.
-pub fn settings() -> impl Iterator<Item = (String, &'static [&'static str])> {
-    SWITCHES
-        .iter()
-        .flat_map(|s| s.values.iter().map(move |(value, args)| (format!("{}={value}", s.name), *args)))
-        .chain(COMBINATIONS.iter().map(|(name, args)| (name.to_string(), *args)))
-}
-
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
-    if opts.matrix {
-        return super::matrix::run(opts, out);
-    }
     let epochs = opts.epochs.clone().unwrap_or(vec![DEFAULT_EPOCH_MS]);
     let scratch = Scratch::new("bench-ablation")?;
     let scratch = scratch.path();
     let mut rows = Vec::new();
-    // `--switches`: a combination counts as each switch it sets.
-    let wanted = |setting: &str| {
-        opts.switches.as_ref().is_none_or(|only| only.iter().any(|s| setting.split(' ').any(|part| part.starts_with(&format!("{s}=")))))
-    };
-    let settings: Vec<_> = settings().filter(|(s, _)| wanted(s)).collect();
-    let disk_io = wanted("disk-io=");
+    let settings = switches::selected(opts.switches.as_deref());
+    let disk_io = switches::wanted(opts.switches.as_deref(), "disk-io=");
 
     let (workload, load) = MEMTOUCH;
     let cmdline = format!("{load} duration={}s", opts.seconds);
@@ -346,57 +268,4 @@ fn diff_kernels() -> Vec<Row> {
         }
     }
     rows
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_switch_value_is_one_setting_with_its_arguments() {
-        let all: Vec<(String, &[&str])> = settings().collect();
-        assert_eq!(all.len(), SWITCHES.iter().map(|s| s.values.len()).sum::<usize>() + COMBINATIONS.len());
-        assert_eq!(all[0], ("dirty-backend=bitmap".to_owned(), &["--dirty-backend", "bitmap"][..]));
-        assert!(all.iter().any(|(s, a)| s == "dirty-backend=ring" && a == &["--dirty-backend", "ring"]));
-        for s in SWITCHES {
-            assert!(s.values.len() >= 2, "{}: a switch needs something to compare", s.name);
-        }
-    }
-
-    /// The table is written by hand (some values need other flags with
-    /// them); this keeps it from drifting from the switches themselves.
-    #[test]
-    fn the_table_measures_every_value_of_each_switch_default_first() {
-        use ftvm_replication::pipeline::{capture, encode, predict, prefetch, trigger};
-        use ftvm_replication::{fakeack, liveness, mirror};
-        let declared: &[(&str, &[&str])] = &[
-            ("dirty-backend", ftvm_vmm::DirtyBackend::VALUES),
-            ("mirror", mirror::Mode::VALUES),
-            ("trigger", trigger::Mode::VALUES),
-            ("capture", capture::Mode::VALUES),
-            ("predict-writes", predict::Mode::VALUES),
-            ("diff", encode::Diff::VALUES),
-            ("device-state", encode::States::VALUES),
-            ("prefetch", prefetch::Mode::VALUES),
-            ("fake-ack", fakeack::Mode::VALUES),
-            ("fake-ack-state", fakeack::delta::Sending::VALUES),
-            ("idle-pause", ftvm_vmm::IdlePause::VALUES),
-            ("priority", liveness::Priority::VALUES),
-            ("disk-io", ftvm_vmm::devices::virtio::block::DiskIo::VALUES),
-            ("net-offload", ftvm_vmm::devices::virtio::net::NetOffload::VALUES),
-        ];
-        let table: Vec<&Switch> = SWITCHES.iter().chain([&DISK_IO]).collect();
-        let depth = table.iter().find(|s| s.name == "pipeline-depth").expect("pipeline-depth is measured");
-        assert_eq!(depth.values[0].0, ftvm_replication::DEFAULT_PIPELINE_DEPTH.to_string());
-        for (name, values) in declared {
-            let Some(switch) = table.iter().find(|s| s.name == *name) else {
-                panic!("switch {name} is not in the ablation");
-            };
-            let measured: Vec<&str> = switch.values.iter().map(|(v, _)| *v).collect();
-            assert_eq!(measured[0], values[0], "{name}: the default comes first");
-            for v in *values {
-                assert!(measured.contains(v), "{name}: value {v} is not measured");
-            }
-        }
-    }
 }

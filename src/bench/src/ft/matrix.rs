@@ -7,8 +7,8 @@ use std::path::Path;
 
 use ftvm_testkit::scratch::Scratch;
 
-use super::ablation::{settings, SWITCHES};
 use super::runs::{self, BoxError, Replicated};
+use super::switches;
 use super::Options;
 use crate::report::{self, Row};
 
@@ -25,21 +25,15 @@ pub fn long_help() -> String {
          to acknowledgement, tracked first writes (dirty pages not left writable), pages left \
          writable and fake-dirty pages filtered per epoch; writes ablation-matrix.csv and .svg (the ratios). Each run \
          lasts --seconds.",
-        SWITCHES.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
+        switches::names()
     )
 }
 
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let epochs = opts.epochs.clone().unwrap_or(EPOCHS_MS.to_vec());
-    // A combination counts as each switch it sets.
-    let wanted = |setting: &str| {
-        opts.switches.as_ref().is_none_or(|only| only.iter().any(|s| setting.split(' ').any(|part| part.starts_with(&format!("{s}=")))))
-    };
-    let settings: Vec<_> = settings().filter(|(s, _)| wanted(s)).collect();
+    let settings = switches::selected(opts.switches.as_deref());
     if settings.is_empty() {
-        return Err(
-            format!("--switches names no switch (known: {})", SWITCHES.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")).into()
-        );
+        return Err(format!("--switches names no switch (known: {})", switches::names()).into());
     }
     let scratch = Scratch::new("bench-matrix")?;
     let scratch = scratch.path();

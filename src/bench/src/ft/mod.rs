@@ -1,12 +1,15 @@
 //! `ftvm-bench ft`: what fault tolerance costs, always against the
 //! unreplicated VM measured in the same run. Two shapes: the epoch sweep
-//! (`sweep`) and the ablation of the optimisation switches (`ablation`).
+//! (`sweep`) and the ablation of the optimisation switches (`ablation`,
+//! or over a matrix of memtouch workloads, `matrix`; both read the switch
+//! table in `switches`).
 
 mod ablation;
 pub(crate) mod failover;
 mod matrix;
 mod runs;
 mod sweep;
+mod switches;
 
 use std::path::Path;
 
@@ -84,7 +87,9 @@ pub struct Options {
 }
 
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
-    if opts.ablation {
+    if opts.ablation && opts.matrix {
+        matrix::run(opts, out)
+    } else if opts.ablation {
         ablation::run(opts, out)
     } else if opts.failover {
         failover::run(opts, out)

@@ -1,0 +1,158 @@
+//! The optimisation switches of `ftvm run` that the ablation and its
+//! matrix measure, and which of them `--switches` selects: one table both
+//! shapes read, so neither depends on the other.
+
+/// An optimisation switch of `ftvm run`: its values, each with the
+/// arguments it adds to the primary's `ftvm run` (the first value is
+/// ftvm's default).
+pub struct Switch {
+    pub name: &'static str,
+    pub values: &'static [(&'static str, &'static [&'static str])],
+}
+
+/// Every switch the ablation measures: one line per switch.
+pub const SWITCHES: &[Switch] = &[
+    Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] },
+    Switch { name: "mirror", values: &[("on", &["--mirror", "on"]), ("off", &["--mirror", "off"])] },
+    Switch { name: "trigger", values: &[("output", &["--trigger", "output"]), ("periodic", &["--trigger", "periodic"])] },
+    Switch {
+        name: "pipeline-depth",
+        values: &[("2", &["--pipeline-depth", "2"]), ("1", &["--pipeline-depth", "1"]), ("4", &["--pipeline-depth", "4"])],
+    },
+    Switch { name: "capture", values: &[("pause", &["--capture", "pause"]), ("cow", &["--capture", "cow"])] },
+    Switch {
+        name: "predict-writes",
+        values: &[
+            ("off", &["--predict-writes", "off"]),
+            ("histase", &["--predict-writes", "histase"]),
+            ("adaptive", &["--predict-writes", "adaptive"]),
+        ],
+    },
+    Switch { name: "diff", values: &[("off", &["--diff", "off"]), ("xor", &["--diff", "xor"]), ("lz4", &["--diff", "lz4"])] },
+    Switch { name: "device-state", values: &[("all", &["--device-state", "all"]), ("changed", &["--device-state", "changed"])] },
+    Switch {
+        name: "prefetch",
+        values: &[
+            ("off", &["--prefetch", "off"]),
+            ("on", &["--prefetch", "on"]),
+            ("adaptive", &["--prefetch", "adaptive"]),
+            // The backup reads the pages itself (`--prefetch-by pull`).
+            ("pull", &["--prefetch", "on", "--prefetch-by", "pull"]),
+        ],
+    },
+    Switch { name: "fake-ack", values: &[("off", &["--fake-ack", "off"]), ("on", &["--fake-ack", "on"])] },
+    // Only with the proxy on (its state is what this switch sends).
+    Switch {
+        name: "fake-ack-state",
+        values: &[
+            ("changed", &["--fake-ack", "on", "--fake-ack-state", "changed"]),
+            ("all", &["--fake-ack", "on", "--fake-ack-state", "all"]),
+        ],
+    },
+    Switch { name: "idle-pause", values: &[("park", &["--idle-pause", "park"]), ("kick", &["--idle-pause", "kick"])] },
+    Switch { name: "priority", values: &[("normal", &["--priority", "normal"]), ("realtime", &["--priority", "realtime"])] },
+    Switch { name: "net-offload", values: &[("csum", &["--net-offload", "csum"]), ("off", &["--net-offload", "off"])] },
+];
+
+/// The switch that needs a disk: the ablation measures it on its own
+/// workload, a kv guest logging to its disk.
+pub const DISK_IO: Switch = Switch { name: "disk-io", values: &[("async", &["--disk-io", "async"]), ("sync", &["--disk-io", "sync"])] };
+
+/// Switch values measured together too (each is also measured alone above).
+pub const COMBINATIONS: &[(&str, &[&str])] = &[
+    ("capture=cow predict-writes=adaptive", &["--capture", "cow", "--predict-writes", "adaptive"]),
+    ("predict-writes=adaptive diff=lz4", &["--predict-writes", "adaptive", "--diff", "lz4"]),
+    (
+        "capture=cow predict-writes=adaptive diff=lz4 device-state=changed",
+        &["--capture", "cow", "--predict-writes", "adaptive", "--diff", "lz4", "--device-state", "changed"],
+    ),
+];
+
+/// Every (switch, value, arguments) to measure, in table order.
+pub fn settings() -> impl Iterator<Item = (String, &'static [&'static str])> {
+    SWITCHES
+        .iter()
+        .flat_map(|s| s.values.iter().map(move |(value, args)| (format!("{}={value}", s.name), *args)))
+        .chain(COMBINATIONS.iter().map(|(name, args)| (name.to_string(), *args)))
+}
+
+/// Whether `--switches` (`only`) selects `setting` ("name=value", or a
+/// combination of them separated by spaces, which counts as each switch it
+/// sets); no `--switches` selects everything.
+pub fn wanted(only: Option<&[String]>, setting: &str) -> bool {
+    only.is_none_or(|only| only.iter().any(|s| setting.split(' ').any(|part| part.starts_with(&format!("{s}=")))))
+}
+
+/// `settings()` as `--switches` selects them.
+pub fn selected(only: Option<&[String]>) -> Vec<(String, &'static [&'static str])> {
+    settings().filter(|(s, _)| wanted(only, s)).collect()
+}
+
+/// The names in `SWITCHES`, for messages and `--help`.
+pub fn names() -> String {
+    SWITCHES.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_switch_value_is_one_setting_with_its_arguments() {
+        let all: Vec<(String, &[&str])> = settings().collect();
+        assert_eq!(all.len(), SWITCHES.iter().map(|s| s.values.len()).sum::<usize>() + COMBINATIONS.len());
+        assert_eq!(all[0], ("dirty-backend=bitmap".to_owned(), &["--dirty-backend", "bitmap"][..]));
+        assert!(all.iter().any(|(s, a)| s == "dirty-backend=ring" && a == &["--dirty-backend", "ring"]));
+        for s in SWITCHES {
+            assert!(s.values.len() >= 2, "{}: a switch needs something to compare", s.name);
+        }
+    }
+
+    /// The table is written by hand (some values need other flags with
+    /// them); this keeps it from drifting from the switches themselves.
+    #[test]
+    fn the_table_measures_every_value_of_each_switch_default_first() {
+        use ftvm_replication::pipeline::{capture, encode, predict, prefetch, trigger};
+        use ftvm_replication::{fakeack, liveness, mirror};
+        let declared: &[(&str, &[&str])] = &[
+            ("dirty-backend", ftvm_vmm::DirtyBackend::VALUES),
+            ("mirror", mirror::Mode::VALUES),
+            ("trigger", trigger::Mode::VALUES),
+            ("capture", capture::Mode::VALUES),
+            ("predict-writes", predict::Mode::VALUES),
+            ("diff", encode::Diff::VALUES),
+            ("device-state", encode::States::VALUES),
+            ("prefetch", prefetch::Mode::VALUES),
+            ("fake-ack", fakeack::Mode::VALUES),
+            ("fake-ack-state", fakeack::delta::Sending::VALUES),
+            ("idle-pause", ftvm_vmm::IdlePause::VALUES),
+            ("priority", liveness::Priority::VALUES),
+            ("disk-io", ftvm_vmm::devices::virtio::block::DiskIo::VALUES),
+            ("net-offload", ftvm_vmm::devices::virtio::net::NetOffload::VALUES),
+        ];
+        let table: Vec<&Switch> = SWITCHES.iter().chain([&DISK_IO]).collect();
+        let depth = table.iter().find(|s| s.name == "pipeline-depth").expect("pipeline-depth is measured");
+        assert_eq!(depth.values[0].0, ftvm_replication::DEFAULT_PIPELINE_DEPTH.to_string());
+        for (name, values) in declared {
+            let Some(switch) = table.iter().find(|s| s.name == *name) else {
+                panic!("switch {name} is not in the ablation");
+            };
+            let measured: Vec<&str> = switch.values.iter().map(|(v, _)| *v).collect();
+            assert_eq!(measured[0], values[0], "{name}: the default comes first");
+            for v in *values {
+                assert!(measured.contains(v), "{name}: value {v} is not measured");
+            }
+        }
+    }
+
+    #[test]
+    fn switches_select_the_settings_and_combinations_that_name_them() {
+        let only = ["diff".to_owned()];
+        assert!(wanted(None, "diff=lz4"));
+        assert!(wanted(Some(&only), "diff=lz4"));
+        assert!(wanted(Some(&only), "predict-writes=adaptive diff=lz4"));
+        assert!(!wanted(Some(&only), "capture=cow"));
+        assert!(!wanted(Some(&only), "disk-io="));
+        assert!(selected(Some(&only)).iter().all(|(s, _)| s.contains("diff=")));
+    }
+}
