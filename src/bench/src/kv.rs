@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
-use ftvm_testkit::topology::{Topology, H2_REPL_ADDR};
+use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR};
 
 use crate::paths::sibling_binary;
 use crate::redis_benchmark::{self, Figures};
@@ -29,8 +29,6 @@ use crate::threads;
 
 type BoxError = Box<dyn std::error::Error>;
 
-const GUEST_ADDR: &str = "10.0.0.2";
-const GUEST_MAC: &str = "52:54:00:12:34:56";
 const NATIVE_ADDR: &str = "10.0.0.3";
 const PORT: &str = "6379";
 
@@ -218,18 +216,8 @@ fn benchmark(topo: &Topology, addr: &str, opts: &Options, pipeline: u32) -> Resu
 /// One redis-benchmark run of `test` (SET or GET) against `addr`: one test
 /// per run, so that the CPU time around it is that test's.
 fn benchmark_one(topo: &Topology, addr: &str, opts: &Options, pipeline: u32, test: &str) -> Result<Figures, BoxError> {
-    let out = topo
-        .command("client", "timeout")
-        .args(["300", "redis-benchmark", "-h", addr, "-p", PORT, "-t", &test.to_lowercase(), "--csv"])
-        .args(["-n", &opts.requests.to_string(), "-c", &opts.clients.to_string(), "-P", &pipeline.to_string()])
-        .stdin(Stdio::null())
-        .output()?;
-    let all = text(&out);
-    if !out.status.success() || all.to_lowercase().contains("error") {
-        return Err(format!("redis-benchmark against {addr} failed ({}): {all}", out.status).into());
-    }
-    let rows = redis_benchmark::parse(&String::from_utf8_lossy(&out.stdout))?;
-    rows.iter().find(|f| f.test == test).cloned().ok_or_else(|| format!("no {test} line: {all}").into())
+    let args = ["-n".into(), opts.requests.to_string(), "-c".into(), opts.clients.to_string(), "-P".into(), pipeline.to_string()];
+    Ok(redis_benchmark::run(topo, addr, &[test], &args)?.remove(0))
 }
 
 /// One unmeasured run at the deepest pipeline: a fresh server first grows

@@ -1,4 +1,9 @@
-//! redis-benchmark's `--csv` output, as the kv and ft benchmarks read it.
+//! redis-benchmark's `--csv` output, as the kv and ft benchmarks read it,
+//! and one run of it from a topology's client namespace.
+
+use std::process::Stdio;
+
+use ftvm_testkit::topology::Topology;
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -27,6 +32,26 @@ pub fn parse(csv: &str) -> Result<Vec<Figures>, BoxError> {
         rows.push(Figures { test: cols[0].clone(), rps: num(rps)?, p50_ms: num(p50)?, p99_ms: num(p99)? });
     }
     Ok(rows)
+}
+
+/// redis-benchmark from `topo`'s client namespace against `host` port
+/// 6379, given up after 300 s: `tests` (SET, GET), with `args` (counts,
+/// connections, depth). Their lines, in the order asked; a failed run, one
+/// that printed an error, or a missing line is an error carrying all it
+/// printed.
+pub fn run(topo: &Topology, host: &str, tests: &[&str], args: &[String]) -> Result<Vec<Figures>, BoxError> {
+    let out = topo
+        .command("client", "timeout")
+        .args(["300", "redis-benchmark", "-h", host, "-p", "6379", "-t", &tests.join(",").to_lowercase(), "--csv"])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()?;
+    let all = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() || all.to_lowercase().contains("error") {
+        return Err(format!("redis-benchmark against {host} failed ({}): {all}", out.status).into());
+    }
+    let rows = parse(&String::from_utf8_lossy(&out.stdout))?;
+    tests.iter().map(|t| rows.iter().find(|f| f.test == *t).cloned().ok_or_else(|| format!("no {t} line: {all}").into())).collect()
 }
 
 #[cfg(test)]

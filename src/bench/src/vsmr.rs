@@ -15,12 +15,12 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
-use ftvm_testkit::topology::{Topology, H1_REPL_ADDR, H2_REPL_ADDR};
+use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H1_REPL_ADDR, H2_REPL_ADDR};
 
 use crate::cores::Cores;
 use crate::ft::failover::Clients;
@@ -30,10 +30,6 @@ use crate::report::{self, Row};
 use crate::threads;
 
 type BoxError = Box<dyn std::error::Error>;
-
-const GUEST_ADDR: &str = "10.0.0.2";
-const GUEST_MAC: &str = "52:54:00:12:34:56";
-const PORT: &str = "6379";
 
 #[derive(clap::Args)]
 pub struct Options {
@@ -145,10 +141,6 @@ impl Setup {
         }
         Ok(())
     }
-}
-
-fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
 fn start(topo: &Topology, ftvm: &Path, dir: &Scratch, mode: Mode, opts: &Options) -> Result<Setup, BoxError> {
@@ -267,20 +259,12 @@ fn wait_serving(topo: &Topology, setup: &mut Setup) -> Result<(), BoxError> {
 }
 
 fn benchmark(topo: &Topology, opts: &Options, pipeline: u32) -> Result<(Figures, Figures), BoxError> {
-    let out = topo
-        .command("client", "timeout")
-        .args(["300", "redis-benchmark", "-h", GUEST_ADDR, "-p", PORT, "-t", "set,get", "--csv"])
-        .args(["-n", &opts.requests.to_string(), "-c", &opts.clients.to_string(), "-P", &pipeline.to_string()])
-        .args(if opts.keyspace > 0 { vec!["-r".to_string(), opts.keyspace.to_string()] } else { Vec::new() })
-        .stdin(Stdio::null())
-        .output()?;
-    let all = text(&out);
-    if !out.status.success() || all.to_lowercase().contains("error") {
-        return Err(format!("redis-benchmark failed ({}): {all}", out.status).into());
+    let mut args = vec!["-n".into(), opts.requests.to_string(), "-c".into(), opts.clients.to_string(), "-P".into(), pipeline.to_string()];
+    if opts.keyspace > 0 {
+        args.extend(["-r".into(), opts.keyspace.to_string()]);
     }
-    let rows = redis_benchmark::parse(&String::from_utf8_lossy(&out.stdout))?;
-    let find = |t: &str| rows.iter().find(|f| f.test == t).cloned().ok_or_else(|| format!("no {t} line: {all}"));
-    Ok((find("SET")?, find("GET")?))
+    let [set, get]: [Figures; 2] = redis_benchmark::run(topo, GUEST_ADDR, &["SET", "GET"], &args)?.try_into().expect("a line per test");
+    Ok((set, get))
 }
 
 /// Sums over the metrics lines written so far: (bytes, dirty, divergent,

@@ -8,7 +8,7 @@ use std::path::Path;
 use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::Topology;
 
-use super::runs::{self, BoxError, EpochMeans, Replicated};
+use super::runs::{self, BoxError, EpochMeans, Figure, Replicated, COPY_FIGURES};
 use super::switches::{self, DISK_IO, SWITCHES};
 use super::Options;
 use crate::report::{self, Row};
@@ -55,36 +55,46 @@ pub fn long_help() -> String {
     )
 }
 
+/// The per-epoch figures of every run, around `COPY_FIGURES`.
+const PAUSE: &[Figure] = &[("pause", |m| m.pause_us, "us")];
+const COSTS: &[Figure] = &[
+    ("pause to ack", |m| m.pause_to_ack_us() / 1e3, "ms"),
+    ("bytes/epoch", |m| m.bytes, "bytes"),
+    ("bytes per dirty-page byte", EpochMeans::bytes_per_dirty_byte, "ratio"),
+    ("diff bytes saved/epoch", |m| m.diff_bytes_saved, "bytes"),
+    ("state bytes/epoch", |m| m.state_bytes, "bytes"),
+    ("fake-acked bytes carried/epoch", |m| m.fake_ack_sent_bytes, "bytes"),
+    ("encode/page", EpochMeans::encode_ns_per_page, "ns"),
+];
+/// The output hold and its steps, for workloads with network output.
+const HOLD: &[Figure] = &[
+    ("output hold", |m| m.hold_us / 1e3, "ms"),
+    ("hold: waiting for the trigger", |m| m.wait_us / 1e3, "ms"),
+    ("hold: stopping the VM", |m| m.stop_us / 1e3, "ms"),
+    ("hold: resume to ack", |m| m.ack_us / 1e3, "ms"),
+    ("hold: release", |m| m.release_us / 1e3, "ms"),
+];
+/// What `--disk-io` adds: a pause waits for the device threads in
+/// `stop_us`, before `pause_us` counts.
+const DISK_FIGURES: &[Figure] = &[
+    ("pause p99", |m| m.pause_p99_us, "us"),
+    ("stop", |m| m.stop_us, "us"),
+    ("stop p99", |m| m.stop_p99_us, "us"),
+    ("disk requests in flight/checkpoint", |m| m.disk_pending, "requests"),
+];
+
 /// The rows of one replicated run: its throughput figures against the
 /// unreplicated ones, then its per-epoch figures (with the output hold if
 /// the workload has network output).
 fn rows_of(group: &str, workload: &str, e: u64, figures: &[(String, f64, &'static str, f64)], m: &EpochMeans, output: bool) -> Vec<Row> {
-    let row = |figure: &str, value, unit, reference| Row {
-        group: group.to_owned(),
-        case: format!("{workload}, epoch {e} ms: {figure}"),
-        value,
-        unit,
-        reference,
-    };
-    let mut rows: Vec<Row> = figures.iter().map(|(f, v, unit, r)| row(f, *v, unit, Some(*r))).collect();
-    rows.push(row("pause", m.pause_us, "us", None));
-    rows.push(row("dirty pages/epoch", m.dirty_pages, "pages", None));
-    rows.push(row("stop-and-copy pages/epoch", m.commit_pages, "pages", None));
-    rows.push(row("prefetched pages/epoch", m.prefetched_pages, "pages", None));
-    rows.push(row("prefetch wasted/epoch", m.prefetch_wasted, "pages", None));
-    rows.push(row("pause to ack", m.pause_to_ack_us() / 1e3, "ms", None));
-    rows.push(row("bytes/epoch", m.bytes, "bytes", None));
-    rows.push(row("bytes per dirty-page byte", m.bytes_per_dirty_byte(), "ratio", None));
-    rows.push(row("diff bytes saved/epoch", m.diff_bytes_saved, "bytes", None));
-    rows.push(row("state bytes/epoch", m.state_bytes, "bytes", None));
-    rows.push(row("fake-acked bytes carried/epoch", m.fake_ack_sent_bytes, "bytes", None));
-    rows.push(row("encode/page", m.encode_ns_per_page(), "ns", None));
-    if output {
-        rows.push(row("output hold", m.hold_us / 1e3, "ms", None));
-        rows.push(row("hold: waiting for the trigger", m.wait_us / 1e3, "ms", None));
-        rows.push(row("hold: stopping the VM", m.stop_us / 1e3, "ms", None));
-        rows.push(row("hold: resume to ack", m.ack_us / 1e3, "ms", None));
-        rows.push(row("hold: release", m.release_us / 1e3, "ms", None));
+    let case = format!("{workload}, epoch {e} ms");
+    let mut rows: Vec<Row> = figures
+        .iter()
+        .map(|(f, v, unit, r)| Row { group: group.to_owned(), case: format!("{case}: {f}"), value: *v, unit, reference: Some(*r) })
+        .collect();
+    let hold = if output { HOLD } else { &[] };
+    for part in [PAUSE, &COPY_FIGURES, COSTS, hold] {
+        rows.extend(runs::figure_rows(group, &case, m, part));
     }
     rows
 }
@@ -207,18 +217,7 @@ fn disk_io_workload(
             }
             let group = format!("{}={value}", DISK_IO.name);
             rows.extend(rows_of(&group, &workload, e, &figures, &m, true));
-            let row = |figure: &str, value, unit| Row {
-                group: group.clone(),
-                case: format!("{workload}, epoch {e} ms: {figure}"),
-                value,
-                unit,
-                reference: None,
-            };
-            rows.push(row("pause p99", m.pause_p99_us, "us"));
-            // A pause waits for the device threads in `stop_us`, before `pause_us` counts.
-            rows.push(row("stop", m.stop_us, "us"));
-            rows.push(row("stop p99", m.stop_p99_us, "us"));
-            rows.push(row("disk requests in flight/checkpoint", m.disk_pending, "requests"));
+            rows.extend(runs::figure_rows(&group, &format!("{workload}, epoch {e} ms"), &m, DISK_FIGURES));
         }
     }
     Ok(rows)

@@ -7,10 +7,21 @@ use std::path::Path;
 
 use ftvm_testkit::scratch::Scratch;
 
-use super::runs::{self, BoxError, Replicated};
+use super::runs::{self, BoxError, Figure, Replicated, COPY_FIGURES};
 use super::switches;
 use super::Options;
 use crate::report::{self, Row};
+
+/// The per-epoch figures of every case, around `COPY_FIGURES`.
+const PAUSES: &[Figure] = &[("pause mean", |m| m.pause_us, "us"), ("pause p99", |m| m.pause_p99_us, "us")];
+const AFTER_COPY: &[Figure] = &[
+    // Every byte of the epoch on the link, early or late.
+    ("bytes/epoch", |m| m.bytes, "bytes"),
+    ("pause to ack", |m| m.pause_to_ack_us() / 1e3, "ms"),
+    ("first writes/epoch", |m| m.first_writes, "pages"),
+    ("left writable/epoch", |m| m.predicted, "pages"),
+    ("fake dirty filtered/epoch", |m| m.fake_dirty, "pages"),
+];
 
 /// The epochs measured unless `--epochs` says otherwise.
 const EPOCHS_MS: [u64; 2] = [20, 100];
@@ -48,26 +59,17 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                     for &e in &epochs {
                         let (rate, m) = runs::memtouch_on(vcpus, &cmdline, Some(Replicated { epoch_ms: e, args }), scratch)?;
                         let m = m.unwrap_or_default();
-                        let row = |figure: &str, value, unit, reference| Row {
+                        let case = format!("{workload}, epoch {e} ms");
+                        rows.push(Row {
                             group: setting.clone(),
-                            case: format!("{workload}, epoch {e} ms: {figure}"),
-                            value,
-                            unit,
-                            reference,
-                        };
-                        rows.push(row("writes/s", rate, "writes/s", Some(base)));
-                        rows.push(row("pause mean", m.pause_us, "us", None));
-                        rows.push(row("pause p99", m.pause_p99_us, "us", None));
-                        rows.push(row("dirty pages/epoch", m.dirty_pages, "pages", None));
-                        rows.push(row("stop-and-copy pages/epoch", m.commit_pages, "pages", None));
-                        rows.push(row("prefetched pages/epoch", m.prefetched_pages, "pages", None));
-                        rows.push(row("prefetch wasted/epoch", m.prefetch_wasted, "pages", None));
-                        // Every byte of the epoch on the link, early or late.
-                        rows.push(row("bytes/epoch", m.bytes, "bytes", None));
-                        rows.push(row("pause to ack", m.pause_to_ack_us() / 1e3, "ms", None));
-                        rows.push(row("first writes/epoch", m.first_writes, "pages", None));
-                        rows.push(row("left writable/epoch", m.predicted, "pages", None));
-                        rows.push(row("fake dirty filtered/epoch", m.fake_dirty, "pages", None));
+                            case: format!("{case}: writes/s"),
+                            value: rate,
+                            unit: "writes/s",
+                            reference: Some(base),
+                        });
+                        for part in [PAUSES, &COPY_FIGURES, AFTER_COPY] {
+                            rows.extend(runs::figure_rows(setting, &case, &m, part));
+                        }
                     }
                 }
             }

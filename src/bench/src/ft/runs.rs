@@ -15,6 +15,7 @@ use ftvm_vmm::memory::PAGE;
 
 use crate::paths;
 use crate::redis_benchmark::{self, Figures};
+use crate::report::Row;
 
 pub type BoxError = Box<dyn std::error::Error>;
 
@@ -91,6 +92,33 @@ impl EpochMeans {
     pub fn encode_ns_per_page(&self) -> f64 {
         self.encode_ns / self.commit_pages.max(1.0)
     }
+}
+
+/// One per-epoch figure of a replicated run: its name in the table, its
+/// value among the means, its unit.
+pub type Figure = (&'static str, fn(&EpochMeans) -> f64, &'static str);
+
+/// Where the dirty pages went: reported by the ablation and its matrix alike.
+pub const COPY_FIGURES: [Figure; 4] = [
+    ("dirty pages/epoch", |m| m.dirty_pages, "pages"),
+    ("stop-and-copy pages/epoch", |m| m.commit_pages, "pages"),
+    ("prefetched pages/epoch", |m| m.prefetched_pages, "pages"),
+    ("prefetch wasted/epoch", |m| m.prefetch_wasted, "pages"),
+];
+
+/// `figures` of `m` as rows of `group`, each named "`case`: figure", with
+/// no reference (per-epoch figures have no unreplicated counterpart).
+pub fn figure_rows(group: &str, case: &str, m: &EpochMeans, figures: &[Figure]) -> Vec<Row> {
+    figures
+        .iter()
+        .map(|(figure, value, unit)| Row {
+            group: group.to_owned(),
+            case: format!("{case}: {figure}"),
+            value: value(m),
+            unit,
+            reference: None,
+        })
+        .collect()
 }
 
 fn ftvm_bin() -> PathBuf {

@@ -14,7 +14,7 @@ use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::Topology;
 
 use super::failover;
-use super::runs::{self, BoxError, EpochMeans, Replicated};
+use super::runs::{self, BoxError, EpochMeans, Figure, Replicated};
 use super::Options;
 use crate::report::{self, Row};
 
@@ -74,23 +74,35 @@ fn bulk_settings(settings: &[Setting]) -> Vec<Setting> {
     extra
 }
 
+/// The per-epoch figures of every run.
+const EPOCH: &[Figure] = &[
+    ("epoch length", |m| m.epoch_us / 1e3, "ms"),
+    ("pause", |m| m.pause_us, "us"),
+    ("dirty pages/epoch", |m| m.dirty_pages, "pages"),
+    ("bytes/epoch", |m| m.bytes, "bytes"),
+];
+/// The output hold and its steps, for workloads with network output: about
+/// wait + stop + pause + ack, then the release.
+const HOLD: &[Figure] = &[
+    ("output hold", |m| m.hold_us / 1e3, "ms"),
+    ("started by output", |m| m.output_share, "share"),
+    ("hold: wait for the trigger", |m| m.wait_us, "us"),
+    ("hold: stopping the VM", |m| m.stop_us, "us"),
+    ("hold: resume to ack", |m| m.ack_us, "us"),
+    ("hold: release after ack", |m| m.release_us, "us"),
+];
+/// What the fake-ACK proxy adds to a checkpoint.
+const FAKE_ACK: &[Figure] = &[
+    ("fake-acked bytes stored at a checkpoint", |m| m.fake_ack_bytes, "bytes"),
+    ("fake-acked bytes carried by a checkpoint", |m| m.fake_ack_sent_bytes, "bytes"),
+    ("state bytes/epoch", |m| m.state_bytes, "bytes"),
+];
+
 /// Per-epoch rows of one replicated run.
 fn epoch_rows(group: &str, setting: &str, m: &EpochMeans, output: bool) -> Vec<Row> {
-    let row = |case: &str, value, unit| Row { group: group.to_owned(), case: format!("{setting}: {case}"), value, unit, reference: None };
-    let mut rows = vec![
-        row("epoch length", m.epoch_us / 1e3, "ms"),
-        row("pause", m.pause_us, "us"),
-        row("dirty pages/epoch", m.dirty_pages, "pages"),
-        row("bytes/epoch", m.bytes, "bytes"),
-    ];
+    let mut rows = runs::figure_rows(group, setting, m, EPOCH);
     if output {
-        rows.push(row("output hold", m.hold_us / 1e3, "ms"));
-        rows.push(row("started by output", m.output_share, "share"));
-        // The hold's steps: about wait + stop + pause + ack, then the release.
-        rows.push(row("hold: wait for the trigger", m.wait_us, "us"));
-        rows.push(row("hold: stopping the VM", m.stop_us, "us"));
-        rows.push(row("hold: resume to ack", m.ack_us, "us"));
-        rows.push(row("hold: release after ack", m.release_us, "us"));
+        rows.extend(runs::figure_rows(group, setting, m, HOLD));
     }
     rows
 }
@@ -170,16 +182,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             let means = runs::epoch_means(&metrics);
             rows.extend(epoch_rows(&group, &s.name, &means, true));
             if s.args.contains(&"--fake-ack") {
-                let row = |case: &str, value, unit| Row {
-                    group: group.clone(),
-                    case: format!("{}: {case}", s.name),
-                    value,
-                    unit,
-                    reference: None,
-                };
-                rows.push(row("fake-acked bytes stored at a checkpoint", means.fake_ack_bytes, "bytes"));
-                rows.push(row("fake-acked bytes carried by a checkpoint", means.fake_ack_sent_bytes, "bytes"));
-                rows.push(row("state bytes/epoch", means.state_bytes, "bytes"));
+                rows.extend(runs::figure_rows(&group, &s.name, &means, FAKE_ACK));
             }
         }
         for &e in epochs.iter().filter(|_| !opts.bulk_only) {
