@@ -70,77 +70,40 @@ pub trait ConsoleSink: Send + Sync {
     fn write(&self, bytes: &[u8]);
 }
 
-type Slot<T> = RwLock<Option<Arc<T>>>;
+/// Declares `Hooks` with one slot per hook, and for each `NAME()` that
+/// reads it and `set_NAME(..)` that installs (`Some`) or removes (`None`) it.
+macro_rules! hooks {
+    ($($(#[$doc:meta])* $name:ident, $set:ident: $hook:ident;)*) => {
+        /// The hooks of one VM; each may be installed or removed at any time.
+        #[derive(Default)]
+        pub struct Hooks {
+            $($name: RwLock<Option<Arc<dyn $hook>>>,)*
+        }
 
-fn get<T: ?Sized>(slot: &Slot<T>) -> Option<Arc<T>> {
-    slot.read_locked().clone()
+        impl Hooks {
+            $(
+                $(#[$doc])*
+                pub fn $set(&self, hook: Option<Arc<dyn $hook>>) {
+                    *self.$name.write_locked() = hook;
+                }
+
+                pub fn $name(&self) -> Option<Arc<dyn $hook>> {
+                    self.$name.read_locked().clone()
+                }
+            )*
+        }
+    };
 }
 
-fn set<T: ?Sized>(slot: &Slot<T>, value: Option<Arc<T>>) {
-    *slot.write_locked() = value;
-}
-
-/// The hooks of one VM; each may be installed or removed at any time.
-#[derive(Default)]
-pub struct Hooks {
-    tx: Slot<dyn FrameSink>,
-    disk_writes: Slot<dyn DiskWriteObserver>,
-    host_input: Slot<dyn HostInputFilter>,
-    guest_proxy: Slot<dyn GuestProxy>,
-    idle: Slot<dyn IdleObserver>,
-    console: Slot<dyn ConsoleSink>,
-}
-
-impl Hooks {
-    /// Frames the guest sends go to `sink` instead of straight to the TAP.
-    pub fn set_tx(&self, sink: Option<Arc<dyn FrameSink>>) {
-        set(&self.tx, sink);
-    }
-
-    pub fn tx(&self) -> Option<Arc<dyn FrameSink>> {
-        get(&self.tx)
-    }
-
-    pub fn set_disk_writes(&self, observer: Option<Arc<dyn DiskWriteObserver>>) {
-        set(&self.disk_writes, observer);
-    }
-
-    pub fn disk_writes(&self) -> Option<Arc<dyn DiskWriteObserver>> {
-        get(&self.disk_writes)
-    }
-
-    pub fn set_host_input(&self, filter: Option<Arc<dyn HostInputFilter>>) {
-        set(&self.host_input, filter);
-    }
-
-    pub fn host_input(&self) -> Option<Arc<dyn HostInputFilter>> {
-        get(&self.host_input)
-    }
-
-    pub fn set_guest_proxy(&self, proxy: Option<Arc<dyn GuestProxy>>) {
-        set(&self.guest_proxy, proxy);
-    }
-
-    pub fn guest_proxy(&self) -> Option<Arc<dyn GuestProxy>> {
-        get(&self.guest_proxy)
-    }
-
-    /// Guest console output goes to `sink` instead of the VM's console.
-    pub fn set_console(&self, sink: Option<Arc<dyn ConsoleSink>>) {
-        set(&self.console, sink);
-    }
-
-    pub fn console(&self) -> Option<Arc<dyn ConsoleSink>> {
-        get(&self.console)
-    }
-
-    pub fn set_idle(&self, observer: Option<Arc<dyn IdleObserver>>) {
-        set(&self.idle, observer);
-    }
-
-    pub fn idle(&self) -> Option<Arc<dyn IdleObserver>> {
-        get(&self.idle)
-    }
+hooks! {
+    /// Frames the guest sends go to the hook instead of straight to the TAP.
+    tx, set_tx: FrameSink;
+    disk_writes, set_disk_writes: DiskWriteObserver;
+    host_input, set_host_input: HostInputFilter;
+    guest_proxy, set_guest_proxy: GuestProxy;
+    idle, set_idle: IdleObserver;
+    /// Guest console output goes to the hook instead of the VM's console.
+    console, set_console: ConsoleSink;
 }
 
 /// A console sink chosen when the VM is built.

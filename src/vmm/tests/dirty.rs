@@ -2,6 +2,7 @@
 //! the guest wrote, plus the pages the VMM wrote.
 
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 
 use ftvm_vmm::{Console, DirtyBackend, PageBitmap, Vm, VmConfig, VmExit};
 use vm_memory::{Bytes, GuestAddress};
@@ -20,19 +21,31 @@ fn field(text: &str, key: &str) -> u64 {
     }
 }
 
+/// A VM with `backend` tracking dirty pages from before its first
+/// instruction, running `cmdline` on `image`; and its console output.
+fn start_tracked(backend: DirtyBackend, mem_size: u64, vcpus: u32, image_name: &str, cmdline: &str) -> (Vm, Arc<Mutex<Vec<u8>>>) {
+    let (console, out) = Console::capture();
+    let config = VmConfig { mem_size, vcpus, dirty_backend: backend, console, ..Default::default() };
+    let vm = Vm::new(config).unwrap();
+    vm.boot(&image(image_name), cmdline).unwrap();
+    vm.start_dirty_tracking().unwrap();
+    vm.start().unwrap();
+    (vm, out)
+}
+
+/// Waits for the probe's dirty run to exit cleanly: the first page it wrote.
+fn probe_base_page(vm: &Vm, out: &Mutex<Vec<u8>>, backend: DirtyBackend) -> u64 {
+    assert_eq!(vm.wait(), VmExit::Exited(0), "{backend}");
+    let text = String::from_utf8(out.lock().unwrap().clone()).unwrap();
+    field(&text, "base=") / 4096
+}
+
 fn check_backend(backend: DirtyBackend) {
     // 20000 writes overflow a 16384-entry ring, so ring-full exits are
     // exercised too.
     let (stride, count) = (2u64, 20_000u64);
-    let (console, out) = Console::capture();
-    let config = VmConfig { mem_size: 256 << 20, vcpus: 1, dirty_backend: backend, console, ..Default::default() };
-    let vm = Vm::new(config).unwrap();
-    vm.boot(&image("probe"), &format!("dirty={stride},{count}")).unwrap();
-    vm.start_dirty_tracking().unwrap();
-    vm.start().unwrap();
-    assert_eq!(vm.wait(), VmExit::Exited(0), "{backend}");
-    let text = String::from_utf8(out.lock().unwrap().clone()).unwrap();
-    let base_page = field(&text, "base=") / 4096;
+    let (vm, out) = start_tracked(backend, 256 << 20, 1, "probe", &format!("dirty={stride},{count}"));
+    let base_page = probe_base_page(&vm, &out, backend);
     let pages = vm.ram().pages();
 
     let none = PageBitmap::new(pages);
@@ -65,15 +78,8 @@ fn check_backend(backend: DirtyBackend) {
 #[test]
 fn pages_left_writable_are_reported_again() {
     for backend in [DirtyBackend::Bitmap, DirtyBackend::Ring] {
-        let (console, out) = Console::capture();
-        let config = VmConfig { mem_size: 64 << 20, vcpus: 1, dirty_backend: backend, console, ..Default::default() };
-        let vm = Vm::new(config).unwrap();
-        vm.boot(&image("probe"), "dirty=1,32").unwrap();
-        vm.start_dirty_tracking().unwrap();
-        vm.start().unwrap();
-        assert_eq!(vm.wait(), VmExit::Exited(0));
-        let text = String::from_utf8(out.lock().unwrap().clone()).unwrap();
-        let base = field(&text, "base=") / 4096;
+        let (vm, out) = start_tracked(backend, 64 << 20, 1, "probe", "dirty=1,32");
+        let base = probe_base_page(&vm, &out, backend);
         let pages = vm.ram().pages();
         let mut keep = PageBitmap::new(pages);
         keep.set(base);
@@ -107,12 +113,7 @@ fn ring_backend_reports_exactly_the_written_pages() {
 #[test]
 fn tracking_rearms_between_collections_of_a_running_guest() {
     for backend in [DirtyBackend::Bitmap, DirtyBackend::Ring] {
-        let (console, _out) = Console::capture();
-        let config = VmConfig { mem_size: 64 << 20, vcpus: 2, dirty_backend: backend, console, ..Default::default() };
-        let vm = Vm::new(config).unwrap();
-        vm.boot(&image("memtouch"), "ws=4M pattern=seq duration=3s report=0").unwrap();
-        vm.start_dirty_tracking().unwrap();
-        vm.start().unwrap();
+        let (vm, _out) = start_tracked(backend, 64 << 20, 2, "memtouch", "ws=4M pattern=seq duration=3s report=0");
         std::thread::sleep(std::time::Duration::from_millis(300));
         let mut counts = Vec::new();
         for _ in 0..3 {

@@ -289,6 +289,7 @@ mod tests {
     use super::*;
     use crate::devices::virtio::test_util::{guest_ram, offer_block_request, pattern, read_reg, write_reg, Driver, TempDisk, NO_STATUS};
     use crate::hooks::Hooks;
+    use crate::memory::GuestRam;
 
     const DISK_SECTORS: u64 = 8;
     // What a virtio-blk transport offers: the disk's flush, and the
@@ -303,6 +304,14 @@ mod tests {
 
     fn transport(disk: &TempDisk) -> MmioTransport {
         disk.transport(Arc::new(Hooks::default()))
+    }
+
+    /// A transport on `disk` that a driver in `ram` has negotiated and set up.
+    fn started<'m>(ram: &'m GuestRam, disk: &TempDisk) -> (MmioTransport, Driver<'m>) {
+        let mut transport = transport(disk);
+        let driver = Driver::new(ram.memory());
+        driver.start(&mut transport);
+        (transport, driver)
     }
 
     fn saved_registers(transport: &MmioTransport) -> TransportState {
@@ -395,8 +404,7 @@ mod tests {
     fn feature_acks_are_ignored_once_the_driver_is_ok() {
         let ram = guest_ram();
         let disk = disk();
-        let mut transport = transport(&disk);
-        Driver::new(ram.memory()).start(&mut transport);
+        let (mut transport, _) = started(&ram, &disk);
         let negotiated = saved_registers(&transport).acked_features;
         assert_eq!(negotiated, FLUSH | EVENT_IDX | VERSION_1);
         ack_half(&mut transport, 0, 0);
@@ -438,8 +446,7 @@ mod tests {
     fn queue_setup_is_ignored_once_the_driver_is_ok() {
         let ram = guest_ram();
         let disk = disk();
-        let mut transport = transport(&disk);
-        Driver::new(ram.memory()).start(&mut transport);
+        let (mut transport, _) = started(&ram, &disk);
         let running = saved_registers(&transport).queues;
         assert!(running[0].ready);
         write_reg(&mut transport, REG_QUEUE_SEL, 0);
@@ -455,9 +462,7 @@ mod tests {
     fn status_zero_resets_registers_and_queues() {
         let ram = guest_ram();
         let disk = disk();
-        let mut transport = transport(&disk);
-        let mut driver = Driver::new(ram.memory());
-        driver.start(&mut transport);
+        let (mut transport, mut driver) = started(&ram, &disk);
         offer_block_request(&mut driver, blk::VIRTIO_BLK_T_FLUSH, 0, &[]);
         assert!(transport.process_queue(0, ram.memory()).expect("flush served"));
         let before = saved_registers(&transport);
@@ -479,9 +484,7 @@ mod tests {
         let ram = guest_ram();
         let disk = disk();
         let before = disk.contents();
-        let mut transport = transport(&disk);
-        let mut driver = Driver::new(ram.memory());
-        driver.start(&mut transport);
+        let (mut transport, mut driver) = started(&ram, &disk);
         let status_before = read_reg(&transport, REG_STATUS);
         let data = driver.readable(&pattern(512, 7));
         let write = offer_block_request(&mut driver, blk::VIRTIO_BLK_T_OUT, 0, &[data]);
@@ -513,8 +516,7 @@ mod tests {
     fn unknown_and_write_only_registers_read_zero() {
         let ram = guest_ram();
         let disk = disk();
-        let mut transport = transport(&disk);
-        Driver::new(ram.memory()).start(&mut transport);
+        let (mut transport, _) = started(&ram, &disk);
         let registers = saved_registers(&transport);
         // 0x18, 0x28, 0x3c and 0x40 are holes or legacy (version 1) registers.
         for offset in [0x18, 0x28, 0x3c, 0x40, 0xf0] {
@@ -535,9 +537,7 @@ mod tests {
     fn a_restored_transport_matches_the_saved_one_and_carries_on() {
         let ram = guest_ram();
         let disk = disk();
-        let mut original = transport(&disk);
-        let mut driver = Driver::new(ram.memory());
-        driver.start(&mut original);
+        let (mut original, mut driver) = started(&ram, &disk);
         let written = pattern(512, 9);
         let data = driver.readable(&written);
         offer_block_request(&mut driver, blk::VIRTIO_BLK_T_OUT, 1, &[data]);

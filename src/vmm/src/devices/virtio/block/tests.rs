@@ -41,6 +41,14 @@ impl DiskWriteObserver for WriteLog {
 /// Both ways of running the disk's I/O.
 const MODES: [DiskIo; 2] = [DiskIo::Sync, DiskIo::Async];
 
+/// Runs `test` on a fresh rig in each of `MODES`.
+fn in_every_mode(test: impl Fn(&mut Rig, DiskIo)) {
+    for io in MODES {
+        let ram = guest_ram();
+        test(&mut Rig::with(&ram, io), io);
+    }
+}
+
 /// A running virtio-blk device on a patterned disk image, with the
 /// driver side of its queue and a log of the disk-write hook.
 struct Rig<'m> {
@@ -117,16 +125,14 @@ impl<'m> Rig<'m> {
 
 #[test]
 fn a_write_lands_in_the_disk_image() {
-    for io in MODES {
-        let ram = guest_ram();
-        let mut rig = Rig::with(&ram, io);
+    in_every_mode(|rig, _| {
         let data = pattern(2 * SECTOR as usize, 50);
         let buf = rig.driver.readable(&data);
         assert_eq!(rig.serve(REQ_OUT, 2, &[buf]), STATUS_OK);
         assert_eq!(rig.disk.contents(), contents_after_write(2, &data));
         // Only the status byte was written into guest buffers.
         assert_eq!(rig.driver.used(), [(0, 1)]);
-    }
+    });
 }
 
 #[test]
@@ -151,34 +157,28 @@ fn requests_wait_in_the_queue_while_the_write_hook_asks_to() {
 
 #[test]
 fn a_read_returns_the_disk_bytes() {
-    for io in MODES {
-        let ram = guest_ram();
-        let mut rig = Rig::with(&ram, io);
+    in_every_mode(|rig, _| {
         let buf = rig.driver.writable(2 * SECTOR as u32, 0xaa);
         assert_eq!(rig.serve(REQ_IN, 3, &[buf]), STATUS_OK);
         assert_eq!(rig.driver.bytes(buf), original_contents()[3 * 512..5 * 512]);
         assert_eq!(rig.driver.used(), [(0, 2 * SECTOR as u32 + 1)]);
-    }
+    });
 }
 
 #[test]
 fn a_read_over_several_buffers_fills_them_in_order() {
-    for io in MODES {
-        let ram = guest_ram();
-        let mut rig = Rig::with(&ram, io);
+    in_every_mode(|rig, _| {
         let first = rig.driver.writable(SECTOR as u32, 0xaa);
         let second = rig.driver.writable(SECTOR as u32, 0xaa);
         assert_eq!(rig.serve(REQ_IN, 6, &[first, second]), STATUS_OK);
         assert_eq!(rig.driver.bytes(first), original_contents()[6 * 512..7 * 512]);
         assert_eq!(rig.driver.bytes(second), original_contents()[7 * 512..8 * 512]);
-    }
+    });
 }
 
 #[test]
 fn requests_outside_the_disk_fail_and_change_nothing() {
-    for io in MODES {
-        let ram = guest_ram();
-        let mut rig = Rig::with(&ram, io);
+    in_every_mode(|rig, _| {
         let two_sectors = rig.driver.readable(&pattern(2 * SECTOR as usize, 50));
         let half_sector = rig.driver.readable(&pattern(SECTOR as usize / 2, 50));
         let read_into = rig.driver.writable(SECTOR as u32, 0xaa);
@@ -195,14 +195,12 @@ fn requests_outside_the_disk_fail_and_change_nothing() {
         assert_eq!(rig.driver.bytes(read_into), vec![0xaa; SECTOR as usize]);
         // Each failure wrote its status byte and nothing else.
         assert!(rig.driver.used().iter().all(|&(_, len)| len == 1), "{:?}", rig.driver.used());
-    }
+    });
 }
 
 #[test]
 fn get_id_returns_the_disk_id() {
-    for io in MODES {
-        let ram = guest_ram();
-        let mut rig = Rig::with(&ram, io);
+    in_every_mode(|rig, _| {
         let buf = rig.driver.writable(ID_LEN as u32, 0xaa);
         assert_eq!(rig.serve(REQ_GET_ID, 0, &[buf]), STATUS_OK);
         // The id is derived from the image's path, zero-padded.
@@ -210,37 +208,31 @@ fn get_id_returns_the_disk_id() {
         expected.resize(ID_LEN, 0);
         assert_eq!(rig.driver.bytes(buf), expected);
         assert_eq!(rig.driver.used(), [(0, ID_LEN as u32 + 1)]);
-    }
+    });
 }
 
 #[test]
 fn flush_succeeds() {
-    for io in MODES {
-        let ram = guest_ram();
-        let mut rig = Rig::with(&ram, io);
+    in_every_mode(|rig, _| {
         assert_eq!(rig.serve(REQ_FLUSH, 0, &[]), STATUS_OK);
         assert_eq!(rig.driver.used(), [(0, 1)]);
-    }
+    });
 }
 
 #[test]
 fn an_unknown_request_type_is_unsupported() {
-    for io in MODES {
-        let ram = guest_ram();
-        let mut rig = Rig::with(&ram, io);
+    in_every_mode(|rig, _| {
         // Discard is a real request type, but not one this device offers.
         let data = rig.driver.readable(&pattern(SECTOR as usize, 50));
         assert_eq!(rig.serve(blk::VIRTIO_BLK_T_DISCARD, 0, &[data]), STATUS_UNSUPP);
         assert_eq!(rig.disk.contents(), original_contents());
         assert_eq!(rig.driver.used(), [(0, 1)]);
-    }
+    });
 }
 
 #[test]
 fn a_chain_without_room_for_the_status_is_an_error() {
-    for io in MODES {
-        let ram = guest_ram();
-        let mut rig = Rig::with(&ram, io);
+    in_every_mode(|rig, _| {
         let header = rig.driver.readable(&block_header(REQ_OUT, 0));
         let data = rig.driver.readable(&pattern(SECTOR as usize, 50));
         rig.driver.offer(&[header, data]);
@@ -248,14 +240,12 @@ fn a_chain_without_room_for_the_status_is_an_error() {
         assert_eq!(rig.disk.contents(), original_contents());
         assert!(rig.written_to_hook().is_empty());
         assert!(rig.driver.used().is_empty());
-    }
+    });
 }
 
 #[test]
 fn the_write_hook_sees_each_write_with_its_offset_and_data() {
-    for io in MODES {
-        let ram = guest_ram();
-        let mut rig = Rig::with(&ram, io);
+    in_every_mode(|rig, _| {
         let (one, two) = (pattern(SECTOR as usize, 50), pattern(2 * SECTOR as usize, 60));
         let (one_buf, two_buf) = (rig.driver.readable(&one), rig.driver.readable(&two));
         let read_into = rig.driver.writable(SECTOR as u32, 0);
@@ -264,14 +254,12 @@ fn the_write_hook_sees_each_write_with_its_offset_and_data() {
         assert_eq!(rig.serve(REQ_OUT, 5, &[two_buf]), STATUS_OK);
         // Reads are not reported.
         assert_eq!(rig.written_to_hook(), [(SECTOR, one), (5 * SECTOR, two)]);
-    }
+    });
 }
 
 #[test]
 fn the_used_ring_gets_one_entry_per_request() {
-    for io in MODES {
-        let ram = guest_ram();
-        let mut rig = Rig::with(&ram, io);
+    in_every_mode(|rig, io| {
         let data = rig.driver.readable(&pattern(SECTOR as usize, 50));
         let read_into = rig.driver.writable(2 * SECTOR as u32, 0);
         let id_into = rig.driver.writable(ID_LEN as u32, 0);
@@ -292,7 +280,7 @@ fn the_used_ring_gets_one_entry_per_request() {
         assert!(requests.iter().all(|&r| rig.status(r) == STATUS_OK));
         // Nothing new: the kick reports no used buffers.
         assert!(!rig.kick().expect("empty queue"));
-    }
+    });
 }
 
 #[test]
