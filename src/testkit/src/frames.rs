@@ -3,9 +3,7 @@
 //! needed to recognise the answers in a capture: ICMP echo, IPv4.
 
 use std::io;
-use std::mem::size_of;
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 const ETHERTYPE_IPV4: u16 = 0x0800;
 const ICMP: u8 = 1;
@@ -65,13 +63,7 @@ pub fn echo_reply_id(frame: &[u8]) -> Option<u16> {
 pub fn send_on(ns: &str, ifname: &str, frames: Vec<Vec<u8>>) -> io::Result<()> {
     let ifname = std::ffi::CString::new(ifname).map_err(io::Error::other)?;
     crate::netns::run_in(ns, move || {
-        // SAFETY: plain socket(2); the fd is owned right away.
-        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: fd is a fresh socket nobody else owns.
-        let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+        let sock = crate::sock::raw_socket(libc::AF_PACKET, 0)?;
         // SAFETY: a NUL-terminated name.
         let index = unsafe { libc::if_nametoindex(ifname.as_ptr()) };
         if index == 0 {
@@ -84,20 +76,7 @@ pub fn send_on(ns: &str, ifname: &str, frames: Vec<Vec<u8>>) -> io::Result<()> {
         addr.sll_halen = 6;
         for frame in &frames {
             addr.sll_addr[..6].copy_from_slice(&frame[..6]);
-            // SAFETY: frame and addr are valid for the lengths given.
-            let sent = unsafe {
-                libc::sendto(
-                    sock.as_raw_fd(),
-                    frame.as_ptr().cast(),
-                    frame.len(),
-                    0,
-                    (&addr as *const libc::sockaddr_ll).cast(),
-                    size_of::<libc::sockaddr_ll>() as u32,
-                )
-            };
-            if sent < 0 {
-                return Err(io::Error::last_os_error());
-            }
+            crate::sock::send_to(&sock, frame, &addr)?;
         }
         Ok(())
     })?

@@ -31,6 +31,7 @@ pub mod pcap;
 pub mod process;
 pub mod resp;
 pub mod scratch;
+mod sock;
 pub mod tmpfs;
 pub mod topology;
 pub mod writers;

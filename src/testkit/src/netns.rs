@@ -7,7 +7,7 @@ use std::ffi::CString;
 use std::fs::File;
 use std::io;
 use std::net::SocketAddrV4;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 use std::thread::JoinHandle;
 
@@ -38,13 +38,7 @@ pub fn run_in<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'stati
 }
 
 fn netlink_socket(protocol: libc::c_int) -> io::Result<OwnedFd> {
-    // SAFETY: plain socket(2); the fd is owned right away.
-    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, protocol) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: fd is a fresh socket nobody else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    crate::sock::raw_socket(libc::AF_NETLINK, protocol)
 }
 
 /// Send one netlink request to the kernel and read its reply into `reply`;
@@ -53,20 +47,7 @@ fn exchange(sock: &OwnedFd, msg: &[u8], reply: &mut [u8]) -> io::Result<usize> {
     // SAFETY: an all-zero sockaddr_nl is the kernel's address.
     let mut kernel: libc::sockaddr_nl = unsafe { std::mem::zeroed() };
     kernel.nl_family = libc::AF_NETLINK as u16;
-    // SAFETY: msg and kernel are valid for the lengths given.
-    let sent = unsafe {
-        libc::sendto(
-            sock.as_raw_fd(),
-            msg.as_ptr().cast(),
-            msg.len(),
-            0,
-            (&kernel as *const libc::sockaddr_nl).cast(),
-            std::mem::size_of::<libc::sockaddr_nl>() as u32,
-        )
-    };
-    if sent < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    crate::sock::send_to(sock, msg, &kernel)?;
     // SAFETY: reply is valid for its length.
     let n = unsafe { libc::recv(sock.as_raw_fd(), reply.as_mut_ptr().cast(), reply.len(), 0) };
     if n < 0 {
