@@ -79,26 +79,31 @@ const SWITCHES: [&[&str]; 4] = [
     &["--capture", "cow", "--predict-writes", "adaptive"],
 ];
 
-#[test]
-fn memory_survives_failover_with_each_switch() {
-    let dir = Scratch::new("cheaper-failover").unwrap().keep_on_panic();
-    for (n, switches) in SWITCHES.iter().enumerate() {
+/// Fails over `work` after `after` with each of `switches` on 1 and 2
+/// vCPUs, and checks the memory survived; hands each run with write
+/// prediction on to `check_prediction`, with what it ran and its metrics.
+fn survives_failover_with_each(tag: &str, switches: &[&[&str]], work: &str, after: Duration, check_prediction: impl Fn(&str, &Path)) {
+    let dir = Scratch::new(tag).unwrap().keep_on_panic();
+    for (n, switches) in switches.iter().enumerate() {
         for vcpus in [1, 2] {
             let metrics = dir.path().join(format!("{n}-{vcpus}.jsonl"));
-            let out = fail_over(vcpus, MIXED, Duration::from_millis(300), switches, &metrics);
-            assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(MIXED, vcpus)), "{switches:?}, {vcpus} vCPUs");
+            let out = fail_over(vcpus, work, after, switches, &metrics);
+            let what = format!("{switches:?}, {vcpus} vCPUs");
+            assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(work, vcpus)), "{what}");
             if switches.contains(&"--predict-writes") {
-                // The run exercised both outcomes of the filter.
-                let [predicted, written, fake] = totals(&metrics, &["predicted", "predicted_written", "fake_dirty"])[..] else {
-                    unreachable!()
-                };
-                assert!(
-                    written > 0 && fake > 0 && written + fake <= predicted,
-                    "{switches:?}, {vcpus} vCPUs: {predicted} predicted, {written} written, {fake} fake"
-                );
+                check_prediction(&what, &metrics);
             }
         }
     }
+}
+
+#[test]
+fn memory_survives_failover_with_each_switch() {
+    survives_failover_with_each("cheaper-failover", &SWITCHES, MIXED, Duration::from_millis(300), |what, metrics| {
+        // The run exercised both outcomes of the filter.
+        let [predicted, written, fake] = totals(metrics, &["predicted", "predicted_written", "fake_dirty"])[..] else { unreachable!() };
+        assert!(written > 0 && fake > 0 && written + fake <= predicted, "{what}: {predicted} predicted, {written} written, {fake} fake");
+    });
 }
 
 /// The guest rewrites its whole working set continuously, right after
@@ -107,25 +112,15 @@ fn memory_survives_failover_with_each_switch() {
 /// to most of them (the worst case).
 #[test]
 fn memory_survives_failover_when_every_page_is_rewritten() {
-    let dir = Scratch::new("cheaper-rewrite").unwrap().keep_on_panic();
     let work = "ws=4M pattern=seq writes=600000000 report=100ms";
-    for (n, switches) in SWITCHES[1..].iter().enumerate() {
-        for vcpus in [1, 2] {
-            let metrics = dir.path().join(format!("{n}-{vcpus}.jsonl"));
-            let out = fail_over(vcpus, work, Duration::from_millis(100), switches, &metrics);
-            assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(work, vcpus)), "{switches:?}, {vcpus} vCPUs");
-            if switches.contains(&"--predict-writes") {
-                let [predicted, written, faults] = totals(&metrics, &["predicted", "predicted_written", "first_writes"])[..] else {
-                    unreachable!()
-                };
-                assert!(
-                    written > faults,
-                    "{switches:?}, {vcpus} vCPUs: most rewrites need no tracked first write: {written} predicted and written, {faults} not predicted"
-                );
-                assert!(written <= predicted);
-            }
-        }
-    }
+    survives_failover_with_each("cheaper-rewrite", &SWITCHES[1..], work, Duration::from_millis(100), |what, metrics| {
+        let [predicted, written, faults] = totals(metrics, &["predicted", "predicted_written", "first_writes"])[..] else { unreachable!() };
+        assert!(
+            written > faults,
+            "{what}: most rewrites need no tracked first write: {written} predicted and written, {faults} not predicted"
+        );
+        assert!(written <= predicted);
+    });
 }
 
 #[test]

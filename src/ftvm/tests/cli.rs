@@ -43,6 +43,15 @@ fn assert_one_line_error(out: &Output, want: &str, case: &str) -> String {
     err
 }
 
+/// `ftvm ARGS` refused with the one-line error `want` before any guest
+/// printed anything; the error.
+fn refused_before_the_guest_runs(args: &[&str], want: &str) -> String {
+    let out = ftvm_args(args);
+    let err = assert_one_line_error(&out, want, &format!("{args:?}"));
+    assert!(stdout(&out).is_empty(), "{args:?}: the guest ran: {}", stdout(&out));
+    err
+}
+
 #[test]
 fn replication_flags_need_replicate_to() {
     let probe = image("probe");
@@ -459,9 +468,7 @@ fn replication_needs_a_secret_file_or_insecure() {
         &["replica", "--id", "3", "--peers", peers, "--witness"],
     ];
     for args in cases {
-        let out = ftvm_args(args);
-        assert_eq!(assert_one_line_error(&out, want, &format!("{args:?}")).trim_end(), want);
-        assert!(stdout(&out).is_empty(), "{args:?}: the guest ran: {}", stdout(&out));
+        assert_eq!(refused_before_the_guest_runs(args, want).trim_end(), want);
     }
     // The same from a config file.
     let config = dir.join("backup.toml");
@@ -505,9 +512,7 @@ fn continue_on_backup_loss_needs_an_arbiter() {
     std::fs::write(&config, "replicate-to = \"127.0.0.1:1\"\ninsecure = true\non-backup-loss = \"continue\"\n").unwrap();
     let from_file = ["run", "--image", probe, "--cmdline", "hello", "--config", config.to_str().unwrap()];
     for args in [&run[..], &restore, &from_file] {
-        let out = ftvm_args(args);
-        assert_one_line_error(&out, want, &format!("{args:?}"));
-        assert!(stdout(&out).is_empty(), "{args:?}: the guest ran: {}", stdout(&out));
+        refused_before_the_guest_runs(args, want);
     }
     // With an arbiter it is taken: the primary goes on to claim the VM there
     // (no etcd listens: it says so).

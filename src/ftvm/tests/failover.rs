@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{ftvm, guest_kv, image, net_on, scratch_for, spawn_logged, status, wait_log, wait_status, KV_PORT};
+use common::{cases, ftvm, guest_kv, image, net_on, scratch_for, spawn_logged, status, wait_log, wait_status, KV_PORT};
 use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::netns;
 use ftvm_testkit::process::Process;
@@ -935,33 +935,18 @@ fn time_replies(pcap: &Path) -> (Vec<TimeReply>, usize) {
     (out, others)
 }
 
-#[test]
-fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_output_triggered_checkpoints() {
-    output_commit_holds_every_reply_until_its_checkpoint_is_applied("output", "ocomo", &[]);
-}
-
-/// The same without checksum offload (on by default, so the tests above
-/// run with it).
-#[test]
-fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_without_net_offload() {
-    output_commit_holds_every_reply_until_its_checkpoint_is_applied("output", "ocnoff", &["--net-offload", "off"]);
-}
-
-#[test]
-fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_periodic_checkpoints() {
-    output_commit_holds_every_reply_until_its_checkpoint_is_applied("periodic", "ocomp", &[]);
-}
-
-/// The same with the guest's held replies acknowledged to it by the
-/// fake-ACK proxy: it sends on at once, and still nothing leaves early.
-#[test]
-fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_fake_ack_and_output_triggered_checkpoints() {
-    output_commit_holds_every_reply_until_its_checkpoint_is_applied("output", "ocfao", &["--fake-ack", "on"]);
-}
-
-#[test]
-fn output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_fake_ack_and_periodic_checkpoints() {
-    output_commit_holds_every_reply_until_its_checkpoint_is_applied("periodic", "ocfap", &["--fake-ack", "on"]);
+cases! {
+    output_commit_holds_every_reply_until_its_checkpoint_is_applied {
+        output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_output_triggered_checkpoints("output", "ocomo", &[]);
+        /// The same without checksum offload (on by default, so the tests above
+        /// run with it).
+        output_commit_holds_every_reply_until_its_checkpoint_is_applied_without_net_offload("output", "ocnoff", &["--net-offload", "off"]);
+        output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_periodic_checkpoints("periodic", "ocomp", &[]);
+        /// The same with the guest's held replies acknowledged to it by the
+        /// fake-ACK proxy: it sends on at once, and still nothing leaves early.
+        output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_fake_ack_and_output_triggered_checkpoints("output", "ocfao", &["--fake-ack", "on"]);
+        output_commit_holds_every_reply_until_its_checkpoint_is_applied_with_fake_ack_and_periodic_checkpoints("periodic", "ocfap", &["--fake-ack", "on"]);
+    }
 }
 
 /// Frame by frame, with the primary's checkpoints started by `trigger`
@@ -1103,17 +1088,14 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str
 
 // ------------------------------------- (c) backup loss and re-protection
 
-#[test]
-fn backup_loss_then_reprotection_then_failover() {
-    reprotection_then_failover("rept", &[]);
-}
-
-/// With the fake-ACK proxy, whose state goes as changes over the previous
-/// checkpoint's: the new backup gets it whole first (it would refuse
-/// changes over a state it never received, and stop).
-#[test]
-fn backup_loss_then_reprotection_then_failover_with_fake_ack() {
-    reprotection_then_failover("reptf", &["--fake-ack", "on"]);
+cases! {
+    reprotection_then_failover {
+        backup_loss_then_reprotection_then_failover("rept", &[]);
+        /// With the fake-ACK proxy, whose state goes as changes over the previous
+        /// checkpoint's: the new backup gets it whole first (it would refuse
+        /// changes over a state it never received, and stop).
+        backup_loss_then_reprotection_then_failover_with_fake_ack("reptf", &["--fake-ack", "on"]);
+    }
 }
 
 /// The primary loses its backup, keeps serving, is protected again by a new
@@ -1145,14 +1127,18 @@ fn reprotection_then_failover(topology: &str, extra: &[&str]) {
         w.limit(40_000, 40_000);
         w
     };
+    // redis-cli `args` from the client answers `want`.
+    let cli = |args: &[&str], want: &str| {
+        let (ok, out) = topo.redis_cli(GUEST_ADDR, args);
+        assert!(ok && out.trim() == want, "redis-cli {args:?}: {out}");
+    };
     let mut acked = Vec::new();
 
     // Protected writes.
     let w = start_writers("before");
     std::thread::sleep(Duration::from_millis(700));
     acked.extend(w.stop().acked);
-    let (ok, out) = topo.redis_cli(GUEST_ADDR, &["SET", "cli-before", "1"]);
-    assert!(ok && out.trim() == "OK", "{out}");
+    cli(&["SET", "cli-before", "1"], "OK");
 
     // The backup dies; writes go on through it.
     let w = start_writers("through");
@@ -1163,10 +1149,8 @@ fn reprotection_then_failover(topology: &str, extra: &[&str]) {
     let noticed = t0.elapsed();
     let st = status(&socket);
     assert!(st.contains("UNPROTECTED"), "{st}");
-    let (ok, out) = topo.redis_cli(GUEST_ADDR, &["SET", "cli-unprotected", "2"]);
-    assert!(ok && out.trim() == "OK", "redis-cli while unprotected: {out}");
-    let (ok, out) = topo.redis_cli(GUEST_ADDR, &["GET", "cli-before"]);
-    assert!(ok && out.trim() == "1", "{out}");
+    cli(&["SET", "cli-unprotected", "2"], "OK");
+    cli(&["GET", "cli-before"], "1");
     std::thread::sleep(Duration::from_millis(300));
     let unprotected_acked = w.acked();
 
@@ -1181,8 +1165,7 @@ fn reprotection_then_failover(topology: &str, extra: &[&str]) {
     wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(20));
     std::thread::sleep(Duration::from_millis(500));
     acked.extend(w.stop().acked);
-    let (ok, out) = topo.redis_cli(GUEST_ADDR, &["SET", "cli-reprotected", "3"]);
-    assert!(ok && out.trim() == "OK", "{out}");
+    cli(&["SET", "cli-reprotected", "3"], "OK");
 
     // Writes during the final failover.
     let w = start_writers("after");
@@ -1200,8 +1183,7 @@ fn reprotection_then_failover(topology: &str, extra: &[&str]) {
 
     let verified = writers::verify(guest_kv(), Some(&client_ns), &acked, 1000, Instant::now() + Duration::from_secs(10)).unwrap();
     for (k, v) in [("cli-before", "1"), ("cli-unprotected", "2"), ("cli-reprotected", "3")] {
-        let (ok, out) = topo.redis_cli(GUEST_ADDR, &["GET", k]);
-        assert!(ok && out.trim() == v, "{k} after failover: {out}");
+        cli(&["GET", k], v);
     }
     eprintln!(
         "backup loss noticed after {} ms; {unprotected_acked} writes acknowledged around the loss; links cut in {} ms; \

@@ -31,7 +31,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{guest_kv, image, logged_sets, net_on, spawn_logged, status};
+use common::{cases, guest_kv, image, logged_sets, net_on, spawn_logged, status};
 use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::fault_proxy::{Fault, FaultProxy, Way};
 use ftvm_testkit::pcap::{self, Tcpdump};
@@ -440,22 +440,20 @@ fn one_direction_cuts_without_an_arbiter() {
 
 // ------------------------------------------------------------ (c) stalls
 
-#[test]
-fn a_primary_stalled_1s_with_the_arbiter_is_fenced() {
-    let (winner, loser, _) = stall("fs1a", Arbiter::Beside, Duration::from_secs(1));
-    assert_eq!((winner, loser), (Winner::Backup, Loser::Fenced));
+/// The primary stalled for `secs` (tag `tag`, arbiter `arbiter`): the
+/// backup takes over and the primary ends `loser`.
+fn a_stalled_primary_loses(tag: &str, arbiter: Arbiter, secs: u64, loser: Loser) {
+    let (winner, ended, _) = stall(tag, arbiter, Duration::from_secs(secs));
+    assert_eq!((winner, ended), (Winner::Backup, loser));
 }
 
-#[test]
-fn a_primary_stalled_1s_without_an_arbiter_stays_paused() {
-    let (winner, loser, _) = stall("fs1n", Arbiter::None, Duration::from_secs(1));
-    assert_eq!((winner, loser), (Winner::Backup, Loser::Paused));
-}
-
-#[test]
-fn a_primary_stalled_3s_with_the_arbiter_is_fenced() {
-    let (winner, loser, _) = stall("fs3a", Arbiter::Beside, Duration::from_secs(3));
-    assert_eq!((winner, loser), (Winner::Backup, Loser::Fenced));
+cases! {
+    a_stalled_primary_loses {
+        a_primary_stalled_1s_with_the_arbiter_is_fenced("fs1a", Arbiter::Beside, 1, Loser::Fenced);
+        a_primary_stalled_1s_without_an_arbiter_stays_paused("fs1n", Arbiter::None, 1, Loser::Paused);
+        a_primary_stalled_3s_with_the_arbiter_is_fenced("fs3a", Arbiter::Beside, 3, Loser::Fenced);
+        a_primary_stalled_3s_without_an_arbiter_stays_paused("fs3n", Arbiter::None, 3, Loser::Paused);
+    }
 }
 
 #[test]
@@ -478,12 +476,6 @@ fn acknowledgements_that_reached_a_stopped_primary_release_nothing_when_it_resum
         }
     }
     assert!(held_back > 0, "no acknowledged output was held back in three tries: the scenario did not happen");
-}
-
-#[test]
-fn a_primary_stalled_3s_without_an_arbiter_stays_paused() {
-    let (winner, loser, _) = stall("fs3n", Arbiter::None, Duration::from_secs(3));
-    assert_eq!((winner, loser), (Winner::Backup, Loser::Paused));
 }
 
 // ------------------------------------------------------------- (d) disks

@@ -29,11 +29,17 @@ fn run_program(name: &str, cmdline: &str) -> Output {
     ftvm().arg("run").arg("--image").arg(program(&format!("linux-{name}"))).arg(format!("--cmdline={cmdline}")).output().expect("ftvm runs")
 }
 
+/// `run_program` that must exit 0: its standard output.
+fn run_to_success(name: &str, cmdline: &str) -> String {
+    let out = run_program(name, cmdline);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{name} {cmdline}: {text}{}", stderr(&out));
+    text
+}
+
 #[test]
 fn hello_gets_argv_env_tls_and_auxv_and_exits_with_its_status() {
-    let out = run_program("hello", "-- GREETING='hi there' hello a 'b c' ''");
-    let text = stdout(&out);
-    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    let text = run_to_success("hello", "-- GREETING='hi there' hello a 'b c' ''");
     assert!(text.contains("hello: argc=4 argv[1]=[a] argv[2]=[b c] argv[3]=[]\n"), "{text}");
     assert!(text.contains("hello: env GREETING=hi there tls=42 pagesz=4096 random=yes\n"), "{text}");
     assert!(text.contains("hello: to stderr\n"), "{text}");
@@ -51,9 +57,7 @@ fn hello_gets_argv_env_tls_and_auxv_and_exits_with_its_status() {
 #[test]
 fn the_vdso_clock_agrees_with_the_system_calls() {
     for (options, vdso) in [("", "yes"), ("vdso=off ", "no")] {
-        let out = run_program("clock", &format!("{options}-- clock"));
-        let text = stdout(&out);
-        assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+        let text = run_to_success("clock", &format!("{options}-- clock"));
         assert!(text.contains(&format!("clock: vdso={vdso}\n")), "{text}");
         assert!(text.contains("clock: monotonic ordered=1 realtime ordered=1\n"), "{text}");
         assert!(text.contains("clock: agree=1\n"), "{text}");
@@ -75,9 +79,7 @@ fn programs_run_the_same_with_syscalls_left_trapping() {
         ("memfiles", "memfiles: pipe ok\n"),
         ("clock", "clock: monotonic ordered=1 realtime ordered=1\n"),
     ] {
-        let out = run_program(name, &format!("syscall=trap -- GREETING=hi {name}"));
-        let text = stdout(&out);
-        assert_eq!(out.status.code(), Some(0), "{name}: {text}{}", stderr(&out));
+        let text = run_to_success(name, &format!("syscall=trap -- GREETING=hi {name}"));
         assert!(text.contains(expect), "{name}: {text}");
         let counts = syscall_counts(&text);
         assert!(text.contains("linux: syscall=trap "), "{name}: {text}");
@@ -130,9 +132,7 @@ fn count(counts: &[(String, u64)], key: &str) -> u64 {
 fn syscall_sites_are_rewritten_into_jumps_and_the_others_still_trap() {
     let cases = ["fixed", "either", "reg", "split", "redzone"];
     for options in ["", "syscall=jmp ", "syscall=trap "] {
-        let out = run_program("sysjmp", &format!("{options}-- sysjmp"));
-        let text = stdout(&out);
-        assert_eq!(out.status.code(), Some(0), "{options}: {text}{}", stderr(&out));
+        let text = run_to_success("sysjmp", &format!("{options}-- sysjmp"));
         for case in cases {
             assert!(text.contains(&format!("sysjmp: {case} ok=1\n")), "{options}{case}: {text}");
         }
@@ -153,9 +153,7 @@ fn syscall_sites_are_rewritten_into_jumps_and_the_others_still_trap() {
 
 #[test]
 fn threads_share_memory_through_futexes_and_join() {
-    let out = run_program("threads", "-- threads");
-    let text = stdout(&out);
-    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    let text = run_to_success("threads", "-- threads");
     assert!(text.contains("threads: slept ok\n"), "{text}");
     // The condition variable hands the turn over in id order.
     let order: Vec<&str> = text.lines().filter(|l| l.contains("done mine=")).collect();
@@ -165,9 +163,7 @@ fn threads_share_memory_through_futexes_and_join() {
 
 #[test]
 fn memory_files_pipes_and_epoll_behave_as_on_linux() {
-    let out = run_program("memfiles", "-- memfiles");
-    let text = stdout(&out);
-    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    let text = run_to_success("memfiles", "-- memfiles");
     assert_eq!(without_counts(&text), "memfiles: memory ok\nmemfiles: files ok\nmemfiles: pipe ok\n", "{text}");
 }
 

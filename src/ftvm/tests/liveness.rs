@@ -246,13 +246,17 @@ fn a_stalled_primary_is_found_lost_by_its_silence_whatever_strangers_send() {
     assert!(detection_ms < 1000.0, "{detection_ms} ms: {reason}");
 }
 
-/// A disk of `size` sparse bytes on a tmpfs (reading its holes costs no
-/// memory), for the primary, and a replica as large for the backup.
-fn sparse_disks(tag: &str, size: u64) -> (Tmpfs, PathBuf, PathBuf) {
+/// A backup and a primary running `cmdline` (64 MiB), each with a disk of
+/// `size` sparse bytes on a tmpfs (reading its holes costs no memory); the
+/// tmpfs first, so that it outlives them.
+fn on_sparse_disks(tag: &str, size: u64, cmdline: &str) -> (Tmpfs, Process, Process) {
     let fs = Tmpfs::mount(tag, "16M").unwrap();
     let disk = fs.sparse_file("primary.img", size).unwrap();
     let replica = fs.sparse_file("replica.img", size).unwrap();
-    (fs, disk, replica)
+    let addr = free_addr();
+    let b = backup(&addr, &["--disk", replica.to_str().unwrap()]);
+    let p = primary(&addr, cmdline, &["--memory", "64", "--disk", disk.to_str().unwrap()]);
+    (fs, b, p)
 }
 
 /// Pre-copy reads a 16 GiB disk of holes and sends nothing for it, for
@@ -261,11 +265,8 @@ fn sparse_disks(tag: &str, size: u64) -> (Tmpfs, PathBuf, PathBuf) {
 #[test]
 fn a_long_silent_precopy_of_a_sparse_disk_keeps_its_backup() {
     const DISK: u64 = 16 << 30;
-    let (_fs, disk, replica) = sparse_disks("liveness-sparse", DISK);
-    let addr = free_addr();
-    let mut b = backup(&addr, &["--disk", replica.to_str().unwrap()]);
     let short = "ws=4M pattern=seq writes=2000000 report=100ms";
-    let mut p = primary(&addr, short, &["--memory", "64", "--disk", disk.to_str().unwrap()]);
+    let (_fs, mut b, mut p) = on_sparse_disks("liveness-sparse", DISK, short);
     let status = exit_status(&mut p, Duration::from_secs(120));
     assert!(status.success(), "{}", p.output());
     let log = p.stderr();
@@ -278,26 +279,30 @@ fn a_long_silent_precopy_of_a_sparse_disk_keeps_its_backup() {
     assert!(b_log.contains("backup done") && !b_log.contains("PRIMARY LOST"), "{b_log}");
 }
 
+/// SIGTERM to primary `p` while `during` (before its backup protects it):
+/// it exits 0 within 10 s, saying it stopped before protection. `timeout`
+/// bounds the wait so a hang fails the test instead of stalling it.
+fn sigterm_stops_before_protection(p: &mut Process, during: &str, timeout: Duration) {
+    let t0 = Instant::now();
+    p.signal(libc::SIGTERM).unwrap();
+    let status = exit_status(p, timeout);
+    let stopped_after = t0.elapsed();
+    println!("SIGTERM during {during}: the primary exited after {} ms", stopped_after.as_millis());
+    assert_eq!(status.code(), Some(0), "{}", p.output());
+    assert!(p.stderr().contains("ftvm: VM stopped while its backup was being brought up to date"), "{}", p.output());
+    assert!(stopped_after < Duration::from_secs(10), "{stopped_after:?}");
+}
+
 /// SIGTERM while pre-copy reads a 1 TiB disk of holes (many seconds of
 /// work) stops the primary at once: it exits 0 saying so, and tells its
 /// backup, which stops too instead of waiting or taking over.
 #[test]
 fn sigterm_during_precopy_stops_the_primary_promptly() {
     const DISK: u64 = 1 << 40;
-    let (_fs, disk, replica) = sparse_disks("liveness-sigterm", DISK);
-    let addr = free_addr();
-    let mut b = backup(&addr, &["--disk", replica.to_str().unwrap()]);
-    let mut p = primary(&addr, WORK, &["--memory", "64", "--disk", disk.to_str().unwrap()]);
+    let (_fs, mut b, mut p) = on_sparse_disks("liveness-sigterm", DISK, WORK);
     wait_for(&mut p, "primary", "bringing the backup up to date", Duration::from_secs(30));
     std::thread::sleep(Duration::from_millis(300));
-    let t0 = Instant::now();
-    p.signal(libc::SIGTERM).unwrap();
-    let status = exit_status(&mut p, Duration::from_secs(30));
-    let stopped_after = t0.elapsed();
-    println!("SIGTERM during pre-copy: the primary exited after {} ms", stopped_after.as_millis());
-    assert_eq!(status.code(), Some(0), "{}", p.output());
-    assert!(p.stderr().contains("ftvm: VM stopped while its backup was being brought up to date"), "{}", p.output());
-    assert!(stopped_after < Duration::from_secs(10), "{stopped_after:?}");
+    sigterm_stops_before_protection(&mut p, "pre-copy", Duration::from_secs(30));
     assert!(exit_status(&mut b, Duration::from_secs(30)).success(), "{}", b.output());
     assert!(b.stderr().contains("backup done") && !b.stderr().contains("PRIMARY LOST"), "{}", b.output());
 }
@@ -320,15 +325,8 @@ fn sigterm_while_a_silent_backup_holds_the_handshake_stops_the_primary() {
     let mut p = primary(&addr, WORK, &["--memory", "64"]);
     connected.recv_timeout(Duration::from_secs(30)).expect("the primary never connected");
     std::thread::sleep(Duration::from_millis(500));
-    let t0 = Instant::now();
-    p.signal(libc::SIGTERM).unwrap();
-    let status = exit_status(&mut p, Duration::from_secs(60));
-    let stopped_after = t0.elapsed();
-    println!("SIGTERM during a silent handshake: the primary exited after {} ms", stopped_after.as_millis());
-    assert_eq!(status.code(), Some(0), "{}", p.output());
-    assert!(p.stderr().contains("ftvm: VM stopped while its backup was being brought up to date"), "{}", p.output());
+    sigterm_stops_before_protection(&mut p, "a silent handshake", Duration::from_secs(60));
     assert!(!p.stderr().contains("timed out"), "{}", p.output());
-    assert!(stopped_after < Duration::from_secs(10), "{stopped_after:?}");
 }
 
 /// A backup whose apply hangs (a test fault) still sends heartbeats, so its

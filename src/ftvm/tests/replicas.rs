@@ -55,7 +55,7 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{ftvm, image};
+use common::{cases, ftvm, image};
 use ftvm_testkit::frames;
 use ftvm_testkit::pcap::{self, Tcpdump};
 use ftvm_testkit::process::Process;
@@ -1305,24 +1305,21 @@ fn with_disks_no_acknowledged_write_is_lost_and_the_new_leaders_log_has_them() {
     assert!(missing.is_empty(), "acknowledged writes missing from the leader's disk: {:?}", &missing[..missing.len().min(5)]);
 }
 
+cases! {
+    divergent_disks {
+        syncvm_repairs_divergent_disks("vddiv", &[]);
+        /// The same with `--rejoin syncvm`: the full `syncvm` alone must send the
+        /// 64 blocks.
+        syncvm_repairs_divergent_disks_without_precopy("vddis", &["--rejoin", "syncvm"]);
+    }
+}
+
 /// The two VM replicas start with different disks: replica 2's has
 /// garbage in its last 256 KiB (beyond the kv guest's log, which it never
 /// reads). The leader brings its secondary up to date before their first
 /// `syncvm`: its pre-copy must send exactly the 64 garbage blocks, and the
 /// full `syncvm` after it compare every block; with the guest idle (no
 /// client, so no disk write), both images are then byte for byte the same.
-#[test]
-fn syncvm_repairs_divergent_disks() {
-    divergent_disks("vddiv", &[]);
-}
-
-/// The same with `--rejoin syncvm`: the full `syncvm` alone must send the
-/// 64 blocks.
-#[test]
-fn syncvm_repairs_divergent_disks_without_precopy() {
-    divergent_disks("vddis", &["--rejoin", "syncvm"]);
-}
-
 fn divergent_disks(tag: &str, extra: &[&str]) {
     const SIZE: u64 = 16 << 20;
     const GARBAGE: u64 = 256 << 10;

@@ -587,6 +587,12 @@ fn filled(size: u64) -> Vec<u8> {
     v
 }
 
+/// A primary's arguments to run on unprotected when its backup is lost
+/// (which needs the arbiter `etcd`), with a 10 s failure timeout.
+fn continue_on_backup_loss(etcd: &Etcd) -> [&str; 6] {
+    ["--failure-timeout-ms", "10000", "--on-backup-loss", "continue", "--arbiter", etcd.endpoint()]
+}
+
 fn path_str(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -613,18 +619,7 @@ fn a_full_replica_disk_stops_the_backup_which_never_takes_over() {
     let addr = free_addr();
     let b = backup(&addr, &["--disk", path_str(&replica), "--failure-timeout-ms", "5000", "--arbiter", etcd.endpoint()]);
     // The guest starts writing once it is protected (pre-copy of an empty disk is quick).
-    let extra = [
-        "--memory",
-        "64",
-        "--disk",
-        path_str(&disk),
-        "--failure-timeout-ms",
-        "10000",
-        "--on-backup-loss",
-        "continue",
-        "--arbiter",
-        etcd.endpoint(),
-    ];
+    let extra = [&["--memory", "64", "--disk", path_str(&disk)][..], &continue_on_backup_loss(&etcd)].concat();
     let p = spawn(&mut primary_of("netprobe", &addr, 1, "blk=fill delay=1000", &extra));
     let (p, b) = (finish(p), finish(b));
     let (p_err, b_err) = (stderr(&p), stderr(&b));
@@ -776,20 +771,8 @@ fn a_failed_reprotection_leaves_the_vm_running_unprotected() {
     let addr1 = free_addr();
     let mut b1 = backup(&addr1, &["--disk", path_str(&replica1), "--failure-timeout-ms", "5000", "--arbiter", etcd.endpoint()]);
     // The guest writes its disk (the whole of it) only once all this happened.
-    let extra = [
-        "--memory",
-        "64",
-        "--disk",
-        path_str(&disk),
-        "--api-socket",
-        path_str(&socket),
-        "--failure-timeout-ms",
-        "10000",
-        "--on-backup-loss",
-        "continue",
-        "--arbiter",
-        etcd.endpoint(),
-    ];
+    let extra =
+        [&["--memory", "64", "--disk", path_str(&disk), "--api-socket", path_str(&socket)][..], &continue_on_backup_loss(&etcd)].concat();
     let p = spawn(&mut primary_of("netprobe", &addr1, 1, "blk=fill delay=8000", &extra));
     wait_for_status(&socket, "protected: yes");
     kill(&mut b1);
@@ -821,6 +804,18 @@ fn a_failed_reprotection_leaves_the_vm_running_unprotected() {
     assert!(std::fs::read(&disk).unwrap() == filled(DISK));
 }
 
+/// A backup on `addr` that never finishes applying the first checkpoint, so
+/// never acknowledges one.
+fn stalled_backup(addr: &str) -> Process {
+    spawn(
+        ftvm()
+            .args(["backup", "--insecure", "--listen", addr])
+            .env("FTVM_TEST_FAULT", "stall-apply:0")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    )
+}
+
 /// `ftvm status` says protected only once the backup acknowledged a
 /// checkpoint: a backup stuck applying the first one leaves it unprotected.
 #[test]
@@ -828,13 +823,7 @@ fn protected_only_from_the_first_acknowledgement() {
     let dir = Scratch::new("firstack").unwrap();
     let socket = dir.join("api.sock");
     let addr = free_addr();
-    let mut b = spawn(
-        ftvm()
-            .args(["backup", "--insecure", "--listen", &addr])
-            .env("FTVM_TEST_FAULT", "stall-apply:0")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-    );
+    let mut b = stalled_backup(&addr);
     let mut p =
         spawn(&mut primary(&addr, 1, LONG_WORK, &["--epoch-ms", "10", "--ack-timeout-ms", "60000", "--api-socket", path_str(&socket)]));
     let st = wait_for_status(&socket, "waiting for its first acknowledgement");
@@ -883,13 +872,7 @@ fn a_promoted_backup_is_protected_again() {
 #[test]
 fn console_output_waits_for_the_acknowledgement() {
     let addr = free_addr();
-    let mut b = spawn(
-        ftvm()
-            .args(["backup", "--insecure", "--listen", &addr])
-            .env("FTVM_TEST_FAULT", "stall-apply:0")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null()),
-    );
+    let mut b = stalled_backup(&addr);
     let mut p =
         Process::spawn_collected("primary", &mut primary(&addr, 1, LONG_WORK, &["--epoch-ms", "10", "--ack-timeout-ms", "60000"])).unwrap();
     p.wait_until(Duration::from_secs(20), |p| p.stderr().contains("synchronized")).unwrap();

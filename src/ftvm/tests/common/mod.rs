@@ -199,3 +199,21 @@ pub fn insecure_unless_secret(args: &[&str]) -> &'static [&'static str] {
         &["--insecure"]
     }
 }
+
+/// A table of cases of one scenario: one `#[test]` per line, named and
+/// documented there, each calling `$run` with its own arguments, so every
+/// case still passes, fails and is filtered by its own name.
+#[allow(unused_macros)]
+macro_rules! cases {
+    ($run:ident { $($(#[$meta:meta])* $name:ident($($arg:expr),* $(,)?);)* }) => {
+        $(
+            $(#[$meta])*
+            #[test]
+            fn $name() {
+                $run($($arg),*);
+            }
+        )*
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use cases;
