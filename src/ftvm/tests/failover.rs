@@ -762,13 +762,8 @@ fn no_acknowledged_write_is_lost(trigger: &str, topology: &str, seed: u64, extra
 /// write-protected.
 #[test]
 fn no_acknowledged_write_is_lost_with_cheaper_checkpoints() {
-    let topo = Topology::new("failcow").unwrap();
-    let dir = scratch_for("failover", "writes-cow");
     let switches = ["--capture", "cow", "--predict-writes", "adaptive"];
-    for (trial, kind) in [Kill::Sigkill, Kill::InTransfer, Kill::LinksThenSigkill].into_iter().enumerate() {
-        let r = one_failover_trial(&topo, &dir, trial, 0xc0e + trial as u64, kind, App::Kv, &switches);
-        assert!(r.acked > 0);
-    }
+    three_kinds_of_failover("failcow", "writes-cow", 0xc0e, &switches, |_, r, _| assert!(r.acked > 0));
 }
 
 /// The same with pages sent as compressed diffs and only the vCPU and
@@ -776,13 +771,22 @@ fn no_acknowledged_write_is_lost_with_cheaper_checkpoints() {
 /// network card and TCP connections included) with every acknowledged write.
 #[test]
 fn no_acknowledged_write_is_lost_with_diffs_and_only_changed_state() {
-    let topo = Topology::new("faild").unwrap();
-    let dir = scratch_for("failover", "writes-diff");
     let extra = ["--diff", "lz4", "--device-state", "changed"];
-    for (trial, kind) in [Kill::Sigkill, Kill::InTransfer, Kill::LinksThenSigkill].into_iter().enumerate() {
-        one_failover_trial(&topo, &dir, trial, 0xd1ff + trial as u64, kind, App::Kv, &extra);
+    three_kinds_of_failover("faild", "writes-diff", 0xd1ff, &extra, |trial, _, dir| {
         let epochs = jsonl(&dir.join(format!("t{trial}.primary.epochs.jsonl")));
         assert!(epochs.iter().any(|e| field(e, "diff_bytes_saved") > 0), "trial {trial}: diffs were sent");
+    });
+}
+
+/// Failover trials of the kv guest with `switches`, one per kind of kill
+/// (SIGKILL, inside a checkpoint transfer, links cut then SIGKILL), seeds
+/// from `seed`; `check` sees each trial's number, result and directory.
+fn three_kinds_of_failover(topology: &str, tag: &str, seed: u64, switches: &[&str], check: impl Fn(usize, &TrialResult, &Scratch)) {
+    let topo = Topology::new(topology).unwrap();
+    let dir = scratch_for("failover", tag);
+    for (trial, kind) in [Kill::Sigkill, Kill::InTransfer, Kill::LinksThenSigkill].into_iter().enumerate() {
+        let r = one_failover_trial(&topo, &dir, trial, seed + trial as u64, kind, App::Kv, switches);
+        check(trial, &r, &dir);
     }
 }
 
@@ -828,16 +832,7 @@ fn bulk_reads_with_fake_ack_survive_failover() {
         })
         .unwrap()
     };
-    let writers = Writers::start(writers::Config {
-        addr: guest_kv(),
-        netns: Some(topo.ns("client")),
-        connections: 2,
-        pipeline: 4,
-        value_len: 4096,
-        prefix: "fackb".into(),
-        timeout: Duration::from_millis(300),
-    })
-    .unwrap();
+    let writers = dirtying_writers(&topo, "fackb", Duration::from_millis(300));
     let t0 = Instant::now();
     while reads.load(Ordering::SeqCst) < 3 {
         assert!(t0.elapsed() < Duration::from_secs(60), "bulk reads too slow: {}", reads.load(Ordering::SeqCst));
@@ -949,6 +944,21 @@ cases! {
     }
 }
 
+/// Writes from two connections of the client, 4 KiB values four deep: a
+/// page or more dirtied per write alongside what a test measures.
+fn dirtying_writers(topo: &Topology, prefix: &str, timeout: Duration) -> Writers {
+    Writers::start(writers::Config {
+        addr: guest_kv(),
+        netns: Some(topo.ns("client")),
+        connections: 2,
+        pipeline: 4,
+        value_len: 4096,
+        prefix: prefix.into(),
+        timeout,
+    })
+    .unwrap()
+}
+
 /// Frame by frame, with the primary's checkpoints started by `trigger`
 /// and `extra` switches.
 fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str, topology: &str, extra: &[&str]) {
@@ -967,16 +977,7 @@ fn output_commit_holds_every_reply_until_its_checkpoint_is_applied(trigger: &str
     );
 
     // Memory-dirtying writes alongside.
-    let writers = Writers::start(writers::Config {
-        addr: guest_kv(),
-        netns: Some(topo.ns("client")),
-        connections: 2,
-        pipeline: 4,
-        value_len: 4096,
-        prefix: "commit".into(),
-        timeout: Duration::from_secs(2),
-    })
-    .unwrap();
+    let writers = dirtying_writers(&topo, "commit", Duration::from_secs(2));
     // TIME on several connections, a few requests in flight on each.
     let run_for = Duration::from_secs(4);
     let timers: Vec<_> = (0..4)

@@ -167,16 +167,28 @@ fn memory_files_pipes_and_epoll_behave_as_on_linux() {
     assert_eq!(without_counts(&text), "memfiles: memory ok\nmemfiles: files ok\nmemfiles: pipe ok\n", "{text}");
 }
 
+/// The fault program run as `args` with the default syscalls, and with
+/// `syscall=jmp` and `syscall=trap`: each run (with its options) ended by
+/// its fault, exit 1, after saying it was about to fault.
+fn faulted(args: &str) -> Vec<(&'static str, Output)> {
+    let runs = ["", "syscall=jmp ", "syscall=trap "].map(|options| (options, run_program("fault", &format!("{options}-- {args}"))));
+    for (options, out) in &runs {
+        assert_eq!(out.status.code(), Some(1), "{options}: {}{}", stdout(out), stderr(out));
+        assert!(stdout(out).contains("fault: about to fault"), "{options}: {}", stdout(out));
+    }
+    runs.into()
+}
+
 /// A NULL read is the page fault at address 0, with the default
 /// `syscall=jmp` (nothing is mapped at page 0) as with `syscall=trap`.
 #[test]
 fn a_fault_in_the_program_is_reported_like_a_guest_fault() {
-    for options in ["", "syscall=jmp ", "syscall=trap "] {
-        let out = run_program("fault", &format!("{options}-- fault"));
-        assert_eq!(out.status.code(), Some(1), "{options}: {}{}", stdout(&out), stderr(&out));
-        assert!(stdout(&out).contains("fault: about to fault"), "{}", stdout(&out));
+    for (options, out) in faulted("fault") {
         let err = stderr(&out);
-        assert!(err.contains("guest fault on vCPU 0: vector 14 (#PF page fault) at rip 0x40") && err.contains("address 0x0"), "{err}");
+        assert!(
+            err.contains("guest fault on vCPU 0: vector 14 (#PF page fault) at rip 0x40") && err.contains("address 0x0"),
+            "{options}: {err}"
+        );
     }
 }
 
@@ -185,12 +197,9 @@ fn a_fault_in_the_program_is_reported_like_a_guest_fault() {
 /// stubs live in the runtime's memory) as with `syscall=trap`.
 #[test]
 fn a_null_function_call_is_a_fault_with_and_without_rewritten_syscalls() {
-    for options in ["", "syscall=jmp ", "syscall=trap "] {
-        let out = run_program("fault", &format!("{options}-- fault call"));
-        assert_eq!(out.status.code(), Some(1), "{options}: {}{}", stdout(&out), stderr(&out));
-        assert!(stdout(&out).contains("fault: about to fault"), "{}", stdout(&out));
-        assert!(!stdout(&out).contains("the null call returned"), "{}", stdout(&out));
-        assert!(stderr(&out).contains("guest fault on vCPU 0: vector 14 (#PF page fault) at rip 0x0"), "{}", stderr(&out));
+    for (options, out) in faulted("fault call") {
+        assert!(!stdout(&out).contains("the null call returned"), "{options}: {}", stdout(&out));
+        assert!(stderr(&out).contains("guest fault on vCPU 0: vector 14 (#PF page fault) at rip 0x0"), "{options}: {}", stderr(&out));
     }
 }
 
