@@ -175,39 +175,31 @@ pub fn yield_now() {
 
 /// Wake `n` threads waiting on futex `addr`; returns how many.
 pub fn futex_wake(addr: u64, n: usize) -> usize {
-    let mut s = SCHED.lock();
-    let mut woken = 0;
-    for t in s.threads.iter_mut() {
-        if woken == n {
-            break;
-        }
-        if let State::Blocked(Wait::Futex(a), _) = t.state {
-            if a == addr {
-                t.state = State::Runnable;
-                t.woken = true;
-                woken += 1;
-            }
-        }
-    }
-    woken
+    futex_waiters(addr, n, |t| {
+        t.state = State::Runnable;
+        t.woken = true;
+    })
 }
 
 /// Move up to `n` waiters of futex `from` to futex `to`; returns how many.
 pub fn futex_requeue(from: u64, to: u64, n: usize) -> usize {
+    futex_waiters(from, n, |t| {
+        if let State::Blocked(_, deadline) = t.state {
+            t.state = State::Blocked(Wait::Futex(to), deadline);
+        }
+    })
+}
+
+/// `f` on each of the first `n` threads (in table order) waiting on futex
+/// `addr`; returns how many there were.
+fn futex_waiters(addr: u64, n: usize, mut f: impl FnMut(&mut Thread)) -> usize {
     let mut s = SCHED.lock();
-    let mut moved = 0;
-    for t in s.threads.iter_mut() {
-        if moved == n {
-            break;
-        }
-        if let State::Blocked(Wait::Futex(a), d) = t.state {
-            if a == from {
-                t.state = State::Blocked(Wait::Futex(to), d);
-                moved += 1;
-            }
-        }
+    let mut count = 0;
+    for t in s.threads.iter_mut().filter(|t| matches!(t.state, State::Blocked(Wait::Futex(a), _) if a == addr)).take(n) {
+        f(t);
+        count += 1;
     }
-    moved
+    count
 }
 
 /// Something threads in [`Wait::Io`] may be waiting for happened.
