@@ -5,7 +5,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{CommandFactory, FromArgMatches};
+use clap::{CommandFactory, FromArgMatches, Parser};
 
 use super::config::{configurable, expand, options};
 use super::{Cli, Command as Sub, RunArgs};
@@ -96,4 +96,27 @@ fn documented_examples_parse_and_are_complete() {
             }
         }
     }
+}
+
+/// A promoted backup protects its VM with `ftvm run`'s defaults (from the
+/// same conversion), its own heartbeat and its standbys.
+#[test]
+fn a_promoted_backup_runs_with_the_defaults_of_ftvm_run() {
+    use ftvm_replication::mirror::Mode;
+    use ftvm_replication::pipeline::encode::Diff;
+    use ftvm_replication::{OnBackupLoss, PrimaryConfig, DEFAULT_PIPELINE_DEPTH};
+
+    let args = ["ftvm", "backup", "--listen", "h:1", "--insecure", "--heartbeat-ms", "7", "--standby", "h:2,h:3"];
+    let Sub::Backup(args) = Cli::try_parse_from(args).unwrap().command else { panic!("not ftvm backup") };
+    let promotion = crate::roles::backup::Follower::try_from(args).unwrap().promotion;
+    assert_eq!((promotion.epoch, promotion.failure_timeout), (PrimaryConfig::DEFAULT_EPOCH, PrimaryConfig::DEFAULT_FAILURE_TIMEOUT));
+    assert_eq!(
+        (promotion.ack_timeout, promotion.connect_timeout),
+        (PrimaryConfig::DEFAULT_ACK_TIMEOUT, PrimaryConfig::DEFAULT_CONNECT_TIMEOUT)
+    );
+    assert_eq!((promotion.on_backup_loss, promotion.mirror), (OnBackupLoss::Pause, Mode::On));
+    assert_eq!((promotion.pipeline_depth, promotion.switches.diff), (DEFAULT_PIPELINE_DEPTH as usize, Diff::Lz4));
+    assert_eq!(promotion.heartbeat, Duration::from_millis(7));
+    assert_eq!(promotion.standbys, ["h:2", "h:3"]);
+    assert!(promotion.metrics.is_none() && promotion.auth.is_none());
 }
