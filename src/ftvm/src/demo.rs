@@ -40,20 +40,23 @@ use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::{Topology, GUEST_ADDR as GUEST, GUEST_MAC as MAC, H2_REPL_ADDR};
 use ftvm_testkit::{netns, resp, writers};
 
+use ftvm_replication::PrimaryConfig;
+
 use crate::api;
+use crate::cli::values::{at_least_one, default_text, epoch_ms, positive_seconds};
 use crate::output::{errln, outln};
 
 #[derive(clap::Args)]
 pub struct DemoArgs {
     /// Rounds to run (at least 1); each runs both scenarios (the primary's
     /// host dies, then the primary stalls), each with a fresh primary and backup.
-    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::cli::at_least_one)]
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = at_least_one)]
     trials: u32,
     /// Longest epoch of the primary (its --epoch-ms), in milliseconds.
-    #[arg(long, default_value_t = 20, value_name = "MS", value_parser = crate::cli::epoch_ms)]
-    epoch_ms: u64,
+    #[arg(long = "epoch-ms", default_value = default_text!(PrimaryConfig::DEFAULT_EPOCH, as_millis), value_name = "MS", value_parser = epoch_ms)]
+    epoch: Duration,
     /// Seconds of load before each failure.
-    #[arg(long, default_value_t = 5.0, value_name = "SECONDS", value_parser = crate::cli::positive_seconds)]
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS", value_parser = positive_seconds)]
     seconds: f64,
     /// The guest: `kv` (the ftvm runtime's Redis-protocol server) or `redis`
     /// (the unmodified static redis-server 6.2 built by
@@ -115,8 +118,6 @@ impl App {
 
 const BACKUP_ADDR: &str = "192.168.100.2:7000";
 const VALUE_LEN: usize = 1024;
-/// How long the demo waits for a VMM's `status`.
-const STATUS_TIMEOUT: Duration = Duration::from_secs(5);
 
 type Error = String;
 
@@ -156,7 +157,7 @@ fn spawn(mut cmd: Command, dir: &Path, name: &str) -> Result<Process, Error> {
 }
 
 fn status(socket: &Path) -> Option<api::Response> {
-    api::client::call(socket, &api::Request::Status, STATUS_TIMEOUT).ok()
+    api::client::call(socket, &api::Request::Status, api::client::DEFAULT_TIMEOUT).ok()
 }
 
 fn stop_requested() -> bool {
@@ -331,9 +332,9 @@ struct Setup<'a> {
     /// The arbiter as the primary on h1 reaches it, and as the backup on h2 does.
     arbiter_h1: String,
     arbiter_h2: String,
-    /// The backup's failure timeout (ms), passed explicitly so the stall can
-    /// be made longer than it.
-    backup_timeout_ms: u64,
+    /// The backup's failure timeout, passed explicitly so the stall can be
+    /// made longer than it.
+    backup_timeout: Duration,
 }
 
 /// How one scenario ended.
@@ -418,7 +419,7 @@ fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
         secret,
         arbiter_h1,
         arbiter_h2,
-        backup_timeout_ms: ftvm_replication::liveness::DEFAULT_FAILURE_TIMEOUT.as_millis() as u64,
+        backup_timeout: ftvm_replication::liveness::DEFAULT_FAILURE_TIMEOUT,
     };
 
     let seed = match args.seed {
@@ -541,7 +542,7 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario, seconds: f64) -> Resu
     let primary_sock = dir.join(format!("primary-{tag}.sock"));
     let net = format!("tap=tap0,mac={MAC}");
     let secret = s.secret.display().to_string();
-    let timeout = s.backup_timeout_ms.to_string();
+    let timeout = s.backup_timeout.as_millis().to_string();
     let mut cmd = topo.command("h2", &s.ftvm);
     cmd.args(["backup", "--listen", BACKUP_ADDR, "--net", &net, "--failure-timeout-ms", &timeout])
         .args(["--arbiter", &s.arbiter_h2, "--secret-file", &secret, "--api-socket"])
@@ -558,7 +559,7 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario, seconds: f64) -> Resu
         .arg(&s.image)
         .args(&app_args)
         .args(["--net", &net, "--replicate-to", BACKUP_ADDR])
-        .args(["--epoch-ms", &args.epoch_ms.to_string(), "--arbiter", &s.arbiter_h1, "--secret-file", &secret, "--api-socket"])
+        .args(["--epoch-ms", &args.epoch.as_millis().to_string(), "--arbiter", &s.arbiter_h1, "--secret-file", &secret, "--api-socket"])
         .arg(&primary_sock)
         .arg("--metrics")
         .arg(dir.join(format!("primary-{tag}.jsonl")))
@@ -570,7 +571,7 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario, seconds: f64) -> Resu
         "[h1] ftvm run --image {} {} --net {net} --replicate-to {BACKUP_ADDR} --epoch-ms {} --arbiter {} --secret-file {secret}",
         s.image.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned()),
         shown.join(" "),
-        args.epoch_ms,
+        args.epoch.as_millis(),
         s.arbiter_h1
     );
     loop {
@@ -646,7 +647,7 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario, seconds: f64) -> Resu
     let probe = first_reply(topo, addr, failed_at)?;
     let acked_before = writers.acked();
     let when = format!("t={:.1}s", (failed_at - t0).as_secs_f64());
-    let stall = Duration::from_millis((s.backup_timeout_ms + 800).max(1000));
+    let stall = (s.backup_timeout + Duration::from_millis(800)).max(Duration::from_secs(1));
     let event = match scenario {
         Scenario::HostDies => {
             outln!("[h1] HOST DIES at {when}: links repl and uplink deleted, VMM SIGKILLed ({acked_before} writes acknowledged so far)");
@@ -670,7 +671,7 @@ fn scenario_run(s: &Setup, trial: u32, scenario: Scenario, seconds: f64) -> Resu
                 "[h1] PRIMARY STALLS at {when}: VMM SIGSTOPped for {} ms, longer than the backup's failure timeout ({} ms); \
                  its links stay up ({acked_before} writes acknowledged so far)",
                 stall.as_millis(),
-                s.backup_timeout_ms
+                s.backup_timeout.as_millis()
             );
             sleep(stall)?;
             "the stall began"

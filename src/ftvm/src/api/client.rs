@@ -30,6 +30,11 @@ pub enum ClientError {
     Refused(String),
 }
 
+/// How long a request waits for the VMM unless told (`--timeout`).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+/// `ftvm snapshot`'s: the VMM writes all of guest memory before it answers.
+pub const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// `5 s`, `1.5 s`.
 fn seconds(d: Duration) -> String {
     format!("{} s", d.as_secs_f64())

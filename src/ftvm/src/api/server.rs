@@ -379,7 +379,7 @@ impl ApiServer {
                     (Response::ok(), Action::None)
                 }
                 // A backup that took over runs the VM alone: it becomes a
-                // replicating primary (run.rs starts one).
+                // replicating primary (`roles::backup` starts one).
                 (None, Some(st)) if ctx.vm.is_some() && st.role == ftvm_replication::Role::Primary => {
                     (Response::ok(), Action::Protect(backup))
                 }

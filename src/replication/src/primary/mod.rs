@@ -64,7 +64,9 @@ pub enum BackupLoss {
 pub struct PrimaryConfig {
     /// The backup's replication address.
     pub backup: String,
-    pub epoch_ms: u64,
+    /// Longest epoch: the checkpoint interval (`--trigger periodic`), or the
+    /// most an epoch runs without output.
+    pub epoch: Duration,
     /// Nothing heard from the backup (no heartbeat, no byte of the stream)
     /// for this long means it is gone.
     pub failure_timeout: Duration,
@@ -99,6 +101,19 @@ pub struct PrimaryConfig {
     /// [`STANDBY_RETRY`] until one protects the VM (a promoted backup's
     /// `--standby`); empty: wait for `Primary::protect`.
     pub standbys: Vec<String>,
+}
+
+/// The defaults of `ftvm run`'s replication options, for the command line
+/// and for a promoted backup alike.
+impl PrimaryConfig {
+    /// `--epoch-ms` unless given.
+    pub const DEFAULT_EPOCH: Duration = Duration::from_millis(20);
+    /// `--failure-timeout-ms` unless given.
+    pub const DEFAULT_FAILURE_TIMEOUT: Duration = Duration::from_secs(1);
+    /// `--ack-timeout-ms` unless given.
+    pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_secs(2);
+    /// `--connect-timeout-ms` unless given.
+    pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 }
 
 /// How often a primary that lost its backup tries its standbys again.
@@ -448,7 +463,7 @@ impl Worker {
     }
 
     fn protect_with(&mut self, session: &Session) -> Option<BackupLoss> {
-        let mut pacing = Pacing::new(self.config.switches.trigger, Duration::from_millis(self.config.epoch_ms));
+        let mut pacing = Pacing::new(self.config.switches.trigger, self.config.epoch);
         let depth = self.config.pipeline_depth.max(1);
         let guest = trigger::GuestView { vm: &self.vm, output: &self.output };
         let mut since = Instant::now();

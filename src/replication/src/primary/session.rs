@@ -473,7 +473,7 @@ fn handshake(
         devices: vm.devices().kinds(),
         mac: vm.config().devices.net.as_ref().map(|n| n.mac),
         disk_size,
-        epoch_ms: config.epoch_ms,
+        epoch_ms: config.epoch.as_millis() as u64,
         first_epoch,
         heartbeat,
         cpu: vm.cpu_profile().clone(),

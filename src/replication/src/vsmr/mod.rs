@@ -180,6 +180,11 @@ pub struct ReplicaConfig {
     pub raft_state: Option<PathBuf>,
 }
 
+impl ReplicaConfig {
+    /// `--sync-ms` unless given.
+    pub const DEFAULT_MAX_INTERVAL: Duration = Duration::from_millis(100);
+}
+
 /// `--peers 1=HOST:PORT,2=HOST:PORT,3=HOST:PORT`, checked against `--id`.
 pub fn parse_peers(s: &str, me: u64) -> Result<Vec<(u64, String)>, String> {
     let mut peers: Vec<(u64, String)> = Vec::new();

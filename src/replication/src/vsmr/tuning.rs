@@ -235,3 +235,8 @@ pub struct Tuning {
     /// `--witness-linger-us` (`Mesh::set_witness_linger`; zero: off).
     pub witness_linger: std::time::Duration,
 }
+
+impl Tuning {
+    /// `--witness-linger-us` unless given.
+    pub const DEFAULT_WITNESS_LINGER: std::time::Duration = std::time::Duration::from_millis(1);
+}

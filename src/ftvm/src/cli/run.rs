@@ -1,0 +1,333 @@
+//! `ftvm run` and `ftvm restore`: a VM of its own, alone or as a primary
+//! replicating to a backup (`--replicate-to`); the primary's options, and
+//! their conversion to the replication crate's `PrimaryConfig` (shared with
+//! a promoted backup, `cli::backup`).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, FromArgMatches};
+
+use ftvm_replication::arbiter::Arbiter;
+use ftvm_replication::liveness;
+use ftvm_replication::mirror::Mode;
+use ftvm_replication::pipeline::transport::Auth;
+use ftvm_replication::pipeline::{capture, encode, predict, prefetch, transport, trigger};
+use ftvm_replication::{MetricsFile, OnBackupLoss, PrimaryConfig, Switches, DEFAULT_PIPELINE_DEPTH};
+
+use super::config::ConfigArgs;
+use super::host::{ArbiterArgs, ChannelArgs, HostArgs};
+use super::values::{default_text, epoch_ms, host_port, millis, positive_ms};
+use crate::error::RunError;
+use crate::roles::Launch;
+use crate::run::Guest;
+
+#[derive(Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Guest image: a static x86-64 ELF built for the ftvm guest ABI, or an
+    /// unmodified static Linux program (run on the runtime's Linux
+    /// personality, linux.elf; --cmdline "OPTIONS -- PROGRAM ARGS...").
+    #[arg(long, value_name = "PATH")]
+    pub image: PathBuf,
+    /// Guest memory in MiB (a multiple of 2).
+    #[arg(long, value_name = "MIB", default_value_t = 256)]
+    pub memory: u64,
+    /// Number of vCPUs (1 to 32).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub vcpus: u32,
+    /// Command line passed to the guest.
+    #[arg(long, default_value = "")]
+    pub cmdline: String,
+    /// Run as this user (no supplementary groups, no capabilities) once
+    /// /dev/kvm, the TAP, the disk and the control socket are open.
+    #[arg(long, value_name = "NAME")]
+    pub user: Option<String>,
+    #[command(flatten)]
+    pub replication: ReplicationArgs,
+    #[command(flatten)]
+    pub host: HostArgs,
+}
+
+/// `ftvm restore`'s options.
+#[derive(Args)]
+pub struct RestoreArgs {
+    /// Snapshot file to continue from (written by `ftvm snapshot`).
+    #[arg(long, value_name = "PATH")]
+    pub snapshot: PathBuf,
+    #[command(flatten)]
+    pub replication: Box<ReplicationArgs>,
+    #[command(flatten)]
+    pub host: HostArgs,
+    /// Run as this user once /dev/kvm, the TAP, the disk and the control socket are open.
+    #[arg(long, value_name = "NAME")]
+    pub user: Option<String>,
+}
+
+/// How a primary replicates (`ftvm run`, `ftvm restore`): everything but
+/// `--replicate-to` itself needs `--replicate-to`.
+#[derive(Args)]
+pub struct ReplicationArgs {
+    /// Replicate to the backup listening at this address (host:port). The
+    /// replication options (--epoch-ms to --transport, --arbiter, --name) need it.
+    #[arg(long, value_name = "ADDR", value_parser = host_port)]
+    pub replicate_to: Option<String>,
+    /// Longest epoch in milliseconds (5 to 60000): the checkpoint interval
+    /// with --trigger periodic; with --trigger output, the most an epoch
+    /// runs without output (less when checkpoints are cheap).
+    #[arg(long = "epoch-ms", value_name = "MS", default_value = default_text!(PrimaryConfig::DEFAULT_EPOCH, as_millis), value_parser = epoch_ms)]
+    pub epoch: Duration,
+    /// When the backup is lost: keep running unprotected (continue), or pause with
+    /// output held (pause). Default: continue with --arbiter (after winning
+    /// ownership), pause without (a cut link must not leave two VMs running);
+    /// continue needs --arbiter.
+    #[arg(long, value_name = "continue|pause")]
+    pub on_backup_loss: Option<OnBackupLoss>,
+    /// Declare the backup lost after this long without hearing from it: no
+    /// heartbeat, no acknowledgement.
+    #[arg(long = "failure-timeout-ms", value_name = "MS", default_value = default_text!(PrimaryConfig::DEFAULT_FAILURE_TIMEOUT, as_millis), value_parser = positive_ms)]
+    pub failure_timeout: Duration,
+    /// Declare the backup lost when a checkpoint stays unacknowledged this
+    /// long after it was sent, though the backup still sends heartbeats (its
+    /// apply hangs, say). At least the failure timeout.
+    #[arg(long = "ack-timeout-ms", value_name = "MS", default_value = default_text!(PrimaryConfig::DEFAULT_ACK_TIMEOUT, as_millis), value_parser = positive_ms)]
+    pub ack_timeout: Duration,
+    /// Send the backup a heartbeat (a UDP datagram) this often.
+    #[arg(long = "heartbeat-ms", value_name = "MS", default_value = default_text!(liveness::DEFAULT_INTERVAL, as_millis), value_parser = positive_ms)]
+    pub heartbeat: Duration,
+    /// Write metrics as JSON lines to this file: one line per second
+    /// summing that second's epochs (count, first and last epoch, sum and
+    /// max of each figure, epochs per trigger), or one per epoch with
+    /// --metrics-every-epoch. A line that cannot be written (a full disk)
+    /// is dropped, counted and warned about once; the VM goes on.
+    #[arg(long, value_name = "PATH")]
+    pub metrics: Option<PathBuf>,
+    /// Write one --metrics line per epoch instead of one per second.
+    #[arg(long)]
+    pub metrics_every_epoch: bool,
+    /// Rotate the --metrics file at this size: it becomes PATH.1 (replacing
+    /// the previous PATH.1) and a new PATH starts; 0 never rotates.
+    #[arg(long, value_name = "BYTES", default_value_t = ftvm_replication::metrics::DEFAULT_METRICS_MAX_BYTES)]
+    pub metrics_max_bytes: u64,
+    /// Give up reaching the backup at start after this long.
+    #[arg(long = "connect-timeout-ms", value_name = "MS", default_value = default_text!(PrimaryConfig::DEFAULT_CONNECT_TIMEOUT, as_millis), value_parser = millis())]
+    pub connect_timeout: Duration,
+    /// Checkpoint capture stage. pause: copy the dirty pages while the VM is
+    /// paused. cow: resume at once and copy each dirty page before it is
+    /// written again (userfaultfd write protection; with --predict-writes the
+    /// pages left writable are copied in the pause).
+    #[arg(long, default_value = "pause", value_name = "pause|cow")]
+    pub capture: capture::Mode,
+    /// Checkpoint page encoding. raw: whole pages, zero pages as a bare tag.
+    #[arg(long, default_value = "raw", value_name = "raw")]
+    pub encoding: encode::Encoding,
+    /// Send a page the backup has an earlier version of as a diff: off (whole
+    /// pages), xor (the XOR of its changed 64-byte blocks; `--diff` alone), lz4
+    /// (each diff LZ4-compressed when that is smaller).
+    #[arg(long, default_value = "lz4", value_name = "off|xor|lz4", num_args = 0..=1, default_missing_value = "xor")]
+    pub diff: encode::Diff,
+    /// Which vCPU and device state each checkpoint carries: all, or changed
+    /// (only what differs from the previous checkpoint; the backup keeps the rest).
+    #[arg(long, default_value = "changed", value_name = "all|changed")]
+    pub device_state: encode::States,
+    /// Replication transport. tcp: one TCP connection to the backup.
+    #[arg(long, default_value = "tcp", value_name = "tcp")]
+    pub transport: transport::Kind,
+    /// Send the backup a copy of every frame the guest sends and receives
+    /// (UDP), so that after a takeover it replays them and clients need not
+    /// wait for TCP retransmissions (on); or only checkpoints (off).
+    /// Default: on, but off with --encrypt (the copies travel unencrypted),
+    /// and --mirror on with --encrypt is refused.
+    #[arg(long, value_name = "on|off")]
+    pub mirror: Option<ftvm_replication::mirror::Mode>,
+    /// Scheduling of the checkpoint thread (while it protects) and of the
+    /// acknowledgement reader: normal, or real-time (SCHED_FIFO, as the
+    /// heartbeats), so a held reply does not wait for the host's other work
+    /// to let them run.
+    #[arg(long, default_value = "normal", value_name = "normal|realtime")]
+    pub priority: ftvm_replication::liveness::Priority,
+    /// Fake ACK: while the guest's TCP data waits in the output buffer,
+    /// acknowledge it to the guest on the peer's behalf so its send buffer
+    /// empties at once (on); the proxy's state (what was acknowledged and
+    /// not yet received) travels with every checkpoint, and a backup that
+    /// takes over sends it. off: the guest hears only the peer's ACKs.
+    #[arg(long, default_value = "off", value_name = "off|on")]
+    pub fake_ack: ftvm_replication::fakeack::Mode,
+    /// With --fake-ack on, how each checkpoint carries the proxy's state:
+    /// changed (what changed since the previous checkpoint: segments stored
+    /// and acknowledged since, flows changed; the backup keeps the rest), or
+    /// all (the whole state every time).
+    #[arg(long, default_value = "changed", value_name = "changed|all")]
+    pub fake_ack_state: ftvm_replication::fakeack::delta::Sending,
+    /// What starts a checkpoint. output: output is held and the guest idle,
+    /// or held output waited its bound, or the epoch reached its maximum;
+    /// periodic: every --epoch-ms.
+    #[arg(long, default_value = "output", value_name = "output|periodic")]
+    pub trigger: trigger::Mode,
+    /// Checkpoints sent and not yet acknowledged at most (1 to 64): the next
+    /// checkpoint may be taken while this many are in flight.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PIPELINE_DEPTH, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub pipeline_depth: u64,
+    /// Write-fault prediction: leave pages likely to be written again
+    /// writable at each checkpoint (no tracked first write for them); pages
+    /// left writable but unchanged are not sent. off, histase (HBFT's
+    /// stride and history predictor) or adaptive (per-region rewrite rate).
+    /// Needs --dirty-backend bitmap.
+    #[arg(long, default_value = "off", value_name = "off|histase|adaptive")]
+    pub predict_writes: predict::Mode,
+    /// In-epoch transfer: during each epoch, send the backup the write-cold
+    /// pages dirtied earlier in it while the guest runs (staged there until
+    /// the epoch's checkpoint commits them), so the checkpoint carries only
+    /// the pages written again since. off, on, or adaptive (after an epoch
+    /// in which more than one page in seven the rounds sent was written
+    /// again before the checkpoint, each such send a tracked first write
+    /// for the guest, the rounds start later in the epoch, down to the
+    /// last alone, then stop for a while). Not with --predict-writes.
+    #[arg(long, default_value = "off", value_name = "off|on|adaptive")]
+    pub prefetch: prefetch::Mode,
+    /// How --prefetch's pages reach the backup: push (the primary reads
+    /// and sends them) or pull (it sends their numbers; the backup, on
+    /// the same host, reads them itself from a read-only mapping of this
+    /// VM's memory, handed over a Unix socket to a process of the same
+    /// user). Needs --prefetch on or adaptive.
+    #[arg(long, default_value = "push", value_name = "push|pull")]
+    pub prefetch_by: prefetch::pull::By,
+    #[command(flatten)]
+    pub arbiter: ArbiterArgs,
+    #[command(flatten)]
+    pub channel: ChannelArgs,
+}
+
+/// What a primary's configuration takes from elsewhere than its
+/// replication options: from `ftvm run`'s other options, or from the
+/// backup that a promotion makes a primary.
+pub struct Protection {
+    pub backup: String,
+    pub arbiter: Option<Arbiter>,
+    pub auth: Option<Auth>,
+    pub disk: Option<PathBuf>,
+}
+
+impl ReplicationArgs {
+    /// The options as `ftvm run` has them when none is given.
+    pub fn defaults() -> ReplicationArgs {
+        let command = <ReplicationArgs as Args>::augment_args(clap::Command::new("defaults"));
+        let matches = command.try_get_matches_from(["defaults"]).expect("every replication option has a default or is optional");
+        ReplicationArgs::from_arg_matches(&matches).expect("the defaults are valid")
+    }
+
+    /// The primary's configuration with `--replicate-to` (none without).
+    pub fn primary(self, host: &HostArgs) -> Result<Option<PrimaryConfig>, RunError> {
+        let Some(backup) = self.replicate_to.clone() else { return Ok(None) };
+        let arbiter = self.arbiter.arbiter(host.net.as_ref());
+        // Refused before the secret file is read.
+        on_backup_loss(self.on_backup_loss, arbiter.is_some())?;
+        let auth = self.channel.auth()?;
+        self.protecting(Protection { backup, arbiter, auth, disk: host.disk.clone() }).map(Some)
+    }
+
+    /// The primary's configuration: these options, and what `with` gives.
+    pub fn protecting(self, with: Protection) -> Result<PrimaryConfig, RunError> {
+        let args = self;
+        let on_backup_loss = on_backup_loss(args.on_backup_loss, with.arbiter.is_some())?;
+        let mirror = mirror(args.mirror, with.auth.as_ref().is_some_and(|a| a.encrypt))?;
+        Ok(PrimaryConfig {
+            backup: with.backup,
+            epoch: args.epoch,
+            failure_timeout: args.failure_timeout,
+            ack_timeout: args.ack_timeout.max(args.failure_timeout),
+            heartbeat: args.heartbeat,
+            on_backup_loss,
+            arbiter: with.arbiter,
+            connect_timeout: args.connect_timeout,
+            metrics: args.metrics.map(|path| MetricsFile {
+                path,
+                every_epoch: args.metrics_every_epoch,
+                max_bytes: args.metrics_max_bytes,
+            }),
+            disk: with.disk,
+            switches: Switches {
+                capture: args.capture,
+                encoding: args.encoding,
+                diff: args.diff,
+                device_state: args.device_state,
+                transport: args.transport,
+                trigger: args.trigger,
+                predict_writes: args.predict_writes,
+                prefetch: args.prefetch,
+                prefetch_by: args.prefetch_by,
+                fake_ack_state: args.fake_ack_state,
+            },
+            pipeline_depth: args.pipeline_depth as usize,
+            auth: with.auth,
+            mirror,
+            priority: args.priority,
+            fake_ack: args.fake_ack,
+            standbys: Vec::new(),
+        })
+    }
+}
+
+/// `--on-backup-loss`, or its default: continue with an arbiter, pause without.
+fn on_backup_loss(chosen: Option<OnBackupLoss>, arbiter: bool) -> Result<OnBackupLoss, RunError> {
+    match chosen {
+        // A backup that only lost touch with this primary takes over
+        // while it keeps running: two VMs. Only an arbiter prevents that.
+        Some(OnBackupLoss::Continue) if !arbiter => Err(RunError::Usage(
+            "--on-backup-loss continue needs --arbiter URL (without an arbiter a backup that only lost touch with this primary would run the VM too); use --on-backup-loss pause or add --arbiter".into(),
+        )),
+        Some(chosen) => Ok(chosen),
+        None if arbiter => Ok(OnBackupLoss::Continue),
+        None => Ok(OnBackupLoss::Pause),
+    }
+}
+
+/// `--mirror`, or its default: on, but off on an encrypted channel.
+fn mirror(chosen: Option<Mode>, encrypt: bool) -> Result<Mode, RunError> {
+    match chosen {
+        Some(Mode::On) if encrypt => Err(RunError::Usage(
+            "--mirror on cannot be used with --encrypt: the mirrored frames would travel unencrypted (leave out --mirror, or give --mirror off)".into(),
+        )),
+        Some(chosen) => Ok(chosen),
+        None if encrypt => {
+            tracing::info!("not mirroring frames to the backup: they would travel unencrypted (--encrypt)");
+            Ok(Mode::Off)
+        }
+        None => Ok(Mode::On),
+    }
+}
+
+/// `--memory` in bytes; a size no host could map is refused as given (a
+/// saturated product would be reported as another number).
+pub fn bytes_of_mib(mib: u64) -> Result<u64, RunError> {
+    mib.checked_mul(1 << 20).ok_or_else(|| RunError::Usage(format!("--memory {mib} MiB is more than any host can map")))
+}
+
+/// `--user NAME`, looked up now.
+fn user(name: Option<&str>) -> Result<Option<crate::privilege::User>, RunError> {
+    Ok(name.map(crate::privilege::User::lookup).transpose()?)
+}
+
+impl TryFrom<RunArgs> for Launch {
+    type Error = RunError;
+
+    fn try_from(args: RunArgs) -> Result<Launch, RunError> {
+        let replicate = args.replication.primary(&args.host)?;
+        let guest = Guest::Image { image: args.image, mem_size: bytes_of_mib(args.memory)?, vcpus: args.vcpus, cmdline: args.cmdline };
+        let mut host: crate::run::HostOptions = args.host.into();
+        host.user = user(args.user.as_deref())?;
+        Ok(Launch { guest, host, replicate })
+    }
+}
+
+impl TryFrom<RestoreArgs> for Launch {
+    type Error = RunError;
+
+    fn try_from(args: RestoreArgs) -> Result<Launch, RunError> {
+        let replicate = args.replication.primary(&args.host)?;
+        let mut host: crate::run::HostOptions = args.host.into();
+        host.user = user(args.user.as_deref())?;
+        Ok(Launch { guest: Guest::Snapshot(args.snapshot), host, replicate })
+    }
+}
