@@ -117,7 +117,9 @@ fn build(source: &Source, host: &HostOptions) -> Result<Vm, RunError> {
         Source::Image { mem_size, vcpus, .. } | Source::Replica { mem_size, vcpus, .. } => (*mem_size, *vcpus),
         Source::Snapshot(path) => {
             let state = snapshot::read_state(path)?;
-            (state.memory.size, state.vcpus.len() as u32)
+            let mem_size = ftvm_vmm::memory::saved_size(&state)
+                .map_err(|e| SnapshotError::Corrupted { path: path.display().to_string(), what: e.to_string() })?;
+            (mem_size, ftvm_vmm::vcpu::count(&state) as u32)
         }
         Source::Backup(_) | Source::Witness(_) => unreachable!("a backup's VM is built from its primary's shape; a witness has none"),
     };
