@@ -308,7 +308,9 @@ fn build(guest: &Guest, host: &HostOptions) -> Result<Vm, RunError> {
         Guest::Image { mem_size, vcpus, .. } => (*mem_size, *vcpus),
         Guest::Snapshot(path) => {
             let state = snapshot::read_state(path)?;
-            (state.memory.size, state.vcpus.len() as u32)
+            let mem_size = ftvm_vmm::memory::saved_size(&state)
+                .map_err(|e| SnapshotError::Corrupted { path: path.display().to_string(), what: e.to_string() })?;
+            (mem_size, ftvm_vmm::vcpu::count(&state) as u32)
         }
     };
     let config = VmConfig {

@@ -5,12 +5,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use ftvm_vmm::clock::ClockState;
-use ftvm_vmm::devices::DeviceState;
-use ftvm_vmm::memory::MemoryState;
 use ftvm_vmm::pages::{Bundle, Cursor};
-use ftvm_vmm::vcpu::VcpuState;
-use ftvm_vmm::VmState;
+use ftvm_vmm::{ComponentId, Components};
 
 use crate::output::DiskWrite;
 use crate::protocol::ProtocolError;
@@ -28,105 +24,62 @@ pub struct CheckpointState {
     pub fake_ack: Option<crate::fakeack::delta::Carried>,
 }
 
-/// The VM's state as a checkpoint carries it: every component (guest
-/// memory's, each vCPU's, each device's, the clock's) whole, or `None`
-/// when it is exactly what the previous checkpoint of the stream left the
-/// backup with (`--device-state changed`). The first checkpoint to a
-/// backup carries every component.
-#[derive(Debug, Serialize, Deserialize)]
+/// The VM's state as a checkpoint carries it: its components (`ftvm_vmm::
+/// components`) by id, each whole, or named only when it is exactly what
+/// the previous checkpoint of the stream left the backup with
+/// (`--device-state changed`, `pipeline::encode::state`). The first
+/// checkpoint to a backup carries every component. Nothing here knows what
+/// a component is: a VM that gains one sends it with no change here.
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub struct StateDelta {
-    pub memory: Option<MemoryState>,
-    pub vcpus: Vec<VcpuDelta>,
-    pub devices: Vec<Option<DeviceState>>,
-    pub clock: Option<ClockState>,
+    /// Components that changed, with their state.
+    pub changed: Components,
+    /// Components as the previous checkpoint left them.
+    pub kept: Vec<ComponentId>,
 }
-
-/// One vCPU's state in a checkpoint. Its time-stamp counter moves on even
-/// while it is halted, and all vCPUs' counters must stay in step: a vCPU
-/// otherwise unchanged carries its counter alone.
-#[derive(Debug, Serialize, Deserialize)]
-pub enum VcpuDelta {
-    Whole(Box<VcpuState>),
-    /// As the previous checkpoint left it, but for `IA32_TSC`.
-    Tsc(u64),
-}
-
-/// The time-stamp counter MSR.
-pub const MSR_IA32_TSC: u32 = 0x10;
 
 impl StateDelta {
     /// Every component of `state`.
-    pub fn whole(state: VmState) -> StateDelta {
-        StateDelta {
-            memory: Some(state.memory),
-            vcpus: state.vcpus.into_iter().map(|v| VcpuDelta::Whole(Box::new(v))).collect(),
-            devices: state.devices.into_iter().map(Some).collect(),
-            clock: Some(state.clock),
-        }
+    pub fn whole(state: Components) -> StateDelta {
+        StateDelta { changed: state, kept: Vec::new() }
     }
 
-    /// Components left out (a vCPU that carries only its counter counts).
+    /// Components left out.
     pub fn omitted(&self) -> usize {
-        let missing = |o: bool| usize::from(!o);
-        missing(self.memory.is_some())
-            + self.vcpus.iter().filter(|v| matches!(v, VcpuDelta::Tsc(_))).count()
-            + self.devices.iter().filter(|d| d.is_none()).count()
-            + missing(self.clock.is_some())
+        self.kept.len()
     }
 
     /// Whether this delta makes a whole state on top of `base` (the state
-    /// the last checkpoint left): the same number of vCPUs and devices, and
-    /// nothing left out without a base.
-    pub fn check(&self, base: Option<&VmState>) -> Result<(), String> {
-        match base {
-            None if self.omitted() > 0 => Err("it leaves out state this backup never received".into()),
-            Some(b) if b.vcpus.len() != self.vcpus.len() || b.devices.len() != self.devices.len() => Err(format!(
-                "it has {} vCPUs and {} devices, the previous one {} and {}",
-                self.vcpus.len(),
-                self.devices.len(),
-                b.vcpus.len(),
-                b.devices.len()
-            )),
-            _ => Ok(()),
+    /// the last checkpoint left): every component it keeps is in `base`,
+    /// and none is both kept and changed.
+    pub fn check(&self, base: Option<&Components>) -> Result<(), String> {
+        let Some(base) = base else {
+            return match self.kept.first() {
+                Some(id) => Err(format!("it leaves out state this backup never received ({id})")),
+                None => Ok(()),
+            };
+        };
+        if let Some(id) = self.kept.iter().find(|id| !base.contains(id)) {
+            return Err(format!("it keeps {id}, which the previous one did not have"));
         }
+        if let Some(id) = self.kept.iter().find(|id| self.changed.contains(id)) {
+            return Err(format!("it both keeps and changes {id}"));
+        }
+        Ok(())
     }
 
     /// The whole state: this delta over `base`, which `check` accepted.
-    pub fn over(self, base: Option<VmState>) -> VmState {
-        let Some(mut base) = base else {
-            let whole = "checked: nothing left out without a base";
-            return VmState {
-                memory: self.memory.expect(whole),
-                vcpus: self
-                    .vcpus
-                    .into_iter()
-                    .map(|v| match v {
-                        VcpuDelta::Whole(v) => *v,
-                        VcpuDelta::Tsc(_) => unreachable!("{whole}"),
-                    })
-                    .collect(),
-                devices: self.devices.into_iter().map(|d| d.expect(whole)).collect(),
-                clock: self.clock.expect(whole),
-            };
-        };
-        if let Some(m) = self.memory {
-            base.memory = m;
-        }
-        for (slot, v) in base.vcpus.iter_mut().zip(self.vcpus) {
-            match v {
-                VcpuDelta::Whole(v) => *slot = *v,
-                VcpuDelta::Tsc(tsc) => slot.msrs.iter_mut().filter(|m| m.index == MSR_IA32_TSC).for_each(|m| m.data = tsc),
+    /// A component of `base` that the delta neither keeps nor changes is
+    /// no longer the VM's.
+    pub fn over(self, base: Option<Components>) -> Components {
+        let mut whole = self.changed;
+        if let Some(mut base) = base {
+            for id in self.kept {
+                let bytes = base.remove(&id).expect("checked: every kept component is in the base");
+                whole.insert(id, bytes);
             }
         }
-        for (slot, d) in base.devices.iter_mut().zip(self.devices) {
-            if let Some(d) = d {
-                *slot = d;
-            }
-        }
-        if let Some(c) = self.clock {
-            base.clock = c;
-        }
-        base
+        whole
     }
 }
 

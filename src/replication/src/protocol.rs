@@ -19,8 +19,7 @@ use ftvm_vmm::pages::FormatError;
 /// ([`Heartbeat`]; `liveness`).
 /// Version 4: Welcome carries the backup's mirror port (`mirror`).
 /// Version 5: bundle entries may be sub-page diffs (`Diff`, `DiffLz4`); a
-/// checkpoint's VM state may leave out components that did not change
-/// (`checkpoint::StateDelta`).
+/// checkpoint's VM state may leave out components that did not change.
 /// Version 6: Hello carries the primary's vCPU profile
 /// (`ftvm_vmm::arch::compat`), which the backup checks against its host.
 /// Version 7: `Prefetch`, pages of the open epoch sent while the guest runs;
@@ -47,7 +46,11 @@ use ftvm_vmm::pages::FormatError;
 /// epoch the `syncvm` closes (`--sync-output on`).
 /// Version 16: messages between replicas may go compressed (`Lz4`,
 /// `--link-compress lz4`).
-pub const PROTOCOL_VERSION: u16 = 16;
+/// Version 17: the VM state (a checkpoint's, a SyncPages') is its
+/// components by id (`ftvm_vmm::components`), a checkpoint's as the
+/// changed ones with their bytes and the ids of the kept ones
+/// (`checkpoint::StateDelta`).
+pub const PROTOCOL_VERSION: u16 = 17;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

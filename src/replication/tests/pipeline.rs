@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use ftvm_replication::backup::{BackupConfig, Replica};
 use ftvm_replication::bounds;
-use ftvm_replication::checkpoint::{Checkpoint, CheckpointState, MSR_IA32_TSC};
+use ftvm_replication::checkpoint::{Checkpoint, CheckpointState};
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
 use ftvm_replication::pipeline::apply::{Apply, ApplyError, DiskImage, InPlace};
 use ftvm_replication::pipeline::encode::{Diff, States};
@@ -143,7 +143,7 @@ fn a_checkpoint_applies_whole_into_the_replica() {
         assert!(page.iter().all(|&b| b == fill), "page {p}");
     }
     let (epoch, state) = replica.committed.as_ref().unwrap();
-    assert_eq!((*epoch, state.vcpus.len(), replica.next_epoch), (5, 1, 6));
+    assert_eq!((*epoch, ftvm_vmm::vcpu::count(state), replica.next_epoch), (5, 1, 6));
 }
 
 #[test]
@@ -395,15 +395,17 @@ fn only_changed_state_is_sent_and_the_backup_still_has_all_of_it() {
         // The same as the primary's now, but for the clock, which moved on.
         let (_, theirs) = backup.committed.as_ref().unwrap();
         let mut now = primary.save().unwrap();
-        assert!(theirs.clock.ns <= now.clock.ns);
-        now.clock = theirs.clock;
+        let clock = ftvm_vmm::clock::component_id();
+        assert!(ftvm_vmm::clock::saved_ns(theirs).unwrap() <= ftvm_vmm::clock::saved_ns(&now).unwrap());
+        now.insert(clock.clone(), theirs.get(&clock).unwrap().to_vec());
         // And for the vCPU's time-stamp counter, which moves on too: it went
         // with every checkpoint.
-        let tsc = |s: &ftvm_vmm::VmState| s.vcpus[0].msrs.iter().find(|m| m.index == MSR_IA32_TSC).unwrap().data;
+        let [_, counter] = ftvm_vmm::vcpu::component_ids(0);
+        let tsc = |s: &ftvm_vmm::Components| s.state::<u64>(&counter).unwrap();
         assert!(tsc(theirs) > 0 && tsc(theirs) <= tsc(&now) && tsc(theirs) > last_tsc, "epoch {epoch}");
         last_tsc = tsc(theirs);
-        now.vcpus[0].msrs.iter_mut().filter(|m| m.index == MSR_IA32_TSC).for_each(|m| m.data = last_tsc);
-        assert!(ftvm_vmm::persist::encode(theirs) == ftvm_vmm::persist::encode(&now), "the backup's state after {epoch}");
+        now.put(counter.clone(), &last_tsc);
+        assert!(theirs == &now, "the backup's state after {epoch}");
     }
     // The VM does not run: after the first, nothing changes but the guest
     // clock (which it reads from the host clock) until a new backup.

@@ -13,6 +13,7 @@ use vm_memory::{Bytes, GuestAddress};
 use ftvm_abi::layout::CLOCK_PAGE_ADDR;
 use ftvm_abi::ClockPage;
 
+use crate::components::{ComponentError, ComponentId, Components};
 use crate::memory::GuestMemory;
 use crate::persist::Persist;
 
@@ -91,6 +92,16 @@ impl GuestClock {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClockState {
     pub ns: u64,
+}
+
+/// The guest clock's component.
+pub fn component_id() -> ComponentId {
+    ComponentId::new("clock")
+}
+
+/// The guest time `saved` was saved at.
+pub fn saved_ns(saved: &Components) -> Result<u64, ComponentError> {
+    saved.state::<ClockState>(&component_id()).map(|c| c.ns)
 }
 
 impl Persist for GuestClock {

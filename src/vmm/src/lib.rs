@@ -9,6 +9,7 @@
 pub mod arch;
 pub mod boot;
 pub mod clock;
+pub mod components;
 pub mod devices;
 pub mod dirty;
 pub mod exit;
@@ -26,10 +27,11 @@ pub mod sync;
 pub mod vcpu;
 pub mod vm;
 
+pub use components::{ComponentId, Components};
 pub use dirty::DirtyBackend;
 pub use exit::{GuestFault, VmExit};
 pub use hooks::{Console, Hooks};
 pub use memory::PageBitmap;
 pub use persist::Persist;
 pub use run_control::IdlePause;
-pub use vm::{Vm, VmConfig, VmError, VmState};
+pub use vm::{Vm, VmConfig, VmError};

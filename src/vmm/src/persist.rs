@@ -2,9 +2,10 @@
 //!
 //! vCPUs, devices (transport and model), the guest clock, guest memory and
 //! the VM as a whole each say what their state is, how to save it and how
-//! to load it back. Snapshots and checkpoints are built from these states
-//! (plus the guest's pages, see `pages`), so a component added later is
-//! saved everywhere by implementing this once.
+//! to load it back. The VM's own state is the tree of its components'
+//! (`components`), which snapshots and checkpoints carry (plus the guest's
+//! pages, see `pages`), so a component added later is saved everywhere by
+//! implementing this once and giving it an id.
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;

@@ -3,21 +3,22 @@
 //!
 //! Layout (little-endian): `magic "FTVMSNAP" | format version u32 | bundle |
 //! crc32c u32 of everything before it`, where the bundle (see `pages`) holds
-//! the VM's state and every page that is not all zeros (a fresh VM's RAM is
-//! zero already).
+//! the VM's state (its components by id, `components`) and every page that
+//! is not all zeros (a fresh VM's RAM is zero already).
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
+use crate::components::Components;
 use crate::memory::{GuestRam, PAGE};
 use crate::pages::{self, BundleWriter, FormatError, RawEncoder};
 use crate::persist;
-use crate::vm::VmState;
 
 const MAGIC: &[u8; 8] = b"FTVMSNAP";
-pub const FORMAT_VERSION: u32 = 3;
+/// Version 4: the state is the VM's components by id.
+pub const FORMAT_VERSION: u32 = 4;
 /// A state larger than this is corruption, not a VM.
 const MAX_STATE: u64 = 64 << 20;
 /// Bytes gathered before each write to the file.
@@ -71,7 +72,7 @@ impl<R: Read> Read for CrcReader<R> {
 
 /// Write `state` and all of `ram` (the VM must be paused) to `path`.
 /// Returns the file size.
-pub fn write(path: &Path, state: &VmState, ram: &GuestRam) -> Result<u64, SnapshotError> {
+pub fn write(path: &Path, state: &Components, ram: &GuestRam) -> Result<u64, SnapshotError> {
     let name = path.display().to_string();
     let io = |op| {
         let name = name.clone();
@@ -163,7 +164,7 @@ fn read_prefix(input: &mut impl Read, name: &str) -> Result<(), SnapshotError> {
     Ok(())
 }
 
-fn decode_state(bytes: &[u8], name: &str) -> Result<VmState, SnapshotError> {
+fn decode_state(bytes: &[u8], name: &str) -> Result<Components, SnapshotError> {
     persist::decode(bytes).map_err(|e| SnapshotError::Corrupted { path: name.into(), what: format!("VM state: {e}") })
 }
 
@@ -175,7 +176,7 @@ fn open(path: &Path) -> Result<(CrcReader<BufReader<File>>, String), SnapshotErr
 
 /// Read only the VM state of `path` (to size the VM before loading memory).
 /// The checksum covers the whole file and is checked by `read`.
-pub fn read_state(path: &Path) -> Result<VmState, SnapshotError> {
+pub fn read_state(path: &Path) -> Result<Components, SnapshotError> {
     let (mut input, name) = open(path)?;
     read_prefix(&mut input, &name)?;
     let mut word = [0u8; 8];
@@ -191,7 +192,7 @@ pub fn read_state(path: &Path) -> Result<VmState, SnapshotError> {
 
 /// Read `path` into the fresh VM memory `ram`, verifying the checksum.
 /// On any error `ram` must be discarded (it may be partly written).
-pub fn read(path: &Path, ram: &GuestRam) -> Result<VmState, SnapshotError> {
+pub fn read(path: &Path, ram: &GuestRam) -> Result<Components, SnapshotError> {
     let (mut input, name) = open(path)?;
     read_prefix(&mut input, &name)?;
     let state = pages::read_bundle(&mut input, ram, MAX_STATE).map_err(|e| format_error(&name, e))?;
@@ -205,18 +206,19 @@ pub fn read(path: &Path, ram: &GuestRam) -> Result<VmState, SnapshotError> {
         return Err(SnapshotError::Corrupted { path: name, what: "trailing data".into() });
     }
     let state = decode_state(&state, &name)?;
-    if state.memory.size != ram.size() {
-        return Err(SnapshotError::Corrupted { path: name, what: "memory size differs from the VM state".into() });
+    match crate::memory::saved_size(&state) {
+        Ok(size) if size == ram.size() => Ok(state),
+        Ok(_) => Err(SnapshotError::Corrupted { path: name, what: "memory size differs from the VM state".into() }),
+        Err(e) => Err(SnapshotError::Corrupted { path: name, what: e.to_string() }),
     }
-    Ok(state)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::ClockState;
-    use crate::memory::MemoryState;
-    use crate::vcpu::VcpuState;
+    use crate::clock::{self, ClockState};
+    use crate::memory::{self, MemoryState};
+    use crate::vcpu::{self, VcpuState};
 
     const RAM: u64 = 4 << 20;
 
@@ -226,8 +228,14 @@ mod tests {
         dir
     }
 
-    fn state() -> VmState {
-        VmState { memory: MemoryState { size: RAM }, vcpus: vec![VcpuState::default()], devices: vec![], clock: ClockState { ns: 42 } }
+    fn state() -> Components {
+        let mut state = Components::default();
+        state.put(memory::component_id(), &MemoryState { size: RAM });
+        let [v, tsc] = vcpu::component_ids(0);
+        state.put(v, &VcpuState::default());
+        state.put(tsc, &0u64);
+        state.put(clock::component_id(), &ClockState { ns: 42 });
+        state
     }
 
     fn written(dir: &Path) -> (std::path::PathBuf, Vec<u8>) {
@@ -245,10 +253,10 @@ mod tests {
         let dir = scratch("rt");
         let (path, bytes) = written(&dir);
         assert!(bytes.len() < 3 * PAGE + 4096, "zero pages are left out: {} bytes", bytes.len());
-        assert_eq!(read_state(&path).unwrap().clock.ns, 42);
+        assert_eq!(clock::saved_ns(&read_state(&path).unwrap()).unwrap(), 42);
         let ram = GuestRam::new(RAM, false).unwrap();
         let st = read(&path, &ram).unwrap();
-        assert_eq!(st.vcpus.len(), 1);
+        assert_eq!(vcpu::count(&st), 1);
         let mut page = [0u8; PAGE];
         ram.read_page(700, &mut page).unwrap();
         assert_eq!(page, [9u8; PAGE]);

@@ -9,23 +9,23 @@ use std::thread::JoinHandle;
 
 use kvm_bindings::{kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
-use serde::{Deserialize, Serialize};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::compat::CpuProfile;
 use crate::arch::{cpu, layout, tables};
 use crate::boot::{self, BootError, BootLayout};
-use crate::clock::{self, ClockState, GuestClock};
-use crate::devices::{DeviceConfig, DeviceError, DeviceState, Devices};
+use crate::clock::{self, GuestClock};
+use crate::components::{ComponentError, ComponentId, Components};
+use crate::devices::{DeviceConfig, DeviceError, Devices};
 use crate::dirty::{bitmap::BitmapLog, ring, DirtyBackend, DirtyError, DirtyLog};
 use crate::exit::VmExit;
 use crate::hooks::{Console, Hooks};
-use crate::memory::{GuestRam, MemoryError, MemoryState, PageBitmap};
+use crate::memory::{GuestRam, MemoryError, PageBitmap};
 use crate::persist::Persist;
 use crate::run_control::{self, Events, IdlePause, Mode, RunControl};
 use crate::shared::VmShared;
 use crate::sync::Lock;
-use crate::vcpu::{saveable_msrs, StateError, Vcpu, VcpuState};
+use crate::vcpu::{self, saveable_msrs, StateError, Vcpu};
 
 /// Environment variable naming the KVM device (default `/dev/kvm`).
 pub const KVM_PATH_ENV: &str = "FTVM_KVM_DEVICE";
@@ -54,6 +54,8 @@ pub enum VmError {
     State(#[from] StateError),
     #[error(transparent)]
     Device(#[from] DeviceError),
+    #[error(transparent)]
+    Component(#[from] ComponentError),
     #[error("the VM state has {got} vCPUs, this VM has {want}")]
     ShapeMismatch { got: usize, want: usize },
     #[error("the VM is running; pause it first")]
@@ -95,16 +97,6 @@ impl Default for VmConfig {
             devices: DeviceConfig::default(),
         }
     }
-}
-
-/// Everything a VM is apart from the contents of its memory: what a
-/// snapshot or checkpoint carries beside the pages.
-#[derive(Debug, Serialize, Deserialize)]
-pub struct VmState {
-    pub memory: MemoryState,
-    pub vcpus: Vec<VcpuState>,
-    pub devices: Vec<DeviceState>,
-    pub clock: ClockState,
 }
 
 pub struct Vm {
@@ -414,26 +406,45 @@ impl Vm {
         Ok(self.shared.dirty.locked().rearm(&self.shared.vm_fd, leave_writable)?)
     }
 
-    /// Load `state` into this VM while it is paused (it may have run):
-    /// the state another VM of the same shape was saved with, its RAM
-    /// already copied. Guest time continues from the saved time. Used by
-    /// a consensus-ordered replica adopting its leader's state.
-    pub fn restore_paused(&self, state: &VmState) -> Result<(), VmError> {
+    /// The ids of this VM's components, as `save` names them.
+    pub fn component_ids(&self) -> Vec<ComponentId> {
+        let mut ids = vec![crate::memory::component_id()];
+        ids.extend((0..self.vcpus.len()).flat_map(vcpu::component_ids));
+        ids.extend(self.shared.devices.component_ids());
+        ids.push(clock::component_id());
+        ids
+    }
+
+    /// Whether `saved` fits this VM: its vCPUs, memory size, devices, and
+    /// no component this VM does not have. Nothing is loaded.
+    pub fn check_components(&self, saved: &Components) -> Result<(), VmError> {
+        let vcpus = vcpu::count(saved);
+        if vcpus != self.vcpus.len() {
+            return Err(VmError::ShapeMismatch { got: vcpus, want: self.vcpus.len() });
+        }
+        self.shared.ram.fits(&saved.state(&crate::memory::component_id())?)?;
+        self.shared.devices.check(saved)?;
+        Ok(saved.check_ids(&self.component_ids())?)
+    }
+
+    /// Load `saved` into this VM while it is paused (it may have run): the
+    /// state another VM of the same shape was saved with, its RAM already
+    /// copied. Guest time continues from the saved time. Used by a
+    /// consensus-ordered replica adopting its leader's state, and by
+    /// `restore`. A state that does not fit (`check_components`) changes
+    /// nothing; one that fits but does not load leaves the VM unusable.
+    pub fn restore_paused(&self, saved: &Components) -> Result<(), VmError> {
         if self.is_running() {
             return Err(VmError::Running);
         }
-        if state.vcpus.len() != self.vcpus.len() {
-            return Err(VmError::ShapeMismatch { got: state.vcpus.len(), want: self.vcpus.len() });
-        }
-        if state.memory.size != self.shared.ram.size() {
-            return Err(crate::memory::MemoryError::SizeMismatch { saved: state.memory.size, present: self.shared.ram.size() }.into());
-        }
-        self.shared.devices.restore_paused(&state.devices)?;
-        for (vcpu, s) in self.vcpus.iter().zip(&state.vcpus) {
-            vcpu.locked().restore(s)?;
+        self.check_components(saved)?;
+        self.shared.devices.restore_from(saved)?;
+        for (i, vcpu) in self.vcpus.iter().enumerate() {
+            vcpu.locked().restore(&Vcpu::state_in(saved, i)?)?;
         }
         let mut clock = self.shared.clock.locked();
-        clock.restore(&state.clock).unwrap_or_else(|never| match never {});
+        let state = saved.state(&clock::component_id())?;
+        clock.restore(&state).unwrap_or_else(|never| match never {});
         clock.publish(self.shared.ram.memory())?;
         Ok(())
     }
@@ -482,41 +493,36 @@ impl Vm {
     }
 }
 
+/// A VM is the tree of its components (`components`): guest memory, each
+/// vCPU, each device, the clock, each saved by its own `Persist`.
 impl Persist for Vm {
-    type State = VmState;
+    type State = Components;
     type Error = VmError;
 
     /// The VM must be paused (or never started).
-    fn save(&self) -> Result<VmState, VmError> {
+    fn save(&self) -> Result<Components, VmError> {
         if self.is_running() {
             return Err(VmError::Running);
         }
-        let vcpus = self.vcpus.iter().map(|v| v.locked().save()).collect::<Result<Vec<_>, _>>()?;
-        Ok(VmState {
-            memory: self.shared.ram.save()?,
-            vcpus,
-            devices: self.shared.devices.save()?,
-            clock: self.shared.clock.locked().save().unwrap_or_else(|never| match never {}),
-        })
+        let mut saved = Components::default();
+        saved.save(crate::memory::component_id(), &self.shared.ram)?;
+        for (i, vcpu) in self.vcpus.iter().enumerate() {
+            vcpu.locked().save_into(i, &mut saved)?;
+        }
+        self.shared.devices.save_into(&mut saved)?;
+        let clock = self.shared.clock.locked();
+        saved.save(clock::component_id(), &*clock).unwrap_or_else(|never| match never {});
+        Ok(saved)
     }
 
     /// Load state saved here or in another process into this VM, which has
     /// never run; guest time continues from the saved time.
-    fn restore(&mut self, state: &VmState) -> Result<(), VmError> {
-        if state.vcpus.len() != self.vcpus.len() {
-            return Err(VmError::ShapeMismatch { got: state.vcpus.len(), want: self.vcpus.len() });
-        }
+    fn restore(&mut self, saved: &Components) -> Result<(), VmError> {
         // Only the VM holds its shared part until `start` gives it to vCPU threads.
-        let shared = Arc::get_mut(&mut self.shared).ok_or(VmError::Started)?;
-        shared.ram.restore(&state.memory)?;
-        shared.devices.restore(&state.devices)?;
-        for (vcpu, s) in self.vcpus.iter().zip(&state.vcpus) {
-            vcpu.locked().restore(s)?;
+        if Arc::get_mut(&mut self.shared).is_none() {
+            return Err(VmError::Started);
         }
-        let clock = crate::sync::get_mut(&mut shared.clock);
-        clock.restore(&state.clock).unwrap_or_else(|never| match never {});
-        clock.publish(shared.ram.memory())?;
-        Ok(())
+        self.restore_paused(saved)
     }
 }
 

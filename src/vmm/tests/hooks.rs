@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use ftvm_vmm::devices::DeviceConfig;
 use ftvm_vmm::hooks::{DiskWriteObserver, IdleObserver};
-use ftvm_vmm::{Console, Persist, Vm, VmConfig, VmError, VmExit};
+use ftvm_vmm::{ComponentId, Console, Persist, Vm, VmConfig, VmError, VmExit};
 
 fn image(name: &str) -> PathBuf {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/images").join(format!("{name}.elf"));
@@ -90,8 +90,26 @@ fn state_restores_only_onto_a_vm_of_the_same_shape_and_devices() {
     vm.boot(&image("probe"), "hello").unwrap();
     let state = vm.save().unwrap();
 
-    let mut same = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console: console.clone(), devices, ..Default::default() }).unwrap();
+    let ids: Vec<&str> = state.ids().map(ComponentId::as_str).collect();
+    assert_eq!(ids, ["clock", "devices/disk0", "memory", "vcpu/0", "vcpu/0/tsc"]);
+
+    let mut same =
+        Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console: console.clone(), devices: devices.clone(), ..Default::default() })
+            .unwrap();
     same.restore(&state).unwrap();
+    // Round trip: the restored VM saves the same components, but for its
+    // clock and counter, which moved on.
+    let mut again = same.save().unwrap();
+    for id in [ftvm_vmm::clock::component_id(), ftvm_vmm::vcpu::component_ids(0)[1].clone()] {
+        again.insert(id.clone(), state.get(&id).unwrap().to_vec());
+    }
+    assert!(again == state, "the restored VM's state");
+
+    // A component this VM has no place for is refused before anything is loaded.
+    let mut extra = state.clone();
+    extra.put(ComponentId::new("rtc"), &0u64);
+    let mut fresh = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console: console.clone(), devices, ..Default::default() }).unwrap();
+    assert_eq!(fresh.restore(&extra).unwrap_err().to_string(), "the saved state has a rtc, which this VM does not");
 
     let mut no_disk = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console: console.clone(), ..Default::default() }).unwrap();
     let e = no_disk.restore(&state).unwrap_err();

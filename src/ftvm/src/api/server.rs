@@ -418,7 +418,7 @@ impl ApiServer {
                 let t0 = Instant::now();
                 vm.pause();
                 let result = vm.save().map_err(|e| e.to_string()).and_then(|state| {
-                    let pending = state.devices.iter().map(|d| d.requests_in_flight() as u64).sum::<u64>();
+                    let pending = ftvm_vmm::devices::requests_in_flight(state.iter());
                     snapshot::write(Path::new(&path), &state, vm.ram()).map(|bytes| (bytes, pending)).map_err(|e| e.to_string())
                 });
                 let pause_us = t0.elapsed().as_micros() as u64;

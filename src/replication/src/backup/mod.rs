@@ -536,7 +536,7 @@ fn apply_checkpoint(
     let (epoch, pages) = (staged.epoch, staged.pages.len());
     crate::fault::stall_apply(epoch);
     apply.commit(replica, staged).map_err(Stop::CannotApply)?;
-    let guest_ns = replica.committed.as_ref().map_or(0, |(_, state)| state.clock.ns);
+    let guest_ns = replica.committed.as_ref().and_then(|(_, state)| ftvm_vmm::clock::saved_ns(state).ok()).unwrap_or(0);
     let applied = AppliedEpoch { epoch, guest_ns, applied_unix_ns: unix_ns(), pages, apply_us: t0.elapsed().as_micros() as u64 };
     log.record(&applied);
     crate::telemetry::telemetry().applied(&applied);

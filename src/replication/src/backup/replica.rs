@@ -7,7 +7,7 @@ use ftvm_vmm::arch::compat::CpuProfile;
 use ftvm_vmm::devices::KindList;
 use ftvm_vmm::memory::PAGE;
 use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
-use ftvm_vmm::{Vm, VmConfig, VmState};
+use ftvm_vmm::{Components, Vm, VmConfig};
 
 use super::BackupConfig;
 use crate::arbiter::Ownership;
@@ -23,7 +23,7 @@ pub struct Replica {
     pub disk_name: String,
     pub disk_size: u64,
     /// The last checkpoint applied: its epoch and its VM state.
-    pub committed: Option<(u64, VmState)>,
+    pub committed: Option<(u64, Components)>,
     /// The fake-ACK proxy's state of that checkpoint (`--fake-ack on`).
     pub fake_ack: Option<crate::fakeack::State>,
     pub next_epoch: u64,

@@ -226,7 +226,7 @@ impl Pipeline {
             None => predict::Figures { first_writes: pages.len() as u64, ..predict::Figures::default() },
         };
         // Before `filter` may leave an unchanged disk's state out.
-        let disk_pending = thawed.state.vm.devices.iter().flatten().map(|d| d.requests_in_flight() as u64).sum();
+        let disk_pending = ftvm_vmm::devices::requests_in_flight(thawed.state.vm.changed.iter());
         self.sent_state.filter(&mut thawed.state.vm);
         // The proxy's whole table as saved at the freeze, and what of it goes.
         let (mut fake_ack_bytes, mut fake_ack_flows) = (0, 0);

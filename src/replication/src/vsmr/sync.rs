@@ -41,13 +41,12 @@ use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 use ftvm_vmm::memory::{GuestRam, PAGE};
 use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
-use ftvm_vmm::{PageBitmap, Vm, VmState};
+use ftvm_vmm::{Components, PageBitmap, Vm};
 
 use super::aside::Aside;
 use super::disk::{self, ReplicaDisk};
 use super::mesh::{Inbound, Mesh};
 use super::writes::Writes;
-use crate::checkpoint::StateDelta;
 use crate::output::DiskWrite;
 use crate::pipeline::freeze::Frozen;
 use crate::pipeline::predict;
@@ -133,7 +132,7 @@ struct BlockPatch {
 /// The state part of `SyncPages`.
 #[derive(Serialize, Deserialize)]
 struct SyncState {
-    vm: VmState,
+    vm: Components,
     /// Input the leader's guest had not taken in yet (its receive queue was
     /// full): the secondary's guest gets exactly these next.
     pending_input: Vec<Vec<u8>>,
@@ -461,9 +460,8 @@ pub fn lead_unacked(
     output: Vec<Vec<u8>>,
 ) -> Result<Figures, SyncError> {
     let pending_input = vm.devices().take_injected_host_input();
-    let none = StateDelta { memory: None, vcpus: Vec::new(), devices: Vec::new(), clock: None };
     // The freeze saved every component: a whole state.
-    let state = std::mem::replace(&mut frozen.state.vm, none).over(None);
+    let state = std::mem::take(&mut frozen.state.vm).over(None);
     // The leadership's journal, taken by the freeze: this side's dirty blocks.
     let blocks = x.disk.map(|d| disk::dirty_blocks(&frozen.state.disk, d.size())).unwrap_or_default();
     // All of memory as frozen (tests only: it reads every page).
@@ -558,7 +556,7 @@ fn compare_and_send(
     contents: &Contents<'_>,
     pages: &[u64],
     blocks: &[u64],
-    state: VmState,
+    state: Components,
     mode: PageMode,
     pending: &[Vec<u8>],
     output: Vec<Vec<u8>>,
@@ -713,8 +711,8 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
         return Err(ProtocolError::Corrupt("syncvm pages have trailing bytes".into()).into());
     }
     let state: SyncState = protocol::decode(bundle.state)?;
-    if state.vm.vcpus.len() != vm.config().vcpus as usize || state.vm.memory.size != vm.ram().size() {
-        return Err(ProtocolError::Corrupt("the leader's VM has another shape".into()).into());
+    if let Err(e) = vm.check_components(&state.vm) {
+        return Err(ProtocolError::Corrupt(format!("the leader's VM has another shape: {e}")).into());
     }
     for patch in &state.patches {
         if patch.page >= vm.ram().pages() || patch.data.len() != patch.mask.count_ones() as usize * BLOCK {

@@ -14,9 +14,9 @@ use kvm_ioctls::{IoEventAddress, VmFd};
 use serde::{Deserialize, Serialize};
 use vmm_sys_util::eventfd::EventFd;
 
+use crate::components::{ComponentError, ComponentId, Components};
 use crate::hooks::{FrameSink, Hooks};
 use crate::memory::GuestMemory;
-use crate::persist::Persist;
 use crate::run_control::Events;
 use crate::sync::Lock;
 use gate::Gate;
@@ -130,6 +130,8 @@ pub enum DeviceError {
     Mismatch { saved: Vec<DeviceKind>, present: Vec<DeviceKind> },
     #[error("cannot restore the {kind} device: {reason}")]
     Restore { kind: DeviceKind, reason: String },
+    #[error(transparent)]
+    Component(#[from] ComponentError),
 }
 
 /// A device model's own state (the transport's is saved beside it).
@@ -386,38 +388,74 @@ impl Devices {
     }
 }
 
-impl Persist for Devices {
-    type State = Vec<DeviceState>;
-    type Error = DeviceError;
-
-    fn save(&self) -> Result<Vec<DeviceState>, DeviceError> {
-        self.slots.iter().map(|s| s.lock().save()).collect()
-    }
-
-    fn restore(&mut self, states: &Vec<DeviceState>) -> Result<(), DeviceError> {
-        self.restore_paused(states)
-    }
-}
-
 impl Devices {
-    /// `restore` for devices that already ran: their threads must be
-    /// paused (`pause`), so no request is in progress. Guest memory must
-    /// be restored already: requests the devices had in flight are issued
-    /// again from their buffers, before the guest runs.
-    pub fn restore_paused(&self, states: &[DeviceState]) -> Result<(), DeviceError> {
-        let present = self.kinds();
-        let saved: Vec<DeviceKind> = states.iter().map(|s| s.kind).collect();
-        if present != saved {
-            return Err(DeviceError::Mismatch { saved, present });
+    /// Each device's component, in slot order: `devices/` and its kind with
+    /// its number among the devices of that kind (`devices/net0`,
+    /// `devices/disk0`), so that an id names the same device whatever
+    /// other devices a VM gains.
+    pub fn component_ids(&self) -> Vec<ComponentId> {
+        component_ids(&self.kinds())
+    }
+
+    /// Save every device (transport and model, `MmioTransport`'s state)
+    /// into `out`.
+    pub fn save_into(&self, out: &mut Components) -> Result<(), DeviceError> {
+        for (slot, id) in self.slots.iter().zip(self.component_ids()) {
+            out.save(id, &*slot.lock())?;
         }
-        for (slot, state) in self.slots.iter().zip(states) {
-            slot.lock().restore(state)?;
+        Ok(())
+    }
+
+    /// Whether `saved` has exactly this VM's devices.
+    pub fn check(&self, saved: &Components) -> Result<(), DeviceError> {
+        let ours = self.component_ids();
+        let theirs: Vec<&ComponentId> = saved.ids().filter(|id| id.as_str().starts_with(DEVICES)).collect();
+        if theirs.len() == ours.len() && ours.iter().all(|id| saved.contains(id)) {
+            return Ok(());
+        }
+        let saved = theirs.into_iter().map(|id| saved.state::<DeviceState>(id).map(|d| d.kind)).collect::<Result<_, _>>()?;
+        Err(DeviceError::Mismatch { saved, present: self.kinds() })
+    }
+
+    /// Load the devices' state from `saved` (`check` accepted it). Their
+    /// threads must be paused (`pause`), or never started, so no request
+    /// is in progress. Guest memory must be restored already: requests the
+    /// devices had in flight are issued again from their buffers, before
+    /// the guest runs.
+    pub fn restore_from(&self, saved: &Components) -> Result<(), DeviceError> {
+        for (slot, id) in self.slots.iter().zip(self.component_ids()) {
+            saved.restore(&id, &mut *slot.lock())?;
         }
         for slot in &self.slots {
             slot.lock().issue_restored(&self.mem);
         }
         Ok(())
     }
+}
+
+/// Where the devices' components are in the tree.
+const DEVICES: &str = "devices/";
+
+fn component_ids(kinds: &[DeviceKind]) -> Vec<ComponentId> {
+    kinds
+        .iter()
+        .enumerate()
+        .map(|(i, kind)| {
+            let nth = kinds[..i].iter().filter(|k| *k == kind).count();
+            ComponentId::new(format!("{DEVICES}{kind}{nth}"))
+        })
+        .collect()
+}
+
+/// Requests the devices in `saved` had in flight (a disk's pending list);
+/// a device whose state does not decode counts none.
+pub fn requests_in_flight<'a>(saved: impl IntoIterator<Item = (&'a ComponentId, &'a [u8])>) -> u64 {
+    saved
+        .into_iter()
+        .filter(|(id, _)| id.as_str().starts_with(DEVICES))
+        .filter_map(|(_, bytes)| crate::persist::decode::<DeviceState>(bytes).ok())
+        .map(|d| d.requests_in_flight() as u64)
+        .sum()
 }
 
 impl Drop for Devices {
@@ -435,6 +473,13 @@ mod tests {
         assert_eq!(KindList(&[DeviceKind::Net, DeviceKind::Block]).to_string(), "[net, disk]");
         let e = DeviceError::Mismatch { saved: vec![DeviceKind::Net], present: vec![] };
         assert_eq!(e.to_string(), "the saved VM has devices [net], this VM has []");
+    }
+
+    #[test]
+    fn device_ids_count_within_their_kind() {
+        let ids = component_ids(&[DeviceKind::Net, DeviceKind::Block, DeviceKind::Block]);
+        let names: Vec<&str> = ids.iter().map(ComponentId::as_str).collect();
+        assert_eq!(names, ["devices/net0", "devices/disk0", "devices/disk1"]);
     }
 
     #[test]

@@ -25,6 +25,7 @@ use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMma
 
 use ftvm_abi::PAGE_SIZE;
 
+use crate::components::{ComponentError, ComponentId, Components};
 use crate::persist::Persist;
 
 /// Bytes per guest page.
@@ -52,6 +53,16 @@ pub enum MemoryError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryState {
     pub size: u64,
+}
+
+/// Guest memory's component (its pages travel apart from it).
+pub fn component_id() -> ComponentId {
+    ComponentId::new("memory")
+}
+
+/// The size of the guest memory `saved` describes.
+pub fn saved_size(saved: &Components) -> Result<u64, ComponentError> {
+    saved.state::<MemoryState>(&component_id()).map(|m| m.size)
 }
 
 /// Guest RAM starting at guest-physical address 0.
@@ -190,8 +201,15 @@ impl Persist for GuestRam {
         Ok(MemoryState { size: self.size })
     }
 
-    /// Guest RAM keeps its size for life; its contents travel as pages.
     fn restore(&mut self, state: &MemoryState) -> Result<(), MemoryError> {
+        self.fits(state)
+    }
+}
+
+impl GuestRam {
+    /// Guest RAM keeps its size for life (its contents travel as pages):
+    /// restoring its state only checks that it fits.
+    pub fn fits(&self, state: &MemoryState) -> Result<(), MemoryError> {
         if state.size != self.size {
             return Err(MemoryError::SizeMismatch { saved: state.size, present: self.size });
         }

@@ -47,7 +47,23 @@ pub fn saveable_msrs(vcpu: &VcpuFd, msr_index_list: &[u32]) -> Vec<u32> {
         .collect()
 }
 
+/// The time-stamp counter MSR.
+pub const MSR_IA32_TSC: u32 = 0x10;
+
 impl VcpuState {
+    /// Zero the time-stamp counter in the saved MSRs and return it (0 if
+    /// this host does not save it).
+    pub fn take_tsc(&mut self) -> u64 {
+        self.msrs.iter_mut().find(|m| m.index == MSR_IA32_TSC).map_or(0, |m| std::mem::take(&mut m.data))
+    }
+
+    /// Put back a counter `take_tsc` took.
+    pub fn set_tsc(&mut self, tsc: u64) {
+        if let Some(m) = self.msrs.iter_mut().find(|m| m.index == MSR_IA32_TSC) {
+            m.data = tsc;
+        }
+    }
+
     /// Read the state of a vCPU that is not running (its I/O completed).
     pub fn read(vcpu: &VcpuFd, msr_indices: &[u32]) -> Result<VcpuState, StateError> {
         let entries: Vec<_> = msr_indices.iter().map(|&index| kvm_msr_entry { index, ..Default::default() }).collect();
