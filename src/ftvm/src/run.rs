@@ -12,7 +12,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use ftvm_replication::{Finished, Primary, StatusCell};
 use ftvm_vmm::seccomp::{self, ThreadKind};
-use ftvm_vmm::snapshot;
+use ftvm_vmm::snapshot::{self, SnapshotError};
 use ftvm_vmm::{DirtyBackend, IdlePause, Persist, Vm, VmConfig, VmExit};
 
 use crate::api::access::{Access, Group};
