@@ -40,7 +40,7 @@ use ftvm_testkit::scratch::Scratch;
 use ftvm_testkit::topology::{Topology, GUEST_ADDR as GUEST, GUEST_MAC as MAC, H2_REPL_ADDR};
 use ftvm_testkit::{netns, resp, writers};
 
-use ftvm_replication::PrimaryConfig;
+use ftvm_primary_backup::PrimaryConfig;
 
 use crate::api;
 use crate::cli::values::{at_least_one, default_text, epoch_ms, positive_seconds};

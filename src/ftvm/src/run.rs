@@ -10,7 +10,8 @@ use std::sync::Arc;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
-use ftvm_replication::{Finished, Primary, StatusCell};
+use ftvm_primary_backup::{Finished, Primary};
+use ftvm_replication::StatusCell;
 use ftvm_vmm::seccomp::{self, ThreadKind};
 use ftvm_vmm::snapshot::{self, SnapshotError};
 use ftvm_vmm::{DirtyBackend, IdlePause, Persist, Vm, VmConfig, VmExit};

@@ -43,8 +43,8 @@ use std::time::{Duration, Instant};
 
 use ftvm_vmm::seccomp;
 
-use crate::metrics::Role;
 use crate::protocol::PROTOCOL_VERSION;
+use crate::role::Role;
 use crate::sockopt;
 
 /// Default of `--heartbeat-ms`.
@@ -719,14 +719,14 @@ impl Priority {
 
 /// Run the calling thread at normal priority again (threads it creates
 /// inherit its policy).
-pub(crate) fn normal_priority() {
+pub fn normal_priority() {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: as in `raise_priority`.
     unsafe { libc::pthread_setschedparam(libc::pthread_self(), libc::SCHED_OTHER, &param) };
 }
 
 /// Run this thread above every normal thread of the host, if allowed.
-pub(crate) fn raise_priority() {
+pub fn raise_priority() {
     let param = libc::sched_param { sched_priority: RT_PRIORITY };
     // SAFETY: changes only the calling thread's scheduling, with a valid
     // parameter struct that outlives the call.

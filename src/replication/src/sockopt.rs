@@ -4,7 +4,7 @@ use std::io;
 use std::os::fd::RawFd;
 
 /// Set option `name` at `level` of socket `fd` to `value`.
-pub(crate) fn set(fd: RawFd, level: libc::c_int, name: libc::c_int, value: libc::c_int) -> io::Result<()> {
+pub fn set(fd: RawFd, level: libc::c_int, name: libc::c_int, value: libc::c_int) -> io::Result<()> {
     // SAFETY: the caller's open socket; the value is a c_int that lives
     // across the call, with its length.
     let rc = unsafe {
@@ -17,7 +17,7 @@ pub(crate) fn set(fd: RawFd, level: libc::c_int, name: libc::c_int, value: libc:
 }
 
 /// Read option `name` at `level` of socket `fd`.
-pub(crate) fn get(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::Result<libc::c_int> {
+pub fn get(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::Result<libc::c_int> {
     let mut value: libc::c_int = 0;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: the caller's open socket; `len` says how many bytes `value` has.

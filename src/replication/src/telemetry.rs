@@ -17,7 +17,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::metrics::{AppliedEpoch, EpochMetrics};
+use crate::figures::{AppliedEpoch, EpochMetrics};
 
 pub struct Telemetry {
     checkpoints: Counter,

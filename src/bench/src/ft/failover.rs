@@ -376,7 +376,7 @@ mod tests {
 
     #[test]
     fn reads_the_takeover_line() {
-        let err = "2025-01-01T00:00:00Z  WARN ftvm_replication::backup: PRIMARY LOST: took over from the last committed checkpoint epoch=7 reason=\"x y\" lost_unix_us=1700000000123456 resume_us=812\n";
+        let err = "2025-01-01T00:00:00Z  WARN ftvm_primary_backup::backup: PRIMARY LOST: took over from the last committed checkpoint epoch=7 reason=\"x y\" lost_unix_us=1700000000123456 resume_us=812\n";
         assert_eq!(lost_unix_us(err), Some(1_700_000_000_123_456));
         assert_eq!(lost_unix_us("nothing"), None);
     }

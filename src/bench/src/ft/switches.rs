@@ -112,8 +112,9 @@ mod tests {
     /// them); this keeps it from drifting from the switches themselves.
     #[test]
     fn the_table_measures_every_value_of_each_switch_default_first() {
+        use ftvm_primary_backup::mirror;
         use ftvm_replication::pipeline::{capture, encode, predict, prefetch, trigger};
-        use ftvm_replication::{fakeack, liveness, mirror};
+        use ftvm_replication::{fakeack, liveness};
         let declared: &[(&str, &[&str])] = &[
             ("dirty-backend", ftvm_vmm::DirtyBackend::VALUES),
             ("mirror", mirror::Mode::VALUES),
@@ -132,7 +133,7 @@ mod tests {
         ];
         let table: Vec<&Switch> = SWITCHES.iter().chain([&DISK_IO]).collect();
         let depth = table.iter().find(|s| s.name == "pipeline-depth").expect("pipeline-depth is measured");
-        assert_eq!(depth.values[0].0, ftvm_replication::DEFAULT_PIPELINE_DEPTH.to_string());
+        assert_eq!(depth.values[0].0, ftvm_primary_backup::DEFAULT_PIPELINE_DEPTH.to_string());
         for (name, values) in declared {
             let Some(switch) = table.iter().find(|s| s.name == *name) else {
                 panic!("switch {name} is not in the ablation");

@@ -15,7 +15,8 @@ use vmm_sys_util::eventfd::EventFd;
 
 use ftvm_vmm::sync::Lock;
 
-use ftvm_replication::{Primary, StatusCell};
+use ftvm_primary_backup::Primary;
+use ftvm_replication::StatusCell;
 use ftvm_vmm::snapshot;
 use ftvm_vmm::Persist;
 use ftvm_vmm::Vm;

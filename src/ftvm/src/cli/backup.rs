@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use clap::Args;
 
-use ftvm_replication::backup::HANDSHAKE_TIMEOUT;
-use ftvm_replication::{liveness, BackupConfig, MetricsFile, PrimaryConfig};
+use ftvm_primary_backup::backup::HANDSHAKE_TIMEOUT;
+use ftvm_primary_backup::{BackupConfig, PrimaryConfig};
+use ftvm_replication::{liveness, MetricsFile};
 use ftvm_vmm::Console;
 
 use super::config::ConfigArgs;

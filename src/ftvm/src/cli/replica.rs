@@ -8,10 +8,10 @@ use clap::builder::TypedValueParser;
 use clap::Args;
 
 use ftvm_replication::pipeline::predict;
-use ftvm_replication::vsmr::failover::{self, FastElection};
-use ftvm_replication::vsmr::tuning::Tuning;
-use ftvm_replication::vsmr::{self, ReplicaConfig};
 use ftvm_vmm::devices::virtio::block::DiskIo;
+use ftvm_vsmr::failover::{self, FastElection};
+use ftvm_vsmr::tuning::Tuning;
+use ftvm_vsmr::ReplicaConfig;
 
 use super::config::ConfigArgs;
 use super::host::{ChannelArgs, HostArgs};
@@ -58,13 +58,13 @@ pub struct ReplicaArgs {
     /// How the leader sends a divergent page at a syncvm: whole, or only
     /// its 64-byte blocks that differ (one more round trip for block hashes).
     #[arg(long, default_value = "whole", value_name = "whole|blocks")]
-    pub sync_pages: ftvm_replication::vsmr::sync::PageMode,
+    pub sync_pages: ftvm_vsmr::sync::PageMode,
     /// How the leader brings a replica it has not synchronized (restarted,
     /// a standby) up to date: precopy (its memory copied while the guest
     /// runs, then a full syncvm) or syncvm (the full syncvm alone, every
     /// differing page copied in the pause).
     #[arg(long, default_value = "precopy", value_name = "precopy|syncvm")]
-    pub rejoin: ftvm_replication::vsmr::rejoin::RejoinMode,
+    pub rejoin: ftvm_vsmr::rejoin::RejoinMode,
     /// Start an election as soon as this replica finds the leader dead:
     /// the link the leader dialled here closed (its VMM died), or, with
     /// --failure-timeout-ms, nothing came from it that long. Pre-vote first,
@@ -72,7 +72,7 @@ pub struct ReplicaArgs {
     /// witness only votes at once. off: only raft's randomized election
     /// timeout (200-400 ms of silence). Give every replica the same.
     #[arg(long, default_value = "on", value_name = "on|off")]
-    pub fast_election: ftvm_replication::vsmr::failover::FastElection,
+    pub fast_election: ftvm_vsmr::failover::FastElection,
     /// With --fast-election on: take the leader for dead after this long
     /// without a message from it (30 to 60000; heartbeats come every 20 ms).
     /// Default: only a closed link tells (a stalled or cut-off leader is
@@ -84,7 +84,7 @@ pub struct ReplicaArgs {
     /// old leader held reach their clients without waiting for a TCP
     /// retransmission. off: discard them.
     #[arg(long, default_value = "on", value_name = "on|off")]
-    pub takeover_replay: ftvm_replication::vsmr::recent::Mode,
+    pub takeover_replay: ftvm_vsmr::recent::Mode,
     /// What the leader does while it has no synchronized secondary (the
     /// secondary lost, or not yet brought up to date: at the group's start
     /// and after a takeover, until its first full syncvm): continue, its
@@ -92,35 +92,35 @@ pub struct ReplicaArgs {
     /// state; pause, its guest paused and its output held until a replica
     /// is synchronized (that syncvm's acknowledgement releases it).
     #[arg(long, default_value = "continue", value_name = "continue|pause")]
-    pub on_secondary_loss: ftvm_replication::vsmr::loss::OnSecondaryLoss,
+    pub on_secondary_loss: ftvm_vsmr::loss::OnSecondaryLoss,
     /// When the secondary's guest gets a log entry: on, as soon as the
     /// secondary has appended it (with three replicas the leader and the
     /// secondary are then a majority: it is committed), and the leader
     /// sends no separate commit notice; off, once the leader's next message
     /// says it is committed. Give every replica the same.
     #[arg(long, default_value = "on", value_name = "on|off")]
-    pub early_apply: ftvm_replication::vsmr::tuning::EarlyApply,
+    pub early_apply: ftvm_vsmr::tuning::EarlyApply,
     /// on: appends queued for one peer in one round of the consensus
     /// thread go as one message (fewer messages and wake-ups); off: one
     /// per proposal.
     #[arg(long, default_value = "on", value_name = "on|off")]
-    pub batch_append: ftvm_replication::vsmr::tuning::BatchAppend,
+    pub batch_append: ftvm_vsmr::tuning::BatchAppend,
     /// What spaces two syncvms when output is held: cost (the whole syncvm,
     /// its consensus round and the acknowledgement included, as a
     /// primary-backup checkpoint) or pause (only the leader's pause).
     #[arg(long, default_value = "cost", value_name = "cost|pause")]
-    pub sync_spacing: ftvm_replication::vsmr::tuning::SyncSpacing,
+    pub sync_spacing: ftvm_vsmr::tuning::SyncSpacing,
     /// on: the consensus thread puts committed input into the guest itself
     /// when the applier thread has nothing earlier to run (one thread
     /// wake-up fewer per batch); off: always through the applier.
     #[arg(long, default_value = "off", value_name = "off|on")]
-    pub direct_input: ftvm_replication::vsmr::tuning::DirectInput,
+    pub direct_input: ftvm_vsmr::tuning::DirectInput,
     /// Which thread of the leader waits for the secondary's acknowledgement
     /// of a syncvm (after which the output is released): applier (no
     /// committed input reaches the guest meanwhile) or proposer (the
     /// applier goes on delivering input once the guest resumed).
     #[arg(long, default_value = "applier", value_name = "applier|proposer")]
-    pub ack_wait: ftvm_replication::vsmr::tuning::AckWait,
+    pub ack_wait: ftvm_vsmr::tuning::AckWait,
     /// When the leader's guest resumes in a syncvm: on, once the dirty
     /// sets are swapped and their union's pages and disk blocks copied
     /// aside (hashing, comparing and sending then read the copy while the
@@ -128,14 +128,14 @@ pub struct ReplicaArgs {
     /// are sent. Output stays held until the secondary's acknowledgement
     /// either way.
     #[arg(long, default_value = "on", value_name = "on|off")]
-    pub early_resume: ftvm_replication::vsmr::tuning::EarlyResume,
+    pub early_resume: ftvm_vsmr::tuning::EarlyResume,
     /// Which thread of the leader releases a syncvm's held output once
     /// the secondary acknowledged it: waiter (the thread that waits for
     /// the acknowledgement, --ack-wait) or link (the thread that reads it
     /// from the secondary's link, at once; the applier goes on delivering
     /// input meanwhile).
     #[arg(long, default_value = "waiter", value_name = "waiter|link")]
-    pub ack_release: ftvm_replication::vsmr::tuning::AckRelease,
+    pub ack_release: ftvm_vsmr::tuning::AckRelease,
     /// How the leader's network input becomes log entries: off, one entry
     /// per frame, each handed to the consensus thread as read; on, the
     /// frames of one read pass of the TAP go to the consensus thread
@@ -143,7 +143,7 @@ pub struct ReplicaArgs {
     /// (one raft entry, encoding and delivery per batch). Replicas with
     /// either setting work together.
     #[arg(long, default_value = "on", value_name = "on|off")]
-    pub input_batch: ftvm_replication::vsmr::tuning::InputBatch,
+    pub input_batch: ftvm_vsmr::tuning::InputBatch,
     /// Whether the leader proposes the next syncvm while the previous one
     /// awaits the secondary's acknowledgement: off, one at a time; on, the
     /// next one's consensus round, freeze and exchange run as soon as the
@@ -151,7 +151,7 @@ pub struct ReplicaArgs {
     /// of its own awaits the acknowledgements and releases the output, in
     /// order. Only the leader's side changes.
     #[arg(long, default_value = "off", value_name = "off|on")]
-    pub sync_pipeline: ftvm_replication::vsmr::tuning::SyncPipeline,
+    pub sync_pipeline: ftvm_vsmr::tuning::SyncPipeline,
     /// System calls per message on the links between replicas: on, the
     /// consensus thread hands each peer's sender a round's raft messages
     /// at once (one wake-up), a link's sender sends all it finds queued
@@ -160,21 +160,21 @@ pub struct ReplicaArgs {
     /// reader reads what has arrived in one call and parses the frames in
     /// it; off, one send per message and a read per part of each frame.
     #[arg(long, default_value = "on", value_name = "on|off")]
-    pub link_batch: ftvm_replication::vsmr::tuning::LinkBatch,
+    pub link_batch: ftvm_vsmr::tuning::LinkBatch,
     /// Who writes a message to a peer's link: on, the thread that sends it
     /// (consensus, applier) when nothing is queued for that peer before
     /// it, the link is up and idle, and its socket has room (the write
     /// cannot block); otherwise, and always with off, the link's sender
     /// thread (one thread wake-up more per message).
     #[arg(long, default_value = "off", value_name = "off|on")]
-    pub link_direct: ftvm_replication::vsmr::tuning::LinkDirect,
+    pub link_direct: ftvm_vsmr::tuning::LinkDirect,
     /// Messages on the links between replicas: lz4, each of at least 256
     /// bytes goes LZ4-compressed when that makes it shorter (the log
     /// entries, which carry every input frame to both peers; a syncvm's
     /// bitmaps and pages); off, as they are. A replica reads either,
     /// whatever its own setting.
     #[arg(long, default_value = "lz4", value_name = "lz4|off")]
-    pub link_compress: ftvm_replication::vsmr::tuning::LinkCompress,
+    pub link_compress: ftvm_vsmr::tuning::LinkCompress,
     /// Write-fault prediction on each VM replica: at each syncvm, leave the
     /// pages its guest is likely to write again writable (no tracked first
     /// write for them); they are then compared at every syncvm, written or
@@ -201,14 +201,14 @@ pub struct ReplicaArgs {
     /// acknowledgement, which implies the commit). Only the leader's side
     /// changes.
     #[arg(long, default_value = "append", value_name = "commit|append")]
-    pub leader_apply: ftvm_replication::vsmr::tuning::LeaderApply,
+    pub leader_apply: ftvm_vsmr::tuning::LeaderApply,
     /// Whether the leader's syncvm carries its output of the epoch it
     /// closes (its first 256 KiB): on, the secondary keeps it and sends it
     /// if it takes over (with --takeover-replay on), so replies a leader
     /// dies holding after the acknowledgement reach their clients at once;
     /// off, they come back by the clients' retransmission.
     #[arg(long, default_value = "on", value_name = "on|off")]
-    pub sync_output: ftvm_replication::vsmr::tuning::SyncOutput,
+    pub sync_output: ftvm_vsmr::tuning::SyncOutput,
     /// Write one JSON line per syncvm to this file.
     #[arg(long, value_name = "PATH")]
     pub metrics: Option<PathBuf>,
@@ -265,7 +265,7 @@ impl TryFrom<ReplicaArgs> for Member {
     type Error = RunError;
 
     fn try_from(args: ReplicaArgs) -> Result<Member, RunError> {
-        let peers = vsmr::parse_peers(&args.peers, args.id).map_err(RunError::Usage)?;
+        let peers = ftvm_vsmr::parse_peers(&args.peers, args.id).map_err(RunError::Usage)?;
         args.check()?;
         let config = ReplicaConfig {
             id: args.id,

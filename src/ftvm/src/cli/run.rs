@@ -8,12 +8,13 @@ use std::time::Duration;
 
 use clap::{Args, FromArgMatches};
 
+use ftvm_primary_backup::mirror::Mode;
+use ftvm_primary_backup::{OnBackupLoss, PrimaryConfig, DEFAULT_PIPELINE_DEPTH};
 use ftvm_replication::arbiter::Arbiter;
 use ftvm_replication::liveness;
-use ftvm_replication::mirror::Mode;
 use ftvm_replication::pipeline::transport::Auth;
 use ftvm_replication::pipeline::{capture, encode, predict, prefetch, transport, trigger};
-use ftvm_replication::{MetricsFile, OnBackupLoss, PrimaryConfig, Switches, DEFAULT_PIPELINE_DEPTH};
+use ftvm_replication::{MetricsFile, Switches};
 
 use super::config::ConfigArgs;
 use super::host::{ArbiterArgs, ChannelArgs, HostArgs};
@@ -140,7 +141,7 @@ pub struct ReplicationArgs {
     /// Default: on, but off with --encrypt (the copies travel unencrypted),
     /// and --mirror on with --encrypt is refused.
     #[arg(long, value_name = "on|off")]
-    pub mirror: Option<ftvm_replication::mirror::Mode>,
+    pub mirror: Option<ftvm_primary_backup::mirror::Mode>,
     /// Scheduling of the checkpoint thread (while it protects) and of the
     /// acknowledgement reader: normal, or real-time (SCHED_FIFO, as the
     /// heartbeats), so a held reply does not wait for the host's other work

@@ -102,9 +102,9 @@ fn documented_examples_parse_and_are_complete() {
 /// same conversion), its own heartbeat and its standbys.
 #[test]
 fn a_promoted_backup_runs_with_the_defaults_of_ftvm_run() {
-    use ftvm_replication::mirror::Mode;
+    use ftvm_primary_backup::mirror::Mode;
+    use ftvm_primary_backup::{OnBackupLoss, PrimaryConfig, DEFAULT_PIPELINE_DEPTH};
     use ftvm_replication::pipeline::encode::Diff;
-    use ftvm_replication::{OnBackupLoss, PrimaryConfig, DEFAULT_PIPELINE_DEPTH};
 
     let args = ["ftvm", "backup", "--listen", "h:1", "--insecure", "--heartbeat-ms", "7", "--standby", "h:2,h:3"];
     let Sub::Backup(args) = Cli::try_parse_from(args).unwrap().command else { panic!("not ftvm backup") };

@@ -126,7 +126,7 @@ mod tests {
 
     #[test]
     fn defaults_read_back_as_their_values() {
-        let epoch = ftvm_replication::PrimaryConfig::DEFAULT_EPOCH;
+        let epoch = ftvm_primary_backup::PrimaryConfig::DEFAULT_EPOCH;
         assert_eq!(epoch_ms(default_text!(epoch, as_millis)), Ok(epoch));
         assert_eq!(timeout(default_text!(Duration::from_secs(600), as_secs_f64)), Ok(Duration::from_secs(600)));
     }

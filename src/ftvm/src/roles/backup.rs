@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use vmm_sys_util::eventfd::EventFd;
 
-use ftvm_replication::{Backup, BackupConfig, Outcome, Primary, PrimaryConfig, ReplicationError};
+use ftvm_primary_backup::{Backup, BackupConfig, Outcome, Primary, PrimaryConfig};
+use ftvm_replication::ReplicationError;
 use ftvm_vmm::{Vm, VmError};
 
 use crate::api::server::Action;

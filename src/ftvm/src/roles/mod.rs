@@ -8,7 +8,7 @@ pub mod replica;
 pub mod standalone;
 pub mod witness;
 
-use ftvm_replication::PrimaryConfig;
+use ftvm_primary_backup::PrimaryConfig;
 
 use crate::error::RunError;
 use crate::run::{Guest, HostOptions};

@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use ftvm_replication::{Primary, PrimaryConfig, ReplicationError};
+use ftvm_primary_backup::{Primary, PrimaryConfig};
+use ftvm_replication::ReplicationError;
 
 use crate::error::{os, RunError};
 use crate::output::errln;

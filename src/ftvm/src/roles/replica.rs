@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use ftvm_replication::vsmr::{self, ReplicaConfig};
+use ftvm_vsmr::ReplicaConfig;
 
 use crate::error::{os, RunError};
 use crate::run::{Guest, HostOptions, OwnVm, Runtime};
@@ -26,7 +26,7 @@ impl Member {
         vm.devices().set_host_input(false);
         vm.start().map_err(os("start vCPU threads"))?;
         rt.adopt(vm.clone())?;
-        rt.report(vsmr::start(self.config, Some(vm))?);
+        rt.report(ftvm_vsmr::start(self.config, Some(vm))?);
         rt.serve(&mut OwnVm)
     }
 }

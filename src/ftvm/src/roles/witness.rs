@@ -1,7 +1,7 @@
 //! The witness (`ftvm replica --witness` without a VM): votes and keeps the
 //! log, runs no VM; it ends only when stopped.
 
-use ftvm_replication::vsmr::{self, ReplicaConfig};
+use ftvm_vsmr::ReplicaConfig;
 
 use crate::error::RunError;
 use crate::run::{HostOptions, Role, Runtime};
@@ -16,6 +16,6 @@ impl Role for Witness {
 
 pub fn run(config: ReplicaConfig, host: HostOptions) -> Result<i32, RunError> {
     let (mut rt, _) = Runtime::start(&host, None)?;
-    rt.report(vsmr::start(config, None)?);
+    rt.report(ftvm_vsmr::start(config, None)?);
     rt.serve(&mut Witness)
 }

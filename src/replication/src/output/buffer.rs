@@ -19,9 +19,8 @@ use ftvm_vmm::devices::Waker;
 use ftvm_vmm::hooks::{Console, ConsoleSink, FrameSink};
 use ftvm_vmm::sync::Lock;
 
+use super::OutputListener;
 use crate::bounds::{FRAME_OVERHEAD, HELD_OUTPUT_BOUND};
-use crate::mirror;
-use crate::pipeline::trigger::Trigger;
 use crate::telemetry::telemetry;
 
 /// One piece of held output.
@@ -55,7 +54,7 @@ struct Inner {
     /// The network card was told to wait: wake it when there is room.
     refused: bool,
     /// Where protected frames are copied to, with their epoch (the backup).
-    mirror: Option<Arc<mirror::Sender>>,
+    mirror: Option<Arc<dyn OutputListener>>,
     /// Asked before each acknowledged frame goes out ([`OutputBuffer::set_release_gate`]).
     gate: Option<ReleaseGate>,
     /// The guest has input on its way that will make it send more (the
@@ -85,7 +84,7 @@ pub struct OutputBuffer {
     waker: Waker,
     /// Told when the open epoch holds its first output (an output-triggered
     /// checkpoint may be due).
-    trigger: Option<Arc<Trigger>>,
+    trigger: Option<Arc<dyn OutputListener>>,
 }
 
 impl OutputBuffer {
@@ -105,7 +104,7 @@ impl OutputBuffer {
     }
 
     /// Poke `trigger` when an epoch starts holding output.
-    pub fn with_trigger(mut self, trigger: Arc<Trigger>) -> OutputBuffer {
+    pub fn with_trigger(mut self, trigger: Arc<dyn OutputListener>) -> OutputBuffer {
         self.trigger = Some(trigger);
         self
     }
@@ -136,7 +135,7 @@ impl OutputBuffer {
         inner.open.items.push(item);
         drop(inner);
         if let (true, Some(trigger)) = (first, &self.trigger) {
-            trigger.poke();
+            trigger.first_output_held();
         }
     }
 
@@ -268,7 +267,7 @@ impl OutputBuffer {
 
     /// Copy every frame held from now on, with its epoch, to `mirror` (or
     /// stop copying).
-    pub fn set_mirror(&self, mirror: Option<Arc<mirror::Sender>>) {
+    pub fn set_mirror(&self, mirror: Option<Arc<dyn OutputListener>>) {
         self.lock().mirror = mirror;
     }
 
@@ -348,7 +347,7 @@ impl FrameSink for OutputBuffer {
         let (mirror, epoch) = (inner.mirror.clone(), inner.open.epoch);
         self.hold(inner, Out::Frame(frame.to_vec()));
         if let Some(m) = mirror {
-            m.send(false, epoch, frame);
+            m.frame_held(epoch, frame);
         }
     }
 
@@ -516,19 +515,6 @@ mod tests {
         }
     }
 
-    /// The trigger's view of a guest that is always idle, its held output
-    /// read from `out`.
-    struct IdleGuest(Arc<OutputBuffer>);
-
-    impl crate::pipeline::trigger::Guest for IdleGuest {
-        fn held_since(&self) -> Option<Instant> {
-            self.0.held_since()
-        }
-        fn idle(&self) -> bool {
-            true
-        }
-    }
-
     #[test]
     fn unprotect_keeps_frame_order_against_a_sending_guest() {
         // The guest keeps sending while the primary gives its backup up:
@@ -558,36 +544,6 @@ mod tests {
             assert_eq!(seen.len(), 2000);
             assert!(seen.windows(2).all(|w| w[0] < w[1]), "frames reordered: {seen:?}");
         }
-    }
-
-    #[test]
-    fn the_first_output_of_an_epoch_wakes_the_trigger() {
-        use crate::pipeline::trigger::{Mode, Plan, Reason};
-        use std::time::Duration;
-
-        let trigger = Arc::new(Trigger::default());
-        let out = Arc::new(OutputBuffer::new(Arc::new(Wire::default())).with_trigger(trigger.clone()));
-        out.send(b"unprotected");
-        assert_eq!(out.held_since(), None, "nothing held unprotected");
-        out.protect(1);
-        let long = Duration::from_secs(60);
-        let plan = Plan { mode: Mode::Output, since: Instant::now(), spacing: Duration::ZERO, hold_bound: long, max_epoch: long };
-        let sender = {
-            let out = out.clone();
-            std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(20));
-                ConsoleSink::write(out.as_ref(), b"a line\n");
-            })
-        };
-        let t0 = Instant::now();
-        assert_eq!(trigger.wait(&plan, &IdleGuest(out.clone()), || true, t0 + long), Some(Reason::Idle));
-        assert!(t0.elapsed() < long);
-        sender.join().unwrap();
-        let since = out.held_since().expect("held");
-        out.send(b"f");
-        assert_eq!(out.held_since(), Some(since), "from the epoch's first output");
-        out.close_epoch();
-        assert_eq!(out.held_since(), None, "the next epoch holds nothing yet");
     }
 
     #[derive(Default)]

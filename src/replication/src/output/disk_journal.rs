@@ -14,8 +14,8 @@ use ftvm_vmm::devices::Waker;
 use ftvm_vmm::hooks::DiskWriteObserver;
 use ftvm_vmm::sync::Lock;
 
+use super::OutputListener;
 use crate::bounds::{JOURNAL_BOUND, JOURNAL_EARLY, WRITE_OVERHEAD};
-use crate::pipeline::trigger::Trigger;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DiskWrite {
@@ -35,17 +35,26 @@ struct Inner {
 }
 
 /// Records completed guest disk writes while replication is on.
-#[derive(Default)]
 pub struct DiskJournal {
     inner: Mutex<Inner>,
-    trigger: Arc<Trigger>,
+    trigger: Arc<dyn OutputListener>,
     waker: Waker,
+}
+
+/// A journal nobody asks for early checkpoints (a VM whose checkpoints
+/// another mechanism paces, such as a consensus replica's `syncvm`).
+impl Default for DiskJournal {
+    fn default() -> DiskJournal {
+        struct Nobody;
+        impl OutputListener for Nobody {}
+        DiskJournal::new(std::sync::Arc::new(Nobody), Waker::default())
+    }
 }
 
 impl DiskJournal {
     /// A journal that asks `trigger` for early checkpoints and wakes the
     /// disk with `waker`.
-    pub fn new(trigger: Arc<Trigger>, waker: Waker) -> DiskJournal {
+    pub fn new(trigger: Arc<dyn OutputListener>, waker: Waker) -> DiskJournal {
         DiskJournal { inner: Mutex::default(), trigger, waker }
     }
 
@@ -95,7 +104,7 @@ impl DiskWriteObserver for DiskJournal {
         let before = inner.cost;
         inner.cost += data.len() as u64 + WRITE_OVERHEAD;
         if before < JOURNAL_EARLY && inner.cost >= JOURNAL_EARLY {
-            self.trigger.fire();
+            self.trigger.checkpoint_wanted();
         }
     }
 
@@ -131,8 +140,16 @@ mod tests {
 
     #[test]
     fn a_full_epoch_asks_for_its_checkpoint_then_makes_the_disk_wait() {
-        let trigger = Arc::new(Trigger::default());
-        let j = DiskJournal::new(trigger.clone(), Waker::default());
+        /// Remembers whether a checkpoint was asked for.
+        #[derive(Default)]
+        struct Asked(std::sync::atomic::AtomicBool);
+        impl OutputListener for Asked {
+            fn checkpoint_wanted(&self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let asked = Arc::new(Asked::default());
+        let j = DiskJournal::new(asked.clone(), Waker::default());
         j.start();
         let chunk = vec![7u8; 1 << 20];
         let mut offset = 0;
@@ -141,9 +158,9 @@ mod tests {
             j.written(offset, &chunk);
             offset += chunk.len() as u64;
         }
-        assert!(!trigger.is_pending(), "below the early mark");
+        assert!(!asked.0.load(std::sync::atomic::Ordering::SeqCst), "below the early mark");
         j.written(offset, &chunk);
-        assert!(trigger.is_pending(), "the early mark asks for the checkpoint");
+        assert!(asked.0.load(std::sync::atomic::Ordering::SeqCst), "the early mark asks for the checkpoint");
         while j.accepting() {
             offset += chunk.len() as u64;
             j.written(offset, &chunk);

@@ -5,6 +5,8 @@
 
 mod buffer;
 mod disk_journal;
+mod listener;
 
 pub use buffer::{OutputBuffer, ReleaseGate, Released};
 pub use disk_journal::{DiskJournal, DiskWrite};
+pub use listener::OutputListener;

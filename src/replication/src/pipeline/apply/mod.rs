@@ -10,13 +10,14 @@
 //! undo fails, the replica matches no checkpoint and is discarded: it can
 //! never be taken over.
 
+mod replica;
 mod undo;
 
 use std::io;
 
+pub use replica::{Replica, Staged};
 pub use undo::{DiskImage, Failure, UndoLog};
 
-use crate::backup::Replica;
 use crate::checkpoint::Checkpoint;
 use crate::protocol::ProtocolError;
 

@@ -63,7 +63,7 @@ impl Captured {
 
     /// Copies of the given pages (ascending), for tests of later stages.
     #[cfg(test)]
-    pub(crate) fn from_pages(pages: &[(u64, &[u8])]) -> Captured {
+    pub fn from_pages(pages: &[(u64, &[u8])]) -> Captured {
         Captured {
             numbers: pages.iter().map(|(p, _)| *p).collect(),
             data: pages.iter().flat_map(|(_, d)| d.iter().copied()).collect(),

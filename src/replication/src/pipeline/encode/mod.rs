@@ -4,6 +4,7 @@
 //! with the block compare in `xor`), whole where it has none.
 
 mod diff;
+pub mod page_frame;
 pub mod state;
 pub mod xor;
 

@@ -201,7 +201,7 @@ fn send(link: &mut dyn Transport, frame: &[u8]) -> Result<(), ReplicationError> 
 }
 
 /// Tell a peer why it is refused (best effort: it may not be listening).
-pub(crate) fn refuse(link: &mut dyn Transport, reason: &str) {
+pub fn refuse(link: &mut dyn Transport, reason: &str) {
     let _ = link.send(&protocol::message(Kind::Refuse, &reason.to_string()));
 }
 

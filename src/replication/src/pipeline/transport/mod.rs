@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-pub(crate) use auth::refuse;
+pub use auth::refuse;
 pub use auth::{Auth, AuthTransport};
 pub use secret::{Secret, SecretError};
 pub use tcp::{accept, connect, connect_unless, TcpTransport};

@@ -25,7 +25,7 @@ pub struct TcpTransport {
 }
 
 impl TcpTransport {
-    pub(crate) fn new(stream: TcpStream) -> io::Result<TcpTransport> {
+    pub fn new(stream: TcpStream) -> io::Result<TcpTransport> {
         // Checkpoints and acknowledgements are latency-bound: no Nagle.
         stream.set_nodelay(true)?;
         Ok(TcpTransport { stream, pulse: None, ahead: None })
@@ -37,7 +37,7 @@ impl TcpTransport {
     /// network partition is then dropped and dialled again, rather than
     /// waiting after the partition heals for the next retransmission
     /// (27.7 s after a 28 s cut once).
-    pub(crate) fn set_user_timeout(&self, timeout: Duration) -> io::Result<()> {
+    pub fn set_user_timeout(&self, timeout: Duration) -> io::Result<()> {
         let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
         sockopt::set(self.stream.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, ms)
     }
@@ -47,7 +47,7 @@ impl TcpTransport {
     /// checksum; twice that with a seal). Only for a handle that alone
     /// receives on its connection: a clone does not see what this one
     /// read ahead.
-    pub(crate) fn with_read_ahead(self) -> TcpTransport {
+    pub fn with_read_ahead(self) -> TcpTransport {
         TcpTransport { ahead: Some(ReadAhead { buf: vec![0; READ_AHEAD].into_boxed_slice(), start: 0, end: 0 }), ..self }
     }
 }

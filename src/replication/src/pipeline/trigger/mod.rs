@@ -26,7 +26,7 @@ use ftvm_vmm::hooks::IdleObserver;
 use ftvm_vmm::sync::{self, Lock};
 use ftvm_vmm::Vm;
 
-use crate::output::OutputBuffer;
+use crate::output::{OutputBuffer, OutputListener};
 use ftvm_vmm::switch;
 pub use pacing::{Pacing, Sample};
 
@@ -169,6 +169,18 @@ pub struct Trigger {
     /// The replication thread waits for the guest to go idle: the idle hook
     /// wakes it (otherwise the hook costs one atomic load).
     watching_idle: AtomicBool,
+}
+
+/// Output held for the first time in an epoch may start a checkpoint
+/// (`--trigger output`); a journal near its bound starts one.
+impl OutputListener for Trigger {
+    fn first_output_held(&self) {
+        self.poke();
+    }
+
+    fn checkpoint_wanted(&self) {
+        self.fire();
+    }
 }
 
 impl Trigger {
@@ -356,5 +368,48 @@ mod tests {
         t.fire();
         t.clear();
         assert!(!t.is_pending(), "cleared");
+    }
+
+    /// The trigger's view of a guest that is always idle, its held output
+    /// read from `out`.
+    struct IdleGuest(Arc<crate::output::OutputBuffer>);
+
+    impl Guest for IdleGuest {
+        fn held_since(&self) -> Option<Instant> {
+            self.0.held_since()
+        }
+        fn idle(&self) -> bool {
+            true
+        }
+    }
+
+    #[test]
+    fn the_first_output_of_an_epoch_wakes_the_trigger() {
+        use crate::output::OutputBuffer;
+        use ftvm_vmm::hooks::{ConsoleSink, FrameSink};
+
+        let trigger = Arc::new(Trigger::default());
+        let out = Arc::new(OutputBuffer::new(Arc::new(crate::test_util::Wire::default())).with_trigger(trigger.clone()));
+        out.send(b"unprotected");
+        assert_eq!(out.held_since(), None, "nothing held unprotected");
+        out.protect(1);
+        let long = Duration::from_secs(60);
+        let plan = Plan { mode: Mode::Output, since: Instant::now(), spacing: Duration::ZERO, hold_bound: long, max_epoch: long };
+        let sender = {
+            let out = out.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(20));
+                ConsoleSink::write(out.as_ref(), b"a line\n");
+            })
+        };
+        let t0 = Instant::now();
+        assert_eq!(trigger.wait(&plan, &IdleGuest(out.clone()), || true, t0 + long), Some(Reason::Idle));
+        assert!(t0.elapsed() < long);
+        sender.join().unwrap();
+        let since = out.held_since().expect("held");
+        out.send(b"f");
+        assert_eq!(out.held_since(), Some(since), "from the epoch's first output");
+        out.close_epoch();
+        assert_eq!(out.held_since(), None, "the next epoch holds nothing yet");
     }
 }

@@ -1,0 +1,855 @@
+//! `syncvm`: the leader brings the secondary to its exact state by sending
+//! only the pages that differ.
+//!
+//! Both VM replicas run it when they apply the same committed `Sync`
+//! entry, so both have received exactly the same input before it:
+//!
+//! ```text
+//!  leader                                   secondary
+//!  freeze (pause, dirty set, state,          pause, dirty set
+//!          close the output epoch)
+//!  SyncBitmap ─────────────────────────────▶
+//!            ◀───────────────────────────── SyncBitmap
+//!  hash the union (xxh3-128, all cores)      hash the union
+//!            ◀───────────────────────────── SyncHashes
+//!  compare: divergent pages
+//!  SyncPages (divergent pages, VM state,
+//!             undelivered input) ──────────▶ stage (parse, check)
+//!  resume
+//!            ◀───────────────────────────── SyncAck
+//!  release the closed epoch's output         apply pages, then state; resume
+//! ```
+//!
+//! With `--early-resume on` the leader copies the union's pages and disk
+//! blocks aside once the bitmaps are swapped (`aside`), resumes, and then
+//! hashes, compares and sends from the copy; the secondary's side is the
+//! same either way.
+//!
+//! Every message carries the `Sync` entry's term and index; anything else
+//! is a leftover of an abandoned `syncvm` and is dropped. A full `syncvm`
+//! (a secondary this leader has not synchronized) compares every page.
+//! The secondary applies only a whole, checked message, after its
+//! acknowledgement: a leader that dies mid-transfer leaves it as it was.
+
+use std::convert::Infallible;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+
+use ftvm_vmm::memory::{GuestRam, PAGE};
+use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
+use ftvm_vmm::{Components, PageBitmap, Vm};
+
+use crate::aside::Aside;
+use crate::disk::{self, ReplicaDisk};
+use crate::mesh::{Inbound, Mesh};
+use crate::writes::Writes;
+use ftvm_replication::output::DiskWrite;
+use ftvm_replication::pipeline::freeze::Frozen;
+use ftvm_replication::pipeline::predict;
+use ftvm_replication::protocol::{self, Kind, ProtocolError};
+use ftvm_vmm::switch;
+use ftvm_vmm::sync::Lock;
+
+/// How long one side waits for the other's next message, beyond the time
+/// the other needs to hash or copy its pages: a dead peer costs the paused
+/// guest no more than this.
+pub const STEP_TIMEOUT: Duration = Duration::from_millis(500);
+/// Time allowed per page the other side hashes or sends (a 2-core host
+/// hashes and copies a page in about 2 µs, several times that when loaded).
+const PER_PAGE: Duration = Duration::from_micros(10);
+
+/// Which `syncvm` a message belongs to: its `Sync` entry's term and log
+/// index, the first 16 bytes of every `syncvm` message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncId {
+    pub term: u64,
+    pub index: u64,
+}
+
+pub(super) const ID_LEN: usize = 16;
+
+impl SyncId {
+    pub(super) fn header(&self) -> [u8; ID_LEN] {
+        let mut h = [0; ID_LEN];
+        h[..8].copy_from_slice(&self.term.to_le_bytes());
+        h[8..].copy_from_slice(&self.index.to_le_bytes());
+        h
+    }
+
+    /// The id at the head of a message's payload.
+    pub(super) fn parse(payload: &[u8]) -> Option<SyncId> {
+        let term = u64::from_le_bytes(payload.get(..8)?.try_into().ok()?);
+        let index = u64::from_le_bytes(payload.get(8..ID_LEN)?.try_into().ok()?);
+        Some(SyncId { term, index })
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct BitmapMsg {
+    /// Compare every page: the leader has not synchronized this secondary
+    /// (or lost track of its writes), or the secondary is not in step.
+    full: bool,
+    words: Vec<u64>,
+    /// This replica's disk size in bytes (0: no disk): both must match.
+    disk_size: u64,
+    /// The disk's 4 KiB blocks written since the last `syncvm` (empty
+    /// when `full`), sorted.
+    blocks: Vec<u64>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct HashesMsg {
+    hashes: Vec<u128>,
+    /// XXH3-128 of each block of the union of both dirty block sets.
+    blocks: Vec<u128>,
+}
+
+/// `SyncWant`: the divergent pages whose block hashes the leader asks for.
+#[derive(Serialize, Deserialize)]
+struct WantMsg {
+    pages: Vec<u64>,
+}
+
+/// `SyncBlockHashes`: XXH3-64 of each 64-byte block of each wanted page.
+#[derive(Serialize, Deserialize)]
+struct BlockHashesMsg {
+    hashes: Vec<u64>,
+}
+
+/// Blocks of one page to overwrite: bit `b` of `mask` set for each
+/// 64-byte block in `data`, in block order.
+#[derive(Serialize, Deserialize)]
+struct BlockPatch {
+    page: u64,
+    mask: u64,
+    data: Vec<u8>,
+}
+
+/// The state part of `SyncPages`.
+#[derive(Serialize, Deserialize)]
+struct SyncState {
+    vm: Components,
+    /// Input the leader's guest had not taken in yet (its receive queue was
+    /// full): the secondary's guest gets exactly these next.
+    pending_input: Vec<Vec<u8>>,
+    /// `--sync-pages blocks`: divergent pages of which only some blocks
+    /// differ (the others travel whole, as bundle entries).
+    patches: Vec<BlockPatch>,
+    /// The disk blocks whose hashes differed, whole.
+    disk: Vec<DiskWrite>,
+    /// `--sync-output on`: the leader's output of the epoch this `syncvm`
+    /// closed (held until the acknowledgement), which the secondary keeps
+    /// for a takeover (`recent`).
+    output: Vec<Vec<u8>>,
+}
+
+const BLOCK: usize = 64;
+const BLOCKS: usize = PAGE / BLOCK;
+
+switch! {
+    /// `--sync-pages`: how the leader sends a divergent page.
+    pub enum PageMode {
+        /// Whole (PLOVER).
+        Whole = "whole",
+        /// Only its 64-byte blocks that differ: the secondary sends a hash
+        /// of each block of the divergent pages (one more round trip).
+        Blocks = "blocks",
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("the peer did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error("cannot send to the peer")]
+    Send,
+    #[error("the peer's link closed")]
+    PeerLost,
+    #[error(transparent)]
+    Vm(#[from] ftvm_vmm::VmError),
+    #[error("the replica is stopping")]
+    Closed,
+    /// `--sync-pipeline on`: a `syncvm` before it failed (or this replica
+    /// stepped down), so its acknowledgement releases nothing.
+    #[error("abandoned: an earlier syncvm failed")]
+    Abandoned,
+    #[error("disk: {0}")]
+    Disk(String),
+    /// After the acknowledgement: the leader may release output this
+    /// replica's VM does not hold.
+    #[error("acknowledged but could not apply: {0}")]
+    Unusable(String),
+}
+
+/// Figures of one `syncvm`, on either side.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Figures {
+    /// Pages written on either side since the previous `syncvm`.
+    pub dirty_pages: u64,
+    /// Of those, pages whose contents differed (sent).
+    pub divergent_pages: u64,
+    /// How long this side's guest was paused.
+    pub pause: Duration,
+    /// Bytes of the `SyncPages` message.
+    pub page_bytes: u64,
+    /// Disk blocks written on either side since the previous `syncvm`.
+    pub dirty_blocks: u64,
+    /// Of those, blocks whose contents differed (sent).
+    pub divergent_blocks: u64,
+    /// Tests (`FTVM_TEST_FAULT=syncvm-digest:1`): XXH3-64 over the page
+    /// hashes of all guest memory, as the leader froze it and as the
+    /// secondary has it once the pages are applied.
+    pub memory_digest: Option<u64>,
+    /// The steps (`SyncMetrics`' `bitmap_us`, `hash_us`, `wait_us`, `ack_us`).
+    pub steps: Steps,
+    /// `--predict-writes`: this side's pages left writable through the
+    /// interval, and how many of them were written.
+    pub predicted: predict::Figures,
+}
+
+/// Where a `syncvm`'s time went, on one side.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Steps {
+    /// The leader: its freeze (the vCPUs paused, the dirty set and the VM
+    /// state taken); the secondary: taking its dirty set once paused.
+    pub freeze: Duration,
+    /// From sending this side's bitmap until the peer's arrived (the
+    /// leader's copy of its own dirty pages meanwhile not counted).
+    pub bitmap: Duration,
+    /// The leader with `--early-resume on`: copying the union's pages and
+    /// disk blocks aside, in the pause.
+    pub copy: Duration,
+    /// Hashing the union (pages and disk blocks): the leader with
+    /// `--early-resume on` hashes its copy, its guest running.
+    pub hash: Duration,
+    /// The leader: waiting for the secondary's hashes (and block hashes);
+    /// the secondary: from sending its hashes until the pages came.
+    pub wait: Duration,
+    /// The leader: from sending the pages until the acknowledgement.
+    pub ack: Duration,
+}
+
+/// The exchange with one peer.
+pub struct Exchange<'a> {
+    pub mesh: &'a Mesh,
+    pub inbox: &'a Receiver<Inbound>,
+    pub peer: u64,
+    pub id: SyncId,
+    /// The VM's disk, if it has one.
+    pub disk: Option<&'a ReplicaDisk>,
+    /// When the exchange began: the peer's link closing after this ends it.
+    pub started: Instant,
+    /// A `syncvm`'s: this replica's write prediction (`--predict-writes`),
+    /// which learns from the union's hashes.
+    pub writes: Option<&'a Mutex<Writes>>,
+}
+
+impl Exchange<'_> {
+    /// Send `body` after this `syncvm`'s id (`term u64 | index u64`).
+    pub(super) fn send(&self, kind: Kind, body: &[u8]) -> Result<(), SyncError> {
+        let mut payload = self.id.header().to_vec();
+        payload.extend_from_slice(body);
+        if self.mesh.send(self.peer, protocol::frame(kind, &payload)) {
+            Ok(())
+        } else {
+            Err(SyncError::Send)
+        }
+    }
+
+    /// The next message of `kind` for this `syncvm` from the peer (its
+    /// payload, the id included); others (stale ones, of an abandoned
+    /// `syncvm`) are dropped.
+    pub(super) fn expect(&self, kind: Kind, pages: u64) -> Result<Vec<u8>, SyncError> {
+        self.expect_any(&[kind], pages).map(|(_, payload)| payload)
+    }
+
+    /// `expect` for the first of several kinds to arrive.
+    fn expect_any(&self, kinds: &[Kind], pages: u64) -> Result<(Kind, Vec<u8>), SyncError> {
+        let timeout = STEP_TIMEOUT + PER_PAGE * pages as u32;
+        let deadline = Instant::now() + timeout;
+        loop {
+            // Its link closed before this exchange began (the notice then
+            // counts as stale) and it did not come back.
+            if self.mesh.is_lost(self.peer) {
+                return Err(SyncError::PeerLost);
+            }
+            let msg = match self.inbox.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(m) => m,
+                Err(RecvTimeoutError::Timeout) => return Err(SyncError::Timeout(timeout)),
+                Err(RecvTimeoutError::Disconnected) => return Err(SyncError::Closed),
+            };
+            if msg.from != self.peer {
+                continue;
+            }
+            if let Some(at) = msg.lost {
+                if at >= self.started {
+                    return Err(SyncError::PeerLost);
+                }
+                continue;
+            }
+            if !kinds.contains(&msg.kind) {
+                continue;
+            }
+            let Some(id) = SyncId::parse(&msg.payload) else { continue };
+            if id == self.id {
+                return Ok((msg.kind, msg.payload));
+            }
+            tracing::debug!(?id, want = ?self.id, "dropped a stale syncvm message");
+        }
+    }
+
+    /// Send this side's dirty bitmap, receive the other's: the union, or
+    /// every page when either side asks for a full compare.
+    /// The same for the disk's dirty blocks (`blocks`): their union too.
+    /// `meanwhile` runs between the sending and the receiving (the
+    /// leader's copy of its own dirty pages with `--early-resume on`).
+    /// Also how long the peer's bitmap took to come once this one's was
+    /// sent and `meanwhile` was done.
+    fn swap_bitmaps(
+        &self,
+        mine: &PageBitmap,
+        blocks: Vec<u64>,
+        full: bool,
+        meanwhile: impl FnOnce() -> Result<(), SyncError>,
+    ) -> Result<(PageBitmap, Vec<u64>, Duration), SyncError> {
+        let words = if full { Vec::new() } else { mine.words().to_vec() };
+        let disk_size = self.disk.map_or(0, ReplicaDisk::size);
+        let blocks = if full { Vec::new() } else { blocks };
+        let msg = BitmapMsg { full, words, disk_size, blocks };
+        self.send(Kind::SyncBitmap, &postcard::to_allocvec(&msg).expect("serializes"))?;
+        meanwhile()?;
+        let sent = Instant::now();
+        let theirs: BitmapMsg = protocol::decode(&self.expect(Kind::SyncBitmap, 0)?[ID_LEN..])?;
+        let waited = sent.elapsed();
+        if theirs.disk_size != disk_size {
+            return Err(ProtocolError::Corrupt(format!(
+                "replica {} has a disk of {} bytes, this one of {disk_size} (0: none): every VM replica needs a disk of the same size",
+                self.peer, theirs.disk_size
+            ))
+            .into());
+        }
+        let blocks = match self.disk {
+            Some(d) if full || theirs.full => d.all(),
+            Some(d) => {
+                if theirs.blocks.iter().any(|&b| b >= d.blocks()) {
+                    return Err(ProtocolError::Corrupt("a dirty disk block beyond the disk".into()).into());
+                }
+                disk::union(&msg.blocks, &theirs.blocks)
+            }
+            None => Vec::new(),
+        };
+        let mut union = PageBitmap::new(mine.capacity());
+        if full || theirs.full {
+            union.set_range(0, mine.capacity() - 1);
+        } else {
+            if theirs.words.len() != mine.words().len() {
+                return Err(ProtocolError::Corrupt(format!(
+                    "a dirty bitmap of {} words for {} pages",
+                    theirs.words.len(),
+                    mine.capacity()
+                ))
+                .into());
+            }
+            union.copy_from(mine);
+            union.or_words(&theirs.words);
+        }
+        Ok((union, blocks, waited))
+    }
+
+    /// This side's hashes of `blocks` of its disk.
+    fn hash_blocks(&self, blocks: &[u64]) -> Result<Vec<u128>, SyncError> {
+        match self.disk {
+            Some(d) => d.hash(blocks).map_err(|e| SyncError::Disk(e.to_string())),
+            None => Ok(Vec::new()),
+        }
+    }
+}
+
+/// Where the leader reads the frozen contents of the union it compares
+/// and sends: its VM's memory and disk while its guest is paused, or the
+/// copy taken in the pause (`--early-resume on`) once it runs again.
+enum Contents<'a> {
+    Live(&'a GuestRam, Option<&'a ReplicaDisk>),
+    Aside(&'a Aside),
+}
+
+impl Contents<'_> {
+    fn hash_pages(&self, pages: &[u64]) -> Vec<u128> {
+        match self {
+            Contents::Live(ram, _) => hash_pages(ram, pages),
+            Contents::Aside(a) => a.hash_pages(pages),
+        }
+    }
+
+    fn hash_blocks(&self, blocks: &[u64]) -> Result<Vec<u128>, SyncError> {
+        match self {
+            Contents::Live(_, Some(d)) => d.hash(blocks).map_err(|e| SyncError::Disk(e.to_string())),
+            Contents::Live(_, None) => Ok(Vec::new()),
+            Contents::Aside(a) => Ok(a.hash_blocks(blocks)),
+        }
+    }
+
+    fn page(&self, page: u64, buf: &mut [u8]) -> Result<(), SyncError> {
+        match self {
+            Contents::Live(ram, _) => ram.read_page(page, buf).map_err(|e| ftvm_vmm::VmError::from(e).into()),
+            Contents::Aside(a) => {
+                let p = a.page(page).ok_or_else(|| SyncError::Vm(ftvm_vmm::memory::MemoryError::OutOfRange { page }.into()))?;
+                buf[..PAGE].copy_from_slice(p);
+                Ok(())
+            }
+        }
+    }
+
+    fn block(&self, block: u64) -> Result<Vec<u8>, SyncError> {
+        match self {
+            Contents::Live(_, Some(d)) => d.read(block).map_err(|e| SyncError::Disk(e.to_string())),
+            Contents::Live(_, None) => Err(SyncError::Disk("no disk".into())),
+            Contents::Aside(a) => {
+                a.block(block).map(<[u8]>::to_vec).ok_or_else(|| SyncError::Disk(format!("block {block} was not copied")))
+            }
+        }
+    }
+}
+
+/// The leader's side, with its VM frozen (dirty set and state taken, the
+/// output epoch closed, in the pause): resumes the guest as soon as the
+/// pages are sent (with `aside`, once the union is copied into it),
+/// returns once the secondary acknowledged them.
+pub fn lead(
+    x: &Exchange<'_>,
+    vm: &Vm,
+    frozen: Frozen<'_>,
+    full: bool,
+    mode: PageMode,
+    aside: Option<&mut Aside>,
+    output: Vec<Vec<u8>>,
+) -> Result<Figures, SyncError> {
+    let mut figures = lead_unacked(x, vm, frozen, full, mode, aside, output)?;
+    figures.steps.ack = await_ack(x)?;
+    Ok(figures)
+}
+
+/// The secondary's acknowledgement of this `syncvm`'s pages (the leader,
+/// once they are sent): how long it took.
+pub fn await_ack(x: &Exchange<'_>) -> Result<Duration, SyncError> {
+    let sent = Instant::now();
+    x.expect(Kind::SyncAck, 0)?;
+    Ok(sent.elapsed())
+}
+
+/// `lead` up to the sending of the pages: the acknowledgement
+/// (`await_ack`) is still to come, and the output must wait for it. The
+/// guest runs again by then: resumed after the pages were sent, or with
+/// `aside` (`--early-resume on`; not in a full `syncvm`) as soon as the
+/// union was copied into it, before it is hashed. Either way the frames it
+/// sends from its resume on are in the next output epoch (the freeze
+/// closed this one), released only by the next `syncvm`.
+pub fn lead_unacked(
+    x: &Exchange<'_>,
+    vm: &Vm,
+    mut frozen: Frozen<'_>,
+    full: bool,
+    mode: PageMode,
+    aside: Option<&mut Aside>,
+    output: Vec<Vec<u8>>,
+) -> Result<Figures, SyncError> {
+    let pending_input = vm.devices().take_injected_host_input();
+    // The freeze saved every component: a whole state.
+    let state = std::mem::take(&mut frozen.state.vm).over(None);
+    // The leadership's journal, taken by the freeze: this side's dirty blocks.
+    let blocks = x.disk.map(|d| disk::dirty_blocks(&frozen.state.disk, d.size())).unwrap_or_default();
+    // All of memory as frozen (tests only: it reads every page).
+    let memory_digest = ftvm_replication::fault::syncvm_digest().then(|| digest(vm.ram()));
+    let mut steps = Steps::default();
+    let mut aside = aside.filter(|_| !full);
+    let union = match aside.as_deref_mut() {
+        Some(aside) => copy_aside(x, vm, &frozen.dirty, blocks, aside, &mut steps),
+        None => x.swap_bitmaps(&frozen.dirty, blocks, full, || Ok(())).map(|(union, blocks, bitmap)| {
+            steps.bitmap = bitmap;
+            Copied::Live(union.pages().collect(), blocks)
+        }),
+    };
+    // The guest goes on, and takes the pending input next, as the
+    // secondary's will.
+    let resume = |frozen: Frozen<'_>, pending: Vec<Vec<u8>>| {
+        let pause = frozen.thaw().pause;
+        vm.devices().inject_host_input(pending);
+        pause
+    };
+    let (result, pause) = match union {
+        Err(e) => (Err(e), resume(frozen, pending_input)),
+        // Copied: the guest runs again while the copy is compared and sent.
+        Ok(Copied::Aside(pages, blocks)) => {
+            let pause = resume(frozen, pending_input.clone());
+            let contents = Contents::Aside(aside.as_deref().expect("the union was copied into it"));
+            (compare_and_send(x, &contents, &pages, &blocks, state, mode, &pending_input, output, &mut steps), pause)
+        }
+        // Read live: the guest waits until the pages are sent.
+        Ok(Copied::Live(pages, blocks)) => {
+            let contents = Contents::Live(vm.ram(), x.disk);
+            let result = compare_and_send(x, &contents, &pages, &blocks, state, mode, &pending_input, output, &mut steps);
+            (result, resume(frozen, pending_input))
+        }
+    };
+    result.map(|figures| Figures { pause, memory_digest, steps, ..figures })
+}
+
+/// Where the leader reads the union (its pages and disk blocks) from.
+enum Copied {
+    /// Copied into the aside: the guest may resume.
+    Aside(Vec<u64>, Vec<u64>),
+    /// Not copied, read live in the pause: `--early-resume off`, or the
+    /// union is every page (the secondary asked for a full compare).
+    Live(Vec<u64>, Vec<u64>),
+}
+
+/// `--early-resume on`, in the pause: swap the dirty sets, copying this
+/// side's dirty pages meanwhile, then copy the rest of the union and its
+/// disk blocks into `aside`.
+fn copy_aside(
+    x: &Exchange<'_>,
+    vm: &Vm,
+    dirty: &PageBitmap,
+    blocks: Vec<u64>,
+    aside: &mut Aside,
+    steps: &mut Steps,
+) -> Result<Copied, SyncError> {
+    aside.clear();
+    let mut copy = Duration::ZERO;
+    let (union, blocks, bitmap) = x.swap_bitmaps(dirty, blocks, false, || {
+        let t = Instant::now();
+        let mine: Vec<u64> = dirty.pages().collect();
+        aside.copy(vm.ram(), &mine).map_err(ftvm_vmm::VmError::from)?;
+        copy = t.elapsed();
+        Ok(())
+    })?;
+    steps.bitmap = bitmap;
+    if union.count() == union.capacity() {
+        steps.copy = copy;
+        return Ok(Copied::Live(union.pages().collect(), blocks));
+    }
+    let t = Instant::now();
+    let mut rest = union.clone();
+    rest.subtract(dirty);
+    let rest: Vec<u64> = rest.pages().collect();
+    aside.copy(vm.ram(), &rest).map_err(ftvm_vmm::VmError::from)?;
+    if let Some(d) = x.disk {
+        aside.copy_blocks(d, &blocks).map_err(|e| SyncError::Disk(e.to_string()))?;
+    }
+    steps.copy = copy + t.elapsed();
+    Ok(Copied::Aside(union.pages().collect(), blocks))
+}
+
+/// The leader's comparison, once the union is known: hash its pages and
+/// blocks as frozen (`contents`), take the secondary's hashes, send the
+/// divergent pages and blocks with the VM state and the guest's
+/// undelivered input (`pending`).
+#[allow(clippy::too_many_arguments)]
+fn compare_and_send(
+    x: &Exchange<'_>,
+    contents: &Contents<'_>,
+    pages: &[u64],
+    blocks: &[u64],
+    state: Components,
+    mode: PageMode,
+    pending: &[Vec<u8>],
+    output: Vec<Vec<u8>>,
+    steps: &mut Steps,
+) -> Result<Figures, SyncError> {
+    let t = Instant::now();
+    let mine = contents.hash_pages(pages);
+    let my_blocks = contents.hash_blocks(blocks)?;
+    steps.hash = t.elapsed();
+    // The leader's pages are what both replicas hold once this succeeds.
+    let predicted = x.writes.map(|w| w.locked().learn(pages, &mine)).unwrap_or_default();
+    let t = Instant::now();
+    let theirs: HashesMsg = protocol::decode(&x.expect(Kind::SyncHashes, pages.len() as u64 + blocks.len() as u64)?[ID_LEN..])?;
+    steps.wait = t.elapsed();
+    if theirs.hashes.len() != pages.len() || theirs.blocks.len() != blocks.len() {
+        return Err(ProtocolError::Corrupt(format!(
+            "{} hashes for {} pages, {} for {} disk blocks",
+            theirs.hashes.len(),
+            pages.len(),
+            theirs.blocks.len(),
+            blocks.len()
+        ))
+        .into());
+    }
+    let mut disk_blocks = Vec::new();
+    for ((&b, a), t) in blocks.iter().zip(&my_blocks).zip(&theirs.blocks) {
+        if a != t {
+            disk_blocks.push(DiskWrite { offset: b * disk::BLOCK, data: contents.block(b)? });
+        }
+    }
+    let divergent_blocks = disk_blocks.len() as u64;
+    let divergent: Vec<u64> = pages.iter().zip(&mine).zip(&theirs.hashes).filter(|((_, a), b)| a != b).map(|((&p, _), _)| p).collect();
+    let mut whole = Vec::new();
+    let mut patches = Vec::new();
+    let mut buf = vec![0u8; PAGE];
+    match mode {
+        PageMode::Blocks if !divergent.is_empty() => {
+            x.send(Kind::SyncWant, &postcard::to_allocvec(&WantMsg { pages: divergent.clone() }).expect("serializes"))?;
+            let t = Instant::now();
+            let theirs: BlockHashesMsg = protocol::decode(&x.expect(Kind::SyncBlockHashes, divergent.len() as u64)?[ID_LEN..])?;
+            steps.wait += t.elapsed();
+            if theirs.hashes.len() != divergent.len() * BLOCKS {
+                return Err(ProtocolError::Corrupt(format!("{} block hashes for {} pages", theirs.hashes.len(), divergent.len())).into());
+            }
+            for (&p, hashes) in divergent.iter().zip(theirs.hashes.chunks_exact(BLOCKS)) {
+                contents.page(p, &mut buf)?;
+                let mut patch = BlockPatch { page: p, mask: 0, data: Vec::new() };
+                for (b, (block, h)) in buf.chunks_exact(BLOCK).zip(hashes).enumerate() {
+                    if xxh3_64(block) != *h {
+                        patch.mask |= 1 << b;
+                        patch.data.extend_from_slice(block);
+                    }
+                }
+                // A page that differs in most blocks goes whole; one whose
+                // blocks all match (a page hash collision cannot be ruled
+                // out) goes whole too, never not at all.
+                if patch.mask == 0 || patch.data.len() > PAGE / 2 {
+                    whole.push(p);
+                } else {
+                    patches.push(patch);
+                }
+            }
+        }
+        _ => whole = divergent.clone(),
+    }
+    let state = postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches, disk: disk_blocks, output })
+        .expect("serializes");
+    let mut frame = Vec::new();
+    protocol::begin_frame(&mut frame, Kind::SyncPages);
+    frame.extend_from_slice(&x.id.header());
+    let mut encoder = RawEncoder;
+    let mut bundle = BundleWriter::begin(&mut frame, &state, &mut encoder, false);
+    for &p in &whole {
+        contents.page(p, &mut buf)?;
+        bundle.page(p, &buf);
+    }
+    bundle.finish();
+    protocol::finish_frame(&mut frame);
+    let page_bytes = frame.len() as u64;
+    if !x.mesh.send(x.peer, frame) {
+        return Err(SyncError::Send);
+    }
+    Ok(Figures {
+        dirty_pages: pages.len() as u64,
+        divergent_pages: divergent.len() as u64,
+        pause: Duration::ZERO,
+        page_bytes,
+        dirty_blocks: blocks.len() as u64,
+        divergent_blocks,
+        memory_digest: None,
+        steps: *steps,
+        predicted,
+    })
+}
+
+/// The secondary's side: pause, exchange, stage, acknowledge, apply,
+/// resume; `full` when it is not in step with the leader (never
+/// synchronized, or a failed `syncvm` took its dirty set). On an error
+/// nothing was applied.
+/// `applied` runs once the leader's state is applied, before the resume.
+pub fn follow(x: &Exchange<'_>, vm: &Vm, full: bool, applied: impl FnOnce(Vec<Vec<u8>>)) -> Result<Figures, SyncError> {
+    vm.pause();
+    let t0 = Instant::now();
+    let result = follow_paused(x, vm, full).map(|(figures, output)| {
+        applied(output);
+        figures
+    });
+    vm.resume();
+    let mut figures = result?;
+    figures.pause = t0.elapsed();
+    Ok(figures)
+}
+
+/// `follow` in the pause; with the leader's output of the epoch (`--sync-output`).
+fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<Vec<u8>>), SyncError> {
+    let t = Instant::now();
+    let mut dirty = PageBitmap::new(vm.ram().pages());
+    match x.writes {
+        Some(w) => w.locked().collect(vm, &mut dirty)?,
+        None => vm.collect_dirty(&mut dirty, &PageBitmap::new(vm.ram().pages()))?,
+    }
+    // Its disk's writes since the last syncvm (none is in progress: the
+    // disk's I/O runs in the device's pass, which the pause waited for).
+    let blocks = x.disk.map(|d| disk::dirty_blocks(&d.journal.take(), d.size())).unwrap_or_default();
+    let mut steps = Steps { freeze: t.elapsed(), ..Steps::default() };
+    let (union, blocks, bitmap) = x.swap_bitmaps(&dirty, blocks, full, || Ok(()))?;
+    steps.bitmap = bitmap;
+    let pages: Vec<u64> = union.pages().collect();
+    let t = Instant::now();
+    let hashes = hash_pages(vm.ram(), &pages);
+    let block_hashes = x.hash_blocks(&blocks)?;
+    steps.hash = t.elapsed();
+    let predicted = x.writes.map(|w| w.locked().learn(&pages, &hashes)).unwrap_or_default();
+    x.send(Kind::SyncHashes, &postcard::to_allocvec(&HashesMsg { hashes, blocks: block_hashes }).expect("serializes"))?;
+    let t = Instant::now();
+    let (mut kind, mut payload) = x.expect_any(&[Kind::SyncWant, Kind::SyncPages], pages.len() as u64 + blocks.len() as u64)?;
+    if kind == Kind::SyncWant {
+        let want: WantMsg = protocol::decode(&payload[ID_LEN..])?;
+        if want.pages.iter().any(|&p| !union.is_set(p)) {
+            return Err(ProtocolError::Corrupt("the leader wants blocks of a page outside the union".into()).into());
+        }
+        let hashes = hash_blocks(vm.ram(), &want.pages);
+        x.send(Kind::SyncBlockHashes, &postcard::to_allocvec(&BlockHashesMsg { hashes }).expect("serializes"))?;
+        (kind, payload) = x.expect_any(&[Kind::SyncPages], want.pages.len() as u64)?;
+    }
+    steps.wait = t.elapsed();
+    debug_assert_eq!(kind, Kind::SyncPages);
+    // Stage: everything parsed and checked before anything changes.
+    let mut c = Cursor::new(&payload[ID_LEN..]);
+    let bundle = Bundle::parse(&mut c, vm.ram().pages()).map_err(ProtocolError::from)?;
+    if !c.is_empty() {
+        return Err(ProtocolError::Corrupt("syncvm pages have trailing bytes".into()).into());
+    }
+    let state: SyncState = protocol::decode(bundle.state)?;
+    if let Err(e) = vm.check_components(&state.vm) {
+        return Err(ProtocolError::Corrupt(format!("the leader's VM has another shape: {e}")).into());
+    }
+    for patch in &state.patches {
+        if patch.page >= vm.ram().pages() || patch.data.len() != patch.mask.count_ones() as usize * BLOCK {
+            return Err(ProtocolError::Corrupt(format!("a block patch of page {} does not fit", patch.page)).into());
+        }
+    }
+    if !state.disk.is_empty() {
+        let fits = |w: &DiskWrite| x.disk.is_some_and(|d| d.fits(w) && blocks.binary_search(&(w.offset / disk::BLOCK)).is_ok());
+        if let Some(w) = state.disk.iter().find(|w| !fits(w)) {
+            return Err(ProtocolError::Corrupt(format!("a disk block at {} that is not one of the compared blocks", w.offset)).into());
+        }
+    }
+    let divergent = bundle.len() + state.patches.len() as u64;
+    if let Some(late) = ftvm_replication::fault::syncvm_slow_ack() {
+        // Tests: the leader's next syncvm is proposed before this ack.
+        std::thread::sleep(late);
+    }
+    x.send(Kind::SyncAck, &[])?;
+    // Commit: pages (checked against RAM at parse), patches (checked
+    // above), then the state. None of it should fail now; if it does, this
+    // replica acknowledged what it does not hold.
+    let memory_digest = commit(vm, x.disk, &bundle, &state).map_err(|e| SyncError::Unusable(e.to_string()))?;
+    if let Some(w) = x.writes {
+        w.locked().forget(bundle.entries().map(|e| e.page).chain(state.patches.iter().map(|p| p.page)));
+    }
+    vm.devices().inject_host_input(state.pending_input);
+    let figures = Figures {
+        dirty_pages: pages.len() as u64,
+        divergent_pages: divergent,
+        pause: Duration::ZERO,
+        page_bytes: payload.len() as u64,
+        dirty_blocks: blocks.len() as u64,
+        divergent_blocks: state.disk.len() as u64,
+        memory_digest,
+        steps,
+        predicted,
+    };
+    Ok((figures, state.output))
+}
+
+/// The secondary's commit of a staged `SyncPages`; the memory digest when
+/// tests ask for it.
+fn commit(vm: &Vm, disk: Option<&ReplicaDisk>, bundle: &Bundle<'_>, state: &SyncState) -> Result<Option<u64>, SyncError> {
+    // The disk first: a failed write is undone, and then nothing changed.
+    if let Some(d) = disk {
+        d.write(&state.disk).map_err(SyncError::Disk)?;
+    }
+    bundle.apply(vm.ram()).map_err(ftvm_vmm::VmError::from)?;
+    let mut buf = vec![0u8; PAGE];
+    for patch in &state.patches {
+        vm.ram().read_page(patch.page, &mut buf).map_err(ftvm_vmm::VmError::from)?;
+        let mut data = patch.data.chunks_exact(BLOCK);
+        for (b, block) in buf.chunks_exact_mut(BLOCK).enumerate() {
+            if patch.mask & (1 << b) != 0 {
+                block.copy_from_slice(data.next().expect("checked: one block per mask bit"));
+            }
+        }
+        vm.ram().write_page(patch.page, &buf).map_err(ftvm_vmm::VmError::from)?;
+    }
+    // Before the state: its restore republishes the clock page, this host's own.
+    let memory_digest = ftvm_replication::fault::syncvm_digest().then(|| digest(vm.ram()));
+    let _ = vm.devices().take_injected_host_input();
+    vm.restore_paused(&state.vm)?;
+    // The pages the apply wrote stay dirty: compared again next time (the
+    // clock page, republished by the restore, is this host's own).
+    Ok(memory_digest)
+}
+
+/// Threads to hash or copy a large union on: the cores, at most 16.
+/// Counted once: `available_parallelism` reads the cgroup's CPU quota from
+/// files each call (25 µs here), which was a tenth of a `syncvm`'s pause.
+fn threads() -> usize {
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(16))
+}
+
+/// Below this many pages one thread does the work (`on_cores`).
+pub(super) const PARALLEL_FROM: usize = 256;
+
+/// `work` over `pages` and their part of `out` (`per` items of it a page),
+/// split over the cores once the pages are many.
+pub(super) fn on_cores<T: Send, E: Send>(
+    pages: &[u64],
+    out: &mut [T],
+    per: usize,
+    work: impl Fn(&[u64], &mut [T]) -> Result<(), E> + Sync,
+) -> Result<(), E> {
+    let threads = threads();
+    if pages.len() < PARALLEL_FROM || threads == 1 {
+        return work(pages, out);
+    }
+    let chunk = pages.len().div_ceil(threads);
+    let work = &work;
+    std::thread::scope(|s| {
+        let workers: Vec<_> = pages.chunks(chunk).zip(out.chunks_mut(chunk * per)).map(|(p, o)| s.spawn(move || work(p, o))).collect();
+        workers.into_iter().try_for_each(|w| w.join().expect("a worker thread panicked"))
+    })
+}
+
+/// XXH3-128 of each page, on every core.
+pub fn hash_pages(ram: &GuestRam, pages: &[u64]) -> Vec<u128> {
+    let mut out = vec![0u128; pages.len()];
+    let Ok(()) = on_cores(pages, &mut out, 1, |p, o| {
+        hash_into(ram, p, o);
+        Ok::<(), Infallible>(())
+    });
+    out
+}
+
+/// A digest of all of guest memory (tests only: it reads every page).
+fn digest(ram: &GuestRam) -> u64 {
+    let pages: Vec<u64> = (0..ram.pages()).collect();
+    let hashes: Vec<u8> = hash_pages(ram, &pages).iter().flat_map(|h| h.to_le_bytes()).collect();
+    xxh3_64(&hashes)
+}
+
+/// XXH3-64 of each 64-byte block of each page, in order.
+fn hash_blocks(ram: &GuestRam, pages: &[u64]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(pages.len() * BLOCKS);
+    let mut buf = vec![0u8; PAGE];
+    for &p in pages {
+        // Checked against the union, itself of this RAM's size.
+        if ram.read_page(p, &mut buf).is_err() {
+            buf.fill(0);
+        }
+        out.extend(buf.chunks_exact(BLOCK).map(xxh3_64));
+    }
+    out
+}
+
+fn hash_into(ram: &GuestRam, pages: &[u64], out: &mut [u128]) {
+    let mut buf = vec![0u8; PAGE];
+    for (&p, o) in pages.iter().zip(out) {
+        // Pages come from a bitmap of this RAM's size: always in range.
+        *o = match ram.read_page(p, &mut buf) {
+            Ok(()) => xxh3_128(&buf),
+            Err(_) => 0,
+        };
+    }
+}
