@@ -16,8 +16,8 @@ use xxhash_rust::xxh3::xxh3_128;
 
 use ftvm_vmm::memory::{GuestRam, MemoryError, PAGE};
 
+use crate::cores::on_cores;
 use crate::disk::ReplicaDisk;
-use crate::sync::on_cores;
 
 /// Pages and disk blocks as they were when copied. Kept by the leader from
 /// one `syncvm` to the next (`clear`): its buffer is then already mapped,
@@ -216,7 +216,7 @@ mod tests {
         let rest: Vec<u64> = (0..pages).filter(|p| p % 3 == 1).collect();
         let mut union: Vec<u64> = mine.iter().chain(&rest).copied().collect();
         union.sort_unstable();
-        assert!(mine.len() >= crate::sync::PARALLEL_FROM, "the parallel copy is exercised");
+        assert!(mine.len() >= crate::cores::PARALLEL_FROM, "the parallel copy is exercised");
         let mut aside = Aside::default();
         aside.copy(&ram, &mine).unwrap();
         aside.copy(&ram, &rest).unwrap();

@@ -7,9 +7,11 @@
 //! See docs/replicas.md.
 
 pub mod aside;
+mod cores;
 pub mod direct_input;
 pub mod disk;
 pub mod failover;
+pub mod inbound;
 pub mod log;
 pub mod loss;
 pub mod mesh;
@@ -21,6 +23,7 @@ pub mod release;
 mod replica;
 pub mod squeeze;
 pub mod sync;
+mod sync_id;
 pub mod tuning;
 pub mod vote;
 pub mod writes;

@@ -25,7 +25,8 @@ use serde::{Deserialize, Serialize};
 
 use ftvm_vmm::sync::Lock;
 
-use crate::node::Event;
+use crate::inbound::Event;
+pub use crate::inbound::Inbound;
 use crate::release::Awaited;
 use crate::squeeze;
 use crate::tuning::{LinkBatch, LinkCompress, LinkDirect};
@@ -63,17 +64,6 @@ pub struct PeerHello {
     /// The size of its VM's disk in bytes (0: none). A VM replica whose
     /// disk differs from this one's in size is never its secondary.
     pub disk: u64,
-}
-
-/// A message from a peer.
-pub struct Inbound {
-    pub from: u64,
-    pub kind: Kind,
-    pub payload: Vec<u8>,
-    /// Not a message: the link from `from` closed at this instant (sent to
-    /// the `syncvm` route, so that an exchange with a dead peer ends at
-    /// once instead of at its step timeout, its guest paused meanwhile).
-    pub lost: Option<Instant>,
 }
 
 /// Where the messages that arrive go, by kind.

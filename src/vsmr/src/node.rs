@@ -27,8 +27,9 @@ use ftvm_vmm::sync::Lock;
 
 use crate::direct_input::InputGate;
 use crate::failover::{self, Cause, Detection, Election, FastElection, Lost};
+pub use crate::inbound::Event;
 use crate::log::{Entry, InputCounts, MAX_INPUT_FRAMES};
-use crate::mesh::{Inbound, Mesh};
+use crate::mesh::Mesh;
 use crate::outbox::Outbox;
 use crate::tuning::{BatchAppend, EarlyApply, LeaderApply, LinkBatch, Tuning};
 use crate::vote::{Vote, VoteFile};
@@ -44,23 +45,6 @@ const HEARTBEAT_TICKS: usize = 2;
 const KEEP_ENTRIES: u64 = 4096;
 /// A peer counts as alive when a message from it arrived this recently.
 pub const ALIVE: Duration = Duration::from_millis(500);
-
-/// What drives the consensus thread.
-pub enum Event {
-    Peer(Inbound),
-    /// The link this peer dialled here closed (`Mesh`).
-    PeerLost(u64),
-    /// Append this entry to the log (only a leader does; others drop it).
-    Propose(Vec<u8>),
-    /// `--input-batch on`: frames the leader's TAP gave in one read pass.
-    /// Those queued in one round of this thread become one `Inputs` entry,
-    /// proposed before any later proposal (only a leader; others drop them).
-    Inputs(Vec<Vec<u8>>),
-    /// A `syncvm` completed at this index: the log before it is not needed
-    /// any more (a replica that lacks it gets raft's snapshot and then a
-    /// full `syncvm`).
-    Compact(u64),
-}
 
 /// An entry the log committed, in log order.
 #[derive(Debug)]

@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use ftvm_vmm::sync::{self as vsync, Lock};
 
-use crate::sync::SyncId;
+use crate::sync_id::SyncId;
 use ftvm_replication::output::OutputBuffer;
 
 /// The acknowledgements the leader awaits, oldest first.

@@ -33,7 +33,7 @@
 
 use std::convert::Infallible;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -44,8 +44,11 @@ use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
 use ftvm_vmm::{Components, PageBitmap, Vm};
 
 use crate::aside::Aside;
+use crate::cores::on_cores;
 use crate::disk::{self, ReplicaDisk};
 use crate::mesh::{Inbound, Mesh};
+pub use crate::sync_id::SyncId;
+use crate::sync_id::ID_LEN;
 use crate::writes::Writes;
 use ftvm_replication::output::DiskWrite;
 use ftvm_replication::pipeline::freeze::Frozen;
@@ -61,32 +64,6 @@ pub const STEP_TIMEOUT: Duration = Duration::from_millis(500);
 /// Time allowed per page the other side hashes or sends (a 2-core host
 /// hashes and copies a page in about 2 µs, several times that when loaded).
 const PER_PAGE: Duration = Duration::from_micros(10);
-
-/// Which `syncvm` a message belongs to: its `Sync` entry's term and log
-/// index, the first 16 bytes of every `syncvm` message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SyncId {
-    pub term: u64,
-    pub index: u64,
-}
-
-pub(super) const ID_LEN: usize = 16;
-
-impl SyncId {
-    pub(super) fn header(&self) -> [u8; ID_LEN] {
-        let mut h = [0; ID_LEN];
-        h[..8].copy_from_slice(&self.term.to_le_bytes());
-        h[8..].copy_from_slice(&self.index.to_le_bytes());
-        h
-    }
-
-    /// The id at the head of a message's payload.
-    pub(super) fn parse(payload: &[u8]) -> Option<SyncId> {
-        let term = u64::from_le_bytes(payload.get(..8)?.try_into().ok()?);
-        let index = u64::from_le_bytes(payload.get(8..ID_LEN)?.try_into().ok()?);
-        Some(SyncId { term, index })
-    }
-}
 
 #[derive(Serialize, Deserialize)]
 struct BitmapMsg {
@@ -782,36 +759,6 @@ fn commit(vm: &Vm, disk: Option<&ReplicaDisk>, bundle: &Bundle<'_>, state: &Sync
 }
 
 /// Threads to hash or copy a large union on: the cores, at most 16.
-/// Counted once: `available_parallelism` reads the cgroup's CPU quota from
-/// files each call (25 µs here), which was a tenth of a `syncvm`'s pause.
-fn threads() -> usize {
-    static THREADS: OnceLock<usize> = OnceLock::new();
-    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(16))
-}
-
-/// Below this many pages one thread does the work (`on_cores`).
-pub(super) const PARALLEL_FROM: usize = 256;
-
-/// `work` over `pages` and their part of `out` (`per` items of it a page),
-/// split over the cores once the pages are many.
-pub(super) fn on_cores<T: Send, E: Send>(
-    pages: &[u64],
-    out: &mut [T],
-    per: usize,
-    work: impl Fn(&[u64], &mut [T]) -> Result<(), E> + Sync,
-) -> Result<(), E> {
-    let threads = threads();
-    if pages.len() < PARALLEL_FROM || threads == 1 {
-        return work(pages, out);
-    }
-    let chunk = pages.len().div_ceil(threads);
-    let work = &work;
-    std::thread::scope(|s| {
-        let workers: Vec<_> = pages.chunks(chunk).zip(out.chunks_mut(chunk * per)).map(|(p, o)| s.spawn(move || work(p, o))).collect();
-        workers.into_iter().try_for_each(|w| w.join().expect("a worker thread panicked"))
-    })
-}
-
 /// XXH3-128 of each page, on every core.
 pub fn hash_pages(ram: &GuestRam, pages: &[u64]) -> Vec<u128> {
     let mut out = vec![0u128; pages.len()];
