@@ -10,7 +10,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ftvm_primary_backup::backup::{BackupConfig, Replica};
 use ftvm_replication::bounds;
@@ -20,8 +20,10 @@ use ftvm_replication::pipeline::apply::{Apply, ApplyError, DiskImage, InPlace};
 use ftvm_replication::pipeline::encode::{Diff, States};
 use ftvm_replication::pipeline::prefetch::pull::{By, Offer, PrimaryRam};
 use ftvm_replication::pipeline::prefetch::Mode;
+use ftvm_replication::pipeline::trigger::{Mode as TriggerMode, Plan};
 use ftvm_replication::pipeline::{Pipeline, Switches};
 use ftvm_replication::protocol::{self, Heartbeat, Hello, Kind};
+use ftvm_replication::ReplicationError;
 use ftvm_vmm::devices::{DeviceConfig, DeviceKind};
 use ftvm_vmm::hooks::{DiskWriteObserver, FrameSink};
 use ftvm_vmm::memory::PAGE;
@@ -440,6 +442,17 @@ fn touch_pages(vm: &Vm, pages: std::ops::Range<u64>, block: usize, byte: u8) {
     }
 }
 
+/// An in-epoch round of epoch `epoch`, with (`late`) or without the
+/// resends of an epoch's last quarter: in an epoch too short for more than
+/// its last round, or in one so long that its first round is far from its
+/// last quarter. (The round's frame is not reported sent, so the next one
+/// is planned the same.)
+fn round<'p>(pipeline: &'p mut Pipeline, vm: &Vm, epoch: u64, late: bool) -> Result<Option<&'p [u8]>, ReplicationError> {
+    let max_epoch = if late { Duration::from_micros(1) } else { Duration::from_secs(3600) };
+    let plan = Plan { mode: TriggerMode::Periodic, since: Instant::now(), spacing: Duration::ZERO, hold_bound: max_epoch, max_epoch };
+    pipeline.round(vm, epoch, &plan)
+}
+
 /// The pages a `PullList` frame names.
 fn pull_list(frame: &[u8]) -> protocol::PullList {
     let mut buf = Vec::new();
@@ -476,7 +489,7 @@ fn pulled_pages_read_after_the_freeze_are_carried_by_the_checkpoint() {
         // written after the round go in the checkpoint (and the diff
         // encoder keeps them).
         fill_pages(&primary, 1000..1040, 0x11);
-        let frame = pipeline.prefetch(&primary, 1, true).unwrap().expect("cold pages to list").to_vec();
+        let frame = round(&mut pipeline, &primary, 1, true).unwrap().expect("cold pages to list").to_vec();
         assert!(frame.len() < 40 * 10 + 64, "{diff}: a list, not pages ({} bytes)", frame.len());
         let list = pull_list(&frame);
         assert_eq!(list.pages, (1000..1040).collect::<Vec<_>>());
@@ -493,7 +506,7 @@ fn pulled_pages_read_after_the_freeze_are_carried_by_the_checkpoint() {
         // Epoch 2: pages 1100..1120 listed; the freeze comes before the
         // backup confirmed the list, so the checkpoint carries them.
         touch_pages(&primary, 1100..1120, 0, 0x21);
-        let frame = pipeline.prefetch(&primary, 2, true).unwrap().expect("cold pages to list").to_vec();
+        let frame = round(&mut pipeline, &primary, 2, true).unwrap().expect("cold pages to list").to_vec();
         let late = pull_list(&frame);
         let (taken, frame) = pipeline.take(&primary, 2).unwrap();
         let frame = frame.to_vec();
@@ -513,7 +526,7 @@ fn pulled_pages_read_after_the_freeze_are_carried_by_the_checkpoint() {
         // above, is listed too: pages a checkpoint carried only because
         // their list was not confirmed do not count as hot.)
         fill_pages(&primary, 1300..1302, 0x32);
-        let frame = pipeline.prefetch(&primary, 3, true).unwrap().expect("cold pages to list").to_vec();
+        let frame = round(&mut pipeline, &primary, 3, true).unwrap().expect("cold pages to list").to_vec();
         assert_eq!(pull_list(&frame).pages, [1100, 1300, 1301], "{diff}");
         replica.stage_pulled(&ram, &pull_list(&frame), limit).unwrap();
         assert!(!replica.staged.is_empty());
@@ -544,7 +557,7 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
 
         // Epoch 1: nothing recent yet, so every page harvested is cold.
         fill_pages(&primary, 1000..1040, 0x11);
-        let frame = pipeline.prefetch(&primary, 1, true).unwrap().expect("cold pages to send").to_vec();
+        let frame = round(&mut pipeline, &primary, 1, true).unwrap().expect("cold pages to send").to_vec();
         let before = ram_bytes(&replica.vm);
         replica.stage_prefetch(prefetch_payload(&frame), limit).unwrap();
         assert!(ram_bytes(&replica.vm) == before, "{diff}: staged pages are not in RAM yet");
@@ -557,17 +570,17 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
         // page harvested is cold again.
         fill_pages(&primary, 1000..1010, 0x22);
         fill_pages(&primary, 1100..1120, 0x23);
-        let frame = pipeline.prefetch(&primary, 2, false).unwrap().expect("cold pages to send").to_vec();
+        let frame = round(&mut pipeline, &primary, 2, false).unwrap().expect("cold pages to send").to_vec();
         replica.stage_prefetch(prefetch_payload(&frame), limit).unwrap();
         // Written again after they were sent: deferred to the epoch's last
         // quarter (no checkpoint says they are hot).
         fill_pages(&primary, 1100..1104, 0x24);
         fill_pages(&primary, 1200..1201, 0x25);
-        let one = pipeline.prefetch(&primary, 2, false).unwrap().expect("page 1200 is cold").to_vec();
+        let one = round(&mut pipeline, &primary, 2, false).unwrap().expect("page 1200 is cold").to_vec();
         replica.stage_prefetch(prefetch_payload(&one), limit).unwrap();
         // A round of the last quarter sends them again (the later copy wins
         // on the backup).
-        let four = pipeline.prefetch(&primary, 2, true).unwrap().expect("pages 1100..1104 deferred").to_vec();
+        let four = round(&mut pipeline, &primary, 2, true).unwrap().expect("pages 1100..1104 deferred").to_vec();
         assert!(one.len() < four.len(), "{diff}: page 1200 first, pages 1100..1104 in a late round");
         replica.stage_prefetch(prefetch_payload(&four), limit).unwrap();
         // Written after the last round: the stop-and-copy takes it.
@@ -584,7 +597,7 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
         // evidence of heat: they go ahead.
         fill_pages(&primary, 1300..1302, 0x31);
         fill_pages(&primary, 1400..1410, 0x32);
-        let frame = pipeline.prefetch(&primary, 3, true).unwrap().expect("cold pages to send").to_vec();
+        let frame = round(&mut pipeline, &primary, 3, true).unwrap().expect("cold pages to send").to_vec();
         let payload = prefetch_payload(&frame);
         // A round of another epoch is refused, and nothing is staged for it.
         assert!(replica.stage_prefetch(payload.clone(), limit).is_ok());
@@ -605,7 +618,7 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
         // pages 1300..1302 are hot and stay for the stop-and-copy.
         fill_pages(&primary, 1300..1302, 0x41);
         fill_pages(&primary, 1500..1501, 0x42);
-        assert!(pipeline.prefetch(&primary, 4, true).unwrap().is_some());
+        assert!(round(&mut pipeline, &primary, 4, true).unwrap().is_some());
         let (taken, _) = pipeline.take(&primary, 4).unwrap();
         assert_eq!((taken.prefetched.pages, taken.commit_pages), (1, 2), "{diff}");
     }

@@ -14,17 +14,16 @@
 
 use ftvm_vmm::PageBitmap;
 
-use ftvm_replication::pipeline::predict::{self, LeaveNone, LeaveWritable, Prediction};
+use ftvm_replication::pipeline::predict::{self, FreezeMask};
 
 /// This replica's prediction (none with `off`).
 pub struct Writes {
-    prediction: Option<Prediction>,
-    none: LeaveNone,
+    mask: Box<dyn FreezeMask>,
 }
 
 impl Writes {
     pub fn new(mode: predict::Mode, pages: u64) -> Writes {
-        Writes { prediction: Prediction::new(mode, pages), none: LeaveNone::new(pages) }
+        Writes { mask: predict::mask(mode, pages) }
     }
 
     /// Harvest `vm`'s dirty pages into `out` and re-arm tracking for those
@@ -36,23 +35,18 @@ impl Writes {
     }
 
     /// What a freeze asks which pages to leave writable.
-    pub fn leave(&mut self) -> &mut dyn LeaveWritable {
-        match &mut self.prediction {
-            Some(p) => p,
-            None => &mut self.none,
-        }
+    pub fn leave(&mut self) -> &mut dyn FreezeMask {
+        self.mask.as_mut()
     }
 
     /// A `syncvm`'s union and the hashes of its pages as both replicas
     /// hold them now: learn which pages left writable were written.
     pub fn learn(&mut self, pages: &[u64], hashes: &[u128]) -> predict::Figures {
-        self.prediction.as_mut().map(|p| p.learn(pages, hashes)).unwrap_or_default()
+        self.mask.learn(pages, hashes)
     }
 
     /// The secondary took the leader's content for `pages`.
-    pub fn forget(&mut self, pages: impl Iterator<Item = u64>) {
-        if let Some(p) = &mut self.prediction {
-            p.forget(pages);
-        }
+    pub fn forget(&mut self, mut pages: impl Iterator<Item = u64>) {
+        self.mask.forget(&mut pages);
     }
 }

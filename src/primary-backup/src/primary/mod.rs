@@ -20,9 +20,9 @@ use ftvm_replication::arbiter::{Arbiter, Claim, Ownership};
 use ftvm_replication::fakeack::FakeAck;
 use ftvm_replication::metrics::{MetricsLog, Role, Status, StatusCell};
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
-use ftvm_replication::pipeline::prefetch;
+use ftvm_replication::pipeline::epochs::{Ended, EpochLoop};
 use ftvm_replication::pipeline::transport::Auth;
-use ftvm_replication::pipeline::trigger::{self, Pacing, Reason, Sample, Trigger};
+use ftvm_replication::pipeline::trigger::{Pacing, Reason, Trigger};
 use ftvm_replication::pipeline::{Pipeline, Switches};
 use ftvm_replication::protocol::{Kind, ProtocolError};
 use ftvm_replication::ReplicationError;
@@ -464,65 +464,18 @@ impl Worker {
 
     fn protect_with(&mut self, session: &Session) -> Option<BackupLoss> {
         let mut pacing = Pacing::new(self.config.switches.trigger, self.config.epoch);
-        let depth = self.config.pipeline_depth.max(1);
-        let guest = trigger::GuestView { vm: &self.vm, output: &self.output };
-        let mut since = Instant::now();
-        // When the open epoch's prefetch rounds run.
-        let mut rounds = prefetch::Schedule::default();
-        loop {
-            if let Some(loss) = session.take_loss() {
-                return Some(loss);
-            }
-            if self.stop.load(Ordering::SeqCst) {
-                return self.farewell(session);
-            }
-            let plan = pacing.plan(since);
-            let next_round = self.pipeline.prefetches().then(|| rounds.next(plan.since, plan.max_epoch)).flatten();
-            // Back now and then to look at the loss and stop flags.
-            let look =
-                next_round.map_or(Instant::now() + Duration::from_millis(20), |(at, _)| at.min(Instant::now() + Duration::from_millis(20)));
-            let Some(reason) = self.trigger.wait(&plan, &guest, || session.in_flight() < depth, look) else {
-                if let Some((at, last)) = next_round.filter(|(at, _)| Instant::now() >= *at) {
-                    let started = Instant::now();
-                    let resend = prefetch::Schedule::resends(plan.since, plan.max_epoch, at, last);
-                    // With `--prefetch adaptive`, an early round may be skipped:
-                    // its pages stay writable for a later one.
-                    let late = prefetch::Schedule::depth(plan.since, plan.max_epoch, at, last);
-                    if self.pipeline.prefetches_at(late) {
-                        if let Err(loss) = prefetch_round(&mut self.pipeline, &self.vm, self.epoch, resend, session) {
-                            return Some(loss);
-                        }
-                    }
-                    let finished = Instant::now();
-                    tracing::debug!(
-                        at_us = started.duration_since(plan.since).as_micros() as u64,
-                        took_us = (finished - started).as_micros() as u64,
-                        "prefetch round"
-                    );
-                    rounds.ran(plan.since, plan.max_epoch, started, finished);
-                }
-                continue;
-            };
-            rounds.new_epoch();
-            let epoch = self.epoch;
-            self.epoch += 1;
-            let held = self.output.held_since();
-            let start = Instant::now();
-            let (mut taken, frame) = match self.pipeline.take(&self.vm, epoch) {
-                Ok(t) => t,
-                Err(err) => return Some(BackupLoss::Checkpoint { epoch, err }),
-            };
-            taken.trigger = reason;
-            taken.epoch_len = start.saturating_duration_since(since);
-            taken.max_epoch = plan.max_epoch;
-            taken.output_wait = held.map_or(Duration::ZERO, |h| start.saturating_duration_since(h));
-            since = start + taken.pause;
-            if let Err(loss) = session.send_checkpoint(&taken, frame, Instant::now()) {
-                return Some(session.loss_after(loss));
-            }
-            // The cost grows with the pages the checkpoint carries (not those sent ahead).
-            pacing.record(&Sample { pause: taken.pause, cost: start.elapsed(), dirty_pages: taken.commit_pages, epoch: taken.epoch_len });
-            self.status.lock().epoch = epoch;
+        let mut epochs = EpochLoop {
+            pipeline: &mut self.pipeline,
+            vm: &self.vm,
+            output: &self.output,
+            trigger: &self.trigger,
+            depth: self.config.pipeline_depth,
+            stop: &self.stop,
+        };
+        let status = &self.status;
+        match epochs.run(session, &mut pacing, &mut self.epoch, |taken| status.lock().epoch = taken.epoch) {
+            Ended::Lost(loss) => Some(loss),
+            Ended::Stopped => self.farewell(session),
         }
     }
 
@@ -696,14 +649,5 @@ fn claim_at_start(arbiter: &Arbiter, me: &str) -> Result<Ownership, ReplicationE
             Ok(ownership)
         }
         Claim::Lost(owner) => Err(ReplicationError::Fenced { owner: owner.owner, generation: owner.generation }),
-    }
-}
-
-/// Send the backup the open epoch's (`epoch`) write-cold dirty pages (`--prefetch`).
-fn prefetch_round(pipeline: &mut Pipeline, vm: &Vm, epoch: u64, resend: bool, session: &Session) -> Result<(), BackupLoss> {
-    match pipeline.prefetch(vm, epoch, resend) {
-        Ok(Some(frame)) => session.send_prefetch(epoch, frame).map_err(|loss| session.loss_after(loss)),
-        Ok(None) => Ok(()),
-        Err(err) => Err(BackupLoss::Checkpoint { epoch, err }),
     }
 }

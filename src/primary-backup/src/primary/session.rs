@@ -18,6 +18,7 @@ use ftvm_replication::fault;
 use ftvm_replication::liveness::{self, Heartbeats, Observer, Pulse, Timing};
 use ftvm_replication::metrics::{EpochMetrics, MetricsLog, Role, StatusCell};
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
+use ftvm_replication::pipeline::epochs::EpochLink;
 use ftvm_replication::pipeline::prefetch::pull::Offer;
 use ftvm_replication::pipeline::transport::{self, AuthTransport, Transport};
 use ftvm_replication::pipeline::trigger::{Reason, Trigger};
@@ -563,4 +564,29 @@ fn read_acks(
     // A reason the heartbeat thread found first (it cut the stream) stays.
     shared.lose(loss);
     link.shutdown();
+}
+/// The epoch loop's frames go to the backup; a failed send is reported
+/// as the loss behind it when the acknowledgement reader found one.
+impl EpochLink for Session {
+    type Loss = BackupLoss;
+
+    fn take_loss(&self) -> Option<BackupLoss> {
+        Session::take_loss(self)
+    }
+
+    fn in_flight(&self) -> usize {
+        Session::in_flight(self)
+    }
+
+    fn send_checkpoint(&self, taken: &Taken, frame: &[u8], resumed: Instant) -> Result<(), BackupLoss> {
+        Session::send_checkpoint(self, taken, frame, resumed).map_err(|loss| self.loss_after(loss))
+    }
+
+    fn send_round(&self, epoch: u64, frame: &[u8]) -> Result<(), BackupLoss> {
+        self.send_prefetch(epoch, frame).map_err(|loss| self.loss_after(loss))
+    }
+
+    fn checkpoint_failed(&self, epoch: u64, err: ReplicationError) -> BackupLoss {
+        BackupLoss::Checkpoint { epoch, err }
+    }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use ftvm_vmm::{PageBitmap, Persist, Vm};
 
-use super::predict::LeaveWritable;
+use super::predict::FreezeMask;
 use crate::checkpoint::{CheckpointState, StateDelta};
 use crate::fakeack::delta::Carried;
 use crate::fakeack::FakeAck;
@@ -69,7 +69,7 @@ impl Drop for Paused<'_> {
 pub trait Freeze: Send {
     /// Pause `vm` and collect checkpoint `epoch`'s dirty set and state,
     /// leaving the pages `leave` chooses writable.
-    fn freeze<'vm>(&mut self, vm: &'vm Vm, epoch: u64, leave: &mut dyn LeaveWritable) -> Result<Frozen<'vm>, ReplicationError>;
+    fn freeze<'vm>(&mut self, vm: &'vm Vm, epoch: u64, leave: &mut dyn FreezeMask) -> Result<Frozen<'vm>, ReplicationError>;
 }
 
 /// Today's freeze: everything inside one pause.
@@ -94,7 +94,7 @@ impl PauseAndSave {
 }
 
 impl Freeze for PauseAndSave {
-    fn freeze<'vm>(&mut self, vm: &'vm Vm, epoch: u64, leave: &mut dyn LeaveWritable) -> Result<Frozen<'vm>, ReplicationError> {
+    fn freeze<'vm>(&mut self, vm: &'vm Vm, epoch: u64, leave: &mut dyn FreezeMask) -> Result<Frozen<'vm>, ReplicationError> {
         let asked = Instant::now();
         vm.pause();
         let pause = Paused { vm, since: Instant::now(), resumed: false };

@@ -16,6 +16,7 @@
 pub mod apply;
 pub mod capture;
 pub mod encode;
+pub mod epochs;
 pub mod freeze;
 pub mod last_sent;
 pub mod predict;
@@ -36,7 +37,7 @@ use crate::protocol;
 use crate::ReplicationError;
 use capture::Capture;
 use freeze::Freeze;
-use predict::{LeaveNone, LeaveWritable, Prediction};
+use predict::FreezeMask;
 
 /// Which implementation each stage uses.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -98,13 +99,11 @@ pub struct Taken {
 /// The primary's half of the pipeline: from the running VM to a frame.
 pub struct Pipeline {
     freeze: Box<dyn Freeze>,
-    /// Write-fault prediction, if switched on.
-    predict: Option<Prediction>,
-    /// What the freeze leaves writable without it: nothing.
-    leave_none: LeaveNone,
+    /// Which pages the freeze leaves writable (write-fault prediction, or none).
+    mask: Box<dyn FreezeMask>,
     capture: Box<dyn Capture>,
-    /// In-epoch transfer, if switched on.
-    prefetch: Option<prefetch::Prefetcher>,
+    /// In-epoch transfer: rounds of pages sent while the guest runs, or none.
+    in_epoch: Box<dyn prefetch::InEpoch>,
     encoder: Box<dyn PageEncoder>,
     sent_state: encode::SentState,
     /// What the backup holds of the fake-ACK proxy's state.
@@ -142,10 +141,9 @@ impl Pipeline {
         let limit = crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus);
         Ok(Pipeline {
             freeze: Box::new(freeze::PauseAndSave::new(pages, output, journal).with_fake_ack(fake_ack)),
-            predict: Prediction::new(switches.predict_writes, pages),
-            leave_none: LeaveNone::new(pages),
+            mask: predict::mask(switches.predict_writes, pages),
             capture: capture::new(switches.capture, vm)?,
-            prefetch: prefetch::Prefetcher::for_mode(switches.prefetch, switches.prefetch_by, pages, limit),
+            in_epoch: prefetch::in_epoch(switches.prefetch, switches.prefetch_by, pages, limit),
             encoder: encode::new(switches.encoding, switches.diff, pages),
             sent_state: encode::SentState::new(switches.device_state),
             sent_fake_ack: crate::fakeack::delta::Sender::new(switches.fake_ack_state),
@@ -157,38 +155,31 @@ impl Pipeline {
     /// Dirty tracking restarts for a new backup: forget what was left
     /// writable and what the old backup holds.
     pub fn restart(&mut self) {
-        if let Some(p) = &mut self.predict {
-            p.reset();
-        }
-        if let Some(p) = &mut self.prefetch {
-            p.reset();
-        }
+        self.mask.reset();
+        self.in_epoch.reset();
     }
 
     /// `--prefetch-by pull`: where the backup's confirmations of the lists
     /// it read go (None: the rounds push their pages, or there are none).
     pub fn pull_confirmations(&self) -> Option<Arc<std::sync::atomic::AtomicU64>> {
-        self.prefetch.as_ref().and_then(prefetch::Prefetcher::pull_confirmations)
+        self.in_epoch.pull_confirmations()
     }
 
-    /// Whether the open epoch runs `--prefetch` rounds.
-    pub fn prefetches(&self) -> bool {
-        self.prefetch.as_ref().is_some_and(prefetch::Prefetcher::runs)
+    /// When the open epoch's next in-epoch round is due (None: none left).
+    pub fn next_round(&self, plan: &trigger::Plan) -> Option<std::time::Instant> {
+        self.in_epoch.next_round(plan.since, plan.max_epoch)
     }
 
-    /// Whether the open epoch's round at `depth` (`prefetch::Schedule::depth`) runs.
-    pub fn prefetches_at(&self, depth: u32) -> bool {
-        self.prefetch.as_ref().is_some_and(|p| p.runs_round(depth))
+    /// The in-epoch round that is due, for the open epoch `epoch`, while
+    /// the guest runs: the frame to send, if there is anything to send.
+    /// Then `round_sent`.
+    pub fn round(&mut self, vm: &Vm, epoch: u64, plan: &trigger::Plan) -> Result<Option<&[u8]>, ReplicationError> {
+        self.in_epoch.round(vm, epoch, plan.since, plan.max_epoch, self.encoder.as_mut())
     }
 
-    /// A prefetch round for the open epoch `epoch`, while the guest runs
-    /// (`resend`: `prefetch::Schedule::resends`): the frame to send, if
-    /// there is anything to send.
-    pub fn prefetch(&mut self, vm: &Vm, epoch: u64, resend: bool) -> Result<Option<&[u8]>, ReplicationError> {
-        match &mut self.prefetch {
-            Some(p) => p.round(vm, epoch, resend, self.encoder.as_mut()),
-            None => Ok(None),
-        }
+    /// The round's frame went out (or there was none).
+    pub fn round_sent(&mut self) {
+        self.in_epoch.round_sent();
     }
 
     /// The next checkpoint goes to a new backup, which has nothing but what
@@ -203,28 +194,16 @@ impl Pipeline {
     /// whatever the capture does before the guest runs again). Returns the
     /// figures and the frame to send.
     pub fn take(&mut self, vm: &Vm, epoch: u64) -> Result<(Taken, &[u8]), ReplicationError> {
-        let leave: &mut dyn LeaveWritable = match &mut self.predict {
-            Some(p) => p,
-            None => &mut self.leave_none,
-        };
-        let mut frozen = self.freeze.freeze(vm, epoch, leave)?;
+        let mut frozen = self.freeze.freeze(vm, epoch, self.mask.as_mut())?;
         // Pages the prefetch rounds harvested and left to the stop-and-copy.
-        let prefetched = self.prefetch.as_mut().map(|p| p.close_epoch(&mut frozen.dirty)).unwrap_or_default();
+        let prefetched = self.in_epoch.close_epoch(&mut frozen.dirty);
         let t0 = std::time::Instant::now();
-        let hot = match &self.predict {
-            Some(p) => p.left_writable(),
-            None => self.leave_none.choose(&frozen.dirty),
-        };
-        let captured = self.capture.in_pause(vm, &frozen.dirty, hot);
+        let captured = self.capture.in_pause(vm, &frozen.dirty, self.mask.left_writable());
         tracing::debug!(copy_us = t0.elapsed().as_micros() as u64, pages = frozen.dirty.count(), "capture");
         let mut thawed = frozen.thaw();
         captured?;
         let pages = self.capture.finish(vm)?;
-        let predicted = match &mut self.predict {
-            Some(p) => p.filter(pages),
-            // Nothing left writable: every dirty page took a first write.
-            None => predict::Figures { first_writes: pages.len() as u64, ..predict::Figures::default() },
-        };
+        let predicted = self.mask.filter(pages);
         // Before `filter` may leave an unchanged disk's state out.
         let disk_pending = ftvm_vmm::devices::requests_in_flight(thawed.state.vm.changed.iter());
         self.sent_state.filter(&mut thawed.state.vm);

@@ -51,13 +51,36 @@ pub trait Predictor: Send {
     fn observe(&mut self, left: &PageBitmap, written: &PageBitmap);
 }
 
-/// What the freeze asks about re-protection.
-pub trait LeaveWritable: Send {
+/// The freeze mask: which pages the freeze leaves writable, and what that
+/// means for the pages captured after it. One implementation per
+/// `--predict-writes` value ([`mask`]): none, or a predictor.
+pub trait FreezeMask: Send {
     /// Given the pages harvested at this freeze, the pages to leave writable.
     fn choose(&mut self, harvested: &PageBitmap) -> &PageBitmap;
+    /// The pages left writable at the last freeze.
+    fn left_writable(&self) -> &PageBitmap;
+    /// Drop from `pages` (the capture of the last freeze) the pages left
+    /// writable whose content the backup already holds; the epoch's figures.
+    fn filter(&mut self, pages: &mut Captured) -> Figures;
+    /// A consensus-ordered replica's `syncvm`: `hashes` of the union
+    /// `pages` as both replicas now hold them tell which pages left
+    /// writable were written.
+    fn learn(&mut self, pages: &[u64], hashes: &[u128]) -> Figures;
+    /// The content of `pages` changed by other means than the guest's writes.
+    fn forget(&mut self, pages: &mut dyn Iterator<Item = u64>);
+    /// Dirty tracking restarted for a new backup.
+    fn reset(&mut self);
 }
 
-/// Re-protect everything.
+/// The freeze mask `mode` asks for.
+pub fn mask(mode: Mode, pages: u64) -> Box<dyn FreezeMask> {
+    match Prediction::new(mode, pages) {
+        Some(p) => Box::new(p),
+        None => Box::new(LeaveNone::new(pages)),
+    }
+}
+
+/// Re-protect everything: every dirty page took a tracked first write.
 pub struct LeaveNone(PageBitmap);
 
 impl LeaveNone {
@@ -66,10 +89,26 @@ impl LeaveNone {
     }
 }
 
-impl LeaveWritable for LeaveNone {
+impl FreezeMask for LeaveNone {
     fn choose(&mut self, _harvested: &PageBitmap) -> &PageBitmap {
         &self.0
     }
+
+    fn left_writable(&self) -> &PageBitmap {
+        &self.0
+    }
+
+    fn filter(&mut self, pages: &mut Captured) -> Figures {
+        Figures { first_writes: pages.len() as u64, ..Figures::default() }
+    }
+
+    fn learn(&mut self, _pages: &[u64], _hashes: &[u128]) -> Figures {
+        Figures::default()
+    }
+
+    fn forget(&mut self, _pages: &mut dyn Iterator<Item = u64>) {}
+
+    fn reset(&mut self) {}
 }
 
 /// Prediction figures of one checkpoint.
@@ -120,22 +159,17 @@ impl Prediction {
     /// Dirty tracking restarted for a new backup: nothing is left writable
     /// and the backup holds nothing this side knows of. (What the predictor
     /// learned about the guest stays.)
-    pub fn reset(&mut self) {
+    fn clear(&mut self) {
         self.now.clear();
         self.before.clear();
         self.new_faults.clear();
         self.filter.reset();
     }
 
-    /// The pages left writable at the last freeze.
-    pub fn left_writable(&self) -> &PageBitmap {
-        &self.now
-    }
-
     /// Drop from `pages` (the capture of the last freeze) the predicted
     /// pages the backup already holds, follow the content of the pages left
     /// writable, and teach the predictor what was really written.
-    pub fn filter(&mut self, pages: &mut Captured) -> Figures {
+    fn filter_captured(&mut self, pages: &mut Captured) -> Figures {
         let mut step = self.begin();
         pages.retain(|page, data| step.page(page, || FakeDirtyFilter::hash(data)));
         step.end()
@@ -147,7 +181,7 @@ impl Prediction {
     /// as they now are on both replicas. They tell which of the pages left
     /// writable were written since the last `learn`, which teaches the
     /// predictor.
-    pub fn learn(&mut self, pages: &[u64], hashes: &[u128]) -> Figures {
+    fn learn_hashes(&mut self, pages: &[u64], hashes: &[u128]) -> Figures {
         let mut step = self.begin();
         for (&page, &hash) in pages.iter().zip(hashes) {
             step.page(page, || hash);
@@ -157,7 +191,7 @@ impl Prediction {
 
     /// The content of `pages` changed by other means than the guest's
     /// writes (a consensus-ordered secondary took the leader's): not known.
-    pub fn forget(&mut self, pages: impl Iterator<Item = u64>) {
+    fn forget_pages(&mut self, pages: &mut dyn Iterator<Item = u64>) {
         pages.for_each(|p| self.filter.forget(p));
     }
 
@@ -207,7 +241,27 @@ impl Step<'_> {
     }
 }
 
-impl LeaveWritable for Prediction {
+impl FreezeMask for Prediction {
+    fn left_writable(&self) -> &PageBitmap {
+        &self.now
+    }
+
+    fn filter(&mut self, pages: &mut Captured) -> Figures {
+        self.filter_captured(pages)
+    }
+
+    fn learn(&mut self, pages: &[u64], hashes: &[u128]) -> Figures {
+        self.learn_hashes(pages, hashes)
+    }
+
+    fn forget(&mut self, pages: &mut dyn Iterator<Item = u64>) {
+        self.forget_pages(pages);
+    }
+
+    fn reset(&mut self) {
+        self.clear();
+    }
+
     fn choose(&mut self, harvested: &PageBitmap) -> &PageBitmap {
         std::mem::swap(&mut self.before, &mut self.now);
         self.new_faults.copy_from(harvested);
@@ -270,7 +324,7 @@ mod tests {
         assert_eq!(p.learn(&[1, 2, 3, 4], &[a, b2, c, d]), Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1 });
         // The secondary took the leader's page 3: unknown, so counted
         // written at the next `syncvm` whatever its hash.
-        p.forget([3].into_iter());
+        p.forget(&mut [3].into_iter());
         p.choose(&set(&[1, 2, 3, 4]));
         let f = p.learn(&[1, 2, 3, 4], &[a, b2, c, d]);
         assert_eq!((f.predicted, f.predicted_written, f.fake_dirty), (4, 1, 3));

@@ -25,6 +25,8 @@
 mod adaptive;
 pub mod pull;
 
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ftvm_vmm::memory::PAGE;
@@ -174,8 +176,82 @@ impl Sent {
     }
 }
 
+/// The in-epoch transfer stage: pages sent to the backup while the guest
+/// runs, in rounds the stage schedules itself. One implementation per
+/// `--prefetch` value ([`in_epoch`]): no rounds, or the prefetcher (its
+/// pages pushed in frames, or pulled by the backup).
+pub trait InEpoch: Send {
+    /// When the next round of the epoch that started at `since`, planned to
+    /// last `max_epoch`, is due (None: no round is left in it).
+    fn next_round(&self, since: Instant, max_epoch: Duration) -> Option<Instant>;
+    /// Run the round that is due, for the open epoch `epoch`, its pages
+    /// through `encoder` (the checkpoint's): the frame to send, if any.
+    fn round(
+        &mut self,
+        vm: &Vm,
+        epoch: u64,
+        since: Instant,
+        max_epoch: Duration,
+        encoder: &mut dyn PageEncoder,
+    ) -> Result<Option<&[u8]>, ReplicationError>;
+    /// The round's frame was sent: what it took schedules the next ones.
+    fn round_sent(&mut self);
+    /// At the freeze: add to `dirty` what the checkpoint must carry, and
+    /// return what the epoch's rounds sent; the next epoch has all its
+    /// rounds ahead.
+    fn close_epoch(&mut self, dirty: &mut PageBitmap) -> Sent;
+    /// Dirty tracking restarts (a new backup): nothing carried or sent.
+    fn reset(&mut self);
+    /// `--prefetch-by pull`: where the backup's confirmations go.
+    fn pull_confirmations(&self) -> Option<Arc<AtomicU64>> {
+        None
+    }
+}
+
+/// The in-epoch transfer `mode` asks for; one epoch's rounds send at most
+/// `limit` bytes of a guest of `ram_pages` pages.
+pub fn in_epoch(mode: Mode, by: pull::By, ram_pages: u64, limit: u64) -> Box<dyn InEpoch> {
+    match Prefetcher::for_mode(mode, by, ram_pages, limit) {
+        Some(p) => Box::new(p),
+        None => Box::new(NoRounds),
+    }
+}
+
+/// `--prefetch off`: every dirty page waits for the stop-and-copy.
+struct NoRounds;
+
+impl InEpoch for NoRounds {
+    fn next_round(&self, _since: Instant, _max_epoch: Duration) -> Option<Instant> {
+        None
+    }
+
+    fn round(&mut self, _: &Vm, _: u64, _: Instant, _: Duration, _: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
+        Ok(None)
+    }
+
+    fn round_sent(&mut self) {}
+
+    fn close_epoch(&mut self, _dirty: &mut PageBitmap) -> Sent {
+        Sent::default()
+    }
+
+    fn reset(&mut self) {}
+}
+
+/// A round that ran, until its frame is sent (`InEpoch::round_sent`).
+#[derive(Clone, Copy, Debug)]
+struct Running {
+    since: Instant,
+    max_epoch: Duration,
+    started: Instant,
+}
+
 /// One epoch's prefetch rounds, and what the freeze must add to its dirty set.
 pub struct Prefetcher {
+    /// When the open epoch's rounds run.
+    schedule: Schedule,
+    /// The round whose frame is being sent.
+    running: Option<Running>,
     /// Harvested by a round and not sent: the checkpoint carries them.
     carry: PageBitmap,
     /// Sent by a round of the open epoch.
@@ -216,15 +292,12 @@ impl Prefetcher {
         Some(p)
     }
 
-    /// `--prefetch-by pull`: where the backup's confirmations go.
-    pub fn pull_confirmations(&self) -> Option<std::sync::Arc<std::sync::atomic::AtomicU64>> {
-        self.pull.as_ref().map(pull::Lists::confirmations)
-    }
-
     /// For a guest of `ram_pages` pages; one epoch's rounds send at most `limit` bytes.
     pub fn new(ram_pages: u64, limit: u64) -> Prefetcher {
         let empty = PageBitmap::new(ram_pages);
         Prefetcher {
+            schedule: Schedule::default(),
+            running: None,
             carry: empty.clone(),
             sent_pages: empty.clone(),
             recent: empty.clone(),
@@ -243,13 +316,13 @@ impl Prefetcher {
 
     /// Whether the open epoch runs rounds (with `adaptive`, not while they
     /// are found wasteful).
-    pub fn runs(&self) -> bool {
+    fn runs(&self) -> bool {
         self.gate.as_ref().is_none_or(adaptive::Gate::open)
     }
 
     /// Whether the open epoch's round at `depth` (`Schedule::depth`) runs
     /// (with `adaptive`, the rounds start as late as their waste says).
-    pub fn runs_round(&self, depth: u32) -> bool {
+    fn runs_round(&self, depth: u32) -> bool {
         self.gate.as_ref().is_none_or(|g| g.runs(depth))
     }
 
@@ -261,7 +334,13 @@ impl Prefetcher {
     /// backup will have staged. With `--prefetch-by pull` the frame only
     /// lists the pages, and `encoder` forgets its copies of them (the
     /// backup reads what they hold, which the encoder never sees).
-    pub fn round(&mut self, vm: &Vm, epoch: u64, resend: bool, encoder: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
+    pub fn send_round(
+        &mut self,
+        vm: &Vm,
+        epoch: u64,
+        resend: bool,
+        encoder: &mut dyn PageEncoder,
+    ) -> Result<Option<&[u8]>, ReplicationError> {
         self.harvested.clear();
         vm.harvest_dirty(&mut self.harvested)?;
         if resend {
@@ -320,7 +399,7 @@ impl Prefetcher {
     /// the epoch's rounds sent (the next epoch starts from nothing).
     /// With `--prefetch-by pull` it must run with the guest paused: the
     /// pages of lists the backup has not confirmed go in the checkpoint.
-    pub fn close_epoch(&mut self, dirty: &mut PageBitmap) -> Sent {
+    fn close_rounds(&mut self, dirty: &mut PageBitmap) -> Sent {
         self.hot.clear();
         if let Some(lists) = &mut self.pull {
             let unread = lists.close(&mut self.hot);
@@ -346,8 +425,7 @@ impl Prefetcher {
         std::mem::take(&mut self.sent)
     }
 
-    /// Dirty tracking restarts (a new backup): nothing carried or sent.
-    pub fn reset(&mut self) {
+    fn forget_rounds(&mut self) {
         for b in [&mut self.carry, &mut self.sent_pages, &mut self.recent, &mut self.last] {
             b.clear();
         }
@@ -359,6 +437,61 @@ impl Prefetcher {
         if let Some(l) = &mut self.pull {
             l.reset();
         }
+    }
+}
+
+impl InEpoch for Prefetcher {
+    fn next_round(&self, since: Instant, max_epoch: Duration) -> Option<Instant> {
+        if !self.runs() {
+            return None;
+        }
+        self.schedule.next(since, max_epoch).map(|(at, _)| at)
+    }
+
+    fn round(
+        &mut self,
+        vm: &Vm,
+        epoch: u64,
+        since: Instant,
+        max_epoch: Duration,
+        encoder: &mut dyn PageEncoder,
+    ) -> Result<Option<&[u8]>, ReplicationError> {
+        let Some((at, last)) = self.schedule.next(since, max_epoch) else { return Ok(None) };
+        let started = Instant::now();
+        self.running = Some(Running { since, max_epoch, started });
+        // With `adaptive`, an early round may be skipped: its pages stay
+        // writable for a later one.
+        if !self.runs_round(Schedule::depth(since, max_epoch, at, last)) {
+            return Ok(None);
+        }
+        let resend = Schedule::resends(since, max_epoch, at, last);
+        self.send_round(vm, epoch, resend, encoder)
+    }
+
+    fn round_sent(&mut self) {
+        if let Some(r) = self.running.take() {
+            let finished = Instant::now();
+            tracing::debug!(
+                at_us = r.started.duration_since(r.since).as_micros() as u64,
+                took_us = (finished - r.started).as_micros() as u64,
+                "prefetch round"
+            );
+            self.schedule.ran(r.since, r.max_epoch, r.started, finished);
+        }
+    }
+
+    fn close_epoch(&mut self, dirty: &mut PageBitmap) -> Sent {
+        self.schedule.new_epoch();
+        self.running = None;
+        self.close_rounds(dirty)
+    }
+
+    fn reset(&mut self) {
+        self.forget_rounds();
+    }
+
+    fn pull_confirmations(&self) -> Option<Arc<AtomicU64>> {
+        self.pull.as_ref().map(pull::Lists::confirmations)
     }
 }
 
