@@ -1,18 +1,17 @@
 //! `ftvm backup`: its options, and their conversion to the replication
 //! crate's `BackupConfig` and to the primary it becomes once promoted.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
 
 use ftvm_primary_backup::backup::HANDSHAKE_TIMEOUT;
 use ftvm_primary_backup::{BackupConfig, PrimaryConfig};
-use ftvm_replication::{liveness, MetricsFile};
+use ftvm_replication::liveness;
 use ftvm_vmm::Console;
 
 use super::config::ConfigArgs;
-use super::host::{ArbiterArgs, ChannelArgs, HostArgs};
+use super::host::{ArbiterArgs, ChannelArgs, HostArgs, MetricsArgs};
 use super::run::{bytes_of_mib, Protection, ReplicationArgs};
 use super::values::{default_text, host_port, millis, positive_ms};
 use crate::error::RunError;
@@ -39,21 +38,8 @@ pub struct BackupArgs {
     /// Send the primary a heartbeat (a UDP datagram from the --listen port) this often.
     #[arg(long = "heartbeat-ms", value_name = "MS", default_value = default_text!(liveness::DEFAULT_INTERVAL, as_millis), value_parser = positive_ms)]
     pub heartbeat: Duration,
-    /// Log applied checkpoints as JSON lines to this file: one line per
-    /// second summing that second's checkpoints (count, first and last
-    /// epoch, sum and max of each figure), or one per checkpoint (epoch,
-    /// guest time, wall-clock time, pages, apply time) with
-    /// --metrics-every-epoch. A line that cannot be written is dropped,
-    /// counted and warned about once; the backup goes on.
-    #[arg(long, value_name = "PATH")]
-    pub metrics: Option<PathBuf>,
-    /// Write one --metrics line per applied checkpoint instead of one per second.
-    #[arg(long)]
-    pub metrics_every_epoch: bool,
-    /// Rotate the --metrics file at this size: it becomes PATH.1 (replacing
-    /// the previous PATH.1) and a new PATH starts; 0 never rotates.
-    #[arg(long, value_name = "BYTES", default_value_t = ftvm_replication::metrics::DEFAULT_METRICS_MAX_BYTES)]
-    pub metrics_max_bytes: u64,
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
     /// Drop a connection that has not authenticated and said Hello within this long.
     #[arg(long = "handshake-timeout-ms", value_name = "MS", default_value = default_text!(HANDSHAKE_TIMEOUT, as_millis), value_parser = millis())]
     pub handshake_timeout: Duration,
@@ -91,11 +77,7 @@ impl TryFrom<BackupArgs> for Follower {
             idle_pause: args.host.idle_pause,
             priority: args.priority,
             console: Console::default(),
-            metrics: args.metrics.map(|path| MetricsFile {
-                path,
-                every_epoch: args.metrics_every_epoch,
-                max_bytes: args.metrics_max_bytes,
-            }),
+            metrics: args.metrics.file(),
             arbiter: args.arbiter.arbiter(args.host.net.as_ref()),
             auth: args.channel.auth()?,
             handshake_timeout: args.handshake_timeout.max(Duration::from_millis(1)),

@@ -8,6 +8,7 @@ use clap::Args;
 
 use ftvm_replication::arbiter::Arbiter;
 use ftvm_replication::pipeline::transport::{Auth, Secret};
+use ftvm_replication::MetricsFile;
 use ftvm_vmm::devices::virtio::block::DiskIo;
 use ftvm_vmm::devices::virtio::net::{NetConfig, NetOffload};
 use ftvm_vmm::devices::DeviceConfig;
@@ -151,5 +152,34 @@ impl ChannelArgs {
             ));
         };
         Ok(Some(Auth { secret: Secret::from_file(path)?, encrypt: self.encrypt }))
+    }
+}
+
+/// `--metrics` and its options, alike for every role that writes its
+/// figures (a primary's epochs, a backup's applied checkpoints).
+#[derive(Args, Clone, Debug)]
+pub struct MetricsArgs {
+    /// Write this side's replication figures as JSON lines to this file:
+    /// one line per second summing that second's checkpoints (count, first
+    /// and last epoch, sum and max of each figure, on a primary the
+    /// checkpoints per trigger), or one per checkpoint with
+    /// --metrics-every-epoch. A line that cannot be written (a full disk)
+    /// is dropped, counted and warned about once; the VM goes on.
+    #[arg(long, value_name = "PATH")]
+    pub metrics: Option<PathBuf>,
+    /// Write one --metrics line per checkpoint instead of one per second.
+    #[arg(long)]
+    pub metrics_every_epoch: bool,
+    /// Rotate the --metrics file at this size: it becomes PATH.1 (replacing
+    /// the previous PATH.1) and a new PATH starts; 0 never rotates.
+    #[arg(long, value_name = "BYTES", default_value_t = ftvm_replication::metrics::DEFAULT_METRICS_MAX_BYTES)]
+    pub metrics_max_bytes: u64,
+}
+
+impl MetricsArgs {
+    /// The file to write, if one was asked for.
+    pub fn file(self) -> Option<MetricsFile> {
+        let (every_epoch, max_bytes) = (self.metrics_every_epoch, self.metrics_max_bytes);
+        self.metrics.map(|path| MetricsFile { path, every_epoch, max_bytes })
     }
 }

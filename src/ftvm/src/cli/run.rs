@@ -14,10 +14,10 @@ use ftvm_replication::arbiter::Arbiter;
 use ftvm_replication::liveness;
 use ftvm_replication::pipeline::transport::Auth;
 use ftvm_replication::pipeline::{capture, encode, predict, prefetch, transport, trigger};
-use ftvm_replication::{MetricsFile, Switches};
+use ftvm_replication::Switches;
 
 use super::config::ConfigArgs;
-use super::host::{ArbiterArgs, ChannelArgs, HostArgs};
+use super::host::{ArbiterArgs, ChannelArgs, HostArgs, MetricsArgs};
 use super::values::{default_text, epoch_ms, host_port, millis, positive_ms};
 use crate::error::RunError;
 use crate::roles::Launch;
@@ -97,20 +97,8 @@ pub struct ReplicationArgs {
     /// Send the backup a heartbeat (a UDP datagram) this often.
     #[arg(long = "heartbeat-ms", value_name = "MS", default_value = default_text!(liveness::DEFAULT_INTERVAL, as_millis), value_parser = positive_ms)]
     pub heartbeat: Duration,
-    /// Write metrics as JSON lines to this file: one line per second
-    /// summing that second's epochs (count, first and last epoch, sum and
-    /// max of each figure, epochs per trigger), or one per epoch with
-    /// --metrics-every-epoch. A line that cannot be written (a full disk)
-    /// is dropped, counted and warned about once; the VM goes on.
-    #[arg(long, value_name = "PATH")]
-    pub metrics: Option<PathBuf>,
-    /// Write one --metrics line per epoch instead of one per second.
-    #[arg(long)]
-    pub metrics_every_epoch: bool,
-    /// Rotate the --metrics file at this size: it becomes PATH.1 (replacing
-    /// the previous PATH.1) and a new PATH starts; 0 never rotates.
-    #[arg(long, value_name = "BYTES", default_value_t = ftvm_replication::metrics::DEFAULT_METRICS_MAX_BYTES)]
-    pub metrics_max_bytes: u64,
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
     /// Give up reaching the backup at start after this long.
     #[arg(long = "connect-timeout-ms", value_name = "MS", default_value = default_text!(PrimaryConfig::DEFAULT_CONNECT_TIMEOUT, as_millis), value_parser = millis())]
     pub connect_timeout: Duration,
@@ -242,11 +230,7 @@ impl ReplicationArgs {
             on_backup_loss,
             arbiter: with.arbiter,
             connect_timeout: args.connect_timeout,
-            metrics: args.metrics.map(|path| MetricsFile {
-                path,
-                every_epoch: args.metrics_every_epoch,
-                max_bytes: args.metrics_max_bytes,
-            }),
+            metrics: args.metrics.file(),
             disk: with.disk,
             switches: Switches {
                 capture: args.capture,
