@@ -221,13 +221,13 @@ mod tests {
         aside.copy(&ram, &mine).unwrap();
         aside.copy(&ram, &rest).unwrap();
         assert_eq!(aside.pages(), union.len());
-        let frozen = crate::sync::hash_pages(&ram, &union);
+        let frozen = crate::page_hash::hash_pages(&ram, &union);
         // The guest runs on: it writes every page.
         for p in 0..pages {
             fill(&ram, p, 0xee);
         }
         assert_eq!(aside.hash_pages(&union), frozen);
-        assert_ne!(crate::sync::hash_pages(&ram, &union), frozen);
+        assert_ne!(crate::page_hash::hash_pages(&ram, &union), frozen);
         assert_eq!(aside.page(7).unwrap(), vec![7u8; PAGE].as_slice());
         assert!(aside.page(2).is_none(), "a page outside the union was not copied");
         assert!(aside.copy(&ram, &[pages]).is_err(), "a page beyond RAM is refused");

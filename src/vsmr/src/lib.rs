@@ -17,6 +17,7 @@ pub mod loss;
 pub mod mesh;
 pub mod node;
 pub mod outbox;
+mod page_hash;
 pub mod recent;
 pub mod rejoin;
 pub mod release;

@@ -38,7 +38,7 @@ use crate::release::{Awaited, Waited};
 use crate::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
 use crate::tuning::{AckRelease, AckWait, EarlyResume, InputBatch, SyncOutput, SyncPipeline, SyncSpacing};
 use crate::writes::Writes;
-use crate::{SyncMetrics, SyncRole};
+use ftvm_replication::consensus_status::{SyncMetrics, SyncRole};
 use ftvm_replication::metrics::{MetricsLog, Role, StatusCell};
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
 use ftvm_replication::pipeline::freeze::{Freeze, PauseAndSave};

@@ -31,22 +31,21 @@
 //! The secondary applies only a whole, checked message, after its
 //! acknowledgement: a leader that dies mid-transfer leaves it as it was.
 
-use std::convert::Infallible;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+use xxhash_rust::xxh3::xxh3_64;
 
 use ftvm_vmm::memory::{GuestRam, PAGE};
 use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
 use ftvm_vmm::{Components, PageBitmap, Vm};
 
 use crate::aside::Aside;
-use crate::cores::on_cores;
 use crate::disk::{self, ReplicaDisk};
 use crate::mesh::{Inbound, Mesh};
+use crate::page_hash::hash_pages;
 pub use crate::sync_id::SyncId;
 use crate::sync_id::ID_LEN;
 use crate::writes::Writes;
@@ -758,17 +757,6 @@ fn commit(vm: &Vm, disk: Option<&ReplicaDisk>, bundle: &Bundle<'_>, state: &Sync
     Ok(memory_digest)
 }
 
-/// Threads to hash or copy a large union on: the cores, at most 16.
-/// XXH3-128 of each page, on every core.
-pub fn hash_pages(ram: &GuestRam, pages: &[u64]) -> Vec<u128> {
-    let mut out = vec![0u128; pages.len()];
-    let Ok(()) = on_cores(pages, &mut out, 1, |p, o| {
-        hash_into(ram, p, o);
-        Ok::<(), Infallible>(())
-    });
-    out
-}
-
 /// A digest of all of guest memory (tests only: it reads every page).
 fn digest(ram: &GuestRam) -> u64 {
     let pages: Vec<u64> = (0..ram.pages()).collect();
@@ -788,15 +776,4 @@ fn hash_blocks(ram: &GuestRam, pages: &[u64]) -> Vec<u64> {
         out.extend(buf.chunks_exact(BLOCK).map(xxh3_64));
     }
     out
-}
-
-fn hash_into(ram: &GuestRam, pages: &[u64], out: &mut [u128]) {
-    let mut buf = vec![0u8; PAGE];
-    for (&p, o) in pages.iter().zip(out) {
-        // Pages come from a bitmap of this RAM's size: always in range.
-        *o = match ram.read_page(p, &mut buf) {
-            Ok(()) => xxh3_128(&buf),
-            Err(_) => 0,
-        };
-    }
 }
