@@ -810,6 +810,21 @@ mod tests {
         }
     }
 
+    impl Verdict {
+        /// Waits (up to 10 s) until the thread judges the peer lost; the
+        /// silence it judged by.
+        fn awaited(&self) -> Duration {
+            let t0 = Instant::now();
+            loop {
+                if let Some(silence) = *self.0.lock().unwrap() {
+                    return silence;
+                }
+                assert!(t0.elapsed() < Duration::from_secs(10), "silence never noticed");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
+
     #[test]
     fn peers_that_beat_stay_alive_and_a_silent_one_is_lost() {
         let timing = Timing { interval: Duration::from_millis(2), timeout: Duration::from_millis(300) };
@@ -826,12 +841,7 @@ mod tests {
         // The primary stops: the backup notices its silence, and by the
         // kernel's arrival stamps nothing was heard from the primary lately.
         drop(ph);
-        let t0 = Instant::now();
-        while bv.0.lock().unwrap().is_none() {
-            assert!(t0.elapsed() < Duration::from_secs(10), "silence never noticed");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        assert!(bv.0.lock().unwrap().unwrap() >= timing.timeout);
+        assert!(bv.awaited() >= timing.timeout);
         assert!(!bp.heard_within(Duration::from_millis(100)));
         assert!(Pulse::new().heard_within(Duration::ZERO), "no heartbeat yet: nothing to judge by");
         drop(bh);
@@ -847,12 +857,7 @@ mod tests {
         let h = Heartbeats::start(p, timing, Pulse::new(), v.clone()).unwrap();
         std::thread::sleep(Duration::from_millis(300));
         assert_eq!(*v.0.lock().unwrap(), None, "lost before its first heartbeat, within the start grace");
-        let t0 = Instant::now();
-        while v.0.lock().unwrap().is_none() {
-            assert!(t0.elapsed() < Duration::from_secs(10), "silence never noticed");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        assert!(v.0.lock().unwrap().unwrap() >= START_GRACE);
+        assert!(v.awaited() >= START_GRACE);
         drop(h);
     }
 
