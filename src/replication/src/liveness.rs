@@ -825,6 +825,15 @@ mod tests {
         }
     }
 
+    /// The primary's heartbeat thread alone (2 ms interval), what it
+    /// decides, and the backup's path, which sends nothing.
+    fn primary_side(timeout: Duration, keys: bool, pulse: Arc<Pulse>) -> (Heartbeats, Verdict, Path) {
+        let (p, b) = pair(keys);
+        let v = Verdict::default();
+        let h = Heartbeats::start(p, Timing { interval: Duration::from_millis(2), timeout }, pulse, v.clone()).unwrap();
+        (h, v, b)
+    }
+
     #[test]
     fn peers_that_beat_stay_alive_and_a_silent_one_is_lost() {
         let timing = Timing { interval: Duration::from_millis(2), timeout: Duration::from_millis(300) };
@@ -851,10 +860,7 @@ mod tests {
     /// still setting up its pre-copy) is not lost at a 30 ms timeout.
     #[test]
     fn a_peer_not_heard_from_yet_has_the_start_grace() {
-        let timing = Timing { interval: Duration::from_millis(2), timeout: Duration::from_millis(30) };
-        let (p, _b) = pair(true);
-        let v = Verdict::default();
-        let h = Heartbeats::start(p, timing, Pulse::new(), v.clone()).unwrap();
+        let (h, v, _backup) = primary_side(Duration::from_millis(30), true, Pulse::new());
         std::thread::sleep(Duration::from_millis(300));
         assert_eq!(*v.0.lock().unwrap(), None, "lost before its first heartbeat, within the start grace");
         assert!(v.awaited() >= START_GRACE);
@@ -863,12 +869,9 @@ mod tests {
 
     #[test]
     fn the_stream_counts_as_a_sign_of_life() {
-        let timing = Timing { interval: Duration::from_millis(2), timeout: Duration::from_millis(100) };
         // Heartbeats go nowhere and none arrive; only the stream beats.
-        let (p, _b) = pair(false);
-        let v = Verdict::default();
         let pulse = Pulse::new();
-        let h = Heartbeats::start(p, timing, pulse.clone(), v.clone()).unwrap();
+        let (h, v, _backup) = primary_side(Duration::from_millis(100), false, pulse.clone());
         let t0 = Instant::now();
         while t0.elapsed() < Duration::from_millis(500) {
             pulse.beat();
