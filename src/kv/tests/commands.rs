@@ -7,14 +7,16 @@ use common::{resp, words, H};
 #[test]
 fn ping_echo_select() {
     let mut h = H::new();
-    assert_eq!(h.cmd("PING"), "+PONG\r\n");
-    assert_eq!(h.cmd("ping hello"), "$5\r\nhello\r\n");
-    assert_eq!(h.cmd("PING a b"), "-ERR wrong number of arguments for 'ping' command\r\n");
-    assert_eq!(h.cmd("ECHO hi"), "$2\r\nhi\r\n");
-    assert_eq!(h.cmd("echo"), "-ERR wrong number of arguments for 'echo' command\r\n");
-    assert_eq!(h.cmd("SELECT 0"), "+OK\r\n");
-    assert_eq!(h.cmd("SELECT 1"), "-ERR DB index is out of range\r\n");
-    assert_eq!(h.cmd("SELECT x"), "-ERR value is not an integer or out of range\r\n");
+    h.replies(&[
+        ("PING", "+PONG\r\n"),
+        ("ping hello", "$5\r\nhello\r\n"),
+        ("PING a b", "-ERR wrong number of arguments for 'ping' command\r\n"),
+        ("ECHO hi", "$2\r\nhi\r\n"),
+        ("echo", "-ERR wrong number of arguments for 'echo' command\r\n"),
+        ("SELECT 0", "+OK\r\n"),
+        ("SELECT 1", "-ERR DB index is out of range\r\n"),
+        ("SELECT x", "-ERR value is not an integer or out of range\r\n"),
+    ]);
 }
 
 #[test]
@@ -32,71 +34,75 @@ fn unknown_command_and_arity() {
         h.cmd("averyveryverylongcommandname"),
         "-ERR unknown command 'averyveryverylongcommandname', with args beginning with: \r\n"
     );
-    assert_eq!(h.cmd("GET"), "-ERR wrong number of arguments for 'get' command\r\n");
-    assert_eq!(h.cmd("GET a b"), "-ERR wrong number of arguments for 'get' command\r\n");
-    assert_eq!(h.cmd("SET a"), "-ERR wrong number of arguments for 'set' command\r\n");
-    assert_eq!(h.cmd("DEL"), "-ERR wrong number of arguments for 'del' command\r\n");
-    assert_eq!(h.cmd("DBSIZE x"), "-ERR wrong number of arguments for 'dbsize' command\r\n");
-    assert_eq!(h.cmd("MSET a"), "-ERR wrong number of arguments for 'mset' command\r\n");
-    assert_eq!(h.cmd("MSET a 1 b"), "-ERR wrong number of arguments for 'mset' command\r\n");
+    h.replies(&[
+        ("GET", "-ERR wrong number of arguments for 'get' command\r\n"),
+        ("GET a b", "-ERR wrong number of arguments for 'get' command\r\n"),
+        ("SET a", "-ERR wrong number of arguments for 'set' command\r\n"),
+        ("DEL", "-ERR wrong number of arguments for 'del' command\r\n"),
+        ("DBSIZE x", "-ERR wrong number of arguments for 'dbsize' command\r\n"),
+        ("MSET a", "-ERR wrong number of arguments for 'mset' command\r\n"),
+        ("MSET a 1 b", "-ERR wrong number of arguments for 'mset' command\r\n"),
+    ]);
     assert!(h.log.records.is_empty());
 }
 
 #[test]
 fn set_get_del_exists() {
     let mut h = H::new();
-    assert_eq!(h.cmd("GET k"), "$-1\r\n");
-    assert_eq!(h.cmd("SET k v"), "+OK\r\n");
-    assert_eq!(h.cmd("get k"), "$1\r\nv\r\n");
+    h.replies(&[("GET k", "$-1\r\n"), ("SET k v", "+OK\r\n"), ("get k", "$1\r\nv\r\n")]);
     assert_eq!(h.args(&[b"SET", b"bin\0", b"a\r\nb"]), "+OK\r\n");
     assert_eq!(h.args(&[b"GET", b"bin\0"]), "$4\r\na\r\nb\r\n");
     assert_eq!(h.args(&[b"SET", b"empty", b""]), "+OK\r\n");
-    assert_eq!(h.cmd("GET empty"), "$0\r\n\r\n");
-    assert_eq!(h.cmd("EXISTS k k nope"), ":2\r\n");
-    assert_eq!(h.cmd("DEL k k nope"), ":1\r\n");
-    assert_eq!(h.cmd("EXISTS k"), ":0\r\n");
-    assert_eq!(h.cmd("DEL k"), ":0\r\n");
-    assert_eq!(h.cmd("DBSIZE"), ":2\r\n");
+    h.replies(&[
+        ("GET empty", "$0\r\n\r\n"),
+        ("EXISTS k k nope", ":2\r\n"),
+        ("DEL k k nope", ":1\r\n"),
+        ("EXISTS k", ":0\r\n"),
+        ("DEL k", ":0\r\n"),
+        ("DBSIZE", ":2\r\n"),
+    ]);
     assert_eq!(h.srv.dbsize(), 2);
 }
 
 #[test]
 fn set_nx_xx_get_keepttl() {
     let mut h = H::new();
-    assert_eq!(h.cmd("SET k v XX"), "$-1\r\n");
-    assert_eq!(h.cmd("EXISTS k"), ":0\r\n");
-    assert_eq!(h.cmd("SET k v NX"), "+OK\r\n");
-    assert_eq!(h.cmd("SET k w NX"), "$-1\r\n");
-    assert_eq!(h.cmd("GET k"), "$1\r\nv\r\n");
-    assert_eq!(h.cmd("SET k w xx"), "+OK\r\n");
-    assert_eq!(h.cmd("GET k"), "$1\r\nw\r\n");
-    assert_eq!(h.cmd("SET k x GET"), "$1\r\nw\r\n");
-    assert_eq!(h.cmd("SET new x GET"), "$-1\r\n");
-    assert_eq!(h.cmd("SET k y NX GET"), "$1\r\nx\r\n");
-    assert_eq!(h.cmd("GET k"), "$1\r\nx\r\n");
-    assert_eq!(h.cmd("SET k v NX XX"), "-ERR syntax error\r\n");
-    assert_eq!(h.cmd("SET k v XX NX"), "-ERR syntax error\r\n");
-    assert_eq!(h.cmd("SET k v NX NX"), "$-1\r\n");
-    assert_eq!(h.cmd("SET k v FOO"), "-ERR syntax error\r\n");
-    assert_eq!(h.cmd("SET k v EX"), "-ERR syntax error\r\n");
-    assert_eq!(h.cmd("SET k v EX 1 PX 1"), "-ERR syntax error\r\n");
-    assert_eq!(h.cmd("SET k v PXAT 1 PX 1"), "-ERR syntax error\r\n");
-    assert_eq!(h.cmd("SET r v EX 1 EX 20"), "+OK\r\n");
-    assert_eq!(h.cmd("TTL r"), ":20\r\n");
-    assert_eq!(h.cmd("SET k v EX 1 KEEPTTL"), "-ERR syntax error\r\n");
-    assert_eq!(h.cmd("SET k v KEEPTTL EX 1"), "-ERR syntax error\r\n");
-    assert_eq!(h.cmd("SET k v EX x"), "-ERR value is not an integer or out of range\r\n");
-    assert_eq!(h.cmd("SET k v EX 0"), "-ERR invalid expire time in 'set' command\r\n");
-    assert_eq!(h.cmd("SET k v PX -5"), "-ERR invalid expire time in 'set' command\r\n");
-    assert_eq!(h.cmd("SET k v EX 9223372036854775807"), "-ERR invalid expire time in 'set' command\r\n");
-    assert_eq!(h.cmd("SET k v PX 9223372036854775807"), "-ERR invalid expire time in 'set' command\r\n");
-    assert_eq!(h.cmd("GET k"), "$1\r\nx\r\n");
-    // KEEPTTL keeps, a plain SET clears.
-    assert_eq!(h.cmd("SET t v EX 100"), "+OK\r\n");
-    assert_eq!(h.cmd("SET t w KEEPTTL"), "+OK\r\n");
-    assert_eq!(h.cmd("TTL t"), ":100\r\n");
-    assert_eq!(h.cmd("SET t w XX"), "+OK\r\n");
-    assert_eq!(h.cmd("TTL t"), ":-1\r\n");
+    h.replies(&[
+        ("SET k v XX", "$-1\r\n"),
+        ("EXISTS k", ":0\r\n"),
+        ("SET k v NX", "+OK\r\n"),
+        ("SET k w NX", "$-1\r\n"),
+        ("GET k", "$1\r\nv\r\n"),
+        ("SET k w xx", "+OK\r\n"),
+        ("GET k", "$1\r\nw\r\n"),
+        ("SET k x GET", "$1\r\nw\r\n"),
+        ("SET new x GET", "$-1\r\n"),
+        ("SET k y NX GET", "$1\r\nx\r\n"),
+        ("GET k", "$1\r\nx\r\n"),
+        ("SET k v NX XX", "-ERR syntax error\r\n"),
+        ("SET k v XX NX", "-ERR syntax error\r\n"),
+        ("SET k v NX NX", "$-1\r\n"),
+        ("SET k v FOO", "-ERR syntax error\r\n"),
+        ("SET k v EX", "-ERR syntax error\r\n"),
+        ("SET k v EX 1 PX 1", "-ERR syntax error\r\n"),
+        ("SET k v PXAT 1 PX 1", "-ERR syntax error\r\n"),
+        ("SET r v EX 1 EX 20", "+OK\r\n"),
+        ("TTL r", ":20\r\n"),
+        ("SET k v EX 1 KEEPTTL", "-ERR syntax error\r\n"),
+        ("SET k v KEEPTTL EX 1", "-ERR syntax error\r\n"),
+        ("SET k v EX x", "-ERR value is not an integer or out of range\r\n"),
+        ("SET k v EX 0", "-ERR invalid expire time in 'set' command\r\n"),
+        ("SET k v PX -5", "-ERR invalid expire time in 'set' command\r\n"),
+        ("SET k v EX 9223372036854775807", "-ERR invalid expire time in 'set' command\r\n"),
+        ("SET k v PX 9223372036854775807", "-ERR invalid expire time in 'set' command\r\n"),
+        ("GET k", "$1\r\nx\r\n"),
+        // KEEPTTL keeps, a plain SET clears.
+        ("SET t v EX 100", "+OK\r\n"),
+        ("SET t w KEEPTTL", "+OK\r\n"),
+        ("TTL t", ":100\r\n"),
+        ("SET t w XX", "+OK\r\n"),
+        ("TTL t", ":-1\r\n"),
+    ]);
 }
 
 #[test]
@@ -107,32 +113,34 @@ fn expiry_follows_now() {
     assert_eq!(h.cmd("SET b 2 PX 1500"), "+OK\r\n");
     assert_eq!(h.cmd(&format!("SET c 3 PXAT {}", t0 + 3000)), "+OK\r\n");
     assert_eq!(h.cmd(&format!("SET d 4 EXAT {}", t0 / 1000 + 4)), "+OK\r\n");
-    assert_eq!(h.cmd("SET e 5"), "+OK\r\n");
-    assert_eq!(h.cmd("TTL a"), ":10\r\n");
-    assert_eq!(h.cmd("PTTL b"), ":1500\r\n");
-    assert_eq!(h.cmd("TTL b"), ":2\r\n"); // rounded, as Redis does
-    assert_eq!(h.cmd("TTL e"), ":-1\r\n");
-    assert_eq!(h.cmd("TTL nope"), ":-2\r\n");
-    assert_eq!(h.cmd("PTTL nope"), ":-2\r\n");
-    assert_eq!(h.cmd("DBSIZE"), ":5\r\n");
+    h.replies(&[
+        ("SET e 5", "+OK\r\n"),
+        ("TTL a", ":10\r\n"),
+        ("PTTL b", ":1500\r\n"),
+        ("TTL b", ":2\r\n"), // rounded, as Redis does
+        ("TTL e", ":-1\r\n"),
+        ("TTL nope", ":-2\r\n"),
+        ("PTTL nope", ":-2\r\n"),
+        ("DBSIZE", ":5\r\n"),
+    ]);
     assert!(h.cmd("INFO keyspace").contains("db0:keys=5,expires=4,avg_ttl=0\r\n"));
 
     h.now = t0 + 1499;
     assert_eq!(h.cmd("GET b"), "$1\r\n2\r\n");
     h.now = t0 + 1500;
-    assert_eq!(h.cmd("GET b"), "$-1\r\n");
-    assert_eq!(h.cmd("EXISTS b"), ":0\r\n");
-    assert_eq!(h.cmd("DBSIZE"), ":4\r\n");
+    h.replies(&[("GET b", "$-1\r\n"), ("EXISTS b", ":0\r\n"), ("DBSIZE", ":4\r\n")]);
     h.now = t0 + 3500;
     assert_eq!(h.cmd("MGET a b c d e"), "*5\r\n$1\r\n1\r\n$-1\r\n$-1\r\n$1\r\n4\r\n$1\r\n5\r\n");
     assert_eq!(h.srv.dbsize(), 3);
     h.now = t0 + 10_000;
-    assert_eq!(h.cmd("DBSIZE"), ":1\r\n");
-    assert_eq!(h.cmd("KEYS *"), "*1\r\n$1\r\ne\r\n");
-    // An absolute time already past leaves no key.
-    assert_eq!(h.cmd("SET p v PXAT 5"), "+OK\r\n");
-    assert_eq!(h.cmd("EXISTS p"), ":0\r\n");
-    assert_eq!(h.cmd("DBSIZE"), ":1\r\n");
+    h.replies(&[
+        ("DBSIZE", ":1\r\n"),
+        ("KEYS *", "*1\r\n$1\r\ne\r\n"),
+        // An absolute time already past leaves no key.
+        ("SET p v PXAT 5", "+OK\r\n"),
+        ("EXISTS p", ":0\r\n"),
+        ("DBSIZE", ":1\r\n"),
+    ]);
     // An expired key is absent for NX, INCR and APPEND.
     assert_eq!(h.cmd("SET x 5 PX 10"), "+OK\r\n");
     h.now += 10;
@@ -175,55 +183,67 @@ fn expire_sweeps_without_commands() {
 #[test]
 fn incr_family() {
     let mut h = H::new();
-    assert_eq!(h.cmd("INCR n"), ":1\r\n");
-    assert_eq!(h.cmd("INCRBY n 10"), ":11\r\n");
-    assert_eq!(h.cmd("DECR n"), ":10\r\n");
-    assert_eq!(h.cmd("DECRBY n 20"), ":-10\r\n");
-    assert_eq!(h.cmd("GET n"), "$3\r\n-10\r\n");
-    assert_eq!(h.cmd("INCRBY n x"), "-ERR value is not an integer or out of range\r\n");
-    assert_eq!(h.cmd("INCRBY n 1.5"), "-ERR value is not an integer or out of range\r\n");
-    assert_eq!(h.cmd("INCRBY n 99999999999999999999"), "-ERR value is not an integer or out of range\r\n");
+    h.replies(&[
+        ("INCR n", ":1\r\n"),
+        ("INCRBY n 10", ":11\r\n"),
+        ("DECR n", ":10\r\n"),
+        ("DECRBY n 20", ":-10\r\n"),
+        ("GET n", "$3\r\n-10\r\n"),
+        ("INCRBY n x", "-ERR value is not an integer or out of range\r\n"),
+        ("INCRBY n 1.5", "-ERR value is not an integer or out of range\r\n"),
+        ("INCRBY n 99999999999999999999", "-ERR value is not an integer or out of range\r\n"),
+    ]);
     for bad in ["abc", "01", " 1", "+1", "-0", "1 ", ""] {
         h.args(&[b"SET", b"s", bad.as_bytes()]);
         assert_eq!(h.cmd("INCR s"), "-ERR value is not an integer or out of range\r\n", "{bad:?}");
     }
     h.cmd("SET big 9223372036854775807");
-    assert_eq!(h.cmd("INCR big"), "-ERR increment or decrement would overflow\r\n");
-    assert_eq!(h.cmd("DECRBY big -1"), "-ERR increment or decrement would overflow\r\n");
-    assert_eq!(h.cmd("GET big"), "$19\r\n9223372036854775807\r\n");
+    h.replies(&[
+        ("INCR big", "-ERR increment or decrement would overflow\r\n"),
+        ("DECRBY big -1", "-ERR increment or decrement would overflow\r\n"),
+        ("GET big", "$19\r\n9223372036854775807\r\n"),
+    ]);
     h.cmd("SET small -9223372036854775808");
-    assert_eq!(h.cmd("DECR small"), "-ERR increment or decrement would overflow\r\n");
-    assert_eq!(h.cmd("INCRBY small -1"), "-ERR increment or decrement would overflow\r\n");
-    assert_eq!(h.cmd("DECRBY x -9223372036854775808"), "-ERR decrement would overflow\r\n");
-    assert_eq!(h.cmd("INCRBY small 9223372036854775807"), ":-1\r\n");
+    h.replies(&[
+        ("DECR small", "-ERR increment or decrement would overflow\r\n"),
+        ("INCRBY small -1", "-ERR increment or decrement would overflow\r\n"),
+        ("DECRBY x -9223372036854775808", "-ERR decrement would overflow\r\n"),
+        ("INCRBY small 9223372036854775807", ":-1\r\n"),
+    ]);
     h.cmd("SET huge 9223372036854775808");
     assert_eq!(h.cmd("INCR huge"), "-ERR value is not an integer or out of range\r\n");
     // INCR keeps the key's time to live.
     h.cmd("SET t 1 EX 50");
-    assert_eq!(h.cmd("INCR t"), ":2\r\n");
-    assert_eq!(h.cmd("TTL t"), ":50\r\n");
-    assert_eq!(h.cmd("INCR"), "-ERR wrong number of arguments for 'incr' command\r\n");
-    assert_eq!(h.cmd("INCRBY n"), "-ERR wrong number of arguments for 'incrby' command\r\n");
+    h.replies(&[
+        ("INCR t", ":2\r\n"),
+        ("TTL t", ":50\r\n"),
+        ("INCR", "-ERR wrong number of arguments for 'incr' command\r\n"),
+        ("INCRBY n", "-ERR wrong number of arguments for 'incrby' command\r\n"),
+    ]);
 }
 
 #[test]
 fn append_strlen_mset_mget() {
     let mut h = H::new();
-    assert_eq!(h.cmd("APPEND a hello"), ":5\r\n");
-    assert_eq!(h.cmd("APPEND a _world"), ":11\r\n");
-    assert_eq!(h.cmd("GET a"), "$11\r\nhello_world\r\n");
-    assert_eq!(h.cmd("STRLEN a"), ":11\r\n");
-    assert_eq!(h.cmd("STRLEN nope"), ":0\r\n");
+    h.replies(&[
+        ("APPEND a hello", ":5\r\n"),
+        ("APPEND a _world", ":11\r\n"),
+        ("GET a", "$11\r\nhello_world\r\n"),
+        ("STRLEN a", ":11\r\n"),
+        ("STRLEN nope", ":0\r\n"),
+    ]);
     h.cmd("SET t x EX 9");
-    assert_eq!(h.cmd("APPEND t y"), ":2\r\n");
-    assert_eq!(h.cmd("TTL t"), ":9\r\n");
-    assert_eq!(h.cmd("MSET a 1 b 2 c 3"), "+OK\r\n");
-    assert_eq!(h.cmd("TTL t"), ":9\r\n");
-    assert_eq!(h.cmd("MSET t 1"), "+OK\r\n");
-    assert_eq!(h.cmd("TTL t"), ":-1\r\n");
-    assert_eq!(h.cmd("MGET a b nope c"), "*4\r\n$1\r\n1\r\n$1\r\n2\r\n$-1\r\n$1\r\n3\r\n");
-    assert_eq!(h.cmd("MGET"), "-ERR wrong number of arguments for 'mget' command\r\n");
-    assert_eq!(h.cmd("APPEND a"), "-ERR wrong number of arguments for 'append' command\r\n");
+    h.replies(&[
+        ("APPEND t y", ":2\r\n"),
+        ("TTL t", ":9\r\n"),
+        ("MSET a 1 b 2 c 3", "+OK\r\n"),
+        ("TTL t", ":9\r\n"),
+        ("MSET t 1", "+OK\r\n"),
+        ("TTL t", ":-1\r\n"),
+        ("MGET a b nope c", "*4\r\n$1\r\n1\r\n$1\r\n2\r\n$-1\r\n$1\r\n3\r\n"),
+        ("MGET", "-ERR wrong number of arguments for 'mget' command\r\n"),
+        ("APPEND a", "-ERR wrong number of arguments for 'append' command\r\n"),
+    ]);
 }
 
 #[test]
@@ -258,11 +278,13 @@ fn flush() {
     assert_eq!(h.cmd("FLUSHDB"), "+OK\r\n");
     assert_eq!(h.cmd("DBSIZE"), ":0\r\n");
     h.cmd("SET a 1 EX 5");
-    assert_eq!(h.cmd("FLUSHALL ASYNC"), "+OK\r\n");
-    assert_eq!(h.cmd("FLUSHALL sync"), "+OK\r\n");
-    assert_eq!(h.cmd("FLUSHALL now"), "-ERR syntax error\r\n");
-    assert_eq!(h.cmd("FLUSHDB a b"), "-ERR syntax error\r\n");
-    assert_eq!(h.cmd("DBSIZE"), ":0\r\n");
+    h.replies(&[
+        ("FLUSHALL ASYNC", "+OK\r\n"),
+        ("FLUSHALL sync", "+OK\r\n"),
+        ("FLUSHALL now", "-ERR syntax error\r\n"),
+        ("FLUSHDB a b", "-ERR syntax error\r\n"),
+        ("DBSIZE", ":0\r\n"),
+    ]);
     assert!(h.cmd("INFO").contains("db0:keys=0,expires=0,avg_ttl=0\r\n"));
 }
 
@@ -290,22 +312,28 @@ fn info_config_command_client() {
     assert_eq!(h.cmd("CONFIG GET nosuch"), "*0\r\n");
     assert_eq!(h.cmd("CONFIG GET save appendonly").matches('$').count(), 4);
     assert_eq!(h.cmd("CONFIG GET *").matches('$').count(), 6);
-    assert_eq!(h.cmd("CONFIG GET"), "-ERR wrong number of arguments for 'config|get' command\r\n");
-    assert_eq!(h.cmd("CONFIG"), "-ERR wrong number of arguments for 'config' command\r\n");
-    assert_eq!(h.cmd("CONFIG SET save x"), "-ERR unknown subcommand 'SET'. Try CONFIG HELP.\r\n");
+    h.replies(&[
+        ("CONFIG GET", "-ERR wrong number of arguments for 'config|get' command\r\n"),
+        ("CONFIG", "-ERR wrong number of arguments for 'config' command\r\n"),
+        ("CONFIG SET save x", "-ERR unknown subcommand 'SET'. Try CONFIG HELP.\r\n"),
+    ]);
 
-    assert_eq!(h.cmd("COMMAND"), "*0\r\n");
-    assert_eq!(h.cmd("COMMAND DOCS"), "*0\r\n");
-    assert_eq!(h.cmd("COMMAND DOCS get"), "*0\r\n");
-    assert_eq!(h.cmd("COMMAND COUNT"), ":27\r\n");
-    assert_eq!(h.cmd("COMMAND FOO"), "-ERR unknown subcommand 'FOO'. Try COMMAND HELP.\r\n");
+    h.replies(&[
+        ("COMMAND", "*0\r\n"),
+        ("COMMAND DOCS", "*0\r\n"),
+        ("COMMAND DOCS get", "*0\r\n"),
+        ("COMMAND COUNT", ":27\r\n"),
+        ("COMMAND FOO", "-ERR unknown subcommand 'FOO'. Try COMMAND HELP.\r\n"),
+    ]);
 
-    assert_eq!(h.cmd("CLIENT SETNAME bench"), "+OK\r\n");
-    assert_eq!(h.cmd("CLIENT SETINFO lib-name redis-py"), "+OK\r\n");
-    assert_eq!(h.cmd("CLIENT GETNAME"), "$-1\r\n");
-    assert_eq!(h.cmd("CLIENT SETNAME"), "-ERR wrong number of arguments for 'client|setname' command\r\n");
-    assert_eq!(h.cmd("CLIENT KILL x"), "-ERR unknown subcommand 'KILL'. Try CLIENT HELP.\r\n");
-    assert_eq!(h.cmd("CLIENT"), "-ERR wrong number of arguments for 'client' command\r\n");
+    h.replies(&[
+        ("CLIENT SETNAME bench", "+OK\r\n"),
+        ("CLIENT SETINFO lib-name redis-py", "+OK\r\n"),
+        ("CLIENT GETNAME", "$-1\r\n"),
+        ("CLIENT SETNAME", "-ERR wrong number of arguments for 'client|setname' command\r\n"),
+        ("CLIENT KILL x", "-ERR unknown subcommand 'KILL'. Try CLIENT HELP.\r\n"),
+        ("CLIENT", "-ERR wrong number of arguments for 'client' command\r\n"),
+    ]);
     assert!(h.log.records.len() == 1, "only the SET is logged");
 }
 
@@ -383,9 +411,7 @@ fn writes_are_refused_when_memory_runs_out() {
         assert!(reply.starts_with("-OOM command not allowed when used memory > 'maxmemory'"), "{write}: {reply}");
     }
     assert_eq!(h.log.records.len(), records, "a refused write is not logged");
-    assert_eq!(h.cmd("GET a"), "$1\r\n1\r\n");
-    assert_eq!(h.cmd("EXISTS c n x"), ":0\r\n");
-    assert_eq!(h.cmd("DEL b"), ":1\r\n");
+    h.replies(&[("GET a", "$1\r\n1\r\n"), ("EXISTS c n x", ":0\r\n"), ("DEL b", ":1\r\n")]);
     assert!(h.cmd("INFO stats").contains("oom_refused_writes:6\r\n"));
     FREE.store(usize::MAX, Ordering::Relaxed);
     assert_eq!(h.cmd("SET c 123"), "+OK\r\n");

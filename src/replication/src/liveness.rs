@@ -810,6 +810,30 @@ mod tests {
         }
     }
 
+    impl Verdict {
+        /// Waits (up to 10 s) until the thread judges the peer lost; the
+        /// silence it judged by.
+        fn awaited(&self) -> Duration {
+            let t0 = Instant::now();
+            loop {
+                if let Some(silence) = *self.0.lock().unwrap() {
+                    return silence;
+                }
+                assert!(t0.elapsed() < Duration::from_secs(10), "silence never noticed");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
+
+    /// The primary's heartbeat thread alone (2 ms interval), what it
+    /// decides, and the backup's path, which sends nothing.
+    fn primary_side(timeout: Duration, keys: bool, pulse: Arc<Pulse>) -> (Heartbeats, Verdict, Path) {
+        let (p, b) = pair(keys);
+        let v = Verdict::default();
+        let h = Heartbeats::start(p, Timing { interval: Duration::from_millis(2), timeout }, pulse, v.clone()).unwrap();
+        (h, v, b)
+    }
+
     #[test]
     fn peers_that_beat_stay_alive_and_a_silent_one_is_lost() {
         let timing = Timing { interval: Duration::from_millis(2), timeout: Duration::from_millis(300) };
@@ -826,12 +850,7 @@ mod tests {
         // The primary stops: the backup notices its silence, and by the
         // kernel's arrival stamps nothing was heard from the primary lately.
         drop(ph);
-        let t0 = Instant::now();
-        while bv.0.lock().unwrap().is_none() {
-            assert!(t0.elapsed() < Duration::from_secs(10), "silence never noticed");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        assert!(bv.0.lock().unwrap().unwrap() >= timing.timeout);
+        assert!(bv.awaited() >= timing.timeout);
         assert!(!bp.heard_within(Duration::from_millis(100)));
         assert!(Pulse::new().heard_within(Duration::ZERO), "no heartbeat yet: nothing to judge by");
         drop(bh);
@@ -841,29 +860,18 @@ mod tests {
     /// still setting up its pre-copy) is not lost at a 30 ms timeout.
     #[test]
     fn a_peer_not_heard_from_yet_has_the_start_grace() {
-        let timing = Timing { interval: Duration::from_millis(2), timeout: Duration::from_millis(30) };
-        let (p, _b) = pair(true);
-        let v = Verdict::default();
-        let h = Heartbeats::start(p, timing, Pulse::new(), v.clone()).unwrap();
+        let (h, v, _backup) = primary_side(Duration::from_millis(30), true, Pulse::new());
         std::thread::sleep(Duration::from_millis(300));
         assert_eq!(*v.0.lock().unwrap(), None, "lost before its first heartbeat, within the start grace");
-        let t0 = Instant::now();
-        while v.0.lock().unwrap().is_none() {
-            assert!(t0.elapsed() < Duration::from_secs(10), "silence never noticed");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        assert!(v.0.lock().unwrap().unwrap() >= START_GRACE);
+        assert!(v.awaited() >= START_GRACE);
         drop(h);
     }
 
     #[test]
     fn the_stream_counts_as_a_sign_of_life() {
-        let timing = Timing { interval: Duration::from_millis(2), timeout: Duration::from_millis(100) };
         // Heartbeats go nowhere and none arrive; only the stream beats.
-        let (p, _b) = pair(false);
-        let v = Verdict::default();
         let pulse = Pulse::new();
-        let h = Heartbeats::start(p, timing, pulse.clone(), v.clone()).unwrap();
+        let (h, v, _backup) = primary_side(Duration::from_millis(100), false, pulse.clone());
         let t0 = Instant::now();
         while t0.elapsed() < Duration::from_millis(500) {
             pulse.beat();

@@ -148,61 +148,56 @@ impl Telemetry {
 
     /// Add every figure to `registry` (prefix it `ftvm`).
     pub fn register(&'static self, registry: &mut Registry) {
-        let r = registry;
-        r.register("checkpoints", "Checkpoints the backup acknowledged (primary)", self.checkpoints.clone());
-        r.register(
-            "checkpoints_started",
-            "Acknowledged checkpoints by what started them (idle, hold, epoch, journal, sync, stop)",
-            self.started_by.clone(),
-        );
-        r.register_with_unit("checkpoint_pause", "Time the guest was paused per checkpoint", Unit::Seconds, self.pause.clone());
-        r.register_with_unit(
-            "checkpoint_transfer",
-            "From resuming the guest until the checkpoint was handed to the transport",
-            Unit::Seconds,
-            self.transfer.clone(),
-        );
-        r.register_with_unit(
-            "checkpoint_ack",
-            "From resuming the guest until the backup acknowledged the checkpoint",
-            Unit::Seconds,
-            self.ack.clone(),
-        );
-        r.register("dirty_pages", "Dirty pages carried by acknowledged checkpoints", self.dirty_pages.clone());
-        r.register("checkpoint_dirty_pages", "Dirty pages of the last acknowledged checkpoint", self.last_dirty_pages.clone());
-        r.register_with_unit("checkpoint", "Checkpoint bytes on the wire", Unit::Bytes, self.bytes.clone());
-        r.register("disk_writes", "Guest disk writes carried by checkpoints", self.disk_writes.clone());
-        r.register_with_unit("checkpoint_disk", "Disk data carried by checkpoints", Unit::Bytes, self.disk_bytes.clone());
-        r.register("output_frames_released", "Network frames released after their epoch was acknowledged", self.frames_released.clone());
-        r.register_with_unit("output_hold", "Longest time a frame of an epoch was held before release", Unit::Seconds, self.hold.clone());
-        r.register_with_unit(
-            "output_wait",
-            "From an epoch's first held output until its checkpoint paused the guest",
-            Unit::Seconds,
-            self.wait.clone(),
-        );
-        r.register_with_unit(
-            "output_release",
-            "From an acknowledgement until its epoch's last frame was written out",
-            Unit::Seconds,
-            self.release.clone(),
-        );
-        r.register_with_unit(
-            "checkpoint_stop",
-            "Stopping the vCPUs and device threads before a checkpoint's pause",
-            Unit::Seconds,
-            self.stop.clone(),
-        );
-        r.register("output_held_frames", "Network frames held now, waiting for an acknowledgement", self.held_frames.clone());
-        r.register("backup_losses", "Times the primary lost its backup", self.backup_losses.clone());
-        r.register("checkpoints_applied", "Checkpoints the backup applied", self.applied.clone());
-        r.register("applied_pages", "Pages the backup applied", self.applied_pages.clone());
-        r.register_with_unit("checkpoint_apply", "Time the backup took to apply a checkpoint", Unit::Seconds, self.apply.clone());
-        r.register("takeovers", "Failovers: times this backup took the VM over from a lost primary", self.takeovers.clone());
-        r.register(
-            "metrics_write_errors",
-            "Lines of the --metrics file that could not be written (a full disk, say) and were dropped",
-            self.metrics_write_errors.clone(),
-        );
+        use Figure::*;
+        let figures = [
+            ("checkpoints", "Checkpoints the backup acknowledged (primary)", Count(&self.checkpoints)),
+            (
+                "checkpoints_started",
+                "Acknowledged checkpoints by what started them (idle, hold, epoch, journal, sync, stop)",
+                Triggers(&self.started_by),
+            ),
+            ("checkpoint_pause", "Time the guest was paused per checkpoint", Seconds(&self.pause)),
+            ("checkpoint_transfer", "From resuming the guest until the checkpoint was handed to the transport", Seconds(&self.transfer)),
+            ("checkpoint_ack", "From resuming the guest until the backup acknowledged the checkpoint", Seconds(&self.ack)),
+            ("dirty_pages", "Dirty pages carried by acknowledged checkpoints", Count(&self.dirty_pages)),
+            ("checkpoint_dirty_pages", "Dirty pages of the last acknowledged checkpoint", Level(&self.last_dirty_pages)),
+            ("checkpoint", "Checkpoint bytes on the wire", Bytes(&self.bytes)),
+            ("disk_writes", "Guest disk writes carried by checkpoints", Count(&self.disk_writes)),
+            ("checkpoint_disk", "Disk data carried by checkpoints", Bytes(&self.disk_bytes)),
+            ("output_frames_released", "Network frames released after their epoch was acknowledged", Count(&self.frames_released)),
+            ("output_hold", "Longest time a frame of an epoch was held before release", Seconds(&self.hold)),
+            ("output_wait", "From an epoch's first held output until its checkpoint paused the guest", Seconds(&self.wait)),
+            ("output_release", "From an acknowledgement until its epoch's last frame was written out", Seconds(&self.release)),
+            ("checkpoint_stop", "Stopping the vCPUs and device threads before a checkpoint's pause", Seconds(&self.stop)),
+            ("output_held_frames", "Network frames held now, waiting for an acknowledgement", Level(&self.held_frames)),
+            ("backup_losses", "Times the primary lost its backup", Count(&self.backup_losses)),
+            ("checkpoints_applied", "Checkpoints the backup applied", Count(&self.applied)),
+            ("applied_pages", "Pages the backup applied", Count(&self.applied_pages)),
+            ("checkpoint_apply", "Time the backup took to apply a checkpoint", Seconds(&self.apply)),
+            ("takeovers", "Failovers: times this backup took the VM over from a lost primary", Count(&self.takeovers)),
+            (
+                "metrics_write_errors",
+                "Lines of the --metrics file that could not be written (a full disk, say) and were dropped",
+                Count(&self.metrics_write_errors),
+            ),
+        ];
+        for (name, help, figure) in figures {
+            match figure {
+                Count(c) => registry.register(name, help, c.clone()),
+                Bytes(c) => registry.register_with_unit(name, help, Unit::Bytes, c.clone()),
+                Level(g) => registry.register(name, help, g.clone()),
+                Seconds(h) => registry.register_with_unit(name, help, Unit::Seconds, h.clone()),
+                Triggers(f) => registry.register(name, help, f.clone()),
+            }
+        }
     }
+}
+
+/// A figure as [`Telemetry::register`] lists it: its kind, and with it its unit.
+enum Figure<'a> {
+    Count(&'a Counter),
+    Bytes(&'a Counter),
+    Level(&'a Gauge),
+    Seconds(&'a Histogram),
+    Triggers(&'a Family<Started, Counter>),
 }

@@ -59,6 +59,14 @@ impl H {
         self.args(&words(cmd))
     }
 
+    /// Run each command in turn, checking its reply: a session as a
+    /// table of (command, the reply Redis sends).
+    pub fn replies(&mut self, session: &[(&str, &str)]) {
+        for (cmd, want) in session {
+            assert_eq!(self.cmd(cmd), *want, "{cmd}");
+        }
+    }
+
     pub fn args(&mut self, args: &[&[u8]]) -> String {
         let (out, flow) = self.feed(&resp(args));
         assert_eq!(flow, Flow::Continue, "{args:?} closed the connection: {out}");

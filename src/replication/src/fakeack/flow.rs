@@ -154,6 +154,14 @@ impl Flow {
         }
     }
 
+    /// The handshake completed: everything up to `start` is acknowledged,
+    /// the guest may send up to `edge`.
+    fn sync(&mut self, start: u32, edge: u32) {
+        (self.real_ack, self.fake_ack, self.told_ack) = (start, start, start);
+        (self.real_edge, self.told_edge) = (edge, edge);
+        self.synced = true;
+    }
+
     /// The shift of the peer's windows: its option, if both sides sent one.
     fn shift(&self) -> u8 {
         match (self.guest_wscale, self.peer_wscale) {
@@ -305,12 +313,7 @@ impl Table {
     fn guest_syn(&mut self, key: FlowKey, seg: &Segment) {
         if !seg.has(ACK) {
             // The guest connects out: a new flow (a reused one starts afresh).
-            self.remove(&key);
-            if self.flows.len() < MAX_FLOWS {
-                let mut flow = Flow::new();
-                flow.guest_wscale = seg.wscale;
-                self.flows.insert(key, flow);
-            }
+            self.open(key, Flow { guest_wscale: seg.wscale, ..Flow::new() });
             return;
         }
         // The guest accepts a connection the peer opened (a SYN-ACK sent
@@ -318,11 +321,9 @@ impl Table {
         if let Some(flow) = self.flows.get_mut(&key).filter(|f| !f.synced) {
             flow.guest_wscale = seg.wscale;
             let start = seg.seq.wrapping_add(1);
-            (flow.real_ack, flow.fake_ack, flow.told_ack) = (start, start, start);
             // The peer's SYN window is not scaled.
-            flow.real_edge = start.wrapping_add(flow.real_edge);
-            flow.told_edge = flow.real_edge;
-            flow.synced = true;
+            let edge = start.wrapping_add(flow.real_edge);
+            flow.sync(start, edge);
         }
     }
 
@@ -398,22 +399,21 @@ impl Table {
         if !seg.has(ACK) {
             // The peer connects to the guest: remember its window (not
             // scaled in a SYN) until the guest's SYN-ACK gives the start.
-            self.remove(&key);
-            if self.flows.len() < MAX_FLOWS {
-                let mut flow = Flow::new();
-                flow.peer_wscale = seg.wscale;
-                flow.real_edge = u32::from(seg.window);
-                self.flows.insert(key, flow);
-            }
+            self.open(key, Flow { peer_wscale: seg.wscale, real_edge: u32::from(seg.window), ..Flow::new() });
             return;
         }
         // The peer accepts the guest's connection.
         if let Some(flow) = self.flows.get_mut(&key).filter(|f| !f.synced) {
             flow.peer_wscale = seg.wscale;
-            (flow.real_ack, flow.fake_ack, flow.told_ack) = (seg.ack, seg.ack, seg.ack);
-            flow.real_edge = seg.ack.wrapping_add(u32::from(seg.window));
-            flow.told_edge = flow.real_edge;
-            flow.synced = true;
+            flow.sync(seg.ack, seg.ack.wrapping_add(u32::from(seg.window)));
+        }
+    }
+
+    /// A SYN starts `flow` afresh under `key`, unless the table is full.
+    fn open(&mut self, key: FlowKey, flow: Flow) {
+        self.remove(&key);
+        if self.flows.len() < MAX_FLOWS {
+            self.flows.insert(key, flow);
         }
     }
 

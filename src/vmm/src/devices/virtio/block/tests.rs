@@ -99,6 +99,15 @@ impl<'m> Rig<'m> {
         offer_block_request(&mut self.driver, kind, sector, data)
     }
 
+    /// One sector of `pattern(.., seed)` offered as a write to `sector`:
+    /// the bytes and the request.
+    fn offer_write(&mut self, sector: u64, seed: u8) -> (Vec<u8>, Offered) {
+        let data = pattern(SECTOR as usize, seed);
+        let buf = self.driver.readable(&data);
+        let request = self.offer(REQ_OUT, sector, &[buf]);
+        (data, request)
+    }
+
     /// The driver's kick: the device serves everything offered.
     fn kick(&mut self) -> Result<bool, VirtioError> {
         self.transport.process_queue(0, self.mem)
@@ -140,9 +149,7 @@ fn requests_wait_in_the_queue_while_the_write_hook_asks_to() {
     let ram = guest_ram();
     let mut rig = Rig::new(&ram);
     rig.writes.1.store(true, Ordering::SeqCst);
-    let data = pattern(SECTOR as usize, 60);
-    let buf = rig.driver.readable(&data);
-    let request = rig.offer(REQ_OUT, 1, &[buf]);
+    let (data, request) = rig.offer_write(1, 60);
     assert!(!rig.kick().unwrap(), "nothing is served while the hook says wait");
     assert_eq!(rig.status(request), NO_STATUS);
     assert_eq!(rig.disk.contents(), original_contents());
@@ -360,9 +367,7 @@ fn pending(transport: &MmioTransport) -> Vec<PendingRequest> {
 fn with_async_io_the_io_runs_after_the_pass_and_its_result_reaches_the_guest_in_the_next() {
     let ram = guest_ram();
     let mut rig = Rig::with(&ram, DiskIo::Async);
-    let data = pattern(SECTOR as usize, 70);
-    let buf = rig.driver.readable(&data);
-    let request = rig.offer(REQ_OUT, 3, &[buf]);
+    let (data, request) = rig.offer_write(3, 70);
     assert!(!rig.kick().expect("issued"), "nothing used yet");
     assert_eq!(rig.disk.contents(), original_contents(), "the pass did no I/O");
     // The device thread runs the I/O after the pass (a pause would not wait) ...
@@ -385,9 +390,7 @@ fn with_async_io_requests_wait_in_the_queue_while_the_write_hook_asks_to() {
     let ram = guest_ram();
     let mut rig = Rig::with(&ram, DiskIo::Async);
     rig.writes.1.store(true, Ordering::SeqCst);
-    let data = pattern(SECTOR as usize, 60);
-    let buf = rig.driver.readable(&data);
-    let request = rig.offer(REQ_OUT, 1, &[buf]);
+    let (data, request) = rig.offer_write(1, 60);
     assert!(!rig.kick().unwrap());
     assert!(rig.pending().is_empty(), "not even popped");
     assert!(rig.written_to_hook().is_empty());
@@ -463,9 +466,7 @@ fn requests_in_flight_are_saved_and_issued_again_in_order_by_a_restored_device()
 fn a_reset_forgets_the_requests_in_flight() {
     let ram = guest_ram();
     let mut rig = Rig::with(&ram, DiskIo::Async);
-    let data = pattern(SECTOR as usize, 40);
-    let buf = rig.driver.readable(&data);
-    let request = rig.offer(REQ_OUT, 0, &[buf]);
+    let (data, request) = rig.offer_write(0, 40);
     assert!(!rig.kick().expect("issued"));
     assert_eq!(rig.pending().len(), 1);
     crate::devices::virtio::test_util::write_reg(&mut rig.transport, virtio_bindings::virtio_mmio::VIRTIO_MMIO_STATUS, 0);
