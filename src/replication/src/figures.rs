@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::pipeline::trigger::Reason;
+use crate::pipeline::trigger::reason::Reason;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct EpochMetrics {

@@ -5,8 +5,8 @@
 //! reader, the backup's apply, the output buffer) need no handle passed down
 //! to them. Updating one is an atomic add. The set is encoded by whoever
 //! serves it ([`Telemetry::register`]); state that is not counted here
-//! (role, protection, epoch) is read from the side's [`crate::StatusCell`]
-//! at scrape time.
+//! (role, protection, epoch) is read from the side's `StatusCell` (in
+//! `metrics`, which stands on this module) at scrape time.
 
 use std::sync::LazyLock;
 

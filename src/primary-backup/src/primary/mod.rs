@@ -2,10 +2,11 @@
 //! checkpoint every epoch and releases each epoch's output when the backup
 //! acknowledges it.
 
+mod config;
+mod loss;
 pub(crate) mod precopy;
 mod session;
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
@@ -21,106 +22,13 @@ use ftvm_replication::fakeack::FakeAck;
 use ftvm_replication::metrics::{MetricsLog, Role, Status, StatusCell};
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
 use ftvm_replication::pipeline::epochs::{Ended, EpochLoop};
-use ftvm_replication::pipeline::transport::Auth;
 use ftvm_replication::pipeline::trigger::{Pacing, Reason, Trigger};
-use ftvm_replication::pipeline::{Pipeline, Switches};
-use ftvm_replication::protocol::{Kind, ProtocolError};
+use ftvm_replication::pipeline::Pipeline;
 use ftvm_replication::ReplicationError;
-use ftvm_vmm::switch;
 use session::{Context, Session};
 
-switch! {
-    /// `--on-backup-loss`: what the primary does when it loses its backup.
-    pub enum OnBackupLoss {
-        /// Release what the backup acknowledged, then run unprotected.
-        Continue = "continue",
-        /// Pause the guest (outputs stay held) until a new backup protects it.
-        Pause = "pause",
-    }
-}
-
-/// Why the primary lost its backup.
-#[derive(Debug, thiserror::Error)]
-pub enum BackupLoss {
-    #[error("nothing heard from the backup for {silence_ms} ms, no heartbeat and no acknowledgement (failure timeout {timeout_ms} ms)")]
-    Silent { silence_ms: u64, timeout_ms: u64 },
-    #[error("checkpoint {epoch} still unacknowledged {waited_ms} ms after it was sent, though the backup beats (acknowledgement timeout)")]
-    Unacknowledged { epoch: u64, waited_ms: u64 },
-    #[error("{0}")]
-    Stream(ProtocolError),
-    #[error("{0}")]
-    Refused(String),
-    #[error("unexpected {0:?} from the backup")]
-    Unexpected(Kind),
-    #[error("malformed acknowledgement")]
-    MalformedAck,
-    #[error("sending checkpoint {epoch} failed: {err}")]
-    Send { epoch: u64, err: std::io::Error },
-    #[error("checkpoint {epoch} failed: {err}")]
-    Checkpoint { epoch: u64, err: ReplicationError },
-}
-
-#[derive(Clone, Debug)]
-pub struct PrimaryConfig {
-    /// The backup's replication address.
-    pub backup: String,
-    /// Longest epoch: the checkpoint interval (`--trigger periodic`), or the
-    /// most an epoch runs without output.
-    pub epoch: Duration,
-    /// Nothing heard from the backup (no heartbeat, no byte of the stream)
-    /// for this long means it is gone.
-    pub failure_timeout: Duration,
-    /// A checkpoint unacknowledged this long after it was sent means the
-    /// backup is gone even though it beats (its apply hangs, say).
-    pub ack_timeout: Duration,
-    /// How often to send the backup a heartbeat.
-    pub heartbeat: Duration,
-    pub on_backup_loss: OnBackupLoss,
-    /// How long to keep trying to reach the backup at start.
-    pub connect_timeout: Duration,
-    pub metrics: Option<ftvm_replication::metrics::MetricsFile>,
-    /// The primary's disk image, copied to the backup during pre-copy.
-    pub disk: Option<PathBuf>,
-    /// Which implementation each checkpoint stage uses.
-    pub switches: Switches,
-    /// Checkpoints sent and not yet acknowledged at most: checkpoint n+1
-    /// may be taken while n is in flight, up to this many.
-    pub pipeline_depth: usize,
-    /// Decides who owns the VM's output when primary and backup lose each other.
-    pub arbiter: Option<Arbiter>,
-    /// Authenticate to the backup with this secret (and make it
-    /// authenticate to us), and encrypt the channel if asked.
-    pub auth: Option<Auth>,
-    /// Copy the guest's frames to the backup, so a takeover replays them.
-    pub mirror: crate::mirror::Mode,
-    /// Acknowledge the guest's held TCP data on the peer's behalf (`fakeack`).
-    pub fake_ack: ftvm_replication::fakeack::Mode,
-    /// How the checkpoint thread and the acknowledgement reader run.
-    pub priority: ftvm_replication::liveness::Priority,
-    /// After losing its backup, try these backups in order, again every
-    /// [`STANDBY_RETRY`] until one protects the VM (a promoted backup's
-    /// `--standby`); empty: wait for `Primary::protect`.
-    pub standbys: Vec<String>,
-}
-
-/// The defaults of `ftvm run`'s replication options, for the command line
-/// and for a promoted backup alike.
-impl PrimaryConfig {
-    /// `--epoch-ms` unless given.
-    pub const DEFAULT_EPOCH: Duration = Duration::from_millis(20);
-    /// `--failure-timeout-ms` unless given.
-    pub const DEFAULT_FAILURE_TIMEOUT: Duration = Duration::from_secs(1);
-    /// `--ack-timeout-ms` unless given.
-    pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_secs(2);
-    /// `--connect-timeout-ms` unless given.
-    pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-}
-
-/// How often a primary that lost its backup tries its standbys again.
-pub const STANDBY_RETRY: Duration = Duration::from_secs(1);
-
-/// `--pipeline-depth` unless given: checkpoints in flight at most.
-pub const DEFAULT_PIPELINE_DEPTH: u64 = 2;
+pub use config::{OnBackupLoss, PrimaryConfig, DEFAULT_PIPELINE_DEPTH, STANDBY_RETRY};
+pub use loss::BackupLoss;
 
 /// How often a side retries an arbiter it cannot reach.
 const ARBITER_RETRY: Duration = Duration::from_millis(200);

@@ -12,7 +12,9 @@ use ftvm_vmm::seccomp;
 use ftvm_vmm::sync::Lock;
 use ftvm_vmm::Vm;
 
-use super::{precopy, BackupLoss, PrimaryConfig};
+use super::config::PrimaryConfig;
+use super::loss::BackupLoss;
+use super::precopy;
 use crate::mirror;
 use ftvm_replication::fault;
 use ftvm_replication::liveness::{self, Heartbeats, Observer, Pulse, Timing};

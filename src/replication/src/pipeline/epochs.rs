@@ -13,8 +13,8 @@ use ftvm_vmm::Vm;
 
 use super::trigger::{self, Pacing, Sample, Trigger};
 use super::{Pipeline, Taken};
+use crate::error::ReplicationError;
 use crate::output::OutputBuffer;
-use crate::ReplicationError;
 
 /// How often the loop looks at the link's loss and the stop flag while it
 /// waits (the trigger wakes it sooner for a checkpoint).

@@ -8,10 +8,10 @@ use ftvm_vmm::{PageBitmap, Persist, Vm};
 
 use super::predict::FreezeMask;
 use crate::checkpoint::{CheckpointState, StateDelta};
+use crate::error::ReplicationError;
 use crate::fakeack::delta::Carried;
 use crate::fakeack::FakeAck;
 use crate::output::{DiskJournal, OutputBuffer};
-use crate::ReplicationError;
 
 /// The VM is paused while this lives; `thaw` resumes it (so does dropping it).
 pub struct Frozen<'vm> {

@@ -30,11 +30,11 @@ use std::time::Duration;
 use ftvm_vmm::pages::PageEncoder;
 use ftvm_vmm::{DirtyBackend, Vm};
 
+use crate::error::ReplicationError;
 use crate::fakeack::delta::Carried;
 use crate::fakeack::FakeAck;
 use crate::output::{DiskJournal, OutputBuffer};
 use crate::protocol;
-use crate::ReplicationError;
 use capture::Capture;
 use freeze::Freeze;
 use predict::FreezeMask;

@@ -21,7 +21,7 @@ use ftvm_vmm::sync::Lock;
 use ftvm_vmm::{PageBitmap, Vm};
 
 use super::{Capture, Captured};
-use crate::ReplicationError;
+use crate::error::ReplicationError;
 
 /// Most pages the copier unprotects with one call (a writer waiting on one
 /// of them waits for the whole run's copies: 64 × 0.7 µs).

@@ -5,7 +5,7 @@ mod cow;
 use ftvm_vmm::memory::PAGE;
 use ftvm_vmm::{PageBitmap, Vm};
 
-use crate::ReplicationError;
+use crate::error::ReplicationError;
 use ftvm_vmm::switch;
 
 switch! {

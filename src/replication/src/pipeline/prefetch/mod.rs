@@ -33,8 +33,8 @@ use ftvm_vmm::memory::PAGE;
 use ftvm_vmm::pages::{BundleWriter, PageEncoder};
 use ftvm_vmm::{PageBitmap, Vm};
 
+use crate::error::ReplicationError;
 use crate::protocol::{self, Kind};
-use crate::ReplicationError;
 use ftvm_vmm::switch;
 
 switch! {

@@ -38,9 +38,9 @@ use chacha20poly1305::{ChaCha20Poly1305, KeyInit};
 use ftvm_vmm::sync::Lock;
 
 use super::{Secret, Transport};
+use crate::error::ReplicationError;
 use crate::liveness::{self, Pulse};
 use crate::protocol::{self, Kind, ProtocolError};
-use crate::ReplicationError;
 
 const NONCE: usize = 32;
 const PROOF: usize = 32;

@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::Transport;
+use crate::error::ReplicationError;
 use crate::liveness::Pulse;
 use crate::protocol::{self, Kind, ProtocolError};
 use crate::sockopt;
-use crate::ReplicationError;
 
 /// Bytes read ahead of the frame being parsed (`with_read_ahead`).
 const READ_AHEAD: usize = 64 << 10;

@@ -15,12 +15,11 @@
 //! room in the pipeline window (checkpoints sent and not yet acknowledged).
 
 pub mod pacing;
+pub(crate) mod reason;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
-
-use serde::{Deserialize, Serialize};
 
 use ftvm_vmm::hooks::IdleObserver;
 use ftvm_vmm::sync::{self, Lock};
@@ -29,6 +28,7 @@ use ftvm_vmm::Vm;
 use crate::output::{OutputBuffer, OutputListener};
 use ftvm_vmm::switch;
 pub use pacing::{Pacing, Sample};
+pub use reason::Reason;
 
 switch! {
     /// `--trigger`: what starts a checkpoint.
@@ -38,38 +38,6 @@ switch! {
         Output = "output",
         /// Every `--epoch-ms`.
         Periodic = "periodic",
-    }
-}
-
-/// Why a checkpoint was taken (`trigger` in the metrics).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Reason {
-    /// The epoch reached its length (periodic) or its maximum (output).
-    #[default]
-    Epoch,
-    /// The disk journal reached its early mark.
-    Journal,
-    /// Output was held and the guest went idle.
-    Idle,
-    /// Output was held for the hold bound while the guest kept running.
-    Hold,
-    /// The first checkpoint for a new backup (the stop-and-copy).
-    Sync,
-    /// The last checkpoint of a VM that stops.
-    Stop,
-}
-
-impl std::fmt::Display for Reason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Reason::Epoch => "epoch",
-            Reason::Journal => "journal",
-            Reason::Idle => "idle",
-            Reason::Hold => "hold",
-            Reason::Sync => "sync",
-            Reason::Stop => "stop",
-        })
     }
 }
 
