@@ -20,17 +20,16 @@ use std::time::{Duration, Instant};
 
 use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
-use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR};
+use ftvm_testkit::topology::{Topology, GUEST_ADDR};
 
-use crate::paths::sibling_binary;
 use crate::redis_benchmark::{self, Figures};
+use crate::redis_guest::{check_alive, ftvm_binary, wait_serving, App, Guest, Protection, PORT, REDIS_ARGS};
 use crate::report::{self, Row};
 use crate::threads;
 
 type BoxError = Box<dyn std::error::Error>;
 
 const NATIVE_ADDR: &str = "10.0.0.3";
-const PORT: &str = "6379";
 
 #[derive(clap::Args)]
 pub struct Options {
@@ -73,139 +72,8 @@ pub struct Options {
     ftvm: Option<PathBuf>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum App {
-    Kv,
-    Redis,
-}
-
-impl App {
-    fn name(self) -> &'static str {
-        match self {
-            App::Kv => "kv",
-            App::Redis => "redis",
-        }
-    }
-
-    /// The guest image and what builds it.
-    fn image(self, images: &Path) -> (PathBuf, &'static str) {
-        match self {
-            App::Kv => (images.join("kv.elf"), "scripts/build-images.sh"),
-            App::Redis => (images.join("redis-server"), "scripts/build-redis.sh"),
-        }
-    }
-
-    /// `ftvm run` arguments after the image: memory and command line, with
-    /// extra runtime options `variant` (Linux personality only).
-    fn run_args(self, variant: &str) -> Vec<String> {
-        let (vmm, runtime): (Vec<&str>, Vec<&str>) = variant.split_whitespace().partition(|w| w.starts_with("--"));
-        let mut args: Vec<String> = vmm.into_iter().map(String::from).collect();
-        let runtime = runtime.join(" ");
-        match self {
-            App::Kv => args.extend(["--cmdline".into(), format!("ip={GUEST_ADDR}/24")]),
-            App::Redis => args.extend([
-                "--memory".into(),
-                "512".into(),
-                "--cmdline".into(),
-                format!("{runtime} ip={GUEST_ADDR}/24 -- redis-server {}", REDIS_ARGS.join(" ")).trim_start().to_string(),
-            ]),
-        }
-        args
-    }
-}
-
-/// redis-server's options, in the guest and natively: no persistence.
-const REDIS_ARGS: [&str; 8] = ["--port", PORT, "--save", "''", "--appendonly", "no", "--protected-mode", "no"];
-const BACKUP_ADDR_PORT: &str = "7000";
-
-/// The guest's VMM, and with protection its backup.
-struct Guest {
-    vmm: Process,
-    backup: Option<Process>,
-}
-
-impl Guest {
-    fn start(
-        topo: &Topology,
-        ftvm: &Path,
-        image: &Path,
-        app: App,
-        variant: &str,
-        protect: Option<(&Scratch, u64)>,
-    ) -> Result<Guest, BoxError> {
-        let net = format!("tap=tap0,mac={GUEST_MAC}");
-        let backup_addr = format!("{H2_REPL_ADDR}:{BACKUP_ADDR_PORT}");
-        let backup = match protect {
-            Some(_) => {
-                let mut cmd = topo.command("h2", ftvm);
-                cmd.args(["backup", "--insecure", "--listen", &backup_addr, "--net", &net]);
-                Some(Process::spawn_collected("ftvm backup", &mut cmd)?)
-            }
-            None => None,
-        };
-        let mut cmd = topo.command("h1", ftvm);
-        cmd.arg("run").arg("--image").arg(image).args(app.run_args(variant)).args(["--net", &net]);
-        if let Some((dir, epoch_ms)) = protect {
-            cmd.args(["--insecure", "--replicate-to", &backup_addr, "--epoch-ms", &epoch_ms.to_string(), "--api-socket"])
-                .arg(dir.join("primary.sock"));
-        }
-        let vmm = Process::spawn_collected(&format!("ftvm ({})", app.name()), &mut cmd)?;
-        let mut guest = Guest { vmm, backup };
-        if let Some((dir, _)) = protect {
-            guest.wait_protected(ftvm, &dir.join("primary.sock"))?;
-        }
-        Ok(guest)
-    }
-
-    fn wait_protected(&mut self, ftvm: &Path, socket: &Path) -> Result<(), BoxError> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            self.check_alive()?;
-            let out = std::process::Command::new(ftvm).args(["status", "--api-socket"]).arg(socket).output()?;
-            if String::from_utf8_lossy(&out.stdout).contains("protected: yes") {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                return Err(format!("the guest was not protected within 30 s: {}", self.vmm.output()).into());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn check_alive(&mut self) -> Result<(), BoxError> {
-        check_alive(&mut self.vmm)?;
-        if let Some(b) = &mut self.backup {
-            check_alive(b)?;
-        }
-        Ok(())
-    }
-}
-
-/// Fails if `server` has exited.
-fn check_alive(server: &mut Process) -> Result<(), BoxError> {
-    match server.try_wait() {
-        Some(status) => Err(format!("{} exited ({status}): {}", server.name(), server.output()).into()),
-        None => Ok(()),
-    }
-}
-
 fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
-}
-
-/// Wait until redis-cli PING at `addr` answers PONG.
-fn wait_serving(topo: &Topology, addr: &str, server: &mut Process) -> Result<(), BoxError> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        check_alive(server)?;
-        if topo.redis_cli(addr, &["PING"]).1.trim() == "PONG" {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            return Err(format!("{} at {addr} does not answer PING: {}", server.name(), server.output()).into());
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// One redis-benchmark run of SET, then one of GET, against `addr`.
@@ -433,26 +301,10 @@ fn unreplicated(
     Ok((figures, counts, in_server))
 }
 
-fn ftvm_path(opts: &Options) -> Result<PathBuf, BoxError> {
-    let path = match &opts.ftvm {
-        Some(p) => p.clone(),
-        None => sibling_binary("ftvm"),
-    };
-    if !path.exists() {
-        return Err(format!("{} missing: build with cargo build --release (or pass --ftvm)", path.display()).into());
-    }
-    Ok(path)
-}
-
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let app = opts.app;
-    let (image, build) = app.image(&opts.images);
-    if !image.exists() {
-        return Err(format!("{} missing: run {build}", image.display()).into());
-    }
-    // Absolute: the native server runs it from inside a namespace.
-    let image = image.canonicalize()?;
-    let ftvm = ftvm_path(opts)?;
+    let image = app.existing_image(&opts.images)?;
+    let ftvm = ftvm_binary(opts.ftvm.as_deref())?;
     if opts.repeat == 0 || opts.pipeline.is_empty() {
         return Err("--repeat and --pipeline need at least one run".into());
     }
@@ -491,7 +343,8 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     // Protected: a backup in h2, checkpoints every --epoch-ms.
     let mut protected = Vec::new();
     if !opts.no_protected {
-        let mut guest = Guest::start(&topo, &ftvm, &image, app, "", Some((&dir, opts.epoch_ms)))?;
+        let mut guest =
+            Guest::start(&topo, &ftvm, &image, app, "", Some(Protection { dir: dir.path(), epoch_ms: Some(opts.epoch_ms), extra: &[] }))?;
         wait_serving(&topo, GUEST_ADDR, &mut guest.vmm)?;
         warm_up(&topo, GUEST_ADDR, opts)?;
         for &p in &opts.pipeline {

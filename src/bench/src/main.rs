@@ -4,11 +4,13 @@
 
 mod channel;
 mod cores;
+mod cost;
 mod ft;
 mod ha;
 mod kv;
 mod paths;
 mod redis_benchmark;
+mod redis_guest;
 mod report;
 mod soak;
 mod threads;
@@ -35,6 +37,12 @@ enum Command {
     /// The microVM itself: memtouch in the VM vs natively, pause/resume,
     /// state save/restore, and the cost of tracked first writes per backend.
     Vm(vm_costs::Options),
+    /// What protection costs per request: CPU per request of every thread
+    /// of the unreplicated VMM, the protected primary and the backup, per
+    /// checkpoint by thread and step, with throughput and added latency
+    /// (kv and redis-server, SET and GET, -P 1 and 16; medians of
+    /// interleaved rounds).
+    Cost(cost::Options),
     /// Fault tolerance: memtouch and kv under replication for several epoch
     /// lengths against the unreplicated VM, per-epoch costs, failover time;
     /// with --ablation, each optimisation switch on and off instead.
@@ -72,6 +80,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Vm(opts) => vm_costs::run(&opts, &cli.out),
         Command::Ft(opts) => ft::run(&opts, &cli.out),
+        Command::Cost(opts) => cost::run(&opts, &cli.out),
         Command::Kv(opts) => kv::run(&opts, &cli.out),
         Command::Channel(opts) => channel::run(&opts, &cli.out),
         Command::Ha(opts) => ha::run(&opts, &cli.out),
