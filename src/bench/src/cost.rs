@@ -13,9 +13,10 @@
 //!   `--metrics-every-epoch` lines);
 //! - throughput and p50/p99 latency, protected against unreplicated.
 //!
-//! The protected primary runs with the product's defaults (`--primary-arg`
-//! adds options, to measure one switch). Its metrics writer is measuring
-//! equipment: its thread is shown apart and left out of the totals.
+//! The protected primary runs with the product's defaults; each `--variant`
+//! adds a protected primary with more options to every round (one switch
+//! on and off in the same run). Its metrics writer is measuring equipment:
+//! its thread is shown apart and left out of the totals.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -58,10 +59,11 @@ pub struct Options {
     /// protected one; medians over the rounds.
     #[arg(long, default_value_t = 3)]
     repeat: usize,
-    /// An extra `ftvm run` option of the protected primary (repeatable),
-    /// e.g. `--primary-arg=--mirror=off`.
+    /// Also measure a protected primary with these `ftvm run` options
+    /// (whitespace-separated), e.g. `--variant='--mirror per-frame'`, in
+    /// every round after the default one. Repeatable.
     #[arg(long, allow_hyphen_values = true)]
-    primary_arg: Vec<String>,
+    variant: Vec<String>,
     /// Directory holding kv.elf and redis-server.
     #[arg(long, default_value = "target/images")]
     images: PathBuf,
@@ -94,16 +96,21 @@ impl Sample {
     }
 }
 
-/// A checkpoint's steps as its metrics line gives them, in µs: name, and
-/// how to read it.
+/// A checkpoint's steps (times in µs) and counts as its metrics line gives
+/// them: name, and how to read it.
 type Step = (&'static str, fn(&EpochMetrics) -> f64);
-const STEPS: [Step; 6] = [
-    ("stop (vCPUs out of the guest)", |m| m.stop_us as f64),
-    ("pause (harvest, capture, state)", |m| m.pause_us as f64),
-    ("encode (after the resume)", |m| m.encode_ns as f64 / 1000.0),
-    ("resume to sent", |m| m.transfer_us as f64),
-    ("resume to acknowledged", |m| m.ack_us as f64),
-    ("release", |m| m.release_us as f64),
+const STEPS: [Step; 11] = [
+    ("stop (vCPUs out of the guest), us", |m| m.stop_us as f64),
+    ("pause (harvest, capture, state), us", |m| m.pause_us as f64),
+    ("encode (after the resume), us", |m| m.encode_ns as f64 / 1000.0),
+    ("resume to sent, us", |m| m.transfer_us as f64),
+    ("resume to acknowledged, us", |m| m.ack_us as f64),
+    ("release, us", |m| m.release_us as f64),
+    ("dirty pages", |m| m.dirty_pages as f64),
+    ("tracked first writes", |m| m.first_writes as f64),
+    ("pages sent", |m| m.commit_pages as f64),
+    ("bytes sent", |m| m.bytes as f64),
+    ("frames released", |m| m.frames_released as f64),
 ];
 
 /// What a VM's metrics file held when last read: its lines so far.
@@ -133,19 +140,28 @@ struct Measured {
 }
 
 impl Measured {
-    fn start(topo: &Topology, ftvm: &Path, image: &Path, app: App, dir: Option<&Scratch>, opts: &Options) -> Result<Measured, BoxError> {
+    /// The VM of `setup`, protected with its options (scratch in `dir`) or not.
+    fn start(
+        topo: &Topology,
+        ftvm: &Path,
+        image: &Path,
+        app: App,
+        setup: &Setup,
+        dir: &Scratch,
+        opts: &Options,
+    ) -> Result<Measured, BoxError> {
         let (protection, metrics, extra);
-        match dir {
-            Some(dir) => {
+        match setup {
+            Setup::Protected(options) => {
                 let path = dir.join("primary-metrics.jsonl");
                 let _ = std::fs::remove_file(&path);
                 let mut args = vec!["--metrics".to_string(), path.display().to_string(), "--metrics-every-epoch".into()];
-                args.extend(opts.primary_arg.iter().cloned());
+                args.extend(options.split_whitespace().map(String::from));
                 extra = args;
                 protection = Some(Protection { dir: dir.path(), epoch_ms: None, extra: &extra });
                 metrics = Some(MetricsTail { path, lines: 0 });
             }
-            None => {
+            Setup::Unreplicated => {
                 protection = None;
                 metrics = None;
             }
@@ -209,8 +225,26 @@ fn benchmark(topo: &Topology, opts: &Options, depth: u32, test: &str, requests: 
     Ok(redis_benchmark::run(topo, GUEST_ADDR, &[test], &args)?.remove(0))
 }
 
-/// Samples of one case: (app, depth, test, protected).
-type Key = (App, u32, &'static str, bool);
+/// What runs the guest: the unreplicated VM, or a protected primary with
+/// these extra options (none: the defaults).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Setup {
+    Unreplicated,
+    Protected(String),
+}
+
+impl Setup {
+    fn label(&self) -> String {
+        match self {
+            Setup::Unreplicated => "unreplicated".into(),
+            Setup::Protected(o) if o.is_empty() => "protected".into(),
+            Setup::Protected(o) => format!("protected, {o}"),
+        }
+    }
+}
+
+/// Samples of one case: (app, depth, test, setup).
+type Key = (App, u32, &'static str, Setup);
 
 pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     if opts.repeat == 0 || opts.pipeline.is_empty() || opts.app.is_empty() {
@@ -220,17 +254,21 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let images = opts.app.iter().map(|&app| Ok((app, app.existing_image(&opts.images)?))).collect::<Result<Vec<_>, BoxError>>()?;
     let topo = Topology::new("cost")?;
     let dir = Scratch::new("bench-cost")?;
+    let setups: Vec<Setup> = [Setup::Unreplicated, Setup::Protected(String::new())]
+        .into_iter()
+        .chain(opts.variant.iter().map(|v| Setup::Protected(v.trim().to_string())))
+        .collect();
     let mut samples: BTreeMap<Key, Vec<Sample>> = BTreeMap::new();
     for round in 0..opts.repeat {
         for (app, image) in &images {
             // Interleaved: the same cases on each VM in turn, so that drift
-            // on the host reaches both.
-            for protected in [false, true] {
-                eprintln!("round {}/{}: {} {}", round + 1, opts.repeat, app.name(), if protected { "protected" } else { "unreplicated" });
-                let mut vm = Measured::start(&topo, &ftvm, image, *app, protected.then_some(&dir), opts)?;
+            // on the host reaches them all.
+            for setup in &setups {
+                eprintln!("round {}/{}: {} {}", round + 1, opts.repeat, app.name(), setup.label());
+                let mut vm = Measured::start(&topo, &ftvm, image, *app, setup, &dir, opts)?;
                 for &depth in &opts.pipeline {
                     for test in TESTS {
-                        samples.entry((*app, depth, test, protected)).or_default().push(vm.run(&topo, opts, depth, test)?);
+                        samples.entry((*app, depth, test, setup.clone())).or_default().push(vm.run(&topo, opts, depth, test)?);
                     }
                 }
             }
@@ -265,15 +303,19 @@ fn med(samples: &[Sample], pick: impl Fn(&Sample) -> f64) -> f64 {
 /// The rows of every case, and the chart's bars (the CPU ratio per case).
 fn table(opts: &Options, samples: &BTreeMap<Key, Vec<Sample>>) -> (Vec<Row>, Vec<(String, f64)>) {
     let (mut rows, mut bars) = (Vec::new(), Vec::new());
-    for (&(app, depth, test, protected), prot) in samples {
-        let Some(unrep) = samples.get(&(app, depth, test, false)).filter(|_| protected) else { continue };
-        let group = format!("{} {test} -P {depth} -c {} -d {}", app.name(), opts.clients, opts.value_bytes);
+    for ((app, depth, test, setup), prot) in samples {
+        let (app, depth, test) = (*app, *depth, *test);
+        let Some(unrep) = samples.get(&(app, depth, test, Setup::Unreplicated)).filter(|_| *setup != Setup::Unreplicated) else {
+            continue;
+        };
+        let label = setup.label();
+        let group = format!("{} {test} -P {depth} -c {} -d {}, {label}", app.name(), opts.clients, opts.value_bytes);
         let mut row = |case: String, value: f64, unit: &'static str, reference: Option<f64>| {
             rows.push(Row { group: group.clone(), case, value, unit, reference });
         };
         let (unrep_cpu, prot_cpu) = (med(unrep, Sample::vmm), med(prot, Sample::vmm));
         row("CPU per request, protected primary (ref: unreplicated VMM)".into(), prot_cpu, "us", Some(unrep_cpu));
-        bars.push((format!("{} {test} -P {depth}", app.name()), prot_cpu / unrep_cpu.max(f64::MIN_POSITIVE)));
+        bars.push((format!("{} {test} -P {depth}, {label}", app.name()), prot_cpu / unrep_cpu.max(f64::MIN_POSITIVE)));
         row("CPU per request, backup (ref: unreplicated VMM)".into(), med(prot, |s| s.backup), "us", Some(unrep_cpu));
         let kinds: std::collections::BTreeSet<&String> = prot.iter().chain(unrep).flat_map(|s| s.threads.keys()).collect();
         for kind in kinds {
@@ -311,7 +353,7 @@ fn table(opts: &Options, samples: &BTreeMap<Key, Vec<Sample>>) -> (Vec<Row>, Vec
             row(format!("primary CPU per checkpoint, thread {kind}"), v, "us", None);
         }
         for (i, (step, _)) in STEPS.iter().enumerate() {
-            row(format!("per checkpoint: {step}"), med(prot, |s| s.steps[i] / s.checkpoints.max(1) as f64), "us", None);
+            row(format!("per checkpoint: {step}"), med(prot, |s| s.steps[i] / s.checkpoints.max(1) as f64), "", None);
         }
     }
     (rows, bars)

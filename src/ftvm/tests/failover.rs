@@ -750,10 +750,13 @@ fn no_acknowledged_write_is_lost(trigger: &str, topology: &str, seed: u64, extra
     }
     // The primary mirrors frames (--mirror on, the default): takeovers
     // replayed input it got after the last checkpoint, and these writes
-    // (served twice if the checkpoint had them after all) lost nothing.
+    // (served twice if the checkpoint had them after all) lost nothing;
+    // and they sent the replies of the checkpoint's epoch, which the
+    // checkpoint itself carried (the primary may never have released them).
     let (out, inp): (u64, u64) = (results.iter().map(|r| r.replayed.0).sum(), results.iter().map(|r| r.replayed.1).sum());
     eprintln!("mirrored frames replayed at takeover: {out} output, {inp} input");
     assert!(inp > 0, "no takeover replayed mirrored input");
+    assert!(out > 0, "no takeover replayed its checkpoint's output");
 }
 
 /// The same with the switches that make checkpoints cheaper: pages left

@@ -31,6 +31,18 @@ pub const FRAME_OVERHEAD: u64 = 64;
 /// transmit queue stops being served until output is released.
 pub const HELD_OUTPUT_BOUND: u64 = 16 << 20;
 
+/// Bytes of an epoch's first frames its checkpoint carries for the
+/// backup to replay at a takeover (`--mirror on`); the frames after them
+/// travel as mirrored datagrams. A reply or two of a request-response
+/// service fit; a bulk transfer's data does not ride on (and delay) the
+/// checkpoint.
+pub const OUTPUT_FOLD_MAX: u64 = 64 << 10;
+
+/// What the folded frames add to a checkpoint at most: their bytes and,
+/// per frame, postcard's length prefix (at most 10 bytes; a frame is at
+/// least one byte).
+pub const OUTPUT_FOLD_STATE_MAX: u64 = OUTPUT_FOLD_MAX * 11 + 10;
+
 /// Frame bytes the fake-ACK proxy stores at most (data acknowledged to the
 /// guest that the peer has not acknowledged yet, `--fake-ack`): checkpoints
 /// carry all of it, so it is kept small; beyond it the guest's segments go
@@ -63,7 +75,7 @@ pub fn vm_state_limit(vcpus: u32) -> u64 {
 /// prefix) and whose pages are every page of RAM at most once. The primary
 /// refuses to send more; the backup refuses to read more.
 pub fn checkpoint_limit(mem_size: u64, vcpus: u32) -> u64 {
-    let state = vm_state_limit(vcpus) + 10 + JOURNAL_MAX + FAKE_ACK_STATE_MAX;
+    let state = vm_state_limit(vcpus) + 10 + JOURNAL_MAX + FAKE_ACK_STATE_MAX + OUTPUT_FOLD_STATE_MAX;
     8 + ftvm_vmm::pages::max_bundle_len(state, mem_size / PAGE as u64)
 }
 
@@ -77,7 +89,7 @@ mod tests {
         let limit = checkpoint_limit(mem, 2);
         assert!(limit > mem + JOURNAL_MAX, "{limit}");
         // ... and not much more: the backup's buffer is sized by it.
-        assert!(limit < mem + mem / 256 + JOURNAL_MAX + FAKE_ACK_STATE_MAX + (1 << 20), "{limit}");
+        assert!(limit < mem + mem / 256 + JOURNAL_MAX + FAKE_ACK_STATE_MAX + OUTPUT_FOLD_STATE_MAX + (1 << 20), "{limit}");
         assert!(checkpoint_limit(mem, 32) > limit, "more vCPUs, more state");
         const { assert!(JOURNAL_EARLY < JOURNAL_BOUND && JOURNAL_BOUND < JOURNAL_MAX) };
     }

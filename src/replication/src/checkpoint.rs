@@ -22,6 +22,11 @@ pub struct CheckpointState {
     /// checkpoint's (`fakeack::delta`): a backup that takes over sends what
     /// the peer has not acknowledged and runs the proxy on.
     pub fake_ack: Option<crate::fakeack::delta::Carried>,
+    /// The epoch's first frames, as the guest sent them (`--mirror on`,
+    /// at most `bounds::OUTPUT_FOLD_MAX` bytes): a backup that takes over
+    /// from this checkpoint sends them first, since the primary may never
+    /// have released them.
+    pub output: Vec<Vec<u8>>,
 }
 
 /// The VM's state as a checkpoint carries it: its components (`ftvm_vmm::

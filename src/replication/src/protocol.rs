@@ -50,7 +50,10 @@ use ftvm_vmm::pages::FormatError;
 /// components by id (`ftvm_vmm::components`), a checkpoint's as the
 /// changed ones with their bytes and the ids of the kept ones
 /// (`checkpoint::StateDelta`).
-pub const PROTOCOL_VERSION: u16 = 17;
+/// Version 18: a checkpoint carries its epoch's first frames
+/// (`CheckpointState::output`), and a mirrored datagram holds several
+/// frames (`--mirror on`).
+pub const PROTOCOL_VERSION: u16 = 18;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

@@ -13,7 +13,10 @@ pub struct Switch {
 /// Every switch the ablation measures: one line per switch.
 pub const SWITCHES: &[Switch] = &[
     Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] },
-    Switch { name: "mirror", values: &[("on", &["--mirror", "on"]), ("off", &["--mirror", "off"])] },
+    Switch {
+        name: "mirror",
+        values: &[("on", &["--mirror", "on"]), ("per-frame", &["--mirror", "per-frame"]), ("off", &["--mirror", "off"])],
+    },
     Switch { name: "trigger", values: &[("output", &["--trigger", "output"]), ("periodic", &["--trigger", "periodic"])] },
     Switch {
         name: "pipeline-depth",

@@ -123,12 +123,15 @@ pub struct ReplicationArgs {
     /// Replication transport. tcp: one TCP connection to the backup.
     #[arg(long, default_value = "tcp", value_name = "tcp")]
     pub transport: transport::Kind,
-    /// Send the backup a copy of every frame the guest sends and receives
-    /// (UDP), so that after a takeover it replays them and clients need not
-    /// wait for TCP retransmissions (on); or only checkpoints (off).
-    /// Default: on, but off with --encrypt (the copies travel unencrypted),
-    /// and --mirror on with --encrypt is refused.
-    #[arg(long, value_name = "on|off")]
+    /// Give the backup a copy of every frame the guest sends and receives,
+    /// so that after a takeover it replays them and clients need not wait
+    /// for TCP retransmissions. on: input in UDP datagrams, those queued
+    /// together in one, and each epoch's first 64 KiB of output inside its
+    /// checkpoint; per-frame: a UDP datagram per frame, output included;
+    /// off: only checkpoints. Default: on, but off with --encrypt (the
+    /// copies travel unencrypted), and --mirror on or per-frame with
+    /// --encrypt is refused.
+    #[arg(long, value_name = "on|per-frame|off")]
     pub mirror: Option<ftvm_primary_backup::mirror::Mode>,
     /// Scheduling of the checkpoint thread (while it protects) and of the
     /// acknowledgement reader: normal, or real-time (SCHED_FIFO, as the
@@ -271,9 +274,9 @@ fn on_backup_loss(chosen: Option<OnBackupLoss>, arbiter: bool) -> Result<OnBacku
 /// `--mirror`, or its default: on, but off on an encrypted channel.
 fn mirror(chosen: Option<Mode>, encrypt: bool) -> Result<Mode, RunError> {
     match chosen {
-        Some(Mode::On) if encrypt => Err(RunError::Usage(
-            "--mirror on cannot be used with --encrypt: the mirrored frames would travel unencrypted (leave out --mirror, or give --mirror off)".into(),
-        )),
+        Some(chosen @ (Mode::On | Mode::PerFrame)) if encrypt => Err(RunError::Usage(format!(
+            "--mirror {chosen} cannot be used with --encrypt: the mirrored frames would travel unencrypted (leave out --mirror, or give --mirror off)"
+        ))),
         Some(chosen) => Ok(chosen),
         None if encrypt => {
             tracing::info!("not mirroring frames to the backup: they would travel unencrypted (--encrypt)");

@@ -197,7 +197,7 @@ impl Backup {
         // What the primary may not have released of this epoch goes out
         // first (in the order the guest sent it); then the guest runs, and
         // the input the primary got after this checkpoint reaches it first.
-        let mut replay = mirror.frames.take(epoch);
+        let mut replay = mirror.frames.take(epoch, std::mem::take(&mut replica.output));
         if handed_over {
             // The primary released all of it once this checkpoint was acknowledged.
             replay.output.clear();

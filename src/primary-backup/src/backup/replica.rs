@@ -71,6 +71,7 @@ pub fn for_primary(c: &BackupConfig, host: &CpuProfile, hello: &Hello) -> Result
         disk_size,
         committed: None,
         fake_ack: None,
+        output: Vec::new(),
         next_epoch: hello.first_epoch,
         usable: true,
         owner_seen: None,

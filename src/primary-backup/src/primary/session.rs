@@ -453,8 +453,9 @@ fn start_mirror(
     }
     let Some((local, _)) = link.addrs() else { return Ok(None) };
     let codec = mirror::Codec { session, keys: link.heartbeat_keys() };
-    let sender = Arc::new(mirror::Sender::new(local.ip(), peer, codec).map_err(ReplicationError::Heartbeat)?);
-    cx.output.set_mirror(Some(sender.clone()));
+    let mode = cx.config.mirror;
+    let sender = Arc::new(mirror::Sender::new(local.ip(), peer, codec, mode == mirror::Mode::On).map_err(ReplicationError::Heartbeat)?);
+    cx.output.set_mirror(Some(sender.clone()), mode.fold());
     cx.vm.hooks().set_host_input(Some(Arc::new(mirror::InputMirror { sender: sender.clone(), output: cx.output.clone() })));
     Ok(Some(sender))
 }

@@ -35,6 +35,12 @@ struct Held {
     items: Vec<Out>,
     frames: usize,
     first_at: Option<Instant>,
+    /// Its first frames (this many, of `folded_bytes` bytes) go to the
+    /// backup inside its checkpoint ([`OutputBuffer::set_mirror`]).
+    folded: usize,
+    folded_bytes: usize,
+    /// A frame did not fit the fold: later ones are mirrored alone.
+    fold_full: bool,
 }
 
 /// What a held frame counts against the bound.
@@ -55,6 +61,9 @@ struct Inner {
     refused: bool,
     /// Where protected frames are copied to, with their epoch (the backup).
     mirror: Option<Arc<dyn OutputListener>>,
+    /// Bytes of each epoch's first frames the checkpoint carries instead
+    /// (0: every frame goes to `mirror`).
+    fold: usize,
     /// Asked before each acknowledged frame goes out ([`OutputBuffer::set_release_gate`]).
     gate: Option<ReleaseGate>,
     /// The guest has input on its way that will make it send more (the
@@ -97,6 +106,7 @@ impl OutputBuffer {
             held_cost: 0,
             refused: false,
             mirror: None,
+            fold: 0,
             gate: None,
             busy_until: None,
         };
@@ -254,6 +264,7 @@ impl OutputBuffer {
         inner.closed.push_back(open);
         inner.protected = false;
         inner.mirror = None;
+        inner.fold = 0;
         // Released before the lock is let go: a frame the guest sends now
         // goes straight out, and must not overtake the held ones.
         let released = self.release_locked(&mut inner, last, None);
@@ -266,9 +277,25 @@ impl OutputBuffer {
     }
 
     /// Copy every frame held from now on, with its epoch, to `mirror` (or
-    /// stop copying).
-    pub fn set_mirror(&self, mirror: Option<Arc<dyn OutputListener>>) {
-        self.lock().mirror = mirror;
+    /// stop copying), except each epoch's first frames up to `fold` bytes:
+    /// its checkpoint carries those ([`OutputBuffer::folded`]), in one
+    /// message instead of one datagram each, and as surely as its state.
+    pub fn set_mirror(&self, mirror: Option<Arc<dyn OutputListener>>, fold: usize) {
+        let mut inner = self.lock();
+        inner.mirror = mirror;
+        inner.fold = if inner.mirror.is_some() { fold } else { 0 };
+    }
+
+    /// Copies of the frames closed epoch `epoch` folds into its checkpoint
+    /// (see `set_mirror`), in the order the guest sent them.
+    pub fn folded(&self, epoch: u64) -> Vec<Vec<u8>> {
+        let inner = self.lock();
+        let Some(held) = inner.closed.iter().find(|h| h.epoch == epoch) else { return Vec::new() };
+        let frames = held.items.iter().filter_map(|item| match item {
+            Out::Frame(f) => Some(f.clone()),
+            Out::Console(_) => None,
+        });
+        frames.take(held.folded).collect()
     }
 
     /// The epoch the guest runs in, while output is held.
@@ -344,7 +371,18 @@ impl FrameSink for OutputBuffer {
         inner.open.frames += 1;
         inner.held_cost += cost(frame);
         telemetry().held(1);
-        let (mirror, epoch) = (inner.mirror.clone(), inner.open.epoch);
+        let fold = inner.fold;
+        let open = &mut inner.open;
+        let folds = fold > 0 && !open.fold_full && open.folded_bytes + frame.len() <= fold;
+        if folds {
+            open.folded += 1;
+            open.folded_bytes += frame.len();
+        } else {
+            // The fold keeps the epoch's first frames only: what follows one
+            // that did not fit is mirrored, so the backup replays in order.
+            open.fold_full = fold > 0;
+        }
+        let (mirror, epoch) = (inner.mirror.clone().filter(|_| !folds), inner.open.epoch);
         self.hold(inner, Out::Frame(frame.to_vec()));
         if let Some(m) = mirror {
             m.frame_held(epoch, frame);
@@ -575,5 +613,46 @@ mod tests {
         assert_eq!(out.held_frames(), 0, "console lines are not frames");
         out.unprotect();
         assert_eq!(&*screen.0.locked(), b"boot\none\ntwo\nthree\n");
+    }
+
+    /// Records the frames it is told of, as the mirror would send them.
+    #[derive(Default)]
+    struct Copies(Mutex<Vec<(u64, Vec<u8>)>>);
+
+    impl OutputListener for Copies {
+        fn frame_held(&self, epoch: u64, frame: &[u8]) {
+            self.0.locked().push((epoch, frame.to_vec()));
+        }
+    }
+
+    #[test]
+    fn an_epochs_first_frames_fold_into_its_checkpoint_and_the_rest_are_mirrored() {
+        let (wire, copies) = (Arc::new(Wire::default()), Arc::new(Copies::default()));
+        let out = OutputBuffer::new(wire.clone());
+        out.protect(1);
+        out.set_mirror(Some(copies.clone()), 5);
+        ConsoleSink::write(&out, b"console\n");
+        out.send(b"ab");
+        out.send(b"cd");
+        // Does not fit the 5 bytes: mirrored, and so is all that follows
+        // (the backup replays the fold first, then the mirrored frames).
+        out.send(b"efgh");
+        out.send(b"i");
+        assert_eq!(out.close_epoch(), 1);
+        out.send(b"jk");
+        assert_eq!(out.folded(1), vec![b"ab".to_vec(), b"cd".to_vec()]);
+        assert_eq!(out.folded(2), Vec::<Vec<u8>>::new(), "the open epoch is not closed yet");
+        assert_eq!(out.close_epoch(), 2);
+        assert_eq!(out.folded(2), vec![b"jk".to_vec()], "each epoch has its own fold");
+        assert_eq!(*copies.0.locked(), vec![(1, b"efgh".to_vec()), (1, b"i".to_vec())]);
+        // Folded or mirrored, every frame is held until acknowledged.
+        assert!(drain(&wire).is_empty());
+        assert_eq!(out.release_through(2).frames, 5);
+        assert_eq!(drain(&wire), b"abcdefghijk");
+        // Without a mirror nothing folds: there is no backup replay to feed.
+        out.set_mirror(None, 5);
+        out.send(b"x");
+        assert_eq!(out.close_epoch(), 3);
+        assert!(out.folded(3).is_empty());
     }
 }

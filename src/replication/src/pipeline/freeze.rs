@@ -111,7 +111,17 @@ impl Freeze for PauseAndSave {
         // guest was told acknowledged exactly what the store holds beyond
         // the peer (the card is parked, no frame is halfway through).
         let fake_ack = self.fake_ack.as_ref().map(|p| Carried::Whole(p.save()));
-        let state = CheckpointState { vm: StateDelta::whole(vm.save()?), disk: self.journal.take(), fake_ack };
+        let vm_state = StateDelta::whole(vm.save()?);
+        // Inside the pause: frames the guest sends after resuming belong to
+        // the next epoch. The first checkpoint starts holding output.
+        let output = if self.output.is_protected() {
+            let closed = self.output.close_epoch();
+            self.output.folded(closed)
+        } else {
+            self.output.protect(epoch + 1);
+            Vec::new()
+        };
+        let state = CheckpointState { vm: vm_state, disk: self.journal.take(), fake_ack, output };
         tracing::debug!(
             stop_us = (t0 - pause.since).as_micros() as u64,
             harvest_us = (t1 - t0).as_micros() as u64,
@@ -120,13 +130,6 @@ impl Freeze for PauseAndSave {
             save_us = t3.elapsed().as_micros() as u64,
             "freeze"
         );
-        // Inside the pause: frames the guest sends after resuming belong to
-        // the next epoch. The first checkpoint starts holding output.
-        if self.output.is_protected() {
-            self.output.close_epoch();
-        } else {
-            self.output.protect(epoch + 1);
-        }
         Ok(Frozen { pause, epoch, dirty, state, stop })
     }
 }

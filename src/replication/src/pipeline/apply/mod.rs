@@ -101,8 +101,10 @@ impl Apply for InPlace {
         // Cannot fail either: `stage` checked the state against this base.
         let state = checkpoint.state.vm.over(replica.committed.take().map(|(_, state)| state));
         replica.committed = Some((epoch, state));
-        // The proxy's state belongs to this checkpoint (made whole at stage).
+        // The proxy's state belongs to this checkpoint (made whole at stage),
+        // and so does the output it carried.
         replica.fake_ack = checkpoint.fake_ack;
+        replica.output = checkpoint.state.output;
         Ok(())
     }
 }

@@ -22,6 +22,9 @@ pub struct Replica {
     pub committed: Option<(u64, Components)>,
     /// The fake-ACK proxy's state of that checkpoint (`--fake-ack on`).
     pub fake_ack: Option<crate::fakeack::State>,
+    /// The first frames of that checkpoint's epoch, which it carried
+    /// (`CheckpointState::output`): a takeover sends them first.
+    pub output: Vec<Vec<u8>>,
     pub next_epoch: u64,
     /// Who owned the VM (per the arbiter) while the primary replicated to us.
     pub owner_seen: Option<Ownership>,
@@ -64,6 +67,7 @@ impl Replica {
     pub fn discard(&mut self) {
         self.committed = None;
         self.fake_ack = None;
+        self.output.clear();
         self.usable = false;
         self.staged.clear();
     }
