@@ -96,7 +96,7 @@ fn checkpoint_with_writes(vm: &Vm, writes: &[(u64, Vec<u8>)]) -> Vec<u8> {
     }
     let mut pipeline = Pipeline::new(&Switches::default(), vm, output, journal).unwrap();
     let (taken, frame) = pipeline.take(vm, 5).unwrap();
-    assert_eq!((taken.epoch, taken.dirty_pages, taken.disk_writes), (5, 3, writes.len() as u64));
+    assert_eq!((taken.epoch, taken.dirty_pages, taken.state.disk_writes), (5, 3, writes.len() as u64));
     assert!(protocol::payload_len(frame) <= bounds::checkpoint_limit(MEM, 1));
     frame.to_vec()
 }
@@ -338,7 +338,7 @@ fn diff_checkpoints_rebuild_the_primarys_memory_and_an_undone_one_changes_nothin
                 journal.written(0, &vec![0xa5; 2 << 20]);
             }
             let (taken, frame) = pipeline.take(&primary, epoch).unwrap();
-            saved += taken.diff_bytes_saved;
+            saved += taken.encoded.pages.diff_saved;
             let payload = payload(frame);
             let before = pages(&replica.vm);
             let staged = apply.stage(&replica, &payload).unwrap();
@@ -384,7 +384,7 @@ fn only_changed_state_is_sent_and_the_backup_still_has_all_of_it() {
             pipeline.new_backup();
         }
         let (taken, frame) = pipeline.take(&primary, epoch).unwrap();
-        state_bytes.push(taken.state_bytes);
+        state_bytes.push(taken.encoded.state_bytes);
         let payload = payload(frame);
         let staged = apply.stage(&backup, &payload).unwrap();
         omitted.push(staged.state.vm.omitted());
@@ -499,7 +499,7 @@ fn pulled_pages_read_after_the_freeze_are_carried_by_the_checkpoint() {
         confirmed.fetch_max(list.list, std::sync::atomic::Ordering::AcqRel);
         fill_pages(&primary, 1100..1120, 0x12);
         let (taken, frame) = pipeline.take(&primary, 1).unwrap();
-        assert_eq!((taken.prefetched.pages, taken.commit_pages, taken.prefetched.only_ahead), (40, 20, 40), "{diff}");
+        assert_eq!((taken.prefetched.pages, taken.encoded.pages.pages, taken.prefetched.only_ahead), (40, 20, 40), "{diff}");
         commit(&mut replica, frame);
         assert!(ram_bytes(&replica.vm) == ram_bytes(&primary), "{diff}: after checkpoint 1");
 
@@ -510,7 +510,7 @@ fn pulled_pages_read_after_the_freeze_are_carried_by_the_checkpoint() {
         let late = pull_list(&frame);
         let (taken, frame) = pipeline.take(&primary, 2).unwrap();
         let frame = frame.to_vec();
-        assert_eq!((taken.prefetched.pages, taken.commit_pages, taken.prefetched.only_ahead), (20, 20, 0), "{diff}");
+        assert_eq!((taken.prefetched.pages, taken.encoded.pages.pages, taken.prefetched.only_ahead), (20, 20, 0), "{diff}");
         let at_checkpoint_2 = ram_bytes(&primary);
         // The guest runs epoch 3 and writes another block of a listed
         // page; only then does the backup read the list (and stages epoch
@@ -562,7 +562,7 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
         replica.stage_prefetch(prefetch_payload(&frame), limit).unwrap();
         assert!(ram_bytes(&replica.vm) == before, "{diff}: staged pages are not in RAM yet");
         let (taken, frame) = pipeline.take(&primary, 1).unwrap();
-        assert_eq!((taken.prefetched.pages, taken.commit_pages), (40, 0), "{diff}");
+        assert_eq!((taken.prefetched.pages, taken.encoded.pages.pages), (40, 0), "{diff}");
         commit(&mut replica, frame);
         assert!(ram_bytes(&replica.vm) == ram_bytes(&primary), "{diff}: after checkpoint 1");
 
@@ -587,7 +587,7 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
         fill_pages(&primary, 1300..1302, 0x26);
         let before = ram_bytes(&replica.vm);
         let (taken, frame) = pipeline.take(&primary, 2).unwrap();
-        assert_eq!((taken.prefetched.pages, taken.commit_pages, taken.dirty_pages), (35, 2, 33), "{diff}");
+        assert_eq!((taken.prefetched.pages, taken.encoded.pages.pages, taken.dirty_pages), (35, 2, 33), "{diff}");
         assert!(ram_bytes(&replica.vm) == before, "{diff}: staging changed nothing");
         commit(&mut replica, frame);
         assert!(ram_bytes(&replica.vm) == ram_bytes(&primary), "{diff}: after checkpoint 2");
@@ -612,7 +612,7 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
         // Written after the round: checkpoint 3 carries them too.
         fill_pages(&primary, 1300..1302, 0x33);
         let (taken, _) = pipeline.take(&primary, 3).unwrap();
-        assert_eq!((taken.prefetched.pages, taken.commit_pages), (12, 2), "{diff}");
+        assert_eq!((taken.prefetched.pages, taken.encoded.pages.pages), (12, 2), "{diff}");
 
         // Epoch 4 (the primary alone): carried by the last two checkpoints,
         // pages 1300..1302 are hot and stay for the stop-and-copy.
@@ -620,6 +620,6 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
         fill_pages(&primary, 1500..1501, 0x42);
         assert!(round(&mut pipeline, &primary, 4, true).unwrap().is_some());
         let (taken, _) = pipeline.take(&primary, 4).unwrap();
-        assert_eq!((taken.prefetched.pages, taken.commit_pages), (1, 2), "{diff}");
+        assert_eq!((taken.prefetched.pages, taken.encoded.pages.pages), (1, 2), "{diff}");
     }
 }

@@ -29,6 +29,22 @@ pub struct CheckpointState {
     pub output: Vec<Vec<u8>>,
 }
 
+/// What a checkpoint's state carries besides the VM's own, in figures.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Carrying {
+    /// The epoch's disk writes, and their bytes.
+    pub disk_writes: u64,
+    pub disk_bytes: u64,
+    /// Disk requests in flight at the freeze (saved in its state).
+    pub disk_pending: u64,
+    /// `--fake-ack`: frame bytes the proxy stored at the freeze, and its flows.
+    pub fake_ack_bytes: u64,
+    pub fake_ack_flows: u64,
+    /// Of `fake_ack_bytes`, the frame bytes the checkpoint carries (all of
+    /// them whole, those stored since the previous checkpoint as changes).
+    pub fake_ack_sent_bytes: u64,
+}
+
 /// The VM's state as a checkpoint carries it: its components (`ftvm_vmm::
 /// components`) by id, each whole, or named only when it is exactly what
 /// the previous checkpoint of the stream left the backup with

@@ -840,7 +840,7 @@ impl Applier {
             Err(e) => Err(SyncError::Protocol(ftvm_replication::ProtocolError::Corrupt(e.to_string()))),
             Ok(frozen) if secondary == 0 => {
                 // A barrier: consensus committed it, so this replica led then.
-                let pause = frozen.thaw().pause;
+                let pause = frozen.thaw().figures.pause;
                 Ok(Figures { pause, ..Figures::default() })
             }
             Ok(frozen) => {

@@ -454,7 +454,7 @@ pub fn lead_unacked(
     // The guest goes on, and takes the pending input next, as the
     // secondary's will.
     let resume = |frozen: Frozen<'_>, pending: Vec<Vec<u8>>| {
-        let pause = frozen.thaw().pause;
+        let pause = frozen.thaw().figures.pause;
         vm.devices().inject_host_input(pending);
         pause
     };

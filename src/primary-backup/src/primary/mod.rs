@@ -399,7 +399,7 @@ impl Worker {
             Ok(t) => t,
             Err(err) => return Some(BackupLoss::Checkpoint { epoch, err }),
         };
-        taken.trigger = Reason::Stop;
+        taken.trigger.reason = Reason::Stop;
         self.epoch += 1;
         let sent = Instant::now();
         if let Err(loss) = session.send_checkpoint(&taken, frame, sent) {

@@ -173,14 +173,14 @@ impl Session {
         // Its number is used even if sending fails: numbers never repeat.
         *epoch += 1;
         let (mut taken, frame) = pipeline.take(cx.vm, first)?;
-        taken.trigger = Reason::Sync;
+        taken.trigger.reason = Reason::Sync;
         let resumed = Instant::now();
         link.send(frame).map_err(|e| sync_failed(link.as_mut(), &shared, ReplicationError::Send(e)))?;
         tracing::info!(
             backup = %cx.config.backup,
             precopy_bytes = sent,
             precopy_ms = t0.elapsed().as_millis() as u64,
-            pause_us = taken.pause.as_micros() as u64,
+            pause_us = taken.freeze.pause.as_micros() as u64,
             "backup synchronized; the VM is protected"
         );
         shared
@@ -402,34 +402,35 @@ fn release_gate(pulse: &Arc<Pulse>, interval: Duration) -> ftvm_replication::out
 }
 
 fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
+    let Taken { epoch, trigger, freeze, dirty_pages, predict, state, encoded, prefetched } = *taken;
     EpochMetrics {
-        epoch: taken.epoch,
-        pause_us: taken.pause.as_micros() as u64,
-        dirty_pages: taken.dirty_pages,
-        disk_writes: taken.disk_writes,
-        disk_bytes: taken.disk_bytes,
-        disk_pending: taken.disk_pending,
-        trigger: taken.trigger,
-        epoch_us: taken.epoch_len.as_micros() as u64,
-        max_epoch_us: taken.max_epoch.as_micros() as u64,
-        wait_us: taken.output_wait.as_micros() as u64,
-        stop_us: taken.stop.as_micros() as u64,
-        predicted: taken.predict.predicted,
-        predicted_written: taken.predict.predicted_written,
-        fake_dirty: taken.predict.fake_dirty,
-        first_writes: taken.predict.first_writes,
-        bytes: bytes as u64 + taken.prefetched.bytes,
-        commit_pages: taken.commit_pages,
-        prefetched_pages: taken.prefetched.pages,
-        prefetch_wasted: taken.prefetched.wasted(),
-        prefetch_start: taken.prefetched.start,
-        page_bytes: taken.page_bytes,
-        diff_bytes_saved: taken.diff_bytes_saved,
-        state_bytes: taken.state_bytes,
-        fake_ack_bytes: taken.fake_ack_bytes,
-        fake_ack_flows: taken.fake_ack_flows,
-        fake_ack_sent_bytes: taken.fake_ack_sent_bytes,
-        encode_ns: taken.encode_ns,
+        epoch,
+        pause_us: freeze.pause.as_micros() as u64,
+        dirty_pages,
+        disk_writes: state.disk_writes,
+        disk_bytes: state.disk_bytes,
+        disk_pending: state.disk_pending,
+        trigger: trigger.reason,
+        epoch_us: trigger.epoch_len.as_micros() as u64,
+        max_epoch_us: trigger.max_epoch.as_micros() as u64,
+        wait_us: trigger.output_wait.as_micros() as u64,
+        stop_us: freeze.stop.as_micros() as u64,
+        predicted: predict.predicted,
+        predicted_written: predict.predicted_written,
+        fake_dirty: predict.fake_dirty,
+        first_writes: predict.first_writes,
+        bytes: bytes as u64 + prefetched.bytes,
+        commit_pages: encoded.pages.pages,
+        prefetched_pages: prefetched.pages,
+        prefetch_wasted: prefetched.wasted(),
+        prefetch_start: prefetched.start,
+        page_bytes: encoded.pages.bytes,
+        diff_bytes_saved: encoded.pages.diff_saved,
+        state_bytes: encoded.state_bytes,
+        fake_ack_bytes: state.fake_ack_bytes,
+        fake_ack_flows: state.fake_ack_flows,
+        fake_ack_sent_bytes: state.fake_ack_sent_bytes,
+        encode_ns: encoded.pages_ns,
         transfer_us: transfer.as_micros() as u64,
         ..EpochMetrics::default()
     }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use ftvm_vmm::Vm;
 
-use super::trigger::{self, Pacing, Sample, Trigger};
+use super::trigger::{self, Pacing, Sample, Started, Trigger};
 use super::{Pipeline, Taken};
 use crate::error::ReplicationError;
 use crate::output::OutputBuffer;
@@ -98,16 +98,23 @@ impl EpochLoop<'_> {
                 Ok(t) => t,
                 Err(err) => return Ended::Lost(link.checkpoint_failed(epoch, err)),
             };
-            t.trigger = reason;
-            t.epoch_len = start.saturating_duration_since(since);
-            t.max_epoch = plan.max_epoch;
-            t.output_wait = held.map_or(Duration::ZERO, |h| start.saturating_duration_since(h));
-            since = start + t.pause;
+            t.trigger = Started {
+                reason,
+                epoch_len: start.saturating_duration_since(since),
+                max_epoch: plan.max_epoch,
+                output_wait: held.map_or(Duration::ZERO, |h| start.saturating_duration_since(h)),
+            };
+            since = start + t.freeze.pause;
             if let Err(loss) = link.send_checkpoint(&t, frame, Instant::now()) {
                 return Ended::Lost(loss);
             }
             // The cost grows with the pages the checkpoint carries (not those sent ahead).
-            pacing.record(&Sample { pause: t.pause, cost: start.elapsed(), dirty_pages: t.commit_pages, epoch: t.epoch_len });
+            pacing.record(&Sample {
+                pause: t.freeze.pause,
+                cost: start.elapsed(),
+                dirty_pages: t.encoded.pages.pages,
+                epoch: t.trigger.epoch_len,
+            });
             taken(&t);
         }
     }

@@ -27,6 +27,12 @@ pub struct Frozen<'vm> {
 /// What the freeze leaves for the stages after it.
 pub struct Thawed {
     pub state: CheckpointState,
+    pub figures: Figures,
+}
+
+/// What freezing the VM took.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Figures {
     /// How long the guest was stopped.
     pub pause: Duration,
     /// How long stopping it took (kicking the vCPUs out, parking them and
@@ -40,7 +46,7 @@ impl Frozen<'_> {
     /// Let the guest run again.
     pub fn thaw(self) -> Thawed {
         let Frozen { pause, state, stop, .. } = self;
-        Thawed { state, pause: pause.end(), stop }
+        Thawed { state, figures: Figures { pause: pause.end(), stop } }
     }
 }
 

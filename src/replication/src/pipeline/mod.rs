@@ -25,11 +25,11 @@ pub mod transport;
 pub mod trigger;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use ftvm_vmm::pages::PageEncoder;
 use ftvm_vmm::{DirtyBackend, Vm};
 
+use crate::checkpoint::Carrying;
 use crate::error::ReplicationError;
 use crate::fakeack::delta::Carried;
 use crate::fakeack::FakeAck;
@@ -54,44 +54,23 @@ pub struct Switches {
     pub fake_ack_state: crate::fakeack::delta::Sending,
 }
 
-/// What taking one checkpoint cost.
+/// What taking one checkpoint cost, stage by stage.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Taken {
     pub epoch: u64,
-    pub pause: Duration,
+    /// Why it was taken and how long its epoch ran: set by whoever
+    /// triggered it (the epoch loop).
+    pub trigger: trigger::Started,
+    /// Stopping the VM and the pause.
+    pub freeze: freeze::Figures,
+    /// Every page written in the epoch, sent ahead or in the checkpoint.
     pub dirty_pages: u64,
-    pub disk_writes: u64,
-    /// Bytes of disk data the checkpoint carries.
-    pub disk_bytes: u64,
-    /// Disk requests in flight at the freeze (saved in its state).
-    pub disk_pending: u64,
-    /// Why it was taken, how long its epoch ran (from the previous resume)
-    /// and the longest it could have run: set by whoever triggered it.
-    pub trigger: trigger::Reason,
-    pub epoch_len: Duration,
-    pub max_epoch: Duration,
-    /// From the epoch's first held output to the pause (zero: none held).
-    pub output_wait: Duration,
-    /// Stopping the VM before the pause (see `freeze::Thawed::stop`).
-    pub stop: Duration,
     /// Write-fault prediction (all zero without it).
     pub predict: predict::Figures,
-    /// Pages the checkpoint carries.
-    pub commit_pages: u64,
-    /// Bytes its pages took (entry headers included).
-    pub page_bytes: u64,
-    /// Bytes diffs saved against sending their pages whole.
-    pub diff_bytes_saved: u64,
-    /// Bytes of its state (VM state and disk writes).
-    pub state_bytes: u64,
-    /// `--fake-ack`: frame bytes the proxy stored at the freeze, and its flows.
-    pub fake_ack_bytes: u64,
-    pub fake_ack_flows: u64,
-    /// Of `fake_ack_bytes`, the frame bytes the checkpoint carries (all of
-    /// them whole, those stored since the previous checkpoint as changes).
-    pub fake_ack_sent_bytes: u64,
-    /// Time spent encoding its pages.
-    pub encode_ns: u64,
+    /// What its state carries besides the VM's own.
+    pub state: crate::checkpoint::Carrying,
+    /// Its pages and state as encoded.
+    pub encoded: encode::Encoded,
     /// What `--prefetch` sent of its epoch while the guest ran.
     pub prefetched: prefetch::Sent,
 }
@@ -221,22 +200,18 @@ impl Pipeline {
         }
         let taken = Taken {
             epoch,
-            pause: thawed.pause,
-            stop: thawed.stop,
-            // Every page written in the epoch, sent ahead or in the checkpoint.
+            freeze: thawed.figures,
             dirty_pages: pages.len() as u64 + prefetched.only_ahead,
-            disk_writes: thawed.state.disk.len() as u64,
-            disk_bytes: thawed.state.disk.iter().map(|w| w.data.len() as u64).sum(),
-            disk_pending,
             predict: predicted,
-            commit_pages: encoded.pages.pages,
-            page_bytes: encoded.pages.bytes,
-            diff_bytes_saved: encoded.pages.diff_saved,
-            state_bytes: encoded.state_bytes,
-            fake_ack_bytes,
-            fake_ack_flows,
-            fake_ack_sent_bytes: thawed.state.fake_ack.as_ref().map_or(0, Carried::frame_bytes),
-            encode_ns: encoded.pages_ns,
+            state: Carrying {
+                disk_writes: thawed.state.disk.len() as u64,
+                disk_bytes: thawed.state.disk.iter().map(|w| w.data.len() as u64).sum(),
+                disk_pending,
+                fake_ack_bytes,
+                fake_ack_flows,
+                fake_ack_sent_bytes: thawed.state.fake_ack.as_ref().map_or(0, Carried::frame_bytes),
+            },
+            encoded,
             prefetched,
             ..Taken::default()
         };

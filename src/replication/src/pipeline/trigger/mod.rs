@@ -41,6 +41,18 @@ switch! {
     }
 }
 
+/// Why a checkpoint was started and how its epoch ran.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Started {
+    pub reason: Reason,
+    /// From the previous checkpoint's resume to this pause.
+    pub epoch_len: Duration,
+    /// The longest it could have run.
+    pub max_epoch: Duration,
+    /// From the epoch's first held output to the pause (zero: none held).
+    pub output_wait: Duration,
+}
+
 /// What the trigger needs to know of the guest.
 pub trait Guest {
     /// When the open epoch's first output was held (None: nothing held).
