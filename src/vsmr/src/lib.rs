@@ -7,7 +7,6 @@
 //! See docs/replicas.md.
 
 pub mod aside;
-mod cores;
 pub mod direct_input;
 pub mod disk;
 pub mod failover;
@@ -17,7 +16,6 @@ pub mod loss;
 pub mod mesh;
 pub mod node;
 pub mod outbox;
-mod page_hash;
 pub mod recent;
 pub mod rejoin;
 pub mod release;

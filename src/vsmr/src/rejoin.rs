@@ -39,10 +39,10 @@ use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
 use ftvm_vmm::Vm;
 
 use crate::disk::{ReplicaDisk, BLOCK};
-use crate::page_hash::hash_pages;
 use crate::sync::{Exchange, SyncError};
 use crate::sync_id::ID_LEN;
 use ftvm_replication::output::DiskWrite;
+use ftvm_replication::pipeline::encode::hash_compare::hash_pages;
 use ftvm_replication::pipeline::encode::page_frame::page_frame;
 use ftvm_replication::protocol::{self, Kind, ProtocolError};
 use ftvm_vmm::switch;

@@ -41,6 +41,7 @@ use crate::writes::Writes;
 use ftvm_replication::consensus_status::{SyncMetrics, SyncRole};
 use ftvm_replication::metrics::{MetricsLog, Role, StatusCell};
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
+use ftvm_replication::pipeline::encode::hash_compare;
 use ftvm_replication::pipeline::freeze::{Freeze, PauseAndSave};
 use ftvm_replication::pipeline::predict;
 use ftvm_replication::pipeline::trigger::{self, Pacing, Sample, Trigger};
@@ -705,7 +706,7 @@ impl Applier {
             output: output.clone(),
             trigger: trigger.clone(),
             freeze: Mutex::new(freeze),
-            aside: Mutex::new(Aside::default()),
+            aside: Mutex::new(Aside::new(vm)),
             epoch: AtomicU64::new(0),
             serving: AtomicBool::new(true),
             flight: Mutex::new(Flight::default()),
@@ -860,6 +861,7 @@ impl Applier {
                 };
                 let mut aside = lead.aside.locked();
                 let aside = (s.options.early_resume == EarlyResume::On).then_some(&mut *aside);
+                let mut compare = hash_compare::new(s.options.pages);
                 let link = s.options.ack_release == AckRelease::Link;
                 if link || pipelined {
                     // Before any page is sent: the acknowledgement cannot
@@ -870,7 +872,7 @@ impl Applier {
                     s.acks.expect(secondary, id, epoch, lead.output.clone(), link, flight.failures != failures);
                 }
                 if pipelined {
-                    let result = sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages, aside, output).map(with_freeze);
+                    let result = sync::lead_unacked(&x, &s.vm, frozen, full, &mut *compare, aside, output).map(with_freeze);
                     // The acknowledgement thread takes it from here, in
                     // order; the proposer may propose the next one.
                     let sent = Instant::now();
@@ -897,9 +899,8 @@ impl Applier {
                     return;
                 }
                 match s.options.ack_wait {
-                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, s.options.pages, aside, output).map(with_freeze),
-                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, s.options.pages, aside, output).map(with_freeze)
-                    {
+                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, &mut *compare, aside, output).map(with_freeze),
+                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, &mut *compare, aside, output).map(with_freeze) {
                         Ok(figures) => {
                             // The proposer waits for the acknowledgement and
                             // releases; this thread delivers input meanwhile.

@@ -25,6 +25,12 @@
 //! hashes, compares and sends from the copy; the secondary's side is the
 //! same either way.
 //!
+//! The pipeline's stages do the work: the copy aside is a capture
+//! (`capture::Capture`, its pages added in the pause), the compare an
+//! encoding for a reader known by hashes (`encode::hash_compare`: which
+//! divergent pages go whole, which as changed blocks); this module is the
+//! exchange between them.
+//!
 //! Every message carries the `Sync` entry's term and index; anything else
 //! is a leftover of an abandoned `syncvm` and is dropped. A full `syncvm`
 //! (a secondary this leader has not synchronized) compares every page.
@@ -42,18 +48,21 @@ use ftvm_vmm::memory::{GuestRam, PAGE};
 use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
 use ftvm_vmm::{Components, PageBitmap, Vm};
 
-use crate::aside::Aside;
+use crate::aside::{Aside, Blocks};
 use crate::disk::{self, ReplicaDisk};
 use crate::mesh::{Inbound, Mesh};
-use crate::page_hash::hash_pages;
 pub use crate::sync_id::SyncId;
 use crate::sync_id::ID_LEN;
 use crate::writes::Writes;
 use ftvm_replication::output::DiskWrite;
+use ftvm_replication::pipeline::capture::Captured;
+/// `--sync-pages`: how the leader sends a divergent page.
+pub use ftvm_replication::pipeline::encode::hash_compare::Granularity as PageMode;
+use ftvm_replication::pipeline::encode::hash_compare::{self, hash_pages, BlockPatch, HashCompare, BLOCKS};
 use ftvm_replication::pipeline::freeze::Frozen;
 use ftvm_replication::pipeline::predict;
 use ftvm_replication::protocol::{self, Kind, ProtocolError};
-use ftvm_vmm::switch;
+use ftvm_replication::ReplicationError;
 use ftvm_vmm::sync::Lock;
 
 /// How long one side waits for the other's next message, beyond the time
@@ -96,15 +105,6 @@ struct BlockHashesMsg {
     hashes: Vec<u64>,
 }
 
-/// Blocks of one page to overwrite: bit `b` of `mask` set for each
-/// 64-byte block in `data`, in block order.
-#[derive(Serialize, Deserialize)]
-struct BlockPatch {
-    page: u64,
-    mask: u64,
-    data: Vec<u8>,
-}
-
 /// The state part of `SyncPages`.
 #[derive(Serialize, Deserialize)]
 struct SyncState {
@@ -123,20 +123,6 @@ struct SyncState {
     output: Vec<Vec<u8>>,
 }
 
-const BLOCK: usize = 64;
-const BLOCKS: usize = PAGE / BLOCK;
-
-switch! {
-    /// `--sync-pages`: how the leader sends a divergent page.
-    pub enum PageMode {
-        /// Whole (PLOVER).
-        Whole = "whole",
-        /// Only its 64-byte blocks that differ: the secondary sends a hash
-        /// of each block of the divergent pages (one more round trip).
-        Blocks = "blocks",
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum SyncError {
     #[error("the peer did not answer within {0:?}")]
@@ -149,6 +135,9 @@ pub enum SyncError {
     PeerLost,
     #[error(transparent)]
     Vm(#[from] ftvm_vmm::VmError),
+    /// The copy aside (`--early-resume on`).
+    #[error("copying the union aside: {0}")]
+    Capture(#[from] ReplicationError),
     #[error("the replica is stopping")]
     Closed,
     /// `--sync-pipeline on`: a `syncvm` before it failed (or this replica
@@ -349,17 +338,18 @@ impl Exchange<'_> {
 
 /// Where the leader reads the frozen contents of the union it compares
 /// and sends: its VM's memory and disk while its guest is paused, or the
-/// copy taken in the pause (`--early-resume on`) once it runs again.
+/// copy taken in the pause (`--early-resume on`: the pages captured, the
+/// disk blocks) once it runs again.
 enum Contents<'a> {
     Live(&'a GuestRam, Option<&'a ReplicaDisk>),
-    Aside(&'a Aside),
+    Aside(&'a Captured, &'a Blocks),
 }
 
 impl Contents<'_> {
     fn hash_pages(&self, pages: &[u64]) -> Vec<u128> {
         match self {
             Contents::Live(ram, _) => hash_pages(ram, pages),
-            Contents::Aside(a) => a.hash_pages(pages),
+            Contents::Aside(captured, _) => hash_compare::hash_captured(captured, pages),
         }
     }
 
@@ -367,15 +357,15 @@ impl Contents<'_> {
         match self {
             Contents::Live(_, Some(d)) => d.hash(blocks).map_err(|e| SyncError::Disk(e.to_string())),
             Contents::Live(_, None) => Ok(Vec::new()),
-            Contents::Aside(a) => Ok(a.hash_blocks(blocks)),
+            Contents::Aside(_, b) => Ok(b.hash(blocks)),
         }
     }
 
     fn page(&self, page: u64, buf: &mut [u8]) -> Result<(), SyncError> {
         match self {
             Contents::Live(ram, _) => ram.read_page(page, buf).map_err(|e| ftvm_vmm::VmError::from(e).into()),
-            Contents::Aside(a) => {
-                let p = a.page(page).ok_or_else(|| SyncError::Vm(ftvm_vmm::memory::MemoryError::OutOfRange { page }.into()))?;
+            Contents::Aside(captured, _) => {
+                let p = captured.page(page).ok_or_else(|| SyncError::Vm(ftvm_vmm::memory::MemoryError::OutOfRange { page }.into()))?;
                 buf[..PAGE].copy_from_slice(p);
                 Ok(())
             }
@@ -386,8 +376,8 @@ impl Contents<'_> {
         match self {
             Contents::Live(_, Some(d)) => d.read(block).map_err(|e| SyncError::Disk(e.to_string())),
             Contents::Live(_, None) => Err(SyncError::Disk("no disk".into())),
-            Contents::Aside(a) => {
-                a.block(block).map(<[u8]>::to_vec).ok_or_else(|| SyncError::Disk(format!("block {block} was not copied")))
+            Contents::Aside(_, b) => {
+                b.block(block).map(<[u8]>::to_vec).ok_or_else(|| SyncError::Disk(format!("block {block} was not copied")))
             }
         }
     }
@@ -402,11 +392,11 @@ pub fn lead(
     vm: &Vm,
     frozen: Frozen<'_>,
     full: bool,
-    mode: PageMode,
+    compare: &mut dyn HashCompare,
     aside: Option<&mut Aside>,
     output: Vec<Vec<u8>>,
 ) -> Result<Figures, SyncError> {
-    let mut figures = lead_unacked(x, vm, frozen, full, mode, aside, output)?;
+    let mut figures = lead_unacked(x, vm, frozen, full, compare, aside, output)?;
     figures.steps.ack = await_ack(x)?;
     Ok(figures)
 }
@@ -431,7 +421,7 @@ pub fn lead_unacked(
     vm: &Vm,
     mut frozen: Frozen<'_>,
     full: bool,
-    mode: PageMode,
+    compare: &mut dyn HashCompare,
     aside: Option<&mut Aside>,
     output: Vec<Vec<u8>>,
 ) -> Result<Figures, SyncError> {
@@ -463,13 +453,17 @@ pub fn lead_unacked(
         // Copied: the guest runs again while the copy is compared and sent.
         Ok(Copied::Aside(pages, blocks)) => {
             let pause = resume(frozen, pending_input.clone());
-            let contents = Contents::Aside(aside.as_deref().expect("the union was copied into it"));
-            (compare_and_send(x, &contents, &pages, &blocks, state, mode, &pending_input, output, &mut steps), pause)
+            let aside = aside.expect("the union was copied into it");
+            let result = aside.pages.finish(vm).map_err(SyncError::from).and_then(|captured| {
+                let contents = Contents::Aside(captured, &aside.blocks);
+                compare_and_send(x, &contents, &pages, &blocks, state, compare, &pending_input, output, &mut steps)
+            });
+            (result, pause)
         }
         // Read live: the guest waits until the pages are sent.
         Ok(Copied::Live(pages, blocks)) => {
             let contents = Contents::Live(vm.ram(), x.disk);
-            let result = compare_and_send(x, &contents, &pages, &blocks, state, mode, &pending_input, output, &mut steps);
+            let result = compare_and_send(x, &contents, &pages, &blocks, state, compare, &pending_input, output, &mut steps);
             (result, resume(frozen, pending_input))
         }
     };
@@ -485,9 +479,10 @@ enum Copied {
     Live(Vec<u64>, Vec<u64>),
 }
 
-/// `--early-resume on`, in the pause: swap the dirty sets, copying this
-/// side's dirty pages meanwhile, then copy the rest of the union and its
-/// disk blocks into `aside`.
+/// `--early-resume on`, in the pause: swap the dirty sets, capturing this
+/// side's dirty pages meanwhile, then the rest of the union, and copy its
+/// disk blocks, into `aside`. (When the union is every page the capture
+/// is left unfinished: the next one starts over.)
 fn copy_aside(
     x: &Exchange<'_>,
     vm: &Vm,
@@ -496,12 +491,11 @@ fn copy_aside(
     aside: &mut Aside,
     steps: &mut Steps,
 ) -> Result<Copied, SyncError> {
-    aside.clear();
+    aside.blocks.clear();
     let mut copy = Duration::ZERO;
     let (union, blocks, bitmap) = x.swap_bitmaps(dirty, blocks, false, || {
         let t = Instant::now();
-        let mine: Vec<u64> = dirty.pages().collect();
-        aside.copy(vm.ram(), &mine).map_err(ftvm_vmm::VmError::from)?;
+        aside.pages.in_pause(vm, dirty, &aside.none_hot)?;
         copy = t.elapsed();
         Ok(())
     })?;
@@ -513,10 +507,9 @@ fn copy_aside(
     let t = Instant::now();
     let mut rest = union.clone();
     rest.subtract(dirty);
-    let rest: Vec<u64> = rest.pages().collect();
-    aside.copy(vm.ram(), &rest).map_err(ftvm_vmm::VmError::from)?;
+    aside.pages.also(vm, &rest)?;
     if let Some(d) = x.disk {
-        aside.copy_blocks(d, &blocks).map_err(|e| SyncError::Disk(e.to_string()))?;
+        aside.blocks.copy(d, &blocks).map_err(|e| SyncError::Disk(e.to_string()))?;
     }
     steps.copy = copy + t.elapsed();
     Ok(Copied::Aside(union.pages().collect(), blocks))
@@ -524,8 +517,8 @@ fn copy_aside(
 
 /// The leader's comparison, once the union is known: hash its pages and
 /// blocks as frozen (`contents`), take the secondary's hashes, send the
-/// divergent pages and blocks with the VM state and the guest's
-/// undelivered input (`pending`).
+/// divergent pages (as `compare` chooses) and blocks with the VM state and
+/// the guest's undelivered input (`pending`).
 #[allow(clippy::too_many_arguments)]
 fn compare_and_send(
     x: &Exchange<'_>,
@@ -533,7 +526,7 @@ fn compare_and_send(
     pages: &[u64],
     blocks: &[u64],
     state: Components,
-    mode: PageMode,
+    compare: &mut dyn HashCompare,
     pending: &[Vec<u8>],
     output: Vec<Vec<u8>>,
     steps: &mut Steps,
@@ -564,40 +557,11 @@ fn compare_and_send(
         }
     }
     let divergent_blocks = disk_blocks.len() as u64;
-    let divergent: Vec<u64> = pages.iter().zip(&mine).zip(&theirs.hashes).filter(|((_, a), b)| a != b).map(|((&p, _), _)| p).collect();
-    let mut whole = Vec::new();
-    let mut patches = Vec::new();
+    let divergent = hash_compare::divergent(pages, &mine, &theirs.hashes);
     let mut buf = vec![0u8; PAGE];
-    match mode {
-        PageMode::Blocks if !divergent.is_empty() => {
-            x.send(Kind::SyncWant, &postcard::to_allocvec(&WantMsg { pages: divergent.clone() }).expect("serializes"))?;
-            let t = Instant::now();
-            let theirs: BlockHashesMsg = protocol::decode(&x.expect(Kind::SyncBlockHashes, divergent.len() as u64)?[ID_LEN..])?;
-            steps.wait += t.elapsed();
-            if theirs.hashes.len() != divergent.len() * BLOCKS {
-                return Err(ProtocolError::Corrupt(format!("{} block hashes for {} pages", theirs.hashes.len(), divergent.len())).into());
-            }
-            for (&p, hashes) in divergent.iter().zip(theirs.hashes.chunks_exact(BLOCKS)) {
-                contents.page(p, &mut buf)?;
-                let mut patch = BlockPatch { page: p, mask: 0, data: Vec::new() };
-                for (b, (block, h)) in buf.chunks_exact(BLOCK).zip(hashes).enumerate() {
-                    if xxh3_64(block) != *h {
-                        patch.mask |= 1 << b;
-                        patch.data.extend_from_slice(block);
-                    }
-                }
-                // A page that differs in most blocks goes whole; one whose
-                // blocks all match (a page hash collision cannot be ruled
-                // out) goes whole too, never not at all.
-                if patch.mask == 0 || patch.data.len() > PAGE / 2 {
-                    whole.push(p);
-                } else {
-                    patches.push(patch);
-                }
-            }
-        }
-        _ => whole = divergent.clone(),
-    }
+    let patches = patch_pages(x, contents, compare, &divergent, &mut buf, steps)?;
+    // The others whole, in page order.
+    let whole: Vec<u64> = divergent.iter().copied().filter(|p| patches.binary_search_by_key(p, |patch| patch.page).is_err()).collect();
     let state = postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches, disk: disk_blocks, output })
         .expect("serializes");
     let mut frame = Vec::new();
@@ -626,6 +590,36 @@ fn compare_and_send(
         steps: *steps,
         predicted,
     })
+}
+
+/// The divergent pages `compare` sends as patches: it chooses those
+/// whose block hashes the secondary is asked for (one more round trip),
+/// then a patch of each, or none (whole). In page order.
+fn patch_pages(
+    x: &Exchange<'_>,
+    contents: &Contents<'_>,
+    compare: &mut dyn HashCompare,
+    divergent: &[u64],
+    buf: &mut [u8],
+    steps: &mut Steps,
+) -> Result<Vec<BlockPatch>, SyncError> {
+    let asked = compare.refine(divergent);
+    if asked.is_empty() {
+        return Ok(Vec::new());
+    }
+    x.send(Kind::SyncWant, &postcard::to_allocvec(&WantMsg { pages: asked.clone() }).expect("serializes"))?;
+    let t = Instant::now();
+    let theirs: BlockHashesMsg = protocol::decode(&x.expect(Kind::SyncBlockHashes, asked.len() as u64)?[ID_LEN..])?;
+    steps.wait += t.elapsed();
+    if theirs.hashes.len() != asked.len() * BLOCKS {
+        return Err(ProtocolError::Corrupt(format!("{} block hashes for {} pages", theirs.hashes.len(), asked.len())).into());
+    }
+    let mut patches = Vec::new();
+    for (&p, hashes) in asked.iter().zip(theirs.hashes.chunks_exact(BLOCKS)) {
+        contents.page(p, buf)?;
+        patches.extend(compare.patch(p, buf, hashes));
+    }
+    Ok(patches)
 }
 
 /// The secondary's side: pause, exchange, stage, acknowledge, apply,
@@ -674,7 +668,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
         if want.pages.iter().any(|&p| !union.is_set(p)) {
             return Err(ProtocolError::Corrupt("the leader wants blocks of a page outside the union".into()).into());
         }
-        let hashes = hash_blocks(vm.ram(), &want.pages);
+        let hashes = hash_compare::block_hashes(vm.ram(), &want.pages);
         x.send(Kind::SyncBlockHashes, &postcard::to_allocvec(&BlockHashesMsg { hashes }).expect("serializes"))?;
         (kind, payload) = x.expect_any(&[Kind::SyncPages], want.pages.len() as u64)?;
     }
@@ -691,7 +685,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
         return Err(ProtocolError::Corrupt(format!("the leader's VM has another shape: {e}")).into());
     }
     for patch in &state.patches {
-        if patch.page >= vm.ram().pages() || patch.data.len() != patch.mask.count_ones() as usize * BLOCK {
+        if !patch.fits(vm.ram().pages()) {
             return Err(ProtocolError::Corrupt(format!("a block patch of page {} does not fit", patch.page)).into());
         }
     }
@@ -740,12 +734,7 @@ fn commit(vm: &Vm, disk: Option<&ReplicaDisk>, bundle: &Bundle<'_>, state: &Sync
     let mut buf = vec![0u8; PAGE];
     for patch in &state.patches {
         vm.ram().read_page(patch.page, &mut buf).map_err(ftvm_vmm::VmError::from)?;
-        let mut data = patch.data.chunks_exact(BLOCK);
-        for (b, block) in buf.chunks_exact_mut(BLOCK).enumerate() {
-            if patch.mask & (1 << b) != 0 {
-                block.copy_from_slice(data.next().expect("checked: one block per mask bit"));
-            }
-        }
+        patch.apply(&mut buf);
         vm.ram().write_page(patch.page, &buf).map_err(ftvm_vmm::VmError::from)?;
     }
     // Before the state: its restore republishes the clock page, this host's own.
@@ -762,18 +751,4 @@ fn digest(ram: &GuestRam) -> u64 {
     let pages: Vec<u64> = (0..ram.pages()).collect();
     let hashes: Vec<u8> = hash_pages(ram, &pages).iter().flat_map(|h| h.to_le_bytes()).collect();
     xxh3_64(&hashes)
-}
-
-/// XXH3-64 of each 64-byte block of each page, in order.
-fn hash_blocks(ram: &GuestRam, pages: &[u64]) -> Vec<u64> {
-    let mut out = Vec::with_capacity(pages.len() * BLOCKS);
-    let mut buf = vec![0u8; PAGE];
-    for &p in pages {
-        // Checked against the union, itself of this RAM's size.
-        if ram.read_page(p, &mut buf).is_err() {
-            buf.fill(0);
-        }
-        out.extend(buf.chunks_exact(BLOCK).map(xxh3_64));
-    }
-    out
 }

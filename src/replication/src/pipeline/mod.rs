@@ -15,6 +15,7 @@
 
 pub mod apply;
 pub mod capture;
+mod cores;
 pub mod encode;
 pub mod epochs;
 pub mod freeze;

@@ -154,7 +154,7 @@ impl CopyOnWrite {
 impl Capture for CopyOnWrite {
     fn in_pause(&mut self, vm: &Vm, dirty: &PageBitmap, hot: &PageBitmap) -> Result<(), ReplicationError> {
         self.wait()?;
-        self.pages.prepare(dirty);
+        self.pages.prepare(dirty)?;
         let numbers = self.pages.numbers().to_vec();
         let job = Arc::new(Job {
             state: numbers.iter().map(|_| AtomicU8::new(PENDING)).collect(),

@@ -1,11 +1,18 @@
-//! Capture: the dirty pages as they were at the freeze.
+//! Capture: the dirty pages as they were at the freeze: copied in the
+//! pause (`CopyInPause`), copy-on-write after the resume (`cow`), or
+//! copied aside onto huge pages, on every core, the pause able to add
+//! pages (`aside`).
 
+mod aside;
+mod captured;
 mod cow;
+mod huge;
 
-use ftvm_vmm::memory::PAGE;
 use ftvm_vmm::{PageBitmap, Vm};
 
 use crate::error::ReplicationError;
+pub use aside::CopyAside;
+pub use captured::Captured;
 use ftvm_vmm::switch;
 
 switch! {
@@ -25,85 +32,10 @@ pub fn new(mode: Mode, vm: &Vm) -> Result<Box<dyn Capture>, ReplicationError> {
     })
 }
 
-/// Copies of pages, in ascending page order, some of them perhaps dropped
-/// (not to be sent).
-#[derive(Default)]
-pub struct Captured {
-    numbers: Vec<u64>,
-    data: Vec<u8>,
-    /// Per entry of `numbers`: dropped by `retain`.
-    dropped: Vec<bool>,
-    kept: usize,
-}
-
-impl Captured {
-    /// Pages to send.
-    pub fn len(&self) -> usize {
-        self.kept
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.kept == 0
-    }
-
-    /// The pages to send.
-    pub fn iter(&self) -> impl Iterator<Item = (u64, &[u8])> {
-        self.numbers.iter().copied().zip(self.data.chunks_exact(PAGE)).zip(&self.dropped).filter(|(_, &d)| !d).map(|(e, _)| e)
-    }
-
-    /// Drop the pages for which `keep` says false.
-    pub fn retain(&mut self, mut keep: impl FnMut(u64, &[u8]) -> bool) {
-        for ((&p, data), dropped) in self.numbers.iter().zip(self.data.chunks_exact(PAGE)).zip(self.dropped.iter_mut()) {
-            if !*dropped && !keep(p, data) {
-                *dropped = true;
-                self.kept -= 1;
-            }
-        }
-    }
-
-    /// Copies of the given pages (ascending), for tests of later stages.
-    #[cfg(test)]
-    pub fn from_pages(pages: &[(u64, &[u8])]) -> Captured {
-        Captured {
-            numbers: pages.iter().map(|(p, _)| *p).collect(),
-            data: pages.iter().flat_map(|(_, d)| d.iter().copied()).collect(),
-            dropped: vec![false; pages.len()],
-            kept: pages.len(),
-        }
-    }
-
-    /// Make room for copies of `pages` (contents unspecified until filled).
-    fn prepare(&mut self, pages: &PageBitmap) {
-        self.numbers.clear();
-        self.numbers.extend(pages.pages());
-        self.dropped.clear();
-        self.dropped.resize(self.numbers.len(), false);
-        self.kept = self.numbers.len();
-        // Grows once to the largest epoch and is reused: no zeroing per epoch.
-        let len = self.numbers.len() * PAGE;
-        if self.data.len() < len {
-            self.data.resize(len, 0);
-        }
-    }
-
-    fn numbers(&self) -> &[u64] {
-        &self.numbers
-    }
-
-    /// Where slot `i` (page `numbers()[i]`) starts, for threads filling the
-    /// slots concurrently.
-    fn slots_mut(&mut self) -> *mut u8 {
-        self.data.as_mut_ptr()
-    }
-
-    /// Replace the contents with copies of `pages` read from `vm` now.
-    fn copy_from(&mut self, vm: &Vm, pages: &PageBitmap) -> Result<(), ReplicationError> {
-        self.prepare(pages);
-        for (&p, buf) in self.numbers.iter().zip(self.data.chunks_exact_mut(PAGE)) {
-            vm.ram().read_page(p, buf).map_err(ftvm_vmm::VmError::from)?;
-        }
-        Ok(())
-    }
+/// `CopyAside`: not a `--capture` value; a reader that compares pages
+/// (`encode::hash_compare`) chooses it, for the pages it adds in the pause.
+pub fn aside(vm: &Vm) -> Box<dyn Capture> {
+    Box::new(CopyAside::new(vm))
 }
 
 pub trait Capture: Send {
@@ -111,6 +43,13 @@ pub trait Capture: Send {
     /// are those of its pages left writable (the guest is likely to write
     /// them again at once).
     fn in_pause(&mut self, vm: &Vm, dirty: &PageBitmap, hot: &PageBitmap) -> Result<(), ReplicationError>;
+    /// Still in the same pause, after `in_pause`: capture `more` pages too,
+    /// none of them in its dirty set (pages the reader wrote, which a hash
+    /// compare reads as this side froze them). Captures that copy in the
+    /// pause can; the default refuses.
+    fn also(&mut self, _vm: &Vm, _more: &PageBitmap) -> Result<(), ReplicationError> {
+        Err(ReplicationError::Unsupported("this capture takes no pages after the dirty set"))
+    }
     /// The VM runs again; hand over the pages as they were at the freeze.
     fn finish(&mut self, vm: &Vm) -> Result<&mut Captured, ReplicationError>;
 }
@@ -123,7 +62,12 @@ pub struct CopyInPause {
 
 impl Capture for CopyInPause {
     fn in_pause(&mut self, vm: &Vm, dirty: &PageBitmap, _hot: &PageBitmap) -> Result<(), ReplicationError> {
-        self.pages.copy_from(vm, dirty)
+        self.pages.clear();
+        self.pages.copy_more(vm, dirty)
+    }
+
+    fn also(&mut self, vm: &Vm, more: &PageBitmap) -> Result<(), ReplicationError> {
+        self.pages.copy_more(vm, more)
     }
 
     fn finish(&mut self, _vm: &Vm) -> Result<&mut Captured, ReplicationError> {

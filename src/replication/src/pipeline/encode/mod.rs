@@ -1,9 +1,12 @@
 //! Encode: the frozen state and the captured pages into one checkpoint
 //! frame, each page through the chosen `PageEncoder`: whole (`raw`), or
 //! with `--diff` as a diff against the version the backup has (`diff`,
-//! with the block compare in `xor`), whole where it has none.
+//! with the block compare in `xor`), whole where it has none. Beside the
+//! `PageEncoder`s, for a reader known only by hashes of its pages: which
+//! pages go at all, and how (`hash_compare`).
 
 mod diff;
+pub mod hash_compare;
 pub mod page_frame;
 pub mod state;
 pub mod xor;

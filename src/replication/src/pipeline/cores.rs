@@ -1,10 +1,11 @@
-//! Work over many pages split across the host's cores: hashing and
-//! copying a `syncvm`'s union of dirty pages, in its pause.
+//! Work over many pages split across the host's cores: copying pages
+//! aside (`capture::aside`) and hashing them (`encode::hash_compare`),
+//! both in a pause.
 
 use std::sync::OnceLock;
 
 /// Counted once: `available_parallelism` reads the cgroup's CPU quota from
-/// files each call (25 µs here), which was a tenth of a `syncvm`'s pause.
+/// files each call (25 µs here), which was a tenth of a 250 µs pause.
 fn threads() -> usize {
     static THREADS: OnceLock<usize> = OnceLock::new();
     *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(16))

@@ -1,0 +1,213 @@
+//! Hash compare: encoding for a reader this side knows only by a hash of
+//! each of its pages (it wrote some of them itself). The reader sends the
+//! XXH3-128 of each page of the union of both sides' dirty sets; the
+//! pages whose hashes differ from this side's are divergent, and only
+//! they go: whole, or (`ChangedBlocks`) as the 64-byte blocks that differ
+//! from the reader's, whose XXH3-64 it sends when asked (one more round
+//! trip).
+//!
+//! A stage beside `PageEncoder`, not one of its encoders: a `PageEncoder`
+//! turns one page into one bundle entry from what this side alone knows,
+//! while a hash compare needs the reader's hashes first, leaves out every
+//! page whose hash matches (a bundle entry cannot say "unchanged"), and
+//! its block patches overwrite the reader's blocks (an XOR-diff entry
+//! needs the reader's bytes). The pages it keeps whole go as bundle
+//! entries through a `PageEncoder`; its patches travel in the state.
+
+use std::convert::Infallible;
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+
+use ftvm_vmm::memory::{GuestRam, PAGE};
+use ftvm_vmm::switch;
+
+use crate::pipeline::capture::Captured;
+use crate::pipeline::cores::on_cores;
+
+/// Bytes of a block that a patch overwrites.
+pub const BLOCK: usize = 64;
+/// Blocks of a page.
+pub const BLOCKS: usize = PAGE / BLOCK;
+
+switch! {
+    /// How a divergent page travels.
+    pub enum Granularity {
+        /// Whole (PLOVER).
+        Whole = "whole",
+        /// Only its 64-byte blocks that differ: the reader sends a hash
+        /// of each block of the divergent pages (one more round trip).
+        Blocks = "blocks",
+    }
+}
+
+/// The hash compare for `granularity`.
+pub fn new(granularity: Granularity) -> Box<dyn HashCompare> {
+    match granularity {
+        Granularity::Whole => Box::new(WholePages),
+        Granularity::Blocks => Box::new(ChangedBlocks),
+    }
+}
+
+/// How the divergent pages go, once the hashes are compared (`divergent`).
+pub trait HashCompare: Send {
+    /// Of the divergent pages (ascending), those whose block hashes to ask
+    /// the reader for (ascending; none: every page goes whole).
+    fn refine(&mut self, divergent: &[u64]) -> Vec<u64>;
+    /// Page `page`, asked for: `data` is this side's, `theirs` the reader's
+    /// hash of each of its blocks. Its patch, or None to send it whole.
+    fn patch(&mut self, page: u64, data: &[u8], theirs: &[u64]) -> Option<BlockPatch>;
+}
+
+/// Every divergent page whole.
+pub struct WholePages;
+
+impl HashCompare for WholePages {
+    fn refine(&mut self, _divergent: &[u64]) -> Vec<u64> {
+        Vec::new()
+    }
+
+    fn patch(&mut self, _page: u64, _data: &[u8], _theirs: &[u64]) -> Option<BlockPatch> {
+        None
+    }
+}
+
+/// The blocks that differ, of every divergent page of which at most half
+/// do; the others whole.
+pub struct ChangedBlocks;
+
+impl HashCompare for ChangedBlocks {
+    fn refine(&mut self, divergent: &[u64]) -> Vec<u64> {
+        divergent.to_vec()
+    }
+
+    fn patch(&mut self, page: u64, data: &[u8], theirs: &[u64]) -> Option<BlockPatch> {
+        let mut patch = BlockPatch { page, mask: 0, data: Vec::new() };
+        for (b, (block, h)) in data[..PAGE].chunks_exact(BLOCK).zip(theirs).enumerate() {
+            if xxh3_64(block) != *h {
+                patch.mask |= 1 << b;
+                patch.data.extend_from_slice(block);
+            }
+        }
+        // A page that differs in most blocks goes whole; one whose blocks
+        // all match (a page hash collision cannot be ruled out) goes whole
+        // too, never not at all.
+        (patch.mask != 0 && patch.data.len() <= PAGE / 2).then_some(patch)
+    }
+}
+
+/// Blocks of one page to overwrite: bit `b` of `mask` set for each
+/// 64-byte block in `data`, in block order.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockPatch {
+    pub page: u64,
+    pub mask: u64,
+    pub data: Vec<u8>,
+}
+
+impl BlockPatch {
+    /// Whether it fits a reader of `pages` pages: its page in range, one
+    /// block of data per bit of its mask.
+    pub fn fits(&self, pages: u64) -> bool {
+        self.page < pages && self.data.len() == self.mask.count_ones() as usize * BLOCK
+    }
+
+    /// Overwrite its blocks of `page` (the page's contents; the patch fits).
+    pub fn apply(&self, page: &mut [u8]) {
+        let mut data = self.data.chunks_exact(BLOCK);
+        for (b, block) in page[..PAGE].chunks_exact_mut(BLOCK).enumerate() {
+            if self.mask & (1 << b) != 0 {
+                block.copy_from_slice(data.next().expect("fits: one block per mask bit"));
+            }
+        }
+    }
+}
+
+/// The pages whose hashes differ (`mine` and `theirs` of each of `pages`).
+pub fn divergent(pages: &[u64], mine: &[u128], theirs: &[u128]) -> Vec<u64> {
+    pages.iter().zip(mine).zip(theirs).filter(|((_, a), b)| a != b).map(|((&p, _), _)| p).collect()
+}
+
+/// XXH3-128 of each page of `ram`, on every core.
+pub fn hash_pages(ram: &GuestRam, pages: &[u64]) -> Vec<u128> {
+    let mut out = vec![0u128; pages.len()];
+    let Ok(()) = on_cores(pages, &mut out, 1, |pages, out| {
+        let mut buf = vec![0u8; PAGE];
+        for (&p, o) in pages.iter().zip(out) {
+            // Pages come from a bitmap of this RAM's size: always in range.
+            *o = match ram.read_page(p, &mut buf) {
+                Ok(()) => xxh3_128(&buf),
+                Err(_) => 0,
+            };
+        }
+        Ok::<(), Infallible>(())
+    });
+    out
+}
+
+/// XXH3-128 of each page as captured, on every core (0 for one not
+/// captured, which the caller never asks for: it captured what it hashes).
+pub fn hash_captured(captured: &Captured, pages: &[u64]) -> Vec<u128> {
+    let mut out = vec![0u128; pages.len()];
+    let Ok(()) = on_cores(pages, &mut out, 1, |pages, out| {
+        for (&p, o) in pages.iter().zip(out) {
+            *o = captured.page(p).map_or(0, xxh3_128);
+        }
+        Ok::<(), Infallible>(())
+    });
+    out
+}
+
+/// XXH3-64 of each 64-byte block of each page of `ram`, in order: the
+/// reader's answer when asked (`refine`).
+pub fn block_hashes(ram: &GuestRam, pages: &[u64]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(pages.len() * BLOCKS);
+    let mut buf = vec![0u8; PAGE];
+    for &p in pages {
+        // Checked against the union, itself of this RAM's size.
+        if ram.read_page(p, &mut buf).is_err() {
+            buf.fill(0);
+        }
+        out.extend(buf.chunks_exact(BLOCK).map(xxh3_64));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A page patched from the reader's block hashes becomes this side's;
+    /// one that differs in most blocks, or in none, goes whole.
+    #[test]
+    fn a_patch_makes_the_readers_page_this_sides() {
+        let ram = GuestRam::new(1 << 20, false).unwrap();
+        let theirs = vec![7u8; PAGE];
+        ram.write_page(3, &theirs).unwrap();
+        let reader = block_hashes(&ram, &[3]);
+        let mut mine = theirs.clone();
+        mine[5] = 1;
+        mine[BLOCK * 9 + 2] = 2;
+        let mut blocks = new(Granularity::Blocks);
+        assert_eq!(blocks.refine(&[3, 8]), [3, 8]);
+        let patch = blocks.patch(3, &mine, &reader).expect("two blocks differ");
+        assert_eq!(patch.mask, 1 | 1 << 9);
+        assert!(patch.fits(ram.pages()) && !patch.fits(3));
+        let mut page = theirs.clone();
+        patch.apply(&mut page);
+        assert_eq!(page, mine);
+        assert!(blocks.patch(3, &theirs, &reader).is_none(), "no block differs: whole");
+        assert!(blocks.patch(3, &vec![9u8; PAGE], &reader).is_none(), "every block differs: whole");
+        let mut whole = new(Granularity::Whole);
+        assert!(whole.refine(&[3, 8]).is_empty());
+    }
+
+    #[test]
+    fn divergent_pages_are_those_whose_hashes_differ() {
+        let ram = GuestRam::new(1 << 20, false).unwrap();
+        ram.write_page(2, &vec![1u8; PAGE]).unwrap();
+        let mine = hash_pages(&ram, &[1, 2, 3]);
+        let theirs = vec![mine[0], 0, mine[2]];
+        assert_eq!(divergent(&[1, 2, 3], &mine, &theirs), [2]);
+    }
+}
