@@ -32,8 +32,9 @@ pub fn new(mode: Mode, vm: &Vm) -> Result<Box<dyn Capture>, ReplicationError> {
     })
 }
 
-/// `CopyAside`: not a `--capture` value; a reader that compares pages
-/// (`encode::hash_compare`) chooses it, for the pages it adds in the pause.
+/// The copy aside (`CopyAside`), not a `--capture` value: a hash compare
+/// (`encode::hash_compare`) chooses it, to add the reader's dirty pages in
+/// the pause.
 pub fn aside(vm: &Vm) -> Box<dyn Capture> {
     Box::new(CopyAside::new(vm))
 }
