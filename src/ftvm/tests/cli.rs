@@ -6,6 +6,7 @@ mod common;
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::process::{Output, Stdio};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use common::*;
@@ -52,10 +53,15 @@ fn refused_before_the_guest_runs(args: &[&str], want: &str) -> String {
     err
 }
 
+/// The probe guest's image, as an argument.
+fn probe_image() -> &'static str {
+    static PROBE: OnceLock<String> = OnceLock::new();
+    PROBE.get_or_init(|| image("probe").to_str().expect("a UTF-8 path").to_owned())
+}
+
 #[test]
 fn replication_flags_need_replicate_to() {
-    let probe = image("probe");
-    let probe = probe.to_str().unwrap();
+    let probe = probe_image();
     let cases: [&[&str]; 15] = [
         &["--epoch-ms", "10"],
         &["--insecure"],
@@ -86,10 +92,10 @@ fn replication_flags_need_replicate_to() {
 
 #[test]
 fn fake_ack_takes_off_or_on_and_its_state_changed_or_all() {
-    let probe = image("probe");
-    let out = ftvm_args(&["run", "--image", probe.to_str().unwrap(), "--replicate-to", "127.0.0.1:1", "--fake-ack", "maybe"]);
+    let probe = probe_image();
+    let out = ftvm_args(&["run", "--image", probe, "--replicate-to", "127.0.0.1:1", "--fake-ack", "maybe"]);
     assert_refused(&out, &["--fake-ack", "'maybe'", "off or on"], "maybe");
-    let out = ftvm_args(&["run", "--image", probe.to_str().unwrap(), "--replicate-to", "127.0.0.1:1", "--fake-ack-state", "some"]);
+    let out = ftvm_args(&["run", "--image", probe, "--replicate-to", "127.0.0.1:1", "--fake-ack-state", "some"]);
     assert_refused(&out, &["--fake-ack-state", "'some'", "changed or all"], "some");
 }
 
@@ -102,9 +108,9 @@ fn replica_on_secondary_loss_takes_continue_or_pause() {
 
 #[test]
 fn epoch_ms_has_a_minimum() {
-    let probe = image("probe");
+    let probe = probe_image();
     for epoch in ["0", "4"] {
-        let out = ftvm_args(&["run", "--image", probe.to_str().unwrap(), "--replicate-to", "127.0.0.1:1", "--epoch-ms", epoch]);
+        let out = ftvm_args(&["run", "--image", probe, "--replicate-to", "127.0.0.1:1", "--epoch-ms", epoch]);
         assert_refused(&out, &["--epoch-ms", "at least 5 ms"], epoch);
     }
 }
@@ -114,7 +120,7 @@ fn backup_checks_its_flags_at_start() {
     let dir = Scratch::new("cli-backup").unwrap();
     let missing = dir.join("missing.img");
     let missing = missing.to_str().unwrap();
-    let probe = image("probe");
+    let probe = probe_image();
     let cases: [(&[&str], &str); 5] = [
         (&["--memory", "3"], "multiple of 2 MiB"),
         (&["--memory", "1000000"], "multiple of 2 MiB"),
@@ -127,7 +133,7 @@ fn backup_checks_its_flags_at_start() {
         let mut args = vec!["backup", "--insecure", "--listen", "127.0.0.1:0"];
         args.extend_from_slice(flags);
         let backup = assert_one_line_error(&ftvm_args(&args), want, &format!("backup {flags:?}"));
-        let mut args = vec!["run", "--image", probe.to_str().unwrap()];
+        let mut args = vec!["run", "--image", probe];
         args.extend_from_slice(flags);
         let run = assert_one_line_error(&ftvm_args(&args), want, &format!("run {flags:?}"));
         assert_eq!(backup, run, "ftvm backup and ftvm run word {flags:?} alike");
@@ -136,7 +142,7 @@ fn backup_checks_its_flags_at_start() {
 
 #[test]
 fn mac_addresses_must_be_unicast_and_not_zero() {
-    let probe = image("probe");
+    let probe = probe_image();
     let cases = [
         ("01:00:5e:00:00:01", "multicast"),
         ("ff:ff:ff:ff:ff:ff", "multicast"),
@@ -145,7 +151,7 @@ fn mac_addresses_must_be_unicast_and_not_zero() {
     ];
     for (mac, want) in cases {
         let net = format!("tap=ftvmmac0,mac={mac}");
-        let out = ftvm_args(&["run", "--image", probe.to_str().unwrap(), "--cmdline", "exit=0", "--net", &net]);
+        let out = ftvm_args(&["run", "--image", probe, "--cmdline", "exit=0", "--net", &net]);
         assert_refused(&out, &[want, mac], mac);
         let out = ftvm_args(&["backup", "--listen", "127.0.0.1:0", "--net", &net]);
         assert_refused(&out, &[want, mac], mac);
@@ -199,8 +205,7 @@ fn wait_code(mut p: Process, what: impl std::fmt::Debug) -> Option<i32> {
 #[test]
 fn closed_stdout_and_stderr_do_not_panic() {
     let dir = Scratch::new("cli-epipe").unwrap();
-    let probe = image("probe");
-    let probe = probe.to_str().unwrap();
+    let probe = probe_image();
     // The guest prints and exits 7: its status is still ftvm's.
     assert_eq!(exit_with_closed_output(&["run", "--image", probe, "--cmdline", "hello"], None), Some(0));
     assert_eq!(exit_with_closed_output(&["run", "--image", probe, "--cmdline", "exit=7"], None), Some(7));
@@ -322,10 +327,8 @@ fn api_socket_never_replaces_a_file_that_is_not_a_socket() {
     let dir = Scratch::new("apisock").unwrap();
     let precious = dir.join("notes.txt");
     std::fs::write(&precious, b"keep me").unwrap();
-    let probe = image("probe");
-    for command in
-        [&["run", "--image", probe.to_str().unwrap(), "--cmdline", "exit=0"][..], &["backup", "--insecure", "--listen", "127.0.0.1:0"][..]]
-    {
+    let probe = probe_image();
+    for command in [&["run", "--image", probe, "--cmdline", "exit=0"][..], &["backup", "--insecure", "--listen", "127.0.0.1:0"][..]] {
         let mut args = command.to_vec();
         args.extend(["--api-socket", precious.to_str().unwrap()]);
         let out = ftvm_args(&args);
@@ -340,9 +343,8 @@ fn api_socket_never_replaces_a_file_that_is_not_a_socket() {
 fn config_file_options_and_overrides() {
     let dir = Scratch::new("cli-config").unwrap();
     let config = dir.join("vm.toml");
-    let probe = image("probe");
-    std::fs::write(&config, format!("# a probe that exits 3\nimage = {:?}\ncmdline = \"exit=3\"\nvcpus = 2\n", probe.to_str().unwrap()))
-        .unwrap();
+    let probe = probe_image();
+    std::fs::write(&config, format!("# a probe that exits 3\nimage = {:?}\ncmdline = \"exit=3\"\nvcpus = 2\n", probe)).unwrap();
     let config = config.to_str().unwrap();
     assert_eq!(ftvm_args(&["run", "--config", config]).status.code(), Some(3));
     assert_eq!(ftvm_args(&["run", "--config", config, "--cmdline", "exit=4"]).status.code(), Some(4));
@@ -351,7 +353,7 @@ fn config_file_options_and_overrides() {
     let bad = |name: &str, text: &str, want: &[&str]| {
         let path = dir.join(name);
         std::fs::write(&path, text).unwrap();
-        let out = ftvm_args(&["run", "--config", path.to_str().unwrap(), "--image", probe.to_str().unwrap()]);
+        let out = ftvm_args(&["run", "--config", path.to_str().unwrap(), "--image", probe]);
         let err = stderr(&out);
         assert_eq!(out.status.code(), Some(2), "{name}: {err}");
         assert_eq!(err.lines().count(), 1, "{name}: one line: {err}");
@@ -368,7 +370,7 @@ fn config_file_options_and_overrides() {
     // Replication options in the file need replicate-to like their flags.
     let path = dir.join("primary-only.toml");
     std::fs::write(&path, "epoch-ms = 30\n").unwrap();
-    let out = ftvm_args(&["run", "--config", path.to_str().unwrap(), "--image", probe.to_str().unwrap()]);
+    let out = ftvm_args(&["run", "--config", path.to_str().unwrap(), "--image", probe]);
     assert_refused(
         &out,
         &["ftvm: error: config file", "primary-only.toml: `epoch-ms` applies only to a replicating primary", "replicate-to"],
@@ -457,8 +459,7 @@ fn secret_file(dir: &Scratch) -> String {
 #[test]
 fn replication_needs_a_secret_file_or_insecure() {
     let dir = Scratch::new("cli-insecure").unwrap();
-    let probe = image("probe");
-    let probe = probe.to_str().unwrap();
+    let probe = probe_image();
     let peers = "1=127.0.0.1:7101,2=127.0.0.1:7102,3=127.0.0.1:7103";
     let want = "ftvm: error: the replication channel needs --secret-file PATH (the same secret on both sides), or --insecure for a link nobody else reaches";
     let cases: [&[&str]; 4] = [
@@ -502,8 +503,7 @@ fn replication_needs_a_secret_file_or_insecure() {
 #[test]
 fn continue_on_backup_loss_needs_an_arbiter() {
     let dir = Scratch::new("cli-continue").unwrap();
-    let probe = image("probe");
-    let probe = probe.to_str().unwrap();
+    let probe = probe_image();
     let want = "ftvm: error: --on-backup-loss continue needs --arbiter URL";
     let primary = ["--insecure", "--replicate-to", "127.0.0.1:1", "--on-backup-loss", "continue"];
     let run = [&["run", "--image", probe, "--cmdline", "hello"][..], &primary].concat();
@@ -532,8 +532,7 @@ fn continue_on_backup_loss_needs_an_arbiter() {
 #[test]
 fn mirror_on_is_refused_with_encrypt() {
     let dir = Scratch::new("cli-mirror").unwrap();
-    let probe = image("probe");
-    let probe = probe.to_str().unwrap();
+    let probe = probe_image();
     let secret = secret_file(&dir);
     let want = "ftvm: error: --mirror on cannot be used with --encrypt";
     let encrypted = ["--replicate-to", "127.0.0.1:1", "--connect-timeout-ms", "100", "--secret-file", &secret, "--encrypt"];

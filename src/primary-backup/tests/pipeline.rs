@@ -120,6 +120,13 @@ fn stage_and_commit(apply: &mut InPlace, replica: &mut Replica, frame: &[u8]) {
     apply.commit(replica, staged).unwrap();
 }
 
+/// Stages and commits checkpoint frames into a replica, as a backup does:
+/// one applier for all of them.
+fn committer() -> impl FnMut(&mut Replica, &[u8]) {
+    let mut apply = InPlace::default();
+    move |replica, frame| stage_and_commit(&mut apply, replica, frame)
+}
+
 fn payload(frame: &[u8]) -> Vec<u8> {
     let mut buf = Vec::new();
     assert_eq!(protocol::read_frame(&mut &frame[..], 1 << 30, &mut buf).unwrap(), Kind::Checkpoint);
@@ -481,9 +488,8 @@ fn pulled_pages_read_after_the_freeze_are_carried_by_the_checkpoint() {
         offer.serve(primary.ram().memfd(), Duration::from_secs(5)).unwrap();
         let ram = mapper.join().unwrap().unwrap();
         let mut replica = replica(1);
-        let mut apply = InPlace::default();
         let limit = bounds::checkpoint_limit(MEM, 1);
-        let mut commit = |replica: &mut Replica, frame: &[u8]| stage_and_commit(&mut apply, replica, frame);
+        let mut commit = committer();
 
         // Epoch 1: a list read and confirmed before the freeze; pages
         // written after the round go in the checkpoint (and the diff
@@ -551,9 +557,8 @@ fn prefetched_pages_commit_only_with_their_checkpoint() {
     for diff in [Diff::Off, Diff::Lz4] {
         let (primary, mut pipeline, _) = tracked(&Switches { diff, prefetch: Mode::On, ..Switches::default() });
         let mut replica = replica(1);
-        let mut apply = InPlace::default();
         let limit = bounds::checkpoint_limit(MEM, 1);
-        let mut commit = |replica: &mut Replica, frame: &[u8]| stage_and_commit(&mut apply, replica, frame);
+        let mut commit = committer();
 
         // Epoch 1: nothing recent yet, so every page harvested is cold.
         fill_pages(&primary, 1000..1040, 0x11);

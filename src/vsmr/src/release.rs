@@ -223,6 +223,17 @@ mod tests {
         wire.0.locked().iter().map(|f| String::from_utf8_lossy(f).into_owned()).collect()
     }
 
+    /// `held(epochs)` with two `syncvm`s awaited from peer 2: 7 closing
+    /// epoch 0 and 9 closing epoch 1, released by the link thread (`link`)
+    /// or by their waiters.
+    fn awaiting_7_and_9(epochs: u64, link: bool) -> (Arc<Wire>, Arc<OutputBuffer>, Arc<Awaited>) {
+        let (wire, output) = held(epochs);
+        let awaited = Arc::new(Awaited::default());
+        awaited.expect(2, sync(7), 0, output.clone(), link, false);
+        awaited.expect(2, sync(9), 1, output.clone(), link, false);
+        (wire, output, awaited)
+    }
+
     /// Only the awaited peer's acknowledgement of the awaited `syncvm`
     /// releases, only the epoch its freeze closed, once; output of the
     /// epoch after it (the guest's since its resume) stays held.
@@ -258,10 +269,7 @@ mod tests {
     /// both epochs leave, in order.
     #[test]
     fn two_epochs_acknowledged_out_of_order_leave_in_order() {
-        let (wire, output) = held(2);
-        let awaited = Awaited::default();
-        awaited.expect(2, sync(7), 0, output.clone(), true, false);
-        awaited.expect(2, sync(9), 1, output.clone(), true, false);
+        let (wire, _, awaited) = awaiting_7_and_9(2, true);
         assert!(awaited.take(2, &ack(sync(9))).is_none(), "the second first: held until the first is released");
         assert_eq!(awaited.wait(sync(9), Instant::now(), || false), Waited::Acked, "its waiter learns it came");
         assert_eq!(awaited.wait(sync(7), Instant::now(), || false), Waited::Timeout);
@@ -275,10 +283,7 @@ mod tests {
     /// In order, each acknowledgement releases its own epoch only.
     #[test]
     fn two_epochs_acknowledged_in_order_leave_one_by_one() {
-        let (wire, output) = held(2);
-        let awaited = Awaited::default();
-        awaited.expect(2, sync(7), 0, output.clone(), true, false);
-        awaited.expect(2, sync(9), 1, output.clone(), true, false);
+        let (wire, _, awaited) = awaiting_7_and_9(2, true);
         awaited.take(2, &ack(sync(7))).expect("the first").run();
         assert_eq!(sent(&wire), ["epoch 0"]);
         assert!(awaited.finish(sync(7), true));
@@ -292,10 +297,7 @@ mod tests {
     /// as abandoned (proposed before the failure, run after it).
     #[test]
     fn a_failed_syncvm_abandons_the_next() {
-        let (wire, output) = held(3);
-        let awaited = Awaited::default();
-        awaited.expect(2, sync(7), 0, output.clone(), true, false);
-        awaited.expect(2, sync(9), 1, output.clone(), true, false);
+        let (wire, output, awaited) = awaiting_7_and_9(3, true);
         assert_eq!(awaited.wait(sync(7), Instant::now() + Duration::from_millis(5), || false), Waited::Timeout);
         assert!(!awaited.finish(sync(7), false));
         assert_eq!(awaited.wait(sync(9), Instant::now() + Duration::from_secs(60), || false), Waited::Abandoned);
@@ -312,10 +314,7 @@ mod tests {
     /// closed link ends the wait; stepping down ends every wait.
     #[test]
     fn waiters_learn_of_acks_lost_links_and_step_downs() {
-        let (wire, output) = held(3);
-        let awaited = Arc::new(Awaited::default());
-        awaited.expect(2, sync(7), 0, output.clone(), false, false);
-        awaited.expect(2, sync(9), 1, output.clone(), false, false);
+        let (wire, output, awaited) = awaiting_7_and_9(3, false);
         let a = awaited.clone();
         let acker = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(20));

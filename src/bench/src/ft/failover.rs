@@ -182,12 +182,6 @@ fn unix_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
 }
 
-/// `lost_unix_us` of the backup's `PRIMARY LOST` line.
-fn lost_unix_us(stderr: &str) -> Option<u64> {
-    let line = stderr.lines().find(|l| l.contains("PRIMARY LOST"))?;
-    line.split_whitespace().find_map(|w| w.strip_prefix("lost_unix_us=")).and_then(|v| v.parse().ok())
-}
-
 /// How the primary is run: `--mirror` on or off, epochs and the failure
 /// timeout of both sides.
 #[derive(Clone, Copy)]
@@ -268,7 +262,7 @@ pub fn trial(topo: &Topology, etcd: &Etcd, failure: Failure, setup: Setup, dir: 
         primary.signal(libc::SIGCONT)?;
     }
     drop(clients);
-    let lost = lost_unix_us(&backup.stderr())
+    let lost = runs::logged_value::<u64>(&backup.stderr(), "PRIMARY LOST", "lost_unix_us")
         .ok_or_else(|| format!("the backup did not take over: {}\nthe primary said: {}", backup.stderr(), primary.stderr()))?;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let trial = Trial {
@@ -368,16 +362,4 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             reference: None,
         },
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reads_the_takeover_line() {
-        let err = "2025-01-01T00:00:00Z  WARN ftvm_primary_backup::backup: PRIMARY LOST: took over from the last committed checkpoint epoch=7 reason=\"x y\" lost_unix_us=1700000000123456 resume_us=812\n";
-        assert_eq!(lost_unix_us(err), Some(1_700_000_000_123_456));
-        assert_eq!(lost_unix_us("nothing"), None);
-    }
 }

@@ -186,10 +186,15 @@ pub fn epoch_means(path: &Path) -> EpochMeans {
 }
 
 fn memtouch_rate(out: &str) -> Option<f64> {
-    out.lines().find_map(|l| {
-        let rest = l.strip_prefix("memtouch: writes=")?;
-        rest.split_whitespace().find_map(|w| w.strip_prefix("writes/s=")).and_then(|v| v.parse().ok())
-    })
+    logged_value(out, "memtouch: writes=", "writes/s")
+}
+
+/// The value of `key=VALUE` in the first line of `text` that contains
+/// `mark` and has one that parses.
+pub fn logged_value<T: std::str::FromStr>(text: &str, mark: &str, key: &str) -> Option<T> {
+    text.lines()
+        .filter(|l| l.contains(mark))
+        .find_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix(key)?.strip_prefix('='))?.parse().ok())
 }
 
 /// memtouch with `cmdline`, alone or as a primary replicating to a backup
@@ -368,9 +373,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reads_memtouch_rates() {
+    fn reads_logged_values() {
         let out = "memtouch: t=1.0s writes/s=9000 pages/s=9000\nmemtouch: writes=30000 elapsed_ms=3000 writes/s=10001.5\nmemtouch: done checksum=00\n";
         assert_eq!(memtouch_rate(out), Some(10001.5));
         assert_eq!(memtouch_rate("nothing"), None);
+        let err = "2025-01-01T00:00:00Z  WARN ftvm_primary_backup::backup: PRIMARY LOST: took over from the last committed checkpoint epoch=7 reason=\"x y\" lost_unix_us=1700000000123456 resume_us=812\n";
+        assert_eq!(logged_value(err, "PRIMARY LOST", "lost_unix_us"), Some(1_700_000_000_123_456u64));
+        assert_eq!(logged_value::<u64>(err, "PRIMARY LOST", "lost_unix"), None, "whole keys only");
     }
 }

@@ -10,29 +10,24 @@ pub struct Switch {
     pub values: &'static [(&'static str, &'static [&'static str])],
 }
 
+/// A switch whose every value is only `--NAME VALUE`:
+/// `plain!("diff": "off", "xor")`.
+macro_rules! plain {
+    ($name:literal: $($value:literal),+) => {
+        Switch { name: $name, values: &[$(($value, &[concat!("--", $name), $value])),+] }
+    };
+}
+
 /// Every switch the ablation measures: one line per switch.
 pub const SWITCHES: &[Switch] = &[
-    Switch { name: "dirty-backend", values: &[("bitmap", &["--dirty-backend", "bitmap"]), ("ring", &["--dirty-backend", "ring"])] },
-    Switch {
-        name: "mirror",
-        values: &[("on", &["--mirror", "on"]), ("per-frame", &["--mirror", "per-frame"]), ("off", &["--mirror", "off"])],
-    },
-    Switch { name: "trigger", values: &[("output", &["--trigger", "output"]), ("periodic", &["--trigger", "periodic"])] },
-    Switch {
-        name: "pipeline-depth",
-        values: &[("2", &["--pipeline-depth", "2"]), ("1", &["--pipeline-depth", "1"]), ("4", &["--pipeline-depth", "4"])],
-    },
-    Switch { name: "capture", values: &[("pause", &["--capture", "pause"]), ("cow", &["--capture", "cow"])] },
-    Switch {
-        name: "predict-writes",
-        values: &[
-            ("off", &["--predict-writes", "off"]),
-            ("histase", &["--predict-writes", "histase"]),
-            ("adaptive", &["--predict-writes", "adaptive"]),
-        ],
-    },
-    Switch { name: "diff", values: &[("off", &["--diff", "off"]), ("xor", &["--diff", "xor"]), ("lz4", &["--diff", "lz4"])] },
-    Switch { name: "device-state", values: &[("all", &["--device-state", "all"]), ("changed", &["--device-state", "changed"])] },
+    plain!("dirty-backend": "bitmap", "ring"),
+    plain!("mirror": "on", "per-frame", "off"),
+    plain!("trigger": "output", "periodic"),
+    plain!("pipeline-depth": "2", "1", "4"),
+    plain!("capture": "pause", "cow"),
+    plain!("predict-writes": "off", "histase", "adaptive"),
+    plain!("diff": "off", "xor", "lz4"),
+    plain!("device-state": "all", "changed"),
     Switch {
         name: "prefetch",
         values: &[
@@ -43,7 +38,7 @@ pub const SWITCHES: &[Switch] = &[
             ("pull", &["--prefetch", "on", "--prefetch-by", "pull"]),
         ],
     },
-    Switch { name: "fake-ack", values: &[("off", &["--fake-ack", "off"]), ("on", &["--fake-ack", "on"])] },
+    plain!("fake-ack": "off", "on"),
     // Only with the proxy on (its state is what this switch sends).
     Switch {
         name: "fake-ack-state",
@@ -52,14 +47,14 @@ pub const SWITCHES: &[Switch] = &[
             ("all", &["--fake-ack", "on", "--fake-ack-state", "all"]),
         ],
     },
-    Switch { name: "idle-pause", values: &[("park", &["--idle-pause", "park"]), ("kick", &["--idle-pause", "kick"])] },
-    Switch { name: "priority", values: &[("normal", &["--priority", "normal"]), ("realtime", &["--priority", "realtime"])] },
-    Switch { name: "net-offload", values: &[("csum", &["--net-offload", "csum"]), ("off", &["--net-offload", "off"])] },
+    plain!("idle-pause": "park", "kick"),
+    plain!("priority": "normal", "realtime"),
+    plain!("net-offload": "csum", "off"),
 ];
 
 /// The switch that needs a disk: the ablation measures it on its own
 /// workload, a kv guest logging to its disk.
-pub const DISK_IO: Switch = Switch { name: "disk-io", values: &[("async", &["--disk-io", "async"]), ("sync", &["--disk-io", "sync"])] };
+pub const DISK_IO: Switch = plain!("disk-io": "async", "sync");
 
 /// Switch values measured together too (each is also measured alone above).
 pub const COMBINATIONS: &[(&str, &[&str])] = &[

@@ -80,34 +80,38 @@ impl Kernel {
     }
 }
 
-fn changed_scalar(old: &[u8; PAGE], new: &[u8; PAGE]) -> u64 {
+/// The mask whose bit `b` says whether block `b` `differs`: the loop every
+/// kernel shares, inlined into each so that its compare is the kernel's.
+#[inline(always)]
+fn block_mask(mut differs: impl FnMut(usize) -> bool) -> u64 {
     let mut mask = 0u64;
-    for (b, (o, n)) in old.chunks_exact(BLOCK).zip(new.chunks_exact(BLOCK)).enumerate() {
-        let any = o.chunks_exact(8).zip(n.chunks_exact(8)).fold(0u64, |any, (o, n)| {
-            any | (u64::from_ne_bytes(o.try_into().expect("8 bytes")) ^ u64::from_ne_bytes(n.try_into().expect("8 bytes")))
-        });
-        mask |= u64::from(any != 0) << b;
+    for b in 0..BLOCKS {
+        mask |= u64::from(differs(b)) << b;
     }
     mask
+}
+
+fn changed_scalar(old: &[u8; PAGE], new: &[u8; PAGE]) -> u64 {
+    fn words(page: &[u8; PAGE], b: usize) -> impl Iterator<Item = u64> + '_ {
+        page[b * BLOCK..(b + 1) * BLOCK].chunks_exact(8).map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
+    }
+    block_mask(|b| words(old, b).zip(words(new, b)).fold(0, |any, (o, n)| any | (o ^ n)) != 0)
 }
 
 #[target_feature(enable = "avx2")]
 fn changed_avx2(old: &[u8; PAGE], new: &[u8; PAGE]) -> u64 {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_or_si256, _mm256_testz_si256, _mm256_xor_si256};
     let (o, n) = (old.as_ptr().cast::<__m256i>(), new.as_ptr().cast::<__m256i>());
-    let mut mask = 0u64;
-    for b in 0..BLOCKS {
+    block_mask(|b| {
         // SAFETY: block `b` is bytes 64b..64b+64 of both pages (b < 64): two
         // unaligned 32-byte loads from each.
-        let changed = unsafe {
+        unsafe {
             let lo = _mm256_xor_si256(_mm256_loadu_si256(o.add(2 * b)), _mm256_loadu_si256(n.add(2 * b)));
             let hi = _mm256_xor_si256(_mm256_loadu_si256(o.add(2 * b + 1)), _mm256_loadu_si256(n.add(2 * b + 1)));
             let both = _mm256_or_si256(lo, hi);
             _mm256_testz_si256(both, both) == 0
-        };
-        mask |= u64::from(changed) << b;
-    }
-    mask
+        }
+    })
 }
 
 /// As `changed_avx2`, one 512-bit compare per block.
@@ -115,14 +119,11 @@ fn changed_avx2(old: &[u8; PAGE], new: &[u8; PAGE]) -> u64 {
 fn changed_avx512(old: &[u8; PAGE], new: &[u8; PAGE]) -> u64 {
     use std::arch::x86_64::{__m512i, _mm512_cmpneq_epi64_mask, _mm512_loadu_si512};
     let (o, n) = (old.as_ptr().cast::<__m512i>(), new.as_ptr().cast::<__m512i>());
-    let mut mask = 0u64;
-    for b in 0..BLOCKS {
+    block_mask(|b| {
         // SAFETY: block `b` is bytes 64b..64b+64 of both pages (b < 64): one
         // unaligned 64-byte load from each.
-        let lanes = unsafe { _mm512_cmpneq_epi64_mask(_mm512_loadu_si512(o.add(b)), _mm512_loadu_si512(n.add(b))) };
-        mask |= u64::from(lanes != 0) << b;
-    }
-    mask
+        unsafe { _mm512_cmpneq_epi64_mask(_mm512_loadu_si512(o.add(b)), _mm512_loadu_si512(n.add(b))) != 0 }
+    })
 }
 
 #[cfg(test)]
