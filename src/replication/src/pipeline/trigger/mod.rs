@@ -28,7 +28,7 @@ use ftvm_vmm::Vm;
 use crate::output::{OutputBuffer, OutputListener};
 use ftvm_vmm::switch;
 pub use pacing::{Pacing, Sample};
-pub use reason::Reason;
+pub use reason::{Reason, Started};
 
 switch! {
     /// `--trigger`: what starts a checkpoint.
@@ -39,18 +39,6 @@ switch! {
         /// Every `--epoch-ms`.
         Periodic = "periodic",
     }
-}
-
-/// Why a checkpoint was started and how its epoch ran.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Started {
-    pub reason: Reason,
-    /// From the previous checkpoint's resume to this pause.
-    pub epoch_len: Duration,
-    /// The longest it could have run.
-    pub max_epoch: Duration,
-    /// From the epoch's first held output to the pause (zero: none held).
-    pub output_wait: Duration,
 }
 
 /// What the trigger needs to know of the guest.

@@ -3,6 +3,8 @@
 //! trigger (which reads the output buffer, which reports to telemetry,
 //! which keeps the figures).
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 
 /// Why a checkpoint was taken (`trigger` in the metrics).
@@ -35,4 +37,17 @@ impl std::fmt::Display for Reason {
             Reason::Stop => "stop",
         })
     }
+}
+
+/// Why a checkpoint was started and how its epoch ran: the trigger's
+/// figures of one checkpoint.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Started {
+    pub reason: Reason,
+    /// From the previous checkpoint's resume to this pause.
+    pub epoch_len: Duration,
+    /// The longest it could have run.
+    pub max_epoch: Duration,
+    /// From the epoch's first held output to the pause (zero: none held).
+    pub output_wait: Duration,
 }
