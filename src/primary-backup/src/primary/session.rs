@@ -154,9 +154,9 @@ impl Session {
         let pulse = Pulse::new();
         link.observe(pulse.clone());
         cx.output.set_release_gate(Some(release_gate(&pulse, Duration::from_millis(theirs.interval_ms))));
-        liveness::check_interval(Role::Backup, theirs.interval_ms, options.liveness.timeout);
         let session = liveness::session_id(mine.session, theirs.session);
         let mirror = start_mirror(cx, options, link.as_ref(), SocketAddr::new(remote.ip(), welcome.mirror_port), session)?;
+        liveness::check_interval(Role::Backup, theirs.interval_ms, options.liveness.timeout);
         let path = liveness::Path {
             socket,
             peer: SocketAddr::new(remote.ip(), theirs.port),
@@ -194,31 +194,32 @@ impl Session {
             .inflight
             .locked()
             .insert(first, InFlight { metrics: metrics_of(&taken, frame.len(), resumed.elapsed()), resumed, sent: Some(Instant::now()) });
+        {
+            // Protected only once the backup acknowledged a checkpoint (the
+            // acknowledgement reader says so, naming the peer set here first).
+            let mut st = cx.status.lock();
+            st.epoch = first;
+            st.peer = backup.to_string();
+            st.detail = format!("backup {backup} synchronized; waiting for its first acknowledgement");
+        }
         let reader = {
             // No timeout: the heartbeat thread decides when the backup is lost
             // and cuts the stream then.
             let mut acks = link.try_clone().map_err(ReplicationError::Send)?;
             acks.set_recv_timeout(None).map_err(ReplicationError::Send)?;
             let (output, shared, status, metrics) = (cx.output.clone(), shared.clone(), cx.status.clone(), cx.metrics.clone());
-            let (trigger, backup, priority) = (cx.trigger.clone(), backup.to_string(), options.priority);
+            let trigger = cx.trigger.clone();
+            let priority = options.priority;
             let pulled = pipeline.pull_confirmations();
             std::thread::Builder::new()
                 .name("replication-acks".into())
                 .spawn(move || {
                     seccomp::install_or_exit(seccomp::ThreadKind::Replication);
                     priority.apply();
-                    read_acks(acks.as_mut(), &output, &shared, &trigger, &status, &metrics, &backup, pulled.as_deref())
+                    read_acks(acks.as_mut(), &output, &shared, &trigger, &status, &metrics, pulled.as_deref())
                 })
                 .map_err(ReplicationError::Thread)?
         };
-        {
-            // Protected only once the backup acknowledged a checkpoint (the
-            // acknowledgement reader says so).
-            let mut st = cx.status.lock();
-            st.epoch = first;
-            st.peer = backup.to_string();
-            st.detail = format!("backup {backup} synchronized; waiting for its first acknowledgement");
-        }
         Ok(Session {
             backup: backup.to_string(),
             link: Mutex::new(link),
@@ -518,7 +519,6 @@ fn handshake(
 
 /// Acknowledgements release output; silence or a closed stream means the
 /// backup is gone.
-#[allow(clippy::too_many_arguments)]
 fn read_acks(
     link: &mut dyn Transport,
     output: &OutputBuffer,
@@ -526,7 +526,6 @@ fn read_acks(
     trigger: &Trigger,
     status: &StatusCell,
     metrics: &MetricsLog,
-    backup: &str,
     pulled: Option<&AtomicU64>,
 ) {
     let mut buf = Vec::new();
@@ -541,7 +540,7 @@ fn read_acks(
                     let mut st = status.lock();
                     if !st.protected {
                         st.protected = true;
-                        st.detail = format!("protected by {backup}");
+                        st.detail = format!("protected by {}", st.peer);
                     }
                 }
                 let mut done = Vec::new();
