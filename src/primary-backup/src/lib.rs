@@ -9,4 +9,4 @@ pub mod mirror;
 pub mod primary;
 
 pub use backup::{Backup, BackupConfig, Outcome};
-pub use primary::{BackupLoss, Finished, OnBackupLoss, Primary, PrimaryConfig, DEFAULT_PIPELINE_DEPTH};
+pub use primary::{BackupLoss, Finished, LossPolicy, OnBackupLoss, Primary, PrimaryConfig, SessionOptions, DEFAULT_PIPELINE_DEPTH};

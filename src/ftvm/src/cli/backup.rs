@@ -93,6 +93,8 @@ impl TryFrom<BackupArgs> for Follower {
 fn promotion(backup: &BackupConfig, standbys: Vec<String>) -> Result<PrimaryConfig, RunError> {
     let with =
         Protection { backup: String::new(), arbiter: backup.arbiter.clone(), auth: backup.auth.clone(), disk: backup.devices.disk.clone() };
-    let config = ReplicationArgs::defaults().protecting(with)?;
-    Ok(PrimaryConfig { heartbeat: backup.heartbeat, standbys, ..config })
+    let mut config = ReplicationArgs::defaults().protecting(with)?;
+    config.session.liveness.interval = backup.heartbeat;
+    config.loss.standbys = standbys;
+    Ok(config)
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::{Args, FromArgMatches};
 
 use ftvm_primary_backup::mirror::Mode;
-use ftvm_primary_backup::{OnBackupLoss, PrimaryConfig, DEFAULT_PIPELINE_DEPTH};
+use ftvm_primary_backup::{LossPolicy, OnBackupLoss, PrimaryConfig, SessionOptions, DEFAULT_PIPELINE_DEPTH};
 use ftvm_replication::arbiter::Arbiter;
 use ftvm_replication::liveness;
 use ftvm_replication::pipeline::transport::Auth;
@@ -226,15 +226,18 @@ impl ReplicationArgs {
         let mirror = mirror(args.mirror, with.auth.as_ref().is_some_and(|a| a.encrypt))?;
         Ok(PrimaryConfig {
             backup: with.backup,
-            epoch: args.epoch,
-            failure_timeout: args.failure_timeout,
-            ack_timeout: args.ack_timeout.max(args.failure_timeout),
-            heartbeat: args.heartbeat,
-            on_backup_loss,
-            arbiter: with.arbiter,
-            connect_timeout: args.connect_timeout,
+            session: SessionOptions {
+                epoch: args.epoch,
+                liveness: liveness::Timing { interval: args.heartbeat, timeout: args.failure_timeout },
+                ack_timeout: args.ack_timeout.max(args.failure_timeout),
+                connect_timeout: args.connect_timeout,
+                auth: with.auth,
+                mirror,
+                priority: args.priority,
+                disk: with.disk,
+            },
+            loss: LossPolicy { on_backup_loss, arbiter: with.arbiter, standbys: Vec::new() },
             metrics: args.metrics.file(),
-            disk: with.disk,
             switches: Switches {
                 capture: args.capture,
                 encoding: args.encoding,
@@ -248,11 +251,7 @@ impl ReplicationArgs {
                 fake_ack_state: args.fake_ack_state,
             },
             pipeline_depth: args.pipeline_depth as usize,
-            auth: with.auth,
-            mirror,
-            priority: args.priority,
             fake_ack: args.fake_ack,
-            standbys: Vec::new(),
         })
     }
 }

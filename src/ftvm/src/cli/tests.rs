@@ -109,14 +109,15 @@ fn a_promoted_backup_runs_with_the_defaults_of_ftvm_run() {
     let args = ["ftvm", "backup", "--listen", "h:1", "--insecure", "--heartbeat-ms", "7", "--standby", "h:2,h:3"];
     let Sub::Backup(args) = Cli::try_parse_from(args).unwrap().command else { panic!("not ftvm backup") };
     let promotion = crate::roles::backup::Follower::try_from(args).unwrap().promotion;
-    assert_eq!((promotion.epoch, promotion.failure_timeout), (PrimaryConfig::DEFAULT_EPOCH, PrimaryConfig::DEFAULT_FAILURE_TIMEOUT));
+    let session = &promotion.session;
+    assert_eq!((session.epoch, session.liveness.timeout), (PrimaryConfig::DEFAULT_EPOCH, PrimaryConfig::DEFAULT_FAILURE_TIMEOUT));
     assert_eq!(
-        (promotion.ack_timeout, promotion.connect_timeout),
+        (session.ack_timeout, session.connect_timeout),
         (PrimaryConfig::DEFAULT_ACK_TIMEOUT, PrimaryConfig::DEFAULT_CONNECT_TIMEOUT)
     );
-    assert_eq!((promotion.on_backup_loss, promotion.mirror), (OnBackupLoss::Pause, Mode::On));
+    assert_eq!((promotion.loss.on_backup_loss, session.mirror), (OnBackupLoss::Pause, Mode::On));
     assert_eq!((promotion.pipeline_depth, promotion.switches.diff), (DEFAULT_PIPELINE_DEPTH as usize, Diff::Lz4));
-    assert_eq!(promotion.heartbeat, Duration::from_millis(7));
-    assert_eq!(promotion.standbys, ["h:2", "h:3"]);
-    assert!(promotion.metrics.is_none() && promotion.auth.is_none());
+    assert_eq!(session.liveness.interval, Duration::from_millis(7));
+    assert_eq!(promotion.loss.standbys, ["h:2", "h:3"]);
+    assert!(promotion.metrics.is_none() && session.auth.is_none());
 }

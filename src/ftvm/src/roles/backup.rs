@@ -33,7 +33,7 @@ pub struct Follower {
     pub config: BackupConfig,
     /// Once it took over, the primary it becomes when protected: the
     /// defaults of `ftvm run`, this backup's heartbeat, arbiter, secret,
-    /// disk and standbys (`PrimaryConfig::standbys`).
+    /// disk and standbys (`LossPolicy::standbys`).
     pub promotion: PrimaryConfig,
     pub host: HostOptions,
 }
@@ -72,7 +72,7 @@ impl Following {
         let takeover_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(os("eventfd"))?;
         let (takeover_tx, takeover_rx) = mpsc::channel();
         let backup = Backup::bind(config)?;
-        backup.status().lock().standbys = promotion.standbys.clone();
+        backup.status().lock().standbys = promotion.loss.standbys.clone();
         rt.report(backup.status());
         rt.watch(takeover_evt.as_raw_fd(), TAKEOVER)?;
         let evt = takeover_evt.try_clone().map_err(os("eventfd"))?;
@@ -98,9 +98,9 @@ impl Following {
         match self.takeover_rx.try_recv() {
             Ok(Ok(Outcome::TookOver(vm))) => {
                 rt.adopt(vm.clone())?;
-                if !self.promotion.standbys.is_empty() {
+                if !self.promotion.loss.standbys.is_empty() {
                     // Protected again without an operator.
-                    self.protect(vm, self.promotion.standbys.clone(), true)?;
+                    self.protect(vm, self.promotion.loss.standbys.clone(), true)?;
                 }
                 Ok(None)
             }
@@ -119,7 +119,7 @@ impl Following {
             self.promoting = false;
             match result {
                 Ok(p) => {
-                    p.status_cell().lock().standbys = self.promotion.standbys.clone();
+                    p.status_cell().lock().standbys = self.promotion.loss.standbys.clone();
                     rt.protected_by(p);
                 }
                 Err(e) => tracing::error!("protecting the promoted VM failed: {e}"),

@@ -22,12 +22,12 @@ use ftvm_replication::fakeack::FakeAck;
 use ftvm_replication::metrics::{MetricsLog, Role, Status, StatusCell};
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
 use ftvm_replication::pipeline::epochs::{Ended, EpochLoop};
-use ftvm_replication::pipeline::trigger::{Pacing, Reason, Trigger};
+use ftvm_replication::pipeline::trigger::{self, Pacing, Reason, Trigger};
 use ftvm_replication::pipeline::Pipeline;
 use ftvm_replication::ReplicationError;
 use session::{Context, Session};
 
-pub use config::{OnBackupLoss, PrimaryConfig, DEFAULT_PIPELINE_DEPTH, STANDBY_RETRY};
+pub use config::{LossPolicy, OnBackupLoss, PrimaryConfig, SessionOptions, DEFAULT_PIPELINE_DEPTH, STANDBY_RETRY};
 pub use loss::BackupLoss;
 
 /// How often a side retries an arbiter it cannot reach.
@@ -124,7 +124,7 @@ impl Primary {
     /// guest ran.
     pub fn plumb(vm: &Vm, config: &PrimaryConfig) -> Result<Plumbing, ReplicationError> {
         let me = ftvm_replication::identity(Role::Primary);
-        let ownership = match &config.arbiter {
+        let ownership = match &config.loss.arbiter {
             Some(arbiter) => Some(claim_at_start(arbiter, &me)?),
             None => None,
         };
@@ -167,17 +167,9 @@ impl Primary {
         let status = StatusCell::new(Role::Primary);
         let mut pipeline = Pipeline::with_fake_ack(&config.switches, &vm, output.clone(), journal.clone(), fake_ack.clone())?;
         let mut epoch = FIRST_EPOCH;
-        let cx = Context {
-            vm: &vm,
-            config: &config,
-            status: &status,
-            metrics: &metrics,
-            output: &output,
-            journal: &journal,
-            trigger: &trigger,
-            stop: cancel,
-        };
-        let session = Session::open(&cx, &mut pipeline, &mut epoch)?;
+        let cx =
+            Context { vm: &vm, status: &status, metrics: &metrics, output: &output, journal: &journal, trigger: &trigger, stop: cancel };
+        let session = Session::open(&config.backup, &config.session, &cx, &mut pipeline, &mut epoch)?;
         let (requests, rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
         let exit_status = Arc::new(AtomicI32::new(0));
@@ -186,7 +178,10 @@ impl Primary {
         let kept = output.clone();
         let worker = Worker {
             vm,
-            config,
+            options: config.session,
+            loss: config.loss,
+            pacing: config.switches.trigger,
+            depth: config.pipeline_depth,
             status: status.clone(),
             metrics,
             output,
@@ -262,7 +257,13 @@ impl Drop for Primary {
 
 struct Worker {
     vm: Arc<Vm>,
-    config: PrimaryConfig,
+    /// How each session with a backup runs.
+    options: SessionOptions,
+    loss: LossPolicy,
+    /// `--trigger`: how the epochs are paced (afresh with each backup).
+    pacing: trigger::Mode,
+    /// `--pipeline-depth`.
+    depth: usize,
     status: StatusCell,
     metrics: Arc<MetricsLog>,
     output: Arc<OutputBuffer>,
@@ -314,12 +315,12 @@ impl Worker {
                 return;
             }
             match self.requests.recv_timeout(Duration::from_millis(100)) {
-                Ok(addr) => session = self.reprotect(addr),
+                Ok(addr) => session = self.reprotect(&addr),
                 Err(RecvTimeoutError::Timeout) => {
-                    if !self.config.standbys.is_empty() && last_standby_try.is_none_or(|t| t.elapsed() >= STANDBY_RETRY) {
+                    if !self.loss.standbys.is_empty() && last_standby_try.is_none_or(|t| t.elapsed() >= STANDBY_RETRY) {
                         last_standby_try = Some(Instant::now());
-                        for addr in self.config.standbys.clone() {
-                            session = self.reprotect(addr);
+                        for addr in self.loss.standbys.clone() {
+                            session = self.reprotect(&addr);
                             if session.is_some() || self.stop.load(Ordering::SeqCst) {
                                 break;
                             }
@@ -333,11 +334,9 @@ impl Worker {
 
     /// Protect the VM again with the backup at `addr`: the session, or None
     /// after undoing the attempt as the loss policy has it.
-    fn reprotect(&mut self, addr: String) -> Option<Session> {
-        let config = PrimaryConfig { backup: addr, ..self.config.clone() };
+    fn reprotect(&mut self, addr: &str) -> Option<Session> {
         let cx = Context {
             vm: &self.vm,
-            config: &config,
             status: &self.status,
             metrics: &self.metrics,
             output: &self.output,
@@ -345,10 +344,9 @@ impl Worker {
             trigger: &self.trigger,
             stop: &self.stop,
         };
-        match Session::open(&cx, &mut self.pipeline, &mut self.epoch) {
+        match Session::open(addr, &self.options, &cx, &mut self.pipeline, &mut self.epoch) {
             Ok(s) => {
-                tracing::info!(backup = %config.backup, "protected again");
-                self.config = config;
+                tracing::info!(backup = %addr, "protected again");
                 if std::mem::take(&mut self.held_by_policy) {
                     self.vm.release();
                 }
@@ -367,17 +365,17 @@ impl Worker {
     fn protect(&mut self, session: &Session) -> Option<BackupLoss> {
         // Only while protecting: outside it this thread creates threads (a
         // new backup's session), which would inherit the priority.
-        self.config.priority.during(|| self.protect_with(session))
+        self.options.priority.during(|| self.protect_with(session))
     }
 
     fn protect_with(&mut self, session: &Session) -> Option<BackupLoss> {
-        let mut pacing = Pacing::new(self.config.switches.trigger, self.config.epoch);
+        let mut pacing = Pacing::new(self.pacing, self.options.epoch);
         let mut epochs = EpochLoop {
             pipeline: &mut self.pipeline,
             vm: &self.vm,
             output: &self.output,
             trigger: &self.trigger,
-            depth: self.config.pipeline_depth,
+            depth: self.depth,
             stop: &self.stop,
         };
         let status = &self.status;
@@ -405,7 +403,7 @@ impl Worker {
         if let Err(loss) = session.send_checkpoint(&taken, frame, sent) {
             return Some(session.loss_after(loss));
         }
-        let deadline = sent + self.config.ack_timeout;
+        let deadline = sent + self.options.ack_timeout;
         while !session.is_lost() && !session.acked_all() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -425,7 +423,7 @@ impl Worker {
         }
         match session.hand_over() {
             Ok(()) => {
-                tracing::info!(epoch, backup = %self.config.backup, "handed the VM over to the backup");
+                tracing::info!(epoch, backup = %session.backup(), "handed the VM over to the backup");
                 self.handover.done.store(true, Ordering::SeqCst);
             }
             Err(e) => tracing::error!("switch-over: cannot tell the backup: {e}; it takes over as after a failure"),
@@ -445,7 +443,7 @@ impl Worker {
     /// owns the VM again: the backup may be taking it over right now. Returns
     /// whether this primary still owns the VM.
     fn reclaim(&mut self, reason: &BackupLoss) -> bool {
-        let (Some(arbiter), Some(seen)) = (self.config.arbiter.clone(), self.ownership.clone()) else { return true };
+        let (Some(arbiter), Some(seen)) = (self.loss.arbiter.clone(), self.ownership.clone()) else { return true };
         self.vm.hold();
         let mut logged = false;
         loop {
@@ -490,7 +488,7 @@ impl Worker {
     /// of waiting for an acknowledgement that will never come; with `pause`
     /// it stays held with the paused guest.
     fn reprotection_failed(&mut self, e: &ReplicationError) {
-        let detail = match self.config.on_backup_loss {
+        let detail = match self.loss.on_backup_loss {
             OnBackupLoss::Continue => {
                 let released = self.output.unprotect();
                 self.journal.stop();
@@ -516,7 +514,7 @@ impl Worker {
             return;
         }
         let output = &self.output;
-        match self.config.on_backup_loss {
+        match self.loss.on_backup_loss {
             OnBackupLoss::Continue => {
                 let released = output.unprotect();
                 self.journal.stop();

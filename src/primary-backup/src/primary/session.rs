@@ -12,12 +12,12 @@ use ftvm_vmm::seccomp;
 use ftvm_vmm::sync::Lock;
 use ftvm_vmm::Vm;
 
-use super::config::PrimaryConfig;
+use super::config::SessionOptions;
 use super::loss::BackupLoss;
 use super::precopy;
 use crate::mirror;
 use ftvm_replication::fault;
-use ftvm_replication::liveness::{self, Heartbeats, Observer, Pulse, Timing};
+use ftvm_replication::liveness::{self, Heartbeats, Observer, Pulse};
 use ftvm_replication::metrics::{EpochMetrics, MetricsLog, Role, StatusCell};
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
 use ftvm_replication::pipeline::epochs::EpochLink;
@@ -54,6 +54,8 @@ impl Shared {
 }
 
 pub struct Session {
+    /// The backup's replication address.
+    backup: String,
     link: Mutex<Box<dyn Transport>>,
     shared: Arc<Shared>,
     reader: Option<JoinHandle<()>>,
@@ -96,10 +98,10 @@ impl Observer for Watch {
     }
 }
 
-/// What a session needs from the primary.
+/// What a session shares with the primary: the VM and the objects around
+/// it (its options come apart, `SessionOptions`).
 pub struct Context<'a> {
     pub vm: &'a Vm,
-    pub config: &'a PrimaryConfig,
     pub status: &'a StatusCell,
     pub metrics: &'a Arc<MetricsLog>,
     pub output: &'a Arc<OutputBuffer>,
@@ -110,19 +112,25 @@ pub struct Context<'a> {
 }
 
 impl Session {
-    /// Connect, handshake, pre-copy and send the first checkpoint (`*epoch`,
-    /// advanced past it).
-    pub fn open(cx: &Context, pipeline: &mut Pipeline, epoch: &mut u64) -> Result<Session, ReplicationError> {
-        let tcp = transport::connect_unless(&cx.config.backup, cx.config.connect_timeout, cx.stop)?;
+    /// Connect to the backup at `backup`, handshake, pre-copy and send the
+    /// first checkpoint (`*epoch`, advanced past it).
+    pub fn open(
+        backup: &str,
+        options: &SessionOptions,
+        cx: &Context,
+        pipeline: &mut Pipeline,
+        epoch: &mut u64,
+    ) -> Result<Session, ReplicationError> {
+        let tcp = transport::connect_unless(backup, options.connect_timeout, cx.stop)?;
         let no_ip = || ReplicationError::Heartbeat(std::io::Error::other("the transport has no IP addresses"));
         let (local, remote) = tcp.addrs().ok_or_else(no_ip)?;
         let socket = liveness::bind_primary(local.ip()).map_err(ReplicationError::Heartbeat)?;
         let mine = Heartbeat {
             session: liveness::session_half().map_err(ReplicationError::Heartbeat)?,
             port: socket.local_addr().map_err(ReplicationError::Heartbeat)?.port(),
-            interval_ms: cx.config.heartbeat.as_millis() as u64,
+            interval_ms: options.liveness.interval.as_millis() as u64,
         };
-        cx.status.lock().detail = format!("synchronizing backup {}", cx.config.backup);
+        cx.status.lock().detail = format!("synchronizing backup {backup}");
         let pull = pipeline.pull_confirmations().is_some();
         // A backup that accepted and then says nothing would hold the
         // handshake for its whole timeout: a stop signal cuts it short
@@ -130,13 +138,13 @@ impl Session {
         let cut = tcp.try_clone().map_err(ReplicationError::Send)?;
         let first = *epoch;
         let (mut link, welcome) = unless_stopped(cx.stop, cut, move || {
-            let mut link: Box<dyn Transport> = match &cx.config.auth {
+            let mut link: Box<dyn Transport> = match &options.auth {
                 Some(auth) => Box::new(AuthTransport::initiate(tcp, auth)?),
                 None => Box::new(tcp),
             };
-            let welcome = handshake(link.as_mut(), cx.vm, cx.config, first, mine)?;
+            let welcome = handshake(link.as_mut(), cx.vm, options, first, mine)?;
             if pull {
-                share_memory(link.as_mut(), cx)?;
+                share_memory(link.as_mut(), cx.vm, options.connect_timeout)?;
             }
             Ok((link, welcome))
         })?;
@@ -146,9 +154,9 @@ impl Session {
         let pulse = Pulse::new();
         link.observe(pulse.clone());
         cx.output.set_release_gate(Some(release_gate(&pulse, Duration::from_millis(theirs.interval_ms))));
-        liveness::check_interval(Role::Backup, theirs.interval_ms, cx.config.failure_timeout);
         let session = liveness::session_id(mine.session, theirs.session);
-        let mirror = start_mirror(cx, link.as_ref(), SocketAddr::new(remote.ip(), welcome.mirror_port), session)?;
+        let mirror = start_mirror(cx, options, link.as_ref(), SocketAddr::new(remote.ip(), welcome.mirror_port), session)?;
+        liveness::check_interval(Role::Backup, theirs.interval_ms, options.liveness.timeout);
         let path = liveness::Path {
             socket,
             peer: SocketAddr::new(remote.ip(), theirs.port),
@@ -157,14 +165,13 @@ impl Session {
             keys: link.heartbeat_keys(),
         };
         let watch =
-            Watch { shared: shared.clone(), link: link.try_clone().map_err(ReplicationError::Send)?, ack_timeout: cx.config.ack_timeout };
-        let timing = Timing { interval: cx.config.heartbeat, timeout: cx.config.failure_timeout };
-        let heartbeats = Heartbeats::start(path, timing, pulse, watch).map_err(ReplicationError::Thread)?;
-        tracing::info!(backup = %cx.config.backup, "bringing the backup up to date (pre-copy)");
+            Watch { shared: shared.clone(), link: link.try_clone().map_err(ReplicationError::Send)?, ack_timeout: options.ack_timeout };
+        let heartbeats = Heartbeats::start(path, options.liveness, pulse, watch).map_err(ReplicationError::Thread)?;
+        tracing::info!(backup = %backup, "bringing the backup up to date (pre-copy)");
         let t0 = Instant::now();
         // Pre-copy restarts dirty tracking.
         pipeline.restart();
-        let sent = precopy::run(link.as_mut(), cx.vm, cx.journal, cx.trigger, cx.config.disk.as_deref(), cx.stop)
+        let sent = precopy::run(link.as_mut(), cx.vm, cx.journal, cx.trigger, options.disk.as_deref(), cx.stop)
             .map_err(|e| sync_failed(link.as_mut(), &shared, e))?;
         // The stop-and-copy: the first checkpoint, which also starts output commit.
         cx.trigger.clear();
@@ -177,7 +184,7 @@ impl Session {
         let resumed = Instant::now();
         link.send(frame).map_err(|e| sync_failed(link.as_mut(), &shared, ReplicationError::Send(e)))?;
         tracing::info!(
-            backup = %cx.config.backup,
+            backup = %backup,
             precopy_bytes = sent,
             precopy_ms = t0.elapsed().as_millis() as u64,
             pause_us = taken.freeze.pause.as_micros() as u64,
@@ -187,32 +194,45 @@ impl Session {
             .inflight
             .locked()
             .insert(first, InFlight { metrics: metrics_of(&taken, frame.len(), resumed.elapsed()), resumed, sent: Some(Instant::now()) });
+        {
+            // Protected only once the backup acknowledged a checkpoint (the
+            // acknowledgement reader says so, naming the peer set here first).
+            let mut st = cx.status.lock();
+            st.epoch = first;
+            st.peer = backup.to_string();
+            st.detail = format!("backup {backup} synchronized; waiting for its first acknowledgement");
+        }
         let reader = {
             // No timeout: the heartbeat thread decides when the backup is lost
             // and cuts the stream then.
             let mut acks = link.try_clone().map_err(ReplicationError::Send)?;
             acks.set_recv_timeout(None).map_err(ReplicationError::Send)?;
             let (output, shared, status, metrics) = (cx.output.clone(), shared.clone(), cx.status.clone(), cx.metrics.clone());
-            let (trigger, backup, priority) = (cx.trigger.clone(), cx.config.backup.clone(), cx.config.priority);
+            let trigger = cx.trigger.clone();
+            let priority = options.priority;
             let pulled = pipeline.pull_confirmations();
             std::thread::Builder::new()
                 .name("replication-acks".into())
                 .spawn(move || {
                     seccomp::install_or_exit(seccomp::ThreadKind::Replication);
                     priority.apply();
-                    read_acks(acks.as_mut(), &output, &shared, &trigger, &status, &metrics, &backup, pulled.as_deref())
+                    read_acks(acks.as_mut(), &output, &shared, &trigger, &status, &metrics, pulled.as_deref())
                 })
                 .map_err(ReplicationError::Thread)?
         };
-        {
-            // Protected only once the backup acknowledged a checkpoint (the
-            // acknowledgement reader says so).
-            let mut st = cx.status.lock();
-            st.epoch = first;
-            st.peer = cx.config.backup.clone();
-            st.detail = format!("backup {} synchronized; waiting for its first acknowledgement", cx.config.backup);
-        }
-        Ok(Session { link: Mutex::new(link), shared, reader: Some(reader), heartbeats: Some(heartbeats), mirror })
+        Ok(Session {
+            backup: backup.to_string(),
+            link: Mutex::new(link),
+            shared,
+            reader: Some(reader),
+            heartbeats: Some(heartbeats),
+            mirror,
+        })
+    }
+
+    /// The backup's replication address.
+    pub fn backup(&self) -> &str {
+        &self.backup
     }
 
     pub fn acked_all(&self) -> bool {
@@ -305,10 +325,11 @@ impl Drop for Session {
 
 /// `--prefetch-by pull`: hand the backup a read-only view of the guest's
 /// memory (`prefetch::pull`), before anything else it is sent.
-fn share_memory(link: &mut dyn Transport, cx: &Context) -> Result<(), ReplicationError> {
+/// `timeout`: how long the backup may take to come for it.
+fn share_memory(link: &mut dyn Transport, vm: &Vm, timeout: Duration) -> Result<(), ReplicationError> {
     let offer = Offer::new()?;
     link.send(&protocol::message(Kind::PullMap, &offer.name())).map_err(ReplicationError::Send)?;
-    if let Err(e) = offer.serve(cx.vm.ram().memfd(), cx.config.connect_timeout) {
+    if let Err(e) = offer.serve(vm.ram().memfd(), timeout) {
         // A backup that could not take it (on another host, say) said why.
         return Err(match refusal_behind(link, ReplicationError::Send(std::io::Error::other(e.to_string()))) {
             refused @ ReplicationError::Refused(_) => refused,
@@ -441,20 +462,21 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
 /// buffer, input through the VM's input hook (`mirror`).
 fn start_mirror(
     cx: &Context,
+    options: &SessionOptions,
     link: &dyn Transport,
     peer: SocketAddr,
     session: liveness::SessionId,
 ) -> Result<Option<Arc<mirror::Sender>>, ReplicationError> {
-    if cx.config.mirror == mirror::Mode::Off {
+    if options.mirror == mirror::Mode::Off {
         return Ok(None);
     }
-    if cx.config.auth.as_ref().is_some_and(|a| a.encrypt) {
+    if options.auth.as_ref().is_some_and(|a| a.encrypt) {
         tracing::info!("not mirroring frames to the backup: they would travel unencrypted (--encrypt)");
         return Ok(None);
     }
     let Some((local, _)) = link.addrs() else { return Ok(None) };
     let codec = mirror::Codec { session, keys: link.heartbeat_keys() };
-    let mode = cx.config.mirror;
+    let mode = options.mirror;
     let sender = Arc::new(mirror::Sender::new(local.ip(), peer, codec, mode == mirror::Mode::On).map_err(ReplicationError::Heartbeat)?);
     cx.output.set_mirror(Some(sender.clone()), mode.fold());
     cx.vm.hooks().set_host_input(Some(Arc::new(mirror::InputMirror { sender: sender.clone(), output: cx.output.clone() })));
@@ -464,11 +486,11 @@ fn start_mirror(
 fn handshake(
     link: &mut dyn Transport,
     vm: &Vm,
-    config: &PrimaryConfig,
+    options: &SessionOptions,
     first_epoch: u64,
     heartbeat: Heartbeat,
 ) -> Result<Welcome, ReplicationError> {
-    let disk_size = match &config.disk {
+    let disk_size = match &options.disk {
         Some(p) => Some(std::fs::metadata(p).map_err(ReplicationError::PrimaryDisk)?.len()),
         None => None,
     };
@@ -478,7 +500,7 @@ fn handshake(
         devices: vm.devices().kinds(),
         mac: vm.config().devices.net.as_ref().map(|n| n.mac),
         disk_size,
-        epoch_ms: config.epoch.as_millis() as u64,
+        epoch_ms: options.epoch.as_millis() as u64,
         first_epoch,
         heartbeat,
         cpu: vm.cpu_profile().clone(),
@@ -497,7 +519,6 @@ fn handshake(
 
 /// Acknowledgements release output; silence or a closed stream means the
 /// backup is gone.
-#[allow(clippy::too_many_arguments)]
 fn read_acks(
     link: &mut dyn Transport,
     output: &OutputBuffer,
@@ -505,7 +526,6 @@ fn read_acks(
     trigger: &Trigger,
     status: &StatusCell,
     metrics: &MetricsLog,
-    backup: &str,
     pulled: Option<&AtomicU64>,
 ) {
     let mut buf = Vec::new();
@@ -520,7 +540,7 @@ fn read_acks(
                     let mut st = status.lock();
                     if !st.protected {
                         st.protected = true;
-                        st.detail = format!("protected by {backup}");
+                        st.detail = format!("protected by {}", st.peer);
                     }
                 }
                 let mut done = Vec::new();
