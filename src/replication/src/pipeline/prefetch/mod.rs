@@ -176,24 +176,25 @@ impl Sent {
     }
 }
 
+/// The open epoch, as the rounds are scheduled in it: when it started (the
+/// previous checkpoint's resume) and how long it is planned to last.
+#[derive(Clone, Copy, Debug)]
+pub struct Window {
+    pub since: Instant,
+    pub max_epoch: Duration,
+}
+
 /// The in-epoch transfer stage: pages sent to the backup while the guest
 /// runs, in rounds the stage schedules itself. One implementation per
 /// `--prefetch` value ([`in_epoch`]): no rounds, or the prefetcher (its
 /// pages pushed in frames, or pulled by the backup).
 pub trait InEpoch: Send {
-    /// When the next round of the epoch that started at `since`, planned to
-    /// last `max_epoch`, is due (None: no round is left in it).
-    fn next_round(&self, since: Instant, max_epoch: Duration) -> Option<Instant>;
+    /// When the next round of the epoch in `window` is due (None: no round
+    /// is left in it).
+    fn next_round(&self, window: Window) -> Option<Instant>;
     /// Run the round that is due, for the open epoch `epoch`, its pages
     /// through `encoder` (the checkpoint's): the frame to send, if any.
-    fn round(
-        &mut self,
-        vm: &Vm,
-        epoch: u64,
-        since: Instant,
-        max_epoch: Duration,
-        encoder: &mut dyn PageEncoder,
-    ) -> Result<Option<&[u8]>, ReplicationError>;
+    fn round(&mut self, vm: &Vm, epoch: u64, window: Window, encoder: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError>;
     /// The round's frame was sent: what it took schedules the next ones.
     fn round_sent(&mut self);
     /// At the freeze: add to `dirty` what the checkpoint must carry, and
@@ -221,11 +222,11 @@ pub fn in_epoch(mode: Mode, by: pull::By, ram_pages: u64, limit: u64) -> Box<dyn
 struct NoRounds;
 
 impl InEpoch for NoRounds {
-    fn next_round(&self, _since: Instant, _max_epoch: Duration) -> Option<Instant> {
+    fn next_round(&self, _: Window) -> Option<Instant> {
         None
     }
 
-    fn round(&mut self, _: &Vm, _: u64, _: Instant, _: Duration, _: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
+    fn round(&mut self, _: &Vm, _: u64, _: Window, _: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
         Ok(None)
     }
 
@@ -441,21 +442,15 @@ impl Prefetcher {
 }
 
 impl InEpoch for Prefetcher {
-    fn next_round(&self, since: Instant, max_epoch: Duration) -> Option<Instant> {
+    fn next_round(&self, window: Window) -> Option<Instant> {
         if !self.runs() {
             return None;
         }
-        self.schedule.next(since, max_epoch).map(|(at, _)| at)
+        self.schedule.next(window.since, window.max_epoch).map(|(at, _)| at)
     }
 
-    fn round(
-        &mut self,
-        vm: &Vm,
-        epoch: u64,
-        since: Instant,
-        max_epoch: Duration,
-        encoder: &mut dyn PageEncoder,
-    ) -> Result<Option<&[u8]>, ReplicationError> {
+    fn round(&mut self, vm: &Vm, epoch: u64, window: Window, encoder: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
+        let Window { since, max_epoch } = window;
         let Some((at, last)) = self.schedule.next(since, max_epoch) else { return Ok(None) };
         let started = Instant::now();
         self.running = Some(Running { since, max_epoch, started });
