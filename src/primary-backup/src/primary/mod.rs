@@ -259,6 +259,7 @@ struct Worker {
     vm: Arc<Vm>,
     /// How each session with a backup runs.
     options: SessionOptions,
+    /// What a lost backup means: run on or pause, the arbiter, the standbys.
     loss: LossPolicy,
     /// `--trigger`: how the epochs are paced (afresh with each backup).
     pacing: trigger::Mode,
