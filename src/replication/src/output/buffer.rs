@@ -378,9 +378,11 @@ impl FrameSink for OutputBuffer {
             open.folded += 1;
             open.folded_bytes += frame.len();
         } else {
-            // The fold keeps the epoch's first frames only: what follows one
-            // that did not fit is mirrored, so the backup replays in order.
-            open.fold_full = fold > 0;
+            // The fold is the epoch's first frames (`folded` reads them from
+            // the front): after any frame outside it (one that did not fit,
+            // or one held before the mirror was set) the rest are mirrored,
+            // so the backup replays in order.
+            open.fold_full = true;
         }
         let (mirror, epoch) = (inner.mirror.clone().filter(|_| !folds), inner.open.epoch);
         self.hold(inner, Out::Frame(frame.to_vec()));
@@ -649,10 +651,19 @@ mod tests {
         assert!(drain(&wire).is_empty());
         assert_eq!(out.release_through(2).frames, 5);
         assert_eq!(drain(&wire), b"abcdefghijk");
+        // A frame held before the mirror was set ends the epoch's fold: the
+        // fold must be the epoch's first frames.
+        out.set_mirror(None, 5);
+        out.send(b"before");
+        out.set_mirror(Some(copies.clone()), 5);
+        out.send(b"after");
+        assert_eq!(out.close_epoch(), 3);
+        assert!(out.folded(3).is_empty());
+        assert_eq!(copies.0.locked().last(), Some(&(3, b"after".to_vec())));
         // Without a mirror nothing folds: there is no backup replay to feed.
         out.set_mirror(None, 5);
         out.send(b"x");
-        assert_eq!(out.close_epoch(), 3);
-        assert!(out.folded(3).is_empty());
+        assert_eq!(out.close_epoch(), 4);
+        assert!(out.folded(4).is_empty());
     }
 }
