@@ -155,7 +155,9 @@ impl Measured {
             Setup::Protected(options) => {
                 let path = dir.join("primary-metrics.jsonl");
                 let _ = std::fs::remove_file(&path);
+                // Never rotated: `MetricsTail` reads one file from its start.
                 let mut args = vec!["--metrics".to_string(), path.display().to_string(), "--metrics-every-epoch".into()];
+                args.extend(["--metrics-max-bytes".to_string(), "0".into()]);
                 args.extend(options.split_whitespace().map(String::from));
                 extra = args;
                 protection = Some(Protection { dir: dir.path(), epoch_ms: None, extra: &extra });
