@@ -72,31 +72,24 @@ impl Request {
     }
 }
 
+/// Fields a reply does not have are left out of its JSON.
+#[serde_with::skip_serializing_none]
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct Response {
     /// The API version of the VMM that answered (0: a VMM without versions).
     #[serde(default)]
     pub version: u32,
     pub ok: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub state: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub vcpus: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub memory_mib: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub bytes: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub pause_us: Option<u64>,
     /// A snapshot's disk requests in flight (saved, issued again on restore).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub disk_pending: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub replication: Option<ftvm_replication::Status>,
     /// `status`: output this VMM could not write and dropped (counted since it started).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub write_errors: Option<WriteErrors>,
 }
 
@@ -204,6 +197,15 @@ mod tests {
         assert!(Request::from_line(r#"{"op":"status"}"#).unwrap_err().contains("no \"version\""));
         assert!(Request::from_line(r#"{"version":1,"op":"fly"}"#).unwrap_err().contains("fly"));
         assert!(Request::from_line("status").unwrap_err().contains("not JSON"));
+    }
+
+    #[test]
+    fn replies_leave_out_what_they_do_not_have() {
+        let reply = Response { version: 1, ok: true, pause_us: Some(7), ..Response::default() };
+        let line = serde_json::to_string(&reply).unwrap();
+        assert_eq!(line, r#"{"version":1,"ok":true,"pause_us":7}"#);
+        let back: Response = serde_json::from_str(&line).unwrap();
+        assert_eq!((back.pause_us, back.error), (Some(7), None));
     }
 
     #[test]

@@ -28,6 +28,11 @@ use ftvm_replication::pipeline::{Pipeline, Taken};
 use ftvm_replication::protocol::{self, Heartbeat, Hello, Kind, ProtocolError, Welcome, HANDSHAKE_LIMIT};
 use ftvm_replication::ReplicationError;
 
+/// How long a backup that accepted the connection may take over each step
+/// of the handshake (answering the hello, mapping the guest's memory); the
+/// connect timeout bounds only reaching it.
+const HANDSHAKE_WAIT: Duration = Duration::from_secs(30);
+
 /// Partial metrics of a checkpoint waiting for its acknowledgement.
 struct InFlight {
     metrics: EpochMetrics,
@@ -144,7 +149,7 @@ impl Session {
             };
             let welcome = handshake(link.as_mut(), cx.vm, options, first, mine)?;
             if pull {
-                share_memory(link.as_mut(), cx.vm, options.connect_timeout)?;
+                share_memory(link.as_mut(), cx.vm)?;
             }
             Ok((link, welcome))
         })?;
@@ -325,11 +330,12 @@ impl Drop for Session {
 
 /// `--prefetch-by pull`: hand the backup a read-only view of the guest's
 /// memory (`prefetch::pull`), before anything else it is sent.
-/// `timeout`: how long the backup may take to come for it.
-fn share_memory(link: &mut dyn Transport, vm: &Vm, timeout: Duration) -> Result<(), ReplicationError> {
+/// It is a step of the handshake: the backup has as long to come for it as
+/// it has to answer the hello.
+fn share_memory(link: &mut dyn Transport, vm: &Vm) -> Result<(), ReplicationError> {
     let offer = Offer::new()?;
     link.send(&protocol::message(Kind::PullMap, &offer.name())).map_err(ReplicationError::Send)?;
-    if let Err(e) = offer.serve(vm.ram().memfd(), timeout) {
+    if let Err(e) = offer.serve(vm.ram().memfd(), HANDSHAKE_WAIT) {
         // A backup that could not take it (on another host, say) said why.
         return Err(match refusal_behind(link, ReplicationError::Send(std::io::Error::other(e.to_string()))) {
             refused @ ReplicationError::Refused(_) => refused,
@@ -506,7 +512,7 @@ fn handshake(
         cpu: vm.cpu_profile().clone(),
     };
     link.send(&protocol::message(Kind::Hello, &hello)).map_err(ReplicationError::Send)?;
-    link.set_recv_timeout(Some(Duration::from_secs(30))).map_err(ReplicationError::Send)?;
+    link.set_recv_timeout(Some(HANDSHAKE_WAIT)).map_err(ReplicationError::Send)?;
     let mut buf = Vec::new();
     let kind = link.recv(HANDSHAKE_LIMIT, &mut buf)?;
     link.set_recv_timeout(None).map_err(ReplicationError::Send)?;
