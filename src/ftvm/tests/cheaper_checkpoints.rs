@@ -123,6 +123,32 @@ fn memory_survives_failover_when_every_page_is_rewritten() {
     });
 }
 
+/// Unless told otherwise a primary predicts writes (adaptive): a guest
+/// rewriting its working set takes few tracked first writes. With the dirty
+/// ring, which excludes prediction, it predicts nothing (and is not
+/// refused); both fail over exactly.
+#[test]
+fn write_prediction_is_the_default_and_steps_aside_for_the_ring() {
+    let dir = Scratch::new("predict-default").unwrap().keep_on_panic();
+    let work = "ws=4M pattern=seq writes=600000000 report=100ms";
+    for (switches, predicts) in [(&[][..], true), (&["--dirty-backend", "ring"][..], false)] {
+        let metrics = dir.path().join(format!("{predicts}.jsonl"));
+        let out = fail_over(1, work, Duration::from_millis(100), switches, &metrics);
+        assert_eq!(checksum_of(&out), Some(expected_memtouch_checksum(work, 1)), "{switches:?}");
+        let [predicted, written, faults] = totals(&metrics, &["predicted", "predicted_written", "first_writes"])[..] else {
+            unreachable!()
+        };
+        if predicts {
+            assert!(
+                written > faults,
+                "by default most rewrites need no tracked first write: {written} predicted and written, {faults} not"
+            );
+        } else {
+            assert_eq!(predicted, 0, "{switches:?}: nothing left writable");
+        }
+    }
+}
+
 #[test]
 fn write_prediction_needs_the_bitmap_backend() {
     let peers = format!("1={},2={},3={}", free_addr(), free_addr(), free_addr());

@@ -91,8 +91,13 @@ impl TryFrom<BackupArgs> for Follower {
 /// settings: the defaults of `ftvm run`, this backup's heartbeat, arbiter,
 /// secret and disk; after a later loss too, the standbys protect it.
 fn promotion(backup: &BackupConfig, standbys: Vec<String>) -> Result<PrimaryConfig, RunError> {
-    let with =
-        Protection { backup: String::new(), arbiter: backup.arbiter.clone(), auth: backup.auth.clone(), disk: backup.devices.disk.clone() };
+    let with = Protection {
+        backup: String::new(),
+        arbiter: backup.arbiter.clone(),
+        auth: backup.auth.clone(),
+        disk: backup.devices.disk.clone(),
+        dirty_backend: backup.dirty_backend,
+    };
     let mut config = ReplicationArgs::defaults().protecting(with)?;
     config.session.liveness.interval = backup.heartbeat;
     config.loss.standbys = standbys;

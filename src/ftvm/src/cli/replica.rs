@@ -9,6 +9,7 @@ use clap::Args;
 
 use ftvm_replication::pipeline::predict;
 use ftvm_vmm::devices::virtio::block::DiskIo;
+use ftvm_vmm::DirtyBackend;
 use ftvm_vsmr::failover::{self, FastElection};
 use ftvm_vsmr::tuning::Tuning;
 use ftvm_vsmr::ReplicaConfig;
@@ -178,10 +179,11 @@ pub struct ReplicaArgs {
     /// Write-fault prediction on each VM replica: at each syncvm, leave the
     /// pages its guest is likely to write again writable (no tracked first
     /// write for them); they are then compared at every syncvm, written or
-    /// not. off, histase or adaptive, as for `ftvm run`. Needs
-    /// --dirty-backend bitmap.
-    #[arg(long, default_value = "adaptive", value_name = "off|histase|adaptive")]
-    pub predict_writes: predict::Mode,
+    /// not. off, histase or adaptive, as for `ftvm run`. Default:
+    /// adaptive, but off with --dirty-backend ring (given beside it, it is
+    /// refused).
+    #[arg(long, value_name = "off|histase|adaptive")]
+    pub predict_writes: Option<predict::Mode>,
     /// While this replica leads with a synchronized secondary (whose
     /// answers then commit every entry), what it sends the witness waits
     /// this long and goes with what joined it meanwhile: the witness is
@@ -253,7 +255,10 @@ impl ReplicaArgs {
             link_batch: self.link_batch,
             link_direct: self.link_direct,
             link_compress: self.link_compress,
-            predict_writes: self.predict_writes,
+            predict_writes: predict::chosen_or_default(
+                self.predict_writes,
+                predict::Excluders { dirty_ring: self.host.dirty_backend == DirtyBackend::Ring, prefetch: false },
+            ),
             witness_linger: self.witness_linger,
             leader_apply: self.leader_apply,
             sync_output: self.sync_output,

@@ -15,6 +15,7 @@ use ftvm_replication::liveness;
 use ftvm_replication::pipeline::transport::Auth;
 use ftvm_replication::pipeline::{capture, encode, predict, prefetch, transport, trigger};
 use ftvm_replication::Switches;
+use ftvm_vmm::DirtyBackend;
 
 use super::config::ConfigArgs;
 use super::host::{ArbiterArgs, ChannelArgs, HostArgs, MetricsArgs};
@@ -165,9 +166,10 @@ pub struct ReplicationArgs {
     /// writable at each checkpoint (no tracked first write for them); pages
     /// left writable but unchanged are not sent. off, histase (HBFT's
     /// stride and history predictor) or adaptive (per-region rewrite rate).
-    /// Needs --dirty-backend bitmap.
-    #[arg(long, default_value = "off", value_name = "off|histase|adaptive")]
-    pub predict_writes: predict::Mode,
+    /// Default: adaptive, but off with --dirty-backend ring or --prefetch
+    /// (each excludes it; given beside either, it is refused).
+    #[arg(long, value_name = "off|histase|adaptive")]
+    pub predict_writes: Option<predict::Mode>,
     /// In-epoch transfer: during each epoch, send the backup the write-cold
     /// pages dirtied earlier in it while the guest runs (staged there until
     /// the epoch's checkpoint commits them), so the checkpoint carries only
@@ -175,7 +177,8 @@ pub struct ReplicationArgs {
     /// in which more than one page in seven the rounds sent was written
     /// again before the checkpoint, each such send a tracked first write
     /// for the guest, the rounds start later in the epoch, down to the
-    /// last alone, then stop for a while). Not with --predict-writes.
+    /// last alone, then stop for a while). Not with --predict-writes (on by
+    /// default, it then steps aside).
     #[arg(long, default_value = "off", value_name = "off|on|adaptive")]
     pub prefetch: prefetch::Mode,
     /// How --prefetch's pages reach the backup: push (the primary reads
@@ -199,6 +202,8 @@ pub struct Protection {
     pub arbiter: Option<Arbiter>,
     pub auth: Option<Auth>,
     pub disk: Option<PathBuf>,
+    /// How the VM's dirty pages are tracked (the ring excludes prediction).
+    pub dirty_backend: DirtyBackend,
 }
 
 impl ReplicationArgs {
@@ -216,7 +221,7 @@ impl ReplicationArgs {
         // Refused before the secret file is read.
         on_backup_loss(self.on_backup_loss, arbiter.is_some())?;
         let auth = self.channel.auth()?;
-        self.protecting(Protection { backup, arbiter, auth, disk: host.disk.clone() }).map(Some)
+        self.protecting(Protection { backup, arbiter, auth, disk: host.disk.clone(), dirty_backend: host.dirty_backend }).map(Some)
     }
 
     /// The primary's configuration: these options, and what `with` gives.
@@ -224,6 +229,9 @@ impl ReplicationArgs {
         let args = self;
         let on_backup_loss = on_backup_loss(args.on_backup_loss, with.arbiter.is_some())?;
         let mirror = mirror(args.mirror, with.auth.as_ref().is_some_and(|a| a.encrypt))?;
+        let excluders =
+            predict::Excluders { dirty_ring: with.dirty_backend == DirtyBackend::Ring, prefetch: args.prefetch != prefetch::Mode::Off };
+        let predict_writes = predict::chosen_or_default(args.predict_writes, excluders);
         Ok(PrimaryConfig {
             backup: with.backup,
             session: SessionOptions {
@@ -245,7 +253,7 @@ impl ReplicationArgs {
                 device_state: args.device_state,
                 transport: args.transport,
                 trigger: args.trigger,
-                predict_writes: args.predict_writes,
+                predict_writes,
                 prefetch: args.prefetch,
                 prefetch_by: args.prefetch_by,
                 fake_ack_state: args.fake_ack_state,

@@ -36,6 +36,37 @@ switch! {
     }
 }
 
+/// What else the VM's replication uses that excludes write prediction.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Excluders {
+    /// The dirty ring tracks the guest's writes: it re-protects every page
+    /// it harvested, so none can be left writable.
+    pub dirty_ring: bool,
+    /// `--prefetch` sends pages during the epoch, and learns which to send
+    /// from the guest's tracked first writes, which prediction takes away.
+    pub prefetch: bool,
+}
+
+/// `--predict-writes`, or its default: adaptive (the rewrite rate per
+/// region decides, so a guest that rewrites nothing pays only the
+/// bookkeeping), except where something the user chose excludes it; given
+/// explicitly beside such a thing it stays, and the pipeline refuses the
+/// pair with a reason.
+pub fn chosen_or_default(chosen: Option<Mode>, excluders: Excluders) -> Mode {
+    match chosen {
+        Some(mode) => mode,
+        None if excluders.dirty_ring => {
+            tracing::info!("not predicting writes: the dirty ring re-protects every page it harvests (--dirty-backend ring)");
+            Mode::Off
+        }
+        None if excluders.prefetch => {
+            tracing::info!("not predicting writes: --prefetch learns from the tracked first writes that prediction takes away");
+            Mode::Off
+        }
+        None => Mode::Adaptive,
+    }
+}
+
 /// Chooses the pages to leave writable at a freeze.
 pub trait Predictor: Send {
     /// `harvested` holds the pages now writable (written since the last
@@ -146,14 +177,18 @@ impl Prediction {
             Mode::Histase => Box::new(histase::Histase::new(pages)),
             Mode::Adaptive => Box::new(adaptive::Adaptive::new(pages)),
         };
-        Some(Prediction {
+        Some(Prediction::with(predictor, pages))
+    }
+
+    fn with(predictor: Box<dyn Predictor>, pages: u64) -> Prediction {
+        Prediction {
             predictor,
             filter: FakeDirtyFilter::new(pages),
             before: PageBitmap::new(pages),
             now: PageBitmap::new(pages),
             new_faults: PageBitmap::new(pages),
             written: PageBitmap::new(pages),
-        })
+        }
     }
 
     /// Dirty tracking restarted for a new backup: nothing is left writable
@@ -279,19 +314,49 @@ mod tests {
     use super::*;
     use ftvm_vmm::memory::PAGE;
 
+    /// Leaves every harvested page writable: the filter's cases without a
+    /// predictor's judgement.
+    struct KeepAll;
+
+    impl Predictor for KeepAll {
+        fn choose(&mut self, harvested: &PageBitmap, _new_faults: &PageBitmap, keep: &mut PageBitmap) {
+            keep.or_words(harvested.words());
+        }
+
+        fn observe(&mut self, _left: &PageBitmap, _written: &PageBitmap) {}
+    }
+
+    fn keep_all() -> Prediction {
+        Prediction::with(Box::new(KeepAll), 256)
+    }
+
     fn set(pages: &[u64]) -> PageBitmap {
         let mut b = PageBitmap::new(256);
         pages.iter().for_each(|&p| b.set(p));
         b
     }
 
+    /// Unless given, prediction is on, and steps aside for what the user
+    /// chose that excludes it; given, it stays for the pipeline to judge.
+    #[test]
+    fn the_default_yields_to_what_excludes_it() {
+        let none = Excluders::default();
+        let ring = Excluders { dirty_ring: true, ..none };
+        let prefetch = Excluders { prefetch: true, ..none };
+        assert_eq!(chosen_or_default(None, none), Mode::Adaptive);
+        assert_eq!(chosen_or_default(None, ring), Mode::Off);
+        assert_eq!(chosen_or_default(None, prefetch), Mode::Off);
+        assert_eq!(chosen_or_default(Some(Mode::Histase), ring), Mode::Histase);
+        assert_eq!(chosen_or_default(Some(Mode::Off), none), Mode::Off);
+    }
+
     #[test]
     fn pages_left_writable_are_sent_only_when_changed() {
-        let mut p = Prediction::new(Mode::Adaptive, 256).unwrap();
+        let mut p = keep_all();
         let page = |v: u8| vec![v; PAGE];
         let (a, b, b2, c, d) = (page(1), page(2), page(9), page(3), page(4));
 
-        // Epoch 1: three first writes, all left writable (nothing known yet).
+        // Epoch 1: three first writes, all left writable.
         assert_eq!(p.choose(&set(&[1, 2, 3])).pages().collect::<Vec<_>>(), vec![1, 2, 3]);
         let mut pages = Captured::from_pages(&[(1, &a), (2, &b), (3, &c)]);
         let f = p.filter(&mut pages);
@@ -315,7 +380,7 @@ mod tests {
 
     #[test]
     fn a_replica_learns_from_the_hashes_of_a_union() {
-        let mut p = Prediction::new(Mode::Adaptive, 256).unwrap();
+        let mut p = keep_all();
         let (a, b, b2, c, d) = (1u128, 2, 9, 3, 4);
         p.choose(&set(&[1, 2, 3]));
         assert_eq!(p.learn(&[1, 2, 3], &[a, b, c]), Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3 });
