@@ -13,7 +13,7 @@
 //! backup receives goes through `put` (or `forget`), and a new backup
 //! starts with `clear`.
 
-use ftvm_vmm::memory::PAGE;
+use ftvm_vmm::memory::{AlignedPage, PAGE};
 
 /// Pages per allocation: memory is taken as slots are first used.
 const CHUNK_PAGES: usize = 256;
@@ -27,7 +27,7 @@ pub struct LastSent {
     /// Per slot: sent since the hand last passed (CLOCK).
     marked: Vec<bool>,
     free: Vec<u32>,
-    chunks: Vec<Box<[u8]>>,
+    chunks: Vec<Box<[AlignedPage]>>,
     capacity: usize,
     hand: usize,
 }
@@ -62,13 +62,11 @@ impl LastSent {
     }
 
     fn data(&self, slot: u32) -> &[u8; PAGE] {
-        let (chunk, at) = (slot as usize / CHUNK_PAGES, slot as usize % CHUNK_PAGES * PAGE);
-        (&self.chunks[chunk][at..at + PAGE]).try_into().expect("one page")
+        &self.chunks[slot as usize / CHUNK_PAGES][slot as usize % CHUNK_PAGES].0
     }
 
     fn data_mut(&mut self, slot: u32) -> &mut [u8; PAGE] {
-        let (chunk, at) = (slot as usize / CHUNK_PAGES, slot as usize % CHUNK_PAGES * PAGE);
-        (&mut self.chunks[chunk][at..at + PAGE]).try_into().expect("one page")
+        &mut self.chunks[slot as usize / CHUNK_PAGES][slot as usize % CHUNK_PAGES].0
     }
 
     /// The version of `page` the backup has, if kept.
@@ -126,8 +124,9 @@ impl LastSent {
         } else if self.page_of.len() < self.capacity {
             let slot = self.page_of.len();
             if slot / CHUNK_PAGES == self.chunks.len() {
-                // Zeroed by the kernel on first touch: nothing is written here.
-                self.chunks.push(vec![0u8; CHUNK_PAGES * PAGE].into_boxed_slice());
+                // Page-aligned as the guest's pages (copies between them
+                // stay in whole cache lines), zeroed on first touch.
+                self.chunks.push(AlignedPage::zeroed(CHUNK_PAGES));
             }
             self.page_of.push(u64::MAX);
             self.marked.push(false);

@@ -31,6 +31,9 @@ use crate::persist::Persist;
 /// Bytes per guest page.
 pub const PAGE: usize = PAGE_SIZE as usize;
 
+mod aligned;
+pub use aligned::AlignedPage;
+
 pub type GuestMemory = GuestMemoryMmap<AtomicBitmap>;
 
 #[derive(Debug, thiserror::Error)]

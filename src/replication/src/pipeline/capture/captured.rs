@@ -2,7 +2,7 @@
 //! buffer, read in page order, some of them perhaps dropped (not to be
 //! sent).
 
-use ftvm_vmm::memory::{MemoryError, PAGE};
+use ftvm_vmm::memory::{AlignedPage, MemoryError, PAGE};
 use ftvm_vmm::PageBitmap;
 
 use super::huge::HugeBuffer;
@@ -25,8 +25,9 @@ pub struct Captured {
 
 /// Where the copies are.
 enum Store {
-    /// Grows once to the largest epoch and is reused: no zeroing per epoch.
-    Heap(Vec<u8>),
+    /// Grows once to the largest epoch and is reused: no zeroing per
+    /// epoch. Page-aligned, as the pages copied into it.
+    Heap(Vec<AlignedPage>),
     /// On huge pages, mapped at the first copy as `size` bytes.
     Huge { buffer: Option<HugeBuffer>, size: usize },
 }
@@ -40,14 +41,14 @@ impl Default for Store {
 impl Store {
     fn as_slice(&self) -> &[u8] {
         match self {
-            Store::Heap(v) => v,
+            Store::Heap(v) => AlignedPage::bytes(v),
             Store::Huge { buffer, .. } => buffer.as_ref().map_or(&[], HugeBuffer::as_slice),
         }
     }
 
     fn as_mut_slice(&mut self) -> &mut [u8] {
         match self {
-            Store::Heap(v) => v,
+            Store::Heap(v) => AlignedPage::bytes_mut(v),
             Store::Huge { buffer, .. } => buffer.as_mut().map_or(&mut [], HugeBuffer::as_mut_slice),
         }
     }
@@ -55,7 +56,7 @@ impl Store {
     /// At least `len` bytes, those held kept.
     fn reserve(&mut self, len: usize) -> Result<(), MemoryError> {
         match self {
-            Store::Heap(v) if v.len() < len => v.resize(len, 0),
+            Store::Heap(v) if v.len() * PAGE < len => v.resize(len.div_ceil(PAGE), AlignedPage::ZERO),
             Store::Heap(_) => {}
             Store::Huge { buffer: buffer @ None, size } => *buffer = Some(HugeBuffer::map(len.max(*size))?),
             // Mapped as large as every page there is: more is a page counted twice.
@@ -126,7 +127,7 @@ impl Captured {
     pub fn from_pages(pages: &[(u64, &[u8])]) -> Captured {
         Captured {
             numbers: pages.iter().map(|(p, _)| *p).collect(),
-            data: Store::Heap(pages.iter().flat_map(|(_, d)| d.iter().copied()).collect()),
+            data: Store::Heap(pages.iter().map(|(_, d)| AlignedPage(d[..PAGE].try_into().expect("one page"))).collect()),
             dropped: vec![false; pages.len()],
             kept: pages.len(),
             order: Vec::new(),
