@@ -133,20 +133,24 @@ mod tests {
         assert_eq!(kept(&mut a, &PageBitmap::new(1024)).count(), 512, "the whole region stays writable");
     }
 
+    /// Region 1 written 4 new pages an epoch, never the same twice in 128
+    /// epochs, for `epochs` epochs; asserts nothing was kept.
+    fn scatter(a: &mut Adaptive, epochs: u64) {
+        for e in 0..epochs {
+            let written = pages(512 + e * 4 % 512..=512 + e * 4 % 512 + 3);
+            let left = kept(a, &written);
+            assert!(left.is_empty(), "epoch {e}: scattered writes kept");
+            a.observe(&left, &written);
+        }
+        assert!(a.precision[1] < THRESHOLD, "{}", a.precision[1]);
+    }
+
     /// Writes that never come back (a guest filling its memory once, or
     /// writing at random into much more than an epoch covers) are never
     /// kept: not even at first, on trust.
     #[test]
     fn scattered_writes_are_not_kept() {
-        let mut a = Adaptive::new(1024);
-        // Region 1: 4 new pages an epoch, never the same twice in 128 epochs.
-        for e in 0..100u64 {
-            let written = pages(512 + e * 4 % 512..=512 + e * 4 % 512 + 3);
-            let left = kept(&mut a, &written);
-            assert!(left.is_empty(), "epoch {e}: scattered writes kept");
-            a.observe(&left, &written);
-        }
-        assert!(a.precision[1] < THRESHOLD, "{}", a.precision[1]);
+        scatter(&mut Adaptive::new(1024), 100);
     }
 
     /// A region not kept whose writes start coming back to the same pages
@@ -154,12 +158,7 @@ mod tests {
     #[test]
     fn a_region_not_kept_is_kept_again_once_its_writes_return() {
         let mut a = Adaptive::new(1024);
-        for e in 0..40u64 {
-            let written = pages(512 + e * 4 % 512..=512 + e * 4 % 512 + 3);
-            let left = kept(&mut a, &written);
-            a.observe(&left, &written);
-        }
-        assert!(a.precision[1] < THRESHOLD);
+        scatter(&mut a, 40);
         // Now the same 16 pages every epoch: tracked first writes all.
         let hot = pages(700..=715);
         let mut epochs = 0;
