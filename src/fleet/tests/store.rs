@@ -60,7 +60,7 @@ fn specs_hosts_leases_and_conditioned_placements() {
             if primary == "h1" { l1 } else { l2 },
         )
         .unwrap();
-    assert!(store.read().unwrap().reports(&"a", &primary, Role::Primary, true));
+    assert!(store.read().unwrap().reports("a", &primary, Role::Primary, true));
 
     // h1's agent stops renewing: its host key goes, and with it its reports.
     let deadline = Instant::now() + Duration::from_secs(10);
