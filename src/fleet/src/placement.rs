@@ -49,6 +49,13 @@ impl Fleet {
     }
 }
 
+impl Fleet {
+    /// Whether `vm` is placed on `host`, as primary or backup.
+    pub fn placed_on(&self, vm: &str, host: &str) -> bool {
+        self.placements.get(vm).is_some_and(|(p, _)| p.primary.as_deref() == Some(host) || p.backup.as_deref() == Some(host))
+    }
+}
+
 /// A placement to write, over the one at `seen` (0: none yet).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Change {

@@ -151,21 +151,21 @@ impl Store {
         Ok(self.etcd.revoke(lease)?)
     }
 
-    /// Enter `host` in the fleet under `lease`. A host key held under
-    /// another live lease is another agent's: refused, unless `replace`
-    /// (the caller knows the other agent is dead: it holds the host's lock).
-    pub fn register(&self, host: &Host, lease: i64, replace: bool) -> Result<(), StoreError> {
+    /// Enter `host` in the fleet under `lease`; refused while the host's key
+    /// is held under another live lease (another agent's).
+    pub fn register(&self, host: &Host, lease: i64) -> Result<(), StoreError> {
         let k = key("hosts", &host.name);
-        let put = Op::Put { key: k.clone(), value: json(host), lease };
-        if replace {
-            self.etcd.txn(&[], &[put], &[])?;
-            return Ok(());
+        let (held, _) = self.etcd.get(&k)?;
+        let seen = match held {
+            Some(kv) if kv.lease != lease => return Err(StoreError::HostTaken(host.name.clone())),
+            Some(kv) => kv.mod_revision,
+            None => 0,
+        };
+        let done = self.etcd.txn(&[Compare::ModRevision(k.clone(), seen)], &[Op::Put { key: k, value: json(host), lease }], &[])?;
+        if !done.succeeded {
+            return Err(StoreError::HostTaken(host.name.clone()));
         }
-        let done = self.etcd.txn(&[Compare::ModRevision(k.clone(), 0)], &[put], &[Op::Get(k)])?;
-        match done.got.into_iter().next().flatten() {
-            Some(kv) if !done.succeeded && kv.lease != lease => Err(StoreError::HostTaken(host.name.clone())),
-            _ => Ok(()),
-        }
+        Ok(())
     }
 
     /// Become the leader as `host` if nobody is; whether `host` leads now.

@@ -30,12 +30,12 @@ fn specs_hosts_leases_and_conditioned_placements() {
 
     // Two agents, each under its own lease; a second agent for h1 is refused.
     let (l1, l2) = (store.lease(Duration::from_secs(2)).unwrap(), store.lease(Duration::from_secs(60)).unwrap());
-    store.register(&host("h1"), l1, false).unwrap();
-    store.register(&host("h1"), l1, false).unwrap();
+    store.register(&host("h1"), l1).unwrap();
+    store.register(&host("h1"), l1).unwrap();
     let l3 = store.lease(Duration::from_secs(60)).unwrap();
-    assert!(matches!(store.register(&host("h1"), l3, false), Err(StoreError::HostTaken(h)) if h == "h1"));
-    store.register(&host("h2"), l2, false).unwrap();
-    store.register(&host("h3"), l3, false).unwrap();
+    assert!(matches!(store.register(&host("h1"), l3), Err(StoreError::HostTaken(h)) if h == "h1"));
+    store.register(&host("h2"), l2).unwrap();
+    store.register(&host("h3"), l3).unwrap();
     assert!(matches!(store.drain("h9"), Err(StoreError::NoHost(_))));
 
     // One leader at a time.
@@ -71,7 +71,7 @@ fn specs_hosts_leases_and_conditioned_placements() {
         std::thread::sleep(Duration::from_millis(200));
     }
     assert!(matches!(store.renew(l1), Err(StoreError::LeaseExpired)));
-    store.register(&host("h1"), store.lease(Duration::from_secs(60)).unwrap(), false).unwrap();
+    store.register(&host("h1"), store.lease(Duration::from_secs(60)).unwrap()).unwrap();
 
     // A placement for a VM deleted meanwhile is not written.
     let stale = Change { vm: "a".into(), placement: placed.clone(), seen: store.read().unwrap().placements["a"].1, why: String::new() };
