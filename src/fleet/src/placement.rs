@@ -35,6 +35,8 @@ pub struct Fleet {
     pub placements: BTreeMap<String, (Placement, i64)>,
     /// Reports by VM, then host.
     pub reports: BTreeMap<String, BTreeMap<String, Report>>,
+    /// Why VMs lack a host or a backup, as the leader last said.
+    pub unplaced: BTreeMap<String, String>,
     /// The leader agent's host, if any.
     pub leader: Option<String>,
     /// The etcd revision the fleet was read at.
@@ -47,9 +49,7 @@ impl Fleet {
     pub fn reports(&self, vm: &str, host: &str, role: Role, protected: bool) -> bool {
         self.reports.get(vm).and_then(|r| r.get(host)).is_some_and(|r| r.role == role && (r.protected || !protected))
     }
-}
 
-impl Fleet {
     /// Whether `vm` is placed on `host`, as primary or backup.
     pub fn placed_on(&self, vm: &str, host: &str) -> bool {
         self.placements.get(vm).is_some_and(|(p, _)| p.primary.as_deref() == Some(host) || p.backup.as_deref() == Some(host))

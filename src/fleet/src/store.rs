@@ -6,6 +6,7 @@
 //! ftvm/fleet/vms/VM              VmSpec    the operator's
 //! ftvm/fleet/placement/VM        Placement the leader's
 //! ftvm/fleet/reports/VM/HOST     Report    under the host agent's lease
+//! ftvm/fleet/unplaced/VM         why       the leader's: what the VM lacks
 //! ftvm/fleet/leader              HOST      under the leader agent's lease
 //! ```
 //!
@@ -90,6 +91,9 @@ impl Store {
                     }
                 }
                 "leader" => fleet.leader = String::from_utf8(kv.value).ok(),
+                "unplaced" => {
+                    fleet.unplaced.insert(name.to_string(), String::from_utf8_lossy(&kv.value).into_owned());
+                }
                 _ => {}
             }
         }
@@ -111,7 +115,12 @@ impl Store {
         let done = self.etcd.txn(
             &[Compare::ModRevision(key("vms", name), 0)],
             &[],
-            &[Op::Delete(key("vms", name)), Op::Delete(key("placement", name)), Op::DeletePrefix(key("reports", &format!("{name}/")))],
+            &[
+                Op::Delete(key("vms", name)),
+                Op::Delete(key("placement", name)),
+                Op::Delete(key("unplaced", name)),
+                Op::DeletePrefix(key("reports", &format!("{name}/"))),
+            ],
         )?;
         if done.succeeded {
             return Err(StoreError::NoVm(name.to_string()));
@@ -192,6 +201,15 @@ impl Store {
             &[],
         )?;
         Ok(done.succeeded)
+    }
+
+    /// Say why `vm` lacks a host or a backup (`None`: it lacks nothing).
+    pub fn set_unplaced(&self, vm: &str, why: Option<&str>) -> Result<(), StoreError> {
+        match why {
+            Some(why) => self.etcd.put(&key("unplaced", vm), why.as_bytes(), 0).map(drop)?,
+            None => self.etcd.delete(&key("unplaced", vm)).map(drop)?,
+        }
+        Ok(())
     }
 
     /// Record what runs for `vm` on the report's host, under `lease`.

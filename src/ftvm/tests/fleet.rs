@@ -33,14 +33,16 @@ fn agent(topo: &Topology, dir: &std::path::Path, etcd: &str, host: u32, secret: 
     Process::spawn_logged(&format!("agent h{host}"), &mut cmd, dir, &format!("agent-h{host}")).unwrap()
 }
 
-/// Every VM placed on two hosts, its primary reporting protected and its backup in step.
-fn all_protected(f: &Fleet) -> bool {
-    VMS.iter().all(|(vm, _, _)| {
-        f.placements.get(*vm).is_some_and(|(p, _)| match (&p.primary, &p.backup) {
-            (Some(primary), Some(backup)) => f.reports(vm, primary, Role::Primary, true) && f.reports(vm, backup, Role::Backup, true),
-            _ => false,
-        })
+/// `vm` placed on two hosts, its primary reporting protected and its backup in step.
+fn all_protected_vm(f: &Fleet, vm: &str) -> bool {
+    f.placements.get(vm).is_some_and(|(p, _)| match (&p.primary, &p.backup) {
+        (Some(primary), Some(backup)) => f.reports(vm, primary, Role::Primary, true) && f.reports(vm, backup, Role::Backup, true),
+        _ => false,
     })
+}
+
+fn all_protected(f: &Fleet) -> bool {
+    VMS.iter().all(|(vm, _, _)| all_protected_vm(f, vm))
 }
 
 /// Hosts whose process for `vm` says it runs the VM, but for `dead` (its
@@ -63,7 +65,7 @@ fn wait_fleet(topo: &Topology, store: &Store, dead: Option<&str>, timeout: Durat
         let f = read(topo, store);
         for (vm, _, _) in VMS {
             let p = primaries(&f, vm, dead);
-            assert!(p.len() <= 1, "{vm} has two primaries: {p:?}");
+            assert!(p.len() <= 1, "{what}: {vm} has two primaries: {p:?}");
         }
         if done(&f) {
             return f;
@@ -84,6 +86,101 @@ fn cli(topo: &Topology, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Write a spec for `vm` and create it with `ftvm vm create`.
+fn create(topo: &Topology, dir: &std::path::Path, etcd: &str, vm: &str, addr: &str, mac: &str, memory_mib: u64) -> std::process::Output {
+    let spec = dir.join(format!("{vm}.toml"));
+    let image = image("kv");
+    let text = format!(
+        "name = \"{vm}\"\nimage = \"{}\"\nmemory_mib = {memory_mib}\ncmdline = \"ip={addr}/24\"\nmac = \"{mac}\"\n",
+        image.display()
+    );
+    std::fs::write(&spec, text).unwrap();
+    ftvm_in(topo, &["vm", "create", "--etcd", etcd, "--spec", spec.to_str().unwrap()])
+}
+
+fn secret_in(dir: &std::path::Path) -> std::path::PathBuf {
+    let secret = dir.join("secret");
+    std::fs::write(&secret, b"the fleet's replication secret\n").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    secret
+}
+
+#[test]
+fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
+    let dir = scratch_for("fleet", "drain");
+    let topo = Topology::fleet("flee", 3).unwrap();
+    std::fs::create_dir_all(dir.join("etcd")).unwrap();
+    let etcd = Etcd::start_in(&dir.join("etcd"), &topo.ns("lan"), &[FLEET_ETCD_ADDR]).unwrap();
+    let store = Store::new(etcd.endpoint());
+    let secret = secret_in(dir.path());
+    let mut agents: Vec<Process> = (1..=3).map(|h| agent(&topo, dir.path(), etcd.endpoint(), h, &secret)).collect();
+    let (vm, addr, mac) = VMS[0];
+    assert!(create(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64).status.success());
+    // A VM no host can take says why, and is not placed.
+    assert!(create(&topo, dir.path(), etcd.endpoint(), "huge", "10.0.0.19", "52:54:00:00:00:19", 4096).status.success());
+    let only_kva = |f: &Fleet| f.placements.get(vm).is_some_and(|(p, _)| p.primary.is_some() && p.backup.is_some());
+    let fleet = wait_fleet(&topo, &store, None, Duration::from_secs(60), "kva protected", |f| only_kva(f) && all_protected_vm(f, vm));
+    let list = cli(&topo, &["vm", "list", "--etcd", etcd.endpoint()]);
+    assert!(list.lines().any(|l| l.starts_with("huge ") && l.contains("no host with 4096 MiB and 1 vCPUs free")), "{list}");
+    for i in 0..20 {
+        let (ok, out) = topo.redis_cli(addr, &["SET", &format!("k{i}"), &format!("v{i}")]);
+        assert!(ok && out.trim() == "OK", "SET: {out}");
+    }
+
+    // A second agent on a host refuses; a restarted one keeps the VM processes.
+    let (placement, _) = fleet.placements[vm].clone();
+    let primary = placement.primary.clone().unwrap();
+    let index: u32 = primary[1..].parse().unwrap();
+    let twin = topo
+        .command(&primary, env!("CARGO_BIN_EXE_ftvm"))
+        .args([
+            "agent",
+            "--etcd",
+            etcd.endpoint(),
+            "--host",
+            &primary,
+            "--repl-addr",
+            "192.168.100.9",
+            "--memory-mib",
+            "512",
+            "--vcpus",
+            "4",
+        ])
+        .arg("--secret-file")
+        .arg(&secret)
+        .arg("--state-dir")
+        .arg(dir.join(&primary))
+        .output()
+        .unwrap();
+    assert!(!twin.status.success() && String::from_utf8_lossy(&twin.stderr).contains("an agent is running already"), "{twin:?}");
+    let pid = fleet.reports[vm][&primary].pid;
+    let _ = agents[index as usize - 1].kill();
+    agents[index as usize - 1] = agent(&topo, dir.path(), etcd.endpoint(), index, &secret);
+    std::thread::sleep(Duration::from_secs(3));
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(10), "kva still protected", |f| all_protected_vm(f, vm));
+    assert_eq!(f.reports[vm][&primary].pid, pid, "the restarted agent started the VM again");
+    assert_eq!(f.placements[vm].0, placement, "the VM was moved while its agent restarted");
+
+    // Drain the primary's host: the VM is handed over to its backup, and
+    // protected again on the third host.
+    cli(&topo, &["host", "drain", "--etcd", etcd.endpoint(), &primary]);
+    let drained = Instant::now();
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(60), "kva moved off the drained host", |f| {
+        !f.placed_on(vm, &primary) && all_protected_vm(f, vm) && !f.reports.get(vm).is_some_and(|r| r.contains_key(&primary))
+    });
+    eprintln!("kva handed over and protected again {:?} after the drain", drained.elapsed());
+    assert_eq!(f.placements[vm].0.primary, placement.backup, "handed over to its backup");
+    assert!(cli(&topo, &["host", "list", "--etcd", etcd.endpoint()]).lines().any(|l| l.starts_with(&primary) && l.contains("draining")));
+    topo.forget_guest().unwrap();
+    for i in 0..20 {
+        let (ok, out) = topo.redis_cli(addr, &["GET", &format!("k{i}")]);
+        assert!(ok && out.trim() == format!("v{i}"), "k{i} after the hand-over: {out:?}");
+    }
+    for a in &mut agents {
+        a.signal(libc::SIGTERM).unwrap();
+    }
+}
+
 #[test]
 fn vms_stay_protected_when_a_host_dies() {
     let dir = scratch_for("fleet", "host-dies");
@@ -91,22 +188,12 @@ fn vms_stay_protected_when_a_host_dies() {
     std::fs::create_dir_all(dir.join("etcd")).unwrap();
     let etcd = Etcd::start_in(&dir.join("etcd"), &topo.ns("lan"), &[FLEET_ETCD_ADDR]).unwrap();
     let store = Store::new(etcd.endpoint());
-    let secret = dir.join("secret");
-    std::fs::write(&secret, b"the fleet's replication secret\n").unwrap();
-    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let secret = secret_in(dir.path());
     let mut agents: Vec<Process> = (1..=3).map(|h| agent(&topo, dir.path(), etcd.endpoint(), h, &secret)).collect();
 
     for (vm, addr, mac) in VMS {
-        let spec = dir.join(format!("{vm}.toml"));
-        let image = image("kv");
-        std::fs::write(
-            &spec,
-            format!("name = \"{vm}\"\nimage = \"{}\"\nmemory_mib = 64\ncmdline = \"ip={addr}/24\"\nmac = \"{mac}\"\n", image.display()),
-        )
-        .unwrap();
-        assert!(
-            cli(&topo, &["vm", "create", "--etcd", etcd.endpoint(), "--spec", spec.to_str().unwrap()]).contains(&format!("created {vm}"))
-        );
+        let out = create(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64);
+        assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("created {vm}")), "{out:?}");
     }
     let err = ftvm_in(&topo, &["vm", "create", "--etcd", etcd.endpoint(), "--spec", dir.join("kva.toml").to_str().unwrap()]);
     assert!(!err.status.success() && String::from_utf8_lossy(&err.stderr).contains("a VM named kva exists already"));
@@ -140,7 +227,7 @@ fn vms_stay_protected_when_a_host_dies() {
     let died = Instant::now();
 
     let after = wait_fleet(&topo, &store, Some(&dead), Duration::from_secs(60), "protected again after the host died", |f| {
-        !f.hosts.contains_key(&dead) && all_protected(f) && VMS.iter().all(|(vm, _, _)| !Fleet::placed_on(f, vm, &dead))
+        !f.hosts.contains_key(&dead) && all_protected(f) && VMS.iter().all(|(vm, _, _)| !f.placed_on(vm, &dead))
     });
     eprintln!("both VMs protected again {:?} after host {dead} died", died.elapsed());
     for (vm, addr, _) in VMS {

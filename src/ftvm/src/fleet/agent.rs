@@ -84,8 +84,6 @@ struct Agent {
     local: Local,
     /// When each VM's process was last asked something, for which generation.
     asked: std::collections::BTreeMap<String, (u64, Instant)>,
-    /// The reasons given last for VMs left unplaced (each said once).
-    unplaced: std::collections::BTreeMap<String, String>,
 }
 
 /// Hold the state directory's lock for as long as this process lives.
@@ -118,7 +116,7 @@ impl Agent {
             exe: std::env::current_exe().map_err(os("find the ftvm executable"))?,
         };
         let local = Local::adopt(setup).map_err(os("read the agent's state directory"))?;
-        let mut agent = Agent { args, me, store, lease: 0, local, asked: Default::default(), unplaced: Default::default() };
+        let mut agent = Agent { args, me, store, lease: 0, local, asked: Default::default() };
         agent.enter()?;
         Ok(agent)
     }
@@ -182,11 +180,13 @@ impl Agent {
                 event("placed", json!({ "vm": c.vm, "primary": c.placement.primary, "backup": c.placement.backup, "why": c.why }));
             }
         }
-        self.unplaced.retain(|vm, _| unplaced.iter().any(|u| &u.vm == vm));
+        for vm in fleet.unplaced.keys().filter(|vm| !unplaced.iter().any(|u| &u.vm == *vm)) {
+            self.store.set_unplaced(vm, None)?;
+        }
         for u in unplaced {
-            if self.unplaced.get(&u.vm) != Some(&u.why) {
+            if fleet.unplaced.get(&u.vm) != Some(&u.why) {
                 event("unplaced", json!({ "vm": u.vm, "why": u.why }));
-                self.unplaced.insert(u.vm, u.why);
+                self.store.set_unplaced(&u.vm, Some(&u.why))?;
             }
         }
         Ok(())
@@ -257,7 +257,7 @@ impl Agent {
             }
         }
         for (vm, reports) in &fleet.reports {
-            if reports.contains_key(&me) && !self.local.procs.contains_key(vm) {
+            if reports.contains_key(&me) && self.local.procs.get(vm).is_none_or(|p| p.leaving) {
                 self.store.unreport(vm, &me)?;
             }
         }

@@ -43,6 +43,9 @@ pub struct VmProcess {
     pub api: PathBuf,
     /// Role and protection last seen, and since when.
     pub seen: Option<(Role, bool, u64)>,
+    /// Asked to hand its VM over: it stops the guest and ends, so it is
+    /// no longer reported as running the VM.
+    pub leaving: bool,
 }
 
 fn now_ms() -> u64 {
@@ -114,7 +117,7 @@ impl Local {
             match pid.trim().parse::<u32>() {
                 Ok(pid) if alive(pid) && is_ours(pid, &api) => {
                     tracing::info!("agent: adopting {vm}'s process {pid}");
-                    procs.insert(vm, VmProcess { pid, child: None, api, seen: None });
+                    procs.insert(vm, VmProcess { pid, child: None, api, seen: None, leaving: false });
                 }
                 _ => {
                     let _ = fs::remove_file(dir.join("pid"));
@@ -163,7 +166,7 @@ impl Local {
         let pid = child.id();
         fs::write(dir.join("pid"), pid.to_string())?;
         tracing::info!("agent: started {vm}: ftvm {} (pid {pid})", args.join(" "));
-        self.procs.insert(vm.to_string(), VmProcess { pid, child: Some(child), api, seen: None });
+        self.procs.insert(vm.to_string(), VmProcess { pid, child: Some(child), api, seen: None, leaving: false });
         Ok(())
     }
 
@@ -216,6 +219,9 @@ impl Local {
     /// Ask `vm`'s process what it is now; a report if it answered.
     pub fn report(&mut self, vm: &str, host: &str) -> Option<Report> {
         let p = self.procs.get_mut(vm)?;
+        if p.leaving {
+            return None;
+        }
         let reply = client::call(&p.api, &api::Request::Status, CALL_TIMEOUT).ok()?;
         let st = reply.replication?;
         let role = match st.role {
@@ -233,9 +239,10 @@ impl Local {
 
     /// Send `request` to `vm`'s process.
     pub fn ask(&mut self, vm: &str, request: api::Request) {
-        let Some(p) = self.procs.get(vm) else { return };
+        let Some(p) = self.procs.get_mut(vm) else { return };
         // A switch-over is answered once done; the agent does not wait for it.
         let switchover = matches!(request, api::Request::Switchover);
+        p.leaving |= switchover;
         let timeout = if switchover { Duration::from_millis(50) } else { CALL_TIMEOUT };
         match client::call(&p.api, &request, timeout) {
             Ok(r) if !r.ok => tracing::warn!("agent: {vm}: {}", r.error.unwrap_or_default()),

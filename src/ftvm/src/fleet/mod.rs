@@ -91,7 +91,7 @@ pub fn vm(command: VmCommand) -> Result<i32, RunError> {
         }
         VmCommand::List { etcd } => {
             let fleet = Store::new(&etcd.etcd).read().map_err(fleet_error)?;
-            outln!("{:<16} {:<10} {:<10} {:<10} SINCE", "NAME", "PRIMARY", "BACKUP", "PROTECTED");
+            outln!("{:<16} {:<10} {:<10} {:<10} {:<12} NOTE", "NAME", "PRIMARY", "BACKUP", "PROTECTED", "SINCE");
             for name in fleet.vms.keys() {
                 let placement = fleet.placements.get(name).map(|(p, _)| p.clone()).unwrap_or_default();
                 let primary = placement
@@ -105,12 +105,13 @@ pub fn vm(command: VmCommand) -> Result<i32, RunError> {
                     None => "-",
                 };
                 outln!(
-                    "{:<16} {:<10} {:<10} {:<10} {}",
+                    "{:<16} {:<10} {:<10} {:<10} {:<12} {}",
                     name,
                     placement.primary.as_deref().unwrap_or("-"),
                     placement.backup.as_deref().unwrap_or("-"),
                     protected,
-                    primary.map_or_else(|| "-".to_string(), |r| ago(r.since_ms))
+                    primary.map_or_else(|| "-".to_string(), |r| ago(r.since_ms)),
+                    fleet.unplaced.get(name).map_or("", String::as_str)
                 );
             }
         }
@@ -121,6 +122,7 @@ pub fn vm(command: VmCommand) -> Result<i32, RunError> {
                 "spec": spec,
                 "placement": fleet.placements.get(&name).map(|(p, _)| p),
                 "reports": fleet.reports.get(&name),
+                "unplaced": fleet.unplaced.get(&name),
             });
             outln!("{}", serde_json::to_string_pretty(&out).expect("JSON"));
         }
