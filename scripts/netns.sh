@@ -125,6 +125,10 @@ up_fleet() {
     ensure_ns "$client"
     ensure_bridge "$lan" lan0
     ensure_bridge "$lan" repl0
+    # A bridge takes the lowest MAC of its ports unless given one: a host
+    # dying (its port deleted) would change the address etcd is reached at
+    # while the other hosts' ARP caches still hold the old one (~30 s).
+    ip -n "$lan" link set repl0 address 02:00:00:00:01:fe
     ensure_addr "$lan" repl0 192.168.100.254/24
     ensure_veth "$client" eth0 "$lan" client
     ensure_addr "$client" eth0 10.0.0.1/24
