@@ -526,3 +526,112 @@ fn redis_append_only_file_survives_a_sigkilled_vmm() {
     assert_eq!(cli(&topo, &["DBSIZE"]), "22");
     assert_running(&mut vmm);
 }
+
+/// The `closing` program (guest/linux/programs/closing.c) in `mode`, in
+/// the topology's h1 namespace, once it listens on `port`.
+fn closing(topo: &Topology, mode: &str, port: u16) -> Process {
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.arg("run").arg("--image").arg(program("linux-closing")).args(["--net", &format!("tap={TAP},mac={GUEST_MAC}")]);
+    cmd.arg(format!("--cmdline=ip={GUEST_ADDR}/24 -- closing {mode}"));
+    let mut vmm = Process::spawn_collected("ftvm", &mut cmd).unwrap();
+    wait_for(&mut vmm, "closing", &format!("closing: listening {port}"), BOOT_TIMEOUT);
+    vmm
+}
+
+/// A connection from the client namespace to the guest's `port` (the
+/// socket lives in that namespace; this thread uses it from here); a
+/// failure shows what the VMM printed.
+fn connect_from_client(topo: &Topology, port: u16, vmm: &Process) -> std::net::TcpStream {
+    let addr = std::net::SocketAddr::from((GUEST_ADDR.parse::<std::net::Ipv4Addr>().unwrap(), port));
+    let s = ftvm_testkit::netns::run_in(&topo.ns("client"), move || std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)))
+        .expect("enter the client namespace")
+        .unwrap_or_else(|e| panic!("connect to {addr}: {e}\n{}", vmm.output()));
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+/// Everything `s` reads until the end: Ok at EOF, or the error that ended
+/// it (a read timeout is one: the guest never closed).
+fn read_to_end(mut s: std::net::TcpStream) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut data = Vec::new();
+    s.read_to_end(&mut data).map(|_| data)
+}
+
+fn assert_reset(what: &str, read: std::io::Result<Vec<u8>>) {
+    match read {
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("{what}: expected ECONNRESET, read {other:?}"),
+    }
+}
+
+/// As on Linux: closing a connection with received data unread resets it
+/// (the peer's read fails with ECONNRESET instead of the peer waiting in
+/// CLOSE-WAIT), so does SO_LINGER {1, 0}, while SO_LINGER {1, 5} closes in
+/// order (the data, then EOF).
+#[test]
+fn closing_with_unread_data_or_a_zero_linger_resets_the_connection() {
+    use std::io::Write;
+    let topo = Topology::new("lxrst").unwrap();
+    let mut vmm = closing(&topo, "reset", 7100);
+    let mut unread = connect_from_client(&topo, 7100, &vmm);
+    unread.write_all(b"never read").unwrap();
+    assert_reset("closed with unread data", read_to_end(unread));
+    wait_for(&mut vmm, "closing", "closing: closed unread", BOOT_TIMEOUT);
+    let mut zero = connect_from_client(&topo, 7100, &vmm);
+    zero.write_all(b"k").unwrap();
+    assert_reset("SO_LINGER {1, 0}", read_to_end(zero));
+    wait_for(&mut vmm, "closing", "closing: closed linger 0", BOOT_TIMEOUT);
+    let orderly = read_to_end(connect_from_client(&topo, 7100, &vmm));
+    assert_eq!(orderly.as_ref().map(Vec::as_slice).ok(), Some(&b"bye\n"[..]), "SO_LINGER {{1, 5}}: {orderly:?}");
+    assert_eq!(exit_status(&mut vmm, BOOT_TIMEOUT).code(), Some(0), "{}", vmm.output());
+    assert!(without_counts(&vmm.stdout()).ends_with("closing: done\n"), "{}", vmm.output());
+}
+
+/// epoll reports descriptors in the order they became ready, not in
+/// descriptor order: the client sends on the guest's second connection
+/// (the higher descriptor) first, and the guest, looking only once both
+/// are readable, is told about that one first; asked for one at a time, a
+/// reported descriptor goes behind the other.
+#[test]
+fn epoll_reports_descriptors_in_the_order_they_became_ready() {
+    use std::io::Write;
+    let topo = Topology::new("lxorder").unwrap();
+    let mut vmm = closing(&topo, "order", 7101);
+    let mut first = connect_from_client(&topo, 7101, &vmm);
+    let mut second = connect_from_client(&topo, 7101, &vmm);
+    wait_for(&mut vmm, "closing", "closing: accepted", BOOT_TIMEOUT);
+    second.write_all(b"A").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    first.write_all(b"B").unwrap();
+    assert_eq!(exit_status(&mut vmm, BOOT_TIMEOUT).code(), Some(0), "{}", vmm.output());
+    assert!(vmm.stdout().contains("closing: order AB then ABA\n"), "{}", vmm.output());
+}
+
+/// A program that ends with connections open: returning from main, and
+/// abort(). As Linux closes a dead process's sockets, the client sees EOF
+/// on the idle connection and ECONNRESET on the one whose data was never
+/// read and on the one still in the accept queue, as soon as the VM is
+/// gone (not a connection left up with nobody behind it).
+#[test]
+fn a_program_that_ends_closes_its_connections() {
+    use std::io::Write;
+    let topo = Topology::new("lxend").unwrap();
+    for (mode, status) in [("exit", 0), ("abort", 128 + 6)] {
+        let mut vmm = closing(&topo, mode, 7102);
+        let idle = connect_from_client(&topo, 7102, &vmm);
+        let mut unread = connect_from_client(&topo, 7102, &vmm);
+        let queued = connect_from_client(&topo, 7102, &vmm);
+        // The program ends once this is in: after all three connected.
+        unread.write_all(b"never read").unwrap();
+        assert_eq!(exit_status(&mut vmm, BOOT_TIMEOUT).code(), Some(status), "{mode}: {}", vmm.output());
+        assert!(vmm.stdout().contains("closing: ending\n"), "{mode}: {}", vmm.output());
+        if mode == "abort" {
+            assert!(vmm.stdout().contains("linux: killed by signal 6\n"), "{}", vmm.output());
+        }
+        let eof = read_to_end(idle);
+        assert!(eof.as_ref().is_ok_and(Vec::is_empty), "{mode}: the idle connection: expected EOF, read {eof:?}");
+        assert_reset(&format!("{mode}: the connection with unread data"), read_to_end(unread));
+        assert_reset(&format!("{mode}: the connection never accepted"), read_to_end(queued));
+    }
+}

@@ -160,6 +160,13 @@ impl VirtioNet {
     pub(crate) fn notify(&mut self) {
         self.inner.get_mut().notify();
     }
+
+    /// Frames queued for the device that it has not sent yet.
+    pub(crate) fn tx_in_flight(&mut self) -> usize {
+        let inner = self.inner.get_mut();
+        inner.reclaim_tx();
+        inner.tx_posted.iter().filter(|p| p.is_some()).count()
+    }
 }
 
 impl Inner {

@@ -238,6 +238,17 @@ impl Stack {
         }
     }
 
+    /// Whether everything the sockets had to send at once has left: smoltcp
+    /// has nothing to transmit now (only timers: retransmissions,
+    /// keep-alives) and the device has sent every frame queued to it. A
+    /// program about to end calls [`Stack::poll`] and [`Stack::wait_idle_until`]
+    /// until this holds, so that its last segments (FIN, RST) are not lost
+    /// with the VM.
+    pub fn flushed(&mut self) -> bool {
+        let now_pending = self.iface.poll_delay(now(), &self.sockets) == Some(smoltcp::time::Duration::ZERO);
+        !now_pending && self.device.tx_in_flight() == 0
+    }
+
     /// Accept connections on `config.port` from now on; see
     /// [`ListenConfig`] and [`Stack::accept`].
     pub fn listen(&mut self, config: ListenConfig) -> Result<(), Error> {
