@@ -366,8 +366,9 @@ fn redis_benchmark_pipelined_runs_without_errors_without_net_offload() {
 /// SHUTDOWN NOSAVE to the guest's redis-server; returns the VMM's stdout
 /// once it exited with status 0.
 fn shut_down(topo: &Topology, vmm: &mut Process) -> String {
-    // No reply comes: the VM is gone, and its connection with it (redis-cli
-    // waits until the timeout, whose status says nothing).
+    // No reply comes: the server ends, and the runtime closes its
+    // connection as it goes (redis-cli's status says nothing either way;
+    // the timeout only bounds a server that does not end).
     let _ =
         topo.command("client", "timeout").args(["3", "redis-cli", "-h", GUEST_ADDR, "SHUTDOWN", "NOSAVE"]).stdin(Stdio::null()).output();
     match vmm.wait_until(BOOT_TIMEOUT, |_| false) {
@@ -530,9 +531,14 @@ fn redis_append_only_file_survives_a_sigkilled_vmm() {
 /// The `closing` program (guest/linux/programs/closing.c) in `mode`, in
 /// the topology's h1 namespace, once it listens on `port`.
 fn closing(topo: &Topology, mode: &str, port: u16) -> Process {
+    closing_with(topo, mode, port, &[])
+}
+
+/// [`closing`] with more `ftvm run` arguments.
+fn closing_with(topo: &Topology, mode: &str, port: u16, vmm_args: &[&str]) -> Process {
     let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
     cmd.arg("run").arg("--image").arg(program("linux-closing")).args(["--net", &format!("tap={TAP},mac={GUEST_MAC}")]);
-    cmd.arg(format!("--cmdline=ip={GUEST_ADDR}/24 -- closing {mode}"));
+    cmd.args(vmm_args).arg(format!("--cmdline=ip={GUEST_ADDR}/24 -- closing {mode}"));
     let mut vmm = Process::spawn_collected("ftvm", &mut cmd).unwrap();
     wait_for(&mut vmm, "closing", &format!("closing: listening {port}"), BOOT_TIMEOUT);
     vmm
@@ -615,23 +621,52 @@ fn epoll_reports_descriptors_in_the_order_they_became_ready() {
 /// gone (not a connection left up with nobody behind it).
 #[test]
 fn a_program_that_ends_closes_its_connections() {
-    use std::io::Write;
     let topo = Topology::new("lxend").unwrap();
     for (mode, status) in [("exit", 0), ("abort", 128 + 6)] {
         let mut vmm = closing(&topo, mode, 7102);
-        let idle = connect_from_client(&topo, 7102, &vmm);
-        let mut unread = connect_from_client(&topo, 7102, &vmm);
-        let queued = connect_from_client(&topo, 7102, &vmm);
-        // The program ends once this is in: after all three connected.
-        unread.write_all(b"never read").unwrap();
-        assert_eq!(exit_status(&mut vmm, BOOT_TIMEOUT).code(), Some(status), "{mode}: {}", vmm.output());
-        assert!(vmm.stdout().contains("closing: ending\n"), "{mode}: {}", vmm.output());
-        if mode == "abort" {
-            assert!(vmm.stdout().contains("linux: killed by signal 6\n"), "{}", vmm.output());
-        }
-        let eof = read_to_end(idle);
-        assert!(eof.as_ref().is_ok_and(Vec::is_empty), "{mode}: the idle connection: expected EOF, read {eof:?}");
-        assert_reset(&format!("{mode}: the connection with unread data"), read_to_end(unread));
-        assert_reset(&format!("{mode}: the connection never accepted"), read_to_end(queued));
+        assert_connections_closed_at_the_end(&topo, &mut vmm, mode, status);
     }
+}
+
+/// The same under protection: the last FINs and RSTs are the guest's
+/// output of its last epoch, held until the backup acknowledged the
+/// checkpoint the VMM takes when the guest exits, then released; and the
+/// backup ends with the guest's status instead of taking over.
+#[test]
+fn a_protected_program_that_ends_closes_its_connections() {
+    use ftvm_testkit::scratch::Scratch;
+    use ftvm_testkit::topology::H2_REPL_ADDR;
+    let topo = Topology::new("lxendpb").unwrap();
+    let dir = Scratch::new("linux-end-protected").unwrap();
+    let addr = format!("{H2_REPL_ADDR}:7000");
+    let mut backup = topo.command("h2", env!("CARGO_BIN_EXE_ftvm"));
+    backup.args(["backup", "--insecure", "--listen", &addr, "--net", &format!("tap={TAP},mac={GUEST_MAC}")]).env("FTVM_LOG", "info");
+    let mut backup = Process::spawn_collected("backup", &mut backup).unwrap();
+    let socket = dir.join("primary.sock");
+    let socket_arg = socket.display().to_string();
+    let mut vmm = closing_with(&topo, "exit", 7102, &["--insecure", "--replicate-to", &addr, "--api-socket", &socket_arg]);
+    wait_status(&socket, "protected: yes", &mut vmm, BOOT_TIMEOUT);
+    assert_connections_closed_at_the_end(&topo, &mut vmm, "protected exit", 0);
+    assert_eq!(exit_status(&mut backup, BOOT_TIMEOUT).code(), Some(0), "{}", backup.output());
+    assert!(backup.stderr().contains("backup done") && !backup.stderr().contains("PRIMARY LOST"), "{}", backup.output());
+}
+
+/// The client's side of [`a_program_that_ends_closes_its_connections`]
+/// against `vmm`, a `closing` program in `mode` that ends with `status`.
+fn assert_connections_closed_at_the_end(topo: &Topology, vmm: &mut Process, mode: &str, status: i32) {
+    use std::io::Write;
+    let idle = connect_from_client(topo, 7102, vmm);
+    let mut unread = connect_from_client(topo, 7102, vmm);
+    let queued = connect_from_client(topo, 7102, vmm);
+    // The program ends once this is in: after all three connected.
+    unread.write_all(b"never read").unwrap();
+    assert_eq!(exit_status(vmm, BOOT_TIMEOUT).code(), Some(status), "{mode}: {}", vmm.output());
+    assert!(vmm.stdout().contains("closing: ending\n"), "{mode}: {}", vmm.output());
+    if mode == "abort" {
+        assert!(vmm.stdout().contains("linux: killed by signal 6\n"), "{}", vmm.output());
+    }
+    let eof = read_to_end(idle);
+    assert!(eof.as_ref().is_ok_and(Vec::is_empty), "{mode}: the idle connection: expected EOF, read {eof:?}");
+    assert_reset(&format!("{mode}: the connection with unread data"), read_to_end(unread));
+    assert_reset(&format!("{mode}: the connection never accepted"), read_to_end(queued));
 }
