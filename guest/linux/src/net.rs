@@ -19,10 +19,12 @@
 //! Linux closes the sockets of a process that exits.
 //!
 //! Each socket keeps a stamp of when it last became ready for more (epoll
-//! reports descriptors in the order they became ready): looked at after
-//! every stack poll that moved something, and after every call that may
-//! take readiness away (a read, a write, an accept), so that the next rise
-//! is seen as one.
+//! reports descriptors in the order they became ready): a connection is
+//! looked at after each segment the stack receives for it (`flows` finds
+//! it; segments that arrived between two polls keep their order), every
+//! socket after every stack poll that moved something, and a socket after
+//! every call on it that may take readiness away (a read, a write, an
+//! accept), so that the next rise is seen as one.
 //!
 //! A UDP socket is a smoltcp UDP socket from creation, bound to an
 //! ephemeral port when it first sends unbound; `connect` only sets the
@@ -93,10 +95,30 @@ struct Meta {
     linger: Option<u32>,
     /// Readiness when last looked at.
     seen: u32,
+    /// A connection's key in `Net::flows`.
+    flow: Option<FlowKey>,
     /// Stamps of the last rise of its input side (EPOLLIN, RDHUP, HUP,
     /// ERR) and of its output side (EPOLLOUT): a program waiting to read
     /// is woken by the one, a program waiting to write by the other.
     since: Since,
+}
+
+impl Meta {
+    /// Readiness is `bits` now: stamp the sides that rose. Returns the
+    /// stamps.
+    fn note(&mut self, bits: u32, stamp: &mut u64) -> Since {
+        let rose = bits & !self.seen;
+        if rose & !EPOLLOUT != 0 {
+            *stamp += 1;
+            self.since.input = *stamp;
+        }
+        if rose & EPOLLOUT != 0 {
+            *stamp += 1;
+            self.since.output = *stamp;
+        }
+        self.seen = bits;
+        self.since
+    }
 }
 
 /// When a socket last became ready for input and for output.
@@ -106,10 +128,15 @@ pub struct Since {
     pub output: u64,
 }
 
+/// A TCP connection's peer and local port.
+type FlowKey = (IpEndpoint, u16);
+
 struct Net {
     stack: Stack,
     socks: BTreeMap<u32, Sock>,
     meta: BTreeMap<u32, Meta>,
+    /// Connections by flow, for the segments the stack receives.
+    flows: BTreeMap<FlowKey, u32>,
     /// The last readiness stamp given out.
     stamp: u64,
     next_id: u32,
@@ -129,6 +156,7 @@ pub fn init(config: NetConfig) -> Result<(), ftvm_rt::net::Error> {
         stack,
         socks: BTreeMap::new(),
         meta: BTreeMap::new(),
+        flows: BTreeMap::new(),
         stamp: 0,
         next_id: 1,
         closing: Vec::new(),
@@ -188,18 +216,21 @@ impl Net {
     /// stamped. Returns (readiness, stamps).
     fn observe(&mut self, id: u32) -> (u32, Since) {
         let bits = self.bits(id);
-        let Some(m) = self.meta.get_mut(&id) else { return (bits, Since::default()) };
-        let rose = bits & !m.seen;
-        if rose & !EPOLLOUT != 0 {
-            self.stamp += 1;
-            m.since.input = self.stamp;
+        match self.meta.get_mut(&id) {
+            Some(m) => (bits, m.note(bits, &mut self.stamp)),
+            None => (bits, Since::default()),
         }
-        if rose & EPOLLOUT != 0 {
-            self.stamp += 1;
-            m.since.output = self.stamp;
+    }
+
+    /// Index connection `id` by its flow, for [`poll`].
+    fn index_flow(&mut self, id: u32, h: SocketHandle) {
+        let s = tcp_mut(self, h);
+        let (Some(remote), Some(local)) = (s.remote_endpoint(), s.local_endpoint()) else { return };
+        let key = (remote, local.port);
+        self.flows.insert(key, id);
+        if let Some(m) = self.meta.get_mut(&id) {
+            m.flow = Some(key);
         }
-        m.seen = bits;
-        (bits, m.since)
     }
 
     fn observe_all(&mut self) {
@@ -212,6 +243,9 @@ impl Net {
     /// Close socket `id` as `close(2)` does (see the module's header).
     fn close(&mut self, id: u32) {
         let meta = self.meta.remove(&id).unwrap_or_default();
+        if let Some(key) = meta.flow {
+            self.flows.remove(&key);
+        }
         match self.socks.remove(&id) {
             Some(Sock::Conn { handle, accepted }) => {
                 let s = tcp_mut(self, handle);
@@ -273,7 +307,13 @@ pub fn poll() -> bool {
     let mut g = NET.lock();
     let Some(net) = g.as_mut() else { return false };
     POLLS.fetch_add(1, core::sync::atomic::Ordering::Relaxed);
-    let progress = net.stack.poll();
+    let Net { stack, socks, meta, flows, stamp, .. } = net;
+    let progress = stack.poll_each(|sockets, flow| {
+        let Some(&id) = flows.get(&(flow.remote, flow.local_port)) else { return };
+        if let (Some(Sock::Conn { handle, .. }), Some(m)) = (socks.get(&id), meta.get_mut(&id)) {
+            m.note(conn_bits(sockets.get::<tcp::Socket>(*handle)), stamp);
+        }
+    });
     net.maintain();
     if progress {
         net.observe_all();
@@ -413,6 +453,7 @@ pub fn accept(id: u32) -> Result<(u32, IpEndpoint), Errno> {
         // As on Linux, the connection inherits the listener's options.
         let linger = net.meta.get(&id).and_then(|m| m.linger);
         let nid = net.add(Sock::Conn { handle: h, accepted: true }, Meta { linger, ..Meta::default() });
+        net.index_flow(nid, h);
         Ok((nid, peer))
     })
 }
@@ -441,6 +482,7 @@ pub fn connect(id: u32, addr: Ipv4Addr, port: u16) -> Result<(), Errno> {
         s.connect(cx, remote, local).map_err(|_| ENETUNREACH)?;
         let h = net.stack.sockets_mut().add(s);
         net.socks.insert(id, Sock::Conn { handle: h, accepted: false });
+        net.index_flow(id, h);
         Ok(())
     })
 }
@@ -700,25 +742,29 @@ impl Net {
             }
             Some(Sock::Conn { handle, .. }) => {
                 let h = *handle;
-                let s = tcp_mut(self, h);
-                let mut r = 0;
-                if matches!(s.state(), State::SynSent | State::SynReceived) {
-                    return 0;
-                }
-                if s.can_recv() {
-                    r |= EPOLLIN;
-                }
-                if !s.may_recv() {
-                    r |= EPOLLIN | EPOLLRDHUP;
-                }
-                if s.can_send() {
-                    r |= EPOLLOUT;
-                }
-                if !s.is_open() {
-                    r |= EPOLLHUP;
-                }
-                r
+                conn_bits(tcp_mut(self, h))
             }
         }
     }
+}
+
+/// A connection's readiness.
+fn conn_bits(s: &tcp::Socket) -> u32 {
+    if matches!(s.state(), State::SynSent | State::SynReceived) {
+        return 0;
+    }
+    let mut r = 0;
+    if s.can_recv() {
+        r |= EPOLLIN;
+    }
+    if !s.may_recv() {
+        r |= EPOLLIN | EPOLLRDHUP;
+    }
+    if s.can_send() {
+        r |= EPOLLOUT;
+    }
+    if !s.is_open() {
+        r |= EPOLLHUP;
+    }
+    r
 }
