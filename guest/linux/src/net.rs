@@ -7,7 +7,10 @@
 //!
 //! Closing a connection does what Linux's `tcp_close` does: with received
 //! data left unread, or with SO_LINGER on and a zero timeout, the
-//! connection is reset (RST) at once; otherwise it sends its FIN. Either
+//! connection is reset (RST) at once (after sending what the program wrote
+//! and the peer's window takes, which Linux would have sent at the write);
+//! otherwise it sends its FIN, and data that arrives after that resets it
+//! (nobody is left to read it). Either
 //! way it stays in `closing` until TCP is done with it (the RST sent, or
 //! the FIN handshake over, at most [`LINGER_NS`]), then goes back to its
 //! listener's pool. SO_LINGER with a non-zero timeout is the orderly close
@@ -187,6 +190,11 @@ impl Net {
         while i < self.closing.len() {
             let c = &self.closing[i];
             let s = self.stack.sockets_mut().get_mut::<tcp::Socket>(c.handle);
+            // Data for a connection the program has closed has nobody to
+            // read it: reset, as Linux does (its TCPAbortOnData).
+            if s.recv_queue() > 0 && s.state() != State::Closed {
+                s.abort();
+            }
             // A reset socket is done once the RST is out (smoltcp forgets
             // the peer when it sends it).
             let done = match s.state() {
@@ -250,7 +258,13 @@ impl Net {
             Some(Sock::Conn { handle, accepted }) => {
                 let s = tcp_mut(self, handle);
                 if s.recv_queue() > 0 || meta.linger == Some(0) {
-                    s.abort();
+                    // Linux's write sends at once, so what the program
+                    // wrote has left before its close resets the
+                    // connection; here writes wait for the next poll.
+                    if s.send_queue() > 0 {
+                        self.stack.poll();
+                    }
+                    tcp_mut(self, handle).abort();
                 } else {
                     s.close();
                 }

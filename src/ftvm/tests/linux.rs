@@ -674,3 +674,36 @@ fn assert_connections_closed_at_the_end(topo: &Topology, vmm: &mut Process, mode
     assert_reset(&format!("{mode}: the connection with unread data"), read_to_end(unread));
     assert_reset(&format!("{mode}: the connection never accepted"), read_to_end(queued));
 }
+
+/// Redis's protocol-desync regression test as its own suite runs it: after
+/// `*\0` the client sends 1 KiB lines without a `\r` until a write fails.
+/// Redis answers "Protocol error" and closes the connection with the
+/// client's bytes unread, which resets it: the client's writes fail (they
+/// do not just stop, as into a closed window) and the error is there to
+/// read.
+#[test]
+fn redis_resets_a_desynchronized_connection() {
+    use std::io::{BufRead, Write};
+    let topo = Topology::new("lxdesync").unwrap();
+    let mut vmm = redis(&topo, "");
+    let mut s = connect_from_client(&topo, 6379, &vmm);
+    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"*\x00").unwrap();
+    let mut payload = vec![b'A'; 1024];
+    payload.push(b'\n');
+    let t0 = std::time::Instant::now();
+    let failed = loop {
+        if let Err(e) = s.write_all(&payload) {
+            break e;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "Redis did not close the connection after the protocol desync");
+    };
+    assert!(
+        matches!(failed.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe),
+        "the writes ended with {failed:?}, not a reset"
+    );
+    let mut line = String::new();
+    let read = std::io::BufReader::new(&s).read_line(&mut line);
+    assert!(line.contains("Protocol error"), "read {read:?}: {line:?}");
+    assert_running(&mut vmm);
+}
