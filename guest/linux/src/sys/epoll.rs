@@ -113,21 +113,24 @@ fn collect(id: u32, max: usize) -> Vec<(u64, u32, u64)> {
     };
     // Asked without the lock: an epoll descriptor's readiness is its own
     // instance's ready list.
-    let mut now = BTreeMap::new();
+    // (fd, since) and the events, in descriptor order (the interest list's).
+    let mut stamps = Vec::new();
+    let mut events = Vec::new();
     for (f, entry) in list {
         let Some((r, since)) = fd::readiness_since(f, entry.events) else { continue };
         if r != 0 {
-            now.insert(f, (r, since));
+            stamps.push((f, since));
+            events.push(r);
         }
     }
     let mut e = EPOLLS.lock();
     let Some(instance) = e.1.get_mut(&id) else { return Vec::new() };
-    let stamps: Vec<(u64, u64)> = now.iter().map(|(&f, &(_, since))| (f, since)).collect();
     instance.ready.update(&stamps);
     let mut ready = Vec::new();
     for f in instance.ready.take(max) {
-        let (Some(entry), Some(&(r, _))) = (instance.interest.get_mut(&f), now.get(&f)) else { continue };
-        ready.push((f, r, entry.data));
+        let Ok(i) = stamps.binary_search_by_key(&f, |&(f, _)| f) else { continue };
+        let Some(entry) = instance.interest.get_mut(&f) else { continue };
+        ready.push((f, events[i], entry.data));
         if entry.events & EPOLLONESHOT != 0 {
             entry.disarmed = true;
         } else {
