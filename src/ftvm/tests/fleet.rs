@@ -29,6 +29,7 @@ fn agent(topo: &Topology, dir: &std::path::Path, etcd: &str, host: u32, secret: 
         .arg(secret)
         .arg("--state-dir")
         .arg(dir.join(format!("h{host}")))
+        .args(["--metrics-listen", "127.0.0.1:9400"])
         .env("FTVM_LOG", "info");
     Process::spawn_logged(&format!("agent h{host}"), &mut cmd, dir, &format!("agent-h{host}")).unwrap()
 }
@@ -176,6 +177,15 @@ fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
         let (ok, out) = topo.redis_cli(addr, &["GET", &format!("k{i}")]);
         assert!(ok && out.trim() == format!("v{i}"), "k{i} after the hand-over: {out:?}");
     }
+    // Any agent serves the fleet's metrics.
+    let scrape = netns::run_in(&topo.ns("h3"), || {
+        let mut reply = ureq::get("http://127.0.0.1:9400/metrics").call().unwrap();
+        reply.body_mut().read_to_string().unwrap()
+    })
+    .unwrap();
+    assert!(scrape.contains("ftvm_fleet_vm_protected{vm=\"kva\"} 1"), "{scrape}");
+    assert!(scrape.contains("ftvm_fleet_vm_unplaced{vm=\"huge\"} 1"), "{scrape}");
+    assert!(scrape.contains(&format!("ftvm_fleet_host_vms{{host=\"{primary}\",role=\"primary\"}} 0")), "{scrape}");
     for a in &mut agents {
         a.signal(libc::SIGTERM).unwrap();
     }

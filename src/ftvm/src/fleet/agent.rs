@@ -24,6 +24,7 @@ use ftvm_fleet::{Host, Role, Store, StoreError};
 use serde_json::json;
 
 use super::local::{Local, Setup};
+use super::metrics::FleetMetrics;
 use crate::api::Request;
 use crate::error::{os, RunError};
 use crate::output::outln;
@@ -62,6 +63,10 @@ pub struct AgentArgs {
     /// The host counts as dead this long after its agent was last heard.
     #[arg(long, value_name = "SECONDS", default_value_t = 2)]
     pub lease_seconds: u64,
+    /// Serve the fleet's Prometheus metrics (as this agent reads it) on
+    /// http://ADDR/metrics (host:port).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<String>,
     /// How often the agent looks at the fleet.
     #[arg(long, value_name = "MS", default_value_t = 200)]
     pub interval_ms: u64,
@@ -82,6 +87,7 @@ struct Agent {
     store: Store,
     lease: i64,
     local: Local,
+    metrics: FleetMetrics,
     /// When each VM's process was last asked something, for which generation.
     asked: std::collections::BTreeMap<String, (u64, Instant)>,
 }
@@ -116,7 +122,7 @@ impl Agent {
             exe: std::env::current_exe().map_err(os("find the ftvm executable"))?,
         };
         let local = Local::adopt(setup).map_err(os("read the agent's state directory"))?;
-        let mut agent = Agent { args, me, store, lease: 0, local, asked: Default::default() };
+        let mut agent = Agent { args, me, store, lease: 0, local, metrics: FleetMetrics::default(), asked: Default::default() };
         agent.enter()?;
         Ok(agent)
     }
@@ -169,6 +175,7 @@ impl Agent {
             self.lead(&fleet)?;
         }
         let fleet = self.store.read()?;
+        self.metrics.update(&fleet, &self.me.name);
         self.run_placed(&fleet);
         self.report(&fleet)
     }
@@ -269,7 +276,11 @@ impl Agent {
 pub fn run(args: AgentArgs) -> Result<i32, RunError> {
     signals::install().map_err(os("install signal handlers"))?;
     let interval = Duration::from_millis(args.interval_ms.max(10));
+    let metrics_listen = args.metrics_listen.clone();
     let mut agent = Agent::join(args)?;
+    if let Some(addr) = metrics_listen {
+        crate::exporter::serve_registry(&addr, agent.metrics.registry(), || {})?;
+    }
     while !signals::stop_requested().load(Ordering::SeqCst) {
         match agent.tick() {
             Ok(()) => {}

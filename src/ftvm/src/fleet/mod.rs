@@ -5,6 +5,7 @@
 
 pub mod agent;
 mod local;
+mod metrics;
 
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
