@@ -162,6 +162,25 @@ fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
     assert_eq!(f.reports[vm][&primary].pid, pid, "the restarted agent started the VM again");
     assert_eq!(f.placements[vm].0, placement, "the VM was moved while its agent restarted");
 
+    // etcd stalls longer than the leases: when it resumes every lease has
+    // expired at once; the agents join again and nothing moves or restarts.
+    let etcd_pid = Command::new("pgrep").args(["-f", &format!("etcd.*{}", dir.join("etcd").display())]).output().unwrap();
+    let etcd_pid: i32 = String::from_utf8_lossy(&etcd_pid.stdout).split_whitespace().next().expect("etcd's pid").parse().unwrap();
+    // SAFETY: SIGSTOP and SIGCONT to the test's own etcd.
+    unsafe { libc::kill(etcd_pid, libc::SIGSTOP) };
+    std::thread::sleep(Duration::from_secs(4));
+    for i in 0..5 {
+        let (ok, out) = topo.redis_cli(addr, &["SET", &format!("stall{i}"), "x"]);
+        assert!(ok && out.trim() == "OK", "the VM stopped serving while etcd stalled: {out}");
+    }
+    // SAFETY: as above.
+    unsafe { libc::kill(etcd_pid, libc::SIGCONT) };
+    std::thread::sleep(Duration::from_secs(4));
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(20), "kva protected after the etcd stall", |f| all_protected_vm(f, vm));
+    assert_eq!(f.reports[vm][&primary].pid, pid, "a stalled etcd restarted the VM");
+    let now = &f.placements[vm].0;
+    assert_eq!((&now.primary, &now.backup), (&placement.primary, &placement.backup), "a stalled etcd moved the VM");
+
     // Drain the primary's host: the VM is handed over to its backup, and
     // protected again on the third host.
     cli(&topo, &["host", "drain", "--etcd", etcd.endpoint(), &primary]);

@@ -7,11 +7,11 @@
 //! own sessions, and the new agent adopts them and takes over the lease
 //! the old one held (its id is kept in the state directory; a lock on the
 //! directory shows the old agent is gone). An agent whose lease expired
-//! (it could not reach etcd for the lease's time to live) was counted
-//! dead and its VMs moved: once etcd tells it so, it stops their processes
-//! here, so no VM has two hosts, and joins again as a new host. An agent
-//! that cannot reach etcd leaves its VMs running: a lost etcd stops
-//! placement, not the VMs.
+//! (it could not reach etcd for the lease's time to live, or etcd stalled)
+//! joins again under a new lease and keeps what runs here, but for the VMs
+//! the fleet placed elsewhere meanwhile: their processes are stopped, so
+//! no VM has two hosts. An agent that cannot reach etcd leaves its VMs
+//! running: a lost etcd stops placement, not the VMs.
 
 use std::fs;
 use std::os::fd::AsRawFd;
@@ -88,8 +88,45 @@ struct Agent {
     lease: i64,
     local: Local,
     metrics: FleetMetrics,
+    /// The hosts seen, so a host whose key is gone for a moment is not dead yet.
+    hosts: Grace,
     /// When each VM's process was last asked something, for which generation.
     asked: std::collections::BTreeMap<String, (u64, Instant)>,
+}
+
+/// The hosts every agent has seen, and since when each has been missing.
+///
+/// A host's key goes when its lease expires: its agent died, or was cut
+/// off from etcd that long, or etcd itself stalled (a stalled etcd expires
+/// every lease at once when it resumes, and every agent then joins again
+/// within a look or two). So a host counts as gone only once it has been
+/// missing for `grace` (the lease's time to live): placement waits that
+/// much longer after a death, and a stalled etcd moves no VM.
+#[derive(Default)]
+struct Grace {
+    seen: std::collections::BTreeMap<String, (Host, Option<Instant>)>,
+}
+
+impl Grace {
+    /// `fleet` as read at `now`, with the hosts missing for less than `grace` put back.
+    fn view(&mut self, fleet: &Fleet, grace: Duration, now: Instant) -> Fleet {
+        for (name, host) in &fleet.hosts {
+            self.seen.insert(name.clone(), (host.clone(), None));
+        }
+        let mut view = fleet.clone();
+        self.seen.retain(|name, (host, missing)| {
+            if fleet.hosts.contains_key(name) {
+                return true;
+            }
+            let since = *missing.get_or_insert(now);
+            let keep = now.duration_since(since) < grace;
+            if keep {
+                view.hosts.insert(name.clone(), host.clone());
+            }
+            keep
+        });
+        view
+    }
 }
 
 /// Hold the state directory's lock for as long as this process lives.
@@ -122,7 +159,16 @@ impl Agent {
             exe: std::env::current_exe().map_err(os("find the ftvm executable"))?,
         };
         let local = Local::adopt(setup).map_err(os("read the agent's state directory"))?;
-        let mut agent = Agent { args, me, store, lease: 0, local, metrics: FleetMetrics::default(), asked: Default::default() };
+        let mut agent = Agent {
+            args,
+            me,
+            store,
+            lease: 0,
+            local,
+            metrics: FleetMetrics::default(),
+            hosts: Grace::default(),
+            asked: Default::default(),
+        };
         agent.enter()?;
         Ok(agent)
     }
@@ -149,14 +195,10 @@ impl Agent {
         self.lease = match alive {
             Some(lease) => lease,
             None => {
-                let vms: Vec<String> = self.local.procs.keys().cloned().collect();
-                for vm in vms {
-                    event(
-                        "fenced",
-                        json!({ "vm": vm, "host": self.me.name, "why": "this host left the fleet: its VM runs elsewhere now" }),
-                    );
-                    self.local.stop(&vm);
-                }
+                // What still runs here stays until the placements say
+                // otherwise (`run_placed` stops what was moved away): an etcd
+                // that stalled expires every lease at once when it resumes,
+                // and that must not stop a single VM.
                 let lease = self.store.lease(Duration::from_secs(self.args.lease_seconds)).map_err(fleet)?;
                 fs::write(self.lease_file(), lease.to_string()).map_err(os("write the agent's lease"))?;
                 lease
@@ -171,6 +213,7 @@ impl Agent {
     fn tick(&mut self) -> Result<(), StoreError> {
         self.store.renew(self.lease)?;
         let fleet = self.store.read()?;
+        let fleet = self.hosts.view(&fleet, Duration::from_secs(self.args.lease_seconds), Instant::now());
         if self.store.lead(&self.me.name, self.lease)? {
             self.lead(&fleet)?;
         }
@@ -299,4 +342,32 @@ pub fn run(args: AgentArgs) -> Result<i32, RunError> {
     }
     event("left", json!({ "host": agent.me.name, "why": "stopped; its VMs go on running" }));
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fleet(hosts: &[&str]) -> Fleet {
+        let mut f = Fleet::default();
+        for h in hosts {
+            f.hosts.insert(h.to_string(), Host { name: h.to_string(), memory_mib: 1, vcpus: 1, repl_addr: String::new() });
+        }
+        f
+    }
+
+    #[test]
+    fn a_host_missing_for_less_than_the_grace_still_counts() {
+        let mut grace = Grace::default();
+        let t0 = Instant::now();
+        let g = Duration::from_secs(2);
+        assert_eq!(grace.view(&fleet(&["h1", "h2"]), g, t0).hosts.len(), 2);
+        // h2's key is gone (an expired lease): still there for 2 s.
+        assert!(grace.view(&fleet(&["h1"]), g, t0 + Duration::from_millis(100)).hosts.contains_key("h2"));
+        assert!(grace.view(&fleet(&["h1"]), g, t0 + Duration::from_millis(2000)).hosts.contains_key("h2"));
+        assert!(!grace.view(&fleet(&["h1"]), g, t0 + Duration::from_millis(2200)).hosts.contains_key("h2"));
+        // Back again, and missing again later: the grace starts anew.
+        grace.view(&fleet(&["h1", "h2"]), g, t0 + Duration::from_secs(3));
+        assert!(grace.view(&fleet(&["h1"]), g, t0 + Duration::from_secs(4)).hosts.contains_key("h2"));
+    }
 }
