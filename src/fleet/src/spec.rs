@@ -28,6 +28,10 @@ pub struct VmSpec {
     pub cmdline: String,
     /// The guest network card's MAC address (the same on every host).
     pub mac: String,
+    /// A disk of this many MiB: a new zeroed file where the VM starts, and
+    /// a replica on its backup's host (replicated with its checkpoints).
+    #[serde(default)]
+    pub disk_mib: Option<u64>,
     #[serde(default)]
     pub protection: Protection,
     /// More options for the primary's `ftvm run` (`["--epoch-ms", "20"]`).
@@ -66,6 +70,9 @@ impl VmSpec {
         }
         if self.memory_mib < 16 {
             return bad(format!("memory_mib {}: at least 16", self.memory_mib));
+        }
+        if self.disk_mib == Some(0) {
+            return bad("disk_mib 0: at least 1, or no disk_mib for no disk".into());
         }
         if self.vcpus == 0 {
             return bad("vcpus 0: at least 1".into());
@@ -109,6 +116,7 @@ mod tests {
         assert!(err(&GOOD.replace("00:00:00:11", "00:00:11")).contains("six hex octets"));
         assert!(err(&GOOD.replace("52:54", "53:54")).contains("multicast"));
         assert!(err(&GOOD.replace("memory_mib = 64", "memory_mib = 1")).contains("at least 16"));
+        assert!(err(&format!("{GOOD}\ndisk_mib = 0")).contains("disk_mib 0"));
         assert!(err(&format!("{GOOD}\ncolour = 1")).contains("unknown field"));
         assert!(err("name = ").starts_with("not a VM spec"));
     }

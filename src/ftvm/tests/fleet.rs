@@ -88,11 +88,23 @@ fn cli(topo: &Topology, args: &[&str]) -> String {
 }
 
 /// Write a spec for `vm` and create it with `ftvm vm create`.
-fn create(topo: &Topology, dir: &std::path::Path, etcd: &str, vm: &str, addr: &str, mac: &str, memory_mib: u64) -> std::process::Output {
+/// `disk`: the VM gets a disk of 8 MiB and the kv guest logs its writes there.
+#[allow(clippy::too_many_arguments)]
+fn create(
+    topo: &Topology,
+    dir: &std::path::Path,
+    etcd: &str,
+    vm: &str,
+    addr: &str,
+    mac: &str,
+    memory_mib: u64,
+    disk: bool,
+) -> std::process::Output {
     let spec = dir.join(format!("{vm}.toml"));
     let image = image("kv");
+    let (aof, disk) = if disk { (" aof=on", "disk_mib = 8\n") } else { ("", "") };
     let text = format!(
-        "name = \"{vm}\"\nimage = \"{}\"\nmemory_mib = {memory_mib}\ncmdline = \"ip={addr}/24\"\nmac = \"{mac}\"\n",
+        "name = \"{vm}\"\nimage = \"{}\"\nmemory_mib = {memory_mib}\ncmdline = \"ip={addr}/24{aof}\"\nmac = \"{mac}\"\n{disk}",
         image.display()
     );
     std::fs::write(&spec, text).unwrap();
@@ -116,9 +128,9 @@ fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
     let secret = secret_in(dir.path());
     let mut agents: Vec<Process> = (1..=3).map(|h| agent(&topo, dir.path(), etcd.endpoint(), h, &secret)).collect();
     let (vm, addr, mac) = VMS[0];
-    assert!(create(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64).status.success());
+    assert!(create(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64, false).status.success());
     // A VM no host can take says why, and is not placed.
-    assert!(create(&topo, dir.path(), etcd.endpoint(), "huge", "10.0.0.19", "52:54:00:00:00:19", 4096).status.success());
+    assert!(create(&topo, dir.path(), etcd.endpoint(), "huge", "10.0.0.19", "52:54:00:00:00:19", 4096, false).status.success());
     let only_kva = |f: &Fleet| f.placements.get(vm).is_some_and(|(p, _)| p.primary.is_some() && p.backup.is_some());
     let fleet = wait_fleet(&topo, &store, None, Duration::from_secs(60), "kva protected", |f| only_kva(f) && all_protected_vm(f, vm));
     let list = cli(&topo, &["vm", "list", "--etcd", etcd.endpoint()]);
@@ -221,7 +233,7 @@ fn vms_stay_protected_when_a_host_dies() {
     let mut agents: Vec<Process> = (1..=3).map(|h| agent(&topo, dir.path(), etcd.endpoint(), h, &secret)).collect();
 
     for (vm, addr, mac) in VMS {
-        let out = create(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64);
+        let out = create(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64, vm == "kva");
         assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("created {vm}")), "{out:?}");
     }
     let err = ftvm_in(&topo, &["vm", "create", "--etcd", etcd.endpoint(), "--spec", dir.join("kva.toml").to_str().unwrap()]);
@@ -267,6 +279,12 @@ fn vms_stay_protected_when_a_host_dies() {
         }
     }
     assert_ne!(after.placements["kva"].0.primary.as_deref(), Some(dead.as_str()));
+    // kva's disk went with it: its log on the new primary's host has every write.
+    let host = after.placements["kva"].0.primary.clone().unwrap();
+    let sets = common::logged_sets(&dir.join(&host).join("vms/kva/disk.img"));
+    for i in 0..20 {
+        assert_eq!(sets.get(&format!("kva-{i}")).map(Vec::as_slice), Some(format!("v{i}").as_bytes()), "kva-{i} in the disk on {host}");
+    }
 
     // Deleting a VM stops its processes.
     cli(&topo, &["vm", "delete", "--etcd", etcd.endpoint(), "kvb"]);

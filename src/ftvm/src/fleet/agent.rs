@@ -268,7 +268,7 @@ impl Agent {
             .collect();
         for vm in stale {
             event("stopped", json!({ "vm": vm, "host": me, "why": "no longer placed here" }));
-            self.local.stop(&vm);
+            self.local.remove(&vm);
         }
         for (vm, (p, _)) in &fleet.placements {
             let Some(spec) = fleet.vms.get(vm) else { continue };

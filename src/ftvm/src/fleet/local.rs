@@ -132,10 +132,19 @@ impl Local {
         self.setup.state_dir.join("vms").join(vm)
     }
 
-    /// Start `args` (after `ftvm`) for `vm`.
-    fn spawn(&mut self, vm: &str, spec: &VmSpec, args: Vec<String>) -> io::Result<()> {
+    /// Start `args` (after `ftvm`) for `vm`. A VM with a disk gets a new
+    /// zeroed one here: a primary starting afresh begins with an empty disk,
+    /// and a backup's replica is filled by the primary's pre-copy.
+    fn spawn(&mut self, vm: &str, spec: &VmSpec, mut args: Vec<String>) -> io::Result<()> {
         let dir = self.vm_dir(vm);
         fs::create_dir_all(&dir)?;
+        if let Some(mib) = spec.disk_mib {
+            let disk = dir.join("disk.img");
+            let file = fs::File::create(&disk)?;
+            file.set_len(mib << 20)?;
+            args.push("--disk".into());
+            args.push(disk.display().to_string());
+        }
         let api = dir.join("api.sock");
         make_tap(&tap_name(vm), &self.setup.bridge)?;
         let log = fs::OpenOptions::new().create(true).append(true).open(dir.join("log"))?;
@@ -251,8 +260,14 @@ impl Local {
         }
     }
 
+    /// Stop `vm`'s process and drop its disk here (its log stays).
+    pub fn remove(&mut self, vm: &str) {
+        self.stop(vm);
+        let _ = fs::remove_file(self.vm_dir(vm).join("disk.img"));
+    }
+
     /// Stop `vm`'s process: asked first, killed if it does not go.
-    pub fn stop(&mut self, vm: &str) {
+    fn stop(&mut self, vm: &str) {
         let Some(p) = self.procs.get_mut(vm) else { return };
         tracing::info!("agent: stopping {vm}'s process {}", p.pid);
         let _ = client::call(&p.api, &api::Request::Stop, CALL_TIMEOUT);
