@@ -295,3 +295,40 @@ fn vms_stay_protected_when_a_host_dies() {
         }
     }
 }
+
+#[test]
+fn bad_fleet_input_is_refused_with_one_line() {
+    let dir = scratch_for("fleet", "bad-input");
+    let run = |args: &[&str]| {
+        let out = common::ftvm().args(args).output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, err) = run(&["vm", "list", "--etcd", "localhost:2379"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("not http://HOST:PORT"), "{err}");
+    let spec = dir.join("bad.toml");
+    std::fs::write(&spec, "name = \"kv 1\"\nimage = \"/kv.elf\"\nmac = \"52:54:00:00:00:01\"\n").unwrap();
+    let (code, err) = run(&["vm", "create", "--etcd", "http://127.0.0.1:1", "--spec", spec.to_str().unwrap()]);
+    assert_eq!(code, Some(1));
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("bad VM spec: name \"kv 1\""), "{err}");
+    let (code, err) = run(&["host", "list", "--etcd", "http://127.0.0.1:1"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("etcd at http://127.0.0.1:1 is unreachable"), "{err}");
+    let open_secret = dir.join("secret");
+    std::fs::write(&open_secret, "s").unwrap();
+    std::fs::set_permissions(&open_secret, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let agent = |host: &str| {
+        run(&["agent", "--etcd", "http://127.0.0.1:1", "--host", host, "--repl-addr", "127.0.0.1", "--memory-mib", "64", "--vcpus", "1"]
+            .iter()
+            .copied()
+            .chain(["--secret-file", open_secret.to_str().unwrap(), "--state-dir", dir.join("state").to_str().unwrap()])
+            .collect::<Vec<_>>())
+    };
+    let (code, err) = agent("a/b");
+    assert_eq!(code, Some(2));
+    assert!(err.contains("'--host <NAME>'"), "{err}");
+    let (code, err) = agent("h1");
+    assert_eq!(code, Some(1));
+    assert!(err.contains("accessible by group or others"), "{err}");
+}

@@ -36,20 +36,20 @@ const ASK_AGAIN: Duration = Duration::from_secs(5);
 #[derive(clap::Args)]
 pub struct AgentArgs {
     /// The fleet's etcd (http://HOST:PORT); also the VMs' arbiter.
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", value_parser = crate::cli::values::arbiter_url)]
     pub etcd: String,
-    /// This host's name in the fleet.
-    #[arg(long, value_name = "NAME")]
+    /// This host's name in the fleet (1 to 32 of A-Z, a-z, 0-9, '-', '_').
+    #[arg(long, value_name = "NAME", value_parser = host_name)]
     pub host: String,
     /// The address this host's backups listen on (an address of this host
     /// that the other hosts reach).
     #[arg(long, value_name = "IP")]
-    pub repl_addr: String,
+    pub repl_addr: std::net::IpAddr,
     /// Guest memory this host offers the fleet, in MiB.
-    #[arg(long, value_name = "MIB")]
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(16..))]
     pub memory_mib: u64,
     /// vCPUs this host offers the fleet.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = crate::cli::values::at_least_one)]
     pub vcpus: u32,
     /// The bridge the VMs' TAPs join (it carries the guests' network).
     #[arg(long, value_name = "NAME", default_value = "br0")]
@@ -70,6 +70,11 @@ pub struct AgentArgs {
     /// How often the agent looks at the fleet.
     #[arg(long, value_name = "MS", default_value_t = 200)]
     pub interval_ms: u64,
+}
+
+fn host_name(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty() && s.len() <= 32 && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    ok.then(|| s.to_string()).ok_or_else(|| "1 to 32 of A-Z, a-z, 0-9, '-', '_'".to_string())
 }
 
 /// One JSON line on stdout: what the fleet or this agent did.
@@ -148,8 +153,10 @@ fn lock(dir: &std::path::Path) -> Result<(), RunError> {
 
 impl Agent {
     fn join(args: AgentArgs) -> Result<Agent, RunError> {
+        // Every VM process reads it: a bad one is said once, here.
+        ftvm_replication::pipeline::transport::Secret::from_file(&args.secret_file)?;
         lock(&args.state_dir)?;
-        let me = Host { name: args.host.clone(), memory_mib: args.memory_mib, vcpus: args.vcpus, repl_addr: args.repl_addr.clone() };
+        let me = Host { name: args.host.clone(), memory_mib: args.memory_mib, vcpus: args.vcpus, repl_addr: args.repl_addr.to_string() };
         let store = Store::new(&args.etcd);
         let setup = Setup {
             etcd: args.etcd.clone(),

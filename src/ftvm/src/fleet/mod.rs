@@ -19,7 +19,7 @@ use crate::output::outln;
 #[derive(clap::Args)]
 pub struct EtcdArgs {
     /// The fleet's etcd (http://HOST:PORT).
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", value_parser = crate::cli::values::arbiter_url)]
     pub etcd: String,
 }
 
