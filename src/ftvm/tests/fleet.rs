@@ -118,15 +118,31 @@ fn secret_in(dir: &std::path::Path) -> std::path::PathBuf {
     secret
 }
 
+/// Three hosts with an agent each, and the fleet's etcd.
+struct Rig {
+    topo: Topology,
+    etcd: Etcd,
+    store: Store,
+    secret: std::path::PathBuf,
+    agents: Vec<Process>,
+}
+
+impl Rig {
+    fn new(dir: &ftvm_testkit::scratch::Scratch) -> Rig {
+        let topo = Topology::fleet("flee", 3).unwrap();
+        std::fs::create_dir_all(dir.join("etcd")).unwrap();
+        let etcd = Etcd::start_in(&dir.join("etcd"), &topo.ns("lan"), &[FLEET_ETCD_ADDR]).unwrap();
+        let store = Store::new(etcd.endpoint());
+        let secret = secret_in(dir.path());
+        let agents = (1..=3).map(|h| agent(&topo, dir.path(), etcd.endpoint(), h, &secret)).collect();
+        Rig { topo, etcd, store, secret, agents }
+    }
+}
+
 #[test]
 fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
     let dir = scratch_for("fleet", "drain");
-    let topo = Topology::fleet("flee", 3).unwrap();
-    std::fs::create_dir_all(dir.join("etcd")).unwrap();
-    let etcd = Etcd::start_in(&dir.join("etcd"), &topo.ns("lan"), &[FLEET_ETCD_ADDR]).unwrap();
-    let store = Store::new(etcd.endpoint());
-    let secret = secret_in(dir.path());
-    let mut agents: Vec<Process> = (1..=3).map(|h| agent(&topo, dir.path(), etcd.endpoint(), h, &secret)).collect();
+    let Rig { topo, etcd, store, secret, mut agents } = Rig::new(&dir);
     let (vm, addr, mac) = VMS[0];
     assert!(create(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64, false).status.success());
     // A VM no host can take says why, and is not placed.
@@ -225,12 +241,7 @@ fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
 #[test]
 fn vms_stay_protected_when_a_host_dies() {
     let dir = scratch_for("fleet", "host-dies");
-    let topo = Topology::fleet("flee", 3).unwrap();
-    std::fs::create_dir_all(dir.join("etcd")).unwrap();
-    let etcd = Etcd::start_in(&dir.join("etcd"), &topo.ns("lan"), &[FLEET_ETCD_ADDR]).unwrap();
-    let store = Store::new(etcd.endpoint());
-    let secret = secret_in(dir.path());
-    let mut agents: Vec<Process> = (1..=3).map(|h| agent(&topo, dir.path(), etcd.endpoint(), h, &secret)).collect();
+    let Rig { topo, etcd, store, mut agents, .. } = Rig::new(&dir);
 
     for (vm, addr, mac) in VMS {
         let out = create(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64, vm == "kva");

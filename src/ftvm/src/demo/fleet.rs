@@ -30,7 +30,7 @@ use ftvm_testkit::process::Process;
 use ftvm_testkit::topology::{Topology, FLEET_ETCD_ADDR};
 use ftvm_testkit::writers::{self, Writers};
 
-use super::{sleep, spawn, which, write_secret, Error};
+use super::{preflight, sleep, spawn, write_secret, Error};
 use crate::output::outln;
 
 const HOSTS: u32 = 4;
@@ -197,16 +197,7 @@ fn two_primaries(captures: Vec<(String, Tcpdump)>, vms: &[DemoVm]) -> Result<BTr
 }
 
 pub fn run(dir: &Path, seconds: f64) -> Result<bool, Error> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Err("needs root (network namespaces, TAP devices)".into());
-    }
-    for tool in ["ip", "redis-cli", "etcd", "tcpdump"] {
-        if !which(tool) {
-            return Err(format!("{tool} not found: run scripts/setup.sh"));
-        }
-    }
-    let root = ftvm_testkit::repo_root().map_err(|e| e.to_string())?;
+    let root = preflight(&["ip", "redis-cli", "etcd", "tcpdump"])?;
     let (kv, redis) = (root.join("target/images/kv.elf"), root.join("target/images/redis-server"));
     for (image, build) in [(&kv, "scripts/build-images.sh"), (&redis, "scripts/build-redis.sh")] {
         if !image.exists() {

@@ -375,17 +375,22 @@ fn random<const N: usize>() -> Result<[u8; N], Error> {
     Ok(bytes)
 }
 
-fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
+/// Root, the `tools` on the PATH, and the repository's root.
+fn preflight(tools: &[&str]) -> Result<PathBuf, Error> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return Err("needs root (network namespaces, TAP devices)".into());
     }
-    for tool in ["ip", "redis-cli", "redis-benchmark", "etcd"] {
+    for tool in tools {
         if !which(tool) {
             return Err(format!("{tool} not found: run scripts/setup.sh"));
         }
     }
-    let root = ftvm_testkit::repo_root().map_err(|e| e.to_string())?;
+    ftvm_testkit::repo_root().map_err(|e| e.to_string())
+}
+
+fn demo(args: &DemoArgs, dir: &Path) -> Result<bool, Error> {
+    let root = preflight(&["ip", "redis-cli", "redis-benchmark", "etcd"])?;
     let (image, build) = args.app.image();
     let image = root.join(image);
     if !image.exists() {
