@@ -11,6 +11,7 @@ mod kv;
 mod paths;
 mod redis_benchmark;
 mod redis_guest;
+mod redis_suite;
 mod report;
 mod soak;
 mod threads;
@@ -69,6 +70,11 @@ enum Command {
     /// cut, in random orders; acknowledged writes lost (must be 0), old
     /// primaries not fenced (must be 0), first reply after each failure.
     Soak(soak::Options),
+    /// Redis's own test suite (external-server mode, a fresh server per
+    /// unit) against redis-server natively, in ftvm and in ftvm protected:
+    /// tests passed and failed, wall time, and every test that passes
+    /// natively but not in ftvm.
+    RedisSuite(redis_suite::Options),
 }
 
 fn main() -> ExitCode {
@@ -86,6 +92,7 @@ fn main() -> ExitCode {
         Command::Ha(opts) => ha::run(&opts, &cli.out),
         Command::Vsmr(opts) => vsmr::run(&opts, &cli.out),
         Command::Soak(opts) => soak::run(&opts, &cli.out),
+        Command::RedisSuite(opts) => redis_suite::run(&opts, &cli.out),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
