@@ -73,7 +73,6 @@
 use alloc::vec::Vec;
 use core::sync::atomic::{AtomicU64, Ordering};
 
-use ftvm_abi::Program;
 use spin::{Mutex, Once};
 
 use crate::entry;
@@ -149,9 +148,16 @@ static OUTCOME: [AtomicU64; OUTCOMES] = [const { AtomicU64::new(0) }; OUTCOMES];
 static CALLS: AtomicU64 = AtomicU64::new(0);
 static JUMPED: AtomicU64 = AtomicU64::new(0);
 
-/// Turn rewriting on for `program` (its segments are loaded).
-pub fn init(program: &Program) {
-    STATE.call_once(|| Mutex::new(State { text: crate::text::segments(program), seen: Vec::new(), used: 0 }));
+/// Turn rewriting on for the program's executable ranges `text` (loaded).
+pub fn init(text: Vec<(u64, u64)>) {
+    STATE.call_once(|| Mutex::new(State { text, seen: Vec::new(), used: 0 }));
+}
+
+/// More executable code: a library the program's interpreter mapped.
+pub fn add_text(start: u64, end: u64) {
+    if let Some(state) = STATE.get() {
+        state.lock().text.push((start, end));
+    }
 }
 
 /// Count one system call; `via_jmp` if it came through a stub.

@@ -91,7 +91,8 @@ pub fn dispatch(frame: &mut Frame) {
         83 => file::mkdir(file::AT_FDCWD, a[0]),
         84 => file::unlink(file::AT_FDCWD, a[0], file::AT_REMOVEDIR),
         87 => file::unlink(file::AT_FDCWD, a[0], 0),
-        89 | 267 => Err(crate::errno::EINVAL),
+        89 => file::readlink(file::AT_FDCWD, a[0], a[1], a[2]),
+        267 => file::readlink(a[0], a[1], a[2], a[3]),
         90..=94 | 132 | 280 => Ok(0),
         95 => proc::umask(a[0]),
         96 => time::gettimeofday(a[0]),
@@ -137,6 +138,8 @@ pub fn dispatch(frame: &mut Frame) {
         306 => io::sync(),
         318 => proc::getrandom(a[0], a[1]),
         324 => Ok(0),
+        // rseq: glibc registers one at start and does without it.
+        334 => Err(ENOSYS),
         _ => unsupported(nr),
     };
     frame.rax = match r {
