@@ -5,6 +5,7 @@ pub type Errno = u64;
 pub const EPERM: Errno = 1;
 pub const ENOENT: Errno = 2;
 pub const EIO: Errno = 5;
+pub const E2BIG: Errno = 7;
 pub const ENOEXEC: Errno = 8;
 pub const EBADF: Errno = 9;
 pub const ECHILD: Errno = 10;

@@ -20,8 +20,9 @@ use alloc::vec::Vec;
 use ftvm_elf::stack::*;
 use ftvm_elf::{Elf, PHDR_SIZE};
 
-use crate::errno::{Errno, EACCES, ENOEXEC};
-use crate::fs;
+use crate::entry::Frame;
+use crate::errno::{Errno, EACCES, EAGAIN, ENOEXEC};
+use crate::{fd, fs, sched, start, sysjmp};
 
 /// A program in memory, ready to be entered.
 pub struct Loaded {
@@ -46,6 +47,12 @@ fn failed(errno: Errno, why: String) -> Failed {
 
 /// The path last executed (`/proc/self/exe`).
 static EXE: spin::Mutex<String> = spin::Mutex::new(String::new());
+/// The vDSO every program gets (`AT_SYSINFO_EHDR`), if any.
+static VDSO: spin::Once<Option<u64>> = spin::Once::new();
+
+pub fn init(vdso: Option<u64>) {
+    VDSO.call_once(|| vdso);
+}
 
 pub fn exe() -> String {
     EXE.lock().clone()
@@ -79,7 +86,7 @@ fn parse<'a>(path: &str, file: &'a [u8]) -> Result<Elf<'a>, Failed> {
 }
 
 /// Load the program at `path` (and its interpreter) into fresh memory.
-pub fn load(path: &str, vdso: Option<u64>) -> Result<Loaded, Failed> {
+pub fn load(path: &str) -> Result<Loaded, Failed> {
     let file = read(path)?;
     let elf = parse(path, &file)?;
     let bias = place(path, &elf, &file)?;
@@ -104,13 +111,13 @@ pub fn load(path: &str, vdso: Option<u64>) -> Result<Loaded, Failed> {
         (AT_BASE, base),
         (AT_ENTRY, elf.entry + bias),
     ];
-    auxv.extend(common_auxv(vdso));
+    auxv.extend(common_auxv());
     *EXE.lock() = path.into();
     Ok(Loaded { entry, auxv, text })
 }
 
 /// The auxiliary entries every program gets, whoever loaded it.
-pub fn common_auxv(vdso: Option<u64>) -> Vec<(u64, u64)> {
+pub fn common_auxv() -> Vec<(u64, u64)> {
     // As Linux: AT_HWCAP is CPUID leaf 1's EDX.
     let hwcap = core::arch::x86_64::__cpuid(1).edx;
     let mut auxv = alloc::vec![
@@ -126,8 +133,47 @@ pub fn common_auxv(vdso: Option<u64>) -> Vec<(u64, u64)> {
         (AT_SECURE, 0),
     ];
     // Without it libc makes the clock system calls itself.
-    if let Some(ehdr) = vdso {
+    if let Some(ehdr) = VDSO.get().copied().flatten() {
         auxv.push((AT_SYSINFO_EHDR, ehdr));
     }
     auxv
+}
+
+/// execve, in the one process there is: replace the running program with
+/// the one at `path` and return the frame that enters it. Everything that
+/// can fail is checked while the old program is still there to be told
+/// (a file that is not there, not an ELF, not position-independent, other
+/// threads still running); after that its memory is released, the
+/// descriptors marked close-on-exec are closed and the new image is loaded.
+pub fn replace(path: &str, argv: &[String], env: &[String]) -> Result<Frame, Failed> {
+    let file = read(path)?;
+    let elf = parse(path, &file)?;
+    if !elf.relocatable {
+        return Err(failed(EACCES, format!("{path} is linked at fixed addresses (ET_EXEC)")));
+    }
+    if let Some(interp) = elf.interp {
+        let ifile = read(interp)?;
+        parse(interp, &ifile)?;
+    }
+    if sched::live_threads() > 1 {
+        return Err(failed(EAGAIN, format!("execve {path}: other threads are running (execve from a single-threaded program only)")));
+    }
+    drop(file);
+    // No way back from here: a failure ends the program, as on Linux.
+    let fatal = |f: Failed| -> ! {
+        ftvm_rt::println!("linux: execve {path}: {}", f.why);
+        crate::exit_program(127)
+    };
+    crate::sys::mem::reset();
+    fd::close_on_exec();
+    let stack =
+        crate::sys::mem::reserve(crate::MAIN_STACK).unwrap_or_else(|e| fatal(failed(e, format!("no room for the stack: errno {e}"))));
+    let loaded = load(path).unwrap_or_else(|f| fatal(f));
+    sysjmp::set_text(loaded.text);
+    sched::with_current(|t| {
+        t.fs_base = 0;
+        t.clear_child_tid = 0;
+    });
+    start::initial_frame(loaded.entry, &loaded.auxv, argv, env, path, stack, stack + crate::MAIN_STACK)
+        .map_err(|why| fatal(failed(EAGAIN, why)))
 }

@@ -149,6 +149,22 @@ pub fn close(fd: u64) -> Result<(), Errno> {
     Ok(())
 }
 
+/// execve: close the descriptors marked close-on-exec.
+pub fn close_on_exec() {
+    let closed: Vec<(u64, Slot)> = {
+        let mut t = TABLE.lock();
+        t.iter_mut()
+            .enumerate()
+            .filter(|(_, s)| s.as_ref().is_some_and(|s| s.cloexec))
+            .filter_map(|(i, s)| Some((i as u64, s.take()?)))
+            .collect()
+    };
+    for (fd, slot) in closed {
+        crate::sys::epoll::forget_fd(fd);
+        drop(slot);
+    }
+}
+
 pub fn cloexec(fd: u64) -> Result<bool, Errno> {
     let t = TABLE.lock();
     t.get(fd as usize).and_then(|s| s.as_ref()).map(|s| s.cloexec).ok_or(EBADF)

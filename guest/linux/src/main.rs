@@ -43,7 +43,7 @@ use ftvm_rt::{println, Args};
 ftvm_rt::entry!(main, linux_syscall_entry = entry::ftvm_linux_syscall_entry);
 
 /// The initial thread's stack, as Linux's default RLIMIT_STACK.
-const MAIN_STACK: u64 = 8 << 20;
+pub const MAIN_STACK: u64 = 8 << 20;
 /// Program memory is carved out of the heap on this boundary (the VMM maps
 /// RAM with 2 MiB pages).
 const REGION_ALIGN: usize = 2 << 20;
@@ -104,6 +104,7 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     }
     fd::init_stdio();
     let vdso = opts.vdso.then(vdso::build);
+    exec::init(vdso);
     // A program the VMM placed (static, fixed addresses), or one loaded
     // here from the root file system (position-independent, and its
     // interpreter).
@@ -115,11 +116,11 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
             (ftvm_elf::stack::AT_BASE, 0),
             (ftvm_elf::stack::AT_ENTRY, program.entry),
         ];
-        auxv.extend(exec::common_auxv(vdso));
+        auxv.extend(exec::common_auxv());
         (program.entry, auxv, text::segments(&program), cmd.argv[0].clone())
     } else {
         let path = image.as_ref().map(|i| i.exec()).unwrap_or_default();
-        let loaded = exec::load(path, vdso).map_err(|f| f.why)?;
+        let loaded = exec::load(path).map_err(|f| f.why)?;
         (loaded.entry, loaded.auxv, loaded.text, path.into())
     };
     match opts.syscall {

@@ -153,6 +153,15 @@ pub fn init(text: Vec<(u64, u64)>) {
     STATE.call_once(|| Mutex::new(State { text, seen: Vec::new(), used: 0 }));
 }
 
+/// execve: the new program's executable ranges replace the old one's.
+pub fn set_text(text: Vec<(u64, u64)>) {
+    if let Some(state) = STATE.get() {
+        let mut st = state.lock();
+        st.text = text;
+        st.seen.clear();
+    }
+}
+
 /// More executable code: a library the program's interpreter mapped.
 pub fn add_text(start: u64, end: u64) {
     if let Some(state) = STATE.get() {

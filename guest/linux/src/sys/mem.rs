@@ -37,6 +37,11 @@ pub fn brk(addr: u64) -> SysResult {
     Ok(with(|m| m.brk(addr)))
 }
 
+/// execve: the old program's memory is all given up.
+pub fn reset() {
+    with(|m| m.reset())
+}
+
 /// Fresh zero memory of `len` bytes wherever it fits (the loader's).
 pub fn reserve(len: u64) -> Result<u64, Errno> {
     with(|m| m.map(0, len, false))

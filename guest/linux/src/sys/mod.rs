@@ -77,6 +77,7 @@ pub fn dispatch(frame: &mut Frame) {
         54 => net::setsockopt(a[0], a[1], a[2], a[3], a[4]),
         55 => net::getsockopt(a[0], a[1], a[2], a[3], a[4]),
         56 => thread::clone(frame, a[0], a[1], a[2], a[3], a[4]),
+        59 => proc::execve(frame, a[0], a[1], a[2]),
         60 => thread::exit(a[0]),
         61 => Err(crate::errno::ECHILD),
         62 | 200 | 234 => proc::kill(),

@@ -149,51 +149,41 @@ pub fn boot(
     devices: &[Device],
 ) -> Result<BootLayout, BootError> {
     let dynamic = image::is_dynamic(path)?;
-    let packed = match rootfs {
-        Some(dir) => {
-            let exec = rootfs::program_path(dir, path)?;
-            rootfs::pack(dir, &exec)?
+    let program = if dynamic { None } else { Some(image::inspect(path, mem_size)?) };
+    if let Some(note) = program.and_then(|p| p.note) {
+        check_abi(path, note.abi_version)?;
+        if rootfs.is_some() {
+            return Err(BootError::RootfsForGuest { image: path.display().to_string() });
         }
-        None => Vec::new(),
-    };
-    let layout = if dynamic {
-        let Some(_) = rootfs else {
+        let layout = plan(program.expect("inspected"), None, 0, mem_size, vcpus)?;
+        image::load(mem, path, mem_size)?;
+        write_boot_info(mem, &layout, cmdline, devices)?;
+        return Ok(layout);
+    }
+    // A Linux program: the runtime runs it.
+    let packed = match rootfs {
+        Some(dir) => rootfs::pack(dir, &rootfs::program_path(dir, path)?)?,
+        None if dynamic => {
             return Err(BootError::Program {
                 program: path.display().to_string(),
                 what: format!(
                     "it is dynamically linked: give its root file system with --rootfs DIR (scripts/make-rootfs.sh {} DIR)",
                     path.display()
                 ),
-            });
-        };
-        let runtime_path = linux_runtime();
-        let runtime = linux_personality(path, &runtime_path, mem_size)?;
-        let layout = plan(runtime, None, packed.len() as u64, mem_size, vcpus)?;
-        image::load(mem, &runtime_path, mem_size)?;
-        layout
-    } else {
-        let image = image::inspect(path, mem_size)?;
-        match image.note {
-            Some(note) => {
-                check_abi(path, note.abi_version)?;
-                if rootfs.is_some() {
-                    return Err(BootError::RootfsForGuest { image: path.display().to_string() });
-                }
-                let layout = plan(image, None, 0, mem_size, vcpus)?;
-                image::load(mem, path, mem_size)?;
-                layout
-            }
-            None => {
-                let runtime_path = linux_runtime();
-                let runtime = linux_personality(path, &runtime_path, mem_size)?;
-                check_program(path, &image, &runtime)?;
-                let layout = plan(runtime, Some(image), packed.len() as u64, mem_size, vcpus)?;
-                image::load(mem, &runtime_path, mem_size)?;
-                image::load(mem, path, mem_size)?;
-                layout
-            }
+            })
         }
+        None => Vec::new(),
     };
+    let runtime_path = linux_runtime();
+    let runtime = linux_personality(path, &runtime_path, mem_size)?;
+    if let Some(p) = &program {
+        check_program(path, p, &runtime)?;
+    }
+    let layout = plan(runtime, program, packed.len() as u64, mem_size, vcpus)?;
+    image::load(mem, &runtime_path, mem_size)?;
+    if program.is_some() {
+        image::load(mem, path, mem_size)?;
+    }
     if let Some((start, _)) = layout.rootfs {
         mem.write_slice(&packed, GuestAddress(start))?;
     }

@@ -43,32 +43,52 @@ enum Item {
 /// Where in `dir` the program `image` (a host path) is: the image's path
 /// below `dir` if it lies there, else the same path inside `dir`
 /// (`/usr/bin/redis-server` collected into `dir/usr/bin/redis-server`).
+/// Paths are compared as written (made absolute, `.` and `..` resolved),
+/// not by following links: a program's name is what its argv[0] says.
 pub fn program_path(dir: &Path, image: &Path) -> Result<String, RootfsError> {
+    check_dir(dir)?;
     let no = || RootfsError::NoProgram { program: image.display().to_string(), dir: dir.display().to_string() };
-    if let (Ok(d), Ok(i)) = (dir.canonicalize(), image.canonicalize()) {
-        if let Ok(rel) = i.strip_prefix(&d) {
-            return Ok(format!("/{}", rel.display()));
-        }
-    }
-    let abs = std::path::absolute(image).map_err(|_| no())?;
-    let rel: PathBuf = abs.components().filter(|c| matches!(c, Component::Normal(_))).collect();
-    if dir.join(&rel).is_file() {
+    let (dir_abs, image_abs) = (normal(dir).ok_or_else(no)?, normal(image).ok_or_else(no)?);
+    let rel = match image_abs.strip_prefix(&dir_abs) {
+        Ok(rel) => rel.to_path_buf(),
+        Err(_) => image_abs.strip_prefix("/").map_err(|_| no())?.to_path_buf(),
+    };
+    if dir_abs.join(&rel).is_file() {
         Ok(format!("/{}", rel.display()))
     } else {
         Err(no())
     }
 }
 
+fn check_dir(dir: &Path) -> Result<(), RootfsError> {
+    let name = dir.display().to_string();
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(RootfsError::NotDir { dir: name }),
+        Err(e) => Err(RootfsError::Read { dir: name, err: e.to_string() }),
+    }
+}
+
+/// `path` made absolute, with `.` and `..` resolved lexically.
+fn normal(path: &Path) -> Option<PathBuf> {
+    let mut out = PathBuf::from("/");
+    for c in std::path::absolute(path).ok()?.components() {
+        match c {
+            Component::Normal(n) => out.push(n),
+            Component::ParentDir => {
+                out.pop();
+            }
+            _ => {}
+        }
+    }
+    Some(out)
+}
+
 /// Pack the tree at `dir` into an image whose program is `exec`.
 pub fn pack(dir: &Path, exec: &str) -> Result<Vec<u8>, RootfsError> {
     let name = dir.display().to_string();
-    let read = |err: std::io::Error, at: &Path| {
-        let err = if at == dir { err.to_string() } else { format!("{}: {err}", at.display()) };
-        RootfsError::Read { dir: name.clone(), err }
-    };
-    if !std::fs::metadata(dir).map_err(|e| read(e, dir))?.is_dir() {
-        return Err(RootfsError::NotDir { dir: name });
-    }
+    let read = |err: std::io::Error, at: &Path| RootfsError::Read { dir: name.clone(), err: format!("{}: {err}", at.display()) };
+    check_dir(dir)?;
     let mut items = BTreeMap::new();
     walk(dir, "", 0, &mut items).map_err(|(e, at)| read(e, &at))?;
 
@@ -191,7 +211,10 @@ mod tests {
         assert_eq!(a.entries().find(|e| e.path == "/usr/bin/prog").unwrap().data, b"\x7fELF program");
         assert_eq!(a.entries().find(|e| e.path == "/usr").unwrap().kind, Kind::Dir);
         // File data is page-aligned in the image.
-        assert!(a.entries().filter(|e| e.kind == Kind::File).all(|e| (e.data.as_ptr() as usize - bytes.as_ptr() as usize) % 4096 == 0));
+        assert!(a
+            .entries()
+            .filter(|e| e.kind == Kind::File)
+            .all(|e| (e.data.as_ptr() as usize - bytes.as_ptr() as usize).is_multiple_of(4096)));
     }
 
     #[test]

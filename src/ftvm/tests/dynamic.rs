@@ -1,0 +1,167 @@
+//! Dynamically linked Linux programs, end to end: the runtime's Linux
+//! personality loads a PIE and glibc's `ld-linux-x86-64.so.2` from a root
+//! file system (`ftvm run --rootfs DIR`, made by scripts/make-rootfs.sh
+//! from host files), and the interpreter maps the libraries. The C test
+//! program guest/linux/programs/dynamic/dynhello.c, and Debian's own
+//! `/usr/bin/redis-server` (package redis-server, scripts/setup.sh)
+//! served to redis-cli over the VM's TAP.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use ftvm_testkit::process::{Process, WaitError};
+use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, TAP};
+
+const BOOT_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A scratch root file system, removed when dropped.
+struct Rootfs(PathBuf);
+
+impl Drop for Rootfs {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `scripts/make-rootfs.sh PROGRAM DIR FILES...` into a fresh directory.
+fn make_rootfs(tag: &str, program: &Path, files: &[&str]) -> Rootfs {
+    let dir = Rootfs(std::env::temp_dir().join(format!("ftvm-rootfs-{tag}-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&dir.0);
+    let out =
+        Command::new(root().join("scripts/make-rootfs.sh")).arg(program).arg(&dir.0).args(files).output().expect("make-rootfs.sh runs");
+    assert!(out.status.success(), "make-rootfs.sh {}: {}{}", program.display(), stdout(&out), stderr(&out));
+    dir
+}
+
+/// A dynamically linked test program (guest/linux/programs/dynamic).
+fn built(name: &str) -> PathBuf {
+    let path = root().join("target/images").join(name).canonicalize().unwrap_or_default();
+    assert!(path.exists(), "target/images/{name} missing: run scripts/build-images.sh");
+    path
+}
+
+fn dynhello() -> PathBuf {
+    built("linux-dynhello")
+}
+
+#[test]
+fn a_glibc_pie_runs_with_its_interpreter_and_libc_from_the_rootfs() {
+    let program = dynhello();
+    let rootfs = make_rootfs("dynhello", &program, &[]);
+    let out = ftvm()
+        .arg("run")
+        .arg("--image")
+        .arg(&program)
+        .arg("--rootfs")
+        .arg(&rootfs.0)
+        .arg(format!("--cmdline=-- GREETING='hi there' {} one", program.display()))
+        .output()
+        .expect("ftvm runs");
+    let text = stdout(&out);
+    // The program's own exit status, after its last line.
+    assert_eq!(out.status.code(), Some(3), "{text}{}", stderr(&out));
+    assert!(text.contains(&format!("dynhello: argc=2 argv0={} argv1=one\n", program.display())), "{text}");
+    assert!(text.contains("dynhello: GREETING=hi there\n"), "{text}");
+    assert!(text.contains("dynhello: pie main_below_entry=1\n"), "{text}");
+    // /proc/self/exe names the program in the guest's file system.
+    let exe = program.canonicalize().unwrap();
+    assert!(text.contains(&format!("dynhello: exe={}\n", exe.display())), "{text}");
+    let size = std::fs::metadata(&program).unwrap().len();
+    assert!(text.contains(&format!("dynhello: size={size}\n")), "{text}");
+    assert!(text.contains("dynhello: ok\n"), "{text}");
+    assert!(!text.contains("unsupported system call"), "{text}");
+}
+
+/// execve: a missing path fails and the program goes on; the program
+/// replaces itself (keeping its descriptors but the close-on-exec one, with
+/// the environment it passed), then runs another program of the rootfs.
+#[test]
+fn execve_replaces_the_program_with_one_from_the_rootfs() {
+    let (execer, hello) = (built("linux-execer"), dynhello());
+    let rootfs = make_rootfs("execer", &execer, &[hello.to_str().unwrap()]);
+    let out = ftvm()
+        .arg("run")
+        .arg("--image")
+        .arg(&execer)
+        .arg("--rootfs")
+        .arg(&rootfs.0)
+        .arg(format!("--cmdline=-- {} {}", execer.display(), hello.display()))
+        .output()
+        .expect("ftvm runs");
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(3), "{text}{}", stderr(&out));
+    let expect = format!(
+        "execer: missing r=-1 errno=2\nexecer: exec self\nexecer: child argc=5 STAGE=2\nexecer: kept=1 closed=1\n\
+         dynhello: argc=2 argv0={} argv1=from-execer\ndynhello: GREETING=exec\n",
+        hello.display()
+    );
+    assert!(text.starts_with(&expect), "{text}");
+    assert!(text.contains(&format!("dynhello: exe={}\n", hello.display())), "{text}");
+    assert!(text.contains("dynhello: ok\n"), "{text}");
+}
+
+#[test]
+fn a_dynamic_program_without_a_usable_rootfs_is_refused_in_one_line() {
+    let program = dynhello();
+    let out = ftvm().arg("run").arg("--image").arg(&program).arg("--cmdline=-- dynhello").output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("it is dynamically linked: give its root file system with --rootfs DIR"), "{}", stderr(&out));
+    let out =
+        ftvm().arg("run").arg("--image").arg(&program).args(["--rootfs", "/nonexistent/rootfs", "--cmdline=-- dynhello"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("root file system /nonexistent/rootfs: No such file or directory"), "{}", stderr(&out));
+    // A rootfs without the program.
+    let other = make_rootfs("other", Path::new("/usr/bin/redis-cli"), &[]);
+    let out = ftvm().arg("run").arg("--image").arg(&program).arg("--rootfs").arg(&other.0).arg("--cmdline=-- dynhello").output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("is not in the root file system"), "{}", stderr(&out));
+    // An ftvm guest has no use for one.
+    let out = ftvm().arg("run").arg("--image").arg(image("probe")).arg("--rootfs").arg(&other.0).arg("--cmdline=hello").output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--rootfs is for Linux programs"), "{}", stderr(&out));
+}
+
+/// Debian's redis-server (glibc, PIE, 17 shared libraries) serves redis-cli.
+#[test]
+fn debian_redis_server_answers_redis_cli() {
+    let program = Path::new("/usr/bin/redis-server");
+    assert!(program.exists(), "{} missing: scripts/setup.sh installs Debian's redis-server", program.display());
+    let rootfs = make_rootfs("redis", program, &[]);
+    let topo = Topology::new("dynredis").unwrap();
+    let cmdline = format!("ip={GUEST_ADDR}/24 -- /usr/bin/redis-server --port 6379 --save '' --protected-mode no");
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.arg("run").arg("--image").arg(program).arg("--rootfs").arg(&rootfs.0);
+    cmd.args(["--memory", "512", "--net", &format!("tap={TAP},mac={GUEST_MAC}")]).arg(format!("--cmdline={cmdline}"));
+    let mut vmm = Process::spawn_collected("ftvm", &mut cmd).expect("ftvm spawns");
+    match vmm.wait_until(BOOT_TIMEOUT, |p| p.stdout().contains("Ready to accept connections")) {
+        Ok(()) => {}
+        Err(WaitError::Exited(status)) => panic!("ftvm exited ({status}) before redis was ready:\n{}", vmm.output()),
+        Err(WaitError::TimedOut(_)) => panic!("redis not ready within {BOOT_TIMEOUT:?}:\n{}", vmm.output()),
+    }
+    let cli = |args: &[&str]| redis_cli(&topo, args).trim_end_matches('\n').to_owned();
+    assert_eq!(cli(&["PING"]), "PONG");
+    assert_eq!(cli(&["SET", "greeting", "hello"]), "OK");
+    assert_eq!(cli(&["GET", "greeting"]), "hello");
+    assert_eq!(cli(&["INCRBY", "counter", "41"]), "41");
+    assert_eq!(cli(&["INCR", "counter"]), "42");
+    let big: String = (0..100_000).map(|i| (b'a' + (i % 26) as u8) as char).collect();
+    assert_eq!(cli(&["SET", "big", &big]), "OK");
+    assert!(cli(&["GET", "big"]) == big, "GET big returned another value");
+    // Debian's build, not the project's static one (6.2): its version and
+    // its allocator (jemalloc, a shared library here).
+    let info = cli(&["INFO", "server"]);
+    assert!(info.contains("redis_version:7."), "{info}");
+    let memory = cli(&["INFO", "memory"]);
+    assert!(memory.contains("mem_allocator:jemalloc"), "{memory}");
+    if let Some(status) = vmm.try_wait() {
+        panic!("ftvm died ({status}):\n{}", vmm.output());
+    }
+}
