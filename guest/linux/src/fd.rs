@@ -40,6 +40,7 @@ pub enum Object {
     PipeWrite(u32),
     Socket(u32),
     Epoll(u32),
+    EventFd(u32),
 }
 
 /// An open file description.
@@ -69,6 +70,7 @@ impl Drop for Desc {
             Object::Socket(id) => net::close(id),
             Object::Epoll(id) => crate::sys::epoll::drop_instance(id),
             Object::File(ino) => fs::release(ino),
+            Object::EventFd(id) => crate::eventfd::close(id),
             _ => {}
         }
     }
@@ -184,6 +186,7 @@ pub fn readiness(fd: u64) -> Option<u32> {
     Some(match d.obj {
         Object::Stdin => EPOLLHUP,
         Object::Console | Object::Dev(_) | Object::File(_) | Object::Dir(_) => EPOLLIN | EPOLLOUT,
+        Object::EventFd(id) => crate::eventfd::readiness(id),
         Object::PipeRead(id) => pipe::readiness(id, false),
         Object::PipeWrite(id) => pipe::readiness(id, true),
         Object::Socket(id) => net::readiness(id),

@@ -21,6 +21,7 @@ mod cmdline;
 mod disk;
 mod entry;
 mod errno;
+mod eventfd;
 mod exec;
 mod fd;
 mod fs;

@@ -165,3 +165,65 @@ fn debian_redis_server_answers_redis_cli() {
         panic!("ftvm died ({status}):\n{}", vmm.output());
     }
 }
+
+/// A memcached client in the client namespace (python3): connects (retrying
+/// while the server starts), stores, reads, increments, asks for stats, and
+/// prints each reply on a line of its own.
+const MEMCACHED_CLIENT: &str = r#"
+import socket, sys, time
+deadline = time.time() + 30
+while True:
+    try:
+        s = socket.create_connection(("GUEST", 11211), timeout=5)
+        break
+    except OSError:
+        if time.time() > deadline:
+            raise
+        time.sleep(0.2)
+f = s.makefile("rb")
+def ask(req, lines):
+    s.sendall(req)
+    return [f.readline().decode().rstrip("\r\n") for _ in range(lines)]
+big = "x" * 100000
+print("set:", ask(b"set greeting 0 0 5\r\nhello\r\n", 1))
+print("get:", ask(b"get greeting\r\n", 3))
+print("incr:", ask(b"set n 0 0 2\r\n41\r\nincr n 1\r\n", 2))
+print("big:", ask(("set big 0 0 %d\r\n%s\r\n" % (len(big), big)).encode(), 1), ask(b"get big\r\n", 3)[1] == big)
+s.sendall(b"stats\r\n")
+stats = []
+while True:
+    line = f.readline().decode().rstrip("\r\n")
+    if line == "END":
+        break
+    stats.append(line)
+print("stats:", [l for l in stats if l.startswith("STAT version") or l.startswith("STAT threads")])
+"#;
+
+/// Debian's memcached (glibc, PIE, libevent; four worker threads waking
+/// each other through eventfd) serves a client over the TAP.
+#[test]
+fn debian_memcached_serves_a_client() {
+    let program = Path::new("/usr/bin/memcached");
+    assert!(program.exists(), "{} missing: scripts/setup.sh installs Debian's memcached", program.display());
+    // getpwnam("root") for -u root reads the user database.
+    let rootfs = make_rootfs("memcached", program, &["/etc/passwd", "/etc/group", "/etc/nsswitch.conf"]);
+    let topo = Topology::new("dynmemc").unwrap();
+    let cmdline = format!("ip={GUEST_ADDR}/24 -- /usr/bin/memcached -u root -p 11211 -U 0 -m 64");
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.arg("run").arg("--image").arg(program).arg("--rootfs").arg(&rootfs.0);
+    cmd.args(["--memory", "512", "--net", &format!("tap={TAP},mac={GUEST_MAC}")]).arg(format!("--cmdline={cmdline}"));
+    let mut vmm = Process::spawn_collected("ftvm", &mut cmd).expect("ftvm spawns");
+    let out =
+        topo.command("client", "python3").args(["-c", &MEMCACHED_CLIENT.replace("GUEST", GUEST_ADDR)]).output().expect("python3 runs");
+    let text = stdout(&out);
+    assert!(out.status.success(), "client: {text}{}\nftvm:\n{}", stderr(&out), vmm.output());
+    assert!(text.contains("set: ['STORED']\n"), "{text}");
+    assert!(text.contains("get: ['VALUE greeting 0 5', 'hello', 'END']\n"), "{text}");
+    assert!(text.contains("incr: ['STORED', '42']\n"), "{text}");
+    assert!(text.contains("big: ['STORED'] True\n"), "{text}");
+    assert!(text.contains("stats: ['STAT version 1.6."), "{text}");
+    assert!(text.contains("'STAT threads 4'"), "{text}");
+    if let Some(status) = vmm.try_wait() {
+        panic!("ftvm died ({status}):\n{}", vmm.output());
+    }
+}

@@ -66,7 +66,7 @@ pub fn fstat(fd: u64, out: u64) -> SysResult {
         Object::Stdin | Object::Console | Object::Dev(_) => other(S_IFCHR | 0o620),
         Object::PipeRead(_) | Object::PipeWrite(_) => other(S_IFIFO | 0o600),
         Object::Socket(_) => other(S_IFSOCK | 0o777),
-        Object::Epoll(_) => other(0o600),
+        Object::Epoll(_) | Object::EventFd(_) => other(0o600),
     };
     write_stat(out, &st)?;
     Ok(0)

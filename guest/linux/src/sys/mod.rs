@@ -101,7 +101,9 @@ pub fn dispatch(frame: &mut Frame) {
         98 => proc::getrusage(a[1]),
         99 => proc::sysinfo(a[0]),
         102 | 104 | 107 | 108 => Ok(0),
-        105 | 106 | 109 | 112 => Ok(0),
+        // setuid, setgid, setpgid, setsid, setgroups, setresuid, setresgid:
+        // one user (root) and one process, nothing to change.
+        105 | 106 | 109 | 112 | 116 | 117 | 119 => Ok(0),
         110 => Ok(0),
         111 => Ok(u64::from(sched::PID)),
         131 => Ok(0),
@@ -132,15 +134,18 @@ pub fn dispatch(frame: &mut Frame) {
         271 => epoll::ppoll(a[0], a[1], a[2]),
         273 => Ok(0),
         281 => epoll::wait(a[0], a[1], a[2], a[3] as i32),
+        284 => io::eventfd(a[0], 0),
         288 => net::accept(a[0], a[1], a[2], a[3]),
+        290 => io::eventfd(a[0], a[1]),
         292 => io::dup3(a[0], a[1], a[2], false),
         293 => io::pipe(a[0], a[1]),
         302 => proc::prlimit64(a[0], a[1], a[2], a[3]),
         306 => io::sync(),
         318 => proc::getrandom(a[0], a[1]),
         324 => Ok(0),
-        // rseq: glibc registers one at start and does without it.
-        334 => Err(ENOSYS),
+        // rseq: glibc registers one at start and does without it; clone3:
+        // glibc's pthread_create falls back to clone.
+        334 | 435 => Err(ENOSYS),
         _ => unsupported(nr),
     };
     frame.rax = match r {
