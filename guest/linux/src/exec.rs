@@ -58,6 +58,11 @@ pub fn exe() -> String {
     EXE.lock().clone()
 }
 
+/// The program the VMM placed is `path` (`/proc/self/exe`).
+pub fn set_exe(path: &str) {
+    *EXE.lock() = path.into();
+}
+
 /// Copy `elf` (the bytes `file`) to a free range; returns the load bias.
 fn place(path: &str, elf: &Elf, file: &[u8]) -> Result<u64, Failed> {
     if !elf.relocatable {
@@ -100,7 +105,8 @@ pub fn load(path: &str) -> Result<Loaded, Failed> {
             }
             let ibias = place(interp_path, &interp, &ifile)?;
             text.extend(interp.text(ibias));
-            (interp.entry + ibias, ibias + interp.lo)
+            // AT_BASE is the interpreter's load bias, as Linux gives it.
+            (interp.entry + ibias, ibias)
         }
         None => (elf.entry + bias, 0),
     };

@@ -118,6 +118,7 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
             (ftvm_elf::stack::AT_ENTRY, program.entry),
         ];
         auxv.extend(exec::common_auxv());
+        exec::set_exe(&cmd.argv[0]);
         (program.entry, auxv, text::segments(&program), cmd.argv[0].clone())
     } else {
         let path = image.as_ref().map(|i| i.exec()).unwrap_or_default();
