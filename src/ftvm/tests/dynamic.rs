@@ -2,9 +2,10 @@
 //! personality loads a PIE and glibc's `ld-linux-x86-64.so.2` from a root
 //! file system (`ftvm run --rootfs DIR`, made by scripts/make-rootfs.sh
 //! from host files), and the interpreter maps the libraries. The C test
-//! program guest/linux/programs/dynamic/dynhello.c, and Debian's own
-//! `/usr/bin/redis-server` (package redis-server, scripts/setup.sh)
-//! served to redis-cli over the VM's TAP.
+//! programs guest/linux/programs/dynamic/ (dynhello, execer), and Debian's
+//! own `/usr/bin/redis-server` and `/usr/bin/memcached` (packages
+//! redis-server and memcached, scripts/setup.sh) served over the VM's TAP,
+//! under redis-benchmark, and through a failover to a backup.
 
 mod common;
 
@@ -14,7 +15,7 @@ use std::time::Duration;
 
 use common::*;
 use ftvm_testkit::process::{Process, WaitError};
-use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, TAP};
+use ftvm_testkit::topology::{Topology, GUEST_ADDR, GUEST_MAC, H2_REPL_ADDR, TAP};
 
 const BOOT_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -287,4 +288,43 @@ fn debian_memcached_serves_a_client() {
     if let Some(status) = vmm.try_wait() {
         panic!("ftvm died ({status}):\n{}", vmm.output());
     }
+}
+
+/// Debian's redis-server protected by a backup: its rootfs, the libraries
+/// the interpreter mapped and the rewritten text are guest memory and
+/// replicate like any other page, so when the primary's VMM is SIGKILLed
+/// the backup takes over with every acknowledged write.
+#[test]
+fn debian_redis_server_fails_over_to_its_backup() {
+    let rootfs = redis_rootfs("redisfail");
+    let topo = Topology::new("dynfail").unwrap();
+    let dir = scratch_for("dynamic", "failover");
+    let repl = format!("{H2_REPL_ADDR}:7000");
+    let net = format!("tap={TAP},mac={GUEST_MAC}");
+    let mut backup_cmd = topo.command("h2", env!("CARGO_BIN_EXE_ftvm"));
+    backup_cmd.args(["backup", "--insecure", "--listen", &repl, "--net", &net]).env("FTVM_LOG", "info");
+    let mut backup = Process::spawn_collected("backup", &mut backup_cmd).expect("backup spawns");
+    let socket = dir.join("primary.sock");
+    let cmdline = format!("ip={GUEST_ADDR}/24 -- /usr/bin/redis-server --port 6379 --save '' --protected-mode no");
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.arg("run").arg("--image").arg(REDIS).arg("--rootfs").arg(&rootfs.0).args(["--memory", "512", "--net", &net]);
+    cmd.args(["--insecure", "--replicate-to", &repl, "--epoch-ms", "20", "--api-socket"]).arg(&socket);
+    cmd.arg(format!("--cmdline={cmdline}")).env("FTVM_LOG", "info");
+    let mut primary = Process::spawn_collected("primary", &mut cmd).expect("primary spawns");
+    wait_status(&socket, "protected: yes", &mut primary, Duration::from_secs(30));
+    let cli = |args: &[&str]| redis_cli(&topo, args).trim_end_matches('\n').to_owned();
+    for i in 0..50 {
+        assert_eq!(cli(&["SET", &format!("key{i}"), &format!("value{i}")]), "OK");
+    }
+    assert_eq!(cli(&["INCRBY", "counter", "42"]), "42");
+    primary.kill();
+    wait_log(&mut backup, "PRIMARY LOST", Duration::from_secs(10));
+    // The backup's VM answers at the same address with everything written.
+    assert_eq!(cli(&["GET", "counter"]), "42");
+    for i in 0..50 {
+        assert_eq!(cli(&["GET", &format!("key{i}")]), format!("value{i}"));
+    }
+    assert_eq!(cli(&["INCR", "counter"]), "43");
+    assert!(backup.running(), "{}", backup.output());
+    backup.kill();
 }
