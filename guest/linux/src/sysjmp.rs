@@ -35,6 +35,16 @@
 //!   the nearest the `syscall` that lies within 16 aligned bytes; being 5
 //!   bytes apart, one always does), and the stub runs it and the moves
 //!   after it; the number is already in rax.
+//! - glibc 2.36's `read` (Debian 12's libc.so.6, which a dynamically
+//!   linked program maps; its text is added by `mmap` with PROT_EXEC), on
+//!   the path a program with threads takes: the number is set by `xor
+//!   %eax,%eax`, 2 bytes, so there is no `mov` to replace. The 44 bytes
+//!   from its `sub $0x28,%rsp` to the `syscall` match byte for byte but
+//!   the `call` displacement, so its boundaries are known, and the
+//!   rewritten instruction is one of its two 5-byte loads from the stack
+//!   (`mov 0x18(%rsp),%rdx`, `mov 0x10(%rsp),%rsi`, whichever lies within
+//!   16 aligned bytes); the stub runs it and everything after it up to
+//!   the `syscall` (position-independent; nothing jumps into them).
 //!
 //! What could still go wrong, and why it is accepted:
 //! - Without disassembling from a known boundary, `b8 imm32` could be the
@@ -77,7 +87,7 @@ use spin::{Mutex, Once};
 
 use crate::entry;
 
-/// Bytes per stub (at most 15 moved + 12, padded with `int3`).
+/// Bytes per stub (at most 19 moved + 12, padded with `int3`).
 const STUB_SIZE: usize = 32;
 /// Stubs available: redis-server has 203 `syscall` instructions.
 const STUB_COUNT: usize = 2048;
@@ -110,6 +120,34 @@ const MUSL_SITE: u64 = 39;
 /// `mov 16(%rsp),%r9`, `mov 8(%rsp),%r8`): what the `jmp` may replace.
 const MUSL_MOVES: [u64; 3] = [34, 29, 24];
 
+/// glibc 2.36's `read` (Debian 12's libc.so.6), the path taken once the
+/// program has threads (redis-server's background threads, memcached's
+/// workers): from its `sub $0x28,%rsp` to the `syscall`, whose number is
+/// set by `xor %eax,%eax` (no `mov` to rewrite). Bytes 19..23 are the
+/// `call` to the cancellation helper, whose displacement depends on the
+/// build's layout and is not compared.
+const GLIBC_READ: [u8; 44] = [
+    0x48, 0x83, 0xec, 0x28, // sub $0x28,%rsp
+    0x48, 0x89, 0x54, 0x24, 0x18, // mov %rdx,0x18(%rsp)
+    0x48, 0x89, 0x74, 0x24, 0x10, // mov %rsi,0x10(%rsp)
+    0x89, 0x7c, 0x24, 0x08, // mov %edi,0x8(%rsp)
+    0xe8, 0, 0, 0, 0, // call __pthread_enable_asynccancel
+    0x48, 0x8b, 0x54, 0x24, 0x18, // mov 0x18(%rsp),%rdx
+    0x48, 0x8b, 0x74, 0x24, 0x10, // mov 0x10(%rsp),%rsi
+    0x41, 0x89, 0xc0, // mov %eax,%r8d
+    0x8b, 0x7c, 0x24, 0x08, // mov 0x8(%rsp),%edi
+    0x31, 0xc0, // xor %eax,%eax
+    0x0f, 0x05, // syscall
+];
+/// The `call`'s displacement, not compared.
+const GLIBC_READ_WILD: core::ops::Range<usize> = 19..23;
+const GLIBC_READ_SITE: u64 = 42;
+/// Its 5-byte moves from the stack (`mov 0x10(%rsp),%rsi`, `mov
+/// 0x18(%rsp),%rdx`), nearest the `syscall` first; everything from either
+/// to the `syscall` is position-independent. 5 apart, so one lies within
+/// 16 aligned bytes.
+const GLIBC_READ_MOVES: [u64; 2] = [28, 23];
+
 #[repr(C, align(4096))]
 struct Pool([[u8; STUB_SIZE]; STUB_COUNT]);
 
@@ -133,6 +171,7 @@ static STATE: Once<Mutex<State>> = Once::new();
 enum Outcome {
     Mov = 0,
     Musl,
+    GlibcRead,
     /// No recognised instruction before the `syscall`.
     Unknown,
     /// The 5 bytes cross a 16-byte boundary (no single atomic write).
@@ -142,7 +181,7 @@ enum Outcome {
     /// The bytes changed between the read and the write.
     Raced,
 }
-const OUTCOMES: usize = 6;
+const OUTCOMES: usize = 7;
 
 static OUTCOME: [AtomicU64; OUTCOMES] = [const { AtomicU64::new(0) }; OUTCOMES];
 static CALLS: AtomicU64 = AtomicU64::new(0);
@@ -270,6 +309,16 @@ fn recognise(site: u64, nr: u64) -> Option<(Outcome, u64)> {
             return Some((Outcome::Musl, at));
         }
     }
+    if nr == 0 {
+        if let Ok(b) = bytes(site.wrapping_sub(GLIBC_READ_SITE), GLIBC_READ.len() as u64) {
+            let same = b.iter().zip(&GLIBC_READ).enumerate().all(|(i, (x, y))| GLIBC_READ_WILD.contains(&i) || x == y);
+            if same {
+                let start = site - GLIBC_READ_SITE;
+                let at = GLIBC_READ_MOVES.iter().map(|&k| start + k).find(|&at| at % 16 <= 11)?;
+                return Some((Outcome::GlibcRead, at));
+            }
+        }
+    }
     let b = bytes(site.wrapping_sub(6), 8).ok()?;
     if b[6..] != SYSCALL || b[1] != MOV_EAX {
         return None;
@@ -316,10 +365,11 @@ pub fn report() -> alloc::string::String {
     let (calls, jumped) = calls();
     let n = |o: Outcome| OUTCOME[o as usize].load(Ordering::Relaxed);
     alloc::format!(
-        "sites_rewritten={} (mov={} musl_cp={}) sites_trapping={} (unknown={} unaligned={} no_room={} raced={}) calls={calls} jumped={jumped}",
-        n(Outcome::Mov) + n(Outcome::Musl),
+        "sites_rewritten={} (mov={} musl_cp={} glibc_read={}) sites_trapping={} (unknown={} unaligned={} no_room={} raced={}) calls={calls} jumped={jumped}",
+        n(Outcome::Mov) + n(Outcome::Musl) + n(Outcome::GlibcRead),
         n(Outcome::Mov),
         n(Outcome::Musl),
+        n(Outcome::GlibcRead),
         n(Outcome::Unknown) + n(Outcome::Unaligned) + n(Outcome::NoRoom) + n(Outcome::Raced),
         n(Outcome::Unknown),
         n(Outcome::Unaligned),
