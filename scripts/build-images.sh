@@ -41,6 +41,14 @@ for src in "$root"/guest/linux/programs/*.c; do
     fi
 done
 
+# hello.c as a glibc static-pie too: position-independent without an
+# interpreter, also loaded by the personality from a root file system.
+if [ ! -e "$out/linux-hello-static-pie" ] || [ "$root/guest/linux/programs/hello.c" -nt "$out/linux-hello-static-pie" ]; then
+    gcc -static-pie -O2 -Wall -Werror -o "$out/linux-hello-static-pie.tmp" "$root/guest/linux/programs/hello.c"
+    mv "$out/linux-hello-static-pie.tmp" "$out/linux-hello-static-pie"
+    echo "built $out/linux-hello-static-pie ($(stat -c %s "$out/linux-hello-static-pie") bytes)"
+fi
+
 # Dynamically linked glibc programs (PIE), loaded by the personality itself
 # with their interpreter and libraries from a root file system.
 for src in "$root"/guest/linux/programs/dynamic/*.c; do

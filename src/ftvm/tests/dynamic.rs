@@ -81,6 +81,41 @@ fn a_glibc_pie_runs_with_its_interpreter_and_libc_from_the_rootfs() {
     assert!(!text.contains("unsupported system call"), "{text}");
 }
 
+/// A static-pie (glibc, position-independent, no interpreter) is loaded
+/// by the runtime too, from the rootfs, and entered at its own entry; a
+/// static program at fixed addresses may have a rootfs of files it does
+/// not belong to.
+#[test]
+fn a_static_pie_runs_from_the_rootfs() {
+    let program = built("linux-hello-static-pie");
+    let rootfs = make_rootfs("spie", &program, &[]);
+    let out = ftvm()
+        .arg("run")
+        .arg("--image")
+        .arg(&program)
+        .arg("--rootfs")
+        .arg(&rootfs.0)
+        .arg(format!("--cmdline=-- GREETING=hi {} a", program.display()))
+        .output()
+        .expect("ftvm runs");
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    assert!(text.contains("hello: argc=2 argv[1]=[a]\n"), "{text}");
+    assert!(text.contains("hello: env GREETING=hi tls=42 pagesz=4096 random=yes\n"), "{text}");
+    let static_hello = root().join("target/images/linux-hello");
+    let out = ftvm()
+        .arg("run")
+        .arg("--image")
+        .arg(&static_hello)
+        .arg("--rootfs")
+        .arg(&rootfs.0)
+        .arg("--cmdline=-- GREETING=hi hello")
+        .output()
+        .expect("ftvm runs");
+    assert_eq!(out.status.code(), Some(0), "{}{}", stdout(&out), stderr(&out));
+    assert!(stdout(&out).contains("hello: env GREETING=hi tls=42 pagesz=4096 random=yes\n"), "{}", stdout(&out));
+}
+
 /// execve: a missing path fails and the program goes on; the program
 /// replaces itself (keeping its descriptors but the close-on-exec one, with
 /// the environment it passed), then runs another program of the rootfs.

@@ -162,7 +162,10 @@ pub fn boot(
     }
     // A Linux program: the runtime runs it.
     let packed = match rootfs {
-        Some(dir) => rootfs::pack(dir, &rootfs::program_path(dir, path)?)?,
+        // The runtime loads a dynamic program from the rootfs; a static
+        // one the VMM placed may have files there without being one.
+        Some(dir) if dynamic => rootfs::pack(dir, &rootfs::program_path(dir, path)?)?,
+        Some(dir) => rootfs::pack(dir, &rootfs::program_path(dir, path).unwrap_or_default())?,
         None if dynamic => {
             return Err(BootError::Program {
                 program: path.display().to_string(),
