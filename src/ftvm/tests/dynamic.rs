@@ -77,6 +77,9 @@ fn a_glibc_pie_runs_with_its_interpreter_and_libc_from_the_rootfs() {
     assert!(text.contains(&format!("dynhello: exe={}\n", exe.display())), "{text}");
     let size = std::fs::metadata(&program).unwrap().len();
     assert!(text.contains(&format!("dynhello: size={size}\n")), "{text}");
+    assert!(text.contains("dynhello: mmap ok\n"), "{text}");
+    // Refused (ENODEV): no page cache to share with the file.
+    assert!(text.contains("dynhello: shared file mapping errno=19\n"), "{text}");
     assert!(text.contains("dynhello: ok\n"), "{text}");
     assert!(!text.contains("unsupported system call"), "{text}");
 }

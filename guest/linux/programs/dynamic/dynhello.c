@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/auxv.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -67,6 +68,38 @@ int main(int argc, char **argv) {
     CHECK(fread(magic, 1, 4, f) == 4 && memcmp(magic, "\177ELF", 4) == 0, "ELF magic");
     fclose(f);
     printf("dynhello: size=%lld\n", (long long)st.st_size);
+
+    /* Private file mappings, as ld.so makes them: at an offset, the end of
+     * the file in the middle of the last page, a private write, MAP_FIXED
+     * over part of it, munmap of part. */
+    int efd = open(exe, O_RDONLY | O_CLOEXEC);
+    CHECK(efd >= 0, "open %s errno %d", exe, errno);
+    long page = sysconf(_SC_PAGESIZE);
+    off_t off = page * ((st.st_size / page) / 2);
+    size_t tail = st.st_size - off; /* the file's bytes from off */
+    size_t len = (tail / page + 2) * page;
+    unsigned char *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE, efd, off);
+    CHECK(m != MAP_FAILED, "mmap errno %d", errno);
+    unsigned char *want = malloc(tail);
+    CHECK(pread(efd, want, tail, off) == (ssize_t)tail, "pread tail");
+    CHECK(memcmp(m, want, tail) == 0, "mapped bytes differ from the file");
+    /* The rest of the file's last page reads as zero (whole pages past
+     * it would fault on Linux: not touched). */
+    for (size_t i = tail; i % page != 0; i++)
+        CHECK(m[i] == 0, "byte %zu past the end of the file is %d", i, m[i]);
+    m[0] ^= 0xff; /* private: the file stays as it was */
+    unsigned char first;
+    CHECK(pread(efd, &first, 1, off) == 1 && first == want[0], "a private write reached the file");
+    unsigned char *z = mmap(m + page, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_ANONYMOUS, -1, 0);
+    CHECK(z == m + page && z[0] == 0 && z[page - 1] == 0, "MAP_FIXED anonymous over a file mapping");
+    CHECK(munmap(m + page, page) == 0 && m[0] == (want[0] ^ 0xff), "munmap of part");
+    CHECK(mmap(NULL, page, PROT_READ, MAP_PRIVATE, efd, 1) == MAP_FAILED && errno == EINVAL, "unaligned offset accepted");
+    /* Linux maps it; the personality has no page cache to share. */
+    void *shared = mmap(NULL, page, PROT_READ, MAP_SHARED, efd, 0);
+    printf("dynhello: shared file mapping errno=%d\n", shared == MAP_FAILED ? errno : 0);
+    free(want);
+    close(efd);
+    printf("dynhello: mmap ok\n");
 
     /* And a file the program writes. */
     int fd = open("/tmp/dynhello.out", O_CREAT | O_RDWR | O_CLOEXEC, 0644);
