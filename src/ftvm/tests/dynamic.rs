@@ -5,7 +5,8 @@
 //! programs guest/linux/programs/dynamic/ (dynhello, execer), and Debian's
 //! own `/usr/bin/redis-server` and `/usr/bin/memcached` (packages
 //! redis-server and memcached, scripts/setup.sh) served over the VM's TAP,
-//! under redis-benchmark, and through a failover to a backup.
+//! under redis-benchmark, through a failover to a backup, and through a
+//! snapshot restored without the rootfs.
 
 mod common;
 
@@ -365,4 +366,36 @@ fn debian_redis_server_fails_over_to_its_backup() {
     assert_eq!(cli(&["INCR", "counter"]), "43");
     assert!(backup.running(), "{}", backup.output());
     backup.kill();
+}
+
+/// A snapshot of Debian's redis-server restores without its rootfs: the
+/// image, the program, its interpreter and libraries are guest memory.
+#[test]
+fn a_snapshot_of_debian_redis_server_restores_without_the_rootfs() {
+    let topo = Topology::new("dynsnap").unwrap();
+    let dir = scratch_for("dynamic", "snapshot");
+    let (socket, snap) = (dir.join("api.sock"), dir.join("vm.snap"));
+    let net = format!("tap={TAP},mac={GUEST_MAC}");
+    let rootfs = redis_rootfs("redissnap");
+    let cmdline = format!("ip={GUEST_ADDR}/24 -- /usr/bin/redis-server --port 6379 --save '' --protected-mode no");
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.arg("run").arg("--image").arg(REDIS).arg("--rootfs").arg(&rootfs.0).args(["--memory", "512", "--net", &net]);
+    cmd.arg("--api-socket").arg(&socket).arg(format!("--cmdline={cmdline}"));
+    let mut first = Process::spawn_collected("ftvm run", &mut cmd).expect("ftvm spawns");
+    if let Err(e) = first.wait_until(BOOT_TIMEOUT, |p| p.stdout().contains("Ready to accept connections")) {
+        panic!("redis not ready ({e}):\n{}", first.output());
+    }
+    let cli = |args: &[&str]| redis_cli(&topo, args).trim_end_matches('\n').to_owned();
+    assert_eq!(cli(&["SET", "before", "1"]), "OK");
+    let out = ftvm().args(["snapshot", "--stop", "--api-socket"]).arg(&socket).arg("--output").arg(&snap).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(first.wait().unwrap().success());
+    drop(rootfs);
+    let mut restored = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    restored.args(["restore", "--net", &net, "--snapshot"]).arg(&snap);
+    let mut restored = Process::spawn_collected("ftvm restore", &mut restored).expect("ftvm spawns");
+    assert_eq!(cli(&["GET", "before"]), "1");
+    assert_eq!(cli(&["SET", "after", "2"]), "OK");
+    assert_eq!(cli(&["MGET", "before", "after"]), "1\n2");
+    assert!(restored.running(), "{}", restored.output());
 }
