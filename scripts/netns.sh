@@ -3,6 +3,7 @@
 # several tests can each have their own "LAN with two hosts" at once.
 #
 #   scripts/netns.sh up NAME            build the topology (idempotent)
+#   scripts/netns.sh up-fleet NAME N    build a fleet's: N hosts (idempotent)
 #   scripts/netns.sh down NAME          tear it down (idempotent)
 #   scripts/netns.sh exec NAME ROLE CMD...   run CMD in netns NAME-ROLE
 #
@@ -15,6 +16,12 @@
 #   NAME-h1:     uplink ─ br0 ─ tap0 (VMM)     NAME-h2:  uplink ─ br0 ─ tap0
 #                repl 192.168.100.1/24  ◄── veth ──►  repl 192.168.100.2/24
 #
+# A fleet's topology (`up-fleet NAME N`, N from 2 to 9) has hosts h1..hN
+# on the LAN as above, but no tap0 (each VM's agent makes the VM's own TAP on
+# br0), and the replication network is a bridge, repl0 in NAME-lan, with
+# every host's repl (192.168.100.I/24 for host hI) and the lan namespace
+# itself on it (192.168.100.254: where the fleet's etcd serves).
+#
 # The guest (10.0.0.2/24, 52:54:00:12:34:56 by convention) is the only L2
 # presence behind br0, whichever host runs it; the hosts have no address on
 # the LAN, only on the replication link. IPv6 is off everywhere to keep
@@ -24,7 +31,7 @@ set -euo pipefail
 roles=(lan client h1 h2)
 
 usage() {
-    echo "usage: $0 up NAME | down NAME | exec NAME ROLE CMD..." >&2
+    echo "usage: $0 up NAME | up-fleet NAME N | down NAME | exec NAME ROLE CMD..." >&2
     exit 2
 }
 
@@ -111,6 +118,36 @@ up() {
     wait_forwarding "$lan" client h1 h2
 }
 
+up_fleet() {
+    local name=$1 n=$2 lan=$1-lan client=$1-client ports=(client) i host
+    [[ "$n" =~ ^[2-9]$ ]] || { echo "netns.sh: bad host count '$n' (2 to 9)" >&2; exit 2; }
+    ensure_ns "$lan"
+    ensure_ns "$client"
+    ensure_bridge "$lan" lan0
+    ensure_bridge "$lan" repl0
+    # A bridge takes the lowest MAC of its ports unless given one: a host
+    # dying (its port deleted) would change the address etcd is reached at
+    # while the other hosts' ARP caches still hold the old one (~30 s).
+    ip -n "$lan" link set repl0 address 02:00:00:00:01:fe
+    ensure_addr "$lan" repl0 192.168.100.254/24
+    ensure_veth "$client" eth0 "$lan" client
+    ensure_addr "$client" eth0 10.0.0.1/24
+    enslave "$lan" client lan0
+    for i in $(seq 1 "$n"); do
+        host=$name-h$i
+        ensure_ns "$host"
+        ensure_bridge "$host" br0
+        ensure_veth "$host" uplink "$lan" "h$i"
+        enslave "$host" uplink br0
+        enslave "$lan" "h$i" lan0
+        ensure_veth "$host" repl "$lan" "r$i"
+        enslave "$lan" "r$i" repl0
+        ensure_addr "$host" repl "192.168.100.$i/24"
+        ports+=("h$i" "r$i")
+    done
+    wait_forwarding "$lan" "${ports[@]}"
+}
+
 # Recreated ports come up a moment after their link; frames sent before they
 # forward are dropped (a lost first ARP costs a client a 1 s retry).
 wait_forwarding() {
@@ -127,10 +164,11 @@ wait_forwarding() {
 }
 
 down() {
-    local name=$1 ns pids
-    for role in "${roles[@]}"; do
-        ns=$name-$role
-        ns_exists "$ns" || continue
+    local name=$1 ns pids path
+    # Every namespace of the topology, whichever shape it has.
+    for path in /run/netns/"$name"-*; do
+        [ -e "$path" ] || continue
+        ns=${path##*/}
         # A process left inside (a VMM or server of a test that panicked)
         # would keep the namespace and its TAP alive after `ip netns del`.
         pids=$(ip netns pids "$ns" 2>/dev/null || true)
@@ -147,6 +185,10 @@ cmd=$1 name=$2
 check_name "$name"
 case "$cmd" in
     up) up "$name" ;;
+    up-fleet)
+        [ $# -eq 3 ] || usage
+        up_fleet "$name" "$3"
+        ;;
     down) down "$name" ;;
     exec)
         [ $# -ge 4 ] || usage

@@ -182,20 +182,31 @@ pub fn set_cloexec(fd: u64, on: bool) -> Result<(), Errno> {
 /// What the object behind `fd` is ready for (EPOLL* bits), or None if
 /// `fd` is not open.
 pub fn readiness(fd: u64) -> Option<u32> {
+    readiness_since(fd, u32::MAX).map(|(r, _)| r)
+}
+
+/// [`readiness`] masked to `events` (EPOLLERR and EPOLLHUP always count),
+/// with a stamp of when the object last became ready for them (ordering
+/// descriptors that became ready between two looks of epoll, see
+/// `ftvm_linux::ready_list`): sockets keep stamps; other objects say 0
+/// (they then go in descriptor order, before sockets).
+pub fn readiness_since(fd: u64, events: u32) -> Option<(u32, u64)> {
     let d = get(fd).ok()?;
-    Some(match d.obj {
-        Object::Stdin => EPOLLHUP,
-        Object::Console | Object::Dev(_) | Object::File(_) | Object::Dir(_) => EPOLLIN | EPOLLOUT,
-        Object::EventFd(id) => crate::eventfd::readiness(id),
-        Object::PipeRead(id) => pipe::readiness(id, false),
-        Object::PipeWrite(id) => pipe::readiness(id, true),
-        Object::Socket(id) => net::readiness(id),
-        Object::Epoll(id) => {
-            if crate::sys::epoll::has_ready(id) {
-                EPOLLIN
-            } else {
-                0
-            }
+    let mask = events | EPOLLERR | EPOLLHUP;
+    let (r, since) = match d.obj {
+        Object::Stdin => (EPOLLHUP, 0),
+        Object::Console | Object::Dev(_) | Object::File(_) | Object::Dir(_) => (EPOLLIN | EPOLLOUT, 0),
+        Object::EventFd(id) => (crate::eventfd::readiness(id), 0),
+        Object::PipeRead(id) => (pipe::readiness(id, false), 0),
+        Object::PipeWrite(id) => (pipe::readiness(id, true), 0),
+        Object::Socket(id) => {
+            let (r, since) = net::readiness(id);
+            // Ready since the earliest rise among the sides it is ready on.
+            let input = (r & mask & !EPOLLOUT != 0).then_some(since.input);
+            let output = (r & mask & EPOLLOUT != 0).then_some(since.output);
+            (r, input.into_iter().chain(output).min().unwrap_or(0))
         }
-    })
+        Object::Epoll(id) => (if crate::sys::epoll::has_ready(id) { EPOLLIN } else { 0 }, 0),
+    };
+    Some((r & mask, since))
 }

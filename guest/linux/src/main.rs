@@ -162,6 +162,9 @@ pub fn exit_program(status: i32) -> ! {
             options::SyscallMode::Trap => println!("linux: syscall=trap trapped={trapped} calls={calls}"),
         }
     }
+    // As Linux closes a dead process's sockets: peers see FIN or RST, not
+    // a connection that stays up with nobody behind it.
+    net::close_all();
     // Where the VM exits of the network path come from.
     if let Some(counts) = net::report() {
         println!("linux: net {counts}");

@@ -3,9 +3,31 @@
 //!
 //! A listening socket is a `ftvm_rt::net` listener (a pool of smoltcp
 //! sockets in LISTEN; smoltcp has no accept queue) whose connected sockets
-//! are moved into the socket's own accept queue. A closed connection sends
-//! its FIN and lingers in `closing` until TCP is done with it (at most
-//! [`LINGER_NS`]), then goes back to its listener's pool.
+//! are moved into the socket's own accept queue.
+//!
+//! Closing a connection does what Linux's `tcp_close` does: with received
+//! data left unread, or with SO_LINGER on and a zero timeout, the
+//! connection is reset (RST) at once (after sending what the program wrote
+//! and the peer's window takes, which Linux would have sent at the write);
+//! otherwise it sends its FIN, and data that arrives after that resets it
+//! (nobody is left to read it). Either
+//! way it stays in `closing` until TCP is done with it (the RST sent, or
+//! the FIN handshake over, at most [`LINGER_NS`]), then goes back to its
+//! listener's pool. SO_LINGER with a non-zero timeout is the orderly close
+//! too, without the wait: `close` returns at once (the program runs on
+//! after it, as it would once Linux's linger wait ended).
+//!
+//! When the program ends, [`close_all`] closes every socket as `close`
+//! would and sends what that produced (FINs, RSTs) before the VM stops, as
+//! Linux closes the sockets of a process that exits.
+//!
+//! Each socket keeps a stamp of when it last became ready for more (epoll
+//! reports descriptors in the order they became ready): a connection is
+//! looked at after each segment the stack receives for it (`flows` finds
+//! it; segments that arrived between two polls keep their order), every
+//! socket after every stack poll that moved something, and a socket after
+//! every call on it that may take readiness away (a read, a write, an
+//! accept), so that the next rise is seen as one.
 //!
 //! A UDP socket is a smoltcp UDP socket from creation, bound to an
 //! ephemeral port when it first sends unbound; `connect` only sets the
@@ -28,6 +50,9 @@ use crate::errno::*;
 use crate::fd::{EPOLLERR, EPOLLHUP, EPOLLIN, EPOLLOUT, EPOLLRDHUP};
 
 const LINGER_NS: u64 = 60 * time::NS_PER_SEC;
+/// How long the end of the program waits for its sockets' last segments to
+/// leave: the FIN or RST, not the peer's answer.
+const EXIT_FLUSH_NS: u64 = 100 * time::NS_PER_MS;
 /// Buffers of a connection this side opens.
 const CONNECT_BUFFER: usize = 64 * 1024;
 const FIRST_EPHEMERAL_PORT: u16 = 49152;
@@ -66,9 +91,57 @@ struct Closing {
     deadline: u64,
 }
 
+/// What a socket keeps besides its state.
+#[derive(Clone, Copy, Default)]
+struct Meta {
+    /// SO_LINGER: None when off, else its timeout in seconds.
+    linger: Option<u32>,
+    /// Readiness when last looked at.
+    seen: u32,
+    /// A connection's key in `Net::flows`.
+    flow: Option<FlowKey>,
+    /// Stamps of the last rise of its input side (EPOLLIN, RDHUP, HUP,
+    /// ERR) and of its output side (EPOLLOUT): a program waiting to read
+    /// is woken by the one, a program waiting to write by the other.
+    since: Since,
+}
+
+impl Meta {
+    /// Readiness is `bits` now: stamp the sides that rose. Returns the
+    /// stamps.
+    fn note(&mut self, bits: u32, stamp: &mut u64) -> Since {
+        let rose = bits & !self.seen;
+        if rose & !EPOLLOUT != 0 {
+            *stamp += 1;
+            self.since.input = *stamp;
+        }
+        if rose & EPOLLOUT != 0 {
+            *stamp += 1;
+            self.since.output = *stamp;
+        }
+        self.seen = bits;
+        self.since
+    }
+}
+
+/// When a socket last became ready for input and for output.
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+pub struct Since {
+    pub input: u64,
+    pub output: u64,
+}
+
+/// A TCP connection's peer and local port.
+type FlowKey = (IpEndpoint, u16);
+
 struct Net {
     stack: Stack,
     socks: BTreeMap<u32, Sock>,
+    meta: BTreeMap<u32, Meta>,
+    /// Connections by flow, for the segments the stack receives.
+    flows: BTreeMap<FlowKey, u32>,
+    /// The last readiness stamp given out.
+    stamp: u64,
     next_id: u32,
     closing: Vec<Closing>,
     /// Ports with a listener in the stack.
@@ -85,6 +158,9 @@ pub fn init(config: NetConfig) -> Result<(), ftvm_rt::net::Error> {
     *NET.lock() = Some(Net {
         stack,
         socks: BTreeMap::new(),
+        meta: BTreeMap::new(),
+        flows: BTreeMap::new(),
+        stamp: 0,
         next_id: 1,
         closing: Vec::new(),
         listeners: BTreeSet::new(),
@@ -114,13 +190,98 @@ impl Net {
         while i < self.closing.len() {
             let c = &self.closing[i];
             let s = self.stack.sockets_mut().get_mut::<tcp::Socket>(c.handle);
-            let done = matches!(s.state(), State::Closed | State::TimeWait);
+            // Data for a connection the program has closed has nobody to
+            // read it: reset, as Linux does (its TCPAbortOnData).
+            if s.recv_queue() > 0 && s.state() != State::Closed {
+                s.abort();
+            }
+            // A reset socket is done once the RST is out (smoltcp forgets
+            // the peer when it sends it).
+            let done = match s.state() {
+                State::TimeWait => true,
+                State::Closed => s.remote_endpoint().is_none(),
+                _ => false,
+            };
             if done || now >= c.deadline {
                 let c = self.closing.swap_remove(i);
                 self.finish(c.handle, c.accepted);
             } else {
                 i += 1;
             }
+        }
+    }
+
+    /// A new socket `id` with `meta`.
+    fn add(&mut self, sock: Sock, meta: Meta) -> u32 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.socks.insert(id, sock);
+        self.meta.insert(id, meta);
+        id
+    }
+
+    /// Note `id`'s readiness now; a rise (a bit it did not have) is
+    /// stamped. Returns (readiness, stamps).
+    fn observe(&mut self, id: u32) -> (u32, Since) {
+        let bits = self.bits(id);
+        match self.meta.get_mut(&id) {
+            Some(m) => (bits, m.note(bits, &mut self.stamp)),
+            None => (bits, Since::default()),
+        }
+    }
+
+    /// Index connection `id` by its flow, for [`poll`].
+    fn index_flow(&mut self, id: u32, h: SocketHandle) {
+        let s = tcp_mut(self, h);
+        let (Some(remote), Some(local)) = (s.remote_endpoint(), s.local_endpoint()) else { return };
+        let key = (remote, local.port);
+        self.flows.insert(key, id);
+        if let Some(m) = self.meta.get_mut(&id) {
+            m.flow = Some(key);
+        }
+    }
+
+    fn observe_all(&mut self) {
+        let ids: Vec<u32> = self.socks.keys().copied().collect();
+        for id in ids {
+            self.observe(id);
+        }
+    }
+
+    /// Close socket `id` as `close(2)` does (see the module's header).
+    fn close(&mut self, id: u32) {
+        let meta = self.meta.remove(&id).unwrap_or_default();
+        if let Some(key) = meta.flow {
+            self.flows.remove(&key);
+        }
+        match self.socks.remove(&id) {
+            Some(Sock::Conn { handle, accepted }) => {
+                let s = tcp_mut(self, handle);
+                if s.recv_queue() > 0 || meta.linger == Some(0) {
+                    // Linux's write sends at once, so what the program
+                    // wrote has left before its close resets the
+                    // connection; here writes wait for the next poll.
+                    if s.send_queue() > 0 {
+                        self.stack.poll();
+                    }
+                    tcp_mut(self, handle).abort();
+                } else {
+                    s.close();
+                }
+                self.closing.push(Closing { handle, accepted, deadline: time::now_ns().saturating_add(LINGER_NS) });
+            }
+            Some(Sock::Udp { handle, .. }) => {
+                self.stack.sockets_mut().remove(handle);
+            }
+            Some(Sock::Listening { port, queue }) => {
+                // Queued connections are reset; new ones refused (RST).
+                for h in queue {
+                    self.stack.release(h);
+                }
+                self.stack.unlisten(port);
+                self.listeners.remove(&port);
+            }
+            _ => {}
         }
     }
 
@@ -160,9 +321,39 @@ pub fn poll() -> bool {
     let mut g = NET.lock();
     let Some(net) = g.as_mut() else { return false };
     POLLS.fetch_add(1, core::sync::atomic::Ordering::Relaxed);
-    let progress = net.stack.poll();
+    let Net { stack, socks, meta, flows, stamp, .. } = net;
+    let progress = stack.poll_each(|sockets, flow| {
+        let Some(&id) = flows.get(&(flow.remote, flow.local_port)) else { return };
+        if let (Some(Sock::Conn { handle, .. }), Some(m)) = (socks.get(&id), meta.get_mut(&id)) {
+            m.note(conn_bits(sockets.get::<tcp::Socket>(*handle)), stamp);
+        }
+    });
     net.maintain();
+    if progress {
+        net.observe_all();
+    }
     progress
+}
+
+/// The program is ending: close every socket as `close` would, and give
+/// the segments that makes (FINs, RSTs: refusals of handshakes under way
+/// too) up to [`EXIT_FLUSH_NS`] to leave for the device.
+pub fn close_all() {
+    let mut g = NET.lock();
+    let Some(net) = g.as_mut() else { return };
+    let ids: Vec<u32> = net.socks.keys().copied().collect();
+    for id in ids {
+        net.close(id);
+    }
+    let deadline = time::now_ns().saturating_add(EXIT_FLUSH_NS);
+    loop {
+        net.stack.poll();
+        net.maintain();
+        if net.stack.flushed() || time::now_ns() >= deadline {
+            return;
+        }
+        net.stack.wait_idle_until(deadline);
+    }
 }
 
 /// Sleep until guest time `deadline`, a device event, or the stack's next
@@ -184,38 +375,39 @@ fn with<R>(f: impl FnOnce(&mut Net) -> Result<R, Errno>) -> Result<R, Errno> {
     f(net)
 }
 
-pub fn socket() -> Result<u32, Errno> {
+/// [`with`] for a call on socket `id` that may take readiness away: its
+/// readiness is looked at afterwards (see the module's header).
+fn with_sock<R>(id: u32, f: impl FnOnce(&mut Net) -> Result<R, Errno>) -> Result<R, Errno> {
     with(|net| {
-        let id = net.next_id;
-        net.next_id += 1;
-        net.socks.insert(id, Sock::New { port: 0, nodelay: false });
-        Ok(id)
+        let r = f(net);
+        net.observe(id);
+        r
     })
+}
+
+pub fn socket() -> Result<u32, Errno> {
+    with(|net| Ok(net.add(Sock::New { port: 0, nodelay: false }, Meta::default())))
 }
 
 pub fn close(id: u32) {
     let mut g = NET.lock();
     let Some(net) = g.as_mut() else { return };
-    match net.socks.remove(&id) {
-        Some(Sock::Conn { handle, accepted }) => {
-            tcp_mut(net, handle).close();
-            net.closing.push(Closing { handle, accepted, deadline: time::now_ns().saturating_add(LINGER_NS) });
-        }
-        Some(Sock::Udp { handle, .. }) => {
-            net.stack.sockets_mut().remove(handle);
-        }
-        Some(Sock::Listening { port, queue }) => {
-            // Queued connections are reset; new ones refused (RST).
-            for h in queue {
-                net.stack.release(h);
-            }
-            net.stack.unlisten(port);
-            net.listeners.remove(&port);
-        }
-        _ => {}
-    }
+    net.close(id);
     drop(g);
     crate::sched::wake_io();
+}
+
+/// SO_LINGER: None off, else (on) the timeout in seconds.
+pub fn set_linger(id: u32, linger: Option<u32>) -> Result<(), Errno> {
+    with(|net| {
+        let m = net.meta.get_mut(&id).ok_or(EBADF)?;
+        m.linger = linger;
+        Ok(())
+    })
+}
+
+pub fn linger(id: u32) -> Result<Option<u32>, Errno> {
+    with(|net| net.meta.get(&id).map(|m| m.linger).ok_or(EBADF))
 }
 
 pub fn bind(id: u32, addr: Ipv4Addr, port: u16) -> Result<(), Errno> {
@@ -264,7 +456,7 @@ pub fn listen(id: u32, backlog: i32) -> Result<(), Errno> {
 
 /// A connection from `id`'s queue: (new socket id, peer).
 pub fn accept(id: u32) -> Result<(u32, IpEndpoint), Errno> {
-    with(|net| {
+    with_sock(id, |net| {
         net.maintain();
         let h = match net.socks.get_mut(&id) {
             Some(Sock::Listening { queue, .. }) => queue.pop_front().ok_or(EAGAIN)?,
@@ -272,9 +464,10 @@ pub fn accept(id: u32) -> Result<(u32, IpEndpoint), Errno> {
             None => return Err(EBADF),
         };
         let peer = tcp_mut(net, h).remote_endpoint().unwrap_or(IpEndpoint::new(IpAddress::v4(0, 0, 0, 0), 0));
-        let nid = net.next_id;
-        net.next_id += 1;
-        net.socks.insert(nid, Sock::Conn { handle: h, accepted: true });
+        // As on Linux, the connection inherits the listener's options.
+        let linger = net.meta.get(&id).and_then(|m| m.linger);
+        let nid = net.add(Sock::Conn { handle: h, accepted: true }, Meta { linger, ..Meta::default() });
+        net.index_flow(nid, h);
         Ok((nid, peer))
     })
 }
@@ -303,6 +496,7 @@ pub fn connect(id: u32, addr: Ipv4Addr, port: u16) -> Result<(), Errno> {
         s.connect(cx, remote, local).map_err(|_| ENETUNREACH)?;
         let h = net.stack.sockets_mut().add(s);
         net.socks.insert(id, Sock::Conn { handle: h, accepted: false });
+        net.index_flow(id, h);
         Ok(())
     })
 }
@@ -338,7 +532,7 @@ pub fn recv(id: u32, out: &mut [u8]) -> Result<usize, Errno> {
 
 /// As [`recv`], with a UDP datagram's source.
 pub fn recv_from(id: u32, out: &mut [u8]) -> Result<(usize, Option<IpEndpoint>), Errno> {
-    with(|net| {
+    with_sock(id, |net| {
         if let Some(Sock::Udp { handle, peer }) = net.socks.get(&id) {
             let (h, peer) = (*handle, *peer);
             let s = udp_mut(net, h);
@@ -376,7 +570,7 @@ pub fn send(id: u32, data: &[u8]) -> Result<usize, Errno> {
 
 /// As [`send`]; a UDP datagram goes to `to`, or else the connected peer.
 pub fn send_to(id: u32, data: &[u8], to: Option<IpEndpoint>) -> Result<usize, Errno> {
-    with(|net| {
+    with_sock(id, |net| {
         if let Some(Sock::Udp { handle, peer }) = net.socks.get(&id) {
             let (h, to) = (*handle, to.or(*peer).ok_or(EDESTADDRREQ)?);
             if data.len() > UDP_MAX_PAYLOAD {
@@ -410,10 +604,7 @@ pub fn udp_socket() -> Result<u32, Errno> {
     with(|net| {
         let buffer = || udp::PacketBuffer::new(vec![udp::PacketMetadata::EMPTY; UDP_DATAGRAMS], vec![0u8; UDP_BUFFER]);
         let handle = net.stack.sockets_mut().add(udp::Socket::new(buffer(), buffer()));
-        let id = net.next_id;
-        net.next_id += 1;
-        net.socks.insert(id, Sock::Udp { handle, peer: None });
-        Ok(id)
+        Ok(net.add(Sock::Udp { handle, peer: None }, Meta::default()))
     })
 }
 
@@ -520,63 +711,74 @@ pub fn endpoints(id: u32) -> Result<(IpEndpoint, Option<IpEndpoint>), Errno> {
     })
 }
 
-pub fn readiness(id: u32) -> u32 {
+/// Socket `id`'s readiness (EPOLL* bits) and the stamps of its last rises.
+pub fn readiness(id: u32) -> (u32, Since) {
     let mut g = NET.lock();
-    let Some(net) = g.as_mut() else { return EPOLLERR };
-    match net.socks.get(&id) {
-        None => EPOLLERR,
-        Some(Sock::New { .. }) => EPOLLOUT | EPOLLHUP,
-        Some(Sock::Listening { port, queue }) => {
-            let port = *port;
-            if !queue.is_empty() {
-                return EPOLLIN;
+    let Some(net) = g.as_mut() else { return (EPOLLERR, Since::default()) };
+    net.observe(id)
+}
+
+impl Net {
+    fn bits(&mut self, id: u32) -> u32 {
+        match self.socks.get(&id) {
+            None => EPOLLERR,
+            Some(Sock::New { .. }) => EPOLLOUT | EPOLLHUP,
+            Some(Sock::Listening { port, queue }) => {
+                let port = *port;
+                if !queue.is_empty() {
+                    return EPOLLIN;
+                }
+                // The stack may hold connections not moved yet.
+                let mut moved = VecDeque::new();
+                while let Some(h) = self.stack.accept(port) {
+                    moved.push_back(h);
+                }
+                let ready = !moved.is_empty();
+                if let Some(Sock::Listening { queue, .. }) = self.socks.get_mut(&id) {
+                    queue.extend(moved);
+                }
+                if ready {
+                    EPOLLIN
+                } else {
+                    0
+                }
             }
-            // The stack may hold connections not moved yet.
-            let mut moved = VecDeque::new();
-            while let Some(h) = net.stack.accept(port) {
-                moved.push_back(h);
+            Some(Sock::Udp { handle, .. }) => {
+                let s = self.stack.sockets().get::<udp::Socket>(*handle);
+                let mut r = 0;
+                if s.can_recv() {
+                    r |= EPOLLIN;
+                }
+                if s.can_send() {
+                    r |= EPOLLOUT;
+                }
+                r
             }
-            let ready = !moved.is_empty();
-            if let Some(Sock::Listening { queue, .. }) = net.socks.get_mut(&id) {
-                queue.extend(moved);
+            Some(Sock::Conn { handle, .. }) => {
+                let h = *handle;
+                conn_bits(tcp_mut(self, h))
             }
-            if ready {
-                EPOLLIN
-            } else {
-                0
-            }
-        }
-        Some(Sock::Udp { handle, .. }) => {
-            let s = net.stack.sockets().get::<udp::Socket>(*handle);
-            let mut r = 0;
-            if s.can_recv() {
-                r |= EPOLLIN;
-            }
-            if s.can_send() {
-                r |= EPOLLOUT;
-            }
-            r
-        }
-        Some(Sock::Conn { handle, .. }) => {
-            let h = *handle;
-            let s = tcp_mut(net, h);
-            let mut r = 0;
-            if matches!(s.state(), State::SynSent | State::SynReceived) {
-                return 0;
-            }
-            if s.can_recv() {
-                r |= EPOLLIN;
-            }
-            if !s.may_recv() {
-                r |= EPOLLIN | EPOLLRDHUP;
-            }
-            if s.can_send() {
-                r |= EPOLLOUT;
-            }
-            if !s.is_open() {
-                r |= EPOLLHUP;
-            }
-            r
         }
     }
+}
+
+/// A connection's readiness.
+fn conn_bits(s: &tcp::Socket) -> u32 {
+    if matches!(s.state(), State::SynSent | State::SynReceived) {
+        return 0;
+    }
+    let mut r = 0;
+    if s.can_recv() {
+        r |= EPOLLIN;
+    }
+    if !s.may_recv() {
+        r |= EPOLLIN | EPOLLRDHUP;
+    }
+    if s.can_send() {
+        r |= EPOLLOUT;
+    }
+    if !s.is_open() {
+        r |= EPOLLHUP;
+    }
+    r
 }

@@ -10,7 +10,7 @@
 //! [`CLIENT_TIMEOUT`] and never the VM.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -47,33 +47,13 @@ pub struct Exporter {
 impl Exporter {
     /// Listen on `addr` (host:port) and serve scrapes until the process exits.
     pub fn start(addr: &str) -> Result<Exporter, ExporterError> {
-        let error = |err| ExporterError { addr: addr.to_owned(), err };
-        let listener = TcpListener::bind(addr).map_err(error)?;
-        let local = listener.local_addr().map_err(error)?;
         let followed = Followed::default();
         let gauges = StatusGauges::default();
         let mut registry = Registry::with_prefix("ftvm");
         ftvm_replication::telemetry::telemetry().register(&mut registry);
         gauges.register(&mut registry);
         let state = followed.clone();
-        std::thread::Builder::new()
-            .name("metrics".into())
-            .spawn(move || {
-                ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Api);
-                for conn in listener.incoming() {
-                    match conn {
-                        Ok(conn) => {
-                            gauges.update(state.locked().as_ref());
-                            if let Err(e) = serve(conn, &registry) {
-                                tracing::debug!("metrics scrape: {e}");
-                            }
-                        }
-                        Err(e) => tracing::warn!("metrics listener: {e}"),
-                    }
-                }
-            })
-            .map_err(error)?;
-        tracing::info!(addr = %local, "serving Prometheus metrics on /metrics");
+        serve_registry(addr, registry, move || gauges.update(state.locked().as_ref()))?;
         Ok(Exporter { followed })
     }
 
@@ -81,6 +61,33 @@ impl Exporter {
     pub fn follow(&self, status: Option<&StatusCell>) {
         *self.followed.locked() = status.cloned();
     }
+}
+
+/// Serve `registry` on `addr` (host:port) from a thread of its own until the
+/// process exits, calling `before_scrape` before each scrape is answered.
+pub fn serve_registry(addr: &str, registry: Registry, before_scrape: impl Fn() + Send + 'static) -> Result<SocketAddr, ExporterError> {
+    let error = |err| ExporterError { addr: addr.to_owned(), err };
+    let listener = TcpListener::bind(addr).map_err(error)?;
+    let local = listener.local_addr().map_err(error)?;
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            ftvm_vmm::seccomp::install_or_exit(ftvm_vmm::seccomp::ThreadKind::Api);
+            for conn in listener.incoming() {
+                match conn {
+                    Ok(conn) => {
+                        before_scrape();
+                        if let Err(e) = serve(conn, &registry) {
+                            tracing::debug!("metrics scrape: {e}");
+                        }
+                    }
+                    Err(e) => tracing::warn!("metrics listener: {e}"),
+                }
+            }
+        })
+        .map_err(error)?;
+    tracing::info!(addr = %local, "serving Prometheus metrics on /metrics");
+    Ok(local)
 }
 
 /// What is read from the status cell at each scrape.

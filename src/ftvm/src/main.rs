@@ -11,6 +11,7 @@ mod control;
 mod demo;
 mod error;
 mod exporter;
+mod fleet;
 mod output;
 mod privilege;
 mod roles;
@@ -71,5 +72,8 @@ fn dispatch(command: Command) -> Result<i32, RunError> {
         Command::Protect { client, backup } => control::protect(&client, backup),
         Command::Switchover { client } => control::switchover(&client),
         Command::Demo(args) => Ok(demo::run(args)),
+        Command::Agent(args) => fleet::agent::run(args),
+        Command::Vm(command) => fleet::vm(command),
+        Command::Host(command) => fleet::host(command),
     }
 }

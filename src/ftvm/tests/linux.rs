@@ -366,8 +366,9 @@ fn redis_benchmark_pipelined_runs_without_errors_without_net_offload() {
 /// SHUTDOWN NOSAVE to the guest's redis-server; returns the VMM's stdout
 /// once it exited with status 0.
 fn shut_down(topo: &Topology, vmm: &mut Process) -> String {
-    // No reply comes: the VM is gone, and its connection with it (redis-cli
-    // waits until the timeout, whose status says nothing).
+    // No reply comes: the server ends, and the runtime closes its
+    // connection as it goes (redis-cli's status says nothing either way;
+    // the timeout only bounds a server that does not end).
     let _ =
         topo.command("client", "timeout").args(["3", "redis-cli", "-h", GUEST_ADDR, "SHUTDOWN", "NOSAVE"]).stdin(Stdio::null()).output();
     match vmm.wait_until(BOOT_TIMEOUT, |_| false) {
@@ -524,5 +525,185 @@ fn redis_append_only_file_survives_a_sigkilled_vmm() {
     let mut vmm = redis_on_disk(&topo, aof, Some(&disk));
     assert_eq!(cli(&topo, &["GET", "after"]), "restart");
     assert_eq!(cli(&topo, &["DBSIZE"]), "22");
+    assert_running(&mut vmm);
+}
+
+/// The `closing` program (guest/linux/programs/closing.c) in `mode`, in
+/// the topology's h1 namespace, once it listens on `port`.
+fn closing(topo: &Topology, mode: &str, port: u16) -> Process {
+    closing_with(topo, mode, port, &[])
+}
+
+/// [`closing`] with more `ftvm run` arguments.
+fn closing_with(topo: &Topology, mode: &str, port: u16, vmm_args: &[&str]) -> Process {
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.arg("run").arg("--image").arg(program("linux-closing")).args(["--net", &format!("tap={TAP},mac={GUEST_MAC}")]);
+    cmd.args(vmm_args).arg(format!("--cmdline=ip={GUEST_ADDR}/24 -- closing {mode}"));
+    let mut vmm = Process::spawn_collected("ftvm", &mut cmd).unwrap();
+    wait_for(&mut vmm, "closing", &format!("closing: listening {port}"), BOOT_TIMEOUT);
+    vmm
+}
+
+/// A connection from the client namespace to the guest's `port` (the
+/// socket lives in that namespace; this thread uses it from here); a
+/// failure shows what the VMM printed.
+fn connect_from_client(topo: &Topology, port: u16, vmm: &Process) -> std::net::TcpStream {
+    let addr = std::net::SocketAddr::from((GUEST_ADDR.parse::<std::net::Ipv4Addr>().unwrap(), port));
+    let s = ftvm_testkit::netns::run_in(&topo.ns("client"), move || std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)))
+        .expect("enter the client namespace")
+        .unwrap_or_else(|e| panic!("connect to {addr}: {e}\n{}", vmm.output()));
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+/// Everything `s` reads until the end: Ok at EOF, or the error that ended
+/// it (a read timeout is one: the guest never closed).
+fn read_to_end(mut s: std::net::TcpStream) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut data = Vec::new();
+    s.read_to_end(&mut data).map(|_| data)
+}
+
+fn assert_reset(what: &str, read: std::io::Result<Vec<u8>>) {
+    match read {
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("{what}: expected ECONNRESET, read {other:?}"),
+    }
+}
+
+/// As on Linux: closing a connection with received data unread resets it
+/// (the peer's read fails with ECONNRESET instead of the peer waiting in
+/// CLOSE-WAIT), so does SO_LINGER {1, 0}, while SO_LINGER {1, 5} closes in
+/// order (the data, then EOF).
+#[test]
+fn closing_with_unread_data_or_a_zero_linger_resets_the_connection() {
+    use std::io::Write;
+    let topo = Topology::new("lxrst").unwrap();
+    let mut vmm = closing(&topo, "reset", 7100);
+    let mut unread = connect_from_client(&topo, 7100, &vmm);
+    unread.write_all(b"never read").unwrap();
+    assert_reset("closed with unread data", read_to_end(unread));
+    wait_for(&mut vmm, "closing", "closing: closed unread", BOOT_TIMEOUT);
+    let mut zero = connect_from_client(&topo, 7100, &vmm);
+    zero.write_all(b"k").unwrap();
+    assert_reset("SO_LINGER {1, 0}", read_to_end(zero));
+    wait_for(&mut vmm, "closing", "closing: closed linger 0", BOOT_TIMEOUT);
+    let orderly = read_to_end(connect_from_client(&topo, 7100, &vmm));
+    assert_eq!(orderly.as_ref().map(Vec::as_slice).ok(), Some(&b"bye\n"[..]), "SO_LINGER {{1, 5}}: {orderly:?}");
+    assert_eq!(exit_status(&mut vmm, BOOT_TIMEOUT).code(), Some(0), "{}", vmm.output());
+    assert!(without_counts(&vmm.stdout()).ends_with("closing: done\n"), "{}", vmm.output());
+}
+
+/// epoll reports descriptors in the order they became ready, not in
+/// descriptor order: the client sends on the guest's second connection
+/// (the higher descriptor) first, and the guest, looking only once both
+/// are readable, is told about that one first; asked for one at a time, a
+/// reported descriptor goes behind the other. With the two sends 300 ms
+/// apart the guest polls its stack in between; sent back to back, both
+/// segments are usually taken in one poll, and their order still counts.
+#[test]
+fn epoll_reports_descriptors_in_the_order_they_became_ready() {
+    use std::io::Write;
+    let topo = Topology::new("lxorder").unwrap();
+    for gap in [Duration::from_millis(300), Duration::ZERO] {
+        let mut vmm = closing(&topo, "order", 7101);
+        let mut first = connect_from_client(&topo, 7101, &vmm);
+        let mut second = connect_from_client(&topo, 7101, &vmm);
+        wait_for(&mut vmm, "closing", "closing: accepted", BOOT_TIMEOUT);
+        second.write_all(b"A").unwrap();
+        std::thread::sleep(gap);
+        first.write_all(b"B").unwrap();
+        assert_eq!(exit_status(&mut vmm, BOOT_TIMEOUT).code(), Some(0), "{gap:?}: {}", vmm.output());
+        assert!(vmm.stdout().contains("closing: order AB then ABA\n"), "{gap:?}: {}", vmm.output());
+    }
+}
+
+/// A program that ends with connections open: returning from main, and
+/// abort(). As Linux closes a dead process's sockets, the client sees EOF
+/// on the idle connection and ECONNRESET on the one whose data was never
+/// read and on the one still in the accept queue, as soon as the VM is
+/// gone (not a connection left up with nobody behind it).
+#[test]
+fn a_program_that_ends_closes_its_connections() {
+    let topo = Topology::new("lxend").unwrap();
+    for (mode, status) in [("exit", 0), ("abort", 128 + 6)] {
+        let mut vmm = closing(&topo, mode, 7102);
+        assert_connections_closed_at_the_end(&topo, &mut vmm, mode, status);
+    }
+}
+
+/// The same under protection: the last FINs and RSTs are the guest's
+/// output of its last epoch, held until the backup acknowledged the
+/// checkpoint the VMM takes when the guest exits, then released; and the
+/// backup ends with the guest's status instead of taking over.
+#[test]
+fn a_protected_program_that_ends_closes_its_connections() {
+    use ftvm_testkit::scratch::Scratch;
+    use ftvm_testkit::topology::H2_REPL_ADDR;
+    let topo = Topology::new("lxendpb").unwrap();
+    let dir = Scratch::new("linux-end-protected").unwrap();
+    let addr = format!("{H2_REPL_ADDR}:7000");
+    let mut backup = topo.command("h2", env!("CARGO_BIN_EXE_ftvm"));
+    backup.args(["backup", "--insecure", "--listen", &addr, "--net", &format!("tap={TAP},mac={GUEST_MAC}")]).env("FTVM_LOG", "info");
+    let mut backup = Process::spawn_collected("backup", &mut backup).unwrap();
+    let socket = dir.join("primary.sock");
+    let socket_arg = socket.display().to_string();
+    let mut vmm = closing_with(&topo, "exit", 7102, &["--insecure", "--replicate-to", &addr, "--api-socket", &socket_arg]);
+    wait_status(&socket, "protected: yes", &mut vmm, BOOT_TIMEOUT);
+    assert_connections_closed_at_the_end(&topo, &mut vmm, "protected exit", 0);
+    assert_eq!(exit_status(&mut backup, BOOT_TIMEOUT).code(), Some(0), "{}", backup.output());
+    assert!(backup.stderr().contains("backup done") && !backup.stderr().contains("PRIMARY LOST"), "{}", backup.output());
+}
+
+/// The client's side of [`a_program_that_ends_closes_its_connections`]
+/// against `vmm`, a `closing` program in `mode` that ends with `status`.
+fn assert_connections_closed_at_the_end(topo: &Topology, vmm: &mut Process, mode: &str, status: i32) {
+    use std::io::Write;
+    let idle = connect_from_client(topo, 7102, vmm);
+    let mut unread = connect_from_client(topo, 7102, vmm);
+    let queued = connect_from_client(topo, 7102, vmm);
+    // The program ends once this is in: after all three connected.
+    unread.write_all(b"never read").unwrap();
+    assert_eq!(exit_status(vmm, BOOT_TIMEOUT).code(), Some(status), "{mode}: {}", vmm.output());
+    assert!(vmm.stdout().contains("closing: ending\n"), "{mode}: {}", vmm.output());
+    if mode == "abort" {
+        assert!(vmm.stdout().contains("linux: killed by signal 6\n"), "{}", vmm.output());
+    }
+    let eof = read_to_end(idle);
+    assert!(eof.as_ref().is_ok_and(Vec::is_empty), "{mode}: the idle connection: expected EOF, read {eof:?}");
+    assert_reset(&format!("{mode}: the connection with unread data"), read_to_end(unread));
+    assert_reset(&format!("{mode}: the connection never accepted"), read_to_end(queued));
+}
+
+/// Redis's protocol-desync regression test as its own suite runs it: after
+/// `*\0` the client sends 1 KiB lines without a `\r` until a write fails.
+/// Redis answers "Protocol error" and closes the connection with the
+/// client's bytes unread, which resets it: the client's writes fail (they
+/// do not just stop, as into a closed window) and the error is there to
+/// read.
+#[test]
+fn redis_resets_a_desynchronized_connection() {
+    use std::io::{BufRead, Write};
+    let topo = Topology::new("lxdesync").unwrap();
+    let mut vmm = redis(&topo, "");
+    let mut s = connect_from_client(&topo, 6379, &vmm);
+    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"*\x00").unwrap();
+    let mut payload = vec![b'A'; 1024];
+    payload.push(b'\n');
+    let t0 = std::time::Instant::now();
+    let failed = loop {
+        if let Err(e) = s.write_all(&payload) {
+            break e;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "Redis did not close the connection after the protocol desync");
+    };
+    assert!(
+        matches!(failed.kind(), std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe),
+        "the writes ended with {failed:?}, not a reset"
+    );
+    let mut line = String::new();
+    let read = std::io::BufReader::new(&s).read_line(&mut line);
+    assert!(line.contains("Protocol error"), "read {read:?}: {line:?}");
     assert_running(&mut vmm);
 }

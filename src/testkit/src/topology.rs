@@ -23,6 +23,8 @@ pub const H2_REPL_ADDR: &str = "192.168.100.2";
 /// bridge joining it to the LAN.
 pub const TAP: &str = "tap0";
 pub const BRIDGE: &str = "br0";
+/// Where a fleet topology's etcd serves: the lan namespace on the replication network.
+pub const FLEET_ETCD_ADDR: &str = "192.168.100.254";
 /// Roles of the namespaces of a topology (`NAME-ROLE`).
 pub const ROLES: [&str; 4] = ["lan", "client", "h1", "h2"];
 
@@ -68,6 +70,27 @@ impl Topology {
         // Owned before `up`, so that drop cleans up a half-built one.
         let topo = Topology { name, script };
         topo.up()?;
+        Ok(topo)
+    }
+
+    /// A fleet's topology with `hosts` hosts h1..hN (`scripts/netns.sh
+    /// up-fleet`): VM TAPs are the agents' to make, and the replication
+    /// network is a bridge that the lan namespace is on too, at
+    /// [`FLEET_ETCD_ADDR`].
+    pub fn fleet(tag: &str, hosts: u32) -> io::Result<Topology> {
+        static NEXT: AtomicU32 = AtomicU32::new(0x8000);
+        let script = crate::repo_root()?.join("scripts/netns.sh");
+        let name = loop {
+            let name = topology_name(tag, std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+            if !netns_exists(&format!("{name}-lan")) {
+                break name;
+            }
+        };
+        let topo = Topology { name, script };
+        let out = Command::new(&topo.script).args(["up-fleet", &topo.name, &hosts.to_string()]).output()?;
+        if !out.status.success() {
+            return Err(failed(format!("scripts/netns.sh up-fleet {} {hosts}", topo.name), &out));
+        }
         Ok(topo)
     }
 

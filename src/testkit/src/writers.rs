@@ -68,6 +68,8 @@ struct Shared {
     /// `limit`'s bounds on writes sent before and after the mark.
     limit_before_mark: AtomicU64,
     limit_after_mark: AtomicU64,
+    /// The last acknowledgement, and the longest time between two.
+    gaps: Mutex<(Option<Instant>, Duration)>,
 }
 
 /// Writers at work; `stop` returns what they got acknowledged.
@@ -144,6 +146,13 @@ impl Writers {
         *self.shared.first_after_mark.lock().unwrap() = None;
         self.shared.sent_after_mark.store(0, Ordering::SeqCst);
         *self.shared.mark.lock().unwrap() = Some(at);
+    }
+
+    /// The longest a client went without an acknowledgement, counting the
+    /// time since the last one (what a user of the service saw as an outage).
+    pub fn longest_gap(&self) -> Duration {
+        let (last, longest) = *self.shared.gaps.lock().unwrap();
+        last.map_or(longest, |l| longest.max(l.elapsed()))
     }
 
     /// When the first write sent after the mark was acknowledged.
@@ -229,6 +238,13 @@ fn write_loop(config: &Config, conn: u32, shared: &Shared, every: Duration) -> V
                 Ok(r) if r.is_ok() => {
                     acked.push(i);
                     shared.acked.fetch_add(1, Ordering::Relaxed);
+                    let mut gaps = shared.gaps.lock().unwrap();
+                    let now = Instant::now();
+                    if let Some(last) = gaps.0 {
+                        gaps.1 = gaps.1.max(now - last);
+                    }
+                    gaps.0 = Some(now);
+                    drop(gaps);
                     let mark = *shared.mark.lock().unwrap();
                     if mark.is_some_and(|m| sent_at >= m) {
                         let mut first = shared.first_after_mark.lock().unwrap();

@@ -1,9 +1,12 @@
 //! epoll (level-triggered; EPOLLONESHOT honoured, EPOLLET served as
 //! level-triggered) and poll/ppoll, over the readiness of descriptors.
+//! Ready descriptors are reported in the order they became ready, as Linux
+//! does (`ftvm_linux::ready_list`).
 
 use alloc::collections::BTreeMap;
 use alloc::vec::Vec;
 
+use ftvm_linux::ready_list::ReadyList;
 use ftvm_rt::time::now_ns;
 use spin::Mutex;
 
@@ -19,17 +22,30 @@ const EPOLLONESHOT: u32 = 1 << 30;
 const EPOLL_CLOEXEC: u64 = 0o2000000;
 const POLLNVAL: i16 = 0x20;
 
-/// Interest list: fd -> (events, data).
-type Interest = BTreeMap<u64, (u32, u64)>;
+/// One descriptor of an interest list.
+#[derive(Clone, Copy)]
+struct Entry {
+    events: u32,
+    data: u64,
+    /// An EPOLLONESHOT descriptor already reported: nothing until
+    /// EPOLL_CTL_MOD arms it again.
+    disarmed: bool,
+}
 
-static EPOLLS: Mutex<(u32, BTreeMap<u32, Interest>)> = Mutex::new((0, BTreeMap::new()));
+#[derive(Default)]
+struct Instance {
+    interest: BTreeMap<u64, Entry>,
+    ready: ReadyList,
+}
+
+static EPOLLS: Mutex<(u32, BTreeMap<u32, Instance>)> = Mutex::new((0, BTreeMap::new()));
 
 pub fn create(flags: u64) -> SysResult {
     let id = {
         let mut e = EPOLLS.lock();
         e.0 += 1;
         let id = e.0;
-        e.1.insert(id, BTreeMap::new());
+        e.1.insert(id, Instance::default());
         id
     };
     let flags = if flags & EPOLL_CLOEXEC != 0 { fd::O_CLOEXEC } else { 0 };
@@ -42,8 +58,9 @@ pub fn drop_instance(id: u32) {
 
 /// `fd` was closed: it leaves every interest list.
 pub fn forget_fd(fd: u64) {
-    for interest in EPOLLS.lock().1.values_mut() {
-        interest.remove(&fd);
+    for instance in EPOLLS.lock().1.values_mut() {
+        instance.interest.remove(&fd);
+        instance.ready.remove(fd);
     }
 }
 
@@ -64,48 +81,68 @@ pub fn ctl(epfd: u64, op: u64, fd: u64, event: u64) -> SysResult {
         None
     } else {
         let raw = user::bytes(event, 12)?;
-        Some((u32::from_le_bytes(raw[0..4].try_into().expect("4 bytes")), u64::from_le_bytes(raw[4..12].try_into().expect("8 bytes"))))
+        let events = u32::from_le_bytes(raw[0..4].try_into().expect("4 bytes"));
+        let data = u64::from_le_bytes(raw[4..12].try_into().expect("8 bytes"));
+        Some(Entry { events, data, disarmed: false })
     };
     let mut e = EPOLLS.lock();
-    let interest = e.1.get_mut(&id).ok_or(EBADF)?;
+    let instance = e.1.get_mut(&id).ok_or(EBADF)?;
     match (op, ev) {
         (EPOLL_CTL_ADD, Some(ev)) => {
-            if interest.contains_key(&fd) {
+            if instance.interest.contains_key(&fd) {
                 return Err(EEXIST);
             }
-            interest.insert(fd, ev);
+            instance.interest.insert(fd, ev);
         }
-        (EPOLL_CTL_MOD, Some(ev)) => *interest.get_mut(&fd).ok_or(ENOENT)? = ev,
+        (EPOLL_CTL_MOD, Some(ev)) => *instance.interest.get_mut(&fd).ok_or(ENOENT)? = ev,
         (EPOLL_CTL_DEL, None) => {
-            interest.remove(&fd).ok_or(ENOENT)?;
+            instance.interest.remove(&fd).ok_or(ENOENT)?;
+            instance.ready.remove(fd);
         }
         _ => return Err(EINVAL),
     }
     Ok(0)
 }
 
-/// Ready (fd, events, data) of instance `id`, at most `max`.
+/// Bring instance `id`'s ready list up to date; with `max` > 0, take up to
+/// `max` (fd, events, data) off its head, as epoll_wait reports them.
 fn collect(id: u32, max: usize) -> Vec<(u64, u32, u64)> {
-    let list: Vec<(u64, (u32, u64))> = match EPOLLS.lock().1.get(&id) {
-        Some(i) => i.iter().map(|(&f, &v)| (f, v)).collect(),
+    let list: Vec<(u64, Entry)> = match EPOLLS.lock().1.get(&id) {
+        Some(i) => i.interest.iter().filter(|(_, e)| !e.disarmed).map(|(&f, &e)| (f, e)).collect(),
         None => return Vec::new(),
     };
-    let mut ready = Vec::new();
-    for (f, (events, data)) in list {
-        if ready.len() == max {
-            break;
-        }
-        let Some(r) = fd::readiness(f) else { continue };
-        let r = r & (events | EPOLLERR | EPOLLHUP);
+    // Asked without the lock: an epoll descriptor's readiness is its own
+    // instance's ready list.
+    // (fd, since) and the events, in descriptor order (the interest list's).
+    let mut stamps = Vec::new();
+    let mut events = Vec::new();
+    for (f, entry) in list {
+        let Some((r, since)) = fd::readiness_since(f, entry.events) else { continue };
         if r != 0 {
-            ready.push((f, r, data));
+            stamps.push((f, since));
+            events.push(r);
+        }
+    }
+    let mut e = EPOLLS.lock();
+    let Some(instance) = e.1.get_mut(&id) else { return Vec::new() };
+    instance.ready.update(&stamps);
+    let mut ready = Vec::new();
+    for f in instance.ready.take(max) {
+        let Ok(i) = stamps.binary_search_by_key(&f, |&(f, _)| f) else { continue };
+        let Some(entry) = instance.interest.get_mut(&f) else { continue };
+        ready.push((f, events[i], entry.data));
+        if entry.events & EPOLLONESHOT != 0 {
+            entry.disarmed = true;
+        } else {
+            instance.ready.requeue(f);
         }
     }
     ready
 }
 
 pub fn has_ready(id: u32) -> bool {
-    !collect(id, 1).is_empty()
+    collect(id, 0);
+    EPOLLS.lock().1.get(&id).is_some_and(|i| !i.ready.is_empty())
 }
 
 pub fn wait(epfd: u64, events: u64, max: u64, timeout_ms: i32) -> SysResult {
@@ -119,15 +156,9 @@ pub fn wait(epfd: u64, events: u64, max: u64, timeout_ms: i32) -> SysResult {
         crate::net::poll();
         let ready = collect(id, max as usize);
         if !ready.is_empty() {
-            let mut e = EPOLLS.lock();
-            for (i, &(f, r, data)) in ready.iter().enumerate() {
+            for (i, &(_, r, data)) in ready.iter().enumerate() {
                 out[i * 12..i * 12 + 4].copy_from_slice(&r.to_le_bytes());
                 out[i * 12 + 4..i * 12 + 12].copy_from_slice(&data.to_le_bytes());
-                if let Some(ev) = e.1.get_mut(&id).and_then(|i| i.get_mut(&f)) {
-                    if ev.0 & EPOLLONESHOT != 0 {
-                        ev.0 = 0;
-                    }
-                }
             }
             return Ok(ready.len() as u64);
         }

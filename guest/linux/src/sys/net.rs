@@ -23,6 +23,7 @@ const SO_TYPE: u64 = 3;
 const SO_ERROR: u64 = 4;
 const SO_SNDBUF: u64 = 7;
 const SO_RCVBUF: u64 = 8;
+const SO_LINGER: u64 = 13;
 const IPPROTO_TCP: u64 = 6;
 const TCP_NODELAY: u64 = 1;
 
@@ -242,6 +243,15 @@ pub fn setsockopt(fd: u64, level: u64, opt: u64, val: u64, len: u64) -> SysResul
         let on: i32 = user::read(val)?;
         net::set_nodelay(id, on != 0)?;
     }
+    if level == SOL_SOCKET && opt == SO_LINGER {
+        // struct linger { int l_onoff; int l_linger; } (seconds); a
+        // negative timeout is a very long one, as on Linux.
+        if len < 8 {
+            return Err(EINVAL);
+        }
+        let [onoff, secs]: [i32; 2] = user::read(val)?;
+        net::set_linger(id, (onoff != 0).then_some(secs as u32))?;
+    }
     // Buffer sizes, keepalive, reuse and the like: accepted, and the
     // stack's defaults stay.
     Ok(0)
@@ -249,6 +259,18 @@ pub fn setsockopt(fd: u64, level: u64, opt: u64, val: u64, len: u64) -> SysResul
 
 pub fn getsockopt(fd: u64, level: u64, opt: u64, val: u64, lenp: u64) -> SysResult {
     let (_, id) = sock(fd)?;
+    if (level, opt) == (SOL_SOCKET, SO_LINGER) {
+        let len: u32 = user::read(lenp)?;
+        let linger = net::linger(id)?;
+        let value = [i32::from(linger.is_some()), linger.unwrap_or(0) as i32];
+        let mut bytes = [0u8; 8];
+        bytes[..4].copy_from_slice(&value[0].to_le_bytes());
+        bytes[4..].copy_from_slice(&value[1].to_le_bytes());
+        let n = (len as usize).min(8);
+        user::bytes_mut(val, n as u64)?.copy_from_slice(&bytes[..n]);
+        user::write(lenp, n as u32)?;
+        return Ok(0);
+    }
     let v: i32 = match (level, opt) {
         (SOL_SOCKET, SO_ERROR) => match net::connect_state(id) {
             Err(ECONNREFUSED) => ECONNREFUSED as i32,

@@ -59,8 +59,25 @@ pub fn rt_sigprocmask(_how: u64, _set: u64, old: u64, size: u64) -> SysResult {
     Ok(0)
 }
 
-pub fn kill() -> SysResult {
-    Err(EPERM)
+const SIGABRT: u64 = 6;
+const SIGKILL: u64 = 9;
+
+/// kill, tkill and tgkill (`to_self`: aimed at this process). Signals are
+/// not delivered, but the two that always end a program end it here:
+/// SIGKILL, and SIGABRT (abort() raises it again with the default action
+/// if a handler returns), with the status a shell would report. Ending
+/// this way closes the program's sockets as exiting does; a program that
+/// reached abort() otherwise went on to a fault, which stops the VM with
+/// its connections left open.
+pub fn kill(to_self: bool, sig: u64) -> SysResult {
+    match sig {
+        0 if to_self => Ok(0),
+        SIGABRT | SIGKILL if to_self => {
+            ftvm_rt::println!("linux: killed by signal {sig}");
+            crate::exit_program(128 + sig as i32)
+        }
+        _ => Err(EPERM),
+    }
 }
 
 pub fn sched_yield() -> SysResult {

@@ -22,6 +22,7 @@ use virtio_drivers::transport::{DeviceStatus, DeviceType, Transport};
 
 use super::csum;
 use super::event_idx::{self, Notifier, Recorder};
+use super::Flow;
 use crate::heap::try_zeroed;
 use crate::virtio::{self, Claim, OpenError};
 
@@ -78,6 +79,8 @@ struct Inner {
     stats: NetStats,
     /// Checksum offload negotiated (both F_CSUM and F_GUEST_CSUM).
     csum: bool,
+    /// The TCP flow of the last frame handed to smoltcp, if it was one.
+    last_flow: Option<Flow>,
 }
 
 impl VirtioNet {
@@ -135,6 +138,7 @@ impl VirtioNet {
             tx_notifier: notifier(tx_area),
             stats: NetStats::default(),
             csum,
+            last_flow: None,
         };
         for _ in 0..QUEUE_SIZE {
             inner.post_rx(vec![0u8; BUF_LEN].into_boxed_slice());
@@ -159,6 +163,18 @@ impl VirtioNet {
     /// Tell the device about buffers queued since the last call.
     pub(crate) fn notify(&mut self) {
         self.inner.get_mut().notify();
+    }
+
+    /// The TCP flow of the frame last received, once.
+    pub(crate) fn take_flow(&mut self) -> Option<Flow> {
+        self.inner.get_mut().last_flow.take()
+    }
+
+    /// Frames queued for the device that it has not sent yet.
+    pub(crate) fn tx_in_flight(&mut self) -> usize {
+        let inner = self.inner.get_mut();
+        inner.reclaim_tx();
+        inner.tx_posted.iter().filter(|p| p.is_some()).count()
     }
 }
 
@@ -265,6 +281,7 @@ impl phy::Device for VirtioNet {
                 continue;
             }
             inner.stats.rx_frames += 1;
+            inner.last_flow = Flow::of(&buf[HDR_LEN..HDR_LEN + len]);
             let dev = &self.inner;
             return Some((RxToken { buf: Some(buf), len, dev }, TxToken { dev }));
         }

@@ -28,7 +28,7 @@ use core::net::Ipv4Addr;
 
 use smoltcp::iface::{Config, Interface, PollIngressSingleResult, PollResult, SocketHandle, SocketSet};
 use smoltcp::time::Instant;
-use smoltcp::wire::{EthernetAddress, HardwareAddress, IpCidr, Ipv4Cidr};
+use smoltcp::wire::{EthernetAddress, HardwareAddress, IpAddress, IpCidr, IpEndpoint, Ipv4Cidr};
 
 pub use device::NetStats;
 pub use event_idx::set_exact as set_exact_notify;
@@ -107,6 +107,38 @@ fn parse_cidr(s: &str) -> Option<Ipv4Cidr> {
     Some(Ipv4Cidr::new(addr, prefix))
 }
 
+/// The ends of a received TCP segment (over IPv4): its sender, and the
+/// local port it is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Flow {
+    pub remote: IpEndpoint,
+    pub local_port: u16,
+}
+
+impl Flow {
+    const ETHERTYPE_IPV4: [u8; 2] = [0x08, 0x00];
+    const PROTO_TCP: u8 = 6;
+
+    /// The flow of Ethernet `frame`, if it is a TCP segment over IPv4
+    /// (first fragment or whole: ports are only in those).
+    pub(crate) fn of(frame: &[u8]) -> Option<Flow> {
+        let ip = frame.get(14..)?;
+        if frame.get(12..14)? != Self::ETHERTYPE_IPV4 || ip.first()? >> 4 != 4 || *ip.get(9)? != Self::PROTO_TCP {
+            return None;
+        }
+        let fragment_offset = u16::from_be_bytes([*ip.get(6)?, *ip.get(7)?]) & 0x1fff;
+        if fragment_offset != 0 {
+            return None;
+        }
+        let src: [u8; 4] = ip.get(12..16)?.try_into().ok()?;
+        let src = Ipv4Addr::from(src);
+        let tcp = ip.get(usize::from(ip[0] & 0xf) * 4..)?;
+        let src_port = u16::from_be_bytes([*tcp.first()?, *tcp.get(1)?]);
+        let dst_port = u16::from_be_bytes([*tcp.get(2)?, *tcp.get(3)?]);
+        Some(Flow { remote: IpEndpoint::new(IpAddress::Ipv4(src), src_port), local_port: dst_port })
+    }
+}
+
 /// smoltcp's clock: guest time (monotonic across snapshot/restore).
 pub fn now() -> Instant {
     Instant::from_micros((time::now_ns() / 1000) as i64)
@@ -182,6 +214,14 @@ impl Stack {
     /// sockets have queued, and notify the device. Returns whether anything
     /// happened (frames moved or socket state changed).
     pub fn poll(&mut self) -> bool {
+        self.poll_each(|_, _| {})
+    }
+
+    /// [`Stack::poll`], calling `after` with the sockets after each
+    /// received TCP segment smoltcp processed, with its flow: a program can
+    /// tell which of its connections became readable in which order, even
+    /// when several segments arrived between two polls.
+    pub fn poll_each(&mut self, mut after: impl FnMut(&mut SocketSet<'static>, Flow)) -> bool {
         let now = now();
         let before = self.device.stats();
         let mut changed = false;
@@ -197,6 +237,9 @@ impl Stack {
                         l.maintain(&mut self.sockets);
                     }
                 }
+            }
+            if let Some(flow) = self.device.take_flow() {
+                after(&mut self.sockets, flow);
             }
         }
         // smoltcp sends at most one segment per socket per egress pass; more
@@ -236,6 +279,17 @@ impl Stack {
         if deadline > now_ns {
             time::wait(deadline);
         }
+    }
+
+    /// Whether everything the sockets had to send at once has left: smoltcp
+    /// has nothing to transmit now (only timers: retransmissions,
+    /// keep-alives) and the device has sent every frame queued to it. A
+    /// program about to end calls [`Stack::poll`] and [`Stack::wait_idle_until`]
+    /// until this holds, so that its last segments (FIN, RST) are not lost
+    /// with the VM.
+    pub fn flushed(&mut self) -> bool {
+        let now_pending = self.iface.poll_delay(now(), &self.sockets) == Some(smoltcp::time::Duration::ZERO);
+        !now_pending && self.device.tx_in_flight() == 0
     }
 
     /// Accept connections on `config.port` from now on; see

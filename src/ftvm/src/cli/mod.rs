@@ -105,6 +105,16 @@ pub enum Command {
         #[command(flatten)]
         client: ClientArgs,
     },
+    /// Run this host's part of a fleet: enter it under a lease in etcd, run
+    /// the VM processes the fleet places here, lead placement when no other
+    /// agent does (docs/fleet.md).
+    Agent(crate::fleet::agent::AgentArgs),
+    /// The fleet's VMs (in etcd): create, list, show, delete.
+    #[command(subcommand)]
+    Vm(crate::fleet::VmCommand),
+    /// The fleet's hosts (in etcd): list, drain, undrain.
+    #[command(subcommand)]
+    Host(crate::fleet::HostCommand),
     /// Show failover on this machine: a replicated kv VM loses its host, then its primary stalls and is fenced, under load; no acknowledged write is lost.
     Demo(DemoArgs),
 }

@@ -34,6 +34,8 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod fleet;
+
 use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::process::Process;
 use ftvm_testkit::scratch::Scratch;
@@ -71,6 +73,10 @@ pub struct DemoArgs {
     /// The soak's random seed (default: a fresh one, printed, to run the same plan again).
     #[arg(long, value_name = "N", requires = "soak")]
     seed: Option<u64>,
+    /// The fleet demo instead: four hosts with an agent each keep six VMs
+    /// protected while two hosts die, one comes back and one is drained.
+    #[arg(long, conflicts_with_all = ["soak", "app", "trials"])]
+    fleet: bool,
     /// Append one JSON line per scenario (round, scenario, load, first reply,
     /// acknowledged, verified and lost writes, fenced) to this file.
     #[arg(long, value_name = "PATH")]
@@ -130,7 +136,7 @@ pub fn run(args: DemoArgs) -> i32 {
             return 1;
         }
     };
-    let result = demo(&args, dir.path());
+    let result = if args.fleet { fleet::run(dir.path(), args.seconds) } else { demo(&args, dir.path()) };
     let failed = matches!(&result, Ok(false)) || matches!(&result, Err(e) if e != INTERRUPTED);
     let has_logs = std::fs::read_dir(dir.path()).is_ok_and(|mut d| d.next().is_some());
     if failed && has_logs {

@@ -1,0 +1,27 @@
+//! The fleet: every VM kept protected across a pool of hosts.
+//!
+//! What the operator wants is a set of VM specs (`spec`); what the pool
+//! has is the hosts whose agents are alive (`records::Host`, each kept in
+//! etcd under its agent's lease, so a dead host's record expires on its
+//! own). One agent at a time is the leader (`store::Store::lead`): it
+//! reads the whole fleet at one etcd revision, decides where each VM's
+//! primary and backup belong (`placement::plan`, a pure function of what
+//! it read), and writes each decision in a transaction conditioned on the
+//! revision of the placement it replaces, so a leader that lost its lease
+//! in the meantime changes nothing. Every agent runs what the placements
+//! give its host and reports what runs (`records::Report`, under its lease).
+//!
+//! Failing over is not the leader's job: a VM's backup takes over by
+//! itself through the arbiter as without a fleet. The leader only follows:
+//! a primary whose host is gone is where its backup was, and a VM without
+//! a backup gets one on another host with room.
+
+pub mod placement;
+pub mod records;
+pub mod spec;
+pub mod store;
+
+pub use placement::Fleet;
+pub use records::{Host, Placement, Report, Role};
+pub use spec::{SpecError, VmSpec};
+pub use store::{Store, StoreError};

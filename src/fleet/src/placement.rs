@@ -1,0 +1,323 @@
+//! Where each VM belongs: a pure function of the fleet as read at one
+//! revision, so the leader's decisions are testable without etcd and
+//! every agent that leads would decide the same.
+//!
+//! The rules, per VM in name order:
+//! - A primary's host is gone: the backup took over (or is about to; it
+//!   does so on its own through the arbiter), so the primary is where the
+//!   backup was and the VM has no backup. With both hosts gone the VM
+//!   starts afresh from its image.
+//! - A backup's host is gone or draining: the VM has no backup.
+//! - A VM without a backup gets one on another host with room.
+//! - A primary on a draining host whose backup is in step hands the VM
+//!   over to it; once the backup reports running it, that host is the
+//!   primary's.
+//! - A VM placed nowhere gets a primary on the host with fewest primaries
+//!   (then most free memory) and a backup on another: both or neither.
+//!
+//! Room is memory and vCPUs: a VM counts on both hosts it is placed on.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::records::{Host, Placement, Report, Role};
+use crate::spec::VmSpec;
+
+/// Backup ports are handed out from here up, one per VM.
+pub const FIRST_PORT: u16 = 7100;
+
+/// The fleet as the leader read it.
+#[derive(Clone, Debug, Default)]
+pub struct Fleet {
+    pub hosts: BTreeMap<String, Host>,
+    pub draining: BTreeSet<String>,
+    pub vms: BTreeMap<String, VmSpec>,
+    /// Each VM's placement and the etcd revision it was last written at.
+    pub placements: BTreeMap<String, (Placement, i64)>,
+    /// Reports by VM, then host.
+    pub reports: BTreeMap<String, BTreeMap<String, Report>>,
+    /// Why VMs lack a host or a backup, as the leader last said.
+    pub unplaced: BTreeMap<String, String>,
+    /// The leader agent's host, if any.
+    pub leader: Option<String>,
+    /// The etcd revision the fleet was read at.
+    pub revision: i64,
+}
+
+impl Fleet {
+    /// Whether `vm`'s process on `host` reports `role` (and, with
+    /// `protected`, that it is in step with its peer).
+    pub fn reports(&self, vm: &str, host: &str, role: Role, protected: bool) -> bool {
+        self.reports.get(vm).and_then(|r| r.get(host)).is_some_and(|r| r.role == role && (r.protected || !protected))
+    }
+
+    /// Whether `vm` is placed on `host`, as primary or backup.
+    pub fn placed_on(&self, vm: &str, host: &str) -> bool {
+        self.placements.get(vm).is_some_and(|(p, _)| p.primary.as_deref() == Some(host) || p.backup.as_deref() == Some(host))
+    }
+}
+
+/// A placement to write, over the one at `seen` (0: none yet).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Change {
+    pub vm: String,
+    pub placement: Placement,
+    pub seen: i64,
+    pub why: String,
+}
+
+/// A VM that could not be given what it needs, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unplaced {
+    pub vm: String,
+    pub why: String,
+}
+
+struct Room {
+    free_mib: BTreeMap<String, i64>,
+    free_vcpus: BTreeMap<String, i64>,
+    primaries: BTreeMap<String, u32>,
+}
+
+impl Room {
+    fn new(fleet: &Fleet) -> Room {
+        let mut room = Room {
+            free_mib: fleet.hosts.values().map(|h| (h.name.clone(), h.memory_mib as i64)).collect(),
+            free_vcpus: fleet.hosts.values().map(|h| (h.name.clone(), h.vcpus as i64)).collect(),
+            primaries: fleet.hosts.keys().map(|h| (h.clone(), 0)).collect(),
+        };
+        for (vm, (p, _)) in &fleet.placements {
+            if let Some(spec) = fleet.vms.get(vm) {
+                room.take(p.primary.as_deref(), spec, true);
+                room.take(p.backup.as_deref(), spec, false);
+            }
+        }
+        room
+    }
+
+    fn take(&mut self, host: Option<&str>, spec: &VmSpec, primary: bool) {
+        let Some(host) = host else { return };
+        if let Some(m) = self.free_mib.get_mut(host) {
+            *m -= spec.memory_mib as i64;
+        }
+        if let Some(c) = self.free_vcpus.get_mut(host) {
+            *c -= spec.vcpus as i64;
+        }
+        if primary {
+            *self.primaries.entry(host.to_string()).or_default() += 1;
+        }
+    }
+
+    fn fits(&self, host: &str, spec: &VmSpec) -> bool {
+        self.free_mib.get(host).is_some_and(|m| *m >= spec.memory_mib as i64)
+            && self.free_vcpus.get(host).is_some_and(|c| *c >= spec.vcpus as i64)
+    }
+
+    /// The host for a new primary: fewest primaries, then most free memory, then name.
+    fn for_primary(&self, fleet: &Fleet, spec: &VmSpec) -> Option<String> {
+        let candidates = usable(fleet).filter(|h| self.fits(h, spec));
+        candidates.min_by_key(|h| (self.primaries[*h], -self.free_mib[*h], (*h).to_string())).map(str::to_string)
+    }
+
+    /// The host for a backup, not `primary`: most free memory, then name.
+    fn for_backup(&self, fleet: &Fleet, spec: &VmSpec, primary: &str) -> Option<String> {
+        let candidates = usable(fleet).filter(|h| *h != primary && self.fits(h, spec));
+        candidates.min_by_key(|h| (-self.free_mib[*h], (*h).to_string())).map(str::to_string)
+    }
+}
+
+/// Hosts that take new VMs: alive and not draining.
+fn usable(fleet: &Fleet) -> impl Iterator<Item = &str> {
+    fleet.hosts.keys().map(String::as_str).filter(|h| !fleet.draining.contains(*h))
+}
+
+fn no_room(spec: &VmSpec, what: &str) -> String {
+    format!("no {what} with {} MiB and {} vCPUs free", spec.memory_mib, spec.vcpus)
+}
+
+/// The placements to write for `fleet` to be as the rules want, and the
+/// VMs that cannot be (not) placed as they should, with why.
+pub fn plan(fleet: &Fleet) -> (Vec<Change>, Vec<Unplaced>) {
+    let mut room = Room::new(fleet);
+    let mut changes = Vec::new();
+    let mut unplaced = Vec::new();
+    let mut ports: BTreeSet<u16> = fleet.placements.values().map(|(p, _)| p.port).collect();
+    let alive = |h: &Option<String>| h.as_ref().is_some_and(|h| fleet.hosts.contains_key(h));
+    for (vm, spec) in &fleet.vms {
+        let (before, seen) = fleet.placements.get(vm).cloned().unwrap_or_default();
+        let mut p = before.clone();
+        let mut why = Vec::new();
+        if p.primary.is_some() && !alive(&p.primary) {
+            let gone = p.primary.take().unwrap_or_default();
+            if alive(&p.backup) {
+                p.primary = p.backup.take();
+                why.push(format!("host {gone} is gone: the backup on {} runs the VM", p.primary.as_deref().unwrap_or("")));
+            } else {
+                p.backup = None;
+                why.push(format!("host {gone} is gone and no backup survived: the VM starts afresh"));
+            }
+            p.handover = false;
+        }
+        if p.backup.is_some() && (!alive(&p.backup) || p.backup.as_ref().is_some_and(|b| fleet.draining.contains(b))) {
+            why.push(format!("the backup's host {} is gone or draining", p.backup.as_deref().unwrap_or("")));
+            p.backup = None;
+            p.handover = false;
+        }
+        if let (Some(primary), Some(backup)) = (&p.primary, &p.backup) {
+            if p.handover && fleet.reports(vm, backup, Role::Primary, false) {
+                why.push(format!("handed over from draining host {primary} to {backup}"));
+                p.primary = p.backup.take();
+                p.handover = false;
+            } else if !p.handover && fleet.draining.contains(primary) && fleet.reports(vm, primary, Role::Primary, true) {
+                why.push(format!("host {primary} drains: hand the VM over to {backup}"));
+                p.handover = true;
+            }
+        }
+        match (&p.primary, &p.backup) {
+            (None, _) => match room.for_primary(fleet, spec) {
+                Some(primary) => match room.for_backup(fleet, spec, &primary) {
+                    Some(backup) => {
+                        room.take(Some(&primary), spec, true);
+                        room.take(Some(&backup), spec, false);
+                        why.push(format!("placed: primary on {primary}, backup on {backup}"));
+                        p.primary = Some(primary);
+                        p.backup = Some(backup);
+                    }
+                    None => unplaced.push(Unplaced { vm: vm.clone(), why: format!("{} for its backup", no_room(spec, "second host")) }),
+                },
+                None => unplaced.push(Unplaced { vm: vm.clone(), why: no_room(spec, "host") }),
+            },
+            (Some(primary), None) => match room.for_backup(fleet, spec, primary) {
+                Some(backup) => {
+                    room.take(Some(&backup), spec, false);
+                    why.push(format!("protected again: backup on {backup}"));
+                    p.backup = Some(backup);
+                }
+                None => unplaced.push(Unplaced { vm: vm.clone(), why: format!("unprotected: {}", no_room(spec, "other host")) }),
+            },
+            (Some(_), Some(_)) => {}
+        }
+        if p.backup.is_some() && p.backup != before.backup {
+            // A new backup gets a port no other VM's backup uses.
+            let port = (FIRST_PORT..).find(|port| !ports.contains(port)).expect("a free port");
+            ports.insert(port);
+            p.port = port;
+        }
+        if p != before {
+            p.generation = before.generation + 1;
+            changes.push(Change { vm: vm.clone(), placement: p, seen, why: why.join("; ") });
+        }
+    }
+    (changes, unplaced)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, memory_mib: u64) -> VmSpec {
+        VmSpec::from_toml(&format!("name = \"{name}\"\nimage = \"/kv.elf\"\nmemory_mib = {memory_mib}\nmac = \"52:54:00:00:00:01\""))
+            .unwrap()
+    }
+
+    fn fleet(hosts: &[&str], vms: &[(&str, u64)]) -> Fleet {
+        let mut f = Fleet::default();
+        for h in hosts {
+            f.hosts.insert(
+                h.to_string(),
+                Host { name: h.to_string(), memory_mib: 1024, vcpus: 8, repl_addr: format!("10.9.0.{}", f.hosts.len() + 1) },
+            );
+        }
+        for (vm, mem) in vms {
+            f.vms.insert(vm.to_string(), spec(vm, *mem));
+        }
+        f
+    }
+
+    /// Write the plan's changes into the fleet, as the leader would.
+    fn apply(f: &mut Fleet) -> Vec<Unplaced> {
+        let (changes, unplaced) = plan(f);
+        for c in changes {
+            f.placements.insert(c.vm, (c.placement, f.revision + 1));
+            f.revision += 1;
+        }
+        unplaced
+    }
+
+    fn placed(f: &Fleet, vm: &str) -> (Option<String>, Option<String>) {
+        let p = &f.placements[vm].0;
+        (p.primary.clone(), p.backup.clone())
+    }
+
+    #[test]
+    fn replicas_go_to_different_hosts_and_primaries_spread() {
+        let mut f = fleet(&["h1", "h2", "h3"], &[("a", 256), ("b", 256), ("c", 256)]);
+        assert!(apply(&mut f).is_empty());
+        let mut primaries = BTreeSet::new();
+        for vm in ["a", "b", "c"] {
+            let (p, b) = placed(&f, vm);
+            assert_ne!(p, b);
+            primaries.insert(p.unwrap());
+        }
+        assert_eq!(primaries.len(), 3, "one primary per host");
+        let ports: BTreeSet<u16> = f.placements.values().map(|(p, _)| p.port).collect();
+        assert_eq!(ports.len(), 3, "each backup has its own port");
+        let (again, _) = plan(&f);
+        assert!(again.is_empty(), "a placed fleet stays as it is: {again:?}");
+    }
+
+    #[test]
+    fn a_dead_hosts_vms_run_where_their_backups_were_and_are_protected_again() {
+        let mut f = fleet(&["h1", "h2", "h3"], &[("a", 256)]);
+        apply(&mut f);
+        let (primary, backup) = placed(&f, "a");
+        f.hosts.remove(primary.as_deref().unwrap());
+        assert!(apply(&mut f).is_empty());
+        let (p, b) = placed(&f, "a");
+        assert_eq!(p, backup, "the backup runs the VM");
+        assert!(b.is_some() && b != p && b != primary, "a new backup on the third host: {b:?}");
+    }
+
+    #[test]
+    fn a_vm_whose_hosts_both_died_starts_afresh() {
+        let mut f = fleet(&["h1", "h2", "h3"], &[("a", 256)]);
+        apply(&mut f);
+        let (p, b) = placed(&f, "a");
+        f.hosts.remove(p.as_deref().unwrap());
+        f.hosts.remove(b.as_deref().unwrap());
+        let unplaced = apply(&mut f);
+        assert_eq!(placed(&f, "a"), (None, None));
+        assert!(unplaced[0].why.contains("second host"), "one host left, no room for both: {unplaced:?}");
+        f.hosts.insert("h4".into(), Host { name: "h4".into(), memory_mib: 1024, vcpus: 8, repl_addr: "10.9.0.4".into() });
+        assert!(apply(&mut f).is_empty());
+        let (p, b) = placed(&f, "a");
+        assert!(p.is_some() && b.is_some());
+    }
+
+    #[test]
+    fn capacity_is_respected_and_the_reason_given() {
+        let mut f = fleet(&["h1", "h2"], &[("a", 600), ("b", 600)]);
+        let unplaced = apply(&mut f);
+        assert_eq!(unplaced.len(), 1, "two 600 MiB VMs with backups do not fit in 2 x 1024 MiB");
+        assert_eq!(unplaced[0].why, "no host with 600 MiB and 1 vCPUs free");
+    }
+
+    #[test]
+    fn a_draining_host_hands_its_primaries_over_and_loses_its_backups() {
+        let mut f = fleet(&["h1", "h2", "h3"], &[("a", 256)]);
+        apply(&mut f);
+        let (primary, backup) = placed(&f, "a");
+        let (primary, backup) = (primary.unwrap(), backup.unwrap());
+        let report = |host: &str, role| Report { host: host.into(), role, protected: true, pid: 1, since_ms: 0 };
+        f.reports.entry("a".into()).or_default().insert(primary.clone(), report(&primary, Role::Primary));
+        f.draining.insert(primary.clone());
+        apply(&mut f);
+        assert!(f.placements["a"].0.handover, "the primary is told to hand over");
+        // The backup took over and says so.
+        f.reports.get_mut("a").unwrap().insert(backup.clone(), report(&backup, Role::Primary));
+        apply(&mut f);
+        let (p, b) = placed(&f, "a");
+        assert_eq!(p.as_deref(), Some(backup.as_str()));
+        assert!(b.is_some_and(|b| b != primary && b != backup), "the new backup is on neither the drained host nor the primary's");
+        assert!(!f.placements["a"].0.handover);
+    }
+}

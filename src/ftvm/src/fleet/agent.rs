@@ -1,0 +1,302 @@
+//! `ftvm agent`: one per host. It enters the host in the fleet under a
+//! lease it keeps renewing, leads the fleet's placement when no other
+//! agent does, runs the VM processes the placements give its host, and
+//! reports what they are (`local`).
+//!
+//! Restarting the agent restarts nothing: the VM processes run in their
+//! own sessions, and the new agent adopts them and takes over the lease
+//! the old one held (its id is kept in the state directory; a lock on the
+//! directory shows the old agent is gone). An agent whose lease expired
+//! (it could not reach etcd for the lease's time to live) was counted
+//! dead and its VMs moved: once etcd tells it so, it stops their processes
+//! here, so no VM has two hosts, and joins again as a new host. An agent
+//! that cannot reach etcd leaves its VMs running: a lost etcd stops
+//! placement, not the VMs.
+
+use std::fs;
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use ftvm_fleet::placement::{plan, Fleet};
+use ftvm_fleet::{Host, Role, Store, StoreError};
+use serde_json::json;
+
+use super::local::{Local, Setup};
+use super::metrics::FleetMetrics;
+use crate::api::Request;
+use crate::error::{os, RunError};
+use crate::output::outln;
+use crate::signals;
+
+/// How often a request that did not take (a protection, a hand-over) is made again.
+const ASK_AGAIN: Duration = Duration::from_secs(5);
+
+#[derive(clap::Args)]
+pub struct AgentArgs {
+    /// The fleet's etcd (http://HOST:PORT); also the VMs' arbiter.
+    #[arg(long, value_name = "URL")]
+    pub etcd: String,
+    /// This host's name in the fleet.
+    #[arg(long, value_name = "NAME")]
+    pub host: String,
+    /// The address this host's backups listen on (an address of this host
+    /// that the other hosts reach).
+    #[arg(long, value_name = "IP")]
+    pub repl_addr: String,
+    /// Guest memory this host offers the fleet, in MiB.
+    #[arg(long, value_name = "MIB")]
+    pub memory_mib: u64,
+    /// vCPUs this host offers the fleet.
+    #[arg(long, value_name = "N")]
+    pub vcpus: u32,
+    /// The bridge the VMs' TAPs join (it carries the guests' network).
+    #[arg(long, value_name = "NAME", default_value = "br0")]
+    pub bridge: String,
+    /// The replication channel's secret, the same file on every host.
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: PathBuf,
+    /// The agent's state: its lease, its VM processes' pids, sockets and logs.
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: PathBuf,
+    /// The host counts as dead this long after its agent was last heard.
+    #[arg(long, value_name = "SECONDS", default_value_t = 2)]
+    pub lease_seconds: u64,
+    /// Serve the fleet's Prometheus metrics (as this agent reads it) on
+    /// http://ADDR/metrics (host:port).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<String>,
+    /// How often the agent looks at the fleet.
+    #[arg(long, value_name = "MS", default_value_t = 200)]
+    pub interval_ms: u64,
+}
+
+/// One JSON line on stdout: what the fleet or this agent did.
+fn event(kind: &str, fields: serde_json::Value) {
+    let mut line = json!({ "event": kind, "at_ms": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64) });
+    if let (Some(line), Some(fields)) = (line.as_object_mut(), fields.as_object()) {
+        line.extend(fields.clone());
+    }
+    outln!("{line}");
+}
+
+struct Agent {
+    args: AgentArgs,
+    me: Host,
+    store: Store,
+    lease: i64,
+    local: Local,
+    metrics: FleetMetrics,
+    /// When each VM's process was last asked something, for which generation.
+    asked: std::collections::BTreeMap<String, (u64, Instant)>,
+}
+
+/// Hold the state directory's lock for as long as this process lives.
+fn lock(dir: &std::path::Path) -> Result<(), RunError> {
+    fs::create_dir_all(dir).map_err(os("create the agent's state directory"))?;
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join("agent.lock"))
+        .map_err(os("open the agent's lock"))?;
+    // SAFETY: flock on a descriptor this function owns; it is leaked below so the lock lasts.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(RunError::Usage(format!("an agent is running already with state directory {}", dir.display())));
+    }
+    std::mem::forget(file);
+    Ok(())
+}
+
+impl Agent {
+    fn join(args: AgentArgs) -> Result<Agent, RunError> {
+        lock(&args.state_dir)?;
+        let me = Host { name: args.host.clone(), memory_mib: args.memory_mib, vcpus: args.vcpus, repl_addr: args.repl_addr.clone() };
+        let store = Store::new(&args.etcd);
+        let setup = Setup {
+            etcd: args.etcd.clone(),
+            bridge: args.bridge.clone(),
+            secret_file: args.secret_file.clone(),
+            state_dir: args.state_dir.clone(),
+            exe: std::env::current_exe().map_err(os("find the ftvm executable"))?,
+        };
+        let local = Local::adopt(setup).map_err(os("read the agent's state directory"))?;
+        let mut agent = Agent { args, me, store, lease: 0, local, metrics: FleetMetrics::default(), asked: Default::default() };
+        agent.enter()?;
+        Ok(agent)
+    }
+
+    fn lease_file(&self) -> PathBuf {
+        self.args.state_dir.join("lease")
+    }
+
+    /// Enter the fleet: under the lease of the agent before this one if it
+    /// is still alive, else under a new one (and then whatever still runs
+    /// here was moved elsewhere meanwhile: it is stopped).
+    fn enter(&mut self) -> Result<(), RunError> {
+        let fleet = |e: StoreError| RunError::Usage(format!("fleet: {e}"));
+        let kept = fs::read_to_string(self.lease_file()).ok().and_then(|l| l.trim().parse::<i64>().ok());
+        let alive = match kept {
+            Some(lease) => match self.store.renew(lease) {
+                Ok(()) => Some(lease),
+                Err(StoreError::LeaseExpired) => None,
+                // etcd unreachable says nothing of the lease: nothing is stopped on it.
+                Err(e) => return Err(fleet(e)),
+            },
+            None => None,
+        };
+        self.lease = match alive {
+            Some(lease) => lease,
+            None => {
+                let vms: Vec<String> = self.local.procs.keys().cloned().collect();
+                for vm in vms {
+                    event(
+                        "fenced",
+                        json!({ "vm": vm, "host": self.me.name, "why": "this host left the fleet: its VM runs elsewhere now" }),
+                    );
+                    self.local.stop(&vm);
+                }
+                let lease = self.store.lease(Duration::from_secs(self.args.lease_seconds)).map_err(fleet)?;
+                fs::write(self.lease_file(), lease.to_string()).map_err(os("write the agent's lease"))?;
+                lease
+            }
+        };
+        self.store.register(&self.me, self.lease).map_err(fleet)?;
+        event("joined", json!({ "host": self.me.name, "memory_mib": self.me.memory_mib, "vcpus": self.me.vcpus }));
+        Ok(())
+    }
+
+    /// One look at the fleet.
+    fn tick(&mut self) -> Result<(), StoreError> {
+        self.store.renew(self.lease)?;
+        let fleet = self.store.read()?;
+        if self.store.lead(&self.me.name, self.lease)? {
+            self.lead(&fleet)?;
+        }
+        let fleet = self.store.read()?;
+        self.metrics.update(&fleet, &self.me.name);
+        self.run_placed(&fleet);
+        self.report(&fleet)
+    }
+
+    fn lead(&mut self, fleet: &Fleet) -> Result<(), StoreError> {
+        let (changes, unplaced) = plan(fleet);
+        for c in changes {
+            if self.store.place(&c)? {
+                event("placed", json!({ "vm": c.vm, "primary": c.placement.primary, "backup": c.placement.backup, "why": c.why }));
+            }
+        }
+        for vm in fleet.unplaced.keys().filter(|vm| !unplaced.iter().any(|u| &u.vm == *vm)) {
+            self.store.set_unplaced(vm, None)?;
+        }
+        for u in unplaced {
+            if fleet.unplaced.get(&u.vm) != Some(&u.why) {
+                event("unplaced", json!({ "vm": u.vm, "why": u.why }));
+                self.store.set_unplaced(&u.vm, Some(&u.why))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ask `vm`'s process `request` once per placement generation, and
+    /// again every `ASK_AGAIN` while it has not taken.
+    fn ask(&mut self, vm: &str, generation: u64, request: Request) {
+        if self.asked.get(vm).is_some_and(|(g, at)| *g == generation && at.elapsed() < ASK_AGAIN) {
+            return;
+        }
+        self.asked.insert(vm.to_string(), (generation, Instant::now()));
+        event("asked", json!({ "vm": vm, "host": self.me.name, "request": format!("{request:?}") }));
+        self.local.ask(vm, request);
+    }
+
+    /// Run what the placements give this host; stop what they no longer do.
+    fn run_placed(&mut self, fleet: &Fleet) {
+        let me = self.me.name.clone();
+        for ended in self.local.reap() {
+            event("ended", json!({ "vm": ended, "host": me }));
+        }
+        let stale: Vec<String> = self
+            .local
+            .procs
+            .keys()
+            .filter(|vm| !fleet.placements.get(*vm).is_some_and(|(p, _)| Local::mine(p, &me)) || !fleet.vms.contains_key(*vm))
+            .cloned()
+            .collect();
+        for vm in stale {
+            event("stopped", json!({ "vm": vm, "host": me, "why": "no longer placed here" }));
+            self.local.stop(&vm);
+        }
+        for (vm, (p, _)) in &fleet.placements {
+            let Some(spec) = fleet.vms.get(vm) else { continue };
+            let running = self.local.procs.get(vm).and_then(|proc| proc.seen);
+            let backup_addr = p.backup.as_ref().and_then(|b| fleet.hosts.get(b)).map(|b| format!("{}:{}", b.repl_addr, p.port));
+            let backup_waits =
+                p.backup.as_ref().is_some_and(|b| fleet.reports(vm, b, Role::Backup, false) && !fleet.reports(vm, b, Role::Backup, true));
+            if p.backup.as_deref() == Some(me.as_str()) && !self.local.procs.contains_key(vm) {
+                let result = self.local.start_backup(vm, spec, &self.me, p.port);
+                event("started", json!({ "vm": vm, "host": me, "role": "backup", "error": result.err().map(|e| e.to_string()) }));
+            } else if p.primary.as_deref() == Some(me.as_str()) {
+                match (running, backup_addr) {
+                    (None, Some(addr)) if !self.local.procs.contains_key(vm) && backup_waits => {
+                        let result = self.local.start_primary(vm, spec, &addr);
+                        event("started", json!({ "vm": vm, "host": me, "role": "primary", "error": result.err().map(|e| e.to_string()) }));
+                    }
+                    (Some((Role::Primary, false, _)), Some(addr)) if backup_waits => {
+                        self.ask(vm, p.generation, Request::Protect { backup: addr })
+                    }
+                    (Some((Role::Primary, true, _)), Some(_)) if p.handover => self.ask(vm, p.generation, Request::Switchover),
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// Tell the fleet what each VM process here is, where that changed.
+    fn report(&mut self, fleet: &Fleet) -> Result<(), StoreError> {
+        let me = self.me.name.clone();
+        let vms: Vec<String> = self.local.procs.keys().cloned().collect();
+        for vm in &vms {
+            if let Some(report) = self.local.report(vm, &me) {
+                if fleet.reports.get(vm).and_then(|r| r.get(&me)) != Some(&report) {
+                    self.store.report(vm, &report, self.lease)?;
+                }
+            }
+        }
+        for (vm, reports) in &fleet.reports {
+            if reports.contains_key(&me) && self.local.procs.get(vm).is_none_or(|p| p.leaving) {
+                self.store.unreport(vm, &me)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `ftvm agent`: runs until SIGINT or SIGTERM, leaving the VMs running.
+pub fn run(args: AgentArgs) -> Result<i32, RunError> {
+    signals::install().map_err(os("install signal handlers"))?;
+    let interval = Duration::from_millis(args.interval_ms.max(10));
+    let metrics_listen = args.metrics_listen.clone();
+    let mut agent = Agent::join(args)?;
+    if let Some(addr) = metrics_listen {
+        crate::exporter::serve_registry(&addr, agent.metrics.registry(), || {})?;
+    }
+    while !signals::stop_requested().load(Ordering::SeqCst) {
+        match agent.tick() {
+            Ok(()) => {}
+            // Only etcd saying so ends the lease: an agent that cannot reach
+            // etcd (or an etcd that is down) leaves its VMs running, since
+            // nobody can move them meanwhile without it counting as dead.
+            Err(StoreError::LeaseExpired) => {
+                tracing::warn!("agent: the fleet counted this host dead (its lease expired)");
+                if let Err(e) = agent.enter() {
+                    tracing::warn!("agent: {e}");
+                }
+            }
+            Err(e) => tracing::warn!("agent: {e}"),
+        }
+        std::thread::sleep(interval);
+    }
+    event("left", json!({ "host": agent.me.name, "why": "stopped; its VMs go on running" }));
+    Ok(0)
+}

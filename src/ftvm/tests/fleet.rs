@@ -1,0 +1,260 @@
+//! The fleet end to end on real KVM: three simulated hosts (network
+//! namespaces), one etcd, an agent per host, two kv VMs created from spec
+//! files. Each VM is placed on two hosts and protected; acknowledged
+//! writes go in; the host of a primary dies (links cut, every process in
+//! it SIGKILLed); the VM goes on serving from its backup's host, is
+//! protected again on the third host, and has every acknowledged write.
+//! No VM ever has two primaries. Needs root, iproute2, redis-cli, etcd.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{image, scratch_for};
+use ftvm_fleet::placement::Fleet;
+use ftvm_fleet::{Role, Store};
+use ftvm_testkit::etcd::Etcd;
+use ftvm_testkit::netns;
+use ftvm_testkit::process::Process;
+use ftvm_testkit::topology::{Topology, FLEET_ETCD_ADDR};
+
+const VMS: [(&str, &str, &str); 2] = [("kva", "10.0.0.11", "52:54:00:00:00:11"), ("kvb", "10.0.0.12", "52:54:00:00:00:12")];
+
+fn agent(topo: &Topology, dir: &std::path::Path, etcd: &str, host: u32, secret: &std::path::Path) -> Process {
+    let mut cmd = topo.command(&format!("h{host}"), env!("CARGO_BIN_EXE_ftvm"));
+    cmd.args(["agent", "--etcd", etcd, "--host", &format!("h{host}"), "--repl-addr", &format!("192.168.100.{host}")])
+        .args(["--memory-mib", "512", "--vcpus", "4", "--secret-file"])
+        .arg(secret)
+        .arg("--state-dir")
+        .arg(dir.join(format!("h{host}")))
+        .args(["--metrics-listen", "127.0.0.1:9400"])
+        .env("FTVM_LOG", "info");
+    Process::spawn_logged(&format!("agent h{host}"), &mut cmd, dir, &format!("agent-h{host}")).unwrap()
+}
+
+/// `vm` placed on two hosts, its primary reporting protected and its backup in step.
+fn all_protected_vm(f: &Fleet, vm: &str) -> bool {
+    f.placements.get(vm).is_some_and(|(p, _)| match (&p.primary, &p.backup) {
+        (Some(primary), Some(backup)) => f.reports(vm, primary, Role::Primary, true) && f.reports(vm, backup, Role::Backup, true),
+        _ => false,
+    })
+}
+
+fn all_protected(f: &Fleet) -> bool {
+    VMS.iter().all(|(vm, _, _)| all_protected_vm(f, vm))
+}
+
+/// Hosts whose process for `vm` says it runs the VM, but for `dead` (its
+/// reports stay until its lease expires, though nothing runs there).
+fn primaries(f: &Fleet, vm: &str, dead: Option<&str>) -> Vec<String> {
+    let reports = f.reports.get(vm).into_iter().flatten();
+    reports.filter(|(h, r)| r.role == Role::Primary && Some(h.as_str()) != dead).map(|(h, _)| h.clone()).collect()
+}
+
+/// The fleet as etcd holds it (read from the lan namespace, where etcd serves).
+fn read(topo: &Topology, store: &Store) -> Fleet {
+    let store = store.clone();
+    netns::run_in(&topo.ns("lan"), move || store.read()).unwrap().unwrap()
+}
+
+/// Poll the fleet until `done`, checking on every read that no VM has two primaries.
+fn wait_fleet(topo: &Topology, store: &Store, dead: Option<&str>, timeout: Duration, what: &str, done: impl Fn(&Fleet) -> bool) -> Fleet {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let f = read(topo, store);
+        for (vm, _, _) in VMS {
+            let p = primaries(&f, vm, dead);
+            assert!(p.len() <= 1, "{what}: {vm} has two primaries: {p:?}");
+        }
+        if done(&f) {
+            return f;
+        }
+        assert!(Instant::now() < deadline, "{what}: not within {timeout:?}: {f:#?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `ftvm ARGS` in the lan namespace, where etcd serves.
+fn ftvm_in(topo: &Topology, args: &[&str]) -> std::process::Output {
+    topo.command("lan", env!("CARGO_BIN_EXE_ftvm")).args(args).output().unwrap()
+}
+
+fn cli(topo: &Topology, args: &[&str]) -> String {
+    let out = ftvm_in(topo, args);
+    assert!(out.status.success(), "ftvm {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Write a spec for `vm` and create it with `ftvm vm create`.
+fn create(topo: &Topology, dir: &std::path::Path, etcd: &str, vm: &str, addr: &str, mac: &str, memory_mib: u64) -> std::process::Output {
+    let spec = dir.join(format!("{vm}.toml"));
+    let image = image("kv");
+    let text = format!(
+        "name = \"{vm}\"\nimage = \"{}\"\nmemory_mib = {memory_mib}\ncmdline = \"ip={addr}/24\"\nmac = \"{mac}\"\n",
+        image.display()
+    );
+    std::fs::write(&spec, text).unwrap();
+    ftvm_in(topo, &["vm", "create", "--etcd", etcd, "--spec", spec.to_str().unwrap()])
+}
+
+fn secret_in(dir: &std::path::Path) -> std::path::PathBuf {
+    let secret = dir.join("secret");
+    std::fs::write(&secret, b"the fleet's replication secret\n").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    secret
+}
+
+#[test]
+fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
+    let dir = scratch_for("fleet", "drain");
+    let topo = Topology::fleet("flee", 3).unwrap();
+    std::fs::create_dir_all(dir.join("etcd")).unwrap();
+    let etcd = Etcd::start_in(&dir.join("etcd"), &topo.ns("lan"), &[FLEET_ETCD_ADDR]).unwrap();
+    let store = Store::new(etcd.endpoint());
+    let secret = secret_in(dir.path());
+    let mut agents: Vec<Process> = (1..=3).map(|h| agent(&topo, dir.path(), etcd.endpoint(), h, &secret)).collect();
+    let (vm, addr, mac) = VMS[0];
+    assert!(create(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64).status.success());
+    // A VM no host can take says why, and is not placed.
+    assert!(create(&topo, dir.path(), etcd.endpoint(), "huge", "10.0.0.19", "52:54:00:00:00:19", 4096).status.success());
+    let only_kva = |f: &Fleet| f.placements.get(vm).is_some_and(|(p, _)| p.primary.is_some() && p.backup.is_some());
+    let fleet = wait_fleet(&topo, &store, None, Duration::from_secs(60), "kva protected", |f| only_kva(f) && all_protected_vm(f, vm));
+    let list = cli(&topo, &["vm", "list", "--etcd", etcd.endpoint()]);
+    assert!(list.lines().any(|l| l.starts_with("huge ") && l.contains("no host with 4096 MiB and 1 vCPUs free")), "{list}");
+    for i in 0..20 {
+        let (ok, out) = topo.redis_cli(addr, &["SET", &format!("k{i}"), &format!("v{i}")]);
+        assert!(ok && out.trim() == "OK", "SET: {out}");
+    }
+
+    // A second agent on a host refuses; a restarted one keeps the VM processes.
+    let (placement, _) = fleet.placements[vm].clone();
+    let primary = placement.primary.clone().unwrap();
+    let index: u32 = primary[1..].parse().unwrap();
+    let twin = topo
+        .command(&primary, env!("CARGO_BIN_EXE_ftvm"))
+        .args([
+            "agent",
+            "--etcd",
+            etcd.endpoint(),
+            "--host",
+            &primary,
+            "--repl-addr",
+            "192.168.100.9",
+            "--memory-mib",
+            "512",
+            "--vcpus",
+            "4",
+        ])
+        .arg("--secret-file")
+        .arg(&secret)
+        .arg("--state-dir")
+        .arg(dir.join(&primary))
+        .output()
+        .unwrap();
+    assert!(!twin.status.success() && String::from_utf8_lossy(&twin.stderr).contains("an agent is running already"), "{twin:?}");
+    let pid = fleet.reports[vm][&primary].pid;
+    let _ = agents[index as usize - 1].kill();
+    agents[index as usize - 1] = agent(&topo, dir.path(), etcd.endpoint(), index, &secret);
+    std::thread::sleep(Duration::from_secs(3));
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(10), "kva still protected", |f| all_protected_vm(f, vm));
+    assert_eq!(f.reports[vm][&primary].pid, pid, "the restarted agent started the VM again");
+    assert_eq!(f.placements[vm].0, placement, "the VM was moved while its agent restarted");
+
+    // Drain the primary's host: the VM is handed over to its backup, and
+    // protected again on the third host.
+    cli(&topo, &["host", "drain", "--etcd", etcd.endpoint(), &primary]);
+    let drained = Instant::now();
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(60), "kva moved off the drained host", |f| {
+        !f.placed_on(vm, &primary) && all_protected_vm(f, vm) && !f.reports.get(vm).is_some_and(|r| r.contains_key(&primary))
+    });
+    eprintln!("kva handed over and protected again {:?} after the drain", drained.elapsed());
+    assert_eq!(f.placements[vm].0.primary, placement.backup, "handed over to its backup");
+    assert!(cli(&topo, &["host", "list", "--etcd", etcd.endpoint()]).lines().any(|l| l.starts_with(&primary) && l.contains("draining")));
+    topo.forget_guest().unwrap();
+    for i in 0..20 {
+        let (ok, out) = topo.redis_cli(addr, &["GET", &format!("k{i}")]);
+        assert!(ok && out.trim() == format!("v{i}"), "k{i} after the hand-over: {out:?}");
+    }
+    // Any agent serves the fleet's metrics.
+    let scrape = netns::run_in(&topo.ns("h3"), || {
+        let mut reply = ureq::get("http://127.0.0.1:9400/metrics").call().unwrap();
+        reply.body_mut().read_to_string().unwrap()
+    })
+    .unwrap();
+    assert!(scrape.contains("ftvm_fleet_vm_protected{vm=\"kva\"} 1"), "{scrape}");
+    assert!(scrape.contains("ftvm_fleet_vm_unplaced{vm=\"huge\"} 1"), "{scrape}");
+    assert!(scrape.contains(&format!("ftvm_fleet_host_vms{{host=\"{primary}\",role=\"primary\"}} 0")), "{scrape}");
+    for a in &mut agents {
+        a.signal(libc::SIGTERM).unwrap();
+    }
+}
+
+#[test]
+fn vms_stay_protected_when_a_host_dies() {
+    let dir = scratch_for("fleet", "host-dies");
+    let topo = Topology::fleet("flee", 3).unwrap();
+    std::fs::create_dir_all(dir.join("etcd")).unwrap();
+    let etcd = Etcd::start_in(&dir.join("etcd"), &topo.ns("lan"), &[FLEET_ETCD_ADDR]).unwrap();
+    let store = Store::new(etcd.endpoint());
+    let secret = secret_in(dir.path());
+    let mut agents: Vec<Process> = (1..=3).map(|h| agent(&topo, dir.path(), etcd.endpoint(), h, &secret)).collect();
+
+    for (vm, addr, mac) in VMS {
+        let out = create(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64);
+        assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("created {vm}")), "{out:?}");
+    }
+    let err = ftvm_in(&topo, &["vm", "create", "--etcd", etcd.endpoint(), "--spec", dir.join("kva.toml").to_str().unwrap()]);
+    assert!(!err.status.success() && String::from_utf8_lossy(&err.stderr).contains("a VM named kva exists already"));
+
+    let started = Instant::now();
+    let fleet = wait_fleet(&topo, &store, None, Duration::from_secs(60), "both VMs protected", all_protected);
+    eprintln!("both VMs protected {:?} after creation", started.elapsed());
+    let list = cli(&topo, &["vm", "list", "--etcd", etcd.endpoint()]);
+    assert_eq!(list.lines().filter(|l| l.contains(" yes ")).count(), 2, "{list}");
+    assert!(cli(&topo, &["host", "list", "--etcd", etcd.endpoint()]).contains("leader"));
+
+    // Acknowledged writes into both VMs.
+    for (vm, addr, _) in VMS {
+        assert!(topo.wait_for_ping(addr, Duration::from_secs(10)), "{vm} does not answer ping");
+        for i in 0..20 {
+            let (ok, out) = topo.redis_cli(addr, &["SET", &format!("{vm}-{i}"), &format!("v{i}")]);
+            assert!(ok && out.trim() == "OK", "SET on {vm}: {out}");
+        }
+    }
+
+    // The host of kva's primary dies.
+    let dead = fleet.placements["kva"].0.primary.clone().unwrap();
+    let dead_index: usize = dead[1..].parse().unwrap();
+    topo.cut_host(&dead).unwrap();
+    let pids = Command::new("ip").args(["netns", "pids", &topo.ns(&dead)]).output().unwrap();
+    for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
+        // SAFETY: SIGKILL to a process of the test's own namespace.
+        unsafe { libc::kill(pid.parse().unwrap(), libc::SIGKILL) };
+    }
+    let _ = agents[dead_index - 1].kill();
+    let died = Instant::now();
+
+    let after = wait_fleet(&topo, &store, Some(&dead), Duration::from_secs(60), "protected again after the host died", |f| {
+        !f.hosts.contains_key(&dead) && all_protected(f) && VMS.iter().all(|(vm, _, _)| !f.placed_on(vm, &dead))
+    });
+    eprintln!("both VMs protected again {:?} after host {dead} died", died.elapsed());
+    for (vm, addr, _) in VMS {
+        topo.forget_guest().unwrap();
+        for i in 0..20 {
+            let (ok, out) = topo.redis_cli(addr, &["GET", &format!("{vm}-{i}")]);
+            assert!(ok && out.trim() == format!("v{i}"), "{vm}-{i} after {dead} died: {out:?}");
+        }
+    }
+    assert_ne!(after.placements["kva"].0.primary.as_deref(), Some(dead.as_str()));
+
+    // Deleting a VM stops its processes.
+    cli(&topo, &["vm", "delete", "--etcd", etcd.endpoint(), "kvb"]);
+    wait_fleet(&topo, &store, Some(&dead), Duration::from_secs(20), "kvb's reports gone", |f| !f.reports.contains_key("kvb"));
+    for a in &mut agents {
+        if a.running() {
+            a.signal(libc::SIGTERM).unwrap();
+        }
+    }
+}
