@@ -138,3 +138,61 @@ impl<'a> Archive<'a> {
         (0..self.count).map(|i| self.entry(i))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An image of one file `/a` holding `data`, with `exec` "/a".
+    fn image(data: &[u8]) -> [u8; 128] {
+        let mut b = [0u8; 128];
+        b[0..8].copy_from_slice(&MAGIC.to_le_bytes());
+        b[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        b[12..16].copy_from_slice(&1u32.to_le_bytes());
+        // exec and the path share the string at 64.
+        b[16..20].copy_from_slice(&64u32.to_le_bytes());
+        b[20..24].copy_from_slice(&2u32.to_le_bytes());
+        let e = HEADER_SIZE;
+        b[e..e + 4].copy_from_slice(&64u32.to_le_bytes());
+        b[e + 4..e + 8].copy_from_slice(&2u32.to_le_bytes());
+        b[e + 8..e + 12].copy_from_slice(&KIND_FILE.to_le_bytes());
+        b[e + 12..e + 16].copy_from_slice(&0o100755u32.to_le_bytes());
+        b[e + 16..e + 24].copy_from_slice(&96u64.to_le_bytes());
+        b[e + 24..e + 32].copy_from_slice(&(data.len() as u64).to_le_bytes());
+        b[64..66].copy_from_slice(b"/a");
+        b[96..96 + data.len()].copy_from_slice(data);
+        b
+    }
+
+    #[test]
+    fn an_image_reads_back() {
+        let b = image(b"hello");
+        let a = Archive::parse(&b).unwrap();
+        assert_eq!((a.exec(), a.len()), ("/a", 1));
+        // Only the permission bits of the mode are kept.
+        assert_eq!(a.entry(0), Entry { path: "/a", kind: Kind::File, mode: 0o755, data: b"hello" });
+    }
+
+    #[test]
+    fn damaged_images_are_refused() {
+        let good = image(b"hello");
+        let mut b = good;
+        b[8] = 2;
+        assert_eq!(Archive::parse(&b).unwrap_err(), Error::Header);
+        // More entries than the image holds.
+        let mut b = good;
+        b[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(Archive::parse(&b).unwrap_err(), Error::Bounds);
+        // Data past the end.
+        let mut b = good;
+        b[HEADER_SIZE + 24..HEADER_SIZE + 32].copy_from_slice(&100u64.to_le_bytes());
+        assert_eq!(Archive::parse(&b).unwrap_err(), Error::Bounds);
+        // A relative path, an unknown kind.
+        let mut b = good;
+        b[64] = b'a';
+        assert_eq!(Archive::parse(&b).unwrap_err(), Error::Entry);
+        let mut b = good;
+        b[HEADER_SIZE + 8] = 9;
+        assert_eq!(Archive::parse(&b).unwrap_err(), Error::Entry);
+    }
+}
