@@ -268,8 +268,9 @@ fn debian_redis_server_serves_redis_benchmark() {
 }
 
 /// A memcached client in the client namespace (python3): connects (retrying
-/// while the server starts), stores, reads, increments, asks for stats, and
-/// prints each reply on a line of its own.
+/// while the server starts), stores, reads, increments, asks for stats,
+/// printing each reply on a line of its own, then times 5000 SET+GET round
+/// trips.
 const MEMCACHED_CLIENT: &str = r#"
 import socket, sys, time
 deadline = time.time() + 30
@@ -298,6 +299,11 @@ while True:
         break
     stats.append(line)
 print("stats:", [l for l in stats if l.startswith("STAT version") or l.startswith("STAT threads")])
+n, t0 = 5000, time.time()
+for i in range(n):
+    s.sendall(b"set k%d 0 0 1\r\nx\r\nget k%d\r\n" % (i, i))
+    f.readline(); f.readline(); f.readline(); f.readline()
+print("rate: %d set+get pairs/s" % (n / (time.time() - t0)))
 "#;
 
 /// Debian's memcached (glibc, PIE, libevent; four worker threads waking
@@ -324,6 +330,7 @@ fn debian_memcached_serves_a_client() {
     assert!(text.contains("big: ['STORED'] True\n"), "{text}");
     assert!(text.contains("stats: ['STAT version 1.6."), "{text}");
     assert!(text.contains("'STAT threads 4'"), "{text}");
+    println!("{}", text.lines().find(|l| l.starts_with("rate:")).unwrap_or_else(|| panic!("{text}")));
     if let Some(status) = vmm.try_wait() {
         panic!("ftvm died ({status}):\n{}", vmm.output());
     }
