@@ -3,7 +3,10 @@
 # target/images/NAME.elf, where the VMM and its tests look for them; the
 # runtime's Linux personality is linux.elf. The static C test programs of
 # the Linux personality (guest/linux/programs/NAME.c) become
-# target/images/linux-NAME (musl-gcc, from Debian's musl-tools). Idempotent;
+# target/images/linux-NAME (musl-gcc, from Debian's musl-tools), and the
+# dynamically linked ones (guest/linux/programs/dynamic/NAME.c, glibc, PIE)
+# target/images/linux-NAME too (gcc; run them with a root file system from
+# scripts/make-rootfs.sh). Idempotent;
 # runs from any directory.
 set -euo pipefail
 
@@ -33,6 +36,25 @@ for src in "$root"/guest/linux/programs/*.c; do
     name="linux-$(basename "$src" .c)"
     if [ ! -e "$out/$name" ] || [ "$src" -nt "$out/$name" ]; then
         musl-gcc -static -O2 -Wall -Werror -o "$out/$name.tmp" "$src"
+        mv "$out/$name.tmp" "$out/$name"
+        echo "built $out/$name ($(stat -c %s "$out/$name") bytes)"
+    fi
+done
+
+# hello.c as a glibc static-pie too: position-independent without an
+# interpreter, also loaded by the personality from a root file system.
+if [ ! -e "$out/linux-hello-static-pie" ] || [ "$root/guest/linux/programs/hello.c" -nt "$out/linux-hello-static-pie" ]; then
+    gcc -static-pie -O2 -Wall -Werror -o "$out/linux-hello-static-pie.tmp" "$root/guest/linux/programs/hello.c"
+    mv "$out/linux-hello-static-pie.tmp" "$out/linux-hello-static-pie"
+    echo "built $out/linux-hello-static-pie ($(stat -c %s "$out/linux-hello-static-pie") bytes)"
+fi
+
+# Dynamically linked glibc programs (PIE), loaded by the personality itself
+# with their interpreter and libraries from a root file system.
+for src in "$root"/guest/linux/programs/dynamic/*.c; do
+    name="linux-$(basename "$src" .c)"
+    if [ ! -e "$out/$name" ] || [ "$src" -nt "$out/$name" ]; then
+        gcc -O2 -Wall -Werror -fPIE -pie -o "$out/$name.tmp" "$src"
         mv "$out/$name.tmp" "$out/$name"
         echo "built $out/$name ($(stat -c %s "$out/$name") bytes)"
     fi

@@ -40,6 +40,7 @@ pub enum Object {
     PipeWrite(u32),
     Socket(u32),
     Epoll(u32),
+    EventFd(u32),
 }
 
 /// An open file description.
@@ -69,6 +70,7 @@ impl Drop for Desc {
             Object::Socket(id) => net::close(id),
             Object::Epoll(id) => crate::sys::epoll::drop_instance(id),
             Object::File(ino) => fs::release(ino),
+            Object::EventFd(id) => crate::eventfd::close(id),
             _ => {}
         }
     }
@@ -149,6 +151,22 @@ pub fn close(fd: u64) -> Result<(), Errno> {
     Ok(())
 }
 
+/// execve: close the descriptors marked close-on-exec.
+pub fn close_on_exec() {
+    let closed: Vec<(u64, Slot)> = {
+        let mut t = TABLE.lock();
+        t.iter_mut()
+            .enumerate()
+            .filter(|(_, s)| s.as_ref().is_some_and(|s| s.cloexec))
+            .filter_map(|(i, s)| Some((i as u64, s.take()?)))
+            .collect()
+    };
+    for (fd, slot) in closed {
+        crate::sys::epoll::forget_fd(fd);
+        drop(slot);
+    }
+}
+
 pub fn cloexec(fd: u64) -> Result<bool, Errno> {
     let t = TABLE.lock();
     t.get(fd as usize).and_then(|s| s.as_ref()).map(|s| s.cloexec).ok_or(EBADF)
@@ -178,6 +196,7 @@ pub fn readiness_since(fd: u64, events: u32) -> Option<(u32, u64)> {
     let (r, since) = match d.obj {
         Object::Stdin => (EPOLLHUP, 0),
         Object::Console | Object::Dev(_) | Object::File(_) | Object::Dir(_) => (EPOLLIN | EPOLLOUT, 0),
+        Object::EventFd(id) => (crate::eventfd::readiness(id), 0),
         Object::PipeRead(id) => (pipe::readiness(id, false), 0),
         Object::PipeWrite(id) => (pipe::readiness(id, true), 0),
         Object::Socket(id) => {

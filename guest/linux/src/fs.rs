@@ -1,7 +1,13 @@
 //! The file system: a tree in memory with what programs expect to find
 //! (`/dev/null`, `/dev/zero`, `/dev/urandom`, `/tmp`), created at boot,
-//! and with `disk=PATH` the virtio-blk disk's file system mounted at PATH
+//! the files of the root file system image the VMM placed in memory
+//! (`ftvm run --rootfs`, [`ftvm_abi::rootfs`]) served in place, and with
+//! `disk=PATH` the virtio-blk disk's file system mounted at PATH
 //! ([`disk`](crate::disk)).
+//!
+//! A file of the image is read where it lies; the first write to it (or a
+//! truncation) copies it into a file of the tree, as an overlay would, so
+//! the image itself is never changed.
 //!
 //! Inode numbers name both: the disk's nodes are numbered from
 //! [`DISK_INO`] up (the disk's root, the mount point, is `DISK_INO`
@@ -12,6 +18,7 @@ use alloc::collections::BTreeMap;
 use alloc::string::{String, ToString};
 use alloc::vec::Vec;
 
+use ftvm_abi::rootfs;
 use ftvm_diskfs::{Kind, NodeId};
 use spin::Mutex;
 
@@ -34,6 +41,8 @@ pub enum Dev {
 enum Node {
     Dir(BTreeMap<String, Ino>),
     File(Vec<u8>),
+    /// A file of the root file system image, with its permission bits.
+    Image(&'static [u8], u32),
     Dev(Dev),
 }
 
@@ -83,7 +92,7 @@ fn now() -> u64 {
     crate::sys::time::realtime_ns()
 }
 
-pub fn init(opts: &Options) -> Result<(), String> {
+pub fn init(opts: &Options, image: Option<&rootfs::Archive<'static>>) -> Result<(), String> {
     let mut fs = Fs { inodes: BTreeMap::new(), next: ROOT + 1, cwd: "/".into(), disk: None };
     fs.inodes.insert(ROOT, Inode { node: Node::Dir(BTreeMap::new()), links: 1, opens: 0, mtime_ns: 0 });
     for dir in ["/dev", "/tmp", "/etc", "/data"] {
@@ -93,6 +102,9 @@ pub fn init(opts: &Options) -> Result<(), String> {
         let (parent, name) = fs.parent_of(path).expect("absolute path");
         let ino = fs.alloc(Node::Dev(dev));
         fs.link(parent, &name, ino);
+    }
+    if let Some(image) = image {
+        fs.add_image(image)?;
     }
     if let Some(path) = &opts.disk {
         fs.mount(path)?;
@@ -121,6 +133,35 @@ fn absolute(cwd: &str, path: &str) -> Vec<String> {
 }
 
 impl Fs {
+    /// Add the image's directories and files to the tree (directories come
+    /// before what they hold).
+    fn add_image(&mut self, image: &rootfs::Archive<'static>) -> Result<(), String> {
+        for e in image.entries() {
+            let (parent, name) = self.parent_of(e.path).map_err(|err| alloc::format!("root file system: {}: errno {err}", e.path))?;
+            match e.kind {
+                rootfs::Kind::Dir => match self.mkdir(e.path) {
+                    Ok(()) | Err(EEXIST) => {}
+                    Err(err) => return Err(alloc::format!("root file system: mkdir {}: errno {err}", e.path)),
+                },
+                rootfs::Kind::File => {
+                    self.unlink_entry(parent, &name);
+                    let ino = self.alloc(Node::Image(e.data, e.mode));
+                    self.link(parent, &name, ino);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Before a file of the image changes: make it a file of the tree.
+    fn copy_up(&mut self, ino: Ino) {
+        if let Some(inode) = self.inodes.get_mut(&ino) {
+            if let Node::Image(data, _) = inode.node {
+                inode.node = Node::File(data.to_vec());
+            }
+        }
+    }
+
     /// Mount the disk at `path` (a directory in memory, made if absent,
     /// whose entry then names the disk's root).
     fn mount(&mut self, path: &str) -> Result<(), String> {
@@ -172,7 +213,7 @@ impl Fs {
         }
         Some(match self.inodes.get(&ino)?.node {
             Node::Dir(_) => What::Dir,
-            Node::File(_) => What::File,
+            Node::File(_) | Node::Image(..) => What::File,
             Node::Dev(d) => What::Dev(d),
         })
     }
@@ -294,6 +335,9 @@ pub fn open(path: &str, create: bool, exclusive: bool, truncate: bool) -> Result
             }
             disk.open(id);
         } else {
+            if truncate {
+                fs.copy_up(ino);
+            }
             let inode = fs.inodes.get_mut(&ino).expect("looked up");
             if let Node::File(data) = &mut inode.node {
                 if truncate {
@@ -328,15 +372,18 @@ pub fn read_at(ino: Ino, offset: u64, out: &mut [u8]) -> Result<usize, Errno> {
             return fs.disk().read(id, offset, out).map_err(disk::errno);
         }
         Ok(match fs.inodes.get(&ino).map(|i| &i.node) {
-            Some(Node::File(data)) => {
-                let start = (offset as usize).min(data.len());
-                let n = out.len().min(data.len() - start);
-                out[..n].copy_from_slice(&data[start..start + n]);
-                n
-            }
+            Some(Node::File(data)) => read_slice(data, offset, out),
+            Some(Node::Image(data, _)) => read_slice(data, offset, out),
             _ => 0,
         })
     })
+}
+
+fn read_slice(data: &[u8], offset: u64, out: &mut [u8]) -> usize {
+    let start = (offset as usize).min(data.len());
+    let n = out.len().min(data.len() - start);
+    out[..n].copy_from_slice(&data[start..start + n]);
+    n
 }
 
 /// Write at `offset` (None: at the end); the bytes written and the offset
@@ -352,6 +399,7 @@ pub fn write_at(ino: Ino, offset: Option<u64>, bytes: &[u8]) -> Result<(usize, u
             disk.write(id, at, bytes, now()).map_err(disk::errno)?;
             return Ok((bytes.len(), at + bytes.len() as u64));
         }
+        fs.copy_up(ino);
         let inode = fs.inodes.get_mut(&ino).ok_or(EBADF)?;
         let Node::File(data) = &mut inode.node else { return Err(EBADF) };
         let at = offset.map_or(data.len(), |o| o as usize);
@@ -371,6 +419,7 @@ pub fn truncate(ino: Ino, len: u64) -> Result<(), Errno> {
         if let Some(id) = on_disk(ino) {
             return fs.disk().truncate(id, len, now()).map_err(disk::errno);
         }
+        fs.copy_up(ino);
         let inode = fs.inodes.get_mut(&ino).ok_or(EBADF)?;
         let Node::File(data) = &mut inode.node else { return Err(EINVAL) };
         data.resize(len as usize, 0);
@@ -418,6 +467,7 @@ pub fn stat_ino(ino: Ino) -> Option<Stat> {
         let (mode, size) = match &i.node {
             Node::Dir(e) => (S_IFDIR | 0o755, e.len() as u64),
             Node::File(d) => (S_IFREG | 0o644, d.len() as u64),
+            Node::Image(d, mode) => (S_IFREG | mode, d.len() as u64),
             Node::Dev(_) => (S_IFCHR | 0o666, 0),
         };
         Some(Stat { mode, size, ino: ino.into(), nlink: i.links.into(), mtime_ns: i.mtime_ns })
@@ -515,4 +565,23 @@ pub fn list(dir: Ino) -> Vec<(String, Ino, u8)> {
             _ => Vec::new(),
         }
     })
+}
+
+/// The whole contents of the file at `path`: a file of the image in place,
+/// any other one copied (the loader reads programs and interpreters so).
+pub fn contents(path: &str) -> Result<alloc::borrow::Cow<'static, [u8]>, Errno> {
+    use alloc::borrow::Cow;
+    let ino = with(|fs| fs.lookup(path))?;
+    match with(|fs| match fs.inodes.get(&ino).map(|i| &i.node) {
+        Some(Node::Image(data, _)) => Some(*data),
+        _ => None,
+    }) {
+        Some(data) => return Ok(Cow::Borrowed(data)),
+        None if with(|fs| fs.what(ino)) != Some(What::File) => return Err(EACCES),
+        None => {}
+    }
+    let mut out = alloc::vec![0u8; size(ino) as usize];
+    let n = read_at(ino, 0, &mut out)?;
+    out.truncate(n);
+    Ok(Cow::Owned(out))
 }

@@ -21,6 +21,8 @@ mod cmdline;
 mod disk;
 mod entry;
 mod errno;
+mod eventfd;
+mod exec;
 mod fd;
 mod fs;
 mod mm;
@@ -42,7 +44,7 @@ use ftvm_rt::{println, Args};
 ftvm_rt::entry!(main, linux_syscall_entry = entry::ftvm_linux_syscall_entry);
 
 /// The initial thread's stack, as Linux's default RLIMIT_STACK.
-const MAIN_STACK: u64 = 8 << 20;
+pub const MAIN_STACK: u64 = 8 << 20;
 /// Program memory is carved out of the heap on this boundary (the VMM maps
 /// RAM with 2 MiB pages).
 const REGION_ALIGN: usize = 2 << 20;
@@ -60,7 +62,8 @@ fn main(args: &Args) -> i32 {
 fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> {
     use alloc::format;
     let program = args.program;
-    if program.entry == 0 {
+    let image = rootfs_image(args)?;
+    if program.entry == 0 && image.is_none() {
         return Err("no Linux program was loaded (run one with ftvm run --image PROGRAM)".into());
     }
     if args.vcpu_count != 1 {
@@ -95,20 +98,49 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     let stack = memory.map(0, MAIN_STACK, false).map_err(|e| format!("cannot map the stack: errno {e}"))?;
     sys::mem::init(memory);
     sys::time::set_epoch(opts.epoch_ns);
-    fs::init(&opts)?;
+    fs::init(&opts, image.as_ref())?;
     ftvm_rt::net::set_exact_notify(opts.exact_notify);
     if let Some(net) = opts.net {
         net::init(net).map_err(|e| format!("network: {e}"))?;
     }
     fd::init_stdio();
     let vdso = opts.vdso.then(vdso::build);
+    exec::init(vdso);
+    // A program the VMM placed (static, fixed addresses), or one loaded
+    // here from the root file system (position-independent, and its
+    // interpreter).
+    let (entry, auxv, text, execfn) = if program.entry != 0 {
+        let mut auxv = alloc::vec![
+            (ftvm_elf::stack::AT_PHDR, program.phdr),
+            (ftvm_elf::stack::AT_PHENT, u64::from(program.phent)),
+            (ftvm_elf::stack::AT_PHNUM, u64::from(program.phnum)),
+            (ftvm_elf::stack::AT_BASE, 0),
+            (ftvm_elf::stack::AT_ENTRY, program.entry),
+        ];
+        auxv.extend(exec::common_auxv());
+        exec::set_exe(&cmd.argv[0]);
+        (program.entry, auxv, text::segments(&program), cmd.argv[0].clone())
+    } else {
+        let path = image.as_ref().map(|i| i.exec()).unwrap_or_default();
+        let loaded = exec::load(path).map_err(|f| f.why)?;
+        (loaded.entry, loaded.auxv, loaded.text, path.into())
+    };
     match opts.syscall {
         options::SyscallMode::Trap => {}
-        options::SyscallMode::Jmp => sysjmp::init(&program),
+        options::SyscallMode::Jmp => sysjmp::init(text),
     }
     SYSCALL_MODE.call_once(|| opts.syscall);
-    let frame = start::initial_frame(&program, &cmd.argv, &cmd.env, vdso, stack, stack + MAIN_STACK);
+    let frame = start::initial_frame(entry, &auxv, &cmd.argv, &cmd.env, &execfn, stack, stack + MAIN_STACK)?;
     sched::start(frame)
+}
+
+/// The root file system image the VMM placed in memory, if any.
+fn rootfs_image(args: &Args) -> Result<Option<ftvm_abi::rootfs::Archive<'static>>, alloc::string::String> {
+    let Some(region) = args.memmap.iter().find(|r| r.kind == ftvm_abi::mem_kind::ROOTFS) else { return Ok(None) };
+    // SAFETY: the VMM wrote the image to this region of guest RAM, which
+    // nothing else uses and which stays mapped for the whole run.
+    let bytes = unsafe { core::slice::from_raw_parts(region.base as *const u8, region.size as usize) };
+    ftvm_abi::rootfs::Archive::parse(bytes).map(Some).map_err(|e| alloc::format!("root file system image: {e}"))
 }
 
 /// How system calls reach the entry, once the program runs.

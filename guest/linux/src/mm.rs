@@ -36,7 +36,12 @@ impl Memory {
         Memory { base, end, brk_start: base, brk: base, free }
     }
 
-    /// The free range containing `addr`, if any.
+    /// execve: everything the old program had is released (zeroed).
+    pub fn reset(&mut self) {
+        self.release(self.base, self.end);
+        self.brk = self.brk_start;
+    }
+
     pub fn size(&self) -> u64 {
         self.end - self.base
     }

@@ -119,6 +119,11 @@ pub fn start(frame: Frame) -> ! {
     unsafe { entry::enter(f) }
 }
 
+/// Threads that have not exited.
+pub fn live_threads() -> usize {
+    SCHED.lock().threads.iter().filter(|t| t.state != State::Dead).count()
+}
+
 /// The running thread's id.
 pub fn current_tid() -> u32 {
     let s = SCHED.lock();

@@ -35,6 +35,17 @@
 //!   the nearest the `syscall` that lies within 16 aligned bytes; being 5
 //!   bytes apart, one always does), and the stub runs it and the moves
 //!   after it; the number is already in rax.
+//! - glibc 2.36's `read` and `epoll_wait` (Debian 12's libc.so.6, which a
+//!   dynamically linked program maps; its text is added by `mmap` with
+//!   PROT_EXEC), on the path a program with threads takes: `read` sets its
+//!   number with `xor %eax,%eax`, 2 bytes, so there is no `mov` to
+//!   replace, and `epoll_wait`'s `mov` crosses a 16-byte boundary. Their
+//!   bytes from the `sub $0x28,%rsp` to the `syscall` (44 and 54) match
+//!   byte for byte but the `call` displacement, so the instruction
+//!   boundaries are known, and the rewritten instruction is one of two
+//!   5-byte loads from the stack (whichever lies within 16 aligned bytes);
+//!   the stub runs it and everything after it up to the `syscall`
+//!   (position-independent; nothing jumps into those bytes).
 //!
 //! What could still go wrong, and why it is accepted:
 //! - Without disassembling from a known boundary, `b8 imm32` could be the
@@ -73,12 +84,11 @@
 use alloc::vec::Vec;
 use core::sync::atomic::{AtomicU64, Ordering};
 
-use ftvm_abi::Program;
 use spin::{Mutex, Once};
 
 use crate::entry;
 
-/// Bytes per stub (at most 15 moved + 12, padded with `int3`).
+/// Bytes per stub (at most 20 moved + 12, padded with `int3`).
 const STUB_SIZE: usize = 32;
 /// Stubs available: redis-server has 203 `syscall` instructions.
 const STUB_COUNT: usize = 2048;
@@ -111,6 +121,77 @@ const MUSL_SITE: u64 = 39;
 /// `mov 16(%rsp),%r9`, `mov 8(%rsp),%r8`): what the `jmp` may replace.
 const MUSL_MOVES: [u64; 3] = [34, 29, 24];
 
+/// A routine recognised whole around its `syscall`: its bytes from a known
+/// instruction boundary to the end of the `syscall`, those not compared
+/// (a `call` displacement, which depends on the build's layout), the
+/// number it makes the call with, and where two of its position-independent
+/// 5-byte instructions start (everything from one of them to the `syscall`
+/// is what the stub runs; nothing jumps into those bytes). They are 5 to
+/// 11 bytes apart, so when the first crosses a 16-byte boundary the second
+/// does not.
+struct Routine {
+    bytes: &'static [u8],
+    wild: core::ops::Range<usize>,
+    nr: u64,
+    moves: [u64; 2],
+}
+
+impl Routine {
+    fn site(&self) -> u64 {
+        self.bytes.len() as u64 - 2
+    }
+
+    fn matches(&self, b: &[u8]) -> bool {
+        b.len() == self.bytes.len() && b.iter().zip(self.bytes).enumerate().all(|(i, (x, y))| self.wild.contains(&i) || x == y)
+    }
+}
+
+/// glibc 2.36's (Debian 12's libc.so.6) cancellable calls that a server
+/// makes per request, on the path a program with threads takes (from the
+/// `sub $0x28,%rsp` after the single-thread test): `read`, whose number is
+/// set by `xor %eax,%eax` (no `mov` to replace), and `epoll_wait`, whose
+/// `mov $232,%eax` crosses a 16-byte boundary.
+const GLIBC_ROUTINES: [Routine; 2] = [
+    Routine {
+        bytes: &[
+            0x48, 0x83, 0xec, 0x28, // sub $0x28,%rsp
+            0x48, 0x89, 0x54, 0x24, 0x18, // mov %rdx,0x18(%rsp)
+            0x48, 0x89, 0x74, 0x24, 0x10, // mov %rsi,0x10(%rsp)
+            0x89, 0x7c, 0x24, 0x08, // mov %edi,0x8(%rsp)
+            0xe8, 0, 0, 0, 0, // call __pthread_enable_asynccancel
+            0x48, 0x8b, 0x54, 0x24, 0x18, // mov 0x18(%rsp),%rdx
+            0x48, 0x8b, 0x74, 0x24, 0x10, // mov 0x10(%rsp),%rsi
+            0x41, 0x89, 0xc0, // mov %eax,%r8d
+            0x8b, 0x7c, 0x24, 0x08, // mov 0x8(%rsp),%edi
+            0x31, 0xc0, // xor %eax,%eax
+            0x0f, 0x05, // syscall
+        ],
+        wild: 19..23,
+        nr: 0,
+        moves: [28, 23],
+    },
+    Routine {
+        bytes: &[
+            0x48, 0x83, 0xec, 0x28, // sub $0x28,%rsp
+            0x89, 0x54, 0x24, 0x18, // mov %edx,0x18(%rsp)
+            0x48, 0x89, 0x74, 0x24, 0x10, // mov %rsi,0x10(%rsp)
+            0x89, 0x7c, 0x24, 0x0c, // mov %edi,0xc(%rsp)
+            0x89, 0x4c, 0x24, 0x1c, // mov %ecx,0x1c(%rsp)
+            0xe8, 0, 0, 0, 0, // call __pthread_enable_asynccancel
+            0x44, 0x8b, 0x54, 0x24, 0x1c, // mov 0x1c(%rsp),%r10d
+            0x8b, 0x54, 0x24, 0x18, // mov 0x18(%rsp),%edx
+            0x41, 0x89, 0xc0, // mov %eax,%r8d
+            0x48, 0x8b, 0x74, 0x24, 0x10, // mov 0x10(%rsp),%rsi
+            0x8b, 0x7c, 0x24, 0x0c, // mov 0xc(%rsp),%edi
+            0xb8, 0xe8, 0x00, 0x00, 0x00, // mov $232,%eax
+            0x0f, 0x05, // syscall
+        ],
+        wild: 22..26,
+        nr: 232,
+        moves: [38, 47],
+    },
+];
+
 #[repr(C, align(4096))]
 struct Pool([[u8; STUB_SIZE]; STUB_COUNT]);
 
@@ -134,6 +215,7 @@ static STATE: Once<Mutex<State>> = Once::new();
 enum Outcome {
     Mov = 0,
     Musl,
+    Glibc,
     /// No recognised instruction before the `syscall`.
     Unknown,
     /// The 5 bytes cross a 16-byte boundary (no single atomic write).
@@ -143,15 +225,31 @@ enum Outcome {
     /// The bytes changed between the read and the write.
     Raced,
 }
-const OUTCOMES: usize = 6;
+const OUTCOMES: usize = 7;
 
 static OUTCOME: [AtomicU64; OUTCOMES] = [const { AtomicU64::new(0) }; OUTCOMES];
 static CALLS: AtomicU64 = AtomicU64::new(0);
 static JUMPED: AtomicU64 = AtomicU64::new(0);
 
-/// Turn rewriting on for `program` (its segments are loaded).
-pub fn init(program: &Program) {
-    STATE.call_once(|| Mutex::new(State { text: crate::text::segments(program), seen: Vec::new(), used: 0 }));
+/// Turn rewriting on for the program's executable ranges `text` (loaded).
+pub fn init(text: Vec<(u64, u64)>) {
+    STATE.call_once(|| Mutex::new(State { text, seen: Vec::new(), used: 0 }));
+}
+
+/// execve: the new program's executable ranges replace the old one's.
+pub fn set_text(text: Vec<(u64, u64)>) {
+    if let Some(state) = STATE.get() {
+        let mut st = state.lock();
+        st.text = text;
+        st.seen.clear();
+    }
+}
+
+/// More executable code: a library the program's interpreter mapped.
+pub fn add_text(start: u64, end: u64) {
+    if let Some(state) = STATE.get() {
+        state.lock().text.push((start, end));
+    }
 }
 
 /// Count one system call; `via_jmp` if it came through a stub.
@@ -204,6 +302,9 @@ impl State {
         let stub_addr = stub as u64;
         // The instructions from `at` to the `syscall`, then lea and jmp.
         let moved = (site - at) as usize;
+        if moved + 12 > STUB_SIZE {
+            return Outcome::NoRoom;
+        }
         let (lea, jmp) = (moved, moved + 7);
         let rel = |from: u64, to: u64| i32::try_from(to.wrapping_sub(from) as i64).ok();
         let (Some(jump), Some(ret), Some(entry)) = (
@@ -255,6 +356,13 @@ fn recognise(site: u64, nr: u64) -> Option<(Outcome, u64)> {
             return Some((Outcome::Musl, at));
         }
     }
+    for r in GLIBC_ROUTINES.iter().filter(|r| r.nr == nr) {
+        if bytes(site.wrapping_sub(r.site()), r.bytes.len() as u64).is_ok_and(|b| r.matches(b)) {
+            let start = site - r.site();
+            let at = r.moves.iter().map(|&k| start + k).find(|&at| at % 16 <= 11)?;
+            return Some((Outcome::Glibc, at));
+        }
+    }
     let b = bytes(site.wrapping_sub(6), 8).ok()?;
     if b[6..] != SYSCALL || b[1] != MOV_EAX {
         return None;
@@ -301,10 +409,11 @@ pub fn report() -> alloc::string::String {
     let (calls, jumped) = calls();
     let n = |o: Outcome| OUTCOME[o as usize].load(Ordering::Relaxed);
     alloc::format!(
-        "sites_rewritten={} (mov={} musl_cp={}) sites_trapping={} (unknown={} unaligned={} no_room={} raced={}) calls={calls} jumped={jumped}",
-        n(Outcome::Mov) + n(Outcome::Musl),
+        "sites_rewritten={} (mov={} musl_cp={} glibc={}) sites_trapping={} (unknown={} unaligned={} no_room={} raced={}) calls={calls} jumped={jumped}",
+        n(Outcome::Mov) + n(Outcome::Musl) + n(Outcome::Glibc),
         n(Outcome::Mov),
         n(Outcome::Musl),
+        n(Outcome::Glibc),
         n(Outcome::Unknown) + n(Outcome::Unaligned) + n(Outcome::NoRoom) + n(Outcome::Raced),
         n(Outcome::Unknown),
         n(Outcome::Unaligned),

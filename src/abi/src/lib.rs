@@ -14,6 +14,8 @@ pub const BOOT_MAGIC: u64 = u64::from_le_bytes(*b"FTVMBOOT");
 
 pub const PAGE_SIZE: u64 = 4096;
 
+pub mod rootfs;
+
 /// Fixed guest-physical layout of the system area (the first 2 MiB).
 pub mod layout {
     /// Everything below this is owned by the VMM; the image is loaded above it.
@@ -180,6 +182,8 @@ pub mod mem_kind {
     pub const FREE: u32 = 4;
     /// The segments of the Linux program ([`super::Program`]), if any.
     pub const PROGRAM: u32 = 5;
+    /// A root file system image for the Linux personality ([`super::rootfs`]).
+    pub const ROOTFS: u32 = 6;
 }
 
 #[repr(C)]

@@ -34,7 +34,7 @@ fn memtouch_vm(opts: &Options, vcpus: u32, backend: DirtyBackend, cmdline: &str)
     let (console, out) = Console::capture();
     let config = VmConfig { mem_size: 512 << 20, vcpus, prefault: true, dirty_backend: backend, console, ..Default::default() };
     let vm = Vm::new(config)?;
-    vm.boot(&opts.images.join("memtouch.elf"), cmdline)?;
+    vm.boot(&opts.images.join("memtouch.elf"), None, cmdline)?;
     Ok((vm, out))
 }
 
@@ -204,7 +204,7 @@ fn reads_after_rearm(opts: &Options, rearm: bool, rows: &mut Vec<Row>) -> Result
     let (console, out) = Console::capture();
     let config = VmConfig { mem_size: 256 << 20, vcpus: 1, prefault: true, console, ..Default::default() };
     let vm = Vm::new(config)?;
-    vm.boot(&opts.images.join("probe.elf"), &format!("reread={PAGES},300"))?;
+    vm.boot(&opts.images.join("probe.elf"), None, &format!("reread={PAGES},300"))?;
     vm.start_dirty_tracking()?;
     vm.start()?;
     let t0 = Instant::now();

@@ -43,7 +43,14 @@ pub struct HostOptions {
 
 /// Where a VM of this process's own comes from.
 pub enum Guest {
-    Image { image: PathBuf, mem_size: u64, vcpus: u32, cmdline: String },
+    /// `rootfs`: a host directory, the Linux program's root file system.
+    Image {
+        image: PathBuf,
+        rootfs: Option<PathBuf>,
+        mem_size: u64,
+        vcpus: u32,
+        cmdline: String,
+    },
     Snapshot(PathBuf),
 }
 
@@ -333,8 +340,8 @@ fn build(guest: &Guest, host: &HostOptions) -> Result<Vm, RunError> {
         tracing::warn!(ms = took.as_millis() as u64, "building the VM (KVM, guest memory, devices) was slow");
     }
     match guest {
-        Guest::Image { image, cmdline, .. } => {
-            vm.boot(image, cmdline)?;
+        Guest::Image { image, rootfs, cmdline, .. } => {
+            vm.boot(image, rootfs.as_deref(), cmdline)?;
         }
         Guest::Snapshot(path) => {
             let state = snapshot::read(path, vm.ram())?;

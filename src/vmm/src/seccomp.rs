@@ -202,6 +202,8 @@ const VMM: &[Syscall] = syscalls![
     SYS_unlinkat,
     SYS_mkdir,
     SYS_readlink,
+    // Listing a Linux program's root file system (--rootfs DIR).
+    SYS_getdents64,
     SYS_getcwd,
     SYS_dup,
     SYS_dup3,

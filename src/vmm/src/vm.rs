@@ -270,17 +270,18 @@ impl Vm {
         self.layout.get()
     }
 
-    /// Load `image` and prepare every vCPU to enter it.
-    pub fn boot(&self, image: &Path, cmdline: &str) -> Result<&BootLayout, VmError> {
+    /// Load `image` (with the Linux program's root file system `rootfs`, if
+    /// any) and prepare every vCPU to enter it.
+    pub fn boot(&self, image: &Path, rootfs: Option<&Path>, cmdline: &str) -> Result<&BootLayout, VmError> {
         let mem = self.shared.ram.memory();
         let devices = self.shared.devices.abi_list();
-        let layout = boot::boot(mem, image, self.config.mem_size, self.config.vcpus, cmdline, &devices)?;
+        let layout = boot::boot(mem, image, rootfs, self.config.mem_size, self.config.vcpus, cmdline, &devices)?;
         let features = {
             let vcpu = self.vcpus[0].locked();
             let cpuid = vcpu.fd.get_cpuid2(KVM_MAX_CPUID_ENTRIES).map_err(kvm_err("KVM_GET_CPUID2"))?;
             let syscall_entry = layout.image.note.map(|n| n.syscall_entry).filter(|&e| e != 0);
             // Only Linux programs need their own fs base.
-            let fsgsbase = layout.program.is_some() && cpu::has_fsgsbase(&cpuid);
+            let fsgsbase = layout.runs_linux() && cpu::has_fsgsbase(&cpuid);
             cpu::CpuFeatures { xcr0: cpu::xcr0_for(&cpuid), syscall_entry, fsgsbase }
         };
         for (i, vcpu) in self.vcpus.iter().enumerate() {

@@ -27,7 +27,7 @@ fn start_tracked(backend: DirtyBackend, mem_size: u64, vcpus: u32, image_name: &
     let (console, out) = Console::capture();
     let config = VmConfig { mem_size, vcpus, dirty_backend: backend, console, ..Default::default() };
     let vm = Vm::new(config).unwrap();
-    vm.boot(&image(image_name), cmdline).unwrap();
+    vm.boot(&image(image_name), None, cmdline).unwrap();
     vm.start_dirty_tracking().unwrap();
     vm.start().unwrap();
     (vm, out)

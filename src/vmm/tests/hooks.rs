@@ -39,7 +39,7 @@ fn disk_writes_reach_the_observer() {
     let vm = Vm::new(VmConfig { mem_size: 64 << 20, console, devices, ..Default::default() }).unwrap();
     let writes = Arc::new(Writes::default());
     vm.hooks().set_disk_writes(Some(writes.clone()));
-    vm.boot(&image("netprobe"), "blk=selftest").unwrap();
+    vm.boot(&image("netprobe"), None, "blk=selftest").unwrap();
     vm.start().unwrap();
     assert_eq!(vm.wait(), VmExit::Exited(0), "{}", String::from_utf8_lossy(&out.lock().unwrap()));
     let seen = writes.0.lock().unwrap().clone();
@@ -65,7 +65,7 @@ fn times_idle(image_name: &str, cmdline: &str) -> usize {
     let vm = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console, ..Default::default() }).unwrap();
     let idle = Arc::new(Idle(AtomicUsize::new(0)));
     vm.hooks().set_idle(Some(idle.clone()));
-    vm.boot(&image(image_name), cmdline).unwrap();
+    vm.boot(&image(image_name), None, cmdline).unwrap();
     vm.start().unwrap();
     assert_eq!(vm.wait(), VmExit::Exited(0));
     idle.0.load(Ordering::SeqCst)
@@ -87,7 +87,7 @@ fn state_restores_only_onto_a_vm_of_the_same_shape_and_devices() {
     let devices = DeviceConfig { disk: Some(path.clone()), ..Default::default() };
     let vm = Vm::new(VmConfig { mem_size: 64 << 20, vcpus: 1, console: console.clone(), devices: devices.clone(), ..Default::default() })
         .unwrap();
-    vm.boot(&image("probe"), "hello").unwrap();
+    vm.boot(&image("probe"), None, "hello").unwrap();
     let state = vm.save().unwrap();
 
     let ids: Vec<&str> = state.ids().map(ComponentId::as_str).collect();

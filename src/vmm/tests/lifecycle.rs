@@ -18,7 +18,7 @@ fn many_vcpus_exit_and_drop_cleanly() {
     for vcpus in [20, 32] {
         let (console, _) = Console::capture();
         let vm = Vm::new(VmConfig { mem_size: 256 << 20, vcpus, console, ..Default::default() }).unwrap();
-        vm.boot(&image("probe"), "exit=3").unwrap();
+        vm.boot(&image("probe"), None, "exit=3").unwrap();
         vm.start().unwrap();
         assert_eq!(vm.wait(), VmExit::Exited(3), "{vcpus} vCPUs");
         vm.request_stop();

@@ -66,7 +66,7 @@ pub fn fstat(fd: u64, out: u64) -> SysResult {
         Object::Stdin | Object::Console | Object::Dev(_) => other(S_IFCHR | 0o620),
         Object::PipeRead(_) | Object::PipeWrite(_) => other(S_IFIFO | 0o600),
         Object::Socket(_) => other(S_IFSOCK | 0o777),
-        Object::Epoll(_) => other(0o600),
+        Object::Epoll(_) | Object::EventFd(_) => other(0o600),
     };
     write_stat(out, &st)?;
     Ok(0)
@@ -144,4 +144,21 @@ pub fn getdents64(fd: u64, buf: u64, len: u64) -> SysResult {
     }
     d.offset.store(index as u64, Ordering::Relaxed);
     Ok(at as u64)
+}
+
+/// readlink/readlinkat: the only link is `/proc/self/exe`, the program
+/// last executed; any other existing path is not a link.
+pub fn readlink(dirfd: u64, path: u64, buf: u64, size: u64) -> SysResult {
+    let path = resolve(dirfd, path)?;
+    if path != "/proc/self/exe" {
+        fs::stat_path(&path)?;
+        return Err(EINVAL);
+    }
+    let target = crate::exec::exe();
+    if target.is_empty() {
+        return Err(ENOENT);
+    }
+    let n = target.len().min(size as usize);
+    user::bytes_mut(buf, n as u64)?.copy_from_slice(&target.as_bytes()[..n]);
+    Ok(n as u64)
 }

@@ -8,7 +8,7 @@ use super::{blocking, user, SysResult};
 use crate::errno::*;
 use crate::fd::{self, Desc, Object, O_APPEND, O_CLOEXEC, O_NONBLOCK};
 use crate::fs::{self, Dev};
-use crate::{net, pipe, random};
+use crate::{eventfd, net, pipe, random};
 
 /// Read into `buf` from `d`; may block unless `may_block` is false.
 fn read_desc(d: &Desc, buf: &mut [u8], may_block: bool) -> Result<usize, Errno> {
@@ -31,6 +31,7 @@ fn read_desc(d: &Desc, buf: &mut [u8], may_block: bool) -> Result<usize, Errno> 
         }
         Object::Dir(_) => Err(EISDIR),
         Object::PipeRead(id) => blocking(nonblocking, u64::MAX, || pipe::read(id, buf)),
+        Object::EventFd(id) => blocking(nonblocking, u64::MAX, || eventfd::read(id, buf)),
         Object::Socket(id) => blocking(nonblocking, u64::MAX, || net::recv(id, buf)),
         Object::PipeWrite(_) | Object::Epoll(_) => Err(EBADF),
     }
@@ -52,6 +53,7 @@ fn write_desc(d: &Desc, data: &[u8], may_block: bool) -> Result<usize, Errno> {
             Ok(n)
         }
         Object::PipeWrite(id) => blocking(nonblocking, u64::MAX, || pipe::write(id, data)),
+        Object::EventFd(id) => blocking(nonblocking, u64::MAX, || eventfd::write(id, data)),
         Object::Socket(id) => blocking(nonblocking, u64::MAX, || net::send(id, data)),
         Object::Stdin | Object::Dir(_) | Object::PipeRead(_) | Object::Epoll(_) => Err(EBADF),
     }
@@ -246,4 +248,16 @@ pub fn ftruncate(fd: u64, len: u64) -> SysResult {
         Object::File(ino) => fs::truncate(ino, len).map(|_| 0),
         _ => Err(EINVAL),
     }
+}
+
+/// eventfd2 (and eventfd, `flags` 0): EFD_SEMAPHORE 1, EFD_NONBLOCK and
+/// EFD_CLOEXEC as O_NONBLOCK and O_CLOEXEC.
+pub fn eventfd(initval: u64, flags: u64) -> SysResult {
+    const EFD_SEMAPHORE: u32 = 1;
+    let flags = flags as u32;
+    if flags & !(EFD_SEMAPHORE | O_NONBLOCK | O_CLOEXEC) != 0 {
+        return Err(EINVAL);
+    }
+    let id = eventfd::create(initval & 0xffff_ffff, flags & EFD_SEMAPHORE != 0);
+    fd::install(Desc::new(Object::EventFd(id), (flags & O_NONBLOCK) | fd::O_RDWR), flags)
 }

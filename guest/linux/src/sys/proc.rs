@@ -3,8 +3,12 @@
 
 use core::sync::atomic::{AtomicU64, Ordering};
 
+use alloc::string::String;
+use alloc::vec::Vec;
+
 use super::{user, SysResult};
-use crate::errno::{EINVAL, EPERM};
+use crate::entry::Frame;
+use crate::errno::{Errno, E2BIG, EINVAL, EPERM};
 use crate::{random, sched};
 
 const ARCH_SET_GS: u64 = 0x1001;
@@ -169,4 +173,39 @@ pub fn getrandom(buf: u64, len: u64) -> SysResult {
     let out = user::bytes_mut(buf, len)?;
     random::fill(out);
     Ok(len)
+}
+
+/// execve: the program at `path` replaces this one in the same process
+/// ([`crate::exec::replace`]); on success the call returns into the new
+/// program's entry (the frame is replaced).
+pub fn execve(frame: &mut Frame, path: u64, argv: u64, envp: u64) -> SysResult {
+    let mut path = user::path(path)?;
+    if !path.starts_with('/') {
+        path = alloc::format!("{}/{path}", crate::fs::cwd().trim_end_matches('/'));
+    }
+    let (argv, env) = (strings(argv)?, strings(envp)?);
+    match crate::exec::replace(&path, &argv, &env) {
+        Ok(new) => {
+            *frame = new;
+            Ok(0)
+        }
+        Err(f) => Err(f.errno),
+    }
+}
+
+/// A NULL-terminated array of string pointers (argv, envp).
+fn strings(addr: u64) -> Result<Vec<String>, Errno> {
+    const MAX: u64 = 4096;
+    let mut out = Vec::new();
+    if addr == 0 {
+        return Ok(out);
+    }
+    for i in 0..MAX {
+        let p: u64 = user::read(addr + 8 * i)?;
+        if p == 0 {
+            return Ok(out);
+        }
+        out.push(user::path(p)?);
+    }
+    Err(E2BIG)
 }

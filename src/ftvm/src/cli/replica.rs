@@ -43,6 +43,9 @@ pub struct ReplicaArgs {
     /// is a standby.
     #[arg(long, value_name = "PATH", required_unless_present = "witness")]
     pub image: Option<PathBuf>,
+    /// Root file system of a Linux program (a host directory, as for ftvm run).
+    #[arg(long, value_name = "DIR", requires = "image")]
+    pub rootfs: Option<PathBuf>,
     /// Guest memory in MiB (a multiple of 2).
     #[arg(long, value_name = "MIB", default_value_t = 256, requires = "image")]
     pub memory: u64,
@@ -288,7 +291,13 @@ impl TryFrom<ReplicaArgs> for Member {
             on_secondary_loss: args.on_secondary_loss,
         };
         let guest = match args.image {
-            Some(image) => Some(Guest::Image { image, mem_size: bytes_of_mib(args.memory)?, vcpus: args.vcpus, cmdline: args.cmdline }),
+            Some(image) => Some(Guest::Image {
+                image,
+                rootfs: args.rootfs,
+                mem_size: bytes_of_mib(args.memory)?,
+                vcpus: args.vcpus,
+                cmdline: args.cmdline,
+            }),
             None => None,
         };
         let mut host = args.host;

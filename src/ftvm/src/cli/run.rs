@@ -33,6 +33,12 @@ pub struct RunArgs {
     /// personality, linux.elf; --cmdline "OPTIONS -- PROGRAM ARGS...").
     #[arg(long, value_name = "PATH")]
     pub image: PathBuf,
+    /// Root file system of a Linux program: a host directory (made by
+    /// scripts/make-rootfs.sh) packed read-only into guest memory. A
+    /// dynamically linked program (PIE) needs one: the runtime loads it,
+    /// its interpreter and its libraries from there.
+    #[arg(long, value_name = "DIR")]
+    pub rootfs: Option<PathBuf>,
     /// Guest memory in MiB (a multiple of 2).
     #[arg(long, value_name = "MIB", default_value_t = 256)]
     pub memory: u64,
@@ -309,7 +315,13 @@ impl TryFrom<RunArgs> for Launch {
 
     fn try_from(args: RunArgs) -> Result<Launch, RunError> {
         let replicate = args.replication.primary(&args.host)?;
-        let guest = Guest::Image { image: args.image, mem_size: bytes_of_mib(args.memory)?, vcpus: args.vcpus, cmdline: args.cmdline };
+        let guest = Guest::Image {
+            image: args.image,
+            rootfs: args.rootfs,
+            mem_size: bytes_of_mib(args.memory)?,
+            vcpus: args.vcpus,
+            cmdline: args.cmdline,
+        };
         let mut host: crate::run::HostOptions = args.host.into();
         host.user = user(args.user.as_deref())?;
         Ok(Launch { guest, host, replicate })

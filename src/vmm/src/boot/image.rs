@@ -56,7 +56,9 @@ const PT_LOAD: u32 = 1;
 const PT_NOTE: u32 = 4;
 /// Larger note segments are not read (ours is 32 bytes).
 const MAX_NOTE_SEGMENT: u64 = 4096;
+const PT_INTERP: u32 = 3;
 const ET_EXEC: u16 = 2;
+const ET_DYN: u16 = 3;
 const EM_X86_64: u16 = 62;
 
 fn u16_at(b: &[u8], off: usize) -> u16 {
@@ -67,6 +69,39 @@ fn u32_at(b: &[u8], off: usize) -> u32 {
 }
 fn u64_at(b: &[u8], off: usize) -> u64 {
     u64::from_le_bytes(b[off..off + 8].try_into().expect("slice of 8"))
+}
+
+/// Whether `path` is a position-independent Linux program (ET_DYN: a PIE,
+/// dynamically linked or static-pie), which the Linux personality loads
+/// itself from the root file system. A file that is no x86-64 ELF at all
+/// is not, and [`inspect`] says what is wrong with it; a dynamically
+/// linked program at fixed addresses is refused (it would overlap the
+/// runtime's memory).
+pub fn is_dynamic(path: &Path) -> Result<bool, ImageError> {
+    let name = path.display().to_string();
+    let mut file = File::open(path).map_err(|err| ImageError::Open { path: name.clone(), err })?;
+    let mut ehdr = [0u8; EHDR_SIZE];
+    let n = file.read(&mut ehdr).map_err(|err| ImageError::Open { path: name.clone(), err })?;
+    if n < EHDR_SIZE || &ehdr[..4] != b"\x7fELF" || ehdr[4] != 2 || ehdr[5] != 1 || u16_at(&ehdr, 18) != EM_X86_64 {
+        return Ok(false);
+    }
+    match u16_at(&ehdr, 16) {
+        ET_DYN => return Ok(true),
+        ET_EXEC => {}
+        _ => return Ok(false),
+    }
+    let (phoff, phentsize, phnum) = (u64_at(&ehdr, 32), u16_at(&ehdr, 54) as usize, u16_at(&ehdr, 56) as usize);
+    if phentsize != PHDR_SIZE || phnum > 64 {
+        return Ok(false);
+    }
+    let mut phdrs = vec![0u8; phnum * PHDR_SIZE];
+    if file.seek(SeekFrom::Start(phoff)).and_then(|_| file.read_exact(&mut phdrs)).is_err() {
+        return Ok(false);
+    }
+    if phdrs.chunks_exact(PHDR_SIZE).any(|ph| u32_at(ph, 0) == PT_INTERP) {
+        return Err(ImageError::WrongKind { path: name, what: "dynamically linked at fixed addresses; build it as a PIE (-pie)" });
+    }
+    Ok(false)
 }
 
 /// Check that `path` is an image this VMM can run in `mem_size` bytes and

@@ -7,6 +7,7 @@
 //! (`BootInfo::program`).
 
 pub mod image;
+pub mod rootfs;
 
 use std::mem::size_of;
 use std::path::{Path, PathBuf};
@@ -19,6 +20,7 @@ use ftvm_abi::{mem_kind, BootInfo, Device, MemRegion, Program, ABI_VERSION, BOOT
 
 use crate::memory::GuestMemory;
 pub use image::{ImageError, LoadedImage};
+pub use rootfs::RootfsError;
 
 /// The smallest heap a guest is given; less than this is "too little memory".
 pub const MIN_HEAP: u64 = 1 << 20;
@@ -39,6 +41,10 @@ pub enum BootError {
     NoLinuxRuntime { program: String, runtime: String, why: String },
     #[error("Linux program {program}: {what}")]
     Program { program: String, what: String },
+    #[error(transparent)]
+    Rootfs(#[from] RootfsError),
+    #[error("--rootfs is for Linux programs; {image} is an ftvm guest")]
+    RootfsForGuest { image: String },
 }
 
 /// Environment variable naming the Linux personality image; by default it
@@ -64,6 +70,8 @@ pub struct BootLayout {
     /// A Linux program loaded next to it (the image is then the Linux
     /// personality of the runtime).
     pub program: Option<LoadedImage>,
+    /// Where the root file system image is (`[start, end)`), if any.
+    pub rootfs: Option<(u64, u64)>,
     pub stacks_start: u64,
     pub heap_start: u64,
     pub mem_size: u64,
@@ -71,6 +79,12 @@ pub struct BootLayout {
 }
 
 impl BootLayout {
+    /// The image is the Linux personality (with a program loaded by the
+    /// VMM, or one it loads itself from the root file system).
+    pub fn runs_linux(&self) -> bool {
+        self.image.note.is_some_and(|n| n.flags & FLAG_LINUX_PERSONALITY != 0)
+    }
+
     pub fn stack_top(&self, vcpu: u32) -> u64 {
         self.stacks_start + (vcpu as u64 + 1) * VCPU_STACK_SIZE
     }
@@ -80,6 +94,9 @@ impl BootLayout {
         let mut regions = vec![region(0, SYSTEM_AREA_END, mem_kind::RESERVED), region(self.image.start, self.image.end, mem_kind::IMAGE)];
         if let Some(p) = &self.program {
             regions.push(region(p.start, p.end, mem_kind::PROGRAM));
+        }
+        if let Some((start, end)) = self.rootfs {
+            regions.push(region(start, end, mem_kind::ROOTFS));
         }
         regions.push(region(self.stacks_start, self.stacks_start + self.vcpus as u64 * VCPU_STACK_SIZE, mem_kind::STACK));
         regions.push(region(self.heap_start, self.mem_size, mem_kind::FREE));
@@ -102,41 +119,77 @@ fn align_up(v: u64, a: u64) -> u64 {
     v.div_ceil(a) * a
 }
 
-/// Decide where stacks and heap go for `image` (and `program`), or say why
-/// it does not fit.
-pub fn plan(image: LoadedImage, program: Option<LoadedImage>, mem_size: u64, vcpus: u32) -> Result<BootLayout, BootError> {
-    let end = program.map_or(image.end, |p| p.end.max(image.end));
-    let stacks_start = align_up(end, PAGE_SIZE);
+/// Decide where the root file system image (`rootfs_len` bytes), stacks
+/// and heap go for `image` (and `program`), or say why it does not fit.
+pub fn plan(image: LoadedImage, program: Option<LoadedImage>, rootfs_len: u64, mem_size: u64, vcpus: u32) -> Result<BootLayout, BootError> {
+    let end = align_up(program.map_or(image.end, |p| p.end.max(image.end)), PAGE_SIZE);
+    let rootfs = (rootfs_len > 0).then_some((end, end + align_up(rootfs_len, PAGE_SIZE)));
+    let stacks_start = rootfs.map_or(end, |(_, e)| e);
     let heap_start = stacks_start + vcpus as u64 * VCPU_STACK_SIZE;
     let needed = heap_start + MIN_HEAP;
     // Hypercall argument blocks live on the stacks and must be below 4 GiB.
     if needed > mem_size || heap_start > 1 << 32 {
         return Err(BootError::TooLittleMemory { needed: needed.div_ceil(1 << 20), have: mem_size >> 20, vcpus });
     }
-    Ok(BootLayout { image, program, stacks_start, heap_start, mem_size, vcpus })
+    Ok(BootLayout { image, program, rootfs, stacks_start, heap_start, mem_size, vcpus })
 }
 
 /// Load `path` (and, for a Linux program, the runtime that runs it) and
-/// write the boot info for `vcpus` vCPUs.
-pub fn boot(mem: &GuestMemory, path: &Path, mem_size: u64, vcpus: u32, cmdline: &str, devices: &[Device]) -> Result<BootLayout, BootError> {
-    let image = image::inspect(path, mem_size)?;
-    let layout = match image.note {
-        Some(note) => {
-            check_abi(path, note.abi_version)?;
-            let layout = plan(image, None, mem_size, vcpus)?;
-            image::load(mem, path, mem_size)?;
-            layout
+/// write the boot info for `vcpus` vCPUs. `rootfs` is a host directory
+/// packed into guest memory as the Linux program's root file system; a
+/// dynamically linked program needs one (the runtime loads it from there,
+/// with its interpreter and libraries).
+pub fn boot(
+    mem: &GuestMemory,
+    path: &Path,
+    rootfs: Option<&Path>,
+    mem_size: u64,
+    vcpus: u32,
+    cmdline: &str,
+    devices: &[Device],
+) -> Result<BootLayout, BootError> {
+    let dynamic = image::is_dynamic(path)?;
+    let program = if dynamic { None } else { Some(image::inspect(path, mem_size)?) };
+    if let Some(note) = program.and_then(|p| p.note) {
+        check_abi(path, note.abi_version)?;
+        if rootfs.is_some() {
+            return Err(BootError::RootfsForGuest { image: path.display().to_string() });
         }
-        None => {
-            let runtime_path = linux_runtime();
-            let runtime = linux_personality(path, &runtime_path, mem_size)?;
-            check_program(path, &image, &runtime)?;
-            let layout = plan(runtime, Some(image), mem_size, vcpus)?;
-            image::load(mem, &runtime_path, mem_size)?;
-            image::load(mem, path, mem_size)?;
-            layout
+        let layout = plan(program.expect("inspected"), None, 0, mem_size, vcpus)?;
+        image::load(mem, path, mem_size)?;
+        write_boot_info(mem, &layout, cmdline, devices)?;
+        return Ok(layout);
+    }
+    // A Linux program: the runtime runs it.
+    let packed = match rootfs {
+        // The runtime loads a dynamic program from the rootfs; a static
+        // one the VMM placed may have files there without being one.
+        Some(dir) if dynamic => rootfs::pack(dir, &rootfs::program_path(dir, path)?)?,
+        Some(dir) => rootfs::pack(dir, &rootfs::program_path(dir, path).unwrap_or_default())?,
+        None if dynamic => {
+            return Err(BootError::Program {
+                program: path.display().to_string(),
+                what: format!(
+                    "it is dynamically linked: give its root file system with --rootfs DIR (scripts/make-rootfs.sh {} DIR)",
+                    path.display()
+                ),
+            })
         }
+        None => Vec::new(),
     };
+    let runtime_path = linux_runtime();
+    let runtime = linux_personality(path, &runtime_path, mem_size)?;
+    if let Some(p) = &program {
+        check_program(path, p, &runtime)?;
+    }
+    let layout = plan(runtime, program, packed.len() as u64, mem_size, vcpus)?;
+    image::load(mem, &runtime_path, mem_size)?;
+    if program.is_some() {
+        image::load(mem, path, mem_size)?;
+    }
+    if let Some((start, _)) = layout.rootfs {
+        mem.write_slice(&packed, GuestAddress(start))?;
+    }
     write_boot_info(mem, &layout, cmdline, devices)?;
     Ok(layout)
 }
@@ -227,7 +280,7 @@ mod tests {
 
     #[test]
     fn plan_puts_stacks_above_image_and_heap_above_stacks() {
-        let l = plan(image(), None, 64 << 20, 2).unwrap();
+        let l = plan(image(), None, 0, 64 << 20, 2).unwrap();
         assert_eq!(l.stacks_start, 0x21_1000);
         assert_eq!(l.stack_top(1), 0x21_1000 + 2 * VCPU_STACK_SIZE);
         assert_eq!(l.heap_start, l.stack_top(1));
@@ -238,7 +291,7 @@ mod tests {
     #[test]
     fn plan_puts_stacks_above_the_program_too() {
         let program = LoadedImage { entry: 0x40_1000, start: 0x40_0000, end: 0x58_0123, ..image() };
-        let l = plan(image(), Some(program), 64 << 20, 1).unwrap();
+        let l = plan(image(), Some(program), 0, 64 << 20, 1).unwrap();
         assert_eq!(l.stacks_start, 0x58_1000);
         let r = l.regions();
         assert_eq!(r[2], MemRegion { base: 0x40_0000, size: 0x18_0123, kind: mem_kind::PROGRAM, reserved: 0 });
@@ -246,7 +299,15 @@ mod tests {
     }
 
     #[test]
+    fn plan_puts_the_rootfs_between_program_and_stacks() {
+        let l = plan(image(), None, 0x1800, 64 << 20, 1).unwrap();
+        assert_eq!(l.rootfs, Some((0x21_1000, 0x21_3000)));
+        assert_eq!(l.stacks_start, 0x21_3000);
+        assert!(l.regions().contains(&MemRegion { base: 0x21_1000, size: 0x2000, kind: mem_kind::ROOTFS, reserved: 0 }));
+    }
+
+    #[test]
     fn plan_rejects_too_little_memory() {
-        assert!(matches!(plan(image(), None, 4 << 20, 4), Err(BootError::TooLittleMemory { .. })));
+        assert!(matches!(plan(image(), None, 0, 4 << 20, 4), Err(BootError::TooLittleMemory { .. })));
     }
 }
