@@ -17,6 +17,7 @@
 
 extern crate alloc;
 
+mod aspace;
 mod cmdline;
 mod disk;
 mod entry;
@@ -27,6 +28,7 @@ mod mm;
 mod net;
 mod options;
 mod pipe;
+mod process;
 mod random;
 mod sched;
 mod start;
@@ -93,14 +95,13 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     unsafe { core::ptr::write_bytes(base as *mut u8, 0, mm::PAGE as usize) };
     let mut memory = mm::Memory::new(base, base + size);
     let stack = memory.map(0, MAIN_STACK, false).map_err(|e| format!("cannot map the stack: errno {e}"))?;
-    sys::mem::init(memory);
+    sys::fork::init(program.start, program.end);
     sys::time::set_epoch(opts.epoch_ns);
     fs::init(&opts)?;
     ftvm_rt::net::set_exact_notify(opts.exact_notify);
     if let Some(net) = opts.net {
         net::init(net).map_err(|e| format!("network: {e}"))?;
     }
-    fd::init_stdio();
     let vdso = opts.vdso.then(vdso::build);
     match opts.syscall {
         options::SyscallMode::Trap => {}
@@ -108,7 +109,7 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     }
     SYSCALL_MODE.call_once(|| opts.syscall);
     let frame = start::initial_frame(&program, &cmd.argv, &cmd.env, vdso, stack, stack + MAIN_STACK);
-    sched::start(frame)
+    sched::start(frame, process::Process::init(fd::FdTable::stdio(), memory))
 }
 
 /// How system calls reach the entry, once the program runs.

@@ -19,6 +19,7 @@ pub fn page_up(v: u64) -> u64 {
     v.div_ceil(PAGE) * PAGE
 }
 
+#[derive(Clone)]
 pub struct Memory {
     base: u64,
     end: u64,
@@ -36,11 +37,32 @@ impl Memory {
         Memory { base, end, brk_start: base, brk: base, free }
     }
 
-    /// The free range containing `addr`, if any.
     pub fn size(&self) -> u64 {
         self.end - self.base
     }
 
+    /// The region it manages, `[base, end)`.
+    pub fn bounds(&self) -> (u64, u64) {
+        (self.base, self.end)
+    }
+
+    /// The claimed ranges (everything not free), in order.
+    pub fn used(&self) -> alloc::vec::Vec<(u64, u64)> {
+        let mut out = alloc::vec::Vec::new();
+        let mut at = self.base;
+        for (&s, &e) in &self.free {
+            if at < s {
+                out.push((at, s));
+            }
+            at = e;
+        }
+        if at < self.end {
+            out.push((at, self.end));
+        }
+        out
+    }
+
+    /// The free range containing `addr`, if any.
     fn free_at(&self, addr: u64) -> Option<(u64, u64)> {
         self.free.range(..=addr).next_back().map(|(&s, &e)| (s, e)).filter(|&(_, e)| addr < e)
     }

@@ -13,8 +13,13 @@
 //!
 //! When no thread can run, the scheduler polls the network, and if nothing
 //! moved sleeps in WAIT until the earliest deadline or a device event.
+//!
+//! Threads of every process share the vCPU the same way. Switching to a
+//! thread of a process with other page tables loads them (the ADDRESS_SPACE
+//! hypercall, see `aspace`); threads of one process switch for free.
 
 use alloc::boxed::Box;
+use alloc::sync::Arc;
 use alloc::vec;
 use alloc::vec::Vec;
 use core::mem::size_of;
@@ -22,7 +27,10 @@ use core::mem::size_of;
 use ftvm_rt::time;
 use spin::Mutex;
 
+use crate::aspace::AddressSpace;
 use crate::entry::{self, Frame, SwitchFrame};
+use crate::errno::{Errno, EINTR};
+use crate::process::{self, Process};
 
 /// Kernel stack of a thread: the system-call layer runs on it.
 const KSTACK_SIZE: usize = 128 * 1024;
@@ -47,6 +55,8 @@ enum State {
 
 pub struct Thread {
     pub tid: u32,
+    /// The process it belongs to.
+    pub proc: Arc<Process>,
     kstack: Box<[u8]>,
     /// rsp saved by `entry::switch` while switched out.
     ksp: u64,
@@ -59,9 +69,10 @@ pub struct Thread {
 }
 
 impl Thread {
-    fn new(tid: u32) -> Box<Thread> {
+    fn new(tid: u32, proc: Arc<Process>) -> Box<Thread> {
         Box::new(Thread {
             tid,
+            proc,
             kstack: vec![0u8; KSTACK_SIZE].into_boxed_slice(),
             ksp: 0,
             fs_base: 0,
@@ -90,20 +101,23 @@ struct Sched {
     next_tid: u32,
     /// Threads that exited; their stacks are freed once another runs.
     zombies: Vec<Box<Thread>>,
+    /// Address spaces of ended processes, freed once not loaded.
+    dead_spaces: Vec<AddressSpace>,
+    /// The page-table root loaded now (0: the VMM's).
+    loaded_root: u64,
 }
 
-static SCHED: Mutex<Sched> = Mutex::new(Sched { threads: Vec::new(), current: 0, next_tid: 1, zombies: Vec::new() });
+static SCHED: Mutex<Sched> =
+    Mutex::new(Sched { threads: Vec::new(), current: 0, next_tid: 1, zombies: Vec::new(), dead_spaces: Vec::new(), loaded_root: 0 });
 
-/// The process id (= the main thread's tid).
-pub const PID: u32 = 1;
-
-/// Enter the program as its main thread: never returns.
-pub fn start(frame: Frame) -> ! {
+/// Enter the program as the main thread of process `init`: never returns.
+pub fn start(frame: Frame, init: Arc<Process>) -> ! {
     let (top, f) = {
         let mut s = SCHED.lock();
         assert!(s.threads.is_empty(), "the program is started once");
-        let mut t = Thread::new(PID);
-        s.next_tid = PID + 1;
+        let pid = init.pid;
+        let mut t = Thread::new(pid, init);
+        s.next_tid = pid + 1;
         let f = t.first_frame();
         // SAFETY: `f` is the top of the new thread's own kernel stack,
         // aligned for Frame, unused by anything else.
@@ -125,6 +139,20 @@ pub fn current_tid() -> u32 {
     s.threads[s.current].tid
 }
 
+/// The running thread's process.
+pub fn current_process() -> Arc<Process> {
+    let s = SCHED.lock();
+    s.threads[s.current].proc.clone()
+}
+
+/// A new id for a thread or process (they share one space, as on Linux).
+pub fn next_id() -> u32 {
+    let mut s = SCHED.lock();
+    let id = s.next_tid;
+    s.next_tid += 1;
+    id
+}
+
 /// Run `f` on the running thread.
 pub fn with_current<R>(f: impl FnOnce(&mut Thread) -> R) -> R {
     let mut s = SCHED.lock();
@@ -132,13 +160,19 @@ pub fn with_current<R>(f: impl FnOnce(&mut Thread) -> R) -> R {
     f(&mut s.threads[i])
 }
 
-/// A new thread that starts by returning from the system call in `parent`
-/// with 0, on stack `rsp`, with thread pointer `fs_base`. Returns its tid.
+/// A new thread of the calling process that starts by returning from the
+/// system call in `parent` with 0, on stack `rsp`, with thread pointer
+/// `fs_base`. Returns its tid.
 pub fn spawn(parent: &Frame, rsp: u64, fs_base: u64, clear_child_tid: u64) -> u32 {
+    let tid = next_id();
+    spawn_in(current_process(), tid, parent, rsp, fs_base, clear_child_tid);
+    tid
+}
+
+/// A new thread `tid` of `proc`, as for [`spawn`].
+pub fn spawn_in(proc: Arc<Process>, tid: u32, parent: &Frame, rsp: u64, fs_base: u64, clear_child_tid: u64) {
     let mut s = SCHED.lock();
-    let tid = s.next_tid;
-    s.next_tid += 1;
-    let mut t = Thread::new(tid);
+    let mut t = Thread::new(tid, proc);
     t.fs_base = fs_base;
     t.clear_child_tid = clear_child_tid;
     let f = t.first_frame();
@@ -153,19 +187,36 @@ pub fn spawn(parent: &Frame, rsp: u64, fs_base: u64, clear_child_tid: u64) -> u3
     }
     t.ksp = sf as u64;
     s.threads.push(t);
-    tid
 }
 
 /// Block the running thread until woken (see [`Wait`]) or guest time
 /// reaches `deadline` (`u64::MAX`: never). Returns when it may run again;
-/// the caller re-checks its condition.
-pub fn block(wait: Wait, deadline: u64) {
+/// the caller re-checks its condition. EINTR when its process was sent a
+/// terminating signal: the call is to give up.
+pub fn block(wait: Wait, deadline: u64) -> Result<(), Errno> {
+    if current_process().killed().is_some() {
+        return Err(EINTR);
+    }
     {
         let mut s = SCHED.lock();
         let i = s.current;
         s.threads[i].state = State::Blocked(wait, deadline);
     }
     schedule();
+    match current_process().killed() {
+        Some(_) => Err(EINTR),
+        None => Ok(()),
+    }
+}
+
+/// Make every blocked thread of process `pid` runnable (it was killed).
+pub fn wake_process(pid: u32) {
+    let mut s = SCHED.lock();
+    for t in s.threads.iter_mut().filter(|t| t.proc.pid == pid) {
+        if let State::Blocked(..) = t.state {
+            t.state = State::Runnable;
+        }
+    }
 }
 
 /// Let other runnable threads run first.
@@ -190,12 +241,15 @@ pub fn futex_requeue(from: u64, to: u64, n: usize) -> usize {
     })
 }
 
-/// `f` on each of the first `n` threads (in table order) waiting on futex
-/// `addr`; returns how many there were.
+/// `f` on each of the first `n` threads (in table order) of the calling
+/// process waiting on futex `addr` (futexes are private to a process: the
+/// same address is other memory in another); returns how many there were.
 fn futex_waiters(addr: u64, n: usize, mut f: impl FnMut(&mut Thread)) -> usize {
     let mut s = SCHED.lock();
+    let pid = s.threads[s.current].proc.pid;
     let mut count = 0;
-    for t in s.threads.iter_mut().filter(|t| matches!(t.state, State::Blocked(Wait::Futex(a), _) if a == addr)).take(n) {
+    for t in s.threads.iter_mut().filter(|t| t.proc.pid == pid && matches!(t.state, State::Blocked(Wait::Futex(a), _) if a == addr)).take(n)
+    {
         f(t);
         count += 1;
     }
@@ -212,20 +266,59 @@ pub fn wake_io() {
     }
 }
 
-/// End the running thread (the exit system call). When it was the last,
-/// the program, and with it the VM, exits with `status`.
+/// End the running thread (the exit system call). When it was the last of
+/// its process, the process ends with wait status `status` (process 1: the
+/// program, and with it the VM, exits with the status's exit code).
 pub fn exit_thread(status: i32) -> ! {
-    let last = {
+    let (proc, last) = {
         let mut s = SCHED.lock();
         let i = s.current;
         s.threads[i].state = State::Dead;
-        s.threads.iter().all(|t| t.state == State::Dead)
+        let proc = s.threads[i].proc.clone();
+        let last = s.threads.iter().filter(|t| t.proc.pid == proc.pid).all(|t| t.state == State::Dead);
+        (proc, last)
     };
     if last {
-        crate::exit_program(status);
+        end_process(&proc, status);
     }
     schedule();
     unreachable!("a dead thread was scheduled");
+}
+
+/// End the running thread's whole process with wait status `status`: its
+/// other threads (all switched out, in a system call) are dropped.
+pub fn exit_process(status: i32) -> ! {
+    let proc = {
+        let mut s = SCHED.lock();
+        let i = s.current;
+        let pid = s.threads[i].proc.pid;
+        s.threads[i].state = State::Dead;
+        let cur_tid = s.threads[i].tid;
+        let others: Vec<Box<Thread>> = {
+            let (gone, kept): (Vec<_>, Vec<_>) =
+                core::mem::take(&mut s.threads).into_iter().partition(|t| t.proc.pid == pid && t.tid != cur_tid);
+            s.threads = kept;
+            gone
+        };
+        s.current = s.threads.iter().position(|t| t.tid == cur_tid).expect("the running thread is kept");
+        s.zombies.extend(others);
+        s.threads[s.current].proc.clone()
+    };
+    end_process(&proc, status);
+    schedule();
+    unreachable!("a dead thread was scheduled");
+}
+
+fn end_process(proc: &Arc<Process>, status: i32) {
+    if proc.pid == process::INIT {
+        let code = if status & 0x7f != 0 { 128 + (status & 0x7f) } else { (status >> 8) & 0xff };
+        crate::exit_program(code);
+    }
+    if let Some(space) = process::end(proc, status) {
+        SCHED.lock().dead_spaces.push(space);
+    }
+    // The parent may be in wait4.
+    wake_io();
 }
 
 fn wake_expired(s: &mut Sched, now: u64) {
@@ -245,8 +338,10 @@ fn schedule() {
     loop {
         let mut s = SCHED.lock();
         let cur = s.current;
-        // Freed here, on a stack that is not theirs.
+        // Freed here, on a stack that is not theirs, with tables not theirs.
         s.zombies.retain(|_| false);
+        let loaded = s.loaded_root;
+        s.dead_spaces.retain(|a| a.root() == loaded);
         wake_expired(&mut s, time::now_ns());
         let n = s.threads.len();
         let next = (1..=n).map(|k| (cur + k) % n).find(|&i| s.threads[i].state == State::Runnable);
@@ -254,10 +349,12 @@ fn schedule() {
             if next == cur {
                 return;
             }
-            let (ksp, top, fs) = {
+            let (ksp, top, fs, root) = {
                 let t = &s.threads[next];
-                (t.ksp, t.kstack_top(), t.fs_base)
+                (t.ksp, t.kstack_top(), t.fs_base, t.proc.root)
             };
+            let load = root != s.loaded_root;
+            s.loaded_root = root;
             let save = &mut s.threads[cur].ksp as *mut u64;
             s.current = next;
             if s.threads[cur].state == State::Dead {
@@ -271,6 +368,11 @@ fn schedule() {
             // thread's `save` slot lives in its Box, freed only after this
             // switch (zombies), by another thread.
             unsafe {
+                if load {
+                    // The next thread's process is alive (it has a thread),
+                    // so are its tables; every process maps the runtime.
+                    crate::aspace::load(root);
+                }
                 entry::FTVM_LINUX_KSTACK_TOP = top;
                 core::arch::asm!("wrfsbase {}", in(reg) fs, options(nostack, preserves_flags));
                 entry::switch(save, ksp);

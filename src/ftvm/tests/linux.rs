@@ -161,6 +161,37 @@ fn threads_share_memory_through_futexes_and_join() {
     assert!(text.contains("threads: counter=40000 joined=60 main_tls=0\n"), "{text}");
 }
 
+/// fork: each child has its own copy of the parent's memory, talks to it
+/// through pipes, and is reaped with its exit or signal status; also with
+/// every `syscall` left trapping (the child's text is a copy too).
+#[test]
+fn forked_children_have_their_own_memory_and_are_reaped() {
+    for options in ["", "syscall=trap "] {
+        // Children's copies come from the runtime's share (rtmem): four
+        // children at once, each with the 8 MiB main stack and a 16 MiB
+        // allocation of its own.
+        let out = ftvm()
+            .args(["run", "--memory", "512", "--image"])
+            .arg(program("linux-fork"))
+            .arg(format!("--cmdline={options}rtmem=256 -- fork"))
+            .output()
+            .expect("ftvm runs");
+        let text = stdout(&out);
+        assert_eq!(out.status.code(), Some(0), "{options}: {text}{}", stderr(&out));
+        for line in [
+            "fork: copy ok child_status=7\n",
+            "fork: several ok children=4 statuses=46\n",
+            "fork: kill ok SIGTERM SIGKILL SIGUSR1\n",
+            "fork: stream ok bytes=1048576 nested_status=23\n",
+            "fork: sigchld ignored ok\n",
+            "fork: all ok\n",
+        ] {
+            assert!(text.contains(line), "{options}: {line}{text}");
+        }
+        assert!(!text.contains("unsupported system call"), "{options}: {text}");
+    }
+}
+
 #[test]
 fn memory_files_pipes_and_epoll_behave_as_on_linux() {
     let text = run_to_success("memfiles", "-- memfiles");

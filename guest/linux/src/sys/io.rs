@@ -40,7 +40,10 @@ fn write_desc(d: &Desc, data: &[u8], may_block: bool) -> Result<usize, Errno> {
     let nonblocking = d.nonblocking() || !may_block;
     match d.obj {
         Object::Console => {
-            ftvm_rt::console::write_bytes(data);
+            // The VMM reads guest-physical memory: a forked process's
+            // buffer is elsewhere, so it goes through runtime memory.
+            let bounce: Vec<u8> = data.to_vec();
+            ftvm_rt::console::write_bytes(&bounce);
             Ok(data.len())
         }
         Object::Dev(_) => Ok(data.len()),

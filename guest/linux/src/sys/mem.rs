@@ -1,9 +1,9 @@
-//! Memory: brk, anonymous mmap/munmap/mremap, mprotect, madvise.
-
-use spin::Mutex;
+//! Memory: brk, anonymous mmap/munmap/mremap, mprotect, madvise, on the
+//! calling process's region. In a forked process, memory it claims gets
+//! frames of its own first (`aspace`).
 
 use super::SysResult;
-use crate::errno::{EINVAL, ENODEV, ENOMEM};
+use crate::errno::{Errno, EINVAL, ENODEV, ENOMEM};
 use crate::mm::Memory;
 
 const MAP_SHARED: u64 = 0x01;
@@ -14,18 +14,39 @@ const MAP_FIXED_NOREPLACE: u64 = 0x100000;
 const MREMAP_MAYMOVE: u64 = 1;
 const MADV_DONTNEED: u64 = 4;
 
-static MEMORY: Mutex<Option<Memory>> = Mutex::new(None);
-
-pub fn init(m: Memory) {
-    *MEMORY.lock() = Some(m);
+fn with<R>(f: impl FnOnce(&mut Memory) -> R) -> R {
+    let p = crate::sched::current_process();
+    let mut m = p.mem.lock();
+    f(m.as_mut().expect("a running process has memory"))
 }
 
-fn with<R>(f: impl FnOnce(&mut Memory) -> R) -> R {
-    f(MEMORY.lock().as_mut().expect("memory initialised"))
+/// Make `[start, end)` of the calling process's region usable: frames for
+/// a forked process's chunks that have none (process 1's memory is the
+/// identity-mapped region itself).
+fn back(start: u64, end: u64) -> Result<(), Errno> {
+    let p = crate::sched::current_process();
+    let mut space = p.space.lock();
+    match space.as_mut() {
+        Some(s) if start < end => s.back(start, end),
+        _ => Ok(()),
+    }
+}
+
+/// A copy of the calling process's memory allocator and what it claimed,
+/// for `fork`.
+pub fn fork_memory() -> Memory {
+    with(|m| m.clone())
 }
 
 pub fn brk(addr: u64) -> SysResult {
-    Ok(with(|m| m.brk(addr)))
+    with(|m| {
+        let old = m.brk(0);
+        let top = crate::mm::page_up(old);
+        if addr > top {
+            back(top, crate::mm::page_up(addr).min(m.bounds().1))?;
+        }
+        Ok(m.brk(addr))
+    })
 }
 
 pub fn mmap(addr: u64, len: u64, _prot: u64, flags: u64, fd: u64, _offset: u64) -> SysResult {
@@ -37,7 +58,14 @@ pub fn mmap(addr: u64, len: u64, _prot: u64, flags: u64, fd: u64, _offset: u64) 
         return Err(EINVAL);
     }
     let fixed = flags & (MAP_FIXED | MAP_FIXED_NOREPLACE) != 0;
-    with(|m| m.map(addr, len, fixed))
+    with(|m| {
+        let at = m.map(addr, len, fixed)?;
+        if let Err(e) = back(at, at + crate::mm::page_up(len)) {
+            let _ = m.unmap(at, len);
+            return Err(e);
+        }
+        Ok(at)
+    })
 }
 
 pub fn munmap(addr: u64, len: u64) -> SysResult {
@@ -57,7 +85,19 @@ pub fn mremap(old: u64, old_len: u64, new_len: u64, flags: u64) -> SysResult {
     if flags & !MREMAP_MAYMOVE != 0 {
         return Err(EINVAL);
     }
-    with(|m| m.remap(old, old_len, new_len, flags & MREMAP_MAYMOVE != 0)).map_err(|e| if e == EINVAL { EINVAL } else { ENOMEM })
+    let may_move = flags & MREMAP_MAYMOVE != 0;
+    with(|m| {
+        // Back the largest place it may land first: a move copies into it.
+        if may_move {
+            let probe = m.map(0, new_len, false)?;
+            let r = back(probe, probe + crate::mm::page_up(new_len));
+            let _ = m.unmap(probe, new_len);
+            r?;
+        }
+        back(old, old.saturating_add(crate::mm::page_up(new_len)).min(m.bounds().1))?;
+        m.remap(old, old_len, new_len, may_move)
+    })
+    .map_err(|e| if e == EINVAL { EINVAL } else { ENOMEM })
 }
 
 pub fn madvise(addr: u64, len: u64, advice: u64) -> SysResult {

@@ -7,6 +7,7 @@
 
 pub mod epoll;
 mod file;
+pub mod fork;
 mod io;
 pub mod mem;
 mod names;
@@ -45,7 +46,7 @@ pub fn dispatch(frame: &mut Frame) {
         10 => mem::mprotect(a[0], a[1], a[2]),
         11 => mem::munmap(a[0], a[1]),
         12 => mem::brk(a[0]),
-        13 => proc::rt_sigaction(a[0], a[1], a[2]),
+        13 => proc::rt_sigaction(a[0], a[1], a[2], a[3]),
         14 => proc::rt_sigprocmask(a[0], a[1], a[2], a[3]),
         16 => io::ioctl(a[0], a[1], a[2]),
         17 => io::pread(a[0], a[1], a[2], a[3]),
@@ -61,7 +62,7 @@ pub fn dispatch(frame: &mut Frame) {
         32 => io::dup(a[0]),
         33 => io::dup3(a[0], a[1], 0, true),
         35 => time::nanosleep(a[0], a[1]),
-        39 => Ok(u64::from(sched::PID)),
+        39 => Ok(u64::from(sched::current_process().pid)),
         41 => net::socket(a[0], a[1], a[2]),
         42 => net::connect(a[0], a[1], a[2]),
         43 => net::accept(a[0], a[1], a[2], 0),
@@ -77,9 +78,11 @@ pub fn dispatch(frame: &mut Frame) {
         54 => net::setsockopt(a[0], a[1], a[2], a[3], a[4]),
         55 => net::getsockopt(a[0], a[1], a[2], a[3], a[4]),
         56 => thread::clone(frame, a[0], a[1], a[2], a[3], a[4]),
+        57 | 58 => fork::fork(frame, None, None, None, 0),
         60 => thread::exit(a[0]),
-        61 => Err(crate::errno::ECHILD),
-        62 | 200 | 234 => proc::kill(),
+        61 => fork::wait4(a[0], a[1], a[2], a[3]),
+        62 => fork::kill(a[0], a[1]),
+        200 | 234 => proc::kill(),
         63 => proc::uname(a[0]),
         72 => io::fcntl(a[0], a[1], a[2]),
         73 => Ok(0),
@@ -100,8 +103,8 @@ pub fn dispatch(frame: &mut Frame) {
         99 => proc::sysinfo(a[0]),
         102 | 104 | 107 | 108 => Ok(0),
         105 | 106 | 109 | 112 => Ok(0),
-        110 => Ok(0),
-        111 => Ok(u64::from(sched::PID)),
+        110 => Ok(u64::from(sched::current_process().ppid())),
+        111 => Ok(u64::from(sched::current_process().pid)),
         131 => Ok(0),
         157 => proc::prctl(a[0]),
         158 => proc::arch_prctl(a[0], a[1]),
@@ -143,6 +146,10 @@ pub fn dispatch(frame: &mut Frame) {
         Ok(v) => v,
         Err(e) => (e as i64).wrapping_neg() as u64,
     };
+    // A terminating signal: the call has unwound, the process ends here.
+    if let Some(sig) = sched::current_process().killed() {
+        sched::exit_process(crate::process::signaled(sig));
+    }
 }
 
 /// One bit per system-call number already reported.
@@ -170,7 +177,7 @@ pub fn blocking<R>(nonblocking: bool, deadline: u64, mut attempt: impl FnMut() -
                 if ftvm_rt::time::now_ns() >= deadline {
                     return Err(EAGAIN);
                 }
-                sched::block(sched::Wait::Io, deadline);
+                sched::block(sched::Wait::Io, deadline)?;
             }
             r => return r,
         }

@@ -1,5 +1,6 @@
-//! The process: identity, limits, exit, signals (accepted and ignored:
-//! nothing here ever delivers one), the thread pointer, randomness.
+//! The process: identity, limits, exit, signal dispositions (recorded for
+//! `kill`'s default actions; handlers are never run, see `process`), the
+//! thread pointer, randomness.
 
 use core::sync::atomic::{AtomicU64, Ordering};
 
@@ -16,7 +17,7 @@ const RLIMIT_NOFILE: u64 = 7;
 const RLIM_INFINITY: u64 = u64::MAX;
 
 pub fn exit_group(status: u64) -> SysResult {
-    crate::exit_program(status as i32)
+    sched::exit_process(crate::process::exited(status as i32))
 }
 
 pub fn arch_prctl(code: u64, addr: u64) -> SysResult {
@@ -38,12 +39,25 @@ pub fn arch_prctl(code: u64, addr: u64) -> SysResult {
     }
 }
 
-/// Signals are never delivered: handlers are recorded nowhere and masks
-/// mean nothing, which is what a program that only installs handlers for
-/// SIGPIPE, SIGTERM and crashes needs. The old action reads as SIG_DFL.
-pub fn rt_sigaction(_sig: u64, _act: u64, old: u64) -> SysResult {
+/// The handler word of each action is kept per process (what `kill`'s
+/// default actions and SIGCHLD's SIG_IGN look at); flags, masks and
+/// restorers are not: the old action reads back as its handler alone.
+/// Handlers are never run, which a program that only installs them for
+/// SIGPIPE, SIGTERM and crashes does not notice.
+pub fn rt_sigaction(sig: u64, act: u64, old: u64, size: u64) -> SysResult {
+    const SIGSTOP: u64 = 19;
+    if sig == 0 || sig as usize >= crate::process::NSIG || size != 8 {
+        return Err(EINVAL);
+    }
+    if act != 0 && (sig == u64::from(crate::process::SIGKILL) || sig == SIGSTOP) {
+        return Err(EINVAL);
+    }
+    let new = if act != 0 { Some(user::read::<u64>(act)?) } else { None };
+    let prev = sched::current_process().action(sig as usize, new);
     if old != 0 {
-        user::bytes_mut(old, 32)?.fill(0);
+        let out = user::bytes_mut(old, 32)?;
+        out.fill(0);
+        out[0..8].copy_from_slice(&prev.to_le_bytes());
     }
     Ok(0)
 }
@@ -124,7 +138,7 @@ pub fn getrlimit(resource: u64, out: u64) -> SysResult {
 
 /// Limits are fixed: setting one is accepted if it does not ask for more.
 pub fn prlimit64(pid: u64, resource: u64, new: u64, old: u64) -> SysResult {
-    if pid != 0 && pid != u64::from(sched::PID) {
+    if pid != 0 && pid != u64::from(sched::current_process().pid) {
         return Err(crate::errno::EPERM);
     }
     if old != 0 {

@@ -141,6 +141,11 @@ fn run_until_asked_to_leave(index: u32, vcpu: &Mutex<Vcpu>, shared: &VmShared) -
                 Ok((_, false)) => return None,
                 Err(e) => return Some(VmExit::Error(format!("vCPU {index}: {e}"))),
             },
+            Action::Outcome(Outcome::SetRoot(root)) => {
+                if let Err(e) = set_cr3(vcpu, root) {
+                    return Some(VmExit::Error(format!("vCPU {index}: loading page-table root {root:#x}: {e}")));
+                }
+            }
             Action::Outcome(Outcome::Stop(exit)) => return Some(exit),
             Action::Fault => return Some(read_fault(index, vcpu, shared)),
             Action::RingFull => {
@@ -162,6 +167,15 @@ fn mmio(index: u32, addr: u64, handled: bool) -> Action {
 
 fn stop(message: String) -> Action {
     Action::Outcome(Outcome::Stop(VmExit::Error(message)))
+}
+
+/// The address-space hypercall: KVM flushes the vCPU's TLB as CR3 changes.
+/// The `out` stays pending and completes on the next KVM_RUN, as any other
+/// hypercall's does (RIP is not touched here).
+fn set_cr3(vcpu: &mut VcpuFd, root: u64) -> Result<(), kvm_ioctls::Error> {
+    let mut sregs = vcpu.get_sregs()?;
+    sregs.cr3 = root;
+    vcpu.set_sregs(&sregs)
 }
 
 /// Re-enter KVM with `immediate_exit` set: KVM finishes the pending I/O

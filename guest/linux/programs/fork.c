@@ -1,0 +1,314 @@
+/* Processes: fork, each child with its own copy of the parent's memory
+ * (image data, heap, stack, mmap), pipes between them, wait4 (blocking,
+ * WNOHANG, exit and signal statuses, ECHILD), getpid/getppid, kill with
+ * SIGTERM/SIGKILL/SIGUSR1, nested fork, SIGCHLD ignored (no zombies).
+ *   fork              the checks: "fork: ... ok" lines, exit 0
+ *   fork bench        also fork cost per MiB and process-switch cost
+ *   fork slow MS      one child working for MS ms (for failover tests) */
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CHECK(c) do { if (!(c)) { printf("fork: FAILED %s at line %d (errno %d)\n", #c, __LINE__, errno); exit(1); } } while (0)
+
+static char data[8192];
+
+static long now_us(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000L + t.tv_nsec / 1000;
+}
+
+static int all(const char *p, size_t n, char c) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != c)
+            return 0;
+    return 1;
+}
+
+/* Read until EOF into buf; returns the length. */
+static size_t slurp(int fd, char *buf, size_t cap) {
+    size_t got = 0;
+    ssize_t n;
+    while (got < cap && (n = read(fd, buf + got, cap - got)) > 0)
+        got += n;
+    return got;
+}
+
+static void copies(void) {
+    char stack[4096];
+    char *heap = malloc(1 << 20);
+    char *map = mmap(NULL, 4 << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(heap && map != MAP_FAILED);
+    memset(data, 'P', sizeof data);
+    memset(stack, 'P', sizeof stack);
+    memset(heap, 'P', 1 << 20);
+    memset(map, 'P', 4 << 20);
+    int p[2];
+    CHECK(pipe(p) == 0);
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        close(p[0]);
+        int saw = all(data, sizeof data, 'P') && all(stack, sizeof stack, 'P') && all(heap, 1 << 20, 'P') && all(map, 4 << 20, 'P');
+        memset(data, 'C', sizeof data);
+        memset(stack, 'C', sizeof stack);
+        memset(heap, 'C', 1 << 20);
+        memset(map, 'C', 4 << 20);
+        /* New memory in the child: backed on demand. */
+        char *more = malloc(16 << 20);
+        memset(more, 'N', 16 << 20);
+        int kept = all(data, sizeof data, 'C') && all(heap, 1 << 20, 'C') && all(more, 16 << 20, 'N');
+        dprintf(p[1], "pid=%d ppid_ok=%d saw=%d kept=%d", (int)getpid(), getppid() == parent, saw, kept);
+        _exit(7);
+    }
+    close(p[1]);
+    char msg[128] = {0};
+    slurp(p[0], msg, sizeof msg - 1);
+    close(p[0]);
+    char want[128];
+    snprintf(want, sizeof want, "pid=%d ppid_ok=1 saw=1 kept=1", (int)pid);
+    CHECK(strcmp(msg, want) == 0);
+    CHECK(pid != parent && getpid() == parent);
+    CHECK(all(data, sizeof data, 'P') && all(stack, sizeof stack, 'P') && all(heap, 1 << 20, 'P') && all(map, 4 << 20, 'P'));
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 7);
+    CHECK(waitpid(-1, &st, WNOHANG) == -1 && errno == ECHILD);
+    printf("fork: copy ok child_status=%d\n", WEXITSTATUS(st));
+    free(heap);
+    munmap(map, 4 << 20);
+}
+
+static void several(void) {
+    enum { N = 4 };
+    int go[2], back[2];
+    CHECK(pipe(go) == 0 && pipe(back) == 0);
+    pid_t pids[N];
+    for (int i = 0; i < N; i++) {
+        pids[i] = fork();
+        CHECK(pids[i] >= 0);
+        if (pids[i] == 0) {
+            close(go[1]);
+            close(back[0]);
+            char c;
+            /* Wait for the parent's word (EOF when it closes the pipe). */
+            CHECK(read(go[0], &c, 1) == 0);
+            data[0] = (char)('a' + i);
+            CHECK(write(back[1], data, 1) == 1);
+            _exit(10 + i);
+        }
+    }
+    close(go[0]);
+    close(back[1]);
+    int st;
+    /* Every child is waiting: nothing to reap yet. */
+    CHECK(waitpid(-1, &st, WNOHANG) == 0);
+    close(go[1]);
+    char got[N + 1] = {0};
+    CHECK(slurp(back[0], got, N) == N);
+    close(back[0]);
+    int seen = 0, sum = 0;
+    for (int i = 0; i < N; i++) {
+        pid_t pid = waitpid(-1, &st, 0);
+        CHECK(pid > 0 && WIFEXITED(st));
+        for (int j = 0; j < N; j++)
+            if (pids[j] == pid) {
+                CHECK(WEXITSTATUS(st) == 10 + j);
+                seen |= 1 << j;
+            }
+        sum += WEXITSTATUS(st);
+    }
+    CHECK(seen == (1 << N) - 1);
+    CHECK(waitpid(-1, &st, 0) == -1 && errno == ECHILD);
+    int letters = 0;
+    for (int i = 0; i < N; i++)
+        letters |= 1 << (got[i] - 'a');
+    CHECK(letters == (1 << N) - 1);
+    printf("fork: several ok children=%d statuses=%d\n", N, sum);
+}
+
+static void signals(void) {
+    int sigs[] = {SIGTERM, SIGKILL, SIGUSR1};
+    for (int i = 0; i < 3; i++) {
+        int p[2];
+        CHECK(pipe(p) == 0);
+        pid_t pid = fork();
+        CHECK(pid >= 0);
+        if (pid == 0) {
+            char c;
+            read(p[0], &c, 1); /* blocks: the parent never writes */
+            _exit(99);
+        }
+        CHECK(kill(pid, 0) == 0);
+        CHECK(kill(pid, sigs[i]) == 0);
+        int st;
+        CHECK(waitpid(pid, &st, 0) == pid);
+        CHECK(WIFSIGNALED(st) && WTERMSIG(st) == sigs[i]);
+        CHECK(kill(pid, 0) == -1 && errno == ESRCH);
+        close(p[0]);
+        close(p[1]);
+    }
+    printf("fork: kill ok SIGTERM SIGKILL SIGUSR1\n");
+}
+
+static void streams_and_nesting(void) {
+    /* A child writes more than a pipe holds: both sides block in turn. */
+    int p[2];
+    CHECK(pipe(p) == 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(p[0]);
+        static char chunk[4096];
+        for (int i = 0; i < 256; i++) {
+            memset(chunk, i, sizeof chunk);
+            CHECK(write(p[1], chunk, sizeof chunk) == sizeof chunk);
+        }
+        /* A grandchild, reaped here. */
+        pid_t g = fork();
+        if (g == 0)
+            _exit(getppid() == getpid() ? 1 : 3);
+        int st;
+        CHECK(waitpid(g, &st, 0) == g && WIFEXITED(st));
+        _exit(20 + WEXITSTATUS(st));
+    }
+    close(p[1]);
+    static char buf[1 << 20];
+    size_t n = slurp(p[0], buf, sizeof buf);
+    CHECK(n == 256 * 4096);
+    for (size_t i = 0; i < n; i++)
+        CHECK((unsigned char)buf[i] == (i / 4096) % 256);
+    close(p[0]);
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 23);
+    printf("fork: stream ok bytes=%zu nested_status=%d\n", n, WEXITSTATUS(st));
+}
+
+static void ignored_sigchld(void) {
+    signal(SIGCHLD, SIG_IGN);
+    pid_t pid = fork();
+    if (pid == 0)
+        _exit(5);
+    int st;
+    /* No zombie is kept: wait finds no child once it is gone. */
+    CHECK(waitpid(-1, &st, 0) == -1 && errno == ECHILD);
+    signal(SIGCHLD, SIG_DFL);
+    printf("fork: sigchld ignored ok\n");
+}
+
+static int pingfd[2], pongfd[2];
+
+static void *ponger(void *arg) {
+    (void)arg;
+    char c;
+    while (read(pingfd[0], &c, 1) == 1 && c)
+        write(pongfd[1], &c, 1);
+    return NULL;
+}
+
+/* Round trips through two pipes: between threads of one process, then
+ * between two processes. The difference is two address-space switches. */
+static void bench(void) {
+    enum { ROUNDS = 2000 };
+    CHECK(pipe(pingfd) == 0 && pipe(pongfd) == 0);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, ponger, NULL) == 0);
+    char c = 1;
+    long t0 = now_us();
+    for (int i = 0; i < ROUNDS; i++)
+        CHECK(write(pingfd[1], &c, 1) == 1 && read(pongfd[0], &c, 1) == 1);
+    long threads = now_us() - t0;
+    c = 0;
+    write(pingfd[1], &c, 1);
+    pthread_join(t, NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        ponger(NULL);
+        _exit(0);
+    }
+    c = 1;
+    t0 = now_us();
+    for (int i = 0; i < ROUNDS; i++)
+        CHECK(write(pingfd[1], &c, 1) == 1 && read(pongfd[0], &c, 1) == 1);
+    long procs = now_us() - t0;
+    c = 0;
+    write(pingfd[1], &c, 1);
+    waitpid(pid, NULL, 0);
+    printf("fork: bench round_trip_threads_ns=%ld round_trip_processes_ns=%ld switch_ns=%ld\n", threads * 1000 / ROUNDS,
+           procs * 1000 / ROUNDS, (procs - threads) * 1000 / ROUNDS / 2);
+    /* Each size twice: the first fork also pays for the first touch of the
+     * runtime memory the copy lands in (a host and a shadow page fault per
+     * page on these hosts); the second reuses it. */
+    for (int k = 0; k < 6; k++) {
+        int mib = 16 << (2 * (k / 2));
+        char *m = malloc((size_t)mib << 20);
+        CHECK(m);
+        memset(m, 1, (size_t)mib << 20);
+        long f0 = now_us();
+        pid = fork();
+        if (pid == 0)
+            _exit(0);
+        long took = now_us() - f0;
+        waitpid(pid, NULL, 0);
+        printf("fork: bench touched_mib=%d %s fork_us=%ld\n", mib, k % 2 ? "warm" : "cold", took);
+        free(m);
+    }
+}
+
+/* A child that works for `ms` milliseconds (sleeping in steps, checking its
+ * copy of memory after each), reporting through a pipe. */
+static void slow(int ms) {
+    char *m = malloc(8 << 20);
+    memset(m, 'S', 8 << 20);
+    int p[2];
+    CHECK(pipe(p) == 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(p[0]);
+        long end = now_us() + ms * 1000L;
+        int steps = 0;
+        while (now_us() < end) {
+            struct timespec nap = {0, 10 * 1000 * 1000};
+            nanosleep(&nap, NULL);
+            CHECK(all(m, 8 << 20, 'S'));
+            steps++;
+        }
+        memset(m, 'X', 8 << 20);
+        dprintf(p[1], "steps=%d", steps > 0);
+        _exit(42);
+    }
+    close(p[1]);
+    printf("fork: slow child started\n");
+    memset(m, 'T', 8 << 20);
+    char msg[64] = {0};
+    slurp(p[0], msg, sizeof msg - 1);
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st));
+    CHECK(all(m, 8 << 20, 'T'));
+    printf("fork: slow child done %s status=%d\n", msg, WEXITSTATUS(st));
+}
+
+int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IONBF, 0);
+    if (argc == 3 && strcmp(argv[1], "slow") == 0) {
+        slow(atoi(argv[2]));
+        return 0;
+    }
+    copies();
+    several();
+    signals();
+    streams_and_nesting();
+    ignored_sigchld();
+    if (argc == 2 && strcmp(argv[1], "bench") == 0)
+        bench();
+    printf("fork: all ok\n");
+    return 0;
+}

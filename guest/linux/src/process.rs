@@ -1,0 +1,206 @@
+//! Processes: what the threads of one program share (descriptors, memory,
+//! signal dispositions, an address space) and the family links `fork`,
+//! `wait4` and `kill` work on.
+//!
+//! The program the VM was started with is process 1 and keeps the VMM's
+//! identity page tables; when it ends the VM ends (its children with it, as
+//! a container's do when its init exits). `fork` makes processes with an
+//! address space of their own (`aspace`). A process that ends becomes a
+//! zombie holding its wait status until its parent reaps it with `wait4`
+//! (at once if the parent ignores SIGCHLD); its children go to process 1.
+//!
+//! Signals between processes: `kill` carries out a signal's default action
+//! (terminate, or nothing for SIGCHLD, SIGURG, SIGWINCH, SIGCONT and the
+//! stop signals, which are not supported) or ignores it (SIG_IGN). Handlers
+//! are recorded but never run: there is no delivery onto a program's stack
+//! yet, so a signal aimed at a handler is dropped. A terminating signal
+//! wakes the target's threads, whose blocking calls return EINTR, and the
+//! process ends when its running thread leaves the system-call layer.
+
+use alloc::collections::BTreeMap;
+use alloc::sync::Arc;
+use alloc::vec::Vec;
+
+use spin::Mutex;
+
+use crate::aspace::AddressSpace;
+use crate::errno::{Errno, ESRCH};
+use crate::fd::FdTable;
+use crate::mm::Memory;
+
+/// The program the VM runs.
+pub const INIT: u32 = 1;
+
+pub const SIGKILL: u32 = 9;
+pub const SIGCHLD: u32 = 17;
+const SIG_DFL: u64 = 0;
+const SIG_IGN: u64 = 1;
+/// Signals 1..=64, and 0 which only asks whether the process exists.
+pub const NSIG: usize = 65;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    Running,
+    /// Ended, holding its wait status (as `wait4` encodes it) until reaped.
+    Zombie(i32),
+}
+
+pub struct Process {
+    pub pid: u32,
+    pub fds: Mutex<FdTable>,
+    /// None once the process has ended.
+    pub mem: Mutex<Option<Memory>>,
+    /// None for process 1 (the VMM's identity tables).
+    pub space: Mutex<Option<AddressSpace>>,
+    /// What CR3 holds while this process runs (0: the VMM's tables).
+    pub root: u64,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    ppid: u32,
+    status: Status,
+    /// A terminating signal arrived: its threads leave at the next chance.
+    killed: Option<u32>,
+    actions: [u64; NSIG],
+}
+
+static TABLE: Mutex<BTreeMap<u32, Arc<Process>>> = Mutex::new(BTreeMap::new());
+
+impl Process {
+    fn new(pid: u32, ppid: u32, fds: FdTable, mem: Memory, space: Option<AddressSpace>, actions: [u64; NSIG]) -> Arc<Process> {
+        let root = space.as_ref().map_or(0, AddressSpace::root);
+        let p = Arc::new(Process {
+            pid,
+            fds: Mutex::new(fds),
+            mem: Mutex::new(Some(mem)),
+            space: Mutex::new(space),
+            root,
+            inner: Mutex::new(Inner { ppid, status: Status::Running, killed: None, actions }),
+        });
+        TABLE.lock().insert(pid, p.clone());
+        p
+    }
+
+    /// Process 1, the program the VM was started with.
+    pub fn init(fds: FdTable, mem: Memory) -> Arc<Process> {
+        Process::new(INIT, 0, fds, mem, None, [SIG_DFL; NSIG])
+    }
+
+    /// A child of `self` with these copies of its descriptors, memory and
+    /// address space; it inherits the signal dispositions.
+    pub fn fork(&self, pid: u32, fds: FdTable, mem: Memory, space: AddressSpace) -> Arc<Process> {
+        let actions = self.inner.lock().actions;
+        Process::new(pid, self.pid, fds, mem, Some(space), actions)
+    }
+
+    pub fn ppid(&self) -> u32 {
+        self.inner.lock().ppid
+    }
+
+    /// The terminating signal it was sent, if any.
+    pub fn killed(&self) -> Option<u32> {
+        self.inner.lock().killed
+    }
+
+    /// sigaction's handler word for `sig`: set it to `new` if given; the
+    /// old one.
+    pub fn action(&self, sig: usize, new: Option<u64>) -> u64 {
+        let mut i = self.inner.lock();
+        let old = i.actions[sig];
+        if let Some(new) = new {
+            i.actions[sig] = new;
+        }
+        old
+    }
+}
+
+pub fn get(pid: u32) -> Option<Arc<Process>> {
+    TABLE.lock().get(&pid).cloned()
+}
+
+/// Default action of `sig`: true if it terminates the process.
+fn terminates(sig: u32) -> bool {
+    // SIGCHLD, SIGCONT, SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU, SIGURG, SIGWINCH.
+    !matches!(sig, 17..=23 | 28) && sig < 32
+}
+
+/// `kill(pid, sig)`: Ok(true) if the target is to end (the caller wakes
+/// its threads, see `sched::wake_process`).
+pub fn signal(pid: u32, sig: u32) -> Result<bool, Errno> {
+    let p = get(pid).ok_or(ESRCH)?;
+    let mut i = p.inner.lock();
+    if sig == 0 || i.status != Status::Running {
+        return Ok(false);
+    }
+    let action = i.actions[sig as usize];
+    let ends = sig == SIGKILL || (action == SIG_DFL && terminates(sig));
+    if ends && i.killed.is_none() {
+        i.killed = Some(sig);
+    }
+    Ok(ends)
+}
+
+/// The process `p` ended with wait status `status`: drop what it held,
+/// hand its children to process 1, and leave a zombie for its parent (none
+/// if the parent ignores SIGCHLD). Returns its address space, which the
+/// scheduler frees once its tables are no longer loaded.
+pub fn end(p: &Arc<Process>, status: i32) -> Option<AddressSpace> {
+    // Closing descriptors may wake others (pipes): outside every lock.
+    let fds = core::mem::take(&mut *p.fds.lock());
+    drop(fds);
+    drop(p.mem.lock().take());
+    let space = p.space.lock().take();
+    let ppid = {
+        let mut i = p.inner.lock();
+        i.status = Status::Zombie(status);
+        i.ppid
+    };
+    let mut t = TABLE.lock();
+    for c in t.values() {
+        let mut ci = c.inner.lock();
+        if ci.ppid == p.pid {
+            ci.ppid = INIT;
+        }
+    }
+    let ignored = t.get(&ppid).is_some_and(|parent| parent.inner.lock().actions[SIGCHLD as usize] == SIG_IGN);
+    if ignored {
+        t.remove(&p.pid);
+    }
+    space
+}
+
+/// `wait4`'s search among the children of `parent`: `pid` -1 (or 0 and
+/// below: there are no process groups) for any child. Reaps a zombie:
+/// Ok(Some((pid, status))); Ok(None) if children match but none ended;
+/// ECHILD if none match.
+pub fn reap(parent: u32, pid: i32) -> Result<Option<(u32, i32)>, Errno> {
+    let mut t = TABLE.lock();
+    let mut matching: Vec<(u32, Status)> = Vec::new();
+    for c in t.values() {
+        let ci = c.inner.lock();
+        if ci.ppid == parent && c.pid != parent && (pid <= 0 || c.pid == pid as u32) {
+            matching.push((c.pid, ci.status));
+        }
+    }
+    if matching.is_empty() {
+        return Err(crate::errno::ECHILD);
+    }
+    for (cpid, status) in matching {
+        if let Status::Zombie(s) = status {
+            t.remove(&cpid);
+            return Ok(Some((cpid, s)));
+        }
+    }
+    Ok(None)
+}
+
+/// Wait status of a process that exited with `code`.
+pub fn exited(code: i32) -> i32 {
+    (code & 0xff) << 8
+}
+
+/// Wait status of a process a signal ended.
+pub fn signaled(sig: u32) -> i32 {
+    (sig & 0x7f) as i32
+}
