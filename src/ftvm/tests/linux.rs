@@ -523,6 +523,52 @@ fn connect_works_and_a_closed_listener_refuses_connections() {
 /// redis-server with its append-only file on the disk, fsynced on every
 /// write: the VMM SIGKILLed (as a host crash) and started again on the same
 /// disk file, redis replays the file and every acknowledged write is there.
+/// The `NAME:VALUE` field of `INFO persistence`.
+fn persistence(topo: &Topology, name: &str) -> String {
+    let info = cli(topo, &["INFO", "persistence"]);
+    let prefix = format!("{name}:");
+    info.lines().find_map(|l| l.strip_prefix(&prefix)).map(|v| v.trim().to_owned()).unwrap_or_else(|| panic!("no {name} in {info}"))
+}
+
+/// BGSAVE: redis-server forks a child that writes the snapshot to the disk
+/// while the parent keeps serving, reports through a pipe and is reaped by
+/// the parent's cron (waitpid WNOHANG); a new VM loads the snapshot.
+#[test]
+fn redis_bgsave_forks_a_child_that_writes_a_snapshot_the_next_vm_loads() {
+    use ftvm_testkit::scratch::Scratch;
+    let topo = Topology::new("lxbgs").unwrap();
+    let dir = Scratch::new("linux-bgsave").unwrap();
+    let disk = dir.sparse_file("disk.img", 64 << 20).unwrap();
+    let mut vmm = redis_on_disk(&topo, "", Some(&disk));
+    assert_eq!(cli(&topo, &["DEBUG", "POPULATE", "5000", "key"]), "OK");
+    assert_eq!(cli(&topo, &["SET", "greeting", "saved by a child"]), "OK");
+    assert_ne!(persistence(&topo, "rdb_changes_since_last_save"), "0");
+    assert_eq!(cli(&topo, &["BGSAVE"]), "Background saving started");
+    // The parent serves while the child saves.
+    assert_eq!(cli(&topo, &["PING"]), "PONG");
+    let t0 = std::time::Instant::now();
+    while persistence(&topo, "rdb_bgsave_in_progress") != "0" {
+        assert!(t0.elapsed() < Duration::from_secs(30), "BGSAVE did not finish:\n{}", vmm.output());
+        assert_running(&mut vmm);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(persistence(&topo, "rdb_last_bgsave_status"), "ok", "{}", vmm.output());
+    assert_eq!(persistence(&topo, "rdb_changes_since_last_save"), "0", "{}", vmm.output());
+    assert!(vmm.stdout().contains("Background saving terminated with success"), "{}", vmm.stdout());
+    assert!(!vmm.stdout().contains("unsupported system call"), "{}", vmm.stdout());
+    // A write after the fork is the parent's alone; the snapshot has the
+    // data as it was at the fork.
+    assert_eq!(cli(&topo, &["SET", "after", "the snapshot"]), "OK");
+    vmm.kill();
+    let mut vmm = redis_on_disk(&topo, "", Some(&disk));
+    assert!(vmm.stdout().contains("DB loaded from disk"), "{}", vmm.stdout());
+    assert_eq!(cli(&topo, &["DBSIZE"]), "5001");
+    assert_eq!(cli(&topo, &["GET", "greeting"]), "saved by a child");
+    assert_eq!(cli(&topo, &["GET", "key:4321"]), "value:4321");
+    assert_eq!(cli(&topo, &["EXISTS", "after"]), "0");
+    assert_running(&mut vmm);
+}
+
 #[test]
 fn redis_append_only_file_survives_a_sigkilled_vmm() {
     use ftvm_testkit::scratch::Scratch;
