@@ -14,6 +14,12 @@
 //! When no thread can run, the scheduler polls the network, and if nothing
 //! moved sleeps in WAIT until the earliest deadline or a device event.
 //!
+//! A thread that keeps making system calls for a whole time slice
+//! ([`SLICE_NS`]) while others are runnable gives way at the end of one
+//! ([`preempt_point`]), after a poll of the network: a forked child
+//! writing a snapshot does not stop its parent from serving. One that
+//! computes without system calls still keeps the vCPU.
+//!
 //! Threads of every process share the vCPU the same way. Switching to a
 //! thread of a process with other page tables loads them (the ADDRESS_SPACE
 //! hypercall, see `aspace`); threads of one process switch for free.
@@ -34,6 +40,8 @@ use crate::process::{self, Process};
 
 /// Kernel stack of a thread: the system-call layer runs on it.
 const KSTACK_SIZE: usize = 128 * 1024;
+/// How long a thread runs before its next system call lets others run.
+const SLICE_NS: u64 = 5_000_000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Wait {
@@ -105,10 +113,19 @@ struct Sched {
     dead_spaces: Vec<AddressSpace>,
     /// The page-table root loaded now (0: the VMM's).
     loaded_root: u64,
+    /// Guest time at which the running thread's slice ends.
+    slice_end: u64,
 }
 
-static SCHED: Mutex<Sched> =
-    Mutex::new(Sched { threads: Vec::new(), current: 0, next_tid: 1, zombies: Vec::new(), dead_spaces: Vec::new(), loaded_root: 0 });
+static SCHED: Mutex<Sched> = Mutex::new(Sched {
+    threads: Vec::new(),
+    current: 0,
+    next_tid: 1,
+    zombies: Vec::new(),
+    dead_spaces: Vec::new(),
+    loaded_root: 0,
+    slice_end: 0,
+});
 
 /// Enter the program as the main thread of process `init`: never returns.
 pub fn start(frame: Frame, init: Arc<Process>) -> ! {
@@ -221,6 +238,19 @@ pub fn wake_process(pid: u32) {
 
 /// Let other runnable threads run first.
 pub fn yield_now() {
+    schedule();
+}
+
+/// The end of a system call: when the running thread's slice is over, let
+/// the network move and other runnable threads run (see the module doc).
+pub fn preempt_point() {
+    let now = time::now_ns();
+    if now < SCHED.lock().slice_end {
+        return;
+    }
+    if crate::net::poll() {
+        wake_io();
+    }
     schedule();
 }
 
@@ -346,6 +376,7 @@ fn schedule() {
         let n = s.threads.len();
         let next = (1..=n).map(|k| (cur + k) % n).find(|&i| s.threads[i].state == State::Runnable);
         if let Some(next) = next {
+            s.slice_end = time::now_ns().saturating_add(SLICE_NS);
             if next == cur {
                 return;
             }
