@@ -216,15 +216,33 @@ impl AddressSpace {
         Ok(())
     }
 
+    /// Where `len` bytes at `va` (aligned to `len`) of this space's memory
+    /// are in runtime memory, if it has a frame there.
+    fn frame_at(&self, va: u64, len: u64) -> Option<u64> {
+        let (&at, f) = self.frames.range(..=va).next_back()?;
+        (va.is_multiple_of(len) && va + len <= at + f.layout.size() as u64).then(|| f.addr() + (va - at))
+    }
+
     /// Write `v` at `va` in this space's memory (not the one loaded).
     pub fn write_u32(&mut self, va: u64, v: u32) -> Result<(), Errno> {
-        let (&at, f) = self.frames.range(..=va).next_back().ok_or(crate::errno::EFAULT)?;
-        if va + 4 > at + f.layout.size() as u64 || !va.is_multiple_of(4) {
-            return Err(crate::errno::EFAULT);
-        }
-        // SAFETY: inside the frame (checked), aligned; runtime memory.
-        unsafe { ((f.addr() + (va - at)) as *mut u32).write(v) };
+        let p = self.frame_at(va, 4).ok_or(crate::errno::EFAULT)?;
+        // SAFETY: inside one of its frames (checked), aligned; runtime memory.
+        unsafe { (p as *mut u32).write(v) };
         Ok(())
+    }
+
+    /// Replace the 16 bytes at `va` (aligned) with `new` if they hold
+    /// `old`: a text rewrite made in another process (`sysjmp`).
+    pub fn patch(&mut self, va: u64, old: u128, new: u128) {
+        if let Some(p) = self.frame_at(va, 16) {
+            // SAFETY: inside one of its frames (checked), aligned; the
+            // process is not running (one vCPU: the caller is).
+            unsafe {
+                if (p as *const u128).read() == old {
+                    (p as *mut u128).write(new);
+                }
+            }
+        }
     }
 }
 

@@ -195,6 +195,33 @@ pub fn reap(parent: u32, pid: i32) -> Result<Option<(u32, i32)>, Errno> {
     Ok(None)
 }
 
+/// The calling process replaced the 16 bytes of program text at `va`
+/// (aligned) holding `old` with `new` (`sysjmp`): do the same in every
+/// other process, whose copy of the text held the same bytes, so a site is
+/// rewritten everywhere or nowhere. Process 1's text is its identity-mapped
+/// memory, which a forked caller reaches by loading the VMM's tables for
+/// the moment.
+pub fn patch_text(va: u64, old: u128, new: u128) {
+    let me = crate::sched::current_process();
+    let others: Vec<Arc<Process>> = TABLE.lock().values().filter(|p| p.pid != me.pid).cloned().collect();
+    for p in others {
+        if let Some(space) = p.space.lock().as_mut() {
+            space.patch(va, old, new);
+        } else if p.pid == INIT && p.inner.lock().status == Status::Running {
+            // SAFETY: the VMM's tables map the runtime as every space does;
+            // the caller's own tables are loaded again right after.
+            unsafe {
+                crate::aspace::load(0);
+                let at = va as *mut u128;
+                if at.read_volatile() == old {
+                    at.write_volatile(new);
+                }
+                crate::aspace::load(me.root);
+            }
+        }
+    }
+}
+
 /// Wait status of a process that exited with `code`.
 pub fn exited(code: i32) -> i32 {
     (code & 0xff) << 8

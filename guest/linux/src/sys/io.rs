@@ -185,7 +185,7 @@ pub fn fcntl(fd: u64, cmd: u64, arg: u64) -> SysResult {
             d.flags.store((old & !changeable) | (arg as u32 & changeable), Ordering::Relaxed);
             Ok(0)
         }
-        // One process: advisory locks never conflict.
+        // Advisory locks are not kept: they never conflict.
         F_GETLK | F_SETLK | F_SETLKW => Ok(0),
         _ => Err(EINVAL),
     }
