@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -198,6 +199,20 @@ static void streams_and_nesting(void) {
     printf("fork: stream ok bytes=%zu nested_status=%d\n", n, WEXITSTATUS(st));
 }
 
+/* vfork is served as fork (the child has its own copy, which vfork's
+ * callers cannot tell); posix_spawn's clone(CLONE_VM|CLONE_VFORK), a child
+ * sharing the parent's memory, is not supported: ENOSYS, reported once. */
+static void vfork_and_spawn(void) {
+    pid_t pid = vfork();
+    if (pid == 0)
+        _exit(9);
+    int st;
+    CHECK(pid > 0 && waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 9);
+    char *argv[] = {"true", NULL};
+    CHECK(posix_spawn(&pid, "/bin/true", NULL, NULL, argv, NULL) == ENOSYS);
+    printf("fork: vfork ok status=%d spawn=ENOSYS\n", WEXITSTATUS(st));
+}
+
 static void ignored_sigchld(void) {
     signal(SIGCHLD, SIG_IGN);
     pid_t pid = fork();
@@ -312,6 +327,7 @@ int main(int argc, char **argv) {
     several();
     signals();
     streams_and_nesting();
+    vfork_and_spawn();
     ignored_sigchld();
     if (argc == 2 && strcmp(argv[1], "bench") == 0)
         bench();

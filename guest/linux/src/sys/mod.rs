@@ -156,7 +156,7 @@ pub fn dispatch(frame: &mut Frame) {
 /// One bit per system-call number already reported.
 static REPORTED: [AtomicU64; 8] = [const { AtomicU64::new(0) }; 8];
 
-fn unsupported(nr: u64) -> SysResult {
+pub fn unsupported(nr: u64) -> SysResult {
     let (word, bit) = ((nr / 64) as usize, nr % 64);
     let first = match REPORTED.get(word) {
         Some(w) => w.fetch_or(1 << bit, Ordering::Relaxed) & (1 << bit) == 0,

@@ -41,7 +41,8 @@ pub fn clone(frame: &Frame, flags: u64, stack: u64, parent_tid: u64, child_tid: 
         return Ok(pid);
     }
     if flags & CLONE_THREAD == 0 || flags & CLONE_VFORK != 0 {
-        return Err(ENOSYS);
+        // Reported like any call this layer does not serve.
+        return super::unsupported(56);
     }
     if stack == 0 {
         return Err(EINVAL);
