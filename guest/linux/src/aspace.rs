@@ -70,6 +70,11 @@ impl Table {
     }
 }
 
+/// Runtime memory a fork or a child's new mapping leaves free at least: the
+/// runtime's own allocations (socket buffers, files, page tables) must not
+/// fail for want of it, which would end the VM.
+const RESERVE: usize = 8 << 20;
+
 /// Memory a process has in place of the identity-mapped one at some address:
 /// a page or a chunk of the runtime's heap, zero when made.
 struct Frame {
@@ -79,6 +84,9 @@ struct Frame {
 
 impl Frame {
     fn new(size: u64) -> Result<Frame, Errno> {
+        if ftvm_rt::heap::free_bytes() < size as usize + RESERVE {
+            return Err(ENOMEM);
+        }
         let layout = Layout::from_size_align(size as usize, size as usize).map_err(|_| ENOMEM)?;
         // SAFETY: a non-zero size.
         let ptr = unsafe { alloc_zeroed(layout) };
@@ -204,16 +212,20 @@ impl AddressSpace {
     }
 
     /// Give every chunk of region memory `[start, end)` a (zeroed) frame if
-    /// it has none. Only not-present entries change, which no TLB caches.
+    /// it has none; all of them or, with ENOMEM, none. Only not-present
+    /// entries change, which no TLB caches.
     pub fn back(&mut self, start: u64, end: u64) -> Result<(), Errno> {
+        let mut new = alloc::vec::Vec::new();
         let mut chunk = start & !(CHUNK - 1);
         while chunk < end {
             if !self.frames.contains_key(&chunk) {
-                let f = Frame::new(CHUNK)?;
-                self.set_chunk(chunk, f.addr());
-                self.frames.insert(chunk, f);
+                new.push((chunk, Frame::new(CHUNK)?));
             }
             chunk += CHUNK;
+        }
+        for (chunk, f) in new {
+            self.set_chunk(chunk, f.addr());
+            self.frames.insert(chunk, f);
         }
         Ok(())
     }

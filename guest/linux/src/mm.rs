@@ -84,6 +84,13 @@ impl Memory {
         }
     }
 
+    /// Give back `[start, end)`, claimed a moment ago and never touched
+    /// (still zero), without writing to it: in a forked process part of it
+    /// may have no memory behind it (`aspace`).
+    pub fn unclaim(&mut self, start: u64, len: u64) {
+        self.merge_free(start, start + page_up(len));
+    }
+
     /// Release `[start, end)`: zero the parts in use and merge them into
     /// the free ranges.
     fn release(&mut self, start: u64, end: u64) {
@@ -99,7 +106,11 @@ impl Memory {
             unsafe { core::ptr::write_bytes(at as *mut u8, 0, (next_free - at) as usize) };
             at = next_free;
         }
-        // Merge [start, end) with every free range it touches.
+        self.merge_free(start, end);
+    }
+
+    /// Merge [start, end) with every free range it touches.
+    fn merge_free(&mut self, start: u64, end: u64) {
         let (mut s, mut e) = (start, end);
         let touching: alloc::vec::Vec<(u64, u64)> =
             self.free.range(..=end).rev().take_while(|&(_, &fe)| fe >= start).map(|(&a, &b)| (a, b)).collect();

@@ -61,7 +61,7 @@ pub fn mmap(addr: u64, len: u64, _prot: u64, flags: u64, fd: u64, _offset: u64) 
     with(|m| {
         let at = m.map(addr, len, fixed)?;
         if let Err(e) = back(at, at + crate::mm::page_up(len)) {
-            let _ = m.unmap(at, len);
+            m.unclaim(at, len);
             return Err(e);
         }
         Ok(at)
@@ -86,12 +86,14 @@ pub fn mremap(old: u64, old_len: u64, new_len: u64, flags: u64) -> SysResult {
         return Err(EINVAL);
     }
     let may_move = flags & MREMAP_MAYMOVE != 0;
+    let forked = crate::sched::current_process().space.lock().is_some();
     with(|m| {
-        // Back the largest place it may land first: a move copies into it.
-        if may_move {
+        // In a forked process, back the place it may move to first: the
+        // move copies into it (found as the move would find it).
+        if may_move && forked {
             let probe = m.map(0, new_len, false)?;
             let r = back(probe, probe + crate::mm::page_up(new_len));
-            let _ = m.unmap(probe, new_len);
+            m.unclaim(probe, new_len);
             r?;
         }
         back(old, old.saturating_add(crate::mm::page_up(new_len)).min(m.bounds().1))?;
