@@ -20,6 +20,7 @@
 use alloc::collections::BTreeMap;
 use alloc::sync::Arc;
 use alloc::vec::Vec;
+use core::sync::atomic::{AtomicU32, Ordering};
 
 use spin::Mutex;
 
@@ -54,14 +55,15 @@ pub struct Process {
     pub space: Mutex<Option<AddressSpace>>,
     /// What CR3 holds while this process runs (0: the VMM's tables).
     pub root: u64,
+    /// The terminating signal it was sent (0: none); its threads leave at
+    /// the next chance. Read at the end of every system call.
+    killed: AtomicU32,
     inner: Mutex<Inner>,
 }
 
 struct Inner {
     ppid: u32,
     status: Status,
-    /// A terminating signal arrived: its threads leave at the next chance.
-    killed: Option<u32>,
     actions: [u64; NSIG],
 }
 
@@ -76,7 +78,8 @@ impl Process {
             mem: Mutex::new(Some(mem)),
             space: Mutex::new(space),
             root,
-            inner: Mutex::new(Inner { ppid, status: Status::Running, killed: None, actions }),
+            killed: AtomicU32::new(0),
+            inner: Mutex::new(Inner { ppid, status: Status::Running, actions }),
         });
         TABLE.lock().insert(pid, p.clone());
         p
@@ -100,7 +103,7 @@ impl Process {
 
     /// The terminating signal it was sent, if any.
     pub fn killed(&self) -> Option<u32> {
-        self.inner.lock().killed
+        Some(self.killed.load(Ordering::Relaxed)).filter(|&s| s != 0)
     }
 
     /// sigaction's handler word for `sig`: set it to `new` if given; the
@@ -129,14 +132,15 @@ fn terminates(sig: u32) -> bool {
 /// its threads, see `sched::wake_process`).
 pub fn signal(pid: u32, sig: u32) -> Result<bool, Errno> {
     let p = get(pid).ok_or(ESRCH)?;
-    let mut i = p.inner.lock();
+    let i = p.inner.lock();
     if sig == 0 || i.status != Status::Running {
         return Ok(false);
     }
     let action = i.actions[sig as usize];
     let ends = sig == SIGKILL || (action == SIG_DFL && terminates(sig));
-    if ends && i.killed.is_none() {
-        i.killed = Some(sig);
+    if ends {
+        // The first terminating signal is the one the status reports.
+        let _ = p.killed.compare_exchange(0, sig, Ordering::Relaxed, Ordering::Relaxed);
     }
     Ok(ends)
 }

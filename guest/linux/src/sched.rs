@@ -16,7 +16,7 @@
 //!
 //! A thread that keeps making system calls for a whole time slice
 //! ([`SLICE_NS`]) while others are runnable gives way at the end of one
-//! ([`preempt_point`]), after a poll of the network: a forked child
+//! ([`end_of_call`]), after a poll of the network: a forked child
 //! writing a snapshot does not stop its parent from serving. One that
 //! computes without system calls still keeps the vCPU.
 //!
@@ -42,6 +42,8 @@ use crate::process::{self, Process};
 const KSTACK_SIZE: usize = 128 * 1024;
 /// How long a thread runs before its next system call lets others run.
 const SLICE_NS: u64 = 5_000_000;
+/// `end_of_call` looks at the clock on one system call in this many.
+const CALLS_PER_CLOCK_READ: u32 = 16;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Wait {
@@ -115,6 +117,8 @@ struct Sched {
     loaded_root: u64,
     /// Guest time at which the running thread's slice ends.
     slice_end: u64,
+    /// System calls made, for reading the clock every few (`end_of_call`).
+    calls: u32,
 }
 
 static SCHED: Mutex<Sched> = Mutex::new(Sched {
@@ -125,6 +129,7 @@ static SCHED: Mutex<Sched> = Mutex::new(Sched {
     dead_spaces: Vec::new(),
     loaded_root: 0,
     slice_end: 0,
+    calls: 0,
 });
 
 /// Enter the program as the main thread of process `init`: never returns.
@@ -241,17 +246,26 @@ pub fn yield_now() {
     schedule();
 }
 
-/// The end of a system call: when the running thread's slice is over, let
-/// the network move and other runnable threads run (see the module doc).
-pub fn preempt_point() {
-    let now = time::now_ns();
-    if now < SCHED.lock().slice_end {
-        return;
+/// The end of a system call: the terminating signal the running thread's
+/// process was sent, if any; otherwise, when the thread's slice is over,
+/// let the network move and other runnable threads run (see the module
+/// doc) first.
+pub fn end_of_call() -> Option<u32> {
+    {
+        let mut s = SCHED.lock();
+        let killed = s.threads[s.current].proc.killed();
+        // The clock is read every few calls only: a slice a few calls long
+        // gives way as well, and reading it is most of this function.
+        s.calls = s.calls.wrapping_add(1);
+        if killed.is_some() || !s.calls.is_multiple_of(CALLS_PER_CLOCK_READ) || time::now_ns() < s.slice_end {
+            return killed;
+        }
     }
     if crate::net::poll() {
         wake_io();
     }
     schedule();
+    current_process().killed()
 }
 
 /// Wake `n` threads waiting on futex `addr`; returns how many.

@@ -146,9 +146,8 @@ pub fn dispatch(frame: &mut Frame) {
         Ok(v) => v,
         Err(e) => (e as i64).wrapping_neg() as u64,
     };
-    sched::preempt_point();
     // A terminating signal: the call has unwound, the process ends here.
-    if let Some(sig) = sched::current_process().killed() {
+    if let Some(sig) = sched::end_of_call() {
         sched::exit_process(crate::process::signaled(sig));
     }
 }
