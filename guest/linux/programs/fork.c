@@ -221,6 +221,57 @@ static void vfork_and_spawn(void) {
     printf("fork: vfork ok status=%d spawn=ENOSYS\n", WEXITSTATUS(st));
 }
 
+static int blocked_fd;
+
+static void *blocked_reader(void *arg) {
+    (void)arg;
+    char c;
+    read(blocked_fd, &c, 1); /* never written: ends with the process */
+    return NULL;
+}
+
+/* A child with a second thread blocked in a read ends (by _exit, then by
+ * SIGTERM): the read gives up, so the pipe's read end it held is closed and
+ * the parent's write then finds no reader (EPIPE). */
+static void threads_in_child(void) {
+    signal(SIGPIPE, SIG_IGN);
+    for (int killed = 0; killed < 2; killed++) {
+        int a[2], ready[2];
+        CHECK(pipe(a) == 0 && pipe(ready) == 0);
+        pid_t pid = fork();
+        if (pid == 0) {
+            close(a[1]);
+            blocked_fd = a[0];
+            pthread_t t;
+            CHECK(pthread_create(&t, NULL, blocked_reader, NULL) == 0);
+            struct timespec nap = {0, 20 * 1000 * 1000};
+            nanosleep(&nap, NULL); /* the reader is blocked by now */
+            close(a[0]);
+            if (!killed)
+                _exit(4);
+            CHECK(write(ready[1], "r", 1) == 1);
+            for (;;)
+                pause();
+        }
+        close(a[0]);
+        close(ready[1]);
+        int st;
+        if (killed) {
+            char c;
+            CHECK(read(ready[0], &c, 1) == 1);
+            CHECK(kill(pid, SIGTERM) == 0);
+            CHECK(waitpid(pid, &st, 0) == pid && WIFSIGNALED(st) && WTERMSIG(st) == SIGTERM);
+        } else {
+            CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 4);
+        }
+        CHECK(write(a[1], "x", 1) == -1 && errno == EPIPE);
+        close(a[1]);
+        close(ready[0]);
+    }
+    signal(SIGPIPE, SIG_DFL);
+    printf("fork: threads in a child ok\n");
+}
+
 static void ignored_sigchld(void) {
     signal(SIGCHLD, SIG_IGN);
     pid_t pid = fork();
@@ -336,6 +387,7 @@ int main(int argc, char **argv) {
     signals();
     streams_and_nesting();
     vfork_and_spawn();
+    threads_in_child();
     ignored_sigchld();
     if (argc == 2 && strcmp(argv[1], "bench") == 0)
         bench();

@@ -14,13 +14,13 @@
 //! stop signals, which are not supported) or ignores it (SIG_IGN). Handlers
 //! are recorded but never run: there is no delivery onto a program's stack
 //! yet, so a signal aimed at a handler is dropped. A terminating signal
-//! wakes the target's threads, whose blocking calls return EINTR, and the
-//! process ends when its running thread leaves the system-call layer.
+//! wakes the target's threads, whose blocking calls return EINTR; each
+//! leaves as its system call ends, and the last one ends the process.
 
 use alloc::collections::BTreeMap;
 use alloc::sync::Arc;
 use alloc::vec::Vec;
-use core::sync::atomic::{AtomicU32, Ordering};
+use core::sync::atomic::{AtomicU64, Ordering};
 
 use spin::Mutex;
 
@@ -38,6 +38,8 @@ const SIG_DFL: u64 = 0;
 const SIG_IGN: u64 = 1;
 /// Signals 1..=64, and 0 which only asks whether the process exists.
 pub const NSIG: usize = 65;
+/// `Process::ending`'s mark, above the wait status.
+const ENDING: u64 = 1 << 32;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Status {
@@ -55,9 +57,12 @@ pub struct Process {
     pub space: Mutex<Option<AddressSpace>>,
     /// What CR3 holds while this process runs (0: the VMM's tables).
     pub root: u64,
-    /// The terminating signal it was sent (0: none); its threads leave at
-    /// the next chance. Read at the end of every system call.
-    killed: AtomicU32,
+    /// Set when the process is to end (a terminating signal, `exit_group`
+    /// from one of several threads): [`ENDING`] | the wait status. Each of
+    /// its threads leaves at the end of its system call (blocking calls
+    /// return EINTR), so every call unwinds and drops what it held; the
+    /// last one ends the process. Read at the end of every system call.
+    ending: AtomicU64,
     inner: Mutex<Inner>,
 }
 
@@ -78,7 +83,7 @@ impl Process {
             mem: Mutex::new(Some(mem)),
             space: Mutex::new(space),
             root,
-            killed: AtomicU32::new(0),
+            ending: AtomicU64::new(0),
             inner: Mutex::new(Inner { ppid, status: Status::Running, actions }),
         });
         TABLE.lock().insert(pid, p.clone());
@@ -101,9 +106,16 @@ impl Process {
         self.inner.lock().ppid
     }
 
-    /// The terminating signal it was sent, if any.
-    pub fn killed(&self) -> Option<u32> {
-        Some(self.killed.load(Ordering::Relaxed)).filter(|&s| s != 0)
+    /// The wait status it is ending with, if it is.
+    pub fn ending(&self) -> Option<i32> {
+        let v = self.ending.load(Ordering::Relaxed);
+        (v & ENDING != 0).then_some(v as u32 as i32)
+    }
+
+    /// Mark it as ending with wait status `status`, unless it already is
+    /// (the first cause is the one reported).
+    pub fn begin_ending(&self, status: i32) {
+        let _ = self.ending.compare_exchange(0, ENDING | u64::from(status as u32), Ordering::Relaxed, Ordering::Relaxed);
     }
 
     /// sigaction's handler word for `sig`: set it to `new` if given; the
@@ -139,8 +151,7 @@ pub fn signal(pid: u32, sig: u32) -> Result<bool, Errno> {
     let action = i.actions[sig as usize];
     let ends = sig == SIGKILL || (action == SIG_DFL && terminates(sig));
     if ends {
-        // The first terminating signal is the one the status reports.
-        let _ = p.killed.compare_exchange(0, sig, Ordering::Relaxed, Ordering::Relaxed);
+        p.begin_ending(signaled(sig));
     }
     Ok(ends)
 }

@@ -213,10 +213,11 @@ pub fn spawn_in(proc: Arc<Process>, tid: u32, parent: &Frame, rsp: u64, fs_base:
 
 /// Block the running thread until woken (see [`Wait`]) or guest time
 /// reaches `deadline` (`u64::MAX`: never). Returns when it may run again;
-/// the caller re-checks its condition. EINTR when its process was sent a
-/// terminating signal: the call is to give up.
+/// the caller re-checks its condition. EINTR when its process is ending
+/// (a terminating signal, another thread's `exit_group`): the call is to
+/// give up.
 pub fn block(wait: Wait, deadline: u64) -> Result<(), Errno> {
-    if current_process().killed().is_some() {
+    if current_process().ending().is_some() {
         return Err(EINTR);
     }
     {
@@ -225,13 +226,13 @@ pub fn block(wait: Wait, deadline: u64) -> Result<(), Errno> {
         s.threads[i].state = State::Blocked(wait, deadline);
     }
     schedule();
-    match current_process().killed() {
+    match current_process().ending() {
         Some(_) => Err(EINTR),
         None => Ok(()),
     }
 }
 
-/// Make every blocked thread of process `pid` runnable (it was killed).
+/// Make every blocked thread of process `pid` runnable (it is ending).
 pub fn wake_process(pid: u32) {
     let mut s = SCHED.lock();
     for t in s.threads.iter_mut().filter(|t| t.proc.pid == pid) {
@@ -246,14 +247,14 @@ pub fn yield_now() {
     schedule();
 }
 
-/// The end of a system call: the terminating signal the running thread's
-/// process was sent, if any; otherwise, when the thread's slice is over,
-/// let the network move and other runnable threads run (see the module
-/// doc) first.
-pub fn end_of_call() -> Option<u32> {
+/// The end of a system call: the wait status the running thread's process
+/// is ending with, if it is (the thread is to exit); otherwise, when the
+/// thread's slice is over, let the network move and other runnable threads
+/// run (see the module doc) first.
+pub fn end_of_call() -> Option<i32> {
     {
         let mut s = SCHED.lock();
-        let killed = s.threads[s.current].proc.killed();
+        let killed = s.threads[s.current].proc.ending();
         // The clock is read every few calls only: a slice a few calls long
         // gives way as well, and reading it is most of this function.
         s.calls = s.calls.wrapping_add(1);
@@ -265,7 +266,7 @@ pub fn end_of_call() -> Option<u32> {
         wake_io();
     }
     schedule();
-    current_process().killed()
+    current_process().ending()
 }
 
 /// Wake `n` threads waiting on futex `addr`; returns how many.
@@ -311,8 +312,9 @@ pub fn wake_io() {
 }
 
 /// End the running thread (the exit system call). When it was the last of
-/// its process, the process ends with wait status `status` (process 1: the
-/// program, and with it the VM, exits with the status's exit code).
+/// its process, the process ends with wait status `status`, or the one it
+/// was ending with (process 1: the program, and with it the VM, exits with
+/// the status's exit code).
 pub fn exit_thread(status: i32) -> ! {
     let (proc, last) = {
         let mut s = SCHED.lock();
@@ -323,34 +325,27 @@ pub fn exit_thread(status: i32) -> ! {
         (proc, last)
     };
     if last {
-        end_process(&proc, status);
+        end_process(&proc, proc.ending().unwrap_or(status));
     }
+    // Nothing may stay on this stack: it is freed, never unwound.
+    drop(proc);
     schedule();
     unreachable!("a dead thread was scheduled");
 }
 
-/// End the running thread's whole process with wait status `status`: its
-/// other threads (all switched out, in a system call) are dropped.
+/// End the running thread's whole process with wait status `status`
+/// (`exit_group`): its other threads leave as their system calls end (see
+/// `Process::ending`), this one now. Process 1 ends the VM at once.
 pub fn exit_process(status: i32) -> ! {
-    let proc = {
-        let mut s = SCHED.lock();
-        let i = s.current;
-        let pid = s.threads[i].proc.pid;
-        s.threads[i].state = State::Dead;
-        let cur_tid = s.threads[i].tid;
-        let others: Vec<Box<Thread>> = {
-            let (gone, kept): (Vec<_>, Vec<_>) =
-                core::mem::take(&mut s.threads).into_iter().partition(|t| t.proc.pid == pid && t.tid != cur_tid);
-            s.threads = kept;
-            gone
-        };
-        s.current = s.threads.iter().position(|t| t.tid == cur_tid).expect("the running thread is kept");
-        s.zombies.extend(others);
-        s.threads[s.current].proc.clone()
-    };
-    end_process(&proc, status);
-    schedule();
-    unreachable!("a dead thread was scheduled");
+    let proc = current_process();
+    if proc.pid == process::INIT {
+        end_process(&proc, status);
+    }
+    proc.begin_ending(status);
+    let pid = proc.pid;
+    drop(proc);
+    wake_process(pid);
+    exit_thread(status)
 }
 
 fn end_process(proc: &Arc<Process>, status: i32) {

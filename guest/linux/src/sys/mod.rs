@@ -61,6 +61,7 @@ pub fn dispatch(frame: &mut Frame) {
         28 => mem::madvise(a[0], a[1], a[2]),
         32 => io::dup(a[0]),
         33 => io::dup3(a[0], a[1], 0, true),
+        34 => proc::pause(),
         35 => time::nanosleep(a[0], a[1]),
         39 => Ok(u64::from(sched::current_process().pid)),
         41 => net::socket(a[0], a[1], a[2]),
@@ -146,9 +147,9 @@ pub fn dispatch(frame: &mut Frame) {
         Ok(v) => v,
         Err(e) => (e as i64).wrapping_neg() as u64,
     };
-    // A terminating signal: the call has unwound, the process ends here.
-    if let Some(sig) = sched::end_of_call() {
-        sched::exit_process(crate::process::signaled(sig));
+    // The process is ending: the call has unwound, the thread leaves here.
+    if let Some(status) = sched::end_of_call() {
+        sched::exit_thread(status);
     }
 }
 

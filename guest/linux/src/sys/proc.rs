@@ -69,6 +69,14 @@ pub fn rt_sigprocmask(_how: u64, _set: u64, old: u64, size: u64) -> SysResult {
     Ok(0)
 }
 
+/// No handler ever runs, so only a signal that ends the process ends the
+/// wait (EINTR, and the thread leaves).
+pub fn pause() -> SysResult {
+    loop {
+        sched::block(sched::Wait::Sleep, u64::MAX)?;
+    }
+}
+
 pub fn kill() -> SysResult {
     Err(EPERM)
 }
