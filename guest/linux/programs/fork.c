@@ -1,6 +1,6 @@
 /* Processes: fork, each child with its own copy of the parent's memory
  * (image data, heap, stack, mmap), pipes between them, wait4 (blocking,
- * WNOHANG, exit and signal statuses, ECHILD), getpid/getppid, kill with
+ * WNOHANG, exit and signal statuses, ECHILD), waitid, getpid/getppid, kill with
  * SIGTERM/SIGKILL/SIGUSR1, nested fork, SIGCHLD ignored (no zombies).
  *   fork              the checks (run with rtmem=96): "fork: ... ok" lines
  *   fork bench        fork cost per MiB and process-switch cost instead
@@ -221,6 +221,28 @@ static void vfork_and_spawn(void) {
     printf("fork: vfork ok status=%d spawn=ENOSYS\n", WEXITSTATUS(st));
 }
 
+/* waitid: siginfo for an exit and a kill; WNOHANG with a running child. */
+static void waitid_info(void) {
+    pid_t pid = fork();
+    if (pid == 0)
+        _exit(6);
+    siginfo_t info;
+    memset(&info, 0xff, sizeof info);
+    CHECK(waitid(P_PID, pid, &info, WEXITED) == 0);
+    CHECK(info.si_signo == SIGCHLD && info.si_code == CLD_EXITED && info.si_pid == pid && info.si_status == 6);
+    pid = fork();
+    if (pid == 0)
+        for (;;)
+            pause();
+    memset(&info, 0xff, sizeof info);
+    CHECK(waitid(P_ALL, 0, &info, WEXITED | WNOHANG) == 0 && info.si_pid == 0);
+    CHECK(kill(pid, SIGKILL) == 0);
+    CHECK(waitid(P_ALL, 0, &info, WEXITED) == 0);
+    CHECK(info.si_code == CLD_KILLED && info.si_pid == pid && info.si_status == SIGKILL);
+    CHECK(waitid(P_ALL, 0, &info, WEXITED) == -1 && errno == ECHILD);
+    printf("fork: waitid ok\n");
+}
+
 static int blocked_fd;
 
 static void *blocked_reader(void *arg) {
@@ -391,6 +413,7 @@ int main(int argc, char **argv) {
     signals();
     streams_and_nesting();
     vfork_and_spawn();
+    waitid_info();
     threads_in_child();
     ignored_sigchld();
     printf("fork: all ok\n");

@@ -184,6 +184,7 @@ fn forked_children_have_their_own_memory_and_are_reaped() {
             "fork: kill ok SIGTERM SIGKILL SIGUSR1\n",
             "fork: stream ok bytes=1048576 nested_status=23\n",
             "fork: vfork ok status=9 spawn=ENOSYS\n",
+            "fork: waitid ok\n",
             "fork: threads in a child ok\n",
             "fork: sigchld ignored ok\n",
             "fork: all ok\n",

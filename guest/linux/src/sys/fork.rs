@@ -1,4 +1,5 @@
-//! Processes: fork (and vfork, and clone without CLONE_VM), wait4, kill.
+//! Processes: fork (and vfork, and clone without CLONE_VM), wait4,
+//! waitid, kill.
 //! The process table and its rules are in `process`, the address spaces in
 //! `aspace`.
 
@@ -57,6 +58,44 @@ pub fn wait4(pid: u64, status: u64, options: u64, rusage: u64) -> SysResult {
         user::bytes_mut(rusage, 144)?.fill(0);
     }
     Ok(u64::from(child))
+}
+
+/// waitid for P_ALL and P_PID with WEXITED (and WNOHANG): the child's
+/// siginfo as Linux fills it (CLD_EXITED or CLD_KILLED). WNOWAIT,
+/// WSTOPPED and WCONTINUED are not supported (EINVAL).
+pub fn waitid(idtype: u64, id: u64, info: u64, options: u64) -> SysResult {
+    const P_ALL: u64 = 0;
+    const P_PID: u64 = 1;
+    const WEXITED: u64 = 4;
+    const CLD_EXITED: i32 = 1;
+    const CLD_KILLED: i32 = 2;
+    if options & !(WNOHANG | WEXITED) != 0 || options & WEXITED == 0 {
+        return Err(EINVAL);
+    }
+    let pid = match idtype {
+        P_ALL => -1,
+        P_PID => id as i32,
+        _ => return Err(EINVAL),
+    };
+    let me = sched::current_process().pid;
+    let found = blocking(options & WNOHANG != 0, u64::MAX, || match process::reap(me, pid)? {
+        Some(found) => Ok(Some(found)),
+        None if options & WNOHANG != 0 => Ok(None),
+        None => Err(crate::errno::EAGAIN),
+    })?;
+    if info != 0 {
+        // si_signo, si_errno, si_code, pad, si_pid, si_uid, si_status.
+        let out = user::bytes_mut(info, 128)?;
+        out.fill(0);
+        if let Some((child, st)) = found {
+            let (code, status) = if st & 0x7f != 0 { (CLD_KILLED, st & 0x7f) } else { (CLD_EXITED, (st >> 8) & 0xff) };
+            out[0..4].copy_from_slice(&(process::SIGCHLD as i32).to_le_bytes());
+            out[8..12].copy_from_slice(&code.to_le_bytes());
+            out[16..20].copy_from_slice(&(child as i32).to_le_bytes());
+            out[24..28].copy_from_slice(&status.to_le_bytes());
+        }
+    }
+    Ok(0)
 }
 
 /// kill(pid, sig) for one process (no process groups: 0 and negative pids

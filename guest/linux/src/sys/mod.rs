@@ -125,6 +125,7 @@ pub fn dispatch(frame: &mut Frame) {
         231 => proc::exit_group(a[0]),
         232 => epoll::wait(a[0], a[1], a[2], a[3] as i32),
         233 => epoll::ctl(a[0], a[1], a[2], a[3]),
+        247 => fork::waitid(a[0], a[1], a[2], a[3]),
         257 => file::open(a[0], a[1], a[2], a[3]),
         258 => file::mkdir(a[0], a[1]),
         262 => file::stat(a[0], a[1], a[2], a[3]),
