@@ -243,6 +243,100 @@ static void waitid_info(void) {
     printf("fork: waitid ok\n");
 }
 
+static volatile sig_atomic_t chld_count, usr2_seen;
+static int report_fd;
+
+static void on_chld(int s) {
+    (void)s;
+    chld_count++;
+}
+
+static void on_usr2(int s) {
+    (void)s;
+    double x = 1.5; /* SSE state in the handler, restored after it */
+    usr2_seen = (int)(x * 2.0);
+}
+
+static void on_usr1_exit(int s) {
+    (void)s;
+    write(report_fd, "usr1", 4);
+    _exit(11);
+}
+
+/* A child blocked in read gets SIGUSR2: its handler runs, and the read is
+ * made again (SA_RESTART) or returns EINTR. */
+static int interrupted_read(int flags) {
+    int a[2], ready[2];
+    CHECK(pipe(a) == 0 && pipe(ready) == 0);
+    pid_t pid = fork();
+    if (pid == 0) {
+        struct sigaction sa = {0};
+        sa.sa_handler = on_usr2;
+        sa.sa_flags = flags;
+        CHECK(sigaction(SIGUSR2, &sa, NULL) == 0);
+        CHECK(write(ready[1], "r", 1) == 1);
+        char c = 0;
+        ssize_t n = read(a[0], &c, 1);
+        if (flags & SA_RESTART)
+            _exit(n == 1 && c == 'x' && usr2_seen == 3 ? 12 : 1);
+        _exit(n == -1 && errno == EINTR && usr2_seen == 3 ? 13 : 1);
+    }
+    char c;
+    CHECK(read(ready[0], &c, 1) == 1);
+    struct timespec nap = {0, 20 * 1000 * 1000};
+    nanosleep(&nap, NULL); /* the child is blocked in its read by now */
+    CHECK(kill(pid, SIGUSR2) == 0);
+    nanosleep(&nap, NULL);
+    CHECK(write(a[1], "x", 1) == 1);
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st));
+    close(a[0]);
+    close(a[1]);
+    close(ready[0]);
+    close(ready[1]);
+    return WEXITSTATUS(st);
+}
+
+/* Handlers: SIGCHLD in the parent (its waitpid restarted), SIGUSR2 in a
+ * child, restarted and not, SIGUSR1 in a child that exits from it (as
+ * redis-server's BGSAVE child does). */
+static void handlers(void) {
+    struct sigaction sa = {0};
+    sa.sa_handler = on_chld;
+    sa.sa_flags = SA_RESTART;
+    CHECK(sigaction(SIGCHLD, &sa, NULL) == 0);
+    pid_t pid = fork();
+    if (pid == 0)
+        _exit(0);
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid);
+    CHECK(chld_count == 1);
+    int restarted = interrupted_read(SA_RESTART), cut = interrupted_read(0);
+    CHECK(restarted == 12 && cut == 13);
+    int p[2];
+    CHECK(pipe(p) == 0);
+    pid = fork();
+    if (pid == 0) {
+        report_fd = p[1];
+        struct sigaction su = {0};
+        su.sa_handler = on_usr1_exit;
+        CHECK(sigaction(SIGUSR1, &su, NULL) == 0);
+        CHECK(write(p[1], "r", 1) == 1);
+        for (;;)
+            pause();
+    }
+    char msg[8] = {0};
+    CHECK(read(p[0], msg, 1) == 1);
+    CHECK(kill(pid, SIGUSR1) == 0);
+    CHECK(read(p[0], msg, 4) == 4 && memcmp(msg, "usr1", 4) == 0);
+    CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 11);
+    close(p[0]);
+    close(p[1]);
+    CHECK(chld_count == 4);
+    signal(SIGCHLD, SIG_DFL);
+    printf("fork: handlers ok sigchld=%d restarted=%d interrupted=%d usr1=%d\n", (int)chld_count, restarted, cut, WEXITSTATUS(st));
+}
+
 static int blocked_fd;
 
 static void *blocked_reader(void *arg) {
@@ -414,6 +508,7 @@ int main(int argc, char **argv) {
     streams_and_nesting();
     vfork_and_spawn();
     waitid_info();
+    handlers();
     threads_in_child();
     ignored_sigchld();
     printf("fork: all ok\n");

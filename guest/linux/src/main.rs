@@ -7,8 +7,10 @@
 //! brings up the devices the command line asks for, lays out the Linux
 //! start-up stack and jumps to the program's entry at CPL3. From then on the
 //! program's `syscall` instructions land in [`entry`] and are served by
-//! [`sys`]: memory, time, threads (cooperative, [`sched`]), files, pipes,
-//! sockets over the runtime's TCP/IP stack, and epoll.
+//! [`sys`]: memory, time, threads (cooperative, [`sched`]), processes
+//! ([`process`], each forked one in an address space of its own,
+//! [`aspace`]; signals, [`signal`]), files, pipes, sockets over the
+//! runtime's TCP/IP stack, and epoll.
 //!
 //! Command line: `RUNTIME-OPTIONS -- [NAME=VALUE...] PROGRAM ARGS...`
 //! ([`cmdline`]); runtime options are in [`options`].
@@ -31,6 +33,7 @@ mod pipe;
 mod process;
 mod random;
 mod sched;
+mod signal;
 mod start;
 mod sys;
 mod sysjmp;

@@ -11,11 +11,13 @@
 //!
 //! Signals between processes: `kill` carries out a signal's default action
 //! (terminate, or nothing for SIGCHLD, SIGURG, SIGWINCH, SIGCONT and the
-//! stop signals, which are not supported) or ignores it (SIG_IGN). Handlers
-//! are recorded but never run: there is no delivery onto a program's stack
-//! yet, so a signal aimed at a handler is dropped. A terminating signal
-//! wakes the target's threads, whose blocking calls return EINTR; each
-//! leaves as its system call ends, and the last one ends the process.
+//! stop signals, which are not supported), ignores it (SIG_IGN), or leaves
+//! it pending for its handler, which `signal` runs on the program's stack
+//! at the end of a system call of one of the process's threads (masks are
+//! not kept: a handler may run whenever a call ends). Either way the
+//! target's threads are woken and their blocking calls return EINTR. An
+//! ending process's threads each leave as their system call ends, and the
+//! last one ends the process.
 
 use alloc::collections::BTreeMap;
 use alloc::sync::Arc;
@@ -41,6 +43,33 @@ pub const NSIG: usize = 65;
 /// `Process::ending`'s mark, above the wait status.
 const ENDING: u64 = 1 << 32;
 
+/// A signal's disposition, as `rt_sigaction` gives it (`struct
+/// k_sigaction`): SIG_DFL (0), SIG_IGN (1) or a handler.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Action {
+    pub handler: u64,
+    pub flags: u64,
+    pub restorer: u64,
+    pub mask: u64,
+}
+
+impl Action {
+    fn catches(&self) -> bool {
+        self.handler > SIG_IGN
+    }
+}
+
+/// What `kill` did to its target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sent {
+    /// Ignored, or only asked about (signal 0).
+    Nothing,
+    /// The process is ending.
+    Ends,
+    /// Pending for its handler.
+    Caught,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Status {
     Running,
@@ -63,19 +92,21 @@ pub struct Process {
     /// return EINTR), so every call unwinds and drops what it held; the
     /// last one ends the process. Read at the end of every system call.
     ending: AtomicU64,
+    /// Signals waiting for their handlers, bit `sig - 1`.
+    pending: AtomicU64,
     inner: Mutex<Inner>,
 }
 
 struct Inner {
     ppid: u32,
     status: Status,
-    actions: [u64; NSIG],
+    actions: [Action; NSIG],
 }
 
 static TABLE: Mutex<BTreeMap<u32, Arc<Process>>> = Mutex::new(BTreeMap::new());
 
 impl Process {
-    fn new(pid: u32, ppid: u32, fds: FdTable, mem: Memory, space: Option<AddressSpace>, actions: [u64; NSIG]) -> Arc<Process> {
+    fn new(pid: u32, ppid: u32, fds: FdTable, mem: Memory, space: Option<AddressSpace>, actions: [Action; NSIG]) -> Arc<Process> {
         let root = space.as_ref().map_or(0, AddressSpace::root);
         let p = Arc::new(Process {
             pid,
@@ -84,6 +115,7 @@ impl Process {
             space: Mutex::new(space),
             root,
             ending: AtomicU64::new(0),
+            pending: AtomicU64::new(0),
             inner: Mutex::new(Inner { ppid, status: Status::Running, actions }),
         });
         TABLE.lock().insert(pid, p.clone());
@@ -92,7 +124,7 @@ impl Process {
 
     /// Process 1, the program the VM was started with.
     pub fn init(fds: FdTable, mem: Memory) -> Arc<Process> {
-        Process::new(INIT, 0, fds, mem, None, [SIG_DFL; NSIG])
+        Process::new(INIT, 0, fds, mem, None, [Action::default(); NSIG])
     }
 
     /// A child of `self` with these copies of its descriptors, memory and
@@ -118,15 +150,43 @@ impl Process {
         let _ = self.ending.compare_exchange(0, ENDING | u64::from(status as u32), Ordering::Relaxed, Ordering::Relaxed);
     }
 
-    /// sigaction's handler word for `sig`: set it to `new` if given; the
-    /// old one.
-    pub fn action(&self, sig: usize, new: Option<u64>) -> u64 {
+    /// The action for `sig`: set it to `new` if given; the old one.
+    pub fn action(&self, sig: usize, new: Option<Action>) -> Action {
         let mut i = self.inner.lock();
         let old = i.actions[sig];
         if let Some(new) = new {
             i.actions[sig] = new;
         }
         old
+    }
+
+    /// Whether a signal waits for its handler (blocking calls give way).
+    pub fn has_pending(&self) -> bool {
+        self.pending.load(Ordering::Relaxed) != 0
+    }
+
+    /// The lowest pending signal and its action now, taken off the pending
+    /// set. A signal whose handler was replaced meanwhile gets the new
+    /// disposition's treatment here (None unless it is still caught).
+    pub fn take_signal(&self) -> Option<(u32, Action)> {
+        let bits = self.pending.load(Ordering::Relaxed);
+        if bits == 0 {
+            return None;
+        }
+        let sig = bits.trailing_zeros() + 1;
+        self.pending.fetch_and(!(1 << (sig - 1)), Ordering::Relaxed);
+        let action = self.inner.lock().actions[sig as usize];
+        if action.catches() {
+            return Some((sig, action));
+        }
+        if action.handler == SIG_DFL && terminates(sig) {
+            self.begin_ending(signaled(sig));
+        }
+        None
+    }
+
+    fn catch(&self, sig: u32) {
+        self.pending.fetch_or(1 << (sig - 1), Ordering::Relaxed);
     }
 }
 
@@ -140,20 +200,25 @@ fn terminates(sig: u32) -> bool {
     !matches!(sig, 17..=23 | 28) && sig < 32
 }
 
-/// `kill(pid, sig)`: Ok(true) if the target is to end (the caller wakes
-/// its threads, see `sched::wake_process`).
-pub fn signal(pid: u32, sig: u32) -> Result<bool, Errno> {
+/// `kill(pid, sig)`: what it did (the caller wakes the target's threads
+/// unless nothing, see `sched::wake_process`).
+pub fn signal(pid: u32, sig: u32) -> Result<Sent, Errno> {
     let p = get(pid).ok_or(ESRCH)?;
     let i = p.inner.lock();
     if sig == 0 || i.status != Status::Running {
-        return Ok(false);
+        return Ok(Sent::Nothing);
     }
     let action = i.actions[sig as usize];
-    let ends = sig == SIGKILL || (action == SIG_DFL && terminates(sig));
-    if ends {
-        p.begin_ending(signaled(sig));
+    drop(i);
+    if sig != SIGKILL && action.catches() {
+        p.catch(sig);
+        return Ok(Sent::Caught);
     }
-    Ok(ends)
+    if sig == SIGKILL || (action.handler == SIG_DFL && terminates(sig)) {
+        p.begin_ending(signaled(sig));
+        return Ok(Sent::Ends);
+    }
+    Ok(Sent::Nothing)
 }
 
 /// The process `p` ended with wait status `status`: drop what it held,
@@ -178,9 +243,14 @@ pub fn end(p: &Arc<Process>, status: i32) -> Option<AddressSpace> {
             ci.ppid = INIT;
         }
     }
-    let ignored = t.get(&ppid).is_some_and(|parent| parent.inner.lock().actions[SIGCHLD as usize] == SIG_IGN);
-    if ignored {
-        t.remove(&p.pid);
+    // SIGCHLD: ignored by default; SIG_IGN reaps at once; a handler runs.
+    let action = t.get(&ppid).map(|parent| parent.inner.lock().actions[SIGCHLD as usize]);
+    match action {
+        Some(a) if a.handler == SIG_IGN => {
+            t.remove(&p.pid);
+        }
+        Some(a) if a.catches() => t[&ppid].catch(SIGCHLD),
+        _ => {}
     }
     space
 }

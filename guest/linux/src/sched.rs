@@ -214,10 +214,10 @@ pub fn spawn_in(proc: Arc<Process>, tid: u32, parent: &Frame, rsp: u64, fs_base:
 /// Block the running thread until woken (see [`Wait`]) or guest time
 /// reaches `deadline` (`u64::MAX`: never). Returns when it may run again;
 /// the caller re-checks its condition. EINTR when its process is ending
-/// (a terminating signal, another thread's `exit_group`): the call is to
-/// give up.
+/// (a terminating signal, another thread's `exit_group`) or a signal waits
+/// for its handler: the call is to give up.
 pub fn block(wait: Wait, deadline: u64) -> Result<(), Errno> {
-    if current_process().ending().is_some() {
+    if interrupted(&current_process()) {
         return Err(EINTR);
     }
     {
@@ -226,13 +226,20 @@ pub fn block(wait: Wait, deadline: u64) -> Result<(), Errno> {
         s.threads[i].state = State::Blocked(wait, deadline);
     }
     schedule();
-    match current_process().ending() {
-        Some(_) => Err(EINTR),
-        None => Ok(()),
+    if interrupted(&current_process()) {
+        return Err(EINTR);
     }
+    Ok(())
 }
 
-/// Make every blocked thread of process `pid` runnable (it is ending).
+/// Whether a blocking call of `p`'s is to give up: the process is ending,
+/// or a signal waits for its handler.
+fn interrupted(p: &Process) -> bool {
+    p.ending().is_some() || p.has_pending()
+}
+
+/// Make every blocked thread of process `pid` runnable (it is ending, or
+/// a signal waits for its handler).
 pub fn wake_process(pid: u32) {
     let mut s = SCHED.lock();
     for t in s.threads.iter_mut().filter(|t| t.proc.pid == pid) {
@@ -356,6 +363,8 @@ fn end_process(proc: &Arc<Process>, status: i32) {
     if let Some(space) = process::end(proc, status) {
         SCHED.lock().dead_spaces.push(space);
     }
+    // A SIGCHLD handler interrupts whatever the parent waits in.
+    wake_process(proc.ppid());
     // The parent may be in wait4.
     wake_io();
 }

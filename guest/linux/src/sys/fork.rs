@@ -108,7 +108,7 @@ pub fn kill(pid: u64, sig: u64) -> SysResult {
     if pid <= 0 {
         return Err(ESRCH);
     }
-    if process::signal(pid as u32, sig)? {
+    if process::signal(pid as u32, sig)? != process::Sent::Nothing {
         sched::wake_process(pid as u32);
     }
     Ok(0)

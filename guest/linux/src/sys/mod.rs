@@ -48,6 +48,7 @@ pub fn dispatch(frame: &mut Frame) {
         12 => mem::brk(a[0]),
         13 => proc::rt_sigaction(a[0], a[1], a[2], a[3]),
         14 => proc::rt_sigprocmask(a[0], a[1], a[2], a[3]),
+        15 => crate::signal::sigreturn(frame),
         16 => io::ioctl(a[0], a[1], a[2]),
         17 => io::pread(a[0], a[1], a[2], a[3]),
         18 => io::pwrite(a[0], a[1], a[2], a[3]),
@@ -148,6 +149,7 @@ pub fn dispatch(frame: &mut Frame) {
         Ok(v) => v,
         Err(e) => (e as i64).wrapping_neg() as u64,
     };
+    crate::signal::deliver(frame, nr);
     // The process is ending: the call has unwound, the thread leaves here.
     if let Some(status) = sched::end_of_call() {
         sched::exit_thread(status);

@@ -1,6 +1,5 @@
-//! The process: identity, limits, exit, signal dispositions (recorded for
-//! `kill`'s default actions; handlers are never run, see `process`), the
-//! thread pointer, randomness.
+//! The process: identity, limits, exit, signal dispositions (see `process`
+//! and `signal`), the thread pointer, randomness.
 
 use core::sync::atomic::{AtomicU64, Ordering};
 
@@ -39,11 +38,8 @@ pub fn arch_prctl(code: u64, addr: u64) -> SysResult {
     }
 }
 
-/// The handler word of each action is kept per process (what `kill`'s
-/// default actions and SIGCHLD's SIG_IGN look at); flags, masks and
-/// restorers are not: the old action reads back as its handler alone.
-/// Handlers are never run, which a program that only installs them for
-/// SIGPIPE, SIGTERM and crashes does not notice.
+/// The actions are kept per process (what `kill`, SIGCHLD and `signal`
+/// go by); `sa_mask` is kept and given back but not applied (no masks).
 pub fn rt_sigaction(sig: u64, act: u64, old: u64, size: u64) -> SysResult {
     const SIGSTOP: u64 = 19;
     if sig == 0 || sig as usize >= crate::process::NSIG || size != 8 {
@@ -52,12 +48,15 @@ pub fn rt_sigaction(sig: u64, act: u64, old: u64, size: u64) -> SysResult {
     if act != 0 && (sig == u64::from(crate::process::SIGKILL) || sig == SIGSTOP) {
         return Err(EINVAL);
     }
-    let new = if act != 0 { Some(user::read::<u64>(act)?) } else { None };
+    let new = if act != 0 {
+        let [handler, flags, restorer, mask]: [u64; 4] = user::read(act)?;
+        Some(crate::process::Action { handler, flags, restorer, mask })
+    } else {
+        None
+    };
     let prev = sched::current_process().action(sig as usize, new);
     if old != 0 {
-        let out = user::bytes_mut(old, 32)?;
-        out.fill(0);
-        out[0..8].copy_from_slice(&prev.to_le_bytes());
+        user::write(old, [prev.handler, prev.flags, prev.restorer, prev.mask])?;
     }
     Ok(0)
 }
@@ -69,8 +68,8 @@ pub fn rt_sigprocmask(_how: u64, _set: u64, old: u64, size: u64) -> SysResult {
     Ok(0)
 }
 
-/// No handler ever runs, so only a signal that ends the process ends the
-/// wait (EINTR, and the thread leaves).
+/// Until a signal: one that ends the process, or one whose handler runs
+/// (EINTR either way).
 pub fn pause() -> SysResult {
     loop {
         sched::block(sched::Wait::Sleep, u64::MAX)?;
