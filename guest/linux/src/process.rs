@@ -14,10 +14,10 @@
 //! stop signals, which are not supported), ignores it (SIG_IGN), or leaves
 //! it pending for its handler, which `signal` runs on the program's stack
 //! at the end of a system call of one of the process's threads (masks are
-//! not kept: a handler may run whenever a call ends). Either way the
-//! target's threads are woken and their blocking calls return EINTR. An
-//! ending process's threads each leave as their system call ends, and the
-//! last one ends the process.
+//! not kept: a handler may run whenever a call ends); one of its blocked
+//! threads is woken for it, its call returns EINTR (or is made again after
+//! the handler, SA_RESTART). An ending process's threads are all woken,
+//! each leaves as its system call ends, and the last one ends the process.
 
 use alloc::collections::BTreeMap;
 use alloc::sync::Arc;
@@ -200,8 +200,8 @@ fn terminates(sig: u32) -> bool {
     !matches!(sig, 17..=23 | 28) && sig < 32
 }
 
-/// `kill(pid, sig)`: what it did (the caller wakes the target's threads
-/// unless nothing, see `sched::wake_process`).
+/// `kill(pid, sig)`: what it did (the caller wakes the target's threads,
+/// or one of them for a handler: `sched::wake_process`, `sched::wake_one`).
 pub fn signal(pid: u32, sig: u32) -> Result<Sent, Errno> {
     let p = get(pid).ok_or(ESRCH)?;
     let i = p.inner.lock();

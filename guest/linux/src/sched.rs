@@ -238,8 +238,17 @@ fn interrupted(p: &Process) -> bool {
     p.ending().is_some() || p.has_pending()
 }
 
-/// Make every blocked thread of process `pid` runnable (it is ending, or
-/// a signal waits for its handler).
+/// Make one blocked thread of process `pid` runnable, to run the handler
+/// of a signal now pending (one thread takes it, as on Linux: waking all
+/// would cut the others' calls short with EINTR and nothing to run).
+pub fn wake_one(pid: u32) {
+    let mut s = SCHED.lock();
+    if let Some(t) = s.threads.iter_mut().find(|t| t.proc.pid == pid && matches!(t.state, State::Blocked(..))) {
+        t.state = State::Runnable;
+    }
+}
+
+/// Make every blocked thread of process `pid` runnable (it is ending).
 pub fn wake_process(pid: u32) {
     let mut s = SCHED.lock();
     for t in s.threads.iter_mut().filter(|t| t.proc.pid == pid) {
@@ -363,8 +372,12 @@ fn end_process(proc: &Arc<Process>, status: i32) {
     if let Some(space) = process::end(proc, status) {
         SCHED.lock().dead_spaces.push(space);
     }
-    // A SIGCHLD handler interrupts whatever the parent waits in.
-    wake_process(proc.ppid());
+    // A SIGCHLD handler interrupts what the parent waits in.
+    if let Some(parent) = process::get(proc.ppid()) {
+        if parent.has_pending() {
+            wake_one(parent.pid);
+        }
+    }
     // The parent may be in wait4.
     wake_io();
 }

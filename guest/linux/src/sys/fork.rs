@@ -108,8 +108,10 @@ pub fn kill(pid: u64, sig: u64) -> SysResult {
     if pid <= 0 {
         return Err(ESRCH);
     }
-    if process::signal(pid as u32, sig)? != process::Sent::Nothing {
-        sched::wake_process(pid as u32);
+    match process::signal(pid as u32, sig)? {
+        process::Sent::Nothing => {}
+        process::Sent::Ends => sched::wake_process(pid as u32),
+        process::Sent::Caught => sched::wake_one(pid as u32),
     }
     Ok(0)
 }
