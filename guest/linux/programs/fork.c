@@ -243,7 +243,7 @@ static void waitid_info(void) {
     printf("fork: waitid ok\n");
 }
 
-static volatile sig_atomic_t chld_count, usr2_seen;
+static volatile sig_atomic_t chld_count, usr2_seen, usr2_masked;
 static int report_fd;
 
 static void on_chld(int s) {
@@ -255,6 +255,29 @@ static void on_usr2(int s) {
     (void)s;
     double x = 1.5; /* SSE state in the handler, restored after it */
     usr2_seen = (int)(x * 2.0);
+    sigset_t cur;
+    sigprocmask(SIG_BLOCK, NULL, &cur);
+    usr2_masked = sigismember(&cur, SIGUSR2);
+}
+
+/* A signal blocked by sigprocmask waits, and runs as the unblocking call
+ * ends; its handler runs with it blocked, and the old mask comes back. */
+static void masks(void) {
+    struct sigaction sa = {0};
+    sa.sa_handler = on_usr2;
+    CHECK(sigaction(SIGUSR2, &sa, NULL) == 0);
+    usr2_seen = usr2_masked = 0;
+    sigset_t set, old, cur;
+    sigemptyset(&set);
+    sigaddset(&set, SIGUSR2);
+    CHECK(sigprocmask(SIG_BLOCK, &set, &old) == 0);
+    CHECK(kill(getpid(), SIGUSR2) == 0);
+    int waited = usr2_seen == 0;
+    CHECK(sigprocmask(SIG_SETMASK, &old, NULL) == 0);
+    CHECK(usr2_seen == 3 && usr2_masked == 1);
+    CHECK(sigprocmask(SIG_BLOCK, NULL, &cur) == 0 && !sigismember(&cur, SIGUSR2));
+    signal(SIGUSR2, SIG_DFL);
+    printf("fork: masks ok waited=%d handler_masked=%d\n", waited, (int)usr2_masked);
 }
 
 static void on_usr1_exit(int s) {
@@ -509,6 +532,7 @@ int main(int argc, char **argv) {
     vfork_and_spawn();
     waitid_info();
     handlers();
+    masks();
     threads_in_child();
     ignored_sigchld();
     printf("fork: all ok\n");

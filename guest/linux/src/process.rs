@@ -160,16 +160,17 @@ impl Process {
         old
     }
 
-    /// Whether a signal waits for its handler (blocking calls give way).
-    pub fn has_pending(&self) -> bool {
-        self.pending.load(Ordering::Relaxed) != 0
+    /// The signals waiting for their handlers that `mask` does not block.
+    pub fn pending(&self, mask: u64) -> u64 {
+        self.pending.load(Ordering::Relaxed) & !mask
     }
 
-    /// The lowest pending signal and its action now, taken off the pending
-    /// set. A signal whose handler was replaced meanwhile gets the new
-    /// disposition's treatment here (None unless it is still caught).
-    pub fn take_signal(&self) -> Option<(u32, Action)> {
-        let bits = self.pending.load(Ordering::Relaxed);
+    /// The lowest pending signal `mask` does not block, and its action now,
+    /// taken off the pending set. A signal whose handler was replaced
+    /// meanwhile gets the new disposition's treatment here (None unless it
+    /// is still caught).
+    pub fn take_signal(&self, mask: u64) -> Option<(u32, Action)> {
+        let bits = self.pending(mask);
         if bits == 0 {
             return None;
         }

@@ -73,6 +73,9 @@ pub struct Thread {
     pub fs_base: u64,
     /// `set_tid_address` / CLONE_CHILD_CLEARTID: zeroed and woken at exit.
     pub clear_child_tid: u64,
+    /// Signals blocked (bit `sig - 1`): sigprocmask, and a handler's own
+    /// signal and `sa_mask` while it runs.
+    pub sigmask: u64,
     state: State,
     /// Set by a futex wake, cleared by the waiter.
     pub woken: bool,
@@ -87,6 +90,7 @@ impl Thread {
             ksp: 0,
             fs_base: 0,
             clear_child_tid: 0,
+            sigmask: 0,
             state: State::Runnable,
             woken: false,
         })
@@ -194,7 +198,10 @@ pub fn spawn(parent: &Frame, rsp: u64, fs_base: u64, clear_child_tid: u64) -> u3
 /// A new thread `tid` of `proc`, as for [`spawn`].
 pub fn spawn_in(proc: Arc<Process>, tid: u32, parent: &Frame, rsp: u64, fs_base: u64, clear_child_tid: u64) {
     let mut s = SCHED.lock();
+    // A new thread or process starts with its creator's signal mask.
+    let sigmask = s.threads[s.current].sigmask;
     let mut t = Thread::new(tid, proc);
+    t.sigmask = sigmask;
     t.fs_base = fs_base;
     t.clear_child_tid = clear_child_tid;
     let f = t.first_frame();
@@ -217,7 +224,7 @@ pub fn spawn_in(proc: Arc<Process>, tid: u32, parent: &Frame, rsp: u64, fs_base:
 /// (a terminating signal, another thread's `exit_group`) or a signal waits
 /// for its handler: the call is to give up.
 pub fn block(wait: Wait, deadline: u64) -> Result<(), Errno> {
-    if interrupted(&current_process()) {
+    if interrupted() {
         return Err(EINTR);
     }
     {
@@ -226,16 +233,18 @@ pub fn block(wait: Wait, deadline: u64) -> Result<(), Errno> {
         s.threads[i].state = State::Blocked(wait, deadline);
     }
     schedule();
-    if interrupted(&current_process()) {
+    if interrupted() {
         return Err(EINTR);
     }
     Ok(())
 }
 
-/// Whether a blocking call of `p`'s is to give up: the process is ending,
-/// or a signal waits for its handler.
-fn interrupted(p: &Process) -> bool {
-    p.ending().is_some() || p.has_pending()
+/// Whether the running thread's blocking call is to give up: its process
+/// is ending, or a signal it does not block waits for its handler.
+fn interrupted() -> bool {
+    let s = SCHED.lock();
+    let t = &s.threads[s.current];
+    t.proc.ending().is_some() || t.proc.pending(t.sigmask) != 0
 }
 
 /// Make one blocked thread of process `pid` runnable, to run the handler
@@ -243,7 +252,9 @@ fn interrupted(p: &Process) -> bool {
 /// would cut the others' calls short with EINTR and nothing to run).
 pub fn wake_one(pid: u32) {
     let mut s = SCHED.lock();
-    if let Some(t) = s.threads.iter_mut().find(|t| t.proc.pid == pid && matches!(t.state, State::Blocked(..))) {
+    if let Some(t) =
+        s.threads.iter_mut().find(|t| t.proc.pid == pid && matches!(t.state, State::Blocked(..)) && t.proc.pending(t.sigmask) != 0)
+    {
         t.state = State::Runnable;
     }
 }
@@ -374,7 +385,7 @@ fn end_process(proc: &Arc<Process>, status: i32) {
     }
     // A SIGCHLD handler interrupts what the parent waits in.
     if let Some(parent) = process::get(proc.ppid()) {
-        if parent.has_pending() {
+        if parent.pending(0) != 0 {
             wake_one(parent.pid);
         }
     }

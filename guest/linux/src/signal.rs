@@ -6,9 +6,11 @@
 //! `rt_sigreturn` puts the registers back. A call the signal interrupted
 //! (EINTR) is made again after the handler with SA_RESTART, by returning to
 //! its `syscall` instruction (a rewritten site keeps its `0f 05`, which
-//! traps and is served). Not kept: signal masks (`sa_mask`, sigprocmask),
-//! alternate stacks, SA_NODEFER (a handler may be entered again at the end
-//! of a call it makes).
+//! traps and is served). Each thread has a signal mask (sigprocmask); a
+//! blocked signal stays pending until unblocked, and while a handler runs
+//! its signal (unless SA_NODEFER) and `sa_mask` are blocked too, until its
+//! `rt_sigreturn` puts the old mask back. Not supported: alternate stacks
+//! (the handler runs on the interrupted stack).
 
 use crate::entry::Frame;
 use crate::errno::{Errno, EFAULT, EINTR};
@@ -17,6 +19,7 @@ use crate::sched;
 use crate::sys::user;
 
 const SA_RESTORER: u64 = 0x0400_0000;
+const SA_NODEFER: u64 = 0x4000_0000;
 const SA_RESTART: u64 = 0x1000_0000;
 const SA_RESETHAND: u64 = 0x8000_0000;
 /// rt_sigreturn, pause, nanosleep, clock_nanosleep: never restarted.
@@ -36,7 +39,8 @@ const USER_CS: u64 = 0x2b;
 /// of a pending signal, if any, when this thread returns to the program.
 pub fn deliver(frame: &mut Frame, nr: u64) {
     let p = sched::current_process();
-    let Some((sig, action)) = p.take_signal() else { return };
+    let mask = sched::with_current(|t| t.sigmask);
+    let Some((sig, action)) = p.take_signal(mask) else { return };
     if action.flags & SA_RESTORER == 0 {
         // No way back from the handler (libc always gives one).
         return;
@@ -48,15 +52,55 @@ pub fn deliver(frame: &mut Frame, nr: u64) {
     if action.flags & SA_RESETHAND != 0 {
         p.action(sig as usize, Some(process::Action::default()));
     }
-    if push_frame(frame, sig, &action).is_err() {
+    if push_frame(frame, sig, &action, mask).is_err() {
         // As Linux does when the stack cannot take the frame.
         p.begin_ending(process::signaled(SIGSEGV));
+        return;
     }
+    let own = if action.flags & SA_NODEFER != 0 { 0 } else { bit(sig) };
+    sched::with_current(|t| t.sigmask = unblockable(mask | action.mask | own));
+}
+
+fn bit(sig: u32) -> u64 {
+    1 << (sig - 1)
+}
+
+/// `mask` without SIGKILL and SIGSTOP, which cannot be blocked.
+pub fn unblockable(mask: u64) -> u64 {
+    mask & !(bit(process::SIGKILL) | bit(19))
+}
+
+/// rt_sigprocmask: the calling thread's mask (SIG_BLOCK, SIG_UNBLOCK,
+/// SIG_SETMASK). A pending signal it unblocks runs its handler as the call
+/// ends.
+pub fn sigprocmask(how: u64, set: u64, old: u64, size: u64) -> Result<u64, Errno> {
+    if size != 8 {
+        return Err(crate::errno::EINVAL);
+    }
+    let cur = sched::with_current(|t| t.sigmask);
+    let new = if set != 0 {
+        let set: u64 = user::read(set)?;
+        Some(match how {
+            0 => cur | set,
+            1 => cur & !set,
+            2 => set,
+            _ => return Err(crate::errno::EINVAL),
+        })
+    } else {
+        None
+    };
+    if old != 0 {
+        user::write(old, cur)?;
+    }
+    if let Some(new) = new {
+        sched::with_current(|t| t.sigmask = unblockable(new));
+    }
+    Ok(0)
 }
 
 const SIGSEGV: u32 = 11;
 
-fn push_frame(frame: &mut Frame, sig: u32, action: &process::Action) -> Result<(), Errno> {
+fn push_frame(frame: &mut Frame, sig: u32, action: &process::Action, mask: u64) -> Result<(), Errno> {
     let fx = (frame.rsp.checked_sub(RED_ZONE + FX_SIZE).ok_or(EFAULT)?) & !63;
     // The handler is entered as after a call: rsp + 8 16-byte aligned.
     let start = ((fx - (8 + UC_SIZE + INFO_SIZE)) & !15) - 8;
@@ -97,6 +141,9 @@ fn push_frame(frame: &mut Frame, sig: u32, action: &process::Action) -> Result<(
         let at = (8 + MCONTEXT) as usize + i * 8;
         out[at..at + 8].copy_from_slice(&g.to_le_bytes());
     }
+    // uc_sigmask: what rt_sigreturn puts back.
+    let m = (8 + UC_SIZE - 8) as usize;
+    out[m..m + 8].copy_from_slice(&mask.to_le_bytes());
     let si = (8 + UC_SIZE) as usize;
     out[si..si + 4].copy_from_slice(&(sig as i32).to_le_bytes());
     frame.rsp = start;
@@ -140,5 +187,7 @@ pub fn sigreturn(frame: &mut Frame) -> Result<u64, Errno> {
     frame.rsp = g[15];
     frame.rip = g[16];
     frame.rflags = (g[17] & USER_FLAGS) | 0x2;
+    let mask: u64 = user::read(uc + UC_SIZE - 8)?;
+    sched::with_current(|t| t.sigmask = unblockable(mask));
     Ok(g[13])
 }

@@ -186,6 +186,7 @@ fn forked_children_have_their_own_memory_and_are_reaped() {
             "fork: vfork ok status=9 spawn=ENOSYS\n",
             "fork: waitid ok\n",
             "fork: handlers ok sigchld=4 restarted=12 interrupted=13 usr1=11\n",
+            "fork: masks ok waited=1 handler_masked=1\n",
             "fork: threads in a child ok\n",
             "fork: sigchld ignored ok\n",
             "fork: all ok\n",

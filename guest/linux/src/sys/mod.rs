@@ -47,7 +47,7 @@ pub fn dispatch(frame: &mut Frame) {
         11 => mem::munmap(a[0], a[1]),
         12 => mem::brk(a[0]),
         13 => proc::rt_sigaction(a[0], a[1], a[2], a[3]),
-        14 => proc::rt_sigprocmask(a[0], a[1], a[2], a[3]),
+        14 => crate::signal::sigprocmask(a[0], a[1], a[2], a[3]),
         15 => crate::signal::sigreturn(frame),
         16 => io::ioctl(a[0], a[1], a[2]),
         17 => io::pread(a[0], a[1], a[2], a[3]),

@@ -39,7 +39,7 @@ pub fn arch_prctl(code: u64, addr: u64) -> SysResult {
 }
 
 /// The actions are kept per process (what `kill`, SIGCHLD and `signal`
-/// go by); `sa_mask` is kept and given back but not applied (no masks).
+/// go by).
 pub fn rt_sigaction(sig: u64, act: u64, old: u64, size: u64) -> SysResult {
     const SIGSTOP: u64 = 19;
     if sig == 0 || sig as usize >= crate::process::NSIG || size != 8 {
@@ -57,13 +57,6 @@ pub fn rt_sigaction(sig: u64, act: u64, old: u64, size: u64) -> SysResult {
     let prev = sched::current_process().action(sig as usize, new);
     if old != 0 {
         user::write(old, [prev.handler, prev.flags, prev.restorer, prev.mask])?;
-    }
-    Ok(0)
-}
-
-pub fn rt_sigprocmask(_how: u64, _set: u64, old: u64, size: u64) -> SysResult {
-    if old != 0 {
-        user::bytes_mut(old, size.min(128))?.fill(0);
     }
     Ok(0)
 }
