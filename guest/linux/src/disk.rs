@@ -19,12 +19,19 @@ impl BlockDevice for Blk {
         self.0.capacity_sectors() / SECTORS_PER_BLOCK
     }
 
+    // The device reads and writes guest-physical memory, and `buf` may be
+    // a forked process's (elsewhere in RAM than its address says): the data
+    // goes through runtime memory, identity-mapped in every process.
     fn read(&mut self, block: u64, buf: &mut [u8]) -> Result<(), IoError> {
-        self.0.read(block * SECTORS_PER_BLOCK, buf).map_err(report)
+        let mut bounce = alloc::vec![0u8; buf.len()];
+        self.0.read(block * SECTORS_PER_BLOCK, &mut bounce).map_err(report)?;
+        buf.copy_from_slice(&bounce);
+        Ok(())
     }
 
     fn write(&mut self, block: u64, buf: &[u8]) -> Result<(), IoError> {
-        self.0.write(block * SECTORS_PER_BLOCK, buf).map_err(report)
+        let bounce = buf.to_vec();
+        self.0.write(block * SECTORS_PER_BLOCK, &bounce).map_err(report)
     }
 
     fn flush(&mut self) -> Result<(), IoError> {

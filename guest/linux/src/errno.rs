@@ -4,6 +4,8 @@ pub type Errno = u64;
 
 pub const EPERM: Errno = 1;
 pub const ENOENT: Errno = 2;
+pub const ESRCH: Errno = 3;
+pub const EINTR: Errno = 4;
 pub const EIO: Errno = 5;
 pub const E2BIG: Errno = 7;
 pub const ENOEXEC: Errno = 8;

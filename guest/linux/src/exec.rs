@@ -63,8 +63,12 @@ pub fn set_exe(path: &str) {
     *EXE.lock() = path.into();
 }
 
+/// Where the loader takes fresh zero memory of a length: the starting
+/// program's allocator (before there is a process), or the calling process's.
+pub type Reserve<'a> = &'a mut dyn FnMut(u64) -> Result<u64, crate::errno::Errno>;
+
 /// Copy `elf` (the bytes `file`) to a free range; returns the load bias.
-fn place(path: &str, elf: &Elf, file: &[u8]) -> Result<u64, Failed> {
+fn place(path: &str, elf: &Elf, file: &[u8], reserve: Reserve) -> Result<u64, Failed> {
     if !elf.relocatable {
         return Err(failed(
             ENOEXEC,
@@ -74,7 +78,7 @@ fn place(path: &str, elf: &Elf, file: &[u8]) -> Result<u64, Failed> {
         ));
     }
     let span = elf.span();
-    let at = crate::sys::mem::reserve(span).map_err(|e| failed(e, format!("{path}: no room for {} KiB: errno {e}", span >> 10)))?;
+    let at = reserve(span).map_err(|e| failed(e, format!("{path}: no room for {} KiB: errno {e}", span >> 10)))?;
     // SAFETY: [at, at + span) was just reserved for the program and is
     // zero (fresh mappings are); nothing else refers to it yet.
     let dst = unsafe { core::slice::from_raw_parts_mut(at as *mut u8, span as usize) };
@@ -91,10 +95,10 @@ fn parse<'a>(path: &str, file: &'a [u8]) -> Result<Elf<'a>, Failed> {
 }
 
 /// Load the program at `path` (and its interpreter) into fresh memory.
-pub fn load(path: &str) -> Result<Loaded, Failed> {
+pub fn load(path: &str, reserve: Reserve) -> Result<Loaded, Failed> {
     let file = read(path)?;
     let elf = parse(path, &file)?;
-    let bias = place(path, &elf, &file)?;
+    let bias = place(path, &elf, &file, reserve)?;
     let mut text: Vec<(u64, u64)> = elf.text(bias).collect();
     let (entry, base) = match elf.interp {
         Some(interp_path) => {
@@ -103,7 +107,7 @@ pub fn load(path: &str) -> Result<Loaded, Failed> {
             if interp.interp.is_some() {
                 return Err(failed(ENOEXEC, format!("interpreter {interp_path} asks for an interpreter itself")));
             }
-            let ibias = place(interp_path, &interp, &ifile)?;
+            let ibias = place(interp_path, &interp, &ifile, reserve)?;
             text.extend(interp.text(ibias));
             // AT_BASE is the interpreter's load bias, as Linux gives it.
             (interp.entry + ibias, ibias)
@@ -145,7 +149,7 @@ pub fn common_auxv() -> Vec<(u64, u64)> {
     auxv
 }
 
-/// execve, in the one process there is: replace the running program with
+/// execve, in a program that runs alone: replace the running program with
 /// the one at `path` and return the frame that enters it. Everything that
 /// can fail is checked while the old program is still there to be told
 /// (a file that is not there, not an ELF, not position-independent, other
@@ -161,8 +165,13 @@ pub fn replace(path: &str, argv: &[String], env: &[String]) -> Result<Frame, Fai
         let ifile = read(interp)?;
         parse(interp, &ifile)?;
     }
-    if sched::live_threads() > 1 {
-        return Err(failed(EAGAIN, format!("execve {path}: other threads are running (execve from a single-threaded program only)")));
+    // The loaded text is every process's (`sysjmp`): a program that runs
+    // alone is replaced, one beside other threads or processes is not.
+    if sched::live_threads() > 1 || crate::process::running() > 1 {
+        return Err(failed(
+            EAGAIN,
+            format!("execve {path}: other threads or processes are running (execve from a program that runs alone only)"),
+        ));
     }
     drop(file);
     // No way back from here: a failure ends the program, as on Linux.
@@ -174,7 +183,7 @@ pub fn replace(path: &str, argv: &[String], env: &[String]) -> Result<Frame, Fai
     fd::close_on_exec();
     let stack =
         crate::sys::mem::reserve(crate::MAIN_STACK).unwrap_or_else(|e| fatal(failed(e, format!("no room for the stack: errno {e}"))));
-    let loaded = load(path).unwrap_or_else(|f| fatal(f));
+    let loaded = load(path, &mut crate::sys::mem::reserve).unwrap_or_else(|f| fatal(f));
     sysjmp::set_text(loaded.text);
     sched::with_current(|t| {
         t.fs_base = 0;

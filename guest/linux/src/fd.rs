@@ -1,11 +1,11 @@
-//! The file descriptor table: numbers to open file descriptions, which
-//! `dup` shares, and the readiness of each kind of object for epoll.
+//! The file descriptor table of the calling process: numbers to open file
+//! descriptions, which `dup` and `fork` share (a description's object is
+//! released when its last descriptor in any process closes), and the
+//! readiness of each kind of object for epoll.
 
 use alloc::sync::Arc;
 use alloc::vec::Vec;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-
-use spin::Mutex;
 
 use crate::errno::{Errno, EBADF, EMFILE};
 use crate::{fs, net, pipe};
@@ -76,30 +76,46 @@ impl Drop for Desc {
     }
 }
 
+#[derive(Clone)]
 struct Slot {
     desc: Arc<Desc>,
     cloexec: bool,
 }
 
-static TABLE: Mutex<Vec<Option<Slot>>> = Mutex::new(Vec::new());
+/// One process's descriptors; a clone shares every open file description
+/// (what `fork` gives the child).
+#[derive(Clone, Default)]
+pub struct FdTable(Vec<Option<Slot>>);
 
-pub fn init_stdio() {
-    let mut t = TABLE.lock();
-    t.clear();
-    t.push(Some(Slot { desc: Desc::new(Object::Stdin, 0), cloexec: false }));
-    let console = Desc::new(Object::Console, O_WRONLY);
-    t.push(Some(Slot { desc: console.clone(), cloexec: false }));
-    t.push(Some(Slot { desc: console, cloexec: false }));
+impl FdTable {
+    /// stdin, and stdout and stderr on the console.
+    pub fn stdio() -> FdTable {
+        let console = Desc::new(Object::Console, O_WRONLY);
+        FdTable(alloc::vec![
+            Some(Slot { desc: Desc::new(Object::Stdin, 0), cloexec: false }),
+            Some(Slot { desc: console.clone(), cloexec: false }),
+            Some(Slot { desc: console, cloexec: false }),
+        ])
+    }
+}
+
+/// `f` on the calling process's table.
+fn with_table<R>(f: impl FnOnce(&mut Vec<Option<Slot>>) -> R) -> R {
+    let p = crate::sched::current_process();
+    let mut t = p.fds.lock();
+    f(&mut t.0)
 }
 
 pub fn get(fd: u64) -> Result<Arc<Desc>, Errno> {
-    let t = TABLE.lock();
-    t.get(fd as usize).and_then(|s| s.as_ref()).map(|s| s.desc.clone()).ok_or(EBADF)
+    with_table(|t| t.get(fd as usize).and_then(|s| s.as_ref()).map(|s| s.desc.clone()).ok_or(EBADF))
 }
 
 /// Install `desc` at the lowest free number at or above `min`.
 pub fn install_from(desc: Arc<Desc>, cloexec: bool, min: usize) -> Result<u64, Errno> {
-    let mut t = TABLE.lock();
+    with_table(|t| install_in(t, desc, cloexec, min))
+}
+
+fn install_in(t: &mut Vec<Option<Slot>>, desc: Arc<Desc>, cloexec: bool, min: usize) -> Result<u64, Errno> {
     let free = (min..t.len()).find(|&i| t[i].is_none());
     let i = match free {
         Some(i) => i,
@@ -126,13 +142,12 @@ pub fn install_at(desc: Arc<Desc>, fd: u64, cloexec: bool) -> Result<u64, Errno>
     if fd >= MAX_FDS {
         return Err(EBADF);
     }
-    let old = {
-        let mut t = TABLE.lock();
+    let old = with_table(|t| {
         while t.len() <= fd {
             t.push(None);
         }
         t[fd].replace(Slot { desc, cloexec })
-    };
+    });
     if old.is_some() {
         crate::sys::epoll::forget_fd(fd as u64);
     }
@@ -141,10 +156,7 @@ pub fn install_at(desc: Arc<Desc>, fd: u64, cloexec: bool) -> Result<u64, Errno>
 }
 
 pub fn close(fd: u64) -> Result<(), Errno> {
-    let slot = {
-        let mut t = TABLE.lock();
-        t.get_mut(fd as usize).and_then(Option::take).ok_or(EBADF)?
-    };
+    let slot = with_table(|t| t.get_mut(fd as usize).and_then(Option::take).ok_or(EBADF))?;
     crate::sys::epoll::forget_fd(fd);
     // Dropped outside the table lock: the object's release may take others.
     drop(slot);
@@ -153,14 +165,13 @@ pub fn close(fd: u64) -> Result<(), Errno> {
 
 /// execve: close the descriptors marked close-on-exec.
 pub fn close_on_exec() {
-    let closed: Vec<(u64, Slot)> = {
-        let mut t = TABLE.lock();
+    let closed: Vec<(u64, Slot)> = with_table(|t| {
         t.iter_mut()
             .enumerate()
             .filter(|(_, s)| s.as_ref().is_some_and(|s| s.cloexec))
             .filter_map(|(i, s)| Some((i as u64, s.take()?)))
             .collect()
-    };
+    });
     for (fd, slot) in closed {
         crate::sys::epoll::forget_fd(fd);
         drop(slot);
@@ -168,15 +179,20 @@ pub fn close_on_exec() {
 }
 
 pub fn cloexec(fd: u64) -> Result<bool, Errno> {
-    let t = TABLE.lock();
-    t.get(fd as usize).and_then(|s| s.as_ref()).map(|s| s.cloexec).ok_or(EBADF)
+    with_table(|t| t.get(fd as usize).and_then(|s| s.as_ref()).map(|s| s.cloexec).ok_or(EBADF))
 }
 
 pub fn set_cloexec(fd: u64, on: bool) -> Result<(), Errno> {
-    let mut t = TABLE.lock();
-    let s = t.get_mut(fd as usize).and_then(|s| s.as_mut()).ok_or(EBADF)?;
-    s.cloexec = on;
-    Ok(())
+    with_table(|t| {
+        let s = t.get_mut(fd as usize).and_then(|s| s.as_mut()).ok_or(EBADF)?;
+        s.cloexec = on;
+        Ok(())
+    })
+}
+
+/// A copy of the calling process's table for its child.
+pub fn fork_table() -> FdTable {
+    crate::sched::current_process().fds.lock().clone()
 }
 
 /// What the object behind `fd` is ready for (EPOLL* bits), or None if

@@ -7,8 +7,10 @@
 //! brings up the devices the command line asks for, lays out the Linux
 //! start-up stack and jumps to the program's entry at CPL3. From then on the
 //! program's `syscall` instructions land in [`entry`] and are served by
-//! [`sys`]: memory, time, threads (cooperative, [`sched`]), files, pipes,
-//! sockets over the runtime's TCP/IP stack, and epoll.
+//! [`sys`]: memory, time, threads (cooperative, [`sched`]), processes
+//! ([`process`], each forked one in an address space of its own,
+//! [`aspace`]; signals, [`signal`]), files, pipes, sockets over the
+//! runtime's TCP/IP stack, and epoll.
 //!
 //! Command line: `RUNTIME-OPTIONS -- [NAME=VALUE...] PROGRAM ARGS...`
 //! ([`cmdline`]); runtime options are in [`options`].
@@ -17,6 +19,7 @@
 
 extern crate alloc;
 
+mod aspace;
 mod cmdline;
 mod disk;
 mod entry;
@@ -29,8 +32,10 @@ mod mm;
 mod net;
 mod options;
 mod pipe;
+mod process;
 mod random;
 mod sched;
+mod signal;
 mod start;
 mod sys;
 mod sysjmp;
@@ -96,14 +101,13 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     unsafe { core::ptr::write_bytes(base as *mut u8, 0, mm::PAGE as usize) };
     let mut memory = mm::Memory::new(base, base + size);
     let stack = memory.map(0, MAIN_STACK, false).map_err(|e| format!("cannot map the stack: errno {e}"))?;
-    sys::mem::init(memory);
+    sys::fork::init(program.start, program.end);
     sys::time::set_epoch(opts.epoch_ns);
     fs::init(&opts, image.as_ref())?;
     ftvm_rt::net::set_exact_notify(opts.exact_notify);
     if let Some(net) = opts.net {
         net::init(net).map_err(|e| format!("network: {e}"))?;
     }
-    fd::init_stdio();
     let vdso = opts.vdso.then(vdso::build);
     exec::init(vdso);
     // A program the VMM placed (static, fixed addresses), or one loaded
@@ -122,7 +126,7 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
         (program.entry, auxv, text::segments(&program), cmd.argv[0].clone())
     } else {
         let path = image.as_ref().map(|i| i.exec()).unwrap_or_default();
-        let loaded = exec::load(path).map_err(|f| f.why)?;
+        let loaded = exec::load(path, &mut |len| memory.map(0, len, false)).map_err(|f| f.why)?;
         (loaded.entry, loaded.auxv, loaded.text, path.into())
     };
     match opts.syscall {
@@ -131,7 +135,7 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     }
     SYSCALL_MODE.call_once(|| opts.syscall);
     let frame = start::initial_frame(entry, &auxv, &cmd.argv, &cmd.env, &execfn, stack, stack + MAIN_STACK)?;
-    sched::start(frame)
+    sched::start(frame, process::Process::init(fd::FdTable::stdio(), memory))
 }
 
 /// The root file system image the VMM placed in memory, if any.

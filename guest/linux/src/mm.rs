@@ -19,6 +19,7 @@ pub fn page_up(v: u64) -> u64 {
     v.div_ceil(PAGE) * PAGE
 }
 
+#[derive(Clone)]
 pub struct Memory {
     base: u64,
     end: u64,
@@ -46,6 +47,28 @@ impl Memory {
         self.end - self.base
     }
 
+    /// The region it manages, `[base, end)`.
+    pub fn bounds(&self) -> (u64, u64) {
+        (self.base, self.end)
+    }
+
+    /// The claimed ranges (everything not free), in order.
+    pub fn used(&self) -> alloc::vec::Vec<(u64, u64)> {
+        let mut out = alloc::vec::Vec::new();
+        let mut at = self.base;
+        for (&s, &e) in &self.free {
+            if at < s {
+                out.push((at, s));
+            }
+            at = e;
+        }
+        if at < self.end {
+            out.push((at, self.end));
+        }
+        out
+    }
+
+    /// The free range containing `addr`, if any.
     fn free_at(&self, addr: u64) -> Option<(u64, u64)> {
         self.free.range(..=addr).next_back().map(|(&s, &e)| (s, e)).filter(|&(_, e)| addr < e)
     }
@@ -67,6 +90,13 @@ impl Memory {
         }
     }
 
+    /// Give back `[start, end)`, claimed a moment ago and never touched
+    /// (still zero), without writing to it: in a forked process part of it
+    /// may have no memory behind it (`aspace`).
+    pub fn unclaim(&mut self, start: u64, len: u64) {
+        self.merge_free(start, start + page_up(len));
+    }
+
     /// Release `[start, end)`: zero the parts in use and merge them into
     /// the free ranges.
     fn release(&mut self, start: u64, end: u64) {
@@ -82,7 +112,11 @@ impl Memory {
             unsafe { core::ptr::write_bytes(at as *mut u8, 0, (next_free - at) as usize) };
             at = next_free;
         }
-        // Merge [start, end) with every free range it touches.
+        self.merge_free(start, end);
+    }
+
+    /// Merge [start, end) with every free range it touches.
+    fn merge_free(&mut self, start: u64, end: u64) {
         let (mut s, mut e) = (start, end);
         let touching: alloc::vec::Vec<(u64, u64)> =
             self.free.range(..=end).rev().take_while(|&(_, &fe)| fe >= start).map(|(&a, &b)| (a, b)).collect();

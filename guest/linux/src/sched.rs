@@ -13,8 +13,19 @@
 //!
 //! When no thread can run, the scheduler polls the network, and if nothing
 //! moved sleeps in WAIT until the earliest deadline or a device event.
+//!
+//! A thread that keeps making system calls for a whole time slice
+//! ([`SLICE_NS`]) while others are runnable gives way at the end of one
+//! ([`end_of_call`]), after a poll of the network: a forked child
+//! writing a snapshot does not stop its parent from serving. One that
+//! computes without system calls still keeps the vCPU.
+//!
+//! Threads of every process share the vCPU the same way. Switching to a
+//! thread of a process with other page tables loads them (the ADDRESS_SPACE
+//! hypercall, see `aspace`); threads of one process switch for free.
 
 use alloc::boxed::Box;
+use alloc::sync::Arc;
 use alloc::vec;
 use alloc::vec::Vec;
 use core::mem::size_of;
@@ -22,10 +33,17 @@ use core::mem::size_of;
 use ftvm_rt::time;
 use spin::Mutex;
 
+use crate::aspace::AddressSpace;
 use crate::entry::{self, Frame, SwitchFrame};
+use crate::errno::{Errno, EINTR};
+use crate::process::{self, Process};
 
 /// Kernel stack of a thread: the system-call layer runs on it.
 const KSTACK_SIZE: usize = 128 * 1024;
+/// How long a thread runs before its next system call lets others run.
+const SLICE_NS: u64 = 5_000_000;
+/// `end_of_call` looks at the clock on one system call in this many.
+const CALLS_PER_CLOCK_READ: u32 = 16;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Wait {
@@ -47,25 +65,32 @@ enum State {
 
 pub struct Thread {
     pub tid: u32,
+    /// The process it belongs to.
+    pub proc: Arc<Process>,
     kstack: Box<[u8]>,
     /// rsp saved by `entry::switch` while switched out.
     ksp: u64,
     pub fs_base: u64,
     /// `set_tid_address` / CLONE_CHILD_CLEARTID: zeroed and woken at exit.
     pub clear_child_tid: u64,
+    /// Signals blocked (bit `sig - 1`): sigprocmask, and a handler's own
+    /// signal and `sa_mask` while it runs.
+    pub sigmask: u64,
     state: State,
     /// Set by a futex wake, cleared by the waiter.
     pub woken: bool,
 }
 
 impl Thread {
-    fn new(tid: u32) -> Box<Thread> {
+    fn new(tid: u32, proc: Arc<Process>) -> Box<Thread> {
         Box::new(Thread {
             tid,
+            proc,
             kstack: vec![0u8; KSTACK_SIZE].into_boxed_slice(),
             ksp: 0,
             fs_base: 0,
             clear_child_tid: 0,
+            sigmask: 0,
             state: State::Runnable,
             woken: false,
         })
@@ -90,20 +115,35 @@ struct Sched {
     next_tid: u32,
     /// Threads that exited; their stacks are freed once another runs.
     zombies: Vec<Box<Thread>>,
+    /// Address spaces of ended processes, freed once not loaded.
+    dead_spaces: Vec<AddressSpace>,
+    /// The page-table root loaded now (0: the VMM's).
+    loaded_root: u64,
+    /// Guest time at which the running thread's slice ends.
+    slice_end: u64,
+    /// System calls made, for reading the clock every few (`end_of_call`).
+    calls: u32,
 }
 
-static SCHED: Mutex<Sched> = Mutex::new(Sched { threads: Vec::new(), current: 0, next_tid: 1, zombies: Vec::new() });
+static SCHED: Mutex<Sched> = Mutex::new(Sched {
+    threads: Vec::new(),
+    current: 0,
+    next_tid: 1,
+    zombies: Vec::new(),
+    dead_spaces: Vec::new(),
+    loaded_root: 0,
+    slice_end: 0,
+    calls: 0,
+});
 
-/// The process id (= the main thread's tid).
-pub const PID: u32 = 1;
-
-/// Enter the program as its main thread: never returns.
-pub fn start(frame: Frame) -> ! {
+/// Enter the program as the main thread of process `init`: never returns.
+pub fn start(frame: Frame, init: Arc<Process>) -> ! {
     let (top, f) = {
         let mut s = SCHED.lock();
         assert!(s.threads.is_empty(), "the program is started once");
-        let mut t = Thread::new(PID);
-        s.next_tid = PID + 1;
+        let pid = init.pid;
+        let mut t = Thread::new(pid, init);
+        s.next_tid = pid + 1;
         let f = t.first_frame();
         // SAFETY: `f` is the top of the new thread's own kernel stack,
         // aligned for Frame, unused by anything else.
@@ -119,6 +159,11 @@ pub fn start(frame: Frame) -> ! {
     unsafe { entry::enter(f) }
 }
 
+/// The process of thread `tid`, if it has not exited.
+pub fn process_of(tid: u32) -> Option<u32> {
+    SCHED.lock().threads.iter().find(|t| t.tid == tid && t.state != State::Dead).map(|t| t.proc.pid)
+}
+
 /// Threads that have not exited.
 pub fn live_threads() -> usize {
     SCHED.lock().threads.iter().filter(|t| t.state != State::Dead).count()
@@ -130,6 +175,20 @@ pub fn current_tid() -> u32 {
     s.threads[s.current].tid
 }
 
+/// The running thread's process.
+pub fn current_process() -> Arc<Process> {
+    let s = SCHED.lock();
+    s.threads[s.current].proc.clone()
+}
+
+/// A new id for a thread or process (they share one space, as on Linux).
+pub fn next_id() -> u32 {
+    let mut s = SCHED.lock();
+    let id = s.next_tid;
+    s.next_tid += 1;
+    id
+}
+
 /// Run `f` on the running thread.
 pub fn with_current<R>(f: impl FnOnce(&mut Thread) -> R) -> R {
     let mut s = SCHED.lock();
@@ -137,13 +196,22 @@ pub fn with_current<R>(f: impl FnOnce(&mut Thread) -> R) -> R {
     f(&mut s.threads[i])
 }
 
-/// A new thread that starts by returning from the system call in `parent`
-/// with 0, on stack `rsp`, with thread pointer `fs_base`. Returns its tid.
+/// A new thread of the calling process that starts by returning from the
+/// system call in `parent` with 0, on stack `rsp`, with thread pointer
+/// `fs_base`. Returns its tid.
 pub fn spawn(parent: &Frame, rsp: u64, fs_base: u64, clear_child_tid: u64) -> u32 {
+    let tid = next_id();
+    spawn_in(current_process(), tid, parent, rsp, fs_base, clear_child_tid);
+    tid
+}
+
+/// A new thread `tid` of `proc`, as for [`spawn`].
+pub fn spawn_in(proc: Arc<Process>, tid: u32, parent: &Frame, rsp: u64, fs_base: u64, clear_child_tid: u64) {
     let mut s = SCHED.lock();
-    let tid = s.next_tid;
-    s.next_tid += 1;
-    let mut t = Thread::new(tid);
+    // A new thread or process starts with its creator's signal mask.
+    let sigmask = s.threads[s.current].sigmask;
+    let mut t = Thread::new(tid, proc);
+    t.sigmask = sigmask;
     t.fs_base = fs_base;
     t.clear_child_tid = clear_child_tid;
     let f = t.first_frame();
@@ -158,24 +226,84 @@ pub fn spawn(parent: &Frame, rsp: u64, fs_base: u64, clear_child_tid: u64) -> u3
     }
     t.ksp = sf as u64;
     s.threads.push(t);
-    tid
 }
 
 /// Block the running thread until woken (see [`Wait`]) or guest time
 /// reaches `deadline` (`u64::MAX`: never). Returns when it may run again;
-/// the caller re-checks its condition.
-pub fn block(wait: Wait, deadline: u64) {
+/// the caller re-checks its condition. EINTR when its process is ending
+/// (a terminating signal, another thread's `exit_group`) or a signal waits
+/// for its handler: the call is to give up.
+pub fn block(wait: Wait, deadline: u64) -> Result<(), Errno> {
+    if interrupted() {
+        return Err(EINTR);
+    }
     {
         let mut s = SCHED.lock();
         let i = s.current;
         s.threads[i].state = State::Blocked(wait, deadline);
     }
     schedule();
+    if interrupted() {
+        return Err(EINTR);
+    }
+    Ok(())
+}
+
+/// Whether the running thread's blocking call is to give up: its process
+/// is ending, or a signal it does not block waits for its handler.
+fn interrupted() -> bool {
+    let s = SCHED.lock();
+    let t = &s.threads[s.current];
+    t.proc.ending().is_some() || t.proc.pending(t.sigmask) != 0
+}
+
+/// Make one blocked thread of process `pid` runnable, to run the handler
+/// of a signal now pending (one thread takes it, as on Linux: waking all
+/// would cut the others' calls short with EINTR and nothing to run).
+pub fn wake_one(pid: u32) {
+    let mut s = SCHED.lock();
+    if let Some(t) =
+        s.threads.iter_mut().find(|t| t.proc.pid == pid && matches!(t.state, State::Blocked(..)) && t.proc.pending(t.sigmask) != 0)
+    {
+        t.state = State::Runnable;
+    }
+}
+
+/// Make every blocked thread of process `pid` runnable (it is ending).
+pub fn wake_process(pid: u32) {
+    let mut s = SCHED.lock();
+    for t in s.threads.iter_mut().filter(|t| t.proc.pid == pid) {
+        if let State::Blocked(..) = t.state {
+            t.state = State::Runnable;
+        }
+    }
 }
 
 /// Let other runnable threads run first.
 pub fn yield_now() {
     schedule();
+}
+
+/// The end of a system call: the wait status the running thread's process
+/// is ending with, if it is (the thread is to exit); otherwise, when the
+/// thread's slice is over, let the network move and other runnable threads
+/// run (see the module doc) first.
+pub fn end_of_call() -> Option<i32> {
+    {
+        let mut s = SCHED.lock();
+        let killed = s.threads[s.current].proc.ending();
+        // The clock is read every few calls only: a slice a few calls long
+        // gives way as well, and reading it is most of this function.
+        s.calls = s.calls.wrapping_add(1);
+        if killed.is_some() || !s.calls.is_multiple_of(CALLS_PER_CLOCK_READ) || time::now_ns() < s.slice_end {
+            return killed;
+        }
+    }
+    if crate::net::poll() {
+        wake_io();
+    }
+    schedule();
+    current_process().ending()
 }
 
 /// Wake `n` threads waiting on futex `addr`; returns how many.
@@ -195,12 +323,15 @@ pub fn futex_requeue(from: u64, to: u64, n: usize) -> usize {
     })
 }
 
-/// `f` on each of the first `n` threads (in table order) waiting on futex
-/// `addr`; returns how many there were.
+/// `f` on each of the first `n` threads (in table order) of the calling
+/// process waiting on futex `addr` (futexes are private to a process: the
+/// same address is other memory in another); returns how many there were.
 fn futex_waiters(addr: u64, n: usize, mut f: impl FnMut(&mut Thread)) -> usize {
     let mut s = SCHED.lock();
+    let pid = s.threads[s.current].proc.pid;
     let mut count = 0;
-    for t in s.threads.iter_mut().filter(|t| matches!(t.state, State::Blocked(Wait::Futex(a), _) if a == addr)).take(n) {
+    for t in s.threads.iter_mut().filter(|t| t.proc.pid == pid && matches!(t.state, State::Blocked(Wait::Futex(a), _) if a == addr)).take(n)
+    {
         f(t);
         count += 1;
     }
@@ -217,20 +348,63 @@ pub fn wake_io() {
     }
 }
 
-/// End the running thread (the exit system call). When it was the last,
-/// the program, and with it the VM, exits with `status`.
+/// End the running thread (the exit system call). When it was the last of
+/// its process, the process ends with wait status `status`, or the one it
+/// was ending with (process 1: the program, and with it the VM, exits with
+/// the status's exit code).
 pub fn exit_thread(status: i32) -> ! {
-    let last = {
+    let (proc, last) = {
         let mut s = SCHED.lock();
         let i = s.current;
         s.threads[i].state = State::Dead;
-        s.threads.iter().all(|t| t.state == State::Dead)
+        let proc = s.threads[i].proc.clone();
+        let last = s.threads.iter().filter(|t| t.proc.pid == proc.pid).all(|t| t.state == State::Dead);
+        (proc, last)
     };
     if last {
-        crate::exit_program(status);
+        end_process(&proc, proc.ending().unwrap_or(status));
     }
+    // Nothing may stay on this stack: it is freed, never unwound.
+    drop(proc);
     schedule();
     unreachable!("a dead thread was scheduled");
+}
+
+/// End the running thread's whole process with wait status `status`
+/// (`exit_group`): its other threads leave as their system calls end (see
+/// `Process::ending`), this one now. Process 1 ends the VM at once.
+pub fn exit_process(status: i32) -> ! {
+    let proc = current_process();
+    if proc.pid == process::INIT {
+        end_process(&proc, status);
+    }
+    proc.begin_ending(status);
+    let pid = proc.pid;
+    drop(proc);
+    wake_process(pid);
+    exit_thread(status)
+}
+
+fn end_process(proc: &Arc<Process>, status: i32) {
+    if proc.pid == process::INIT {
+        let signal = status & 0x7f;
+        if signal != 0 {
+            ftvm_rt::println!("linux: killed by signal {signal}");
+        }
+        let code = if signal != 0 { 128 + signal } else { (status >> 8) & 0xff };
+        crate::exit_program(code);
+    }
+    if let Some(space) = process::end(proc, status) {
+        SCHED.lock().dead_spaces.push(space);
+    }
+    // A SIGCHLD handler interrupts what the parent waits in.
+    if let Some(parent) = process::get(proc.ppid()) {
+        if parent.pending(0) != 0 {
+            wake_one(parent.pid);
+        }
+    }
+    // The parent may be in wait4.
+    wake_io();
 }
 
 fn wake_expired(s: &mut Sched, now: u64) {
@@ -250,19 +424,24 @@ fn schedule() {
     loop {
         let mut s = SCHED.lock();
         let cur = s.current;
-        // Freed here, on a stack that is not theirs.
+        // Freed here, on a stack that is not theirs, with tables not theirs.
         s.zombies.retain(|_| false);
+        let loaded = s.loaded_root;
+        s.dead_spaces.retain(|a| a.root() == loaded);
         wake_expired(&mut s, time::now_ns());
         let n = s.threads.len();
         let next = (1..=n).map(|k| (cur + k) % n).find(|&i| s.threads[i].state == State::Runnable);
         if let Some(next) = next {
+            s.slice_end = time::now_ns().saturating_add(SLICE_NS);
             if next == cur {
                 return;
             }
-            let (ksp, top, fs) = {
+            let (ksp, top, fs, root) = {
                 let t = &s.threads[next];
-                (t.ksp, t.kstack_top(), t.fs_base)
+                (t.ksp, t.kstack_top(), t.fs_base, t.proc.root)
             };
+            let load = root != s.loaded_root;
+            s.loaded_root = root;
             let save = &mut s.threads[cur].ksp as *mut u64;
             s.current = next;
             if s.threads[cur].state == State::Dead {
@@ -276,6 +455,11 @@ fn schedule() {
             // thread's `save` slot lives in its Box, freed only after this
             // switch (zombies), by another thread.
             unsafe {
+                if load {
+                    // The next thread's process is alive (it has a thread),
+                    // so are its tables; every process maps the runtime.
+                    crate::aspace::load(root);
+                }
                 entry::FTVM_LINUX_KSTACK_TOP = top;
                 core::arch::asm!("wrfsbase {}", in(reg) fs, options(nostack, preserves_flags));
                 entry::switch(save, ksp);

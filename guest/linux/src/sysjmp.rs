@@ -19,6 +19,10 @@
 //! No push on the program's stack (the red zone is intact) and nothing
 //! mapped at page 0 (a NULL read or call faults as on Linux).
 //!
+//! Forked processes have copies of the program's text; a rewrite made in
+//! one is made in all of them (`process::patch_text`), so a site is
+//! rewritten everywhere once, as the one table of sites seen assumes.
+//!
 //! Recognised instructions before a `syscall` at `site`:
 //! - `mov $imm32,%eax` (`b8 imm32`) with imm32 equal to the number the site
 //!   trapped with (`mov` to eax zero-extends, so rax == imm32 exactly), and
@@ -315,7 +319,7 @@ impl State {
             return Outcome::NoRoom;
         };
         let mut code = [INT3; STUB_SIZE];
-        // SAFETY: program text (checked above), identity-mapped.
+        // SAFETY: program text (checked above), mapped in the calling process.
         code[..moved].copy_from_slice(unsafe { core::slice::from_raw_parts(at as *const u8, moved) });
         code[lea..lea + 3].copy_from_slice(&[0x48, 0x8d, 0x0d]); // lea disp32(%rip),%rcx
         code[lea + 3..jmp].copy_from_slice(&ret.to_le_bytes());
@@ -325,18 +329,21 @@ impl State {
         unsafe { stub.write(code) };
         self.used += 1;
         // SAFETY: 16 aligned bytes around program text (the block lies in
-        // the page of the 5 bytes), identity-mapped and writable from here.
+        // the page of the 5 bytes), mapped in the calling process and
+        // writable from here.
         let old = unsafe { core::ptr::read_volatile(block as *const u128) };
         let mut bytes = old.to_le_bytes();
         let off = (at - block) as usize;
         bytes[off] = JMP_REL32;
         bytes[off + 1..off + 5].copy_from_slice(&jump.to_le_bytes());
+        let new = u128::from_le_bytes(bytes);
         // SAFETY: as above; one locked 16-byte compare-and-exchange (see the
         // module doc for why a concurrent executor sees old or new only).
-        let prev = unsafe { cas16(block as *mut u128, old, u128::from_le_bytes(bytes)) };
+        let prev = unsafe { cas16(block as *mut u128, old, new) };
         if prev != old {
             return Outcome::Raced;
         }
+        crate::process::patch_text(block, old, new);
         kind
     }
 }

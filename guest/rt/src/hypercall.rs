@@ -6,7 +6,7 @@
 
 use core::arch::asm;
 
-use ftvm_abi::{port, Abort, ConsoleWrite, Exit, Kick, Wait};
+use ftvm_abi::{port, Abort, AddressSpace, ConsoleWrite, Exit, Kick, Wait};
 
 /// # Safety
 /// `block` must be the argument block type the VMM expects on `port`, and
@@ -42,6 +42,19 @@ pub fn kick() {
     // SAFETY: the block holds no addresses, so the VMM touches only the
     // block itself.
     unsafe { call(port::KICK, &mut b) };
+}
+
+/// Load the page tables rooted at `root` (0: the VMM's identity tables);
+/// see [`ftvm_abi::AddressSpace`].
+///
+/// # Safety
+/// `root` must be a PML4 whose tables map the system area as the VMM's do
+/// and identity-map everything the caller touches afterwards (its code,
+/// stack and data), for as long as it stays loaded.
+pub unsafe fn set_address_space(root: u64) {
+    let mut b = AddressSpace { root };
+    // SAFETY: the block holds only the root, which the caller vouches for.
+    unsafe { call(port::ADDRESS_SPACE, &mut b) };
 }
 
 /// Asks the VMM to stop the VM; it does not resume this vCPU normally.

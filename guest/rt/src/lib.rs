@@ -51,6 +51,17 @@ pub fn exit(status: i32) -> ! {
     panic::park()
 }
 
+/// Switch this vCPU to the page tables rooted at `root` (0: the VMM's
+/// identity tables); see [`abi::AddressSpace`].
+///
+/// # Safety
+/// As for the hypercall: `root`'s tables must map the system area as the
+/// VMM's do and identity-map the caller's code, stack and data while loaded.
+pub unsafe fn set_address_space(root: u64) {
+    // SAFETY: the caller's promise is the hypercall's.
+    unsafe { hypercall::set_address_space(root) }
+}
+
 /// Wake every vCPU blocked in [`time::wait`].
 pub fn kick() {
     hypercall::kick();

@@ -27,6 +27,11 @@ pub mod layout {
     pub const CLOCK_PAGE_ADDR: u64 = 0x8000;
     /// Stack given to each vCPU at entry, carved above the loaded image.
     pub const VCPU_STACK_SIZE: u64 = 0x10_0000;
+    /// The VMM's identity page tables: the root (PML4) here, its PDPT on the
+    /// next page, and every table they point to, all inside the system area.
+    /// Readable (not writable) at CPL3, so a guest can build address spaces
+    /// of its own from them (see [`super::AddressSpace`]).
+    pub const PAGE_TABLE_ROOT: u64 = 0x9000;
 }
 
 const _: () = assert!(layout::CLOCK_PAGE_ADDR + PAGE_SIZE <= layout::SYSTEM_AREA_END);
@@ -47,6 +52,8 @@ pub mod port {
     pub const ABORT: u16 = 0x503;
     /// [`super::Kick`]
     pub const KICK: u16 = 0x504;
+    /// [`super::AddressSpace`]
+    pub const ADDRESS_SPACE: u16 = 0x505;
     /// Used by the VMM's ring-0 exception stubs, not by guests: `al` holds
     /// the vector.
     pub const EXCEPTION: u16 = 0x5ff;
@@ -98,6 +105,19 @@ pub struct Abort {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Kick {
     pub reserved: u64,
+}
+
+/// Switch the calling vCPU to the page tables rooted at `root` (the
+/// guest-physical address of a 4 KiB-aligned PML4 in RAM above the system
+/// area), or back to the VMM's identity tables ([`layout::PAGE_TABLE_ROOT`])
+/// when `root` is 0. The VMM loads CR3, which flushes the vCPU's TLB. The
+/// tables are the guest's: they must map the system area as the VMM's do
+/// (the CPU reaches the GDT, IDT, TSS and exception stubs through them),
+/// and everything a hypercall's block points at must be identity-mapped.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AddressSpace {
+    pub root: u64,
 }
 
 /// Boot information at [`layout::BOOT_INFO_ADDR`], passed in `rdi` to every

@@ -119,12 +119,19 @@ fn parse(output: &str) -> UnitRun {
 /// The `unit/*` entries of the suite's `set ::all_tests { ... }`.
 fn all_units(sources: &Path) -> Result<Vec<String>, BoxError> {
     let helper = std::fs::read_to_string(sources.join("tests/test_helper.tcl"))?;
-    let list = helper.split_once("set ::all_tests {").and_then(|(_, rest)| rest.split_once('}')).ok_or("no ::all_tests in test_helper.tcl")?.0;
+    let list =
+        helper.split_once("set ::all_tests {").and_then(|(_, rest)| rest.split_once('}')).ok_or("no ::all_tests in test_helper.tcl")?.0;
     Ok(list.split_whitespace().filter(|u| u.starts_with("unit/")).map(str::to_string).collect())
 }
 
 /// A fresh server for one unit in `setting`, and the address it serves on.
-fn server(topo: &Topology, ftvm: &Path, image: &Path, setting: Setting, dir: &Path) -> Result<(Option<Process>, Option<Guest>, &'static str), BoxError> {
+fn server(
+    topo: &Topology,
+    ftvm: &Path,
+    image: &Path,
+    setting: Setting,
+    dir: &Path,
+) -> Result<(Option<Process>, Option<Guest>, &'static str), BoxError> {
     match setting {
         Setting::Native => {
             let mut cmd = topo.command("client", image);
@@ -211,17 +218,43 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
         let of = |f: &dyn Fn(&UnitRun) -> f64| results.iter().filter(|((_, s), _)| *s == setting).map(|(_, r)| f(r)).sum::<f64>();
         let total_native: f64 = native_wall.values().sum();
         let reference = (setting != Setting::Native && !native_wall.is_empty()).then_some(total_native);
-        rows.push(Row { group: setting.to_string(), case: "tests passed".into(), value: of(&|r| r.passed.len() as f64), unit: "tests", reference: None });
-        rows.push(Row { group: setting.to_string(), case: "tests failed".into(), value: of(&|r| r.failed.len() as f64), unit: "tests", reference: None });
-        rows.push(Row { group: setting.to_string(), case: "units not finished".into(), value: of(&|r| f64::from(u8::from(!r.finished))), unit: "units", reference: None });
+        rows.push(Row {
+            group: setting.to_string(),
+            case: "tests passed".into(),
+            value: of(&|r| r.passed.len() as f64),
+            unit: "tests",
+            reference: None,
+        });
+        rows.push(Row {
+            group: setting.to_string(),
+            case: "tests failed".into(),
+            value: of(&|r| r.failed.len() as f64),
+            unit: "tests",
+            reference: None,
+        });
+        rows.push(Row {
+            group: setting.to_string(),
+            case: "units not finished".into(),
+            value: of(&|r| f64::from(u8::from(!r.finished))),
+            unit: "units",
+            reference: None,
+        });
         rows.push(Row { group: setting.to_string(), case: "wall time".into(), value: of(&|r| r.wall.as_secs_f64()), unit: "s", reference });
     }
     let bars: Vec<(String, f64)> = rows.iter().filter(|r| r.case == "tests passed").map(|r| (r.group.clone(), r.value)).collect();
-    let chart = report::BarChart { title: "Redis's own test suite: tests passed", category: "setting", quantity: "tests passed", bars, reference: None };
+    let chart = report::BarChart {
+        title: "Redis's own test suite: tests passed",
+        category: "setting",
+        quantity: "tests passed",
+        bars,
+        reference: None,
+    };
     report::publish(out, "redis-suite", &rows, &chart)?;
     for &setting in opts.settings.iter().filter(|s| **s != Setting::Native) {
         for unit in &units {
-            let (Some(native), Some(this)) = (results.get(&(unit.clone(), Setting::Native)), results.get(&(unit.clone(), setting))) else { continue };
+            let (Some(native), Some(this)) = (results.get(&(unit.clone(), Setting::Native)), results.get(&(unit.clone(), setting))) else {
+                continue;
+            };
             for test in native.passed.difference(&this.passed) {
                 println!("passes natively, not {setting}: {unit}: {test}");
             }

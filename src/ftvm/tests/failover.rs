@@ -1241,3 +1241,46 @@ fn redis_server_failover_soak() {
     assert!(inside >= 3, "only {inside} kills landed inside a checkpoint transfer");
     assert!(results.iter().map(|r| r.replayed.1).sum::<u64>() > 0, "no takeover replayed mirrored input");
 }
+
+/// BGSAVE under protection, and a takeover while its child saves: the
+/// forked child (its page tables and frames are guest RAM, its registers a
+/// thread's saved state) goes on on the backup, finishes the snapshot, and
+/// the new primary's redis-server reaps it with success.
+#[test]
+fn a_bgsave_child_finishes_after_a_takeover() {
+    let topo = Topology::new("failbg").unwrap();
+    topo.restore().unwrap();
+    let dir = scratch_for("failover", "bgsave");
+    let (mut backup, mut primary, _socket) = start_protected(&topo, &dir, ("backup", "primary"), App::Redis, &[]);
+    let cli = |args: &[&str]| {
+        let (ok, out) = topo.redis_cli(GUEST_ADDR, args);
+        assert!(ok, "redis-cli {args:?}: {out}");
+        out.trim().to_owned()
+    };
+    let persistence = |name: &str| {
+        let info = cli(&["INFO", "persistence"]);
+        let prefix = format!("{name}:");
+        info.lines().find_map(|l| l.strip_prefix(&prefix)).map(|v| v.trim().to_owned()).unwrap_or_else(|| panic!("no {name}: {info}"))
+    };
+    assert_eq!(cli(&["DEBUG", "POPULATE", "2000", "key"]), "OK");
+    // A millisecond per key: the child saves for about two seconds,
+    // sleeping between keys while the parent serves.
+    assert_eq!(cli(&["CONFIG", "SET", "rdb-key-save-delay", "1000"]), "OK");
+    assert_eq!(cli(&["BGSAVE"]), "Background saving started");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(persistence("rdb_bgsave_in_progress"), "1");
+    assert_eq!(cli(&["SET", "during", "the save"]), "OK");
+    primary.kill();
+    let err = wait_log(&mut backup, "PRIMARY LOST", Duration::from_secs(10));
+    assert!(took_over_at(&err).is_some(), "{err}");
+    let t0 = Instant::now();
+    while persistence("rdb_bgsave_in_progress") != "0" {
+        assert!(t0.elapsed() < Duration::from_secs(30), "the save did not finish on the new primary:\n{}", backup.output());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(persistence("rdb_last_bgsave_status"), "ok", "{}", backup.output());
+    assert!(backup.stdout().contains("Background saving terminated with success"), "{}", backup.stdout());
+    assert_eq!(cli(&["DBSIZE"]), "2001");
+    assert_eq!(cli(&["GET", "during"]), "the save");
+    backup.kill();
+}

@@ -161,6 +161,52 @@ fn threads_share_memory_through_futexes_and_join() {
     assert!(text.contains("threads: counter=40000 joined=60 main_tls=0\n"), "{text}");
 }
 
+/// fork: each child has its own copy of the parent's memory, talks to it
+/// through pipes, and is reaped with its exit or signal status; also with
+/// every `syscall` left trapping (the child's text is a copy too).
+#[test]
+fn forked_children_have_their_own_memory_and_are_reaped() {
+    for options in ["", "syscall=trap "] {
+        // Children's copies come from the runtime's share (rtmem): four
+        // children at once, each with the 8 MiB main stack; one asks for a
+        // 160 MiB mapping it cannot have.
+        let out = ftvm()
+            .args(["run", "--memory", "512", "--image"])
+            .arg(program("linux-fork"))
+            .arg(format!("--cmdline={options}rtmem=96 -- fork"))
+            .output()
+            .expect("ftvm runs");
+        let text = stdout(&out);
+        assert_eq!(out.status.code(), Some(0), "{options}: {text}{}", stderr(&out));
+        for line in [
+            "fork: copy ok child_status=7\n",
+            "fork: several ok children=4 statuses=46\n",
+            "fork: kill ok SIGTERM SIGKILL SIGUSR1\n",
+            "fork: stream ok bytes=1048576 nested_status=23\n",
+            "fork: vfork ok status=9 spawn=ENOSYS\n",
+            "fork: waitid ok\n",
+            "fork: handlers ok sigchld=4 restarted=12 interrupted=13 usr1=11\n",
+            "fork: masks ok waited=1 handler_masked=1\n",
+            "fork: threads in a child ok\n",
+            "fork: sigchld ignored ok\n",
+            "fork: all ok\n",
+        ] {
+            assert!(text.contains(line), "{options}: {line}{text}");
+        }
+        // posix_spawn's shared-memory clone is the one call left unserved.
+        let unsupported: Vec<&str> = text.lines().filter(|l| l.contains("unsupported system call")).collect();
+        assert_eq!(unsupported, ["linux: unsupported system call 56 (clone), returning ENOSYS"], "{options}: {text}");
+        // The parent's 2000 getppid calls come through the site its child
+        // rewrote first (with syscall=jmp): they would trap otherwise.
+        let trapped = count(&syscall_counts(&text), "trapped");
+        if options.is_empty() {
+            assert!(trapped < 1000, "{trapped} traps: {text}");
+        } else {
+            assert!(trapped > 2000, "{trapped} traps: {text}");
+        }
+    }
+}
+
 #[test]
 fn memory_files_pipes_and_epoll_behave_as_on_linux() {
     let text = run_to_success("memfiles", "-- memfiles");
@@ -493,6 +539,52 @@ fn connect_works_and_a_closed_listener_refuses_connections() {
 /// redis-server with its append-only file on the disk, fsynced on every
 /// write: the VMM SIGKILLed (as a host crash) and started again on the same
 /// disk file, redis replays the file and every acknowledged write is there.
+/// The `NAME:VALUE` field of `INFO persistence`.
+fn persistence(topo: &Topology, name: &str) -> String {
+    let info = cli(topo, &["INFO", "persistence"]);
+    let prefix = format!("{name}:");
+    info.lines().find_map(|l| l.strip_prefix(&prefix)).map(|v| v.trim().to_owned()).unwrap_or_else(|| panic!("no {name} in {info}"))
+}
+
+/// BGSAVE: redis-server forks a child that writes the snapshot to the disk
+/// while the parent keeps serving, reports through a pipe and is reaped by
+/// the parent's cron (waitpid WNOHANG); a new VM loads the snapshot.
+#[test]
+fn redis_bgsave_forks_a_child_that_writes_a_snapshot_the_next_vm_loads() {
+    use ftvm_testkit::scratch::Scratch;
+    let topo = Topology::new("lxbgs").unwrap();
+    let dir = Scratch::new("linux-bgsave").unwrap();
+    let disk = dir.sparse_file("disk.img", 64 << 20).unwrap();
+    let mut vmm = redis_on_disk(&topo, "", Some(&disk));
+    assert_eq!(cli(&topo, &["DEBUG", "POPULATE", "5000", "key"]), "OK");
+    assert_eq!(cli(&topo, &["SET", "greeting", "saved by a child"]), "OK");
+    assert_ne!(persistence(&topo, "rdb_changes_since_last_save"), "0");
+    assert_eq!(cli(&topo, &["BGSAVE"]), "Background saving started");
+    // The parent serves while the child saves.
+    assert_eq!(cli(&topo, &["PING"]), "PONG");
+    let t0 = std::time::Instant::now();
+    while persistence(&topo, "rdb_bgsave_in_progress") != "0" {
+        assert!(t0.elapsed() < Duration::from_secs(30), "BGSAVE did not finish:\n{}", vmm.output());
+        assert_running(&mut vmm);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(persistence(&topo, "rdb_last_bgsave_status"), "ok", "{}", vmm.output());
+    assert_eq!(persistence(&topo, "rdb_changes_since_last_save"), "0", "{}", vmm.output());
+    assert!(vmm.stdout().contains("Background saving terminated with success"), "{}", vmm.stdout());
+    assert!(!vmm.stdout().contains("unsupported system call"), "{}", vmm.stdout());
+    // A write after the fork is the parent's alone; the snapshot has the
+    // data as it was at the fork.
+    assert_eq!(cli(&topo, &["SET", "after", "the snapshot"]), "OK");
+    vmm.kill();
+    let mut vmm = redis_on_disk(&topo, "", Some(&disk));
+    assert!(vmm.stdout().contains("DB loaded from disk"), "{}", vmm.stdout());
+    assert_eq!(cli(&topo, &["DBSIZE"]), "5001");
+    assert_eq!(cli(&topo, &["GET", "greeting"]), "saved by a child");
+    assert_eq!(cli(&topo, &["GET", "key:4321"]), "value:4321");
+    assert_eq!(cli(&topo, &["EXISTS", "after"]), "0");
+    assert_running(&mut vmm);
+}
+
 #[test]
 fn redis_append_only_file_survives_a_sigkilled_vmm() {
     use ftvm_testkit::scratch::Scratch;

@@ -1008,3 +1008,35 @@ fn full_replica_disk_pauses(size: u64, epochs: &[&str]) {
     let last = p.stderr().lines().last().unwrap_or_default().to_owned();
     assert!(last.starts_with("ftvm: error: ") && last.contains("never acknowledged"), "{out}");
 }
+
+/// A Linux program's forked child lives through a failover: the primary is
+/// killed while the child works (its address space is page tables and
+/// frames in guest RAM, its registers saved with the parent's thread), the
+/// backup takes over, the child finishes with its own copy of memory and
+/// the parent reaps it with its exit status.
+#[test]
+fn a_forked_child_survives_failover_and_is_reaped() {
+    let fork = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/images/linux-fork");
+    assert!(fork.exists(), "{} missing: run scripts/build-images.sh", fork.display());
+    let addr = free_addr();
+    let b = backup(&addr, &[]);
+    let mut cmd = ftvm();
+    cmd.args(["run", "--memory", "512", "--insecure", "--replicate-to", &addr, "--epoch-ms", "10"])
+        .args(["--cmdline", "rtmem=128 -- fork slow 3000", "--image"])
+        .arg(&fork)
+        .env("FTVM_LOG", "info");
+    let mut p = Process::spawn_collected("ftvm run", &mut cmd).unwrap();
+    // Console output leaves the primary once checkpointed: the child runs
+    // protected from here on, for three seconds.
+    wait_for(&mut p, "primary", "fork: slow child started", Duration::from_secs(60));
+    std::thread::sleep(Duration::from_millis(1000));
+    kill(&mut p);
+    assert!(!p.output().contains("slow child done"), "the child finished before the primary was killed:\n{}", p.output());
+    let out = finish(b);
+    let (text, err) = (stdout(&out), stderr(&out));
+    assert!(out.status.success(), "backup failed: {text}{err}");
+    assert!(took_over_at(&err).is_some(), "no takeover: {err}");
+    assert!(text.contains("fork: slow child done steps=1 status=42\n"), "{text}{err}");
+    // Continued from a checkpoint, not started again.
+    assert!(!text.contains("fork: slow child started"), "{text}");
+}

@@ -59,6 +59,26 @@ fn guest_faults_are_reported_with_vector_and_rip() {
     }
 }
 
+/// The address-space hypercall loads a guest-built root (here a copy of
+/// the VMM's root table) and the VMM's own again (0); a root that is not a
+/// page of RAM above the system area stops the VM with one line saying so.
+#[test]
+fn page_table_roots_are_loaded_or_refused_with_a_clear_error() {
+    let out = run_image("probe", &["--cmdline", "root=copy"]);
+    assert!(out.status.success() && stdout(&out).contains("probe: root copy ok value=42"), "{}{}", stdout(&out), stderr(&out));
+    let out = run_image("probe", &["--cmdline", "root=0"]);
+    assert!(out.status.success() && stdout(&out).contains("probe: root 0x0 loaded"), "{}{}", stdout(&out), stderr(&out));
+    // The VMM's own tables (system area), not page-aligned, past the end of RAM.
+    for bad in ["0x9000", "0x200800", "0x400000000"] {
+        let out = run_image("probe", &["--cmdline", &format!("root={bad}")]);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{bad}: {err}");
+        let want = format!("vCPU 0: bad hypercall 0x505: page-table root {bad} is not a page of RAM above the system area");
+        assert!(err.contains(&want), "{bad}: {err}");
+        assert!(!stdout(&out).contains("loaded"), "{bad}: {}", stdout(&out));
+    }
+}
+
 #[test]
 fn guest_panic_is_reported_with_its_message() {
     let out = run_image("probe", &["--cmdline", "panic"]);

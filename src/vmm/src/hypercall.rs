@@ -4,7 +4,7 @@
 //! reads arguments from it and writes results back through the guest memory
 //! API, which marks the pages in the VMM dirty bitmap.
 
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use ftvm_abi::port;
 
@@ -23,6 +23,8 @@ pub enum Outcome {
     /// The wait hypercall, to be waited out by the vCPU thread with its
     /// vCPU unlocked and counted as parked (`IdlePause::Park`).
     Park(WaitCall),
+    /// Load this CR3 into the calling vCPU (the address-space hypercall).
+    SetRoot(u64),
     Stop(VmExit),
 }
 
@@ -41,7 +43,7 @@ fn read_text(shared: &VmShared, buf: u64, len: u64) -> Result<Vec<u8>, String> {
 
 /// Handle `out` to a hypercall port; `None` if `port` is not one.
 pub fn handle(shared: &VmShared, vcpu: u32, port: u16, data: &[u8]) -> Option<Outcome> {
-    if !(port::CONSOLE_WRITE..=port::KICK).contains(&port) {
+    if !(port::CONSOLE_WRITE..=port::ADDRESS_SPACE).contains(&port) {
         return None;
     }
     let Ok(addr) = <[u8; 4]>::try_from(data).map(u32::from_le_bytes) else {
@@ -53,6 +55,7 @@ pub fn handle(shared: &VmShared, vcpu: u32, port: u16, data: &[u8]) -> Option<Ou
         port::WAIT => wait(shared, addr as u64),
         port::EXIT => read_u64(shared, addr as u64).map(|s| Outcome::Stop(VmExit::Exited(s as u8))),
         port::ABORT => abort(shared, vcpu, addr as u64),
+        port::ADDRESS_SPACE => address_space(shared, addr as u64),
         _ => {
             shared.events.signal();
             Ok(Outcome::Continue)
@@ -75,6 +78,26 @@ fn abort(shared: &VmShared, vcpu: u32, addr: u64) -> Result<Outcome, String> {
     let (msg, len) = (read_u64(shared, addr)?, read_u64(shared, addr + 8)?);
     let message = String::from_utf8_lossy(&read_text(shared, msg, len)?).into_owned();
     Ok(Outcome::Stop(VmExit::Panic { vcpu, message }))
+}
+
+/// The page-table root to load: 0 is the VMM's own tables. A guest root
+/// must be a whole page of RAM above the system area (the CPU would walk
+/// anything else as tables); what the guest put in it is the guest's affair,
+/// as its tables are on any machine.
+fn address_space(shared: &VmShared, addr: u64) -> Result<Outcome, String> {
+    let root = read_u64(shared, addr)?;
+    if root == 0 {
+        return Ok(Outcome::SetRoot(ftvm_abi::layout::PAGE_TABLE_ROOT));
+    }
+    let in_ram = |a: u64| shared.ram.memory().address_in_range(GuestAddress(a));
+    if !root.is_multiple_of(ftvm_abi::PAGE_SIZE)
+        || root < ftvm_abi::layout::SYSTEM_AREA_END
+        || !in_ram(root)
+        || !in_ram(root + ftvm_abi::PAGE_SIZE - 1)
+    {
+        return Err(format!("page-table root {root:#x} is not a page of RAM above the system area"));
+    }
+    Ok(Outcome::SetRoot(root))
 }
 
 /// A wait hypercall's arguments: wake when the event sequence moves past

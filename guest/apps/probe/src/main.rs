@@ -37,6 +37,7 @@ fn main(args: &Args) -> i32 {
         ("time", "") => time_test(),
         ("ticker", spec) => ticker(spec),
         ("sse", "") => sse(),
+        ("root", spec) => root(spec),
         ("dirty", spec) => dirty(spec),
         ("reread", spec) => reread(spec),
         _ => {
@@ -277,6 +278,42 @@ unsafe fn vaddpd(a: &[f64; 4], b: &[f64; 4]) -> [f64; 4] {
         )
     };
     out
+}
+
+/// The address-space hypercall: `copy` loads a copy of the VMM's root
+/// table (its entries, so the same map) from the heap, writes through it,
+/// and goes back to the VMM's tables; a number is loaded as it is (the VMM
+/// refuses anything but a page of RAM above the system area).
+fn root(spec: &str) -> i32 {
+    #[repr(C, align(4096))]
+    struct Table([u64; 512]);
+    if spec == "copy" {
+        // SAFETY: the VMM's root table is readable at CPL3 (guest ABI).
+        let copy = Box::new(unsafe { (ftvm_rt::abi::layout::PAGE_TABLE_ROOT as *const Table).read() });
+        let mut probe = Box::new(0u64);
+        // SAFETY: the copy maps everything as the VMM's tables do and stays
+        // alive (and loaded) only inside this block.
+        unsafe {
+            ftvm_rt::set_address_space(&*copy as *const Table as u64);
+            core::ptr::write_volatile(&mut *probe, 42);
+            ftvm_rt::set_address_space(0);
+        }
+        println!("probe: root copy ok value={}", *probe);
+        return 0;
+    }
+    let parsed = match spec.strip_prefix("0x") {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => spec.parse(),
+    };
+    let Ok(root) = parsed else {
+        println!("probe: error: bad argument");
+        return 2;
+    };
+    // SAFETY: 0 is the VMM's own tables; anything else the VMM must refuse
+    // (what the test checks), or the probe faults, which it reports too.
+    unsafe { ftvm_rt::set_address_space(root) };
+    println!("probe: root {root:#x} loaded");
+    0
 }
 
 fn sse() -> i32 {

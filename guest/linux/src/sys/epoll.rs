@@ -39,6 +39,10 @@ struct Instance {
 }
 
 static EPOLLS: Mutex<(u32, BTreeMap<u32, Instance>)> = Mutex::new((0, BTreeMap::new()));
+/// The process that made each instance: its interest lists name that
+/// process's descriptors, so only that process's closes remove entries (a
+/// forked child closing its copies leaves the parent's instance alone).
+static OWNERS: Mutex<BTreeMap<u32, u32>> = Mutex::new(BTreeMap::new());
 
 pub fn create(flags: u64) -> SysResult {
     let id = {
@@ -48,19 +52,25 @@ pub fn create(flags: u64) -> SysResult {
         e.1.insert(id, Instance::default());
         id
     };
+    OWNERS.lock().insert(id, sched::current_process().pid);
     let flags = if flags & EPOLL_CLOEXEC != 0 { fd::O_CLOEXEC } else { 0 };
     fd::install(Desc::new(Object::Epoll(id), flags | fd::O_RDWR), flags)
 }
 
 pub fn drop_instance(id: u32) {
     EPOLLS.lock().1.remove(&id);
+    OWNERS.lock().remove(&id);
 }
 
-/// `fd` was closed: it leaves every interest list.
+/// `fd` was closed: it leaves the calling process's interest lists.
 pub fn forget_fd(fd: u64) {
-    for instance in EPOLLS.lock().1.values_mut() {
-        instance.interest.remove(&fd);
-        instance.ready.remove(fd);
+    let pid = sched::current_process().pid;
+    let owners = OWNERS.lock();
+    for (id, instance) in EPOLLS.lock().1.iter_mut() {
+        if owners.get(id) == Some(&pid) {
+            instance.interest.remove(&fd);
+            instance.ready.remove(fd);
+        }
     }
 }
 
@@ -165,7 +175,7 @@ pub fn wait(epfd: u64, events: u64, max: u64, timeout_ms: i32) -> SysResult {
         if now_ns() >= deadline {
             return Ok(0);
         }
-        sched::block(Wait::Io, deadline);
+        sched::block(Wait::Io, deadline)?;
     }
 }
 
@@ -196,7 +206,7 @@ fn poll_until(fds: u64, n: u64, deadline: u64) -> SysResult {
         if count > 0 || now_ns() >= deadline {
             return Ok(count);
         }
-        sched::block(Wait::Io, deadline);
+        sched::block(Wait::Io, deadline)?;
     }
 }
 

@@ -41,7 +41,10 @@ fn write_desc(d: &Desc, data: &[u8], may_block: bool) -> Result<usize, Errno> {
     let nonblocking = d.nonblocking() || !may_block;
     match d.obj {
         Object::Console => {
-            ftvm_rt::console::write_bytes(data);
+            // The VMM reads guest-physical memory: a forked process's
+            // buffer is elsewhere, so it goes through runtime memory.
+            let bounce: Vec<u8> = data.to_vec();
+            ftvm_rt::console::write_bytes(&bounce);
             Ok(data.len())
         }
         Object::Dev(_) => Ok(data.len()),
@@ -184,7 +187,7 @@ pub fn fcntl(fd: u64, cmd: u64, arg: u64) -> SysResult {
             d.flags.store((old & !changeable) | (arg as u32 & changeable), Ordering::Relaxed);
             Ok(0)
         }
-        // One process: advisory locks never conflict.
+        // Advisory locks are not kept: they never conflict.
         F_GETLK | F_SETLK | F_SETLKW => Ok(0),
         _ => Err(EINVAL),
     }

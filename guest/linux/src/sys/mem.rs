@@ -1,12 +1,12 @@
-//! Memory: brk, mmap/munmap/mremap, mprotect, madvise.
+//! Memory: brk, mmap/munmap/mremap, mprotect, madvise, on the calling
+//! process's region. In a forked process, memory it claims gets frames of
+//! its own first (`aspace`).
 //!
 //! A private file mapping is a copy: the file's bytes are copied into
 //! fresh memory, the rest of the last page left zero (memory is one
 //! identity map, so there is no page to share with the file). That is what
 //! a dynamic linker needs of libraries; shared file mappings, whose writes
 //! would have to reach the file, are refused.
-
-use spin::Mutex;
 
 use super::SysResult;
 use crate::errno::{Errno, EACCES, EBADF, EINVAL, ENODEV, ENOMEM};
@@ -23,18 +23,52 @@ const MREMAP_MAYMOVE: u64 = 1;
 const MADV_DONTNEED: u64 = 4;
 const PROT_EXEC: u64 = 4;
 
-static MEMORY: Mutex<Option<Memory>> = Mutex::new(None);
-
-pub fn init(m: Memory) {
-    *MEMORY.lock() = Some(m);
+fn with<R>(f: impl FnOnce(&mut Memory) -> R) -> R {
+    let p = crate::sched::current_process();
+    let mut m = p.mem.lock();
+    f(m.as_mut().expect("a running process has memory"))
 }
 
-fn with<R>(f: impl FnOnce(&mut Memory) -> R) -> R {
-    f(MEMORY.lock().as_mut().expect("memory initialised"))
+/// Make `[start, end)` of the calling process's region usable: frames for
+/// a forked process's chunks that have none (process 1's memory is the
+/// identity-mapped region itself).
+fn back(start: u64, end: u64) -> Result<(), Errno> {
+    let p = crate::sched::current_process();
+    let mut space = p.space.lock();
+    match space.as_mut() {
+        Some(s) if start < end => s.back(start, end),
+        _ => Ok(()),
+    }
+}
+
+/// A copy of the calling process's memory allocator and what it claimed,
+/// for `fork`.
+pub fn fork_memory() -> Memory {
+    with(|m| m.clone())
 }
 
 pub fn brk(addr: u64) -> SysResult {
-    Ok(with(|m| m.brk(addr)))
+    with(|m| {
+        let old = m.brk(0);
+        let top = crate::mm::page_up(old);
+        if addr > top {
+            back(top, crate::mm::page_up(addr).min(m.bounds().1))?;
+        }
+        Ok(m.brk(addr))
+    })
+}
+
+/// Claim `[addr, addr + len)` (or `len` bytes wherever they fit) in the
+/// calling process's region, with frames behind it.
+fn claim(addr: u64, len: u64, fixed: bool) -> SysResult {
+    with(|m| {
+        let at = m.map(addr, len, fixed)?;
+        if let Err(e) = back(at, at + crate::mm::page_up(len)) {
+            m.unclaim(at, len);
+            return Err(e);
+        }
+        Ok(at)
+    })
 }
 
 /// execve: the old program's memory is all given up.
@@ -44,7 +78,7 @@ pub fn reset() {
 
 /// Fresh zero memory of `len` bytes wherever it fits (the loader's).
 pub fn reserve(len: u64) -> Result<u64, Errno> {
-    with(|m| m.map(0, len, false))
+    claim(0, len, false)
 }
 
 pub fn mmap(addr: u64, len: u64, prot: u64, flags: u64, fd: u64, offset: u64) -> SysResult {
@@ -53,7 +87,7 @@ pub fn mmap(addr: u64, len: u64, prot: u64, flags: u64, fd: u64, offset: u64) ->
     }
     let fixed = flags & (MAP_FIXED | MAP_FIXED_NOREPLACE) != 0;
     if flags & MAP_ANONYMOUS != 0 {
-        return with(|m| m.map(addr, len, fixed));
+        return claim(addr, len, fixed);
     }
     if flags & MAP_SHARED != 0 {
         // No page cache to share with the file.
@@ -64,10 +98,10 @@ pub fn mmap(addr: u64, len: u64, prot: u64, flags: u64, fd: u64, offset: u64) ->
     }
     let ino = match fd::get(fd).map_err(|_| EBADF)?.obj {
         Object::File(ino) => ino,
-        Object::Dev(_) => return with(|m| m.map(addr, len, fixed)),
+        Object::Dev(_) => return claim(addr, len, fixed),
         _ => return Err(EACCES),
     };
-    let start = with(|m| m.map(addr, len, fixed))?;
+    let start = claim(addr, len, fixed)?;
     let size = fs::size(ino);
     let n = size.saturating_sub(offset).min(len);
     // SAFETY: [start, start + len) was just mapped for the program; n <= len.
@@ -99,7 +133,21 @@ pub fn mremap(old: u64, old_len: u64, new_len: u64, flags: u64) -> SysResult {
     if flags & !MREMAP_MAYMOVE != 0 {
         return Err(EINVAL);
     }
-    with(|m| m.remap(old, old_len, new_len, flags & MREMAP_MAYMOVE != 0)).map_err(|e| if e == EINVAL { EINVAL } else { ENOMEM })
+    let may_move = flags & MREMAP_MAYMOVE != 0;
+    let forked = crate::sched::current_process().space.lock().is_some();
+    with(|m| {
+        // In a forked process, back the place it may move to first: the
+        // move copies into it (found as the move would find it).
+        if may_move && forked {
+            let probe = m.map(0, new_len, false)?;
+            let r = back(probe, probe + crate::mm::page_up(new_len));
+            m.unclaim(probe, new_len);
+            r?;
+        }
+        back(old, old.saturating_add(crate::mm::page_up(new_len)).min(m.bounds().1))?;
+        m.remap(old, old_len, new_len, may_move)
+    })
+    .map_err(|e| if e == EINVAL { EINVAL } else { ENOMEM })
 }
 
 pub fn madvise(addr: u64, len: u64, advice: u64) -> SysResult {

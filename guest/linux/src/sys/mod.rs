@@ -7,6 +7,7 @@
 
 pub mod epoll;
 mod file;
+pub mod fork;
 mod io;
 pub mod mem;
 mod names;
@@ -45,8 +46,9 @@ pub fn dispatch(frame: &mut Frame) {
         10 => mem::mprotect(a[0], a[1], a[2]),
         11 => mem::munmap(a[0], a[1]),
         12 => mem::brk(a[0]),
-        13 => proc::rt_sigaction(a[0], a[1], a[2]),
-        14 => proc::rt_sigprocmask(a[0], a[1], a[2], a[3]),
+        13 => proc::rt_sigaction(a[0], a[1], a[2], a[3]),
+        14 => crate::signal::sigprocmask(a[0], a[1], a[2], a[3]),
+        15 => crate::signal::sigreturn(frame),
         16 => io::ioctl(a[0], a[1], a[2]),
         17 => io::pread(a[0], a[1], a[2], a[3]),
         18 => io::pwrite(a[0], a[1], a[2], a[3]),
@@ -60,8 +62,9 @@ pub fn dispatch(frame: &mut Frame) {
         28 => mem::madvise(a[0], a[1], a[2]),
         32 => io::dup(a[0]),
         33 => io::dup3(a[0], a[1], 0, true),
+        34 => proc::pause(),
         35 => time::nanosleep(a[0], a[1]),
-        39 => Ok(u64::from(sched::PID)),
+        39 => Ok(u64::from(sched::current_process().pid)),
         41 => net::socket(a[0], a[1], a[2]),
         42 => net::connect(a[0], a[1], a[2]),
         43 => net::accept(a[0], a[1], a[2], 0),
@@ -77,12 +80,15 @@ pub fn dispatch(frame: &mut Frame) {
         54 => net::setsockopt(a[0], a[1], a[2], a[3], a[4]),
         55 => net::getsockopt(a[0], a[1], a[2], a[3], a[4]),
         56 => thread::clone(frame, a[0], a[1], a[2], a[3], a[4]),
+        57 | 58 => fork::fork(frame, None, None, None, 0),
         59 => proc::execve(frame, a[0], a[1], a[2]),
         60 => thread::exit(a[0]),
-        61 => Err(crate::errno::ECHILD),
-        62 => proc::kill(a[0] as i32 == 0 || a[0] == u64::from(crate::sched::PID), a[1]),
-        200 => proc::kill(true, a[1]),
-        234 => proc::kill(a[0] == u64::from(crate::sched::PID), a[2]),
+        61 => fork::wait4(a[0], a[1], a[2], a[3]),
+        62 => fork::kill(a[0], a[1]),
+        // tkill, tgkill: a signal to a thread of the calling process is one
+        // to the process (abort() raises SIGABRT this way).
+        200 => proc::tkill(a[0], a[1]),
+        234 => proc::tkill(a[1], a[2]),
         63 => proc::uname(a[0]),
         72 => io::fcntl(a[0], a[1], a[2]),
         73 => Ok(0),
@@ -104,10 +110,10 @@ pub fn dispatch(frame: &mut Frame) {
         99 => proc::sysinfo(a[0]),
         102 | 104 | 107 | 108 => Ok(0),
         // setuid, setgid, setpgid, setsid, setgroups, setresuid, setresgid:
-        // one user (root) and one process, nothing to change.
+        // one user (root), nothing to change.
         105 | 106 | 109 | 112 | 116 | 117 | 119 => Ok(0),
-        110 => Ok(0),
-        111 => Ok(u64::from(sched::PID)),
+        110 => Ok(u64::from(sched::current_process().ppid())),
+        111 => Ok(u64::from(sched::current_process().pid)),
         131 => Ok(0),
         157 => proc::prctl(a[0]),
         158 => proc::arch_prctl(a[0], a[1]),
@@ -127,6 +133,7 @@ pub fn dispatch(frame: &mut Frame) {
         231 => proc::exit_group(a[0]),
         232 => epoll::wait(a[0], a[1], a[2], a[3] as i32),
         233 => epoll::ctl(a[0], a[1], a[2], a[3]),
+        247 => fork::waitid(a[0], a[1], a[2], a[3]),
         257 => file::open(a[0], a[1], a[2], a[3]),
         258 => file::mkdir(a[0], a[1]),
         262 => file::stat(a[0], a[1], a[2], a[3]),
@@ -154,12 +161,17 @@ pub fn dispatch(frame: &mut Frame) {
         Ok(v) => v,
         Err(e) => (e as i64).wrapping_neg() as u64,
     };
+    crate::signal::deliver(frame, nr);
+    // The process is ending: the call has unwound, the thread leaves here.
+    if let Some(status) = sched::end_of_call() {
+        sched::exit_thread(status);
+    }
 }
 
 /// One bit per system-call number already reported.
 static REPORTED: [AtomicU64; 8] = [const { AtomicU64::new(0) }; 8];
 
-fn unsupported(nr: u64) -> SysResult {
+pub fn unsupported(nr: u64) -> SysResult {
     let (word, bit) = ((nr / 64) as usize, nr % 64);
     let first = match REPORTED.get(word) {
         Some(w) => w.fetch_or(1 << bit, Ordering::Relaxed) & (1 << bit) == 0,
@@ -181,7 +193,7 @@ pub fn blocking<R>(nonblocking: bool, deadline: u64, mut attempt: impl FnMut() -
                 if ftvm_rt::time::now_ns() >= deadline {
                     return Err(EAGAIN);
                 }
-                sched::block(sched::Wait::Io, deadline);
+                sched::block(sched::Wait::Io, deadline)?;
             }
             r => return r,
         }

@@ -1,5 +1,5 @@
-//! The process: identity, limits, exit, signals (accepted and ignored:
-//! nothing here ever delivers one), the thread pointer, randomness.
+//! The process: identity, limits, exit, signal dispositions (see `process`
+//! and `signal`), the thread pointer, randomness.
 
 use core::sync::atomic::{AtomicU64, Ordering};
 
@@ -8,7 +8,7 @@ use alloc::vec::Vec;
 
 use super::{user, SysResult};
 use crate::entry::Frame;
-use crate::errno::{Errno, E2BIG, EINVAL, EPERM};
+use crate::errno::{Errno, E2BIG, EINVAL, EPERM, ESRCH};
 use crate::{random, sched};
 
 const ARCH_SET_GS: u64 = 0x1001;
@@ -20,7 +20,7 @@ const RLIMIT_NOFILE: u64 = 7;
 const RLIM_INFINITY: u64 = u64::MAX;
 
 pub fn exit_group(status: u64) -> SysResult {
-    crate::exit_program(status as i32)
+    sched::exit_process(crate::process::exited(status as i32))
 }
 
 pub fn arch_prctl(code: u64, addr: u64) -> SysResult {
@@ -42,41 +42,46 @@ pub fn arch_prctl(code: u64, addr: u64) -> SysResult {
     }
 }
 
-/// Signals are never delivered: handlers are recorded nowhere and masks
-/// mean nothing, which is what a program that only installs handlers for
-/// SIGPIPE, SIGTERM and crashes needs. The old action reads as SIG_DFL.
-pub fn rt_sigaction(_sig: u64, _act: u64, old: u64) -> SysResult {
+/// The actions are kept per process (what `kill`, SIGCHLD and `signal`
+/// go by).
+pub fn rt_sigaction(sig: u64, act: u64, old: u64, size: u64) -> SysResult {
+    const SIGSTOP: u64 = 19;
+    if sig == 0 || sig as usize >= crate::process::NSIG || size != 8 {
+        return Err(EINVAL);
+    }
+    if act != 0 && (sig == u64::from(crate::process::SIGKILL) || sig == SIGSTOP) {
+        return Err(EINVAL);
+    }
+    let new = if act != 0 {
+        let [handler, flags, restorer, mask]: [u64; 4] = user::read(act)?;
+        Some(crate::process::Action { handler, flags, restorer, mask })
+    } else {
+        None
+    };
+    let prev = sched::current_process().action(sig as usize, new);
     if old != 0 {
-        user::bytes_mut(old, 32)?.fill(0);
+        user::write(old, [prev.handler, prev.flags, prev.restorer, prev.mask])?;
     }
     Ok(0)
 }
 
-pub fn rt_sigprocmask(_how: u64, _set: u64, old: u64, size: u64) -> SysResult {
-    if old != 0 {
-        user::bytes_mut(old, size.min(128))?.fill(0);
+/// Until a signal: one that ends the process, or one whose handler runs
+/// (EINTR either way).
+pub fn pause() -> SysResult {
+    loop {
+        sched::block(sched::Wait::Sleep, u64::MAX)?;
     }
-    Ok(0)
 }
 
-const SIGABRT: u64 = 6;
-const SIGKILL: u64 = 9;
-
-/// kill, tkill and tgkill (`to_self`: aimed at this process). Signals are
-/// not delivered, but the two that always end a program end it here:
-/// SIGKILL, and SIGABRT (abort() raises it again with the default action
-/// if a handler returns), with the status a shell would report. Ending
-/// this way closes the program's sockets as exiting does; a program that
-/// reached abort() otherwise went on to a fault, which stops the VM with
-/// its connections left open.
-pub fn kill(to_self: bool, sig: u64) -> SysResult {
-    match sig {
-        0 if to_self => Ok(0),
-        SIGABRT | SIGKILL if to_self => {
-            ftvm_rt::println!("linux: killed by signal {sig}");
-            crate::exit_program(128 + sig as i32)
-        }
-        _ => Err(EPERM),
+/// tkill and tgkill: a signal to a thread of the calling process goes to
+/// the process (its handler, or its default action: `fork::kill`), which is
+/// how abort() raises SIGABRT; one to another process's thread is refused.
+pub fn tkill(tid: u64, sig: u64) -> SysResult {
+    let me = sched::current_process().pid;
+    match sched::process_of(tid as u32) {
+        Some(pid) if pid == me => super::fork::kill(u64::from(me), sig),
+        Some(_) => Err(EPERM),
+        None => Err(ESRCH),
     }
 }
 
@@ -145,7 +150,7 @@ pub fn getrlimit(resource: u64, out: u64) -> SysResult {
 
 /// Limits are fixed: setting one is accepted if it does not ask for more.
 pub fn prlimit64(pid: u64, resource: u64, new: u64, old: u64) -> SysResult {
-    if pid != 0 && pid != u64::from(sched::PID) {
+    if pid != 0 && pid != u64::from(sched::current_process().pid) {
         return Err(crate::errno::EPERM);
     }
     if old != 0 {

@@ -26,11 +26,23 @@ const FUTEX_WAKE_BITSET: u64 = 10;
 const FUTEX_PRIVATE: u64 = 128;
 const FUTEX_CLOCK_REALTIME: u64 = 256;
 
-/// Only threads: a new process (fork, vfork, posix_spawn) needs an address
-/// space of its own, which one identity-mapped VM does not have.
+/// Threads (CLONE_VM with CLONE_THREAD), and without CLONE_VM a new
+/// process (`fork`). A new process that shares the caller's memory
+/// (CLONE_VM without CLONE_THREAD: vfork, posix_spawn) is not supported.
 pub fn clone(frame: &Frame, flags: u64, stack: u64, parent_tid: u64, child_tid: u64, tls: u64) -> SysResult {
-    if flags & CLONE_VM == 0 || flags & CLONE_THREAD == 0 || flags & CLONE_VFORK != 0 {
-        return Err(ENOSYS);
+    if flags & CLONE_VM == 0 {
+        let settls = (flags & CLONE_SETTLS != 0).then_some(tls);
+        let settid = (flags & CLONE_CHILD_SETTID != 0).then_some(child_tid);
+        let clear = if flags & CLONE_CHILD_CLEARTID != 0 { child_tid } else { 0 };
+        let pid = super::fork::fork(frame, (stack != 0).then_some(stack), settls, settid, clear)?;
+        if flags & CLONE_PARENT_SETTID != 0 {
+            user::write(parent_tid, pid as u32)?;
+        }
+        return Ok(pid);
+    }
+    if flags & CLONE_THREAD == 0 || flags & CLONE_VFORK != 0 {
+        // Reported like any call this layer does not serve.
+        return super::unsupported(56);
     }
     if stack == 0 {
         return Err(EINVAL);
@@ -59,7 +71,7 @@ pub fn exit(status: u64) -> SysResult {
     if clear != 0 && user::write(clear, 0u32).is_ok() {
         sched::futex_wake(clear, usize::MAX);
     }
-    sched::exit_thread(status as i32)
+    sched::exit_thread(crate::process::exited(status as i32))
 }
 
 fn word(addr: u64) -> Result<&'static AtomicU32, crate::errno::Errno> {
@@ -91,7 +103,7 @@ pub fn futex(addr: u64, op: u64, val: u64, timeout: u64, addr2: u64, val3: u64) 
             }
             sched::with_current(|t| t.woken = false);
             loop {
-                sched::block(Wait::Futex(addr), deadline);
+                sched::block(Wait::Futex(addr), deadline)?;
                 if sched::with_current(|t| core::mem::take(&mut t.woken)) {
                     return Ok(0);
                 }

@@ -96,15 +96,16 @@ pub fn time(out: u64) -> SysResult {
     Ok(secs)
 }
 
-fn sleep_until(deadline: u64) {
+fn sleep_until(deadline: u64) -> Result<(), crate::errno::Errno> {
     while now_ns() < deadline {
-        sched::block(Wait::Sleep, deadline);
+        sched::block(Wait::Sleep, deadline)?;
     }
+    Ok(())
 }
 
 pub fn nanosleep(req: u64, _rem: u64) -> SysResult {
     let ns = read_timespec(req)?;
-    sleep_until(now_ns().saturating_add(ns));
+    sleep_until(now_ns().saturating_add(ns))?;
     Ok(0)
 }
 
@@ -112,6 +113,6 @@ pub fn clock_nanosleep(clock: u64, flags: u64, req: u64, _rem: u64) -> SysResult
     let ns = read_timespec(req)?;
     let now = clock_ns(clock)?;
     let delay = if flags & TIMER_ABSTIME != 0 { ns.saturating_sub(now) } else { ns };
-    sleep_until(now_ns().saturating_add(delay));
+    sleep_until(now_ns().saturating_add(delay))?;
     Ok(0)
 }

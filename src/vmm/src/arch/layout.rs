@@ -1,16 +1,16 @@
 //! Where the VMM puts its x86-64 structures inside the 2 MiB system area.
 //!
-//! Only the boot info and clock pages are visible to CPL3 (read-only); the
-//! rest is supervisor-only so a guest bug cannot corrupt its own IDT or TSS.
+//! Only the boot info and clock pages and the page tables are visible to
+//! CPL3 (read-only); the rest is supervisor-only so a guest bug cannot
+//! corrupt its own IDT or TSS.
 
-pub use ftvm_abi::layout::{BOOT_INFO_ADDR, BOOT_INFO_SIZE, CLOCK_PAGE_ADDR, SYSTEM_AREA_END};
+pub use ftvm_abi::layout::{BOOT_INFO_ADDR, BOOT_INFO_SIZE, CLOCK_PAGE_ADDR, PAGE_TABLE_ROOT as PML4_ADDR, SYSTEM_AREA_END};
 
 pub const GDT_ADDR: u64 = 0x1000;
 pub const IDT_ADDR: u64 = 0x2000;
 /// 256 exception stubs of [`STUB_SIZE`] bytes each.
 pub const STUBS_ADDR: u64 = 0x3000;
 pub const STUB_SIZE: u64 = 16;
-pub const PML4_ADDR: u64 = 0x9000;
 pub const PDPT_ADDR: u64 = 0xa000;
 /// 4 KiB page table for the first 2 MiB (the system area itself).
 pub const PT0_ADDR: u64 = 0xb000;

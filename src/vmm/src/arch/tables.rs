@@ -88,8 +88,8 @@ fn write_tss(mem: &GuestMemory, vcpu: u32) -> Result<(), vm_memory::GuestMemoryE
 }
 
 /// Identity map: 4 KiB pages for the system area (supervisor-only except the
-/// read-only boot info and clock pages, page 0 absent so null pointers
-/// fault), 2 MiB user pages for the rest of RAM.
+/// read-only boot info, clock page and page tables, page 0 absent so null
+/// pointers fault), 2 MiB user pages for the rest of RAM.
 fn write_page_tables(mem: &GuestMemory, mem_size: u64, mmio: Option<(u64, u64)>) -> Result<(), vm_memory::GuestMemoryError> {
     let user_table = PTE_PRESENT | PTE_WRITE | PTE_USER;
     mem.write_obj(PDPT_ADDR | user_table, GuestAddress(PML4_ADDR))?;
@@ -117,7 +117,9 @@ fn write_page_tables(mem: &GuestMemory, mem_size: u64, mmio: Option<(u64, u64)>)
             0 => 0,
             BOOT_INFO_ADDR..CLOCK_PAGE_ADDR | CLOCK_PAGE_ADDR => addr | PTE_PRESENT | PTE_USER,
             GDT_ADDR | IDT_ADDR | STUBS_ADDR => addr | PTE_PRESENT,
-            _ if (PML4_ADDR..KSTACKS_ADDR).contains(&addr) => addr | PTE_PRESENT,
+            // Readable by the guest, which copies them into address spaces
+            // of its own (`ftvm_abi::AddressSpace`).
+            _ if (PML4_ADDR..KSTACKS_ADDR).contains(&addr) => addr | PTE_PRESENT | PTE_USER,
             _ if (KSTACKS_ADDR..TSS_ADDR + MAX_VCPUS as u64 * TSS_STRIDE).contains(&addr) => addr | PTE_PRESENT | PTE_WRITE,
             _ => 0,
         };
@@ -144,6 +146,9 @@ mod tests {
         assert_eq!(read(mem, PT0_ADDR + 8 * (BOOT_INFO_ADDR / 4096)) & 7, 5, "boot info user read-only");
         assert_eq!(read(mem, PT0_ADDR + 8 * (GDT_ADDR / 4096)) & 7, 1, "gdt supervisor read-only");
         assert_eq!(read(mem, PT0_ADDR + 8 * (tss_addr(1) / 4096)) & 7, 3, "tss supervisor writable");
+        assert_eq!(read(mem, PT0_ADDR + 8 * (PML4_ADDR / 4096)) & 7, 5, "page tables user read-only");
+        assert_eq!(read(mem, PT0_ADDR + 8 * (PD_ADDR / 4096 + 1)) & 7, 5, "page directories user read-only");
+        assert_eq!(read(mem, PT0_ADDR + 8 * (KSTACKS_ADDR / 4096)) & 7, 3, "ring-0 stacks supervisor");
         assert_eq!(read(mem, PD_ADDR + 8), (2 << 20) | 0x87);
         assert_eq!(read(mem, PD_ADDR + 16), (4 << 20) | 0x87);
         assert_eq!(read(mem, PD_ADDR + 24), 0, "beyond RAM unmapped");
