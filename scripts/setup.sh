@@ -18,8 +18,9 @@ command -v cargo >/dev/null || { echo "setup: cargo not found: install Rust (rus
 # libclang-dev is for the userfaultfd crate's bindings (bindgen).
 # musl-tools (musl-gcc) builds the static Linux programs the Linux
 # personality runs (scripts/build-images.sh, scripts/build-redis.sh); gcc
-# the dynamically linked ones (glibc).
-apt_packages=(redis-tools redis-server memcached gcc libc6-dev iproute2 iputils-ping tcpdump etcd-server etcd-client prometheus musl-tools libclang-dev)
+# the dynamically linked ones (glibc). tcl runs Redis's own test suite
+# (ftvm-bench redis-suite).
+apt_packages=(redis-tools redis-server memcached gcc libc6-dev tcl iproute2 iputils-ping tcpdump etcd-server etcd-client prometheus musl-tools libclang-dev)
 # pip fetches the Redis sources (scripts/build-redis.sh).
 python3 -m pip --version >/dev/null 2>&1 || apt_packages+=(python3-pip)
 missing=()
