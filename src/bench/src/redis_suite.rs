@@ -135,7 +135,11 @@ fn server(
     match setting {
         Setting::Native => {
             let mut cmd = topo.command("client", image);
-            cmd.args(REDIS_ARGS.map(|a| if a == "''" { "" } else { a })).args(["--bind", "127.0.0.1"]).stdin(Stdio::null());
+            // Its files (the suite's BGSAVEs and AOF rewrites) go to the scratch directory.
+            cmd.args(REDIS_ARGS.map(|a| if a == "''" { "" } else { a }))
+                .args(["--bind", "127.0.0.1"])
+                .current_dir(dir)
+                .stdin(Stdio::null());
             let mut p = Process::spawn_collected("redis-server (native)", &mut cmd)?;
             wait_native(topo, &mut p)?;
             Ok((Some(p), None, "127.0.0.1"))
