@@ -29,33 +29,30 @@ for app in "${apps[@]}"; do
     echo "built $out/$app.elf ($(stat -c %s "$out/$app.elf") bytes)"
 done
 
-# Unmodified static Linux programs (no ftvm ABI note): rebuilt only when the
+# Build C program SRC into $out/NAME with COMPILER and FLAGS..., only when the
 # source is newer than the binary.
-command -v musl-gcc >/dev/null || { echo "build-images: musl-gcc not found (install musl-tools: scripts/setup.sh)" >&2; exit 1; }
-for src in "$root"/guest/linux/programs/*.c; do
-    name="linux-$(basename "$src" .c)"
+build_c() {
+    local name=$1 src=$2
+    shift 2
     if [ ! -e "$out/$name" ] || [ "$src" -nt "$out/$name" ]; then
-        musl-gcc -static -O2 -Wall -Werror -o "$out/$name.tmp" "$src"
+        "$@" -O2 -Wall -Werror -o "$out/$name.tmp" "$src"
         mv "$out/$name.tmp" "$out/$name"
         echo "built $out/$name ($(stat -c %s "$out/$name") bytes)"
     fi
+}
+
+# Unmodified static Linux programs (no ftvm ABI note).
+command -v musl-gcc >/dev/null || { echo "build-images: musl-gcc not found (install musl-tools: scripts/setup.sh)" >&2; exit 1; }
+for src in "$root"/guest/linux/programs/*.c; do
+    build_c "linux-$(basename "$src" .c)" "$src" musl-gcc -static
 done
 
 # hello.c as a glibc static-pie too: position-independent without an
 # interpreter, also loaded by the personality from a root file system.
-if [ ! -e "$out/linux-hello-static-pie" ] || [ "$root/guest/linux/programs/hello.c" -nt "$out/linux-hello-static-pie" ]; then
-    gcc -static-pie -O2 -Wall -Werror -o "$out/linux-hello-static-pie.tmp" "$root/guest/linux/programs/hello.c"
-    mv "$out/linux-hello-static-pie.tmp" "$out/linux-hello-static-pie"
-    echo "built $out/linux-hello-static-pie ($(stat -c %s "$out/linux-hello-static-pie") bytes)"
-fi
+build_c linux-hello-static-pie "$root/guest/linux/programs/hello.c" gcc -static-pie
 
 # Dynamically linked glibc programs (PIE), loaded by the personality itself
 # with their interpreter and libraries from a root file system.
 for src in "$root"/guest/linux/programs/dynamic/*.c; do
-    name="linux-$(basename "$src" .c)"
-    if [ ! -e "$out/$name" ] || [ "$src" -nt "$out/$name" ]; then
-        gcc -O2 -Wall -Werror -fPIE -pie -o "$out/$name.tmp" "$src"
-        mv "$out/$name.tmp" "$out/$name"
-        echo "built $out/$name ($(stat -c %s "$out/$name") bytes)"
-    fi
+    build_c "linux-$(basename "$src" .c)" "$src" gcc -fPIE -pie
 done

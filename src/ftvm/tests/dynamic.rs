@@ -54,19 +54,24 @@ fn dynhello() -> PathBuf {
     built("linux-dynhello")
 }
 
+/// `ftvm run` of `program` with `rootfs` and `cmdline` (the whole
+/// `--cmdline=...` argument), to its end.
+fn run_in_rootfs(program: &Path, rootfs: &Rootfs, cmdline: impl AsRef<std::ffi::OsStr>) -> std::process::Output {
+    ftvm().arg("run").arg("--image").arg(program).arg("--rootfs").arg(&rootfs.0).arg(cmdline).output().expect("ftvm runs")
+}
+
+/// The VMM is still running (a test's last check that serving did not kill it).
+fn assert_alive(vmm: &mut Process) {
+    if let Some(status) = vmm.try_wait() {
+        panic!("ftvm died ({status}):\n{}", vmm.output());
+    }
+}
+
 #[test]
 fn a_glibc_pie_runs_with_its_interpreter_and_libc_from_the_rootfs() {
     let program = dynhello();
     let rootfs = make_rootfs("dynhello", &program, &[]);
-    let out = ftvm()
-        .arg("run")
-        .arg("--image")
-        .arg(&program)
-        .arg("--rootfs")
-        .arg(&rootfs.0)
-        .arg(format!("--cmdline=-- GREETING='hi there' {} one", program.display()))
-        .output()
-        .expect("ftvm runs");
+    let out = run_in_rootfs(&program, &rootfs, format!("--cmdline=-- GREETING='hi there' {} one", program.display()));
     let text = stdout(&out);
     // The program's own exit status, after its last line.
     assert_eq!(out.status.code(), Some(3), "{text}{}", stderr(&out));
@@ -93,29 +98,13 @@ fn a_glibc_pie_runs_with_its_interpreter_and_libc_from_the_rootfs() {
 fn a_static_pie_runs_from_the_rootfs() {
     let program = built("linux-hello-static-pie");
     let rootfs = make_rootfs("spie", &program, &[]);
-    let out = ftvm()
-        .arg("run")
-        .arg("--image")
-        .arg(&program)
-        .arg("--rootfs")
-        .arg(&rootfs.0)
-        .arg(format!("--cmdline=-- GREETING=hi {} a", program.display()))
-        .output()
-        .expect("ftvm runs");
+    let out = run_in_rootfs(&program, &rootfs, format!("--cmdline=-- GREETING=hi {} a", program.display()));
     let text = stdout(&out);
     assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
     assert!(text.contains("hello: argc=2 argv[1]=[a]\n"), "{text}");
     assert!(text.contains("hello: env GREETING=hi tls=42 pagesz=4096 random=yes\n"), "{text}");
     let static_hello = root().join("target/images/linux-hello");
-    let out = ftvm()
-        .arg("run")
-        .arg("--image")
-        .arg(&static_hello)
-        .arg("--rootfs")
-        .arg(&rootfs.0)
-        .arg("--cmdline=-- GREETING=hi hello")
-        .output()
-        .expect("ftvm runs");
+    let out = run_in_rootfs(&static_hello, &rootfs, "--cmdline=-- GREETING=hi hello");
     assert_eq!(out.status.code(), Some(0), "{}{}", stdout(&out), stderr(&out));
     assert!(stdout(&out).contains("hello: env GREETING=hi tls=42 pagesz=4096 random=yes\n"), "{}", stdout(&out));
 }
@@ -127,15 +116,7 @@ fn a_static_pie_runs_from_the_rootfs() {
 fn execve_replaces_the_program_with_one_from_the_rootfs() {
     let (execer, hello) = (built("linux-execer"), dynhello());
     let rootfs = make_rootfs("execer", &execer, &[hello.to_str().unwrap()]);
-    let out = ftvm()
-        .arg("run")
-        .arg("--image")
-        .arg(&execer)
-        .arg("--rootfs")
-        .arg(&rootfs.0)
-        .arg(format!("--cmdline=-- {} {}", execer.display(), hello.display()))
-        .output()
-        .expect("ftvm runs");
+    let out = run_in_rootfs(&execer, &rootfs, format!("--cmdline=-- {} {}", execer.display(), hello.display()));
     let text = stdout(&out);
     assert_eq!(out.status.code(), Some(3), "{text}{}", stderr(&out));
     let expect = format!(
@@ -212,9 +193,7 @@ fn debian_redis_server_answers_redis_cli() {
     assert!(info.contains("redis_version:7."), "{info}");
     let memory = cli(&["INFO", "memory"]);
     assert!(memory.contains("mem_allocator:jemalloc"), "{memory}");
-    if let Some(status) = vmm.try_wait() {
-        panic!("ftvm died ({status}):\n{}", vmm.output());
-    }
+    assert_alive(&mut vmm);
 }
 
 /// redis-benchmark against Debian's redis-server, unpipelined and at depth
@@ -331,9 +310,7 @@ fn debian_memcached_serves_a_client() {
     assert!(text.contains("stats: ['STAT version 1.6."), "{text}");
     assert!(text.contains("'STAT threads 4'"), "{text}");
     println!("{}", text.lines().find(|l| l.starts_with("rate:")).unwrap_or_else(|| panic!("{text}")));
-    if let Some(status) = vmm.try_wait() {
-        panic!("ftvm died ({status}):\n{}", vmm.output());
-    }
+    assert_alive(&mut vmm);
 }
 
 /// Debian's redis-server protected by a backup: its rootfs, the libraries
