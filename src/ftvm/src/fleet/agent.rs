@@ -220,33 +220,38 @@ impl Agent {
     fn tick(&mut self) -> Result<(), StoreError> {
         self.store.renew(self.lease)?;
         let fleet = self.store.read()?;
-        let fleet = self.hosts.view(&fleet, Duration::from_secs(self.args.lease_seconds), Instant::now());
-        if self.store.lead(&self.me.name, self.lease)? {
-            self.lead(&fleet)?;
-        }
-        let fleet = self.store.read()?;
+        let view = self.hosts.view(&fleet, Duration::from_secs(self.args.lease_seconds), Instant::now());
+        let wrote = self.store.lead(&self.me.name, self.lease)? && self.lead(&view)?;
+        // A leader that changed the fleet acts on what it wrote; every
+        // other look needs one read only.
+        let fleet = if wrote { self.store.read()? } else { fleet };
         self.metrics.update(&fleet, &self.me.name);
         self.run_placed(&fleet);
         self.report(&fleet)
     }
 
-    fn lead(&mut self, fleet: &Fleet) -> Result<(), StoreError> {
+    /// Place what the plan says; whether anything in etcd changed.
+    fn lead(&mut self, fleet: &Fleet) -> Result<bool, StoreError> {
+        let mut wrote = false;
         let (changes, unplaced) = plan(fleet);
         for c in changes {
             if self.store.place(&c)? {
+                wrote = true;
                 event("placed", json!({ "vm": c.vm, "primary": c.placement.primary, "backup": c.placement.backup, "why": c.why }));
             }
         }
         for vm in fleet.unplaced.keys().filter(|vm| !unplaced.iter().any(|u| &u.vm == *vm)) {
             self.store.set_unplaced(vm, None)?;
+            wrote = true;
         }
         for u in unplaced {
             if fleet.unplaced.get(&u.vm) != Some(&u.why) {
                 event("unplaced", json!({ "vm": u.vm, "why": u.why }));
                 self.store.set_unplaced(&u.vm, Some(&u.why))?;
+                wrote = true;
             }
         }
-        Ok(())
+        Ok(wrote)
     }
 
     /// Ask `vm`'s process `request` once per placement generation, and
