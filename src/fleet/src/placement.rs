@@ -50,6 +50,15 @@ impl Fleet {
         self.reports.get(vm).and_then(|r| r.get(host)).is_some_and(|r| r.role == role && (r.protected || !protected))
     }
 
+    /// Whether `vm` is placed on two hosts, its primary reporting it
+    /// protected and its backup in step.
+    pub fn protected(&self, vm: &str) -> bool {
+        self.placements.get(vm).is_some_and(|(p, _)| match (&p.primary, &p.backup) {
+            (Some(primary), Some(backup)) => self.reports(vm, primary, Role::Primary, true) && self.reports(vm, backup, Role::Backup, true),
+            _ => false,
+        })
+    }
+
     /// Whether `vm` is placed on `host`, as primary or backup.
     pub fn placed_on(&self, vm: &str, host: &str) -> bool {
         self.placements.get(vm).is_some_and(|(p, _)| p.primary.as_deref() == Some(host) || p.backup.as_deref() == Some(host))

@@ -34,16 +34,8 @@ fn agent(topo: &Topology, dir: &std::path::Path, etcd: &str, host: u32, secret: 
     Process::spawn_logged(&format!("agent h{host}"), &mut cmd, dir, &format!("agent-h{host}")).unwrap()
 }
 
-/// `vm` placed on two hosts, its primary reporting protected and its backup in step.
-fn all_protected_vm(f: &Fleet, vm: &str) -> bool {
-    f.placements.get(vm).is_some_and(|(p, _)| match (&p.primary, &p.backup) {
-        (Some(primary), Some(backup)) => f.reports(vm, primary, Role::Primary, true) && f.reports(vm, backup, Role::Backup, true),
-        _ => false,
-    })
-}
-
 fn all_protected(f: &Fleet) -> bool {
-    VMS.iter().all(|(vm, _, _)| all_protected_vm(f, vm))
+    VMS.iter().all(|(vm, _, _)| f.protected(vm))
 }
 
 /// Hosts whose process for `vm` says it runs the VM, but for `dead` (its
@@ -148,7 +140,7 @@ fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
     // A VM no host can take says why, and is not placed.
     assert!(create(&topo, dir.path(), etcd.endpoint(), "huge", "10.0.0.19", "52:54:00:00:00:19", 4096, false).status.success());
     let only_kva = |f: &Fleet| f.placements.get(vm).is_some_and(|(p, _)| p.primary.is_some() && p.backup.is_some());
-    let fleet = wait_fleet(&topo, &store, None, Duration::from_secs(60), "kva protected", |f| only_kva(f) && all_protected_vm(f, vm));
+    let fleet = wait_fleet(&topo, &store, None, Duration::from_secs(60), "kva protected", |f| only_kva(f) && f.protected(vm));
     let list = cli(&topo, &["vm", "list", "--etcd", etcd.endpoint()]);
     assert!(list.lines().any(|l| l.starts_with("huge ") && l.contains("no host with 4096 MiB and 1 vCPUs free")), "{list}");
     for i in 0..20 {
@@ -186,7 +178,7 @@ fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
     let _ = agents[index as usize - 1].kill();
     agents[index as usize - 1] = agent(&topo, dir.path(), etcd.endpoint(), index, &secret);
     std::thread::sleep(Duration::from_secs(3));
-    let f = wait_fleet(&topo, &store, None, Duration::from_secs(10), "kva still protected", |f| all_protected_vm(f, vm));
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(10), "kva still protected", |f| f.protected(vm));
     assert_eq!(f.reports[vm][&primary].pid, pid, "the restarted agent started the VM again");
     assert_eq!(f.placements[vm].0, placement, "the VM was moved while its agent restarted");
 
@@ -204,7 +196,7 @@ fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
     // SAFETY: as above.
     unsafe { libc::kill(etcd_pid, libc::SIGCONT) };
     std::thread::sleep(Duration::from_secs(4));
-    let f = wait_fleet(&topo, &store, None, Duration::from_secs(20), "kva protected after the etcd stall", |f| all_protected_vm(f, vm));
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(20), "kva protected after the etcd stall", |f| f.protected(vm));
     assert_eq!(f.reports[vm][&primary].pid, pid, "a stalled etcd restarted the VM");
     let now = &f.placements[vm].0;
     assert_eq!((&now.primary, &now.backup), (&placement.primary, &placement.backup), "a stalled etcd moved the VM");
@@ -214,7 +206,7 @@ fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
     cli(&topo, &["host", "drain", "--etcd", etcd.endpoint(), &primary]);
     let drained = Instant::now();
     let f = wait_fleet(&topo, &store, None, Duration::from_secs(60), "kva moved off the drained host", |f| {
-        !f.placed_on(vm, &primary) && all_protected_vm(f, vm) && !f.reports.get(vm).is_some_and(|r| r.contains_key(&primary))
+        !f.placed_on(vm, &primary) && f.protected(vm) && !f.reports.get(vm).is_some_and(|r| r.contains_key(&primary))
     });
     eprintln!("kva handed over and protected again {:?} after the drain", drained.elapsed());
     assert_eq!(f.placements[vm].0.primary, placement.backup, "handed over to its backup");

@@ -22,7 +22,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use ftvm_fleet::placement::Fleet;
-use ftvm_fleet::{Role, Store};
+use ftvm_fleet::Store;
 use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::netns;
 use ftvm_testkit::pcap::Tcpdump;
@@ -65,20 +65,13 @@ fn read(topo: &Topology, store: &Store) -> Result<Fleet, Error> {
     netns::run_in(&topo.ns("lan"), move || store.read()).map_err(|e| e.to_string())?.map_err(|e| e.to_string())
 }
 
-fn protected(f: &Fleet, vm: &str) -> bool {
-    f.placements.get(vm).is_some_and(|(p, _)| match (&p.primary, &p.backup) {
-        (Some(primary), Some(backup)) => f.reports(vm, primary, Role::Primary, true) && f.reports(vm, backup, Role::Backup, true),
-        _ => false,
-    })
-}
-
 /// The live table: one line per VM.
 fn table(f: &Fleet, vms: &[DemoVm], t0: Instant) {
     let cells: Vec<String> = vms
         .iter()
         .map(|vm| {
             let p = f.placements.get(&vm.name).map(|(p, _)| p.clone()).unwrap_or_default();
-            let mark = if protected(f, &vm.name) { "+" } else { "-" };
+            let mark = if f.protected(&vm.name) { "+" } else { "-" };
             format!("{}{mark}{}/{}", vm.name, p.primary.as_deref().unwrap_or("?"), p.backup.as_deref().unwrap_or("?"))
         })
         .collect();
@@ -258,7 +251,7 @@ pub fn run(dir: &Path, seconds: f64) -> Result<bool, Error> {
         }
     }
     outln!("created 6 VMs (kv1-kv4: the kv guest, redis1-2: an unmodified redis-server); table: VM+PRIMARY/BACKUP, + protected");
-    let placed = wait(&topo, &store, &vms, t0, Duration::from_secs(120), |f| vms.iter().all(|vm| protected(f, &vm.name)))?;
+    let placed = wait(&topo, &store, &vms, t0, Duration::from_secs(120), |f| vms.iter().all(|vm| f.protected(&vm.name)))?;
     outln!("all six placed and protected in {:.1} s", placed.as_secs_f64());
 
     let mut load = BTreeMap::new();
@@ -287,7 +280,7 @@ pub fn run(dir: &Path, seconds: f64) -> Result<bool, Error> {
         alive.retain(|h| *h != victim);
         let v = victim.clone();
         let took = wait(&topo, &store, &vms, t0, Duration::from_secs(60), |f| {
-            vms.iter().all(|vm| protected(f, &vm.name) && !f.placed_on(&vm.name, &v))
+            vms.iter().all(|vm| f.protected(&vm.name) && !f.placed_on(&vm.name, &v))
         })?;
         outln!("every VM protected again {:.1} s after {victim} died", took.as_secs_f64());
         deaths.push((victim, took));
@@ -316,7 +309,7 @@ pub fn run(dir: &Path, seconds: f64) -> Result<bool, Error> {
     }
     let d = drained.clone();
     let took = wait(&topo, &store, &vms, t0, Duration::from_secs(60), |f| {
-        vms.iter().all(|vm| protected(f, &vm.name) && !f.placed_on(&vm.name, &d))
+        vms.iter().all(|vm| f.protected(&vm.name) && !f.placed_on(&vm.name, &d))
     })?;
     outln!("{drained} empty and every VM protected in {:.1} s", took.as_secs_f64());
     sleep(Duration::from_secs_f64(seconds))?;
