@@ -108,6 +108,18 @@ fn print_status(r: &api::Response) {
                 if m.ok { "" } else { " (FAILED)" }
             );
         }
+        if let Some(c) = &rep.costs {
+            outln!(
+                "costs per page ({}): tracked first write {} ns, copy {} ns, hash {} ns, encode {} ns; so a region is kept writable from {:.0}% of its kept pages rewritten an epoch, and prefetch rounds run while at most {:.0}% of their sends are wasted",
+                if c.measured { "measured at start" } else { "assumed" },
+                c.first_write_ns,
+                c.copy_ns,
+                c.hash_ns,
+                c.encode_ns,
+                c.keep_threshold() * 100.0,
+                c.max_waste() * 100.0
+            );
+        }
         let started = rep.started_by.nonzero();
         if !started.is_empty() {
             let each: Vec<String> = started.iter().map(|(reason, n)| format!("{reason} {n}")).collect();
@@ -128,10 +140,11 @@ fn print_status(r: &api::Response) {
                 m.frames_released,
                 m.hold_us
             );
-            if m.predicted > 0 {
+            if m.predicted > 0 || m.regions_kept > 0 {
                 outln!(
-                    "write prediction: {} pages left writable, {} of them written, {} unchanged (not sent), {} tracked first writes",
+                    "write prediction: {} pages left writable ({} regions of 512 pages kept), {} of them written, {} unchanged (not sent), {} tracked first writes",
                     m.predicted,
+                    m.regions_kept,
                     m.predicted_written,
                     m.fake_dirty,
                     m.first_writes

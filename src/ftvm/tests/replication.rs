@@ -245,17 +245,45 @@ fn memory_survives_failover_with_each_idle_pause() {
 /// With `--prefetch on` (alone, and with every other checkpoint switch it
 /// combines with) pages go ahead of their checkpoints, and a kill at any
 /// point of an epoch (staged pages or not) leaves the backup exactly at
-/// the primary's last checkpoint.
+/// the primary's last checkpoint. (`--tuning static`: prefetch alone,
+/// without write prediction, which on this writer keeps pages the rounds
+/// would send; the two together are `the_default_predicts_and_prefetches`.)
 #[test]
 fn memory_survives_failover_with_prefetch() {
     let runs = [(1, 1, 600), (2, 2, 1000)];
-    let mut judged = assert_prefetched("--prefetch on", &memory_survives_failover_epochs(PREFETCH_WORK, &["--prefetch", "on"], &runs));
+    let on = ["--tuning", "static", "--prefetch", "on"];
+    let mut judged = assert_prefetched("--prefetch on", &memory_survives_failover_epochs(PREFETCH_WORK, &on, &runs));
     // The ring re-protects every page a round harvests, hot ones too.
     let ring = ["--prefetch", "on", "--dirty-backend", "ring"];
     judged += assert_prefetched("with the dirty ring", &memory_survives_failover_epochs(PREFETCH_WORK, &ring, &[(1, 1, 700)]));
-    let all = ["--prefetch", "on", "--diff", "lz4", "--device-state", "changed", "--capture", "cow"];
+    let all = ["--tuning", "static", "--prefetch", "on", "--diff", "lz4", "--device-state", "changed", "--capture", "cow"];
     judged += assert_prefetched("with every switch", &memory_survives_failover_epochs(PREFETCH_WORK, &all, &[(2, 2, 900)]));
     assert!(judged > 0, "no run gave the prefetch rounds a chance");
+}
+
+/// With default flags (`--tuning auto`) write prediction and prefetch run
+/// together: on a writer with a hot set (a tenth of its pages take nine
+/// tenths of its writes, each hot page about once an epoch) and cold
+/// writes scattered over the rest, prediction keeps the hot pages writable
+/// and the rounds send cold pages ahead, in the same epochs, and a kill
+/// still leaves the backup exactly at the last checkpoint.
+#[test]
+fn the_default_predicts_and_prefetches() {
+    let work = "ws=16M pattern=hotcold rate=50000 writes=400000 report=100ms";
+    let runs = memory_survives_failover_epochs(work, &[], &[(1, 1, 1500), (2, 1, 1800)]);
+    let n = |e: &serde_json::Value, key: &str| e[key].as_u64().unwrap();
+    for epochs in &runs {
+        let both = epochs.iter().filter(|e| n(e, "predicted") > 0 && n(e, "prefetched_pages") > 0).count();
+        let kept: u64 = epochs.iter().map(|e| n(e, "predicted")).sum();
+        let ahead: u64 = epochs.iter().map(|e| n(e, "prefetched_pages")).sum();
+        eprintln!("{both} of {} epochs with pages both left writable and sent ahead ({kept} left writable, {ahead} ahead)", epochs.len());
+        assert!(
+            both > 0,
+            "no epoch had pages both left writable and sent ahead: {kept} left writable, {ahead} ahead in {} epochs",
+            epochs.len()
+        );
+        assert!(epochs.iter().any(|e| n(e, "regions_kept") > 0), "the adaptive predictor reports the regions it keeps");
+    }
 }
 
 /// With `--prefetch-by pull` the backup reads the rounds' pages itself,
@@ -265,7 +293,7 @@ fn memory_survives_failover_with_prefetch() {
 /// whole pages, the dirty ring and adaptive rounds.
 #[test]
 fn memory_survives_failover_with_pulled_prefetch() {
-    let pull = ["--prefetch", "on", "--prefetch-by", "pull"];
+    let pull = ["--tuning", "static", "--prefetch", "on", "--prefetch-by", "pull"];
     let mut judged = assert_prefetched(
         "the backup read pages ahead",
         &memory_survives_failover_epochs(PREFETCH_WORK, &pull, &[(1, 1, 600), (2, 2, 1000)]),
@@ -285,10 +313,12 @@ fn memory_survives_failover_with_pulled_prefetch() {
 /// or stop (`prefetch_start` grows), and a kill still leaves the backup
 /// exactly at the last checkpoint. Slow random writes over 64 MiB are
 /// almost never written twice in an epoch: every round runs and their
-/// pages go ahead.
+/// pages go ahead. (`--tuning static`: prefetch alone, weighing the costs
+/// assumed, which put the break-even point at one send in seven.)
 #[test]
 fn adaptive_prefetch_starts_later_when_sends_are_wasted() {
-    let epochs = &memory_survives_failover_epochs(LONG_WORK, &["--prefetch", "adaptive"], &[(1, 1, 1200)])[0];
+    let alone = ["--tuning", "static", "--prefetch", "adaptive"];
+    let epochs = &memory_survives_failover_epochs(LONG_WORK, &alone, &[(1, 1, 1200)])[0];
     let n = |e: &serde_json::Value, key: &str| e[key].as_u64().unwrap();
     let wasteful = |e: &serde_json::Value| n(e, "prefetched_pages") >= 32 && n(e, "prefetch_wasted") * 7 > n(e, "prefetched_pages");
     let after_waste: Vec<(u64, u64)> =
@@ -306,7 +336,9 @@ fn adaptive_prefetch_starts_later_when_sends_are_wasted() {
     let b = backup(&addr, &[]);
     let work = "ws=64M pattern=random rate=10000 writes=15000 report=0";
     let p = spawn(
-        primary(&addr, 1, work, &["--epoch-ms", "20", "--prefetch", "adaptive", "--metrics-every-epoch"]).arg("--metrics").arg(&metrics),
+        primary(&addr, 1, work, &["--epoch-ms", "20", "--tuning", "static", "--prefetch", "adaptive", "--metrics-every-epoch"])
+            .arg("--metrics")
+            .arg(&metrics),
     );
     let (p, b) = (finish(p), finish(b));
     assert!(p.status.success(), "{}", stderr(&p));
@@ -336,7 +368,7 @@ fn a_failure_mid_prefetch_leaves_the_last_checkpoint() {
 fn a_failure_mid_prefetch_with(by: &str) {
     let addr = free_addr();
     let b = backup(&addr, &[]);
-    let args = ["--epoch-ms", "20", "--prefetch", "on", "--prefetch-by", by];
+    let args = ["--epoch-ms", "20", "--tuning", "static", "--prefetch", "on", "--prefetch-by", by];
     let p = spawn(primary(&addr, 1, WORK, &args).env("FTVM_TEST_FAULT", "die-after-prefetch:6"));
     let (p, b) = (finish(p), finish(b));
     let perr = stderr(&p);

@@ -52,6 +52,11 @@ pub struct EpochMetrics {
     /// first-write fault, or was written by the VMM).
     #[serde(default)]
     pub first_writes: u64,
+    /// `--predict-writes adaptive`: regions of 512 pages whose pages it
+    /// keeps writable now (the rest are tracked, and sent ahead by
+    /// `--prefetch` where that pays).
+    #[serde(default)]
+    pub regions_kept: u32,
     /// Bytes of the epoch on the wire: every byte of the checkpoint's
     /// frame, and of the epoch's prefetch frames (`--prefetch`).
     pub bytes: u64,

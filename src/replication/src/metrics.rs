@@ -41,6 +41,9 @@ pub struct Status {
     /// this replica leader (the last one it won).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub election: Option<crate::consensus_status::Election>,
+    /// The per-page costs the adaptive mechanisms weigh (a primary).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub costs: Option<crate::pipeline::costs::Costs>,
 }
 
 /// Shared, updated by the replication threads, read by the control socket.

@@ -233,6 +233,7 @@ fn start_replica(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCel
                     sync_pipeline: config.tuning.sync_pipeline,
                     on_secondary_loss: config.on_secondary_loss,
                     predict_writes: config.tuning.predict_writes,
+                    costs: config.tuning.costs,
                     sync_output: config.tuning.sync_output,
                 },
                 disk,

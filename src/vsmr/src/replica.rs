@@ -81,6 +81,8 @@ pub struct Options {
     pub on_secondary_loss: OnSecondaryLoss,
     /// `--predict-writes`.
     pub predict_writes: predict::Mode,
+    /// What adaptive prediction weighs.
+    pub costs: ftvm_replication::pipeline::costs::Costs,
     /// `--sync-output`.
     pub sync_output: SyncOutput,
 }
@@ -330,7 +332,7 @@ impl Shared {
         acks: Arc<Awaited>,
         inputs: Arc<InputCounts>,
     ) -> Shared {
-        let writes = Mutex::new(Writes::new(options.predict_writes, vm.ram().pages()));
+        let writes = Mutex::new(Writes::new(options.predict_writes, vm.ram().pages(), &options.costs));
         Shared {
             writes,
             id,

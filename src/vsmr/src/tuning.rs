@@ -228,6 +228,9 @@ pub struct Tuning {
     pub link_compress: LinkCompress,
     /// `--predict-writes` (`writes`).
     pub predict_writes: ftvm_replication::pipeline::predict::Mode,
+    /// The per-page costs adaptive prediction weighs (measured at start
+    /// under `--tuning auto`).
+    pub costs: ftvm_replication::pipeline::costs::Costs,
     /// `--leader-apply`.
     pub leader_apply: LeaderApply,
     /// `--sync-output`.

@@ -14,6 +14,7 @@
 
 use ftvm_vmm::PageBitmap;
 
+use ftvm_replication::pipeline::costs::Costs;
 use ftvm_replication::pipeline::predict::{self, FreezeMask};
 
 /// This replica's prediction (none with `off`).
@@ -22,8 +23,8 @@ pub struct Writes {
 }
 
 impl Writes {
-    pub fn new(mode: predict::Mode, pages: u64) -> Writes {
-        Writes { mask: predict::mask(mode, pages) }
+    pub fn new(mode: predict::Mode, pages: u64, costs: &Costs) -> Writes {
+        Writes { mask: predict::mask(mode, pages, costs) }
     }
 
     /// Harvest `vm`'s dirty pages into `out` and re-arm tracking for those

@@ -11,7 +11,7 @@ use super::config;
 use crate::output::errln;
 
 /// `ftvm run` options that only a replicating primary uses (argument ids).
-const PRIMARY_ONLY: [&str; 28] = [
+const PRIMARY_ONLY: [&str; 29] = [
     "epoch",
     "on_backup_loss",
     "failure_timeout",
@@ -32,6 +32,7 @@ const PRIMARY_ONLY: [&str; 28] = [
     "fake_ack_state",
     "trigger",
     "pipeline_depth",
+    "tuning",
     "predict_writes",
     "prefetch",
     "prefetch_by",

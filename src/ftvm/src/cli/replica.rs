@@ -7,7 +7,9 @@ use std::time::Duration;
 use clap::builder::TypedValueParser;
 use clap::Args;
 
-use ftvm_replication::pipeline::predict;
+use ftvm_replication::pipeline::costs::Costs;
+use ftvm_replication::pipeline::encode::Diff;
+use ftvm_replication::pipeline::{policy, predict};
 use ftvm_vmm::devices::virtio::block::DiskIo;
 use ftvm_vmm::DirtyBackend;
 use ftvm_vsmr::failover::{self, FastElection};
@@ -182,11 +184,16 @@ pub struct ReplicaArgs {
     /// Write-fault prediction on each VM replica: at each syncvm, leave the
     /// pages its guest is likely to write again writable (no tracked first
     /// write for them); they are then compared at every syncvm, written or
-    /// not. off, histase or adaptive, as for `ftvm run`. Default:
-    /// adaptive, but off with --dirty-backend ring (given beside it, it is
-    /// refused).
+    /// not. off, histase or adaptive, as for `ftvm run`. Default
+    /// (--tuning auto): adaptive, but off with --dirty-backend ring (given
+    /// beside it, it is refused).
     #[arg(long, value_name = "off|histase|adaptive")]
     pub predict_writes: Option<predict::Mode>,
+    /// Who chooses the mechanisms not named here, as for `ftvm run`: auto
+    /// (write prediction, weighing this host's costs measured at start) or
+    /// static (none).
+    #[arg(long = "tuning", default_value = "auto", value_name = "auto|static")]
+    pub policy: policy::Tuning,
     /// While this replica leads with a synchronized secondary (whose
     /// answers then commit every entry), what it sends the witness waits
     /// this long and goes with what joined it meanwhile: the witness is
@@ -245,6 +252,7 @@ impl ReplicaArgs {
     }
 
     fn tuning(&self) -> Tuning {
+        let predict_writes = policy::predict_writes(self.policy, self.predict_writes, self.host.dirty_backend == DirtyBackend::Ring);
         Tuning {
             early_apply: self.early_apply,
             batch_append: self.batch_append,
@@ -258,10 +266,8 @@ impl ReplicaArgs {
             link_batch: self.link_batch,
             link_direct: self.link_direct,
             link_compress: self.link_compress,
-            predict_writes: predict::chosen_or_default(
-                self.predict_writes,
-                predict::Excluders { dirty_ring: self.host.dirty_backend == DirtyBackend::Ring, prefetch: false },
-            ),
+            predict_writes,
+            costs: if predict_writes == predict::Mode::Adaptive { policy::costs(self.policy, Diff::Off) } else { Costs::default() },
             witness_linger: self.witness_linger,
             leader_apply: self.leader_apply,
             sync_output: self.sync_output,

@@ -12,8 +12,9 @@ use ftvm_primary_backup::mirror::Mode;
 use ftvm_primary_backup::{LossPolicy, OnBackupLoss, PrimaryConfig, SessionOptions, DEFAULT_PIPELINE_DEPTH};
 use ftvm_replication::arbiter::Arbiter;
 use ftvm_replication::liveness;
+use ftvm_replication::pipeline::costs::Costs;
 use ftvm_replication::pipeline::transport::Auth;
-use ftvm_replication::pipeline::{capture, encode, predict, prefetch, transport, trigger};
+use ftvm_replication::pipeline::{capture, encode, policy, predict, prefetch, transport, trigger};
 use ftvm_replication::Switches;
 use ftvm_vmm::DirtyBackend;
 
@@ -168,12 +169,18 @@ pub struct ReplicationArgs {
     /// checkpoint may be taken while this many are in flight.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_PIPELINE_DEPTH, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub pipeline_depth: u64,
+    /// Who chooses the mechanisms not named here: auto (write prediction
+    /// and prefetch, each adaptive, weighing this host's costs measured at
+    /// start) or static (neither: every dirty page tracked and sent at the
+    /// checkpoint). A switch given overrides the choice.
+    #[arg(long, default_value = "auto", value_name = "auto|static")]
+    pub tuning: policy::Tuning,
     /// Write-fault prediction: leave pages likely to be written again
     /// writable at each checkpoint (no tracked first write for them); pages
     /// left writable but unchanged are not sent. off, histase (HBFT's
     /// stride and history predictor) or adaptive (per-region rewrite rate).
-    /// Default: adaptive, but off with --dirty-backend ring or --prefetch
-    /// (each excludes it; given beside either, it is refused).
+    /// Default (--tuning auto): adaptive, but off with --dirty-backend ring
+    /// (given beside it, it is refused).
     #[arg(long, value_name = "off|histase|adaptive")]
     pub predict_writes: Option<predict::Mode>,
     /// In-epoch transfer: during each epoch, send the backup the write-cold
@@ -183,10 +190,11 @@ pub struct ReplicationArgs {
     /// in which more than one page in seven the rounds sent was written
     /// again before the checkpoint, each such send a tracked first write
     /// for the guest, the rounds start later in the epoch, down to the
-    /// last alone, then stop for a while). Not with --predict-writes (on by
-    /// default, it then steps aside).
-    #[arg(long, default_value = "off", value_name = "off|on|adaptive")]
-    pub prefetch: prefetch::Mode,
+    /// last alone, then stop for a while). Pages write prediction keeps
+    /// writable are not sent ahead (the checkpoint carries them). Default
+    /// (--tuning auto): adaptive; --tuning static: off.
+    #[arg(long, value_name = "off|on|adaptive")]
+    pub prefetch: Option<prefetch::Mode>,
     /// How --prefetch's pages reach the backup: push (the primary reads
     /// and sends them) or pull (it sends their numbers; the backup, on
     /// the same host, reads them itself from a read-only mapping of this
@@ -235,9 +243,9 @@ impl ReplicationArgs {
         let args = self;
         let on_backup_loss = on_backup_loss(args.on_backup_loss, with.arbiter.is_some())?;
         let mirror = mirror(args.mirror, with.auth.as_ref().is_some_and(|a| a.encrypt))?;
-        let excluders =
-            predict::Excluders { dirty_ring: with.dirty_backend == DirtyBackend::Ring, prefetch: args.prefetch != prefetch::Mode::Off };
-        let predict_writes = predict::chosen_or_default(args.predict_writes, excluders);
+        let predict_writes = policy::predict_writes(args.tuning, args.predict_writes, with.dirty_backend == DirtyBackend::Ring);
+        let prefetch = policy::prefetch(args.tuning, args.prefetch);
+        let adaptive = predict_writes == predict::Mode::Adaptive || prefetch == prefetch::Mode::Adaptive;
         Ok(PrimaryConfig {
             backup: with.backup,
             session: SessionOptions {
@@ -260,9 +268,11 @@ impl ReplicationArgs {
                 transport: args.transport,
                 trigger: args.trigger,
                 predict_writes,
-                prefetch: args.prefetch,
+                prefetch,
                 prefetch_by: args.prefetch_by,
                 fake_ack_state: args.fake_ack_state,
+                // Measured only for a mechanism that weighs them.
+                costs: if adaptive { policy::costs(args.tuning, args.diff) } else { Costs::default() },
             },
             pipeline_depth: args.pipeline_depth as usize,
             fake_ack: args.fake_ack,

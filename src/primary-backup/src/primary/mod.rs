@@ -165,6 +165,7 @@ impl Primary {
     pub fn start_plumbed(vm: Arc<Vm>, config: PrimaryConfig, plumbing: Plumbing, cancel: &AtomicBool) -> Result<Primary, ReplicationError> {
         let Plumbing { me, ownership, metrics, output, journal, trigger, fake_ack } = plumbing;
         let status = StatusCell::new(Role::Primary);
+        status.lock().costs = Some(config.switches.costs);
         let mut pipeline = Pipeline::with_fake_ack(&config.switches, &vm, output.clone(), journal.clone(), fake_ack.clone())?;
         let mut epoch = FIRST_EPOCH;
         let cx =

@@ -446,6 +446,7 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         predicted_written: predict.predicted_written,
         fake_dirty: predict.fake_dirty,
         first_writes: predict.first_writes,
+        regions_kept: predict.regions_kept,
         bytes: bytes as u64 + prefetched.bytes,
         commit_pages: encoded.pages.pages,
         prefetched_pages: prefetched.pages,

@@ -16,10 +16,12 @@
 pub mod apply;
 pub mod capture;
 mod cores;
+pub mod costs;
 pub mod encode;
 pub mod epochs;
 pub mod freeze;
 pub mod last_sent;
+pub mod policy;
 pub mod predict;
 pub mod prefetch;
 pub mod transport;
@@ -53,6 +55,9 @@ pub struct Switches {
     pub prefetch: prefetch::Mode,
     pub prefetch_by: prefetch::pull::By,
     pub fake_ack_state: crate::fakeack::delta::Sending,
+    /// The per-page costs the adaptive mechanisms weigh (`--tuning auto`
+    /// measures them at start).
+    pub costs: costs::Costs,
 }
 
 /// What taking one checkpoint cost, stage by stage.
@@ -111,19 +116,15 @@ impl Pipeline {
             // The ring re-protects every page it harvested.
             return Err(ReplicationError::Unsupported("--predict-writes needs --dirty-backend bitmap"));
         }
-        if switches.prefetch != prefetch::Mode::Off && switches.predict_writes != predict::Mode::Off {
-            // Both decide which pages stay writable, on different evidence.
-            return Err(ReplicationError::Unsupported("--prefetch and --predict-writes cannot be used together"));
-        }
         if switches.prefetch_by == prefetch::pull::By::Pull && switches.prefetch == prefetch::Mode::Off {
             return Err(ReplicationError::Unsupported("--prefetch-by pull needs --prefetch on or adaptive"));
         }
         let limit = crate::bounds::checkpoint_limit(vm.config().mem_size, vm.config().vcpus);
         Ok(Pipeline {
             freeze: Box::new(freeze::PauseAndSave::new(pages, output, journal).with_fake_ack(fake_ack)),
-            mask: predict::mask(switches.predict_writes, pages),
+            mask: predict::mask(switches.predict_writes, pages, &switches.costs),
             capture: capture::new(switches.capture, vm)?,
-            in_epoch: prefetch::in_epoch(switches.prefetch, switches.prefetch_by, pages, limit),
+            in_epoch: prefetch::in_epoch(switches.prefetch, switches.prefetch_by, pages, limit, &switches.costs),
             encoder: encode::new(switches.encoding, switches.diff, pages),
             sent_state: encode::SentState::new(switches.device_state),
             sent_fake_ack: crate::fakeack::delta::Sender::new(switches.fake_ack_state),
@@ -154,7 +155,7 @@ impl Pipeline {
     /// the guest runs: the frame to send, if there is anything to send.
     /// Then `round_sent`.
     pub fn round(&mut self, vm: &Vm, epoch: u64, plan: &trigger::Plan) -> Result<Option<&[u8]>, ReplicationError> {
-        self.in_epoch.round(vm, epoch, window(plan), self.encoder.as_mut())
+        self.in_epoch.round(vm, epoch, window(plan), self.mask.left_writable(), self.encoder.as_mut())
     }
 
     /// The round's frame went out (or there was none).

@@ -4,7 +4,8 @@
 //! Keeping a page that is not written costs a copy and a hash per epoch
 //! (about 1 µs here); not keeping one that is written costs a tracked first
 //! write (about 6 µs). So keeping pays while at least about one kept page in
-//! six is written in the epoch. Candidates are the pages written in the
+//! six is written in the epoch: the threshold follows from the costs
+//! measured at start (`Costs::keep_threshold`). Candidates are the pages written in the
 //! last `WINDOW` epochs (so a sweep that comes back every few epochs is
 //! caught, which Histase, which looks one epoch back, misses: and once kept
 //! the guest sweeps faster, so it comes back sooner). They are kept per
@@ -30,13 +31,13 @@ const WORDS_PER_REGION: usize = (REGION / 64) as usize;
 const WINDOW: usize = 8;
 /// Weight of the history in the precision.
 const ALPHA: f32 = 0.7;
-/// Keep a region's candidates from this precision up (the break-even point).
-const THRESHOLD: f32 = 1.0 / 6.0;
 /// A region's precision before anything is known: not kept until what
 /// keeping it would have hit shows it pays.
 const INITIAL: f32 = 0.0;
 
 pub struct Adaptive {
+    /// Keep a region's candidates from this precision up (the break-even point).
+    threshold: f32,
     /// Estimated share of a region's kept pages written per epoch.
     precision: Vec<f32>,
     /// The pages found written in each of the last `WINDOW` epochs, newest first.
@@ -49,8 +50,9 @@ pub struct Adaptive {
 }
 
 impl Adaptive {
-    pub fn new(pages: u64) -> Adaptive {
+    pub fn new(pages: u64, threshold: f32) -> Adaptive {
         Adaptive {
+            threshold,
             precision: vec![INITIAL; pages.div_ceil(REGION) as usize],
             history: VecDeque::with_capacity(WINDOW),
             recent: PageBitmap::new(pages),
@@ -69,7 +71,7 @@ impl Predictor for Adaptive {
         self.candidates.or_words(self.recent.words());
         let mut out = vec![0u64; keep.words().len()];
         for (r, precision) in self.precision.iter().enumerate() {
-            if *precision >= THRESHOLD {
+            if *precision >= self.threshold {
                 let words = region_words(r, out.len());
                 out[words.clone()].copy_from_slice(&self.candidates.words()[words]);
             }
@@ -104,11 +106,19 @@ impl Predictor for Adaptive {
             self.recent.or_words(h.words());
         }
     }
+
+    fn regions_kept(&self) -> Option<(u32, u32)> {
+        let kept = self.precision.iter().filter(|&&p| p >= self.threshold).count();
+        Some((kept as u32, self.precision.len() as u32))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The break-even point with the costs assumed where none were measured.
+    const THRESHOLD: f32 = 1.0 / 6.0;
 
     fn kept(a: &mut Adaptive, faults: &PageBitmap) -> PageBitmap {
         let mut keep = PageBitmap::new(1024);
@@ -124,7 +134,7 @@ mod tests {
 
     #[test]
     fn a_sweep_that_comes_back_every_few_epochs_is_kept() {
-        let mut a = Adaptive::new(1024);
+        let mut a = Adaptive::new(1024, THRESHOLD);
         // Region 0 swept a quarter at a time: each page every 4th epoch.
         for e in 0..20u64 {
             let written = pages(e % 4 * 128..=e % 4 * 128 + 127);
@@ -152,14 +162,14 @@ mod tests {
     /// kept: not even at first, on trust.
     #[test]
     fn scattered_writes_are_not_kept() {
-        scatter(&mut Adaptive::new(1024), 100);
+        scatter(&mut Adaptive::new(1024, THRESHOLD), 100);
     }
 
     /// A region not kept whose writes start coming back to the same pages
     /// is kept again, from what keeping it would have hit.
     #[test]
     fn a_region_not_kept_is_kept_again_once_its_writes_return() {
-        let mut a = Adaptive::new(1024);
+        let mut a = Adaptive::new(1024, THRESHOLD);
         scatter(&mut a, 40);
         // Now the same 16 pages every epoch: tracked first writes all.
         let hot = pages(700..=715);

@@ -22,6 +22,7 @@ pub use fake_dirty::FakeDirtyFilter;
 use ftvm_vmm::PageBitmap;
 
 use super::capture::Captured;
+use super::costs::Costs;
 use ftvm_vmm::switch;
 
 switch! {
@@ -33,37 +34,6 @@ switch! {
         Histase = "histase",
         /// Pages written in the last 8 epochs, in regions where enough of the pages kept are written.
         Adaptive = "adaptive",
-    }
-}
-
-/// What else the VM's replication uses that excludes write prediction.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Excluders {
-    /// The dirty ring tracks the guest's writes: it re-protects every page
-    /// it harvested, so none can be left writable.
-    pub dirty_ring: bool,
-    /// `--prefetch` sends pages during the epoch, and learns which to send
-    /// from the guest's tracked first writes, which prediction takes away.
-    pub prefetch: bool,
-}
-
-/// `--predict-writes`, or its default: adaptive (the rewrite rate per
-/// region decides, so a guest that rewrites nothing pays only the
-/// bookkeeping), except where something the user chose excludes it; given
-/// explicitly beside such a thing it stays, and the pipeline refuses the
-/// pair with a reason.
-pub fn chosen_or_default(chosen: Option<Mode>, excluders: Excluders) -> Mode {
-    match chosen {
-        Some(mode) => mode,
-        None if excluders.dirty_ring => {
-            tracing::info!("not predicting writes: the dirty ring re-protects every page it harvests (--dirty-backend ring)");
-            Mode::Off
-        }
-        None if excluders.prefetch => {
-            tracing::info!("not predicting writes: --prefetch learns from the tracked first writes that prediction takes away");
-            Mode::Off
-        }
-        None => Mode::Adaptive,
     }
 }
 
@@ -80,6 +50,11 @@ pub trait Predictor: Send {
     /// checkpoint is filtered, after `choose` for the next freeze may
     /// already have run).
     fn observe(&mut self, left: &PageBitmap, written: &PageBitmap);
+    /// Regions whose pages it keeps writable now, of all regions (None:
+    /// it does not judge by region).
+    fn regions_kept(&self) -> Option<(u32, u32)> {
+        None
+    }
 }
 
 /// The freeze mask: which pages the freeze leaves writable, and what that
@@ -104,8 +79,8 @@ pub trait FreezeMask: Send {
 }
 
 /// The freeze mask `mode` asks for.
-pub fn mask(mode: Mode, pages: u64) -> Box<dyn FreezeMask> {
-    match Prediction::new(mode, pages) {
+pub fn mask(mode: Mode, pages: u64, costs: &Costs) -> Box<dyn FreezeMask> {
+    match Prediction::new(mode, pages, costs) {
         Some(p) => Box::new(p),
         None => Box::new(LeaveNone::new(pages)),
     }
@@ -153,6 +128,9 @@ pub struct Figures {
     pub fake_dirty: u64,
     /// Pages dirtied that were not left writable: each took a tracked first write.
     pub first_writes: u64,
+    /// Regions whose pages the predictor keeps writable, after this
+    /// checkpoint's lesson (zero where it does not judge by region).
+    pub regions_kept: u32,
 }
 
 /// The predictor, the fake-dirty filter and the sets between them.
@@ -171,11 +149,11 @@ pub struct Prediction {
 
 impl Prediction {
     /// `None` for `Mode::Off`.
-    pub fn new(mode: Mode, pages: u64) -> Option<Prediction> {
+    pub fn new(mode: Mode, pages: u64, costs: &Costs) -> Option<Prediction> {
         let predictor: Box<dyn Predictor> = match mode {
             Mode::Off => return None,
             Mode::Histase => Box::new(histase::Histase::new(pages)),
-            Mode::Adaptive => Box::new(adaptive::Adaptive::new(pages)),
+            Mode::Adaptive => Box::new(adaptive::Adaptive::new(pages, costs.keep_threshold())),
         };
         Some(Prediction::with(predictor, pages))
     }
@@ -270,8 +248,9 @@ impl Step<'_> {
         send
     }
 
-    fn end(self) -> Figures {
+    fn end(mut self) -> Figures {
         self.p.predictor.observe(&self.p.before, &self.p.written);
+        self.figures.regions_kept = self.p.predictor.regions_kept().map_or(0, |(kept, _)| kept);
         self.figures
     }
 }
@@ -336,20 +315,6 @@ mod tests {
         b
     }
 
-    /// Unless given, prediction is on, and steps aside for what the user
-    /// chose that excludes it; given, it stays for the pipeline to judge.
-    #[test]
-    fn the_default_yields_to_what_excludes_it() {
-        let none = Excluders::default();
-        let ring = Excluders { dirty_ring: true, ..none };
-        let prefetch = Excluders { prefetch: true, ..none };
-        assert_eq!(chosen_or_default(None, none), Mode::Adaptive);
-        assert_eq!(chosen_or_default(None, ring), Mode::Off);
-        assert_eq!(chosen_or_default(None, prefetch), Mode::Off);
-        assert_eq!(chosen_or_default(Some(Mode::Histase), ring), Mode::Histase);
-        assert_eq!(chosen_or_default(Some(Mode::Off), none), Mode::Off);
-    }
-
     #[test]
     fn pages_left_writable_are_sent_only_when_changed() {
         let mut p = keep_all();
@@ -360,14 +325,14 @@ mod tests {
         assert_eq!(p.choose(&set(&[1, 2, 3])).pages().collect::<Vec<_>>(), vec![1, 2, 3]);
         let mut pages = Captured::from_pages(&[(1, &a), (2, &b), (3, &c)]);
         let f = p.filter(&mut pages);
-        assert_eq!(f, Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3 });
+        assert_eq!(f, Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3, regions_kept: 0 });
         assert_eq!(pages.len(), 3);
 
         // Epoch 2: 1..3 reported again though only 2 changed; 4 is new.
         p.choose(&set(&[1, 2, 3, 4]));
         let mut pages = Captured::from_pages(&[(1, &a), (2, &b2), (3, &c), (4, &d)]);
         let f = p.filter(&mut pages);
-        assert_eq!(f, Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1 });
+        assert_eq!(f, Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1, regions_kept: 0 });
         assert_eq!(pages.iter().map(|(n, data)| (n, data[0])).collect::<Vec<_>>(), vec![(2, 9), (4, 4)]);
 
         // A new backup holds nothing this side knows of: everything is sent.
@@ -383,10 +348,16 @@ mod tests {
         let mut p = keep_all();
         let (a, b, b2, c, d) = (1u128, 2, 9, 3, 4);
         p.choose(&set(&[1, 2, 3]));
-        assert_eq!(p.learn(&[1, 2, 3], &[a, b, c]), Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3 });
+        assert_eq!(
+            p.learn(&[1, 2, 3], &[a, b, c]),
+            Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3, regions_kept: 0 }
+        );
         // 1..3 were left writable, so reported again; only 2 changed.
         assert_eq!(p.choose(&set(&[1, 2, 3, 4])).pages().collect::<Vec<_>>(), vec![1, 2, 3, 4]);
-        assert_eq!(p.learn(&[1, 2, 3, 4], &[a, b2, c, d]), Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1 });
+        assert_eq!(
+            p.learn(&[1, 2, 3, 4], &[a, b2, c, d]),
+            Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1, regions_kept: 0 }
+        );
         // The secondary took the leader's page 3: unknown, so counted
         // written at the next `syncvm` whatever its hash.
         p.forget(&mut [3].into_iter());
@@ -397,7 +368,7 @@ mod tests {
 
     #[test]
     fn only_harvested_pages_are_left_writable() {
-        let mut p = Prediction::new(Mode::Histase, 256).unwrap();
+        let mut p = Prediction::new(Mode::Histase, 256, &Costs::default()).unwrap();
         // Sweeps of pages 0..64 teach Histase long strides in region 0.
         let sweep: Vec<u64> = (0..64).collect();
         for e in 0..6u8 {
@@ -409,6 +380,6 @@ mod tests {
         // Its window around the sweep reaches far beyond page 70, but only
         // what is writable now can be left writable.
         assert_eq!(p.choose(&set(&[3, 70])).pages().collect::<Vec<_>>(), vec![3, 70]);
-        assert!(Prediction::new(Mode::Off, 256).is_none());
+        assert!(Prediction::new(Mode::Off, 256, &Costs::default()).is_none());
     }
 }

@@ -6,7 +6,8 @@
 //! PML). A send that holds saves a page of the stop-and-copy, about 1 µs of
 //! pause (measured: hotcold's pause shrinks 1.2 ms for 1400 pages fewer).
 //! So rounds pay while at most about one send in seven is wasted
-//! (`MAX_WASTE`). A page sent earlier in the epoch has longer to be written
+//! (`Costs::max_waste`, from the costs measured at start; `MAX_WASTE`
+//! where none were). A page sent earlier in the epoch has longer to be written
 //! again: the early rounds waste the most.
 //!
 //! So the gate moves where the rounds start: after each epoch that ran
@@ -24,9 +25,11 @@
 
 use super::{Sent, ROUNDS};
 
-/// The largest share of an epoch's sends that may be wasted: a wasted send
-/// costs the guest about 6 µs, a useful one saves about 1 µs of pause.
-pub const MAX_WASTE: f64 = 1.0 / 7.0;
+/// The largest share of an epoch's sends that may be wasted where no costs
+/// were measured: a wasted send costs the guest about 6 µs, a useful one
+/// saves about 1 µs of pause.
+#[cfg(test)]
+const MAX_WASTE: f64 = 1.0 / 7.0;
 /// Fewer sends than this in an epoch say nothing either way.
 const MIN_SENDS: u64 = 32;
 /// Epochs without rounds after the last round alone was found wasteful.
@@ -37,6 +40,8 @@ const MAX_BACKOFF: u32 = 64;
 /// Which of the next epoch's rounds run.
 #[derive(Clone, Copy, Debug)]
 pub struct Gate {
+    /// The largest share of an epoch's sends that may be wasted.
+    max_waste: f64,
     /// Epochs left without rounds.
     off_for: u32,
     /// How many epochs the next stop lasts.
@@ -46,13 +51,12 @@ pub struct Gate {
     from: u32,
 }
 
-impl Default for Gate {
-    fn default() -> Gate {
-        Gate { off_for: 0, backoff: FIRST_BACKOFF, from: 0 }
-    }
-}
-
 impl Gate {
+    /// A gate that lets at most `max_waste` of an epoch's sends be wasted.
+    pub fn new(max_waste: f64) -> Gate {
+        Gate { max_waste, off_for: 0, backoff: FIRST_BACKOFF, from: 0 }
+    }
+
     /// Whether the open epoch runs rounds at all.
     pub fn open(&self) -> bool {
         self.off_for == 0
@@ -83,7 +87,7 @@ impl Gate {
             return;
         }
         let share = sent.wasted() as f64 / sent.pages as f64;
-        if share > MAX_WASTE {
+        if share > self.max_waste {
             if self.from < ROUNDS {
                 self.from += 1;
                 tracing::debug!(sent = sent.pages, wasted = sent.wasted(), from = self.from, "prefetch rounds wasted; start later");
@@ -94,7 +98,7 @@ impl Gate {
             }
         } else {
             self.backoff = FIRST_BACKOFF;
-            if share < MAX_WASTE / 2.0 {
+            if share < self.max_waste / 2.0 {
                 self.from = self.from.saturating_sub(1);
             }
         }
@@ -102,7 +106,7 @@ impl Gate {
 
     /// Dirty tracking restarts (a new backup): start trusting the rounds again.
     pub fn reset(&mut self) {
-        *self = Gate::default();
+        *self = Gate::new(self.max_waste);
     }
 }
 
@@ -126,7 +130,7 @@ mod tests {
 
     #[test]
     fn wasteful_rounds_start_later_then_stop_for_longer_each_time() {
-        let mut g = Gate::default();
+        let mut g = Gate::new(MAX_WASTE);
         assert!(g.runs(1));
         g.observe(&sent(1000, 100));
         assert!(g.runs(1), "10% wasted pays");
@@ -158,7 +162,7 @@ mod tests {
 
     #[test]
     fn a_few_sends_decide_nothing() {
-        let mut g = Gate::default();
+        let mut g = Gate::new(MAX_WASTE);
         g.observe(&sent(MIN_SENDS - 1, MIN_SENDS - 1));
         assert!(g.runs(0));
         g.observe(&Sent::default());

@@ -33,6 +33,7 @@ use ftvm_vmm::memory::PAGE;
 use ftvm_vmm::pages::{BundleWriter, PageEncoder};
 use ftvm_vmm::{PageBitmap, Vm};
 
+use super::costs::Costs;
 use crate::error::ReplicationError;
 use crate::protocol::{self, Kind};
 use ftvm_vmm::switch;
@@ -194,7 +195,17 @@ pub trait InEpoch: Send {
     fn next_round(&self, window: Window) -> Option<Instant>;
     /// Run the round that is due, for the open epoch `epoch`, its pages
     /// through `encoder` (the checkpoint's): the frame to send, if any.
-    fn round(&mut self, vm: &Vm, epoch: u64, window: Window, encoder: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError>;
+    /// `left` holds the pages the last freeze left writable (write
+    /// prediction): the checkpoint carries them, so the round neither sends
+    /// nor re-protects them.
+    fn round(
+        &mut self,
+        vm: &Vm,
+        epoch: u64,
+        window: Window,
+        left: &PageBitmap,
+        encoder: &mut dyn PageEncoder,
+    ) -> Result<Option<&[u8]>, ReplicationError>;
     /// The round's frame was sent: what it took schedules the next ones.
     fn round_sent(&mut self);
     /// At the freeze: add to `dirty` what the checkpoint must carry, and
@@ -211,8 +222,8 @@ pub trait InEpoch: Send {
 
 /// The in-epoch transfer `mode` asks for; one epoch's rounds send at most
 /// `limit` bytes of a guest of `ram_pages` pages.
-pub fn in_epoch(mode: Mode, by: pull::By, ram_pages: u64, limit: u64) -> Box<dyn InEpoch> {
-    match Prefetcher::for_mode(mode, by, ram_pages, limit) {
+pub fn in_epoch(mode: Mode, by: pull::By, ram_pages: u64, limit: u64, costs: &Costs) -> Box<dyn InEpoch> {
+    match Prefetcher::for_mode(mode, by, ram_pages, limit, costs) {
         Some(p) => Box::new(p),
         None => Box::new(NoRounds),
     }
@@ -226,7 +237,7 @@ impl InEpoch for NoRounds {
         None
     }
 
-    fn round(&mut self, _: &Vm, _: u64, _: Window, _: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
+    fn round(&mut self, _: &Vm, _: u64, _: Window, _: &PageBitmap, _: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
         Ok(None)
     }
 
@@ -262,6 +273,8 @@ pub struct Prefetcher {
     /// that writes a large cold set at random rewrites many of its pages
     /// in the next epoch by chance.)
     recent: PageBitmap,
+    /// Scratch: `recent` and the pages write prediction left writable.
+    keep: PageBitmap,
     /// The last checkpoint's dirty set.
     last: PageBitmap,
     harvested: PageBitmap,
@@ -283,12 +296,12 @@ pub struct Prefetcher {
 impl Prefetcher {
     /// For a guest of `ram_pages` pages; one epoch's rounds send at most
     /// `limit` bytes. None for `Mode::Off`.
-    pub fn for_mode(mode: Mode, by: pull::By, ram_pages: u64, limit: u64) -> Option<Prefetcher> {
+    pub fn for_mode(mode: Mode, by: pull::By, ram_pages: u64, limit: u64, costs: &Costs) -> Option<Prefetcher> {
         let mut p = match mode {
             Mode::Off => return None,
             Mode::On | Mode::Adaptive => Prefetcher::new(ram_pages, limit),
         };
-        p.gate = (mode == Mode::Adaptive).then(adaptive::Gate::default);
+        p.gate = (mode == Mode::Adaptive).then(|| adaptive::Gate::new(costs.max_waste()));
         p.pull = (by == pull::By::Pull).then(pull::Lists::default);
         Some(p)
     }
@@ -302,6 +315,7 @@ impl Prefetcher {
             carry: empty.clone(),
             sent_pages: empty.clone(),
             recent: empty.clone(),
+            keep: empty.clone(),
             last: empty.clone(),
             harvested: empty.clone(),
             hot: empty,
@@ -340,20 +354,27 @@ impl Prefetcher {
         vm: &Vm,
         epoch: u64,
         resend: bool,
+        left: &PageBitmap,
         encoder: &mut dyn PageEncoder,
     ) -> Result<Option<&[u8]>, ReplicationError> {
         self.harvested.clear();
         vm.harvest_dirty(&mut self.harvested)?;
+        // Hot: written late in the last two epochs, or kept writable by
+        // write prediction (the checkpoint carries those, whatever a round
+        // does, and re-protecting one would cost the guest the tracked
+        // first write prediction saved it).
+        self.keep.copy_from(&self.recent);
+        self.keep.or_words(left.words());
         if resend {
             // Every page the freeze would take but a hot one. (A deferred
             // page was harvested and is tracked since, so what is read now
             // is reported again if written after this.)
             self.hot.copy_from(&self.carry);
-            self.hot.subtract(&self.recent);
+            self.hot.subtract(&self.keep);
             self.harvested.or_words(self.hot.words());
-            self.carry.intersect(&self.recent);
+            self.carry.intersect(&self.keep);
         }
-        self.hot.copy_from(&self.recent);
+        self.hot.copy_from(&self.keep);
         if !resend {
             self.hot.or_words(self.sent_pages.words());
             self.hot.or_words(self.carry.words());
@@ -449,7 +470,14 @@ impl InEpoch for Prefetcher {
         self.schedule.next(window.since, window.max_epoch).map(|(at, _)| at)
     }
 
-    fn round(&mut self, vm: &Vm, epoch: u64, window: Window, encoder: &mut dyn PageEncoder) -> Result<Option<&[u8]>, ReplicationError> {
+    fn round(
+        &mut self,
+        vm: &Vm,
+        epoch: u64,
+        window: Window,
+        left: &PageBitmap,
+        encoder: &mut dyn PageEncoder,
+    ) -> Result<Option<&[u8]>, ReplicationError> {
         let Window { since, max_epoch } = window;
         let Some((at, last)) = self.schedule.next(since, max_epoch) else { return Ok(None) };
         let started = Instant::now();
@@ -460,7 +488,7 @@ impl InEpoch for Prefetcher {
             return Ok(None);
         }
         let resend = Schedule::resends(since, max_epoch, at, last);
-        self.send_round(vm, epoch, resend, encoder)
+        self.send_round(vm, epoch, resend, left, encoder)
     }
 
     fn round_sent(&mut self) {

@@ -1,0 +1,167 @@
+//! What the adaptive mechanisms weigh against each other, per page, as
+//! measured on this host: a tracked first write the guest takes, and the
+//! copy, hash and encoding of a page the checkpoint carries.
+//!
+//! Write prediction keeps a page writable to save the guest a tracked first
+//! write, and pays a copy and a hash for it every epoch it is not written;
+//! a prefetch round that sends a page the guest writes again costs the
+//! guest one more tracked first write, and one that holds saves the pause
+//! a copy. Where each pays depends on these figures, which differ from host
+//! to host by an order of magnitude (a first write is about 0.3 µs with
+//! hardware dirty logging, about 6 µs under this host's shadow paging), so
+//! `--tuning auto` measures them at start (`Costs::measure`), in a few
+//! milliseconds, and the thresholds follow from them.
+
+use std::time::{Duration, Instant};
+
+use ftvm_vmm::memory::{AlignedPage, PAGE};
+use serde::{Deserialize, Serialize};
+
+use super::encode;
+use super::predict::FakeDirtyFilter;
+
+/// Per-page costs, in nanoseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Costs {
+    /// A tracked first write: the guest's write to a write-protected page.
+    pub first_write_ns: u32,
+    /// Copying a page out of guest memory (the stop-and-copy, per page).
+    pub copy_ns: u32,
+    /// Hashing a page (the fake-dirty filter, per page kept writable).
+    pub hash_ns: u32,
+    /// Encoding a rewritten page for the link (a diff against the copy
+    /// the backup holds).
+    pub encode_ns: u32,
+    /// Whether these were measured on this host (`false`: assumed).
+    pub measured: bool,
+}
+
+impl Default for Costs {
+    /// The figures measured once on the development host (nested KVM,
+    /// shadow paging): what is assumed where nothing was measured.
+    fn default() -> Costs {
+        Costs { first_write_ns: 6000, copy_ns: 1000, hash_ns: 200, encode_ns: 1500, measured: false }
+    }
+}
+
+/// Pages each host-side measurement runs over: 8 MiB, beyond the caches a
+/// page copied from guest memory would find it in.
+const PAGES: usize = 2048;
+/// Times each measurement runs; the fastest counts (the others were
+/// disturbed by the host's other work).
+const TRIES: usize = 3;
+
+impl Costs {
+    /// Measure the host-side costs on this host, keeping `first_write` (a
+    /// tracked first write needs a guest: `ftvm_vmm::calibrate`).
+    pub fn measure(first_write: Duration, diff: encode::Diff) -> Costs {
+        let mut source: Vec<AlignedPage> = vec![AlignedPage::ZERO; PAGES];
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        for page in &mut source {
+            for word in page.0.chunks_exact_mut(8) {
+                // xorshift: content neither zero nor compressible.
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                word.copy_from_slice(&seed.to_le_bytes());
+            }
+        }
+        let mut copies = vec![AlignedPage::ZERO; PAGES];
+        let copy = fastest(|| {
+            for (to, from) in copies.iter_mut().zip(&source) {
+                to.0.copy_from_slice(&from.0);
+            }
+            std::hint::black_box(&copies);
+        });
+        let hash = fastest(|| {
+            for page in &source {
+                std::hint::black_box(FakeDirtyFilter::hash(&page.0));
+            }
+        });
+        // A rewrite as services do it: a few words of a page the backup holds.
+        let mut encoder = encode::new(encode::Encoding::Raw, diff, PAGES as u64);
+        let mut out = Vec::with_capacity(PAGE * 2);
+        for (p, page) in source.iter().enumerate() {
+            out.clear();
+            encoder.encode(p as u64, &page.0, &mut out);
+        }
+        let mut round = 0u64;
+        let encode = fastest(|| {
+            round += 1;
+            for (p, page) in source.iter_mut().enumerate() {
+                page.0[(round as usize * 64) % PAGE..][..8].copy_from_slice(&round.to_le_bytes());
+                out.clear();
+                encoder.encode(p as u64, &page.0, &mut out);
+            }
+        });
+        let per_page = |d: Duration| (d.as_nanos() / PAGES as u128).clamp(1, u32::MAX as u128) as u32;
+        Costs {
+            first_write_ns: first_write.as_nanos().clamp(1, u32::MAX as u128) as u32,
+            copy_ns: per_page(copy),
+            hash_ns: per_page(hash),
+            encode_ns: per_page(encode),
+            measured: true,
+        }
+    }
+
+    /// The share of its kept pages a region must see written each epoch for
+    /// keeping it writable to pay: a kept page that is written saves a
+    /// tracked first write; one that is not costs a copy and a hash.
+    pub fn keep_threshold(&self) -> f32 {
+        let cost = self.copy_ns as f32 + self.hash_ns as f32;
+        (cost / (cost + self.first_write_ns as f32)).clamp(0.01, 0.9)
+    }
+
+    /// The largest share of a prefetch round's sends that may be written
+    /// again before the freeze: a wasted send costs the guest a tracked
+    /// first write, a useful one saves the pause a page's copy.
+    pub fn max_waste(&self) -> f64 {
+        let saved = self.copy_ns as f64;
+        (saved / (saved + self.first_write_ns as f64)).clamp(0.01, 0.9)
+    }
+}
+
+/// The fastest of `TRIES` runs of `f`.
+fn fastest(mut f: impl FnMut()) -> Duration {
+    (0..TRIES)
+        .map(|_| {
+            let t0 = Instant::now();
+            f();
+            t0.elapsed()
+        })
+        .min()
+        .expect("at least one try")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_assumed_costs_give_the_thresholds_measured_on_the_development_host() {
+        let c = Costs::default();
+        assert!((c.keep_threshold() - 1.0 / 6.0).abs() < 0.01, "{}", c.keep_threshold());
+        assert!((c.max_waste() - 1.0 / 7.0).abs() < 0.01, "{}", c.max_waste());
+    }
+
+    /// Cheaper first writes (hardware dirty logging) make keeping a page
+    /// and wasting a send each pay less often.
+    #[test]
+    fn cheaper_first_writes_raise_both_thresholds() {
+        let slow = Costs::default();
+        let fast = Costs { first_write_ns: 300, ..slow };
+        assert!(fast.keep_threshold() > slow.keep_threshold());
+        assert!(fast.max_waste() > slow.max_waste());
+    }
+
+    #[test]
+    fn measuring_gives_a_cost_for_every_step() {
+        let c = Costs::measure(Duration::from_micros(5), encode::Diff::Lz4);
+        assert!(c.measured);
+        assert_eq!(c.first_write_ns, 5000);
+        for (name, ns) in [("copy", c.copy_ns), ("hash", c.hash_ns), ("encode", c.encode_ns)] {
+            // Between a cache line's copy and a millisecond a page.
+            assert!((10..1_000_000).contains(&ns), "{name}: {ns} ns a page");
+        }
+    }
+}

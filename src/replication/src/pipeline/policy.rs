@@ -1,0 +1,103 @@
+//! `--tuning`: which of the papers' mechanisms run when the user names
+//! none. `auto` (the default) runs the adaptive ones, each judging per
+//! region and per epoch from what the guest does and from the costs
+//! measured at start whether it pays where it is: write prediction keeps
+//! the regions the guest rewrites writable, prefetch sends the write-cold
+//! rest ahead during the epoch, and everything else is tracked and sent at
+//! the checkpoint. `static` is the pipeline as it was before: Remus with
+//! sub-page diffs, every dirty page tracked and sent at the checkpoint.
+//! A switch given on the command line overrides the policy either way.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use ftvm_vmm::switch;
+
+use super::costs::Costs;
+use super::{encode, predict, prefetch};
+
+switch! {
+    /// `--tuning`: who chooses the mechanisms not named on the command line.
+    pub enum Tuning {
+        /// The adaptive mechanisms, weighing the costs measured at start.
+        Auto = "auto",
+        /// None of them: every dirty page tracked and sent at the checkpoint.
+        Static = "static",
+    }
+}
+
+/// `--predict-writes`, or the policy's choice: adaptive under `auto`,
+/// except with the dirty ring (which re-protects every page it harvests,
+/// so none can be left writable); given explicitly beside the ring it
+/// stays, and the pipeline refuses the pair with a reason.
+pub fn predict_writes(tuning: Tuning, given: Option<predict::Mode>, dirty_ring: bool) -> predict::Mode {
+    match (given, tuning) {
+        (Some(mode), _) => mode,
+        (None, Tuning::Static) => predict::Mode::Off,
+        (None, Tuning::Auto) if dirty_ring => {
+            tracing::info!("not predicting writes: the dirty ring re-protects every page it harvests (--dirty-backend ring)");
+            predict::Mode::Off
+        }
+        (None, Tuning::Auto) => predict::Mode::Adaptive,
+    }
+}
+
+/// `--prefetch`, or the policy's choice: adaptive under `auto` (its
+/// rounds run only as early in the epoch as few of their sends are
+/// wasted, and not at all while even the last one alone wastes).
+pub fn prefetch(tuning: Tuning, given: Option<prefetch::Mode>) -> prefetch::Mode {
+    match (given, tuning) {
+        (Some(mode), _) => mode,
+        (None, Tuning::Static) => prefetch::Mode::Off,
+        (None, Tuning::Auto) => prefetch::Mode::Adaptive,
+    }
+}
+
+/// The costs the adaptive mechanisms weigh: measured on this host under
+/// `auto` (once per process), assumed under `static`.
+pub fn costs(tuning: Tuning, diff: encode::Diff) -> Costs {
+    match tuning {
+        Tuning::Static => Costs::default(),
+        Tuning::Auto => *MEASURED.get_or_init(|| measure(diff)),
+    }
+}
+
+static MEASURED: OnceLock<Costs> = OnceLock::new();
+
+/// Pages written in the calibration guest's passes.
+const CALIBRATION_PAGES: u64 = 512;
+
+fn measure(diff: encode::Diff) -> Costs {
+    let assumed = Costs::default();
+    let first_write = Duration::from_nanos(assumed.first_write_ns.into()); // CALIBRATION_PAGES: merge calib
+    let costs = Costs::measure(first_write, diff);
+    tracing::info!(
+        first_write_ns = costs.first_write_ns,
+        copy_ns = costs.copy_ns,
+        hash_ns = costs.hash_ns,
+        encode_ns = costs.encode_ns,
+        keep_from = costs.keep_threshold(),
+        max_waste = costs.max_waste(),
+        "measured this host's costs per page"
+    );
+    costs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_switch_given_overrides_the_policy() {
+        use predict::Mode::*;
+        assert_eq!(predict_writes(Tuning::Auto, None, false), Adaptive);
+        assert_eq!(predict_writes(Tuning::Auto, None, true), Off, "the ring excludes prediction");
+        assert_eq!(predict_writes(Tuning::Auto, Some(Histase), true), Histase, "given: the pipeline judges the pair");
+        assert_eq!(predict_writes(Tuning::Static, None, false), Off);
+        assert_eq!(predict_writes(Tuning::Static, Some(Adaptive), false), Adaptive);
+        assert_eq!(prefetch(Tuning::Auto, None), prefetch::Mode::Adaptive);
+        assert_eq!(prefetch(Tuning::Static, None), prefetch::Mode::Off);
+        assert_eq!(prefetch(Tuning::Static, Some(prefetch::Mode::On)), prefetch::Mode::On);
+        assert_eq!(costs(Tuning::Static, encode::Diff::Lz4), Costs::default());
+    }
+}
