@@ -98,6 +98,10 @@ struct StatusGauges {
     epoch: Gauge,
     /// Counted by the VMM's console sink; brought up to date at each scrape.
     console_write_errors: Counter,
+    /// What the adaptive mechanisms weigh, per step (`--tuning auto`).
+    cost_per_page: Family<Vec<(&'static str, &'static str)>, Gauge>,
+    /// Regions write prediction keeps writable after the last checkpoint.
+    regions_kept: Gauge,
 }
 
 impl StatusGauges {
@@ -110,6 +114,16 @@ impl StatusGauges {
             "Writes of guest console output to stdout that failed (a closed or full stdout) and were dropped",
             self.console_write_errors.clone(),
         );
+        r.register(
+            "cost_per_page_ns",
+            "Per-page cost the adaptive mechanisms weigh, by step (first_write, copy, hash, encode): measured at start with --tuning auto",
+            self.cost_per_page.clone(),
+        );
+        r.register(
+            "regions_kept_writable",
+            "Regions of 512 pages whose pages write prediction keeps writable, after the last checkpoint",
+            self.regions_kept.clone(),
+        );
     }
 
     fn update(&self, status: Option<&StatusCell>) {
@@ -121,6 +135,12 @@ impl StatusGauges {
         }
         self.protected.set(i64::from(st.protected));
         self.epoch.set(st.epoch as i64);
+        if let Some(c) = st.costs {
+            for (step, ns) in [("first_write", c.first_write_ns), ("copy", c.copy_ns), ("hash", c.hash_ns), ("encode", c.encode_ns)] {
+                self.cost_per_page.get_or_create(&vec![("step", step)]).set(i64::from(ns));
+            }
+        }
+        self.regions_kept.set(st.last.map_or(0, |m| i64::from(m.regions_kept)));
         let console = ftvm_vmm::hooks::console_write_errors();
         self.console_write_errors.inc_by(console.saturating_sub(self.console_write_errors.get()));
     }

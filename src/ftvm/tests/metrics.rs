@@ -331,3 +331,40 @@ fn metrics_lines_sum_each_second_and_the_file_rotates() {
     let applied = json_lines(&backup_m);
     assert!(!applied.is_empty() && applied.iter().all(|l| l["count"].as_u64() >= Some(1) && l["max"]["apply_us"].is_u64()), "{applied:?}");
 }
+
+/// Issue 30: with default flags (`--tuning auto`) a primary measures this
+/// host's per-page costs at start and shows them (`ftvm status`, its JSON
+/// and Prometheus) with the thresholds they set; with `--tuning static`
+/// they are the costs assumed.
+#[test]
+fn the_costs_weighed_are_measured_at_start_and_shown() {
+    let dir = Scratch::new("metrics-costs").unwrap().keep_on_panic();
+    for (tuning, how) in [("auto", "measured at start"), ("static", "assumed")] {
+        let (repl, listen, socket) = (free_addr(), free_addr(), dir.join(format!("{tuning}.sock")));
+        let mut backup = Process::spawn_collected("backup", logged(ftvm().args(["backup", "--insecure", "--listen", &repl]))).unwrap();
+        let mut primary = Process::spawn_collected(
+            "primary",
+            logged(
+                ftvm()
+                    .args(["run", "--cmdline", WORK, "--insecure", "--replicate-to", &repl, "--tuning", tuning, "--metrics-listen", &listen])
+                    .args(["--predict-writes", "adaptive", "--image", image("memtouch").to_str().unwrap(), "--api-socket"])
+                    .arg(&socket),
+            ),
+        )
+        .unwrap();
+        let text = eventually("a status with its costs", || Some(status(&socket)).filter(|t| t.contains("costs per page")));
+        assert!(text.contains(&format!("costs per page ({how}): tracked first write ")), "{tuning}: {text}");
+        assert!(text.contains("a region is kept writable from ") && text.contains("prefetch rounds run while at most "), "{text}");
+        let json = ftvm().args(["status", "--json", "--api-socket"]).arg(&socket).output().unwrap();
+        let costs = serde_json::from_slice::<serde_json::Value>(&json.stdout).unwrap()["replication"]["costs"].clone();
+        assert_eq!(costs["measured"], serde_json::Value::Bool(tuning == "auto"), "{costs}");
+        let samples = scrape(&listen);
+        for step in ["first_write", "copy", "hash", "encode"] {
+            let ns = value(&samples, &format!("ftvm_cost_per_page_ns{{step=\"{step}\"}}"));
+            assert_eq!(ns, costs[format!("{step}_ns")].as_f64().unwrap(), "{tuning}: {step}");
+            assert!(ns > 0.0, "{tuning}: {step} costs {ns} ns");
+        }
+        primary.kill();
+        backup.kill();
+    }
+}
