@@ -381,7 +381,12 @@ impl Worker {
             stop: &self.stop,
         };
         let status = &self.status;
-        match epochs.run(session, &mut pacing, &mut self.epoch, |taken| status.lock().epoch = taken.epoch) {
+        let record = |taken: &ftvm_replication::pipeline::Taken| {
+            let mut st = status.lock();
+            st.epoch = taken.epoch;
+            st.costs = Some(taken.costs);
+        };
+        match epochs.run(session, &mut pacing, &mut self.epoch, record) {
             Ended::Lost(loss) => Some(loss),
             Ended::Stopped => self.farewell(session),
         }

@@ -429,7 +429,7 @@ fn release_gate(pulse: &Arc<Pulse>, interval: Duration) -> ftvm_replication::out
 }
 
 fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
-    let Taken { epoch, trigger, freeze, dirty_pages, predict, state, encoded, prefetched } = *taken;
+    let Taken { epoch, trigger, freeze, dirty_pages, predict, state, encoded, prefetched, costs: _ } = *taken;
     EpochMetrics {
         epoch,
         pause_us: freeze.pause.as_micros() as u64,

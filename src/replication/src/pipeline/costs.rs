@@ -34,19 +34,24 @@ pub struct Costs {
     pub encode_ns: u32,
     /// Whether these were measured on this host (`false`: assumed).
     pub measured: bool,
+    /// The copy cost the mechanisms' thresholds were last set from.
+    #[serde(skip)]
+    last_passed: u32,
 }
 
 impl Default for Costs {
     /// The figures measured once on the development host (nested KVM,
     /// shadow paging): what is assumed where nothing was measured.
     fn default() -> Costs {
-        Costs { first_write_ns: 6000, copy_ns: 1000, hash_ns: 200, encode_ns: 1500, measured: false }
+        Costs { first_write_ns: 6000, copy_ns: 1000, hash_ns: 200, encode_ns: 1500, measured: false, last_passed: 1000 }
     }
 }
 
 /// Pages each host-side measurement runs over: 8 MiB, beyond the caches a
 /// page copied from guest memory would find it in.
 const PAGES: usize = 2048;
+/// The fewest pages a stop-and-copy must copy to count in `follow_copy`.
+const FOLLOW_FROM: u64 = 64;
 /// Times each measurement runs; the fastest counts (the others were
 /// disturbed by the host's other work).
 const TRIES: usize = 3;
@@ -101,7 +106,31 @@ impl Costs {
             hash_ns: per_page(hash),
             encode_ns: per_page(encode),
             measured: true,
+            last_passed: per_page(copy),
         }
+    }
+
+    /// A stop-and-copy copied `pages` pages in `took`: follow the copy cost
+    /// of the guest's own pages (colder in the caches than a calibration's,
+    /// and slower while the host is loaded), weighted over about eight
+    /// checkpoints. Only measured costs follow (assumed ones stay as they
+    /// are, so `--tuning static` is reproducible); a copy of few pages says
+    /// little. Whether the cost moved by more than a tenth (then the
+    /// thresholds are worth passing on).
+    pub fn follow_copy(&mut self, pages: u64, took: Duration) -> bool {
+        if !self.measured || pages < FOLLOW_FROM {
+            return false;
+        }
+        let now = (took.as_nanos() / u128::from(pages)).clamp(1, u32::MAX as u128) as u64;
+        let before = u64::from(self.copy_ns);
+        let next = (before * 7 + now) / 8;
+        self.copy_ns = next as u32;
+        next.abs_diff(self.last_passed.into()) * 10 > u64::from(self.last_passed)
+    }
+
+    /// The thresholds were passed on at the current copy cost.
+    pub fn passed(&mut self) {
+        self.last_passed = self.copy_ns;
     }
 
     /// The share of its kept pages a region must see written each epoch for
@@ -152,6 +181,21 @@ mod tests {
         let fast = Costs { first_write_ns: 300, ..slow };
         assert!(fast.keep_threshold() > slow.keep_threshold());
         assert!(fast.max_waste() > slow.max_waste());
+    }
+
+    #[test]
+    fn measured_copies_follow_the_stop_and_copy_and_assumed_ones_stay() {
+        let mut assumed = Costs::default();
+        assert!(!assumed.follow_copy(1000, Duration::from_millis(10)));
+        assert_eq!(assumed, Costs::default());
+        let mut c = Costs { measured: true, ..Costs::default() };
+        c.passed();
+        assert!(!c.follow_copy(10, Duration::from_millis(10)), "too few pages to say anything");
+        // 4 µs a page now: an eighth of the way there, more than a tenth off.
+        assert!(c.follow_copy(1000, Duration::from_millis(4)));
+        assert_eq!(c.copy_ns, (1000 * 7 + 4000) / 8);
+        c.passed();
+        assert!(!c.follow_copy(1000, Duration::from_micros(1400)), "within a tenth of what was passed on");
     }
 
     #[test]

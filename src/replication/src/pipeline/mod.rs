@@ -79,6 +79,8 @@ pub struct Taken {
     pub encoded: encode::Encoded,
     /// What `--prefetch` sent of its epoch while the guest ran.
     pub prefetched: prefetch::Sent,
+    /// The per-page costs weighed after this checkpoint.
+    pub costs: costs::Costs,
 }
 
 /// The primary's half of the pipeline: from the running VM to a frame.
@@ -96,6 +98,10 @@ pub struct Pipeline {
     frame: Vec<u8>,
     /// The largest checkpoint payload the backup accepts from this VM.
     limit: u64,
+    /// What the adaptive stages weigh; the copy cost follows the
+    /// stop-and-copy when the capture copies in the pause.
+    costs: costs::Costs,
+    copies_in_pause: bool,
 }
 
 impl Pipeline {
@@ -130,6 +136,8 @@ impl Pipeline {
             sent_fake_ack: crate::fakeack::delta::Sender::new(switches.fake_ack_state),
             frame: Vec::new(),
             limit,
+            costs: switches.costs,
+            copies_in_pause: switches.capture == capture::Mode::Pause,
         })
     }
 
@@ -180,7 +188,13 @@ impl Pipeline {
         let prefetched = self.in_epoch.close_epoch(&mut frozen.dirty);
         let t0 = std::time::Instant::now();
         let captured = self.capture.in_pause(vm, &frozen.dirty, self.mask.left_writable());
-        tracing::debug!(copy_us = t0.elapsed().as_micros() as u64, pages = frozen.dirty.count(), "capture");
+        let (copy, copied) = (t0.elapsed(), frozen.dirty.count());
+        tracing::debug!(copy_us = copy.as_micros() as u64, pages = copied, "capture");
+        if self.copies_in_pause && captured.is_ok() && self.costs.follow_copy(copied, copy) {
+            self.mask.weigh(&self.costs);
+            self.in_epoch.weigh(&self.costs);
+            self.costs.passed();
+        }
         let mut thawed = frozen.thaw();
         captured?;
         let pages = self.capture.finish(vm)?;
@@ -215,6 +229,7 @@ impl Pipeline {
             },
             encoded,
             prefetched,
+            costs: self.costs,
             ..Taken::default()
         };
         Ok((taken, &self.frame))

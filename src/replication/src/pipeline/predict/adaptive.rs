@@ -24,6 +24,7 @@ use std::collections::VecDeque;
 use ftvm_vmm::PageBitmap;
 
 use super::Predictor;
+use crate::pipeline::costs::Costs;
 
 const REGION: u64 = 512;
 const WORDS_PER_REGION: usize = (REGION / 64) as usize;
@@ -105,6 +106,10 @@ impl Predictor for Adaptive {
         for h in &self.history {
             self.recent.or_words(h.words());
         }
+    }
+
+    fn weigh(&mut self, costs: &Costs) {
+        self.threshold = costs.keep_threshold();
     }
 
     fn regions_kept(&self) -> Option<(u32, u32)> {

@@ -50,6 +50,8 @@ pub trait Predictor: Send {
     /// checkpoint is filtered, after `choose` for the next freeze may
     /// already have run).
     fn observe(&mut self, left: &PageBitmap, written: &PageBitmap);
+    /// The costs it weighs changed (they follow the stop-and-copy).
+    fn weigh(&mut self, _costs: &Costs) {}
     /// Regions whose pages it keeps writable now, of all regions (None:
     /// it does not judge by region).
     fn regions_kept(&self) -> Option<(u32, u32)> {
@@ -76,6 +78,8 @@ pub trait FreezeMask: Send {
     fn forget(&mut self, pages: &mut dyn Iterator<Item = u64>);
     /// Dirty tracking restarted for a new backup.
     fn reset(&mut self);
+    /// The costs it weighs changed.
+    fn weigh(&mut self, _costs: &Costs) {}
 }
 
 /// The freeze mask `mode` asks for.
@@ -274,6 +278,10 @@ impl FreezeMask for Prediction {
 
     fn reset(&mut self) {
         self.clear();
+    }
+
+    fn weigh(&mut self, costs: &Costs) {
+        self.predictor.weigh(costs);
     }
 
     fn choose(&mut self, harvested: &PageBitmap) -> &PageBitmap {

@@ -104,6 +104,11 @@ impl Gate {
         }
     }
 
+    /// Let at most `max_waste` of an epoch's sends be wasted from now on.
+    pub fn weigh(&mut self, max_waste: f64) {
+        self.max_waste = max_waste;
+    }
+
     /// Dirty tracking restarts (a new backup): start trusting the rounds again.
     pub fn reset(&mut self) {
         *self = Gate::new(self.max_waste);

@@ -218,6 +218,8 @@ pub trait InEpoch: Send {
     fn pull_confirmations(&self) -> Option<Arc<AtomicU64>> {
         None
     }
+    /// The costs it weighs changed.
+    fn weigh(&mut self, _costs: &Costs) {}
 }
 
 /// The in-epoch transfer `mode` asks for; one epoch's rounds send at most
@@ -515,6 +517,12 @@ impl InEpoch for Prefetcher {
 
     fn pull_confirmations(&self) -> Option<Arc<AtomicU64>> {
         self.pull.as_ref().map(pull::Lists::confirmations)
+    }
+
+    fn weigh(&mut self, costs: &Costs) {
+        if let Some(g) = &mut self.gate {
+            g.weigh(costs.max_waste());
+        }
     }
 }
 
