@@ -142,9 +142,10 @@ fn print_status(r: &api::Response) {
             );
             if m.predicted > 0 || m.regions_kept > 0 {
                 outln!(
-                    "write prediction: {} pages left writable ({} regions of 512 pages kept), {} of them written, {} unchanged (not sent), {} tracked first writes",
+                    "write prediction: {} pages left writable ({} regions of 512 pages kept, {} changed at this checkpoint), {} of them written, {} unchanged (not sent), {} tracked first writes",
                     m.predicted,
                     m.regions_kept,
+                    m.regions_flipped,
                     m.predicted_written,
                     m.fake_dirty,
                     m.first_writes

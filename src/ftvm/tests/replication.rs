@@ -265,24 +265,29 @@ fn memory_survives_failover_with_prefetch() {
 /// together: on a writer with a hot set (a tenth of its pages take nine
 /// tenths of its writes, each hot page about once an epoch) and cold
 /// writes scattered over the rest, prediction keeps the hot pages writable
-/// and the rounds send cold pages ahead, in the same epochs, and a kill
+/// and the rounds send cold pages ahead, in the same epochs. The hot pages
+/// move on every half second: prediction lets the regions they left go and
+/// keeps the ones they reach (mechanisms flipping mid-run), and a kill
 /// still leaves the backup exactly at the last checkpoint.
 #[test]
 fn the_default_predicts_and_prefetches() {
-    let work = "ws=16M pattern=hotcold rate=50000 writes=400000 report=100ms";
+    let work = "ws=16M pattern=hotcold shift=25000 rate=50000 writes=400000 report=100ms";
     let runs = memory_survives_failover_epochs(work, &[], &[(1, 1, 1500), (2, 1, 1800)]);
     let n = |e: &serde_json::Value, key: &str| e[key].as_u64().unwrap();
     for epochs in &runs {
         let both = epochs.iter().filter(|e| n(e, "predicted") > 0 && n(e, "prefetched_pages") > 0).count();
         let kept: u64 = epochs.iter().map(|e| n(e, "predicted")).sum();
         let ahead: u64 = epochs.iter().map(|e| n(e, "prefetched_pages")).sum();
-        eprintln!("{both} of {} epochs with pages both left writable and sent ahead ({kept} left writable, {ahead} ahead)", epochs.len());
+        let flips: Vec<u64> = epochs.iter().map(|e| n(e, "regions_flipped")).filter(|&f| f > 0).collect();
+        eprintln!("{both} of {} epochs with pages both left writable and sent ahead ({kept} left writable, {ahead} ahead); regions flipped {flips:?}", epochs.len());
         assert!(
             both > 0,
             "no epoch had pages both left writable and sent ahead: {kept} left writable, {ahead} ahead in {} epochs",
             epochs.len()
         );
         assert!(epochs.iter().any(|e| n(e, "regions_kept") > 0), "the adaptive predictor reports the regions it keeps");
+        let flipped: u64 = epochs.iter().map(|e| n(e, "regions_flipped")).sum();
+        assert!(flipped >= 3, "the hot pages moved at least twice, but only {flipped} regions were kept or let go");
     }
 }
 

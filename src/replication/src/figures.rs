@@ -57,6 +57,9 @@ pub struct EpochMetrics {
     /// `--prefetch` where that pays).
     #[serde(default)]
     pub regions_kept: u32,
+    /// Regions whose verdict (kept or not) this checkpoint's lesson changed.
+    #[serde(default)]
+    pub regions_flipped: u32,
     /// Bytes of the epoch on the wire: every byte of the checkpoint's
     /// frame, and of the epoch's prefetch frames (`--prefetch`).
     pub bytes: u64,

@@ -18,8 +18,10 @@ pub enum Pattern {
     Sequential,
     /// Uniformly random pages of the partition.
     Random,
-    /// `hot_permille` of the pages receive `hot_prob_permille` of the writes.
-    HotCold { hot_permille: u32, hot_prob_permille: u32 },
+    /// `hot_permille` of the pages receive `hot_prob_permille` of the writes;
+    /// with `shift` > 0 the hot pages move on by their own number every
+    /// `shift` writes of a writer (a guest that changes its ways).
+    HotCold { hot_permille: u32, hot_prob_permille: u32, shift: u64 },
     /// Every `stride`-th page, wrapping modulo the partition size.
     Strided { stride: u64 },
 }
@@ -116,11 +118,11 @@ fn parse_permille(s: &str) -> Result<u32, ParseError> {
 impl Config {
     /// Parse a command line of `key=value` words:
     /// `ws=SIZE pattern=seq|random|hotcold|strided hot=FRAC hotprob=FRAC
-    /// stride=N seed=N vcpus=N rate=N writes=N duration=TIME report=TIME`.
+    /// shift=N stride=N seed=N vcpus=N rate=N writes=N duration=TIME report=TIME`.
     /// Unknown keys are an error so typos do not silently change a run.
     pub fn parse(cmdline: &str) -> Result<Config, ParseError> {
         let mut c = Config::default();
-        let (mut hot, mut hotprob, mut stride) = (100, 900, 3);
+        let (mut hot, mut hotprob, mut stride, mut shift) = (100, 900, 3, 0);
         let mut pattern = "random";
         let mut writes_given = false;
         let mut duration_given = false;
@@ -132,6 +134,7 @@ impl Config {
                 "hot" => hot = parse_permille(value)?,
                 "hotprob" => hotprob = parse_permille(value)?,
                 "stride" => stride = parse_u64(value)?,
+                "shift" => shift = parse_u64(value)?,
                 "seed" => c.seed = parse_u64(value)?,
                 "vcpus" => c.writers = parse_u64(value)? as u32,
                 "rate" => c.rate = parse_u64(value)?,
@@ -155,7 +158,7 @@ impl Config {
         c.pattern = match pattern {
             "seq" | "sequential" => Pattern::Sequential,
             "random" => Pattern::Random,
-            "hotcold" => Pattern::HotCold { hot_permille: hot, hot_prob_permille: hotprob },
+            "hotcold" => Pattern::HotCold { hot_permille: hot, hot_prob_permille: hotprob, shift },
             "strided" => Pattern::Strided { stride },
             _ => return Err(ParseError("pattern must be seq, random, hotcold or strided")),
         };
@@ -212,6 +215,8 @@ pub struct Writer {
     pattern: Pattern,
     hot_pages: u64,
     hot_threshold: u64,
+    /// Writes between moves of the hot pages (0: they stay).
+    shift: u64,
     rng: Rng,
     cursor: u64,
     salt: u64,
@@ -222,11 +227,11 @@ pub struct Writer {
 impl Writer {
     pub fn new(config: &Config, writer: u32, writers: u32) -> Writer {
         let (first_page, pages) = config.partition(writer, writers);
-        let (hot_pages, hot_threshold) = match config.pattern {
-            Pattern::HotCold { hot_permille, hot_prob_permille } => {
-                ((pages * hot_permille as u64 / 1000).clamp(1, pages.max(1)), (1u64 << 16) * hot_prob_permille as u64 / 1000)
+        let (hot_pages, hot_threshold, shift) = match config.pattern {
+            Pattern::HotCold { hot_permille, hot_prob_permille, shift } => {
+                ((pages * hot_permille as u64 / 1000).clamp(1, pages.max(1)), (1u64 << 16) * hot_prob_permille as u64 / 1000, shift)
             }
-            _ => (0, 0),
+            _ => (0, 0, 0),
         };
         Writer {
             first_page,
@@ -234,6 +239,7 @@ impl Writer {
             pattern: config.pattern,
             hot_pages,
             hot_threshold,
+            shift,
             rng: Rng::new(config.seed, writer),
             cursor: 0,
             salt: config.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ writer as u64,
@@ -254,11 +260,14 @@ impl Writer {
             Pattern::Random => below(self.rng.next(), n),
             Pattern::HotCold { .. } => {
                 let r = self.rng.next();
-                if (r & 0xffff) < self.hot_threshold || self.hot_pages == n {
+                let at = if (r & 0xffff) < self.hot_threshold || self.hot_pages == n {
                     below(r, self.hot_pages)
                 } else {
                     self.hot_pages + below(r, n - self.hot_pages)
-                }
+                };
+                // Where the hot pages start now.
+                let moved = if self.shift == 0 { 0 } else { (self.done / self.shift).wrapping_mul(self.hot_pages) % n };
+                (at + moved) % n
             }
             Pattern::Strided { stride } => {
                 let p = self.cursor;
@@ -310,7 +319,7 @@ mod tests {
     fn parses_all_options() {
         let c = Config::parse("ws=1M pattern=hotcold hot=0.25 hotprob=0.75 seed=9 vcpus=2 rate=100 writes=5 report=1s").unwrap();
         assert_eq!(c.ws_pages, 256);
-        assert_eq!(c.pattern, Pattern::HotCold { hot_permille: 250, hot_prob_permille: 750 });
+        assert_eq!(c.pattern, Pattern::HotCold { hot_permille: 250, hot_prob_permille: 750, shift: 0 });
         assert_eq!((c.seed, c.writers, c.rate, c.writes, c.report_ms), (9, 2, 100, 5, 1000));
         assert_eq!(c.duration_ms, 0, "a write-bounded run has no default time limit");
         assert_eq!(Config::parse("").unwrap(), Config::default());
@@ -355,6 +364,16 @@ mod tests {
         let t = pages_touched("ws=400K pattern=hotcold hot=0.1 hotprob=0.9", 100_000);
         let hot: u64 = t[..10].iter().sum();
         assert!(hot > 85_000 && hot < 95_000, "hot writes {hot}");
+    }
+
+    #[test]
+    fn shifted_hot_pages_move_on_by_their_number() {
+        // 100 pages, 10 hot; the hot pages move every 10,000 writes.
+        let spec = "ws=400K pattern=hotcold hot=0.1 hotprob=0.9 shift=10000";
+        let t = pages_touched(spec, 10_000);
+        assert!(t[..10].iter().sum::<u64>() > 8_500, "first the first ten pages are hot");
+        let t = pages_touched(spec, 20_000);
+        assert!(t[10..20].iter().sum::<u64>() > 8_500, "then the next ten: {:?}", &t[..30]);
     }
 
     #[test]

@@ -447,6 +447,7 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         fake_dirty: predict.fake_dirty,
         first_writes: predict.first_writes,
         regions_kept: predict.regions_kept,
+        regions_flipped: predict.regions_flipped,
         bytes: bytes as u64 + prefetched.bytes,
         commit_pages: encoded.pages.pages,
         prefetched_pages: prefetched.pages,

@@ -23,7 +23,7 @@ use std::collections::VecDeque;
 
 use ftvm_vmm::PageBitmap;
 
-use super::Predictor;
+use super::{Predictor, Regions};
 use crate::pipeline::costs::Costs;
 
 const REGION: u64 = 512;
@@ -48,6 +48,9 @@ pub struct Adaptive {
     recent: PageBitmap,
     /// Scratch for `choose`: `recent` and the newest faults.
     candidates: PageBitmap,
+    /// Each region's verdict after the last lesson.
+    kept: Vec<bool>,
+    regions: Regions,
 }
 
 impl Adaptive {
@@ -58,6 +61,8 @@ impl Adaptive {
             history: VecDeque::with_capacity(WINDOW),
             recent: PageBitmap::new(pages),
             candidates: PageBitmap::new(pages),
+            kept: vec![false; pages.div_ceil(REGION) as usize],
+            regions: Regions::default(),
         }
     }
 }
@@ -98,6 +103,13 @@ impl Predictor for Adaptive {
                 *precision = *precision * ALPHA + (hits as f32 / tried as f32) * (1.0 - ALPHA);
             }
         }
+        self.regions = Regions::default();
+        for (kept, precision) in self.kept.iter_mut().zip(&self.precision) {
+            let now = *precision >= self.threshold;
+            self.regions.kept += u32::from(now);
+            self.regions.flipped += u32::from(now != *kept);
+            *kept = now;
+        }
         let mut newest =
             if self.history.len() == WINDOW { self.history.pop_back().expect("full") } else { PageBitmap::new(written.capacity()) };
         newest.copy_from(written);
@@ -112,9 +124,8 @@ impl Predictor for Adaptive {
         self.threshold = costs.keep_threshold();
     }
 
-    fn regions_kept(&self) -> Option<(u32, u32)> {
-        let kept = self.precision.iter().filter(|&&p| p >= self.threshold).count();
-        Some((kept as u32, self.precision.len() as u32))
+    fn regions(&self) -> Option<Regions> {
+        Some(self.regions)
     }
 }
 
@@ -186,5 +197,6 @@ mod tests {
         }
         let k = kept(&mut a, &hot);
         assert!(hot.pages().all(|p| k.is_set(p)), "every rewritten page is kept");
+        assert_eq!(a.regions(), Some(Regions { kept: 1, flipped: 1 }), "the lesson that kept it says so");
     }
 }

@@ -52,9 +52,9 @@ pub trait Predictor: Send {
     fn observe(&mut self, left: &PageBitmap, written: &PageBitmap);
     /// The costs it weighs changed (they follow the stop-and-copy).
     fn weigh(&mut self, _costs: &Costs) {}
-    /// Regions whose pages it keeps writable now, of all regions (None:
-    /// it does not judge by region).
-    fn regions_kept(&self) -> Option<(u32, u32)> {
+    /// Which regions it keeps writable now (None: it does not judge by
+    /// region).
+    fn regions(&self) -> Option<Regions> {
         None
     }
 }
@@ -121,6 +121,15 @@ impl FreezeMask for LeaveNone {
     fn reset(&mut self) {}
 }
 
+/// A predictor's verdicts by region, after its last lesson.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Regions {
+    /// Regions whose pages it keeps writable.
+    pub kept: u32,
+    /// Regions whose verdict the last lesson changed (kept or let go).
+    pub flipped: u32,
+}
+
 /// Prediction figures of one checkpoint.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Figures {
@@ -133,8 +142,10 @@ pub struct Figures {
     /// Pages dirtied that were not left writable: each took a tracked first write.
     pub first_writes: u64,
     /// Regions whose pages the predictor keeps writable, after this
-    /// checkpoint's lesson (zero where it does not judge by region).
+    /// checkpoint's lesson (zero where it does not judge by region),
     pub regions_kept: u32,
+    /// and regions whose verdict that lesson changed.
+    pub regions_flipped: u32,
 }
 
 /// The predictor, the fake-dirty filter and the sets between them.
@@ -254,7 +265,8 @@ impl Step<'_> {
 
     fn end(mut self) -> Figures {
         self.p.predictor.observe(&self.p.before, &self.p.written);
-        self.figures.regions_kept = self.p.predictor.regions_kept().map_or(0, |(kept, _)| kept);
+        let regions = self.p.predictor.regions().unwrap_or_default();
+        (self.figures.regions_kept, self.figures.regions_flipped) = (regions.kept, regions.flipped);
         self.figures
     }
 }
@@ -333,14 +345,14 @@ mod tests {
         assert_eq!(p.choose(&set(&[1, 2, 3])).pages().collect::<Vec<_>>(), vec![1, 2, 3]);
         let mut pages = Captured::from_pages(&[(1, &a), (2, &b), (3, &c)]);
         let f = p.filter(&mut pages);
-        assert_eq!(f, Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3, regions_kept: 0 });
+        assert_eq!(f, Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3, regions_kept: 0, regions_flipped: 0 });
         assert_eq!(pages.len(), 3);
 
         // Epoch 2: 1..3 reported again though only 2 changed; 4 is new.
         p.choose(&set(&[1, 2, 3, 4]));
         let mut pages = Captured::from_pages(&[(1, &a), (2, &b2), (3, &c), (4, &d)]);
         let f = p.filter(&mut pages);
-        assert_eq!(f, Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1, regions_kept: 0 });
+        assert_eq!(f, Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1, regions_kept: 0, regions_flipped: 0 });
         assert_eq!(pages.iter().map(|(n, data)| (n, data[0])).collect::<Vec<_>>(), vec![(2, 9), (4, 4)]);
 
         // A new backup holds nothing this side knows of: everything is sent.
@@ -358,13 +370,13 @@ mod tests {
         p.choose(&set(&[1, 2, 3]));
         assert_eq!(
             p.learn(&[1, 2, 3], &[a, b, c]),
-            Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3, regions_kept: 0 }
+            Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3, regions_kept: 0, regions_flipped: 0 }
         );
         // 1..3 were left writable, so reported again; only 2 changed.
         assert_eq!(p.choose(&set(&[1, 2, 3, 4])).pages().collect::<Vec<_>>(), vec![1, 2, 3, 4]);
         assert_eq!(
             p.learn(&[1, 2, 3, 4], &[a, b2, c, d]),
-            Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1, regions_kept: 0 }
+            Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1, regions_kept: 0, regions_flipped: 0 }
         );
         // The secondary took the leader's page 3: unknown, so counted
         // written at the next `syncvm` whatever its hash.
