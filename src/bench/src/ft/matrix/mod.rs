@@ -42,8 +42,8 @@ pub fn long_help() -> String {
         "Run each workload of --cases (default memtouch): memtouch (unthrottled writes, one qword a write, from every vCPU) for \
          each working set (--pages), pattern (--patterns: seq writes each page in turn, random any page, hotcold 90% of writes \
          into 10% of the pages) and vCPU count (--vcpus); kv and redis (the kv guest, redis-server on the Linux personality) \
-         under redis-benchmark SET and GET, -c 50, -P {:?}, values of --values bytes, --requests a run (ten times that \
-         unreplicated); bulk (GETs of a 4 MiB value from the kv guest, --bulk-reads a run). Each workload runs at every epoch \
+         under redis-benchmark SET and GET, -c 50, -P {}, values of --values bytes, --requests a run times the pipeline \
+         depth (ten times that unreplicated); bulk (GETs of a 4 MiB value from the kv guest, --bulk-reads a run). Each workload runs at every epoch \
          length (--epochs, default {EPOCHS_MS:?} ms) under ftvm's defaults (setting \"{DEFAULT}\": no switch given), under \
          each value of each switch (--switches, default all of {}) and each combination in the COMBINATIONS table, and \
          unreplicated; all of it --rounds times (default 3), the rounds interleaved (round 1 of every setting, then round \
@@ -56,7 +56,7 @@ pub fn long_help() -> String {
          before the tuning policy; measured with --switches tuning), the best fixed setting (any measured setting but the \
          default and {POLICY}) and its ratio, default / best, and a mark where the default is below {GOAL} x best or below \
          {STATIC} (ablation-matrix-summary.csv and .svg). memtouch runs last --seconds.",
-        cases::PIPELINES,
+        cases::PIPELINES.map(|p| p.to_string()).join(" and -P "),
         switches::names()
     )
 }
