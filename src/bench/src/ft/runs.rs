@@ -278,7 +278,8 @@ pub fn bulk_read(topo: &Topology, reads: usize) -> Result<f64, BoxError> {
     Ok(result?)
 }
 
-/// A kv guest and, when replicated, its backup; both killed when dropped.
+/// A Redis-protocol guest (the kv guest or redis-server) and, when
+/// replicated, its backup; both killed when dropped.
 pub struct Kv {
     _backup: Option<Process>,
     primary: Process,
