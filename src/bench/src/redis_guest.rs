@@ -56,7 +56,7 @@ impl App {
 
     /// `ftvm run` arguments after the image: memory and command line, with
     /// extra runtime options `variant` (Linux personality only).
-    fn run_args(self, variant: &str) -> Vec<String> {
+    pub fn run_args(self, variant: &str) -> Vec<String> {
         let (vmm, runtime): (Vec<&str>, Vec<&str>) = variant.split_whitespace().partition(|w| w.starts_with("--"));
         let mut args: Vec<String> = vmm.into_iter().map(String::from).collect();
         let runtime = runtime.join(" ");

@@ -1,8 +1,8 @@
 //! `ftvm-bench ft`: what fault tolerance costs, always against the
 //! unreplicated VM measured in the same run. Two shapes: the epoch sweep
 //! (`sweep`) and the ablation of the optimisation switches (`ablation`,
-//! or over a matrix of memtouch workloads, `matrix`; both read the switch
-//! table in `switches`).
+//! or over a matrix of workloads against ftvm's defaults, `matrix`; both
+//! read the switch table in `switches`).
 
 mod ablation;
 pub(crate) mod failover;
@@ -27,7 +27,8 @@ pub struct Options {
     /// Requests per redis-benchmark run.
     #[arg(long, default_value_t = 20000)]
     requests: u64,
-    /// GETs of the 4 MiB value per bulk-read run (not with --ablation).
+    /// GETs of the 4 MiB value per bulk-read run (not with --ablation
+    /// unless --matrix).
     #[arg(long, default_value_t = 5)]
     bulk_reads: usize,
     /// Failover trials per kind of failure and epoch length (not with
@@ -62,8 +63,9 @@ pub struct Options {
     /// epoch lengths (--help says how).
     #[arg(long, long_help = ablation::long_help())]
     ablation: bool,
-    /// With --ablation: instead of the short workloads, memtouch over the
-    /// matrix of working sets, patterns, vCPUs and epochs (--help says how).
+    /// With --ablation: instead of the short workloads, a matrix of
+    /// workloads and epochs in rounds, ftvm's defaults against each switch
+    /// value, with a summary per case (--help says how).
     #[arg(long, requires = "ablation", long_help = matrix::long_help())]
     matrix: bool,
     /// Matrix working sets, in pages.
@@ -75,6 +77,17 @@ pub struct Options {
     /// Matrix vCPU counts (memtouch writes from every vCPU).
     #[arg(long, value_delimiter = ',', default_values_t = [1, 2])]
     vcpus: Vec<u32>,
+    /// Matrix: the workloads, comma-separated (memtouch, kv, redis, bulk).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [matrix::Kind::Memtouch], requires = "matrix")]
+    cases: Vec<matrix::Kind>,
+    /// Matrix: value sizes of the kv and redis cases, in bytes
+    /// (redis-benchmark -d).
+    #[arg(long, value_delimiter = ',', default_values_t = [3, 100, 1000], requires = "matrix")]
+    values: Vec<u32>,
+    /// Matrix: rounds, interleaved, each with its own unreplicated run;
+    /// tables give medians over them.
+    #[arg(long, default_value_t = 3, requires = "matrix")]
+    rounds: usize,
     /// Ablation: requests each connection pipelines in the kv runs
     /// (redis-benchmark -P).
     #[arg(long, default_value_t = 16)]

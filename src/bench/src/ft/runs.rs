@@ -15,6 +15,7 @@ use ftvm_vmm::memory::PAGE;
 
 use crate::paths;
 use crate::redis_benchmark::{self, Figures};
+use crate::redis_guest::App;
 use crate::report::Row;
 
 pub type BoxError = Box<dyn std::error::Error>;
@@ -277,7 +278,8 @@ pub fn bulk_read(topo: &Topology, reads: usize) -> Result<f64, BoxError> {
     Ok(result?)
 }
 
-/// A kv guest and, when replicated, its backup; both killed when dropped.
+/// A Redis-protocol guest (the kv guest or redis-server) and, when
+/// replicated, its backup; both killed when dropped.
 pub struct Kv {
     _backup: Option<Process>,
     primary: Process,
@@ -319,13 +321,36 @@ pub fn start_kv_on(
     metrics: &Path,
     disk: Option<&KvDisk>,
 ) -> Result<Kv, BoxError> {
+    let aof = if disk.is_some() { " aof=on" } else { "" };
+    let args = ["--cmdline".to_owned(), format!("ip={GUEST_ADDR}/24{aof}")];
+    start_guest(topo, App::Kv, &args, ft, dir, log, metrics, disk)
+}
+
+/// `start_kv` for either Redis-protocol guest: the kv guest, or
+/// redis-server on the Linux personality.
+pub fn start_server(topo: &Topology, app: App, ft: Option<Replicated>, dir: &Path, log: &str, metrics: &Path) -> Result<Kv, BoxError> {
+    start_guest(topo, app, &app.run_args(""), ft, dir, log, metrics, None)
+}
+
+/// `app`'s guest with `ftvm run` arguments `args` (after the image), as
+/// `start_kv_on` describes.
+#[allow(clippy::too_many_arguments)]
+fn start_guest(
+    topo: &Topology,
+    app: App,
+    args: &[String],
+    ft: Option<Replicated>,
+    dir: &Path,
+    log: &str,
+    metrics: &Path,
+    disk: Option<&KvDisk>,
+) -> Result<Kv, BoxError> {
     let net = format!("tap=tap0,mac={GUEST_MAC}");
     let backup_addr = format!("{H2_REPL_ADDR}:7000");
-    let image = paths::images().join("kv.elf");
+    let image = app.existing_image(&paths::images())?;
     let mut backup = None;
     let mut cmd = topo.command("h1", ftvm_bin());
-    let aof = if disk.is_some() { " aof=on" } else { "" };
-    cmd.args(["run", "--net", &net, "--cmdline", &format!("ip={GUEST_ADDR}/24{aof}"), "--image"]).arg(&image);
+    cmd.args(["run", "--net", &net]).args(args).arg("--image").arg(&image);
     let fresh_disk = |name: &str| -> Result<std::path::PathBuf, BoxError> {
         let path = dir.join(name);
         std::fs::File::create(&path)?.set_len(64 << 20)?;
