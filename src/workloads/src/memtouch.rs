@@ -266,7 +266,7 @@ impl Writer {
                     self.hot_pages + below(r, n - self.hot_pages)
                 };
                 // Where the hot pages start now.
-                let moved = if self.shift == 0 { 0 } else { (self.done / self.shift).wrapping_mul(self.hot_pages) % n };
+                let moved = self.done.checked_div(self.shift).map_or(0, |shifts| shifts.wrapping_mul(self.hot_pages) % n);
                 (at + moved) % n
             }
             Pattern::Strided { stride } => {

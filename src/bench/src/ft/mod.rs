@@ -93,8 +93,8 @@ pub struct Options {
     #[arg(long, default_value_t = 16)]
     pipeline: u32,
     /// Ablation and matrix: only these switches (names as in the SWITCHES
-    /// table, e.g. predict-writes; the ablation also knows disk-io)
-    /// [default: all].
+    /// table, e.g. predict-writes, or one value of one, e.g. prefetch=off;
+    /// the ablation also knows disk-io) [default: all].
     #[arg(long, value_delimiter = ',')]
     switches: Option<Vec<String>>,
 }

@@ -80,9 +80,10 @@ pub fn settings() -> impl Iterator<Item = (String, &'static [&'static str])> {
 
 /// Whether `--switches` (`only`) selects `setting` ("name=value", or a
 /// combination of them separated by spaces, which counts as each switch it
-/// sets); no `--switches` selects everything.
+/// sets): an entry names a switch (all its values) or one value of it
+/// (`prefetch=off`); no `--switches` selects everything.
 pub fn wanted(only: Option<&[String]>, setting: &str) -> bool {
-    only.is_none_or(|only| only.iter().any(|s| setting.split(' ').any(|part| part.starts_with(&format!("{s}=")))))
+    only.is_none_or(|only| only.iter().any(|s| setting.split(' ').any(|part| part == s || part.starts_with(&format!("{s}=")))))
 }
 
 /// `settings()` as `--switches` selects them.
@@ -156,5 +157,9 @@ mod tests {
         assert!(!wanted(Some(&only), "capture=cow"));
         assert!(!wanted(Some(&only), "disk-io="));
         assert!(selected(Some(&only)).iter().all(|(s, _)| s.contains("diff=")));
+        let one = ["prefetch=off".to_owned()];
+        assert!(wanted(Some(&one), "prefetch=off"));
+        assert!(!wanted(Some(&one), "prefetch=on"));
+        assert!(!wanted(Some(&one), "prefetch=offset"));
     }
 }
