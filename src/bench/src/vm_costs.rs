@@ -1,5 +1,6 @@
 //! Costs of the microVM: guest speed against the same loop run natively,
-//! pause/resume, state save/restore, and tracked first writes.
+//! pause/resume, state save/restore, and tracked first writes (also as the
+//! VMM's calibration at start measures them).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

@@ -11,7 +11,7 @@
 //!
 //! The guest times itself rather than signalling the host between passes:
 //! a port exit costs 16-19 µs here, as much as three tracked writes, and
-//! its jitter would swamp the untracked pass (about 17 ns a page), while
+//! its jitter would swamp the untracked pass (under 10 ns a page), while
 //! two TSC reads add tens of nanoseconds to a whole pass.
 
 use ftvm_abi::layout::SYSTEM_AREA_END;

@@ -14,6 +14,7 @@ use std::fs::File;
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use vm_memory::{Bytes, GuestAddress};
@@ -27,10 +28,12 @@ use crate::memory::PageBitmap;
 use crate::vm::{Vm, VmConfig, VmError};
 use crate::DirtyBackend;
 
-/// Pages per pass by default: enough that a pass lasts milliseconds at 6 µs
-/// a page and sub-microsecond noise vanishes, few enough that the whole
-/// calibration stays well under 200 ms.
-pub const DEFAULT_PAGES: u64 = 1024;
+/// Pages per pass by default: enough that a pass lasts over a millisecond
+/// at 3 µs a page, so the TSC reads around it are lost in the noise; few
+/// enough that a pass is rarely cut by preemption on a busy host, and the
+/// whole calibration stays well under 200 ms (256, 512 and 1024 pages gave
+/// the same per-page figures here).
+pub const DEFAULT_PAGES: u64 = 512;
 /// The most pages a pass may write (256 MiB of guest memory).
 pub const MAX_PAGES: u64 = 65536;
 /// Measured rounds (a warm-up round before them is not counted).
@@ -86,9 +89,11 @@ impl FirstWriteCost {
 /// the pages were re-armed (each write faults), then again (none does);
 /// [`ROUNDS`] times, re-arming between rounds as a checkpoint does.
 ///
-/// With [`DEFAULT_PAGES`] the whole call takes about 60 ms on a nested
-/// 2-core host without PML (tracked first write 5.5-6.5 µs, untracked
-/// 25-30 ns).
+/// Measured on this project's nested 2-core host (no PML), quiet, with
+/// [`DEFAULT_PAGES`]: the whole call, VM creation and teardown included,
+/// 50-60 ms wall (1024 pages: 65-85 ms); tracked first write 2.8-3.0 µs,
+/// untracked write 6-9 ns. A loaded host (load average 4-5) read 3-18 µs
+/// and up to 270 ms.
 pub fn tracked_first_write(pages: u64) -> Result<FirstWriteCost, CalibrationError> {
     if !(1..=MAX_PAGES).contains(&pages) {
         return Err(CalibrationError::BadPageCount(pages));
@@ -104,7 +109,7 @@ pub fn tracked_first_write(pages: u64) -> Result<FirstWriteCost, CalibrationErro
     drop(image);
     vm.start_dirty_tracking()?;
     vm.start().map_err(CalibrationError::Start)?;
-    let ticks = run_rounds(&vm, rounds).inspect_err(|_| vm.request_stop())?;
+    let ticks = run_rounds(&vm, rounds, &out).inspect_err(|_| vm.request_stop())?;
     let exit = vm.wait();
     if exit != VmExit::Exited(0) {
         return Err(stopped(exit, &out));
@@ -124,7 +129,7 @@ pub fn tracked_first_write(pages: u64) -> Result<FirstWriteCost, CalibrationErro
 
 /// Let the guest run `rounds` rounds, re-arming tracking for the pages it
 /// wrote before each but the first; the TSC ticks of each round's passes.
-fn run_rounds(vm: &Vm, rounds: u32) -> Result<Vec<[u64; 2]>, CalibrationError> {
+fn run_rounds(vm: &Vm, rounds: u32, out: &Mutex<Vec<u8>>) -> Result<Vec<[u64; 2]>, CalibrationError> {
     let mem = vm.ram().memory();
     let pages = vm.ram().pages();
     let (mut dirty, none) = (PageBitmap::new(pages), PageBitmap::new(pages));
@@ -138,11 +143,14 @@ fn run_rounds(vm: &Vm, rounds: u32) -> Result<Vec<[u64; 2]>, CalibrationError> {
         mem.write_obj(round, GuestAddress(guest::GO))?;
         while mem.read_obj::<u64>(GuestAddress(guest::DONE))? < round {
             if vm.exit_reason().is_some() {
-                return Err(CalibrationError::GuestStopped { exit: vm.wait(), console: String::new() });
+                return Err(stopped(vm.wait(), out));
             }
             if Instant::now() > deadline {
                 return Err(CalibrationError::Timeout);
             }
+            // Spin rather than sleep: a host thread waking up in the middle
+            // of a pass can land on the vCPU's core and preempt it, which
+            // here made the tracked write read 5-15 µs instead of 3.
             std::thread::yield_now();
         }
     }
@@ -154,7 +162,7 @@ fn run_rounds(vm: &Vm, rounds: u32) -> Result<Vec<[u64; 2]>, CalibrationError> {
         .collect()
 }
 
-fn stopped(exit: VmExit, out: &std::sync::Mutex<Vec<u8>>) -> CalibrationError {
+fn stopped(exit: VmExit, out: &Mutex<Vec<u8>>) -> CalibrationError {
     let text = out.lock().map(|o| String::from_utf8_lossy(&o).trim().to_string()).unwrap_or_default();
     CalibrationError::GuestStopped { exit, console: if text.is_empty() { text } else { format!(": {text}") } }
 }
