@@ -3,10 +3,11 @@
 //! The replication policies weigh a tracked first write (the write-protection
 //! fault KVM takes on a guest's first write to a page after a checkpoint
 //! re-armed tracking) against host-side costs such as copying a page. That
-//! fault costs about 6 µs on a nested host without PML and a fraction of a
-//! microsecond on hardware with it, so it is measured where the VMM runs,
-//! in a throwaway VM whose guest (see [`guest`]) is built in memory: the
-//! calibration needs no file beyond the VMM itself.
+//! fault costs microseconds on a nested host without PML (3-8 µs on this
+//! project's, depending on the day) and a fraction of one on hardware with
+//! it, so it is measured where the VMM runs, in a throwaway VM whose guest
+//! (`guest.rs`) is built in memory: the calibration needs no file beyond
+//! the VMM itself.
 
 mod guest;
 
