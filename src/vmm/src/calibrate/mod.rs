@@ -92,8 +92,8 @@ impl FirstWriteCost {
 ///
 /// Measured on this project's nested 2-core host (no PML), quiet, with
 /// [`DEFAULT_PAGES`]: the whole call, VM creation and teardown included,
-/// 50-60 ms wall (1024 pages: 65-85 ms); tracked first write 2.8-3.0 µs,
-/// untracked write 6-9 ns. A loaded host (load average 4-5) read 3-18 µs
+/// 25-60 ms wall (1024 pages: 45-85 ms); tracked first write 2.8-3.8 µs
+/// (2.8-3.0 within one quiet minute), untracked write 6-9 ns. A loaded host (load average 4-5) read 3-18 µs
 /// and up to 270 ms.
 pub fn tracked_first_write(pages: u64) -> Result<FirstWriteCost, CalibrationError> {
     if !(1..=MAX_PAGES).contains(&pages) {
