@@ -36,7 +36,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// The microVM itself: memtouch in the VM vs natively, pause/resume,
-    /// state save/restore, and the cost of tracked first writes per backend.
+    /// state save/restore, and the cost of tracked first writes per backend
+    /// (and as the calibration at start measures it).
     Vm(vm_costs::Options),
     /// What protection costs per request: CPU per request of every thread
     /// of the unreplicated VMM, the protected primary and the backup, per

@@ -1,9 +1,11 @@
 //! Costs of the microVM: guest speed against the same loop run natively,
-//! pause/resume, state save/restore, and tracked first writes.
+//! pause/resume, state save/restore, and tracked first writes (also as the
+//! VMM's calibration at start measures them).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use ftvm_vmm::calibrate;
 use ftvm_vmm::{Console, DirtyBackend, PageBitmap, Persist, Vm, VmConfig};
 use ftvm_workloads::memtouch::{Config, Writer};
 
@@ -128,14 +130,14 @@ fn pause_and_state(opts: &Options, vcpus: u32, rows: &mut Vec<Row>) -> Result<()
 /// Per-page cost of the first write to a page after tracking re-protected
 /// it: memtouch sweeps a working set while the VMM collects the dirty set
 /// every epoch; the time lost against the untracked rate, minus the time the
-/// VM spent paused, divided by the pages collected.
+/// VM spent paused, divided by the pages collected. Returns that cost (µs).
 fn first_write_cost(
     opts: &Options,
     backend: DirtyBackend,
     untracked_rate: f64,
     cmdline: &str,
     rows: &mut Vec<Row>,
-) -> Result<(), BoxError> {
+) -> Result<f64, BoxError> {
     let cmdline = format!("{cmdline} duration={}s report=0", opts.seconds);
     let (vm, out) = memtouch_vm(opts, 1, backend, &cmdline)?;
     vm.start_dirty_tracking()?;
@@ -161,11 +163,12 @@ fn first_write_cost(
     vm.wait();
     let writes = total_writes(&out.lock().unwrap())?;
     let lost = elapsed - writes as f64 / untracked_rate - paused.as_secs_f64();
+    let per_page_us = lost / pages.max(1) as f64 * 1e6;
     let group = format!("dirty {backend}");
     rows.push(Row {
         group: group.clone(),
         case: "first write after re-protect".into(),
-        value: lost / pages.max(1) as f64 * 1e6,
+        value: per_page_us,
         unit: "us/page",
         reference: None,
     });
@@ -190,6 +193,20 @@ fn first_write_cost(
         unit: "writes/s",
         reference: Some(untracked_rate),
     });
+    Ok(per_page_us)
+}
+
+/// The calibration `ftvm` runs at start (`ftvm_vmm::calibrate`), beside the
+/// memtouch figure of the same run (`memtouch_us`) as its reference: what
+/// tracking adds to a first write, measured the two ways, should agree.
+fn first_write_calibration(memtouch_us: f64, rows: &mut Vec<Row>) -> Result<(), BoxError> {
+    let cost = calibrate::tracked_first_write(calibrate::DEFAULT_PAGES)?;
+    let group = "dirty bitmap".to_string();
+    let row = |case: &str, value, unit, reference| Row { group: group.clone(), case: case.into(), value, unit, reference };
+    rows.push(row("first-write: calibration at start (reference: memtouch)", cost.tracking_ns() / 1e3, "us/page", Some(memtouch_us)));
+    rows.push(row("calibration: tracked write", cost.tracked_ns / 1e3, "us/page", None));
+    rows.push(row("calibration: untracked write", cost.untracked_ns / 1e3, "us/page", None));
+    rows.push(row("calibration: wall time", cost.elapsed.as_secs_f64() * 1e3, "ms", None));
     Ok(())
 }
 
@@ -268,7 +285,10 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let sweep = "ws=16M pattern=seq";
     let untracked = vm_writes_per_sec(opts, sweep, 1)?;
     for backend in [DirtyBackend::Bitmap, DirtyBackend::Ring] {
-        first_write_cost(opts, backend, untracked, sweep, &mut rows)?;
+        let memtouch_us = first_write_cost(opts, backend, untracked, sweep, &mut rows)?;
+        if backend == DirtyBackend::Bitmap {
+            first_write_calibration(memtouch_us, &mut rows)?;
+        }
     }
     for rearm in [true, false] {
         reads_after_rearm(opts, rearm, &mut rows)?;

@@ -54,6 +54,11 @@ impl GuestClock {
         self.page.ns_at(rdtsc())
     }
 
+    /// Nanoseconds per TSC tick, as the guest converts its TSC readings.
+    pub fn ns_per_tick(&self) -> f64 {
+        self.page.tsc_mul as f64 / (1u64 << self.page.tsc_shift) as f64
+    }
+
     /// Host-side wait needed until the guest clock reads `deadline_ns`.
     pub fn until(&self, deadline_ns: u64) -> Duration {
         Duration::from_nanos(deadline_ns.saturating_sub(self.now_ns()))

@@ -8,6 +8,7 @@
 
 pub mod arch;
 pub mod boot;
+pub mod calibrate;
 pub mod clock;
 pub mod components;
 pub mod devices;
@@ -27,6 +28,7 @@ pub mod sync;
 pub mod vcpu;
 pub mod vm;
 
+pub use calibrate::{CalibrationError, FirstWriteCost};
 pub use components::{ComponentId, Components};
 pub use dirty::DirtyBackend;
 pub use exit::{GuestFault, VmExit};

@@ -266,6 +266,11 @@ impl Vm {
         &self.shared.hooks
     }
 
+    /// The guest clock as the VMM publishes it.
+    pub(crate) fn guest_clock(&self) -> GuestClock {
+        *self.shared.clock.locked()
+    }
+
     pub fn layout(&self) -> Option<&BootLayout> {
         self.layout.get()
     }
