@@ -110,12 +110,13 @@ fn print_status(r: &api::Response) {
         }
         if let Some(c) = &rep.costs {
             outln!(
-                "costs per page ({}): tracked first write {} ns, copy {} ns, hash {} ns, encode {} ns; so a region is kept writable from {:.0}% of its kept pages rewritten an epoch, and prefetch rounds run while at most {:.0}% of their sends are wasted",
+                "costs per page ({}): tracked first write {} ns, copy {} ns, hash {} ns, encode {} ns, write-protect {}; so a region is kept writable from {:.0}% of its kept pages rewritten an epoch, and prefetch rounds run while at most {:.0}% of their sends are wasted",
                 if c.measured { "measured at start" } else { "assumed" },
                 c.first_write_ns,
                 c.copy_ns,
                 c.hash_ns,
                 c.encode_ns,
+                if c.protect_ns > 0 { format!("{} ns", c.protect_ns) } else { "not measured".into() },
                 c.keep_threshold() * 100.0,
                 c.max_waste() * 100.0
             );

@@ -116,7 +116,7 @@ impl StatusGauges {
         );
         r.register(
             "cost_per_page_ns",
-            "Per-page cost the adaptive mechanisms weigh, by step (first_write, copy, hash, encode): measured at start with --tuning auto",
+            "Per-page cost the adaptive mechanisms weigh, by step (first_write, copy, hash, encode, protect; 0: not measured): measured at start with --tuning auto",
             self.cost_per_page.clone(),
         );
         r.register(
@@ -136,7 +136,14 @@ impl StatusGauges {
         self.protected.set(i64::from(st.protected));
         self.epoch.set(st.epoch as i64);
         if let Some(c) = st.costs {
-            for (step, ns) in [("first_write", c.first_write_ns), ("copy", c.copy_ns), ("hash", c.hash_ns), ("encode", c.encode_ns)] {
+            let steps = [
+                ("first_write", c.first_write_ns),
+                ("copy", c.copy_ns),
+                ("hash", c.hash_ns),
+                ("encode", c.encode_ns),
+                ("protect", c.protect_ns),
+            ];
+            for (step, ns) in steps {
                 self.cost_per_page.get_or_create(&vec![("step", step)]).set(i64::from(ns));
             }
         }

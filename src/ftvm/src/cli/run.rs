@@ -12,7 +12,6 @@ use ftvm_primary_backup::mirror::Mode;
 use ftvm_primary_backup::{LossPolicy, OnBackupLoss, PrimaryConfig, SessionOptions, DEFAULT_PIPELINE_DEPTH};
 use ftvm_replication::arbiter::Arbiter;
 use ftvm_replication::liveness;
-use ftvm_replication::pipeline::costs::Costs;
 use ftvm_replication::pipeline::transport::Auth;
 use ftvm_replication::pipeline::{capture, encode, policy, predict, prefetch, transport, trigger};
 use ftvm_replication::Switches;
@@ -113,9 +112,11 @@ pub struct ReplicationArgs {
     /// Checkpoint capture stage. pause: copy the dirty pages while the VM is
     /// paused. cow: resume at once and copy each dirty page before it is
     /// written again (userfaultfd write protection; with --predict-writes the
-    /// pages left writable are copied in the pause).
-    #[arg(long, default_value = "pause", value_name = "pause|cow")]
-    pub capture: capture::Mode,
+    /// pages left writable are copied in the pause). Default (--tuning
+    /// auto): cow where a probe at start finds write-protecting a page
+    /// costs under half a copy, else pause; --tuning static: pause.
+    #[arg(long, value_name = "pause|cow")]
+    pub capture: Option<capture::Mode>,
     /// Checkpoint page encoding. raw: whole pages, zero pages as a bare tag.
     #[arg(long, default_value = "raw", value_name = "raw")]
     pub encoding: encode::Encoding,
@@ -245,7 +246,9 @@ impl ReplicationArgs {
         let mirror = mirror(args.mirror, with.auth.as_ref().is_some_and(|a| a.encrypt))?;
         let predict_writes = policy::predict_writes(args.tuning, args.predict_writes, with.dirty_backend == DirtyBackend::Ring);
         let prefetch = policy::prefetch(args.tuning, args.prefetch);
-        let adaptive = predict_writes == predict::Mode::Adaptive || prefetch == prefetch::Mode::Adaptive;
+        // Measured under auto (once per process), assumed under static.
+        let costs = policy::costs(args.tuning, args.diff);
+        let capture = policy::capture(args.tuning, args.capture, &costs);
         Ok(PrimaryConfig {
             backup: with.backup,
             session: SessionOptions {
@@ -261,7 +264,7 @@ impl ReplicationArgs {
             loss: LossPolicy { on_backup_loss, arbiter: with.arbiter, standbys: Vec::new() },
             metrics: args.metrics.file(),
             switches: Switches {
-                capture: args.capture,
+                capture,
                 encoding: args.encoding,
                 diff: args.diff,
                 device_state: args.device_state,
@@ -271,8 +274,7 @@ impl ReplicationArgs {
                 prefetch,
                 prefetch_by: args.prefetch_by,
                 fake_ack_state: args.fake_ack_state,
-                // Measured only for a mechanism that weighs them.
-                costs: if adaptive { policy::costs(args.tuning, args.diff) } else { Costs::default() },
+                costs,
             },
             pipeline_depth: args.pipeline_depth as usize,
             fake_ack: args.fake_ack,

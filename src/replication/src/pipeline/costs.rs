@@ -32,18 +32,22 @@ pub struct Costs {
     /// Encoding a rewritten page for the link (a diff against the copy
     /// the backup holds).
     pub encode_ns: u32,
+    /// Write-protecting a page the guest has mapped, as copy-on-write
+    /// capture does in the pause (0: not measured).
+    #[serde(default)]
+    pub protect_ns: u32,
     /// Whether these were measured on this host (`false`: assumed).
     pub measured: bool,
     /// The copy cost the mechanisms' thresholds were last set from.
     #[serde(skip)]
-    last_passed: u32,
+    pub(crate) last_passed: u32,
 }
 
 impl Default for Costs {
     /// The figures measured once on the development host (nested KVM,
     /// shadow paging): what is assumed where nothing was measured.
     fn default() -> Costs {
-        Costs { first_write_ns: 6000, copy_ns: 1000, hash_ns: 200, encode_ns: 1500, measured: false, last_passed: 1000 }
+        Costs { first_write_ns: 6000, copy_ns: 1000, hash_ns: 200, encode_ns: 1500, protect_ns: 0, measured: false, last_passed: 1000 }
     }
 }
 
@@ -57,9 +61,9 @@ const FOLLOW_FROM: u64 = 64;
 const TRIES: usize = 3;
 
 impl Costs {
-    /// Measure the host-side costs on this host, keeping `first_write` (a
-    /// tracked first write needs a guest: `ftvm_vmm::calibrate`).
-    pub fn measure(first_write: Duration, diff: encode::Diff) -> Costs {
+    /// Measure the host-side costs on this host, keeping `first_write` and
+    /// `protect` (both need a guest: `ftvm_vmm::calibrate`).
+    pub fn measure(first_write: Duration, protect: Option<Duration>, diff: encode::Diff) -> Costs {
         let mut source: Vec<AlignedPage> = vec![AlignedPage::ZERO; PAGES];
         let mut seed = 0x9e37_79b9_7f4a_7c15u64;
         for page in &mut source {
@@ -105,6 +109,7 @@ impl Costs {
             copy_ns: per_page(copy),
             hash_ns: per_page(hash),
             encode_ns: per_page(encode),
+            protect_ns: protect.map_or(0, |p| p.as_nanos().clamp(1, u32::MAX as u128) as u32),
             measured: true,
             last_passed: per_page(copy),
         }
@@ -131,6 +136,14 @@ impl Costs {
     /// The thresholds were passed on at the current copy cost.
     pub fn passed(&mut self) {
         self.last_passed = self.copy_ns;
+    }
+
+    /// Whether copy-on-write capture pays: write-protecting a page in the
+    /// pause costs less than half of copying it (the rest of the copy's
+    /// saving goes to the guest's writes that wait for a page's copy after
+    /// the resume). Never without a measurement.
+    pub fn protect_pays(&self) -> bool {
+        self.protect_ns > 0 && self.protect_ns * 2 < self.copy_ns
     }
 
     /// The share of its kept pages a region must see written each epoch for
@@ -199,8 +212,16 @@ mod tests {
     }
 
     #[test]
+    fn copy_on_write_pays_only_where_protecting_is_measured_cheap() {
+        let c = Costs { measured: true, copy_ns: 1000, ..Costs::default() };
+        assert!(!c.protect_pays(), "not measured");
+        assert!(!Costs { protect_ns: 900, ..c }.protect_pays(), "about a copy: the pause gains nothing");
+        assert!(Costs { protect_ns: 300, ..c }.protect_pays());
+    }
+
+    #[test]
     fn measuring_gives_a_cost_for_every_step() {
-        let c = Costs::measure(Duration::from_micros(5), encode::Diff::Lz4);
+        let c = Costs::measure(Duration::from_micros(5), None, encode::Diff::Lz4);
         assert!(c.measured);
         assert_eq!(c.first_write_ns, 5000);
         for (name, ns) in [("copy", c.copy_ns), ("hash", c.hash_ns), ("encode", c.encode_ns)] {

@@ -163,7 +163,7 @@ impl Pipeline {
     /// the guest runs: the frame to send, if there is anything to send.
     /// Then `round_sent`.
     pub fn round(&mut self, vm: &Vm, epoch: u64, plan: &trigger::Plan) -> Result<Option<&[u8]>, ReplicationError> {
-        self.in_epoch.round(vm, epoch, window(plan), self.mask.left_writable(), self.encoder.as_mut())
+        self.in_epoch.round(vm, epoch, window(plan), self.mask.reserved(), self.encoder.as_mut())
     }
 
     /// The round's frame went out (or there was none).
@@ -186,6 +186,9 @@ impl Pipeline {
         let mut frozen = self.freeze.freeze(vm, epoch, self.mask.as_mut())?;
         // Pages the prefetch rounds harvested and left to the stop-and-copy.
         let prefetched = self.in_epoch.close_epoch(&mut frozen.dirty);
+        if let Some(ahead) = self.in_epoch.written_ahead() {
+            self.mask.written_ahead(ahead);
+        }
         let t0 = std::time::Instant::now();
         let captured = self.capture.in_pause(vm, &frozen.dirty, self.mask.left_writable());
         let (copy, copied) = (t0.elapsed(), frozen.dirty.count());

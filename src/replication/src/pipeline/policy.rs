@@ -14,7 +14,7 @@ use std::time::Duration;
 use ftvm_vmm::switch;
 
 use super::costs::Costs;
-use super::{encode, predict, prefetch};
+use super::{capture, encode, predict, prefetch};
 
 switch! {
     /// `--tuning`: who chooses the mechanisms not named on the command line.
@@ -53,6 +53,18 @@ pub fn prefetch(tuning: Tuning, given: Option<prefetch::Mode>) -> prefetch::Mode
     }
 }
 
+/// `--capture`, or the policy's choice: copy-on-write under `auto` where
+/// the probe at start found write-protecting a page much cheaper than
+/// copying it (on this project's host it costs about as much), else the
+/// copy in the pause.
+pub fn capture(tuning: Tuning, given: Option<capture::Mode>, costs: &Costs) -> capture::Mode {
+    match (given, tuning) {
+        (Some(mode), _) => mode,
+        (None, Tuning::Auto) if costs.protect_pays() => capture::Mode::Cow,
+        (None, _) => capture::Mode::Pause,
+    }
+}
+
 /// The costs the adaptive mechanisms weigh: measured on this host under
 /// `auto` (once per process), assumed under `static`.
 pub fn costs(tuning: Tuning, diff: encode::Diff) -> Costs {
@@ -66,20 +78,22 @@ static MEASURED: OnceLock<Costs> = OnceLock::new();
 
 fn measure(diff: encode::Diff) -> Costs {
     let assumed = Costs::default();
-    let first_write = match ftvm_vmm::calibrate::tracked_first_write(ftvm_vmm::calibrate::DEFAULT_PAGES) {
+    let ns = |ns: f64| Duration::from_nanos(ns.round() as u64);
+    let (first_write, protect) = match ftvm_vmm::calibrate::tracked_first_write(ftvm_vmm::calibrate::DEFAULT_PAGES) {
         // What keeping a page writable saves: the tracked write's cost beyond an untracked one's.
-        Ok(cost) => Duration::from_nanos(cost.tracking_ns().round() as u64),
+        Ok(cost) => (ns(cost.tracking_ns()), cost.protect_ns.map(ns)),
         Err(err) => {
             tracing::warn!(%err, assumed_ns = assumed.first_write_ns, "cannot measure a tracked first write; assuming");
-            Duration::from_nanos(assumed.first_write_ns.into())
+            (Duration::from_nanos(assumed.first_write_ns.into()), None)
         }
     };
-    let costs = Costs::measure(first_write, diff);
+    let costs = Costs::measure(first_write, protect, diff);
     tracing::info!(
         first_write_ns = costs.first_write_ns,
         copy_ns = costs.copy_ns,
         hash_ns = costs.hash_ns,
         encode_ns = costs.encode_ns,
+        protect_ns = costs.protect_ns,
         keep_from = costs.keep_threshold(),
         max_waste = costs.max_waste(),
         "measured this host's costs per page"
@@ -103,5 +117,10 @@ mod tests {
         assert_eq!(prefetch(Tuning::Static, None), prefetch::Mode::Off);
         assert_eq!(prefetch(Tuning::Static, Some(prefetch::Mode::On)), prefetch::Mode::On);
         assert_eq!(costs(Tuning::Static, encode::Diff::Lz4), Costs::default());
+        let cheap = Costs { protect_ns: 100, copy_ns: 1000, measured: true, ..Costs::default() };
+        assert_eq!(capture(Tuning::Auto, None, &cheap), capture::Mode::Cow);
+        assert_eq!(capture(Tuning::Static, None, &cheap), capture::Mode::Pause);
+        assert_eq!(capture(Tuning::Auto, None, &Costs { protect_ns: 900, ..cheap }), capture::Mode::Pause);
+        assert_eq!(capture(Tuning::Auto, Some(capture::Mode::Pause), &cheap), capture::Mode::Pause);
     }
 }

@@ -124,6 +124,16 @@ impl Predictor for Adaptive {
         self.threshold = costs.keep_threshold();
     }
 
+    fn kept_pages(&self, out: &mut PageBitmap) {
+        let end = out.capacity();
+        for (r, kept) in self.kept.iter().enumerate() {
+            let first = r as u64 * REGION;
+            if *kept && first < end {
+                out.set_range(first, (first + REGION).min(end) - 1);
+            }
+        }
+    }
+
     fn regions(&self) -> Option<Regions> {
         Some(self.regions)
     }

@@ -52,6 +52,10 @@ pub trait Predictor: Send {
     fn observe(&mut self, left: &PageBitmap, written: &PageBitmap);
     /// The costs it weighs changed (they follow the stop-and-copy).
     fn weigh(&mut self, _costs: &Costs) {}
+    /// Add to `out` every page of the regions it keeps writable now (a
+    /// page there is kept once written; none for a predictor that does not
+    /// judge by region).
+    fn kept_pages(&self, _out: &mut PageBitmap) {}
     /// Which regions it keeps writable now (None: it does not judge by
     /// region).
     fn regions(&self) -> Option<Regions> {
@@ -67,6 +71,17 @@ pub trait FreezeMask: Send {
     fn choose(&mut self, harvested: &PageBitmap) -> &PageBitmap;
     /// The pages left writable at the last freeze.
     fn left_writable(&self) -> &PageBitmap;
+    /// The pages the in-epoch rounds must leave to the checkpoint: those
+    /// left writable at the last freeze, and the other pages of the
+    /// regions the predictor keeps (written, they are the predictor's to
+    /// keep writable at the next freeze; a round that sent one would
+    /// re-protect it, and a guest rewriting the region would fault on it
+    /// again).
+    fn reserved(&self) -> &PageBitmap;
+    /// Pages written in the epoch that the in-epoch rounds sent ahead and
+    /// the guest did not write again, so the freeze never saw them: each
+    /// took a tracked first write, and the predictor learns them as written.
+    fn written_ahead(&mut self, _pages: &PageBitmap) {}
     /// Drop from `pages` (the capture of the last freeze) the pages left
     /// writable whose content the backup already holds; the epoch's figures.
     fn filter(&mut self, pages: &mut Captured) -> Figures;
@@ -105,6 +120,10 @@ impl FreezeMask for LeaveNone {
     }
 
     fn left_writable(&self) -> &PageBitmap {
+        &self.0
+    }
+
+    fn reserved(&self) -> &PageBitmap {
         &self.0
     }
 
@@ -160,6 +179,10 @@ pub struct Prediction {
     new_faults: PageBitmap,
     /// Scratch: what the filter finds written.
     written: PageBitmap,
+    /// Every page of the regions the predictor keeps, after its last lesson.
+    kept_regions: PageBitmap,
+    /// `now` and `kept_regions`: what the in-epoch rounds leave alone.
+    reserved: PageBitmap,
 }
 
 impl Prediction {
@@ -181,6 +204,8 @@ impl Prediction {
             now: PageBitmap::new(pages),
             new_faults: PageBitmap::new(pages),
             written: PageBitmap::new(pages),
+            kept_regions: PageBitmap::new(pages),
+            reserved: PageBitmap::new(pages),
         }
     }
 
@@ -192,6 +217,13 @@ impl Prediction {
         self.before.clear();
         self.new_faults.clear();
         self.filter.reset();
+        self.reserved.copy_from(&self.kept_regions);
+    }
+
+    /// `now` or `kept_regions` changed.
+    fn reserve(&mut self) {
+        self.reserved.copy_from(&self.kept_regions);
+        self.reserved.or_words(self.now.words());
     }
 
     /// Drop from `pages` (the capture of the last freeze) the predicted
@@ -265,6 +297,9 @@ impl Step<'_> {
 
     fn end(mut self) -> Figures {
         self.p.predictor.observe(&self.p.before, &self.p.written);
+        self.p.kept_regions.clear();
+        self.p.predictor.kept_pages(&mut self.p.kept_regions);
+        self.p.reserve();
         let regions = self.p.predictor.regions().unwrap_or_default();
         (self.figures.regions_kept, self.figures.regions_flipped) = (regions.kept, regions.flipped);
         self.figures
@@ -274,6 +309,14 @@ impl Step<'_> {
 impl FreezeMask for Prediction {
     fn left_writable(&self) -> &PageBitmap {
         &self.now
+    }
+
+    fn reserved(&self) -> &PageBitmap {
+        &self.reserved
+    }
+
+    fn written_ahead(&mut self, pages: &PageBitmap) {
+        self.new_faults.or_words(pages.words());
     }
 
     fn filter(&mut self, pages: &mut Captured) -> Figures {
@@ -304,6 +347,7 @@ impl FreezeMask for Prediction {
         self.predictor.choose(harvested, &self.new_faults, &mut self.now);
         // Only a page still writable can be left writable.
         self.now.intersect(harvested);
+        self.reserve();
         &self.now
     }
 }
@@ -330,7 +374,11 @@ mod tests {
     }
 
     fn set(pages: &[u64]) -> PageBitmap {
-        let mut b = PageBitmap::new(256);
+        set_of(256, pages)
+    }
+
+    fn set_of(capacity: u64, pages: &[u64]) -> PageBitmap {
+        let mut b = PageBitmap::new(capacity);
         pages.iter().for_each(|&p| b.set(p));
         b
     }
@@ -384,6 +432,30 @@ mod tests {
         p.choose(&set(&[1, 2, 3, 4]));
         let f = p.learn(&[1, 2, 3, 4], &[a, b2, c, d]);
         assert_eq!((f.predicted, f.predicted_written, f.fake_dirty), (4, 1, 3));
+    }
+
+    /// The in-epoch rounds leave alone every page of a region the adaptive
+    /// predictor keeps, not only the pages it left writable; and pages they
+    /// sent ahead count as written for its lesson.
+    #[test]
+    fn the_rounds_leave_the_regions_prediction_keeps() {
+        let mut p = Prediction::new(Mode::Adaptive, 1024, &Costs::default()).unwrap();
+        let hot: Vec<u64> = (0..32).collect();
+        for epoch in 0..10u8 {
+            p.choose(&set_of(1024, &hot));
+            // Rewritten each epoch with new content: every kept page is written.
+            let data: Vec<Vec<u8>> = hot.iter().map(|_| vec![epoch + 1; PAGE]).collect();
+            let pages: Vec<(u64, &[u8])> = hot.iter().zip(&data).map(|(&n, d)| (n, d.as_slice())).collect();
+            p.filter(&mut Captured::from_pages(&pages));
+        }
+        assert!(p.left_writable().is_set(5), "a rewritten page is left writable");
+        assert!(p.reserved().is_set(500), "so is the rest of its region, for the rounds");
+        assert!(!p.reserved().is_set(600), "not another region");
+        // A page of region 1 the rounds sent ahead is a write the predictor learns.
+        p.choose(&set_of(1024, &hot));
+        p.written_ahead(&set_of(1024, &[600]));
+        let f = p.filter(&mut Captured::from_pages(&[]));
+        assert_eq!(f.first_writes, 1, "the page sent ahead took a tracked first write");
     }
 
     #[test]

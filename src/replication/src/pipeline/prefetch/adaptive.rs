@@ -20,8 +20,12 @@
 //! stop for a number of epochs (`FIRST_BACKOFF`, doubling at every failed
 //! try up to `MAX_BACKOFF`), then run once more (a probe): a guest that
 //! changed its ways is followed, one that did not pays for one epoch in
-//! `MAX_BACKOFF`. Like `--predict-writes adaptive`, it decides on what the
-//! guest did, one epoch late.
+//! `MAX_BACKOFF`. Rounds that find next to nothing to send (fewer than
+//! `MIN_SENDS` pages: every dirty page is write prediction's, or the guest
+//! barely writes) rest for `FIRST_BACKOFF` epochs too, then look again:
+//! their harvests cost the replication thread and saved nothing. Like
+//! `--predict-writes adaptive`, it decides on what the guest did, one
+//! epoch late.
 
 use super::{Sent, ROUNDS};
 
@@ -84,6 +88,12 @@ impl Gate {
             return;
         }
         if sent.pages < MIN_SENDS {
+            // Next to nothing to send (every dirty page is write
+            // prediction's, or the guest barely writes): the rounds' harvests
+            // cost the replication thread for nothing. Rest, and look again.
+            if sent.start <= ROUNDS {
+                self.off_for = FIRST_BACKOFF;
+            }
             return;
         }
         let share = sent.wasted() as f64 / sent.pages as f64;
@@ -165,12 +175,18 @@ mod tests {
         assert_eq!(closed_run(&mut g), FIRST_BACKOFF, "the backoff restarted");
     }
 
+    /// Rounds that find next to nothing to send rest for a few epochs,
+    /// then look again; where they start stays, and so does the backoff.
     #[test]
-    fn a_few_sends_decide_nothing() {
+    fn rounds_with_next_to_nothing_to_send_rest() {
         let mut g = Gate::new(MAX_WASTE);
+        g.observe(&sent(1000, 500));
         g.observe(&sent(MIN_SENDS - 1, MIN_SENDS - 1));
-        assert!(g.runs(0));
+        assert_eq!(closed_run(&mut g), FIRST_BACKOFF);
+        assert!(g.runs(1) && !g.runs(0), "they start where they did");
         g.observe(&Sent::default());
+        assert_eq!(closed_run(&mut g), FIRST_BACKOFF, "idle rests do not grow");
+        g.observe(&sent(1000, 10));
         assert!(g.runs(0));
     }
 }

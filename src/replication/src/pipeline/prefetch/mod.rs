@@ -195,15 +195,15 @@ pub trait InEpoch: Send {
     fn next_round(&self, window: Window) -> Option<Instant>;
     /// Run the round that is due, for the open epoch `epoch`, its pages
     /// through `encoder` (the checkpoint's): the frame to send, if any.
-    /// `left` holds the pages the last freeze left writable (write
-    /// prediction): the checkpoint carries them, so the round neither sends
-    /// nor re-protects them.
+    /// `reserved` holds the pages write prediction has a say on
+    /// (`FreezeMask::reserved`): the round neither sends nor re-protects
+    /// them, and the checkpoint carries them.
     fn round(
         &mut self,
         vm: &Vm,
         epoch: u64,
         window: Window,
-        left: &PageBitmap,
+        reserved: &PageBitmap,
         encoder: &mut dyn PageEncoder,
     ) -> Result<Option<&[u8]>, ReplicationError>;
     /// The round's frame was sent: what it took schedules the next ones.
@@ -214,6 +214,11 @@ pub trait InEpoch: Send {
     fn close_epoch(&mut self, dirty: &mut PageBitmap) -> Sent;
     /// Dirty tracking restarts (a new backup): nothing carried or sent.
     fn reset(&mut self);
+    /// After `close_epoch`: the pages its rounds sent ahead that the guest
+    /// did not write again before the freeze (None: no rounds).
+    fn written_ahead(&self) -> Option<&PageBitmap> {
+        None
+    }
     /// `--prefetch-by pull`: where the backup's confirmations go.
     fn pull_confirmations(&self) -> Option<Arc<AtomicU64>> {
         None
@@ -275,8 +280,10 @@ pub struct Prefetcher {
     /// that writes a large cold set at random rewrites many of its pages
     /// in the next epoch by chance.)
     recent: PageBitmap,
-    /// Scratch: `recent` and the pages write prediction left writable.
+    /// Scratch: `recent` and the pages write prediction reserves.
     keep: PageBitmap,
+    /// The closed epoch's pages sent ahead and not written again.
+    ahead: PageBitmap,
     /// The last checkpoint's dirty set.
     last: PageBitmap,
     harvested: PageBitmap,
@@ -318,6 +325,7 @@ impl Prefetcher {
             sent_pages: empty.clone(),
             recent: empty.clone(),
             keep: empty.clone(),
+            ahead: empty.clone(),
             last: empty.clone(),
             harvested: empty.clone(),
             hot: empty,
@@ -356,17 +364,17 @@ impl Prefetcher {
         vm: &Vm,
         epoch: u64,
         resend: bool,
-        left: &PageBitmap,
+        reserved: &PageBitmap,
         encoder: &mut dyn PageEncoder,
     ) -> Result<Option<&[u8]>, ReplicationError> {
         self.harvested.clear();
         vm.harvest_dirty(&mut self.harvested)?;
-        // Hot: written late in the last two epochs, or kept writable by
-        // write prediction (the checkpoint carries those, whatever a round
-        // does, and re-protecting one would cost the guest the tracked
-        // first write prediction saved it).
+        // Hot: written late in the last two epochs, or write prediction's
+        // (left writable, or in a region it keeps: the checkpoint carries
+        // those, and re-protecting one would cost the guest the tracked
+        // first write prediction saves it).
         self.keep.copy_from(&self.recent);
-        self.keep.or_words(left.words());
+        self.keep.or_words(reserved.words());
         if resend {
             // Every page the freeze would take but a hot one. (A deferred
             // page was harvested and is tracked since, so what is read now
@@ -441,6 +449,7 @@ impl Prefetcher {
         self.carry.clear();
         self.sent_pages.subtract(dirty);
         self.sent.only_ahead = self.sent_pages.count();
+        std::mem::swap(&mut self.ahead, &mut self.sent_pages);
         self.sent_pages.clear();
         if let Some(g) = &mut self.gate {
             self.sent.start = g.start();
@@ -450,7 +459,7 @@ impl Prefetcher {
     }
 
     fn forget_rounds(&mut self) {
-        for b in [&mut self.carry, &mut self.sent_pages, &mut self.recent, &mut self.last] {
+        for b in [&mut self.carry, &mut self.sent_pages, &mut self.recent, &mut self.last, &mut self.ahead] {
             b.clear();
         }
         self.sent = Sent::default();
@@ -477,7 +486,7 @@ impl InEpoch for Prefetcher {
         vm: &Vm,
         epoch: u64,
         window: Window,
-        left: &PageBitmap,
+        reserved: &PageBitmap,
         encoder: &mut dyn PageEncoder,
     ) -> Result<Option<&[u8]>, ReplicationError> {
         let Window { since, max_epoch } = window;
@@ -490,7 +499,7 @@ impl InEpoch for Prefetcher {
             return Ok(None);
         }
         let resend = Schedule::resends(since, max_epoch, at, last);
-        self.send_round(vm, epoch, resend, left, encoder)
+        self.send_round(vm, epoch, resend, reserved, encoder)
     }
 
     fn round_sent(&mut self) {
@@ -513,6 +522,10 @@ impl InEpoch for Prefetcher {
 
     fn reset(&mut self) {
         self.forget_rounds();
+    }
+
+    fn written_ahead(&self) -> Option<&PageBitmap> {
+        Some(&self.ahead)
     }
 
     fn pull_confirmations(&self) -> Option<Arc<AtomicU64>> {
