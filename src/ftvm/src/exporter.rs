@@ -99,7 +99,7 @@ struct StatusGauges {
     /// Counted by the VMM's console sink; brought up to date at each scrape.
     console_write_errors: Counter,
     /// What the adaptive mechanisms weigh, per step (`--tuning auto`).
-    cost_per_page: Family<Vec<(&'static str, &'static str)>, Gauge>,
+    cost_per_page: Family<Vec<(&'static str, &'static str)>, Gauge<f64, std::sync::atomic::AtomicU64>>,
     /// Regions write prediction keeps writable after the last checkpoint.
     regions_kept: Gauge,
 }
@@ -115,7 +115,7 @@ impl StatusGauges {
             self.console_write_errors.clone(),
         );
         r.register(
-            "cost_per_page_ns",
+            "cost_per_page_seconds",
             "Per-page cost the adaptive mechanisms weigh, by step (first_write, copy, hash, encode, protect; 0: not measured): measured at start with --tuning auto",
             self.cost_per_page.clone(),
         );
@@ -144,7 +144,7 @@ impl StatusGauges {
                 ("protect", c.protect_ns),
             ];
             for (step, ns) in steps {
-                self.cost_per_page.get_or_create(&vec![("step", step)]).set(i64::from(ns));
+                self.cost_per_page.get_or_create(&vec![("step", step)]).set(f64::from(ns) / 1e9);
             }
         }
         self.regions_kept.set(st.last.map_or(0, |m| i64::from(m.regions_kept)));

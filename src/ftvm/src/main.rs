@@ -28,6 +28,8 @@ use roles::replica::Member;
 use roles::Launch;
 
 fn main() -> ExitCode {
+    // Before anything allocates much (seccomp::prime_allocator says why).
+    ftvm_vmm::seccomp::prime_allocator();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

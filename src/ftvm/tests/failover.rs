@@ -698,10 +698,12 @@ const EXTRA_AIMED_TRIALS: usize = 4;
 fn no_acknowledged_write_is_lost(trigger: &str, topology: &str, seed: u64, extra: &[&str]) {
     let topo = Topology::new(topology).unwrap();
     let dir = scratch_for("failover", &format!("writes-{trigger}{}", extra.join("").replace("--", "-")));
-    // Whole pages: checkpoints long enough on the wire that kills aimed at
-    // a transfer land inside one (the default compressed diffs have their
-    // own kill test below).
-    let mut switches = vec!["--trigger", trigger, "--diff", "off", "--device-state", "all"];
+    // Whole pages, all of them in the checkpoint: checkpoints long enough
+    // on the wire that kills aimed at a transfer land inside one (the
+    // default compressed diffs have their own kill test below, and
+    // prefetch, which sends pages ahead of the checkpoint, its own in
+    // tests/replication.rs).
+    let mut switches = vec!["--trigger", trigger, "--diff", "off", "--device-state", "all", "--prefetch", "off"];
     switches.extend_from_slice(extra);
     let base: u64 = std::env::var("FTVM_FAILOVER_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(seed);
     let kinds = [Kill::Sigkill, Kill::InTransfer, Kill::SigkillThenLinks, Kill::InTransfer, Kill::LinksThenSigkill, Kill::InTransfer];

@@ -371,7 +371,7 @@ fn the_costs_weighed_are_measured_at_start_and_shown() {
         assert_eq!(costs["measured"], serde_json::Value::Bool(tuning == "auto"), "{costs}");
         let samples = scrape(&listen);
         for step in ["first_write", "copy", "hash", "encode"] {
-            let ns = value(&samples, &format!("ftvm_cost_per_page_ns{{step=\"{step}\"}}"));
+            let ns = (value(&samples, &format!("ftvm_cost_per_page_seconds{{step=\"{step}\"}}")) * 1e9).round();
             // The copy cost follows the stop-and-copy (it may move between the two reads).
             if step != "copy" {
                 assert_eq!(ns, costs[format!("{step}_ns")].as_f64().unwrap(), "{tuning}: {step}");

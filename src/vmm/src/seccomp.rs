@@ -297,7 +297,13 @@ pub fn enable() -> Result<(), SeccompError> {
 /// for it, at a moment that depends on how much the process allocated.
 /// glibc keeps the answer: make that first time happen here, before any
 /// filter, in a thread of its own (so in an arena other than the main one).
-fn prime_allocator() {
+///
+/// Call it first thing in a process (`enable` calls it too): once the
+/// process has freed a large allocation, glibc raises its trim threshold
+/// (up to 64 MiB) and these small pieces no longer make a heap shrink, so
+/// the first read would be left for a filtered thread (seen when the
+/// per-page costs measured at start had freed 8 MiB buffers before).
+pub fn prime_allocator() {
     let primed = std::thread::Builder::new().name("malloc-prime".into()).spawn(|| {
         // Pieces below the mmap threshold come from the arena's heap; freed
         // together they leave a top chunk large enough to be trimmed.

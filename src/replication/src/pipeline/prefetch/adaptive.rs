@@ -91,7 +91,9 @@ impl Gate {
             // Next to nothing to send (every dirty page is write
             // prediction's, or the guest barely writes): the rounds' harvests
             // cost the replication thread for nothing. Rest, and look again.
-            if sent.start <= ROUNDS {
+            // (Rounds that never ran, the epoch over before their time on
+            // a loaded host, say nothing.)
+            if sent.rounds > 0 {
                 self.off_for = FIRST_BACKOFF;
             }
             return;
@@ -130,7 +132,7 @@ mod tests {
     use super::*;
 
     fn sent(pages: u64, wasted: u64) -> Sent {
-        Sent { pages, bytes: pages * 4096, only_ahead: pages - wasted, start: 0 }
+        Sent { pages, bytes: pages * 4096, only_ahead: pages - wasted, start: 0, rounds: 3 }
     }
 
     /// Epochs the gate stays closed.
@@ -185,6 +187,8 @@ mod tests {
         assert_eq!(closed_run(&mut g), FIRST_BACKOFF);
         assert!(g.runs(1) && !g.runs(0), "they start where they did");
         g.observe(&Sent::default());
+        assert!(g.runs(1), "rounds that never ran say nothing");
+        g.observe(&Sent { rounds: 2, ..Sent::default() });
         assert_eq!(closed_run(&mut g), FIRST_BACKOFF, "idle rests do not grow");
         g.observe(&sent(1000, 10));
         assert!(g.runs(0));

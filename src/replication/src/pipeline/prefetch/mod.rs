@@ -167,6 +167,8 @@ pub struct Sent {
     /// started from: 0 all of them, `ROUNDS` the last alone, `ROUNDS + 1`
     /// none (always 0 with `on`).
     pub start: u32,
+    /// Rounds that ran (harvested the dirty set) in the epoch.
+    pub rounds: u32,
 }
 
 impl Sent {
@@ -369,6 +371,7 @@ impl Prefetcher {
     ) -> Result<Option<&[u8]>, ReplicationError> {
         self.harvested.clear();
         vm.harvest_dirty(&mut self.harvested)?;
+        self.sent.rounds += 1;
         // Hot: written late in the last two epochs, or write prediction's
         // (left writable, or in a region it keeps: the checkpoint carries
         // those, and re-protecting one would cost the guest the tracked
