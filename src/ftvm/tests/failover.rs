@@ -690,7 +690,7 @@ fn no_acknowledged_write_is_lost_with_fake_ack_and_periodic_checkpoints() {
 /// Trials of each randomized-kill test, and the kills aimed at a transfer
 /// it may add when too few of its kills landed inside one.
 const TRIALS: usize = 8;
-const EXTRA_AIMED_TRIALS: usize = 4;
+const EXTRA_AIMED_TRIALS: usize = 8;
 
 /// Randomized kills of the primary's host under tracked writers, the
 /// primary's checkpoints started by `trigger`, `extra` switches on top;
