@@ -163,7 +163,7 @@ pub fn wait(epfd: u64, events: u64, max: u64, timeout_ms: i32) -> SysResult {
     let out = user::bytes_mut(events, max * 12)?;
     let deadline = time::timeout_ms(timeout_ms);
     loop {
-        crate::net::poll();
+        poll_network();
         let ready = collect(id, max as usize);
         if !ready.is_empty() {
             for (i, &(_, r, data)) in ready.iter().enumerate() {
@@ -179,13 +179,23 @@ pub fn wait(epfd: u64, events: u64, max: u64, timeout_ms: i32) -> SysResult {
     }
 }
 
+/// Move the network before looking at readiness. What arrives may be for
+/// another thread's socket: wake the threads waiting for I/O, or one blocked
+/// in its own `epoll_wait` would sleep on data already taken in (acknowledged
+/// to its peer, which then sends nothing more) until some other frame came.
+fn poll_network() {
+    if crate::net::poll() {
+        sched::wake_io();
+    }
+}
+
 fn poll_until(fds: u64, n: u64, deadline: u64) -> SysResult {
     if n > fd::MAX_FDS as u64 {
         return Err(EINVAL);
     }
     let raw = user::bytes_mut(fds, n * 8)?;
     loop {
-        crate::net::poll();
+        poll_network();
         let mut count = 0;
         for p in raw.chunks_exact_mut(8) {
             let f = i32::from_le_bytes(p[0..4].try_into().expect("4 bytes"));
