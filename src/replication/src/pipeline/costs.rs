@@ -9,16 +9,12 @@
 //! a copy. Where each pays depends on these figures, which differ from host
 //! to host by an order of magnitude (a first write is about 0.3 µs with
 //! hardware dirty logging, about 6 µs under this host's shadow paging), so
-//! `--tuning auto` measures them at start (`Costs::measure`), in a few
+//! `--tuning auto` measures them at start (`policy`), in a few
 //! milliseconds, and the thresholds follow from them.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use ftvm_vmm::memory::{AlignedPage, PAGE};
 use serde::{Deserialize, Serialize};
-
-use super::encode;
-use super::predict::FakeDirtyFilter;
 
 /// Per-page costs, in nanoseconds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,70 +47,10 @@ impl Default for Costs {
     }
 }
 
-/// Pages each host-side measurement runs over: 8 MiB, beyond the caches a
-/// page copied from guest memory would find it in.
-const PAGES: usize = 2048;
 /// The fewest pages a stop-and-copy must copy to count in `follow_copy`.
 const FOLLOW_FROM: u64 = 64;
-/// Times each measurement runs; the fastest counts (the others were
-/// disturbed by the host's other work).
-const TRIES: usize = 3;
 
 impl Costs {
-    /// Measure the host-side costs on this host, keeping `first_write` and
-    /// `protect` (both need a guest: `ftvm_vmm::calibrate`).
-    pub fn measure(first_write: Duration, protect: Option<Duration>, diff: encode::Diff) -> Costs {
-        let mut source: Vec<AlignedPage> = vec![AlignedPage::ZERO; PAGES];
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        for page in &mut source {
-            for word in page.0.chunks_exact_mut(8) {
-                // xorshift: content neither zero nor compressible.
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                word.copy_from_slice(&seed.to_le_bytes());
-            }
-        }
-        let mut copies = vec![AlignedPage::ZERO; PAGES];
-        let copy = fastest(|| {
-            for (to, from) in copies.iter_mut().zip(&source) {
-                to.0.copy_from_slice(&from.0);
-            }
-            std::hint::black_box(&copies);
-        });
-        let hash = fastest(|| {
-            for page in &source {
-                std::hint::black_box(FakeDirtyFilter::hash(&page.0));
-            }
-        });
-        // A rewrite as services do it: a few words of a page the backup holds.
-        let mut encoder = encode::new(encode::Encoding::Raw, diff, PAGES as u64);
-        let mut out = Vec::with_capacity(PAGE * 2);
-        for (p, page) in source.iter().enumerate() {
-            out.clear();
-            encoder.encode(p as u64, &page.0, &mut out);
-        }
-        let mut round = 0u64;
-        let encode = fastest(|| {
-            round += 1;
-            for (p, page) in source.iter_mut().enumerate() {
-                page.0[(round as usize * 64) % PAGE..][..8].copy_from_slice(&round.to_le_bytes());
-                out.clear();
-                encoder.encode(p as u64, &page.0, &mut out);
-            }
-        });
-        let per_page = |d: Duration| (d.as_nanos() / PAGES as u128).clamp(1, u32::MAX as u128) as u32;
-        Costs {
-            first_write_ns: first_write.as_nanos().clamp(1, u32::MAX as u128) as u32,
-            copy_ns: per_page(copy),
-            hash_ns: per_page(hash),
-            encode_ns: per_page(encode),
-            protect_ns: protect.map_or(0, |p| p.as_nanos().clamp(1, u32::MAX as u128) as u32),
-            measured: true,
-            last_passed: per_page(copy),
-        }
-    }
-
     /// A stop-and-copy copied `pages` pages in `took`: follow the copy cost
     /// of the guest's own pages (colder in the caches than a calibration's,
     /// and slower while the host is loaded), weighted over about eight
@@ -163,18 +99,6 @@ impl Costs {
     }
 }
 
-/// The fastest of `TRIES` runs of `f`.
-fn fastest(mut f: impl FnMut()) -> Duration {
-    (0..TRIES)
-        .map(|_| {
-            let t0 = Instant::now();
-            f();
-            t0.elapsed()
-        })
-        .min()
-        .expect("at least one try")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,16 +141,5 @@ mod tests {
         assert!(!c.protect_pays(), "not measured");
         assert!(!Costs { protect_ns: 900, ..c }.protect_pays(), "about a copy: the pause gains nothing");
         assert!(Costs { protect_ns: 300, ..c }.protect_pays());
-    }
-
-    #[test]
-    fn measuring_gives_a_cost_for_every_step() {
-        let c = Costs::measure(Duration::from_micros(5), None, encode::Diff::Lz4);
-        assert!(c.measured);
-        assert_eq!(c.first_write_ns, 5000);
-        for (name, ns) in [("copy", c.copy_ns), ("hash", c.hash_ns), ("encode", c.encode_ns)] {
-            // Between a cache line's copy and a millisecond a page.
-            assert!((10..1_000_000).contains(&ns), "{name}: {ns} ns a page");
-        }
     }
 }
