@@ -607,9 +607,21 @@ mod tests {
         (routes, inbox)
     }
 
+    /// A free port below Linux's ephemeral range (32768 up): a port the
+    /// kernel handed out for this test could be handed out again, before
+    /// the node binds it, as the local port of a peer's outgoing
+    /// connection (seen as AddrInUse). Each test process starts at its own
+    /// place in the range.
     fn free_addr() -> String {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().to_string()
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let start = 10_000 + (std::process::id() % 1000) * 20;
+        loop {
+            let port = start + NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 20_000;
+            let port = 10_000 + (port - 10_000) % 22_000;
+            if let Ok(l) = TcpListener::bind(("127.0.0.1", port as u16)) {
+                return l.local_addr().unwrap().to_string();
+            }
+        }
     }
 
     fn node(id: u64, witness: bool, addrs: &[(u64, String)], linger: Duration) -> (Arc<Mesh>, Receiver<Inbound>) {
