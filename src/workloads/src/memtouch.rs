@@ -265,9 +265,12 @@ impl Writer {
                 } else {
                     self.hot_pages + below(r, n - self.hot_pages)
                 };
-                // Where the hot pages start now.
-                let moved = self.done.checked_div(self.shift).map_or(0, |shifts| shifts.wrapping_mul(self.hot_pages) % n);
-                (at + moved) % n
+                // Where the hot pages start now; no division per write
+                // unless they move.
+                match self.done.checked_div(self.shift) {
+                    None => at,
+                    Some(shifts) => (at + shifts.wrapping_mul(self.hot_pages) % n) % n,
+                }
             }
             Pattern::Strided { stride } => {
                 let p = self.cursor;
