@@ -201,7 +201,7 @@ impl Pipeline {
         let mut thawed = frozen.thaw();
         captured?;
         let pages = self.capture.finish(vm)?;
-        let predicted = self.mask.filter(pages);
+        let predicted = self.mask.filter(pages, self.encoder.as_ref());
         // Before `filter` may leave an unchanged disk's state out.
         let disk_pending = ftvm_vmm::devices::requests_in_flight(thawed.state.vm.changed.iter());
         self.sent_state.filter(&mut thawed.state.vm);

@@ -17,6 +17,13 @@ pub trait PageEncoder: Send {
     /// backup read it itself): what this encoder assumed about its copy of
     /// that page no longer holds, so its next encoding must not rely on it.
     fn forget(&mut self, _page: u64) {}
+
+    /// Whether the reader holds exactly `data` (one page) as page `page`,
+    /// judged from a copy of what was sent that this encoder keeps; None
+    /// when it keeps none of that page.
+    fn holds(&self, _page: u64, _data: &[u8]) -> Option<bool> {
+        None
+    }
 }
 
 /// Whole pages, with all-zero pages sent as a bare tag.

@@ -94,6 +94,12 @@ impl PageEncoder for DiffEncoder {
         self.kept.forget(page);
         self.base.forget(page);
     }
+
+    /// A rewritten page differs early, so the comparison usually stops
+    /// within its first bytes; only an unchanged page is read whole.
+    fn holds(&self, page: u64, data: &[u8]) -> Option<bool> {
+        self.kept.get(page).map(|old| old[..] == data[..PAGE])
+    }
 }
 
 #[cfg(test)]

@@ -7,7 +7,11 @@
 //! or not, so it is captured every epoch; the fake-dirty filter then drops
 //! the ones whose content the backup already holds before they are sent.
 //! That comparison also says which predicted pages were really written,
-//! which is what the predictor learns from.
+//! which is what the predictor learns from. It is made against the copy of
+//! the page the encoder keeps to diff against, when it keeps one: a page
+//! the guest rewrote differs within its first bytes, so the comparison
+//! costs little where a content hash reads the whole page; a page without
+//! such a copy is judged by its hash (`FakeDirtyFilter`).
 //!
 //! Only the bitmap dirty backend can leave pages writable (KVM's dirty ring
 //! re-protects every page it harvested), and only pages the guest already
@@ -23,6 +27,7 @@ use ftvm_vmm::PageBitmap;
 
 use super::capture::Captured;
 use super::costs::Costs;
+use ftvm_vmm::pages::PageEncoder;
 use ftvm_vmm::switch;
 
 switch! {
@@ -83,8 +88,10 @@ pub trait FreezeMask: Send {
     /// took a tracked first write, and the predictor learns them as written.
     fn written_ahead(&mut self, _pages: &PageBitmap) {}
     /// Drop from `pages` (the capture of the last freeze) the pages left
-    /// writable whose content the backup already holds; the epoch's figures.
-    fn filter(&mut self, pages: &mut Captured) -> Figures;
+    /// writable whose content the backup already holds, as `sent` (the
+    /// encoder of what the backup got) or the filter's hashes know it; the
+    /// epoch's figures.
+    fn filter(&mut self, pages: &mut Captured, sent: &dyn PageEncoder) -> Figures;
     /// A consensus-ordered replica's `syncvm`: `hashes` of the union
     /// `pages` as both replicas now hold them tell which pages left
     /// writable were written.
@@ -127,7 +134,7 @@ impl FreezeMask for LeaveNone {
         &self.0
     }
 
-    fn filter(&mut self, pages: &mut Captured) -> Figures {
+    fn filter(&mut self, pages: &mut Captured, _sent: &dyn PageEncoder) -> Figures {
         Figures { first_writes: pages.len() as u64, ..Figures::default() }
     }
 
@@ -229,9 +236,9 @@ impl Prediction {
     /// Drop from `pages` (the capture of the last freeze) the predicted
     /// pages the backup already holds, follow the content of the pages left
     /// writable, and teach the predictor what was really written.
-    fn filter_captured(&mut self, pages: &mut Captured) -> Figures {
+    fn filter_captured(&mut self, pages: &mut Captured, sent: &dyn PageEncoder) -> Figures {
         let mut step = self.begin();
-        pages.retain(|page, data| step.page(page, || FakeDirtyFilter::hash(data)));
+        pages.retain(|page, data| step.page(page, || sent.holds(page, data), || FakeDirtyFilter::hash(data)));
         step.end()
     }
 
@@ -244,7 +251,7 @@ impl Prediction {
     fn learn_hashes(&mut self, pages: &[u64], hashes: &[u128]) -> Figures {
         let mut step = self.begin();
         for (&page, &hash) in pages.iter().zip(hashes) {
-            step.page(page, || hash);
+            step.page(page, || None, || hash);
         }
         step.end()
     }
@@ -270,14 +277,34 @@ struct Step<'a> {
 
 impl Step<'_> {
     /// Whether `page` of the last freeze must be sent: not when it was left
-    /// writable and the backup holds its content already.
-    fn page(&mut self, page: u64, hash: impl FnOnce() -> u128) -> bool {
+    /// writable and the backup holds its content already, as the encoder's
+    /// copy (`known`) or else the page's `hash` tells.
+    fn page(&mut self, page: u64, known: impl FnOnce() -> Option<bool>, hash: impl FnOnce() -> u128) -> bool {
         let (was_left, is_left) = (self.p.before.is_set(page), self.p.now.is_set(page));
         if !was_left && !is_left {
             return true;
         }
-        let hash = hash();
-        let send = !(was_left && self.p.filter.holds(page, hash));
+        let held = match known() {
+            Some(held) => {
+                // The encoder's copy follows every send; a hash kept from
+                // before would not, and could later match old content the
+                // backup no longer holds.
+                self.p.filter.forget(page);
+                held
+            }
+            None => {
+                let hash = hash();
+                let held = self.p.filter.holds(page, hash);
+                // Only pages left writable need their content followed.
+                if is_left {
+                    self.p.filter.remember(page, hash);
+                } else {
+                    self.p.filter.forget(page);
+                }
+                held
+            }
+        };
+        let send = !(was_left && held);
         if was_left {
             if send {
                 self.figures.predicted_written += 1;
@@ -285,12 +312,6 @@ impl Step<'_> {
             } else {
                 self.figures.fake_dirty += 1;
             }
-        }
-        // Only pages left writable need their content followed.
-        if is_left {
-            self.p.filter.remember(page, hash);
-        } else {
-            self.p.filter.forget(page);
         }
         send
     }
@@ -319,8 +340,8 @@ impl FreezeMask for Prediction {
         self.new_faults.or_words(pages.words());
     }
 
-    fn filter(&mut self, pages: &mut Captured) -> Figures {
-        self.filter_captured(pages)
+    fn filter(&mut self, pages: &mut Captured, sent: &dyn PageEncoder) -> Figures {
+        self.filter_captured(pages, sent)
     }
 
     fn learn(&mut self, pages: &[u64], hashes: &[u128]) -> Figures {
@@ -356,6 +377,7 @@ impl FreezeMask for Prediction {
 mod tests {
     use super::*;
     use ftvm_vmm::memory::PAGE;
+    use ftvm_vmm::pages::RawEncoder;
 
     /// Leaves every harvested page writable: the filter's cases without a
     /// predictor's judgement.
@@ -392,14 +414,14 @@ mod tests {
         // Epoch 1: three first writes, all left writable.
         assert_eq!(p.choose(&set(&[1, 2, 3])).pages().collect::<Vec<_>>(), vec![1, 2, 3]);
         let mut pages = Captured::from_pages(&[(1, &a), (2, &b), (3, &c)]);
-        let f = p.filter(&mut pages);
+        let f = p.filter(&mut pages, &RawEncoder);
         assert_eq!(f, Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3, regions_kept: 0, regions_flipped: 0 });
         assert_eq!(pages.len(), 3);
 
         // Epoch 2: 1..3 reported again though only 2 changed; 4 is new.
         p.choose(&set(&[1, 2, 3, 4]));
         let mut pages = Captured::from_pages(&[(1, &a), (2, &b2), (3, &c), (4, &d)]);
-        let f = p.filter(&mut pages);
+        let f = p.filter(&mut pages, &RawEncoder);
         assert_eq!(f, Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1, regions_kept: 0, regions_flipped: 0 });
         assert_eq!(pages.iter().map(|(n, data)| (n, data[0])).collect::<Vec<_>>(), vec![(2, 9), (4, 4)]);
 
@@ -407,8 +429,46 @@ mod tests {
         p.reset();
         p.choose(&set(&[1, 2]));
         let mut pages = Captured::from_pages(&[(1, &a), (2, &b2)]);
-        assert_eq!(p.filter(&mut pages).fake_dirty, 0);
+        assert_eq!(p.filter(&mut pages, &RawEncoder).fake_dirty, 0);
         assert_eq!(pages.len(), 2);
+    }
+
+    /// With an encoder that keeps what it sent, its copy decides which
+    /// pages left writable were written; a page it stops keeping is judged
+    /// by hash again, and no hash kept from before its copy decided can
+    /// pass old content for what the backup holds.
+    #[test]
+    fn the_encoders_copy_decides_and_no_stale_hash_outlives_it() {
+        use crate::pipeline::encode::{xor::Kernel, DiffEncoder};
+        use crate::pipeline::last_sent::LastSent;
+        let mut p = keep_all();
+        let mut enc = DiffEncoder::new(LastSent::new(256, 256), Kernel::best(), false, Box::new(RawEncoder));
+        let (a, b) = (vec![1u8; PAGE], vec![2u8; PAGE]);
+        let mut epoch = |p: &mut Prediction, enc: &mut DiffEncoder, data: &[u8]| {
+            p.choose(&set(&[1]));
+            let mut pages = Captured::from_pages(&[(1, data)]);
+            let f = p.filter(&mut pages, &*enc);
+            let mut out = Vec::new();
+            pages.iter().for_each(|(n, d)| {
+                enc.encode(n, d, &mut out);
+            });
+            (f, pages.len())
+        };
+        // First write: no copy yet, so hashed; sent, and now kept by the encoder.
+        assert_eq!(epoch(&mut p, &mut enc, &a).1, 1);
+        assert_eq!(enc.holds(1, &a), Some(true));
+        // Unchanged: the copy says the backup holds it.
+        let (f, sent) = epoch(&mut p, &mut enc, &a);
+        assert_eq!((f.fake_dirty, sent), (1, 0));
+        // Rewritten: sent.
+        let (f, sent) = epoch(&mut p, &mut enc, &b);
+        assert_eq!((f.predicted_written, sent), (1, 1));
+        // The encoder no longer keeps the page (the backup read it itself),
+        // and the guest writes back the first content: the hash of `a` taken
+        // at the first write must not say the backup holds it.
+        enc.forget(1);
+        let (f, sent) = epoch(&mut p, &mut enc, &a);
+        assert_eq!((f.predicted_written, sent), (1, 1), "sent: the backup holds `b`");
     }
 
     #[test]
@@ -446,7 +506,7 @@ mod tests {
             // Rewritten each epoch with new content: every kept page is written.
             let data: Vec<Vec<u8>> = hot.iter().map(|_| vec![epoch + 1; PAGE]).collect();
             let pages: Vec<(u64, &[u8])> = hot.iter().zip(&data).map(|(&n, d)| (n, d.as_slice())).collect();
-            p.filter(&mut Captured::from_pages(&pages));
+            p.filter(&mut Captured::from_pages(&pages), &RawEncoder);
         }
         assert!(p.left_writable().is_set(5), "a rewritten page is left writable");
         assert!(p.reserved().is_set(500), "so is the rest of its region, for the rounds");
@@ -454,7 +514,7 @@ mod tests {
         // A page of region 1 the rounds sent ahead is a write the predictor learns.
         p.choose(&set_of(1024, &hot));
         p.written_ahead(&set_of(1024, &[600]));
-        let f = p.filter(&mut Captured::from_pages(&[]));
+        let f = p.filter(&mut Captured::from_pages(&[]), &RawEncoder);
         assert_eq!(f.first_writes, 1, "the page sent ahead took a tracked first write");
     }
 
@@ -467,7 +527,7 @@ mod tests {
             p.choose(&set(&sweep));
             let data: Vec<Vec<u8>> = sweep.iter().map(|_| vec![e; PAGE]).collect();
             let pages: Vec<(u64, &[u8])> = sweep.iter().zip(&data).map(|(&n, d)| (n, d.as_slice())).collect();
-            p.filter(&mut Captured::from_pages(&pages));
+            p.filter(&mut Captured::from_pages(&pages), &RawEncoder);
         }
         // Its window around the sweep reaches far beyond page 70, but only
         // what is writable now can be left writable.
