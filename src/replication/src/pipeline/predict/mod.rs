@@ -444,7 +444,7 @@ mod tests {
         let mut p = keep_all();
         let mut enc = DiffEncoder::new(LastSent::new(256, 256), Kernel::best(), false, Box::new(RawEncoder));
         let (a, b) = (vec![1u8; PAGE], vec![2u8; PAGE]);
-        let mut epoch = |p: &mut Prediction, enc: &mut DiffEncoder, data: &[u8]| {
+        let epoch = |p: &mut Prediction, enc: &mut DiffEncoder, data: &[u8]| {
             p.choose(&set(&[1]));
             let mut pages = Captured::from_pages(&[(1, data)]);
             let f = p.filter(&mut pages, &*enc);
