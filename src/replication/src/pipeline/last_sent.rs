@@ -52,6 +52,11 @@ impl LastSent {
         self.capacity
     }
 
+    /// The guest's size in pages.
+    pub fn ram_pages(&self) -> u64 {
+        self.slot_of.len() as u64
+    }
+
     /// Pages kept now.
     pub fn len(&self) -> usize {
         self.page_of.len() - self.free.len()

@@ -201,7 +201,7 @@ impl Pipeline {
         let mut thawed = frozen.thaw();
         captured?;
         let pages = self.capture.finish(vm)?;
-        let predicted = self.mask.filter(pages, self.encoder.as_ref());
+        self.mask.filter(pages, self.encoder.as_ref());
         // Before `filter` may leave an unchanged disk's state out.
         let disk_pending = ftvm_vmm::devices::requests_in_flight(thawed.state.vm.changed.iter());
         self.sent_state.filter(&mut thawed.state.vm);
@@ -212,6 +212,7 @@ impl Pipeline {
             thawed.state.fake_ack = Some(self.sent_fake_ack.carry(epoch, table));
         }
         let encoded = encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
+        let predicted = self.mask.settle(self.encoder.as_ref());
         let bytes = protocol::payload_len(&self.frame);
         if bytes > self.limit {
             // The bounds make this impossible; sending it would make the backup give up on us.
@@ -220,7 +221,8 @@ impl Pipeline {
         let taken = Taken {
             epoch,
             freeze: thawed.figures,
-            dirty_pages: pages.len() as u64 + prefetched.only_ahead,
+            // Pages left to the encoder and found unchanged were not written.
+            dirty_pages: pages.len() as u64 + prefetched.only_ahead - predicted.sent_unchanged,
             predict: predicted,
             state: Carrying {
                 disk_writes: thawed.state.disk.len() as u64,

@@ -18,11 +18,16 @@ pub trait PageEncoder: Send {
     /// that page no longer holds, so its next encoding must not rely on it.
     fn forget(&mut self, _page: u64) {}
 
-    /// Whether the reader holds exactly `data` (one page) as page `page`,
-    /// judged from a copy of what was sent that this encoder keeps; None
-    /// when it keeps none of that page.
-    fn holds(&self, _page: u64, _data: &[u8]) -> Option<bool> {
-        None
+    /// Whether this encoder keeps a copy of what the reader holds as page
+    /// `page`, so its next encoding of the page is made against it.
+    fn keeps(&self, _page: u64) -> bool {
+        false
+    }
+
+    /// Whether its last encoding of `page` found the reader's copy equal
+    /// to the page (the entry changes nothing).
+    fn unchanged(&self, _page: u64) -> bool {
+        false
     }
 }
 

@@ -7,6 +7,7 @@
 use ftvm_vmm::memory::PAGE;
 use ftvm_vmm::pages::diff::{self, BLOCK};
 use ftvm_vmm::pages::{PageEncoder, PageTag};
+use ftvm_vmm::PageBitmap;
 
 use super::xor::Kernel;
 use crate::pipeline::last_sent::LastSent;
@@ -24,11 +25,15 @@ pub struct DiffEncoder {
     blocks: Box<[u8; PAGE]>,
     body: Vec<u8>,
     packed: Vec<u8>,
+    /// Pages whose last encoding found nothing changed.
+    unchanged: PageBitmap,
 }
 
 impl DiffEncoder {
     pub fn new(kept: LastSent, kernel: Kernel, compress: bool, base: Box<dyn PageEncoder>) -> DiffEncoder {
+        let unchanged = PageBitmap::new(kept.ram_pages());
         DiffEncoder {
+            unchanged,
             kept,
             kernel,
             compress,
@@ -46,6 +51,9 @@ impl DiffEncoder {
         let (kernel, blocks) = (self.kernel, &mut self.blocks);
         let old = self.kept.get_mut(page)?;
         let mask = kernel.diff(old, new, blocks);
+        if mask == 0 {
+            self.unchanged.set(page);
+        }
         let n = BLOCK * mask.count_ones() as usize;
         if diff::header_len(mask) + n >= PAGE {
             return None;
@@ -77,6 +85,7 @@ impl DiffEncoder {
 impl PageEncoder for DiffEncoder {
     fn encode(&mut self, page: u64, data: &[u8], out: &mut Vec<u8>) -> PageTag {
         let new: &[u8; PAGE] = data[..PAGE].try_into().expect("one page");
+        self.unchanged.unset(page);
         if let Some(tag) = self.diff(page, new, out) {
             return tag;
         }
@@ -87,18 +96,22 @@ impl PageEncoder for DiffEncoder {
 
     fn reset(&mut self) {
         self.kept.clear();
+        self.unchanged.clear();
         self.base.reset();
     }
 
     fn forget(&mut self, page: u64) {
         self.kept.forget(page);
+        self.unchanged.unset(page);
         self.base.forget(page);
     }
 
-    /// A rewritten page differs early, so the comparison usually stops
-    /// within its first bytes; only an unchanged page is read whole.
-    fn holds(&self, page: u64, data: &[u8]) -> Option<bool> {
-        self.kept.get(page).map(|old| old[..] == data[..PAGE])
+    fn keeps(&self, page: u64) -> bool {
+        self.kept.get(page).is_some()
+    }
+
+    fn unchanged(&self, page: u64) -> bool {
+        self.unchanged.is_set(page)
     }
 }
 

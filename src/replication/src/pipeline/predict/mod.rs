@@ -7,11 +7,12 @@
 //! or not, so it is captured every epoch; the fake-dirty filter then drops
 //! the ones whose content the backup already holds before they are sent.
 //! That comparison also says which predicted pages were really written,
-//! which is what the predictor learns from. It is made against the copy of
-//! the page the encoder keeps to diff against, when it keeps one: a page
-//! the guest rewrote differs within its first bytes, so the comparison
-//! costs little where a content hash reads the whole page; a page without
-//! such a copy is judged by its hash (`FakeDirtyFilter`).
+//! which is what the predictor learns from. Where the encoder keeps a copy
+//! of the page to diff against, the diff it makes anyway is that
+//! comparison: such a page goes to the encoder, which sends an unchanged
+//! one as an empty diff, and the predictor learns from what it found
+//! (`FreezeMask::settle`). Only a page without such a copy is hashed
+//! (`FakeDirtyFilter`) and, when the backup holds it, dropped.
 //!
 //! Only the bitmap dirty backend can leave pages writable (KVM's dirty ring
 //! re-protects every page it harvested), and only pages the guest already
@@ -88,10 +89,13 @@ pub trait FreezeMask: Send {
     /// took a tracked first write, and the predictor learns them as written.
     fn written_ahead(&mut self, _pages: &PageBitmap) {}
     /// Drop from `pages` (the capture of the last freeze) the pages left
-    /// writable whose content the backup already holds, as `sent` (the
-    /// encoder of what the backup got) or the filter's hashes know it; the
-    /// epoch's figures.
-    fn filter(&mut self, pages: &mut Captured, sent: &dyn PageEncoder) -> Figures;
+    /// writable whose content the backup already holds, as the filter's
+    /// hashes know it; those `sent` (the encoder of what the backup gets)
+    /// keeps a copy of are left to it and judged by `settle`.
+    fn filter(&mut self, pages: &mut Captured, sent: &dyn PageEncoder);
+    /// Once the filtered pages went through `sent`: what it found of the
+    /// pages left to it; the epoch's figures.
+    fn settle(&mut self, sent: &dyn PageEncoder) -> Figures;
     /// A consensus-ordered replica's `syncvm`: `hashes` of the union
     /// `pages` as both replicas now hold them tell which pages left
     /// writable were written.
@@ -113,29 +117,37 @@ pub fn mask(mode: Mode, pages: u64, costs: &Costs) -> Box<dyn FreezeMask> {
 }
 
 /// Re-protect everything: every dirty page took a tracked first write.
-pub struct LeaveNone(PageBitmap);
+pub struct LeaveNone {
+    none: PageBitmap,
+    /// Pages of the last freeze.
+    captured: u64,
+}
 
 impl LeaveNone {
     pub fn new(pages: u64) -> LeaveNone {
-        LeaveNone(PageBitmap::new(pages))
+        LeaveNone { none: PageBitmap::new(pages), captured: 0 }
     }
 }
 
 impl FreezeMask for LeaveNone {
     fn choose(&mut self, _harvested: &PageBitmap) -> &PageBitmap {
-        &self.0
+        &self.none
     }
 
     fn left_writable(&self) -> &PageBitmap {
-        &self.0
+        &self.none
     }
 
     fn reserved(&self) -> &PageBitmap {
-        &self.0
+        &self.none
     }
 
-    fn filter(&mut self, pages: &mut Captured, _sent: &dyn PageEncoder) -> Figures {
-        Figures { first_writes: pages.len() as u64, ..Figures::default() }
+    fn filter(&mut self, pages: &mut Captured, _sent: &dyn PageEncoder) {
+        self.captured = pages.len() as u64;
+    }
+
+    fn settle(&mut self, _sent: &dyn PageEncoder) -> Figures {
+        Figures { first_writes: self.captured, ..Figures::default() }
     }
 
     fn learn(&mut self, _pages: &[u64], _hashes: &[u128]) -> Figures {
@@ -163,8 +175,11 @@ pub struct Figures {
     pub predicted: u64,
     /// Of those, pages whose content changed (sent).
     pub predicted_written: u64,
-    /// Of those, pages whose content had not changed (not sent).
+    /// Of those, pages whose content had not changed (not sent, or sent
+    /// as an empty diff: `sent_unchanged`).
     pub fake_dirty: u64,
+    /// Of those, pages the encoder judged, so sent as an empty diff.
+    pub sent_unchanged: u64,
     /// Pages dirtied that were not left writable: each took a tracked first write.
     pub first_writes: u64,
     /// Regions whose pages the predictor keeps writable, after this
@@ -186,6 +201,10 @@ pub struct Prediction {
     new_faults: PageBitmap,
     /// Scratch: what the filter finds written.
     written: PageBitmap,
+    /// Pages left writable that the encoder judges (`settle`).
+    to_settle: PageBitmap,
+    /// The figures of the last `filter`, completed by `settle`.
+    filtered: Figures,
     /// Every page of the regions the predictor keeps, after its last lesson.
     kept_regions: PageBitmap,
     /// `now` and `kept_regions`: what the in-epoch rounds leave alone.
@@ -211,6 +230,8 @@ impl Prediction {
             now: PageBitmap::new(pages),
             new_faults: PageBitmap::new(pages),
             written: PageBitmap::new(pages),
+            to_settle: PageBitmap::new(pages),
+            filtered: Figures::default(),
             kept_regions: PageBitmap::new(pages),
             reserved: PageBitmap::new(pages),
         }
@@ -236,10 +257,26 @@ impl Prediction {
     /// Drop from `pages` (the capture of the last freeze) the predicted
     /// pages the backup already holds, follow the content of the pages left
     /// writable, and teach the predictor what was really written.
-    fn filter_captured(&mut self, pages: &mut Captured, sent: &dyn PageEncoder) -> Figures {
+    fn filter_captured(&mut self, pages: &mut Captured, sent: &dyn PageEncoder) {
         let mut step = self.begin();
-        pages.retain(|page, data| step.page(page, || sent.holds(page, data), || FakeDirtyFilter::hash(data)));
-        step.end()
+        pages.retain(|page, data| step.page(page, sent.keeps(page), || FakeDirtyFilter::hash(data)));
+        self.filtered = step.figures;
+    }
+
+    /// The pages the encoder judged teach the predictor too.
+    fn settle_encoded(&mut self, sent: &dyn PageEncoder) -> Figures {
+        let mut figures = self.filtered;
+        for page in self.to_settle.pages() {
+            if sent.unchanged(page) {
+                figures.fake_dirty += 1;
+                figures.sent_unchanged += 1;
+            } else {
+                figures.predicted_written += 1;
+                self.written.set(page);
+            }
+        }
+        self.to_settle.clear();
+        Step { p: self, figures }.end()
     }
 
     /// The same for a consensus-ordered replica, which sends nothing by
@@ -251,7 +288,7 @@ impl Prediction {
     fn learn_hashes(&mut self, pages: &[u64], hashes: &[u128]) -> Figures {
         let mut step = self.begin();
         for (&page, &hash) in pages.iter().zip(hashes) {
-            step.page(page, || None, || hash);
+            step.page(page, false, || hash);
         }
         step.end()
     }
@@ -265,6 +302,7 @@ impl Prediction {
     fn begin(&mut self) -> Step<'_> {
         let figures = Figures { predicted: self.before.count(), first_writes: self.new_faults.count(), ..Figures::default() };
         self.written.copy_from(&self.new_faults);
+        self.to_settle.clear();
         Step { p: self, figures }
     }
 }
@@ -277,33 +315,31 @@ struct Step<'a> {
 
 impl Step<'_> {
     /// Whether `page` of the last freeze must be sent: not when it was left
-    /// writable and the backup holds its content already, as the encoder's
-    /// copy (`known`) or else the page's `hash` tells.
-    fn page(&mut self, page: u64, known: impl FnOnce() -> Option<bool>, hash: impl FnOnce() -> u128) -> bool {
+    /// writable and its `hash` says the backup holds its content already.
+    /// A page the encoder `keeps` a copy of is sent, and judged by it.
+    fn page(&mut self, page: u64, keeps: bool, hash: impl FnOnce() -> u128) -> bool {
         let (was_left, is_left) = (self.p.before.is_set(page), self.p.now.is_set(page));
         if !was_left && !is_left {
             return true;
         }
-        let held = match known() {
-            Some(held) => {
-                // The encoder's copy follows every send; a hash kept from
-                // before would not, and could later match old content the
-                // backup no longer holds.
-                self.p.filter.forget(page);
-                held
+        if keeps {
+            // The encoder's copy follows every send; a hash kept from before
+            // would not, and could later match old content the backup no
+            // longer holds.
+            self.p.filter.forget(page);
+            if was_left {
+                self.p.to_settle.set(page);
             }
-            None => {
-                let hash = hash();
-                let held = self.p.filter.holds(page, hash);
-                // Only pages left writable need their content followed.
-                if is_left {
-                    self.p.filter.remember(page, hash);
-                } else {
-                    self.p.filter.forget(page);
-                }
-                held
-            }
-        };
+            return true;
+        }
+        let hash = hash();
+        let held = self.p.filter.holds(page, hash);
+        // Only pages left writable need their content followed.
+        if is_left {
+            self.p.filter.remember(page, hash);
+        } else {
+            self.p.filter.forget(page);
+        }
         let send = !(was_left && held);
         if was_left {
             if send {
@@ -340,8 +376,12 @@ impl FreezeMask for Prediction {
         self.new_faults.or_words(pages.words());
     }
 
-    fn filter(&mut self, pages: &mut Captured, sent: &dyn PageEncoder) -> Figures {
-        self.filter_captured(pages, sent)
+    fn filter(&mut self, pages: &mut Captured, sent: &dyn PageEncoder) {
+        self.filter_captured(pages, sent);
+    }
+
+    fn settle(&mut self, sent: &dyn PageEncoder) -> Figures {
+        self.settle_encoded(sent)
     }
 
     fn learn(&mut self, pages: &[u64], hashes: &[u128]) -> Figures {
@@ -391,6 +431,12 @@ mod tests {
         fn observe(&mut self, _left: &PageBitmap, _written: &PageBitmap) {}
     }
 
+    /// The filter and its settling by an encoder that keeps no copies.
+    fn filtered(p: &mut Prediction, pages: &mut Captured) -> Figures {
+        p.filter(pages, &RawEncoder);
+        p.settle(&RawEncoder)
+    }
+
     fn keep_all() -> Prediction {
         Prediction::with(Box::new(KeepAll), 256)
     }
@@ -414,61 +460,89 @@ mod tests {
         // Epoch 1: three first writes, all left writable.
         assert_eq!(p.choose(&set(&[1, 2, 3])).pages().collect::<Vec<_>>(), vec![1, 2, 3]);
         let mut pages = Captured::from_pages(&[(1, &a), (2, &b), (3, &c)]);
-        let f = p.filter(&mut pages, &RawEncoder);
-        assert_eq!(f, Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3, regions_kept: 0, regions_flipped: 0 });
+        let f = filtered(&mut p, &mut pages);
+        assert_eq!(
+            f,
+            Figures {
+                predicted: 0,
+                predicted_written: 0,
+                fake_dirty: 0,
+                sent_unchanged: 0,
+                first_writes: 3,
+                regions_kept: 0,
+                regions_flipped: 0
+            }
+        );
         assert_eq!(pages.len(), 3);
 
         // Epoch 2: 1..3 reported again though only 2 changed; 4 is new.
         p.choose(&set(&[1, 2, 3, 4]));
         let mut pages = Captured::from_pages(&[(1, &a), (2, &b2), (3, &c), (4, &d)]);
-        let f = p.filter(&mut pages, &RawEncoder);
-        assert_eq!(f, Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1, regions_kept: 0, regions_flipped: 0 });
+        let f = filtered(&mut p, &mut pages);
+        assert_eq!(
+            f,
+            Figures {
+                predicted: 3,
+                predicted_written: 1,
+                fake_dirty: 2,
+                sent_unchanged: 0,
+                first_writes: 1,
+                regions_kept: 0,
+                regions_flipped: 0
+            }
+        );
         assert_eq!(pages.iter().map(|(n, data)| (n, data[0])).collect::<Vec<_>>(), vec![(2, 9), (4, 4)]);
 
         // A new backup holds nothing this side knows of: everything is sent.
         p.reset();
         p.choose(&set(&[1, 2]));
         let mut pages = Captured::from_pages(&[(1, &a), (2, &b2)]);
-        assert_eq!(p.filter(&mut pages, &RawEncoder).fake_dirty, 0);
+        assert_eq!(filtered(&mut p, &mut pages).fake_dirty, 0);
         assert_eq!(pages.len(), 2);
     }
 
-    /// With an encoder that keeps what it sent, its copy decides which
-    /// pages left writable were written; a page it stops keeping is judged
-    /// by hash again, and no hash kept from before its copy decided can
-    /// pass old content for what the backup holds.
+    /// With an encoder that keeps what it sent, the diff it makes decides
+    /// which pages left writable were written (an unchanged one goes as an
+    /// empty diff); a page it stops keeping is judged by hash again, and no
+    /// hash kept from before the encoder judged it can pass old content
+    /// for what the backup holds.
     #[test]
-    fn the_encoders_copy_decides_and_no_stale_hash_outlives_it() {
+    fn the_encoder_judges_the_pages_it_keeps_and_no_stale_hash_outlives_it() {
         use crate::pipeline::encode::{xor::Kernel, DiffEncoder};
         use crate::pipeline::last_sent::LastSent;
         let mut p = keep_all();
         let mut enc = DiffEncoder::new(LastSent::new(256, 256), Kernel::best(), false, Box::new(RawEncoder));
-        let (a, b) = (vec![1u8; PAGE], vec![2u8; PAGE]);
+        let a = vec![1u8; PAGE];
+        let mut b = a.clone();
+        b[100] = 2;
+        // One epoch writing `data` into page 1: figures, pages sent, bytes.
         let epoch = |p: &mut Prediction, enc: &mut DiffEncoder, data: &[u8]| {
             p.choose(&set(&[1]));
             let mut pages = Captured::from_pages(&[(1, data)]);
-            let f = p.filter(&mut pages, &*enc);
+            p.filter(&mut pages, &*enc);
             let mut out = Vec::new();
             pages.iter().for_each(|(n, d)| {
                 enc.encode(n, d, &mut out);
             });
-            (f, pages.len())
+            (p.settle(&*enc), pages.len(), out.len())
         };
-        // First write: no copy yet, so hashed; sent, and now kept by the encoder.
-        assert_eq!(epoch(&mut p, &mut enc, &a).1, 1);
-        assert_eq!(enc.holds(1, &a), Some(true));
-        // Unchanged: the copy says the backup holds it.
-        let (f, sent) = epoch(&mut p, &mut enc, &a);
-        assert_eq!((f.fake_dirty, sent), (1, 0));
-        // Rewritten: sent.
-        let (f, sent) = epoch(&mut p, &mut enc, &b);
-        assert_eq!((f.predicted_written, sent), (1, 1));
+        // First write: no copy yet, so hashed; sent whole, and now kept.
+        let (_, sent, bytes) = epoch(&mut p, &mut enc, &a);
+        assert_eq!((sent, bytes), (1, PAGE));
+        assert!(enc.keeps(1));
+        // Unchanged: left to the encoder, which finds nothing to send.
+        let (f, sent, bytes) = epoch(&mut p, &mut enc, &a);
+        assert_eq!((f.fake_dirty, f.predicted_written, sent, bytes), (1, 0, 1, 1), "an empty diff");
+        // Rewritten: a diff, learned as written.
+        let (f, _, bytes) = epoch(&mut p, &mut enc, &b);
+        assert_eq!((f.fake_dirty, f.predicted_written), (0, 1));
+        assert!(bytes > 1 && bytes < PAGE);
         // The encoder no longer keeps the page (the backup read it itself),
         // and the guest writes back the first content: the hash of `a` taken
         // at the first write must not say the backup holds it.
         enc.forget(1);
-        let (f, sent) = epoch(&mut p, &mut enc, &a);
-        assert_eq!((f.predicted_written, sent), (1, 1), "sent: the backup holds `b`");
+        let (f, sent, bytes) = epoch(&mut p, &mut enc, &a);
+        assert_eq!((f.predicted_written, sent, bytes), (1, 1, PAGE), "sent whole: the backup holds `b`");
     }
 
     #[test]
@@ -478,13 +552,29 @@ mod tests {
         p.choose(&set(&[1, 2, 3]));
         assert_eq!(
             p.learn(&[1, 2, 3], &[a, b, c]),
-            Figures { predicted: 0, predicted_written: 0, fake_dirty: 0, first_writes: 3, regions_kept: 0, regions_flipped: 0 }
+            Figures {
+                predicted: 0,
+                predicted_written: 0,
+                fake_dirty: 0,
+                sent_unchanged: 0,
+                first_writes: 3,
+                regions_kept: 0,
+                regions_flipped: 0
+            }
         );
         // 1..3 were left writable, so reported again; only 2 changed.
         assert_eq!(p.choose(&set(&[1, 2, 3, 4])).pages().collect::<Vec<_>>(), vec![1, 2, 3, 4]);
         assert_eq!(
             p.learn(&[1, 2, 3, 4], &[a, b2, c, d]),
-            Figures { predicted: 3, predicted_written: 1, fake_dirty: 2, first_writes: 1, regions_kept: 0, regions_flipped: 0 }
+            Figures {
+                predicted: 3,
+                predicted_written: 1,
+                fake_dirty: 2,
+                sent_unchanged: 0,
+                first_writes: 1,
+                regions_kept: 0,
+                regions_flipped: 0
+            }
         );
         // The secondary took the leader's page 3: unknown, so counted
         // written at the next `syncvm` whatever its hash.
@@ -506,7 +596,7 @@ mod tests {
             // Rewritten each epoch with new content: every kept page is written.
             let data: Vec<Vec<u8>> = hot.iter().map(|_| vec![epoch + 1; PAGE]).collect();
             let pages: Vec<(u64, &[u8])> = hot.iter().zip(&data).map(|(&n, d)| (n, d.as_slice())).collect();
-            p.filter(&mut Captured::from_pages(&pages), &RawEncoder);
+            filtered(&mut p, &mut Captured::from_pages(&pages));
         }
         assert!(p.left_writable().is_set(5), "a rewritten page is left writable");
         assert!(p.reserved().is_set(500), "so is the rest of its region, for the rounds");
@@ -514,7 +604,7 @@ mod tests {
         // A page of region 1 the rounds sent ahead is a write the predictor learns.
         p.choose(&set_of(1024, &hot));
         p.written_ahead(&set_of(1024, &[600]));
-        let f = p.filter(&mut Captured::from_pages(&[]), &RawEncoder);
+        let f = filtered(&mut p, &mut Captured::from_pages(&[]));
         assert_eq!(f.first_writes, 1, "the page sent ahead took a tracked first write");
     }
 
@@ -527,7 +617,7 @@ mod tests {
             p.choose(&set(&sweep));
             let data: Vec<Vec<u8>> = sweep.iter().map(|_| vec![e; PAGE]).collect();
             let pages: Vec<(u64, &[u8])> = sweep.iter().zip(&data).map(|(&n, d)| (n, d.as_slice())).collect();
-            p.filter(&mut Captured::from_pages(&pages), &RawEncoder);
+            filtered(&mut p, &mut Captured::from_pages(&pages));
         }
         // Its window around the sweep reaches far beyond page 70, but only
         // what is writable now can be left writable.
