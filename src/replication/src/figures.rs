@@ -84,6 +84,10 @@ pub struct EpochMetrics {
     /// Bytes sub-page diffs saved against sending their pages whole: the
     /// pages' bytes before diffing are `page_bytes + diff_bytes_saved`.
     pub diff_bytes_saved: u64,
+    /// Its diffs went LZ4-compressed (`--diff lz4`, or `auto` while the
+    /// link is busy).
+    #[serde(default)]
+    pub diffs_compressed: bool,
     /// Bytes of its state: vCPUs, devices, clock, disk writes (and the
     /// fake-ACK proxy's state).
     pub state_bytes: u64,

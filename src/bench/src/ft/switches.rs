@@ -30,7 +30,7 @@ pub const SWITCHES: &[Switch] = &[
     plain!("pipeline-depth": "2", "1", "4"),
     plain!("capture": "pause", "cow"),
     plain!("predict-writes": "off", "histase", "adaptive"),
-    plain!("diff": "off", "xor", "lz4"),
+    plain!("diff": "off", "xor", "lz4", "auto"),
     plain!("device-state": "all", "changed"),
     Switch {
         name: "prefetch",

@@ -122,9 +122,11 @@ pub struct ReplicationArgs {
     pub encoding: encode::Encoding,
     /// Send a page the backup has an earlier version of as a diff: off (whole
     /// pages), xor (the XOR of its changed 64-byte blocks; `--diff` alone), lz4
-    /// (each diff LZ4-compressed when that is smaller).
-    #[arg(long, default_value = "lz4", value_name = "off|xor|lz4", num_args = 0..=1, default_missing_value = "xor")]
-    pub diff: encode::Diff,
+    /// (each diff LZ4-compressed when that is smaller), auto (xor while the
+    /// replication link has room, lz4 while it is busy). Default (--tuning
+    /// auto): auto; --tuning static: lz4.
+    #[arg(long, value_name = "off|xor|lz4|auto", num_args = 0..=1, default_missing_value = "xor")]
+    pub diff: Option<encode::Diff>,
     /// Which vCPU and device state each checkpoint carries: all, or changed
     /// (only what differs from the previous checkpoint; the backup keeps the rest).
     #[arg(long, default_value = "changed", value_name = "all|changed")]
@@ -247,7 +249,8 @@ impl ReplicationArgs {
         let predict_writes = policy::predict_writes(args.tuning, args.predict_writes, with.dirty_backend == DirtyBackend::Ring);
         let prefetch = policy::prefetch(args.tuning, args.prefetch);
         // Measured under auto (once per process), assumed under static.
-        let costs = policy::costs(args.tuning, args.diff);
+        let diff = policy::diff(args.tuning, args.diff);
+        let costs = policy::costs(args.tuning, diff);
         let capture = policy::capture(args.tuning, args.capture, &costs);
         Ok(PrimaryConfig {
             backup: with.backup,
@@ -266,7 +269,7 @@ impl ReplicationArgs {
             switches: Switches {
                 capture,
                 encoding: args.encoding,
-                diff: args.diff,
+                diff,
                 device_state: args.device_state,
                 transport: args.transport,
                 trigger: args.trigger,

@@ -429,7 +429,7 @@ fn release_gate(pulse: &Arc<Pulse>, interval: Duration) -> ftvm_replication::out
 }
 
 fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
-    let Taken { epoch, trigger, freeze, dirty_pages, predict, state, encoded, prefetched, costs: _ } = *taken;
+    let Taken { epoch, trigger, freeze, dirty_pages, predict, state, encoded, prefetched, costs: _, compressed } = *taken;
     EpochMetrics {
         epoch,
         pause_us: freeze.pause.as_micros() as u64,
@@ -455,6 +455,7 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         prefetch_start: prefetched.start,
         page_bytes: encoded.pages.bytes,
         diff_bytes_saved: encoded.pages.diff_saved,
+        diffs_compressed: compressed,
         state_bytes: encoded.state_bytes,
         fake_ack_bytes: state.fake_ack_bytes,
         fake_ack_flows: state.fake_ack_flows,
@@ -620,5 +621,9 @@ impl EpochLink for Session {
 
     fn checkpoint_failed(&self, epoch: u64, err: ReplicationError) -> BackupLoss {
         BackupLoss::Checkpoint { epoch, err }
+    }
+
+    fn busy(&self) -> Option<Duration> {
+        self.link.locked().busy()
     }
 }

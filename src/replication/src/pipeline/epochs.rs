@@ -35,6 +35,10 @@ pub trait EpochLink {
     fn send_round(&self, epoch: u64, frame: &[u8]) -> Result<(), Self::Loss>;
     /// Taking checkpoint `epoch` failed with `err`.
     fn checkpoint_failed(&self, epoch: u64, err: ReplicationError) -> Self::Loss;
+    /// How long the link has had data in flight (`Transport::busy`).
+    fn busy(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// Why the loop ended.
@@ -108,6 +112,7 @@ impl EpochLoop<'_> {
             if let Err(loss) = link.send_checkpoint(&t, frame, Instant::now()) {
                 return Ended::Lost(loss);
             }
+            self.pipeline.link_busy(Instant::now(), link.busy());
             // The cost grows with the pages the checkpoint carries (not those sent ahead).
             pacing.record(&Sample {
                 pause: t.freeze.pause,

@@ -81,6 +81,8 @@ pub struct Taken {
     pub prefetched: prefetch::Sent,
     /// The per-page costs weighed after this checkpoint.
     pub costs: costs::Costs,
+    /// Its diffs went LZ4-compressed.
+    pub compressed: bool,
 }
 
 /// The primary's half of the pipeline: from the running VM to a frame.
@@ -102,6 +104,9 @@ pub struct Pipeline {
     /// stop-and-copy when the capture copies in the pause.
     costs: costs::Costs,
     copies_in_pause: bool,
+    /// `--diff auto`: whether the link is busy enough to compress diffs.
+    link_load: Option<encode::link_load::LinkLoad>,
+    compressing: bool,
 }
 
 impl Pipeline {
@@ -138,6 +143,8 @@ impl Pipeline {
             limit,
             costs: switches.costs,
             copies_in_pause: switches.capture == capture::Mode::Pause,
+            link_load: (switches.diff == encode::Diff::Auto).then(encode::link_load::LinkLoad::new),
+            compressing: switches.diff == encode::Diff::Lz4,
         })
     }
 
@@ -177,6 +184,18 @@ impl Pipeline {
         self.encoder.reset();
         self.sent_state.reset();
         self.sent_fake_ack.reset();
+        if let Some(load) = &mut self.link_load {
+            load.restart();
+        }
+    }
+
+    /// `--diff auto`: the link's busy time (`Transport::busy`), read after
+    /// a checkpoint went out, may turn compression on or off.
+    pub fn link_busy(&mut self, now: std::time::Instant, busy: Option<std::time::Duration>) {
+        if let Some(on) = self.link_load.as_mut().and_then(|load| load.observe(now, busy)) {
+            self.encoder.compress(on);
+            self.compressing = on;
+        }
     }
 
     /// Take checkpoint `epoch`: the VM is paused only for the freeze (and
@@ -235,6 +254,7 @@ impl Pipeline {
             encoded,
             prefetched,
             costs: self.costs,
+            compressed: self.compressing,
             ..Taken::default()
         };
         Ok((taken, &self.frame))

@@ -55,6 +55,18 @@ pub fn prefetch(tuning: Tuning, given: Option<prefetch::Mode>) -> prefetch::Mode
     }
 }
 
+/// `--diff`, or the policy's choice: `auto` under `auto` (diffs go
+/// LZ4-compressed only while the link is busy: compressing costs the
+/// replication thread more than the bytes it saves cost a link with room),
+/// `lz4` under `static`.
+pub fn diff(tuning: Tuning, given: Option<encode::Diff>) -> encode::Diff {
+    match (given, tuning) {
+        (Some(diff), _) => diff,
+        (None, Tuning::Static) => encode::Diff::Lz4,
+        (None, Tuning::Auto) => encode::Diff::Auto,
+    }
+}
+
 /// `--capture`, or the policy's choice: copy-on-write under `auto` where
 /// the probe at start found write-protecting a page much cheaper than
 /// copying it (on this project's host it costs about as much), else the
@@ -208,5 +220,8 @@ mod tests {
         assert_eq!(capture(Tuning::Static, None, &cheap), capture::Mode::Pause);
         assert_eq!(capture(Tuning::Auto, None, &Costs { protect_ns: 900, ..cheap }), capture::Mode::Pause);
         assert_eq!(capture(Tuning::Auto, Some(capture::Mode::Pause), &cheap), capture::Mode::Pause);
+        assert_eq!(diff(Tuning::Auto, None), encode::Diff::Auto);
+        assert_eq!(diff(Tuning::Static, None), encode::Diff::Lz4);
+        assert_eq!(diff(Tuning::Auto, Some(encode::Diff::Lz4)), encode::Diff::Lz4);
     }
 }

@@ -29,6 +29,10 @@ pub trait PageEncoder: Send {
     fn unchanged(&self, _page: u64) -> bool {
         false
     }
+
+    /// Compress the bodies it can from now on, or stop (the policy's
+    /// choice, where it follows the link).
+    fn compress(&mut self, _on: bool) {}
 }
 
 /// Whole pages, with all-zero pages sent as a bare tag.

@@ -113,6 +113,10 @@ impl PageEncoder for DiffEncoder {
     fn unchanged(&self, page: u64) -> bool {
         self.unchanged.is_set(page)
     }
+
+    fn compress(&mut self, on: bool) {
+        self.compress = on;
+    }
 }
 
 #[cfg(test)]

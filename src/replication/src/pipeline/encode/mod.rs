@@ -3,10 +3,12 @@
 //! with `--diff` as a diff against the version the backup has (`diff`,
 //! with the block compare in `xor`), whole where it has none. Beside the
 //! `PageEncoder`s, for a reader known only by hashes of its pages: which
-//! pages go at all, and how (`hash_compare`).
+//! pages go at all, and how (`hash_compare`); and when `--diff auto`
+//! compresses diffs (`link_load`).
 
 mod diff;
 pub mod hash_compare;
+pub mod link_load;
 pub mod page_frame;
 pub mod state;
 pub mod xor;
@@ -40,6 +42,9 @@ switch! {
         Xor = "xor",
         /// As `xor`, each diff LZ4-compressed when that makes it smaller.
         Lz4 = "lz4",
+        /// As `xor` while the link has room, as `lz4` while it is busy
+        /// (`link_load`).
+        Auto = "auto",
     }
 }
 
@@ -50,7 +55,7 @@ pub fn new(encoding: Encoding, diff: Diff, ram_pages: u64) -> Box<dyn PageEncode
     };
     match diff {
         Diff::Off => base,
-        Diff::Xor | Diff::Lz4 => {
+        Diff::Xor | Diff::Lz4 | Diff::Auto => {
             let kept = LastSent::new(ram_pages, crate::bounds::last_sent_pages(ram_pages));
             let kernel = xor::Kernel::best();
             tracing::debug!(kernel = kernel.name(), kept_pages = kept.capacity(), "diff encoder");

@@ -470,6 +470,10 @@ impl<T: Transport> Transport for AuthTransport<T> {
         self.inner.room()
     }
 
+    fn busy(&self) -> Option<Duration> {
+        self.inner.busy()
+    }
+
     fn peer(&self) -> String {
         self.inner.peer()
     }

@@ -71,6 +71,11 @@ pub trait Transport: Send {
     fn room(&self) -> Option<usize> {
         None
     }
+    /// How long the link has had data in flight since it was opened, if
+    /// the transport knows: against the time passed, how busy the link is.
+    fn busy(&self) -> Option<Duration> {
+        None
+    }
 }
 
 impl Transport for Box<dyn Transport> {
@@ -116,5 +121,9 @@ impl Transport for Box<dyn Transport> {
 
     fn room(&self) -> Option<usize> {
         (**self).room()
+    }
+
+    fn busy(&self) -> Option<Duration> {
+        (**self).busy()
     }
 }

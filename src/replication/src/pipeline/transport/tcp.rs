@@ -207,6 +207,10 @@ impl Transport for TcpTransport {
         let size = sockopt::get(fd, libc::SOL_SOCKET, libc::SO_SNDBUF).ok()?;
         usize::try_from(size / 2 - queued).ok()
     }
+
+    fn busy(&self) -> Option<Duration> {
+        sockopt::tcp_busy(self.stream.as_raw_fd()).ok()
+    }
 }
 
 #[cfg(test)]
