@@ -417,17 +417,30 @@ fn wake_expired(s: &mut Sched, now: u64) {
     }
 }
 
+/// Free the address spaces of ended processes that are not loaded, outside
+/// the scheduler's lock (their frames go back to process 1's allocator,
+/// which takes its own).
+fn free_dead_spaces() {
+    let done: Vec<AddressSpace> = {
+        let mut s = SCHED.lock();
+        let loaded = s.loaded_root;
+        let (keep, done) = core::mem::take(&mut s.dead_spaces).into_iter().partition(|a| a.root() == loaded);
+        s.dead_spaces = keep;
+        done
+    };
+    drop(done);
+}
+
 /// Give the vCPU to the next runnable thread (round robin), or wait until
 /// one is runnable. The running thread's state says whether it may be
 /// picked itself.
 fn schedule() {
     loop {
+        free_dead_spaces();
         let mut s = SCHED.lock();
-        let cur = s.current;
-        // Freed here, on a stack that is not theirs, with tables not theirs.
+        // Freed here, on a stack that is not theirs.
         s.zombies.retain(|_| false);
-        let loaded = s.loaded_root;
-        s.dead_spaces.retain(|a| a.root() == loaded);
+        let cur = s.current;
         wake_expired(&mut s, time::now_ns());
         let n = s.threads.len();
         let next = (1..=n).map(|k| (cur + k) % n).find(|&i| s.threads[i].state == State::Runnable);
@@ -464,6 +477,9 @@ fn schedule() {
                 core::arch::asm!("wrfsbase {}", in(reg) fs, options(nostack, preserves_flags));
                 entry::switch(save, ksp);
             }
+            // Back in this thread, under its tables: an ended process's
+            // memory is free before its parent's wait returns.
+            free_dead_spaces();
             return;
         }
         let deadline = s.threads.iter().filter_map(|t| if let State::Blocked(_, d) = t.state { Some(d) } else { None }).min();

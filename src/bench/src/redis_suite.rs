@@ -83,6 +83,8 @@ struct UnitRun {
     /// The unit ran to its end (every test reported).
     finished: bool,
     wall: Duration,
+    /// What the suite printed, kept with the server's log for diagnosis.
+    output: String,
 }
 
 /// `text` without its terminal colour sequences (`ESC [ ... m`).
@@ -176,6 +178,7 @@ fn run_unit(topo: &Topology, sources: &Path, unit: &str, host: &str, timeout: Du
     let out = cmd.output()?;
     let mut run = parse(&String::from_utf8_lossy(&out.stdout));
     run.wall = started.elapsed();
+    run.output = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     if run.passed.is_empty() && run.failed.is_empty() {
         let said = |b: &[u8]| String::from_utf8_lossy(b).lines().rev().take(5).collect::<Vec<_>>().join(" | ");
         eprintln!("{unit}: no test reported ({}): {} {}", out.status, said(&out.stdout), said(&out.stderr));
@@ -200,6 +203,8 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let dir = Scratch::new("redis-suite")?;
     let timeout = Duration::from_secs(opts.unit_timeout_s);
     let mut results: BTreeMap<(String, Setting), UnitRun> = BTreeMap::new();
+    let logs = out.join("redis-suite-logs");
+    std::fs::create_dir_all(&logs)?;
     for unit in &units {
         for &setting in &opts.settings {
             let (native, guest, host) = server(&topo, &ftvm, &image, setting, dir.path())?;
@@ -211,7 +216,14 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 if run.finished { "" } else { "NOT FINISHED " },
                 run.wall.as_secs_f64()
             );
+            let server_log = match (&native, &guest) {
+                (Some(p), _) => p.output(),
+                (_, Some(g)) => g.vmm.output(),
+                _ => String::new(),
+            };
             drop((native, guest));
+            let log = logs.join(format!("{}-{setting}.txt", unit.replace('/', "_")));
+            std::fs::write(&log, format!("== suite ==\n{}\n== server ==\n{server_log}", run.output))?;
             results.insert((unit.clone(), setting), run);
         }
     }

@@ -167,9 +167,10 @@ fn threads_share_memory_through_futexes_and_join() {
 #[test]
 fn forked_children_have_their_own_memory_and_are_reaped() {
     for options in ["", "syscall=trap "] {
-        // Children's copies come from the runtime's share (rtmem): four
-        // children at once, each with the 8 MiB main stack; one asks for a
-        // 160 MiB mapping it cannot have.
+        // Children's frames come from the program region's free memory,
+        // not the runtime's share (rtmem): one maps 160 MiB, more than
+        // rtmem, and another holds a quarter of the region while the
+        // parent cannot have seven eighths of it.
         let out = ftvm()
             .args(["run", "--memory", "512", "--image"])
             .arg(program("linux-fork"))
@@ -180,6 +181,7 @@ fn forked_children_have_their_own_memory_and_are_reaped() {
         assert_eq!(out.status.code(), Some(0), "{options}: {text}{}", stderr(&out));
         for line in [
             "fork: copy ok child_status=7\n",
+            "fork: shared region ok refused=1 zero=1 status=5\n",
             "fork: several ok children=4 statuses=46\n",
             "fork: kill ok SIGTERM SIGKILL SIGUSR1\n",
             "fork: stream ok bytes=1048576 nested_status=23\n",
