@@ -131,8 +131,9 @@ fn reach(phys: u64) -> *mut u8 {
 /// address, zero when made: a 2 MiB chunk of the program region that
 /// process 1's allocator lends (free memory of the region, not the
 /// runtime's share), or, for pages and when the region has no free chunk,
-/// a block of the runtime's heap.
-struct Frame {
+/// a block of the runtime's heap. Files in memory keep large data in
+/// chunk frames too (`filedata`).
+pub struct Frame {
     addr: u64,
     size: u64,
     from: Source,
@@ -167,8 +168,14 @@ impl Frame {
         self.addr
     }
 
-    /// Where the runtime reaches it now.
-    fn ptr(&self) -> *mut u8 {
+    /// A zero 2 MiB frame.
+    pub fn chunk() -> Result<Frame, Errno> {
+        Frame::new(CHUNK)
+    }
+
+    /// Where the runtime reaches it now (valid until the tables loaded
+    /// change: no system call switches them in the middle of a copy).
+    pub fn ptr(&self) -> *mut u8 {
         match self.from {
             Source::Region => reach(self.addr),
             // The runtime's heap is identity-mapped in every space.

@@ -27,6 +27,7 @@ mod errno;
 mod eventfd;
 mod exec;
 mod fd;
+mod filedata;
 mod fs;
 mod mm;
 mod net;

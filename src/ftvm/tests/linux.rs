@@ -215,6 +215,21 @@ fn memory_files_pipes_and_epoll_behave_as_on_linux() {
     assert_eq!(without_counts(&text), "memfiles: memory ok\nmemfiles: files ok\nmemfiles: pipe ok\n", "{text}");
 }
 
+/// A file larger than the runtime's share of memory: its data lives in
+/// the program region's free memory, and goes back there when unlinked.
+#[test]
+fn a_file_larger_than_the_runtimes_share_lives_in_program_memory() {
+    let out = ftvm()
+        .args(["run", "--memory", "512", "--image"])
+        .arg(program("linux-memfiles"))
+        .arg("--cmdline=rtmem=32 -- memfiles big")
+        .output()
+        .expect("ftvm runs");
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    assert!(text.contains("memfiles: big file ok mib=160 refused=1 zero=1\n"), "{text}");
+}
+
 /// The fault program run as `args` with the default syscalls, and with
 /// `syscall=jmp` and `syscall=trap`: each run (with its options) ended by
 /// its fault, exit 1, after saying it was about to fault.
