@@ -16,7 +16,12 @@
 //! path) and in the VM (the Linux personality, a private topology as the
 //! other benchmarks use). The table gives passed and failed tests per unit
 //! and setting and the wall time; then every test that passes natively and
-//! fails in ftvm, by name.
+//! fails in ftvm, by name. What the suite printed and the server's log, per
+//! unit and setting, go to OUT/redis-suite-logs/ for diagnosis.
+//!
+//! The VM gets 1 GiB by default (`--memory-mib`): the Linux personality's
+//! fork copies the parent's memory, so a background save or AOF rewrite of
+//! a dataset needs room for two copies of it and for the files written.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -47,6 +52,11 @@ pub struct Options {
     /// Give up a unit after this many seconds (it counts as not finished).
     #[arg(long, default_value_t = 600)]
     unit_timeout_s: u64,
+    /// The VM's memory in MiB. A fork copies the server's memory (no
+    /// copy-on-write): a BGREWRITEAOF under the aofrw unit's load needs
+    /// twice the dataset plus the AOF files, more than 512 MiB.
+    #[arg(long, default_value_t = 1024)]
+    memory_mib: u64,
     /// The Redis sources holding tests/ (default: what scripts/build-redis.sh unpacked).
     #[arg(long)]
     sources: Option<PathBuf>,
@@ -133,6 +143,7 @@ fn server(
     image: &Path,
     setting: Setting,
     dir: &Path,
+    memory_mib: u64,
 ) -> Result<(Option<Process>, Option<Guest>, &'static str), BoxError> {
     match setting {
         Setting::Native => {
@@ -148,7 +159,7 @@ fn server(
         }
         Setting::Ftvm | Setting::Protected => {
             let protect = (setting == Setting::Protected).then_some(Protection { dir, epoch_ms: None, extra: &[] });
-            let mut guest = Guest::start(topo, ftvm, image, App::Redis, "", protect)?;
+            let mut guest = Guest::start(topo, ftvm, image, App::Redis, &format!("--memory={memory_mib}"), protect)?;
             wait_serving(topo, GUEST_ADDR, &mut guest.vmm)?;
             Ok((None, Some(guest), GUEST_ADDR))
         }
@@ -207,7 +218,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     std::fs::create_dir_all(&logs)?;
     for unit in &units {
         for &setting in &opts.settings {
-            let (native, guest, host) = server(&topo, &ftvm, &image, setting, dir.path())?;
+            let (native, guest, host) = server(&topo, &ftvm, &image, setting, dir.path(), opts.memory_mib)?;
             let run = run_unit(&topo, &sources, unit, host, timeout)?;
             println!(
                 "{unit:<28} {setting:<9} passed {:>4} failed {:>3} {}{:>6.1} s",

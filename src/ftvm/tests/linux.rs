@@ -602,6 +602,51 @@ fn redis_bgsave_forks_a_child_that_writes_a_snapshot_the_next_vm_loads() {
     assert_running(&mut vmm);
 }
 
+/// BGREWRITEAOF under write load, with the runtime's share of memory
+/// smaller than the dataset (rtmem=32): the child's copy of the server's
+/// memory and the in-memory AOF files both come from the program's memory.
+/// The rewritten AOF is complete: the server reloading it (DEBUG LOADAOF,
+/// as Redis's own aofrw test does) has the same data, by digest and size.
+#[test]
+fn redis_rewrites_its_aof_under_write_load_with_a_small_runtime_share() {
+    let topo = Topology::new("lxaofrw").unwrap();
+    let mut vmm = redis_with(&topo, "rtmem=32", "--appendonly yes --aof-use-rdb-preamble no", None);
+    // About 30 MB of data, more than the runtime's share, then a load
+    // running through the rewrite.
+    assert_eq!(cli(&topo, &["DEBUG", "POPULATE", "150000", "key", "100"]), "OK");
+    let load = |n: &str| {
+        let mut cmd = topo.command("client", "timeout");
+        cmd.args(["120", "redis-benchmark", "-h", GUEST_ADDR, "-t", "set", "-r", "1000000", "-d", "100", "-n", n, "-c", "5", "-q"]);
+        cmd.stdin(Stdio::null());
+        Process::spawn_collected("redis-benchmark", &mut cmd).expect("redis-benchmark spawns")
+    };
+    let mut writers = load("200000");
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(cli(&topo, &["BGREWRITEAOF"]), "Background append only file rewriting started");
+    let t0 = std::time::Instant::now();
+    while persistence(&topo, "aof_rewrite_in_progress") != "0" {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the rewrite did not finish:\n{}", vmm.output());
+        assert_running(&mut vmm);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The load ran through the whole rewrite: the parent's diff and the
+    // writes after it are in the new file too.
+    assert!(writers.running(), "the load ended before the rewrite did");
+    let status = writers.wait_with_output_within(Duration::from_secs(120)).expect("redis-benchmark ends");
+    assert!(status.status.success(), "{}{}", stdout(&status), stderr(&status));
+    assert_eq!(persistence(&topo, "aof_last_bgrewrite_status"), "ok", "{}", vmm.output());
+    assert!(vmm.stdout().contains("Background AOF rewrite finished successfully"), "{}", vmm.stdout());
+    assert_eq!(cli(&topo, &["SET", "after", "the rewrite"]), "OK");
+    let (digest, size) = (cli(&topo, &["DEBUG", "DIGEST"]), cli(&topo, &["DBSIZE"]));
+    assert!(size.parse::<u64>().unwrap() > 150_000, "{size}");
+    assert_eq!(cli(&topo, &["DEBUG", "LOADAOF"]), "OK");
+    assert_eq!(cli(&topo, &["DEBUG", "DIGEST"]), digest);
+    assert_eq!(cli(&topo, &["DBSIZE"]), size);
+    assert_eq!(cli(&topo, &["GET", "after"]), "the rewrite");
+    assert!(!vmm.stdout().contains("Out Of Memory") && !vmm.stdout().contains("No space left"), "{}", vmm.stdout());
+    assert_running(&mut vmm);
+}
+
 #[test]
 fn redis_append_only_file_survives_a_sigkilled_vmm() {
     use ftvm_testkit::scratch::Scratch;
