@@ -22,15 +22,22 @@
 //! `fork` copies what the parent uses: its image pages and every 2 MiB chunk
 //! of its region holding a claimed page (only the claimed bytes; the rest of
 //! a fresh frame is zero, as unclaimed memory always is). Chunks the child
-//! claims later get a zeroed frame when claimed (`back`). Frames come from
-//! the runtime's heap (`rtmem=`), which must hold the children's copies.
+//! claims later get a zeroed frame when claimed (`back`). A chunk's frame
+//! is a free 2 MiB chunk of the program region that process 1's allocator
+//! lends (`mm`): the children's copies share the VM's memory with the
+//! program, not the runtime's fixed share (`rtmem=`), which only backs
+//! image pages and chunks when the region has none free. Process 1 runs
+//! on the VMM's tables, where a lent chunk is at its own address; every
+//! other space maps the whole region a second time at [`WINDOW`], where
+//! the runtime reaches a frame whatever process is loaded ([`reach`]).
 //! Everything lives in guest RAM and the vCPU's CR3, so checkpoints and
 //! failover carry processes like any other state.
 //!
 //! Measured (guest/README.md, `fork bench`): an address-space switch costs
 //! 43-50 µs (the hypercall, KVM_SET_SREGS, KVM's shadow tables for the new
-//! root); a fork 2-4.5 ms per MiB copied into runtime memory touched for
-//! the first time, 0.22-0.36 ms per MiB into reused memory.
+//! root); a fork 2-4.5 ms per MiB copied into memory touched for the first
+//! time, 0.22-0.36 ms per MiB into reused memory (measured with frames on
+//! the runtime's heap; lent chunks are the same kind of memory).
 
 use alloc::alloc::{alloc_zeroed, dealloc};
 use alloc::boxed::Box;
