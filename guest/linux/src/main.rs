@@ -23,13 +23,11 @@ mod aspace;
 mod cmdline;
 mod disk;
 mod entry;
-mod errno;
 mod eventfd;
 mod exec;
 mod fd;
 mod filedata;
 mod fs;
-mod mm;
 mod net;
 mod options;
 mod pipe;
@@ -45,6 +43,7 @@ mod vdso;
 
 use core::alloc::Layout;
 
+use ftvm_linux::{errno, mm};
 use ftvm_rt::{println, Args};
 
 ftvm_rt::entry!(main, linux_syscall_entry = entry::ftvm_linux_syscall_entry);

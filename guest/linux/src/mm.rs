@@ -288,3 +288,68 @@ impl Memory {
         Ok(new)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::vec::Vec;
+
+    const CHUNK: u64 = 2 << 20;
+
+    /// A region of `chunks` 2 MiB chunks of real (zero) memory, aligned.
+    fn region(chunks: u64) -> (Vec<u8>, Memory) {
+        let buf = std::vec![0u8; ((chunks + 1) * CHUNK) as usize];
+        let base = (buf.as_ptr() as u64).div_ceil(CHUNK) * CHUNK;
+        (buf, Memory::new(base, base + chunks * CHUNK))
+    }
+
+    #[test]
+    fn a_lent_chunk_is_neither_free_nor_the_programs() {
+        let (_buf, mut m) = region(8);
+        let (base, end) = m.bounds();
+        let mapped = m.map(0, 3 * CHUNK, false).unwrap();
+        assert_eq!(mapped, end - 3 * CHUNK);
+        // Top-down below the mapping, aligned.
+        let lent = m.lend(CHUNK).unwrap();
+        assert_eq!(lent, mapped - CHUNK);
+        // Not the program's: fork copies only the mapping.
+        assert_eq!(m.used(), std::vec![(mapped, end)]);
+        // Not free: a mapping goes below it, MAP_FIXED over it is refused.
+        assert_eq!(m.map(0, CHUNK, false).unwrap(), lent - CHUNK);
+        assert_eq!(m.map(lent + PAGE, PAGE, true), Err(ENOMEM));
+        // A child sees its addresses free.
+        let child = m.for_child();
+        assert_eq!(child.used(), std::vec![(lent - CHUNK, lent), (mapped, end)]);
+        assert!(child.is_free(lent, lent + CHUNK));
+        // munmap and madvise over it leave it alone (it is not zeroed).
+        // SAFETY: inside the test's buffer.
+        unsafe { (lent as *mut u8).write(7) };
+        m.unmap(lent - CHUNK, 2 * CHUNK).unwrap();
+        m.discard(lent, CHUNK).unwrap();
+        // SAFETY: as above.
+        assert_eq!(unsafe { (lent as *const u8).read() }, 7);
+        assert_eq!(m.used(), std::vec![(mapped, end)]);
+        // Back (zeroed by the borrower): free, merged with its neighbours.
+        // SAFETY: as above.
+        unsafe { (lent as *mut u8).write(0) };
+        m.give_back(lent);
+        assert!(m.is_free(base, mapped));
+        assert_eq!(m.lent.len(), 0);
+    }
+
+    #[test]
+    fn lending_keeps_above_the_heap_and_stops_when_full() {
+        let (_buf, mut m) = region(4);
+        let (base, _) = m.bounds();
+        assert_eq!(m.brk(base + CHUNK + 1), base + CHUNK + 1);
+        let a = m.lend(CHUNK).unwrap();
+        let b = m.lend(CHUNK).unwrap();
+        assert_eq!((a - base, b - base), (3 * CHUNK, 2 * CHUNK));
+        // The heap's last chunk is partly claimed: nothing left to lend.
+        assert_eq!(m.lend(CHUNK), None);
+        // The heap cannot grow into a lent chunk.
+        assert_eq!(m.brk(base + 3 * CHUNK), base + CHUNK + 1);
+        m.give_back(b);
+        assert_eq!(m.brk(base + 3 * CHUNK), base + 3 * CHUNK);
+    }
+}
