@@ -159,6 +159,9 @@ fn threads_share_memory_through_futexes_and_join() {
     let order: Vec<&str> = text.lines().filter(|l| l.contains("done mine=")).collect();
     assert_eq!(order, (0..4).map(|i| format!("threads: worker {i} done mine=10000")).collect::<Vec<_>>(), "{text}");
     assert!(text.contains("threads: counter=40000 joined=60 main_tls=0\n"), "{text}");
+    // pthread_kill's handler runs in the thread signalled, pthread_cancel
+    // ends a thread blocked in pthread_cond_wait.
+    assert!(text.contains("threads: one-thread signals in_target=1 read_on=1 cancelled=1\n"), "{text}");
 }
 
 /// fork: each child has its own copy of the parent's memory, talks to it
