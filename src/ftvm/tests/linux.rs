@@ -650,6 +650,25 @@ fn redis_rewrites_its_aof_under_write_load_with_a_small_runtime_share() {
     assert_running(&mut vmm);
 }
 
+/// A redis-server that panics (DEBUG PANIC) cancels its background
+/// threads (pthread_cancel, a signal to one thread), joins them, prints its
+/// crash report and aborts: the VM ends with the program's signal status.
+#[test]
+fn a_panicking_redis_server_cancels_its_threads_and_ends_the_vm() {
+    let topo = Topology::new("lxpanic").unwrap();
+    let mut vmm = redis(&topo, "");
+    let out = topo.command("client", "timeout").args(["10", "redis-cli", "-h", GUEST_ADDR, "DEBUG", "PANIC"]).output().unwrap();
+    assert!(!out.status.success() || stdout(&out).contains("Error"), "{}", stdout(&out));
+    let status = match vmm.wait_until(Duration::from_secs(30), |_| false) {
+        Err(WaitError::Exited(status)) => status,
+        other => panic!("the VM did not end ({other:?}):\n{}", vmm.output()),
+    };
+    let text = vmm.stdout();
+    assert!(text.contains("Bio thread for job type #0 terminated"), "{text}");
+    assert!(text.contains("linux: killed by signal"), "{text}");
+    assert_eq!(status.code(), Some(128 + 6), "{text}");
+}
+
 #[test]
 fn redis_append_only_file_survives_a_sigkilled_vmm() {
     use ftvm_testkit::scratch::Scratch;
