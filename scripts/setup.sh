@@ -12,7 +12,8 @@ command -v cargo >/dev/null || { echo "setup: cargo not found: install Rust (rus
 # The network tests drive real clients (redis-cli, ping) against guests in
 # network namespaces; redis-server is there for native baselines, and it
 # and memcached are Debian's dynamically linked programs that the Linux
-# personality runs unmodified (tests/dynamic.rs); etcd is
+# personality runs unmodified (tests/dynamic.rs), libmemcached-tools the
+# client tools run against that memcached (memcapable, memaslap); etcd is
 # the replication arbiter (tests and the demo start their own instances);
 # prometheus (and its promtool) scrapes --metrics-listen in the tests.
 # libclang-dev is for the userfaultfd crate's bindings (bindgen).
@@ -20,7 +21,7 @@ command -v cargo >/dev/null || { echo "setup: cargo not found: install Rust (rus
 # personality runs (scripts/build-images.sh, scripts/build-redis.sh); gcc
 # the dynamically linked ones (glibc). tcl runs Redis's own test suite
 # (ftvm-bench redis-suite).
-apt_packages=(redis-tools redis-server memcached gcc libc6-dev tcl iproute2 iputils-ping tcpdump etcd-server etcd-client prometheus musl-tools libclang-dev)
+apt_packages=(redis-tools redis-server memcached libmemcached-tools gcc libc6-dev tcl iproute2 iputils-ping tcpdump etcd-server etcd-client prometheus musl-tools libclang-dev)
 # pip fetches the Redis sources (scripts/build-redis.sh).
 python3 -m pip --version >/dev/null 2>&1 || apt_packages+=(python3-pip)
 missing=()

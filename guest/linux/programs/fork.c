@@ -2,7 +2,8 @@
  * (image data, heap, stack, mmap), pipes between them, wait4 (blocking,
  * WNOHANG, exit and signal statuses, ECHILD), waitid, getpid/getppid, kill with
  * SIGTERM/SIGKILL/SIGUSR1, nested fork, SIGCHLD ignored (no zombies).
- *   fork              the checks (run with rtmem=96): "fork: ... ok" lines
+ *   fork              the checks (run with rtmem=96 and --memory 512):
+ *                     "fork: ... ok" lines
  *   fork bench        fork cost per MiB and process-switch cost instead
  *   fork slow MS      one child working for MS ms (for failover tests) */
 #include <errno.h>
@@ -13,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/sysinfo.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -68,10 +70,17 @@ static void copies(void) {
         char *more = malloc(16 << 20);
         memset(more, 'N', 16 << 20);
         int kept = all(data, sizeof data, 'C') && all(heap, 1 << 20, 'C') && all(more, 16 << 20, 'N');
-        /* More than the runtime can give the child (run with rtmem=96):
-         * refused, and the child goes on. */
-        char *huge = mmap(NULL, 160 << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        int refused = huge == MAP_FAILED && errno == ENOMEM;
+        /* More than the runtime keeps for itself (run with rtmem=96): the
+         * child's frames come from the program region's free memory. */
+        char *beyond = mmap(NULL, 160 << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        int big = beyond != MAP_FAILED && all(beyond, 4096, 0);
+        for (size_t at = 0; big && at < (160 << 20); at += 2 << 20)
+            beyond[at] = 'B';
+        /* More than the region holds: refused, and the child goes on. */
+        struct sysinfo si;
+        CHECK(sysinfo(&si) == 0);
+        char *huge = mmap(NULL, si.totalram * si.mem_unit, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        int refused = big && huge == MAP_FAILED && errno == ENOMEM;
         char *after = mmap(NULL, 2 << 20, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         refused = refused && after != MAP_FAILED && all(after, 2 << 20, 0);
         dprintf(p[1], "pid=%d ppid_ok=%d saw=%d kept=%d refused=%d", (int)getpid(), getppid() == parent, saw, kept, refused);
@@ -101,6 +110,51 @@ static void copies(void) {
     printf("fork: copy ok child_status=%d\n", WEXITSTATUS(st));
     free(heap);
     munmap(map, 4 << 20);
+}
+
+/* A child's memory comes out of the free memory of the region the parent's
+ * comes from (the personality's memory model): while a child holds a
+ * quarter of the region (more than the runtime's share, rtmem=96), the
+ * parent cannot map seven eighths of it; once the child is reaped it can,
+ * and that memory reads as zero (the child's frames were zeroed on the
+ * way back). */
+static void shared_region(void) {
+    struct sysinfo si;
+    CHECK(sysinfo(&si) == 0);
+    size_t region = si.totalram * si.mem_unit, hold = region / 4, want = region / 8 * 7;
+    int ready[2], done[2];
+    CHECK(pipe(ready) == 0 && pipe(done) == 0);
+    pid_t pid = fork();
+    CHECK(pid >= 0);
+    if (pid == 0) {
+        close(ready[0]);
+        close(done[1]);
+        char *m = mmap(NULL, hold, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        CHECK(m != MAP_FAILED);
+        for (size_t at = 0; at < hold; at += 4096)
+            m[at] = 'H';
+        CHECK(write(ready[1], "r", 1) == 1);
+        char c;
+        CHECK(read(done[0], &c, 1) == 0);
+        _exit(all(m, 1, 'H') ? 5 : 6);
+    }
+    close(ready[1]);
+    close(done[0]);
+    char c;
+    CHECK(read(ready[0], &c, 1) == 1);
+    char *m = mmap(NULL, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    int refused = m == MAP_FAILED && errno == ENOMEM;
+    close(done[1]);
+    int st;
+    CHECK(waitpid(pid, &st, 0) == pid && WIFEXITED(st));
+    m = mmap(NULL, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(m != MAP_FAILED);
+    int zero = 1;
+    for (size_t at = 0; at < want; at += 4096)
+        zero &= m[at] == 0;
+    CHECK(munmap(m, want) == 0);
+    close(ready[0]);
+    printf("fork: shared region ok refused=%d zero=%d status=%d\n", refused, zero, WEXITSTATUS(st));
 }
 
 static void several(void) {
@@ -526,6 +580,7 @@ int main(int argc, char **argv) {
         return 0;
     }
     copies();
+    shared_region();
     several();
     signals();
     streams_and_nesting();

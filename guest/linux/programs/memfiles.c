@@ -1,6 +1,11 @@
 /* Memory and files: brk (malloc), anonymous mmap/munmap/mremap, and the
  * in-memory file system (/dev/null, /dev/urandom, a file written, read back,
- * renamed and unlinked), pipes, epoll on a pipe. */
+ * renamed and unlinked), pipes, epoll on a pipe.
+ *   memfiles       those checks
+ *   memfiles big   a file larger than the runtime's share of memory (run
+ *                  with rtmem=32 and --memory 512): written, read back,
+ *                  cut and extended, its memory the program's while it
+ *                  exists and back once it is unlinked */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <stdio.h>
@@ -9,11 +14,65 @@
 #include <sys/epoll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
 #define CHECK(c) do { if (!(c)) { printf("memfiles: FAILED %s at line %d\n", #c, __LINE__); return 1; } } while (0)
 
-int main(void) {
+static unsigned char at(size_t pos) {
+    return (unsigned char)(pos * 7 + pos / 4093);
+}
+
+static int big(void) {
+    enum { MIB = 1 << 20, SIZE = 160 * MIB };
+    struct sysinfo si;
+    CHECK(sysinfo(&si) == 0);
+    size_t region = si.totalram * si.mem_unit, want = region / 8 * 7;
+    static unsigned char buf[3 * MIB + 11];
+    int fd = open("/tmp/big", O_RDWR | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0);
+    /* Odd-sized writes, so that they straddle the file's 2 MiB pieces. */
+    for (size_t pos = 0; pos < SIZE;) {
+        size_t n = sizeof buf < SIZE - pos ? sizeof buf : SIZE - pos;
+        for (size_t i = 0; i < n; i++)
+            buf[i] = at(pos + i);
+        CHECK(write(fd, buf, n) == (ssize_t)n);
+        pos += n;
+    }
+    struct stat st;
+    CHECK(fstat(fd, &st) == 0 && st.st_size == SIZE);
+    for (size_t pos = 0; pos < SIZE; pos += sizeof buf) {
+        ssize_t n = pread(fd, buf, sizeof buf, pos);
+        CHECK(n == (ssize_t)(sizeof buf < SIZE - pos ? sizeof buf : SIZE - pos));
+        for (ssize_t i = 0; i < n; i++)
+            CHECK(buf[i] == at(pos + i));
+    }
+    /* The file's memory is the program's: seven eighths of it is too much. */
+    char *m = mmap(NULL, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    int refused = m == MAP_FAILED;
+    /* Cut inside a piece, then extended: the cut bytes read as zero. */
+    CHECK(ftruncate(fd, 3 * MIB + 5) == 0 && ftruncate(fd, 5 * MIB) == 0);
+    CHECK(pread(fd, buf, 16, 3 * MIB) == 16);
+    for (int i = 0; i < 16; i++)
+        CHECK(buf[i] == (i < 5 ? at(3 * MIB + i) : 0));
+    CHECK(pread(fd, buf, 16, 5 * MIB - 16) == 16 && buf[0] == 0 && buf[15] == 0);
+    /* A write past the end leaves zeros in the gap. */
+    CHECK(pwrite(fd, "end", 3, 9 * MIB) == 3 && pread(fd, buf, 4, 9 * MIB - 1) == 4);
+    CHECK(buf[0] == 0 && memcmp(buf + 1, "end", 3) == 0);
+    close(fd);
+    CHECK(unlink("/tmp/big") == 0);
+    m = mmap(NULL, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(m != MAP_FAILED);
+    int zero = 1;
+    for (size_t pos = 0; pos < want; pos += 4096)
+        zero &= m[pos] == 0;
+    printf("memfiles: big file ok mib=%d refused=%d zero=%d\n", SIZE / MIB, refused, zero);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc == 2 && strcmp(argv[1], "big") == 0)
+        return big();
     /* brk and mmap through malloc, big and small. */
     char *small = malloc(100), *big = malloc(8 << 20);
     CHECK(small && big);

@@ -22,20 +22,28 @@
 //! `fork` copies what the parent uses: its image pages and every 2 MiB chunk
 //! of its region holding a claimed page (only the claimed bytes; the rest of
 //! a fresh frame is zero, as unclaimed memory always is). Chunks the child
-//! claims later get a zeroed frame when claimed (`back`). Frames come from
-//! the runtime's heap (`rtmem=`), which must hold the children's copies.
+//! claims later get a zeroed frame when claimed (`back`). A chunk's frame
+//! is a free 2 MiB chunk of the program region that process 1's allocator
+//! lends (`mm`): the children's copies share the VM's memory with the
+//! program, not the runtime's fixed share (`rtmem=`), which only backs
+//! image pages and chunks when the region has none free. Process 1 runs
+//! on the VMM's tables, where a lent chunk is at its own address; every
+//! other space maps the whole region a second time at [`WINDOW`], where
+//! the runtime reaches a frame whatever process is loaded ([`reach`]).
 //! Everything lives in guest RAM and the vCPU's CR3, so checkpoints and
 //! failover carry processes like any other state.
 //!
 //! Measured (guest/README.md, `fork bench`): an address-space switch costs
 //! 43-50 µs (the hypercall, KVM_SET_SREGS, KVM's shadow tables for the new
-//! root); a fork 2-4.5 ms per MiB copied into runtime memory touched for
-//! the first time, 0.22-0.36 ms per MiB into reused memory.
+//! root); a fork 2-4.5 ms per MiB copied into memory touched for the first
+//! time, 0.22-0.36 ms per MiB into reused memory (measured with frames on
+//! the runtime's heap; lent chunks are the same kind of memory).
 
 use alloc::alloc::{alloc_zeroed, dealloc};
 use alloc::boxed::Box;
 use alloc::collections::BTreeMap;
 use core::alloc::Layout;
+use core::sync::atomic::{AtomicU64, Ordering};
 
 use ftvm_abi::layout::PAGE_TABLE_ROOT;
 
@@ -75,15 +83,81 @@ impl Table {
 /// fail for want of it, which would end the VM.
 const RESERVE: usize = 8 << 20;
 
-/// Memory a process has in place of the identity-mapped one at some address:
-/// a page or a chunk of the runtime's heap, zero when made.
-struct Frame {
-    ptr: *mut u8,
-    layout: Layout,
+/// Where every address space but process 1's (the VMM's tables) sees the
+/// program region's physical memory: at this offset from its
+/// guest-physical address (PML4 entry 1; RAM is far below 512 GiB). In a
+/// child the region's own addresses map the child's frames, so a chunk of
+/// the region lent to a process as a frame is reached here whatever tables
+/// are loaded ([`reach`]).
+const WINDOW: u64 = 512 * GIB;
+
+/// The window's tables, shared by every address space: 2 MiB pages over
+/// the program region, built once (`init`).
+struct Window {
+    pdpt: Box<Table>,
+    _pds: alloc::vec::Vec<Box<Table>>,
+}
+
+static WINDOW_TABLES: spin::Once<Window> = spin::Once::new();
+
+/// The tables loaded now (0: the VMM's), kept by [`load`].
+static LOADED: AtomicU64 = AtomicU64::new(0);
+
+/// Map the program region `[base, end)` (2 MiB aligned) in the window.
+pub fn init(base: u64, end: u64) {
+    WINDOW_TABLES.call_once(|| {
+        let mut pdpt = Box::new(Table([0; 512]));
+        let mut pds = alloc::vec::Vec::new();
+        for gib in base / GIB..end.div_ceil(GIB) {
+            let mut pd = Box::new(Table([0; 512]));
+            for (i, e) in pd.0.iter_mut().enumerate() {
+                let phys = gib * GIB + i as u64 * CHUNK;
+                if (base..end).contains(&phys) {
+                    *e = phys | USER | PTE_LARGE;
+                }
+            }
+            pdpt.0[gib as usize] = pd.addr() | USER;
+            pds.push(pd);
+        }
+        Window { pdpt, _pds: pds }
+    });
+}
+
+/// Where the runtime reaches guest-physical program-region memory `phys`
+/// with the tables loaded now: at `phys` under the VMM's identity tables,
+/// through the window under a process's own.
+fn reach(phys: u64) -> *mut u8 {
+    if LOADED.load(Ordering::Relaxed) == 0 {
+        phys as *mut u8
+    } else {
+        (WINDOW + phys) as *mut u8
+    }
+}
+
+/// Memory a process has in place of the identity-mapped one at some
+/// address, zero when made: a 2 MiB chunk of the program region that
+/// process 1's allocator lends (free memory of the region, not the
+/// runtime's share), or, for pages and when the region has no free chunk,
+/// a block of the runtime's heap. Files in memory keep large data in
+/// chunk frames too (`filedata`).
+pub struct Frame {
+    addr: u64,
+    size: u64,
+    from: Source,
+}
+
+enum Source {
+    Region,
+    Heap(Layout),
 }
 
 impl Frame {
     fn new(size: u64) -> Result<Frame, Errno> {
+        if size == CHUNK {
+            if let Some(addr) = lender(|m| m.lend(CHUNK)).flatten() {
+                return Ok(Frame { addr, size, from: Source::Region });
+            }
+        }
         if ftvm_rt::heap::free_bytes() < size as usize + RESERVE {
             return Err(ENOMEM);
         }
@@ -93,22 +167,55 @@ impl Frame {
         if ptr.is_null() {
             return Err(ENOMEM);
         }
-        Ok(Frame { ptr, layout })
+        Ok(Frame { addr: ptr as u64, size, from: Source::Heap(layout) })
     }
 
+    /// Its guest-physical address, what page tables map.
     fn addr(&self) -> u64 {
-        self.ptr as u64
+        self.addr
     }
+
+    /// A zero 2 MiB frame.
+    pub fn chunk() -> Result<Frame, Errno> {
+        Frame::new(CHUNK)
+    }
+
+    /// Where the runtime reaches it now (valid until the tables loaded
+    /// change: no system call switches them in the middle of a copy).
+    pub fn ptr(&self) -> *mut u8 {
+        match self.from {
+            Source::Region => reach(self.addr),
+            // The runtime's heap is identity-mapped in every space.
+            Source::Heap(_) => self.addr as *mut u8,
+        }
+    }
+}
+
+/// `f` on process 1's memory allocator, which lends the region's free
+/// chunks; None once process 1 has ended (the VM ends with it).
+fn lender<R>(f: impl FnOnce(&mut crate::mm::Memory) -> R) -> Option<R> {
+    let init = crate::process::get(crate::process::INIT)?;
+    let mut mem = init.mem.lock();
+    mem.as_mut().map(f)
 }
 
 impl Drop for Frame {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { dealloc(self.ptr, self.layout) };
+        match self.from {
+            Source::Region => {
+                // Free region memory is zero: zero it before giving it back.
+                // SAFETY: the chunk was lent to this frame alone, and
+                // `reach` says where it is under the tables loaded now.
+                unsafe { core::ptr::write_bytes(self.ptr(), 0, self.size as usize) };
+                lender(|m| m.give_back(self.addr));
+            }
+            // SAFETY: allocated in `new` with this layout.
+            Source::Heap(layout) => unsafe { dealloc(self.addr as *mut u8, layout) },
+        }
     }
 }
 
-// SAFETY: a Frame owns its allocation; the runtime runs on one vCPU.
+// SAFETY: a Frame owns its memory; the runtime runs on one vCPU.
 unsafe impl Send for Frame {}
 
 pub struct AddressSpace {
@@ -128,6 +235,7 @@ impl AddressSpace {
         let mut pml4 = Table::copy_of(PAGE_TABLE_ROOT);
         let pdpt = Table::copy_of(pml4.0[0] & PTE_ADDR);
         pml4.0[0] = pdpt.addr() | USER;
+        pml4.0[1] = WINDOW_TABLES.get().expect("aspace::init ran at start").pdpt.addr() | USER;
         AddressSpace { pml4, pdpt, pds: BTreeMap::new(), pts: BTreeMap::new(), frames: BTreeMap::new() }
     }
 
@@ -183,8 +291,8 @@ impl AddressSpace {
         while page < image.1 {
             let f = Frame::new(PAGE)?;
             // SAFETY: `page` is a page of the program's image, mapped in the
-            // calling process; the frame is a fresh page of runtime memory.
-            unsafe { core::ptr::copy_nonoverlapping(page as *const u8, f.ptr, PAGE as usize) };
+            // calling process; the frame is a fresh page no one else uses.
+            unsafe { core::ptr::copy_nonoverlapping(page as *const u8, f.ptr(), PAGE as usize) };
             a.set_page(page, f.addr());
             a.frames.insert(page, f);
             page += PAGE;
@@ -200,11 +308,13 @@ impl AddressSpace {
             while at < end {
                 let chunk = at & !(CHUNK - 1);
                 let upto = end.min(chunk + CHUNK);
-                let dst = a.frames[&chunk].addr() + (at - chunk);
                 // SAFETY: [at, upto) is claimed memory of the calling
-                // process, mapped in its tables; dst is inside the chunk's
-                // fresh frame, runtime memory no one else uses.
-                unsafe { core::ptr::copy_nonoverlapping(at as *const u8, dst as *mut u8, (upto - at) as usize) };
+                // process, mapped in its tables; the destination is inside
+                // the chunk's fresh frame, which no one else uses.
+                unsafe {
+                    let dst = a.frames[&chunk].ptr().add((at - chunk) as usize);
+                    core::ptr::copy_nonoverlapping(at as *const u8, dst, (upto - at) as usize);
+                }
                 at = upto;
             }
         }
@@ -230,17 +340,18 @@ impl AddressSpace {
         Ok(())
     }
 
-    /// Where `len` bytes at `va` (aligned to `len`) of this space's memory
-    /// are in runtime memory, if it has a frame there.
-    fn frame_at(&self, va: u64, len: u64) -> Option<u64> {
+    /// Where the runtime reaches `len` bytes at `va` (aligned to `len`) of
+    /// this space's memory, if it has a frame there.
+    fn frame_at(&self, va: u64, len: u64) -> Option<*mut u8> {
         let (&at, f) = self.frames.range(..=va).next_back()?;
-        (va.is_multiple_of(len) && va + len <= at + f.layout.size() as u64).then(|| f.addr() + (va - at))
+        // SAFETY: inside the frame (checked first).
+        (va.is_multiple_of(len) && va + len <= at + f.size).then(|| unsafe { f.ptr().add((va - at) as usize) })
     }
 
     /// Write `v` at `va` in this space's memory (not the one loaded).
     pub fn write_u32(&mut self, va: u64, v: u32) -> Result<(), Errno> {
         let p = self.frame_at(va, 4).ok_or(crate::errno::EFAULT)?;
-        // SAFETY: inside one of its frames (checked), aligned; runtime memory.
+        // SAFETY: inside one of its frames (checked), aligned.
         unsafe { (p as *mut u32).write(v) };
         Ok(())
     }
@@ -266,6 +377,7 @@ impl AddressSpace {
 /// `root` is 0 or the root of a live [`AddressSpace`], which must stay alive
 /// while loaded.
 pub unsafe fn load(root: u64) {
+    LOADED.store(root, Ordering::Relaxed);
     // SAFETY: every AddressSpace maps the system area and the runtime as the
     // VMM's tables do (built from them); the caller keeps it alive.
     unsafe { ftvm_rt::set_address_space(root) };

@@ -24,6 +24,7 @@ use spin::Mutex;
 
 use crate::disk;
 use crate::errno::*;
+use crate::filedata::FileData;
 use crate::options::Options;
 
 pub type Ino = u32;
@@ -40,7 +41,7 @@ pub enum Dev {
 
 enum Node {
     Dir(BTreeMap<String, Ino>),
-    File(Vec<u8>),
+    File(FileData),
     /// A file of the root file system image, with its permission bits.
     Image(&'static [u8], u32),
     Dev(Dev),
@@ -154,12 +155,13 @@ impl Fs {
     }
 
     /// Before a file of the image changes: make it a file of the tree.
-    fn copy_up(&mut self, ino: Ino) {
+    fn copy_up(&mut self, ino: Ino) -> Result<(), Errno> {
         if let Some(inode) = self.inodes.get_mut(&ino) {
             if let Node::Image(data, _) = inode.node {
-                inode.node = Node::File(data.to_vec());
+                inode.node = Node::File(FileData::from_slice(data)?);
             }
         }
+        Ok(())
     }
 
     /// Mount the disk at `path` (a directory in memory, made if absent,
@@ -316,7 +318,7 @@ pub fn open(path: &str, create: bool, exclusive: bool, truncate: bool) -> Result
                 if let Some(id) = on_disk(parent) {
                     DISK_INO + fs.disk().create(id, &name, Kind::File, now()).map_err(disk::errno)?
                 } else {
-                    let ino = fs.alloc(Node::File(Vec::new()));
+                    let ino = fs.alloc(Node::File(FileData::default()));
                     fs.link(parent, &name, ino);
                     ino
                 }
@@ -336,12 +338,12 @@ pub fn open(path: &str, create: bool, exclusive: bool, truncate: bool) -> Result
             disk.open(id);
         } else {
             if truncate {
-                fs.copy_up(ino);
+                fs.copy_up(ino)?;
             }
             let inode = fs.inodes.get_mut(&ino).expect("looked up");
             if let Node::File(data) = &mut inode.node {
                 if truncate {
-                    data.clear();
+                    data.truncate(0)?;
                     inode.mtime_ns = now();
                 }
             }
@@ -372,7 +374,7 @@ pub fn read_at(ino: Ino, offset: u64, out: &mut [u8]) -> Result<usize, Errno> {
             return fs.disk().read(id, offset, out).map_err(disk::errno);
         }
         Ok(match fs.inodes.get(&ino).map(|i| &i.node) {
-            Some(Node::File(data)) => read_slice(data, offset, out),
+            Some(Node::File(data)) => data.read(offset as usize, out),
             Some(Node::Image(data, _)) => read_slice(data, offset, out),
             _ => 0,
         })
@@ -399,18 +401,13 @@ pub fn write_at(ino: Ino, offset: Option<u64>, bytes: &[u8]) -> Result<(usize, u
             disk.write(id, at, bytes, now()).map_err(disk::errno)?;
             return Ok((bytes.len(), at + bytes.len() as u64));
         }
-        fs.copy_up(ino);
+        fs.copy_up(ino)?;
         let inode = fs.inodes.get_mut(&ino).ok_or(EBADF)?;
         let Node::File(data) = &mut inode.node else { return Err(EBADF) };
         let at = offset.map_or(data.len(), |o| o as usize);
-        let end = at.checked_add(bytes.len()).ok_or(ENOSPC)?;
-        if data.len() < end {
-            data.try_reserve(end - data.len()).map_err(|_| ENOSPC)?;
-            data.resize(end, 0);
-        }
-        data[at..end].copy_from_slice(bytes);
+        data.write(at, bytes)?;
         inode.mtime_ns = now();
-        Ok((bytes.len(), end as u64))
+        Ok((bytes.len(), (at + bytes.len()) as u64))
     })
 }
 
@@ -419,11 +416,10 @@ pub fn truncate(ino: Ino, len: u64) -> Result<(), Errno> {
         if let Some(id) = on_disk(ino) {
             return fs.disk().truncate(id, len, now()).map_err(disk::errno);
         }
-        fs.copy_up(ino);
+        fs.copy_up(ino)?;
         let inode = fs.inodes.get_mut(&ino).ok_or(EBADF)?;
         let Node::File(data) = &mut inode.node else { return Err(EINVAL) };
-        data.resize(len as usize, 0);
-        Ok(())
+        data.truncate(len as usize)
     })
 }
 

@@ -7,4 +7,6 @@ extern crate alloc;
 #[cfg(test)]
 extern crate std;
 
+pub mod errno;
+pub mod mm;
 pub mod ready_list;

@@ -23,12 +23,11 @@ mod aspace;
 mod cmdline;
 mod disk;
 mod entry;
-mod errno;
 mod eventfd;
 mod exec;
 mod fd;
+mod filedata;
 mod fs;
-mod mm;
 mod net;
 mod options;
 mod pipe;
@@ -44,6 +43,7 @@ mod vdso;
 
 use core::alloc::Layout;
 
+use ftvm_linux::{errno, mm};
 use ftvm_rt::{println, Args};
 
 ftvm_rt::entry!(main, linux_syscall_entry = entry::ftvm_linux_syscall_entry);
@@ -100,6 +100,7 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     // SAFETY: the first page of the block we own.
     unsafe { core::ptr::write_bytes(base as *mut u8, 0, mm::PAGE as usize) };
     let mut memory = mm::Memory::new(base, base + size);
+    aspace::init(base, base + size);
     let stack = memory.map(0, MAIN_STACK, false).map_err(|e| format!("cannot map the stack: errno {e}"))?;
     sys::fork::init(program.start, program.end);
     sys::time::set_epoch(opts.epoch_ns);

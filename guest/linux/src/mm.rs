@@ -8,6 +8,13 @@
 //! Linux. Every page that is not mapped is zero (pages are zeroed when they
 //! are unmapped, never when mapped), so fresh mappings cost nothing and
 //! untouched memory is never dirtied (which a checkpoint would copy).
+//!
+//! Process 1's region is the guest-physical memory itself, so its free
+//! 2 MiB chunks are also what forked processes' frames are made of
+//! (`aspace`): such a chunk is lent (neither free nor the program's) until
+//! the frame is dropped and the chunk comes back zeroed. The program never
+//! sees a lent chunk: `fork` does not copy it, the calls that release or
+//! zero memory leave it alone, and MAP_FIXED over it fails with ENOMEM.
 
 use alloc::collections::BTreeMap;
 
@@ -27,6 +34,8 @@ pub struct Memory {
     brk: u64,
     /// Free ranges, start -> end, disjoint and not adjacent.
     free: BTreeMap<u64, u64>,
+    /// Chunks lent as other processes' frames, start -> end.
+    lent: BTreeMap<u64, u64>,
 }
 
 impl Memory {
@@ -34,7 +43,7 @@ impl Memory {
     pub fn new(base: u64, end: u64) -> Memory {
         let mut free = BTreeMap::new();
         free.insert(base, end);
-        Memory { base, end, brk_start: base, brk: base, free }
+        Memory { base, end, brk_start: base, brk: base, free, lent: BTreeMap::new() }
     }
 
     /// execve: everything the old program had is released (zeroed).
@@ -52,20 +61,67 @@ impl Memory {
         (self.base, self.end)
     }
 
-    /// The claimed ranges (everything not free), in order.
+    /// The program's claimed ranges (neither free nor lent), in order.
     pub fn used(&self) -> alloc::vec::Vec<(u64, u64)> {
+        self.claimed(self.base, self.end)
+    }
+
+    /// The program's claimed parts of `[start, end)`, in order.
+    fn claimed(&self, start: u64, end: u64) -> alloc::vec::Vec<(u64, u64)> {
         let mut out = alloc::vec::Vec::new();
-        let mut at = self.base;
-        for (&s, &e) in &self.free {
-            if at < s {
-                out.push((at, s));
+        let mut at = start;
+        while at < end {
+            let unclaimed = self.free_at(at).or_else(|| self.lent_at(at));
+            if let Some((_, e)) = unclaimed {
+                at = e.min(end);
+                continue;
             }
-            at = e;
-        }
-        if at < self.end {
-            out.push((at, self.end));
+            let next = |m: &BTreeMap<u64, u64>| m.range(at..).next().map_or(end, |(&s, _)| s.min(end));
+            let upto = next(&self.free).min(next(&self.lent));
+            out.push((at, upto));
+            at = upto;
         }
         out
+    }
+
+    /// The lent chunk containing `addr`, if any.
+    fn lent_at(&self, addr: u64) -> Option<(u64, u64)> {
+        self.lent.range(..=addr).next_back().map(|(&s, &e)| (s, e)).filter(|&(_, e)| addr < e)
+    }
+
+    fn overlaps_lent(&self, start: u64, end: u64) -> bool {
+        self.lent.range(..end).next_back().is_some_and(|(_, &e)| e > start)
+    }
+
+    /// A free, zero, `size`-aligned block of `size` bytes lent out of the
+    /// program's reach, or None. Taken top-down like mappings and above
+    /// the heap, which keeps room to grow.
+    pub fn lend(&mut self, size: u64) -> Option<u64> {
+        let brk_top = page_up(self.brk);
+        let start = self.free.iter().rev().find_map(|(&s, &e)| {
+            let start = e.checked_sub(size)? & !(size - 1);
+            (start >= s.max(brk_top)).then_some(start)
+        })?;
+        self.take(start, start + size);
+        self.lent.insert(start, start + size);
+        Some(start)
+    }
+
+    /// A lent block comes back, zeroed by the borrower: free again.
+    pub fn give_back(&mut self, start: u64) {
+        if let Some(end) = self.lent.remove(&start) {
+            self.merge_free(start, end);
+        }
+    }
+
+    /// The allocator a forked child starts with: this one's claims, and
+    /// what this one lent free (the child's addresses there are its own).
+    pub fn for_child(&self) -> Memory {
+        let mut child = self.clone();
+        for (s, e) in core::mem::take(&mut child.lent) {
+            child.merge_free(s, e);
+        }
+        child
     }
 
     /// The free range containing `addr`, if any.
@@ -97,22 +153,15 @@ impl Memory {
         self.merge_free(start, start + page_up(len));
     }
 
-    /// Release `[start, end)`: zero the parts in use and merge them into
-    /// the free ranges.
+    /// Release `[start, end)`: zero the parts the program claimed and make
+    /// them free (lent chunks stay lent).
     fn release(&mut self, start: u64, end: u64) {
-        let mut at = start;
-        while at < end {
-            if let Some((_, e)) = self.free_at(at) {
-                at = e.min(end);
-                continue;
-            }
-            let next_free = self.free.range(at..).next().map_or(end, |(&s, _)| s.min(end));
-            // SAFETY: [at, next_free) is inside the program region, mapped
-            // by the VMM and claimed by the program, which gave it up.
-            unsafe { core::ptr::write_bytes(at as *mut u8, 0, (next_free - at) as usize) };
-            at = next_free;
+        for (a, b) in self.claimed(start, end) {
+            // SAFETY: [a, b) is inside the program region, mapped by the
+            // VMM and claimed by the program, which gave it up.
+            unsafe { core::ptr::write_bytes(a as *mut u8, 0, (b - a) as usize) };
+            self.merge_free(a, b);
         }
-        self.merge_free(start, end);
     }
 
     /// Merge [start, end) with every free range it touches.
@@ -157,7 +206,7 @@ impl Memory {
         }
         let len = page_up(len);
         if fixed {
-            if !addr.is_multiple_of(PAGE) || !self.in_region(addr, len) {
+            if !addr.is_multiple_of(PAGE) || !self.in_region(addr, len) || self.overlaps_lent(addr, addr + len) {
                 return Err(if !addr.is_multiple_of(PAGE) { EINVAL } else { ENOMEM });
             }
             // MAP_FIXED discards what was there: zero it and claim it again.
@@ -194,13 +243,17 @@ impl Memory {
         let len = page_up(len);
         if self.in_region(addr, len) {
             self.release(addr, addr + len);
-            // Still mapped: claim the now-zero pages again.
+            // Still mapped: claim the now-zero pages again (not lent ones).
             let mut at = addr;
             while at < addr + len {
-                let (_, e) = self.free_at(at).expect("just released");
-                let e = e.min(addr + len);
-                self.take(at, e);
-                at = e;
+                match self.free_at(at) {
+                    Some((_, e)) => {
+                        let e = e.min(addr + len);
+                        self.take(at, e);
+                        at = e;
+                    }
+                    None => at = self.lent_at(at).map_or(addr + len, |(_, e)| e),
+                }
             }
         }
         Ok(())
@@ -233,5 +286,70 @@ impl Memory {
         unsafe { core::ptr::copy_nonoverlapping(old as *const u8, new as *mut u8, old_len as usize) };
         self.release(old, old + old_len);
         Ok(new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::vec::Vec;
+
+    const CHUNK: u64 = 2 << 20;
+
+    /// A region of `chunks` 2 MiB chunks of real (zero) memory, aligned.
+    fn region(chunks: u64) -> (Vec<u8>, Memory) {
+        let buf = std::vec![0u8; ((chunks + 1) * CHUNK) as usize];
+        let base = (buf.as_ptr() as u64).div_ceil(CHUNK) * CHUNK;
+        (buf, Memory::new(base, base + chunks * CHUNK))
+    }
+
+    #[test]
+    fn a_lent_chunk_is_neither_free_nor_the_programs() {
+        let (_buf, mut m) = region(8);
+        let (base, end) = m.bounds();
+        let mapped = m.map(0, 3 * CHUNK, false).unwrap();
+        assert_eq!(mapped, end - 3 * CHUNK);
+        // Top-down below the mapping, aligned.
+        let lent = m.lend(CHUNK).unwrap();
+        assert_eq!(lent, mapped - CHUNK);
+        // Not the program's: fork copies only the mapping.
+        assert_eq!(m.used(), std::vec![(mapped, end)]);
+        // Not free: a mapping goes below it, MAP_FIXED over it is refused.
+        assert_eq!(m.map(0, CHUNK, false).unwrap(), lent - CHUNK);
+        assert_eq!(m.map(lent + PAGE, PAGE, true), Err(ENOMEM));
+        // A child sees its addresses free.
+        let child = m.for_child();
+        assert_eq!(child.used(), std::vec![(lent - CHUNK, lent), (mapped, end)]);
+        assert!(child.is_free(lent, lent + CHUNK));
+        // munmap and madvise over it leave it alone (it is not zeroed).
+        // SAFETY: inside the test's buffer.
+        unsafe { (lent as *mut u8).write(7) };
+        m.unmap(lent - CHUNK, 2 * CHUNK).unwrap();
+        m.discard(lent, CHUNK).unwrap();
+        // SAFETY: as above.
+        assert_eq!(unsafe { (lent as *const u8).read() }, 7);
+        assert_eq!(m.used(), std::vec![(mapped, end)]);
+        // Back (zeroed by the borrower): free, merged with its neighbours.
+        // SAFETY: as above.
+        unsafe { (lent as *mut u8).write(0) };
+        m.give_back(lent);
+        assert!(m.is_free(base, mapped));
+        assert_eq!(m.lent.len(), 0);
+    }
+
+    #[test]
+    fn lending_keeps_above_the_heap_and_stops_when_full() {
+        let (_buf, mut m) = region(4);
+        let (base, _) = m.bounds();
+        assert_eq!(m.brk(base + CHUNK + 1), base + CHUNK + 1);
+        let a = m.lend(CHUNK).unwrap();
+        let b = m.lend(CHUNK).unwrap();
+        assert_eq!((a - base, b - base), (3 * CHUNK, 2 * CHUNK));
+        // The heap's last chunk is partly claimed: nothing left to lend.
+        assert_eq!(m.lend(CHUNK), None);
+        // The heap cannot grow into a lent chunk.
+        assert_eq!(m.brk(base + 3 * CHUNK), base + CHUNK + 1);
+        m.give_back(b);
+        assert_eq!(m.brk(base + 3 * CHUNK), base + 3 * CHUNK);
     }
 }

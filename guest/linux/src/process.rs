@@ -176,6 +176,12 @@ impl Process {
         }
         let sig = bits.trailing_zeros() + 1;
         self.pending.fetch_and(!(1 << (sig - 1)), Ordering::Relaxed);
+        self.treat(sig)
+    }
+
+    /// A pending signal taken by a thread: its action if caught, else the
+    /// disposition's treatment now (None).
+    pub fn treat(&self, sig: u32) -> Option<(u32, Action)> {
         let action = self.inner.lock().actions[sig as usize];
         if action.catches() {
             return Some((sig, action));
@@ -184,6 +190,11 @@ impl Process {
             self.begin_ending(signaled(sig));
         }
         None
+    }
+
+    /// Whether a handler catches `sig` now (SIGKILL never is).
+    pub fn catches(&self, sig: u32) -> bool {
+        sig != SIGKILL && self.inner.lock().actions[sig as usize].catches()
     }
 
     fn catch(&self, sig: u32) {

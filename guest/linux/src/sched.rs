@@ -76,6 +76,9 @@ pub struct Thread {
     /// Signals blocked (bit `sig - 1`): sigprocmask, and a handler's own
     /// signal and `sa_mask` while it runs.
     pub sigmask: u64,
+    /// Signals sent to this thread alone (tkill, tgkill: pthread_kill,
+    /// pthread_cancel), for its handlers; bit `sig - 1`.
+    pub own_signals: u64,
     state: State,
     /// Set by a futex wake, cleared by the waiter.
     pub woken: bool,
@@ -91,6 +94,7 @@ impl Thread {
             fs_base: 0,
             clear_child_tid: 0,
             sigmask: 0,
+            own_signals: 0,
             state: State::Runnable,
             woken: false,
         })
@@ -254,7 +258,33 @@ pub fn block(wait: Wait, deadline: u64) -> Result<(), Errno> {
 fn interrupted() -> bool {
     let s = SCHED.lock();
     let t = &s.threads[s.current];
-    t.proc.ending().is_some() || t.proc.pending(t.sigmask) != 0
+    t.proc.ending().is_some() || t.proc.pending(t.sigmask) != 0 || t.own_signals & !t.sigmask != 0
+}
+
+/// Leave `sig` pending for thread `tid` alone (its process catches it),
+/// waking it if it is blocked and does not block the signal; false if
+/// there is no such thread.
+pub fn signal_thread(tid: u32, sig: u32) -> bool {
+    let mut s = SCHED.lock();
+    let Some(t) = s.threads.iter_mut().find(|t| t.tid == tid && t.state != State::Dead) else { return false };
+    t.own_signals |= 1 << (sig - 1);
+    if matches!(t.state, State::Blocked(..)) && t.own_signals & !t.sigmask != 0 {
+        t.state = State::Runnable;
+    }
+    true
+}
+
+/// The lowest signal sent to the running thread alone that `mask` does
+/// not block, taken off its set.
+pub fn take_own_signal(mask: u64) -> Option<u32> {
+    with_current(|t| {
+        let bits = t.own_signals & !mask;
+        (bits != 0).then(|| {
+            let sig = bits.trailing_zeros() + 1;
+            t.own_signals &= !(1 << (sig - 1));
+            sig
+        })
+    })
 }
 
 /// Make one blocked thread of process `pid` runnable, to run the handler
@@ -417,17 +447,30 @@ fn wake_expired(s: &mut Sched, now: u64) {
     }
 }
 
+/// Free the address spaces of ended processes that are not loaded, outside
+/// the scheduler's lock (their frames go back to process 1's allocator,
+/// which takes its own).
+fn free_dead_spaces() {
+    let done: Vec<AddressSpace> = {
+        let mut s = SCHED.lock();
+        let loaded = s.loaded_root;
+        let (keep, done) = core::mem::take(&mut s.dead_spaces).into_iter().partition(|a| a.root() == loaded);
+        s.dead_spaces = keep;
+        done
+    };
+    drop(done);
+}
+
 /// Give the vCPU to the next runnable thread (round robin), or wait until
 /// one is runnable. The running thread's state says whether it may be
 /// picked itself.
 fn schedule() {
     loop {
+        free_dead_spaces();
         let mut s = SCHED.lock();
-        let cur = s.current;
-        // Freed here, on a stack that is not theirs, with tables not theirs.
+        // Freed here, on a stack that is not theirs.
         s.zombies.retain(|_| false);
-        let loaded = s.loaded_root;
-        s.dead_spaces.retain(|a| a.root() == loaded);
+        let cur = s.current;
         wake_expired(&mut s, time::now_ns());
         let n = s.threads.len();
         let next = (1..=n).map(|k| (cur + k) % n).find(|&i| s.threads[i].state == State::Runnable);
@@ -464,6 +507,9 @@ fn schedule() {
                 core::arch::asm!("wrfsbase {}", in(reg) fs, options(nostack, preserves_flags));
                 entry::switch(save, ksp);
             }
+            // Back in this thread, under its tables: an ended process's
+            // memory is free before its parent's wait returns.
+            free_dead_spaces();
             return;
         }
         let deadline = s.threads.iter().filter_map(|t| if let State::Blocked(_, d) = t.state { Some(d) } else { None }).min();

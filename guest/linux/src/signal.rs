@@ -9,8 +9,10 @@
 //! traps and is served). Each thread has a signal mask (sigprocmask); a
 //! blocked signal stays pending until unblocked, and while a handler runs
 //! its signal (unless SA_NODEFER) and `sa_mask` are blocked too, until its
-//! `rt_sigreturn` puts the old mask back. Not supported: alternate stacks
-//! (the handler runs on the interrupted stack).
+//! `rt_sigreturn` puts the old mask back. A signal sent to one thread
+//! (tkill, tgkill) waits for that thread, and is taken before its
+//! process's. Not supported: alternate stacks (the handler runs on the
+//! interrupted stack).
 
 use crate::entry::Frame;
 use crate::errno::{Errno, EFAULT, EINTR};
@@ -40,7 +42,12 @@ const USER_CS: u64 = 0x2b;
 pub fn deliver(frame: &mut Frame, nr: u64) {
     let p = sched::current_process();
     let mask = sched::with_current(|t| t.sigmask);
-    let Some((sig, action)) = p.take_signal(mask) else { return };
+    // The thread's own signals first, as Linux takes them.
+    let taken = match sched::take_own_signal(mask) {
+        Some(sig) => p.treat(sig),
+        None => p.take_signal(mask),
+    };
+    let Some((sig, action)) = taken else { return };
     if action.flags & SA_RESTORER == 0 {
         // No way back from the handler (libc always gives one).
         return;

@@ -55,19 +55,20 @@ impl App {
     }
 
     /// `ftvm run` arguments after the image: memory and command line, with
-    /// extra runtime options `variant` (Linux personality only).
+    /// extra runtime options `variant` (Linux personality only; its words
+    /// starting with `--` are `ftvm run` options, `--memory=MIB` replacing
+    /// the default 512).
     pub fn run_args(self, variant: &str) -> Vec<String> {
         let (vmm, runtime): (Vec<&str>, Vec<&str>) = variant.split_whitespace().partition(|w| w.starts_with("--"));
         let mut args: Vec<String> = vmm.into_iter().map(String::from).collect();
         let runtime = runtime.join(" ");
+        let memory = if args.iter().any(|a| a.starts_with("--memory=")) { vec![] } else { vec!["--memory".into(), "512".into()] };
         match self {
             App::Kv => args.extend(["--cmdline".into(), format!("ip={GUEST_ADDR}/24")]),
-            App::Redis => args.extend([
-                "--memory".into(),
-                "512".into(),
+            App::Redis => args.extend(memory.into_iter().chain([
                 "--cmdline".into(),
                 format!("{runtime} ip={GUEST_ADDR}/24 -- redis-server {}", REDIS_ARGS.join(" ")).trim_start().to_string(),
-            ]),
+            ])),
         }
         args
     }

@@ -16,7 +16,12 @@
 //! path) and in the VM (the Linux personality, a private topology as the
 //! other benchmarks use). The table gives passed and failed tests per unit
 //! and setting and the wall time; then every test that passes natively and
-//! fails in ftvm, by name.
+//! fails in ftvm, by name. What the suite printed and the server's log, per
+//! unit and setting, go to OUT/redis-suite-logs/ for diagnosis.
+//!
+//! The VM gets 1 GiB by default (`--memory-mib`): the Linux personality's
+//! fork copies the parent's memory, so a background save or AOF rewrite of
+//! a dataset needs room for two copies of it and for the files written.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -47,6 +52,11 @@ pub struct Options {
     /// Give up a unit after this many seconds (it counts as not finished).
     #[arg(long, default_value_t = 600)]
     unit_timeout_s: u64,
+    /// The VM's memory in MiB. A fork copies the server's memory (no
+    /// copy-on-write): a BGREWRITEAOF under the aofrw unit's load needs
+    /// twice the dataset plus the AOF files, more than 512 MiB.
+    #[arg(long, default_value_t = 1024)]
+    memory_mib: u64,
     /// The Redis sources holding tests/ (default: what scripts/build-redis.sh unpacked).
     #[arg(long)]
     sources: Option<PathBuf>,
@@ -83,6 +93,8 @@ struct UnitRun {
     /// The unit ran to its end (every test reported).
     finished: bool,
     wall: Duration,
+    /// What the suite printed, kept with the server's log for diagnosis.
+    output: String,
 }
 
 /// `text` without its terminal colour sequences (`ESC [ ... m`).
@@ -131,6 +143,7 @@ fn server(
     image: &Path,
     setting: Setting,
     dir: &Path,
+    memory_mib: u64,
 ) -> Result<(Option<Process>, Option<Guest>, &'static str), BoxError> {
     match setting {
         Setting::Native => {
@@ -146,7 +159,7 @@ fn server(
         }
         Setting::Ftvm | Setting::Protected => {
             let protect = (setting == Setting::Protected).then_some(Protection { dir, epoch_ms: None, extra: &[] });
-            let mut guest = Guest::start(topo, ftvm, image, App::Redis, "", protect)?;
+            let mut guest = Guest::start(topo, ftvm, image, App::Redis, &format!("--memory={memory_mib}"), protect)?;
             wait_serving(topo, GUEST_ADDR, &mut guest.vmm)?;
             Ok((None, Some(guest), GUEST_ADDR))
         }
@@ -176,6 +189,7 @@ fn run_unit(topo: &Topology, sources: &Path, unit: &str, host: &str, timeout: Du
     let out = cmd.output()?;
     let mut run = parse(&String::from_utf8_lossy(&out.stdout));
     run.wall = started.elapsed();
+    run.output = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     if run.passed.is_empty() && run.failed.is_empty() {
         let said = |b: &[u8]| String::from_utf8_lossy(b).lines().rev().take(5).collect::<Vec<_>>().join(" | ");
         eprintln!("{unit}: no test reported ({}): {} {}", out.status, said(&out.stdout), said(&out.stderr));
@@ -200,9 +214,11 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let dir = Scratch::new("redis-suite")?;
     let timeout = Duration::from_secs(opts.unit_timeout_s);
     let mut results: BTreeMap<(String, Setting), UnitRun> = BTreeMap::new();
+    let logs = out.join("redis-suite-logs");
+    std::fs::create_dir_all(&logs)?;
     for unit in &units {
         for &setting in &opts.settings {
-            let (native, guest, host) = server(&topo, &ftvm, &image, setting, dir.path())?;
+            let (native, guest, host) = server(&topo, &ftvm, &image, setting, dir.path(), opts.memory_mib)?;
             let run = run_unit(&topo, &sources, unit, host, timeout)?;
             println!(
                 "{unit:<28} {setting:<9} passed {:>4} failed {:>3} {}{:>6.1} s",
@@ -211,7 +227,14 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 if run.finished { "" } else { "NOT FINISHED " },
                 run.wall.as_secs_f64()
             );
+            let server_log = match (&native, &guest) {
+                (Some(p), _) => p.output(),
+                (_, Some(g)) => g.vmm.output(),
+                _ => String::new(),
+            };
             drop((native, guest));
+            let log = logs.join(format!("{}-{setting}.txt", unit.replace('/', "_")));
+            std::fs::write(&log, format!("== suite ==\n{}\n== server ==\n{server_log}", run.output))?;
             results.insert((unit.clone(), setting), run);
         }
     }

@@ -287,18 +287,30 @@ print("rate: %d set+get pairs/s" % (n / (time.time() - t0)))
 
 /// Debian's memcached (glibc, PIE, libevent; four worker threads waking
 /// each other through eventfd) serves a client over the TAP.
-#[test]
-fn debian_memcached_serves_a_client() {
-    let program = Path::new("/usr/bin/memcached");
+const MEMCACHED: &str = "/usr/bin/memcached";
+
+/// Debian's memcached in ftvm in `topo`'s h1, serving on GUEST_ADDR:11211
+/// (`rootfs` made for it), with `-m MIB` of item memory.
+fn memcached_vm(topo: &Topology, rootfs: &Rootfs, mib: u32) -> Process {
+    let cmdline = format!("ip={GUEST_ADDR}/24 -- {MEMCACHED} -u root -p 11211 -U 0 -m {mib}");
+    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
+    cmd.arg("run").arg("--image").arg(MEMCACHED).arg("--rootfs").arg(&rootfs.0);
+    cmd.args(["--memory", "512", "--net", &format!("tap={TAP},mac={GUEST_MAC}")]).arg(format!("--cmdline={cmdline}"));
+    Process::spawn_collected("ftvm", &mut cmd).expect("ftvm spawns")
+}
+
+fn memcached_rootfs(tag: &str) -> Rootfs {
+    let program = Path::new(MEMCACHED);
     assert!(program.exists(), "{} missing: scripts/setup.sh installs Debian's memcached", program.display());
     // getpwnam("root") for -u root reads the user database.
-    let rootfs = make_rootfs("memcached", program, &["/etc/passwd", "/etc/group", "/etc/nsswitch.conf"]);
+    make_rootfs(tag, program, &["/etc/passwd", "/etc/group", "/etc/nsswitch.conf"])
+}
+
+#[test]
+fn debian_memcached_serves_a_client() {
+    let rootfs = memcached_rootfs("memcached");
     let topo = Topology::new("dynmemc").unwrap();
-    let cmdline = format!("ip={GUEST_ADDR}/24 -- /usr/bin/memcached -u root -p 11211 -U 0 -m 64");
-    let mut cmd = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
-    cmd.arg("run").arg("--image").arg(program).arg("--rootfs").arg(&rootfs.0);
-    cmd.args(["--memory", "512", "--net", &format!("tap={TAP},mac={GUEST_MAC}")]).arg(format!("--cmdline={cmdline}"));
-    let mut vmm = Process::spawn_collected("ftvm", &mut cmd).expect("ftvm spawns");
+    let mut vmm = memcached_vm(&topo, &rootfs, 64);
     let out =
         topo.command("client", "python3").args(["-c", &MEMCACHED_CLIENT.replace("GUEST", GUEST_ADDR)]).output().expect("python3 runs");
     let text = stdout(&out);
@@ -310,6 +322,52 @@ fn debian_memcached_serves_a_client() {
     assert!(text.contains("stats: ['STAT version 1.6."), "{text}");
     assert!(text.contains("'STAT threads 4'"), "{text}");
     println!("{}", text.lines().find(|l| l.starts_with("rate:")).unwrap_or_else(|| panic!("{text}")));
+    assert_alive(&mut vmm);
+}
+
+/// Debian's memcached under libmemcached's own tools (Debian's
+/// libmemcached-tools, scripts/setup.sh): memcapable's protocol checks,
+/// ASCII and binary, all pass; then memaslap's load, 16 connections on two
+/// threads, 40000 requests (a tenth of them sets, 1000-byte values), runs
+/// without an error or a miss.
+#[test]
+fn debian_memcached_passes_memcapable_and_serves_memaslap_without_errors() {
+    for tool in ["memccapable", "memcaslap"] {
+        let found = Command::new("sh").args(["-c", &format!("command -v {tool}")]).output().is_ok_and(|o| o.status.success());
+        assert!(found, "{tool} missing: scripts/setup.sh installs libmemcached-tools");
+    }
+    let rootfs = memcached_rootfs("memcload");
+    let topo = Topology::new("dynmcld").unwrap();
+    let mut vmm = memcached_vm(&topo, &rootfs, 256);
+    let tool = |args: &[&str]| {
+        let out = topo.command("client", "timeout").arg("120").args(args).output().expect("the tool runs");
+        (out.status.success(), format!("{}{}", stdout(&out), stderr(&out)))
+    };
+    // The server may still be starting: memcapable fails to connect then.
+    let deadline = std::time::Instant::now() + BOOT_TIMEOUT;
+    let (ok, text) = loop {
+        let (ok, text) = tool(&["memccapable", "-h", GUEST_ADDR, "-p", "11211", "-t", "10"]);
+        if ok || !text.contains("Failed to connect") || std::time::Instant::now() > deadline {
+            break (ok, text);
+        }
+        assert_alive(&mut vmm);
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(ok && text.contains("All tests passed"), "memcapable:\n{text}\nftvm:\n{}", vmm.output());
+    assert!(!text.contains("[fail]"), "{text}");
+    assert!(text.contains("ascii set") && text.contains("binary stat"), "{text}");
+    let server = format!("{GUEST_ADDR}:11211");
+    let (ok, text) = tool(&["memcaslap", "-s", &server, "-T", "2", "-c", "16", "-x", "40000", "-X", "1000"]);
+    assert!(ok, "memaslap:\n{text}\nftvm:\n{}", vmm.output());
+    let stat = |name: &str| -> u64 {
+        let line = text.lines().find(|l| l.starts_with(&format!("{name}: "))).unwrap_or_else(|| panic!("no {name}:\n{text}"));
+        line[name.len() + 2..].trim().parse().unwrap_or_else(|_| panic!("{line}"))
+    };
+    assert_eq!(stat("cmd_get") + stat("cmd_set"), 40000, "{text}");
+    assert!(stat("cmd_set") > 0, "{text}");
+    assert_eq!(stat("get_misses"), 0, "{text}");
+    assert!(!text.contains("ERROR") && !text.to_lowercase().contains("error"), "{text}");
+    println!("{}", text.lines().find(|l| l.starts_with("Run time:")).unwrap_or_default());
     assert_alive(&mut vmm);
 }
 

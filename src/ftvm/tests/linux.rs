@@ -159,6 +159,9 @@ fn threads_share_memory_through_futexes_and_join() {
     let order: Vec<&str> = text.lines().filter(|l| l.contains("done mine=")).collect();
     assert_eq!(order, (0..4).map(|i| format!("threads: worker {i} done mine=10000")).collect::<Vec<_>>(), "{text}");
     assert!(text.contains("threads: counter=40000 joined=60 main_tls=0\n"), "{text}");
+    // pthread_kill's handler runs in the thread signalled, pthread_cancel
+    // ends a thread blocked in pthread_cond_wait.
+    assert!(text.contains("threads: one-thread signals in_target=1 read_on=1 cancelled=1\n"), "{text}");
 }
 
 /// fork: each child has its own copy of the parent's memory, talks to it
@@ -167,9 +170,10 @@ fn threads_share_memory_through_futexes_and_join() {
 #[test]
 fn forked_children_have_their_own_memory_and_are_reaped() {
     for options in ["", "syscall=trap "] {
-        // Children's copies come from the runtime's share (rtmem): four
-        // children at once, each with the 8 MiB main stack; one asks for a
-        // 160 MiB mapping it cannot have.
+        // Children's frames come from the program region's free memory,
+        // not the runtime's share (rtmem): one maps 160 MiB, more than
+        // rtmem, and another holds a quarter of the region while the
+        // parent cannot have seven eighths of it.
         let out = ftvm()
             .args(["run", "--memory", "512", "--image"])
             .arg(program("linux-fork"))
@@ -180,6 +184,7 @@ fn forked_children_have_their_own_memory_and_are_reaped() {
         assert_eq!(out.status.code(), Some(0), "{options}: {text}{}", stderr(&out));
         for line in [
             "fork: copy ok child_status=7\n",
+            "fork: shared region ok refused=1 zero=1 status=5\n",
             "fork: several ok children=4 statuses=46\n",
             "fork: kill ok SIGTERM SIGKILL SIGUSR1\n",
             "fork: stream ok bytes=1048576 nested_status=23\n",
@@ -211,6 +216,21 @@ fn forked_children_have_their_own_memory_and_are_reaped() {
 fn memory_files_pipes_and_epoll_behave_as_on_linux() {
     let text = run_to_success("memfiles", "-- memfiles");
     assert_eq!(without_counts(&text), "memfiles: memory ok\nmemfiles: files ok\nmemfiles: pipe ok\n", "{text}");
+}
+
+/// A file larger than the runtime's share of memory: its data lives in
+/// the program region's free memory, and goes back there when unlinked.
+#[test]
+fn a_file_larger_than_the_runtimes_share_lives_in_program_memory() {
+    let out = ftvm()
+        .args(["run", "--memory", "512", "--image"])
+        .arg(program("linux-memfiles"))
+        .arg("--cmdline=rtmem=32 -- memfiles big")
+        .output()
+        .expect("ftvm runs");
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    assert!(text.contains("memfiles: big file ok mib=160 refused=1 zero=1\n"), "{text}");
 }
 
 /// The fault program run as `args` with the default syscalls, and with
@@ -583,6 +603,70 @@ fn redis_bgsave_forks_a_child_that_writes_a_snapshot_the_next_vm_loads() {
     assert_eq!(cli(&topo, &["GET", "key:4321"]), "value:4321");
     assert_eq!(cli(&topo, &["EXISTS", "after"]), "0");
     assert_running(&mut vmm);
+}
+
+/// BGREWRITEAOF under write load, with the runtime's share of memory
+/// smaller than the dataset (rtmem=32): the child's copy of the server's
+/// memory and the in-memory AOF files both come from the program's memory.
+/// The rewritten AOF is complete: the server reloading it (DEBUG LOADAOF,
+/// as Redis's own aofrw test does) has the same data, by digest and size.
+#[test]
+fn redis_rewrites_its_aof_under_write_load_with_a_small_runtime_share() {
+    let topo = Topology::new("lxaofrw").unwrap();
+    let mut vmm = redis_with(&topo, "rtmem=32", "--appendonly yes --aof-use-rdb-preamble no", None);
+    // About 30 MB of data, more than the runtime's share, then a load
+    // running through the rewrite.
+    assert_eq!(cli(&topo, &["DEBUG", "POPULATE", "150000", "key", "100"]), "OK");
+    let load = |n: &str| {
+        let mut cmd = topo.command("client", "timeout");
+        cmd.args(["120", "redis-benchmark", "-h", GUEST_ADDR, "-t", "set", "-r", "1000000", "-d", "100", "-n", n, "-c", "5", "-q"]);
+        cmd.stdin(Stdio::null());
+        Process::spawn_collected("redis-benchmark", &mut cmd).expect("redis-benchmark spawns")
+    };
+    let mut writers = load("200000");
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(cli(&topo, &["BGREWRITEAOF"]), "Background append only file rewriting started");
+    let t0 = std::time::Instant::now();
+    while persistence(&topo, "aof_rewrite_in_progress") != "0" {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the rewrite did not finish:\n{}", vmm.output());
+        assert_running(&mut vmm);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The load ran through the whole rewrite: the parent's diff and the
+    // writes after it are in the new file too.
+    assert!(writers.running(), "the load ended before the rewrite did");
+    let status = writers.wait_with_output_within(Duration::from_secs(120)).expect("redis-benchmark ends");
+    assert!(status.status.success(), "{}{}", stdout(&status), stderr(&status));
+    assert_eq!(persistence(&topo, "aof_last_bgrewrite_status"), "ok", "{}", vmm.output());
+    assert!(vmm.stdout().contains("Background AOF rewrite finished successfully"), "{}", vmm.stdout());
+    assert_eq!(cli(&topo, &["SET", "after", "the rewrite"]), "OK");
+    let (digest, size) = (cli(&topo, &["DEBUG", "DIGEST"]), cli(&topo, &["DBSIZE"]));
+    assert!(size.parse::<u64>().unwrap() > 150_000, "{size}");
+    assert_eq!(cli(&topo, &["DEBUG", "LOADAOF"]), "OK");
+    assert_eq!(cli(&topo, &["DEBUG", "DIGEST"]), digest);
+    assert_eq!(cli(&topo, &["DBSIZE"]), size);
+    assert_eq!(cli(&topo, &["GET", "after"]), "the rewrite");
+    assert!(!vmm.stdout().contains("Out Of Memory") && !vmm.stdout().contains("No space left"), "{}", vmm.stdout());
+    assert_running(&mut vmm);
+}
+
+/// A redis-server that panics (DEBUG PANIC) cancels its background
+/// threads (pthread_cancel, a signal to one thread), joins them, prints its
+/// crash report and aborts: the VM ends with the program's signal status.
+#[test]
+fn a_panicking_redis_server_cancels_its_threads_and_ends_the_vm() {
+    let topo = Topology::new("lxpanic").unwrap();
+    let mut vmm = redis(&topo, "");
+    let out = topo.command("client", "timeout").args(["10", "redis-cli", "-h", GUEST_ADDR, "DEBUG", "PANIC"]).output().unwrap();
+    assert!(!out.status.success() || stdout(&out).contains("Error"), "{}", stdout(&out));
+    let status = match vmm.wait_until(Duration::from_secs(30), |_| false) {
+        Err(WaitError::Exited(status)) => status,
+        other => panic!("the VM did not end ({other:?}):\n{}", vmm.output()),
+    };
+    let text = vmm.stdout();
+    assert!(text.contains("Bio thread for job type #0 terminated"), "{text}");
+    assert!(text.contains("linux: killed by signal"), "{text}");
+    assert_eq!(status.code(), Some(128 + 6), "{text}");
 }
 
 #[test]

@@ -44,7 +44,7 @@ fn back(start: u64, end: u64) -> Result<(), Errno> {
 /// A copy of the calling process's memory allocator and what it claimed,
 /// for `fork`.
 pub fn fork_memory() -> Memory {
-    with(|m| m.clone())
+    with(|m| m.for_child())
 }
 
 pub fn brk(addr: u64) -> SysResult {

@@ -73,13 +73,24 @@ pub fn pause() -> SysResult {
     }
 }
 
-/// tkill and tgkill: a signal to a thread of the calling process goes to
-/// the process (its handler, or its default action: `fork::kill`), which is
-/// how abort() raises SIGABRT; one to another process's thread is refused.
+/// tkill and tgkill: a signal to a thread of the calling process that a
+/// handler catches waits for that thread (pthread_kill, and pthread_cancel's
+/// SIGCANCEL, whose handler must run in the thread cancelled); any other
+/// goes to the process (its default action, or nothing: `fork::kill`), which
+/// is how abort() raises SIGABRT. One to another process's thread is
+/// refused.
 pub fn tkill(tid: u64, sig: u64) -> SysResult {
-    let me = sched::current_process().pid;
+    let me = sched::current_process();
     match sched::process_of(tid as u32) {
-        Some(pid) if pid == me => super::fork::kill(u64::from(me), sig),
+        Some(pid) if pid == me.pid => {
+            if sig != 0 && (sig as usize) < crate::process::NSIG && me.catches(sig as u32) {
+                if !sched::signal_thread(tid as u32, sig as u32) {
+                    return Err(ESRCH);
+                }
+                return Ok(0);
+            }
+            super::fork::kill(u64::from(me.pid), sig)
+        }
         Some(_) => Err(EPERM),
         None => Err(ESRCH),
     }
