@@ -206,9 +206,9 @@ impl Pipeline {
         let disk_pending = ftvm_vmm::devices::requests_in_flight(thawed.state.vm.changed.iter());
         self.sent_state.filter(&mut thawed.state.vm);
         // The proxy's whole table as saved at the freeze, and what of it goes.
-        let (mut fake_ack_bytes, mut fake_ack_flows) = (0, 0);
+        let (mut fake_ack_bytes, mut fake_ack_flows, mut fake_ack_bulk_flows) = (0, 0, 0);
         if let Some(Carried::Whole(table)) = thawed.state.fake_ack.take() {
-            (fake_ack_bytes, fake_ack_flows) = (table.stored_bytes(), table.flows() as u64);
+            (fake_ack_bytes, fake_ack_flows, fake_ack_bulk_flows) = (table.stored_bytes(), table.flows() as u64, table.bulk_flows() as u64);
             thawed.state.fake_ack = Some(self.sent_fake_ack.carry(epoch, table));
         }
         let encoded = encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
@@ -228,6 +228,7 @@ impl Pipeline {
                 disk_pending,
                 fake_ack_bytes,
                 fake_ack_flows,
+                fake_ack_bulk_flows,
                 fake_ack_sent_bytes: thawed.state.fake_ack.as_ref().map_or(0, Carried::frame_bytes),
             },
             encoded,
