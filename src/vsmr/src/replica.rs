@@ -868,6 +868,7 @@ impl Applier {
                 let mut aside = lead.aside.locked();
                 let aside = (s.options.early_resume == EarlyResume::On).then_some(&mut *aside);
                 let mut compare = lead.compare.locked();
+                let compare: &mut dyn HashCompare = &mut **compare;
                 let link = s.options.ack_release == AckRelease::Link;
                 if link || pipelined {
                     // Before any page is sent: the acknowledgement cannot
@@ -878,7 +879,7 @@ impl Applier {
                     s.acks.expect(secondary, id, epoch, lead.output.clone(), link, flight.failures != failures);
                 }
                 if pipelined {
-                    let result = sync::lead_unacked(&x, &s.vm, frozen, full, &mut **compare, aside, output).map(with_freeze);
+                    let result = sync::lead_unacked(&x, &s.vm, frozen, full, &mut *compare, aside, output).map(with_freeze);
                     // The acknowledgement thread takes it from here, in
                     // order; the proposer may propose the next one.
                     let sent = Instant::now();
@@ -905,20 +906,18 @@ impl Applier {
                     return;
                 }
                 match s.options.ack_wait {
-                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, &mut **compare, aside, output).map(with_freeze),
-                    AckWait::Proposer => {
-                        match sync::lead_unacked(&x, &s.vm, frozen, full, &mut **compare, aside, output).map(with_freeze) {
-                            Ok(figures) => {
-                                // The proposer waits for the acknowledgement and
-                                // releases; this thread delivers input meanwhile.
-                                let _flight = lead.flight.locked();
-                                *lead.unacked.locked() = Some((done, figures));
-                                lead.ran.notify_all();
-                                return;
-                            }
-                            Err(e) => Err(e),
+                    AckWait::Applier => sync::lead(&x, &s.vm, frozen, full, &mut *compare, aside, output).map(with_freeze),
+                    AckWait::Proposer => match sync::lead_unacked(&x, &s.vm, frozen, full, &mut *compare, aside, output).map(with_freeze) {
+                        Ok(figures) => {
+                            // The proposer waits for the acknowledgement and
+                            // releases; this thread delivers input meanwhile.
+                            let _flight = lead.flight.locked();
+                            *lead.unacked.locked() = Some((done, figures));
+                            lead.ran.notify_all();
+                            return;
                         }
-                    }
+                        Err(e) => Err(e),
+                    },
                 }
             }
         };

@@ -312,6 +312,19 @@ impl Table {
         self.stored
     }
 
+    /// What a backup needs of this table: the flows whose guest was told
+    /// more acknowledged than the peer said, or that hold a store. The
+    /// others (every request/response flow under `Early::Bulk`, and the
+    /// idle ones) the guest restored from the checkpoint knows exactly as
+    /// the peer does: a backup that takes over has nothing to resend or
+    /// raise for them, and its proxy lets a flow it does not track pass
+    /// untouched. Without them a checkpoint carries no fields of flows
+    /// that change with every request.
+    pub fn carried(mut self) -> Table {
+        self.flows.retain(|_, f| f.fake_ack != f.real_ack || !f.store.is_empty());
+        self
+    }
+
     /// The guest transmitted `frame`, already on its way to the peer (held
     /// with its epoch). `epoch`: the output epoch while output is held (the
     /// only time data is acknowledged on the peer's behalf).
@@ -702,6 +715,22 @@ mod tests {
             assert!(t.consistent());
             assert!(resend.is_empty());
         }
+    }
+
+    /// What a checkpoint carries: only the flows with something told beyond
+    /// the peer or stored, with all that is stored.
+    #[test]
+    fn a_checkpoint_carries_only_flows_with_something_told_or_stored() {
+        let mut t = synced_acknowledging(0, Early::Bulk);
+        t.guest_sent(&data(1, 100), Some(1));
+        assert_eq!(t.clone().carried().flows(), 0, "a small reply: nothing told early");
+        let mut e = synced(0);
+        e.guest_sent(&data(1, 100), Some(1));
+        let carried = e.clone().carried();
+        assert_eq!((carried.flows(), carried.stored_bytes()), (1, e.stored_bytes()));
+        assert!(carried.consistent());
+        e.peer_sent(&mut peer_ack(101, 8192), 2, &mut Vec::new());
+        assert_eq!(e.carried().flows(), 0, "all acknowledged by the peer: nothing for a backup");
     }
 
     /// Two flows of one table: the bulk one is acknowledged early, the

@@ -209,7 +209,7 @@ impl Pipeline {
         let (mut fake_ack_bytes, mut fake_ack_flows, mut fake_ack_bulk_flows) = (0, 0, 0);
         if let Some(Carried::Whole(table)) = thawed.state.fake_ack.take() {
             (fake_ack_bytes, fake_ack_flows, fake_ack_bulk_flows) = (table.stored_bytes(), table.flows() as u64, table.bulk_flows() as u64);
-            thawed.state.fake_ack = Some(self.sent_fake_ack.carry(epoch, table));
+            thawed.state.fake_ack = Some(self.sent_fake_ack.carry(epoch, table.carried()));
         }
         let encoded = encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
         let bytes = protocol::payload_len(&self.frame);
