@@ -152,6 +152,14 @@ fn print_status(r: &api::Response) {
                     m.first_writes
                 );
             }
+            if m.fake_ack_flows > 0 {
+                outln!(
+                    "fake ACK: {} flows tracked, {} in bulk mode, {} bytes acknowledged to the guest and not yet by the peer",
+                    m.fake_ack_flows,
+                    m.fake_ack_bulk_flows,
+                    m.fake_ack_bytes
+                );
+            }
             if m.prefetched_pages > 0 {
                 outln!("prefetch: {} pages sent while the guest ran, {} in the stop-and-copy", m.prefetched_pages, m.commit_pages);
             }

@@ -102,6 +102,8 @@ struct StatusGauges {
     cost_per_page: Family<Vec<(&'static str, &'static str)>, Gauge<f64, std::sync::atomic::AtomicU64>>,
     /// Regions write prediction keeps writable after the last checkpoint.
     regions_kept: Gauge,
+    /// Flows the fake-ACK proxy has in bulk mode at the last checkpoint.
+    fake_ack_bulk_flows: Gauge,
 }
 
 impl StatusGauges {
@@ -123,6 +125,11 @@ impl StatusGauges {
             "regions_kept_writable",
             "Regions of 512 pages whose pages write prediction keeps writable, after the last checkpoint",
             self.regions_kept.clone(),
+        );
+        r.register(
+            "fake_ack_bulk_flows",
+            "TCP flows the fake-ACK proxy found carrying bulk data and acknowledges early (--fake-ack bulk), at the last checkpoint",
+            self.fake_ack_bulk_flows.clone(),
         );
     }
 
@@ -148,6 +155,7 @@ impl StatusGauges {
             }
         }
         self.regions_kept.set(st.last.map_or(0, |m| i64::from(m.regions_kept)));
+        self.fake_ack_bulk_flows.set(st.last.map_or(0, |m| m.fake_ack_bulk_flows as i64));
         let console = ftvm_vmm::hooks::console_write_errors();
         self.console_write_errors.inc_by(console.saturating_sub(self.console_write_errors.get()));
     }

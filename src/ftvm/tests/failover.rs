@@ -18,7 +18,9 @@
 //!   `--trigger` mode.
 //! - `..._with_fake_ack_...`: the same with `--fake-ack on`, and
 //!   `bulk_reads_with_fake_ack_survive_failover`: 4 MiB GETs byte for byte
-//!   across a takeover.
+//!   across a takeover; `the_default_acknowledges_early_only_a_flow_carrying_bulk_data`:
+//!   by default (`--fake-ack bulk`) a bulk reader's flow is, a small
+//!   request flow beside it is not.
 //! - `backup_loss_then_reprotection_then_failover`: the primary keeps
 //!   serving when its backup dies, is protected again by a new one, and
 //!   that one takes over with every write (`..._with_fake_ack` too).
@@ -803,13 +805,25 @@ fn three_kinds_of_failover(topology: &str, tag: &str, seed: u64, switches: &[&st
 /// connection go on with the value intact, and no acknowledged write is lost.
 #[test]
 fn bulk_reads_with_fake_ack_survive_failover() {
+    bulk_reads_survive_failover("fackb", "fake-ack-bulk", &["--fake-ack", "on"]);
+}
+
+/// The same with default flags: `--fake-ack bulk`, the reader's flow in
+/// bulk mode (its store started while data was in flight), the writers'
+/// flows not.
+#[test]
+fn bulk_reads_survive_failover_with_the_default_fake_ack() {
+    bulk_reads_survive_failover("facku", "fake-ack-default-bulk", &[]);
+}
+
+fn bulk_reads_survive_failover(topology: &str, tag: &str, extra: &[&str]) {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::Arc;
 
-    let topo = Topology::new("fackb").unwrap();
+    let topo = Topology::new(topology).unwrap();
     topo.restore().unwrap();
-    let dir = scratch_for("failover", "fake-ack-bulk");
-    let (mut backup, mut primary, _) = start_protected(&topo, &dir, ("backup", "primary"), App::Kv, &["--fake-ack", "on"]);
+    let dir = scratch_for("failover", tag);
+    let (mut backup, mut primary, _) = start_protected(&topo, &dir, ("backup", "primary"), App::Kv, extra);
     topo.forget_guest().unwrap();
     const BULK: usize = 4 << 20;
     let value: Vec<u8> = (0..BULK).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3]).collect();
@@ -837,7 +851,7 @@ fn bulk_reads_with_fake_ack_survive_failover() {
         })
         .unwrap()
     };
-    let writers = dirtying_writers(&topo, "fackb", Duration::from_millis(300));
+    let writers = dirtying_writers(&topo, topology, Duration::from_millis(300));
     let t0 = Instant::now();
     while reads.load(Ordering::SeqCst) < 3 {
         assert!(t0.elapsed() < Duration::from_secs(60), "bulk reads too slow: {}", reads.load(Ordering::SeqCst));
@@ -882,6 +896,10 @@ fn bulk_reads_with_fake_ack_survive_failover() {
         verified.lost()
     );
     assert!(fake_acked > 0, "no checkpoint carried fake-acknowledged data");
+    if !extra.contains(&"--fake-ack") {
+        let bulk = epochs.iter().map(|v| field(v, "fake_ack_bulk_flows")).max().unwrap_or(0);
+        assert_eq!(bulk, 1, "flows in bulk mode at most: the reader's, not the writers'");
+    }
     assert!(
         epochs.iter().all(|v| field(v, "fake_ack_sent_bytes") <= field(v, "fake_ack_bytes")),
         "a checkpoint carried more than was stored"
@@ -890,6 +908,125 @@ fn bulk_reads_with_fake_ack_survive_failover() {
     assert!(resent.is_some(), "the takeover did not run a fake-ACK proxy: {err}");
     assert!(!report.acked.is_empty(), "no write acknowledged");
     assert_eq!(verified.lost(), 0, "acknowledged writes lost: missing {:?}, wrong {:?}", verified.missing, verified.wrong);
+}
+
+/// `n` round trips of 100-byte values (SET then GET) on one connection
+/// from the client namespace: request/response traffic.
+fn small_round_trips(c: &mut Client, key: &[u8], n: usize) -> Result<(), String> {
+    let value = [b'v'; 100];
+    for _ in 0..n {
+        match c.call(&[b"SET", key, &value]) {
+            Ok(r) if r.is_ok() => {}
+            other => return Err(format!("SET: {other:?}")),
+        }
+        match c.call(&[b"GET", key]) {
+            Ok(Reply::Bulk(Some(v))) if v == value => {}
+            other => return Err(format!("GET: {other:?}")),
+        }
+    }
+    Ok(())
+}
+
+/// With default flags (`--tuning auto`: `--fake-ack bulk`) the proxy
+/// acknowledges early only a flow it found carrying bulk data: small
+/// request/response traffic alone leaves nothing acknowledged early at any
+/// checkpoint; then a 4 MiB value read back on one connection while small
+/// requests go on on another puts that one flow in bulk mode (and only
+/// it), its data acknowledged early (stored at the checkpoints), `ftvm
+/// status` says so, and every read is byte for byte.
+#[test]
+fn the_default_acknowledges_early_only_a_flow_carrying_bulk_data() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    let topo = Topology::new("fackd").unwrap();
+    topo.restore().unwrap();
+    let dir = scratch_for("failover", "fake-ack-default");
+    let (mut backup, mut primary, socket) = start_protected(&topo, &dir, ("backup", "primary"), App::Kv, &[]);
+    // Request/response alone.
+    netns::run_in(&topo.ns("client"), || -> Result<(), String> {
+        let mut c = Client::connect(guest_kv(), Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        small_round_trips(&mut c, b"small", 300)
+    })
+    .unwrap()
+    .expect("small round trips");
+    let epoch_of = |s: &str| s.lines().find_map(|l| l.strip_prefix("epoch: ")).and_then(|e| e.trim().parse::<u64>().ok());
+    let small_until = epoch_of(&status(&socket)).expect("the primary's epoch");
+    // A bulk reader and, beside it, small requests on a connection of their own.
+    const BULK: usize = 4 << 20;
+    let value: Vec<u8> = (0..BULK).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[3]).collect();
+    let stop = Arc::new(AtomicBool::new(false));
+    let small = {
+        let stop = stop.clone();
+        netns::spawn_in(&topo.ns("client"), "small", move || -> Result<(), String> {
+            let mut c = Client::connect(guest_kv(), Duration::from_secs(20)).map_err(|e| e.to_string())?;
+            while !stop.load(Ordering::SeqCst) {
+                small_round_trips(&mut c, b"beside", 10)?;
+            }
+            Ok(())
+        })
+        .unwrap()
+    };
+    let reader = netns::spawn_in(&topo.ns("client"), "bulk", move || -> Result<(), String> {
+        let mut c = Client::connect(guest_kv(), Duration::from_secs(20)).map_err(|e| e.to_string())?;
+        match c.call(&[b"SET", b"bulk", &value]) {
+            Ok(r) if r.is_ok() => {}
+            other => return Err(format!("SET of the bulk value: {other:?}")),
+        }
+        for _ in 0..4 {
+            match c.call(&[b"GET", b"bulk"]) {
+                Ok(Reply::Bulk(Some(v))) if v == value => {}
+                Ok(Reply::Bulk(Some(v))) => return Err(format!("GET returned {} bytes, not the value", v.len())),
+                other => return Err(format!("GET of the bulk value: {other:?}")),
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+    let t0 = Instant::now();
+    let mut shown = None;
+    while !reader.is_finished() {
+        assert!(t0.elapsed() < Duration::from_secs(90), "bulk reads too slow");
+        let s = status(&socket);
+        if let Some(line) = s.lines().find(|l| l.starts_with("fake ACK:") && l.contains(" 1 in bulk mode")) {
+            shown = Some(line.to_owned());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    reader.join().unwrap().unwrap().expect("every GET returned the value");
+    // The bulk flow stays in bulk mode after its last reply (no short reply follows on it).
+    let after = status(&socket);
+    stop.store(true, Ordering::SeqCst);
+    small.join().unwrap().unwrap().expect("small round trips beside the bulk reads");
+    let shown = shown.or_else(|| after.lines().find(|l| l.starts_with("fake ACK:") && l.contains(" 1 in bulk mode")).map(str::to_owned));
+    primary.kill();
+    backup.kill();
+    let epochs = jsonl(&dir.join("primary.epochs.jsonl"));
+    let (before, during): (Vec<_>, Vec<_>) = epochs.iter().partition(|v| field(v, "epoch") <= small_until);
+    let most = |vs: &[&serde_json::Value], k: &str| vs.iter().map(|v| field(v, k)).max().unwrap_or(0);
+    eprintln!(
+        "small requests alone: {} checkpoints, at most {} flows tracked, {} in bulk mode, {} bytes acknowledged early; \
+         with the bulk reads: {} checkpoints, at most {} flows, {} in bulk mode, {} bytes; status: {shown:?}",
+        before.len(),
+        most(&before, "fake_ack_flows"),
+        most(&before, "fake_ack_bulk_flows"),
+        most(&before, "fake_ack_bytes"),
+        during.len(),
+        most(&during, "fake_ack_flows"),
+        most(&during, "fake_ack_bulk_flows"),
+        most(&during, "fake_ack_bytes"),
+    );
+    assert!(!before.is_empty() && !during.is_empty(), "checkpoints in both phases");
+    assert!(most(&before, "fake_ack_flows") >= 1, "the small flow was not tracked: the proxy is not on by default");
+    assert_eq!(most(&before, "fake_ack_bulk_flows"), 0, "a small-request flow went into bulk mode");
+    assert_eq!(most(&before, "fake_ack_bytes"), 0, "small replies were acknowledged early");
+    assert_eq!(most(&during, "fake_ack_bulk_flows"), 1, "the bulk flow alone is in bulk mode");
+    assert!(
+        during.iter().any(|v| field(v, "fake_ack_bulk_flows") == 1 && field(v, "fake_ack_flows") >= 2),
+        "no checkpoint had the bulk flow in bulk mode beside the small one tracked"
+    );
+    assert!(most(&during, "fake_ack_bytes") > 0, "the bulk reply was never acknowledged early");
+    assert!(shown.is_some(), "ftvm status never showed the flow in bulk mode: {after}");
 }
 
 // ------------------------------------------------------ (b) output commit

@@ -40,6 +40,8 @@ pub struct Carrying {
     /// `--fake-ack`: frame bytes the proxy stored at the freeze, and its flows.
     pub fake_ack_bytes: u64,
     pub fake_ack_flows: u64,
+    /// Of those flows, the ones in bulk mode.
+    pub fake_ack_bulk_flows: u64,
     /// Of `fake_ack_bytes`, the frame bytes the checkpoint carries (all of
     /// them whole, those stored since the previous checkpoint as changes).
     pub fake_ack_sent_bytes: u64,

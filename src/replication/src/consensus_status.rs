@@ -27,6 +27,10 @@ pub struct SyncMetrics {
     pub dirty_pages: u64,
     /// Of those, pages whose contents differed: sent.
     pub divergent_pages: u64,
+    /// Of those, pages sent as their changed 64-byte blocks
+    /// (`--sync-pages blocks`, or `adaptive` while it sends blocks).
+    #[serde(default)]
+    pub patched_pages: u64,
     /// Bytes of the divergent pages and state message.
     pub page_bytes: u64,
     /// Disk blocks (4 KiB) written on either VM replica since the previous

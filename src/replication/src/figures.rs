@@ -97,6 +97,10 @@ pub struct EpochMetrics {
     pub fake_ack_bytes: u64,
     #[serde(default)]
     pub fake_ack_flows: u64,
+    /// Of those flows, the ones in bulk mode (acknowledged early with
+    /// `--fake-ack bulk`, the default).
+    #[serde(default)]
+    pub fake_ack_bulk_flows: u64,
     /// Of those, the frame bytes the checkpoint carried: all of them with
     /// `--fake-ack-state all`, those stored since the previous checkpoint
     /// with `changed`.

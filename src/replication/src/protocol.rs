@@ -53,7 +53,10 @@ use ftvm_vmm::pages::FormatError;
 /// Version 18: a checkpoint carries its epoch's first frames
 /// (`CheckpointState::output`), and a mirrored datagram holds several
 /// frames (`--mirror on`).
-pub const PROTOCOL_VERSION: u16 = 18;
+/// Version 19: the fake-ACK state's flows carry their bulk mode, and its
+/// table which flows it acknowledges early (`--fake-ack bulk`); a
+/// checkpoint carries only the flows a backup needs (`Table::carried`).
+pub const PROTOCOL_VERSION: u16 = 19;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

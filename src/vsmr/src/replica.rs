@@ -41,7 +41,7 @@ use crate::writes::Writes;
 use ftvm_replication::consensus_status::{SyncMetrics, SyncRole};
 use ftvm_replication::metrics::{MetricsLog, Role, StatusCell};
 use ftvm_replication::output::{DiskJournal, OutputBuffer};
-use ftvm_replication::pipeline::encode::hash_compare;
+use ftvm_replication::pipeline::encode::hash_compare::{self, HashCompare};
 use ftvm_replication::pipeline::freeze::{Freeze, PauseAndSave};
 use ftvm_replication::pipeline::predict;
 use ftvm_replication::pipeline::trigger::{self, Pacing, Sample, Trigger};
@@ -163,6 +163,9 @@ struct Leadership {
     /// `--early-resume on`: the copy of each `syncvm`'s union (`aside`),
     /// its buffer kept from one to the next.
     aside: Mutex<Aside>,
+    /// How divergent pages go (`--sync-pages`): one for the leadership,
+    /// so that `adaptive` learns from each `syncvm`.
+    compare: Mutex<Box<dyn HashCompare>>,
     /// Output epochs closed so far (the next freeze closes this one).
     epoch: AtomicU64,
     serving: AtomicBool,
@@ -709,6 +712,7 @@ impl Applier {
             trigger: trigger.clone(),
             freeze: Mutex::new(freeze),
             aside: Mutex::new(Aside::new(vm)),
+            compare: Mutex::new(hash_compare::new(s.options.pages)),
             epoch: AtomicU64::new(0),
             serving: AtomicBool::new(true),
             flight: Mutex::new(Flight::default()),
@@ -863,7 +867,8 @@ impl Applier {
                 };
                 let mut aside = lead.aside.locked();
                 let aside = (s.options.early_resume == EarlyResume::On).then_some(&mut *aside);
-                let mut compare = hash_compare::new(s.options.pages);
+                let mut compare = lead.compare.locked();
+                let compare: &mut dyn HashCompare = &mut **compare;
                 let link = s.options.ack_release == AckRelease::Link;
                 if link || pipelined {
                     // Before any page is sent: the acknowledgement cannot
@@ -1086,6 +1091,7 @@ impl Shared {
             bytes,
             dirty_pages: f.dirty_pages,
             divergent_pages: f.divergent_pages,
+            patched_pages: f.patched_pages,
             page_bytes: f.page_bytes,
             dirty_blocks: f.dirty_blocks,
             divergent_blocks: f.divergent_blocks,

@@ -159,6 +159,8 @@ pub struct Figures {
     pub dirty_pages: u64,
     /// Of those, pages whose contents differed (sent).
     pub divergent_pages: u64,
+    /// Of those, pages sent as their changed blocks (`--sync-pages`).
+    pub patched_pages: u64,
     /// How long this side's guest was paused.
     pub pause: Duration,
     /// Bytes of the `SyncPages` message.
@@ -562,6 +564,7 @@ fn compare_and_send(
     let patches = patch_pages(x, contents, compare, &divergent, &mut buf, steps)?;
     // The others whole, in page order.
     let whole: Vec<u64> = divergent.iter().copied().filter(|p| patches.binary_search_by_key(p, |patch| patch.page).is_err()).collect();
+    let patched_pages = patches.len() as u64;
     let state = postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches, disk: disk_blocks, output })
         .expect("serializes");
     let mut frame = Vec::new();
@@ -582,6 +585,7 @@ fn compare_and_send(
     Ok(Figures {
         dirty_pages: pages.len() as u64,
         divergent_pages: divergent.len() as u64,
+        patched_pages,
         pause: Duration::ZERO,
         page_bytes,
         dirty_blocks: blocks.len() as u64,
@@ -712,6 +716,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
     let figures = Figures {
         dirty_pages: pages.len() as u64,
         divergent_pages: divergent,
+        patched_pages: state.patches.len() as u64,
         pause: Duration::ZERO,
         page_bytes: payload.len() as u64,
         dirty_blocks: blocks.len() as u64,

@@ -50,13 +50,14 @@ pub struct Options {
     /// Skip the network (kv and failover) measurements.
     #[arg(long)]
     no_network: bool,
-    /// Only the bulk read (each setting, and at the default epoch with and
-    /// without --fake-ack, against the unreplicated VM).
+    /// Only the bulk read (each setting, and at the default epoch also with
+    /// --fake-ack on, against the unreplicated VM; the other settings run
+    /// the default, --fake-ack bulk).
     #[arg(long, conflicts_with_all = ["ablation", "failover", "no_network"])]
     bulk_only: bool,
     /// Only kv under redis-benchmark, -P 1 and -P 16 (each setting, and at
-    /// the default epoch with and without --fake-ack, against the
-    /// unreplicated VM).
+    /// the default epoch also with --fake-ack on, against the unreplicated
+    /// VM; the other settings run the default, --fake-ack bulk).
     #[arg(long, conflicts_with_all = ["ablation", "failover", "no_network", "bulk_only"])]
     kv_only: bool,
     /// Measure each optimisation switch on and off instead of sweeping

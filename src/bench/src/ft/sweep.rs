@@ -2,8 +2,9 @@
 //! output-triggered checkpoints, and for the unreplicated VM in the same
 //! run: memtouch at several dirty rates, kv under redis-benchmark (SET and
 //! GET, -P 1 and -P 16, 50 connections; at the default epoch also with
-//! `--fake-ack on`), a bulk read (GET of a 4 MiB value, repeated; at the
-//! default epoch also with `--fake-ack on`, and output-triggered with the
+//! `--fake-ack on`, the others with the default `bulk`), a bulk read (GET
+//! of a 4 MiB value, repeated; at the default epoch also with `--fake-ack
+//! on`, and output-triggered with the
 //! proxy's state sent whole, `--fake-ack-state all`), per-epoch pause, dirty pages, bytes, epoch length and
 //! output hold with its steps (trigger wait, stop, resume to ack, release),
 //! and failover per kind of failure (`failover`).

@@ -42,7 +42,7 @@ pub const SWITCHES: &[Switch] = &[
             ("pull", &["--prefetch", "on", "--prefetch-by", "pull"]),
         ],
     },
-    plain!("fake-ack": "off", "on"),
+    plain!("fake-ack": "off", "on", "bulk"),
     // Only with the proxy on (its state is what this switch sends).
     Switch {
         name: "fake-ack-state",

@@ -99,6 +99,10 @@ fn promotion(backup: &BackupConfig, standbys: Vec<String>) -> Result<PrimaryConf
         dirty_backend: backup.dirty_backend,
     };
     let mut config = ReplicationArgs::defaults().protecting(with)?;
+    // The proxy restored at the takeover keeps rewriting its flows (the
+    // guest was told acknowledged what the peer may not have): a second
+    // proxy in front of it would not know them.
+    config.fake_ack = ftvm_replication::fakeack::Mode::Off;
     config.session.liveness.interval = backup.heartbeat;
     config.loss.standbys = standbys;
     Ok(config)

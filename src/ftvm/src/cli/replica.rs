@@ -61,10 +61,14 @@ pub struct ReplicaArgs {
     /// a syncvm starts sooner when output is held and the guest is idle.
     #[arg(long = "sync-ms", value_name = "MS", default_value = default_text!(ReplicaConfig::DEFAULT_MAX_INTERVAL, as_millis), value_parser = epoch_ms)]
     pub sync_interval: Duration,
-    /// How the leader sends a divergent page at a syncvm: whole, or only
-    /// its 64-byte blocks that differ (one more round trip for block hashes).
-    #[arg(long, default_value = "whole", value_name = "whole|blocks")]
-    pub sync_pages: ftvm_vsmr::sync::PageMode,
+    /// How the leader sends a divergent page at a syncvm: whole, only its
+    /// 64-byte blocks that differ (one more round trip for block hashes),
+    /// or adaptive (blocks while the divergent pages measured differ in at
+    /// most a quarter of their blocks, else whole, measuring again every
+    /// 32nd syncvm). Default (--tuning auto): adaptive; --tuning static:
+    /// whole.
+    #[arg(long, value_name = "whole|blocks|adaptive")]
+    pub sync_pages: Option<ftvm_vsmr::sync::PageMode>,
     /// How the leader brings a replica it has not synchronized (restarted,
     /// a standby) up to date: precopy (its memory copied while the guest
     /// runs, then a full syncvm) or syncvm (the full syncvm alone, every
@@ -190,8 +194,8 @@ pub struct ReplicaArgs {
     #[arg(long, value_name = "off|histase|adaptive")]
     pub predict_writes: Option<predict::Mode>,
     /// Who chooses the mechanisms not named here, as for `ftvm run`: auto
-    /// (write prediction, weighing this host's costs measured at start) or
-    /// static (none).
+    /// (write prediction, weighing this host's costs measured at start, and
+    /// --sync-pages adaptive) or static (neither).
     #[arg(long = "tuning", default_value = "auto", value_name = "auto|static")]
     pub policy: policy::Tuning,
     /// While this replica leads with a synchronized secondary (whose
@@ -290,7 +294,7 @@ impl TryFrom<ReplicaArgs> for Member {
             metrics: args.metrics,
             raft_state: args.raft_state,
             max_interval: args.sync_interval,
-            pages: args.sync_pages,
+            pages: policy::sync_pages(args.policy, args.sync_pages),
             rejoin: args.rejoin,
             failover: failover::Options { fast: args.fast_election, failure_timeout: args.failure_timeout },
             replay: args.takeover_replay,

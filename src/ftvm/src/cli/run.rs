@@ -152,12 +152,16 @@ pub struct ReplicationArgs {
     pub priority: ftvm_replication::liveness::Priority,
     /// Fake ACK: while the guest's TCP data waits in the output buffer,
     /// acknowledge it to the guest on the peer's behalf so its send buffer
-    /// empties at once (on); the proxy's state (what was acknowledged and
-    /// not yet received) travels with every checkpoint, and a backup that
-    /// takes over sends it. off: the guest hears only the peer's ACKs.
-    #[arg(long, default_value = "off", value_name = "off|on")]
-    pub fake_ack: ftvm_replication::fakeack::Mode,
-    /// With --fake-ack on, how each checkpoint carries the proxy's state:
+    /// empties at once (on: every flow; bulk: only flows found carrying
+    /// bulk data, full-sized segments with 32 KiB or more the peer has not
+    /// acknowledged, until a lone short reply on an idle connection); the
+    /// proxy's state (what was acknowledged and not yet received) travels
+    /// with every checkpoint, and a backup that takes over sends it. off:
+    /// the guest hears only the peer's ACKs. Default (--tuning auto):
+    /// bulk; --tuning static: off.
+    #[arg(long, value_name = "off|on|bulk")]
+    pub fake_ack: Option<ftvm_replication::fakeack::Mode>,
+    /// With --fake-ack on or bulk, how each checkpoint carries the proxy's state:
     /// changed (what changed since the previous checkpoint: segments stored
     /// and acknowledged since, flows changed; the backup keeps the rest), or
     /// all (the whole state every time).
@@ -252,6 +256,7 @@ impl ReplicationArgs {
         let diff = policy::diff(args.tuning, args.diff);
         let costs = policy::costs(args.tuning, diff);
         let capture = policy::capture(args.tuning, args.capture, &costs);
+        let fake_ack = policy::fake_ack(args.tuning, args.fake_ack);
         Ok(PrimaryConfig {
             backup: with.backup,
             session: SessionOptions {
@@ -280,7 +285,7 @@ impl ReplicationArgs {
                 costs,
             },
             pipeline_depth: args.pipeline_depth as usize,
-            fake_ack: args.fake_ack,
+            fake_ack,
         })
     }
 }

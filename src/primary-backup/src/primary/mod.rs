@@ -148,7 +148,7 @@ impl Primary {
         let journal = Arc::new(DiskJournal::new(trigger.clone(), vm.devices().waker()));
         // With --fake-ack the proxy stands in front of the output buffer
         // and rewrites what the guest receives.
-        let fake_ack = (config.fake_ack == ftvm_replication::fakeack::Mode::On).then(|| FakeAck::new(output.clone(), network));
+        let fake_ack = config.fake_ack.early().map(|early| FakeAck::new(output.clone(), network, early));
         match &fake_ack {
             Some(proxy) => {
                 vm.hooks().set_tx(Some(proxy.clone()));

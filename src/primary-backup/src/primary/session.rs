@@ -459,6 +459,7 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         state_bytes: encoded.state_bytes,
         fake_ack_bytes: state.fake_ack_bytes,
         fake_ack_flows: state.fake_ack_flows,
+        fake_ack_bulk_flows: state.fake_ack_bulk_flows,
         fake_ack_sent_bytes: state.fake_ack_sent_bytes,
         encode_ns: encoded.pages_ns,
         transfer_us: transfer.as_micros() as u64,

@@ -191,6 +191,7 @@ fn continuation<'a>(old: &'a std::collections::VecDeque<Stored>, new: &'a std::c
 
 #[cfg(test)]
 mod tests {
+    use super::super::flow::Early;
     use super::super::segment::tests::{frame, GUEST, PEER};
     use super::super::segment::{Endpoint, ACK, RST, SYN};
     use super::*;
@@ -220,7 +221,7 @@ mod tests {
     /// the changes carry each stored segment once.
     #[test]
     fn a_backup_applying_changes_holds_what_a_whole_copy_would() {
-        let mut t = Table::new(1 << 20);
+        let mut t = Table::new(1 << 20, Early::Every);
         // The last flow's sequence numbers wrap during the run.
         let isns = [5000, 90_000, u32::MAX - 20_000];
         for (i, isn) in isns.iter().enumerate() {
@@ -277,7 +278,7 @@ mod tests {
     /// changes; a new backup gets the table whole.
     #[test]
     fn changes_apply_only_over_the_checkpoint_they_were_counted_from() {
-        let mut t = Table::new(1 << 20);
+        let mut t = Table::new(1 << 20, Early::Every);
         open(&mut t, 0, 10);
         let mut sender = Sender::new(Sending::Changed);
         let first = sender.carry(1, t.clone());

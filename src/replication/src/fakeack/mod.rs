@@ -44,6 +44,19 @@ switch! {
         Off = "off",
         /// Held data is acknowledged to the guest at once (replicated proxy state).
         On = "on",
+        /// As `on`, but only on flows found carrying bulk data (`flow::Flow::classify`).
+        Bulk = "bulk",
+    }
+}
+
+impl Mode {
+    /// Which flows the proxy acknowledges early; none when off.
+    pub fn early(self) -> Option<flow::Early> {
+        match self {
+            Mode::Off => None,
+            Mode::On => Some(flow::Early::Every),
+            Mode::Bulk => Some(flow::Early::Bulk),
+        }
     }
 }
 
@@ -81,9 +94,10 @@ pub struct FakeAck {
 }
 
 impl FakeAck {
-    /// The primary's proxy, in front of `output`; resent segments go to `network`.
-    pub fn new(output: Arc<OutputBuffer>, network: Arc<dyn FrameSink>) -> Arc<FakeAck> {
-        FakeAck::start(Table::new(crate::bounds::FAKE_ACK_BOUND), Next::Held(output), network)
+    /// The primary's proxy, in front of `output`, acknowledging the flows
+    /// `early` says; resent segments go to `network`.
+    pub fn new(output: Arc<OutputBuffer>, network: Arc<dyn FrameSink>, early: flow::Early) -> Arc<FakeAck> {
+        FakeAck::start(Table::new(crate::bounds::FAKE_ACK_BOUND, early), Next::Held(output), network)
     }
 
     /// A backup's proxy after taking over with `state`: everything stored
@@ -235,7 +249,7 @@ mod tests {
     fn held_data_is_acknowledged_stored_with_the_checkpoint_and_sent_by_a_backup_that_takes_over() {
         let wire = Arc::new(Wire::default());
         let output = Arc::new(OutputBuffer::new(wire.clone()));
-        let proxy = FakeAck::new(output.clone(), wire.clone());
+        let proxy = FakeAck::new(output.clone(), wire.clone(), flow::Early::Every);
         handshake(&proxy);
         assert!(proxy.take_made_up().is_empty(), "nothing acknowledged unprotected");
         output.protect(1);

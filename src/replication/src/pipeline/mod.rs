@@ -225,10 +225,10 @@ impl Pipeline {
         let disk_pending = ftvm_vmm::devices::requests_in_flight(thawed.state.vm.changed.iter());
         self.sent_state.filter(&mut thawed.state.vm);
         // The proxy's whole table as saved at the freeze, and what of it goes.
-        let (mut fake_ack_bytes, mut fake_ack_flows) = (0, 0);
+        let (mut fake_ack_bytes, mut fake_ack_flows, mut fake_ack_bulk_flows) = (0, 0, 0);
         if let Some(Carried::Whole(table)) = thawed.state.fake_ack.take() {
-            (fake_ack_bytes, fake_ack_flows) = (table.stored_bytes(), table.flows() as u64);
-            thawed.state.fake_ack = Some(self.sent_fake_ack.carry(epoch, table));
+            (fake_ack_bytes, fake_ack_flows, fake_ack_bulk_flows) = (table.stored_bytes(), table.flows() as u64, table.bulk_flows() as u64);
+            thawed.state.fake_ack = Some(self.sent_fake_ack.carry(epoch, table.carried()));
         }
         let encoded = encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
         let predicted = self.mask.settle(self.encoder.as_ref());
@@ -249,6 +249,7 @@ impl Pipeline {
                 disk_pending,
                 fake_ack_bytes,
                 fake_ack_flows,
+                fake_ack_bulk_flows,
                 fake_ack_sent_bytes: thawed.state.fake_ack.as_ref().map_or(0, Carried::frame_bytes),
             },
             encoded,

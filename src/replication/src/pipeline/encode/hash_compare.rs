@@ -13,6 +13,11 @@
 //! its block patches overwrite the reader's blocks (an XOR-diff entry
 //! needs the reader's bytes). The pages it keeps whole go as bundle
 //! entries through a `PageEncoder`; its patches travel in the state.
+//!
+//! Which of the two pays depends on how much of a divergent page differs,
+//! which only the block hashes tell: `ByDivergence` (`adaptive`) measures
+//! it on the pages it asks them for and asks only while little differs,
+//! measuring again now and then while it sends whole pages.
 
 use std::convert::Infallible;
 
@@ -38,14 +43,19 @@ switch! {
         /// Only its 64-byte blocks that differ: the reader sends a hash
         /// of each block of the divergent pages (one more round trip).
         Blocks = "blocks",
+        /// Blocks while the divergent pages measured differ in little of
+        /// their blocks, else whole (`ByDivergence`).
+        Adaptive = "adaptive",
     }
 }
 
-/// The hash compare for `granularity`.
+/// The hash compare for `granularity`: one for all the `syncvm`s of a
+/// leadership (`adaptive` learns from each).
 pub fn new(granularity: Granularity) -> Box<dyn HashCompare> {
     match granularity {
         Granularity::Whole => Box::new(WholePages),
         Granularity::Blocks => Box::new(ChangedBlocks),
+        Granularity::Adaptive => Box::new(ByDivergence::default()),
     }
 }
 
@@ -82,17 +92,107 @@ impl HashCompare for ChangedBlocks {
     }
 
     fn patch(&mut self, page: u64, data: &[u8], theirs: &[u64]) -> Option<BlockPatch> {
-        let mut patch = BlockPatch { page, mask: 0, data: Vec::new() };
-        for (b, (block, h)) in data[..PAGE].chunks_exact(BLOCK).zip(theirs).enumerate() {
-            if xxh3_64(block) != *h {
-                patch.mask |= 1 << b;
-                patch.data.extend_from_slice(block);
-            }
+        worth_sending(changed_blocks(page, data, theirs))
+    }
+}
+
+/// The blocks of `data` (page `page`) whose hashes are not `theirs`.
+fn changed_blocks(page: u64, data: &[u8], theirs: &[u64]) -> BlockPatch {
+    let mut patch = BlockPatch { page, mask: 0, data: Vec::new() };
+    for (b, (block, h)) in data[..PAGE].chunks_exact(BLOCK).zip(theirs).enumerate() {
+        if xxh3_64(block) != *h {
+            patch.mask |= 1 << b;
+            patch.data.extend_from_slice(block);
         }
-        // A page that differs in most blocks goes whole; one whose blocks
-        // all match (a page hash collision cannot be ruled out) goes whole
-        // too, never not at all.
-        (patch.mask != 0 && patch.data.len() <= PAGE / 2).then_some(patch)
+    }
+    patch
+}
+
+/// `patch`, unless its page should go whole: a page that differs in most
+/// blocks goes whole; one whose blocks all match (a page hash collision
+/// cannot be ruled out) goes whole too, never not at all.
+fn worth_sending(patch: BlockPatch) -> Option<BlockPatch> {
+    (patch.mask != 0 && patch.data.len() <= PAGE / 2).then_some(patch)
+}
+
+/// Blocks while the divergent pages measured differ, on average, in at
+/// most this share of their blocks; whole pages above it. Asking costs,
+/// per divergent page, the reader's 64 block hashes (512 bytes) and the
+/// page's number and mask (16), and the `syncvm` one more round trip in
+/// the leader's pause; at a quarter of the blocks a patch and its asking
+/// carry 1,552 bytes, 38% of the whole page. Above it the round trip buys
+/// less, and from half of a page's blocks a patch is not sent at all
+/// (`worth_sending`).
+pub const BLOCKS_UP_TO: f64 = 0.25;
+/// While sending whole pages, the block hashes are asked for again (to
+/// measure) at every this many-th `syncvm` with divergent pages: one
+/// extra round trip in 32.
+pub const MEASURE_EVERY: u32 = 32;
+/// Weight of the newest `syncvm`'s measurement in the running share.
+const WEIGHT: f64 = 0.25;
+
+/// `--sync-pages adaptive`: as `ChangedBlocks` while the share of the
+/// blocks of divergent pages that differ, measured on every page it asks
+/// for, stays at most `BLOCKS_UP_TO`; as `WholePages` above it, asking
+/// again every `MEASURE_EVERY` `syncvm`s to see whether that changed.
+/// Before the first measurement it asks.
+#[derive(Debug, Default)]
+pub struct ByDivergence {
+    /// The running share (none before a measurement).
+    share: Option<f64>,
+    /// Of the `syncvm` under way: blocks compared, and of them those
+    /// that differed.
+    compared: u64,
+    differed: u64,
+    /// `syncvm`s with divergent pages sent whole since the last measurement.
+    whole_since: u32,
+}
+
+impl ByDivergence {
+    /// Whether divergent pages go as blocks now.
+    pub fn blocks(&self) -> bool {
+        self.share.is_none_or(|s| s <= BLOCKS_UP_TO)
+    }
+
+    /// The running share of the blocks of divergent pages that differ.
+    pub fn share(&self) -> Option<f64> {
+        self.share
+    }
+
+    /// Fold the last `syncvm`'s measurement (if it asked) into the share.
+    fn learn(&mut self) {
+        if self.compared == 0 {
+            return;
+        }
+        let measured = self.differed as f64 / self.compared as f64;
+        self.share = Some(self.share.map_or(measured, |s| s + WEIGHT * (measured - s)));
+        (self.compared, self.differed) = (0, 0);
+    }
+}
+
+impl HashCompare for ByDivergence {
+    fn refine(&mut self, divergent: &[u64]) -> Vec<u64> {
+        self.learn();
+        if divergent.is_empty() {
+            return Vec::new();
+        }
+        if self.blocks() {
+            self.whole_since = 0;
+            return divergent.to_vec();
+        }
+        self.whole_since += 1;
+        if self.whole_since < MEASURE_EVERY {
+            return Vec::new();
+        }
+        self.whole_since = 0;
+        divergent.to_vec()
+    }
+
+    fn patch(&mut self, page: u64, data: &[u8], theirs: &[u64]) -> Option<BlockPatch> {
+        let patch = changed_blocks(page, data, theirs);
+        self.compared += BLOCKS as u64;
+        self.differed += u64::from(patch.mask.count_ones());
+        worth_sending(patch)
     }
 }
 
@@ -200,6 +300,69 @@ mod tests {
         assert!(blocks.patch(3, &vec![9u8; PAGE], &reader).is_none(), "every block differs: whole");
         let mut whole = new(Granularity::Whole);
         assert!(whole.refine(&[3, 8]).is_empty());
+    }
+
+    /// `adaptive` asks for block hashes at first, keeps asking while
+    /// little of each divergent page differs, sends whole pages once most
+    /// of them differs, measuring again every MEASURE_EVERY syncvms, and
+    /// goes back to blocks when the pages differ in little again.
+    #[test]
+    fn adaptive_sends_blocks_while_little_of_a_divergent_page_differs() {
+        let theirs = vec![7u8; PAGE];
+        let reader: Vec<u64> = theirs.chunks_exact(BLOCK).map(xxh3_64).collect();
+        // A page of which `n` blocks differ from the reader's.
+        let differing = |n: usize| {
+            let mut page = theirs.clone();
+            for b in 0..n {
+                page[b * BLOCK] = 1;
+            }
+            page
+        };
+        // One syncvm of four divergent pages each differing in `n` blocks:
+        // whether it asked, and how many went as patches.
+        let syncvm = |c: &mut ByDivergence, n: usize| {
+            let asked = c.refine(&[1, 2, 3, 4]);
+            let patched = asked.iter().filter(|&&p| c.patch(p, &differing(n), &reader).is_some()).count();
+            (!asked.is_empty(), patched)
+        };
+        let mut c = ByDivergence::default();
+        assert!(c.blocks(), "before any measurement: ask");
+        assert_eq!(syncvm(&mut c, 2), (true, 4), "2 of 64 blocks: patches");
+        assert_eq!(syncvm(&mut c, 2), (true, 4));
+        assert!(c.share().unwrap() < 0.05);
+        assert!(c.refine(&[]).is_empty(), "nothing divergent: nothing to ask");
+        // Most of each page differs: whole pages once the share passes a quarter.
+        let mut measured = 0;
+        loop {
+            let (asked, patched) = syncvm(&mut c, 60);
+            if !asked {
+                break;
+            }
+            assert_eq!(patched, 0, "60 of 64 blocks: each page whole");
+            measured += 1;
+            assert!(measured < 10, "still asking at a share of {:?}", c.share());
+        }
+        assert!(measured >= 1 && !c.blocks(), "share {:?}", c.share());
+        // Whole now, measuring again every MEASURE_EVERY-th syncvm.
+        let asks: Vec<bool> = (0..2 * MEASURE_EVERY).map(|_| syncvm(&mut c, 60).0).collect();
+        // (The syncvm that found the share too high was the first whole one.)
+        let at: Vec<usize> = (0..asks.len()).filter(|&i| asks[i]).collect();
+        let every = MEASURE_EVERY as usize;
+        assert_eq!(at, [every - 2, 2 * every - 2], "a measurement every {every} syncvms");
+        // Little differs again: the measurements bring blocks back.
+        let mut syncvms = 0;
+        loop {
+            syncvm(&mut c, 1);
+            c.refine(&[]);
+            if c.blocks() {
+                break;
+            }
+            syncvms += 1;
+            assert!(syncvms < 10 * MEASURE_EVERY, "still whole at a share of {:?}", c.share());
+        }
+        assert_eq!(syncvm(&mut c, 1), (true, 4), "back to patches");
+        let mut fresh = new(Granularity::Adaptive);
+        assert_eq!(fresh.refine(&[5]), [5], "a new one asks first");
     }
 
     #[test]
