@@ -1,4 +1,4 @@
-//! `--diff auto` (the default): a checkpoint's diffs go LZ4-compressed only
+//! `--diff auto`: a checkpoint's diffs go LZ4-compressed only
 //! while the replication link is busy, end to end over the test topology's
 //! replication link, throttled with a token bucket in the middle of a run
 //! and freed again, and a takeover after the flips still resumes the guest
@@ -59,7 +59,8 @@ fn diffs_are_compressed_only_while_the_link_is_busy() {
     let backup = spawn_logged(backup, "backup", &dir, "backup");
     let mut primary = topo.command("h1", env!("CARGO_BIN_EXE_ftvm"));
     primary
-        .args(["run", "--cmdline", WORK, "--insecure", "--replicate-to", &addr, "--failure-timeout-ms", SLOW_LINK_TIMEOUT_MS])
+        .args(["run", "--cmdline", WORK, "--insecure", "--replicate-to", &addr, "--diff", "auto"])
+        .args(["--failure-timeout-ms", SLOW_LINK_TIMEOUT_MS])
         .args(["--metrics-every-epoch", "--metrics"])
         .arg(&metrics)
         .arg("--image")

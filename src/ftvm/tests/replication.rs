@@ -202,7 +202,7 @@ fn assert_prefetched(what: &str, runs: &[Vec<serde_json::Value>]) -> usize {
 #[test]
 fn memory_survives_failover() {
     let saved = memory_survives_failover_with(&[], &[(1, 1, 400), (2, 2, 700), (2, 2, 1100)], "diff_bytes_saved");
-    assert!(saved.iter().all(|&s| s > 0.0), "pages go as diffs by default (--diff auto): {saved:?}");
+    assert!(saved.iter().all(|&s| s > 0.0), "pages go as diffs by default (--diff lz4): {saved:?}");
 }
 
 #[test]

@@ -116,7 +116,7 @@ fn a_promoted_backup_runs_with_the_defaults_of_ftvm_run() {
         (PrimaryConfig::DEFAULT_ACK_TIMEOUT, PrimaryConfig::DEFAULT_CONNECT_TIMEOUT)
     );
     assert_eq!((promotion.loss.on_backup_loss, session.mirror), (OnBackupLoss::Pause, Mode::On));
-    assert_eq!((promotion.pipeline_depth, promotion.switches.diff), (DEFAULT_PIPELINE_DEPTH as usize, Diff::Auto));
+    assert_eq!((promotion.pipeline_depth, promotion.switches.diff), (DEFAULT_PIPELINE_DEPTH as usize, Diff::Lz4));
     assert_eq!(session.liveness.interval, Duration::from_millis(7));
     assert_eq!(promotion.loss.standbys, ["h:2", "h:3"]);
     assert!(promotion.metrics.is_none() && session.auth.is_none());

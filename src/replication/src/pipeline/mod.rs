@@ -240,7 +240,8 @@ impl Pipeline {
         let taken = Taken {
             epoch,
             freeze: thawed.figures,
-            // Pages left to the encoder and found unchanged were not written.
+            // Pages left to the encoder and found unchanged were not written
+            // (nor sent: the bundle leaves them out).
             dirty_pages: pages.len() as u64 + prefetched.only_ahead - predicted.sent_unchanged,
             predict: predicted,
             state: Carrying {

@@ -92,7 +92,9 @@ impl<'a> BundleWriter<'a> {
         let at = self.out.len();
         self.out.resize(at + ENTRY_HEADER, 0);
         let tag = self.encoder.encode(page, data, self.out);
-        if tag == PageTag::Zero && self.skip_zero {
+        // An entry that would change nothing at the reader (a page equal to
+        // the copy the encoder diffed it against) is left out.
+        if (tag == PageTag::Zero && self.skip_zero) || self.encoder.unchanged(page) {
             self.out.truncate(at);
             return;
         }

@@ -9,8 +9,8 @@
 //! That comparison also says which predicted pages were really written,
 //! which is what the predictor learns from. Where the encoder keeps a copy
 //! of the page to diff against, the diff it makes anyway is that
-//! comparison: such a page goes to the encoder, which sends an unchanged
-//! one as an empty diff, and the predictor learns from what it found
+//! comparison: such a page goes to the encoder, whose bundle leaves an
+//! unchanged one out, and the predictor learns from what it found
 //! (`FreezeMask::settle`). Only a page without such a copy is hashed
 //! (`FakeDirtyFilter`) and, when the backup holds it, dropped.
 //!
@@ -175,10 +175,10 @@ pub struct Figures {
     pub predicted: u64,
     /// Of those, pages whose content changed (sent).
     pub predicted_written: u64,
-    /// Of those, pages whose content had not changed (not sent, or sent
-    /// as an empty diff: `sent_unchanged`).
+    /// Of those, pages whose content had not changed (not sent).
     pub fake_dirty: u64,
-    /// Of those, pages the encoder judged, so sent as an empty diff.
+    /// Of those, the pages the encoder judged (its bundle left them out;
+    /// the others the hash filter dropped before encoding).
     pub sent_unchanged: u64,
     /// Pages dirtied that were not left writable: each took a tracked first write.
     pub first_writes: u64,
@@ -508,9 +508,11 @@ mod tests {
         let (_, sent, bytes) = epoch(&mut p, &mut enc, &a);
         assert_eq!((sent, bytes), (1, PAGE));
         assert!(enc.keeps(1));
-        // Unchanged: left to the encoder, which finds nothing to send.
+        // Unchanged: left to the encoder, which finds nothing to send (an
+        // empty diff, which the bundle leaves out).
         let (f, sent, bytes) = epoch(&mut p, &mut enc, &a);
         assert_eq!((f.fake_dirty, f.predicted_written, sent, bytes), (1, 0, 1, 1), "an empty diff");
+        assert!(enc.unchanged(1));
         // Rewritten: a diff, learned as written.
         let (f, _, bytes) = epoch(&mut p, &mut enc, &b);
         assert_eq!((f.fake_dirty, f.predicted_written), (0, 1));
