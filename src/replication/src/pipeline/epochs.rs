@@ -112,7 +112,7 @@ impl EpochLoop<'_> {
             if let Err(loss) = link.send_checkpoint(&t, frame, Instant::now()) {
                 return Ended::Lost(loss);
             }
-            self.pipeline.link_busy(Instant::now(), link.busy());
+            self.pipeline.link_busy(Instant::now(), || link.busy());
             // The cost grows with the pages the checkpoint carries (not those sent ahead).
             pacing.record(&Sample {
                 pause: t.freeze.pause,

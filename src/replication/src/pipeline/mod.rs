@@ -104,9 +104,9 @@ pub struct Pipeline {
     /// stop-and-copy when the capture copies in the pause.
     costs: costs::Costs,
     copies_in_pause: bool,
-    /// `--diff auto`: whether the link is busy enough to compress diffs.
+    /// `--diff`: with `auto`, whether the link is busy enough to compress diffs.
+    diff: encode::Diff,
     link_load: Option<encode::link_load::LinkLoad>,
-    compressing: bool,
 }
 
 impl Pipeline {
@@ -143,8 +143,8 @@ impl Pipeline {
             limit,
             costs: switches.costs,
             copies_in_pause: switches.capture == capture::Mode::Pause,
+            diff: switches.diff,
             link_load: (switches.diff == encode::Diff::Auto).then(encode::link_load::LinkLoad::new),
-            compressing: switches.diff == encode::Diff::Lz4,
         })
     }
 
@@ -190,12 +190,17 @@ impl Pipeline {
     }
 
     /// `--diff auto`: the link's busy time (`Transport::busy`), read after
-    /// a checkpoint went out, may turn compression on or off.
-    pub fn link_busy(&mut self, now: std::time::Instant, busy: Option<std::time::Duration>) {
-        if let Some(on) = self.link_load.as_mut().and_then(|load| load.observe(now, busy)) {
+    /// a checkpoint went out (and only then: a socket query under the
+    /// link's lock), may turn compression on or off.
+    pub fn link_busy(&mut self, now: std::time::Instant, busy: impl FnOnce() -> Option<std::time::Duration>) {
+        if let Some(on) = self.link_load.as_mut().and_then(|load| load.observe(now, busy())) {
             self.encoder.compress(on);
-            self.compressing = on;
         }
+    }
+
+    /// Whether diffs go LZ4-compressed now.
+    fn compressing(&self) -> bool {
+        self.link_load.as_ref().map_or(self.diff == encode::Diff::Lz4, encode::link_load::LinkLoad::compressing)
     }
 
     /// Take checkpoint `epoch`: the VM is paused only for the freeze (and
@@ -256,7 +261,7 @@ impl Pipeline {
             encoded,
             prefetched,
             costs: self.costs,
-            compressed: self.compressing,
+            compressed: self.compressing(),
             ..Taken::default()
         };
         Ok((taken, &self.frame))

@@ -14,9 +14,10 @@
 //! below `OFF` turns it off again. `ON` is not higher because plain diffs
 //! are 2-4 times the bytes: kv SET -P 16 sent 123 KB a checkpoint plain
 //! against 30 KB compressed, a millisecond on a 1 Gbit/s link at 450
-//! checkpoints a second, which such a link shows as a share near 0.6. (TCP's delivery rate would not do: a token bucket's
-//! bursts and 64 KiB segments make it read gigabytes a second on a link
-//! throttled to megabits.)
+//! checkpoints a second, which such a link shows as a share near 0.6.
+//! (TCP's delivery rate would not do: a token bucket's bursts and 64 KiB
+//! segments make it read gigabytes a second on a link throttled to
+//! megabits.)
 
 use std::time::{Duration, Instant};
 

@@ -1,8 +1,8 @@
 //! The fake-dirty filter: a page left writable is reported dirty at every
 //! freeze whether or not the guest wrote it, so before it is sent its
-//! content is compared with what the backup already holds. Self-contained
-//! (one content hash per page), so it can later share a store of last-sent
-//! page versions with an encoder that needs one too.
+//! content is compared with what the backup already holds. By hash (one
+//! per page), for the pages the encoder keeps no last-sent copy of: where
+//! it keeps one, its diff is the comparison (`predict`'s `Step::page`).
 
 use xxhash_rust::xxh3::xxh3_128;
 
