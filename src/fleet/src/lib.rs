@@ -14,7 +14,8 @@
 //! Failing over is not the leader's job: a VM's backup takes over by
 //! itself through the arbiter as without a fleet. The leader only follows:
 //! a primary whose host is gone is where its backup was, and a VM without
-//! a backup gets one on another host with room.
+//! a backup gets one on another host with room. Once nothing needs
+//! fixing, it evens the hosts out, one VM at a time.
 
 pub mod placement;
 pub mod records;

@@ -14,6 +14,9 @@
 //!   primary's.
 //! - A VM placed nowhere gets a primary on the host with fewest primaries
 //!   (then most free memory) and a backup on another: both or neither.
+//! - A fleet at rest (every VM protected, nothing to change, no host
+//!   draining, no hand-over under way) is evened out, one move at a time
+//!   (`rebalance`): a host that joined gets backups, then primaries.
 //!
 //! Room is memory and vCPUs: a VM counts on both hosts it is placed on.
 
@@ -216,7 +219,78 @@ pub fn plan(fleet: &Fleet) -> (Vec<Change>, Vec<Unplaced>) {
             changes.push(Change { vm: vm.clone(), placement: p, seen, why: why.join("; ") });
         }
     }
+    if changes.is_empty() && unplaced.is_empty() && at_rest(fleet) {
+        changes.extend(rebalance(fleet, &room, &ports));
+    }
     (changes, unplaced)
+}
+
+/// Whether nothing is under way: every VM protected, no hand-over asked
+/// for, no host draining. Only then is the fleet evened out.
+pub fn at_rest(fleet: &Fleet) -> bool {
+    fleet.draining.is_empty()
+        && fleet.vms.keys().all(|vm| fleet.protected(vm) && fleet.placements.get(vm).is_some_and(|(p, _)| !p.handover))
+}
+
+/// Whether the fleet is at rest and evened out: the leader has nothing to do.
+pub fn settled(fleet: &Fleet) -> bool {
+    at_rest(fleet) && plan(fleet).0.is_empty()
+}
+
+/// One move that evens out a fleet at rest, or none.
+///
+/// Moves cost protection for a while: a moved backup is rebuilt by a live
+/// pre-copy, a hand-over pauses the guest for a last checkpoint. So the
+/// fleet moves one VM at a time (the next move waits until every VM is
+/// protected again), and only where the move strictly lowers what it
+/// evens out; the two measures are taken in order (primaries, then memory)
+/// and neither move raises the first, so a fleet cannot move in circles.
+/// - Primaries: a VM whose backup's host runs at least two primaries fewer
+///   than its primary's host is handed over to its backup (its new backup
+///   is then placed by the rules above).
+/// - Memory: the backup of a VM on the host with most memory in use moves
+///   to the host with least, if the VM is smaller than their difference
+///   and that host is not its primary's.
+fn rebalance(fleet: &Fleet, room: &Room, ports: &BTreeSet<u16>) -> Option<Change> {
+    let placed = |vm: &String| fleet.placements.get(vm).map(|(p, seen)| (p, *seen));
+    let hosts: Vec<&str> = usable(fleet).collect();
+    let primaries = |h: &str| room.primaries.get(h).copied().unwrap_or(0);
+    let handover = fleet
+        .vms
+        .keys()
+        .filter_map(|vm| {
+            let (p, seen) = placed(vm)?;
+            let (from, to) = (p.primary.as_deref()?, p.backup.as_deref()?);
+            let gap = primaries(from).checked_sub(primaries(to)).filter(|gap| *gap >= 2)?;
+            Some((gap, vm, p, seen, from, to))
+        })
+        .min_by_key(|(gap, vm, ..)| (std::cmp::Reverse(*gap), (*vm).clone()));
+    if let Some((_, vm, p, seen, from, to)) = handover {
+        let why = format!("rebalance: hand the VM over from {from} ({} primaries) to {to} ({})", primaries(from), primaries(to));
+        let placement = Placement { handover: true, generation: p.generation + 1, ..p.clone() };
+        return Some(Change { vm: vm.clone(), placement, seen, why });
+    }
+    let used = |h: &str| fleet.hosts.get(h).map_or(0, |host| host.memory_mib as i64) - room.free_mib.get(h).copied().unwrap_or(0);
+    let fullest = hosts.iter().copied().max_by_key(|h| (used(h), std::cmp::Reverse(h.to_string())))?;
+    let emptiest = hosts.iter().copied().min_by_key(|h| (used(h), h.to_string()))?;
+    let gap = used(fullest) - used(emptiest);
+    let (vm, p, seen) = fleet
+        .vms
+        .iter()
+        .filter_map(|(vm, spec)| {
+            let (p, seen) = placed(vm)?;
+            let moves = p.backup.as_deref() == Some(fullest)
+                && p.primary.as_deref() != Some(emptiest)
+                && (spec.memory_mib as i64) < gap
+                && room.fits(emptiest, spec);
+            moves.then_some((vm, p, seen, spec.memory_mib))
+        })
+        .max_by_key(|(vm, .., mib)| (*mib, std::cmp::Reverse((*vm).clone())))
+        .map(|(vm, p, seen, _)| (vm, p, seen))?;
+    let port = (FIRST_PORT..).find(|port| !ports.contains(port)).expect("a free port");
+    let why = format!("rebalance: backup moves from {fullest} ({} MiB in use) to {emptiest} ({} MiB)", used(fullest), used(emptiest));
+    let placement = Placement { backup: Some(emptiest.to_string()), port, generation: p.generation + 1, ..p.clone() };
+    Some(Change { vm: vm.clone(), placement, seen, why })
 }
 
 #[cfg(test)]
@@ -328,5 +402,98 @@ mod tests {
         assert_eq!(p.as_deref(), Some(backup.as_str()));
         assert!(b.is_some_and(|b| b != primary && b != backup), "the new backup is on neither the drained host nor the primary's");
         assert!(!f.placements["a"].0.handover);
+    }
+
+    /// Run the fleet until it is at rest: every process reports what its
+    /// placement says, in step, and a primary told to hand over has done
+    /// so. Returns how many moves the rebalance made.
+    fn settle(f: &mut Fleet) -> usize {
+        let mut moves = 0;
+        for _ in 0..100 {
+            let (changes, _) = plan(f);
+            if changes.is_empty() {
+                return moves;
+            }
+            moves += changes.iter().filter(|c| c.why.starts_with("rebalance")).count();
+            for c in changes {
+                f.placements.insert(c.vm, (c.placement, f.revision + 1));
+                f.revision += 1;
+            }
+            f.reports.clear();
+            for (vm, (p, _)) in &f.placements {
+                let report = |host: &str, role| Report { host: host.into(), role, protected: true, pid: 1, since_ms: 0 };
+                let reports = f.reports.entry(vm.clone()).or_default();
+                if let Some(primary) = &p.primary {
+                    reports.insert(primary.clone(), report(primary, Role::Primary));
+                }
+                if let Some(backup) = &p.backup {
+                    let role = if p.handover { Role::Primary } else { Role::Backup };
+                    reports.insert(backup.clone(), report(backup, role));
+                }
+            }
+        }
+        panic!("the fleet never came to rest: {:?}", plan(f).0);
+    }
+
+    fn in_use(f: &Fleet, host: &str) -> (u64, usize) {
+        let mut mib = 0;
+        let mut primaries = 0;
+        for (vm, (p, _)) in &f.placements {
+            if p.primary.as_deref() == Some(host) {
+                primaries += 1;
+            }
+            if f.placed_on(vm, host) {
+                mib += f.vms[vm].memory_mib;
+            }
+        }
+        (mib, primaries)
+    }
+
+    #[test]
+    fn a_host_that_joins_gets_backups_then_primaries_one_move_at_a_time() {
+        let vms: Vec<(String, u64)> = (0..6).map(|i| (format!("vm{i}"), 64)).collect();
+        let names: Vec<(&str, u64)> = vms.iter().map(|(n, m)| (n.as_str(), *m)).collect();
+        let mut f = fleet(&["h1", "h2"], &names);
+        settle(&mut f);
+        assert_eq!(in_use(&f, "h1").0, 384);
+        f.hosts.insert("h3".into(), Host { name: "h3".into(), memory_mib: 1024, vcpus: 8, repl_addr: "10.9.0.3".into() });
+        let (first, _) = plan(&f);
+        assert_eq!(first.len(), 1, "one move at a time: {first:?}");
+        assert_eq!(first[0].placement.backup.as_deref(), Some("h3"), "the new host gets a backup first: {first:?}");
+        let moves = settle(&mut f);
+        assert!(moves >= 2, "{moves} moves");
+        assert!(settled(&f));
+        let spread: Vec<(u64, usize)> = ["h1", "h2", "h3"].iter().map(|h| in_use(&f, h)).collect();
+        let mib: Vec<u64> = spread.iter().map(|s| s.0).collect();
+        let primaries: Vec<usize> = spread.iter().map(|s| s.1).collect();
+        assert!(mib.iter().max().unwrap() - mib.iter().min().unwrap() <= 64, "memory in use {mib:?}");
+        assert!(primaries.iter().max().unwrap() - primaries.iter().min().unwrap() <= 1, "primaries {primaries:?}");
+        for (vm, (p, _)) in &f.placements {
+            assert!(p.primary.is_some() && p.backup.is_some() && p.primary != p.backup, "{vm}: {p:?}");
+        }
+    }
+
+    #[test]
+    fn a_fleet_not_at_rest_is_not_rebalanced() {
+        let mut f = fleet(&["h1", "h2"], &[("a", 64), ("b", 64)]);
+        settle(&mut f);
+        f.hosts.insert("h3".into(), Host { name: "h3".into(), memory_mib: 1024, vcpus: 8, repl_addr: "10.9.0.3".into() });
+        // b's backup is still catching up: nothing moves.
+        let backup = f.placements["b"].0.backup.clone().unwrap();
+        f.reports.get_mut("b").unwrap().get_mut(&backup).unwrap().protected = false;
+        assert!(plan(&f).0.is_empty(), "{:?}", plan(&f).0);
+        // Nor while a host drains (its VMs move by the drain's rules).
+        f.reports.get_mut("b").unwrap().get_mut(&backup).unwrap().protected = true;
+        f.draining.insert("h3".into());
+        assert!(plan(&f).0.is_empty(), "{:?}", plan(&f).0);
+        f.draining.clear();
+        assert_eq!(plan(&f).0.len(), 1);
+    }
+
+    #[test]
+    fn a_balanced_fleet_stays_put() {
+        let mut f = fleet(&["h1", "h2", "h3"], &[("a", 256), ("b", 256), ("c", 256), ("d", 100)]);
+        let moves = settle(&mut f);
+        assert_eq!(moves, 0, "placement already spread what it placed: {:?}", f.placements);
     }
 }

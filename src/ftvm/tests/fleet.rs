@@ -3,8 +3,9 @@
 //! files. Each VM is placed on two hosts and protected; acknowledged
 //! writes go in; the host of a primary dies (links cut, every process in
 //! it SIGKILLed); the VM goes on serving from its backup's host, is
-//! protected again on the third host, and has every acknowledged write.
-//! No VM ever has two primaries. Needs root, iproute2, redis-cli, etcd.
+//! protected again on the third host, and has every acknowledged write;
+//! the host comes back and the fleet evens out onto it. No VM ever has
+//! two primaries. Needs root, iproute2, redis-cli, etcd.
 
 mod common;
 
@@ -233,7 +234,7 @@ fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
 #[test]
 fn vms_stay_protected_when_a_host_dies() {
     let dir = scratch_for("fleet", "host-dies");
-    let Rig { topo, etcd, store, mut agents, .. } = Rig::new(&dir);
+    let Rig { topo, etcd, store, mut agents, secret: rig_secret } = Rig::new(&dir);
 
     for (vm, addr, mac) in VMS {
         let out = create(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64, vm == "kva");
@@ -289,9 +290,26 @@ fn vms_stay_protected_when_a_host_dies() {
         assert_eq!(sets.get(&format!("kva-{i}")).map(Vec::as_slice), Some(format!("v{i}").as_bytes()), "kva-{i} in the disk on {host}");
     }
 
+    // The host comes back with a fresh agent: the fleet, at rest, moves
+    // replicas onto it one at a time, and nothing acknowledged is lost.
+    topo.up_fleet(3).unwrap();
+    agents[dead_index - 1] = agent(&topo, dir.path(), etcd.endpoint(), dead_index as u32, &rig_secret);
+    let back = Instant::now();
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(60), "replicas on the host that came back", |f| {
+        f.hosts.contains_key(&dead) && VMS.iter().any(|(vm, _, _)| f.placed_on(vm, &dead)) && ftvm_fleet::placement::settled(f)
+    });
+    eprintln!("the fleet evened out onto {dead} {:?} after it came back: {:?}", back.elapsed(), f.placements);
+    for (vm, addr, _) in VMS {
+        topo.forget_guest().unwrap();
+        for i in 0..20 {
+            let (ok, out) = topo.redis_cli(addr, &["GET", &format!("{vm}-{i}")]);
+            assert!(ok && out.trim() == format!("v{i}"), "{vm}-{i} after the fleet evened out: {out:?}");
+        }
+    }
+
     // Deleting a VM stops its processes.
     cli(&topo, &["vm", "delete", "--etcd", etcd.endpoint(), "kvb"]);
-    wait_fleet(&topo, &store, Some(&dead), Duration::from_secs(20), "kvb's reports gone", |f| !f.reports.contains_key("kvb"));
+    wait_fleet(&topo, &store, None, Duration::from_secs(20), "kvb's reports gone", |f| !f.reports.contains_key("kvb"));
     for a in &mut agents {
         if a.running() {
             a.signal(libc::SIGTERM).unwrap();

@@ -87,11 +87,18 @@ impl Topology {
             }
         };
         let topo = Topology { name, script };
-        let out = Command::new(&topo.script).args(["up-fleet", &topo.name, &hosts.to_string()]).output()?;
-        if !out.status.success() {
-            return Err(failed(format!("scripts/netns.sh up-fleet {} {hosts}", topo.name), &out));
-        }
+        topo.up_fleet(hosts)?;
         Ok(topo)
+    }
+
+    /// Build what is missing of a fleet's topology of `hosts` hosts
+    /// (idempotent): the links [`Topology::cut_host`] deleted come back.
+    pub fn up_fleet(&self, hosts: u32) -> io::Result<()> {
+        let out = Command::new(&self.script).args(["up-fleet", &self.name, &hosts.to_string()]).output()?;
+        if !out.status.success() {
+            return Err(failed(format!("scripts/netns.sh up-fleet {} {hosts}", self.name), &out));
+        }
+        Ok(())
     }
 
     pub fn name(&self) -> &str {

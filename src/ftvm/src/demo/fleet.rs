@@ -6,7 +6,8 @@
 //! redis-servers) are created from spec files, and tracked writers record
 //! every write whose `+OK` arrived. Then: the host with most primaries
 //! dies (its links are cut and everything in it SIGKILLed), then another;
-//! the first comes back with a fresh agent; one of the two hosts that
+//! the first comes back with a fresh agent and the fleet evens out onto
+//! it (one VM at a time, while every VM is protected); one of the two hosts that
 //! never died is drained. After each step every VM must be protected
 //! again (the goal: within 10 s of a host's death). At the end every
 //! acknowledged write is read back, and a capture of each host's uplink
@@ -21,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use ftvm_fleet::placement::Fleet;
+use ftvm_fleet::placement::{settled, Fleet};
 use ftvm_fleet::Store;
 use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::netns;
@@ -289,16 +290,15 @@ pub fn run(dir: &Path, seconds: f64) -> Result<bool, Error> {
 
     let back = deaths[0].0.clone();
     outln!("-- host {back} comes back (links restored, a fresh agent)");
-    let up = Command::new(root.join("scripts/netns.sh"))
-        .args(["up-fleet", topo.name(), &HOSTS.to_string()])
-        .output()
-        .map_err(|e| e.to_string())?;
-    if !up.status.success() {
-        return Err(format!("restoring {back}: {}", String::from_utf8_lossy(&up.stderr).trim()));
-    }
+    topo.up_fleet(HOSTS).map_err(|e| format!("restoring {back}: {e}"))?;
     hosts.start(back[1..].parse().map_err(|e| format!("{e}"))?)?;
     let b = back.clone();
     wait(&topo, &store, &vms, t0, Duration::from_secs(30), |f| f.hosts.contains_key(&b))?;
+    // The fleet, at rest again, evens out onto it one VM at a time.
+    let took = wait(&topo, &store, &vms, t0, Duration::from_secs(90), |f| vms.iter().any(|vm| f.placed_on(&vm.name, &b)) && settled(f))?;
+    let f = read(&topo, &store)?;
+    let held = vms.iter().filter(|vm| f.placed_on(&vm.name, &back)).count();
+    outln!("{back} holds {held} of the VMs' replicas, every VM protected, {:.1} s after it came back", took.as_secs_f64());
 
     let drained = alive[0].clone();
     outln!("-- host {drained} is drained (ftvm host drain): its primaries are handed over, its backups rebuilt elsewhere");
