@@ -13,7 +13,8 @@
 //!   over to it; once the backup reports running it, that host is the
 //!   primary's.
 //! - A VM placed nowhere gets a primary on the host with fewest primaries
-//!   (then most free memory) and a backup on another: both or neither.
+//!   (then the smallest share of its memory in use) and a backup on
+//!   another (the smallest share): both or neither.
 //! - A fleet at rest (every VM protected, nothing to change, no host
 //!   draining, no hand-over under way) is evened out, one move at a time
 //!   (`rebalance`): a host that joined gets backups, then primaries.
@@ -85,6 +86,7 @@ pub struct Unplaced {
 }
 
 struct Room {
+    capacity_mib: BTreeMap<String, i64>,
     free_mib: BTreeMap<String, i64>,
     free_vcpus: BTreeMap<String, i64>,
     primaries: BTreeMap<String, u32>,
@@ -92,8 +94,10 @@ struct Room {
 
 impl Room {
     fn new(fleet: &Fleet) -> Room {
+        let capacity_mib: BTreeMap<String, i64> = fleet.hosts.values().map(|h| (h.name.clone(), h.memory_mib as i64)).collect();
         let mut room = Room {
-            free_mib: fleet.hosts.values().map(|h| (h.name.clone(), h.memory_mib as i64)).collect(),
+            free_mib: capacity_mib.clone(),
+            capacity_mib,
             free_vcpus: fleet.hosts.values().map(|h| (h.name.clone(), h.vcpus as i64)).collect(),
             primaries: fleet.hosts.keys().map(|h| (h.clone(), 0)).collect(),
         };
@@ -124,16 +128,25 @@ impl Room {
             && self.free_vcpus.get(host).is_some_and(|c| *c >= spec.vcpus as i64)
     }
 
-    /// The host for a new primary: fewest primaries, then most free memory, then name.
-    fn for_primary(&self, fleet: &Fleet, spec: &VmSpec) -> Option<String> {
-        let candidates = usable(fleet).filter(|h| self.fits(h, spec));
-        candidates.min_by_key(|h| (self.primaries[*h], -self.free_mib[*h], (*h).to_string())).map(str::to_string)
+    /// Memory in use on `host` as a share of its own: hosts of different
+    /// sizes fill alike.
+    fn share(&self, host: &str) -> f64 {
+        let capacity = self.capacity_mib.get(host).copied().unwrap_or(0).max(1);
+        (capacity - self.free_mib.get(host).copied().unwrap_or(0)) as f64 / capacity as f64
     }
 
-    /// The host for a backup, not `primary`: most free memory, then name.
+    /// The host for a new primary: fewest primaries, then the smallest share of memory in use, then name.
+    fn for_primary(&self, fleet: &Fleet, spec: &VmSpec) -> Option<String> {
+        let candidates = usable(fleet).filter(|h| self.fits(h, spec));
+        candidates
+            .min_by(|a, b| (self.primaries[*a].cmp(&self.primaries[*b])).then(self.share(a).total_cmp(&self.share(b))).then(a.cmp(b)))
+            .map(str::to_string)
+    }
+
+    /// The host for a backup, not `primary`: the smallest share of memory in use, then name.
     fn for_backup(&self, fleet: &Fleet, spec: &VmSpec, primary: &str) -> Option<String> {
         let candidates = usable(fleet).filter(|h| *h != primary && self.fits(h, spec));
-        candidates.min_by_key(|h| (-self.free_mib[*h], (*h).to_string())).map(str::to_string)
+        candidates.min_by(|a, b| self.share(a).total_cmp(&self.share(b)).then(a.cmp(b))).map(str::to_string)
     }
 }
 
@@ -176,7 +189,7 @@ pub fn plan(fleet: &Fleet) -> (Vec<Change>, Vec<Unplaced>) {
         }
         if let (Some(primary), Some(backup)) = (&p.primary, &p.backup) {
             if p.handover && fleet.reports(vm, backup, Role::Primary, false) {
-                why.push(format!("handed over from draining host {primary} to {backup}"));
+                why.push(format!("handed over from {primary} to {backup}"));
                 p.primary = p.backup.take();
                 p.handover = false;
             } else if !p.handover && fleet.draining.contains(primary) && fleet.reports(vm, primary, Role::Primary, true) {
@@ -248,9 +261,10 @@ pub fn settled(fleet: &Fleet) -> bool {
 /// - Primaries: a VM whose backup's host runs at least two primaries fewer
 ///   than its primary's host is handed over to its backup (its new backup
 ///   is then placed by the rules above).
-/// - Memory: the backup of a VM on the host with most memory in use moves
-///   to the host with least, if the VM is smaller than their difference
-///   and that host is not its primary's.
+/// - Memory: the backup of a VM on the host with the largest share of its
+///   memory in use moves to the host with the smallest, if that brings the
+///   shares closer (it lowers the sum of use^2 / capacity) and that host is
+///   not its primary's.
 fn rebalance(fleet: &Fleet, room: &Room, ports: &BTreeSet<u16>) -> Option<Change> {
     let placed = |vm: &String| fleet.placements.get(vm).map(|(p, seen)| (p, *seen));
     let hosts: Vec<&str> = usable(fleet).collect();
@@ -270,10 +284,19 @@ fn rebalance(fleet: &Fleet, room: &Room, ports: &BTreeSet<u16>) -> Option<Change
         let placement = Placement { handover: true, generation: p.generation + 1, ..p.clone() };
         return Some(Change { vm: vm.clone(), placement, seen, why });
     }
-    let used = |h: &str| fleet.hosts.get(h).map_or(0, |host| host.memory_mib as i64) - room.free_mib.get(h).copied().unwrap_or(0);
-    let fullest = hosts.iter().copied().max_by_key(|h| (used(h), std::cmp::Reverse(h.to_string())))?;
-    let emptiest = hosts.iter().copied().min_by_key(|h| (used(h), h.to_string()))?;
-    let gap = used(fullest) - used(emptiest);
+    // Memory in use as a share of each host's, compared without rounding:
+    // hosts of different sizes fill alike.
+    let capacity = |h: &str| room.capacity_mib.get(h).map_or(1, |c| (*c as i128).max(1));
+    let used = |h: &str| capacity(h) - room.free_mib.get(h).copied().unwrap_or(0) as i128;
+    let fuller = |a: &str, b: &str| (used(a) * capacity(b)).cmp(&(used(b) * capacity(a))).then_with(|| b.cmp(a));
+    let fullest = hosts.iter().copied().max_by(|a, b| fuller(a, b))?;
+    let emptiest = hosts.iter().copied().min_by(|a, b| fuller(a, b))?;
+    // Moving m MiB from the fullest (a of A in use) to the emptiest (b of
+    // B) must lower the sum over hosts of use^2 / capacity, which is least
+    // when every host has the same share in use:
+    // (a-m)^2/A + (b+m)^2/B < a^2/A + b^2/B.
+    let (a, big_a, b, big_b) = (used(fullest), capacity(fullest), used(emptiest), capacity(emptiest));
+    let evens = |m: i128| (m * m - 2 * a * m) * big_b + (m * m + 2 * b * m) * big_a < 0;
     let (vm, p, seen) = fleet
         .vms
         .iter()
@@ -281,14 +304,14 @@ fn rebalance(fleet: &Fleet, room: &Room, ports: &BTreeSet<u16>) -> Option<Change
             let (p, seen) = placed(vm)?;
             let moves = p.backup.as_deref() == Some(fullest)
                 && p.primary.as_deref() != Some(emptiest)
-                && (spec.memory_mib as i64) < gap
+                && evens(spec.memory_mib as i128)
                 && room.fits(emptiest, spec);
             moves.then_some((vm, p, seen, spec.memory_mib))
         })
         .max_by_key(|(vm, .., mib)| (*mib, std::cmp::Reverse((*vm).clone())))
         .map(|(vm, p, seen, _)| (vm, p, seen))?;
     let port = (FIRST_PORT..).find(|port| !ports.contains(port)).expect("a free port");
-    let why = format!("rebalance: backup moves from {fullest} ({} MiB in use) to {emptiest} ({} MiB)", used(fullest), used(emptiest));
+    let why = format!("rebalance: backup moves from {fullest} ({a} of {big_a} MiB in use) to {emptiest} ({b} of {big_b} MiB)");
     let placement = Placement { backup: Some(emptiest.to_string()), port, generation: p.generation + 1, ..p.clone() };
     Some(Change { vm: vm.clone(), placement, seen, why })
 }
@@ -495,5 +518,24 @@ mod tests {
         let mut f = fleet(&["h1", "h2", "h3"], &[("a", 256), ("b", 256), ("c", 256), ("d", 100)]);
         let moves = settle(&mut f);
         assert_eq!(moves, 0, "placement already spread what it placed: {:?}", f.placements);
+    }
+
+    #[test]
+    fn hosts_of_different_sizes_fill_alike() {
+        let vms: Vec<(String, u64)> = (0..8).map(|i| (format!("vm{i}"), 256)).collect();
+        let names: Vec<(&str, u64)> = vms.iter().map(|(n, m)| (n.as_str(), *m)).collect();
+        let mut f = fleet(&["h1", "h2"], &names);
+        for h in f.hosts.values_mut() {
+            (h.memory_mib, h.vcpus) = (4096, 32);
+        }
+        settle(&mut f);
+        f.hosts.insert("h3".into(), Host { name: "h3".into(), memory_mib: 1024, vcpus: 8, repl_addr: "10.9.0.3".into() });
+        settle(&mut f);
+        let share = |h: &str| in_use(&f, h).0 as f64 / f.hosts[h].memory_mib as f64;
+        let shares = [share("h1"), share("h2"), share("h3")];
+        // 4096 MiB of replicas over 9216: about 44% each; by MiB alone the
+        // small host would be filled to the brim.
+        assert!(shares.iter().all(|s| (0.3..=0.6).contains(s)), "shares in use {shares:?}");
+        assert!(in_use(&f, "h3").0 > 0, "the new host got nothing");
     }
 }
