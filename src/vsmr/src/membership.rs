@@ -24,7 +24,7 @@ use raft::eraftpb::{
     ConfChange, ConfChangeSingle, ConfChangeTransition, ConfChangeType, ConfChangeV2, ConfState, Entry, EntryType, Snapshot,
 };
 use raft::storage::{MemStorage, MemStorageCore};
-use raft::{GetEntriesContext, ProgressState, RaftState, RawNode, StateRole, Storage};
+use raft::{GetEntriesContext, RaftState, RawNode, StateRole, Storage};
 use serde::{Deserialize, Serialize};
 
 use ftvm_vmm::sync::Lock;
@@ -149,6 +149,30 @@ impl Storage for Store {
         let mut snapshot = self.mem.snapshot(request_index, to)?;
         snapshot.data = encode(&self.book.locked()).into();
         Ok(snapshot)
+    }
+}
+
+/// The links to the members, which follow the configuration.
+pub trait Links {
+    /// Link to member `id` at `addr` (nothing if linked already).
+    fn add_peer(&self, id: u64, addr: &str);
+    /// Close the links to a member that left, and refuse it from now on.
+    fn remove_peer(&self, id: u64);
+    /// The members linked to (this replica left out).
+    fn members(&self) -> Vec<u64>;
+}
+
+impl Links for Mesh {
+    fn add_peer(&self, id: u64, addr: &str) {
+        Mesh::add_peer(self, id, addr)
+    }
+
+    fn remove_peer(&self, id: u64) {
+        Mesh::remove_peer(self, id)
+    }
+
+    fn members(&self) -> Vec<u64> {
+        Mesh::members(self)
     }
 }
 
@@ -294,9 +318,8 @@ impl Changes {
             return;
         }
         let Some(Replacement { remove, add, learner_from: Some(from) }) = self.pending else { return };
-        let caught_up = node.raft.prs().get(add).is_some_and(|pr| {
-            node.raft.prs().conf().learners().contains(&add) && pr.state == ProgressState::Replicate && pr.matched >= from.max(1)
-        });
+        let caught_up =
+            node.raft.prs().get(add).is_some_and(|pr| node.raft.prs().conf().learners().contains(&add) && pr.matched >= from.max(1));
         if !settled || !caught_up || !cs.learners.contains(&add) {
             return;
         }
@@ -316,7 +339,7 @@ impl Changes {
     /// Apply a committed configuration entry: raft's configuration, the
     /// addresses, and the links (new members dialled, removed ones closed).
     /// Each entry once, in log order.
-    pub fn apply(&mut self, node: &mut RawNode<Store>, mesh: &Arc<Mesh>, e: &Entry) {
+    pub fn apply(&mut self, node: &mut RawNode<Store>, mesh: &dyn Links, e: &Entry) {
         if e.index <= self.applied {
             return;
         }
@@ -350,7 +373,7 @@ impl Changes {
 
     /// A snapshot was applied: its configuration is raft's now (raft-rs
     /// restored it), its data the members' addresses.
-    pub fn restored(&mut self, node: &RawNode<Store>, mesh: &Arc<Mesh>, snapshot: &Snapshot) {
+    pub fn restored(&mut self, node: &RawNode<Store>, mesh: &dyn Links, snapshot: &Snapshot) {
         let book = decode(&snapshot.data);
         if !book.is_empty() {
             self.book.locked().extend(book);
@@ -362,17 +385,16 @@ impl Changes {
     }
 
     /// The links follow the configuration.
-    fn follow(&self, cs: &ConfState, mesh: &Arc<Mesh>) {
+    fn follow(&self, cs: &ConfState, mesh: &dyn Links) {
         let ids = members(cs);
         if ids.is_empty() {
             return;
         }
         let mut book = self.book.locked();
-        for id in &ids {
+        for id in ids.iter().filter(|id| **id != self.me) {
             match book.get(id) {
                 Some(addr) => mesh.add_peer(*id, addr),
-                None if *id != self.me => tracing::warn!(id, "a member's address is not known here: it cannot be reached"),
-                None => {}
+                None => tracing::warn!(id, "a member's address is not known here: it cannot be reached"),
             }
         }
         for id in mesh.members() {
@@ -427,5 +449,178 @@ mod tests {
         assert!(decode(b"").is_empty());
         assert_eq!(decode(b"0=a:1,x=b:2,3=c,5=d:5"), Book::from([(5, "d:5".to_string())]), "what does not parse is left out");
         assert!(decode(&[0xff, 0xfe]).is_empty());
+    }
+
+    /// Links as a set of ids (no sockets).
+    #[derive(Default)]
+    struct FakeLinks(Mutex<Book>);
+
+    impl Links for FakeLinks {
+        fn add_peer(&self, id: u64, addr: &str) {
+            self.0.locked().insert(id, addr.into());
+        }
+
+        fn remove_peer(&self, id: u64) {
+            self.0.locked().remove(&id);
+        }
+
+        fn members(&self) -> Vec<u64> {
+            self.0.locked().keys().copied().collect()
+        }
+    }
+
+    struct Replica {
+        node: RawNode<Store>,
+        changes: Changes,
+        links: FakeLinks,
+    }
+
+    /// Replicas driven in memory as the consensus thread drives its node
+    /// (configuration entries applied before `advance`); messages to or
+    /// from a replica that is down are lost.
+    struct Group {
+        replicas: BTreeMap<u64, Replica>,
+        down: Vec<u64>,
+    }
+
+    fn addr(id: u64) -> String {
+        format!("10.0.0.{id}:7100")
+    }
+
+    impl Group {
+        fn new() -> Group {
+            let mut g = Group { replicas: BTreeMap::new(), down: Vec::new() };
+            for id in 1..=3 {
+                g.start(id, &[1, 2, 3]);
+            }
+            g
+        }
+
+        /// A replica whose configuration is `voters` (none: one that joins).
+        fn start(&mut self, id: u64, voters: &[u64]) {
+            let config = raft::Config { id, election_tick: 20, heartbeat_tick: 2, pre_vote: true, ..Default::default() };
+            let book: Book = if voters.is_empty() { Book::new() } else { voters.iter().map(|&v| (v, addr(v))).collect() };
+            let book = Arc::new(Mutex::new(book));
+            let mem = MemStorage::new_with_conf_state(ConfState::from((voters.to_vec(), vec![])));
+            let logger = slog::Logger::root(slog::Discard, slog::o!());
+            let node = RawNode::new(&config, Store::new(mem, book.clone()), &logger).unwrap();
+            let changes = Changes::new(id, book, Arc::default());
+            self.replicas.insert(id, Replica { node, changes, links: FakeLinks::default() });
+        }
+
+        fn r(&mut self, id: u64) -> &mut Replica {
+            self.replicas.get_mut(&id).unwrap()
+        }
+
+        /// Rounds of Ready handling and message delivery, a tick each.
+        fn run(&mut self, rounds: usize) {
+            for _ in 0..rounds {
+                let mut msgs = Vec::new();
+                for (id, r) in self.replicas.iter_mut().filter(|(id, _)| !self.down.contains(id)) {
+                    r.node.tick();
+                    r.changes.tick(&mut r.node);
+                    if !r.node.has_ready() {
+                        continue;
+                    }
+                    let store = r.node.raft.raft_log.store.clone();
+                    let mut rd = r.node.ready();
+                    msgs.extend(rd.take_messages());
+                    if !rd.snapshot().is_empty() {
+                        store.wl().apply_snapshot(rd.snapshot().clone()).unwrap();
+                        r.changes.restored(&r.node, &r.links, rd.snapshot());
+                    }
+                    store.wl().append(rd.entries()).unwrap();
+                    if let Some(hs) = rd.hs() {
+                        store.wl().set_hardstate(hs.clone());
+                    }
+                    msgs.extend(rd.take_persisted_messages());
+                    for e in rd.take_committed_entries() {
+                        r.changes.apply(&mut r.node, &r.links, &e);
+                    }
+                    let mut light = r.node.advance(rd);
+                    if let Some(commit) = light.commit_index() {
+                        store.wl().mut_hard_state().set_commit(commit);
+                    }
+                    msgs.extend(light.take_messages());
+                    for e in light.take_committed_entries() {
+                        r.changes.apply(&mut r.node, &r.links, &e);
+                    }
+                    r.node.advance_apply();
+                    let _ = id;
+                }
+                for m in msgs {
+                    if !self.down.contains(&m.to) && !self.down.contains(&m.from) {
+                        if let Some(r) = self.replicas.get_mut(&m.to) {
+                            let _ = r.node.step(m);
+                        }
+                    }
+                }
+            }
+        }
+
+        fn leader(&self) -> Option<u64> {
+            self.replicas.iter().find(|(id, r)| !self.down.contains(id) && r.node.raft.state == StateRole::Leader).map(|(id, _)| *id)
+        }
+
+        fn voters(&mut self, id: u64) -> (Vec<u64>, Vec<u64>, Vec<u64>) {
+            let mut cs = self.r(id).node.raft.prs().conf().to_conf_state();
+            cs.voters.sort_unstable();
+            (cs.voters.clone(), cs.learners.clone(), cs.voters_outgoing.clone())
+        }
+
+        fn ask(&mut self, on: u64, remove: u64, add: u64) -> Result<String, String> {
+            let (reply, _answer) = mpsc::channel();
+            let r = Replace { remove, add, addr: addr(add), reply };
+            let replica = self.r(on);
+            replica.changes.request(&mut replica.node, &r)
+        }
+    }
+
+    #[test]
+    fn a_lost_voter_is_replaced_by_a_learner_made_voter_through_one_joint_change() {
+        let mut g = Group::new();
+        g.r(1).node.campaign().unwrap();
+        g.run(10);
+        assert_eq!(g.leader(), Some(1));
+        for i in 0..20u8 {
+            g.r(1).node.propose(vec![], vec![i]).unwrap();
+        }
+        g.run(5);
+        g.down.push(2);
+        assert!(g.ask(3, 2, 4).unwrap_err().contains("replica 3 does not lead: ask the leader, replica 1"));
+        assert!(g.ask(1, 9, 4).unwrap_err().contains("replica 9 is not a voting member"));
+        assert!(g.ask(1, 1, 4).unwrap_err().contains("it cannot remove itself"));
+        assert!(g.ask(1, 2, 3).unwrap_err().contains("replica 3 is a member of the group already"));
+        g.ask(1, 2, 4).unwrap();
+        assert!(g.ask(1, 2, 4).unwrap_err().contains("already in progress"));
+        g.run(5);
+        // Replica 4 is not running: a learner that gets nothing, never promoted.
+        assert_eq!(g.voters(1), (vec![1, 2, 3], vec![4], vec![]));
+        assert_eq!(g.r(1).links.members(), vec![2, 3, 4], "the leader links to the learner");
+        g.start(4, &[]);
+        // With no configuration it does not stand, whatever the silence.
+        for _ in 0..100 {
+            g.r(4).node.tick();
+        }
+        assert_eq!((g.r(4).node.raft.state, g.r(4).node.raft.term), (StateRole::Follower, 0), "a replica that joins stood");
+        g.run(40);
+        for id in [1, 3, 4] {
+            assert_eq!(g.voters(id), (vec![1, 3, 4], vec![], vec![]), "replica {id}");
+            assert_eq!(g.r(id).changes.book.locked().keys().copied().collect::<Vec<_>>(), vec![1, 3, 4], "replica {id}'s addresses");
+        }
+        assert_eq!(g.r(1).links.members(), vec![3, 4], "the removed replica's links are closed");
+        assert_eq!(g.r(4).links.members(), vec![1, 3], "the new replica learned the group from the snapshot");
+        assert!(g.r(1).changes.pending.is_none() && g.r(1).changes.shown.locked().changing.is_none());
+        // Three configuration entries: the learner, the joint change and
+        // its one leave (a second leave would fail to apply).
+        let log = &g.r(1).node.raft.raft_log;
+        let entries = log.entries(log.first_index(), None, GetEntriesContext::empty(false)).unwrap();
+        let changes: Vec<u64> = entries.iter().filter(|e| e.get_entry_type() == EntryType::EntryConfChangeV2).map(|e| e.index).collect();
+        assert_eq!(changes.len(), 3, "the learner, the joint change and one leave: {changes:?}");
+        // The old leader is lost too: the new voters elect the new replica.
+        g.down.push(1);
+        g.r(4).node.campaign().unwrap();
+        g.run(10);
+        assert_eq!(g.leader(), Some(4));
     }
 }

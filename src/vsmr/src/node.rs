@@ -432,6 +432,11 @@ impl Loop {
     }
 
     fn campaign(&mut self, cause: Cause, since: Instant) {
+        // Not a voter (a learner, one that joins, one removed): raft-rs
+        // would count an election with no voters as won.
+        if !self.node.raft.promotable() {
+            return;
+        }
         if !self.round.is_some_and(|(c, _)| c == cause) {
             self.round = Some((cause, since));
         }
@@ -586,7 +591,7 @@ impl Loop {
             tracing::info!(index = ready.snapshot().get_metadata().index, "caught up from a snapshot: needs a full syncvm");
             let _ = store.wl().apply_snapshot(ready.snapshot().clone());
             self.delivered = self.delivered.max(ready.snapshot().get_metadata().index);
-            self.changes.restored(&self.node, &self.mesh, ready.snapshot());
+            self.changes.restored(&self.node, &*self.mesh, ready.snapshot());
             self.reconfigured();
         }
         if let Some(first) = ready.entries().first().map(|e| e.index) {
@@ -656,7 +661,7 @@ impl Loop {
     fn configure(&mut self, committed: &[raft::eraftpb::Entry]) {
         let mut changed = false;
         for e in committed.iter().filter(|e| e.get_entry_type() != EntryType::EntryNormal) {
-            self.changes.apply(&mut self.node, &self.mesh, e);
+            self.changes.apply(&mut self.node, &*self.mesh, e);
             changed = true;
         }
         if changed {
