@@ -54,6 +54,9 @@
 //!   lost one by it (`ftvm replica-replace`): a learner first, then a voter
 //!   in its place; it becomes the secondary, and when the leader is killed
 //!   it serves with every acknowledged write.
+//! - `a_lost_witness_is_replaced_by_a_new_witness`: the same for the
+//!   witness (`--join --witness`); the new witness votes: with it the
+//!   leader goes on once the secondary is killed too.
 
 mod common;
 
@@ -116,16 +119,24 @@ struct Layout {
     disk: Option<u64>,
     /// `FTVM_TEST_FAULT` for every replica.
     fault: Option<&'static str>,
-    /// Where replica 4 runs (a VM replica on the host's `tap0`) and
-    /// listens, and the member it replaces: it joins the group (`--join`
-    /// with the other members). Set before it starts.
-    joiner: Option<(&'static str, String, u64)>,
+    /// Replica 4, which joins the group (`--join` with the other
+    /// members): set before it starts.
+    joiner: Option<Joiner>,
 }
 
 impl Default for Layout {
     fn default() -> Layout {
         Layout { extra: Vec::new(), peers: peers(), witness_host: "h2", standby: false, disk: None, fault: None, joiner: None }
     }
+}
+
+/// Where replica 4 runs and listens, whom it replaces, and whether it is a
+/// witness without a VM (else a VM replica on its host's `tap0`).
+struct Joiner {
+    host: &'static str,
+    addr: String,
+    replaces: u64,
+    witness: bool,
 }
 
 impl Layout {
@@ -198,13 +209,13 @@ impl Cluster {
         let host = match id {
             1 => "h1",
             2 => "h2",
-            4 => self.layout.joiner.as_ref().expect("replica 4's host").0,
+            4 => self.layout.joiner.as_ref().expect("replica 4's host").host,
             _ => self.layout.witness_host,
         };
         let mut cmd: Command = self.topo.command(host, env!("CARGO_BIN_EXE_ftvm"));
         let _ = std::fs::remove_file(self.socket(id));
         let group = match (id, &self.layout.joiner) {
-            (4, Some((_, addr, gone))) => ["--join".to_string(), format!("{},4={addr}", self.members_but(*gone))],
+            (4, Some(j)) => ["--join".to_string(), format!("{},4={}", self.members_but(j.replaces), j.addr)],
             _ => ["--peers".to_string(), self.layout.peers.clone()],
         };
         cmd.args(["replica", "--id", &id.to_string()])
@@ -221,10 +232,11 @@ impl Cluster {
         if let Some(fault) = self.layout.fault {
             cmd.env("FTVM_TEST_FAULT", fault);
         }
-        if id == 3 {
+        let witness_joins = id == 4 && self.layout.joiner.as_ref().is_some_and(|j| j.witness);
+        if id == 3 || witness_joins {
             cmd.arg("--witness");
         }
-        if id != 3 || self.layout.standby {
+        if (id != 3 || self.layout.standby) && !witness_joins {
             let tap = if id == 3 { "tap1" } else { "tap0" };
             cmd.arg("--image").arg(image("kv"));
             let mut cmdline = format!("ip={GUEST_ADDR}/24");
@@ -1439,6 +1451,12 @@ fn members(c: &Cluster, id: u64) -> String {
     c.status(id).lines().find(|l| l.starts_with("members:")).unwrap_or_default().to_string()
 }
 
+/// Whether a `members:` line names replica `id` (in any role).
+fn names(line: &str, id: u64) -> bool {
+    let list = line.strip_prefix("members:").unwrap_or_default();
+    list.split(',').any(|m| m.split_whitespace().next() == Some(&id.to_string()))
+}
+
 /// The secondary is killed, for good (its host lost); the leader serves on
 /// with the witness. A new replica, id 4, on the lost one's host at an
 /// address of its own, joins the group (`--join`) and the leader is asked
@@ -1456,7 +1474,7 @@ fn a_lost_secondary_is_replaced_by_a_new_replica() {
     let lost = 3 - leader;
     let (host, ip) = if lost == 1 { ("h1", H1_REPL_ADDR) } else { ("h2", H2_REPL_ADDR) };
     let addr = format!("{ip}:7104");
-    c.layout.joiner = Some((host, addr.clone(), lost));
+    c.layout.joiner = Some(Joiner { host, addr: addr.clone(), replaces: lost, witness: false });
     let w = writers_paced(&c, "n");
     wait_acked_beyond(&w, 0, &c, "start");
     std::thread::sleep(Duration::from_millis(500));
@@ -1477,10 +1495,10 @@ fn a_lost_secondary_is_replaced_by_a_new_replica() {
     c.start(4);
     wait_status(&c, leader, &["secondary 4", "protected: yes"], Duration::from_secs(30), "the new replica did not become the secondary");
     let m = members(&c, leader);
-    assert!(m.contains(&format!("4 voter {addr}")) && !m.contains(&format!("{lost} ")), "the lost replica is still a member: {m}");
+    assert!(m.contains(&format!("4 voter {addr}")) && !names(&m, lost), "the lost replica is still a member: {m}");
     for id in [3, 4] {
         wait_status(&c, id, &[&format!("4 voter {addr}")], Duration::from_secs(5), "the configuration did not reach every replica");
-        assert!(!members(&c, id).contains(&format!("{lost} ")), "replica {id}: {}", members(&c, id));
+        assert!(!names(&members(&c, id), lost), "replica {id}: {}", members(&c, id));
     }
     assert!(!c.status(leader).contains("membership change:"), "{}", c.status(leader));
     let (precopied, _) = rejoin_figures(&c, leader, 4);
@@ -1496,6 +1514,38 @@ fn a_lost_secondary_is_replaced_by_a_new_replica() {
     let acked = w.acked();
     assert_eq!(c.wait_leader(false, Duration::from_secs(15)), 4, "the new replica took over");
     wait_acked_beyond(&w, acked, &c, "after the leader was killed");
+    let n = verify_all(&c, w);
+    eprintln!("{n} acknowledged writes, none lost");
+}
+
+/// The witness is killed for good; a new witness (id 4, `--join
+/// --witness`, no VM) replaces it. Every replica's members must show it a
+/// voter and the old witness gone, and it must vote: with the secondary
+/// then killed too, the leader and the new witness are the majority that
+/// lets writes go on.
+#[test]
+fn a_lost_witness_is_replaced_by_a_new_witness() {
+    let mut c = Cluster::new("vwit", &[]);
+    let leader = c.wait_leader(true, Duration::from_secs(30));
+    let secondary = 3 - leader;
+    let addr = format!("{H2_REPL_ADDR}:7104");
+    c.layout.joiner = Some(Joiner { host: "h2", addr: addr.clone(), replaces: 3, witness: true });
+    let w = writers_paced(&c, "m");
+    wait_acked_beyond(&w, 0, &c, "start");
+    c.kill(3);
+    wait_acked_beyond(&w, w.acked() + 100, &c, "after the witness was killed");
+    c.start(4);
+    let (ok, said) = replace(&c, leader, 3, &format!("4={addr}"));
+    assert!(ok, "the replacement was refused: {said}\n{}", c.logs());
+    for id in [leader, secondary, 4] {
+        wait_status(&c, id, &[&format!("4 voter {addr}")], Duration::from_secs(10), "the new witness did not become a voter");
+        assert!(!names(&members(&c, id), 3), "replica {id}: {}", members(&c, id));
+    }
+    wait_status(&c, 4, &["role: witness"], Duration::from_secs(5), "replica 4 is no witness");
+    assert!(c.status(leader).contains("protected: yes"), "{}", c.status(leader));
+    c.kill(secondary);
+    wait_acked_beyond(&w, w.acked() + 100, &c, "with the leader and the new witness alone");
+    assert_eq!(c.leader(false), Some(leader), "{}", c.logs());
     let n = verify_all(&c, w);
     eprintln!("{n} acknowledged writes, none lost");
 }
