@@ -8,8 +8,9 @@
 //!
 //! The log lives in memory (`MemStorage`); it is compacted behind the
 //! applied index, and a peer that needs what was compacted gets raft's
-//! snapshot, which carries no data: a replica that far behind is brought
-//! up to date by a full `syncvm` anyway. Only the term and vote must
+//! snapshot, which carries no VM data (a replica that far behind is
+//! brought up to date by a full `syncvm` anyway), only the configuration
+//! and the members' addresses (`membership`). Only the term and vote must
 //! outlive a replica (`--raft-state`, `vote`).
 
 use std::collections::HashMap;
@@ -432,7 +433,8 @@ impl Loop {
     }
 
     fn campaign(&mut self, cause: Cause, since: Instant) {
-        // Not a voter (a learner, one that joins, one removed): raft-rs
+        // Only a voter stands (not a learner, nor one that joins or was
+        // removed): raft-rs does not check, and one with no configuration
         // would count an election with no voters as won.
         if !self.node.raft.promotable() {
             return;
