@@ -1464,9 +1464,11 @@ fn names(line: &str, id: u64) -> bool {
 /// leader), for an id that is no member, and while the change is under
 /// way; the new replica is a learner, then a voter in the lost one's
 /// place (every replica's members say so), brought up to date by
-/// pre-copy and a full `syncvm`: the leader is protected by it. Then the
-/// leader is killed: the new replica takes over (elected by itself and the
-/// witness, the new majority) with every acknowledged write.
+/// pre-copy and a full `syncvm`: the leader is protected by it. The
+/// witness is restarted with its old `--peers` and learns the new group
+/// from the leader. Then the leader is killed: the new replica takes over
+/// (elected by itself and the witness, the new majority) with every
+/// acknowledged write.
 #[test]
 fn a_lost_secondary_is_replaced_by_a_new_replica() {
     let mut c = Cluster::new("vnew", &[]);
@@ -1510,6 +1512,14 @@ fn a_lost_secondary_is_replaced_by_a_new_replica() {
     assert!(!log.contains("stepped down"), "the leader lost its leadership over the change:\n{}", c.logs());
     assert!(!c.logs().contains("cannot apply a committed configuration"), "{}", c.logs());
     wait_acked_beyond(&w, w.acked() + 100, &c, "protected by the new replica");
+    // The witness restarted with its old `--peers` (the lost replica in,
+    // the new one out) learns the group from the leader's snapshot: it
+    // names replica 4 a voter and links to it, which the election below
+    // needs (replica 4 and the witness are the majority then).
+    c.kill(3);
+    c.start(3);
+    wait_status(&c, 3, &[&format!("4 voter {addr}")], Duration::from_secs(10), "the restarted witness did not learn the group");
+    assert!(!names(&members(&c, 3), lost), "{}", members(&c, 3));
     c.kill(leader);
     let acked = w.acked();
     assert_eq!(c.wait_leader(false, Duration::from_secs(15)), 4, "the new replica took over");
