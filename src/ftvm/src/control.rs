@@ -1,5 +1,5 @@
 //! The client side of the control API: `ftvm snapshot`, `status`, `pause`,
-//! `resume`, `stop`, `protect` and `switchover`, each one request to a
+//! `resume`, `stop`, `protect`, `switchover` and `replica-replace`, each one request to a
 //! running VMM and a line (or a status report) about its reply.
 
 use std::path::PathBuf;
@@ -68,6 +68,13 @@ pub fn switchover(client: &ClientArgs) -> Result<i32, RunError> {
     Ok(0)
 }
 
+/// `ftvm replica-replace`: the change proposed by the group's leader.
+pub fn replica_replace(client: &ClientArgs, remove: u64, add: u64, addr: String) -> Result<i32, RunError> {
+    let r = call(client, api::Request::ReplicaReplace { remove, add, addr })?;
+    outln!("{}; `ftvm status` shows the members", r.message.as_deref().unwrap_or("proposed"));
+    Ok(0)
+}
+
 fn print_status(r: &api::Response) {
     outln!("state: {}", r.state.as_deref().unwrap_or("unknown"));
     if let (Some(v), Some(m)) = (r.vcpus, r.memory_mib) {
@@ -92,6 +99,13 @@ fn print_status(r: &api::Response) {
             outln!("standbys: {}", rep.standbys.join(", "));
         }
         outln!("detail: {}", rep.detail);
+        if let Some(m) = &r.members {
+            let each: Vec<String> = m.members.iter().map(|m| format!("{} {} {}", m.id, m.role, m.addr)).collect();
+            outln!("members: {}", each.join(", "));
+            if let Some(c) = &m.changing {
+                outln!("membership change: {c}");
+            }
+        }
         if let Some(e) = &rep.election {
             outln!("elected: {e}");
         }

@@ -73,6 +73,7 @@ fn dispatch(command: Command) -> Result<i32, RunError> {
         Command::Stop { client } => control::simple(&client, api::Request::Stop, "stopping"),
         Command::Protect { client, backup } => control::protect(&client, backup),
         Command::Switchover { client } => control::switchover(&client),
+        Command::ReplicaReplace { client, remove, add: (add, addr) } => control::replica_replace(&client, remove, add, addr),
         Command::Demo(args) => Ok(demo::run(args)),
         Command::Agent(args) => fleet::agent::run(args),
         Command::Vm(command) => fleet::vm(command),

@@ -97,6 +97,8 @@ pub struct Runtime {
     pub vm: Option<Arc<Vm>>,
     pub primary: Option<Primary>,
     status: Option<StatusCell>,
+    /// A VSMR replica's group (`ftvm replica-replace`, members in `status`).
+    replica: Option<ftvm_vsmr::membership::Control>,
     /// `ftvm switchover`: the VM stops to be handed over to the backup.
     switching_over: bool,
 }
@@ -122,7 +124,7 @@ impl Runtime {
         let exporter = host.metrics_listen.as_deref().map(Exporter::start).transpose()?;
         let stop_signal = signals::install().map_err(os("install signal handlers"))?;
         let epoll = Epoll::new().map_err(os("epoll"))?;
-        let rt = Runtime { epoll, stop_signal, api, exporter, vm: None, primary: None, status: None, switching_over: false };
+        let rt = Runtime { epoll, stop_signal, api, exporter, vm: None, primary: None, status: None, replica: None, switching_over: false };
         rt.watch(stop_signal.as_raw_fd(), SIGNAL)?;
         if let Some(api) = &rt.api {
             rt.watch(api.listener().as_raw_fd(), API)?;
@@ -149,6 +151,12 @@ impl Runtime {
         if let Some(e) = &self.exporter {
             e.follow(self.status.as_ref());
         }
+    }
+
+    /// A VSMR replica runs: its status, and its group for the control API.
+    pub fn report_replica(&mut self, (status, group): (StatusCell, ftvm_vsmr::membership::Control)) {
+        self.report(status);
+        self.replica = Some(group);
     }
 
     /// A primary protects the VM from now on.
@@ -188,7 +196,12 @@ impl Runtime {
     }
 
     fn serve_requests(&mut self, role: &mut dyn Role) -> Result<Option<i32>, RunError> {
-        let ctx = ApiContext { vm: self.vm.as_deref(), status: self.status.as_ref(), primary: self.primary.as_ref() };
+        let ctx = ApiContext {
+            vm: self.vm.as_deref(),
+            status: self.status.as_ref(),
+            primary: self.primary.as_ref(),
+            replica: self.replica.as_ref(),
+        };
         let action = self.api.as_ref().map_or(Action::None, |a| a.serve_requests(&ctx));
         role.request(self, &action)?;
         match (&action, &self.vm) {
@@ -298,7 +311,7 @@ impl Runtime {
                         }
                     }
                     API_REQUESTS => {
-                        let ctx = ApiContext { vm: Some(vm), status: Some(&status), primary: Some(primary) };
+                        let ctx = ApiContext { vm: Some(vm), status: Some(&status), primary: Some(primary), replica: None };
                         if self.api.as_ref().map_or(Action::None, |a| a.serve_requests(&ctx)) == Action::Stop {
                             return Ok(());
                         }

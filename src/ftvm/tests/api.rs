@@ -344,4 +344,9 @@ fn switchover_without_replication_and_relative_snapshot_paths_are_refused_clearl
     let mut reply = String::new();
     BufReader::new(&stream).read_line(&mut reply).unwrap();
     assert!(reply.contains("snapshot path vm.snap is not absolute"), "{reply}");
+
+    let out = client(&["replica-replace", "--remove", "2", "--add", "4=127.0.0.1:7104"], &vm.socket);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("this VMM is not a VSMR replica"), "{err}");
 }

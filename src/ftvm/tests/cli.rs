@@ -443,6 +443,25 @@ fn addresses_and_witness_options_are_checked_at_start() {
     assert_one_line_error(&out, "replicas 1 and 2 are both at 127.0.0.1:7101", "one address for two replicas");
 }
 
+/// A replica that joins a group names itself and a member in `--join`,
+/// and not `--peers` too; `ftvm replica-replace --add` is ID=HOST:PORT.
+#[test]
+fn join_and_replace_options_are_checked() {
+    let join = "1=127.0.0.1:7101,3=127.0.0.1:7103";
+    let out = ftvm_args(&["replica", "--id", "4", "--join", join, "--witness", "--insecure"]);
+    assert_one_line_error(&out, "--id 4 is not in --join", "--join without this replica");
+    let out = ftvm_args(&["replica", "--id", "4", "--join", "4=127.0.0.1:7104", "--witness", "--insecure"]);
+    assert_one_line_error(&out, "--join names no member", "--join with no member");
+    let peers = "1=127.0.0.1:7101,2=127.0.0.1:7102,4=127.0.0.1:7104";
+    let out = ftvm_args(&["replica", "--id", "4", "--join", peers, "--peers", peers, "--witness"]);
+    assert_refused(&out, &["--peers", "cannot be used with", "--join"], "--join and --peers");
+    assert_refused(&ftvm_args(&["replica", "--id", "4", "--witness"]), &["--peers"], "neither --peers nor --join");
+    for (add, want) in [("4", "`4` is not ID=HOST:PORT"), ("0=h:1", "replica ids start at 1"), ("4=h", "`h` is not HOST:PORT")] {
+        let out = ftvm_args(&["replica-replace", "--api-socket", "/nonexistent.sock", "--remove", "2", "--add", add]);
+        assert_refused(&out, &["--add", want], add);
+    }
+}
+
 /// A secret file only its owner can read.
 fn secret_file(dir: &Scratch) -> String {
     let path = dir.join("secret");

@@ -48,6 +48,15 @@
 //!   then the leader dies and the former witness serves.
 //!   `..._with_the_guest_paused_meanwhile`: the same with
 //!   `--on-secondary-loss pause` (no barrier `syncvm`).
+//! - `a_lost_secondary_is_replaced_by_a_new_replica`: the secondary is
+//!   killed; a new replica (id 4, on the lost one's host at a port of its
+//!   own) joins the group (`--join`) and the leader is asked to replace the
+//!   lost one by it (`ftvm replica-replace`): a learner first, then a voter
+//!   in its place; it becomes the secondary, and when the leader is killed
+//!   it serves with every acknowledged write.
+//! - `a_lost_witness_is_replaced_by_a_new_witness`: the same for the
+//!   witness (`--join --witness`); the new witness votes: with it the
+//!   leader goes on once the secondary is killed too.
 
 mod common;
 
@@ -88,8 +97,9 @@ impl Rng {
 struct Cluster {
     topo: Topology,
     dir: Scratch,
-    procs: [Option<Process>; 3],
-    starts: [u32; 3],
+    /// Replicas 1 to 3, and 4: one that joins the group (`Layout::joiner`).
+    procs: [Option<Process>; 4],
+    starts: [u32; 4],
     layout: Layout,
 }
 
@@ -109,12 +119,24 @@ struct Layout {
     disk: Option<u64>,
     /// `FTVM_TEST_FAULT` for every replica.
     fault: Option<&'static str>,
+    /// Replica 4, which joins the group (`--join` with the other
+    /// members): set before it starts.
+    joiner: Option<Joiner>,
 }
 
 impl Default for Layout {
     fn default() -> Layout {
-        Layout { extra: Vec::new(), peers: peers(), witness_host: "h2", standby: false, disk: None, fault: None }
+        Layout { extra: Vec::new(), peers: peers(), witness_host: "h2", standby: false, disk: None, fault: None, joiner: None }
     }
+}
+
+/// Where replica 4 runs and listens, whom it replaces, and whether it is a
+/// witness without a VM (else a VM replica on its host's `tap0`).
+struct Joiner {
+    host: &'static str,
+    addr: String,
+    replaces: u64,
+    witness: bool,
 }
 
 impl Layout {
@@ -166,7 +188,7 @@ impl Cluster {
                 prepare(&dir.sparse_file(&format!("r{id}.img"), size).unwrap());
             }
         }
-        let mut c = Cluster { topo, dir, procs: [None, None, None], starts: [0; 3], layout };
+        let mut c = Cluster { topo, dir, procs: [None, None, None, None], starts: [0; 4], layout };
         for id in 1..=3 {
             c.start(id);
         }
@@ -187,11 +209,18 @@ impl Cluster {
         let host = match id {
             1 => "h1",
             2 => "h2",
+            4 => self.layout.joiner.as_ref().expect("replica 4's host").host,
             _ => self.layout.witness_host,
         };
         let mut cmd: Command = self.topo.command(host, env!("CARGO_BIN_EXE_ftvm"));
         let _ = std::fs::remove_file(self.socket(id));
-        cmd.args(["replica", "--id", &id.to_string(), "--peers", &self.layout.peers, "--api-socket"])
+        let group = match (id, &self.layout.joiner) {
+            (4, Some(j)) => ["--join".to_string(), format!("{},4={}", self.members_but(j.replaces), j.addr)],
+            _ => ["--peers".to_string(), self.layout.peers.clone()],
+        };
+        cmd.args(["replica", "--id", &id.to_string()])
+            .args(&group)
+            .arg("--api-socket")
             .arg(self.socket(id))
             .arg("--metrics")
             .arg(self.dir.join(format!("r{id}.{}.jsonl", self.starts[i])))
@@ -203,10 +232,11 @@ impl Cluster {
         if let Some(fault) = self.layout.fault {
             cmd.env("FTVM_TEST_FAULT", fault);
         }
-        if id == 3 {
+        let witness_joins = id == 4 && self.layout.joiner.as_ref().is_some_and(|j| j.witness);
+        if id == 3 || witness_joins {
             cmd.arg("--witness");
         }
-        if id != 3 || self.layout.standby {
+        if (id != 3 || self.layout.standby) && !witness_joins {
             let tap = if id == 3 { "tap1" } else { "tap0" };
             cmd.arg("--image").arg(image("kv"));
             let mut cmdline = format!("ip={GUEST_ADDR}/24");
@@ -219,6 +249,11 @@ impl Cluster {
         let log = format!("r{id}.{}", self.starts[i]);
         let p = Process::spawn_logged(&format!("replica {id}"), &mut cmd, self.dir.path(), &log).unwrap();
         self.procs[i] = Some(p);
+    }
+
+    /// `--peers` without replica `gone`: where a joining replica finds the group.
+    fn members_but(&self, gone: u64) -> String {
+        self.layout.peers.split(',').filter(|m| !m.starts_with(&format!("{gone}="))).collect::<Vec<_>>().join(",")
     }
 
     fn kill(&mut self, id: u64) {
@@ -241,8 +276,8 @@ impl Cluster {
 
     /// The VM replica that serves, protected if `protected`.
     fn leader(&self, protected: bool) -> Option<u64> {
-        let vms = if self.layout.standby { 3 } else { 2 };
-        (1..=vms).find(|&id| {
+        let standby = self.layout.standby;
+        (1..=4).filter(|&id| id != 3 || standby).find(|&id| {
             self.procs[(id - 1) as usize].is_some() && {
                 let st = self.status(id);
                 st.contains("role: leader") && (!protected || st.contains("protected: yes"))
@@ -1396,4 +1431,131 @@ fn disks_of_different_sizes_are_refused_as_secondaries() {
     let m = c.metrics(leader);
     assert!(m.iter().all(|l| l["peer"] == 0 && l["ok"] == true), "a syncvm with replica {other}, or a failed one: {m:?}");
     assert!(c.status(leader).contains("protected: no"), "{}", c.status(leader));
+}
+
+/// `ftvm replica-replace` on replica `id`: its exit status's success and
+/// what it printed (stdout, else stderr).
+fn replace(c: &Cluster, id: u64, remove: u64, add: &str) -> (bool, String) {
+    let out = ftvm()
+        .args(["replica-replace", "--api-socket"])
+        .arg(c.socket(id))
+        .args(["--remove", &remove.to_string(), "--add", add])
+        .output()
+        .unwrap();
+    let said = if out.status.success() { &out.stdout } else { &out.stderr };
+    (out.status.success(), String::from_utf8_lossy(said).into_owned())
+}
+
+/// The `members:` line of replica `id`'s `ftvm status`.
+fn members(c: &Cluster, id: u64) -> String {
+    c.status(id).lines().find(|l| l.starts_with("members:")).unwrap_or_default().to_string()
+}
+
+/// Whether a `members:` line names replica `id` (in any role).
+fn names(line: &str, id: u64) -> bool {
+    let list = line.strip_prefix("members:").unwrap_or_default();
+    list.split(',').any(|m| m.split_whitespace().next() == Some(&id.to_string()))
+}
+
+/// The secondary is killed, for good (its host lost); the leader serves on
+/// with the witness. A new replica, id 4, on the lost one's host at an
+/// address of its own, joins the group (`--join`) and the leader is asked
+/// to replace the lost replica by it: refused on the witness (not the
+/// leader), for an id that is no member, and while the change is under
+/// way; the new replica is a learner, then a voter in the lost one's
+/// place (every replica's members say so), brought up to date by
+/// pre-copy and a full `syncvm`: the leader is protected by it. The
+/// witness is restarted with its old `--peers` and learns the new group
+/// from the leader. Then the leader is killed: the new replica takes over
+/// (elected by itself and the witness, the new majority) with every
+/// acknowledged write.
+#[test]
+fn a_lost_secondary_is_replaced_by_a_new_replica() {
+    let mut c = Cluster::new("vnew", &[]);
+    let leader = c.wait_leader(true, Duration::from_secs(30));
+    let lost = 3 - leader;
+    let (host, ip) = if lost == 1 { ("h1", H1_REPL_ADDR) } else { ("h2", H2_REPL_ADDR) };
+    let addr = format!("{ip}:7104");
+    c.layout.joiner = Some(Joiner { host, addr: addr.clone(), replaces: lost, witness: false });
+    let w = writers_paced(&c, "n");
+    wait_acked_beyond(&w, 0, &c, "start");
+    std::thread::sleep(Duration::from_millis(500));
+    c.kill(lost);
+    wait_acked_beyond(&w, w.acked() + 100, &c, "after the secondary was killed");
+    let add = format!("4={addr}");
+    let (ok, said) = replace(&c, 3, lost, &add);
+    assert!(!ok && said.contains("does not lead") && said.contains(&format!("replica {leader}")), "on the witness: {said}");
+    let (ok, said) = replace(&c, leader, 9, &add);
+    assert!(!ok && said.contains("replica 9 is not a voting member"), "{said}");
+    let (ok, said) = replace(&c, leader, lost, &add);
+    assert!(ok, "the replacement was refused: {said}\n{}", c.logs());
+    // Replica 4 is not running yet: it cannot get the log, and stays a learner.
+    let (ok, said) = replace(&c, leader, lost, &add);
+    assert!(!ok && said.contains("already in progress"), "a second request: {said}");
+    let m = members(&c, leader);
+    assert!(m.contains(&format!("4 learner {addr}")) && m.contains(&format!("{lost} voter")), "{m}");
+    c.start(4);
+    wait_status(&c, leader, &["secondary 4", "protected: yes"], Duration::from_secs(30), "the new replica did not become the secondary");
+    let m = members(&c, leader);
+    assert!(m.contains(&format!("4 voter {addr}")) && !names(&m, lost), "the lost replica is still a member: {m}");
+    for id in [3, 4] {
+        wait_status(&c, id, &[&format!("4 voter {addr}")], Duration::from_secs(5), "the configuration did not reach every replica");
+        assert!(!names(&members(&c, id), lost), "replica {id}: {}", members(&c, id));
+    }
+    assert!(!c.status(leader).contains("membership change:"), "{}", c.status(leader));
+    let (precopied, _) = rejoin_figures(&c, leader, 4);
+    assert!(precopied > 0, "the new replica got no pre-copy");
+    // The change did not shake leadership (a consensus thread held up by
+    // it would have let an election time out), and every replica applied
+    // every configuration entry.
+    let log = c.procs[(leader - 1) as usize].as_ref().unwrap().stderr();
+    assert!(!log.contains("stepped down"), "the leader lost its leadership over the change:\n{}", c.logs());
+    assert!(!c.logs().contains("cannot apply a committed configuration"), "{}", c.logs());
+    wait_acked_beyond(&w, w.acked() + 100, &c, "protected by the new replica");
+    // The witness restarted with its old `--peers` (the lost replica in,
+    // the new one out) learns the group from the leader's snapshot: it
+    // names replica 4 a voter and links to it, which the election below
+    // needs (replica 4 and the witness are the majority then).
+    c.kill(3);
+    c.start(3);
+    wait_status(&c, 3, &[&format!("4 voter {addr}")], Duration::from_secs(10), "the restarted witness did not learn the group");
+    assert!(!names(&members(&c, 3), lost), "{}", members(&c, 3));
+    c.kill(leader);
+    let acked = w.acked();
+    assert_eq!(c.wait_leader(false, Duration::from_secs(15)), 4, "the new replica took over");
+    wait_acked_beyond(&w, acked, &c, "after the leader was killed");
+    let n = verify_all(&c, w);
+    eprintln!("{n} acknowledged writes, none lost");
+}
+
+/// The witness is killed for good; a new witness (id 4, `--join
+/// --witness`, no VM) replaces it. Every replica's members must show it a
+/// voter and the old witness gone, and it must vote: with the secondary
+/// then killed too, the leader and the new witness are the majority that
+/// lets writes go on.
+#[test]
+fn a_lost_witness_is_replaced_by_a_new_witness() {
+    let mut c = Cluster::new("vwit", &[]);
+    let leader = c.wait_leader(true, Duration::from_secs(30));
+    let secondary = 3 - leader;
+    let addr = format!("{H2_REPL_ADDR}:7104");
+    c.layout.joiner = Some(Joiner { host: "h2", addr: addr.clone(), replaces: 3, witness: true });
+    let w = writers_paced(&c, "m");
+    wait_acked_beyond(&w, 0, &c, "start");
+    c.kill(3);
+    wait_acked_beyond(&w, w.acked() + 100, &c, "after the witness was killed");
+    c.start(4);
+    let (ok, said) = replace(&c, leader, 3, &format!("4={addr}"));
+    assert!(ok, "the replacement was refused: {said}\n{}", c.logs());
+    for id in [leader, secondary, 4] {
+        wait_status(&c, id, &[&format!("4 voter {addr}")], Duration::from_secs(10), "the new witness did not become a voter");
+        assert!(!names(&members(&c, id), 3), "replica {id}: {}", members(&c, id));
+    }
+    wait_status(&c, 4, &["role: witness"], Duration::from_secs(5), "replica 4 is no witness");
+    assert!(c.status(leader).contains("protected: yes"), "{}", c.status(leader));
+    c.kill(secondary);
+    wait_acked_beyond(&w, w.acked() + 100, &c, "with the leader and the new witness alone");
+    assert_eq!(c.leader(false), Some(leader), "{}", c.logs());
+    let n = verify_all(&c, w);
+    eprintln!("{n} acknowledged writes, none lost");
 }

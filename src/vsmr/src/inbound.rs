@@ -1,8 +1,9 @@
 //! What arrives at a replica: a peer's messages, routed by kind, and the
 //! events that drive its consensus thread (messages for raft, a lost
-//! link, proposals, compaction). Below both the links (`mesh`) that
+//! link, proposals, compaction, an operator's membership change). Below both the links (`mesh`) that
 //! produce them and the consensus thread (`node`) that consumes them.
 
+use std::sync::mpsc::Sender;
 use std::time::Instant;
 
 use ftvm_replication::protocol::Kind;
@@ -33,4 +34,16 @@ pub enum Event {
     /// any more (a replica that lacks it gets raft's snapshot and then a
     /// full `syncvm`).
     Compact(u64),
+    /// An operator asks this replica (the leader) to replace a member
+    /// (`membership`).
+    Replace(Replace),
+}
+
+/// `ftvm replica-replace`: replace member `remove` by a new replica `add`
+/// listening at `addr`; the answer says whether the change was proposed.
+pub struct Replace {
+    pub remove: u64,
+    pub add: u64,
+    pub addr: String,
+    pub reply: Sender<Result<String, String>>,
 }

@@ -13,6 +13,7 @@ pub mod failover;
 pub mod inbound;
 pub mod log;
 pub mod loss;
+pub mod membership;
 pub mod mesh;
 pub mod node;
 pub mod outbox;
@@ -40,6 +41,7 @@ use ftvm_replication::metrics::{MetricsLog, Role, StatusCell};
 use ftvm_replication::output::DiskJournal;
 use ftvm_replication::pipeline::transport::Auth;
 use ftvm_replication::ReplicationError;
+use membership::{Book, Control, Membership};
 use mesh::{LinkOptions, Mesh, PeerHello, Routes};
 use node::{Committed, NodeConfig, View};
 
@@ -49,6 +51,11 @@ pub struct ReplicaConfig {
     pub id: u64,
     /// Every replica (this one included): id and address.
     pub peers: Vec<(u64, String)>,
+    /// `--join`: this replica joins a running group (`peers` lists where
+    /// its members are): it starts with no configuration, learns the
+    /// group's from raft's snapshot, and votes or leads only once the
+    /// group made it a voter (`ftvm replica-replace`, `membership`).
+    pub join: bool,
     /// Vote, keep the log, stand late in elections and never lead while
     /// not in step; with a VM (a standby), keep it held until a leader
     /// brings it up to date to replace a lost VM replica.
@@ -83,6 +90,18 @@ impl ReplicaConfig {
 
 /// `--peers 1=HOST:PORT,2=HOST:PORT,3=HOST:PORT`, checked against `--id`.
 pub fn parse_peers(s: &str, me: u64) -> Result<Vec<(u64, String)>, String> {
+    let peers = parse_list(s)?;
+    if peers.len() < 3 {
+        return Err(format!("{} replicas listed; at least three are needed so that a majority survives a failure", peers.len()));
+    }
+    if !peers.iter().any(|(i, _)| *i == me) {
+        return Err(format!("--id {me} is not one of the replicas in --peers"));
+    }
+    Ok(peers)
+}
+
+/// `ID=HOST:PORT,...`: ids from 1, each once, each at an address of its own.
+fn parse_list(s: &str) -> Result<Vec<(u64, String)>, String> {
     let mut peers: Vec<(u64, String)> = Vec::new();
     for item in s.split(',') {
         let (id, addr) = item.split_once('=').ok_or_else(|| format!("`{item}` is not ID=HOST:PORT"))?;
@@ -102,11 +121,18 @@ pub fn parse_peers(s: &str, me: u64) -> Result<Vec<(u64, String)>, String> {
         }
         peers.push((id, addr.to_string()));
     }
-    if peers.len() < 3 {
-        return Err(format!("{} replicas listed; at least three are needed so that a majority survives a failure", peers.len()));
-    }
+    Ok(peers)
+}
+
+/// `--join 1=HOST:PORT,...,4=HOST:PORT`: where the group's members are,
+/// and this replica's own address, checked against `--id`.
+pub fn parse_join(s: &str, me: u64) -> Result<Vec<(u64, String)>, String> {
+    let peers = parse_list(s)?;
     if !peers.iter().any(|(i, _)| *i == me) {
-        return Err(format!("--id {me} is not one of the replicas in --peers"));
+        return Err(format!("--id {me} is not in --join: give this replica's own address there too"));
+    }
+    if peers.len() < 2 {
+        return Err("--join names no member of the group to join".into());
     }
     Ok(peers)
 }
@@ -115,7 +141,7 @@ pub fn parse_peers(s: &str, me: u64) -> Result<Vec<(u64, String)>, String> {
 /// (`vm`; none for the witness), the VM's side. The VM must be started.
 /// A witness with a VM is a standby: its VM stays held until a leader
 /// brings it up to date (docs/replicas.md, "Replacing a replica").
-pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, ReplicationError> {
+pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<(StatusCell, Control), ReplicationError> {
     // A replica that fails to start leaves no `--raft-state` file it
     // created (an empty one would only look like a replica that never
     // voted); one that existed, or that holds a vote by now, stays.
@@ -129,8 +155,11 @@ pub fn start(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, R
     started
 }
 
-fn start_replica(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCell, ReplicationError> {
+fn start_replica(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<(StatusCell, Control), ReplicationError> {
     let witness = config.witness;
+    // A joining VM replica is held as a standby is until a leader brings
+    // it up to date; unlike a standby it is picked as any VM replica.
+    let held_at_start = witness || (config.join && vm.is_some());
     let ring = vm.as_ref().is_some_and(|v| v.config().dirty_backend != ftvm_vmm::DirtyBackend::Bitmap);
     if config.tuning.predict_writes != ftvm_replication::pipeline::predict::Mode::Off && ring {
         // The ring re-protects every page it harvested.
@@ -145,6 +174,7 @@ fn start_replica(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCel
     status.lock().detail = match (&vm, witness) {
         (None, _) => "witness".into(),
         (Some(_), true) => "standby witness: VM held until a leader needs it".into(),
+        (_, false) if config.join => "joining: waiting for the group to add it".into(),
         (Some(_), false) => "secondary: waiting for a leader".into(),
     };
     let disk = match (&vm, vm.as_ref().and_then(|v| v.config().devices.disk.clone())) {
@@ -184,7 +214,7 @@ fn start_replica(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCel
     let view = Arc::new(Mutex::new(View::default()));
     // Every VM replica of a new group may lead; the witness (a standby
     // too) not before it was brought up to date.
-    let eligible = Arc::new(AtomicBool::new(!witness));
+    let eligible = Arc::new(AtomicBool::new(!held_at_start));
     // Whether the VM is held (`replica`), shared with the input gate.
     let held = Arc::new(AtomicBool::new(false));
     let gate = match (&vm, config.tuning.direct_input) {
@@ -192,9 +222,14 @@ fn start_replica(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCel
         _ => None,
     };
     let inputs = Arc::new(log::InputCounts::default());
+    let book: Book = config.peers.iter().cloned().collect();
+    let shown = Arc::new(Mutex::new(Membership::default()));
+    let control = Control::new(events_tx.clone(), shown.clone());
     let node_config = NodeConfig {
         id: config.id,
-        voters: config.peers.iter().map(|(i, _)| *i).collect(),
+        voters: if config.join { Vec::new() } else { config.peers.iter().map(|(i, _)| *i).collect() },
+        book: Arc::new(Mutex::new(book)),
+        shown,
         witness,
         vm: vm.is_some(),
         eligible: eligible.clone(),
@@ -223,7 +258,7 @@ fn start_replica(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCel
                     max_interval: config.max_interval,
                     pages: config.pages,
                     rejoin: config.rejoin,
-                    standby: witness,
+                    standby: held_at_start,
                     replay: config.replay,
                     spacing: config.tuning.sync_spacing,
                     ack_wait: config.tuning.ack_wait,
@@ -263,7 +298,7 @@ fn start_replica(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<StatusCel
                 .map_err(ReplicationError::Thread)?;
         }
     }
-    Ok(status)
+    Ok((status, control))
 }
 
 #[cfg(test)]
@@ -281,5 +316,13 @@ mod tests {
         assert!(parse_peers("0=a:1,2=b:2,3=c:3", 2).unwrap_err().contains("start at 1"));
         assert!(parse_peers("1=a,2=b:2,3=c:3", 2).unwrap_err().contains("HOST:PORT"));
         assert!(parse_peers("x=a:1,2=b:2,3=c:3", 2).unwrap_err().contains("not a replica id"));
+    }
+
+    #[test]
+    fn a_join_list_names_this_replica_and_a_member() {
+        assert_eq!(parse_join("1=a:1,4=d:4", 4).unwrap(), vec![(1, "a:1".into()), (4, "d:4".into())]);
+        assert!(parse_join("1=a:1,3=c:3", 4).unwrap_err().contains("--id 4 is not in --join"));
+        assert!(parse_join("4=d:4", 4).unwrap_err().contains("no member"));
+        assert!(parse_join("1=a:1,4=a:1", 4).unwrap_err().contains("both at a:1"));
     }
 }

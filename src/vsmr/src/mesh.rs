@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -92,6 +92,8 @@ struct Outgoing {
     /// Frames queued that the sender thread has not yet sent or dropped:
     /// none may be overtaken.
     queued: AtomicUsize,
+    /// The peer left the group (`Mesh::remove_peer`): its sender thread ends.
+    gone: AtomicBool,
 }
 
 /// What a frame may add to its size on the link beyond its bytes (a seal
@@ -107,6 +109,9 @@ pub struct LinkOptions {
     /// `--witness-linger-us` (zero: off).
     pub linger: Duration,
 }
+
+/// A sender thread to start: its peer, address, outgoing side and queue.
+type Spawn = (u64, String, Arc<Outgoing>, Receiver<Vec<Vec<u8>>>);
 
 /// An accepted link: its number, and a handle to shut it down.
 type Accepted = (u64, Box<dyn Transport>);
@@ -124,8 +129,17 @@ pub struct PeerInfo {
 
 pub struct Mesh {
     me: PeerHello,
-    /// Each peer's outgoing side.
-    out: HashMap<u64, Arc<Outgoing>>,
+    /// Each peer's outgoing side: the group's members but this one, which
+    /// change with the raft configuration (`add_peer`, `remove_peer`).
+    out: RwLock<HashMap<u64, Arc<Outgoing>>>,
+    /// What a peer's sender thread needs to dial it.
+    auth: Option<Auth>,
+    batch: LinkBatch,
+    /// Starts the sender thread of a member added at run time: a thread
+    /// started at `start`, so that the new one has its filter (the
+    /// consensus thread's seccomp filter allows no dialling: a thread
+    /// inherits its creator's filter).
+    spawner: Mutex<Sender<Spawn>>,
     /// `--link-direct`.
     direct: LinkDirect,
     /// `--link-compress`.
@@ -175,17 +189,13 @@ impl Mesh {
     ) -> Result<Arc<Mesh>, ReplicationError> {
         let LinkOptions { batch, direct, compress, linger } = options;
         let listener = TcpListener::bind(listen).map_err(|err| ReplicationError::Listen { addr: listen.into(), err })?;
-        let mut out = HashMap::new();
-        let mut queues = Vec::new();
-        for (id, addr) in peers {
-            let (queue, rx) = mpsc::sync_channel(QUEUE);
-            let o = Arc::new(Outgoing { queue, link: Mutex::new(None), queued: AtomicUsize::new(0) });
-            out.insert(*id, o.clone());
-            queues.push((*id, addr.clone(), o, rx));
-        }
+        let (spawner, spawns) = mpsc::channel::<Spawn>();
         let mesh = Arc::new(Mesh {
             me,
-            out,
+            out: RwLock::default(),
+            auth: auth.clone(),
+            batch,
+            spawner: Mutex::new(spawner),
             direct,
             compress,
             peers: Mutex::default(),
@@ -198,12 +208,24 @@ impl Mesh {
             linger,
             lingering: AtomicBool::new(false),
         });
-        for (id, addr, out, rx) in queues {
-            let (mesh, auth) = (mesh.clone(), auth.clone());
-            std::thread::Builder::new()
-                .name(format!("peer-tx-{id}"))
-                .spawn(move || mesh.send_loop(id, &addr, auth.as_ref(), &out, rx, batch))
-                .map_err(ReplicationError::Thread)?;
+        let weak = Arc::downgrade(&mesh);
+        std::thread::Builder::new()
+            .name("peer-spawn".into())
+            .spawn(move || {
+                for (id, addr, out, rx) in spawns {
+                    let Some(mesh) = weak.upgrade() else { return };
+                    let started = std::thread::Builder::new().name(format!("peer-tx-{id}")).spawn(move || {
+                        let auth = mesh.auth.clone();
+                        mesh.send_loop(id, &addr, auth.as_ref(), &out, rx, mesh.batch)
+                    });
+                    if let Err(e) = started {
+                        tracing::error!(id, "cannot start the sender thread of a new member: {e}");
+                    }
+                }
+            })
+            .map_err(ReplicationError::Thread)?;
+        for (id, addr) in peers {
+            mesh.add_peer(*id, addr);
         }
         let m = mesh.clone();
         let handshakes = Handshakes::new("peer links", HANDSHAKE_TIMEOUT);
@@ -252,7 +274,7 @@ impl Mesh {
         if frames.is_empty() {
             return true;
         }
-        let Some(out) = self.out.get(&to) else { return false };
+        let Some(out) = self.out.read().unwrap_or_else(|e| e.into_inner()).get(&to).cloned() else { return false };
         let frames: Vec<Vec<u8>> = match self.compress {
             LinkCompress::Lz4 => frames
                 .into_iter()
@@ -266,7 +288,7 @@ impl Mesh {
             LinkCompress::Off => frames,
         };
         if self.direct == LinkDirect::On && !self.lingers_for(to) {
-            if let Some(sent) = self.send_now(to, out, &frames) {
+            if let Some(sent) = self.send_now(to, &out, &frames) {
                 return sent;
             }
         }
@@ -317,6 +339,50 @@ impl Mesh {
                 Some(false)
             }
         }
+    }
+
+    /// A member joined the group (or is one at start): dial it at `addr`
+    /// as messages for it come, and accept its link. Known already: nothing.
+    pub fn add_peer(&self, id: u64, addr: &str) {
+        if id == self.me.id {
+            return;
+        }
+        let mut out = self.out.write().unwrap_or_else(|e| e.into_inner());
+        if out.contains_key(&id) {
+            return;
+        }
+        let (queue, rx) = mpsc::sync_channel(QUEUE);
+        let o = Arc::new(Outgoing { queue, link: Mutex::new(None), queued: AtomicUsize::new(0), gone: AtomicBool::new(false) });
+        out.insert(id, o.clone());
+        tracing::info!(id, addr, "linking to a member");
+        let _ = self.spawner.locked().send((id, addr.to_string(), o, rx));
+    }
+
+    /// A member left the group: nothing more goes to it, its link is
+    /// closed, and a link it dials is refused.
+    pub fn remove_peer(&self, id: u64) {
+        let Some(o) = self.out.write().unwrap_or_else(|e| e.into_inner()).remove(&id) else { return };
+        o.gone.store(true, Ordering::SeqCst);
+        // Not waiting for the link's lock: its sender thread may hold it
+        // while it dials the lost peer, and the caller is the consensus
+        // thread. That thread closes the link itself then.
+        if let Ok(mut link) = o.link.try_lock() {
+            if let Some(l) = link.take() {
+                l.shutdown();
+            }
+        }
+        if let Some((_, l)) = self.accepted.locked().remove(&id) {
+            l.shutdown();
+        }
+        self.peers.locked().remove(&id);
+        tracing::info!(id, "replica left the group: its links are closed");
+    }
+
+    /// The members this replica has links for (itself left out).
+    pub fn members(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> = self.out.read().unwrap_or_else(|e| e.into_inner()).keys().copied().collect();
+        ids.sort_unstable();
+        ids
     }
 
     /// Bytes and frames sent since the last call.
@@ -377,9 +443,15 @@ impl Mesh {
                     if self.stop.load(Ordering::SeqCst) {
                         return;
                     }
+                    if out.gone.load(Ordering::SeqCst) {
+                        return Self::close(out);
+                    }
                     continue;
                 }
                 Err(RecvTimeoutError::Disconnected) => return,
+            }
+            if out.gone.load(Ordering::SeqCst) {
+                return Self::close(out);
             }
             // A sleep, not a timed wait on the queue: the messages queued
             // meanwhile wake nothing.
@@ -400,6 +472,13 @@ impl Mesh {
             // Only now: a direct sender waits until these went.
             out.queued.fetch_sub(frames.len(), Ordering::SeqCst);
             frames.clear();
+        }
+    }
+
+    /// A removed peer's sender thread ends: its link closes.
+    fn close(out: &Outgoing) {
+        if let Some(l) = out.link.locked().take() {
+            l.shutdown();
         }
     }
 
@@ -473,8 +552,8 @@ impl Mesh {
             Ok(h) => h,
             Err(e) => return refuse(&format_args!("peer link: bad PeerHello: {e}")),
         };
-        if hello.id == self.me.id || !self.out.contains_key(&hello.id) {
-            return refuse(&format_args!("refused a peer that is not in --peers (id {})", hello.id));
+        if hello.id == self.me.id || !self.out.read().unwrap_or_else(|e| e.into_inner()).contains_key(&hello.id) {
+            return refuse(&format_args!("refused a peer that is not a member of the group (id {})", hello.id));
         }
         let _ = link.set_recv_timeout(None);
         drop(slot);

@@ -8,8 +8,9 @@
 //!
 //! The log lives in memory (`MemStorage`); it is compacted behind the
 //! applied index, and a peer that needs what was compacted gets raft's
-//! snapshot, which carries no data: a replica that far behind is brought
-//! up to date by a full `syncvm` anyway. Only the term and vote must
+//! snapshot, which carries no VM data (a replica that far behind is
+//! brought up to date by a full `syncvm` anyway), only the configuration
+//! and the members' addresses (`membership`). Only the term and vote must
 //! outlive a replica (`--raft-state`, `vote`).
 
 use std::collections::HashMap;
@@ -29,6 +30,7 @@ use crate::direct_input::InputGate;
 use crate::failover::{self, Cause, Detection, Election, FastElection, Lost};
 pub use crate::inbound::Event;
 use crate::log::{Entry, InputCounts, MAX_INPUT_FRAMES};
+use crate::membership::{Book, Changes, Membership, Store};
 use crate::mesh::Mesh;
 use crate::outbox::Outbox;
 use crate::tuning::{BatchAppend, EarlyApply, LeaderApply, LinkBatch, Tuning};
@@ -79,7 +81,13 @@ pub struct View {
 
 pub struct NodeConfig {
     pub id: u64,
+    /// The voters of a new group (`--peers`); none for a replica that
+    /// joins one (`--join`): it learns the group from raft's snapshot.
     pub voters: Vec<u64>,
+    /// Every member's address, kept up to date as the group changes.
+    pub book: Arc<Mutex<Book>>,
+    /// The group as `ftvm status` shows it.
+    pub shown: Arc<Mutex<Membership>>,
     pub witness: bool,
     /// This replica runs a VM: committed entries go to its applier. A
     /// witness without one is told only who leads (`LeaderStart`): its
@@ -106,10 +114,20 @@ pub struct NodeConfig {
 
 impl NodeConfig {
     /// Whether a follower may hand entries on once appended: with three
-    /// voters the leader and this replica are a majority
-    /// (`tuning::EarlyApply`).
-    fn early_apply(&self) -> bool {
-        self.tuning.early_apply == EarlyApply::On && self.voters.len() == 3
+    /// voters, this replica one of them, the leader and this replica are a
+    /// majority (`tuning::EarlyApply`). Not in a joint configuration (a
+    /// majority of each half is needed), nor on a learner.
+    fn early_apply(&self, conf: &ConfState) -> bool {
+        self.tuning.early_apply == EarlyApply::On
+            && conf.voters.len() == 3
+            && conf.voters.contains(&self.id)
+            && conf.voters_outgoing.is_empty()
+    }
+
+    /// Whether the leader may skip commit notices: every follower applies
+    /// on append (the three voters' setting; no learner, which does not).
+    fn followers_apply_early(&self, conf: &ConfState) -> bool {
+        self.early_apply(conf) && conf.learners.is_empty()
     }
 
     /// Whether a leader with a VM hands its own input and `syncvm`s on once
@@ -144,7 +162,7 @@ pub fn start(
         max_election_tick: if config.witness { 5 * ELECTION_TICKS } else { 0 },
         // Followers that apply on append need no separate commit notice:
         // one message per peer per commit fewer.
-        skip_bcast_commit: config.early_apply(),
+        skip_bcast_commit: config.followers_apply_early(&ConfState::from((config.voters.clone(), vec![]))),
         batch_append: config.tuning.batch_append == BatchAppend::On,
         ..Default::default()
     };
@@ -153,9 +171,12 @@ pub fn start(
     if let (Some(file), Some(Some(v))) = (&votes, held) {
         tracing::info!(term = v.term, vote = v.vote, "term and vote from {}", file.path().display());
     }
-    let storage = storage(&config.voters, held.flatten());
+    let storage = Store::new(storage(&config.voters, held.flatten()), config.book.clone());
+    let changes = Changes::new(config.id, config.book.clone(), config.shown.clone());
     let logger = slog::Logger::root(TracingDrain, slog::o!());
     let node = RawNode::new(&raft_config, storage, &logger).map_err(|e| ReplicationError::Consensus(e.to_string()))?;
+    changes.publish(&node);
+    let early_apply = config.early_apply(&ConfState::from((config.voters.clone(), vec![])));
     std::thread::Builder::new()
         .name("consensus".into())
         .spawn(move || {
@@ -175,6 +196,8 @@ pub fn start(
                 inputs: Vec::new(),
                 outbox: Outbox::default(),
                 votes,
+                changes,
+                early_apply,
             }
             .run(events)
         })
@@ -195,7 +218,7 @@ fn storage(voters: &[u64], held: Option<Vote>) -> MemStorage {
 }
 
 struct Loop {
-    node: RawNode<MemStorage>,
+    node: RawNode<Store>,
     mesh: Arc<Mesh>,
     committed: Sender<Committed>,
     view: Arc<Mutex<View>>,
@@ -219,6 +242,11 @@ struct Loop {
     /// `flush` hands each peer's to its sender thread at once.
     outbox: Outbox,
     votes: Option<VoteFile>,
+    /// The members, and the leader's replacement of one (`membership`).
+    changes: Changes,
+    /// This replica may hand entries on once appended (`NodeConfig::early_apply`
+    /// of the configuration now).
+    early_apply: bool,
 }
 
 impl Loop {
@@ -242,6 +270,7 @@ impl Loop {
                 self.tick();
                 next_tick = (next_tick + TICK).max(Instant::now());
                 self.hand_over();
+                self.changes.tick(&mut self.node);
             }
             if self.on_ready().is_err() {
                 return;
@@ -297,6 +326,10 @@ impl Loop {
                 if self.node.raft.state == StateRole::Leader {
                     let _ = self.node.propose(vec![], data);
                 }
+            }
+            Event::Replace(r) => {
+                let answer = self.changes.request(&mut self.node, &r);
+                let _ = r.reply.send(answer);
             }
             Event::Compact(index) => {
                 let store = self.node.raft.raft_log.store.clone();
@@ -400,6 +433,12 @@ impl Loop {
     }
 
     fn campaign(&mut self, cause: Cause, since: Instant) {
+        // Only a voter stands (not a learner, nor one that joins or was
+        // removed): raft-rs does not check, and one with no configuration
+        // would count an election with no voters as won.
+        if !self.node.raft.promotable() {
+            return;
+        }
         if !self.round.is_some_and(|(c, _)| c == cause) {
             self.round = Some((cause, since));
         }
@@ -425,7 +464,7 @@ impl Loop {
         let target = peers
             .iter()
             .filter(|(id, p)| **id != self.config.id && !p.witness && p.heard.is_some_and(|t| t.elapsed() < ALIVE))
-            .filter_map(|(id, _)| raft.prs().get(*id).map(|pr| (pr.matched, *id)))
+            .filter_map(|(id, _)| raft.prs().get(*id).filter(|_| !raft.prs().conf().learners().contains(id)).map(|pr| (pr.matched, *id)))
             .max()
             .map(|(_, id)| id);
         if let Some(id) = target {
@@ -554,6 +593,8 @@ impl Loop {
             tracing::info!(index = ready.snapshot().get_metadata().index, "caught up from a snapshot: needs a full syncvm");
             let _ = store.wl().apply_snapshot(ready.snapshot().clone());
             self.delivered = self.delivered.max(ready.snapshot().get_metadata().index);
+            self.changes.restored(&self.node, &*self.mesh, ready.snapshot());
+            self.reconfigured();
         }
         if let Some(first) = ready.entries().first().map(|e| e.index) {
             if first <= self.delivered {
@@ -588,6 +629,10 @@ impl Loop {
             }
         }
         self.send(ready.take_persisted_messages());
+        // Before `advance`, which tells raft-rs they are applied: a joint
+        // configuration's automatic leave is proposed then, and only once
+        // raft-rs sees the configuration that entry made.
+        self.configure(&committed);
         let mut light = self.node.advance(ready);
         if let Some(commit) = light.commit_index() {
             store.wl().mut_hard_state().set_commit(commit);
@@ -597,8 +642,10 @@ impl Loop {
         // Before the entries go: the applier judges their terms by it.
         let raft = &self.node.raft;
         *self.view.locked() = View { term: raft.term, leader: raft.leader_id, is_leader: raft.state == StateRole::Leader };
+        let later = light.take_committed_entries();
         self.apply(committed)?;
-        self.apply(light.take_committed_entries())?;
+        self.configure(&later);
+        self.apply(later)?;
         self.apply_appended()?;
         self.node.advance_apply();
         let applied = self.node.raft.raft_log.applied;
@@ -611,6 +658,27 @@ impl Loop {
 }
 
 impl Loop {
+    /// Committed configuration entries (`membership`), as they commit: not
+    /// on append, as `--early-apply` hands input on.
+    fn configure(&mut self, committed: &[raft::eraftpb::Entry]) {
+        let mut changed = false;
+        for e in committed.iter().filter(|e| e.get_entry_type() != EntryType::EntryNormal) {
+            self.changes.apply(&mut self.node, &*self.mesh, e);
+            changed = true;
+        }
+        if changed {
+            self.reconfigured();
+        }
+    }
+
+    /// The configuration changed: whether entries go on early follows it.
+    fn reconfigured(&mut self) {
+        let conf = self.node.raft.prs().conf().to_conf_state();
+        self.early_apply = self.config.early_apply(&conf);
+        let skip = self.config.followers_apply_early(&conf);
+        self.node.skip_bcast_commit(skip);
+    }
+
     /// `--early-apply on`, a follower: hand on the entries appended (and
     /// acknowledged: the persisted messages went first) up to the last of
     /// the current term. Only the current term's leader makes entries of
@@ -631,7 +699,7 @@ impl Loop {
         let may = if leads {
             self.config.leader_apply()
         } else {
-            self.config.early_apply() && raft.state == StateRole::Follower && raft.leader_id != INVALID_ID
+            self.early_apply && raft.state == StateRole::Follower && raft.leader_id != INVALID_ID
         };
         if !may || log.last_term() != raft.term || log.last_index() <= self.delivered {
             return Ok(());

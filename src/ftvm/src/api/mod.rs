@@ -39,6 +39,14 @@ pub enum Request {
     /// Stop the guest, checkpoint it a last time and hand the VM over to the
     /// backup; answered once that is done (or failed).
     Switchover,
+    /// A VSMR leader: replace member `remove` by a new replica `add`
+    /// listening at `addr` (raft's configuration change); answered once
+    /// the change is proposed.
+    ReplicaReplace {
+        remove: u64,
+        add: u64,
+        addr: String,
+    },
 }
 
 /// A request as it travels: the version, then the request's own fields.
@@ -91,6 +99,10 @@ pub struct Response {
     pub replication: Option<ftvm_replication::Status>,
     /// `status`: output this VMM could not write and dropped (counted since it started).
     pub write_errors: Option<WriteErrors>,
+    /// `status` of a VSMR replica: the group's members as it applied them.
+    pub members: Option<ftvm_vsmr::membership::Membership>,
+    /// What a request set going (`replica_replace`).
+    pub message: Option<String>,
 }
 
 /// Lines of the `--metrics` file and guest console writes to stdout that

@@ -354,6 +354,8 @@ pub struct ApiContext<'a> {
     pub vm: Option<&'a Vm>,
     pub status: Option<&'a StatusCell>,
     pub primary: Option<&'a Primary>,
+    /// A VSMR replica's group (`ftvm replica`, the witness too).
+    pub replica: Option<&'a ftvm_vsmr::membership::Control>,
 }
 
 impl ApiServer {
@@ -362,7 +364,12 @@ impl ApiServer {
         let state = |s: &str| Response { state: Some(s.into()), ..Response::ok() };
         match (request, ctx.vm) {
             (Request::Status, vm) => {
-                let mut response = Response { replication, write_errors: Some(super::WriteErrors::now()), ..Response::ok() };
+                let mut response = Response {
+                    replication,
+                    write_errors: Some(super::WriteErrors::now()),
+                    members: ctx.replica.map(|c| c.membership()),
+                    ..Response::ok()
+                };
                 match vm {
                     Some(vm) => {
                         response.state = Some(if vm.is_held() { "paused" } else { "running" }.into());
@@ -391,6 +398,15 @@ impl ApiServer {
                 (Some(_), Some(st)) if st.protected => (state("switching over"), Action::Switchover),
                 (Some(_), _) => (Response::error("the VM is not protected: there is no backup to hand it over to"), Action::None),
                 (None, _) => (Response::error(no_backup_to_switch_to(ctx.vm.is_some(), replication.as_ref())), Action::None),
+            },
+            // Answered by the consensus thread at once: the change itself
+            // completes in the background (`status` shows it).
+            (Request::ReplicaReplace { remove, add, addr }, _) => match ctx.replica {
+                Some(group) => match group.replace(remove, add, addr) {
+                    Ok(message) => (Response { message: Some(message), ..Response::ok() }, Action::None),
+                    Err(e) => (Response::error(e), Action::None),
+                },
+                None => (Response::error("this VMM is not a VSMR replica (`ftvm replica`)"), Action::None),
             },
             (_, None) => (Response::error("no VM is running here yet (a backup before takeover)"), Action::None),
             (Request::Pause, Some(vm)) => {

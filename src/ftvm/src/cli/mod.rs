@@ -48,6 +48,19 @@ pub enum Command {
     /// sends only divergent pages at each syncvm (docs/replicas.md).
     #[command(args_override_self = true)]
     Replica(ReplicaArgs),
+    /// Ask a VSMR group's leader to replace a member (a lost replica) by a
+    /// new one started with `ftvm replica --join`: raft adds it as a
+    /// learner, then makes it a voter in place of the removed one.
+    ReplicaReplace {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The member to remove (its --id).
+        #[arg(long, value_name = "ID")]
+        remove: u64,
+        /// The new replica: its --id and the address it listens on.
+        #[arg(long, value_name = "ID=HOST:PORT", value_parser = values::member)]
+        add: (u64, String),
+    },
     /// Write a running VM's complete state to a file.
     Snapshot {
         /// Control socket of the VM (the --api-socket it runs with).

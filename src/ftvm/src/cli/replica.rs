@@ -28,13 +28,18 @@ use crate::run::Guest;
 pub struct ReplicaArgs {
     #[command(flatten)]
     pub config: ConfigArgs,
-    /// This replica's id in --peers.
+    /// This replica's id in --peers (or --join).
     #[arg(long, value_name = "N")]
     pub id: u64,
     /// Every replica, this one included, as ID=HOST:PORT,... (at least
     /// three); each listens on its own address for the others.
-    #[arg(long, value_name = "1=HOST:PORT,2=HOST:PORT,3=HOST:PORT")]
-    pub peers: String,
+    #[arg(long, value_name = "1=HOST:PORT,2=HOST:PORT,3=HOST:PORT", required_unless_present = "join", conflicts_with = "join")]
+    pub peers: Option<String>,
+    /// Join a running group instead of starting one: its members and this
+    /// replica (a new id), as ID=HOST:PORT,...; it votes and leads only
+    /// once the leader made it a member (`ftvm replica-replace`).
+    #[arg(long, value_name = "1=HOST:PORT,3=HOST:PORT,4=HOST:PORT")]
+    pub join: Option<String>,
     /// The third replica: vote and keep the log, stand late in elections.
     /// Alone, it runs no VM and never leads; with the VM options (--image,
     /// --net, ...) it is a standby: its VM stays paused until a leader that
@@ -283,11 +288,17 @@ impl TryFrom<ReplicaArgs> for Member {
     type Error = RunError;
 
     fn try_from(args: ReplicaArgs) -> Result<Member, RunError> {
-        let peers = ftvm_vsmr::parse_peers(&args.peers, args.id).map_err(RunError::Usage)?;
+        let peers = match (&args.peers, &args.join) {
+            (_, Some(join)) => ftvm_vsmr::parse_join(join, args.id),
+            (Some(peers), None) => ftvm_vsmr::parse_peers(peers, args.id),
+            (None, None) => Err("--peers or --join is needed".to_string()),
+        }
+        .map_err(RunError::Usage)?;
         args.check()?;
         let config = ReplicaConfig {
             id: args.id,
             peers,
+            join: args.join.is_some(),
             witness: args.witness,
             auth: args.channel.auth()?,
             tuning: args.tuning(),

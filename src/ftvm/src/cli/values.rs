@@ -87,6 +87,20 @@ pub fn positive_seconds(s: &str) -> Result<f64, String> {
     }
 }
 
+/// `ID=HOST:PORT`: a replica and its address (`ftvm replica-replace --add`).
+pub fn member(s: &str) -> Result<(u64, String), String> {
+    let (id, addr) = s.split_once('=').ok_or_else(|| format!("`{s}` is not ID=HOST:PORT"))?;
+    let id: u64 = id.trim().parse().map_err(|_| format!("`{id}` is not a replica id (a number from 1)"))?;
+    if id == 0 {
+        return Err("replica ids start at 1".into());
+    }
+    let addr = addr.trim();
+    if !addr.contains(':') {
+        return Err(format!("`{addr}` is not HOST:PORT"));
+    }
+    Ok((id, addr.to_string()))
+}
+
 /// A client timeout in seconds (fractions allowed), at most a day.
 pub fn timeout(s: &str) -> Result<Duration, String> {
     let secs = positive_seconds(s)?;

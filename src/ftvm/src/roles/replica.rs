@@ -26,7 +26,7 @@ impl Member {
         vm.devices().set_host_input(false);
         vm.start().map_err(os("start vCPU threads"))?;
         rt.adopt(vm.clone())?;
-        rt.report(ftvm_vsmr::start(self.config, Some(vm))?);
+        rt.report_replica(ftvm_vsmr::start(self.config, Some(vm))?);
         rt.serve(&mut OwnVm)
     }
 }

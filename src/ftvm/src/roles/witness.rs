@@ -16,6 +16,6 @@ impl Role for Witness {
 
 pub fn run(config: ReplicaConfig, host: HostOptions) -> Result<i32, RunError> {
     let (mut rt, _) = Runtime::start(&host, None)?;
-    rt.report(ftvm_vsmr::start(config, None)?);
+    rt.report_replica(ftvm_vsmr::start(config, None)?);
     rt.serve(&mut Witness)
 }
