@@ -69,10 +69,11 @@ impl App {
         let server = REDIS_ARGS.iter().chain(server).copied().collect::<Vec<_>>().join(" ");
         match self {
             App::Kv => args.extend(["--cmdline".into(), format!("ip={GUEST_ADDR}/24")]),
-            App::Redis => args.extend(memory.into_iter().chain([
-                "--cmdline".into(),
-                format!("{runtime} ip={GUEST_ADDR}/24 -- redis-server {server}").trim_start().to_string(),
-            ])),
+            App::Redis => args.extend(
+                memory
+                    .into_iter()
+                    .chain(["--cmdline".into(), format!("{runtime} ip={GUEST_ADDR}/24 -- redis-server {server}").trim_start().to_string()]),
+            ),
         }
         args
     }

@@ -57,6 +57,11 @@ pub struct Options {
     /// twice the dataset plus the AOF files, more than 512 MiB.
     #[arg(long, default_value_t = 1024)]
     memory_mib: u64,
+    /// More `ftvm run` options for the protected primary (e.g.
+    /// `--protected-options='--fake-ack off'`), to tell what a protected
+    /// failure or cost comes from.
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    protected_options: String,
     /// The Redis sources holding tests/ (default: what scripts/build-redis.sh unpacked).
     #[arg(long)]
     sources: Option<PathBuf>,
@@ -114,9 +119,7 @@ impl Load {
     /// `total_commands_processed`, `total_connections_received` and
     /// `total_forks` of an `INFO stats` reply.
     fn from_info(info: &str) -> Load {
-        let field = |name: &str| {
-            info.lines().find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(':')?.parse().ok()).unwrap_or(0)
-        };
+        let field = |name: &str| info.lines().find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(':')?.parse().ok()).unwrap_or(0);
         Load {
             commands: field("total_commands_processed"),
             connections: field("total_connections_received"),
@@ -173,6 +176,7 @@ fn server(
     setting: Setting,
     dir: &Path,
     memory_mib: u64,
+    protected_options: &[String],
 ) -> Result<(Option<Process>, Option<Guest>, &'static str), BoxError> {
     match setting {
         Setting::Native => {
@@ -187,7 +191,7 @@ fn server(
             Ok((Some(p), None, "127.0.0.1"))
         }
         Setting::Ftvm | Setting::Protected => {
-            let protect = (setting == Setting::Protected).then_some(Protection { dir, epoch_ms: None, extra: &[] });
+            let protect = (setting == Setting::Protected).then_some(Protection { dir, epoch_ms: None, extra: protected_options });
             // Bound to its address as the native server is to its own:
             // unbound, Redis 6.2 answers CONFIG GET bind with "", which its
             // CONFIG SET refuses (introspection's "CONFIG sanity").
@@ -255,12 +259,13 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let topo = Topology::new("suite")?;
     let dir = Scratch::new("redis-suite")?;
     let timeout = Duration::from_secs(opts.unit_timeout_s);
+    let protected_options: Vec<String> = opts.protected_options.split_whitespace().map(str::to_string).collect();
     let mut results: BTreeMap<(String, Setting), UnitRun> = BTreeMap::new();
     let logs = out.join("redis-suite-logs");
     std::fs::create_dir_all(&logs)?;
     for unit in &units {
         for &setting in &opts.settings {
-            let (native, guest, host) = server(&topo, &ftvm, &image, setting, dir.path(), opts.memory_mib)?;
+            let (native, guest, host) = server(&topo, &ftvm, &image, setting, dir.path(), opts.memory_mib, &protected_options)?;
             let mut run = run_unit(&topo, &sources, unit, host, timeout)?;
             run.load = Load::from_info(&topo.redis_cli(host, &["INFO", "stats"]).1);
             if guest.as_ref().is_some_and(|g| g.backup.is_some()) {
