@@ -57,18 +57,23 @@ impl App {
     /// `ftvm run` arguments after the image: memory and command line, with
     /// extra runtime options `variant` (Linux personality only; its words
     /// starting with `--` are `ftvm run` options, `--memory=MIB` replacing
-    /// the default 512).
+    /// the default 512; words after a lone `--` are more redis-server
+    /// options, after [`REDIS_ARGS`]).
     pub fn run_args(self, variant: &str) -> Vec<String> {
-        let (vmm, runtime): (Vec<&str>, Vec<&str>) = variant.split_whitespace().partition(|w| w.starts_with("--"));
+        let words: Vec<&str> = variant.split_whitespace().collect();
+        let (options, server) = words.iter().position(|w| *w == "--").map_or((&words[..], &[][..]), |i| (&words[..i], &words[i + 1..]));
+        let (vmm, runtime): (Vec<&str>, Vec<&str>) = options.iter().copied().partition(|w| w.starts_with("--"));
         let mut args: Vec<String> = vmm.into_iter().map(String::from).collect();
         let runtime = runtime.join(" ");
         let memory = if args.iter().any(|a| a.starts_with("--memory=")) { vec![] } else { vec!["--memory".into(), "512".into()] };
+        let server = REDIS_ARGS.iter().chain(server).copied().collect::<Vec<_>>().join(" ");
         match self {
             App::Kv => args.extend(["--cmdline".into(), format!("ip={GUEST_ADDR}/24")]),
-            App::Redis => args.extend(memory.into_iter().chain([
-                "--cmdline".into(),
-                format!("{runtime} ip={GUEST_ADDR}/24 -- redis-server {}", REDIS_ARGS.join(" ")).trim_start().to_string(),
-            ])),
+            App::Redis => args.extend(
+                memory
+                    .into_iter()
+                    .chain(["--cmdline".into(), format!("{runtime} ip={GUEST_ADDR}/24 -- redis-server {server}").trim_start().to_string()]),
+            ),
         }
         args
     }
@@ -180,4 +185,20 @@ pub fn ftvm_binary(given: Option<&Path>) -> Result<PathBuf, BoxError> {
         return Err(format!("{} missing: build with cargo build --release (or pass --ftvm)", path.display()).into());
     }
     Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_variant_splits_into_vmm_runtime_and_server_options() {
+        let args = App::Redis.run_args("--memory=1024 vdso=off -- --bind 10.0.0.2");
+        assert_eq!(args[0], "--memory=1024");
+        assert_eq!(args[1], "--cmdline");
+        assert_eq!(args[2], format!("vdso=off ip={GUEST_ADDR}/24 -- redis-server {} --bind 10.0.0.2", REDIS_ARGS.join(" ")));
+        let plain = App::Redis.run_args("");
+        assert_eq!(plain[..2], ["--memory", "512"]);
+        assert!(plain[3].ends_with("--protected-mode no"), "{plain:?}");
+    }
 }

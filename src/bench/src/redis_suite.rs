@@ -57,6 +57,11 @@ pub struct Options {
     /// twice the dataset plus the AOF files, more than 512 MiB.
     #[arg(long, default_value_t = 1024)]
     memory_mib: u64,
+    /// More `ftvm run` options for the protected primary (e.g.
+    /// `--protected-options='--fake-ack off'`), to tell what a protected
+    /// failure or cost comes from.
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    protected_options: String,
     /// The Redis sources holding tests/ (default: what scripts/build-redis.sh unpacked).
     #[arg(long)]
     sources: Option<PathBuf>,
@@ -95,6 +100,33 @@ struct UnitRun {
     wall: Duration,
     /// What the suite printed, kept with the server's log for diagnosis.
     output: String,
+    /// What the server did for the unit, read from it at the unit's end.
+    load: Load,
+}
+
+/// The server's own counts at a unit's end (`INFO stats`; zero when it no
+/// longer answers, e.g. after the suite's SHUTDOWN), and for a protected VM
+/// the primary's checkpoints: what a unit's wall time is made of.
+#[derive(Debug, Default, Clone, Copy)]
+struct Load {
+    commands: u64,
+    connections: u64,
+    forks: u64,
+    checkpoints: u64,
+}
+
+impl Load {
+    /// `total_commands_processed`, `total_connections_received` and
+    /// `total_forks` of an `INFO stats` reply.
+    fn from_info(info: &str) -> Load {
+        let field = |name: &str| info.lines().find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(':')?.parse().ok()).unwrap_or(0);
+        Load {
+            commands: field("total_commands_processed"),
+            connections: field("total_connections_received"),
+            forks: field("total_forks"),
+            checkpoints: 0,
+        }
+    }
 }
 
 /// `text` without its terminal colour sequences (`ESC [ ... m`).
@@ -144,6 +176,7 @@ fn server(
     setting: Setting,
     dir: &Path,
     memory_mib: u64,
+    protected_options: &[String],
 ) -> Result<(Option<Process>, Option<Guest>, &'static str), BoxError> {
     match setting {
         Setting::Native => {
@@ -158,8 +191,12 @@ fn server(
             Ok((Some(p), None, "127.0.0.1"))
         }
         Setting::Ftvm | Setting::Protected => {
-            let protect = (setting == Setting::Protected).then_some(Protection { dir, epoch_ms: None, extra: &[] });
-            let mut guest = Guest::start(topo, ftvm, image, App::Redis, &format!("--memory={memory_mib}"), protect)?;
+            let protect = (setting == Setting::Protected).then_some(Protection { dir, epoch_ms: None, extra: protected_options });
+            // Bound to its address as the native server is to its own:
+            // unbound, Redis 6.2 answers CONFIG GET bind with "", which its
+            // CONFIG SET refuses (introspection's "CONFIG sanity").
+            let variant = format!("--memory={memory_mib} -- --bind {GUEST_ADDR}");
+            let mut guest = Guest::start(topo, ftvm, image, App::Redis, &variant, protect)?;
             wait_serving(topo, GUEST_ADDR, &mut guest.vmm)?;
             Ok((None, Some(guest), GUEST_ADDR))
         }
@@ -176,6 +213,15 @@ fn wait_native(topo: &Topology, p: &mut Process) -> Result<(), BoxError> {
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok(())
+}
+
+/// The protected primary's checkpoints so far (the `epoch:` of `ftvm
+/// status`; 0 when it does not answer).
+fn checkpoints(ftvm: &Path, socket: &Path) -> u64 {
+    let Ok(out) = Command::new(ftvm).args(["status", "--api-socket"]).arg(socket).output() else {
+        return 0;
+    };
+    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| l.strip_prefix("epoch: ")?.trim().parse().ok()).unwrap_or(0)
 }
 
 /// Run `unit` against the server at `host`, from the client's namespace.
@@ -213,19 +259,28 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let topo = Topology::new("suite")?;
     let dir = Scratch::new("redis-suite")?;
     let timeout = Duration::from_secs(opts.unit_timeout_s);
+    let protected_options: Vec<String> = opts.protected_options.split_whitespace().map(str::to_string).collect();
     let mut results: BTreeMap<(String, Setting), UnitRun> = BTreeMap::new();
     let logs = out.join("redis-suite-logs");
     std::fs::create_dir_all(&logs)?;
     for unit in &units {
         for &setting in &opts.settings {
-            let (native, guest, host) = server(&topo, &ftvm, &image, setting, dir.path(), opts.memory_mib)?;
-            let run = run_unit(&topo, &sources, unit, host, timeout)?;
+            let (native, guest, host) = server(&topo, &ftvm, &image, setting, dir.path(), opts.memory_mib, &protected_options)?;
+            let mut run = run_unit(&topo, &sources, unit, host, timeout)?;
+            run.load = Load::from_info(&topo.redis_cli(host, &["INFO", "stats"]).1);
+            if guest.as_ref().is_some_and(|g| g.backup.is_some()) {
+                run.load.checkpoints = checkpoints(&ftvm, &dir.path().join("primary.sock"));
+            }
             println!(
-                "{unit:<28} {setting:<9} passed {:>4} failed {:>3} {}{:>6.1} s",
+                "{unit:<28} {setting:<9} passed {:>4} failed {:>3} {}{:>6.1} s  commands {:>7} connections {:>5} forks {:>3}{}",
                 run.passed.len(),
                 run.failed.len(),
                 if run.finished { "" } else { "NOT FINISHED " },
-                run.wall.as_secs_f64()
+                run.wall.as_secs_f64(),
+                run.load.commands,
+                run.load.connections,
+                run.load.forks,
+                if run.load.checkpoints > 0 { format!(" checkpoints {}", run.load.checkpoints) } else { String::new() },
             );
             let server_log = match (&native, &guest) {
                 (Some(p), _) => p.output(),
@@ -287,7 +342,36 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             }
         }
     }
+    print_protection_cost(&units, &results);
     Ok(())
+}
+
+/// Per unit, protected against unreplicated: the wall times, their ratio,
+/// and what the protected run's extra time was spent on per command and
+/// per checkpoint (a client of the suite waits for each reply, and a
+/// protected reply waits for the checkpoint holding it).
+fn print_protection_cost(units: &[String], results: &BTreeMap<(String, Setting), UnitRun>) {
+    let mut total = (0.0, 0.0);
+    for unit in units {
+        let (Some(ftvm), Some(prot)) = (results.get(&(unit.clone(), Setting::Ftvm)), results.get(&(unit.clone(), Setting::Protected)))
+        else {
+            continue;
+        };
+        let (f, p) = (ftvm.wall.as_secs_f64(), prot.wall.as_secs_f64());
+        total = (total.0 + f, total.1 + p);
+        let per = |n: u64| if n > 0 { format!("{:>7.3}", (p - f) * 1e3 / n as f64) } else { "      -".into() };
+        println!(
+            "protected/ftvm {unit:<28} {f:>7.1} s {p:>7.1} s {:>5.2}x  extra ms per command {} per checkpoint {}  ({} commands, {} checkpoints)",
+            if f > 0.0 { p / f } else { 0.0 },
+            per(prot.load.commands),
+            per(prot.load.checkpoints),
+            prot.load.commands,
+            prot.load.checkpoints,
+        );
+    }
+    if total.0 > 0.0 {
+        println!("protected/ftvm total {:>7.1} s {:>7.1} s {:>5.2}x", total.0, total.1, total.1 / total.0);
+    }
 }
 
 #[cfg(test)]
@@ -304,5 +388,12 @@ mod tests {
         assert!(!parse("[ok]: PING (0 ms)\n").finished);
         let coloured = parse("[\u{1b}[0;32;49mok\u{1b}[0m]: No negative zero (1 ms)\n");
         assert!(coloured.passed.contains("No negative zero"));
+    }
+
+    #[test]
+    fn the_servers_counts_are_read() {
+        let load = Load::from_info("# Stats\r\ntotal_connections_received:12\r\ntotal_commands_processed:3456\r\ntotal_forks:2\r\n");
+        assert_eq!((load.commands, load.connections, load.forks), (3456, 12, 2));
+        assert_eq!(Load::from_info("(error) connection refused").commands, 0);
     }
 }
