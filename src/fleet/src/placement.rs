@@ -232,17 +232,23 @@ pub fn plan(fleet: &Fleet) -> (Vec<Change>, Vec<Unplaced>) {
             changes.push(Change { vm: vm.clone(), placement: p, seen, why: why.join("; ") });
         }
     }
-    if changes.is_empty() && unplaced.is_empty() && at_rest(fleet) {
+    if changes.is_empty() && at_rest(fleet) {
         changes.extend(rebalance(fleet, &room, &ports));
     }
     (changes, unplaced)
 }
 
-/// Whether nothing is under way: every VM protected, no hand-over asked
-/// for, no host draining. Only then is the fleet evened out.
+/// Whether nothing is under way: every VM placed on two hosts protected
+/// (a VM no host has room for does not hold the others back), no
+/// hand-over asked for, no host draining. Only then is the fleet evened
+/// out.
 pub fn at_rest(fleet: &Fleet) -> bool {
     fleet.draining.is_empty()
-        && fleet.vms.keys().all(|vm| fleet.protected(vm) && fleet.placements.get(vm).is_some_and(|(p, _)| !p.handover))
+        && fleet
+            .placements
+            .iter()
+            .filter(|(vm, _)| fleet.vms.contains_key(*vm))
+            .all(|(vm, (p, _))| !p.handover && (p.primary.is_none() || p.backup.is_none() || fleet.protected(vm)))
 }
 
 /// Whether the fleet is at rest and evened out: the leader has nothing to do.
@@ -511,6 +517,11 @@ mod tests {
         assert!(plan(&f).0.is_empty(), "{:?}", plan(&f).0);
         f.draining.clear();
         assert_eq!(plan(&f).0.len(), 1);
+        // A VM no host has room for does not hold the others back.
+        f.vms.insert("huge".into(), spec("huge", 4096));
+        let (changes, unplaced) = plan(&f);
+        assert_eq!(unplaced.len(), 1, "{unplaced:?}");
+        assert!(changes.len() == 1 && changes[0].why.starts_with("rebalance"), "{changes:?}");
     }
 
     #[test]

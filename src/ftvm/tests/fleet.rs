@@ -296,7 +296,10 @@ fn vms_stay_protected_when_a_host_dies() {
     agents[dead_index - 1] = agent(&topo, dir.path(), etcd.endpoint(), dead_index as u32, &rig_secret);
     let back = Instant::now();
     let f = wait_fleet(&topo, &store, None, Duration::from_secs(60), "replicas on the host that came back", |f| {
-        f.hosts.contains_key(&dead) && VMS.iter().any(|(vm, _, _)| f.placed_on(vm, &dead)) && ftvm_fleet::placement::settled(f)
+        f.hosts.contains_key(&dead)
+            && all_protected(f)
+            && VMS.iter().any(|(vm, _, _)| f.placed_on(vm, &dead))
+            && ftvm_fleet::placement::settled(f)
     });
     eprintln!("the fleet evened out onto {dead} {:?} after it came back: {:?}", back.elapsed(), f.placements);
     for (vm, addr, _) in VMS {

@@ -295,7 +295,9 @@ pub fn run(dir: &Path, seconds: f64) -> Result<bool, Error> {
     let b = back.clone();
     wait(&topo, &store, &vms, t0, Duration::from_secs(30), |f| f.hosts.contains_key(&b))?;
     // The fleet, at rest again, evens out onto it one VM at a time.
-    let took = wait(&topo, &store, &vms, t0, Duration::from_secs(90), |f| vms.iter().any(|vm| f.placed_on(&vm.name, &b)) && settled(f))?;
+    let took = wait(&topo, &store, &vms, t0, Duration::from_secs(90), |f| {
+        vms.iter().all(|vm| f.protected(&vm.name)) && vms.iter().any(|vm| f.placed_on(&vm.name, &b)) && settled(f)
+    })?;
     let f = read(&topo, &store)?;
     let held = vms.iter().filter(|vm| f.placed_on(&vm.name, &back)).count();
     outln!("{back} holds {held} of the VMs' replicas, every VM protected, {:.1} s after it came back", took.as_secs_f64());
