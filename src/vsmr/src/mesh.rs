@@ -28,6 +28,7 @@ use ftvm_vmm::sync::Lock;
 use crate::inbound::Event;
 pub use crate::inbound::Inbound;
 use crate::release::Awaited;
+use crate::repair::Held;
 use crate::squeeze;
 use crate::tuning::{LinkBatch, LinkCompress, LinkDirect};
 use ftvm_replication::handshakes::{self, Handshakes, Slot};
@@ -150,6 +151,9 @@ pub struct Mesh {
     /// This replica leads with a synchronized secondary: the witness's
     /// sender lingers (`set_witness_linger`).
     lingering: AtomicBool,
+    /// The pages a leader's `syncvm`s patched, for a secondary whose check
+    /// of them failed (`repair`): the link thread answers.
+    repairs: Held,
 }
 
 /// `--link-batch on`: an accepted link reads what has arrived in one call
@@ -197,6 +201,7 @@ impl Mesh {
             stop: AtomicBool::new(false),
             linger,
             lingering: AtomicBool::new(false),
+            repairs: Held::default(),
         });
         for (id, addr, out, rx) in queues {
             let (mesh, auth) = (mesh.clone(), auth.clone());
@@ -238,6 +243,11 @@ impl Mesh {
             })
             .map_err(ReplicationError::Thread)?;
         Ok(mesh)
+    }
+
+    /// The pages this leader's `syncvm`s patched, kept for repairs.
+    pub fn repairs(&self) -> &Held {
+        &self.repairs
     }
 
     /// Queue `frame` for peer `to`; false when it was dropped (unknown peer, full queue).
@@ -534,8 +544,17 @@ impl Mesh {
                     }
                     delivered
                 }
-                Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages => {
+                Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages | Kind::SyncRepaired => {
                     routes.sync.send(msg).is_ok()
+                }
+                Kind::SyncRepair => {
+                    match self.repairs.answer(msg.from, &msg.payload) {
+                        Ok(frame) => {
+                            self.send(msg.from, frame);
+                        }
+                        Err(e) => tracing::warn!(id = msg.from, "cannot repair the replica's pages: {e}"),
+                    }
+                    true
                 }
                 // A witness has no VM: nobody reads these (dropped with
                 // the receiver).
