@@ -745,6 +745,13 @@ fn collisions_repaired(tag: &str, extra: &[&str]) {
     assert!(with_repairs >= 5, "{with_repairs} of {compared} syncvms compared had pages repaired");
     let repaired: u64 = followed.iter().filter(ok).map(|m| m["repaired_pages"].as_u64().unwrap()).sum();
     let patched: u64 = followed.iter().filter(ok).map(|m| m["patched_pages"].as_u64().unwrap()).sum();
+    // A repair the secondary could not use, or the leader could not
+    // answer, fails the syncvm (nothing applied): none may.
+    for id in [leader, secondary] {
+        let log = c.procs[(id - 1) as usize].as_ref().unwrap().stderr();
+        let bad: Vec<&str> = log.lines().filter(|l| l.contains("corrupted replication stream") || l.contains("cannot repair")).collect();
+        assert!(bad.is_empty(), "replica {id}: {bad:#?}");
+    }
     eprintln!("{repaired} of {patched} patched pages repaired whole, in {with_repairs} of {compared} syncvms compared");
     verify_report(&c, report);
 }

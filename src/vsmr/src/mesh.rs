@@ -28,7 +28,7 @@ use ftvm_vmm::sync::Lock;
 use crate::inbound::Event;
 pub use crate::inbound::Inbound;
 use crate::release::Awaited;
-use crate::repair::Held;
+use crate::repair::Repairs;
 use crate::squeeze;
 use crate::tuning::{LinkBatch, LinkCompress, LinkDirect};
 use ftvm_replication::handshakes::{self, Handshakes, Slot};
@@ -152,8 +152,9 @@ pub struct Mesh {
     /// sender lingers (`set_witness_linger`).
     lingering: AtomicBool,
     /// The pages a leader's `syncvm`s patched, for a secondary whose check
-    /// of them failed (`repair`): the link thread answers.
-    repairs: Held,
+    /// of them failed (`repair`): the link thread answers; and a
+    /// secondary's answers from its leader.
+    repairs: Repairs,
 }
 
 /// `--link-batch on`: an accepted link reads what has arrived in one call
@@ -201,7 +202,7 @@ impl Mesh {
             stop: AtomicBool::new(false),
             linger,
             lingering: AtomicBool::new(false),
-            repairs: Held::default(),
+            repairs: Repairs::default(),
         });
         for (id, addr, out, rx) in queues {
             let (mesh, auth) = (mesh.clone(), auth.clone());
@@ -245,8 +246,8 @@ impl Mesh {
         Ok(mesh)
     }
 
-    /// The pages this leader's `syncvm`s patched, kept for repairs.
-    pub fn repairs(&self) -> &Held {
+    /// The `syncvm` repair round's pages (`repair`).
+    pub fn repairs(&self) -> &Repairs {
         &self.repairs
     }
 
@@ -544,8 +545,12 @@ impl Mesh {
                     }
                     delivered
                 }
-                Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages | Kind::SyncRepaired => {
+                Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages => {
                     routes.sync.send(msg).is_ok()
+                }
+                Kind::SyncRepaired => {
+                    self.repairs.arrived(msg.from, msg.payload);
+                    true
                 }
                 Kind::SyncRepair => {
                     match self.repairs.answer(msg.from, &msg.payload) {

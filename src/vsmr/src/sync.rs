@@ -618,7 +618,7 @@ fn compare_and_send(
 /// whose block hashes the secondary is asked for (one more round trip),
 /// then a patch of each (with the page's hash, `hash_of`), or none
 /// (whole). In page order. The patched pages are kept, as frozen, for the
-/// secondary's repair (`repair::Held`).
+/// secondary's repair (`repair::Repairs`).
 fn patch_pages(
     x: &Exchange<'_>,
     contents: &Contents<'_>,
@@ -789,7 +789,8 @@ fn stage_patches(x: &Exchange<'_>, ram: &GuestRam, patches: &[BlockPatch]) -> Re
     let asked: Vec<u64> = failed.iter().map(|&i| patches[i].page).collect();
     tracing::info!(pages = asked.len(), "patched pages do not hash to the leader's (a block-hash collision): asking for them whole");
     x.send(Kind::SyncRepair, &postcard::to_allocvec(&RepairMsg { pages: asked.clone() }).expect("serializes"))?;
-    let answer = x.expect(Kind::SyncRepaired, asked.len() as u64)?;
+    let timeout = STEP_TIMEOUT + PER_PAGE * asked.len() as u32;
+    let answer = x.mesh.repairs().await_answer(x.peer, x.id, timeout, || x.mesh.is_lost(x.peer)).ok_or(SyncError::Timeout(timeout))?;
     let whole = repair::parse_repaired(&answer[ID_LEN..], &asked, ram.pages())?;
     for (&i, data) in failed.iter().zip(whole) {
         staged[i].copy_from_slice(data);
