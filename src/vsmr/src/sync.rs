@@ -614,6 +614,12 @@ fn compare_and_send(
     })
 }
 
+/// At most this many pages of a `syncvm` go as patches, for the leader
+/// keeps a copy of each until the acknowledgement (16 MiB of them): the
+/// rest of a larger divergence (a full `syncvm` of a replica that ran
+/// apart) goes whole.
+const PATCHED_MAX: usize = 4096;
+
 /// The divergent pages `compare` sends as patches: it chooses those
 /// whose block hashes the secondary is asked for (one more round trip),
 /// then a patch of each (with the page's hash, `hash_of`), or none
@@ -628,7 +634,8 @@ fn patch_pages(
     buf: &mut [u8],
     steps: &mut Steps,
 ) -> Result<Vec<BlockPatch>, SyncError> {
-    let asked = compare.refine(divergent);
+    let mut asked = compare.refine(divergent);
+    asked.truncate(PATCHED_MAX);
     if asked.is_empty() {
         return Ok(Vec::new());
     }
