@@ -283,6 +283,11 @@ struct Sums {
     overlapped: f64,
     /// VSMR: the leader's steps, summed over its `syncvm`s (`STEPS`).
     steps: [f64; STEPS.len()],
+    /// VSMR: divergent pages sent as block patches (the leader's lines),
+    /// and of them those that came whole in a repair round after a
+    /// block-hash collision (the secondaries' lines).
+    patched: f64,
+    repaired: f64,
 }
 
 /// The leader's per-step `syncvm` timings (metrics fields, µs).
@@ -300,10 +305,12 @@ fn read_sums(files: &[PathBuf], from: &[usize]) -> (Sums, Vec<usize>) {
             let num = |k: &str| v.get(k).and_then(|x| x.as_f64()).unwrap_or(0.0);
             s.bytes += num("bytes");
             s.messages += num("messages");
+            s.repaired += num("repaired_pages");
             // VSMR: the leader's lines carry the comparison (not full ones).
             if v.get("role").and_then(|r| r.as_str()) == Some("leader") && v.get("full") == Some(&serde_json::Value::Bool(false)) {
                 s.dirty += num("dirty_pages");
                 s.divergent += num("divergent_pages");
+                s.patched += num("patched_pages");
                 s.syncs += 1.0;
                 s.interval_us += num("interval_us");
                 s.overlapped += f64::from(u8::from(v.get("overlapped") == Some(&serde_json::Value::Bool(true))));
@@ -644,6 +651,13 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 value: v.divergent,
                 unit: "pages",
                 reference: Some(v.dirty),
+            });
+            rows.push(Row {
+                group: group.clone(),
+                case: format!("{} pages repaired after a block-hash collision (ref: patched pages)", mode.name()),
+                value: v.repaired,
+                unit: "pages",
+                reference: Some(v.patched),
             });
             rows.push(Row {
                 group: group.clone(),

@@ -31,6 +31,11 @@ pub struct SyncMetrics {
     /// (`--sync-pages blocks`, or `adaptive` while it sends blocks).
     #[serde(default)]
     pub patched_pages: u64,
+    /// The secondary: of those, pages that did not hash to the leader's
+    /// page hash once patched (a block-hash collision) and came whole in
+    /// one more round trip.
+    #[serde(default)]
+    pub repaired_pages: u64,
     /// Bytes of the divergent pages and state message.
     pub page_bytes: u64,
     /// Disk blocks (4 KiB) written on either VM replica since the previous

@@ -13,12 +13,17 @@
 //! `syncvm-digest-slow-ack:MS` does too, and makes a secondary hold each
 //! `syncvm`'s acknowledgement MS ms (its guest paused), so that the leader
 //! proposes the next one before it (`--sync-pipeline on`);
-//! `syncvm-slow-ack:MS` only holds the acknowledgements.
+//! `syncvm-slow-ack:MS` only holds the acknowledgements;
+//! `syncvm-digest-collide:N` records the digests too, and makes a leader
+//! leave one differing block out of every N-th block patch it sends, as a
+//! collision of that block's 16-bit hashes would (the secondary's page
+//! check must catch it and have the page sent whole).
 //! (`forbidden-syscall:KIND` is `ftvm_vmm::seccomp`'s; `slow-disk:MS`, every
 //! disk write MS ms longer, is `ftvm_vmm::devices::virtio::block`'s.) Never
 //! set outside tests.
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use ftvm_vmm::arch::compat::CpuProfile;
@@ -43,6 +48,9 @@ pub enum Fault {
     SyncvmDigestSlowAck,
     /// Secondaries acknowledge late, without the digests.
     SyncvmSlowAck,
+    /// Digests, and leaders' block patches with a block left out
+    /// (`syncvm_collision`).
+    SyncvmDigestCollide,
 }
 
 fn configured() -> Option<(Fault, u64)> {
@@ -59,6 +67,7 @@ fn configured() -> Option<(Fault, u64)> {
             "syncvm-digest" => Fault::SyncvmDigest,
             "syncvm-digest-slow-ack" => Fault::SyncvmDigestSlowAck,
             "syncvm-slow-ack" => Fault::SyncvmSlowAck,
+            "syncvm-digest-collide" => Fault::SyncvmDigestCollide,
             _ => return None,
         };
         Some((fault, epoch.parse().ok()?))
@@ -97,7 +106,17 @@ pub fn host_profile(mut profile: CpuProfile) -> CpuProfile {
 
 /// Whether replicas digest guest memory at each `syncvm`.
 pub fn syncvm_digest() -> bool {
-    matches!(configured(), Some((Fault::SyncvmDigest | Fault::SyncvmDigestSlowAck, _)))
+    matches!(configured(), Some((Fault::SyncvmDigest | Fault::SyncvmDigestSlowAck | Fault::SyncvmDigestCollide, _)))
+}
+
+/// Whether the block patch a leader is about to send loses a block, as if
+/// its hashes had collided: every N-th patch under `syncvm-digest-collide:N`.
+pub fn syncvm_collision() -> bool {
+    static PATCHES: AtomicU64 = AtomicU64::new(0);
+    match configured() {
+        Some((Fault::SyncvmDigestCollide, every)) if every > 0 => PATCHES.fetch_add(1, Ordering::Relaxed) % every == every - 1,
+        _ => false,
+    }
 }
 
 /// How long a secondary holds each `syncvm`'s acknowledgement.
@@ -118,7 +137,8 @@ impl Fault {
             | Fault::DieAfterPrefetch
             | Fault::SyncvmDigest
             | Fault::SyncvmDigestSlowAck
-            | Fault::SyncvmSlowAck => return Err(io::Error::other("not a primary's fault")),
+            | Fault::SyncvmSlowAck
+            | Fault::SyncvmDigestCollide => return Err(io::Error::other("not a primary's fault")),
             Fault::Truncate => link.send(&frame[..frame.len() / 2])?,
             Fault::Flip => {
                 let mut bad = frame.to_vec();

@@ -56,7 +56,12 @@ use ftvm_vmm::pages::FormatError;
 /// Version 19: the fake-ACK state's flows carry their bulk mode, and its
 /// table which flows it acknowledges early (`--fake-ack bulk`); a
 /// checkpoint carries only the flows a backup needs (`Table::carried`).
-pub const PROTOCOL_VERSION: u16 = 19;
+/// Version 20: `syncvm`'s block hashes are 16 bits (SyncBlockHashes), its
+/// page and disk block hashes 16 fixed bytes each (SyncHashes); a block
+/// patch carries the leader's hash of its page, which the secondary checks
+/// once patched, asking for the pages that fail whole (SyncRepair,
+/// answered by SyncRepaired) before it acknowledges.
+pub const PROTOCOL_VERSION: u16 = 20;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.
@@ -126,6 +131,12 @@ pub enum Kind {
     /// Another frame, compressed whole (`vsmr::squeeze`, `--link-compress
     /// lz4`).
     Lz4 = 32,
+    /// `syncvm`, secondary to leader: the patched pages that did not hash
+    /// to the leader's page hash (a block-hash collision); it wants them whole.
+    SyncRepair = 33,
+    /// `syncvm`, leader to secondary: those pages whole (a bundle without
+    /// state), as the leader froze them.
+    SyncRepaired = 34,
 }
 
 impl Kind {
@@ -162,6 +173,8 @@ impl Kind {
             30 => Kind::RejoinPages,
             31 => Kind::RejoinAck,
             32 => Kind::Lz4,
+            33 => Kind::SyncRepair,
+            34 => Kind::SyncRepaired,
             _ => return None,
         })
     }

@@ -20,6 +20,7 @@ pub mod outbox;
 pub mod recent;
 pub mod rejoin;
 pub mod release;
+pub mod repair;
 mod replica;
 pub mod squeeze;
 pub mod sync;

@@ -28,6 +28,7 @@ use ftvm_vmm::sync::Lock;
 use crate::inbound::Event;
 pub use crate::inbound::Inbound;
 use crate::release::Awaited;
+use crate::repair::Repairs;
 use crate::squeeze;
 use crate::tuning::{LinkBatch, LinkCompress, LinkDirect};
 use ftvm_replication::handshakes::{self, Handshakes, Slot};
@@ -164,6 +165,10 @@ pub struct Mesh {
     /// This replica leads with a synchronized secondary: the witness's
     /// sender lingers (`set_witness_linger`).
     lingering: AtomicBool,
+    /// The pages a leader's `syncvm`s patched, for a secondary whose check
+    /// of them failed (`repair`): the link thread answers; and a
+    /// secondary's answers from its leader.
+    repairs: Repairs,
 }
 
 /// `--link-batch on`: an accepted link reads what has arrived in one call
@@ -207,6 +212,7 @@ impl Mesh {
             stop: AtomicBool::new(false),
             linger,
             lingering: AtomicBool::new(false),
+            repairs: Repairs::default(),
         });
         let weak = Arc::downgrade(&mesh);
         std::thread::Builder::new()
@@ -260,6 +266,11 @@ impl Mesh {
             })
             .map_err(ReplicationError::Thread)?;
         Ok(mesh)
+    }
+
+    /// The `syncvm` repair round's pages (`repair`).
+    pub fn repairs(&self) -> &Repairs {
+        &self.repairs
     }
 
     /// Queue `frame` for peer `to`; false when it was dropped (unknown peer, full queue).
@@ -615,6 +626,19 @@ impl Mesh {
                 }
                 Kind::SyncBitmap | Kind::SyncHashes | Kind::SyncWant | Kind::SyncBlockHashes | Kind::SyncPages => {
                     routes.sync.send(msg).is_ok()
+                }
+                Kind::SyncRepaired => {
+                    self.repairs.arrived(msg.from, msg.payload);
+                    true
+                }
+                Kind::SyncRepair => {
+                    match self.repairs.answer(msg.from, &msg.payload) {
+                        Ok(frame) => {
+                            self.send(msg.from, frame);
+                        }
+                        Err(e) => tracing::warn!(id = msg.from, "cannot repair the replica's pages: {e}"),
+                    }
+                    true
                 }
                 // A witness has no VM: nobody reads these (dropped with
                 // the receiver).

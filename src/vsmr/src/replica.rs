@@ -1092,6 +1092,7 @@ impl Shared {
             dirty_pages: f.dirty_pages,
             divergent_pages: f.divergent_pages,
             patched_pages: f.patched_pages,
+            repaired_pages: f.repaired_pages,
             page_bytes: f.page_bytes,
             dirty_blocks: f.dirty_blocks,
             divergent_blocks: f.divergent_blocks,

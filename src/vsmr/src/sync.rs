@@ -20,6 +20,13 @@
 //!  release the closed epoch's output         apply pages, then state; resume
 //! ```
 //!
+//! With `--sync-pages blocks` (or `adaptive`) the leader may first ask
+//! for a 16-bit hash of each 64-byte block of the divergent pages
+//! (`SyncWant`, `SyncBlockHashes`) and send only the blocks that differ,
+//! each patched page with its hash; a secondary whose page, patched, does
+//! not hash to it (two block hashes collided) asks for those pages whole
+//! (`SyncRepair`, `SyncRepaired`: `repair`) before it acknowledges.
+//!
 //! With `--early-resume on` the leader copies the union's pages and disk
 //! blocks aside once the bitmaps are swapped (`aside`), resumes, and then
 //! hashes, compares and sends from the copy; the secondary's side is the
@@ -51,6 +58,7 @@ use ftvm_vmm::{Components, PageBitmap, Vm};
 use crate::aside::{Aside, Blocks};
 use crate::disk::{self, ReplicaDisk};
 use crate::mesh::{Inbound, Mesh};
+use crate::repair::{self, RepairMsg};
 pub use crate::sync_id::SyncId;
 use crate::sync_id::ID_LEN;
 use crate::writes::Writes;
@@ -58,7 +66,7 @@ use ftvm_replication::output::DiskWrite;
 use ftvm_replication::pipeline::capture::Captured;
 /// `--sync-pages`: how the leader sends a divergent page.
 pub use ftvm_replication::pipeline::encode::hash_compare::Granularity as PageMode;
-use ftvm_replication::pipeline::encode::hash_compare::{self, hash_pages, BlockPatch, HashCompare, BLOCKS};
+use ftvm_replication::pipeline::encode::hash_compare::{self, hash_pages, BlockPatch, HashCompare, PAGE_BLOCK_HASHES};
 use ftvm_replication::pipeline::freeze::Frozen;
 use ftvm_replication::pipeline::predict;
 use ftvm_replication::protocol::{self, Kind, ProtocolError};
@@ -86,11 +94,13 @@ struct BitmapMsg {
     blocks: Vec<u64>,
 }
 
+/// `SyncHashes`: the secondary's XXH3-128 of each page of the union, then
+/// of each disk block of the union of both dirty block sets, 16 bytes
+/// each (`hash_compare::pack_hashes`).
 #[derive(Serialize, Deserialize)]
 struct HashesMsg {
-    hashes: Vec<u128>,
-    /// XXH3-128 of each block of the union of both dirty block sets.
-    blocks: Vec<u128>,
+    hashes: Vec<u8>,
+    blocks: Vec<u8>,
 }
 
 /// `SyncWant`: the divergent pages whose block hashes the leader asks for.
@@ -99,10 +109,11 @@ struct WantMsg {
     pages: Vec<u64>,
 }
 
-/// `SyncBlockHashes`: XXH3-64 of each 64-byte block of each wanted page.
+/// `SyncBlockHashes`: a 16-bit hash of each 64-byte block of each wanted
+/// page (`hash_compare::block_hashes`).
 #[derive(Serialize, Deserialize)]
 struct BlockHashesMsg {
-    hashes: Vec<u64>,
+    hashes: Vec<u8>,
 }
 
 /// The state part of `SyncPages`.
@@ -161,6 +172,9 @@ pub struct Figures {
     pub divergent_pages: u64,
     /// Of those, pages sent as their changed blocks (`--sync-pages`).
     pub patched_pages: u64,
+    /// The secondary: of those, pages that did not check once patched (a
+    /// block-hash collision), asked for whole (`repair`).
+    pub repaired_pages: u64,
     /// How long this side's guest was paused.
     pub pause: Duration,
     /// Bytes of the `SyncPages` message.
@@ -542,26 +556,29 @@ fn compare_and_send(
     let t = Instant::now();
     let theirs: HashesMsg = protocol::decode(&x.expect(Kind::SyncHashes, pages.len() as u64 + blocks.len() as u64)?[ID_LEN..])?;
     steps.wait = t.elapsed();
-    if theirs.hashes.len() != pages.len() || theirs.blocks.len() != blocks.len() {
+    let their_pages = hash_compare::unpack_hashes(&theirs.hashes, "the secondary's page hashes")?;
+    let their_blocks = hash_compare::unpack_hashes(&theirs.blocks, "the secondary's disk block hashes")?;
+    if their_pages.len() != pages.len() || their_blocks.len() != blocks.len() {
         return Err(ProtocolError::Corrupt(format!(
             "{} hashes for {} pages, {} for {} disk blocks",
-            theirs.hashes.len(),
+            their_pages.len(),
             pages.len(),
-            theirs.blocks.len(),
+            their_blocks.len(),
             blocks.len()
         ))
         .into());
     }
     let mut disk_blocks = Vec::new();
-    for ((&b, a), t) in blocks.iter().zip(&my_blocks).zip(&theirs.blocks) {
+    for ((&b, a), t) in blocks.iter().zip(&my_blocks).zip(&their_blocks) {
         if a != t {
             disk_blocks.push(DiskWrite { offset: b * disk::BLOCK, data: contents.block(b)? });
         }
     }
     let divergent_blocks = disk_blocks.len() as u64;
-    let divergent = hash_compare::divergent(pages, &mine, &theirs.hashes);
+    let divergent = hash_compare::divergent(pages, &mine, &their_pages);
     let mut buf = vec![0u8; PAGE];
-    let patches = patch_pages(x, contents, compare, &divergent, &mut buf, steps)?;
+    let hash_of = |p: u64| pages.binary_search(&p).map_or(0, |i| mine[i]);
+    let patches = patch_pages(x, contents, compare, &divergent, hash_of, &mut buf, steps)?;
     // The others whole, in page order.
     let whole: Vec<u64> = divergent.iter().copied().filter(|p| patches.binary_search_by_key(p, |patch| patch.page).is_err()).collect();
     let patched_pages = patches.len() as u64;
@@ -586,6 +603,7 @@ fn compare_and_send(
         dirty_pages: pages.len() as u64,
         divergent_pages: divergent.len() as u64,
         patched_pages,
+        repaired_pages: 0,
         pause: Duration::ZERO,
         page_bytes,
         dirty_blocks: blocks.len() as u64,
@@ -596,18 +614,28 @@ fn compare_and_send(
     })
 }
 
+/// At most this many pages of a `syncvm` go as patches, for the leader
+/// keeps a copy of each until the acknowledgement (16 MiB of them): the
+/// rest of a larger divergence (a full `syncvm` of a replica that ran
+/// apart) goes whole.
+const PATCHED_MAX: usize = 4096;
+
 /// The divergent pages `compare` sends as patches: it chooses those
 /// whose block hashes the secondary is asked for (one more round trip),
-/// then a patch of each, or none (whole). In page order.
+/// then a patch of each (with the page's hash, `hash_of`), or none
+/// (whole). In page order. The patched pages are kept, as frozen, for the
+/// secondary's repair (`repair::Repairs`).
 fn patch_pages(
     x: &Exchange<'_>,
     contents: &Contents<'_>,
     compare: &mut dyn HashCompare,
     divergent: &[u64],
+    hash_of: impl Fn(u64) -> u128,
     buf: &mut [u8],
     steps: &mut Steps,
 ) -> Result<Vec<BlockPatch>, SyncError> {
-    let asked = compare.refine(divergent);
+    let mut asked = compare.refine(divergent);
+    asked.truncate(PATCHED_MAX);
     if asked.is_empty() {
         return Ok(Vec::new());
     }
@@ -615,13 +643,23 @@ fn patch_pages(
     let t = Instant::now();
     let theirs: BlockHashesMsg = protocol::decode(&x.expect(Kind::SyncBlockHashes, asked.len() as u64)?[ID_LEN..])?;
     steps.wait += t.elapsed();
-    if theirs.hashes.len() != asked.len() * BLOCKS {
-        return Err(ProtocolError::Corrupt(format!("{} block hashes for {} pages", theirs.hashes.len(), asked.len())).into());
+    if theirs.hashes.len() != asked.len() * PAGE_BLOCK_HASHES {
+        return Err(ProtocolError::Corrupt(format!("{} bytes of block hashes for {} pages", theirs.hashes.len(), asked.len())).into());
     }
     let mut patches = Vec::new();
-    for (&p, hashes) in asked.iter().zip(theirs.hashes.chunks_exact(BLOCKS)) {
+    let mut held = Vec::new();
+    for (&p, hashes) in asked.iter().zip(theirs.hashes.chunks_exact(PAGE_BLOCK_HASHES)) {
         contents.page(p, buf)?;
-        patches.extend(compare.patch(p, buf, hashes));
+        if let Some(mut patch) = compare.patch(p, buf, hash_of(p), hashes) {
+            if ftvm_replication::fault::syncvm_collision() {
+                patch.collide();
+            }
+            patches.push(patch);
+            held.push((p, buf[..PAGE].to_vec()));
+        }
+    }
+    if !held.is_empty() {
+        x.mesh.repairs().keep(x.peer, x.id, held);
     }
     Ok(patches)
 }
@@ -664,7 +702,8 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
     let block_hashes = x.hash_blocks(&blocks)?;
     steps.hash = t.elapsed();
     let predicted = x.writes.map(|w| w.locked().learn(&pages, &hashes)).unwrap_or_default();
-    x.send(Kind::SyncHashes, &postcard::to_allocvec(&HashesMsg { hashes, blocks: block_hashes }).expect("serializes"))?;
+    let msg = HashesMsg { hashes: hash_compare::pack_hashes(&hashes), blocks: hash_compare::pack_hashes(&block_hashes) };
+    x.send(Kind::SyncHashes, &postcard::to_allocvec(&msg).expect("serializes"))?;
     let t = Instant::now();
     let (mut kind, mut payload) = x.expect_any(&[Kind::SyncWant, Kind::SyncPages], pages.len() as u64 + blocks.len() as u64)?;
     if kind == Kind::SyncWant {
@@ -688,9 +727,13 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
     if let Err(e) = vm.check_components(&state.vm) {
         return Err(ProtocolError::Corrupt(format!("the leader's VM has another shape: {e}")).into());
     }
+    let whole: Vec<u64> = bundle.entries().map(|e| e.page).collect();
     for patch in &state.patches {
         if !patch.fits(vm.ram().pages()) {
             return Err(ProtocolError::Corrupt(format!("a block patch of page {} does not fit", patch.page)).into());
+        }
+        if whole.contains(&patch.page) {
+            return Err(ProtocolError::Corrupt(format!("page {} comes both whole and as a block patch", patch.page)).into());
         }
     }
     if !state.disk.is_empty() {
@@ -699,6 +742,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
             return Err(ProtocolError::Corrupt(format!("a disk block at {} that is not one of the compared blocks", w.offset)).into());
         }
     }
+    let (staged, repaired_pages) = stage_patches(x, vm.ram(), &state.patches)?;
     let divergent = bundle.len() + state.patches.len() as u64;
     if let Some(late) = ftvm_replication::fault::syncvm_slow_ack() {
         // Tests: the leader's next syncvm is proposed before this ack.
@@ -708,7 +752,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
     // Commit: pages (checked against RAM at parse), patches (checked
     // above), then the state. None of it should fail now; if it does, this
     // replica acknowledged what it does not hold.
-    let memory_digest = commit(vm, x.disk, &bundle, &state).map_err(|e| SyncError::Unusable(e.to_string()))?;
+    let memory_digest = commit(vm, x.disk, &bundle, &state, &staged).map_err(|e| SyncError::Unusable(e.to_string()))?;
     if let Some(w) = x.writes {
         w.locked().forget(bundle.entries().map(|e| e.page).chain(state.patches.iter().map(|p| p.page)));
     }
@@ -717,6 +761,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
         dirty_pages: pages.len() as u64,
         divergent_pages: divergent,
         patched_pages: state.patches.len() as u64,
+        repaired_pages,
         pause: Duration::ZERO,
         page_bytes: payload.len() as u64,
         dirty_blocks: blocks.len() as u64,
@@ -728,19 +773,61 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
     Ok((figures, state.output))
 }
 
-/// The secondary's commit of a staged `SyncPages`; the memory digest when
-/// tests ask for it.
-fn commit(vm: &Vm, disk: Option<&ReplicaDisk>, bundle: &Bundle<'_>, state: &SyncState) -> Result<Option<u64>, SyncError> {
+/// The secondary's staging of the leader's block patches (they fit): each
+/// page patched, in a buffer, checked against the leader's hash of it;
+/// those that fail (a block-hash collision left a differing block out)
+/// come whole in one more round trip (`repair`) and must check too. The
+/// pages to write, in patch order, and how many came whole.
+fn stage_patches(x: &Exchange<'_>, ram: &GuestRam, patches: &[BlockPatch]) -> Result<(Vec<Vec<u8>>, u64), SyncError> {
+    let mut staged = Vec::with_capacity(patches.len());
+    let mut failed = Vec::new();
+    for (i, patch) in patches.iter().enumerate() {
+        let mut page = vec![0u8; PAGE];
+        ram.read_page(patch.page, &mut page).map_err(ftvm_vmm::VmError::from)?;
+        patch.apply(&mut page);
+        if !patch.check(&page) {
+            failed.push(i);
+        }
+        staged.push(page);
+    }
+    if failed.is_empty() {
+        return Ok((staged, 0));
+    }
+    let asked: Vec<u64> = failed.iter().map(|&i| patches[i].page).collect();
+    tracing::info!(pages = asked.len(), "patched pages do not hash to the leader's (a block-hash collision): asking for them whole");
+    x.send(Kind::SyncRepair, &postcard::to_allocvec(&RepairMsg { pages: asked.clone() }).expect("serializes"))?;
+    let timeout = STEP_TIMEOUT + PER_PAGE * asked.len() as u32;
+    let answer = x.mesh.repairs().await_answer(x.peer, x.id, timeout, || x.mesh.is_lost(x.peer)).ok_or(SyncError::Timeout(timeout))?;
+    let whole = repair::parse_repaired(&answer[ID_LEN..], &asked, ram.pages())?;
+    for (&i, data) in failed.iter().zip(whole) {
+        staged[i].copy_from_slice(data);
+        if !patches[i].check(&staged[i]) {
+            return Err(ProtocolError::Corrupt(format!(
+                "page {} came whole but does not hash to the leader's hash of it",
+                patches[i].page
+            ))
+            .into());
+        }
+    }
+    Ok((staged, failed.len() as u64))
+}
+
+/// The secondary's commit of a staged `SyncPages` (`staged`: its patched
+/// pages, checked); the memory digest when tests ask for it.
+fn commit(
+    vm: &Vm,
+    disk: Option<&ReplicaDisk>,
+    bundle: &Bundle<'_>,
+    state: &SyncState,
+    staged: &[Vec<u8>],
+) -> Result<Option<u64>, SyncError> {
     // The disk first: a failed write is undone, and then nothing changed.
     if let Some(d) = disk {
         d.write(&state.disk).map_err(SyncError::Disk)?;
     }
     bundle.apply(vm.ram()).map_err(ftvm_vmm::VmError::from)?;
-    let mut buf = vec![0u8; PAGE];
-    for patch in &state.patches {
-        vm.ram().read_page(patch.page, &mut buf).map_err(ftvm_vmm::VmError::from)?;
-        patch.apply(&mut buf);
-        vm.ram().write_page(patch.page, &buf).map_err(ftvm_vmm::VmError::from)?;
+    for (patch, page) in state.patches.iter().zip(staged) {
+        vm.ram().write_page(patch.page, page).map_err(ftvm_vmm::VmError::from)?;
     }
     // Before the state: its restore republishes the clock page, this host's own.
     let memory_digest = ftvm_replication::fault::syncvm_digest().then(|| digest(vm.ram()));

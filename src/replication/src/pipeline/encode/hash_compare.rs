@@ -3,8 +3,15 @@
 //! XXH3-128 of each page of the union of both sides' dirty sets; the
 //! pages whose hashes differ from this side's are divergent, and only
 //! they go: whole, or (`ChangedBlocks`) as the 64-byte blocks that differ
-//! from the reader's, whose XXH3-64 it sends when asked (one more round
-//! trip).
+//! from the reader's, of whose blocks it sends a 16-bit hash when asked
+//! (one more round trip).
+//!
+//! A 16-bit hash lets one differing block in 65,536 pass for unchanged,
+//! so every patch carries this side's XXH3-128 of the whole page: the
+//! reader checks its page once patched against it, before it
+//! acknowledges anything, and asks for any page that fails whole
+//! (`BlockPatch::check`). A collision costs a round trip, never a page
+//! left divergent.
 //!
 //! A stage beside `PageEncoder`, not one of its encoders: a `PageEncoder`
 //! turns one page into one bundle entry from what this side alone knows,
@@ -24,6 +31,8 @@ use std::convert::Infallible;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
+use crate::protocol::ProtocolError;
+
 use ftvm_vmm::memory::{GuestRam, PAGE};
 use ftvm_vmm::switch;
 
@@ -34,6 +43,15 @@ use crate::pipeline::cores::on_cores;
 pub const BLOCK: usize = 64;
 /// Blocks of a page.
 pub const BLOCKS: usize = PAGE / BLOCK;
+/// Bytes of a block's hash as the reader sends it (the low 16 bits of its
+/// XXH3-64, little-endian): a page's 64 cost 128 bytes. Short, because a
+/// collision is caught by the page hash every patch carries.
+pub const BLOCK_HASH: usize = 2;
+/// Bytes of a page's block hashes.
+pub const PAGE_BLOCK_HASHES: usize = BLOCKS * BLOCK_HASH;
+/// Bytes of a page hash (XXH3-128) as sent: fixed, little-endian (a
+/// varint of a random 128-bit value would take 18 or 19).
+pub const PAGE_HASH: usize = 16;
 
 switch! {
     /// How a divergent page travels.
@@ -64,9 +82,10 @@ pub trait HashCompare: Send {
     /// Of the divergent pages (ascending), those whose block hashes to ask
     /// the reader for (ascending; none: every page goes whole).
     fn refine(&mut self, divergent: &[u64]) -> Vec<u64>;
-    /// Page `page`, asked for: `data` is this side's, `theirs` the reader's
-    /// hash of each of its blocks. Its patch, or None to send it whole.
-    fn patch(&mut self, page: u64, data: &[u8], theirs: &[u64]) -> Option<BlockPatch>;
+    /// Page `page`, asked for: `data` is this side's (whose XXH3-128 is
+    /// `hash`), `theirs` the reader's hashes of its blocks
+    /// (`PAGE_BLOCK_HASHES` bytes). Its patch, or None to send it whole.
+    fn patch(&mut self, page: u64, data: &[u8], hash: u128, theirs: &[u8]) -> Option<BlockPatch>;
 }
 
 /// Every divergent page whole.
@@ -77,7 +96,7 @@ impl HashCompare for WholePages {
         Vec::new()
     }
 
-    fn patch(&mut self, _page: u64, _data: &[u8], _theirs: &[u64]) -> Option<BlockPatch> {
+    fn patch(&mut self, _page: u64, _data: &[u8], _hash: u128, _theirs: &[u8]) -> Option<BlockPatch> {
         None
     }
 }
@@ -91,16 +110,22 @@ impl HashCompare for ChangedBlocks {
         divergent.to_vec()
     }
 
-    fn patch(&mut self, page: u64, data: &[u8], theirs: &[u64]) -> Option<BlockPatch> {
-        worth_sending(changed_blocks(page, data, theirs))
+    fn patch(&mut self, page: u64, data: &[u8], hash: u128, theirs: &[u8]) -> Option<BlockPatch> {
+        worth_sending(changed_blocks(page, data, hash, theirs))
     }
 }
 
-/// The blocks of `data` (page `page`) whose hashes are not `theirs`.
-fn changed_blocks(page: u64, data: &[u8], theirs: &[u64]) -> BlockPatch {
-    let mut patch = BlockPatch { page, mask: 0, data: Vec::new() };
-    for (b, (block, h)) in data[..PAGE].chunks_exact(BLOCK).zip(theirs).enumerate() {
-        if xxh3_64(block) != *h {
+/// A block's hash as the reader sends it.
+fn block_hash(block: &[u8]) -> [u8; BLOCK_HASH] {
+    (xxh3_64(block) as u16).to_le_bytes()
+}
+
+/// The blocks of `data` (page `page`, hashing to `hash`) whose hashes are
+/// not `theirs`.
+fn changed_blocks(page: u64, data: &[u8], hash: u128, theirs: &[u8]) -> BlockPatch {
+    let mut patch = BlockPatch { page, mask: 0, hash: hash.to_le_bytes(), data: Vec::new() };
+    for (b, (block, h)) in data[..PAGE].chunks_exact(BLOCK).zip(theirs.chunks_exact(BLOCK_HASH)).enumerate() {
+        if block_hash(block) != h {
             patch.mask |= 1 << b;
             patch.data.extend_from_slice(block);
         }
@@ -117,10 +142,10 @@ fn worth_sending(patch: BlockPatch) -> Option<BlockPatch> {
 
 /// Blocks while the divergent pages measured differ, on average, in at
 /// most this share of their blocks; whole pages above it. Asking costs,
-/// per divergent page, the reader's 64 block hashes (512 bytes) and the
-/// page's number and mask (16), and the `syncvm` one more round trip in
-/// the leader's pause; at a quarter of the blocks a patch and its asking
-/// carry 1,552 bytes, 38% of the whole page. Above it the round trip buys
+/// per divergent page, the reader's 64 block hashes (128 bytes) and the
+/// page's number, mask and hash (about 34), and the `syncvm` one more
+/// round trip in the leader's pause; at a quarter of the blocks a patch
+/// and its asking carry 1,186 bytes, 29% of the whole page. Above it the round trip buys
 /// less, and from half of a page's blocks a patch is not sent at all
 /// (`worth_sending`).
 pub const BLOCKS_UP_TO: f64 = 0.25;
@@ -188,8 +213,8 @@ impl HashCompare for ByDivergence {
         divergent.to_vec()
     }
 
-    fn patch(&mut self, page: u64, data: &[u8], theirs: &[u64]) -> Option<BlockPatch> {
-        let patch = changed_blocks(page, data, theirs);
+    fn patch(&mut self, page: u64, data: &[u8], hash: u128, theirs: &[u8]) -> Option<BlockPatch> {
+        let patch = changed_blocks(page, data, hash, theirs);
         self.compared += BLOCKS as u64;
         self.differed += u64::from(patch.mask.count_ones());
         worth_sending(patch)
@@ -197,11 +222,13 @@ impl HashCompare for ByDivergence {
 }
 
 /// Blocks of one page to overwrite: bit `b` of `mask` set for each
-/// 64-byte block in `data`, in block order.
+/// 64-byte block in `data`, in block order; `hash`, the writer's XXH3-128
+/// of the whole page (little-endian), what the page hashes to once patched.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockPatch {
     pub page: u64,
     pub mask: u64,
+    pub hash: [u8; PAGE_HASH],
     pub data: Vec<u8>,
 }
 
@@ -210,6 +237,22 @@ impl BlockPatch {
     /// block of data per bit of its mask.
     pub fn fits(&self, pages: u64) -> bool {
         self.page < pages && self.data.len() == self.mask.count_ones() as usize * BLOCK
+    }
+
+    /// Whether `page`, patched, is the writer's page: false when a block
+    /// that differs was taken for unchanged (its 16-bit hashes collided),
+    /// and the page must come whole.
+    pub fn check(&self, page: &[u8]) -> bool {
+        xxh3_128(&page[..PAGE]).to_le_bytes() == self.hash
+    }
+
+    /// Tests (`fault::syncvm_collision`): leave out its first block, as a
+    /// collision of that block's hashes would have.
+    pub fn collide(&mut self) {
+        if self.mask != 0 {
+            self.mask &= self.mask - 1;
+            self.data.drain(..BLOCK);
+        }
     }
 
     /// Overwrite its blocks of `page` (the page's contents; the patch fits).
@@ -258,48 +301,106 @@ pub fn hash_captured(captured: &Captured, pages: &[u64]) -> Vec<u128> {
     out
 }
 
-/// XXH3-64 of each 64-byte block of each page of `ram`, in order: the
-/// reader's answer when asked (`refine`).
-pub fn block_hashes(ram: &GuestRam, pages: &[u64]) -> Vec<u64> {
-    let mut out = Vec::with_capacity(pages.len() * BLOCKS);
+/// The hash of each 64-byte block of each page of `ram`, in order
+/// (`BLOCK_HASH` bytes each): the reader's answer when asked (`refine`).
+pub fn block_hashes(ram: &GuestRam, pages: &[u64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(pages.len() * PAGE_BLOCK_HASHES);
     let mut buf = vec![0u8; PAGE];
     for &p in pages {
         // Checked against the union, itself of this RAM's size.
         if ram.read_page(p, &mut buf).is_err() {
             buf.fill(0);
         }
-        out.extend(buf.chunks_exact(BLOCK).map(xxh3_64));
+        out.extend(buf.chunks_exact(BLOCK).flat_map(block_hash));
     }
     out
+}
+
+/// Page hashes as they travel: `PAGE_HASH` bytes each.
+pub fn pack_hashes(hashes: &[u128]) -> Vec<u8> {
+    hashes.iter().flat_map(|h| h.to_le_bytes()).collect()
+}
+
+/// `pack_hashes` undone: `what` names them in the error of a length that
+/// is not a whole number of hashes.
+pub fn unpack_hashes(bytes: &[u8], what: &str) -> Result<Vec<u128>, ProtocolError> {
+    if !bytes.len().is_multiple_of(PAGE_HASH) {
+        return Err(ProtocolError::Corrupt(format!("{what}: {} bytes, not a whole number of {PAGE_HASH}-byte hashes", bytes.len())));
+    }
+    Ok(bytes.chunks_exact(PAGE_HASH).map(|c| u128::from_le_bytes(c.try_into().expect("chunks of PAGE_HASH"))).collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A page patched from the reader's block hashes becomes this side's;
-    /// one that differs in most blocks, or in none, goes whole.
+    /// A page patched from the reader's block hashes becomes this side's
+    /// and checks against this side's page hash; one that differs in most
+    /// blocks, or in none, goes whole.
     #[test]
     fn a_patch_makes_the_readers_page_this_sides() {
         let ram = GuestRam::new(1 << 20, false).unwrap();
         let theirs = vec![7u8; PAGE];
         ram.write_page(3, &theirs).unwrap();
         let reader = block_hashes(&ram, &[3]);
+        assert_eq!(reader.len(), PAGE_BLOCK_HASHES, "16 bits a block");
         let mut mine = theirs.clone();
         mine[5] = 1;
         mine[BLOCK * 9 + 2] = 2;
+        let hash = xxh3_128(&mine);
         let mut blocks = new(Granularity::Blocks);
         assert_eq!(blocks.refine(&[3, 8]), [3, 8]);
-        let patch = blocks.patch(3, &mine, &reader).expect("two blocks differ");
+        let patch = blocks.patch(3, &mine, hash, &reader).expect("two blocks differ");
         assert_eq!(patch.mask, 1 | 1 << 9);
         assert!(patch.fits(ram.pages()) && !patch.fits(3));
         let mut page = theirs.clone();
+        assert!(!patch.check(&page), "unpatched, the reader's page is not this side's");
         patch.apply(&mut page);
         assert_eq!(page, mine);
-        assert!(blocks.patch(3, &theirs, &reader).is_none(), "no block differs: whole");
-        assert!(blocks.patch(3, &vec![9u8; PAGE], &reader).is_none(), "every block differs: whole");
+        assert!(patch.check(&page));
+        assert!(blocks.patch(3, &theirs, hash, &reader).is_none(), "no block differs: whole");
+        assert!(blocks.patch(3, &vec![9u8; PAGE], hash, &reader).is_none(), "every block differs: whole");
         let mut whole = new(Granularity::Whole);
         assert!(whole.refine(&[3, 8]).is_empty());
+    }
+
+    /// A block whose hashes collide is left out of the patch: the page,
+    /// patched, does not check, and the reader knows to ask for it whole.
+    #[test]
+    fn a_collision_fails_the_page_check() {
+        let theirs = vec![7u8; PAGE];
+        let reader: Vec<u8> = theirs.chunks_exact(BLOCK).flat_map(block_hash).collect();
+        let mut mine = theirs.clone();
+        mine[BLOCK * 2] = 1;
+        mine[BLOCK * 40] = 1;
+        let mut patch = changed_blocks(3, &mine, xxh3_128(&mine), &reader);
+        assert_eq!(patch.mask, 1 << 2 | 1 << 40);
+        patch.collide();
+        assert_eq!((patch.mask, patch.data.len()), (1 << 40, BLOCK), "block 2 left out");
+        assert!(patch.fits(8));
+        let mut page = theirs.clone();
+        patch.apply(&mut page);
+        assert_ne!(page, mine);
+        assert!(!patch.check(&page), "the left-out block is caught");
+        // Over the wire, a flipped page hash is caught the same way.
+        let mut patch = changed_blocks(3, &mine, xxh3_128(&mine), &reader);
+        patch.hash[0] ^= 1;
+        let mut page = theirs.clone();
+        patch.apply(&mut page);
+        assert!(!patch.check(&page));
+    }
+
+    /// Page hashes travel as 16 bytes each; a length that is not a whole
+    /// number of them is a clear error.
+    #[test]
+    fn page_hashes_pack_to_sixteen_bytes_each() {
+        let hashes = [0u128, u128::MAX, 0x0123_4567_89ab_cdef_0011_2233_4455_6677];
+        let packed = pack_hashes(&hashes);
+        assert_eq!(packed.len(), 3 * PAGE_HASH);
+        assert_eq!(unpack_hashes(&packed, "hashes").unwrap(), hashes);
+        assert!(unpack_hashes(&[], "hashes").unwrap().is_empty());
+        let err = unpack_hashes(&packed[..40], "the secondary's page hashes").unwrap_err().to_string();
+        assert!(err.contains("the secondary's page hashes: 40 bytes"), "{err}");
     }
 
     /// `adaptive` asks for block hashes at first, keeps asking while
@@ -309,7 +410,7 @@ mod tests {
     #[test]
     fn adaptive_sends_blocks_while_little_of_a_divergent_page_differs() {
         let theirs = vec![7u8; PAGE];
-        let reader: Vec<u64> = theirs.chunks_exact(BLOCK).map(xxh3_64).collect();
+        let reader: Vec<u8> = theirs.chunks_exact(BLOCK).flat_map(block_hash).collect();
         // A page of which `n` blocks differ from the reader's.
         let differing = |n: usize| {
             let mut page = theirs.clone();
@@ -322,7 +423,7 @@ mod tests {
         // whether it asked, and how many went as patches.
         let syncvm = |c: &mut ByDivergence, n: usize| {
             let asked = c.refine(&[1, 2, 3, 4]);
-            let patched = asked.iter().filter(|&&p| c.patch(p, &differing(n), &reader).is_some()).count();
+            let patched = asked.iter().filter(|&&p| c.patch(p, &differing(n), 0, &reader).is_some()).count();
             (!asked.is_empty(), patched)
         };
         let mut c = ByDivergence::default();
