@@ -15,9 +15,10 @@
 //! - A VM placed nowhere gets a primary on the host with fewest primaries
 //!   (then the smallest share of its memory in use) and a backup on
 //!   another (the smallest share): both or neither.
-//! - A fleet at rest (every VM protected, nothing to change, no host
-//!   draining, no hand-over under way) is evened out, one move at a time
-//!   (`rebalance`): a host that joined gets backups, then primaries.
+//! - A fleet at rest (`at_rest`: every VM placed on two hosts protected,
+//!   no host draining, no hand-over under way) with nothing to change is
+//!   evened out, one move at a time (`rebalance`): a host that joined gets
+//!   backups, then primaries.
 //!
 //! Room is memory and vCPUs: a VM counts on both hosts it is placed on.
 
@@ -128,11 +129,20 @@ impl Room {
             && self.free_vcpus.get(host).is_some_and(|c| *c >= spec.vcpus as i64)
     }
 
+    /// `host`'s memory, in MiB (at least 1: a share of it is defined).
+    fn capacity(&self, host: &str) -> i64 {
+        self.capacity_mib.get(host).copied().unwrap_or(0).max(1)
+    }
+
+    /// `host`'s memory in use, in MiB.
+    fn used(&self, host: &str) -> i64 {
+        self.capacity(host) - self.free_mib.get(host).copied().unwrap_or(0)
+    }
+
     /// Memory in use on `host` as a share of its own: hosts of different
     /// sizes fill alike.
     fn share(&self, host: &str) -> f64 {
-        let capacity = self.capacity_mib.get(host).copied().unwrap_or(0).max(1);
-        (capacity - self.free_mib.get(host).copied().unwrap_or(0)) as f64 / capacity as f64
+        self.used(host) as f64 / self.capacity(host) as f64
     }
 
     /// The host for a new primary: fewest primaries, then the smallest share of memory in use, then name.
@@ -153,6 +163,11 @@ impl Room {
 /// Hosts that take new VMs: alive and not draining.
 fn usable(fleet: &Fleet) -> impl Iterator<Item = &str> {
     fleet.hosts.keys().map(String::as_str).filter(|h| !fleet.draining.contains(*h))
+}
+
+/// The first backup port no VM's backup uses.
+fn free_port(ports: &BTreeSet<u16>) -> u16 {
+    (FIRST_PORT..).find(|port| !ports.contains(port)).expect("a free port")
 }
 
 fn no_room(spec: &VmSpec, what: &str) -> String {
@@ -223,9 +238,8 @@ pub fn plan(fleet: &Fleet) -> (Vec<Change>, Vec<Unplaced>) {
         }
         if p.backup.is_some() && p.backup != before.backup {
             // A new backup gets a port no other VM's backup uses.
-            let port = (FIRST_PORT..).find(|port| !ports.contains(port)).expect("a free port");
-            ports.insert(port);
-            p.port = port;
+            p.port = free_port(&ports);
+            ports.insert(p.port);
         }
         if p != before {
             p.generation = before.generation + 1;
@@ -292,8 +306,8 @@ fn rebalance(fleet: &Fleet, room: &Room, ports: &BTreeSet<u16>) -> Option<Change
     }
     // Memory in use as a share of each host's, compared without rounding:
     // hosts of different sizes fill alike.
-    let capacity = |h: &str| room.capacity_mib.get(h).map_or(1, |c| (*c as i128).max(1));
-    let used = |h: &str| capacity(h) - room.free_mib.get(h).copied().unwrap_or(0) as i128;
+    let capacity = |h: &str| i128::from(room.capacity(h));
+    let used = |h: &str| i128::from(room.used(h));
     let fuller = |a: &str, b: &str| (used(a) * capacity(b)).cmp(&(used(b) * capacity(a))).then_with(|| b.cmp(a));
     let fullest = hosts.iter().copied().max_by(|a, b| fuller(a, b))?;
     let emptiest = hosts.iter().copied().min_by(|a, b| fuller(a, b))?;
@@ -316,7 +330,7 @@ fn rebalance(fleet: &Fleet, room: &Room, ports: &BTreeSet<u16>) -> Option<Change
         })
         .max_by_key(|(vm, .., mib)| (*mib, std::cmp::Reverse((*vm).clone())))
         .map(|(vm, p, seen, _)| (vm, p, seen))?;
-    let port = (FIRST_PORT..).find(|port| !ports.contains(port)).expect("a free port");
+    let port = free_port(ports);
     let why = format!("rebalance: backup moves from {fullest} ({a} of {big_a} MiB in use) to {emptiest} ({b} of {big_b} MiB)");
     let placement = Placement { backup: Some(emptiest.to_string()), port, generation: p.generation + 1, ..p.clone() };
     Some(Change { vm: vm.clone(), placement, seen, why })
@@ -331,13 +345,15 @@ mod tests {
             .unwrap()
     }
 
+    /// A host of 1 GiB and 8 vCPUs, the `n`th.
+    fn host(name: &str, n: usize) -> Host {
+        Host { name: name.to_string(), memory_mib: 1024, vcpus: 8, repl_addr: format!("10.9.0.{n}") }
+    }
+
     fn fleet(hosts: &[&str], vms: &[(&str, u64)]) -> Fleet {
         let mut f = Fleet::default();
         for h in hosts {
-            f.hosts.insert(
-                h.to_string(),
-                Host { name: h.to_string(), memory_mib: 1024, vcpus: 8, repl_addr: format!("10.9.0.{}", f.hosts.len() + 1) },
-            );
+            f.hosts.insert(h.to_string(), host(h, f.hosts.len() + 1));
         }
         for (vm, mem) in vms {
             f.vms.insert(vm.to_string(), spec(vm, *mem));
@@ -399,7 +415,7 @@ mod tests {
         let unplaced = apply(&mut f);
         assert_eq!(placed(&f, "a"), (None, None));
         assert!(unplaced[0].why.contains("second host"), "one host left, no room for both: {unplaced:?}");
-        f.hosts.insert("h4".into(), Host { name: "h4".into(), memory_mib: 1024, vcpus: 8, repl_addr: "10.9.0.4".into() });
+        f.hosts.insert("h4".into(), host("h4", 4));
         assert!(apply(&mut f).is_empty());
         let (p, b) = placed(&f, "a");
         assert!(p.is_some() && b.is_some());
@@ -485,7 +501,7 @@ mod tests {
         let mut f = fleet(&["h1", "h2"], &names);
         settle(&mut f);
         assert_eq!(in_use(&f, "h1").0, 384);
-        f.hosts.insert("h3".into(), Host { name: "h3".into(), memory_mib: 1024, vcpus: 8, repl_addr: "10.9.0.3".into() });
+        f.hosts.insert("h3".into(), host("h3", 3));
         let (first, _) = plan(&f);
         assert_eq!(first.len(), 1, "one move at a time: {first:?}");
         assert_eq!(first[0].placement.backup.as_deref(), Some("h3"), "the new host gets a backup first: {first:?}");
@@ -506,7 +522,7 @@ mod tests {
     fn a_fleet_not_at_rest_is_not_rebalanced() {
         let mut f = fleet(&["h1", "h2"], &[("a", 64), ("b", 64)]);
         settle(&mut f);
-        f.hosts.insert("h3".into(), Host { name: "h3".into(), memory_mib: 1024, vcpus: 8, repl_addr: "10.9.0.3".into() });
+        f.hosts.insert("h3".into(), host("h3", 3));
         // b's backup is still catching up: nothing moves.
         let backup = f.placements["b"].0.backup.clone().unwrap();
         f.reports.get_mut("b").unwrap().get_mut(&backup).unwrap().protected = false;
@@ -540,7 +556,7 @@ mod tests {
             (h.memory_mib, h.vcpus) = (4096, 32);
         }
         settle(&mut f);
-        f.hosts.insert("h3".into(), Host { name: "h3".into(), memory_mib: 1024, vcpus: 8, repl_addr: "10.9.0.3".into() });
+        f.hosts.insert("h3".into(), host("h3", 3));
         settle(&mut f);
         let share = |h: &str| in_use(&f, h).0 as f64 / f.hosts[h].memory_mib as f64;
         let shares = [share("h1"), share("h2"), share("h3")];

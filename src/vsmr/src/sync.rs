@@ -44,6 +44,7 @@
 //! The secondary applies only a whole, checked message, after its
 //! acknowledgement: a leader that dies mid-transfer leaves it as it was.
 
+use std::collections::BTreeSet;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -727,7 +728,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
     if let Err(e) = vm.check_components(&state.vm) {
         return Err(ProtocolError::Corrupt(format!("the leader's VM has another shape: {e}")).into());
     }
-    let whole: Vec<u64> = bundle.entries().map(|e| e.page).collect();
+    let whole: BTreeSet<u64> = bundle.entries().map(|e| e.page).collect();
     for patch in &state.patches {
         if !patch.fits(vm.ram().pages()) {
             return Err(ProtocolError::Corrupt(format!("a block patch of page {} does not fit", patch.page)).into());
