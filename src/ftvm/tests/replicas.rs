@@ -791,6 +791,62 @@ fn collisions_repaired(tag: &str, extra: &[&str]) {
     verify_report(&c, report);
 }
 
+/// A divergent page whose short (32-bit) page hashes collide is taken for
+/// equal by the leader (forced: every 40th divergent page of an ordinary
+/// `syncvm`). The secondary's check of the union digest catches it before
+/// the acknowledgement: it refuses that `syncvm`, and the next one is full
+/// (every page compared by its whole hash), after which its memory is the
+/// leader's again. After every completed `syncvm` the two memories are
+/// equal, and no acknowledged write is lost.
+#[test]
+fn a_short_page_hash_collision_is_caught_and_a_full_syncvm_follows() {
+    let tag = "vshort";
+    let layout = Layout { fault: Some("syncvm-digest-short:40"), ..Layout::with_extra(&[]) };
+    let c = Cluster::launch(Topology::new(tag).unwrap(), tag, layout, |_| {});
+    let leader = c.wait_leader(true, Duration::from_secs(30));
+    let secondary = 3 - leader;
+    let w = writers(&c, "c");
+    wait_acked_beyond(&w, 0, &c, "start");
+    let refused =
+        |c: &Cluster| c.metrics(secondary).iter().filter(|m| m["role"] == "secondary" && m["ok"] == false && m["full"] == false).count();
+    let t0 = Instant::now();
+    while refused(&c) < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "only {} syncvms refused:\n{}", refused(&c), c.logs());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The full one after the last refusal, then a few ordinary ones.
+    let after = c.metrics(secondary).len();
+    let t0 = Instant::now();
+    while !c.metrics(secondary)[after..].iter().any(|m| m["ok"] == true && m["full"] == true) {
+        assert!(t0.elapsed() < Duration::from_secs(30), "no full syncvm after a refusal:\n{}", c.logs());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let report = w.stop();
+    let key = |l: &serde_json::Value| (l["term"].as_u64().unwrap(), l["index"].as_u64().unwrap());
+    let followed = c.metrics(secondary);
+    let mut compared = 0;
+    for l in c.metrics(leader).iter().filter(|l| l["ok"] == true && l["role"] == "leader") {
+        let Some(s) = followed.iter().find(|s| s["role"] == "secondary" && s["ok"] == true && key(s) == key(l)) else { continue };
+        assert_eq!(l["memory_digest"], s["memory_digest"], "syncvm {:?}: the secondary's memory is not the leader's", key(l));
+        compared += 1;
+    }
+    assert!(compared >= 5, "only {compared} syncvms compared");
+    // Every refusal is followed by a full syncvm before any ordinary one completes.
+    let mut owed = false;
+    for m in followed.iter().filter(|m| m["role"] == "secondary") {
+        match (m["ok"] == true, m["full"] == true) {
+            (false, false) => owed = true,
+            (true, true) => owed = false,
+            (true, false) => assert!(!owed, "an ordinary syncvm completed after a refusal, before a full one: {m}"),
+            (false, true) => {}
+        }
+    }
+    let log = c.procs[(secondary - 1) as usize].as_ref().unwrap().stderr();
+    assert!(log.contains("short page hashes collided"), "the secondary did not say why it refused:\n{log}");
+    eprintln!("{} syncvms refused, {compared} compared", refused(&c));
+    verify_report(&c, report);
+}
+
 /// The same with the leader resuming only once the pages are sent.
 #[test]
 fn syncvm_repairs_divergence_with_early_resume_off() {

@@ -17,7 +17,11 @@
 //! `syncvm-digest-collide:N` records the digests too, and makes a leader
 //! leave one differing block out of every N-th block patch it sends, as a
 //! collision of that block's 16-bit hashes would (the secondary's page
-//! check must catch it and have the page sent whole).
+//! check must catch it and have the page sent whole);
+//! `syncvm-digest-short:N` records the digests too, and makes a leader
+//! take every N-th divergent page of an ordinary `syncvm` for unchanged, as
+//! a collision of its 32-bit page hashes would (the secondary's union
+//! digest must catch it and refuse the `syncvm`, and a full one follow).
 //! (`forbidden-syscall:KIND` is `ftvm_vmm::seccomp`'s; `slow-disk:MS`, every
 //! disk write MS ms longer, is `ftvm_vmm::devices::virtio::block`'s.) Never
 //! set outside tests.
@@ -51,6 +55,9 @@ pub enum Fault {
     /// Digests, and leaders' block patches with a block left out
     /// (`syncvm_collision`).
     SyncvmDigestCollide,
+    /// Digests, and leaders' divergent pages taken for unchanged
+    /// (`syncvm_short_collision`).
+    SyncvmDigestShort,
 }
 
 fn configured() -> Option<(Fault, u64)> {
@@ -68,6 +75,7 @@ fn configured() -> Option<(Fault, u64)> {
             "syncvm-digest-slow-ack" => Fault::SyncvmDigestSlowAck,
             "syncvm-slow-ack" => Fault::SyncvmSlowAck,
             "syncvm-digest-collide" => Fault::SyncvmDigestCollide,
+            "syncvm-digest-short" => Fault::SyncvmDigestShort,
             _ => return None,
         };
         Some((fault, epoch.parse().ok()?))
@@ -106,7 +114,21 @@ pub fn host_profile(mut profile: CpuProfile) -> CpuProfile {
 
 /// Whether replicas digest guest memory at each `syncvm`.
 pub fn syncvm_digest() -> bool {
-    matches!(configured(), Some((Fault::SyncvmDigest | Fault::SyncvmDigestSlowAck | Fault::SyncvmDigestCollide, _)))
+    matches!(
+        configured(),
+        Some((Fault::SyncvmDigest | Fault::SyncvmDigestSlowAck | Fault::SyncvmDigestCollide | Fault::SyncvmDigestShort, _))
+    )
+}
+
+/// Whether the divergent page a leader is about to send is taken for
+/// unchanged, as if its short hashes had collided: every N-th under
+/// `syncvm-digest-short:N`.
+pub fn syncvm_short_collision() -> bool {
+    static PAGES: AtomicU64 = AtomicU64::new(0);
+    match configured() {
+        Some((Fault::SyncvmDigestShort, every)) if every > 0 => PAGES.fetch_add(1, Ordering::Relaxed) % every == every - 1,
+        _ => false,
+    }
 }
 
 /// Whether the block patch a leader is about to send loses a block, as if
@@ -138,7 +160,8 @@ impl Fault {
             | Fault::SyncvmDigest
             | Fault::SyncvmDigestSlowAck
             | Fault::SyncvmSlowAck
-            | Fault::SyncvmDigestCollide => return Err(io::Error::other("not a primary's fault")),
+            | Fault::SyncvmDigestCollide
+            | Fault::SyncvmDigestShort => return Err(io::Error::other("not a primary's fault")),
             Fault::Truncate => link.send(&frame[..frame.len() / 2])?,
             Fault::Flip => {
                 let mut bad = frame.to_vec();

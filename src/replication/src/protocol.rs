@@ -61,7 +61,7 @@ use ftvm_vmm::pages::FormatError;
 /// patch carries the leader's hash of its page, which the secondary checks
 /// once patched, asking for the pages that fail whole (SyncRepair,
 /// answered by SyncRepaired) before it acknowledges.
-pub const PROTOCOL_VERSION: u16 = 20;
+pub const PROTOCOL_VERSION: u16 = 21;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use ftvm_replication::protocol::{self, Kind, ProtocolError};
 use ftvm_vmm::memory::PAGE;
-use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, PageTag, RawEncoder};
+use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
 use ftvm_vmm::sync::{self as vsync, Lock};
 
 use crate::sync_id::{SyncId, ID_LEN};
@@ -130,8 +130,6 @@ impl Repairs {
     }
 }
 
-static ZERO_PAGE: [u8; PAGE] = [0; PAGE];
-
 /// The secondary's check of a `SyncRepaired` payload (after the id): each
 /// of `asked` whole, in order, nothing else.
 pub(crate) fn parse_repaired<'a>(payload: &'a [u8], asked: &[u64], ram_pages: u64) -> Result<Vec<&'a [u8]>, ProtocolError> {
@@ -147,10 +145,8 @@ pub(crate) fn parse_repaired<'a>(payload: &'a [u8], asked: &[u64], ram_pages: u6
     pages
         .iter()
         .zip(asked)
-        .map(|(e, &p)| match e.tag {
-            PageTag::Raw if e.page == p && e.body.len() == PAGE => Ok(e.body),
-            // (The bundle's encoding of a page of zeros.)
-            PageTag::Zero if e.page == p => Ok(&ZERO_PAGE[..]),
+        .map(|(e, &p)| match e.whole() {
+            Some(data) if e.page == p && data.len() == PAGE => Ok(data),
             _ => Err(ProtocolError::Corrupt(format!("page {} repaired where page {p} was asked for whole", e.page))),
         })
         .collect()

@@ -11,10 +11,11 @@
 //!  SyncBitmap ─────────────────────────────▶
 //!            ◀───────────────────────────── SyncBitmap
 //!  hash the union (xxh3-128, all cores)      hash the union
-//!            ◀───────────────────────────── SyncHashes
+//!            ◀───────────────────────────── SyncHashes (32 bits a page)
 //!  compare: divergent pages
 //!  SyncPages (divergent pages, VM state,
-//!             undelivered input) ──────────▶ stage (parse, check)
+//!             undelivered input, digest of
+//!             the union's hashes) ─────────▶ stage (parse, check, digest)
 //!  resume
 //!            ◀───────────────────────────── SyncAck
 //!  release the closed epoch's output         apply pages, then state; resume
@@ -38,6 +39,12 @@
 //! divergent pages go whole, which as changed blocks); this module is the
 //! exchange between them.
 //!
+//! The secondary's page hashes travel as their low 32 bits; the digest of
+//! the leader's whole hashes of the union catches a page whose short hashes
+//! collided (`hash_compare`): the secondary refuses the `syncvm` (nothing
+//! applied, no acknowledgement), is out of step, and the next one is full,
+//! comparing every page by its whole hash.
+//!
 //! Every message carries the `Sync` entry's term and index; anything else
 //! is a leftover of an abandoned `syncvm` and is dropped. A full `syncvm`
 //! (a secondary this leader has not synchronized) compares every page.
@@ -50,7 +57,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
 
 use ftvm_vmm::memory::{GuestRam, PAGE};
 use ftvm_vmm::pages::{Bundle, BundleWriter, Cursor, RawEncoder};
@@ -67,7 +74,7 @@ use ftvm_replication::output::DiskWrite;
 use ftvm_replication::pipeline::capture::Captured;
 /// `--sync-pages`: how the leader sends a divergent page.
 pub use ftvm_replication::pipeline::encode::hash_compare::Granularity as PageMode;
-use ftvm_replication::pipeline::encode::hash_compare::{self, hash_pages, BlockPatch, HashCompare, PAGE_BLOCK_HASHES};
+use ftvm_replication::pipeline::encode::hash_compare::{self, hash_pages, BlockPatch, HashCompare, HashWidth, PAGE_BLOCK_HASHES};
 use ftvm_replication::pipeline::freeze::Frozen;
 use ftvm_replication::pipeline::predict;
 use ftvm_replication::protocol::{self, Kind, ProtocolError};
@@ -96,8 +103,9 @@ struct BitmapMsg {
 }
 
 /// `SyncHashes`: the secondary's XXH3-128 of each page of the union, then
-/// of each disk block of the union of both dirty block sets, 16 bytes
-/// each (`hash_compare::pack_hashes`).
+/// of each disk block of the union of both dirty block sets: the low 4
+/// bytes of each, all 16 in a compare of every page
+/// (`hash_compare::HashWidth`, `pack_hashes`).
 #[derive(Serialize, Deserialize)]
 struct HashesMsg {
     hashes: Vec<u8>,
@@ -133,6 +141,10 @@ struct SyncState {
     /// closed (held until the acknowledgement), which the secondary keeps
     /// for a takeover (`recent`).
     output: Vec<Vec<u8>>,
+    /// `hash_compare::union_digest` of the leader's whole hashes of the
+    /// union's pages and disk blocks: the secondary's, with what this
+    /// message brings, must be the same.
+    digest: [u8; hash_compare::PAGE_HASH],
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -162,6 +174,10 @@ pub enum SyncError {
     /// replica's VM does not hold.
     #[error("acknowledged but could not apply: {0}")]
     Unusable(String),
+    /// Two pages' short hashes collided: the `syncvm` is refused and a
+    /// full one follows.
+    #[error("the union's hashes do not match the leader's digest (short page hashes collided): out of step until a full syncvm")]
+    Collided,
 }
 
 /// Figures of one `syncvm`, on either side.
@@ -451,6 +467,7 @@ pub fn lead_unacked(
     let memory_digest = ftvm_replication::fault::syncvm_digest().then(|| digest(vm.ram()));
     let mut steps = Steps::default();
     let mut aside = aside.filter(|_| !full);
+    let ram_pages = vm.ram().pages();
     let union = match aside.as_deref_mut() {
         Some(aside) => copy_aside(x, vm, &frozen.dirty, blocks, aside, &mut steps),
         None => x.swap_bitmaps(&frozen.dirty, blocks, full, || Ok(())).map(|(union, blocks, bitmap)| {
@@ -473,14 +490,16 @@ pub fn lead_unacked(
             let aside = aside.expect("the union was copied into it");
             let result = aside.pages.finish(vm).map_err(SyncError::from).and_then(|captured| {
                 let contents = Contents::Aside(captured, &aside.blocks);
-                compare_and_send(x, &contents, &pages, &blocks, state, compare, &pending_input, output, &mut steps)
+                let width = HashWidth::for_union(pages.len() as u64, ram_pages);
+                compare_and_send(x, &contents, &pages, &blocks, width, state, compare, &pending_input, output, &mut steps)
             });
             (result, pause)
         }
         // Read live: the guest waits until the pages are sent.
         Ok(Copied::Live(pages, blocks)) => {
             let contents = Contents::Live(vm.ram(), x.disk);
-            let result = compare_and_send(x, &contents, &pages, &blocks, state, compare, &pending_input, output, &mut steps);
+            let width = HashWidth::for_union(pages.len() as u64, ram_pages);
+            let result = compare_and_send(x, &contents, &pages, &blocks, width, state, compare, &pending_input, output, &mut steps);
             (result, resume(frozen, pending_input))
         }
     };
@@ -533,7 +552,8 @@ fn copy_aside(
 }
 
 /// The leader's comparison, once the union is known: hash its pages and
-/// blocks as frozen (`contents`), take the secondary's hashes, send the
+/// blocks as frozen (`contents`), take the secondary's hashes (`width`
+/// bytes each), send the
 /// divergent pages (as `compare` chooses) and blocks with the VM state and
 /// the guest's undelivered input (`pending`).
 #[allow(clippy::too_many_arguments)]
@@ -542,6 +562,7 @@ fn compare_and_send(
     contents: &Contents<'_>,
     pages: &[u64],
     blocks: &[u64],
+    width: HashWidth,
     state: Components,
     compare: &mut dyn HashCompare,
     pending: &[Vec<u8>],
@@ -557,8 +578,8 @@ fn compare_and_send(
     let t = Instant::now();
     let theirs: HashesMsg = protocol::decode(&x.expect(Kind::SyncHashes, pages.len() as u64 + blocks.len() as u64)?[ID_LEN..])?;
     steps.wait = t.elapsed();
-    let their_pages = hash_compare::unpack_hashes(&theirs.hashes, "the secondary's page hashes")?;
-    let their_blocks = hash_compare::unpack_hashes(&theirs.blocks, "the secondary's disk block hashes")?;
+    let their_pages = hash_compare::unpack_hashes(&theirs.hashes, width, "the secondary's page hashes")?;
+    let their_blocks = hash_compare::unpack_hashes(&theirs.blocks, width, "the secondary's disk block hashes")?;
     if their_pages.len() != pages.len() || their_blocks.len() != blocks.len() {
         return Err(ProtocolError::Corrupt(format!(
             "{} hashes for {} pages, {} for {} disk blocks",
@@ -571,20 +592,26 @@ fn compare_and_send(
     }
     let mut disk_blocks = Vec::new();
     for ((&b, a), t) in blocks.iter().zip(&my_blocks).zip(&their_blocks) {
-        if a != t {
+        if width.cut(*a) != *t {
             disk_blocks.push(DiskWrite { offset: b * disk::BLOCK, data: contents.block(b)? });
         }
     }
     let divergent_blocks = disk_blocks.len() as u64;
-    let divergent = hash_compare::divergent(pages, &mine, &their_pages);
+    let mut divergent = hash_compare::divergent(pages, &mine, &their_pages, width);
+    if width == HashWidth::Short {
+        // Tests: as if the short hashes of some of them had collided.
+        divergent.retain(|_| !ftvm_replication::fault::syncvm_short_collision());
+    }
+    let digest = hash_compare::union_digest(&mine, &my_blocks);
     let mut buf = vec![0u8; PAGE];
     let hash_of = |p: u64| pages.binary_search(&p).map_or(0, |i| mine[i]);
     let patches = patch_pages(x, contents, compare, &divergent, hash_of, &mut buf, steps)?;
     // The others whole, in page order.
     let whole: Vec<u64> = divergent.iter().copied().filter(|p| patches.binary_search_by_key(p, |patch| patch.page).is_err()).collect();
     let patched_pages = patches.len() as u64;
-    let state = postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches, disk: disk_blocks, output })
-        .expect("serializes");
+    let state =
+        postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches, disk: disk_blocks, output, digest })
+            .expect("serializes");
     let mut frame = Vec::new();
     protocol::begin_frame(&mut frame, Kind::SyncPages);
     frame.extend_from_slice(&x.id.header());
@@ -703,7 +730,8 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
     let block_hashes = x.hash_blocks(&blocks)?;
     steps.hash = t.elapsed();
     let predicted = x.writes.map(|w| w.locked().learn(&pages, &hashes)).unwrap_or_default();
-    let msg = HashesMsg { hashes: hash_compare::pack_hashes(&hashes), blocks: hash_compare::pack_hashes(&block_hashes) };
+    let width = HashWidth::for_union(pages.len() as u64, vm.ram().pages());
+    let msg = HashesMsg { hashes: hash_compare::pack_hashes(&hashes, width), blocks: hash_compare::pack_hashes(&block_hashes, width) };
     x.send(Kind::SyncHashes, &postcard::to_allocvec(&msg).expect("serializes"))?;
     let t = Instant::now();
     let (mut kind, mut payload) = x.expect_any(&[Kind::SyncWant, Kind::SyncPages], pages.len() as u64 + blocks.len() as u64)?;
@@ -744,6 +772,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
         }
     }
     let (staged, repaired_pages) = stage_patches(x, vm.ram(), &state.patches)?;
+    check_digest(&pages, hashes, &blocks, block_hashes, &bundle, &state)?;
     let divergent = bundle.len() + state.patches.len() as u64;
     if let Some(late) = ftvm_replication::fault::syncvm_slow_ack() {
         // Tests: the leader's next syncvm is proposed before this ack.
@@ -811,6 +840,40 @@ fn stage_patches(x: &Exchange<'_>, ram: &GuestRam, patches: &[BlockPatch]) -> Re
         }
     }
     Ok((staged, failed.len() as u64))
+}
+
+/// The secondary's check, once staged, that what it will hold is what the
+/// leader froze: the hashes of the union (`hashes` of `pages`, then
+/// `block_hashes` of `blocks`: its own) with those of the pages and disk
+/// blocks the leader sent put in, digested, are the leader's digest. Short
+/// hashes that collided hid a divergent page if not.
+fn check_digest(
+    pages: &[u64],
+    mut hashes: Vec<u128>,
+    blocks: &[u64],
+    mut block_hashes: Vec<u128>,
+    bundle: &Bundle<'_>,
+    state: &SyncState,
+) -> Result<(), SyncError> {
+    let at = |set: &[u64], item: u64, what: &str| {
+        set.binary_search(&item)
+            .map_err(|_| SyncError::from(ProtocolError::Corrupt(format!("syncvm sent {what} {item}, not of the union"))))
+    };
+    for e in bundle.entries() {
+        let data = e.whole().ok_or_else(|| ProtocolError::Corrupt(format!("syncvm page {} is not whole", e.page)))?;
+        hashes[at(pages, e.page, "page")?] = xxh3_128(data);
+    }
+    for patch in &state.patches {
+        hashes[at(pages, patch.page, "a patch of page")?] = u128::from_le_bytes(patch.hash);
+    }
+    for w in &state.disk {
+        block_hashes[at(blocks, w.offset / disk::BLOCK, "disk block")?] = xxh3_128(&w.data);
+    }
+    if hash_compare::union_digest(&hashes, &block_hashes) != state.digest {
+        tracing::warn!(pages = pages.len(), "{}", SyncError::Collided);
+        return Err(SyncError::Collided);
+    }
+    Ok(())
 }
 
 /// The secondary's commit of a staged `SyncPages` (`staged`: its patched

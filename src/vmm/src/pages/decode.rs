@@ -13,7 +13,20 @@ pub struct Entry<'a> {
     pub body: &'a [u8],
 }
 
-impl Entry<'_> {
+/// What a `Zero` entry stands for.
+static ZERO_PAGE: [u8; PAGE] = [0; PAGE];
+
+impl<'a> Entry<'a> {
+    /// The page's contents if the entry carries them whole (`Raw`, or
+    /// `Zero`: a page of zeros); a diff needs the reader's page.
+    pub fn whole(&self) -> Option<&'a [u8]> {
+        match self.tag {
+            PageTag::Zero => Some(&ZERO_PAGE[..]),
+            PageTag::Raw => Some(self.body),
+            PageTag::Diff | PageTag::DiffLz4 => None,
+        }
+    }
+
     /// Write the page into `ram`; a diff goes onto the version `ram` holds.
     /// The entry was checked (`Bundle::parse`, `read_bundle`): only a page
     /// outside `ram` can fail.

@@ -1,10 +1,21 @@
 //! Hash compare: encoding for a reader this side knows only by a hash of
-//! each of its pages (it wrote some of them itself). The reader sends the
-//! XXH3-128 of each page of the union of both sides' dirty sets; the
-//! pages whose hashes differ from this side's are divergent, and only
-//! they go: whole, or (`ChangedBlocks`) as the 64-byte blocks that differ
-//! from the reader's, of whose blocks it sends a 16-bit hash when asked
-//! (one more round trip).
+//! each of its pages (it wrote some of them itself). The reader sends a
+//! hash of each page of the union of both sides' dirty sets; the pages
+//! whose hashes differ from this side's are divergent, and only they go:
+//! whole, or (`ChangedBlocks`) as the 64-byte blocks that differ from the
+//! reader's, of whose blocks it sends a 16-bit hash when asked (one more
+//! round trip).
+//!
+//! The reader's page hashes are the bulk of what a compare costs on the
+//! wire (hundreds of union pages for a few divergent ones), so they travel
+//! short: the low 32 bits of each XXH3-128 (`HashWidth::Short`). A page
+//! whose short hashes collide would be left divergent, so this side also
+//! sends a digest of its full hashes of the union (`union_digest`); the
+//! reader, with what it was sent, must arrive at the same digest before it
+//! acknowledges, and otherwise refuses the `syncvm` and asks for a full
+//! one, which compares every page by its whole hash (`HashWidth::Whole`):
+//! a collision, about one per 4 billion pages compared, costs a full
+//! compare, never a page left divergent.
 //!
 //! A 16-bit hash lets one differing block in 65,536 pass for unchanged,
 //! so every patch carries this side's XXH3-128 of the whole page: the
@@ -49,9 +60,49 @@ pub const BLOCKS: usize = PAGE / BLOCK;
 pub const BLOCK_HASH: usize = 2;
 /// Bytes of a page's block hashes.
 pub const PAGE_BLOCK_HASHES: usize = BLOCKS * BLOCK_HASH;
-/// Bytes of a page hash (XXH3-128) as sent: fixed, little-endian (a
+/// Bytes of a page hash (XXH3-128) as sent whole: fixed, little-endian (a
 /// varint of a random 128-bit value would take 18 or 19).
 pub const PAGE_HASH: usize = 16;
+
+/// How many bytes of each page (or disk block) hash the reader sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HashWidth {
+    /// The low 4 bytes: an ordinary `syncvm`, checked by `union_digest`.
+    Short = 4,
+    /// All 16: a compare of every page (a replica out of step, which may
+    /// be so because short hashes collided).
+    Whole = 16,
+}
+
+impl HashWidth {
+    /// Short unless every page is compared.
+    pub fn for_union(pages: u64, ram_pages: u64) -> HashWidth {
+        if pages >= ram_pages {
+            HashWidth::Whole
+        } else {
+            HashWidth::Short
+        }
+    }
+
+    fn bytes(self) -> usize {
+        self as usize
+    }
+
+    /// `hash` as far as this width carries it.
+    pub fn cut(self, hash: u128) -> u128 {
+        match self {
+            HashWidth::Short => hash & u128::from(u32::MAX),
+            HashWidth::Whole => hash,
+        }
+    }
+}
+
+/// What the writer's pages (then disk blocks) of the union hash to, all
+/// of them in order: the reader's, once patched, must match.
+pub fn union_digest(pages: &[u128], blocks: &[u128]) -> [u8; PAGE_HASH] {
+    let all: Vec<u8> = pages.iter().chain(blocks).flat_map(|h| h.to_le_bytes()).collect();
+    xxh3_128(&all).to_le_bytes()
+}
 
 switch! {
     /// How a divergent page travels.
@@ -266,9 +317,10 @@ impl BlockPatch {
     }
 }
 
-/// The pages whose hashes differ (`mine` and `theirs` of each of `pages`).
-pub fn divergent(pages: &[u64], mine: &[u128], theirs: &[u128]) -> Vec<u64> {
-    pages.iter().zip(mine).zip(theirs).filter(|((_, a), b)| a != b).map(|((&p, _), _)| p).collect()
+/// The pages whose hashes differ (`mine` and `theirs` of each of `pages`,
+/// theirs as `width` carries them).
+pub fn divergent(pages: &[u64], mine: &[u128], theirs: &[u128], width: HashWidth) -> Vec<u64> {
+    pages.iter().zip(mine).zip(theirs).filter(|((_, a), b)| width.cut(**a) != **b).map(|((&p, _), _)| p).collect()
 }
 
 /// XXH3-128 of each page of `ram`, on every core.
@@ -316,18 +368,27 @@ pub fn block_hashes(ram: &GuestRam, pages: &[u64]) -> Vec<u8> {
     out
 }
 
-/// Page hashes as they travel: `PAGE_HASH` bytes each.
-pub fn pack_hashes(hashes: &[u128]) -> Vec<u8> {
-    hashes.iter().flat_map(|h| h.to_le_bytes()).collect()
+/// Page hashes as they travel: the low `width` bytes of each,
+/// little-endian.
+pub fn pack_hashes(hashes: &[u128], width: HashWidth) -> Vec<u8> {
+    hashes.iter().flat_map(|h| h.to_le_bytes()[..width.bytes()].to_vec()).collect()
 }
 
-/// `pack_hashes` undone: `what` names them in the error of a length that
-/// is not a whole number of hashes.
-pub fn unpack_hashes(bytes: &[u8], what: &str) -> Result<Vec<u128>, ProtocolError> {
-    if !bytes.len().is_multiple_of(PAGE_HASH) {
-        return Err(ProtocolError::Corrupt(format!("{what}: {} bytes, not a whole number of {PAGE_HASH}-byte hashes", bytes.len())));
+/// `pack_hashes` undone (each as `width` carries it): `what` names them in
+/// the error of a length that is not a whole number of hashes.
+pub fn unpack_hashes(bytes: &[u8], width: HashWidth, what: &str) -> Result<Vec<u128>, ProtocolError> {
+    let n = width.bytes();
+    if !bytes.len().is_multiple_of(n) {
+        return Err(ProtocolError::Corrupt(format!("{what}: {} bytes, not a whole number of {n}-byte hashes", bytes.len())));
     }
-    Ok(bytes.chunks_exact(PAGE_HASH).map(|c| u128::from_le_bytes(c.try_into().expect("chunks of PAGE_HASH"))).collect())
+    Ok(bytes
+        .chunks_exact(n)
+        .map(|c| {
+            let mut h = [0u8; PAGE_HASH];
+            h[..n].copy_from_slice(c);
+            u128::from_le_bytes(h)
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -390,17 +451,40 @@ mod tests {
         assert!(!patch.check(&page));
     }
 
-    /// Page hashes travel as 16 bytes each; a length that is not a whole
-    /// number of them is a clear error.
+    /// Page hashes travel as 4 bytes each, or 16 in a compare of every
+    /// page; a length that is not a whole number of them is a clear error.
     #[test]
-    fn page_hashes_pack_to_sixteen_bytes_each() {
+    fn page_hashes_pack_to_four_or_sixteen_bytes_each() {
         let hashes = [0u128, u128::MAX, 0x0123_4567_89ab_cdef_0011_2233_4455_6677];
-        let packed = pack_hashes(&hashes);
+        let packed = pack_hashes(&hashes, HashWidth::Whole);
         assert_eq!(packed.len(), 3 * PAGE_HASH);
-        assert_eq!(unpack_hashes(&packed, "hashes").unwrap(), hashes);
-        assert!(unpack_hashes(&[], "hashes").unwrap().is_empty());
-        let err = unpack_hashes(&packed[..40], "the secondary's page hashes").unwrap_err().to_string();
-        assert!(err.contains("the secondary's page hashes: 40 bytes"), "{err}");
+        assert_eq!(unpack_hashes(&packed, HashWidth::Whole, "hashes").unwrap(), hashes);
+        assert!(unpack_hashes(&[], HashWidth::Whole, "hashes").unwrap().is_empty());
+        let err = unpack_hashes(&packed[..40], HashWidth::Whole, "the secondary's page hashes").unwrap_err().to_string();
+        assert!(err.contains("the secondary's page hashes: 40 bytes, not a whole number of 16-byte"), "{err}");
+        let short = pack_hashes(&hashes, HashWidth::Short);
+        assert_eq!(short.len(), 12);
+        let back = unpack_hashes(&short, HashWidth::Short, "hashes").unwrap();
+        assert_eq!(back, [0, u128::from(u32::MAX), 0x4455_6677]);
+        assert!(unpack_hashes(&short[..10], HashWidth::Short, "hashes").is_err());
+        assert_eq!(HashWidth::for_union(10, 100), HashWidth::Short);
+        assert_eq!(HashWidth::for_union(100, 100), HashWidth::Whole);
+    }
+
+    /// Short hashes that collide hide a divergent page from the compare;
+    /// the union digest, recomputed by the reader from what it holds once
+    /// patched, does not match, so the collision is caught.
+    #[test]
+    fn a_short_hash_collision_is_caught_by_the_union_digest() {
+        let writer = [0xaaaa_bbbb_0000_0001u128, 0x1111_2222_3333_4444_5555_6666_7777_8888];
+        // The reader's second page differs but agrees in its low 32 bits.
+        let reader = [writer[0], 0x9999_2222_3333_4444_5555_6666_7777_8888];
+        let sent = unpack_hashes(&pack_hashes(&reader, HashWidth::Short), HashWidth::Short, "h").unwrap();
+        assert!(divergent(&[4, 9], &writer, &sent, HashWidth::Short).is_empty(), "the collision hides page 9");
+        assert_ne!(union_digest(&writer, &[]), union_digest(&reader, &[]), "the digest does not");
+        let whole = unpack_hashes(&pack_hashes(&reader, HashWidth::Whole), HashWidth::Whole, "h").unwrap();
+        assert_eq!(divergent(&[4, 9], &writer, &whole, HashWidth::Whole), [9], "the full compare finds it");
+        assert_ne!(union_digest(&writer, &[1]), union_digest(&writer, &[]), "disk blocks count too");
     }
 
     /// `adaptive` asks for block hashes at first, keeps asking while
@@ -472,6 +556,6 @@ mod tests {
         ram.write_page(2, &vec![1u8; PAGE]).unwrap();
         let mine = hash_pages(&ram, &[1, 2, 3]);
         let theirs = vec![mine[0], 0, mine[2]];
-        assert_eq!(divergent(&[1, 2, 3], &mine, &theirs), [2]);
+        assert_eq!(divergent(&[1, 2, 3], &mine, &theirs, HashWidth::Whole), [2]);
     }
 }
