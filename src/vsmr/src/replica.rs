@@ -35,7 +35,7 @@ use crate::node::{Committed, Event, View, ALIVE};
 use crate::recent::{self, Recent};
 use crate::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
 use crate::release::{Awaited, Waited};
-use crate::sync::{self, Exchange, Figures, PageMode, SyncError, SyncId};
+use crate::sync::{self, Exchange, Figures, PageMode, StateBase, SyncError, SyncId};
 use crate::tuning::{AckRelease, AckWait, EarlyResume, InputBatch, SyncOutput, SyncPipeline, SyncSpacing};
 use crate::writes::Writes;
 use ftvm_replication::consensus_status::{SyncMetrics, SyncRole};
@@ -152,6 +152,8 @@ pub struct Shared {
     acknowledged: AtomicBool,
     /// `--predict-writes`: the pages its `syncvm`s leave writable.
     writes: Mutex<Writes>,
+    /// The VM state its last `syncvm` sent or applied (`sync::StateBase`).
+    state_base: Mutex<Option<StateBase>>,
 }
 
 /// One term of serving as leader.
@@ -338,6 +340,7 @@ impl Shared {
         let writes = Mutex::new(Writes::new(options.predict_writes, vm.ram().pages(), &options.costs));
         Shared {
             writes,
+            state_base: Mutex::new(None),
             id,
             vm,
             mesh,
@@ -477,6 +480,7 @@ fn precopy_loop(s: &Shared, jobs: Receiver<Job>, inbox: Receiver<Inbound>) {
             disk: s.disk.as_ref(),
             started: Instant::now(),
             writes: None,
+            state_base: None,
         };
         let t0 = Instant::now();
         // (Not under the status lock: `pause_unprotected` takes it inside `paused`.)
@@ -516,7 +520,16 @@ fn join_loop(s: &Shared, inbox: Receiver<Inbound>) {
     let mut session: Option<(u64, SyncId)> = None;
     while let Ok(msg) = inbox.recv() {
         let Some(id) = SyncId::parse(&msg.payload) else { continue };
-        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: msg.from, id, disk: s.disk.as_ref(), started: Instant::now(), writes: None };
+        let x = Exchange {
+            mesh: &s.mesh,
+            inbox: &inbox,
+            peer: msg.from,
+            id,
+            disk: s.disk.as_ref(),
+            started: Instant::now(),
+            writes: None,
+            state_base: None,
+        };
         let _writer = s.ram_writer.locked();
         match msg.kind {
             Kind::RejoinStart => {
@@ -864,6 +877,7 @@ impl Applier {
                     disk: s.disk.as_ref(),
                     started: t0,
                     writes: Some(&s.writes),
+                    state_base: Some(&s.state_base),
                 };
                 let mut aside = lead.aside.locked();
                 let aside = (s.options.early_resume == EarlyResume::On).then_some(&mut *aside);
@@ -933,7 +947,16 @@ impl Applier {
         }
         let t0 = Instant::now();
         let inbox = self.sync_inbox.locked();
-        let x = Exchange { mesh: &s.mesh, inbox: &inbox, peer: leader, id, disk: s.disk.as_ref(), started: t0, writes: Some(&s.writes) };
+        let x = Exchange {
+            mesh: &s.mesh,
+            inbox: &inbox,
+            peer: leader,
+            id,
+            disk: s.disk.as_ref(),
+            started: t0,
+            writes: Some(&s.writes),
+            state_base: Some(&s.state_base),
+        };
         // No pre-copy batch lands during the syncvm, nor after it succeeded.
         let writer = s.ram_writer.locked();
         // Inside the pause once applied: what the guest sent before is of
@@ -1252,8 +1275,16 @@ fn ack_loop(s: &Shared, lead: &Leadership, unacked: &Receiver<Unacked>) {
 /// whose pages the applier sent, then its release.
 fn await_ack(s: &Shared, lead: &Leadership, inbox: &Mutex<Receiver<Inbound>>, done: Done, figures: Figures) {
     let inbox = inbox.locked();
-    let x =
-        Exchange { mesh: &s.mesh, inbox: &inbox, peer: done.secondary, id: done.id, disk: s.disk.as_ref(), started: done.t0, writes: None };
+    let x = Exchange {
+        mesh: &s.mesh,
+        inbox: &inbox,
+        peer: done.secondary,
+        id: done.id,
+        disk: s.disk.as_ref(),
+        started: done.t0,
+        writes: None,
+        state_base: None,
+    };
     let result = sync::await_ack(&x).map(|ack| Figures { steps: sync::Steps { ack, ..figures.steps }, ..figures });
     drop(inbox);
     s.synced(lead, done, result);

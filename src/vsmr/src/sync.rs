@@ -70,6 +70,7 @@ use crate::repair::{self, RepairMsg};
 pub use crate::sync_id::SyncId;
 use crate::sync_id::ID_LEN;
 use crate::writes::Writes;
+use ftvm_replication::checkpoint::StateDelta;
 use ftvm_replication::output::DiskWrite;
 use ftvm_replication::pipeline::capture::Captured;
 /// `--sync-pages`: how the leader sends a divergent page.
@@ -128,7 +129,10 @@ struct BlockHashesMsg {
 /// The state part of `SyncPages`.
 #[derive(Serialize, Deserialize)]
 struct SyncState {
-    vm: Components,
+    /// The leader's VM state: whole, or over the one of `base`.
+    vm: StateDelta,
+    /// The `syncvm` whose state `vm` is a delta over (`StateBase`).
+    base: Option<SyncId>,
     /// Input the leader's guest had not taken in yet (its receive queue was
     /// full): the secondary's guest gets exactly these next.
     pending_input: Vec<Vec<u8>>,
@@ -233,6 +237,17 @@ pub struct Steps {
     pub ack: Duration,
 }
 
+/// The VM state a leader last sent to a secondary, which that secondary
+/// holds once it applied that `syncvm`: the next `syncvm`'s state goes as
+/// a delta over it (`StateDelta::against`). A leader keeps the state it
+/// sent, a secondary the one it applied; either has one at most.
+pub struct StateBase {
+    /// The other side: the secondary it was sent to, the leader it came from.
+    pub peer: u64,
+    pub id: SyncId,
+    pub state: Components,
+}
+
 /// The exchange with one peer.
 pub struct Exchange<'a> {
     pub mesh: &'a Mesh,
@@ -246,6 +261,8 @@ pub struct Exchange<'a> {
     /// A `syncvm`'s: this replica's write prediction (`--predict-writes`),
     /// which learns from the union's hashes.
     pub writes: Option<&'a Mutex<Writes>>,
+    /// A `syncvm`'s: the state its VM state goes as a delta over.
+    pub state_base: Option<&'a Mutex<Option<StateBase>>>,
 }
 
 impl Exchange<'_> {
@@ -609,9 +626,9 @@ fn compare_and_send(
     // The others whole, in page order.
     let whole: Vec<u64> = divergent.iter().copied().filter(|p| patches.binary_search_by_key(p, |patch| patch.page).is_err()).collect();
     let patched_pages = patches.len() as u64;
-    let state =
-        postcard::to_allocvec(&SyncState { vm: state, pending_input: pending.to_vec(), patches, disk: disk_blocks, output, digest })
-            .expect("serializes");
+    let (vm, base) = state_delta(x, state, width);
+    let sync_state = SyncState { vm, base, pending_input: pending.to_vec(), patches, disk: disk_blocks, output, digest };
+    let state = postcard::to_allocvec(&sync_state).expect("serializes");
     let mut frame = Vec::new();
     protocol::begin_frame(&mut frame, Kind::SyncPages);
     frame.extend_from_slice(&x.id.header());
@@ -640,6 +657,39 @@ fn compare_and_send(
         steps: *steps,
         predicted,
     })
+}
+
+/// The leader's VM state for `x`'s secondary: over the state it last sent
+/// it (which becomes this one), or whole in a full `syncvm` (`width`) or
+/// when it sent it none.
+fn state_delta(x: &Exchange<'_>, state: Components, width: HashWidth) -> (StateDelta, Option<SyncId>) {
+    let Some(base) = x.state_base else { return (StateDelta::whole(state), None) };
+    let mut base = base.locked();
+    let delta = match base.as_ref() {
+        Some(b) if b.peer == x.peer && width == HashWidth::Short => (StateDelta::against(state.clone(), &b.state), Some(b.id)),
+        _ => (StateDelta::whole(state.clone()), None),
+    };
+    *base = Some(StateBase { peer: x.peer, id: x.id, state });
+    delta
+}
+
+/// The secondary's whole VM state from the leader's `delta` over `base`
+/// (`StateBase`): it must hold the state of that `syncvm`, else it is out
+/// of step.
+fn state_over(x: &Exchange<'_>, delta: StateDelta, base: Option<SyncId>) -> Result<Components, SyncError> {
+    let held = x.state_base.map(|b| b.locked());
+    let held = match (base, held.as_ref().and_then(|h| h.as_ref())) {
+        (None, _) => None,
+        (Some(id), Some(h)) if h.id == id && h.peer == x.peer => Some(&h.state),
+        (Some(id), _) => {
+            return Err(ProtocolError::Corrupt(format!(
+                "the leader's VM state is a delta over syncvm {id:?}, which this replica does not hold"
+            ))
+            .into())
+        }
+    };
+    delta.check(held).map_err(|e| ProtocolError::Corrupt(format!("the leader's VM state: {e}")))?;
+    Ok(delta.over(held.cloned()))
 }
 
 /// At most this many pages of a `syncvm` go as patches, for the leader
@@ -752,8 +802,9 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
     if !c.is_empty() {
         return Err(ProtocolError::Corrupt("syncvm pages have trailing bytes".into()).into());
     }
-    let state: SyncState = protocol::decode(bundle.state)?;
-    if let Err(e) = vm.check_components(&state.vm) {
+    let mut state: SyncState = protocol::decode(bundle.state)?;
+    let leader_state = state_over(x, std::mem::take(&mut state.vm), state.base)?;
+    if let Err(e) = vm.check_components(&leader_state) {
         return Err(ProtocolError::Corrupt(format!("the leader's VM has another shape: {e}")).into());
     }
     let whole: BTreeSet<u64> = bundle.entries().map(|e| e.page).collect();
@@ -782,7 +833,10 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
     // Commit: pages (checked against RAM at parse), patches (checked
     // above), then the state. None of it should fail now; if it does, this
     // replica acknowledged what it does not hold.
-    let memory_digest = commit(vm, x.disk, &bundle, &state, &staged).map_err(|e| SyncError::Unusable(e.to_string()))?;
+    let memory_digest = commit(vm, x.disk, &bundle, &state, &leader_state, &staged).map_err(|e| SyncError::Unusable(e.to_string()))?;
+    if let Some(b) = x.state_base {
+        *b.locked() = Some(StateBase { peer: x.peer, id: x.id, state: leader_state });
+    }
     if let Some(w) = x.writes {
         w.locked().forget(bundle.entries().map(|e| e.page).chain(state.patches.iter().map(|p| p.page)));
     }
@@ -883,6 +937,7 @@ fn commit(
     disk: Option<&ReplicaDisk>,
     bundle: &Bundle<'_>,
     state: &SyncState,
+    vm_state: &Components,
     staged: &[Vec<u8>],
 ) -> Result<Option<u64>, SyncError> {
     // The disk first: a failed write is undone, and then nothing changed.
@@ -896,7 +951,7 @@ fn commit(
     // Before the state: its restore republishes the clock page, this host's own.
     let memory_digest = ftvm_replication::fault::syncvm_digest().then(|| digest(vm.ram()));
     let _ = vm.devices().take_injected_host_input();
-    vm.restore_paused(&state.vm)?;
+    vm.restore_paused(vm_state)?;
     // The pages the apply wrote stay dirty: compared again next time (the
     // clock page, republished by the restore, is this host's own).
     Ok(memory_digest)

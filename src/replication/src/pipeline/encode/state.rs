@@ -106,7 +106,7 @@ mod tests {
         let wire = postcard::to_allocvec(&delta).unwrap();
         let received: StateDelta = postcard::from_bytes(&wire).unwrap();
         received.check(base.as_ref()).unwrap();
-        let carried = StateDelta { changed: received.changed.clone(), kept: received.kept.clone() };
+        let carried = StateDelta { changed: received.changed.clone(), kept: received.kept.clone(), xored: received.xored.clone() };
         (received.over(base), carried)
     }
 
