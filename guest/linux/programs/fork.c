@@ -4,7 +4,8 @@
  * SIGTERM/SIGKILL/SIGUSR1, nested fork, SIGCHLD ignored (no zombies).
  *   fork              the checks (run with rtmem=96 and --memory 512):
  *                     "fork: ... ok" lines
- *   fork bench        fork cost per MiB and process-switch cost instead
+ *   fork bench        fork cost by size, copy-on-write costs and process-switch
+ *                     cost instead
  *   fork slow MS      one child working for MS ms (for failover tests) */
 #include <errno.h>
 #include <pthread.h>
@@ -227,6 +228,108 @@ static void signals(void) {
         close(p[1]);
     }
     printf("fork: kill ok SIGTERM SIGKILL SIGUSR1\n");
+}
+
+/* Copy-on-write: memory shared after fork is written by the parent, by
+ * each of several children, by a thread of the parent, by a grandchild,
+ * and by the runtime (read() into a shared buffer); every process sees
+ * its own writes alone. One child ends without writing (its share is
+ * dropped while shared). */
+static char *cow_mem;
+static size_t cow_len;
+
+static void *cow_writer(void *arg) {
+    (void)arg;
+    /* A thread of the parent: the parent's own copy. */
+    memset(cow_mem + cow_len / 2, 'T', cow_len / 2);
+    return NULL;
+}
+
+static void cow(void) {
+    enum { N = 4 };
+    cow_len = 6 << 20; /* three chunks or more, unaligned */
+    cow_mem = mmap(NULL, cow_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(cow_mem != MAP_FAILED);
+    memset(cow_mem, 'P', cow_len);
+    memset(data, 'P', sizeof data);
+    int go[2], back[2], feed[2];
+    CHECK(pipe(go) == 0 && pipe(back) == 0 && pipe(feed) == 0);
+    pid_t pids[N];
+    for (int i = 0; i < N; i++) {
+        pids[i] = fork();
+        CHECK(pids[i] >= 0);
+        if (pids[i] == 0) {
+            close(go[1]);
+            close(back[0]);
+            char c;
+            /* EOF once the parent has written its copy. */
+            CHECK(read(go[0], &c, 1) == 0);
+            int ok = all(cow_mem, cow_len, 'P') && all(data, sizeof data, 'P');
+            if (i == N - 1) {
+                /* Ends still sharing everything. */
+                dprintf(back[1], "%c%d", 'a' + i, ok);
+                _exit(30 + i);
+            }
+            char mine = (char)('a' + i);
+            if (i == 0) {
+                /* The runtime writes into shared memory: read() lands in
+                 * the middle of a chunk this child shares. */
+                char *at = cow_mem + (3 << 20) + 100;
+                ok = ok && slurp(feed[0], at, 10) == 10 && memcmp(at, "0123456789", 10) == 0;
+                ok = ok && all(cow_mem, (3 << 20) + 100, 'P') && all(at + 10, cow_len - (3 << 20) - 110, 'P');
+            }
+            memset(cow_mem, mine, cow_len);
+            data[0] = mine;
+            ok = ok && all(cow_mem, cow_len, mine);
+            if (i == 1) {
+                /* A fork of a fork: the grandchild shares this child's
+                 * copy, writes its own, and the child keeps its own. */
+                pid_t g = fork();
+                CHECK(g >= 0);
+                if (g == 0) {
+                    int seen = all(cow_mem, cow_len, mine);
+                    memset(cow_mem, 'G', cow_len);
+                    _exit(seen && all(cow_mem, cow_len, 'G') ? 40 : 41);
+                }
+                int st;
+                CHECK(waitpid(g, &st, 0) == g);
+                ok = ok && WIFEXITED(st) && WEXITSTATUS(st) == 40 && all(cow_mem, cow_len, mine);
+            }
+            dprintf(back[1], "%c%d", mine, ok);
+            _exit(30 + i);
+        }
+    }
+    close(go[0]);
+    close(back[1]);
+    close(feed[0]);
+    /* The parent writes after the children were made: half directly,
+     * half from a thread; none of it reaches them. */
+    memset(cow_mem, 'Q', cow_len / 2);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, cow_writer, NULL) == 0);
+    CHECK(pthread_join(t, NULL) == 0);
+    data[0] = 'Q';
+    CHECK(write(feed[1], "0123456789", 10) == 10);
+    close(feed[1]);
+    close(go[1]);
+    char got[2 * N + 1] = {0};
+    CHECK(slurp(back[0], got, 2 * N) == 2 * N);
+    close(back[0]);
+    int sum = 0;
+    for (int i = 0; i < N; i++) {
+        int st;
+        CHECK(waitpid(pids[i], &st, 0) == pids[i] && WIFEXITED(st));
+        sum += WEXITSTATUS(st);
+    }
+    int oks = 0;
+    for (int i = 0; i < N; i++)
+        oks += got[2 * i + 1] == '1';
+    if (oks != N)
+        printf("fork: cow children said [%s]\n", got);
+    CHECK(oks == N);
+    CHECK(all(cow_mem, cow_len / 2, 'Q') && all(cow_mem + cow_len / 2, cow_len / 2, 'T') && data[0] == 'Q' && data[1] == 'P');
+    CHECK(munmap(cow_mem, cow_len) == 0);
+    printf("fork: copy-on-write ok children=%d statuses=%d\n", N, sum);
 }
 
 static void streams_and_nesting(void) {
@@ -517,21 +620,53 @@ static void bench(void) {
     waitpid(pid, NULL, 0);
     printf("fork: bench round_trip_threads_ns=%ld round_trip_processes_ns=%ld switch_ns=%ld\n", threads * 1000 / ROUNDS,
            procs * 1000 / ROUNDS, (procs - threads) * 1000 / ROUNDS / 2);
-    /* Each size twice: the first fork also pays for the first touch of the
-     * runtime memory the copy lands in (a host and a shadow page fault per
-     * page on these hosts); the second reuses it. */
-    for (int k = 0; k < 6; k++) {
+    /* Each size twice: the first fork also pays for the first touch of
+     * memory it needs (a host and a shadow page fault per page on these
+     * hosts); the second reuses it. Then the cost of copy-on-write: the
+     * child writes one byte into each 2 MiB chunk of the first 64 MiB (a
+     * fault and a copy each under the personality, a 4 KiB copy natively),
+     * then the parent into the same ones (now its own alone: a fault each,
+     * no copy). 1 GiB only if the VM has room for it (--memory 2048). */
+    struct sysinfo si;
+    CHECK(sysinfo(&si) == 0);
+    int top = (unsigned long)si.totalram * si.mem_unit >= (1536UL << 20) ? 8 : 6;
+    for (int k = 0; k < top; k++) {
         int mib = 16 << (2 * (k / 2));
-        char *m = malloc((size_t)mib << 20);
+        size_t len = (size_t)mib << 20, chunk = 2 << 20, probe = len < (64 << 20) ? len : (64 << 20);
+        char *m = malloc(len);
         CHECK(m);
-        memset(m, 1, (size_t)mib << 20);
+        memset(m, 1, len);
+        int res[2], go[2];
+        CHECK(pipe(res) == 0 && pipe(go) == 0);
         long f0 = now_us();
         pid = fork();
-        if (pid == 0)
+        if (pid == 0) {
+            /* Not before the parent has its fork's time: the scheduler may
+             * run the child first. */
+            char c;
+            CHECK(read(go[0], &c, 1) == 1);
+            long c0 = now_us();
+            for (size_t at = 0; at < probe; at += chunk)
+                m[at] = 2;
+            long child = now_us() - c0;
+            write(res[1], &child, sizeof child);
             _exit(0);
+        }
         long took = now_us() - f0;
+        CHECK(write(go[1], "g", 1) == 1);
+        long child = -1;
+        CHECK(read(res[0], &child, sizeof child) == sizeof child);
+        long p0 = now_us();
+        for (size_t at = 0; at < probe; at += chunk)
+            m[at] = 3;
+        long parent = now_us() - p0;
         waitpid(pid, NULL, 0);
-        printf("fork: bench touched_mib=%d %s fork_us=%ld\n", mib, k % 2 ? "warm" : "cold", took);
+        close(res[0]);
+        close(res[1]);
+        close(go[0]);
+        close(go[1]);
+        printf("fork: bench touched_mib=%d %s fork_us=%ld child_write_us_per_chunk=%ld parent_write_us_per_chunk=%ld\n", mib,
+               k % 2 ? "warm" : "cold", took, child / (long)(probe / chunk), parent / (long)(probe / chunk));
         free(m);
     }
 }
@@ -582,6 +717,7 @@ int main(int argc, char **argv) {
     copies();
     shared_region();
     several();
+    cow();
     signals();
     streams_and_nesting();
     vfork_and_spawn();
