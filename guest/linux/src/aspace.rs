@@ -1,5 +1,5 @@
 //! Address spaces of forked processes: the same virtual addresses as the
-//! parent's, other memory behind them.
+//! parent's, memory shared copy-on-write behind them.
 //!
 //! The guest runs at CPL3 with the VMM's identity page tables, and cannot
 //! load CR3 itself (ring 0 is emulated, ~5000x slower). So a process made by
@@ -10,34 +10,70 @@
 //! except for the program's memory: the pages of its image (4 KiB page
 //! tables: the image shares its first and last 2 MiB with the runtime and
 //! the vCPU stack) and the 2 MiB chunks of its memory region (`mm`), which
-//! map this process's own frames. Everything of the runtime (code, heap,
+//! map this process's frames. Everything of the runtime (code, heap,
 //! kernel stacks, these tables, the frames themselves) stays identity-mapped
 //! and shared, so the system-call layer runs unchanged in every process and
 //! reaches the calling process's memory at the addresses the program passes,
 //! and hypercall blocks and DMA buffers (runtime memory) keep meaning
 //! guest-physical addresses.
 //!
-//! Copy, not copy-on-write: a write-protection fault reaches a ring-0 stub
-//! that stops the VM (there is no cheap way to handle it in the guest), so
-//! `fork` copies what the parent uses: its image pages and every 2 MiB chunk
-//! of its region holding a claimed page (only the claimed bytes; the rest of
-//! a fresh frame is zero, as unclaimed memory always is). Chunks the child
-//! claims later get a zeroed frame when claimed (`back`). A chunk's frame
-//! is a free 2 MiB chunk of the program region that process 1's allocator
-//! lends (`mm`): the children's copies share the VM's memory with the
-//! program, not the runtime's fixed share (`rtmem=`), which only backs
-//! image pages and chunks when the region has none free. Process 1 runs
-//! on the VMM's tables, where a lent chunk is at its own address; every
-//! other space maps the whole region a second time at [`WINDOW`], where
-//! the runtime reaches a frame whatever process is loaded ([`reach`]).
-//! Everything lives in guest RAM and the vCPU's CR3, so checkpoints and
-//! failover carry processes like any other state.
+//! Copy-on-write, 2 MiB at a time (the region is mapped with 2 MiB
+//! entries): `fork` shares every chunk of the parent's region that holds a
+//! claimed page with the child, read-only in both, the frame's share count
+//! being its `Arc`'s. A write to such a chunk faults; the VMM's ring-0 stub
+//! reflects the fault to the runtime's CPL3 handler (`pagefault`), which
+//! unshares the chunk ([`AddressSpace::unshare_chunk`]): the last sharer
+//! gets write access back; process 1 keeps its own memory and moves the
+//! other sharers to a copy (they are not running); any other process gets
+//! a copy of its own in a free chunk. A process's end drops its shares.
+//! Process 1 runs on the VMM's tables until its first fork and on an
+//! identity space of its own from then on, so that what it shares can be
+//! read-only for it too; its claimed chunks are its own memory, shared as
+//! frames that are never given back. Image pages are still copied at fork
+//! (a few hundred KiB at most: not worth a fault each). The runtime writes
+//! into program memory itself (read() into a buffer, signal frames, wait
+//! statuses, zeroing released memory, text rewrites): those paths unshare
+//! first ([`unshare`], from `sys::user`'s accessors, `sys::mem` and
+//! `sysjmp`), so faults only ever come from program code, never while the
+//! runtime holds a lock.
 //!
-//! Measured (guest/README.md, `fork bench`): an address-space switch costs
-//! 43-50 µs (the hypercall, KVM_SET_SREGS, KVM's shadow tables for the new
-//! root); a fork 2-4.5 ms per MiB copied into memory touched for the first
-//! time, 0.22-0.36 ms per MiB into reused memory (measured with frames on
-//! the runtime's heap; lent chunks are the same kind of memory).
+//! Why a changed entry is seen without `invlpg` (which CPL3 cannot run):
+//! a fork makes entries of the loaded space read-only and then loads it
+//! again (ADDRESS_SPACE, a CR3 load, flushes the TLB), so no writable
+//! entry survives; the unsharing writes only ever make an entry of the
+//! loaded space more permissive or point it at a copy of the same bytes,
+//! and a TLB entry that is still the old read-only one faults again: the
+//! fault itself drops the TLB's entries for its address, and the handler,
+//! finding the chunk writable already, just lets the instruction retry
+//! (three such faults in a row end the VM: the change is never seen).
+//! Entries of spaces not loaded are reloaded with them. KVM on these hosts
+//! shadows the guest's tables (shadow paging) and write-protects them, so
+//! a write to a loaded directory traps and updates the shadow entries (the
+//! tests would see a stale frame otherwise). All of it holds because one
+//! vCPU runs every thread of every process (`sched`; the Linux personality
+//! refuses a second vCPU): no other CPU can hold an entry for a frame that
+//! moves. With several, a moved sharer could be running elsewhere, and a
+//! frame change would need that CPU to reload its tables first.
+//!
+//! A copy's frame is a free 2 MiB chunk of the program region that process
+//! 1's allocator lends (`mm`), or, when the region has none, a block of the
+//! runtime's heap (`rtmem=`); with neither, a write fault cannot be
+//! resolved and ends the VM as any other fault (Linux would kill a process;
+//! a system call that writes gets ENOMEM). Every space made here maps the
+//! whole region a second time at [`WINDOW`], where the runtime reaches any
+//! frame whatever tables are loaded ([`reach`]).
+//! Everything lives in guest RAM and the vCPU's CR3 (the handler's
+//! registration too), so checkpoints and failover carry processes like any
+//! other state.
+//!
+//! Measured (guest/README.md, `fork bench`, `--memory 2048`): a fork of a
+//! parent with 16 MiB to 1 GiB touched takes 0.6-2.7 ms when its runtime
+//! memory was used before (4-10 ms the first time), against 37-57 ms
+//! natively on the host for 1 GiB (4 KiB pages) and 0.8-1.1 ms with
+//! transparent huge pages; a write fault resolved without a copy 44-134
+//! µs, one that copies 2 MiB 0.27-0.66 ms into memory used before and 4-22
+//! ms into memory never touched (a host and a shadow page fault per 4 KiB
+//! page); an address-space switch 43-131 µs.
 
 use alloc::alloc::{alloc_zeroed, dealloc};
 use alloc::boxed::Box;
