@@ -6,7 +6,10 @@
  *                     "fork: ... ok" lines
  *   fork bench        fork cost by size, copy-on-write costs and process-switch
  *                     cost instead
- *   fork slow MS      one child working for MS ms (for failover tests) */
+ *   fork slow MS      one child working for MS ms (for failover tests)
+ *   fork cowloop MS   copy-on-write faults without pause for MS ms: forks
+ *                     and writes of parent and children into shared memory
+ *                     (for failover tests: checkpoints land in the faults) */
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -704,10 +707,50 @@ static void slow(int ms) {
     printf("fork: slow child done %s status=%d\n", msg, WEXITSTATUS(st));
 }
 
+/* For `ms` milliseconds: the parent writes its mark into every chunk of a
+ * 32 MiB buffer (after the previous child ended: a fault each that only
+ * gives write access back), forks a child that checks the marks and
+ * writes its own into one chunk (a fault that copies), writes another
+ * chunk itself (a fault that moves the child to a copy) and checks, after
+ * reaping the child, that it reads its own marks alone. */
+static void cowloop(int ms) {
+    enum { LEN = 32 << 20, CHUNK = 2 << 20 };
+    char *m = malloc(LEN);
+    CHECK(m);
+    memset(m, 0, LEN);
+    printf("fork: cowloop started\n");
+    long end = now_us() + ms * 1000L;
+    int rounds = 0, bad = 0;
+    for (unsigned char mark = 1; now_us() < end; mark = mark % 100 + 1, rounds++) {
+        for (size_t at = 0; at < LEN; at += CHUNK)
+            m[at] = (char)mark;
+        pid_t pid = fork();
+        CHECK(pid >= 0);
+        if (pid == 0) {
+            int ok = 1;
+            for (size_t at = 0; at < LEN; at += CHUNK)
+                ok = ok && m[at] == (char)mark;
+            m[0] = (char)(mark + 100);
+            _exit(ok && m[0] == (char)(mark + 100) && m[CHUNK] == (char)mark ? 0 : 1);
+        }
+        m[CHUNK] = (char)(mark + 50);
+        int st;
+        CHECK(waitpid(pid, &st, 0) == pid);
+        bad += !WIFEXITED(st) || WEXITSTATUS(st) != 0;
+        for (size_t at = 0; at < LEN; at += CHUNK)
+            bad += m[at] != (char)(at == CHUNK ? mark + 50 : mark);
+    }
+    printf("fork: cowloop done rounds=%d bad=%d\n", rounds > 0, bad);
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IONBF, 0);
     if (argc == 3 && strcmp(argv[1], "slow") == 0) {
         slow(atoi(argv[2]));
+        return 0;
+    }
+    if (argc == 3 && strcmp(argv[1], "cowloop") == 0) {
+        cowloop(atoi(argv[2]));
         return 0;
     }
     if (argc == 2 && strcmp(argv[1], "bench") == 0) {
