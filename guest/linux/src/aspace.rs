@@ -25,7 +25,8 @@
 //! unshares the chunk ([`AddressSpace::unshare_chunk`]): the last sharer
 //! gets write access back; process 1 keeps its own memory and moves the
 //! other sharers to a copy (they are not running); any other process gets
-//! a copy of its own in a free chunk. A process's end drops its shares.
+//! a copy of its own in a free chunk. A process's end drops its shares,
+//! and a chunk it leaves to one other sharer is writable there again.
 //! Process 1 runs on the VMM's tables until its first fork and on an
 //! identity space of its own from then on, so that what it shares can be
 //! read-only for it too; its claimed chunks are its own memory, shared as
@@ -45,7 +46,8 @@
 //! and a TLB entry that is still the old read-only one faults again: the
 //! fault itself drops the TLB's entries for its address, and the handler,
 //! finding the chunk writable already, just lets the instruction retry
-//! (three such faults in a row end the VM: the change is never seen).
+//! (more than three such faults in a row at one chunk end the VM: the
+//! change is never seen).
 //! Entries of spaces not loaded are reloaded with them. KVM on these hosts
 //! shadows the guest's tables (shadow paging) and write-protects them, so
 //! a write to a loaded directory traps and updates the shadow entries (the
@@ -519,6 +521,35 @@ impl AddressSpace {
             }
         }
         true
+    }
+}
+
+impl AddressSpace {
+    /// An ended process's space goes: its frames go back (zeroed) unless
+    /// others share them, and a chunk it shared with one other process
+    /// alone is made writable there again. That saves the survivor (a
+    /// BGSAVE's parent) a fault per chunk, and every write of the runtime
+    /// into its memory the check for shared chunks ([`unshare`]). Called
+    /// when the space is not loaded (`sched`).
+    pub fn release(mut self) {
+        let chunks = core::mem::take(&mut self.chunks);
+        drop(self);
+        let pairs: alloc::vec::Vec<(u64, Arc<Frame>)> = chunks.into_iter().filter(|(_, f)| Arc::strong_count(f) == 2).collect();
+        if pairs.is_empty() {
+            return;
+        }
+        for p in crate::process::all() {
+            let mut guard = p.space.lock();
+            let Some(space) = guard.as_mut() else { continue };
+            for (va, f) in &pairs {
+                if space.chunks.get(va).is_some_and(|g| Arc::ptr_eq(g, f)) {
+                    space.set_chunk(*va, f.addr(), true);
+                    if space.identity {
+                        space.chunks.remove(va);
+                    }
+                }
+            }
+        }
     }
 }
 

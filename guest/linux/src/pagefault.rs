@@ -47,9 +47,11 @@ static mut FTVM_LINUX_FAULT_RIP: u64 = 0;
 /// Set while a fault is being handled: a fault inside the handler is not
 /// resolved (it would run on the same stack) but reported.
 static BUSY: AtomicBool = AtomicBool::new(false);
-/// Faults in a row that found their chunk writable already: the first
-/// drops the TLB's stale entry, so more mean the change is never seen.
-static STALE: AtomicU64 = AtomicU64::new(0);
+/// The last fault that found its chunk writable already (its address's
+/// chunk) and how many such faults it had in a row: the first drops the
+/// TLB's stale entry for the address, so more mean the change is never
+/// seen.
+static STALE: [AtomicU64; 2] = [const { AtomicU64::new(0) }; 2];
 const MAX_STALE: u64 = 3;
 
 global_asm!(
@@ -135,10 +137,16 @@ extern "C" fn on_fault(pf: &PageFault) {
     let resolved = ours
         && match crate::aspace::write_fault(pf.addr) {
             Fault::Resolved => {
-                STALE.store(0, Ordering::Relaxed);
+                STALE[0].store(u64::MAX, Ordering::Relaxed);
                 true
             }
-            Fault::Stale => STALE.fetch_add(1, Ordering::Relaxed) < MAX_STALE,
+            Fault::Stale => {
+                // One handler at a time (BUSY): plain loads and stores.
+                let chunk = pf.addr >> 21;
+                let times = if STALE[0].swap(chunk, Ordering::Relaxed) == chunk { STALE[1].load(Ordering::Relaxed) + 1 } else { 1 };
+                STALE[1].store(times, Ordering::Relaxed);
+                times <= MAX_STALE
+            }
             Fault::NotOurs => false,
         };
     if resolved {

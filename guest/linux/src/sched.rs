@@ -470,7 +470,9 @@ fn free_dead_spaces() {
         s.dead_spaces = keep;
         done
     };
-    drop(done);
+    for space in done {
+        space.release();
+    }
 }
 
 /// Give the vCPU to the next runnable thread (round robin), or wait until
