@@ -7,6 +7,9 @@
  *   fork bench        fork cost by size, copy-on-write costs and process-switch
  *                     cost instead
  *   fork slow MS      one child working for MS ms (for failover tests)
+ *   fork oom          copy-on-write with too little memory for the copies
+ *                     (run with rtmem=96 and --memory 512): the child is
+ *                     killed, whether it writes or the parent does
  *   fork cowloop MS   copy-on-write faults without pause for MS ms: forks
  *                     and writes of parent and children into shared memory
  *                     (for failover tests: checkpoints land in the faults) */
@@ -719,6 +722,47 @@ static void slow(int ms) {
     printf("fork: slow child done %s status=%d\n", msg, WEXITSTATUS(st));
 }
 
+/* Three quarters of the region written, then shared with a child: there
+ * is no memory for a copy of all of it. When the child writes it all, it
+ * is killed at the write that finds none (SIGKILL, as Linux's OOM killer);
+ * when the parent does, the child sharing the memory is killed, and the
+ * parent keeps its memory and goes on. */
+static void oom(void) {
+    struct sysinfo si;
+    CHECK(sysinfo(&si) == 0);
+    size_t len = (size_t)si.totalram * si.mem_unit / 4 * 3;
+    char *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(m != MAP_FAILED);
+    memset(m, 'P', len);
+    for (int parent_writes = 0; parent_writes < 2; parent_writes++) {
+        int p[2];
+        CHECK(pipe(p) == 0);
+        pid_t pid = fork();
+        CHECK(pid >= 0);
+        if (pid == 0) {
+            close(p[1]);
+            char c;
+            if (parent_writes) {
+                /* Killed while blocked here, sharing everything. */
+                read(p[0], &c, 1);
+                _exit(all(m, len, 'P') ? 3 : 4);
+            }
+            memset(m, 'C', len);
+            _exit(5);
+        }
+        close(p[0]);
+        if (parent_writes)
+            memset(m, 'Q', len);
+        int st;
+        CHECK(waitpid(pid, &st, 0) == pid);
+        close(p[1]);
+        CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+        CHECK(all(m, len, parent_writes ? 'Q' : 'P'));
+        printf("fork: oom %s ok child killed by %d\n", parent_writes ? "parent writes" : "child writes", WTERMSIG(st));
+    }
+    munmap(m, len);
+}
+
 /* For `ms` milliseconds: the parent writes its mark into every chunk of a
  * 32 MiB buffer (after the previous child ended: a fault each that only
  * gives write access back), forks a child that checks the marks and
@@ -759,6 +803,10 @@ int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IONBF, 0);
     if (argc == 3 && strcmp(argv[1], "slow") == 0) {
         slow(atoi(argv[2]));
+        return 0;
+    }
+    if (argc == 2 && strcmp(argv[1], "oom") == 0) {
+        oom();
         return 0;
     }
     if (argc == 3 && strcmp(argv[1], "cowloop") == 0) {

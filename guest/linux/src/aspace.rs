@@ -59,9 +59,12 @@
 //!
 //! A copy's frame is a free 2 MiB chunk of the program region that process
 //! 1's allocator lends (`mm`), or, when the region has none, a block of the
-//! runtime's heap (`rtmem=`); with neither, a write fault cannot be
-//! resolved and ends the VM as any other fault (Linux would kill a process;
-//! a system call that writes gets ENOMEM). Every space made here maps the
+//! runtime's heap (`rtmem=`). With neither, as Linux's OOM killer would, a
+//! child whose write needs a copy is killed (SIGKILL: `pagefault` makes
+//! it leave through a system call instead of retrying), and when process 1
+//! writes, the children sharing the chunk are (they are not running, and
+//! leave at the end of the system call they are in); a system call that
+//! writes into shared memory gets ENOMEM. Every space made here maps the
 //! whole region a second time at [`WINDOW`], where the runtime reaches any
 //! frame whatever tables are loaded ([`reach`]).
 //! Everything lives in guest RAM and the vCPU's CR3 (the handler's
@@ -468,7 +471,20 @@ impl AddressSpace {
             }
             return Ok(true);
         }
-        let copy = Arc::new(Frame::chunk()?);
+        let copy = match Frame::chunk() {
+            Ok(f) => Arc::new(f),
+            Err(_) if self.identity && shared.addr() == va => {
+                // No memory for the others' copy: they are killed, as
+                // Linux's OOM killer would, and process 1 writes its own
+                // memory. They never run program code again (a killed
+                // thread leaves at the end of the system call it is in).
+                kill_sharers(va, &shared);
+                self.chunks.remove(&va);
+                self.set_chunk(va, va, true);
+                return Ok(true);
+            }
+            Err(e) => return Err(e),
+        };
         // SAFETY: two distinct 2 MiB frames, reached where `ptr` says;
         // the copy is fresh and no one else maps it yet.
         unsafe { core::ptr::copy_nonoverlapping(shared.ptr(), copy.ptr(), CHUNK as usize) };
@@ -585,6 +601,21 @@ fn move_sharers(va: u64, shared: &Arc<Frame>, copy: &Arc<Frame>) {
     }
 }
 
+/// The processes but the calling one (process 1) that share its chunk at
+/// `va`: killed (SIGKILL), there being no memory for their copy.
+fn kill_sharers(va: u64, shared: &Arc<Frame>) {
+    let me = crate::sched::current_process().pid;
+    for p in crate::process::all() {
+        let shares = p.pid != me
+            && p.ending().is_none()
+            && p.space.lock().as_ref().is_some_and(|s| s.chunks.get(&va).is_some_and(|f| Arc::ptr_eq(f, shared)));
+        if shares && crate::process::signal(p.pid, crate::process::SIGKILL) == Ok(crate::process::Sent::Ends) {
+            ftvm_rt::println!("linux: out of memory for a copy-on-write copy: process {} killed", p.pid);
+            crate::sched::wake_process(p.pid);
+        }
+    }
+}
+
 /// What [`write_fault`] found.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Fault {
@@ -593,7 +624,9 @@ pub enum Fault {
     /// The chunk was writable already: the TLB held an older entry, which
     /// the fault dropped.
     Stale,
-    /// Not a copy-on-write fault (no memory, or none left for a copy).
+    /// A copy-on-write fault with no memory left for the copy.
+    NoMemory,
+    /// Not a copy-on-write fault.
     NotOurs,
 }
 
@@ -609,7 +642,8 @@ pub fn write_fault(addr: u64) -> Fault {
     }
     match space.unshare_chunk(va) {
         Ok(true) => Fault::Resolved,
-        _ => Fault::NotOurs,
+        Ok(false) => Fault::NotOurs,
+        Err(_) => Fault::NoMemory,
     }
 }
 

@@ -19,6 +19,10 @@
 //! instruction runs again, faults again and stops the VM with the same
 //! `guest fault ... vector 14` line as without a handler.
 //!
+//! A copy-on-write fault with no memory left for the copy kills the
+//! process (`aspace`): its thread continues at a system call instead of
+//! the faulting instruction, and leaves at its end.
+//!
 //! One vCPU runs the program (`sched`), so one stack and one return slot
 //! serve every process and thread: a fault never interrupts another.
 
@@ -103,11 +107,19 @@ global_asm!(
     "pop qword ptr [rip + FTVM_LINUX_FAULT_RIP]",
     "mov rsp, [rsp + 24]",
     "jmp qword ptr [rip + FTVM_LINUX_FAULT_RIP]",
+    // Where a thread of a process killed at a fault goes instead of back:
+    // any system call, at whose end the ending process's thread leaves.
+    ".globl ftvm_linux_fault_leave",
+    "ftvm_linux_fault_leave:",
+    "mov eax, 39",
+    "syscall",
+    "ud2",
     handler = sym on_fault,
 );
 
 extern "C" {
     fn ftvm_linux_fault_entry();
+    fn ftvm_linux_fault_leave();
     static __image_start: u8;
     static __image_end: u8;
 }
@@ -128,7 +140,7 @@ fn in_runtime(rip: u64) -> bool {
     (start..end).contains(&rip)
 }
 
-extern "C" fn on_fault(pf: &PageFault) {
+extern "C" fn on_fault(pf: &mut PageFault) {
     if BUSY.swap(true, Ordering::Relaxed) {
         give_up();
         return;
@@ -146,6 +158,16 @@ extern "C" fn on_fault(pf: &PageFault) {
                 let times = if STALE[0].swap(chunk, Ordering::Relaxed) == chunk { STALE[1].load(Ordering::Relaxed) + 1 } else { 1 };
                 STALE[1].store(times, Ordering::Relaxed);
                 times <= MAX_STALE
+            }
+            Fault::NoMemory => {
+                // No memory for this process's copy: killed (SIGKILL), as
+                // Linux's OOM killer would; it leaves through a system call.
+                let p = crate::sched::current_process();
+                ftvm_rt::println!("linux: out of memory for a copy-on-write copy: process {} killed", p.pid);
+                p.begin_ending(crate::process::signaled(crate::process::SIGKILL));
+                crate::sched::wake_process(p.pid);
+                pf.rip = ftvm_linux_fault_leave as *const () as u64;
+                true
             }
             Fault::NotOurs => false,
         };

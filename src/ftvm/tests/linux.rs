@@ -272,6 +272,27 @@ fn a_null_function_call_is_a_fault_with_and_without_rewritten_syscalls() {
     }
 }
 
+/// Copy-on-write with too little memory for the copies: a child that
+/// writes three quarters of the region after fork is killed (SIGKILL) at
+/// the write that finds no memory for its copy, and when the parent writes
+/// it, the child sharing it is killed instead; the parent keeps its own
+/// memory either way and the VM goes on.
+#[test]
+fn copy_on_write_without_memory_kills_the_child() {
+    let out = ftvm()
+        .args(["run", "--memory", "512", "--image"])
+        .arg(program("linux-fork"))
+        .arg("--cmdline=rtmem=96 -- fork oom")
+        .output()
+        .expect("ftvm runs");
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    assert!(text.contains("fork: oom child writes ok child killed by 9\n"), "{text}");
+    assert!(text.contains("fork: oom parent writes ok child killed by 9\n"), "{text}");
+    let kills = text.lines().filter(|l| l.starts_with("linux: out of memory for a copy-on-write copy: process ")).count();
+    assert_eq!(kills, 2, "{text}");
+}
+
 /// A forked child's write through a null pointer, after a write into
 /// memory it shares with its parent (a copy-on-write fault its runtime
 /// resolves), is reported as any fault: the runtime's page-fault handler
