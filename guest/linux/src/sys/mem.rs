@@ -35,7 +35,8 @@ fn with<R>(f: impl FnOnce(&mut Memory) -> R) -> R {
 
 /// Make `[start, end)` of the calling process's region usable: frames for
 /// a forked process's chunks that have none (process 1's memory is the
-/// identity-mapped region itself).
+/// identity-mapped region itself), and none of it shared (the runtime
+/// may copy data in: a file, a moved mapping, a loaded program).
 fn back(start: u64, end: u64) -> Result<(), Errno> {
     crate::aspace::unshare(start, end.saturating_sub(start))?;
     let p = crate::sched::current_process();
