@@ -466,7 +466,7 @@ impl AddressSpace {
         if Arc::strong_count(&shared) == 2 {
             // Ours and the clone just made: the last sharer.
             self.set_chunk(va, shared.addr(), true);
-            if self.identity {
+            if self.identity && shared.addr() == va {
                 self.chunks.remove(&va);
             }
             return Ok(true);
@@ -560,7 +560,7 @@ impl AddressSpace {
             for (va, f) in &pairs {
                 if space.chunks.get(va).is_some_and(|g| Arc::ptr_eq(g, f)) {
                     space.set_chunk(*va, f.addr(), true);
-                    if space.identity {
+                    if space.identity && f.addr() == *va {
                         space.chunks.remove(va);
                     }
                 }

@@ -67,7 +67,8 @@ fn report_stub(vector: u8) -> [u8; 9] {
 /// Entered with the CPU's frame at rsp (error code, rip, cs, rflags, rsp,
 /// ss) and the registration above it (handler, stack top; see
 /// `layout::fault_handler_slot`). Every instruction here is emulated (about
-/// 0.8 µs each), hence the 22 of them on the reflected path:
+/// 0.8 µs each), hence only 24 on the reflected path (operands after the
+/// two pushes are 16 bytes further up the frame):
 ///
 /// ```text
 ///   cmp qword [rsp+48], 0 ; je report      no handler
