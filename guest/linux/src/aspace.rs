@@ -31,14 +31,14 @@
 //! identity space of its own from then on, so that what it shares can be
 //! read-only for it too; its claimed chunks are its own memory, shared as
 //! frames that are never given back. Image pages are still copied at fork:
-//! 1-1.6 MiB for the test programs and redis-server, about 0.2-0.3 ms of a
-//! warm fork, where sharing them would cost a fault (45-130 µs) for each
-//! page the program then writes (its data and bss are written at once). The runtime writes
-//! into program memory itself (read() into a buffer, signal frames, wait
-//! statuses, zeroing released memory, text rewrites): those paths unshare
-//! first ([`unshare`], from `sys::user`'s accessors, `sys::mem` and
-//! `sysjmp`), so faults only ever come from program code, never while the
-//! runtime holds a lock.
+//! 1-1.6 MiB for the test programs and redis-server, at 0.7 µs a page
+//! about 0.2-0.3 ms of a warm fork, where sharing them would cost a fault
+//! (45-130 µs) for each page the program then writes (its data and bss
+//! are written at once). The runtime writes into program memory itself
+//! (read() into a buffer, signal frames, wait statuses, zeroing released
+//! memory, text rewrites): those paths unshare first ([`unshare`], from
+//! `sys::user`'s accessors, `sys::mem` and `sysjmp`), so faults only ever
+//! come from program code, never while the runtime holds a lock.
 //!
 //! Why a changed entry is seen without `invlpg` (which CPL3 cannot run):
 //! a fork makes entries of the loaded space read-only and then loads it
@@ -49,8 +49,8 @@
 //! fault itself drops the TLB's entries for its address, and the handler,
 //! finding the chunk writable already, just lets the instruction retry
 //! (more than three such faults in a row at one chunk end the VM: the
-//! change is never seen).
-//! Entries of spaces not loaded are reloaded with them. KVM on these hosts
+//! change is never seen). Entries of spaces not loaded are reloaded with
+//! them. KVM on these hosts
 //! shadows the guest's tables (shadow paging) and write-protects them, so
 //! a write to a loaded directory traps and updates the shadow entries (the
 //! tests would see a stale frame otherwise). All of it holds because one
@@ -68,10 +68,9 @@
 //! leave at the end of the system call they are in); a system call that
 //! writes into shared memory gets ENOMEM. Every space made here maps the
 //! whole region a second time at [`WINDOW`], where the runtime reaches any
-//! frame whatever tables are loaded ([`reach`]).
-//! Everything lives in guest RAM and the vCPU's CR3 (the handler's
-//! registration too), so checkpoints and failover carry processes like any
-//! other state.
+//! frame whatever tables are loaded ([`reach`]). Everything lives in
+//! guest RAM and the vCPU's CR3 (the fault handler's registration too), so
+//! checkpoints and failover carry processes like any other state.
 //!
 //! Measured (guest/README.md, `fork bench`, `--memory 2048`): a fork of a
 //! parent with 16 MiB to 1 GiB touched takes 0.6-2.7 ms when its runtime
