@@ -4,8 +4,15 @@
  * SIGTERM/SIGKILL/SIGUSR1, nested fork, SIGCHLD ignored (no zombies).
  *   fork              the checks (run with rtmem=96 and --memory 512):
  *                     "fork: ... ok" lines
- *   fork bench        fork cost per MiB and process-switch cost instead
- *   fork slow MS      one child working for MS ms (for failover tests) */
+ *   fork bench        fork cost by size, copy-on-write costs and process-switch
+ *                     cost instead
+ *   fork slow MS      one child working for MS ms (for failover tests)
+ *   fork oom          copy-on-write with too little memory for the copies
+ *                     (run with rtmem=96 and --memory 512): the child is
+ *                     killed, whether it writes or the parent does
+ *   fork cowloop MS   copy-on-write faults without pause for MS ms: forks
+ *                     and writes of parent and children into shared memory
+ *                     (for failover tests: checkpoints land in the faults) */
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -227,6 +234,108 @@ static void signals(void) {
         close(p[1]);
     }
     printf("fork: kill ok SIGTERM SIGKILL SIGUSR1\n");
+}
+
+/* Copy-on-write: memory shared after fork is written by the parent, by
+ * each of several children, by a thread of the parent, by a grandchild,
+ * and by the runtime (read() into a shared buffer); every process sees
+ * its own writes alone. One child ends without writing (its share is
+ * dropped while shared). */
+static char *cow_mem;
+static size_t cow_len;
+
+static void *cow_writer(void *arg) {
+    (void)arg;
+    /* A thread of the parent: the parent's own copy. */
+    memset(cow_mem + cow_len / 2, 'T', cow_len / 2);
+    return NULL;
+}
+
+static void cow(void) {
+    enum { N = 4 };
+    cow_len = 6 << 20; /* three chunks or more, unaligned */
+    cow_mem = mmap(NULL, cow_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(cow_mem != MAP_FAILED);
+    memset(cow_mem, 'P', cow_len);
+    memset(data, 'P', sizeof data);
+    int go[2], back[2], feed[2];
+    CHECK(pipe(go) == 0 && pipe(back) == 0 && pipe(feed) == 0);
+    pid_t pids[N];
+    for (int i = 0; i < N; i++) {
+        pids[i] = fork();
+        CHECK(pids[i] >= 0);
+        if (pids[i] == 0) {
+            close(go[1]);
+            close(back[0]);
+            char c;
+            /* EOF once the parent has written its copy. */
+            CHECK(read(go[0], &c, 1) == 0);
+            int ok = all(cow_mem, cow_len, 'P') && all(data, sizeof data, 'P');
+            if (i == N - 1) {
+                /* Ends still sharing everything. */
+                dprintf(back[1], "%c%d", 'a' + i, ok);
+                _exit(30 + i);
+            }
+            char mine = (char)('a' + i);
+            if (i == 0) {
+                /* The runtime writes into shared memory: read() lands in
+                 * the middle of a chunk this child shares. */
+                char *at = cow_mem + (3 << 20) + 100;
+                ok = ok && slurp(feed[0], at, 10) == 10 && memcmp(at, "0123456789", 10) == 0;
+                ok = ok && all(cow_mem, (3 << 20) + 100, 'P') && all(at + 10, cow_len - (3 << 20) - 110, 'P');
+            }
+            memset(cow_mem, mine, cow_len);
+            data[0] = mine;
+            ok = ok && all(cow_mem, cow_len, mine);
+            if (i == 1) {
+                /* A fork of a fork: the grandchild shares this child's
+                 * copy, writes its own, and the child keeps its own. */
+                pid_t g = fork();
+                CHECK(g >= 0);
+                if (g == 0) {
+                    int seen = all(cow_mem, cow_len, mine);
+                    memset(cow_mem, 'G', cow_len);
+                    _exit(seen && all(cow_mem, cow_len, 'G') ? 40 : 41);
+                }
+                int st;
+                CHECK(waitpid(g, &st, 0) == g);
+                ok = ok && WIFEXITED(st) && WEXITSTATUS(st) == 40 && all(cow_mem, cow_len, mine);
+            }
+            dprintf(back[1], "%c%d", mine, ok);
+            _exit(30 + i);
+        }
+    }
+    close(go[0]);
+    close(back[1]);
+    close(feed[0]);
+    /* The parent writes after the children were made: half directly,
+     * half from a thread; none of it reaches them. */
+    memset(cow_mem, 'Q', cow_len / 2);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, cow_writer, NULL) == 0);
+    CHECK(pthread_join(t, NULL) == 0);
+    data[0] = 'Q';
+    CHECK(write(feed[1], "0123456789", 10) == 10);
+    close(feed[1]);
+    close(go[1]);
+    char got[2 * N + 1] = {0};
+    CHECK(slurp(back[0], got, 2 * N) == 2 * N);
+    close(back[0]);
+    int sum = 0;
+    for (int i = 0; i < N; i++) {
+        int st;
+        CHECK(waitpid(pids[i], &st, 0) == pids[i] && WIFEXITED(st));
+        sum += WEXITSTATUS(st);
+    }
+    int oks = 0;
+    for (int i = 0; i < N; i++)
+        oks += got[2 * i + 1] == '1';
+    if (oks != N)
+        printf("fork: cow children said [%s]\n", got);
+    CHECK(oks == N);
+    CHECK(all(cow_mem, cow_len / 2, 'Q') && all(cow_mem + cow_len / 2, cow_len / 2, 'T') && data[0] == 'Q' && data[1] == 'P');
+    CHECK(munmap(cow_mem, cow_len) == 0);
+    printf("fork: copy-on-write ok children=%d statuses=%d\n", N, sum);
 }
 
 static void streams_and_nesting(void) {
@@ -517,21 +626,65 @@ static void bench(void) {
     waitpid(pid, NULL, 0);
     printf("fork: bench round_trip_threads_ns=%ld round_trip_processes_ns=%ld switch_ns=%ld\n", threads * 1000 / ROUNDS,
            procs * 1000 / ROUNDS, (procs - threads) * 1000 / ROUNDS / 2);
-    /* Each size twice: the first fork also pays for the first touch of the
-     * runtime memory the copy lands in (a host and a shadow page fault per
-     * page on these hosts); the second reuses it. */
-    for (int k = 0; k < 6; k++) {
+    /* Each size twice: the first fork also pays for the first touch of
+     * memory it needs (a host and a shadow page fault per page on these
+     * hosts); the second reuses it. Then the cost of copy-on-write: the
+     * child writes one byte into each 2 MiB chunk of the first 64 MiB (a
+     * fault and a copy each under the personality, a 4 KiB copy natively),
+     * then, while the child still lives, the parent into the same ones
+     * (now its own alone: a fault each, no copy), and once the child is
+     * gone into every chunk (no fault). 1 GiB only if the VM has room for
+     * it (--memory 2048). */
+    struct sysinfo si;
+    CHECK(sysinfo(&si) == 0);
+    int top = (unsigned long)si.totalram * si.mem_unit >= (1536UL << 20) ? 8 : 6;
+    for (int k = 0; k < top; k++) {
         int mib = 16 << (2 * (k / 2));
-        char *m = malloc((size_t)mib << 20);
+        size_t len = (size_t)mib << 20, chunk = 2 << 20, probe = len < (64 << 20) ? len : (64 << 20);
+        char *m = malloc(len);
         CHECK(m);
-        memset(m, 1, (size_t)mib << 20);
+        memset(m, 1, len);
+        int res[2], go[2];
+        CHECK(pipe(res) == 0 && pipe(go) == 0);
         long f0 = now_us();
         pid = fork();
-        if (pid == 0)
+        if (pid == 0) {
+            /* Not before the parent has its fork's time: the scheduler may
+             * run the child first. */
+            char c;
+            close(go[1]);
+            CHECK(read(go[0], &c, 1) == 1);
+            long c0 = now_us();
+            for (size_t at = 0; at < probe; at += chunk)
+                m[at] = 2;
+            long child = now_us() - c0;
+            write(res[1], &child, sizeof child);
+            /* Alive while the parent writes (EOF when it is done). */
+            read(go[0], &c, 1);
             _exit(0);
+        }
         long took = now_us() - f0;
+        CHECK(write(go[1], "g", 1) == 1);
+        long child = -1;
+        CHECK(read(res[0], &child, sizeof child) == sizeof child);
+        long p0 = now_us();
+        for (size_t at = 0; at < probe; at += chunk)
+            m[at] = 3;
+        long parent = now_us() - p0;
+        close(go[1]);
         waitpid(pid, NULL, 0);
-        printf("fork: bench touched_mib=%d %s fork_us=%ld\n", mib, k % 2 ? "warm" : "cold", took);
+        /* Once the child is gone, what it shared is the parent's alone
+         * and writable again: no fault. */
+        long a0 = now_us();
+        for (size_t at = 0; at < len; at += chunk)
+            m[at + 1] = 4;
+        long after = now_us() - a0;
+        close(res[1]);
+        close(go[0]);
+        printf("fork: bench touched_mib=%d %s fork_us=%ld child_write_us_per_chunk=%ld parent_write_us_per_chunk=%ld "
+               "after_ns_per_chunk=%ld\n",
+               mib, k % 2 ? "warm" : "cold", took, child / (long)(probe / chunk), parent / (long)(probe / chunk),
+               after * 1000 / (long)(len / chunk));
         free(m);
     }
 }
@@ -569,10 +722,95 @@ static void slow(int ms) {
     printf("fork: slow child done %s status=%d\n", msg, WEXITSTATUS(st));
 }
 
+/* Three quarters of the region written, then shared with a child: there
+ * is no memory for a copy of all of it. When the child writes it all, it
+ * is killed at the write that finds none (SIGKILL, as Linux's OOM killer);
+ * when the parent does, the child sharing the memory is killed, and the
+ * parent keeps its memory and goes on. */
+static void oom(void) {
+    struct sysinfo si;
+    CHECK(sysinfo(&si) == 0);
+    size_t len = (size_t)si.totalram * si.mem_unit / 4 * 3;
+    char *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(m != MAP_FAILED);
+    memset(m, 'P', len);
+    for (int parent_writes = 0; parent_writes < 2; parent_writes++) {
+        int p[2];
+        CHECK(pipe(p) == 0);
+        pid_t pid = fork();
+        CHECK(pid >= 0);
+        if (pid == 0) {
+            close(p[1]);
+            char c;
+            if (parent_writes) {
+                /* Killed while blocked here, sharing everything. */
+                read(p[0], &c, 1);
+                _exit(all(m, len, 'P') ? 3 : 4);
+            }
+            memset(m, 'C', len);
+            _exit(5);
+        }
+        close(p[0]);
+        if (parent_writes)
+            memset(m, 'Q', len);
+        int st;
+        CHECK(waitpid(pid, &st, 0) == pid);
+        close(p[1]);
+        CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+        CHECK(all(m, len, parent_writes ? 'Q' : 'P'));
+        printf("fork: oom %s ok child killed by %d\n", parent_writes ? "parent writes" : "child writes", WTERMSIG(st));
+    }
+    munmap(m, len);
+}
+
+/* For `ms` milliseconds: the parent writes its mark into every chunk of a
+ * 32 MiB buffer (after the previous child ended: a fault each that only
+ * gives write access back), forks a child that checks the marks and
+ * writes its own into one chunk (a fault that copies), writes another
+ * chunk itself (a fault that moves the child to a copy) and checks, after
+ * reaping the child, that it reads its own marks alone. */
+static void cowloop(int ms) {
+    enum { LEN = 32 << 20, CHUNK = 2 << 20 };
+    char *m = malloc(LEN);
+    CHECK(m);
+    memset(m, 0, LEN);
+    printf("fork: cowloop started\n");
+    long end = now_us() + ms * 1000L;
+    int rounds = 0, bad = 0;
+    for (unsigned char mark = 1; now_us() < end; mark = mark % 100 + 1, rounds++) {
+        for (size_t at = 0; at < LEN; at += CHUNK)
+            m[at] = (char)mark;
+        pid_t pid = fork();
+        CHECK(pid >= 0);
+        if (pid == 0) {
+            int ok = 1;
+            for (size_t at = 0; at < LEN; at += CHUNK)
+                ok = ok && m[at] == (char)mark;
+            m[0] = (char)(mark + 100);
+            _exit(ok && m[0] == (char)(mark + 100) && m[CHUNK] == (char)mark ? 0 : 1);
+        }
+        m[CHUNK] = (char)(mark + 50);
+        int st;
+        CHECK(waitpid(pid, &st, 0) == pid);
+        bad += !WIFEXITED(st) || WEXITSTATUS(st) != 0;
+        for (size_t at = 0; at < LEN; at += CHUNK)
+            bad += m[at] != (char)(at == CHUNK ? mark + 50 : mark);
+    }
+    printf("fork: cowloop done rounds=%d bad=%d\n", rounds > 0, bad);
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IONBF, 0);
     if (argc == 3 && strcmp(argv[1], "slow") == 0) {
         slow(atoi(argv[2]));
+        return 0;
+    }
+    if (argc == 2 && strcmp(argv[1], "oom") == 0) {
+        oom();
+        return 0;
+    }
+    if (argc == 3 && strcmp(argv[1], "cowloop") == 0) {
+        cowloop(atoi(argv[2]));
         return 0;
     }
     if (argc == 2 && strcmp(argv[1], "bench") == 0) {
@@ -582,6 +820,7 @@ int main(int argc, char **argv) {
     copies();
     shared_region();
     several();
+    cow();
     signals();
     streams_and_nesting();
     vfork_and_spawn();

@@ -179,7 +179,7 @@ pub fn replace(path: &str, argv: &[String], env: &[String]) -> Result<Frame, Fai
         ftvm_rt::println!("linux: execve {path}: {}", f.why);
         crate::exit_program(127)
     };
-    crate::sys::mem::reset();
+    crate::sys::mem::reset().unwrap_or_else(|e| fatal(failed(e, format!("cannot release the old memory: errno {e}"))));
     fd::close_on_exec();
     let stack =
         crate::sys::mem::reserve(crate::MAIN_STACK).unwrap_or_else(|e| fatal(failed(e, format!("no room for the stack: errno {e}"))));

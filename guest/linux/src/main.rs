@@ -30,6 +30,7 @@ mod filedata;
 mod fs;
 mod net;
 mod options;
+mod pagefault;
 mod pipe;
 mod process;
 mod random;
@@ -101,6 +102,7 @@ fn run(args: &Args) -> Result<core::convert::Infallible, alloc::string::String> 
     unsafe { core::ptr::write_bytes(base as *mut u8, 0, mm::PAGE as usize) };
     let mut memory = mm::Memory::new(base, base + size);
     aspace::init(base, base + size);
+    pagefault::init();
     let stack = memory.map(0, MAIN_STACK, false).map_err(|e| format!("cannot map the stack: errno {e}"))?;
     sys::fork::init(program.start, program.end);
     sys::time::set_epoch(opts.epoch_ns);

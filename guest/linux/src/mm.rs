@@ -13,8 +13,11 @@
 //! 2 MiB chunks are also what forked processes' frames are made of
 //! (`aspace`): such a chunk is lent (neither free nor the program's) until
 //! the frame is dropped and the chunk comes back zeroed. The program never
-//! sees a lent chunk: `fork` does not copy it, the calls that release or
+//! sees a lent chunk: `fork` does not share it, the calls that release or
 //! zero memory leave it alone, and MAP_FIXED over it fails with ENOMEM.
+//! Its claimed chunks, which `fork` shares copy-on-write, stay its own
+//! memory at their own addresses (`aspace`: process 1 keeps them when it
+//! writes one, its children move to a copy).
 
 use alloc::collections::BTreeMap;
 

@@ -82,10 +82,10 @@ pub struct Process {
     pub fds: Mutex<FdTable>,
     /// None once the process has ended.
     pub mem: Mutex<Option<Memory>>,
-    /// None for process 1 (the VMM's identity tables).
+    /// None for process 1 until its first fork (the VMM's identity tables).
     pub space: Mutex<Option<AddressSpace>>,
     /// What CR3 holds while this process runs (0: the VMM's tables).
-    pub root: u64,
+    root: AtomicU64,
     /// Set when the process is to end (a terminating signal, `exit_group`
     /// from one of several threads): [`ENDING`] | the wait status. Each of
     /// its threads leaves at the end of its system call (blocking calls
@@ -113,7 +113,7 @@ impl Process {
             fds: Mutex::new(fds),
             mem: Mutex::new(Some(mem)),
             space: Mutex::new(space),
-            root,
+            root: AtomicU64::new(root),
             ending: AtomicU64::new(0),
             pending: AtomicU64::new(0),
             inner: Mutex::new(Inner { ppid, status: Status::Running, actions }),
@@ -132,6 +132,22 @@ impl Process {
     pub fn fork(&self, pid: u32, fds: FdTable, mem: Memory, space: AddressSpace) -> Arc<Process> {
         let actions = self.inner.lock().actions;
         Process::new(pid, self.pid, fds, mem, Some(space), actions)
+    }
+
+    /// What CR3 holds while this process runs (0: the VMM's tables).
+    pub fn root(&self) -> u64 {
+        self.root.load(Ordering::Relaxed)
+    }
+
+    /// The calling process (process 1, on the VMM's tables until now)
+    /// forks: it needs tables of its own, so that the memory it shares
+    /// with its children can be read-only in its space too. Returns the
+    /// new root, which the caller loads.
+    pub fn own_space(&self) -> u64 {
+        let mut space = self.space.lock();
+        let root = space.get_or_insert_with(AddressSpace::identity).root();
+        self.root.store(root, Ordering::Relaxed);
+        root
     }
 
     pub fn ppid(&self) -> u32 {
@@ -205,6 +221,11 @@ impl Process {
 /// Processes not yet ended (zombies do not count).
 pub fn running() -> usize {
     TABLE.lock().values().filter(|p| p.inner.lock().status == Status::Running).count()
+}
+
+/// Every process in the table (zombies too).
+pub fn all() -> Vec<Arc<Process>> {
+    TABLE.lock().values().cloned().collect()
 }
 
 pub fn get(pid: u32) -> Option<Arc<Process>> {
@@ -301,15 +322,14 @@ pub fn reap(parent: u32, pid: i32) -> Result<Option<(u32, i32)>, Errno> {
 /// (aligned) holding `old` with `new` (`sysjmp`): do the same in every
 /// other process, whose copy of the text held the same bytes, so a site is
 /// rewritten everywhere or nowhere. Process 1's text is its identity-mapped
-/// memory, which a forked caller reaches by loading the VMM's tables for
-/// the moment.
+/// memory (it keeps its own memory when it shares it), which a forked
+/// caller reaches by loading the VMM's tables for the moment.
 pub fn patch_text(va: u64, old: u128, new: u128) {
     let me = crate::sched::current_process();
     let others: Vec<Arc<Process>> = TABLE.lock().values().filter(|p| p.pid != me.pid).cloned().collect();
     for p in others {
-        if let Some(space) = p.space.lock().as_mut() {
-            space.patch(va, old, new);
-        } else if p.pid == INIT && p.inner.lock().status == Status::Running {
+        let patched = p.space.lock().as_mut().is_some_and(|space| space.patch(va, old, new));
+        if !patched && p.pid == INIT && p.inner.lock().status == Status::Running {
             // SAFETY: the VMM's tables map the runtime as every space does;
             // the caller's own tables are loaded again right after.
             unsafe {
@@ -318,7 +338,7 @@ pub fn patch_text(va: u64, old: u128, new: u128) {
                 if at.read_volatile() == old {
                     at.write_volatile(new);
                 }
-                crate::aspace::load(me.root);
+                crate::aspace::load(me.root());
             }
         }
     }

@@ -185,6 +185,18 @@ pub fn current_process() -> Arc<Process> {
     s.threads[s.current].proc.clone()
 }
 
+/// Load the calling process's tables `root` again (or for the first time:
+/// process 1's own, at its first fork), which flushes the TLB of entries
+/// made read-only (`aspace`).
+pub fn reload(root: u64) {
+    let mut s = SCHED.lock();
+    s.loaded_root = root;
+    drop(s);
+    // SAFETY: `root` is the calling process's live space, which maps the
+    // runtime as every space does.
+    unsafe { crate::aspace::load(root) };
+}
+
 /// A new id for a thread or process (they share one space, as on Linux).
 pub fn next_id() -> u32 {
     let mut s = SCHED.lock();
@@ -458,7 +470,9 @@ fn free_dead_spaces() {
         s.dead_spaces = keep;
         done
     };
-    drop(done);
+    for space in done {
+        space.release();
+    }
 }
 
 /// Give the vCPU to the next runnable thread (round robin), or wait until
@@ -481,7 +495,7 @@ fn schedule() {
             }
             let (ksp, top, fs, root) = {
                 let t = &s.threads[next];
-                (t.ksp, t.kstack_top(), t.fs_base, t.proc.root)
+                (t.ksp, t.kstack_top(), t.fs_base, t.proc.root())
             };
             let load = root != s.loaded_root;
             s.loaded_root = root;

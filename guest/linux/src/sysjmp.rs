@@ -318,6 +318,11 @@ impl State {
         ) else {
             return Outcome::NoRoom;
         };
+        // Text in a chunk shared with another process (copy-on-write) is
+        // unshared first, as any write of the runtime's into the program.
+        if crate::aspace::unshare(block, 16).is_err() {
+            return Outcome::NoRoom;
+        }
         let mut code = [INT3; STUB_SIZE];
         // SAFETY: program text (checked above), mapped in the calling process.
         code[..moved].copy_from_slice(unsafe { core::slice::from_raw_parts(at as *const u8, moved) });
@@ -330,7 +335,7 @@ impl State {
         self.used += 1;
         // SAFETY: 16 aligned bytes around program text (the block lies in
         // the page of the 5 bytes), mapped in the calling process and
-        // writable from here.
+        // writable from here (unshared above).
         let old = unsafe { core::ptr::read_volatile(block as *const u128) };
         let mut bytes = old.to_le_bytes();
         let off = (at - block) as usize;

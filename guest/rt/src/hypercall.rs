@@ -6,7 +6,7 @@
 
 use core::arch::asm;
 
-use ftvm_abi::{port, Abort, AddressSpace, ConsoleWrite, Exit, Kick, Wait};
+use ftvm_abi::{port, Abort, AddressSpace, ConsoleWrite, Exit, FaultHandler, Kick, Wait};
 
 /// # Safety
 /// `block` must be the argument block type the VMM expects on `port`, and
@@ -55,6 +55,21 @@ pub unsafe fn set_address_space(root: u64) {
     let mut b = AddressSpace { root };
     // SAFETY: the block holds only the root, which the caller vouches for.
     unsafe { call(port::ADDRESS_SPACE, &mut b) };
+}
+
+/// Reflect the calling vCPU's CPL3 page faults to `handler` on the stack
+/// whose top is `stack` (`handler` 0: stop the VM on them again); see
+/// [`ftvm_abi::FaultHandler`].
+///
+/// # Safety
+/// `handler` must be code that resumes the program as the ABI says, and
+/// `stack` the top of memory nothing else uses, writable under every page
+/// table the vCPU loads.
+pub unsafe fn set_fault_handler(handler: u64, stack: u64) {
+    let mut b = FaultHandler { handler, stack };
+    // SAFETY: the block holds only the two addresses, which the caller
+    // vouches for; the VMM writes nothing back.
+    unsafe { call(port::FAULT_HANDLER, &mut b) };
 }
 
 /// Asks the VMM to stop the VM; it does not resume this vCPU normally.

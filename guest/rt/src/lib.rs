@@ -62,6 +62,16 @@ pub unsafe fn set_address_space(root: u64) {
     unsafe { hypercall::set_address_space(root) }
 }
 
+/// Reflect this vCPU's CPL3 page faults to `handler` (see
+/// [`ftvm_abi::FaultHandler`]); 0 restores the default (the VM stops).
+///
+/// # Safety
+/// As [`hypercall::set_fault_handler`].
+pub unsafe fn set_fault_handler(handler: u64, stack: u64) {
+    // SAFETY: the caller's promise is the hypercall's.
+    unsafe { hypercall::set_fault_handler(handler, stack) }
+}
+
 /// Wake every vCPU blocked in [`time::wait`].
 pub fn kick() {
     hypercall::kick();

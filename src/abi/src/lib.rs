@@ -7,7 +7,7 @@
 #![no_std]
 
 /// Version of this ABI; bumped on any incompatible change.
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 
 /// `BootInfo::magic`: "FTVMBOOT" in little-endian.
 pub const BOOT_MAGIC: u64 = u64::from_le_bytes(*b"FTVMBOOT");
@@ -54,6 +54,8 @@ pub mod port {
     pub const KICK: u16 = 0x504;
     /// [`super::AddressSpace`]
     pub const ADDRESS_SPACE: u16 = 0x505;
+    /// [`super::FaultHandler`]
+    pub const FAULT_HANDLER: u16 = 0x506;
     /// Used by the VMM's ring-0 exception stubs, not by guests: `al` holds
     /// the vector.
     pub const EXCEPTION: u16 = 0x5ff;
@@ -119,6 +121,42 @@ pub struct Kick {
 pub struct AddressSpace {
     pub root: u64,
 }
+
+/// Reflect the calling vCPU's CPL3 page faults (#PF) to `handler`, a CPL3
+/// address, on the stack whose top is `stack` (16-byte aligned, in RAM above
+/// the system area and writable under every page table the vCPU loads);
+/// `handler` 0 restores the default, a fault that stops the VM.
+///
+/// On a page fault at CPL3 the VMM's ring-0 stub writes a [`PageFault`] at
+/// `stack - 32`, then returns to CPL3 at `handler` with `rsp = stack - 32`
+/// and every other register (RFLAGS included) as the faulting instruction
+/// left them. The handler resumes the program itself (a jump to
+/// `PageFault::rip` with `rsp = PageFault::rsp`). A fault at ring 0 still
+/// stops the VM, as does any fault while no handler is registered: to have
+/// a fault it cannot resolve reported, a handler unregisters and returns
+/// to the faulting instruction, which faults again.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FaultHandler {
+    pub handler: u64,
+    pub stack: u64,
+}
+
+/// What the page-fault stub leaves for a [`FaultHandler`], at its `rsp`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PageFault {
+    /// The faulting address (CR2).
+    pub addr: u64,
+    /// The CPU's page-fault error code (bit 0 present, 1 write, 2 user, 4 fetch).
+    pub error: u64,
+    /// The faulting instruction.
+    pub rip: u64,
+    /// The stack pointer at the fault.
+    pub rsp: u64,
+}
+
+const _: () = assert!(core::mem::size_of::<PageFault>() == 32);
 
 /// Boot information at [`layout::BOOT_INFO_ADDR`], passed in `rdi` to every
 /// vCPU's entry point together with the vCPU index in `rsi`. All addresses

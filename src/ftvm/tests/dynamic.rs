@@ -172,7 +172,8 @@ fn redis_rootfs(tag: &str) -> Rootfs {
     make_rootfs(tag, Path::new(REDIS), &[])
 }
 
-/// Debian's redis-server (glibc, PIE, 17 shared libraries) serves redis-cli.
+/// Debian's redis-server (glibc, PIE, 17 shared libraries) serves redis-cli
+/// and saves a snapshot in a forked child (BGSAVE).
 #[test]
 fn debian_redis_server_answers_redis_cli() {
     let rootfs = redis_rootfs("redis");
@@ -193,6 +194,19 @@ fn debian_redis_server_answers_redis_cli() {
     assert!(info.contains("redis_version:7."), "{info}");
     let memory = cli(&["INFO", "memory"]);
     assert!(memory.contains("mem_allocator:jemalloc"), "{memory}");
+    // BGSAVE: the child shares the server's memory and its libraries'
+    // text copy-on-write (system-call sites rewritten in shared text are
+    // unshared first) and writes the snapshot while the parent serves.
+    assert_eq!(cli(&["BGSAVE"]), "Background saving started");
+    assert_eq!(cli(&["SET", "after", "the fork"]), "OK");
+    let t0 = std::time::Instant::now();
+    while !cli(&["INFO", "persistence"]).contains("rdb_bgsave_in_progress:0") {
+        assert!(t0.elapsed() < std::time::Duration::from_secs(30), "BGSAVE did not finish");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let persistence = cli(&["INFO", "persistence"]);
+    assert!(persistence.contains("rdb_last_bgsave_status:ok"), "{persistence}");
+    assert_eq!(cli(&["GET", "greeting"]), "hello");
     assert_alive(&mut vmm);
 }
 

@@ -164,9 +164,11 @@ fn threads_share_memory_through_futexes_and_join() {
     assert!(text.contains("threads: one-thread signals in_target=1 read_on=1 cancelled=1\n"), "{text}");
 }
 
-/// fork: each child has its own copy of the parent's memory, talks to it
-/// through pipes, and is reaped with its exit or signal status; also with
-/// every `syscall` left trapping (the child's text is a copy too).
+/// fork: each child has its own copy of the parent's memory (shared
+/// copy-on-write: parent, children, a grandchild, a thread and the
+/// runtime's read() each write their own copy), talks to it through pipes,
+/// and is reaped with its exit or signal status; also with every `syscall`
+/// left trapping (the child's text is a copy too).
 #[test]
 fn forked_children_have_their_own_memory_and_are_reaped() {
     for options in ["", "syscall=trap "] {
@@ -186,6 +188,7 @@ fn forked_children_have_their_own_memory_and_are_reaped() {
             "fork: copy ok child_status=7\n",
             "fork: shared region ok refused=1 zero=1 status=5\n",
             "fork: several ok children=4 statuses=46\n",
+            "fork: copy-on-write ok children=4 statuses=126\n",
             "fork: kill ok SIGTERM SIGKILL SIGUSR1\n",
             "fork: stream ok bytes=1048576 nested_status=23\n",
             "fork: vfork ok status=9 spawn=ENOSYS\n",
@@ -266,6 +269,44 @@ fn a_null_function_call_is_a_fault_with_and_without_rewritten_syscalls() {
     for (options, out) in faulted("fault call") {
         assert!(!stdout(&out).contains("the null call returned"), "{options}: {}", stdout(&out));
         assert!(stderr(&out).contains("guest fault on vCPU 0: vector 14 (#PF page fault) at rip 0x0"), "{options}: {}", stderr(&out));
+    }
+}
+
+/// Copy-on-write with too little memory for the copies: a child that
+/// writes three quarters of the region after fork is killed (SIGKILL) at
+/// the write that finds no memory for its copy, and when the parent writes
+/// it, the child sharing it is killed instead; the parent keeps its own
+/// memory either way and the VM goes on.
+#[test]
+fn copy_on_write_without_memory_kills_the_child() {
+    let out = ftvm()
+        .args(["run", "--memory", "512", "--image"])
+        .arg(program("linux-fork"))
+        .arg("--cmdline=rtmem=96 -- fork oom")
+        .output()
+        .expect("ftvm runs");
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
+    assert!(text.contains("fork: oom child writes ok child killed by 9\n"), "{text}");
+    assert!(text.contains("fork: oom parent writes ok child killed by 9\n"), "{text}");
+    let kills = text.lines().filter(|l| l.starts_with("linux: out of memory for a copy-on-write copy: process ")).count();
+    assert_eq!(kills, 2, "{text}");
+}
+
+/// A forked child's write through a null pointer, after a write into
+/// memory it shares with its parent (a copy-on-write fault its runtime
+/// resolves), is reported as any fault: the runtime's page-fault handler
+/// hands back what it does not resolve.
+#[test]
+fn a_null_write_in_a_forked_child_is_a_fault_after_copy_on_write_faults() {
+    for (options, out) in faulted("fault child") {
+        assert!(stdout(&out).contains("fault: child wrote its copy"), "{options}: {}", stdout(&out));
+        assert!(!stdout(&out).contains("the child ended"), "{options}: {}", stdout(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("guest fault on vCPU 0: vector 14 (#PF page fault) at rip 0x40") && err.contains("error code 0x6, address 0x0"),
+            "{options}: {err}"
+        );
     }
 }
 

@@ -1046,6 +1046,35 @@ fn full_replica_disk_pauses(size: u64, epochs: &[&str]) {
     assert!(last.starts_with("ftvm: error: ") && last.contains("never acknowledged"), "{out}");
 }
 
+/// Copy-on-write faults live through a failover: parent and children of a
+/// Linux program take them without pause (a good part of the time inside
+/// the VMM's ring-0 #PF stub or the runtime's CPL3 handler, where many of
+/// the checkpoints land), the primary is killed, and on the backup every
+/// process still reads its own writes alone.
+#[test]
+fn copy_on_write_faults_survive_failover() {
+    let fork = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/images/linux-fork");
+    assert!(fork.exists(), "{} missing: run scripts/build-images.sh", fork.display());
+    let addr = free_addr();
+    let b = backup(&addr, &[]);
+    let mut cmd = ftvm();
+    cmd.args(["run", "--memory", "512", "--insecure", "--replicate-to", &addr, "--epoch-ms", "5", "--trigger", "periodic"])
+        .args(["--cmdline=-- fork cowloop 3000", "--image"])
+        .arg(&fork)
+        .env("FTVM_LOG", "info");
+    let mut p = Process::spawn_collected("ftvm run", &mut cmd).unwrap();
+    wait_for(&mut p, "primary", "fork: cowloop started", Duration::from_secs(60));
+    std::thread::sleep(Duration::from_millis(1000));
+    kill(&mut p);
+    assert!(!p.output().contains("cowloop done"), "the loop finished before the primary was killed:\n{}", p.output());
+    let out = finish(b);
+    let (text, err) = (stdout(&out), stderr(&out));
+    assert!(out.status.success(), "backup failed: {text}{err}");
+    assert!(took_over_at(&err).is_some(), "no takeover: {err}");
+    assert!(text.contains("fork: cowloop done rounds=1 bad=0\n"), "{text}{err}");
+    assert!(!text.contains("fork: cowloop started"), "{text}");
+}
+
 /// A Linux program's forked child lives through a failover: the primary is
 /// killed while the child works (its address space is page tables and
 /// frames in guest RAM, its registers saved with the parent's thread), the

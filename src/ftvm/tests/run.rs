@@ -79,6 +79,31 @@ fn page_table_roots_are_loaded_or_refused_with_a_clear_error() {
     }
 }
 
+/// FAULT_HANDLER: a CPL3 page fault is reflected to the registered
+/// handler on its stack with the fault's record (address, error code, rip,
+/// rsp) and the program's registers; once it is removed the same fault
+/// stops the VM as always; a stack top in the system area is refused.
+#[test]
+fn page_faults_are_reflected_to_a_registered_handler() {
+    let out = run_image("probe", &["--cmdline", "reflect=ok"]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    assert!(
+        stdout(&out).contains("probe: reflect ok addr=0x4000 error=0x7 rip=true rsp=true rbx=0x12345678 stack=true"),
+        "{}",
+        stdout(&out)
+    );
+    let out = run_image("probe", &["--cmdline", "reflect=unregister"]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("vector 14 (#PF page fault)") && err.contains("error code 0x7, address 0x4000"), "{err}");
+    let out = run_image("probe", &["--cmdline", "reflect=badstack"]);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let want = "vCPU 0: bad hypercall 0x506: fault handler stack top 0x1000 is not 16-byte aligned RAM above the system area";
+    assert!(err.contains(want), "{err}");
+    assert!(!stdout(&out).contains("registered"), "{}", stdout(&out));
+}
+
 #[test]
 fn guest_panic_is_reported_with_its_message() {
     let out = run_image("probe", &["--cmdline", "panic"]);

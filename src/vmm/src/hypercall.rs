@@ -43,7 +43,7 @@ fn read_text(shared: &VmShared, buf: u64, len: u64) -> Result<Vec<u8>, String> {
 
 /// Handle `out` to a hypercall port; `None` if `port` is not one.
 pub fn handle(shared: &VmShared, vcpu: u32, port: u16, data: &[u8]) -> Option<Outcome> {
-    if !(port::CONSOLE_WRITE..=port::ADDRESS_SPACE).contains(&port) {
+    if !(port::CONSOLE_WRITE..=port::FAULT_HANDLER).contains(&port) {
         return None;
     }
     let Ok(addr) = <[u8; 4]>::try_from(data).map(u32::from_le_bytes) else {
@@ -56,6 +56,7 @@ pub fn handle(shared: &VmShared, vcpu: u32, port: u16, data: &[u8]) -> Option<Ou
         port::EXIT => read_u64(shared, addr as u64).map(|s| Outcome::Stop(VmExit::Exited(s as u8))),
         port::ABORT => abort(shared, vcpu, addr as u64),
         port::ADDRESS_SPACE => address_space(shared, addr as u64),
+        port::FAULT_HANDLER => fault_handler(shared, vcpu, addr as u64),
         _ => {
             shared.events.signal();
             Ok(Outcome::Continue)
@@ -98,6 +99,26 @@ fn address_space(shared: &VmShared, addr: u64) -> Result<Outcome, String> {
         return Err(format!("page-table root {root:#x} is not a page of RAM above the system area"));
     }
     Ok(Outcome::SetRoot(root))
+}
+
+/// Register (or, with handler 0, remove) the calling vCPU's page-fault
+/// handler: written where its ring-0 #PF stub reads it
+/// (`layout::fault_handler_slot`), guest memory like any other, so
+/// checkpoints and snapshots carry it. The stub writes the fault's record
+/// below the stack top at ring 0, so the top must be RAM above the system
+/// area (a bad one would fault in ring 0 and stop the VM there).
+fn fault_handler(shared: &VmShared, vcpu: u32, addr: u64) -> Result<Outcome, String> {
+    let (handler, stack) = (read_u64(shared, addr)?, read_u64(shared, addr + 8)?);
+    let record = std::mem::size_of::<ftvm_abi::PageFault>() as u64;
+    let in_ram = |a: u64| shared.ram.memory().address_in_range(GuestAddress(a));
+    if handler != 0 && (!stack.is_multiple_of(16) || stack < ftvm_abi::layout::SYSTEM_AREA_END + record || !in_ram(stack - 1)) {
+        return Err(format!("fault handler stack top {stack:#x} is not 16-byte aligned RAM above the system area"));
+    }
+    let stack = if handler == 0 { 0 } else { stack };
+    let slot = crate::arch::layout::fault_handler_slot(vcpu);
+    let mem = shared.ram.memory();
+    mem.write_obj(handler, GuestAddress(slot)).and_then(|()| mem.write_obj(stack, GuestAddress(slot + 8))).map_err(|e| e.to_string())?;
+    Ok(Outcome::Continue)
 }
 
 /// A wait hypercall's arguments: wake when the event sequence moves past

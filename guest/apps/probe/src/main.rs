@@ -38,6 +38,7 @@ fn main(args: &Args) -> i32 {
         ("ticker", spec) => ticker(spec),
         ("sse", "") => sse(),
         ("root", spec) => root(spec),
+        ("reflect", kind) => reflect(kind),
         ("dirty", spec) => dirty(spec),
         ("reread", spec) => reread(spec),
         _ => {
@@ -314,6 +315,116 @@ fn root(spec: &str) -> i32 {
     unsafe { ftvm_rt::set_address_space(root) };
     println!("probe: root {root:#x} loaded");
     0
+}
+
+// The page-fault reflection (FAULT_HANDLER): `probe_reflect(addr)`
+// writes to `addr` with rbx set; the handler keeps the stub's record, what
+// it saw in rbx and its own rsp, and lands back in `probe_reflect` (not at
+// the faulting instruction: the probe has no memory to make writable).
+core::arch::global_asm!(
+    ".globl probe_reflect",
+    "probe_reflect:",
+    "push rbx",
+    "push r12",
+    "mov [rip + PROBE_SAVED_RSP], rsp",
+    "lea rax, [rip + 2f]",
+    "mov [rip + PROBE_LANDING], rax",
+    "mov rbx, 0x12345678",
+    "lea rax, [rip + 1f]",
+    "mov [rip + PROBE_FAULT_AT], rax",
+    "1:",
+    "mov byte ptr [rdi], 1",
+    "ud2",
+    "2:",
+    "mov rsp, [rip + PROBE_SAVED_RSP]",
+    "pop r12",
+    "pop rbx",
+    "ret",
+    ".globl probe_pf_handler",
+    "probe_pf_handler:",
+    "mov [rip + PROBE_SEEN_RBX], rbx",
+    "mov [rip + PROBE_HANDLER_RSP], rsp",
+    "mov rax, [rsp]",
+    "mov [rip + PROBE_RECORD], rax",
+    "mov rax, [rsp + 8]",
+    "mov [rip + PROBE_RECORD + 8], rax",
+    "mov rax, [rsp + 16]",
+    "mov [rip + PROBE_RECORD + 16], rax",
+    "mov rax, [rsp + 24]",
+    "mov [rip + PROBE_RECORD + 24], rax",
+    "jmp [rip + PROBE_LANDING]",
+);
+
+extern "C" {
+    fn probe_reflect(addr: u64);
+    fn probe_pf_handler();
+}
+
+#[no_mangle]
+static mut PROBE_SAVED_RSP: u64 = 0;
+#[no_mangle]
+static mut PROBE_LANDING: u64 = 0;
+#[no_mangle]
+static mut PROBE_FAULT_AT: u64 = 0;
+#[no_mangle]
+static mut PROBE_SEEN_RBX: u64 = 0;
+#[no_mangle]
+static mut PROBE_HANDLER_RSP: u64 = 0;
+#[no_mangle]
+static mut PROBE_RECORD: [u64; 4] = [0; 4];
+
+/// `ok`: a write to the read-only boot information page is reflected to
+/// the handler with its record (address, error code, rip, rsp) and the
+/// program's registers; `unregister`: the same write after the handler is
+/// removed stops the VM as any fault; `badstack`: a stack top in the
+/// system area is refused by the VMM.
+fn reflect(kind: &str) -> i32 {
+    #[repr(C, align(16))]
+    struct Stack([u8; 16384]);
+    static mut STACK: Stack = Stack([0; 16384]);
+    let top = &raw const STACK as u64 + 16384;
+    let handler = probe_pf_handler as *const () as u64;
+    let target = ftvm_rt::abi::layout::BOOT_INFO_ADDR;
+    match kind {
+        "ok" => {
+            // SAFETY: the handler lands back in probe_reflect on its own
+            // stack, which nothing else uses; the fault is the probe's.
+            unsafe {
+                ftvm_rt::set_fault_handler(handler, top);
+                probe_reflect(target);
+                ftvm_rt::set_fault_handler(0, 0);
+            }
+            // SAFETY: written by the handler above, read after it ran.
+            let (rec, rbx, hrsp, at, rsp) = unsafe { (PROBE_RECORD, PROBE_SEEN_RBX, PROBE_HANDLER_RSP, PROBE_FAULT_AT, PROBE_SAVED_RSP) };
+            println!(
+                "probe: reflect ok addr={:#x} error={:#x} rip={} rsp={} rbx={:#x} stack={}",
+                rec[0],
+                rec[1],
+                rec[2] == at,
+                rec[3] == rsp,
+                rbx,
+                hrsp == top - 32
+            );
+            0
+        }
+        "unregister" => {
+            // SAFETY: as above; without a handler the write stops the VM.
+            unsafe {
+                ftvm_rt::set_fault_handler(handler, top);
+                ftvm_rt::set_fault_handler(0, 0);
+                probe_reflect(target);
+            }
+            println!("probe: error: reflect=unregister returned");
+            99
+        }
+        "badstack" => {
+            // SAFETY: the VMM refuses the registration (what the test checks).
+            unsafe { ftvm_rt::set_fault_handler(handler, 0x1000) };
+            println!("probe: error: reflect=badstack registered");
+            99
+        }
+        _ => bad_argument(),
+    }
 }
 
 fn sse() -> i32 {

@@ -27,12 +27,22 @@ pub fn fork(frame: &Frame, rsp: Option<u64>, tls: Option<u64>, child_tid: Option
     let parent = sched::current_process();
     let mem = super::mem::fork_memory();
     let &image = IMAGE.get().expect("image known at start");
-    let space = AddressSpace::fork(image, mem.bounds(), &mem.used())?;
+    let root = parent.own_space();
+    let space = {
+        let mut guard = parent.space.lock();
+        let mine = guard.as_mut().expect("own_space made it");
+        AddressSpace::fork(mine, image, mem.bounds(), &mem.used())
+    };
+    // Entries of the parent's that were writable are read-only now (or the
+    // space is new): load it again, which drops what the TLB kept.
+    sched::reload(root);
+    let space = space?;
     let pid = sched::next_id();
     let child = parent.fork(pid, fd::fork_table(), mem, space);
     if let Some(addr) = child_tid {
         // CLONE_CHILD_SETTID: in the child's memory, which the caller's
-        // tables do not show; written through the child's frame.
+        // tables do not show; written through the child's frame (its own
+        // copy: the write unshares the chunk).
         child.space.lock().as_mut().expect("a forked process has a space").write_u32(addr, pid)?;
     }
     let fs = tls.unwrap_or_else(|| sched::with_current(|t| t.fs_base));

@@ -1,6 +1,10 @@
 //! Memory: brk, mmap/munmap/mremap, mprotect, madvise, on the calling
 //! process's region. In a forked process, memory it claims gets frames of
-//! its own first (`aspace`).
+//! its own first (`aspace`). The runtime writes into program memory here
+//! (zeroing what is released, copying a file or a moved mapping in), so
+//! every such range is unshared first (`aspace::unshare`), before the
+//! allocator's lock is taken: unsharing may take process 1's allocator
+//! (the copy's frame) and, in process 1, its own chunks' other sharers.
 //!
 //! A private file mapping is a copy: the file's bytes are copied into
 //! fresh memory, the rest of the last page left zero (memory is one
@@ -31,8 +35,10 @@ fn with<R>(f: impl FnOnce(&mut Memory) -> R) -> R {
 
 /// Make `[start, end)` of the calling process's region usable: frames for
 /// a forked process's chunks that have none (process 1's memory is the
-/// identity-mapped region itself).
+/// identity-mapped region itself), and none of it shared (the runtime
+/// may copy data in: a file, a moved mapping, a loaded program).
 fn back(start: u64, end: u64) -> Result<(), Errno> {
+    crate::aspace::unshare(start, end.saturating_sub(start))?;
     let p = crate::sched::current_process();
     let mut space = p.space.lock();
     match space.as_mut() {
@@ -48,32 +54,39 @@ pub fn fork_memory() -> Memory {
 }
 
 pub fn brk(addr: u64) -> SysResult {
-    with(|m| {
-        let old = m.brk(0);
-        let top = crate::mm::page_up(old);
-        if addr > top {
-            back(top, crate::mm::page_up(addr).min(m.bounds().1))?;
-        }
-        Ok(m.brk(addr))
-    })
+    let (old, (base, end)) = with(|m| (m.brk(0), m.bounds()));
+    let top = crate::mm::page_up(old);
+    if addr > top {
+        back(top, crate::mm::page_up(addr).min(end))?;
+    } else if addr >= base {
+        // Shrinking zeroes what is given up.
+        crate::aspace::unshare(crate::mm::page_up(addr), top.saturating_sub(crate::mm::page_up(addr)))?;
+    }
+    Ok(with(|m| m.brk(addr)))
 }
 
 /// Claim `[addr, addr + len)` (or `len` bytes wherever they fit) in the
-/// calling process's region, with frames behind it.
+/// calling process's region, with frames behind it, writable by the
+/// runtime (which may copy data in).
 fn claim(addr: u64, len: u64, fixed: bool) -> SysResult {
-    with(|m| {
-        let at = m.map(addr, len, fixed)?;
-        if let Err(e) = back(at, at + crate::mm::page_up(len)) {
-            m.unclaim(at, len);
-            return Err(e);
-        }
-        Ok(at)
-    })
+    if fixed {
+        // MAP_FIXED zeroes what it replaces.
+        crate::aspace::unshare(addr, crate::mm::page_up(len))?;
+    }
+    let at = with(|m| m.map(addr, len, fixed))?;
+    if let Err(e) = back(at, at + crate::mm::page_up(len)) {
+        with(|m| m.unclaim(at, len));
+        return Err(e);
+    }
+    Ok(at)
 }
 
 /// execve: the old program's memory is all given up.
-pub fn reset() {
-    with(|m| m.reset())
+pub fn reset() -> Result<(), Errno> {
+    let (base, end) = with(|m| m.bounds());
+    crate::aspace::unshare(base, end - base)?;
+    with(|m| m.reset());
+    Ok(())
 }
 
 /// Fresh zero memory of `len` bytes wherever it fits (the loader's).
@@ -117,6 +130,7 @@ pub fn mmap(addr: u64, len: u64, prot: u64, flags: u64, fd: u64, offset: u64) ->
 }
 
 pub fn munmap(addr: u64, len: u64) -> SysResult {
+    crate::aspace::unshare(addr, crate::mm::page_up(len))?;
     with(|m| m.unmap(addr, len)).map(|_| 0)
 }
 
@@ -134,24 +148,30 @@ pub fn mremap(old: u64, old_len: u64, new_len: u64, flags: u64) -> SysResult {
         return Err(EINVAL);
     }
     let may_move = flags & MREMAP_MAYMOVE != 0;
-    let forked = crate::sched::current_process().space.lock().is_some();
-    with(|m| {
-        // In a forked process, back the place it may move to first: the
-        // move copies into it (found as the move would find it).
-        if may_move && forked {
-            let probe = m.map(0, new_len, false)?;
-            let r = back(probe, probe + crate::mm::page_up(new_len));
-            m.unclaim(probe, new_len);
-            r?;
+    let remap = || -> SysResult {
+        // Back (and unshare) the place it may move to first: the move
+        // copies into it (found as the move would find it).
+        if may_move {
+            let probe = with(|m| {
+                let probe = m.map(0, new_len, false)?;
+                m.unclaim(probe, new_len);
+                Ok::<u64, Errno>(probe)
+            })?;
+            back(probe, probe + crate::mm::page_up(new_len))?;
         }
-        back(old, old.saturating_add(crate::mm::page_up(new_len)).min(m.bounds().1))?;
-        m.remap(old, old_len, new_len, may_move)
-    })
-    .map_err(|e| if e == EINVAL { EINVAL } else { ENOMEM })
+        // The old range is zeroed where it shrinks or moves away.
+        let span = crate::mm::page_up(old_len.max(new_len));
+        crate::aspace::unshare(old, span)?;
+        let end = with(|m| m.bounds().1);
+        back(old, old.saturating_add(crate::mm::page_up(new_len)).min(end))?;
+        with(|m| m.remap(old, old_len, new_len, may_move))
+    };
+    remap().map_err(|e| if e == EINVAL { EINVAL } else { ENOMEM })
 }
 
 pub fn madvise(addr: u64, len: u64, advice: u64) -> SysResult {
     if advice == MADV_DONTNEED {
+        crate::aspace::unshare(addr, crate::mm::page_up(len))?;
         with(|m| m.discard(addr, len))?;
     }
     Ok(0)

@@ -3,6 +3,9 @@
 //! shares the runtime's identity-mapped address space) and then used
 //! directly. A pointer into the runtime's own memory is not refused; the
 //! program is trusted as much as a process is with its own address space.
+//! Every path by which the runtime writes program memory comes through
+//! [`bytes_mut`] or [`write`] (or unshares itself, `sys::mem`), which break
+//! copy-on-write sharing first (`aspace`).
 
 use alloc::string::String;
 use core::mem::size_of;
@@ -38,11 +41,14 @@ pub fn bytes<'a>(addr: u64, len: u64) -> Result<&'a [u8], Errno> {
     Ok(unsafe { core::slice::from_raw_parts(addr as *const u8, len as usize) })
 }
 
+/// Program memory the runtime writes into: shared (copy-on-write) chunks
+/// in it are unshared first, so the write never faults (`aspace::unshare`).
 pub fn bytes_mut<'a>(addr: u64, len: u64) -> Result<&'a mut [u8], Errno> {
     check(addr, len as usize)?;
     if len == 0 {
         return Ok(&mut []);
     }
+    crate::aspace::unshare(addr, len)?;
     // SAFETY: inside guest RAM (checked); the program handed it to the call.
     Ok(unsafe { core::slice::from_raw_parts_mut(addr as *mut u8, len as usize) })
 }
@@ -55,6 +61,7 @@ pub fn read<T: Copy>(addr: u64) -> Result<T, Errno> {
 
 pub fn write<T>(addr: u64, v: T) -> Result<(), Errno> {
     check(addr, size_of::<T>())?;
+    crate::aspace::unshare(addr, size_of::<T>() as u64)?;
     // SAFETY: inside guest RAM (checked); the program handed it to the call.
     unsafe { (addr as *mut T).write_unaligned(v) };
     Ok(())

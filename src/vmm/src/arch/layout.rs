@@ -27,10 +27,25 @@ pub const TSS_STRIDE: u64 = 0x3000;
 pub const TSS_IOMAP_OFFSET: u64 = 104;
 pub const TSS_LIMIT: u64 = TSS_IOMAP_OFFSET + 8192;
 pub const MAX_VCPUS: u32 = 32;
+/// The page-fault stub (`tables::PAGE_FAULT_STUB`), after the TSSs.
+pub const PF_STUB_ADDR: u64 = TSS_ADDR + MAX_VCPUS as u64 * TSS_STRIDE;
 const _: () = assert!(TSS_LIMIT < TSS_STRIDE);
 
 pub const fn kstack_top(vcpu: u32) -> u64 {
     KSTACKS_ADDR + (vcpu as u64 + 1) * 0x1000
+}
+
+/// Where a vCPU's registered page-fault handler and its stack top are kept
+/// (`ftvm_abi::FaultHandler`): the top 16 bytes of its ring-0 stack, above
+/// where the CPU pushes exception frames, so the stub finds them at a fixed
+/// offset from its stack pointer.
+pub const fn fault_handler_slot(vcpu: u32) -> u64 {
+    kstack_top(vcpu) - 16
+}
+
+/// The ring-0 stack pointer the TSS gives the CPU: below the handler slot.
+pub const fn rsp0(vcpu: u32) -> u64 {
+    fault_handler_slot(vcpu)
 }
 
 pub const fn tss_addr(vcpu: u32) -> u64 {
@@ -64,6 +79,7 @@ mod tests {
             (PD_ADDR, MAX_MEM_GIB * 4096),
             (KSTACKS_ADDR, MAX_VCPUS as u64 * 4096),
             (TSS_ADDR, MAX_VCPUS as u64 * TSS_STRIDE),
+            (PF_STUB_ADDR, 4096),
         ];
         for (i, a) in regions.iter().enumerate() {
             assert!(a.0 + a.1 <= SYSTEM_AREA_END);
