@@ -91,6 +91,8 @@ enum App {
     /// (scripts/build-redis.sh), with the default `syscall=jmp`: its
     /// rewritten text and the runtime's stubs replicate like any memory.
     Redis,
+    /// The same with this many MiB of guest memory (512 for `Redis`).
+    RedisOf(u32),
 }
 
 impl App {
@@ -98,14 +100,15 @@ impl App {
     fn args(self) -> Vec<String> {
         match self {
             App::Kv => vec!["--image".into(), image("kv").display().to_string(), "--cmdline".into(), format!("ip={GUEST_ADDR}/24")],
-            App::Redis => {
+            App::Redis => App::RedisOf(512).args(),
+            App::RedisOf(memory) => {
                 let program = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/images/redis-server");
                 assert!(program.exists(), "{} missing: run scripts/build-redis.sh", program.display());
                 vec![
                     "--image".into(),
                     program.display().to_string(),
                     "--memory".into(),
-                    "512".into(),
+                    memory.to_string(),
                     "--cmdline".into(),
                     format!("ip={GUEST_ADDR}/24 -- redis-server --port {KV_PORT} --save '' --protected-mode no"),
                 ]
@@ -1421,5 +1424,63 @@ fn a_bgsave_child_finishes_after_a_takeover() {
     assert!(backup.stdout().contains("Background saving terminated with success"), "{}", backup.stdout());
     assert_eq!(cli(&["DBSIZE"]), "2001");
     assert_eq!(cli(&["GET", "during"]), "the save");
+    backup.kill();
+}
+
+/// The same with a 1 GiB data set (4 million keys of 200-byte values):
+/// the fork is copy-on-write, so it costs the parent a few milliseconds
+/// (`latest_fork_usec`, printed), and the child's save, which the parent's
+/// writes meanwhile make copy chunks of 2 MiB, goes on on the backup after
+/// the takeover and finishes.
+#[test]
+#[ignore = "a soak: a 1 GiB BGSAVE under protection and a takeover during it, about two minutes; run with --ignored"]
+fn a_bgsave_of_1_gib_finishes_after_a_takeover() {
+    let topo = Topology::new("failbgg").unwrap();
+    topo.restore().unwrap();
+    let dir = scratch_for("failover", "bgsave-gib");
+    let (mut backup, mut primary, _socket) = start_protected(&topo, &dir, ("backup", "primary"), App::RedisOf(3072), &[]);
+    let cli = |args: &[&str]| {
+        let (ok, out) = topo.redis_cli(GUEST_ADDR, args);
+        assert!(ok, "redis-cli {args:?}: {out}");
+        out.trim().to_owned()
+    };
+    let info = |section: &str, name: &str| {
+        let info = cli(&["INFO", section]);
+        let prefix = format!("{name}:");
+        info.lines().find_map(|l| l.strip_prefix(&prefix)).map(|v| v.trim().to_owned()).unwrap_or_else(|| panic!("no {name}: {info}"))
+    };
+    let t0 = Instant::now();
+    // In batches: redis-cli waits at most 10 s for an answer.
+    for batch in 0..40 {
+        assert_eq!(cli(&["DEBUG", "POPULATE", "100000", &format!("b{batch}"), "200"]), "OK");
+    }
+    let used: u64 = info("memory", "used_memory").parse().unwrap();
+    eprintln!("populated {} MiB in {:?}", used >> 20, t0.elapsed());
+    assert!(used >= 1 << 30, "only {used} bytes used");
+    // (No rdb-key-save-delay: a sleep per key would be the guest's timer's
+    // 200 us each, 4 million of them. Saving 1 GiB takes seconds anyway.)
+    assert_eq!(cli(&["BGSAVE"]), "Background saving started");
+    let fork_us: u64 = info("stats", "latest_fork_usec").parse().unwrap();
+    eprintln!("fork of {} MiB under protection: {fork_us} us", used >> 20);
+    // The parent writes while its child saves: copy-on-write copies.
+    let keys: Vec<String> = (0..200).map(|i| format!("b{}:{}", i % 40, i * 400)).collect();
+    let mset: Vec<&str> = std::iter::once("MSET").chain(keys.iter().flat_map(|k| [k.as_str(), "rewritten"])).collect();
+    assert_eq!(cli(&mset), "OK");
+    assert_eq!(cli(&["SET", "during", "the save"]), "OK");
+    assert_eq!(info("persistence", "rdb_bgsave_in_progress"), "1", "the save ended before the takeover");
+    primary.kill();
+    let err = wait_log(&mut backup, "PRIMARY LOST", Duration::from_secs(20));
+    assert!(took_over_at(&err).is_some(), "{err}");
+    let t1 = Instant::now();
+    while info("persistence", "rdb_bgsave_in_progress") != "0" {
+        assert!(t1.elapsed() < Duration::from_secs(120), "the save did not finish on the new primary:\n{}", backup.output());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!("the save finished {:?} after the takeover", t1.elapsed());
+    assert_eq!(info("persistence", "rdb_last_bgsave_status"), "ok", "{}", backup.output());
+    assert!(backup.stdout().contains("Background saving terminated with success"), "{}", backup.stdout());
+    assert_eq!(cli(&["DBSIZE"]), "4000001");
+    assert_eq!(cli(&["GET", "during"]), "the save");
+    assert_eq!(cli(&["GET", "b1:400"]), "rewritten");
     backup.kill();
 }
