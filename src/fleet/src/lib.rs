@@ -24,5 +24,5 @@ pub mod store;
 
 pub use placement::Fleet;
 pub use records::{Host, Placement, Report, Role};
-pub use spec::{SpecError, VmSpec};
+pub use spec::{Protection, SpecError, VmSpec};
 pub use store::{Store, StoreError};

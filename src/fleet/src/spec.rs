@@ -9,6 +9,9 @@ pub enum Protection {
     /// A primary and a backup on two hosts (`ftvm run --replicate-to`).
     #[default]
     PrimaryBackup,
+    /// Three consensus-ordered replicas on three hosts (`ftvm replica`):
+    /// two run the VM, the third is a witness without one.
+    Vsmr,
 }
 
 /// One VM of the fleet.
@@ -34,7 +37,8 @@ pub struct VmSpec {
     pub disk_mib: Option<u64>,
     #[serde(default)]
     pub protection: Protection,
-    /// More options for the primary's `ftvm run` (`["--epoch-ms", "20"]`).
+    /// More options for the primary's `ftvm run` (`["--epoch-ms", "20"]`),
+    /// or with `vsmr` for each VM replica's `ftvm replica`.
     #[serde(default)]
     pub args: Vec<String>,
 }
@@ -84,6 +88,16 @@ impl VmSpec {
         if octets[0].as_ref().is_ok_and(|o| o & 1 == 1) {
             return bad(format!("mac {}: a multicast address", self.mac));
         }
+        if self.protection == Protection::Vsmr {
+            // Each VM replica checks its disk against the leader's at every
+            // full syncvm; the fleet does not place replicas with disks yet.
+            if self.disk_mib.is_some() {
+                return bad("disk_mib: not with protection = \"vsmr\" (the fleet places VSMR replicas without disks)".into());
+            }
+            if !self.memory_mib.is_multiple_of(2) {
+                return bad(format!("memory_mib {}: a multiple of 2 with protection = \"vsmr\"", self.memory_mib));
+            }
+        }
         Ok(())
     }
 }
@@ -119,5 +133,16 @@ mod tests {
         assert!(err(&format!("{GOOD}\ndisk_mib = 0")).contains("disk_mib 0"));
         assert!(err(&format!("{GOOD}\ncolour = 1")).contains("unknown field"));
         assert!(err("name = ").starts_with("not a VM spec"));
+        assert!(err(&format!("{GOOD}\nprotection = \"raid\"")).contains("unknown variant `raid`"));
+    }
+
+    #[test]
+    fn a_vsmr_spec_has_no_disk_and_an_even_memory() {
+        let vsmr = format!("{GOOD}\nprotection = \"vsmr\"");
+        assert_eq!(VmSpec::from_toml(&vsmr).unwrap().protection, Protection::Vsmr);
+        let err = |text: &str| VmSpec::from_toml(text).unwrap_err().to_string();
+        assert!(err(&format!("{vsmr}\ndisk_mib = 8")).contains("disk_mib: not with protection = \"vsmr\""));
+        assert!(err(&vsmr.replace("memory_mib = 64", "memory_mib = 65")).contains("a multiple of 2"));
+        assert_eq!(err(&format!("{vsmr}\ndisk_mib = 8")).lines().count(), 1);
     }
 }
