@@ -243,7 +243,7 @@ impl Local {
             _ => now_ms(),
         };
         p.seen = Some((role, st.protected, since));
-        Some(Report { host: host.to_string(), role, protected: st.protected, pid: p.pid, since_ms: since })
+        Some(Report { host: host.to_string(), role, protected: st.protected, pid: p.pid, since_ms: since, voters: Vec::new() })
     }
 
     /// Send `request` to `vm`'s process.
