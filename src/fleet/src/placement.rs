@@ -25,7 +25,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::records::{Host, Placement, Report, Role, Slot};
+use crate::records::{Host, Placement, Report, Role};
 pub use crate::room::FIRST_PORT;
 use crate::room::{free_port, no_room, usable, Room};
 use crate::slots;
@@ -70,23 +70,6 @@ impl Fleet {
     /// Whether `vm` is placed on `host`, as primary, backup or VSMR replica.
     pub fn placed_on(&self, vm: &str, host: &str) -> bool {
         self.placements.get(vm).is_some_and(|(p, _)| p.hosts().any(|h| h == host))
-    }
-}
-
-impl Placement {
-    /// The hosts this placement gives a process: primary, backup, VSMR
-    /// replicas (the replacement under way included).
-    pub fn hosts(&self) -> impl Iterator<Item = &str> {
-        let replicas = self.replicas.iter().chain(self.replacing.as_ref().map(|r| &r.slot)).map(|s| s.host.as_str());
-        self.primary.as_deref().into_iter().chain(self.backup.as_deref()).chain(replicas)
-    }
-
-    /// The VSMR replica this placement gives `host`, if any (the
-    /// replacement under way included), and whether it joins the group
-    /// (the replacement) rather than being one of its members.
-    pub fn slot_on(&self, host: &str) -> Option<(&Slot, bool)> {
-        let member = self.replicas.iter().find(|s| s.host == host).map(|s| (s, false));
-        member.or_else(|| self.replacing.as_ref().filter(|r| r.slot.host == host).map(|r| (&r.slot, true)))
     }
 }
 

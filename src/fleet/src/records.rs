@@ -44,6 +44,30 @@ pub struct Placement {
     pub next_id: u64,
 }
 
+impl Placement {
+    /// The hosts this placement gives a process: primary, backup, VSMR
+    /// replicas (the replacement under way included).
+    pub fn hosts(&self) -> impl Iterator<Item = &str> {
+        let replicas = self.replicas.iter().chain(self.replacing.as_ref().map(|r| &r.slot)).map(|s| s.host.as_str());
+        self.primary.as_deref().into_iter().chain(self.backup.as_deref()).chain(replicas)
+    }
+
+    /// The VSMR replica this placement gives `host`, if any (the
+    /// replacement under way included), and whether it joins the group
+    /// (the replacement) rather than being one of its members.
+    pub fn slot_on(&self, host: &str) -> Option<(&Slot, bool)> {
+        let member = self.replicas.iter().find(|s| s.host == host).map(|s| (s, false));
+        member.or_else(|| self.replacing.as_ref().filter(|r| r.slot.host == host).map(|r| (&r.slot, true)))
+    }
+
+    /// The members as `ftvm replica --peers` takes them (`1=HOST:PORT,...`),
+    /// but `but`.
+    pub fn peers(&self, but: Option<u64>) -> String {
+        let each: Vec<String> = self.replicas.iter().filter(|s| Some(s.id) != but).map(|s| format!("{}={}", s.id, s.addr())).collect();
+        each.join(",")
+    }
+}
+
 fn is_zero(n: &u64) -> bool {
     *n == 0
 }
@@ -54,11 +78,21 @@ pub struct Slot {
     /// Its raft id in the VM's group.
     pub id: u64,
     pub host: String,
-    /// The port it listens on for the other replicas, on its host's `repl_addr`.
+    /// Its host's `repl_addr` when it was placed: the group reaches it at
+    /// `repl_addr:port`, also once the host is gone.
+    pub repl_addr: String,
+    /// The port it listens on for the other replicas.
     pub port: u16,
     /// Votes and keeps the log, runs no VM.
     #[serde(default)]
     pub witness: bool,
+}
+
+impl Slot {
+    /// Where the other replicas reach it (`HOST:PORT` of `--peers`).
+    pub fn addr(&self) -> String {
+        format!("{}:{}", self.repl_addr, self.port)
+    }
 }
 
 /// A new replica (`ftvm replica --join`) that takes the place of replica

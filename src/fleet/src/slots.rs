@@ -74,7 +74,8 @@ pub(crate) fn plan(
             Ok(hosts) => {
                 let first = p.next_id.max(1);
                 for (i, host) in hosts.into_iter().enumerate() {
-                    let slot = Slot { id: first + i as u64, host, port: free_port(ports), witness: i == REPLICAS - 1 };
+                    let repl_addr = fleet.hosts[&host].repl_addr.clone();
+                    let slot = Slot { id: first + i as u64, host, repl_addr, port: free_port(ports), witness: i == REPLICAS - 1 };
                     ports.insert(slot.port);
                     room.take_slot(&slot, spec);
                     p.replicas.push(slot);
@@ -109,7 +110,8 @@ pub(crate) fn plan(
     let Some(host) = room.for_replica(fleet, spec, &taken, old.witness) else {
         return Some(format!("unprotected: replica {} is lost and there is {}", old.id, no_room(spec, "other host")));
     };
-    let slot = Slot { id: p.next_id.max(1), host, port: free_port(ports), witness: old.witness };
+    let repl_addr = fleet.hosts[&host].repl_addr.clone();
+    let slot = Slot { id: p.next_id.max(1), host, repl_addr, port: free_port(ports), witness: old.witness };
     ports.insert(slot.port);
     room.take_slot(&slot, spec);
     p.next_id = slot.id + 1;

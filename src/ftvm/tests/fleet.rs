@@ -5,10 +5,14 @@
 //! it SIGKILLed); the VM goes on serving from its backup's host, is
 //! protected again on the third host, and has every acknowledged write;
 //! the host comes back and the fleet evens out onto it. No VM ever has
-//! two primaries. Needs root, iproute2, redis-cli, etcd.
+//! two primaries. A VSMR VM (`protection = "vsmr"`) on four hosts beside a
+//! primary-backup one: the host of its leader dies, a new replica with a
+//! new id joins on the fourth host, and the clients of both VMs lose no
+//! acknowledged write. Needs root, iproute2, redis-cli, etcd.
 
 mod common;
 
+use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -20,6 +24,7 @@ use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::netns;
 use ftvm_testkit::process::Process;
 use ftvm_testkit::topology::{Topology, FLEET_ETCD_ADDR};
+use ftvm_testkit::writers::{self, Writers};
 
 const VMS: [(&str, &str, &str); 2] = [("kva", "10.0.0.11", "52:54:00:00:00:11"), ("kvb", "10.0.0.12", "52:54:00:00:00:12")];
 
@@ -39,11 +44,13 @@ fn all_protected(f: &Fleet) -> bool {
     VMS.iter().all(|(vm, _, _)| f.protected(vm))
 }
 
-/// Hosts whose process for `vm` says it runs the VM, but for `dead` (its
-/// reports stay until its lease expires, though nothing runs there).
+/// Hosts whose process for `vm` says it runs the VM (a primary, a VSMR
+/// leader), but for `dead` (its reports stay until its lease expires,
+/// though nothing runs there).
 fn primaries(f: &Fleet, vm: &str, dead: Option<&str>) -> Vec<String> {
     let reports = f.reports.get(vm).into_iter().flatten();
-    reports.filter(|(h, r)| r.role == Role::Primary && Some(h.as_str()) != dead).map(|(h, _)| h.clone()).collect()
+    let serves = |r: &ftvm_fleet::Report| matches!(r.role, Role::Primary | Role::Leader);
+    reports.filter(|(h, r)| serves(r) && Some(h.as_str()) != dead).map(|(h, _)| h.clone()).collect()
 }
 
 /// The fleet as etcd holds it (read from the lan namespace, where etcd serves).
@@ -57,7 +64,7 @@ fn wait_fleet(topo: &Topology, store: &Store, dead: Option<&str>, timeout: Durat
     let deadline = Instant::now() + timeout;
     loop {
         let f = read(topo, store);
-        for (vm, _, _) in VMS {
+        for vm in f.vms.keys() {
             let p = primaries(&f, vm, dead);
             assert!(p.len() <= 1, "{what}: {vm} has two primaries: {p:?}");
         }
@@ -93,11 +100,28 @@ fn create(
     memory_mib: u64,
     disk: bool,
 ) -> std::process::Output {
+    let (aof, disk) = if disk { (" aof=on", "disk_mib = 8\n") } else { ("", "") };
+    create_with(topo, dir, etcd, vm, addr, mac, memory_mib, aof, disk)
+}
+
+/// Write a spec for `vm` (`cmdline` after the address, `more` lines) and
+/// create it with `ftvm vm create`.
+#[allow(clippy::too_many_arguments)]
+fn create_with(
+    topo: &Topology,
+    dir: &std::path::Path,
+    etcd: &str,
+    vm: &str,
+    addr: &str,
+    mac: &str,
+    memory_mib: u64,
+    cmdline: &str,
+    more: &str,
+) -> std::process::Output {
     let spec = dir.join(format!("{vm}.toml"));
     let image = image("kv");
-    let (aof, disk) = if disk { (" aof=on", "disk_mib = 8\n") } else { ("", "") };
     let text = format!(
-        "name = \"{vm}\"\nimage = \"{}\"\nmemory_mib = {memory_mib}\ncmdline = \"ip={addr}/24{aof}\"\nmac = \"{mac}\"\n{disk}",
+        "name = \"{vm}\"\nimage = \"{}\"\nmemory_mib = {memory_mib}\ncmdline = \"ip={addr}/24{cmdline}\"\nmac = \"{mac}\"\n{more}",
         image.display()
     );
     std::fs::write(&spec, text).unwrap();
@@ -111,7 +135,7 @@ fn secret_in(dir: &std::path::Path) -> std::path::PathBuf {
     secret
 }
 
-/// Three hosts with an agent each, and the fleet's etcd.
+/// Hosts with an agent each, and the fleet's etcd.
 struct Rig {
     topo: Topology,
     etcd: Etcd,
@@ -122,12 +146,16 @@ struct Rig {
 
 impl Rig {
     fn new(dir: &ftvm_testkit::scratch::Scratch) -> Rig {
-        let topo = Topology::fleet("flee", 3).unwrap();
+        Rig::with_hosts(dir, 3)
+    }
+
+    fn with_hosts(dir: &ftvm_testkit::scratch::Scratch, hosts: u32) -> Rig {
+        let topo = Topology::fleet("flee", hosts).unwrap();
         std::fs::create_dir_all(dir.join("etcd")).unwrap();
         let etcd = Etcd::start_in(&dir.join("etcd"), &topo.ns("lan"), &[FLEET_ETCD_ADDR]).unwrap();
         let store = Store::new(etcd.endpoint());
         let secret = secret_in(dir.path());
-        let agents = (1..=3).map(|h| agent(&topo, dir.path(), etcd.endpoint(), h, &secret)).collect();
+        let agents = (1..=hosts).map(|h| agent(&topo, dir.path(), etcd.endpoint(), h, &secret)).collect();
         Rig { topo, etcd, store, secret, agents }
     }
 }
@@ -313,6 +341,140 @@ fn vms_stay_protected_when_a_host_dies() {
     // Deleting a VM stops its processes.
     cli(&topo, &["vm", "delete", "--etcd", etcd.endpoint(), "kvb"]);
     wait_fleet(&topo, &store, None, Duration::from_secs(20), "kvb's reports gone", |f| !f.reports.contains_key("kvb"));
+    for a in &mut agents {
+        if a.running() {
+            a.signal(libc::SIGTERM).unwrap();
+        }
+    }
+}
+
+/// Tracked writers (a SET every 20 ms per connection) from the client
+/// namespace to the kv guest at `addr`.
+fn writers(topo: &Topology, addr: &str, prefix: &str) -> Writers {
+    let config = writers::Config {
+        addr: SocketAddr::new(addr.parse().unwrap(), 6379),
+        netns: Some(topo.ns("client")),
+        connections: 4,
+        pipeline: 1,
+        value_len: 64,
+        prefix: prefix.into(),
+        timeout: Duration::from_millis(500),
+    };
+    Writers::start_paced(config, Duration::from_millis(20)).unwrap()
+}
+
+fn wait_acked_beyond(w: &Writers, n: u64, what: &str) {
+    let t0 = Instant::now();
+    while w.acked() <= n {
+        assert!(t0.elapsed() < Duration::from_secs(30), "{what}: no write acknowledged beyond {n}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Every write `w` saw acknowledged reads back from the guest at `addr`.
+fn verify(topo: &Topology, addr: &str, w: Writers, vm: &str) -> usize {
+    let gap = w.longest_gap();
+    let report = w.stop();
+    assert!(!report.acked.is_empty(), "{vm}: no write was acknowledged");
+    let guest = SocketAddr::new(addr.parse().unwrap(), 6379);
+    let v = writers::verify(guest, Some(&topo.ns("client")), &report.acked, 64, Instant::now() + Duration::from_secs(30)).unwrap();
+    assert_eq!(
+        v.lost(),
+        0,
+        "{vm}: acknowledged writes lost: {} missing, {} wrong of {} (e.g. {:?})",
+        v.missing.len(),
+        v.wrong.len(),
+        v.checked,
+        v.missing.iter().chain(&v.wrong).take(5).collect::<Vec<_>>()
+    );
+    eprintln!("{vm}: {} acknowledged writes, none lost; the longest a client went without an acknowledgement: {gap:?}", v.checked);
+    report.acked.len()
+}
+
+/// The hosts of VSMR VM `vm`'s replicas: (id, host) in id order, and the
+/// host of the one that reports leading.
+fn replicas(f: &Fleet, vm: &str) -> (Vec<(u64, String)>, Option<String>) {
+    let p = &f.placements[vm].0;
+    let leader = p.replicas.iter().find(|s| f.reports(vm, &s.host, Role::Leader, false)).map(|s| s.host.clone());
+    (p.replicas.iter().map(|s| (s.id, s.host.clone())).collect(), leader)
+}
+
+/// A VSMR VM and a primary-backup VM on four hosts, both under tracked
+/// writers. The VSMR VM's three replicas are on three hosts; the host of
+/// its leader dies (links cut, every process SIGKILLed). Its secondary
+/// takes over by itself (the group's election), the fleet places a new
+/// replica (id 4) on the host that had none, the leader's agent asks the
+/// group to replace the lost replica by it, and the fleet shows the VM
+/// protected again with the new replica as a member. No acknowledged
+/// write of either VM is lost, and the clients kept being served.
+#[test]
+fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
+    let dir = scratch_for("fleet", "vsmr");
+    let Rig { topo, etcd, store, mut agents, .. } = Rig::with_hosts(&dir, 4);
+    let (pb, pb_addr, pb_mac) = VMS[1];
+    let (vm, addr, mac) = ("kvv", "10.0.0.13", "52:54:00:00:00:13");
+    let out = create_with(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64, "", "protection = \"vsmr\"\n");
+    assert!(out.status.success(), "{out:?}");
+    assert!(create(&topo, dir.path(), etcd.endpoint(), pb, pb_addr, pb_mac, 64, false).status.success());
+    let started = Instant::now();
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(90), "both VMs protected", |f| f.protected(vm) && f.protected(pb));
+    eprintln!("both VMs protected {:?} after creation", started.elapsed());
+    let (members, leader) = replicas(&f, vm);
+    assert_eq!(members.iter().map(|m| m.0).collect::<Vec<_>>(), [1, 2, 3], "{members:?}");
+    assert_eq!(members.iter().map(|m| &m.1).collect::<std::collections::BTreeSet<_>>().len(), 3, "{members:?}");
+    let leader = leader.expect("a replica leads");
+    let list = cli(&topo, &["vm", "list", "--etcd", etcd.endpoint()]);
+    let row = list.lines().find(|l| l.starts_with("kvv ")).unwrap_or_default();
+    assert!(row.contains(" vsmr ") && row.contains(" yes ") && row.contains(&format!(" {leader} ")), "{list}");
+
+    for a in [addr, pb_addr] {
+        assert!(topo.wait_for_ping(a, Duration::from_secs(10)), "{a} does not answer ping");
+    }
+    let w = writers(&topo, addr, "v");
+    let wpb = writers(&topo, pb_addr, "p");
+    wait_acked_beyond(&w, 100, "VSMR VM before the host died");
+    wait_acked_beyond(&wpb, 100, "primary-backup VM before the host died");
+
+    // The host of the VSMR leader dies.
+    let dead = leader;
+    let dead_index: usize = dead[1..].parse().unwrap();
+    topo.cut_host(&dead).unwrap();
+    let pids = Command::new("ip").args(["netns", "pids", &topo.ns(&dead)]).output().unwrap();
+    for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
+        // SAFETY: SIGKILL to a process of the test's own namespace.
+        unsafe { libc::kill(pid.parse().unwrap(), libc::SIGKILL) };
+    }
+    let _ = agents[dead_index - 1].kill();
+    let died = Instant::now();
+    let acked = w.acked();
+    wait_acked_beyond(&w, acked + 50, "the VSMR VM after its leader's host died");
+    eprintln!("the VSMR VM served again {:?} after its leader's host {dead} died", died.elapsed());
+
+    let spare = (1..=4).map(|h| format!("h{h}")).find(|h| !members.iter().any(|m| &m.1 == h)).unwrap();
+    let after = wait_fleet(&topo, &store, Some(&dead), Duration::from_secs(90), "the VSMR VM protected again", |f| {
+        !f.hosts.contains_key(&dead) && f.protected(vm) && !f.placed_on(vm, &dead) && f.protected(pb) && !f.placed_on(pb, &dead)
+    });
+    eprintln!("both VMs protected again {:?} after host {dead} died", died.elapsed());
+    let (now, leader) = replicas(&after, vm);
+    let lost = members.iter().find(|m| m.1 == dead).unwrap().0;
+    let mut ids: Vec<u64> = members.iter().map(|m| m.0).filter(|id| *id != lost).collect();
+    ids.push(4);
+    assert_eq!(now.iter().map(|m| m.0).collect::<Vec<_>>(), ids, "replica 4 replaced replica {lost}: {now:?}");
+    assert!(now.contains(&(4, spare.clone())), "the new replica is on the host that had none ({spare}): {now:?}");
+    assert!(leader.is_some_and(|l| l != dead));
+    let voters = &after.reports[vm][&now[0].1].voters;
+    assert_eq!(voters, &ids, "the group's voters");
+    assert!(after.placements[vm].0.next_id == 5 && after.placements[vm].0.replacing.is_none(), "{:?}", after.placements[vm]);
+    let list = cli(&topo, &["vm", "list", "--etcd", etcd.endpoint()]);
+    assert!(list.lines().any(|l| l.starts_with("kvv ") && l.contains(" yes ")), "{list}");
+
+    // Served on, protected by the new replica.
+    let acked = w.acked();
+    wait_acked_beyond(&w, acked + 100, "the VSMR VM protected again");
+    wait_acked_beyond(&wpb, wpb.acked() + 100, "the primary-backup VM protected again");
+    topo.forget_guest().unwrap();
+    verify(&topo, addr, w, vm);
+    verify(&topo, pb_addr, wpb, pb);
     for a in &mut agents {
         if a.running() {
             a.signal(libc::SIGTERM).unwrap();
