@@ -410,7 +410,7 @@ fn replicas(f: &Fleet, vm: &str) -> (Vec<(u64, String)>, Option<String>) {
 #[test]
 fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
     let dir = scratch_for("fleet", "vsmr");
-    let Rig { topo, etcd, store, mut agents, .. } = Rig::with_hosts(&dir, 4);
+    let Rig { topo, etcd, store, mut agents, secret, .. } = Rig::with_hosts(&dir, 4);
     let (pb, pb_addr, pb_mac) = VMS[1];
     let (vm, addr, mac) = ("kvv", "10.0.0.13", "52:54:00:00:00:13");
     let out = create_with(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64, "", "protection = \"vsmr\"\n");
@@ -426,6 +426,18 @@ fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
     let list = cli(&topo, &["vm", "list", "--etcd", etcd.endpoint()]);
     let row = list.lines().find(|l| l.starts_with("kvv ")).unwrap_or_default();
     assert!(row.contains(" vsmr ") && row.contains(" yes ") && row.contains(&format!(" {leader} ")), "{list}");
+
+    // A restarted agent keeps the replica it runs (no new process, no new
+    // member).
+    let other = members.iter().find(|m| m.1 != leader).unwrap().1.clone();
+    let index: usize = other[1..].parse().unwrap();
+    let pid = f.reports[vm][&other].pid;
+    let _ = agents[index - 1].kill();
+    agents[index - 1] = agent(&topo, dir.path(), etcd.endpoint(), index as u32, &secret);
+    std::thread::sleep(Duration::from_secs(3));
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(10), "kvv still protected", |f| f.protected(vm));
+    assert_eq!(f.reports[vm][&other].pid, pid, "the restarted agent started the replica again");
+    assert_eq!(replicas(&f, vm).0, members, "the replicas moved while an agent restarted");
 
     for a in [addr, pb_addr] {
         assert!(topo.wait_for_ping(a, Duration::from_secs(10)), "{a} does not answer ping");
@@ -475,6 +487,23 @@ fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
     topo.forget_guest().unwrap();
     verify(&topo, addr, w, vm);
     verify(&topo, pb_addr, wpb, pb);
+
+    // Two more hosts of the VSMR VM die: its last replica has no quorum,
+    // and the fleet says so rather than replacing anything.
+    let survivor = now[0].1.clone();
+    for (_, host) in &now[1..] {
+        let index: usize = host[1..].parse().unwrap();
+        topo.cut_host(host).unwrap();
+        let _ = agents[index - 1].kill();
+    }
+    let f = wait_fleet(&topo, &store, Some(&dead), Duration::from_secs(30), "the VSMR VM's quorum lost", |f| {
+        f.unplaced.get(vm).is_some_and(|why| why.starts_with("quorum lost"))
+    });
+    assert!(f.placements[vm].0.replacing.is_none(), "{:?}", f.placements[vm]);
+    let list = cli(&topo, &["vm", "list", "--etcd", etcd.endpoint()]);
+    eprintln!("{list}");
+    let row = list.lines().find(|l| l.starts_with("kvv ")).unwrap_or_default();
+    assert!(row.contains(&format!("quorum lost: only replica {} on {survivor} of 3 survives", now[0].0)) && row.contains(" no "), "{list}");
     for a in &mut agents {
         if a.running() {
             a.signal(libc::SIGTERM).unwrap();
