@@ -1,7 +1,9 @@
 //! `ftvm agent`: one per host. It enters the host in the fleet under a
 //! lease it keeps renewing, leads the fleet's placement when no other
-//! agent does, runs the VM processes the placements give its host, and
-//! reports what they are (`local`).
+//! agent does, runs the VM processes the placements give its host (a
+//! primary, a backup, a VSMR replica), and reports what they are
+//! (`local`). Where its VSMR replica leads a group that is to replace a
+//! lost member, it asks that replica to (`replica_replace`).
 //!
 //! Restarting the agent restarts nothing: the VM processes run in their
 //! own sessions, and the new agent adopts them and takes over the lease
