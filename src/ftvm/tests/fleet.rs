@@ -371,8 +371,9 @@ fn wait_acked_beyond(w: &Writers, n: u64, what: &str) {
     }
 }
 
-/// Every write `w` saw acknowledged reads back from the guest at `addr`.
-fn verify(topo: &Topology, addr: &str, w: Writers, vm: &str) -> usize {
+/// Every write `w` saw acknowledged reads back from the guest at `addr`;
+/// their keys.
+fn verify(topo: &Topology, addr: &str, w: Writers, vm: &str) -> Vec<String> {
     let gap = w.longest_gap();
     let report = w.stop();
     assert!(!report.acked.is_empty(), "{vm}: no write was acknowledged");
@@ -388,7 +389,19 @@ fn verify(topo: &Topology, addr: &str, w: Writers, vm: &str) -> usize {
         v.missing.iter().chain(&v.wrong).take(5).collect::<Vec<_>>()
     );
     eprintln!("{vm}: {} acknowledged writes, none lost; the longest a client went without an acknowledgement: {gap:?}", v.checked);
-    report.acked.len()
+    report.acked
+}
+
+/// Host `host` dies: its links cut, its processes SIGKILLed (its agent too).
+fn kill_host(topo: &Topology, host: &str, agents: &mut [Process]) {
+    topo.cut_host(host).unwrap();
+    let pids = Command::new("ip").args(["netns", "pids", &topo.ns(host)]).output().unwrap();
+    for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
+        // SAFETY: SIGKILL to a process of the test's own namespace.
+        unsafe { libc::kill(pid.parse().unwrap(), libc::SIGKILL) };
+    }
+    let index: usize = host[1..].parse().unwrap();
+    let _ = agents[index - 1].kill();
 }
 
 /// The hosts of VSMR VM `vm`'s replicas: (id, host) in id order, and the
@@ -406,7 +419,12 @@ fn replicas(f: &Fleet, vm: &str) -> (Vec<(u64, String)>, Option<String>) {
 /// replica (id 4) on the host that had none, the leader's agent asks the
 /// group to replace the lost replica by it, and the fleet shows the VM
 /// protected again with the new replica as a member. No acknowledged
-/// write of either VM is lost, and the clients kept being served.
+/// write of either VM is lost, and the clients kept being served. Before,
+/// a restarted agent kept its replica; after, two more of its hosts go
+/// (one killed, one cut off): the fleet says the quorum is lost and
+/// replaces nothing; they come back with new agents (the killed VM
+/// replica started again under its id) and the group is whole again with
+/// its acknowledged writes.
 #[test]
 fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
     let dir = scratch_for("fleet", "vsmr");
@@ -449,14 +467,7 @@ fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
 
     // The host of the VSMR leader dies.
     let dead = leader;
-    let dead_index: usize = dead[1..].parse().unwrap();
-    topo.cut_host(&dead).unwrap();
-    let pids = Command::new("ip").args(["netns", "pids", &topo.ns(&dead)]).output().unwrap();
-    for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
-        // SAFETY: SIGKILL to a process of the test's own namespace.
-        unsafe { libc::kill(pid.parse().unwrap(), libc::SIGKILL) };
-    }
-    let _ = agents[dead_index - 1].kill();
+    kill_host(&topo, &dead, &mut agents);
     let died = Instant::now();
     let acked = w.acked();
     wait_acked_beyond(&w, acked + 50, "the VSMR VM after its leader's host died");
@@ -485,17 +496,24 @@ fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
     wait_acked_beyond(&w, acked + 100, "the VSMR VM protected again");
     wait_acked_beyond(&wpb, wpb.acked() + 100, "the primary-backup VM protected again");
     topo.forget_guest().unwrap();
-    verify(&topo, addr, w, vm);
+    let acked = verify(&topo, addr, w, vm);
     verify(&topo, pb_addr, wpb, pb);
 
-    // Two more hosts of the VSMR VM die: its last replica has no quorum,
-    // and the fleet says so rather than replacing anything.
+    // Two more hosts of the VSMR VM go: one dies (every process killed),
+    // the other is cut off with its replica running. The last replica has
+    // no quorum, and the fleet says so rather than replacing anything.
+    // (The primary-backup VM goes first: it would start afresh meanwhile.)
+    cli(&topo, &["vm", "delete", "--etcd", etcd.endpoint(), pb]);
+    wait_fleet(&topo, &store, Some(&dead), Duration::from_secs(20), "kvb's processes stopped", |f| !f.reports.contains_key(pb));
     let survivor = now[0].1.clone();
-    for (_, host) in &now[1..] {
-        let index: usize = host[1..].parse().unwrap();
-        topo.cut_host(host).unwrap();
-        let _ = agents[index - 1].kill();
-    }
+    // The killed one a VM replica: it boots afresh and is brought up to date.
+    let witness = after.placements[vm].0.replicas.iter().find(|s| s.witness).map(|s| s.host.clone());
+    let (killed, cut) =
+        if witness.as_ref() == Some(&now[1].1) { (now[2].1.clone(), now[1].1.clone()) } else { (now[1].1.clone(), now[2].1.clone()) };
+    kill_host(&topo, &killed, &mut agents);
+    topo.cut_host(&cut).unwrap();
+    let cut_index: usize = cut[1..].parse().unwrap();
+    let _ = agents[cut_index - 1].kill();
     let f = wait_fleet(&topo, &store, Some(&dead), Duration::from_secs(30), "the VSMR VM's quorum lost", |f| {
         f.unplaced.get(vm).is_some_and(|why| why.starts_with("quorum lost"))
     });
@@ -504,6 +522,28 @@ fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
     eprintln!("{list}");
     let row = list.lines().find(|l| l.starts_with("kvv ")).unwrap_or_default();
     assert!(row.contains(&format!("quorum lost: only replica {} on {survivor} of 3 survives", now[0].0)) && row.contains(" no "), "{list}");
+
+    // The two hosts come back with new agents: the killed replica is
+    // started again under its id and kept vote, the cut-off one adopted;
+    // the group has its quorum back, with the same members, and the VM
+    // its acknowledged writes.
+    topo.up_fleet(4).unwrap();
+    for host in [&killed, &cut] {
+        let index: usize = host[1..].parse().unwrap();
+        agents[index - 1] = agent(&topo, dir.path(), etcd.endpoint(), index as u32, &secret);
+    }
+    let back = Instant::now();
+    let f = wait_fleet(&topo, &store, Some(&dead), Duration::from_secs(90), "the VSMR VM whole again", |f| {
+        f.protected(vm) && !f.unplaced.contains_key(vm)
+    });
+    eprintln!("the VSMR VM protected again {:?} after its lost hosts came back", back.elapsed());
+    assert_eq!(replicas(&f, vm).0, now, "the group's members changed");
+    topo.forget_guest().unwrap();
+    for key in acked.iter().step_by(acked.len() / 20 + 1) {
+        let (ok, out) = topo.redis_cli(addr, &["GET", key]);
+        let value = writers::value(key, 64);
+        assert!(ok && out.trim().as_bytes() == value.as_slice(), "{key} after the quorum came back: {out:?}");
+    }
     for a in &mut agents {
         if a.running() {
             a.signal(libc::SIGTERM).unwrap();
