@@ -573,6 +573,13 @@ mod tests {
         let r = f.placements["v"].0.replacing.clone().unwrap();
         assert_eq!((r.slot.id, r.replaces, r.slot.witness), (5, 3, true));
         assert_eq!(r.slot.host, "h5", "the only host without a replica of v");
+        // The new witness's host dies before it joined: another, id 6.
+        f.hosts.remove("h5");
+        f.hosts.insert("h6".into(), host("h6", 6));
+        apply(&mut f);
+        let r = f.placements["v"].0.replacing.clone().unwrap();
+        assert_eq!((r.slot.id, r.replaces, r.slot.host.as_str()), (6, 3, "h6"));
+        assert_eq!(f.placements["v"].0.next_id, 7);
     }
 
     #[test]

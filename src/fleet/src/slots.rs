@@ -11,7 +11,9 @@
 //!   joins the group (`ftvm replica --join`); the agent of the replica
 //!   that leads asks it to replace the lost one (`replica-replace`).
 //! - Once a replica reports the new one a voter in place of the lost one,
-//!   the replacement is a member (`replicas`) and the next may start.
+//!   the replacement is a member (`replicas`) and the next may start. A
+//!   replacement whose own host is gone before that is replaced by another
+//!   new replica (the group's leader drops the lost learner when asked).
 //! - With two of three replicas gone the group has lost its quorum: it
 //!   cannot elect a leader or change its members, so nothing is replaced;
 //!   the VM waits for a lost host to come back (its agent starts that
@@ -97,13 +99,12 @@ pub(crate) fn plan(
         ));
     }
     if let Some(r) = &p.replacing {
-        if !alive(&r.slot.host) {
-            return Some(format!(
-                "the host {} of replica {}, which was to replace replica {}, is gone too: not retried (ftvm vm delete, create)",
-                r.slot.host, r.slot.id, r.replaces
-            ));
+        if alive(&r.slot.host) {
+            return None;
         }
-        return None;
+        // Its learner goes when the group's leader is asked for the next one.
+        why.push(format!("host {} of replica {}, which was to replace replica {}, is gone too", r.slot.host, r.slot.id, r.replaces));
+        p.replacing = None;
     }
     let old = lost.first()?;
     let taken: Vec<&str> = p.replicas.iter().map(|s| s.host.as_str()).collect();

@@ -551,6 +551,83 @@ fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
     }
 }
 
+/// `ftvm status` of host `host`'s process for `vm` (empty if it does not answer).
+fn status_on(dir: &std::path::Path, host: &str, vm: &str) -> String {
+    let socket = dir.join(host).join("vms").join(vm).join("api.sock");
+    let out = common::ftvm().args(["status", "--timeout", "1", "--api-socket"]).arg(socket).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A VSMR VM on five hosts: the host of its leader dies, and the new
+/// replica (id 4) cannot start where it is placed (its raft state file is
+/// a directory there: it exits at once, again and again), so the group
+/// keeps it a learner. Then that host dies too: the fleet places another
+/// new replica (id 5) on the last host, the group's leader drops learner
+/// 4 when asked for 5, and the VM is protected by replica 5, with every
+/// acknowledged write.
+#[test]
+fn a_vsmr_replacement_lost_before_it_joined_is_replaced_again() {
+    let dir = scratch_for("fleet", "vsmr-again");
+    let Rig { topo, etcd, store, mut agents, .. } = Rig::with_hosts(&dir, 5);
+    let (vm, addr, mac) = ("kvv", "10.0.0.13", "52:54:00:00:00:13");
+    let out = create_with(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64, "", "protection = \"vsmr\"\n");
+    assert!(out.status.success(), "{out:?}");
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(90), "kvv protected", |f| f.protected(vm));
+    let (members, leader) = replicas(&f, vm);
+    let leader = leader.expect("a replica leads");
+    // Replica 4 cannot keep its vote on either host without a replica.
+    let spares: Vec<String> = (1..=5).map(|h| format!("h{h}")).filter(|h| !members.iter().any(|m| &m.1 == h)).collect();
+    for h in &spares {
+        std::fs::create_dir_all(dir.join(h).join("vms").join(vm).join("raft-4.state")).unwrap();
+    }
+    assert!(topo.wait_for_ping(addr, Duration::from_secs(10)), "{addr} does not answer ping");
+    let w = writers(&topo, addr, "a");
+    wait_acked_beyond(&w, 100, "before the host died");
+
+    kill_host(&topo, &leader, &mut agents);
+    let lost = members.iter().find(|m| m.1 == leader).unwrap().0;
+    let f = wait_fleet(&topo, &store, Some(&leader), Duration::from_secs(30), "a replacement placed", |f| {
+        f.placements[vm].0.replacing.is_some()
+    });
+    let first = f.placements[vm].0.replacing.clone().unwrap();
+    assert_eq!((first.slot.id, first.replaces), (4, lost));
+    // The group's new leader was asked: replica 4 is its learner, and stays one.
+    let serving = members.iter().find(|m| m.1 != leader && !f.placements[vm].0.replicas.iter().any(|s| s.id == m.0 && s.witness));
+    let serving = serving.unwrap().1.clone();
+    let t0 = Instant::now();
+    while !status_on(dir.path(), &serving, vm).contains(&format!("4 learner {}", first.slot.addr())) {
+        assert!(t0.elapsed() < Duration::from_secs(20), "replica 4 never became a learner: {}", status_on(dir.path(), &serving, vm));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(status_on(dir.path(), &serving, vm).contains("4 learner"), "replica 4 could not have caught up");
+    wait_acked_beyond(&w, w.acked() + 50, "with replica 4 a learner");
+
+    kill_host(&topo, &first.slot.host, &mut agents);
+    let died = Instant::now();
+    let last = spares.iter().find(|h| **h != first.slot.host).unwrap().clone();
+    let f = wait_fleet(&topo, &store, Some(&leader), Duration::from_secs(90), "kvv protected by replica 5", |f| {
+        f.protected(vm) && f.placements[vm].0.replicas.iter().any(|s| s.id == 5)
+    });
+    eprintln!("kvv protected by replica 5 {:?} after the host of replica 4 died", died.elapsed());
+    let (now, _) = replicas(&f, vm);
+    assert!(now.contains(&(5, last.clone())), "{now:?}");
+    assert!(!now.iter().any(|m| m.0 == lost || m.0 == 4), "{now:?}");
+    let st = status_on(dir.path(), &last, vm);
+    let members_line = st.lines().find(|l| l.starts_with("members:")).unwrap_or_default();
+    let ids: Vec<&str> = members_line["members:".len()..].split(',').filter_map(|m| m.split_whitespace().next()).collect();
+    assert_eq!(ids.len(), 3, "{st}");
+    assert!(!ids.contains(&"4"), "learner 4 is still in the group: {st}");
+    wait_acked_beyond(&w, w.acked() + 100, "protected by replica 5");
+    topo.forget_guest().unwrap();
+    verify(&topo, addr, w, vm);
+    for a in &mut agents {
+        if a.running() {
+            a.signal(libc::SIGTERM).unwrap();
+        }
+    }
+}
+
 #[test]
 fn bad_fleet_input_is_refused_with_one_line() {
     let dir = scratch_for("fleet", "bad-input");
