@@ -8,7 +8,8 @@
 //! two primaries. A VSMR VM (`protection = "vsmr"`) on four hosts beside a
 //! primary-backup one: the host of its leader dies, a new replica with a
 //! new id joins on the fourth host, and the clients of both VMs lose no
-//! acknowledged write. Needs root, iproute2, redis-cli, etcd.
+//! acknowledged write; a new replica whose host dies before it joined is
+//! replaced by another. Needs root, iproute2, redis-cli, etcd.
 
 mod common;
 
@@ -412,14 +413,16 @@ fn replicas(f: &Fleet, vm: &str) -> (Vec<(u64, String)>, Option<String>) {
     (p.replicas.iter().map(|s| (s.id, s.host.clone())).collect(), leader)
 }
 
-/// A VSMR VM and a primary-backup VM on four hosts, both under tracked
-/// writers. The VSMR VM's three replicas are on three hosts; the host of
+/// A VSMR VM (with a disk, the kv guest's log on it) and a primary-backup
+/// VM on four hosts, both under tracked writers. The VSMR VM's three
+/// replicas are on three hosts; the host of
 /// its leader dies (links cut, every process SIGKILLed). Its secondary
 /// takes over by itself (the group's election), the fleet places a new
 /// replica (id 4) on the host that had none, the leader's agent asks the
 /// group to replace the lost replica by it, and the fleet shows the VM
 /// protected again with the new replica as a member. No acknowledged
-/// write of either VM is lost, and the clients kept being served. Before,
+/// write of either VM is lost (the new replica's disk logs each), and the
+/// clients kept being served. Before,
 /// a restarted agent kept its replica; after, two more of its hosts go
 /// (one killed, one cut off): the fleet says the quorum is lost and
 /// replaces nothing; they come back with new agents (the killed VM
@@ -431,7 +434,8 @@ fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
     let Rig { topo, etcd, store, mut agents, secret, .. } = Rig::with_hosts(&dir, 4);
     let (pb, pb_addr, pb_mac) = VMS[1];
     let (vm, addr, mac) = ("kvv", "10.0.0.13", "52:54:00:00:00:13");
-    let out = create_with(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64, "", "protection = \"vsmr\"\n");
+    let vsmr = "protection = \"vsmr\"\ndisk_mib = 8\n";
+    let out = create_with(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64, " aof=on", vsmr);
     assert!(out.status.success(), "{out:?}");
     assert!(create(&topo, dir.path(), etcd.endpoint(), pb, pb_addr, pb_mac, 64, false).status.success());
     let started = Instant::now();
@@ -498,6 +502,12 @@ fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
     topo.forget_guest().unwrap();
     let acked = verify(&topo, addr, w, vm);
     verify(&topo, pb_addr, wpb, pb);
+    // The new replica's disk (a zeroed file where it started, brought up
+    // to date by the leader's syncvms) logs every acknowledged write.
+    let sets = common::logged_sets(&dir.join(&spare).join("vms").join(vm).join("disk.img"));
+    for key in &acked {
+        assert_eq!(sets.get(key).map(Vec::as_slice), Some(writers::value(key, 64).as_slice()), "{key} in replica 4's disk on {spare}");
+    }
 
     // Two more hosts of the VSMR VM go: one dies (every process killed),
     // the other is cut off with its replica running. The last replica has

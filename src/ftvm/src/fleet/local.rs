@@ -157,17 +157,22 @@ impl Local {
     /// with an empty disk, and a backup's replica is filled by the
     /// primary's pre-copy.
     fn spawn(&mut self, vm: &str, spec: &VmSpec, mut args: Vec<String>) -> io::Result<()> {
-        let dir = self.vm_dir(vm);
-        fs::create_dir_all(&dir)?;
-        if let Some(mib) = spec.disk_mib {
-            let disk = dir.join("disk.img");
-            let file = fs::File::create(&disk)?;
-            file.set_len(mib << 20)?;
-            args.push("--disk".into());
-            args.push(disk.display().to_string());
-        }
+        self.new_disk(vm, spec, &mut args)?;
         args.extend(["--arbiter".into(), self.setup.etcd.clone(), "--name".into(), vm.into()]);
         self.launch(vm, Some(spec), args, None)
+    }
+
+    /// A new zeroed disk for `vm`'s process here, if its spec has one.
+    fn new_disk(&self, vm: &str, spec: &VmSpec, args: &mut Vec<String>) -> io::Result<()> {
+        let Some(mib) = spec.disk_mib else { return Ok(()) };
+        let dir = self.vm_dir(vm);
+        fs::create_dir_all(&dir)?;
+        let disk = dir.join("disk.img");
+        let file = fs::File::create(&disk)?;
+        file.set_len(mib << 20)?;
+        args.push("--disk".into());
+        args.push(disk.display().to_string());
+        Ok(())
     }
 
     /// Start `args` for `vm`, on the VM's TAP if it has a network card
@@ -209,8 +214,9 @@ impl Local {
 
     /// Start `vm`'s VSMR replica `slot`: a member of the group, or a new
     /// replica that joins it. Its raft vote is kept here across restarts
-    /// (`--raft-state`, one file per id). A VM replica boots the image; it
-    /// is brought up to date by the leader (pre-copy, a full `syncvm`).
+    /// (`--raft-state`, one file per id). A VM replica boots the image, on
+    /// a new zeroed disk if the VM has one; the leader brings both up to
+    /// date (pre-copy, then a full `syncvm`, which compares every block).
     pub fn start_replica(&mut self, vm: &str, spec: &VmSpec, slot: &Slot, group: Group) -> io::Result<()> {
         let raft_state = self.vm_dir(vm).join(format!("raft-{}.state", slot.id));
         let mut args = vec!["replica".into(), "--id".into(), slot.id.to_string()];
@@ -234,6 +240,7 @@ impl Local {
             spec.cmdline.clone(),
         ]);
         args.extend(spec.args.iter().cloned());
+        self.new_disk(vm, spec, &mut args)?;
         self.launch(vm, Some(spec), args, Some(slot.id))
     }
 
