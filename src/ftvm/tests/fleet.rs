@@ -448,6 +448,26 @@ fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
     let list = cli(&topo, &["vm", "list", "--etcd", etcd.endpoint()]);
     let row = list.lines().find(|l| l.starts_with("kvv ")).unwrap_or_default();
     assert!(row.contains(" vsmr ") && row.contains(" yes ") && row.contains(&format!(" {leader} ")), "{list}");
+    // The agents' metrics say so too (as their last look read the fleet).
+    let witness = f.placements[vm].0.replicas.iter().find(|s| s.witness).unwrap().host.clone();
+    let says = [
+        "ftvm_fleet_vm_protected{vm=\"kvv\"} 1".to_string(),
+        format!("ftvm_fleet_host_vms{{host=\"{leader}\",role=\"replica\"}} 1"),
+        format!("ftvm_fleet_vm_placed{{vm=\"kvv\",part=\"witness\",host=\"{witness}\"}} 1"),
+    ];
+    let t0 = Instant::now();
+    loop {
+        let scrape = netns::run_in(&topo.ns(&leader), || {
+            let mut reply = ureq::get("http://127.0.0.1:9400/metrics").call().unwrap();
+            reply.body_mut().read_to_string().unwrap()
+        })
+        .unwrap();
+        if says.iter().all(|s| scrape.contains(s.as_str())) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "the metrics never said {says:?}: {scrape}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     // A restarted agent keeps the replica it runs (no new process, no new
     // member).
