@@ -9,7 +9,8 @@
 //! primary-backup one: the host of its leader dies, a new replica with a
 //! new id joins on the fourth host, and the clients of both VMs lose no
 //! acknowledged write; a new replica whose host dies before it joined is
-//! replaced by another. Needs root, iproute2, redis-cli, etcd.
+//! replaced by another; a VSMR VM that lost all three replicas starts
+//! afresh. Needs root, iproute2, redis-cli, etcd.
 
 mod common;
 
@@ -651,6 +652,65 @@ fn a_vsmr_replacement_lost_before_it_joined_is_replaced_again() {
     wait_acked_beyond(&w, w.acked() + 100, "protected by replica 5");
     topo.forget_guest().unwrap();
     verify(&topo, addr, w, vm);
+    for a in &mut agents {
+        if a.running() {
+            a.signal(libc::SIGTERM).unwrap();
+        }
+    }
+}
+
+/// A VSMR VM on four hosts loses the hosts of all three replicas (two
+/// killed, one cut off with its replica running): it is placed nowhere
+/// (one host is left). Two of them come back: the VM starts afresh on
+/// three new replicas with new ids, its state lost; the replica still
+/// running on the cut-off host (an id of the old group) is stopped and
+/// replaced by the new group's.
+#[test]
+fn a_vsmr_vm_whose_replicas_all_died_starts_afresh() {
+    let dir = scratch_for("fleet", "vsmr-afresh");
+    let Rig { topo, etcd, store, mut agents, secret, .. } = Rig::with_hosts(&dir, 4);
+    let (vm, addr, mac) = ("kvv", "10.0.0.13", "52:54:00:00:00:13");
+    let out = create_with(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64, "", "protection = \"vsmr\"\n");
+    assert!(out.status.success(), "{out:?}");
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(90), "kvv protected", |f| f.protected(vm));
+    let (members, _) = replicas(&f, vm);
+    assert!(topo.wait_for_ping(addr, Duration::from_secs(10)), "{addr} does not answer ping");
+    let (ok, out) = topo.redis_cli(addr, &["SET", "before", "1"]);
+    assert!(ok && out.trim() == "OK", "SET: {out}");
+
+    let (killed, cut) = (&members[..2], &members[2].1);
+    for (_, host) in killed {
+        kill_host(&topo, host, &mut agents);
+    }
+    let old_pid = f.reports[vm][cut].pid;
+    topo.cut_host(cut).unwrap();
+    let cut_index: usize = cut[1..].parse().unwrap();
+    let _ = agents[cut_index - 1].kill();
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(30), "kvv placed nowhere", |f| {
+        f.placements[vm].0.replicas.is_empty() && f.unplaced.contains_key(vm)
+    });
+    assert_eq!(f.unplaced[vm], "no second host with 64 MiB and 1 vCPUs free for its second VM replica");
+
+    topo.up_fleet(4).unwrap();
+    for host in [&killed[0].1, cut] {
+        let index: usize = host[1..].parse().unwrap();
+        agents[index - 1] = agent(&topo, dir.path(), etcd.endpoint(), index as u32, &secret);
+    }
+    let back = Instant::now();
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(90), "kvv afresh", |f| f.protected(vm));
+    eprintln!("kvv protected afresh {:?} after two hosts came back", back.elapsed());
+    let (now, _) = replicas(&f, vm);
+    assert_eq!(now.iter().map(|m| m.0).collect::<Vec<_>>(), [4, 5, 6], "a new group: {now:?}");
+    assert!(!now.iter().any(|m| m.1 == killed[1].1), "{now:?}");
+    let on_cut = now.iter().find(|m| &m.1 == cut).expect("a new replica on the host that was cut off");
+    assert_ne!(f.reports[vm][cut].pid, old_pid, "the old group's replica still runs");
+    let st = status_on(dir.path(), cut, vm);
+    assert!(st.contains(&format!("{} voter", on_cut.0)), "{st}");
+    topo.forget_guest().unwrap();
+    let (ok, out) = topo.redis_cli(addr, &["GET", "before"]);
+    assert!(ok && out.trim().is_empty(), "the VM's state was lost, yet: {out:?}");
+    let (ok, out) = topo.redis_cli(addr, &["SET", "after", "1"]);
+    assert!(ok && out.trim() == "OK", "SET: {out}");
     for a in &mut agents {
         if a.running() {
             a.signal(libc::SIGTERM).unwrap();
