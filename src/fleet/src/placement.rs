@@ -368,7 +368,8 @@ mod tests {
         apply(&mut f);
         let (primary, backup) = placed(&f, "a");
         let (primary, backup) = (primary.unwrap(), backup.unwrap());
-        let report = |host: &str, role| Report { host: host.into(), role, protected: true, pid: 1, since_ms: 0, voters: Vec::new() };
+        let report =
+            |host: &str, role| Report { host: host.into(), role, protected: true, pid: 1, since_ms: 0, voters: Vec::new(), term: 0 };
         f.reports.entry("a".into()).or_default().insert(primary.clone(), report(&primary, Role::Primary));
         f.draining.insert(primary.clone());
         apply(&mut f);
@@ -399,8 +400,15 @@ mod tests {
             }
             f.reports.clear();
             for (vm, (p, _)) in &f.placements {
-                let report =
-                    |host: &str, role| Report { host: host.into(), role, protected: true, pid: 1, since_ms: 0, voters: Vec::new() };
+                let report = |host: &str, role| Report {
+                    host: host.into(),
+                    role,
+                    protected: true,
+                    pid: 1,
+                    since_ms: 0,
+                    voters: Vec::new(),
+                    term: 0,
+                };
                 let reports = f.reports.entry(vm.clone()).or_default();
                 if let Some(primary) = &p.primary {
                     reports.insert(primary.clone(), report(primary, Role::Primary));
@@ -510,7 +518,7 @@ mod tests {
             } else {
                 Role::Secondary
             };
-            let report = Report { host: s.host.clone(), role, protected: true, pid: 1, since_ms: 0, voters: voters.clone() };
+            let report = Report { host: s.host.clone(), role, protected: true, pid: 1, since_ms: 0, voters: voters.clone(), term: 1 };
             reports.insert(s.host.clone(), report);
         }
     }
@@ -580,6 +588,35 @@ mod tests {
         let r = f.placements["v"].0.replacing.clone().unwrap();
         assert_eq!((r.slot.id, r.replaces, r.slot.host.as_str()), (6, 3, "h6"));
         assert_eq!(f.placements["v"].0.next_id, 7);
+    }
+
+    #[test]
+    fn a_replica_on_a_draining_host_is_replaced_once_the_group_is_in_step() {
+        let mut f = with_vsmr(fleet(&["h1", "h2", "h3", "h4"], &[]), "v", 256);
+        apply(&mut f);
+        let placed = slots(&f, "v");
+        let drained = placed[0].1.clone();
+        f.draining.insert(drained.clone());
+        // Not in step (no reports): nothing moves.
+        assert!(plan(&f).0.is_empty(), "{:?}", plan(&f).0);
+        report_group(&mut f, "v", &drained);
+        assert!(apply(&mut f).is_empty());
+        let r = f.placements["v"].0.replacing.clone().expect("a replacement");
+        assert_eq!((r.slot.id, r.replaces), (4, 1));
+        assert!(r.slot.host != drained && !placed.iter().any(|s| s.1 == r.slot.host), "{r:?}");
+        let p = plan(&f).0;
+        assert!(p.is_empty(), "one replacement at a time: {p:?}");
+        // Nowhere else to go: it stays, and the list says why.
+        let mut f = with_vsmr(fleet(&["h1", "h2", "h3"], &[]), "v", 256);
+        apply(&mut f);
+        let drained = slots(&f, "v")[0].1.clone();
+        report_group(&mut f, "v", &drained);
+        f.draining.insert(drained.clone());
+        let unplaced = apply(&mut f);
+        assert_eq!(
+            unplaced[0].why,
+            format!("replica 1 stays on draining host {drained}: there is no other host with 256 MiB and 1 vCPUs free")
+        );
     }
 
     #[test]

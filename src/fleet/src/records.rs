@@ -136,4 +136,9 @@ pub struct Report {
     /// A VSMR replica: the voting members of its group, as it applied them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub voters: Vec<u64>,
+    /// A VSMR replica: its raft term. Reports are a look apart, so a
+    /// replica that just lost its leadership may still be reported leading
+    /// beside the new leader; raft has one leader per term, the newest.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub term: u64,
 }

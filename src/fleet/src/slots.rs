@@ -14,6 +14,9 @@
 //!   the replacement is a member (`replicas`) and the next may start. A
 //!   replacement whose own host is gone before that is replaced by another
 //!   new replica (the group's leader drops the lost learner when asked).
+//! - A replica on a draining host is replaced the same way, once the
+//!   group is whole and in step; if it leads, asked to replace itself it
+//!   hands leadership over first (the agent of the new leader asks again).
 //! - With two of three replicas gone the group has lost its quorum: it
 //!   cannot elect a leader or change its members, so nothing is replaced;
 //!   the VM waits for a lost host to come back (its agent starts that
@@ -25,7 +28,7 @@
 use std::collections::BTreeSet;
 
 use crate::placement::Fleet;
-use crate::records::{Placement, Replacement, Slot};
+use crate::records::{Placement, Replacement, Report, Role, Slot};
 use crate::room::{free_port, no_room, Room};
 use crate::spec::VmSpec;
 
@@ -106,17 +109,30 @@ pub(crate) fn plan(
         why.push(format!("host {} of replica {}, which was to replace replica {}, is gone too", r.slot.host, r.slot.id, r.replaces));
         p.replacing = None;
     }
-    let old = lost.first()?;
+    // A lost replica first; else one on a draining host, once the group
+    // is whole and in step (its replacement then costs no protection).
+    let (old, gone) = match lost.first() {
+        Some(old) => (old.clone(), true),
+        None => match p.replicas.iter().find(|s| fleet.draining.contains(&s.host)) {
+            Some(old) if protected(fleet, vm, p) => (old.clone(), false),
+            _ => return None,
+        },
+    };
     let taken: Vec<&str> = p.replicas.iter().map(|s| s.host.as_str()).collect();
     let Some(host) = room.for_replica(fleet, spec, &taken, old.witness) else {
-        return Some(format!("unprotected: replica {} is lost and there is {}", old.id, no_room(spec, "other host")));
+        let other = no_room(spec, "other host");
+        return Some(match gone {
+            true => format!("unprotected: replica {} is lost and there is {other}", old.id),
+            false => format!("replica {} stays on draining host {}: there is {other}", old.id, old.host),
+        });
     };
     let repl_addr = fleet.hosts[&host].repl_addr.clone();
     let slot = Slot { id: p.next_id.max(1), host, repl_addr, port: free_port(ports), witness: old.witness };
     ports.insert(slot.port);
     room.take_slot(&slot, spec);
     p.next_id = slot.id + 1;
-    why.push(format!("host {} is gone: replica {} on {} replaces replica {}", old.host, slot.id, slot.host, old.id));
+    let why_old = if gone { "is gone" } else { "drains" };
+    why.push(format!("host {} {why_old}: replica {} on {} replaces replica {}", old.host, slot.id, slot.host, old.id));
     p.replacing = Some(Replacement { slot, replaces: old.id });
     None
 }
@@ -138,6 +154,14 @@ fn three(fleet: &Fleet, spec: &VmSpec, room: &Room) -> Result<Vec<String>, Strin
     Ok(hosts)
 }
 
+/// The report of the replica of `vm` that leads (of those `p` places and
+/// report leading, the one of the newest term: a replica that just lost
+/// its leadership may not have said so yet).
+pub fn leader<'a>(fleet: &'a Fleet, vm: &str, p: &Placement) -> Option<&'a Report> {
+    let reports = fleet.reports.get(vm)?;
+    p.replicas.iter().filter_map(|s| reports.get(&s.host)).filter(|r| r.role == Role::Leader).max_by_key(|r| r.term)
+}
+
 /// Whether `vm`'s group is whole and serving protected: its three
 /// replicas report running, none is being replaced, and its leader has a
 /// secondary in step and names exactly them as the voters.
@@ -147,8 +171,5 @@ pub fn protected(fleet: &Fleet, vm: &str, p: &Placement) -> bool {
     p.replacing.is_none()
         && p.replicas.len() == REPLICAS
         && p.replicas.iter().all(|s| reports.contains_key(&s.host) && fleet.hosts.contains_key(&s.host))
-        && p.replicas
-            .iter()
-            .filter_map(|s| reports.get(&s.host))
-            .any(|r| r.role == crate::records::Role::Leader && r.protected && r.voters.iter().copied().collect::<BTreeSet<u64>>() == ids)
+        && leader(fleet, vm, p).is_some_and(|r| r.protected && r.voters.iter().copied().collect::<BTreeSet<u64>>() == ids)
 }

@@ -10,7 +10,8 @@
 //! new id joins on the fourth host, and the clients of both VMs lose no
 //! acknowledged write; a new replica whose host dies before it joined is
 //! replaced by another; a VSMR VM that lost all three replicas starts
-//! afresh. Needs root, iproute2, redis-cli, etcd.
+//! afresh; a drained host's VSMR leader hands over and is replaced.
+//! Needs root, iproute2, redis-cli, etcd.
 
 mod common;
 
@@ -47,12 +48,14 @@ fn all_protected(f: &Fleet) -> bool {
 }
 
 /// Hosts whose process for `vm` says it runs the VM (a primary, a VSMR
-/// leader), but for `dead` (its reports stay until its lease expires,
-/// though nothing runs there).
+/// leader of the newest term reported: raft has one leader per term, and
+/// a deposed one may not have been reported anew yet), but for `dead`
+/// (its reports stay until its lease expires, though nothing runs there).
 fn primaries(f: &Fleet, vm: &str, dead: Option<&str>) -> Vec<String> {
-    let reports = f.reports.get(vm).into_iter().flatten();
-    let serves = |r: &ftvm_fleet::Report| matches!(r.role, Role::Primary | Role::Leader);
-    reports.filter(|(h, r)| serves(r) && Some(h.as_str()) != dead).map(|(h, _)| h.clone()).collect()
+    let reports: Vec<_> = f.reports.get(vm).into_iter().flatten().filter(|(h, _)| Some(h.as_str()) != dead).collect();
+    let newest = reports.iter().filter(|(_, r)| r.role == Role::Leader).map(|(_, r)| r.term).max();
+    let serves = |r: &ftvm_fleet::Report| r.role == Role::Primary || (r.role == Role::Leader && Some(r.term) == newest);
+    reports.into_iter().filter(|(_, r)| serves(r)).map(|(h, _)| h.clone()).collect()
 }
 
 /// The fleet as etcd holds it (read from the lan namespace, where etcd serves).
@@ -410,7 +413,7 @@ fn kill_host(topo: &Topology, host: &str, agents: &mut [Process]) {
 /// host of the one that reports leading.
 fn replicas(f: &Fleet, vm: &str) -> (Vec<(u64, String)>, Option<String>) {
     let p = &f.placements[vm].0;
-    let leader = p.replicas.iter().find(|s| f.reports(vm, &s.host, Role::Leader, false)).map(|s| s.host.clone());
+    let leader = ftvm_fleet::slots::leader(f, vm, p).map(|r| r.host.clone());
     (p.replicas.iter().map(|s| (s.id, s.host.clone())).collect(), leader)
 }
 
@@ -711,6 +714,50 @@ fn a_vsmr_vm_whose_replicas_all_died_starts_afresh() {
     assert!(ok && out.trim().is_empty(), "the VM's state was lost, yet: {out:?}");
     let (ok, out) = topo.redis_cli(addr, &["SET", "after", "1"]);
     assert!(ok && out.trim() == "OK", "SET: {out}");
+    for a in &mut agents {
+        if a.running() {
+            a.signal(libc::SIGTERM).unwrap();
+        }
+    }
+}
+
+/// A VSMR VM on four hosts under tracked writers; the host of its leader
+/// is drained. Once the group is in step a new replica (id 4) is placed on
+/// the host that had none; asked to replace itself the leader hands
+/// leadership to its secondary, whose agent asks again; the drained
+/// replica leaves the group and its process stops. The VM is protected
+/// again off the drained host, with every acknowledged write.
+#[test]
+fn a_drained_host_hands_its_vsmr_replica_over() {
+    let dir = scratch_for("fleet", "vsmr-drain");
+    let Rig { topo, etcd, store, mut agents, .. } = Rig::with_hosts(&dir, 4);
+    let (vm, addr, mac) = ("kvv", "10.0.0.13", "52:54:00:00:00:13");
+    let out = create_with(&topo, dir.path(), etcd.endpoint(), vm, addr, mac, 64, "", "protection = \"vsmr\"\n");
+    assert!(out.status.success(), "{out:?}");
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(90), "kvv protected", |f| f.protected(vm));
+    let (members, leader) = replicas(&f, vm);
+    let leader = leader.expect("a replica leads");
+    let lost = members.iter().find(|m| m.1 == leader).unwrap().0;
+    let spare = (1..=4).map(|h| format!("h{h}")).find(|h| !members.iter().any(|m| &m.1 == h)).unwrap();
+    assert!(topo.wait_for_ping(addr, Duration::from_secs(10)), "{addr} does not answer ping");
+    let w = writers(&topo, addr, "d");
+    wait_acked_beyond(&w, 100, "before the drain");
+
+    cli(&topo, &["host", "drain", "--etcd", etcd.endpoint(), &leader]);
+    let drained = Instant::now();
+    let f = wait_fleet(&topo, &store, None, Duration::from_secs(60), "kvv off the drained host", |f| {
+        !f.placed_on(vm, &leader) && f.protected(vm) && !f.reports.get(vm).is_some_and(|r| r.contains_key(&leader))
+    });
+    eprintln!("kvv protected off the drained host {:?} after the drain", drained.elapsed());
+    let (now, serving) = replicas(&f, vm);
+    assert!(now.contains(&(4, spare.clone())), "{now:?}");
+    assert!(!now.iter().any(|m| m.0 == lost), "{now:?}");
+    assert!(serving.is_some_and(|s| s != leader));
+    let log = std::fs::read_to_string(dir.join(&leader).join("vms").join(vm).join("log")).unwrap();
+    assert!(log.contains("asked to replace this replica, which leads: handing leadership over"), "{log}");
+    wait_acked_beyond(&w, w.acked() + 100, "after the drain");
+    topo.forget_guest().unwrap();
+    verify(&topo, addr, w, vm);
     for a in &mut agents {
         if a.running() {
             a.signal(libc::SIGTERM).unwrap();

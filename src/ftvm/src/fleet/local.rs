@@ -312,7 +312,8 @@ impl Local {
             _ => now_ms(),
         };
         p.seen = Some((role, st.protected, since));
-        Some(Report { host: host.to_string(), role, protected: st.protected, pid: p.pid, since_ms: since, voters: p.voters.clone() })
+        let term = if matches!(role, Role::Primary | Role::Backup) { 0 } else { st.term };
+        Some(Report { host: host.to_string(), role, protected: st.protected, pid: p.pid, since_ms: since, voters: p.voters.clone(), term })
     }
 
     /// Send `request` to `vm`'s process.
