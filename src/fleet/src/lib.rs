@@ -22,11 +22,12 @@
 pub mod placement;
 pub mod records;
 mod room;
-pub mod slots;
+mod slots;
 pub mod spec;
 pub mod store;
+pub mod view;
 
-pub use placement::Fleet;
 pub use records::{Host, Placement, Replacement, Report, Role, Slot};
 pub use spec::{Protection, SpecError, VmSpec};
 pub use store::{Store, StoreError};
+pub use view::Fleet;

@@ -23,55 +23,14 @@
 //! Room is memory and vCPUs (`room`): a VM counts on both hosts it is
 //! placed on. A VSMR VM's replicas follow rules of their own (`slots`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
-use crate::records::{Host, Placement, Report, Role};
+use crate::records::{Placement, Role};
 pub use crate::room::FIRST_PORT;
 use crate::room::{free_port, no_room, usable, Room};
 use crate::slots;
-use crate::spec::{Protection, VmSpec};
-
-/// The fleet as the leader read it.
-#[derive(Clone, Debug, Default)]
-pub struct Fleet {
-    pub hosts: BTreeMap<String, Host>,
-    pub draining: BTreeSet<String>,
-    pub vms: BTreeMap<String, VmSpec>,
-    /// Each VM's placement and the etcd revision it was last written at.
-    pub placements: BTreeMap<String, (Placement, i64)>,
-    /// Reports by VM, then host.
-    pub reports: BTreeMap<String, BTreeMap<String, Report>>,
-    /// Why VMs lack a host or a backup, as the leader last said.
-    pub unplaced: BTreeMap<String, String>,
-    /// The leader agent's host, if any.
-    pub leader: Option<String>,
-    /// The etcd revision the fleet was read at.
-    pub revision: i64,
-}
-
-impl Fleet {
-    /// Whether `vm`'s process on `host` reports `role` (and, with
-    /// `protected`, that it is in step with its peer).
-    pub fn reports(&self, vm: &str, host: &str, role: Role, protected: bool) -> bool {
-        self.reports.get(vm).and_then(|r| r.get(host)).is_some_and(|r| r.role == role && (r.protected || !protected))
-    }
-
-    /// Whether `vm` is placed on two hosts, its primary reporting it
-    /// protected and its backup in step; a VSMR VM: on three hosts, its
-    /// group whole and its leader protected (`slots::protected`).
-    pub fn protected(&self, vm: &str) -> bool {
-        self.placements.get(vm).is_some_and(|(p, _)| match (&p.primary, &p.backup) {
-            _ if !p.replicas.is_empty() => slots::protected(self, vm, p),
-            (Some(primary), Some(backup)) => self.reports(vm, primary, Role::Primary, true) && self.reports(vm, backup, Role::Backup, true),
-            _ => false,
-        })
-    }
-
-    /// Whether `vm` is placed on `host`, as primary, backup or VSMR replica.
-    pub fn placed_on(&self, vm: &str, host: &str) -> bool {
-        self.placements.get(vm).is_some_and(|(p, _)| p.hosts().any(|h| h == host))
-    }
-}
+use crate::spec::Protection;
+pub use crate::view::Fleet;
 
 /// A placement to write, over the one at `seen` (0: none yet).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -272,6 +231,8 @@ fn rebalance(fleet: &Fleet, room: &Room, ports: &BTreeSet<u16>) -> Option<Change
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::records::{Host, Report};
+    use crate::spec::VmSpec;
 
     fn spec(name: &str, memory_mib: u64) -> VmSpec {
         VmSpec::from_toml(&format!("name = \"{name}\"\nimage = \"/kv.elf\"\nmemory_mib = {memory_mib}\nmac = \"52:54:00:00:00:01\""))

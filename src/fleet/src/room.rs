@@ -5,9 +5,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::placement::Fleet;
 use crate::records::Slot;
 use crate::spec::VmSpec;
+use crate::view::Fleet;
 
 /// Backup and replica ports are handed out from here up, one per process.
 pub const FIRST_PORT: u16 = 7100;

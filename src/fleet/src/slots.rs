@@ -1,8 +1,8 @@
 //! Where a VSMR VM's replicas belong (`protection = "vsmr"`): three
 //! replicas of one raft group, two running the VM and a witness, each on
 //! a host of its own. The fleet does not fail a VSMR VM over (its group
-//! elects a new leader by itself); it only replaces the replicas that
-//! lost their host, one at a time, by new ones with ids the group never
+//! elects a new leader by itself); it only replaces replicas whose host
+//! is gone or drains, one at a time, by new ones with ids the group never
 //! had, through the group's own configuration change:
 //!
 //! - A placement's `replicas` are the group's members. One whose host is
@@ -27,13 +27,10 @@
 
 use std::collections::BTreeSet;
 
-use crate::placement::Fleet;
-use crate::records::{Placement, Replacement, Report, Role, Slot};
+use crate::records::{Placement, Replacement, Slot};
 use crate::room::{free_port, no_room, Room};
 use crate::spec::VmSpec;
-
-/// A VSMR VM's group: two VM replicas and a witness.
-pub const REPLICAS: usize = 3;
+use crate::view::{Fleet, REPLICAS};
 
 /// Whether a replica of `vm` reports `r`'s new replica a voter in place of
 /// the lost one: the group committed the change.
@@ -114,7 +111,7 @@ pub(crate) fn plan(
     let (old, gone) = match lost.first() {
         Some(old) => (old.clone(), true),
         None => match p.replicas.iter().find(|s| fleet.draining.contains(&s.host)) {
-            Some(old) if protected(fleet, vm, p) => (old.clone(), false),
+            Some(old) if fleet.group_protected(vm, p) => (old.clone(), false),
             _ => return None,
         },
     };
@@ -152,24 +149,4 @@ fn three(fleet: &Fleet, spec: &VmSpec, room: &Room) -> Result<Vec<String>, Strin
         }
     }
     Ok(hosts)
-}
-
-/// The report of the replica of `vm` that leads (of those `p` places and
-/// report leading, the one of the newest term: a replica that just lost
-/// its leadership may not have said so yet).
-pub fn leader<'a>(fleet: &'a Fleet, vm: &str, p: &Placement) -> Option<&'a Report> {
-    let reports = fleet.reports.get(vm)?;
-    p.replicas.iter().filter_map(|s| reports.get(&s.host)).filter(|r| r.role == Role::Leader).max_by_key(|r| r.term)
-}
-
-/// Whether `vm`'s group is whole and serving protected: its three
-/// replicas report running, none is being replaced, and its leader has a
-/// secondary in step and names exactly them as the voters.
-pub fn protected(fleet: &Fleet, vm: &str, p: &Placement) -> bool {
-    let Some(reports) = fleet.reports.get(vm) else { return false };
-    let ids: BTreeSet<u64> = p.replicas.iter().map(|s| s.id).collect();
-    p.replacing.is_none()
-        && p.replicas.len() == REPLICAS
-        && p.replicas.iter().all(|s| reports.contains_key(&s.host) && fleet.hosts.contains_key(&s.host))
-        && leader(fleet, vm, p).is_some_and(|r| r.protected && r.voters.iter().copied().collect::<BTreeSet<u64>>() == ids)
 }

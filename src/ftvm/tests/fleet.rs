@@ -413,7 +413,7 @@ fn kill_host(topo: &Topology, host: &str, agents: &mut [Process]) {
 /// host of the one that reports leading.
 fn replicas(f: &Fleet, vm: &str) -> (Vec<(u64, String)>, Option<String>) {
     let p = &f.placements[vm].0;
-    let leader = ftvm_fleet::slots::leader(f, vm, p).map(|r| r.host.clone());
+    let leader = f.vsmr_leader(vm, p).map(|r| r.host.clone());
     (p.replicas.iter().map(|s| (s.id, s.host.clone())).collect(), leader)
 }
 

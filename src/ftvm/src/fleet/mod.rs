@@ -148,7 +148,7 @@ impl Row {
         let report = |host: &str| reports.and_then(|r| r.get(host));
         let yes_no = |yes: bool| if yes { "yes" } else { "no" };
         if fleet.vms.get(name).is_some_and(|s| s.protection == Protection::Vsmr) {
-            let leader = ftvm_fleet::slots::leader(fleet, name, &placement).map(|r| r.host.clone());
+            let leader = fleet.vsmr_leader(name, &placement).map(|r| r.host.clone());
             let leader = placement.replicas.iter().find(|s| Some(&s.host) == leader.as_ref());
             let others: Vec<String> = placement
                 .replicas
