@@ -15,14 +15,19 @@
 //! itself through the arbiter as without a fleet. The leader only follows:
 //! a primary whose host is gone is where its backup was, and a VM without
 //! a backup gets one on another host with room. Once nothing needs
-//! fixing, it evens the hosts out, one VM at a time.
+//! fixing, it evens the hosts out, one VM at a time. A VSMR VM's three
+//! replicas elect their own leader; the leader only replaces a replica
+//! whose host is gone by a new one (`slots`).
 
 pub mod placement;
 pub mod records;
+mod room;
+mod slots;
 pub mod spec;
 pub mod store;
+pub mod view;
 
-pub use placement::Fleet;
-pub use records::{Host, Placement, Report, Role};
-pub use spec::{SpecError, VmSpec};
+pub use records::{Host, Placement, Replacement, Report, Role, Slot};
+pub use spec::{Protection, SpecError, VmSpec};
 pub use store::{Store, StoreError};
+pub use view::Fleet;

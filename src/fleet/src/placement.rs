@@ -20,55 +20,17 @@
 //!   evened out, one move at a time (`rebalance`): a host that joined gets
 //!   backups, then primaries.
 //!
-//! Room is memory and vCPUs: a VM counts on both hosts it is placed on.
+//! Room is memory and vCPUs (`room`): a VM counts on both hosts it is
+//! placed on. A VSMR VM's replicas follow rules of their own (`slots`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
-use crate::records::{Host, Placement, Report, Role};
-use crate::spec::VmSpec;
-
-/// Backup ports are handed out from here up, one per VM.
-pub const FIRST_PORT: u16 = 7100;
-
-/// The fleet as the leader read it.
-#[derive(Clone, Debug, Default)]
-pub struct Fleet {
-    pub hosts: BTreeMap<String, Host>,
-    pub draining: BTreeSet<String>,
-    pub vms: BTreeMap<String, VmSpec>,
-    /// Each VM's placement and the etcd revision it was last written at.
-    pub placements: BTreeMap<String, (Placement, i64)>,
-    /// Reports by VM, then host.
-    pub reports: BTreeMap<String, BTreeMap<String, Report>>,
-    /// Why VMs lack a host or a backup, as the leader last said.
-    pub unplaced: BTreeMap<String, String>,
-    /// The leader agent's host, if any.
-    pub leader: Option<String>,
-    /// The etcd revision the fleet was read at.
-    pub revision: i64,
-}
-
-impl Fleet {
-    /// Whether `vm`'s process on `host` reports `role` (and, with
-    /// `protected`, that it is in step with its peer).
-    pub fn reports(&self, vm: &str, host: &str, role: Role, protected: bool) -> bool {
-        self.reports.get(vm).and_then(|r| r.get(host)).is_some_and(|r| r.role == role && (r.protected || !protected))
-    }
-
-    /// Whether `vm` is placed on two hosts, its primary reporting it
-    /// protected and its backup in step.
-    pub fn protected(&self, vm: &str) -> bool {
-        self.placements.get(vm).is_some_and(|(p, _)| match (&p.primary, &p.backup) {
-            (Some(primary), Some(backup)) => self.reports(vm, primary, Role::Primary, true) && self.reports(vm, backup, Role::Backup, true),
-            _ => false,
-        })
-    }
-
-    /// Whether `vm` is placed on `host`, as primary or backup.
-    pub fn placed_on(&self, vm: &str, host: &str) -> bool {
-        self.placements.get(vm).is_some_and(|(p, _)| p.primary.as_deref() == Some(host) || p.backup.as_deref() == Some(host))
-    }
-}
+use crate::records::{Placement, Role};
+pub use crate::room::FIRST_PORT;
+use crate::room::{free_port, no_room, usable, Room};
+use crate::slots;
+use crate::spec::Protection;
+pub use crate::view::Fleet;
 
 /// A placement to write, over the one at `seen` (0: none yet).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -86,106 +48,28 @@ pub struct Unplaced {
     pub why: String,
 }
 
-struct Room {
-    capacity_mib: BTreeMap<String, i64>,
-    free_mib: BTreeMap<String, i64>,
-    free_vcpus: BTreeMap<String, i64>,
-    primaries: BTreeMap<String, u32>,
-}
-
-impl Room {
-    fn new(fleet: &Fleet) -> Room {
-        let capacity_mib: BTreeMap<String, i64> = fleet.hosts.values().map(|h| (h.name.clone(), h.memory_mib as i64)).collect();
-        let mut room = Room {
-            free_mib: capacity_mib.clone(),
-            capacity_mib,
-            free_vcpus: fleet.hosts.values().map(|h| (h.name.clone(), h.vcpus as i64)).collect(),
-            primaries: fleet.hosts.keys().map(|h| (h.clone(), 0)).collect(),
-        };
-        for (vm, (p, _)) in &fleet.placements {
-            if let Some(spec) = fleet.vms.get(vm) {
-                room.take(p.primary.as_deref(), spec, true);
-                room.take(p.backup.as_deref(), spec, false);
-            }
-        }
-        room
-    }
-
-    fn take(&mut self, host: Option<&str>, spec: &VmSpec, primary: bool) {
-        let Some(host) = host else { return };
-        if let Some(m) = self.free_mib.get_mut(host) {
-            *m -= spec.memory_mib as i64;
-        }
-        if let Some(c) = self.free_vcpus.get_mut(host) {
-            *c -= spec.vcpus as i64;
-        }
-        if primary {
-            *self.primaries.entry(host.to_string()).or_default() += 1;
-        }
-    }
-
-    fn fits(&self, host: &str, spec: &VmSpec) -> bool {
-        self.free_mib.get(host).is_some_and(|m| *m >= spec.memory_mib as i64)
-            && self.free_vcpus.get(host).is_some_and(|c| *c >= spec.vcpus as i64)
-    }
-
-    /// `host`'s memory, in MiB (at least 1: a share of it is defined).
-    fn capacity(&self, host: &str) -> i64 {
-        self.capacity_mib.get(host).copied().unwrap_or(0).max(1)
-    }
-
-    /// `host`'s memory in use, in MiB.
-    fn used(&self, host: &str) -> i64 {
-        self.capacity(host) - self.free_mib.get(host).copied().unwrap_or(0)
-    }
-
-    /// Memory in use on `host` as a share of its own: hosts of different
-    /// sizes fill alike.
-    fn share(&self, host: &str) -> f64 {
-        self.used(host) as f64 / self.capacity(host) as f64
-    }
-
-    /// The host for a new primary: fewest primaries, then the smallest share of memory in use, then name.
-    fn for_primary(&self, fleet: &Fleet, spec: &VmSpec) -> Option<String> {
-        let candidates = usable(fleet).filter(|h| self.fits(h, spec));
-        candidates
-            .min_by(|a, b| (self.primaries[*a].cmp(&self.primaries[*b])).then(self.share(a).total_cmp(&self.share(b))).then(a.cmp(b)))
-            .map(str::to_string)
-    }
-
-    /// The host for a backup, not `primary`: the smallest share of memory in use, then name.
-    fn for_backup(&self, fleet: &Fleet, spec: &VmSpec, primary: &str) -> Option<String> {
-        let candidates = usable(fleet).filter(|h| *h != primary && self.fits(h, spec));
-        candidates.min_by(|a, b| self.share(a).total_cmp(&self.share(b)).then(a.cmp(b))).map(str::to_string)
-    }
-}
-
-/// Hosts that take new VMs: alive and not draining.
-fn usable(fleet: &Fleet) -> impl Iterator<Item = &str> {
-    fleet.hosts.keys().map(String::as_str).filter(|h| !fleet.draining.contains(*h))
-}
-
-/// The first backup port no VM's backup uses.
-fn free_port(ports: &BTreeSet<u16>) -> u16 {
-    (FIRST_PORT..).find(|port| !ports.contains(port)).expect("a free port")
-}
-
-fn no_room(spec: &VmSpec, what: &str) -> String {
-    format!("no {what} with {} MiB and {} vCPUs free", spec.memory_mib, spec.vcpus)
-}
-
 /// The placements to write for `fleet` to be as the rules want, and the
 /// VMs that cannot be (not) placed as they should, with why.
 pub fn plan(fleet: &Fleet) -> (Vec<Change>, Vec<Unplaced>) {
     let mut room = Room::new(fleet);
     let mut changes = Vec::new();
     let mut unplaced = Vec::new();
-    let mut ports: BTreeSet<u16> = fleet.placements.values().map(|(p, _)| p.port).collect();
+    let mut ports = crate::room::ports(fleet);
     let alive = |h: &Option<String>| h.as_ref().is_some_and(|h| fleet.hosts.contains_key(h));
     for (vm, spec) in &fleet.vms {
         let (before, seen) = fleet.placements.get(vm).cloned().unwrap_or_default();
         let mut p = before.clone();
         let mut why = Vec::new();
+        if spec.protection == Protection::Vsmr {
+            if let Some(lacks) = slots::plan(fleet, vm, spec, &mut p, &mut room, &mut ports, &mut why) {
+                unplaced.push(Unplaced { vm: vm.clone(), why: lacks });
+            }
+            if p != before {
+                p.generation = before.generation + 1;
+                changes.push(Change { vm: vm.clone(), placement: p, seen, why: why.join("; ") });
+            }
+            continue;
+        }
         if p.primary.is_some() && !alive(&p.primary) {
             let gone = p.primary.take().unwrap_or_default();
             if alive(&p.backup) {
@@ -253,16 +137,24 @@ pub fn plan(fleet: &Fleet) -> (Vec<Change>, Vec<Unplaced>) {
 }
 
 /// Whether nothing is under way: every VM placed on two hosts protected
-/// (a VM no host has room for does not hold the others back), no
-/// hand-over asked for, no host draining. Only then is the fleet evened
-/// out.
+/// (a VM no host has room for does not hold the others back), every VSMR
+/// VM whole and protected or lacking what cannot be had now, no hand-over
+/// or replacement under way, no host draining. Only then is the fleet
+/// evened out.
 pub fn at_rest(fleet: &Fleet) -> bool {
+    let lacking = |p: &Placement| {
+        if p.replicas.is_empty() {
+            p.primary.is_none() || p.backup.is_none()
+        } else {
+            p.replacing.is_none() && p.replicas.iter().any(|s| !fleet.hosts.contains_key(&s.host))
+        }
+    };
     fleet.draining.is_empty()
         && fleet
             .placements
             .iter()
             .filter(|(vm, _)| fleet.vms.contains_key(*vm))
-            .all(|(vm, (p, _))| !p.handover && (p.primary.is_none() || p.backup.is_none() || fleet.protected(vm)))
+            .all(|(vm, (p, _))| !p.handover && p.replacing.is_none() && (lacking(p) || fleet.protected(vm)))
 }
 
 /// Whether the fleet is at rest and evened out: the leader has nothing to do.
@@ -339,6 +231,8 @@ fn rebalance(fleet: &Fleet, room: &Room, ports: &BTreeSet<u16>) -> Option<Change
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::records::{Host, Report};
+    use crate::spec::VmSpec;
 
     fn spec(name: &str, memory_mib: u64) -> VmSpec {
         VmSpec::from_toml(&format!("name = \"{name}\"\nimage = \"/kv.elf\"\nmemory_mib = {memory_mib}\nmac = \"52:54:00:00:00:01\""))
@@ -435,7 +329,8 @@ mod tests {
         apply(&mut f);
         let (primary, backup) = placed(&f, "a");
         let (primary, backup) = (primary.unwrap(), backup.unwrap());
-        let report = |host: &str, role| Report { host: host.into(), role, protected: true, pid: 1, since_ms: 0 };
+        let report =
+            |host: &str, role| Report { host: host.into(), role, protected: true, pid: 1, since_ms: 0, voters: Vec::new(), term: 0 };
         f.reports.entry("a".into()).or_default().insert(primary.clone(), report(&primary, Role::Primary));
         f.draining.insert(primary.clone());
         apply(&mut f);
@@ -466,7 +361,15 @@ mod tests {
             }
             f.reports.clear();
             for (vm, (p, _)) in &f.placements {
-                let report = |host: &str, role| Report { host: host.into(), role, protected: true, pid: 1, since_ms: 0 };
+                let report = |host: &str, role| Report {
+                    host: host.into(),
+                    role,
+                    protected: true,
+                    pid: 1,
+                    since_ms: 0,
+                    voters: Vec::new(),
+                    term: 0,
+                };
                 let reports = f.reports.entry(vm.clone()).or_default();
                 if let Some(primary) = &p.primary {
                     reports.insert(primary.clone(), report(primary, Role::Primary));
@@ -545,6 +448,196 @@ mod tests {
         let mut f = fleet(&["h1", "h2", "h3"], &[("a", 256), ("b", 256), ("c", 256), ("d", 100)]);
         let moves = settle(&mut f);
         assert_eq!(moves, 0, "placement already spread what it placed: {:?}", f.placements);
+    }
+
+    fn vsmr(name: &str, memory_mib: u64) -> VmSpec {
+        VmSpec { protection: Protection::Vsmr, ..spec(name, memory_mib) }
+    }
+
+    /// `f` with VSMR VM `vm` of `memory_mib`.
+    fn with_vsmr(mut f: Fleet, vm: &str, memory_mib: u64) -> Fleet {
+        f.vms.insert(vm.to_string(), vsmr(vm, memory_mib));
+        f
+    }
+
+    fn slots(f: &Fleet, vm: &str) -> Vec<(u64, String, bool)> {
+        f.placements[vm].0.replicas.iter().map(|s| (s.id, s.host.clone(), s.witness)).collect()
+    }
+
+    /// Every replica of `vm` reports; the one on `leader` leads with the
+    /// placement's members as its voters, protected.
+    fn report_group(f: &mut Fleet, vm: &str, leader: &str) {
+        let p = f.placements[vm].0.clone();
+        let voters: Vec<u64> = p.replicas.iter().map(|s| s.id).collect();
+        let reports = f.reports.entry(vm.to_string()).or_default();
+        reports.clear();
+        for s in &p.replicas {
+            let role = if s.host == leader {
+                Role::Leader
+            } else if s.witness {
+                Role::Witness
+            } else {
+                Role::Secondary
+            };
+            let report = Report { host: s.host.clone(), role, protected: true, pid: 1, since_ms: 0, voters: voters.clone(), term: 1 };
+            reports.insert(s.host.clone(), report);
+        }
+    }
+
+    #[test]
+    fn a_vsmr_vm_gets_three_replicas_on_three_hosts() {
+        let mut f = with_vsmr(fleet(&["h1", "h2", "h3", "h4"], &[("pb", 256)]), "v", 256);
+        assert!(apply(&mut f).is_empty());
+        let placed = slots(&f, "v");
+        assert_eq!(placed.iter().map(|s| s.0).collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!(placed.iter().map(|s| s.2).collect::<Vec<_>>(), [false, false, true], "the third is the witness");
+        let hosts: BTreeSet<&String> = placed.iter().map(|s| &s.1).collect();
+        assert_eq!(hosts.len(), 3, "one replica per host: {placed:?}");
+        let p = &f.placements["v"].0;
+        assert_eq!((p.next_id, &p.primary, &p.backup), (4, &None, &None));
+        let mut ports: Vec<u16> = p.replicas.iter().map(|s| s.port).collect();
+        ports.push(f.placements["pb"].0.port);
+        assert_eq!(ports.iter().collect::<BTreeSet<_>>().len(), 4, "every process has a port of its own: {ports:?}");
+        // The VM replicas take room, the witness none: the witness's host
+        // is the emptiest one left.
+        let leader = placed[0].1.clone();
+        report_group(&mut f, "v", &leader);
+        assert!(f.protected("v"));
+        assert!(plan(&f).0.is_empty(), "a placed group stays as it is: {:?}", plan(&f).0);
+    }
+
+    #[test]
+    fn a_lost_replica_is_replaced_by_one_with_a_new_id_on_another_host() {
+        let mut f = with_vsmr(fleet(&["h1", "h2", "h3", "h4"], &[]), "v", 256);
+        apply(&mut f);
+        let before = slots(&f, "v");
+        report_group(&mut f, "v", &before[1].1);
+        // The leader's host dies.
+        let dead = before[1].1.clone();
+        f.hosts.remove(&dead);
+        assert!(!f.protected("v"));
+        assert!(apply(&mut f).is_empty());
+        let p = f.placements["v"].0.clone();
+        let r = p.replacing.clone().expect("a replacement");
+        assert_eq!((r.slot.id, r.replaces, r.slot.witness), (4, 2, false), "a new id for a VM replica: {r:?}");
+        assert!(!before.iter().any(|s| s.1 == r.slot.host), "the replacement is on a host of its own: {r:?}");
+        assert_eq!(p.next_id, 5);
+        assert_eq!(slots(&f, "v"), before, "the members stay until the group changed");
+        // Nothing more while the group changes; then a replica reports
+        // the new one a voter in place of the lost one.
+        assert!(plan(&f).0.is_empty());
+        assert!(!at_rest(&f));
+        let reports = f.reports.get_mut("v").unwrap();
+        reports.remove(&dead);
+        reports.get_mut(&before[0].1).unwrap().voters = vec![1, 3, 4];
+        assert!(apply(&mut f).is_empty());
+        let now: Vec<u64> = slots(&f, "v").iter().map(|s| s.0).collect();
+        assert_eq!(now, [1, 3, 4]);
+        assert!(f.placements["v"].0.replacing.is_none());
+        // The witness's host dies next: a new witness, id 5.
+        let witness = before[2].1.clone();
+        f.hosts.remove(&witness);
+        f.hosts.insert("h5".into(), host("h5", 5));
+        apply(&mut f);
+        let r = f.placements["v"].0.replacing.clone().unwrap();
+        assert_eq!((r.slot.id, r.replaces, r.slot.witness), (5, 3, true));
+        assert_eq!(r.slot.host, "h5", "the only host without a replica of v");
+        // The new witness's host dies before it joined: another, id 6.
+        f.hosts.remove("h5");
+        f.hosts.insert("h6".into(), host("h6", 6));
+        apply(&mut f);
+        let r = f.placements["v"].0.replacing.clone().unwrap();
+        assert_eq!((r.slot.id, r.replaces, r.slot.host.as_str()), (6, 3, "h6"));
+        assert_eq!(f.placements["v"].0.next_id, 7);
+    }
+
+    #[test]
+    fn a_replica_on_a_draining_host_is_replaced_once_the_group_is_in_step() {
+        let mut f = with_vsmr(fleet(&["h1", "h2", "h3", "h4"], &[]), "v", 256);
+        apply(&mut f);
+        let placed = slots(&f, "v");
+        let drained = placed[0].1.clone();
+        f.draining.insert(drained.clone());
+        // Not in step (no reports): nothing moves.
+        assert!(plan(&f).0.is_empty(), "{:?}", plan(&f).0);
+        report_group(&mut f, "v", &drained);
+        assert!(apply(&mut f).is_empty());
+        let r = f.placements["v"].0.replacing.clone().expect("a replacement");
+        assert_eq!((r.slot.id, r.replaces), (4, 1));
+        assert!(r.slot.host != drained && !placed.iter().any(|s| s.1 == r.slot.host), "{r:?}");
+        let p = plan(&f).0;
+        assert!(p.is_empty(), "one replacement at a time: {p:?}");
+        // Nowhere else to go: it stays, and the list says why.
+        let mut f = with_vsmr(fleet(&["h1", "h2", "h3"], &[]), "v", 256);
+        apply(&mut f);
+        let drained = slots(&f, "v")[0].1.clone();
+        report_group(&mut f, "v", &drained);
+        f.draining.insert(drained.clone());
+        let unplaced = apply(&mut f);
+        assert_eq!(
+            unplaced[0].why,
+            format!("replica 1 stays on draining host {drained}: there is no other host with 256 MiB and 1 vCPUs free")
+        );
+    }
+
+    #[test]
+    fn a_vsmr_vm_needs_three_hosts_and_room_on_two() {
+        let mut f = with_vsmr(fleet(&["h1", "h2"], &[]), "v", 256);
+        let unplaced = apply(&mut f);
+        assert_eq!(unplaced.len(), 1);
+        assert_eq!(unplaced[0].why, "no third host for its witness: its 3 replicas need 3 hosts");
+        assert!(!f.placements.contains_key("v"));
+        // Three hosts, one with room for the VM: no second VM replica.
+        let mut f = with_vsmr(fleet(&["h1", "h2", "h3"], &[]), "v", 600);
+        f.hosts.get_mut("h2").unwrap().memory_mib = 512;
+        f.hosts.get_mut("h3").unwrap().memory_mib = 512;
+        let unplaced = apply(&mut f);
+        assert_eq!(unplaced[0].why, "no second host with 600 MiB and 1 vCPUs free for its second VM replica");
+        // Two with room and a small third: the witness goes there.
+        f.hosts.get_mut("h2").unwrap().memory_mib = 1024;
+        assert!(apply(&mut f).is_empty());
+        let placed = slots(&f, "v");
+        assert_eq!(placed[2], (3, "h3".to_string(), true), "{placed:?}");
+    }
+
+    #[test]
+    fn no_two_replicas_share_a_host_even_when_none_is_free() {
+        let mut f = with_vsmr(fleet(&["h1", "h2", "h3"], &[]), "v", 256);
+        apply(&mut f);
+        let lost = slots(&f, "v")[0].1.clone();
+        f.hosts.remove(&lost);
+        let unplaced = apply(&mut f);
+        assert!(f.placements["v"].0.replacing.is_none(), "{:?}", f.placements["v"]);
+        assert_eq!(unplaced[0].why, "unprotected: replica 1 is lost and there is no other host with 256 MiB and 1 vCPUs free");
+        f.hosts.insert("h4".into(), host("h4", 4));
+        assert!(apply(&mut f).is_empty());
+        let p = &f.placements["v"].0;
+        let mut hosts: Vec<&str> = p.hosts().collect();
+        hosts.retain(|h| *h != lost);
+        assert_eq!(hosts.iter().collect::<BTreeSet<_>>().len(), 3, "{p:?}");
+        assert_eq!(p.replacing.as_ref().unwrap().slot.host, "h4");
+    }
+
+    #[test]
+    fn a_group_without_quorum_says_so_and_one_without_replicas_starts_afresh() {
+        let mut f = with_vsmr(fleet(&["h1", "h2", "h3", "h4", "h5", "h6"], &[]), "v", 256);
+        apply(&mut f);
+        let placed = slots(&f, "v");
+        f.hosts.remove(&placed[0].1);
+        f.hosts.remove(&placed[2].1);
+        let unplaced = apply(&mut f);
+        let survivor = &placed[1];
+        assert_eq!(
+            unplaced[0].why,
+            format!("quorum lost: only replica 2 on {} of 3 survives; the VM waits for a lost host to come back", survivor.1)
+        );
+        assert_eq!(slots(&f, "v"), placed, "nothing is replaced without a quorum");
+        assert!(f.placements["v"].0.replacing.is_none());
+        f.hosts.remove(&survivor.1);
+        assert!(apply(&mut f).is_empty());
+        let afresh = slots(&f, "v");
+        assert_eq!(afresh.iter().map(|s| s.0).collect::<Vec<_>>(), [4, 5, 6], "a new group, new ids: {afresh:?}");
+        assert!(afresh.iter().all(|s| f.hosts.contains_key(&s.1)));
     }
 
     #[test]

@@ -9,6 +9,9 @@ pub enum Protection {
     /// A primary and a backup on two hosts (`ftvm run --replicate-to`).
     #[default]
     PrimaryBackup,
+    /// Three consensus-ordered replicas on three hosts (`ftvm replica`):
+    /// two run the VM, the third is a witness without one.
+    Vsmr,
 }
 
 /// One VM of the fleet.
@@ -29,12 +32,15 @@ pub struct VmSpec {
     /// The guest network card's MAC address (the same on every host).
     pub mac: String,
     /// A disk of this many MiB: a new zeroed file where the VM starts, and
-    /// a replica on its backup's host (replicated with its checkpoints).
+    /// a replica on its backup's host (replicated with its checkpoints);
+    /// with `vsmr`, a new zeroed file for each VM replica (brought up to
+    /// date by the leader's full `syncvm`).
     #[serde(default)]
     pub disk_mib: Option<u64>,
     #[serde(default)]
     pub protection: Protection,
-    /// More options for the primary's `ftvm run` (`["--epoch-ms", "20"]`).
+    /// More options for the primary's `ftvm run` (`["--epoch-ms", "20"]`),
+    /// or with `vsmr` for each VM replica's `ftvm replica`.
     #[serde(default)]
     pub args: Vec<String>,
 }
@@ -84,6 +90,9 @@ impl VmSpec {
         if octets[0].as_ref().is_ok_and(|o| o & 1 == 1) {
             return bad(format!("mac {}: a multicast address", self.mac));
         }
+        if self.protection == Protection::Vsmr && !self.memory_mib.is_multiple_of(2) {
+            return bad(format!("memory_mib {}: a multiple of 2 with protection = \"vsmr\"", self.memory_mib));
+        }
         Ok(())
     }
 }
@@ -119,5 +128,14 @@ mod tests {
         assert!(err(&format!("{GOOD}\ndisk_mib = 0")).contains("disk_mib 0"));
         assert!(err(&format!("{GOOD}\ncolour = 1")).contains("unknown field"));
         assert!(err("name = ").starts_with("not a VM spec"));
+        assert!(err(&format!("{GOOD}\nprotection = \"raid\"")).contains("unknown variant `raid`"));
+    }
+
+    #[test]
+    fn a_vsmr_spec_has_an_even_memory() {
+        let vsmr = format!("{GOOD}\nprotection = \"vsmr\"\ndisk_mib = 8");
+        assert_eq!(VmSpec::from_toml(&vsmr).unwrap().protection, Protection::Vsmr);
+        let err = VmSpec::from_toml(&vsmr.replace("memory_mib = 64", "memory_mib = 65")).unwrap_err().to_string();
+        assert_eq!(err, "bad VM spec: memory_mib 65: a multiple of 2 with protection = \"vsmr\"");
     }
 }

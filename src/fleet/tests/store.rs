@@ -56,7 +56,7 @@ fn specs_hosts_leases_and_conditioned_placements() {
     store
         .report(
             "a",
-            &Report { host: primary.clone(), role: Role::Primary, protected: true, pid: 1, since_ms: 0 },
+            &Report { host: primary.clone(), role: Role::Primary, protected: true, pid: 1, since_ms: 0, voters: Vec::new(), term: 0 },
             if primary == "h1" { l1 } else { l2 },
         )
         .unwrap();

@@ -239,6 +239,9 @@ impl Changes {
         if cs.voters.contains(&r.add) || cs.voters_outgoing.contains(&r.add) {
             return Err(format!("replica {} is a member of the group already", r.add));
         }
+        if let Some(p) = self.pending.filter(|p| p.remove == r.remove && p.add != r.add && p.learner_from.is_some()) {
+            return self.drop_learner(node, p, r.add);
+        }
         if let Some(p) = self.pending {
             return Err(format!("a membership change is already in progress: replica {} replaces {}", p.add, p.remove));
         }
@@ -287,6 +290,27 @@ impl Changes {
         Ok(format!(
             "replacing replica {} by {}: {} joins as a learner, then replaces {} once it holds the log",
             r.remove, r.add, r.add, r.remove
+        ))
+    }
+
+    /// Another new replica is asked to replace the one that `pending`'s
+    /// learner was to replace: that learner is lost too (it never held the
+    /// log, or it would be a voter now), and would hold the change up for
+    /// good. It leaves the group (one change of a learner, no joint
+    /// configuration); the new one is asked for again once that is done.
+    fn drop_learner(&mut self, node: &mut RawNode<Store>, p: Replacement, add: u64) -> Result<String, String> {
+        if node.raft.has_pending_conf() {
+            return Err("a membership change is already in progress: try again once it completed".into());
+        }
+        let mut cc = ConfChangeV2::default();
+        cc.set_changes(vec![single(p.add, ConfChangeType::RemoveNode)].into());
+        node.propose_conf_change(vec![], cc).map_err(|e| format!("the change was not proposed: {e}"))?;
+        tracing::info!(learner = p.add, remove = p.remove, add, "the learner that was to replace a replica is dropped for another");
+        self.pending = None;
+        self.publish(node);
+        Ok(format!(
+            "replica {} was to replace {} and does not hold the log: it leaves the group; ask again for {add} once it left",
+            p.add, p.remove
         ))
     }
 
@@ -622,5 +646,34 @@ mod tests {
         g.r(4).node.campaign().unwrap();
         g.run(10);
         assert_eq!(g.leader(), Some(4));
+    }
+    #[test]
+    fn a_learner_lost_before_it_held_the_log_is_dropped_for_another() {
+        let mut g = Group::new();
+        g.r(1).node.campaign().unwrap();
+        g.run(10);
+        for i in 0..20u8 {
+            g.r(1).node.propose(vec![], vec![i]).unwrap();
+        }
+        g.run(5);
+        g.down.push(2);
+        g.ask(1, 2, 4).unwrap();
+        g.run(5);
+        assert_eq!(g.voters(1), (vec![1, 2, 3], vec![4], vec![]), "replica 4 never runs: a learner for good");
+        // Replica 4 is lost too: replica 5 is asked for instead.
+        let said = g.ask(1, 2, 5).unwrap();
+        assert!(said.contains("replica 4 was to replace 2") && said.contains("leaves the group"), "{said}");
+        g.run(5);
+        assert_eq!(g.voters(1), (vec![1, 2, 3], vec![], vec![]), "the lost learner left");
+        assert_eq!(g.r(1).links.members(), vec![2, 3]);
+        g.ask(1, 2, 5).unwrap();
+        g.start(5, &[]);
+        g.run(40);
+        for id in [1, 3, 5] {
+            assert_eq!(g.voters(id), (vec![1, 3, 5], vec![], vec![]), "replica {id}");
+        }
+        // Asking for the same one again is no drop.
+        assert!(g.ask(1, 3, 6).is_ok());
+        assert!(g.ask(1, 3, 6).unwrap_err().contains("already in progress"));
     }
 }

@@ -328,7 +328,10 @@ impl Loop {
                 }
             }
             Event::Replace(r) => {
-                let answer = self.changes.request(&mut self.node, &r);
+                let answer = match self.step_aside(r.remove) {
+                    Some(answer) => Err(answer),
+                    None => self.changes.request(&mut self.node, &r),
+                };
                 let _ = r.reply.send(answer);
             }
             Event::Compact(index) => {
@@ -460,17 +463,39 @@ impl Loop {
         if raft.state != StateRole::Leader || self.config.eligible.load(Ordering::SeqCst) || raft.lead_transferee.is_some() {
             return;
         }
+        if let Some(id) = self.successor() {
+            tracing::info!(to = id, "this replica may not lead: handing leadership over");
+            self.node.transfer_leader(id);
+        }
+    }
+
+    /// The live VM replica furthest along, this one and learners left out.
+    fn successor(&self) -> Option<u64> {
+        let raft = &self.node.raft;
         let peers = self.mesh.peers();
-        let target = peers
+        peers
             .iter()
             .filter(|(id, p)| **id != self.config.id && !p.witness && p.heard.is_some_and(|t| t.elapsed() < ALIVE))
             .filter_map(|(id, _)| raft.prs().get(*id).filter(|_| !raft.prs().conf().learners().contains(id)).map(|pr| (pr.matched, *id)))
             .max()
-            .map(|(_, id)| id);
-        if let Some(id) = target {
-            tracing::info!(to = id, "this replica may not lead: handing leadership over");
-            self.node.transfer_leader(id);
+            .map(|(_, id)| id)
+    }
+
+    /// Asked, as the leader, to replace itself (its host is to be emptied):
+    /// it cannot remove itself, so it hands leadership to the live VM
+    /// replica furthest along, and the request is to be made again to
+    /// that one. What to answer, if it does.
+    fn step_aside(&mut self, remove: u64) -> Option<String> {
+        let raft = &self.node.raft;
+        if remove != self.config.id || raft.state != StateRole::Leader {
+            return None;
         }
+        let to = raft.lead_transferee.or_else(|| self.successor())?;
+        if self.node.raft.lead_transferee.is_none() {
+            tracing::info!(to, "asked to replace this replica, which leads: handing leadership over");
+            self.node.transfer_leader(to);
+        }
+        Some(format!("replica {remove} leads: it hands leadership over to replica {to}; ask replica {to} to replace {remove}"))
     }
 
     /// With `--link-batch on` the messages wait in the outbox for the

@@ -1,7 +1,9 @@
 //! `ftvm agent`: one per host. It enters the host in the fleet under a
 //! lease it keeps renewing, leads the fleet's placement when no other
-//! agent does, runs the VM processes the placements give its host, and
-//! reports what they are (`local`).
+//! agent does, runs the VM processes the placements give its host (a
+//! primary, a backup, a VSMR replica), and reports what they are
+//! (`local`). Where its VSMR replica leads a group that is to replace a
+//! lost member, it asks that replica to (`replica_replace`).
 //!
 //! Restarting the agent restarts nothing: the VM processes run in their
 //! own sessions, and the new agent adopts them and takes over the lease
@@ -23,7 +25,7 @@ use ftvm_fleet::placement::{plan, Fleet};
 use ftvm_fleet::{Host, Role, Store, StoreError};
 use serde_json::json;
 
-use super::local::{Local, Setup};
+use super::local::{Group, Local, Setup};
 use super::metrics::FleetMetrics;
 use crate::api::Request;
 use crate::error::{os, RunError};
@@ -237,7 +239,13 @@ impl Agent {
         for c in changes {
             if self.store.place(&c)? {
                 wrote = true;
-                event("placed", json!({ "vm": c.vm, "primary": c.placement.primary, "backup": c.placement.backup, "why": c.why }));
+                let p = &c.placement;
+                let replicas: Vec<String> = p.replicas.iter().map(|s| format!("{}@{}", s.id, s.host)).collect();
+                let replacing = p.replacing.as_ref().map(|r| format!("{}@{} replaces {}", r.slot.id, r.slot.host, r.replaces));
+                event(
+                    "placed",
+                    json!({ "vm": c.vm, "primary": p.primary, "backup": p.backup, "replicas": replicas, "replacing": replacing, "why": c.why }),
+                );
             }
         }
         for vm in fleet.unplaced.keys().filter(|vm| !unplaced.iter().any(|u| &u.vm == *vm)) {
@@ -271,12 +279,18 @@ impl Agent {
         for ended in self.local.reap() {
             event("ended", json!({ "vm": ended, "host": me }));
         }
+        // A process is stale where its VM is gone or placed elsewhere, and
+        // a VSMR replica also where this host's replica has another id now
+        // (the group started afresh).
         let stale: Vec<String> = self
             .local
             .procs
-            .keys()
-            .filter(|vm| !fleet.placements.get(*vm).is_some_and(|(p, _)| Local::mine(p, &me)) || !fleet.vms.contains_key(*vm))
-            .cloned()
+            .iter()
+            .filter(|(vm, proc)| {
+                let Some((p, _)) = fleet.placements.get(*vm).filter(|_| fleet.vms.contains_key(*vm)) else { return true };
+                !p.hosts().any(|h| h == me) || proc.replica.is_some_and(|id| p.slot_on(&me).is_none_or(|(slot, _)| slot.id != id))
+            })
+            .map(|(vm, _)| vm.clone())
             .collect();
         for vm in stale {
             event("stopped", json!({ "vm": vm, "host": me, "why": "no longer placed here" }));
@@ -284,6 +298,10 @@ impl Agent {
         }
         for (vm, (p, _)) in &fleet.placements {
             let Some(spec) = fleet.vms.get(vm) else { continue };
+            if !p.replicas.is_empty() {
+                self.run_replica(vm, spec, p);
+                continue;
+            }
             let running = self.local.procs.get(vm).and_then(|proc| proc.seen);
             let backup_addr = p.backup.as_ref().and_then(|b| fleet.hosts.get(b)).map(|b| format!("{}:{}", b.repl_addr, p.port));
             let backup_waits =
@@ -304,6 +322,31 @@ impl Agent {
                     _ => {}
                 }
             }
+        }
+    }
+
+    /// Run this host's replica of VSMR VM `vm`, if it has one; where that
+    /// replica leads and the placement replaces a lost one, ask it to
+    /// change the group, until it says the change is made.
+    fn run_replica(&mut self, vm: &str, spec: &ftvm_fleet::VmSpec, p: &ftvm_fleet::Placement) {
+        let me = self.me.name.clone();
+        let Some((slot, joins)) = p.slot_on(&me) else { return };
+        let Some(proc) = self.local.procs.get(vm) else {
+            let group = match &p.replacing {
+                Some(r) if joins => Group::Joins(format!("{},{}={}", p.peers(Some(r.replaces)), slot.id, slot.addr())),
+                _ => Group::Member(p.peers(None)),
+            };
+            let result = self.local.start_replica(vm, spec, slot, group);
+            let role = if slot.witness { "witness" } else { "replica" };
+            let error = result.err().map(|e| e.to_string());
+            event("started", json!({ "vm": vm, "host": me, "role": role, "id": slot.id, "joins": joins, "error": error }));
+            return;
+        };
+        let Some(r) = &p.replacing else { return };
+        let leads = proc.seen.is_some_and(|(role, _, _)| role == Role::Leader);
+        let done = proc.voters.contains(&r.slot.id) && !proc.voters.contains(&r.replaces);
+        if leads && !done {
+            self.ask(vm, p.generation, Request::ReplicaReplace { remove: r.replaces, add: r.slot.id, addr: r.slot.addr() });
         }
     }
 

@@ -1,12 +1,14 @@
 //! The VM processes an agent runs on its host: one `ftvm` process per VM
-//! (a backup, which becomes the VM's primary when it takes over, or a
-//! primary), each in its own session with its state in
-//! `STATE_DIR/vms/VM/` (pid, control socket, log), so a restarted agent
-//! finds and keeps them instead of starting them again.
+//! (a backup, which becomes the VM's primary when it takes over, a
+//! primary, or a VSMR replica), each in its own session with its state in
+//! `STATE_DIR/vms/VM/` (pid, control socket, log, a replica's raft vote),
+//! so a restarted agent finds and keeps them instead of starting them
+//! again.
 //!
 //! Each VM has a TAP of its own on the host's bridge, named from the VM's
 //! name, made before its process starts (the process opens it by name)
-//! and removed when the process is gone.
+//! and removed when the process is gone. A VSMR witness runs no VM and
+//! has none.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -16,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use ftvm_fleet::{Host, Placement, Report, Role, VmSpec};
+use ftvm_fleet::{Host, Report, Role, Slot, VmSpec};
 
 use crate::api::{self, client};
 
@@ -41,8 +43,13 @@ pub struct VmProcess {
     /// Spawned by this agent (an adopted one is not its child).
     child: Option<Child>,
     pub api: PathBuf,
+    /// A VSMR replica's raft id (the same VM's process for another id is
+    /// a replica the placement no longer has).
+    pub replica: Option<u64>,
     /// Role and protection last seen, and since when.
     pub seen: Option<(Role, bool, u64)>,
+    /// A VSMR replica's voters, as it last said.
+    pub voters: Vec<u64>,
     /// Asked to hand its VM over: it stops the guest and ends, so it is
     /// no longer reported as running the VM.
     pub leaving: bool,
@@ -88,11 +95,24 @@ fn alive(pid: u32) -> bool {
 }
 
 /// Whether `pid` is an `ftvm` process serving control socket `api` (a pid
-/// file outlives its process, and pids are reused).
-fn is_ours(pid: u32, api: &Path) -> bool {
+/// file outlives its process, and pids are reused); if so, its replica id
+/// if it is a VSMR replica.
+fn is_ours(pid: u32, api: &Path) -> Option<Option<u64>> {
     let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
     let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-    args.contains(&api.as_os_str().as_encoded_bytes())
+    if !args.contains(&api.as_os_str().as_encoded_bytes()) {
+        return None;
+    }
+    let id = args.windows(2).find(|w| w[0] == b"--id").and_then(|w| std::str::from_utf8(w[1]).ok()?.parse().ok());
+    Some(id)
+}
+
+/// How a VSMR replica finds its group.
+pub enum Group {
+    /// One of its members: `--peers`, every member's address.
+    Member(String),
+    /// A new replica: `--join`, the members to reach and its own address.
+    Joins(String),
 }
 
 /// This host's VM processes.
@@ -114,12 +134,12 @@ impl Local {
                 continue;
             };
             let api = dir.join("api.sock");
-            match pid.trim().parse::<u32>() {
-                Ok(pid) if alive(pid) && is_ours(pid, &api) => {
+            match pid.trim().parse::<u32>().ok().filter(|pid| alive(*pid)).and_then(|pid| Some((pid, is_ours(pid, &api)?))) {
+                Some((pid, replica)) => {
                     tracing::info!("agent: adopting {vm}'s process {pid}");
-                    procs.insert(vm, VmProcess { pid, child: None, api, seen: None, leaving: false });
+                    procs.insert(vm, VmProcess { pid, child: None, api, replica, seen: None, voters: Vec::new(), leaving: false });
                 }
-                _ => {
+                None => {
                     let _ = fs::remove_file(dir.join("pid"));
                     remove_tap(&tap_name(&vm));
                 }
@@ -132,30 +152,42 @@ impl Local {
         self.setup.state_dir.join("vms").join(vm)
     }
 
-    /// Start `args` (after `ftvm`) for `vm`. A VM with a disk gets a new
-    /// zeroed one here: a primary starting afresh begins with an empty disk,
-    /// and a backup's replica is filled by the primary's pre-copy.
+    /// Start a primary or backup (`args` after `ftvm`) for `vm`. A VM with
+    /// a disk gets a new zeroed one here: a primary starting afresh begins
+    /// with an empty disk, and a backup's replica is filled by the
+    /// primary's pre-copy.
     fn spawn(&mut self, vm: &str, spec: &VmSpec, mut args: Vec<String>) -> io::Result<()> {
+        self.new_disk(vm, spec, &mut args)?;
+        args.extend(["--arbiter".into(), self.setup.etcd.clone(), "--name".into(), vm.into()]);
+        self.launch(vm, Some(spec), args, None)
+    }
+
+    /// A new zeroed disk for `vm`'s process here, if its spec has one.
+    fn new_disk(&self, vm: &str, spec: &VmSpec, args: &mut Vec<String>) -> io::Result<()> {
+        let Some(mib) = spec.disk_mib else { return Ok(()) };
         let dir = self.vm_dir(vm);
         fs::create_dir_all(&dir)?;
-        if let Some(mib) = spec.disk_mib {
-            let disk = dir.join("disk.img");
-            let file = fs::File::create(&disk)?;
-            file.set_len(mib << 20)?;
-            args.push("--disk".into());
-            args.push(disk.display().to_string());
-        }
+        let disk = dir.join("disk.img");
+        let file = fs::File::create(&disk)?;
+        file.set_len(mib << 20)?;
+        args.push("--disk".into());
+        args.push(disk.display().to_string());
+        Ok(())
+    }
+
+    /// Start `args` for `vm`, on the VM's TAP if it has a network card
+    /// (`net`), with the fleet's secret and a control socket.
+    fn launch(&mut self, vm: &str, net: Option<&VmSpec>, mut args: Vec<String>, replica: Option<u64>) -> io::Result<()> {
+        let dir = self.vm_dir(vm);
+        fs::create_dir_all(&dir)?;
         let api = dir.join("api.sock");
-        make_tap(&tap_name(vm), &self.setup.bridge)?;
+        if let Some(spec) = net {
+            make_tap(&tap_name(vm), &self.setup.bridge)?;
+            args.extend(["--net".into(), format!("tap={},mac={}", tap_name(vm), spec.mac)]);
+        }
         let log = fs::OpenOptions::new().create(true).append(true).open(dir.join("log"))?;
         let mut cmd = Command::new(&self.setup.exe);
         cmd.args(&args)
-            .arg("--net")
-            .arg(format!("tap={},mac={}", tap_name(vm), spec.mac))
-            .arg("--arbiter")
-            .arg(&self.setup.etcd)
-            .arg("--name")
-            .arg(vm)
             .arg("--secret-file")
             .arg(&self.setup.secret_file)
             .arg("--api-socket")
@@ -175,8 +207,41 @@ impl Local {
         let pid = child.id();
         fs::write(dir.join("pid"), pid.to_string())?;
         tracing::info!("agent: started {vm}: ftvm {} (pid {pid})", args.join(" "));
-        self.procs.insert(vm.to_string(), VmProcess { pid, child: Some(child), api, seen: None, leaving: false });
+        self.procs
+            .insert(vm.to_string(), VmProcess { pid, child: Some(child), api, replica, seen: None, voters: Vec::new(), leaving: false });
         Ok(())
+    }
+
+    /// Start `vm`'s VSMR replica `slot`: a member of the group, or a new
+    /// replica that joins it. Its raft vote is kept here across restarts
+    /// (`--raft-state`, one file per id). A VM replica boots the image, on
+    /// a new zeroed disk if the VM has one; the leader brings both up to
+    /// date (pre-copy, then a full `syncvm`, which compares every block).
+    pub fn start_replica(&mut self, vm: &str, spec: &VmSpec, slot: &Slot, group: Group) -> io::Result<()> {
+        let raft_state = self.vm_dir(vm).join(format!("raft-{}.state", slot.id));
+        let mut args = vec!["replica".into(), "--id".into(), slot.id.to_string()];
+        args.extend(match group {
+            Group::Member(peers) => ["--peers".into(), peers],
+            Group::Joins(join) => ["--join".into(), join],
+        });
+        args.extend(["--raft-state".into(), raft_state.display().to_string()]);
+        if slot.witness {
+            args.push("--witness".into());
+            return self.launch(vm, None, args, Some(slot.id));
+        }
+        args.extend([
+            "--image".into(),
+            spec.image.clone(),
+            "--memory".into(),
+            spec.memory_mib.to_string(),
+            "--vcpus".into(),
+            spec.vcpus.to_string(),
+            "--cmdline".into(),
+            spec.cmdline.clone(),
+        ]);
+        args.extend(spec.args.iter().cloned());
+        self.new_disk(vm, spec, &mut args)?;
+        self.launch(vm, Some(spec), args, Some(slot.id))
     }
 
     /// Start `vm`'s backup, listening on this host's replication address.
@@ -236,14 +301,19 @@ impl Local {
         let role = match st.role {
             ftvm_replication::Role::Primary => Role::Primary,
             ftvm_replication::Role::Backup => Role::Backup,
-            _ => return None,
+            ftvm_replication::Role::Leader => Role::Leader,
+            ftvm_replication::Role::Secondary => Role::Secondary,
+            ftvm_replication::Role::Witness => Role::Witness,
         };
+        let members = reply.members.map(|m| m.members).unwrap_or_default();
+        p.voters = members.iter().filter(|m| m.role == "voter").map(|m| m.id).collect();
         let since = match p.seen {
             Some((r, prot, since)) if r == role && prot == st.protected => since,
             _ => now_ms(),
         };
         p.seen = Some((role, st.protected, since));
-        Some(Report { host: host.to_string(), role, protected: st.protected, pid: p.pid, since_ms: since })
+        let term = if matches!(role, Role::Primary | Role::Backup) { 0 } else { st.term };
+        Some(Report { host: host.to_string(), role, protected: st.protected, pid: p.pid, since_ms: since, voters: p.voters.clone(), term })
     }
 
     /// Send `request` to `vm`'s process.
@@ -260,10 +330,17 @@ impl Local {
         }
     }
 
-    /// Stop `vm`'s process and drop its disk here (its log stays).
+    /// Stop `vm`'s process and drop its disk and raft votes here (its log
+    /// stays).
     pub fn remove(&mut self, vm: &str) {
         self.stop(vm);
-        let _ = fs::remove_file(self.vm_dir(vm).join("disk.img"));
+        let dir = self.vm_dir(vm);
+        let _ = fs::remove_file(dir.join("disk.img"));
+        for entry in fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if entry.file_name().to_str().is_some_and(|n| n.starts_with("raft-") && n.ends_with(".state")) {
+                let _ = fs::remove_file(entry.path());
+            }
+        }
     }
 
     /// Stop `vm`'s process: asked first, killed if it does not go.
@@ -283,10 +360,5 @@ impl Local {
             let _ = child.wait();
         }
         self.reap();
-    }
-
-    /// Whether placement `p` gives this host (`me`) a part in the VM.
-    pub fn mine(p: &Placement, me: &str) -> bool {
-        p.primary.as_deref() == Some(me) || p.backup.as_deref() == Some(me)
     }
 }

@@ -11,7 +11,8 @@ use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use clap::Subcommand;
-use ftvm_fleet::{Role, Store, VmSpec};
+use ftvm_fleet::placement::Fleet;
+use ftvm_fleet::{Protection, Role, Store, VmSpec};
 
 use crate::error::RunError;
 use crate::output::outln;
@@ -26,7 +27,8 @@ pub struct EtcdArgs {
 #[derive(Subcommand)]
 pub enum VmCommand {
     /// Add a VM to the fleet from a spec file (TOML, docs/fleet.md): the
-    /// leader agent places its primary and backup on two hosts.
+    /// leader agent places its primary and backup on two hosts (a VSMR
+    /// VM: its three replicas on three).
     Create {
         #[command(flatten)]
         etcd: EtcdArgs,
@@ -92,27 +94,18 @@ pub fn vm(command: VmCommand) -> Result<i32, RunError> {
         }
         VmCommand::List { etcd } => {
             let fleet = Store::new(&etcd.etcd).read().map_err(fleet_error)?;
-            outln!("{:<16} {:<10} {:<10} {:<10} {:<12} NOTE", "NAME", "PRIMARY", "BACKUP", "PROTECTED", "SINCE");
+            outln!("{:<16} {:<5} {:<10} {:<16} {:<10} {:<12} NOTE", "NAME", "KIND", "PRIMARY", "BACKUP", "PROTECTED", "SINCE");
             for name in fleet.vms.keys() {
-                let placement = fleet.placements.get(name).map(|(p, _)| p.clone()).unwrap_or_default();
-                let primary = placement
-                    .primary
-                    .as_deref()
-                    .and_then(|h| fleet.reports.get(name).and_then(|r| r.get(h)))
-                    .filter(|r| r.role == Role::Primary);
-                let protected = match primary {
-                    Some(r) if r.protected => "yes",
-                    Some(_) => "no",
-                    None => "-",
-                };
+                let row = Row::of(&fleet, name);
                 outln!(
-                    "{:<16} {:<10} {:<10} {:<10} {:<12} {}",
+                    "{:<16} {:<5} {:<10} {:<16} {:<10} {:<12} {}",
                     name,
-                    placement.primary.as_deref().unwrap_or("-"),
-                    placement.backup.as_deref().unwrap_or("-"),
-                    protected,
-                    primary.map_or_else(|| "-".to_string(), |r| ago(r.since_ms)),
-                    fleet.unplaced.get(name).map_or("", String::as_str)
+                    row.kind,
+                    row.primary,
+                    row.backup,
+                    row.protected,
+                    row.since.map_or_else(|| "-".to_string(), ago),
+                    fleet.unplaced.get(name).map_or(row.note, String::clone)
                 );
             }
         }
@@ -135,11 +128,73 @@ pub fn vm(command: VmCommand) -> Result<i32, RunError> {
     Ok(0)
 }
 
+/// One VM as `ftvm vm list` shows it. A VSMR VM's primary is the host of
+/// the replica that leads, its backups the other replicas' hosts (`w`:
+/// the witness), and it is protected when its three replicas run, the
+/// leader with a secondary in step and the three of them as its voters.
+struct Row {
+    kind: &'static str,
+    primary: String,
+    backup: String,
+    protected: &'static str,
+    since: Option<u64>,
+    note: String,
+}
+
+impl Row {
+    fn of(fleet: &Fleet, name: &str) -> Row {
+        let placement = fleet.placements.get(name).map(|(p, _)| p.clone()).unwrap_or_default();
+        let reports = fleet.reports.get(name);
+        let report = |host: &str| reports.and_then(|r| r.get(host));
+        let yes_no = |yes: bool| if yes { "yes" } else { "no" };
+        if fleet.vms.get(name).is_some_and(|s| s.protection == Protection::Vsmr) {
+            let leader = fleet.vsmr_leader(name, &placement).map(|r| r.host.clone());
+            let leader = placement.replicas.iter().find(|s| Some(&s.host) == leader.as_ref());
+            let others: Vec<String> = placement
+                .replicas
+                .iter()
+                .filter(|s| Some(*s) != leader)
+                .map(|s| format!("{}{}", s.host, if s.witness { "w" } else { "" }))
+                .collect();
+            let note = placement
+                .replacing
+                .as_ref()
+                .map_or(String::new(), |r| format!("replica {} on {} replaces replica {}", r.slot.id, r.slot.host, r.replaces));
+            return Row {
+                kind: "vsmr",
+                primary: leader.map_or("-".into(), |s| s.host.clone()),
+                backup: if others.is_empty() { "-".into() } else { others.join(",") },
+                protected: if placement.replicas.is_empty() { "-" } else { yes_no(fleet.protected(name)) },
+                since: leader.and_then(|s| report(&s.host)).map(|r| r.since_ms),
+                note,
+            };
+        }
+        let primary = placement.primary.as_deref().and_then(report).filter(|r| r.role == Role::Primary);
+        Row {
+            kind: "pb",
+            primary: placement.primary.clone().unwrap_or_else(|| "-".into()),
+            backup: placement.backup.clone().unwrap_or_else(|| "-".into()),
+            protected: primary.map_or("-", |r| yes_no(r.protected)),
+            since: primary.map(|r| r.since_ms),
+            note: String::new(),
+        }
+    }
+}
+
 pub fn host(command: HostCommand) -> Result<i32, RunError> {
     match command {
         HostCommand::List { etcd } => {
             let fleet = Store::new(&etcd.etcd).read().map_err(fleet_error)?;
-            outln!("{:<10} {:<16} {:>10} {:>6} {:>9} {:>7}  STATE", "NAME", "REPL ADDR", "MEMORY MiB", "vCPUs", "PRIMARIES", "BACKUPS");
+            outln!(
+                "{:<10} {:<16} {:>10} {:>6} {:>9} {:>7} {:>8}  STATE",
+                "NAME",
+                "REPL ADDR",
+                "MEMORY MiB",
+                "vCPUs",
+                "PRIMARIES",
+                "BACKUPS",
+                "REPLICAS"
+            );
             for (name, h) in &fleet.hosts {
                 let count = |primary: bool| {
                     fleet
@@ -148,6 +203,7 @@ pub fn host(command: HostCommand) -> Result<i32, RunError> {
                         .filter(|(p, _)| if primary { p.primary.as_ref() } else { p.backup.as_ref() } == Some(name))
                         .count()
                 };
+                let replicas = fleet.placements.values().filter(|(p, _)| p.slot_on(name).is_some()).count();
                 let mut state = vec![];
                 if fleet.leader.as_ref() == Some(name) {
                     state.push("leader");
@@ -156,13 +212,14 @@ pub fn host(command: HostCommand) -> Result<i32, RunError> {
                     state.push("draining");
                 }
                 outln!(
-                    "{:<10} {:<16} {:>10} {:>6} {:>9} {:>7}  {}",
+                    "{:<10} {:<16} {:>10} {:>6} {:>9} {:>7} {:>8}  {}",
                     name,
                     h.repl_addr,
                     h.memory_mib,
                     h.vcpus,
                     count(true),
                     count(false),
+                    replicas,
                     state.join(",")
                 );
             }
