@@ -141,6 +141,15 @@ fn secret_in(dir: &std::path::Path) -> std::path::PathBuf {
 }
 
 /// Hosts with an agent each, and the fleet's etcd.
+/// Ask every agent still running to stop (SIGTERM).
+fn stop_agents(agents: &mut [Process]) {
+    for a in agents.iter_mut() {
+        if a.running() {
+            a.signal(libc::SIGTERM).unwrap();
+        }
+    }
+}
+
 struct Rig {
     topo: Topology,
     etcd: Etcd,
@@ -259,9 +268,7 @@ fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
     assert!(scrape.contains("ftvm_fleet_vm_protected{vm=\"kva\"} 1"), "{scrape}");
     assert!(scrape.contains("ftvm_fleet_vm_unplaced{vm=\"huge\"} 1"), "{scrape}");
     assert!(scrape.contains(&format!("ftvm_fleet_host_vms{{host=\"{primary}\",role=\"primary\"}} 0")), "{scrape}");
-    for a in &mut agents {
-        a.signal(libc::SIGTERM).unwrap();
-    }
+    stop_agents(&mut agents);
 }
 
 #[test]
@@ -346,11 +353,7 @@ fn vms_stay_protected_when_a_host_dies() {
     // Deleting a VM stops its processes.
     cli(&topo, &["vm", "delete", "--etcd", etcd.endpoint(), "kvb"]);
     wait_fleet(&topo, &store, None, Duration::from_secs(20), "kvb's reports gone", |f| !f.reports.contains_key("kvb"));
-    for a in &mut agents {
-        if a.running() {
-            a.signal(libc::SIGTERM).unwrap();
-        }
-    }
+    stop_agents(&mut agents);
 }
 
 /// Tracked writers (a SET every 20 ms per connection) from the client
@@ -584,11 +587,7 @@ fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
         let value = writers::value(key, 64);
         assert!(ok && out.trim().as_bytes() == value.as_slice(), "{key} after the quorum came back: {out:?}");
     }
-    for a in &mut agents {
-        if a.running() {
-            a.signal(libc::SIGTERM).unwrap();
-        }
-    }
+    stop_agents(&mut agents);
 }
 
 /// `ftvm status` of host `host`'s process for `vm` (empty if it does not answer).
@@ -661,11 +660,7 @@ fn a_vsmr_replacement_lost_before_it_joined_is_replaced_again() {
     wait_acked_beyond(&w, w.acked() + 100, "protected by replica 5");
     topo.forget_guest().unwrap();
     verify(&topo, addr, w, vm);
-    for a in &mut agents {
-        if a.running() {
-            a.signal(libc::SIGTERM).unwrap();
-        }
-    }
+    stop_agents(&mut agents);
 }
 
 /// A VSMR VM on four hosts loses the hosts of all three replicas (two
@@ -725,11 +720,7 @@ fn a_vsmr_vm_whose_replicas_all_died_starts_afresh() {
     assert!(ok && out.trim().is_empty(), "the VM's state was lost, yet: {out:?}");
     let (ok, out) = topo.redis_cli(addr, &["SET", "after", "1"]);
     assert!(ok && out.trim() == "OK", "SET: {out}");
-    for a in &mut agents {
-        if a.running() {
-            a.signal(libc::SIGTERM).unwrap();
-        }
-    }
+    stop_agents(&mut agents);
 }
 
 /// A VSMR VM on four hosts under tracked writers; the host of its leader
@@ -769,11 +760,7 @@ fn a_drained_host_hands_its_vsmr_replica_over() {
     wait_acked_beyond(&w, w.acked() + 100, "after the drain");
     topo.forget_guest().unwrap();
     verify(&topo, addr, w, vm);
-    for a in &mut agents {
-        if a.running() {
-            a.signal(libc::SIGTERM).unwrap();
-        }
-    }
+    stop_agents(&mut agents);
 }
 
 #[test]

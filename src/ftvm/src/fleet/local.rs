@@ -229,17 +229,7 @@ impl Local {
             args.push("--witness".into());
             return self.launch(vm, None, args, Some(slot.id));
         }
-        args.extend([
-            "--image".into(),
-            spec.image.clone(),
-            "--memory".into(),
-            spec.memory_mib.to_string(),
-            "--vcpus".into(),
-            spec.vcpus.to_string(),
-            "--cmdline".into(),
-            spec.cmdline.clone(),
-        ]);
-        args.extend(spec.args.iter().cloned());
+        args.extend(vm_args(spec));
         self.new_disk(vm, spec, &mut args)?;
         self.launch(vm, Some(spec), args, Some(slot.id))
     }
@@ -252,20 +242,8 @@ impl Local {
 
     /// Boot `vm` from its image as a primary replicating to `backup`.
     pub fn start_primary(&mut self, vm: &str, spec: &VmSpec, backup: &str) -> io::Result<()> {
-        let mut args = vec![
-            "run".into(),
-            "--image".into(),
-            spec.image.clone(),
-            "--memory".into(),
-            spec.memory_mib.to_string(),
-            "--vcpus".into(),
-            spec.vcpus.to_string(),
-            "--cmdline".into(),
-            spec.cmdline.clone(),
-            "--replicate-to".into(),
-            backup.to_string(),
-        ];
-        args.extend(spec.args.iter().cloned());
+        let mut args = vec!["run".into(), "--replicate-to".into(), backup.to_string()];
+        args.extend(vm_args(spec));
         self.spawn(vm, spec, args)
     }
 
@@ -361,4 +339,20 @@ impl Local {
         }
         self.reap();
     }
+}
+
+/// The VM's shape and options from its spec, as `run` and `replica` take them.
+fn vm_args(spec: &VmSpec) -> Vec<String> {
+    let mut args = vec![
+        "--image".into(),
+        spec.image.clone(),
+        "--memory".into(),
+        spec.memory_mib.to_string(),
+        "--vcpus".into(),
+        spec.vcpus.to_string(),
+        "--cmdline".into(),
+        spec.cmdline.clone(),
+    ];
+    args.extend(spec.args.iter().cloned());
+    args
 }
