@@ -847,6 +847,36 @@ fn a_short_page_hash_collision_is_caught_and_a_full_syncvm_follows() {
     verify_report(&c, report);
 }
 
+/// Both VM replicas' hosts die and come back (a double failure): neither
+/// restarted VM holds the state behind the output the group released (the
+/// log is in memory), so neither may serve. Before, they elected one of
+/// themselves on their empty logs and served its fresh VM, the
+/// acknowledged writes gone without a word. The group must wait, saying
+/// why, and not hand leadership back and forth between the two for ever
+/// (each elected, neither in step, each handing over to the other).
+#[test]
+fn with_both_vm_replicas_lost_the_group_waits_without_bouncing_leadership() {
+    let mut c = Cluster::new("vboth", &[]);
+    let leader = c.wait_leader(true, Duration::from_secs(30));
+    let w = writers(&c, "b");
+    wait_acked_beyond(&w, 100, &c, "start");
+    let _ = w.stop();
+    c.kill(1);
+    c.kill(2);
+    c.start(1);
+    c.start(2);
+    // Elections settle within a few failure timeouts; then watch.
+    std::thread::sleep(Duration::from_secs(3));
+    let settled = c.logged_term(1).max(c.logged_term(2));
+    std::thread::sleep(Duration::from_secs(4));
+    let later = c.logged_term(1).max(c.logged_term(2));
+    assert!(later <= settled + 2, "leadership bounced from term {settled} to {later} in 4 s:\n{}", c.logs());
+    assert_eq!(c.leader(false), None, "a restarted VM serves without the released state:\n{}", c.logs());
+    let said = (1..=2).any(|id| c.procs[(id - 1) as usize].as_ref().unwrap().stderr().contains("no VM replica may lead"));
+    assert!(said, "no replica said why the group waits:\n{}", c.logs());
+    eprintln!("the first leader was {leader}; terms {settled} then {later}");
+}
+
 /// The same with the leader resuming only once the pages are sent.
 #[test]
 fn syncvm_repairs_divergence_with_early_resume_off() {

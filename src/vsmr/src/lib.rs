@@ -214,8 +214,13 @@ fn start_replica(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<(StatusCe
     let (committed_tx, committed_rx) = mpsc::channel();
     let view = Arc::new(Mutex::new(View::default()));
     // Every VM replica of a new group may lead; the witness (a standby
-    // too) not before it was brought up to date.
-    let eligible = Arc::new(AtomicBool::new(!held_at_start));
+    // too) not before it was brought up to date, nor a replica restarted
+    // (its kept vote says it was a member): its VM started afresh, and
+    // only a full `syncvm` from a replica that holds the state makes it
+    // the group's again. Were both VM replicas lost, neither may lead, and
+    // the group waits rather than serve a VM without its released state.
+    let restarted = votes.as_ref().is_some_and(|(_, kept)| kept.as_ref().is_some_and(|v| v.term > 0));
+    let eligible = Arc::new(AtomicBool::new(!held_at_start && !restarted));
     // Whether the VM is held (`replica`), shared with the input gate.
     let held = Arc::new(AtomicBool::new(false));
     let gate = match (&vm, config.tuning.direct_input) {

@@ -47,6 +47,13 @@ const HEARTBEAT_TICKS: usize = 2;
 const KEEP_ENTRIES: u64 = 4096;
 /// A peer counts as alive when a message from it arrived this recently.
 pub const ALIVE: Duration = Duration::from_millis(500);
+/// A leadership that lasts this long was not handed straight back: the
+/// count of hand-overs in a row starts again (`hand_over`).
+const SETTLED: Duration = Duration::from_secs(2);
+/// Hand-overs won in a row after which a leader that may not lead keeps
+/// the leadership (`hand_over`): a hand-over to a replica that may lead
+/// ends in one, and a drain's hand-back in two.
+const BOUNCES: u32 = 3;
 
 /// An entry the log committed, in log order.
 #[derive(Debug)]
@@ -190,6 +197,7 @@ pub fn start(
                 compacted: 0,
                 heard: HashMap::new(),
                 leader_since: (INVALID_ID, 0, Instant::now()),
+                handed_in_a_row: 0,
                 lost: None,
                 round: None,
                 delivered: 0,
@@ -229,6 +237,11 @@ struct Loop {
     heard: HashMap<u64, Instant>,
     /// The leader this replica follows, its term, and since when.
     leader_since: (u64, u64, Instant),
+    /// Elections this replica won in a row by a hand-over, the leadership
+    /// changing hands within `SETTLED` each time: two VM replicas that may
+    /// not lead (neither holds the released state: both were lost) would
+    /// otherwise hand it to each other for ever (`hand_over`).
+    handed_in_a_row: u32,
     /// The leader found dead, while the election this calls for runs.
     lost: Option<Lost>,
     /// What started the election this replica runs: shown if it wins.
@@ -394,6 +407,8 @@ impl Loop {
         let key = (raft.leader_id, raft.term);
         if (self.leader_since.0, self.leader_since.1) != key {
             self.leader_since = (key.0, key.1, Instant::now());
+        } else if self.leader_since.2.elapsed() >= SETTLED && raft.state != StateRole::Leader {
+            self.handed_in_a_row = 0;
         }
         if let Some(lost) = self.lost {
             let expired = lost.at.elapsed() >= TICK * ELECTION_TICKS as u32;
@@ -458,9 +473,22 @@ impl Loop {
 
     /// A leader that may not lead (the witness; a replica never brought up
     /// to date) hands leadership to the live VM replica furthest along.
+    /// Not after `BOUNCES` hand-overs to it in a row: then no VM replica
+    /// holds the state behind the released output (both were lost), none
+    /// may serve, and the group waits under this leader, saying why.
     fn hand_over(&mut self) {
         let raft = &self.node.raft;
         if raft.state != StateRole::Leader || self.config.eligible.load(Ordering::SeqCst) || raft.lead_transferee.is_some() {
+            return;
+        }
+        if self.handed_in_a_row >= BOUNCES {
+            if self.handed_in_a_row == BOUNCES {
+                self.handed_in_a_row += 1;
+                let why = "no VM replica may lead: none holds the state behind the output the group released (it was lost with its host); \
+                           the group waits, its output held, until one does";
+                tracing::warn!(term = raft.term, "{why}");
+                self.config.status.lock().detail = why.to_string();
+            }
             return;
         }
         if let Some(id) = self.successor() {
@@ -751,6 +779,10 @@ impl Loop {
     fn elected(&mut self) {
         let (cause, since) = self.round.take().unwrap_or((Cause::Timeout, Instant::now()));
         self.lost = None;
+        self.handed_in_a_row = match cause {
+            Cause::Handover { .. } => self.handed_in_a_row + 1,
+            _ => 0,
+        };
         let e = Election { term: self.node.raft.term, cause, after_us: since.elapsed().as_micros() as u64 };
         tracing::info!("elected: {e}");
         self.config.status.lock().election = Some(e);
