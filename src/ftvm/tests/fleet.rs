@@ -379,9 +379,11 @@ fn wait_acked_beyond(w: &Writers, n: u64, what: &str) {
     }
 }
 
-/// Every write `w` saw acknowledged reads back from the guest at `addr`;
+/// Every write `w` saw acknowledged reads back from the guest at `addr`
+/// (the client having forgotten where the guest was: it may have moved);
 /// their keys.
 fn verify(topo: &Topology, addr: &str, w: Writers, vm: &str) -> Vec<String> {
+    topo.forget_guest().unwrap();
     let gap = w.longest_gap();
     let report = w.stop();
     assert!(!report.acked.is_empty(), "{vm}: no write was acknowledged");
@@ -526,7 +528,6 @@ fn a_vsmr_vm_gets_a_new_replica_when_a_host_dies() {
     let acked = w.acked();
     wait_acked_beyond(&w, acked + 100, "the VSMR VM protected again");
     wait_acked_beyond(&wpb, wpb.acked() + 100, "the primary-backup VM protected again");
-    topo.forget_guest().unwrap();
     let acked = verify(&topo, addr, w, vm);
     verify(&topo, pb_addr, wpb, pb);
     // The new replica's disk (a zeroed file where it started, brought up
@@ -658,7 +659,6 @@ fn a_vsmr_replacement_lost_before_it_joined_is_replaced_again() {
     assert_eq!(ids.len(), 3, "{st}");
     assert!(!ids.contains(&"4"), "learner 4 is still in the group: {st}");
     wait_acked_beyond(&w, w.acked() + 100, "protected by replica 5");
-    topo.forget_guest().unwrap();
     verify(&topo, addr, w, vm);
     stop_agents(&mut agents);
 }
@@ -758,7 +758,6 @@ fn a_drained_host_hands_its_vsmr_replica_over() {
     let log = std::fs::read_to_string(dir.join(&leader).join("vms").join(vm).join("log")).unwrap();
     assert!(log.contains("asked to replace this replica, which leads: handing leadership over"), "{log}");
     wait_acked_beyond(&w, w.acked() + 100, "after the drain");
-    topo.forget_guest().unwrap();
     verify(&topo, addr, w, vm);
     stop_agents(&mut agents);
 }
