@@ -76,7 +76,7 @@ impl StateDelta {
 
     /// `state` over `base`: each component kept if the same, XORed with
     /// the base's if of the same length, else whole.
-    pub fn against(state: Components, base: &Components) -> StateDelta {
+    pub fn against(state: &Components, base: &Components) -> StateDelta {
         let mut delta = StateDelta::default();
         for (id, bytes) in state.iter() {
             match base.get(id) {
@@ -192,7 +192,7 @@ mod tests {
     fn a_delta_against_the_base_keeps_xors_and_sends_whole() {
         let base = state(&[("clock", b"aaaa"), ("vcpu/0", &[1, 2, 3, 4, 5, 6]), ("devices/net0", b"xy")]);
         let now = state(&[("clock", b"aaaa"), ("vcpu/0", &[1, 2, 9, 4, 5, 6]), ("devices/net0", b"xyz"), ("new", b"n")]);
-        let delta = StateDelta::against(now.clone(), &base);
+        let delta = StateDelta::against(&now, &base);
         assert_eq!(delta.kept, [ComponentId::new("clock")]);
         assert_eq!(delta.xored.get(&ComponentId::new("vcpu/0")), Some(&[0, 0, 3 ^ 9, 0, 0, 0][..]));
         assert_eq!(delta.changed.ids().map(ComponentId::as_str).collect::<Vec<_>>(), ["devices/net0", "new"]);
@@ -205,7 +205,7 @@ mod tests {
     #[test]
     fn a_delta_that_does_not_fit_the_base_is_refused() {
         let base = state(&[("vcpu/0", &[1, 2, 3])]);
-        let delta = StateDelta::against(state(&[("vcpu/0", &[1, 2, 4])]), &base);
+        let delta = StateDelta::against(&state(&[("vcpu/0", &[1, 2, 4])]), &base);
         let err = delta.check(None).unwrap_err();
         assert!(err.contains("never received (vcpu/0)"), "{err}");
         let shorter = state(&[("vcpu/0", &[1, 2])]);
@@ -213,7 +213,7 @@ mod tests {
         assert!(err.contains("XOR that does not fit"), "{err}");
         let err = delta.check(Some(&state(&[("clock", b"c")]))).unwrap_err();
         assert!(err.contains("vcpu/0"), "{err}");
-        let mut both = StateDelta::against(state(&[("vcpu/0", &[1, 2, 4])]), &base);
+        let mut both = StateDelta::against(&state(&[("vcpu/0", &[1, 2, 4])]), &base);
         both.changed.insert(ComponentId::new("vcpu/0"), vec![0; 3]);
         assert!(both.check(Some(&base)).unwrap_err().contains("both keeps and changes vcpu/0"));
     }

@@ -666,7 +666,7 @@ fn state_delta(x: &Exchange<'_>, state: Components, width: HashWidth) -> (StateD
     let Some(base) = x.state_base else { return (StateDelta::whole(state), None) };
     let mut base = base.locked();
     let delta = match base.as_ref() {
-        Some(b) if b.peer == x.peer && width == HashWidth::Short => (StateDelta::against(state.clone(), &b.state), Some(b.id)),
+        Some(b) if b.peer == x.peer && width == HashWidth::Short => (StateDelta::against(&state, &b.state), Some(b.id)),
         _ => (StateDelta::whole(state.clone()), None),
     };
     *base = Some(StateBase { peer: x.peer, id: x.id, state });
