@@ -14,7 +14,7 @@ use ftvm_primary_backup::{Finished, Primary};
 use ftvm_replication::StatusCell;
 use ftvm_vmm::seccomp::{self, ThreadKind};
 use ftvm_vmm::snapshot::{self, SnapshotError};
-use ftvm_vmm::{DirtyBackend, IdlePause, Persist, Vm, VmConfig, VmExit};
+use ftvm_vmm::{DirtyBackend, IdlePause, Persist, StateReads, Vm, VmConfig, VmExit};
 
 use crate::api::access::{Access, Group};
 use crate::api::server::{Action, ApiContext, ApiServer};
@@ -29,6 +29,7 @@ pub struct HostOptions {
     pub prefault: bool,
     pub dirty_backend: DirtyBackend,
     pub idle_pause: IdlePause,
+    pub vcpu_state_reads: StateReads,
     pub api_socket: Option<PathBuf>,
     /// Let this group's members use the control socket too.
     pub api_group: Option<String>,
@@ -340,6 +341,7 @@ fn build(guest: &Guest, host: &HostOptions) -> Result<Vm, RunError> {
         prefault: host.prefault,
         dirty_backend: host.dirty_backend,
         idle_pause: host.idle_pause,
+        vcpu_state_reads: host.vcpu_state_reads,
         devices: host.devices.clone(),
         ..Default::default()
     };

@@ -60,6 +60,7 @@ fn replica_with_disk(first_epoch: u64, disk: Option<&Path>) -> Replica {
         prefault: false,
         dirty_backend: DirtyBackend::Bitmap,
         idle_pause: Default::default(),
+        vcpu_state_reads: Default::default(),
         priority: Default::default(),
         console,
         metrics: None,

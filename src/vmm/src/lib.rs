@@ -36,4 +36,5 @@ pub use hooks::{Console, Hooks};
 pub use memory::PageBitmap;
 pub use persist::Persist;
 pub use run_control::IdlePause;
+pub use vcpu::StateReads;
 pub use vm::{Vm, VmConfig, VmError};

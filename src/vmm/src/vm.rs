@@ -25,7 +25,7 @@ use crate::persist::Persist;
 use crate::run_control::{self, Events, IdlePause, Mode, RunControl};
 use crate::shared::VmShared;
 use crate::sync::Lock;
-use crate::vcpu::{self, saveable_msrs, StateError, Vcpu};
+use crate::vcpu::{self, saveable_msrs, StateError, StateReads, Vcpu};
 
 /// Environment variable naming the KVM device (default `/dev/kvm`).
 pub const KVM_PATH_ENV: &str = "FTVM_KVM_DEVICE";
@@ -81,6 +81,8 @@ pub struct VmConfig {
     pub prefault: bool,
     pub dirty_backend: DirtyBackend,
     pub idle_pause: IdlePause,
+    /// What a save reads of each vCPU (`--vcpu-state-reads`).
+    pub vcpu_state_reads: StateReads,
     pub console: Console,
     pub devices: DeviceConfig,
 }
@@ -93,6 +95,7 @@ impl Default for VmConfig {
             prefault: false,
             dirty_backend: DirtyBackend::Bitmap,
             idle_pause: IdlePause::default(),
+            vcpu_state_reads: StateReads::default(),
             console: Console::default(),
             devices: DeviceConfig::default(),
         }
@@ -234,7 +237,7 @@ impl Vm {
             waiting: AtomicUsize::new(0),
             idle_pause: config.idle_pause,
         });
-        let vcpus = vcpus.into_iter().map(|fd| Arc::new(Mutex::new(Vcpu::new(fd, msrs.clone())))).collect();
+        let vcpus = vcpus.into_iter().map(|fd| Arc::new(Mutex::new(Vcpu::new(fd, msrs.clone(), config.vcpu_state_reads)))).collect();
         Ok(Vm {
             shared,
             vcpus,
@@ -291,7 +294,9 @@ impl Vm {
         };
         for (i, vcpu) in self.vcpus.iter().enumerate() {
             let i = i as u32;
-            cpu::setup_vcpu(&vcpu.locked().fd, i, layout.image.entry, layout.stack_top(i), features).map_err(kvm_err("vCPU setup"))?;
+            let mut vcpu = vcpu.locked();
+            cpu::setup_vcpu(&vcpu.fd, i, layout.image.entry, layout.stack_top(i), features).map_err(kvm_err("vCPU setup"))?;
+            vcpu.forget_fixed();
         }
         self.shared.clock.locked().publish(mem)?;
         Ok(self.layout.get_or_init(|| layout))
@@ -496,6 +501,23 @@ impl Vm {
             let _ = t.join();
         }
         self.shared.devices.stop();
+    }
+}
+
+impl Vm {
+    /// Read every vCPU of this paused VM whole and check the state that a
+    /// save with `--vcpu-state-reads changing` took as read once
+    /// (`Vcpu::audit`): the first difference, as "vCPU N: WHAT".
+    pub fn audit_vcpu_state(&self) -> Result<Option<String>, VmError> {
+        if self.is_running() {
+            return Err(VmError::Running);
+        }
+        for (i, vcpu) in self.vcpus.iter().enumerate() {
+            if let Some(what) = vcpu.locked().audit()? {
+                return Ok(Some(format!("vCPU {i}: {what}")));
+            }
+        }
+        Ok(None)
     }
 }
 

@@ -52,6 +52,7 @@ pub const SWITCHES: &[Switch] = &[
         ],
     },
     plain!("idle-pause": "park", "kick"),
+    plain!("vcpu-state-reads": "changing", "all"),
     plain!("priority": "normal", "realtime"),
     plain!("net-offload": "csum", "off"),
 ];
@@ -130,6 +131,7 @@ mod tests {
             ("fake-ack", fakeack::Mode::VALUES),
             ("fake-ack-state", fakeack::delta::Sending::VALUES),
             ("idle-pause", ftvm_vmm::IdlePause::VALUES),
+            ("vcpu-state-reads", ftvm_vmm::StateReads::VALUES),
             ("priority", liveness::Priority::VALUES),
             ("disk-io", ftvm_vmm::devices::virtio::block::DiskIo::VALUES),
             ("net-offload", ftvm_vmm::devices::virtio::net::NetOffload::VALUES),

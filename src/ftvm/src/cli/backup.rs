@@ -75,6 +75,7 @@ impl TryFrom<BackupArgs> for Follower {
             prefault: args.host.prefault,
             dirty_backend: args.host.dirty_backend,
             idle_pause: args.host.idle_pause,
+            vcpu_state_reads: args.host.vcpu_state_reads,
             priority: args.priority,
             console: Console::default(),
             metrics: args.metrics.file(),

@@ -12,7 +12,7 @@ use ftvm_replication::MetricsFile;
 use ftvm_vmm::devices::virtio::block::DiskIo;
 use ftvm_vmm::devices::virtio::net::{NetConfig, NetOffload};
 use ftvm_vmm::devices::DeviceConfig;
-use ftvm_vmm::{DirtyBackend, IdlePause};
+use ftvm_vmm::{DirtyBackend, IdlePause, StateReads};
 
 use super::values::arbiter_url;
 use crate::error::RunError;
@@ -32,6 +32,14 @@ pub struct HostArgs {
     /// `kick` wakes it and steps it back over its wait first.
     #[arg(long, value_name = "park|kick", default_value = "park")]
     pub idle_pause: IdlePause,
+    /// What a checkpoint's pause reads of each vCPU from KVM: `changing`
+    /// reads only what a guest at CPL3 can change (registers, segments,
+    /// FPU state, pending events, the time-stamp counter) and the rest (the
+    /// other MSRs, XCR0, debug registers) once, as the VMM set it up or
+    /// loaded it; `all` reads every register set each time (three more
+    /// ioctls per vCPU).
+    #[arg(long, value_name = "changing|all", default_value = "changing")]
+    pub vcpu_state_reads: StateReads,
     /// Serve the control API on this Unix socket (for `ftvm status`, `pause`, `resume`, `stop`, `snapshot`, `protect`).
     #[arg(long, value_name = "PATH")]
     pub api_socket: Option<PathBuf>,
@@ -86,6 +94,7 @@ impl From<HostArgs> for HostOptions {
             prefault: args.prefault,
             dirty_backend: args.dirty_backend,
             idle_pause: args.idle_pause,
+            vcpu_state_reads: args.vcpu_state_reads,
             api_socket: args.api_socket,
             api_group: args.api_group,
             seccomp: !args.no_seccomp,

@@ -13,7 +13,7 @@ use ftvm_vmm::arch::compat::CpuProfile;
 use ftvm_vmm::devices::DeviceConfig;
 use ftvm_vmm::hooks::GuestProxy;
 use ftvm_vmm::sync::Lock;
-use ftvm_vmm::{Console, DirtyBackend, IdlePause, Persist, Vm};
+use ftvm_vmm::{Console, DirtyBackend, IdlePause, Persist, StateReads, Vm};
 
 use crate::mirror::{self, Mirror};
 use ftvm_replication::arbiter::{Arbiter, Claim};
@@ -46,6 +46,7 @@ pub struct BackupConfig {
     pub prefault: bool,
     pub dirty_backend: DirtyBackend,
     pub idle_pause: IdlePause,
+    pub vcpu_state_reads: StateReads,
     /// How the thread receiving and applying checkpoints runs.
     pub priority: Priority,
     pub console: Console,

@@ -50,6 +50,7 @@ pub fn for_primary(c: &BackupConfig, host: &CpuProfile, hello: &Hello) -> Result
         prefault: c.prefault,
         dirty_backend: c.dirty_backend,
         idle_pause: c.idle_pause,
+        vcpu_state_reads: c.vcpu_state_reads,
         console: c.console.clone(),
         devices: c.devices.clone(),
     };

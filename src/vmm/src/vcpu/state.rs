@@ -50,6 +50,63 @@ pub fn saveable_msrs(vcpu: &VcpuFd, msr_index_list: &[u32]) -> Vec<u32> {
 /// The time-stamp counter MSR.
 pub const MSR_IA32_TSC: u32 = 0x10;
 
+crate::switch! {
+    /// What a save reads from KVM (`--vcpu-state-reads`).
+    pub enum StateReads {
+        /// What a guest at CPL3 can change: registers, segments, FPU/vector
+        /// state, pending events and the time-stamp counter (five ioctls).
+        /// The rest (the MSRs but the counter, XCR0, debug registers, MP
+        /// state) only ring 0 or the VMM writes, and ring 0 here runs only
+        /// the VMM's own stubs (`arch::tables`), which write none of them and
+        /// never halt: it is read once and again after state is loaded.
+        Changing = "changing",
+        /// Every register set at every save (eight ioctls).
+        All = "all",
+    }
+}
+
+/// The part of a vCPU's state that [`StateReads::Changing`] reads once: as
+/// the VMM set it up or loaded it, unchanged by the guest since.
+#[derive(Clone)]
+pub struct Fixed {
+    xcrs: kvm_xcrs,
+    /// Every saved MSR, the counter's entry included (refreshed per save).
+    msrs: Vec<kvm_msr_entry>,
+    mp_state: kvm_mp_state,
+    debugregs: kvm_debugregs,
+}
+
+impl Fixed {
+    /// The fixed part of `state`, read whole.
+    pub fn of(state: &VcpuState) -> Fixed {
+        Fixed { xcrs: state.xcrs, msrs: state.msrs.clone(), mp_state: state.mp_state, debugregs: state.debugregs }
+    }
+
+    /// What of `state` (read whole) differs from this: None when it all
+    /// matches (the time-stamp counter aside).
+    pub fn differs_from(&self, state: &VcpuState) -> Option<&'static str> {
+        let msrs =
+            |m: &[kvm_msr_entry]| -> Vec<(u32, u64)> { m.iter().filter(|e| e.index != MSR_IA32_TSC).map(|e| (e.index, e.data)).collect() };
+        if bytes(&self.xcrs) != bytes(&state.xcrs) {
+            Some("XCRs")
+        } else if msrs(&self.msrs) != msrs(&state.msrs) {
+            Some("MSRs")
+        } else if self.mp_state.mp_state != state.mp_state.mp_state {
+            Some("MP state")
+        } else if bytes(&self.debugregs) != bytes(&state.debugregs) {
+            Some("debug registers")
+        } else {
+            None
+        }
+    }
+}
+
+/// What postcard makes of `v`: KVM's structures here have no comparison of
+/// their own (the unions in some), their serialized forms do.
+fn bytes<T: Serialize>(v: &T) -> Vec<u8> {
+    postcard::to_allocvec(v).expect("KVM state serializes")
+}
+
 impl VcpuState {
     /// Zero the time-stamp counter in the saved MSRs and return it (0 if
     /// this host does not save it).
@@ -85,6 +142,29 @@ impl VcpuState {
         })
     }
 
+    /// Read the state of a vCPU that is not running, taking the part only
+    /// ring 0 or the VMM changes from `fixed` ([`StateReads::Changing`]).
+    pub fn read_changing(vcpu: &VcpuFd, fixed: &Fixed) -> Result<VcpuState, StateError> {
+        let mut msrs = fixed.msrs.clone();
+        if let Some(tsc) = msrs.iter_mut().find(|m| m.index == MSR_IA32_TSC) {
+            let mut one = Msrs::from_entries(&[*tsc]).expect("one entry fits");
+            if ctx("KVM_GET_MSRS", vcpu.get_msrs(&mut one))? != 1 {
+                return Err(StateError { op: "KVM_GET_MSRS (time-stamp counter)", err: kvm_ioctls::Error::new(libc::EIO) });
+            }
+            tsc.data = one.as_slice()[0].data;
+        }
+        Ok(VcpuState {
+            regs: ctx("KVM_GET_REGS", vcpu.get_regs())?,
+            sregs: ctx("KVM_GET_SREGS", vcpu.get_sregs())?,
+            xsave: ctx("KVM_GET_XSAVE", vcpu.get_xsave())?,
+            xcrs: fixed.xcrs,
+            msrs,
+            events: ctx("KVM_GET_VCPU_EVENTS", vcpu.get_vcpu_events())?,
+            mp_state: fixed.mp_state,
+            debugregs: fixed.debugregs,
+        })
+    }
+
     /// Load this state into a vCPU that is not running. The order follows
     /// the dependencies: control registers before the registers and
     /// extended state that depend on them, events last.
@@ -105,5 +185,29 @@ impl VcpuState {
         ctx("KVM_SET_VCPU_EVENTS", vcpu.set_vcpu_events(&self.events))?;
         ctx("KVM_SET_MP_STATE", vcpu.set_mp_state(self.mp_state))?;
         ctx("KVM_SET_DEBUGREGS", vcpu.set_debug_regs(&self.debugregs))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_msrs(msrs: &[(u32, u64)]) -> VcpuState {
+        let msrs = msrs.iter().map(|&(index, data)| kvm_msr_entry { index, data, ..Default::default() }).collect();
+        VcpuState { msrs, ..Default::default() }
+    }
+
+    #[test]
+    fn the_fixed_part_ignores_the_counter_and_nothing_else() {
+        const LSTAR: u32 = 0xc000_0082;
+        let fixed = Fixed::of(&with_msrs(&[(MSR_IA32_TSC, 100), (LSTAR, 0x1000)]));
+        assert_eq!(fixed.differs_from(&with_msrs(&[(MSR_IA32_TSC, 900), (LSTAR, 0x1000)])), None, "the counter moves on");
+        assert_eq!(fixed.differs_from(&with_msrs(&[(MSR_IA32_TSC, 100), (LSTAR, 0x2000)])), Some("MSRs"));
+        let mut halted = with_msrs(&[(MSR_IA32_TSC, 100), (LSTAR, 0x1000)]);
+        halted.mp_state.mp_state = 3;
+        assert_eq!(fixed.differs_from(&halted), Some("MP state"));
+        let mut dr7 = with_msrs(&[(MSR_IA32_TSC, 100), (LSTAR, 0x1000)]);
+        dr7.debugregs.dr7 = 0x400 | 1;
+        assert_eq!(fixed.differs_from(&dr7), Some("debug registers"));
     }
 }
