@@ -459,6 +459,35 @@ fn redis_benchmark_pipelined_runs_without_errors() {
     assert!(count(&net, "waits") > 0 && count(&net, "polls") > 0, "{text}");
 }
 
+/// A reply costs the server one wake-up, not two: its driver asks to hear
+/// of received frames but not of the frames it sent (`--used-notify
+/// asked`, the default, honours that through the virtio event index), so
+/// after answering the server sleeps until the next request instead of
+/// being woken once more for the sent frame. Counted as the guest's WAIT
+/// calls (each a VM exit) over the same sequential requests, against
+/// `--used-notify always`. Measured: about 0.9 against 1.6 a request.
+#[test]
+fn a_reply_costs_the_guest_one_wake_up() {
+    let waits = |name: &str, options: &str| {
+        let topo = Topology::new(name).unwrap();
+        let mut vmm = redis_with(&topo, options, "", None);
+        let out = topo
+            .command("client", "timeout")
+            .args(["120", "redis-benchmark", "-h", GUEST_ADDR, "-t", "set", "-n", "2000", "-P", "1", "-c", "1", "-q"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("redis-benchmark runs");
+        assert!(out.status.success(), "redis-benchmark failed ({}): {}{}", out.status, stdout(&out), stderr(&out));
+        let text = shut_down(&topo, &mut vmm);
+        let net = net_counts(&text);
+        assert!(count(&net, "tx_frames") >= 2000, "{text}");
+        count(&net, "waits")
+    };
+    let asked = waits("lxwake1", "");
+    let always = waits("lxwake2", "--used-notify=always");
+    assert!(asked * 5 < always * 4, "WAIT calls for 2000 requests: {asked} as the driver asks, {always} woken for every buffer");
+}
+
 /// The same with the card offering no offload: smoltcp computes and checks
 /// every checksum.
 #[test]

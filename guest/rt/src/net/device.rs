@@ -21,7 +21,7 @@ use virtio_drivers::transport::mmio::MmioTransport;
 use virtio_drivers::transport::{DeviceStatus, DeviceType, Transport};
 
 use super::csum;
-use super::event_idx::{self, Notifier, Recorder};
+use super::event_idx::{self, Notifier, Recorder, UsedEvent};
 use super::Flow;
 use crate::heap::try_zeroed;
 use crate::virtio::{self, Claim, OpenError};
@@ -76,6 +76,9 @@ struct Inner {
     tx_added: bool,
     rx_notifier: Notifier,
     tx_notifier: Notifier,
+    /// Whether the device wakes us for frames it sent: only while we wait
+    /// for room in the ring or for the last frames to leave.
+    tx_wake: UsedEvent,
     stats: NetStats,
     /// Checksum offload negotiated (both F_CSUM and F_GUEST_CSUM).
     csum: bool,
@@ -115,10 +118,11 @@ impl VirtioNet {
             Ok(mac)
         })?;
         let event_idx = features & F_RING_EVENT_IDX != 0;
-        let mut recorder = Recorder { inner: &mut t, device_area: [0; 2] };
+        let mut recorder = Recorder { inner: &mut t, driver_area: [0; 2], device_area: [0; 2] };
         let rx = VirtQueue::new(&mut recorder, RX, false, event_idx)?;
         let tx = VirtQueue::new(&mut recorder, TX, false, event_idx)?;
         let [rx_area, tx_area] = recorder.device_area;
+        let tx_driver_area = recorder.driver_area[usize::from(TX)];
         let notifier = |area| {
             let exact = event_idx && area != 0 && event_idx::exact();
             Notifier::new(if exact { event_idx::avail_event_addr(area, QUEUE_SIZE) } else { 0 })
@@ -136,6 +140,11 @@ impl VirtioNet {
             tx_added: false,
             rx_notifier: notifier(rx_area),
             tx_notifier: notifier(tx_area),
+            tx_wake: UsedEvent::new(if event_idx && tx_driver_area != 0 {
+                event_idx::used_event_addr(tx_driver_area, QUEUE_SIZE)
+            } else {
+                0
+            }),
             stats: NetStats::default(),
             csum,
             last_flow: None,
@@ -144,6 +153,7 @@ impl VirtioNet {
             inner.post_rx(vec![0u8; BUF_LEN].into_boxed_slice());
         }
         inner.transport.finish_init();
+        inner.tx_wake.want(false);
         inner.notify();
         Ok(VirtioNet { inner: RefCell::new(inner), mac })
     }
@@ -171,10 +181,16 @@ impl VirtioNet {
     }
 
     /// Frames queued for the device that it has not sent yet.
+    /// While any is, the device wakes us as it sends them (a program
+    /// about to end waits for its last frames).
     pub(crate) fn tx_in_flight(&mut self) -> usize {
         let inner = self.inner.get_mut();
         inner.reclaim_tx();
-        inner.tx_posted.iter().filter(|p| p.is_some()).count()
+        if inner.in_flight() > 0 {
+            inner.tx_wake.want(true);
+            inner.reclaim_tx();
+        }
+        inner.in_flight()
     }
 }
 
@@ -191,8 +207,13 @@ impl Inner {
         }
     }
 
+    fn in_flight(&self) -> usize {
+        self.tx_posted.iter().filter(|p| p.is_some()).count()
+    }
+
     /// Take back the frames the device has sent.
     fn reclaim_tx(&mut self) {
+        let mut took = false;
         while let Some(token) = self.tx.peek_used() {
             let Some((buf, len)) = self.tx_posted.get_mut(usize::from(token)).and_then(Option::take) else {
                 // A token we never queued: the ring is corrupt; stop using it
@@ -203,7 +224,12 @@ impl Inner {
             if unsafe { self.tx.pop_used(token, &[&buf[..len]], &mut []) }.is_err() {
                 return;
             }
+            self.tx_wake.took();
+            took = true;
             self.tx_free.push(buf);
+        }
+        if took {
+            self.tx_wake.publish();
         }
     }
 
@@ -212,6 +238,18 @@ impl Inner {
     /// for one to come back (sends wait, as when the ring is full) instead
     /// of ending the guest.
     fn can_send(&mut self) -> bool {
+        if self.has_room() {
+            self.tx_wake.want(false);
+            return true;
+        }
+        // Full: ask to be woken as the device sends a frame, then look again
+        // (it may have sent one before it could see that).
+        self.tx_wake.want(true);
+        self.reclaim_tx();
+        self.has_room()
+    }
+
+    fn has_room(&mut self) -> bool {
         if self.tx.available_desc() == 0 {
             return false;
         }

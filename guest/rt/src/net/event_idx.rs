@@ -81,10 +81,69 @@ impl Notifier {
     }
 }
 
-/// The MMIO transport, noting the device area (used ring) of each queue
-/// set up through it.
+/// Where `used_event` sits in an available ring of `size` entries: after
+/// the flags and index (2 bytes each) and the ring (2 bytes per entry).
+pub(crate) fn used_event_addr(driver_area: PhysAddr, size: usize) -> u64 {
+    driver_area + 4 + 2 * size as u64
+}
+
+/// The driver's side of one queue's used-buffer notifications (2.7.10):
+/// whether the device is to wake the guest when it returns buffers.
+/// virtio-drivers asks for the next one after every buffer it takes back
+/// (`pop_used` writes `used_event`); a driver that takes buffers back when
+/// it next looks anyway (frames sent) asks for none, and for the next one
+/// only while it waits for room.
+pub(crate) struct UsedEvent {
+    /// `used_event`'s address (0: event index not negotiated; the device
+    /// then wakes the guest for every buffer).
+    addr: u64,
+    /// Buffers taken back so far: the driver's used index.
+    taken: u16,
+    /// Whether to be woken for the next buffer returned.
+    wanted: bool,
+}
+
+impl UsedEvent {
+    pub(crate) fn new(addr: u64) -> UsedEvent {
+        UsedEvent { addr, taken: 0, wanted: true }
+    }
+
+    /// One buffer was taken back (after virtio-drivers' `pop_used`).
+    pub(crate) fn took(&mut self) {
+        self.taken = self.taken.wrapping_add(1);
+    }
+
+    /// Ask to be woken for the next buffer returned, or not.
+    pub(crate) fn want(&mut self, wanted: bool) {
+        if wanted != self.wanted {
+            self.wanted = wanted;
+            self.publish();
+        }
+    }
+
+    /// Write the wish into `used_event` again (after `pop_used` replaced
+    /// it): the index of the next buffer, or one the device already passed,
+    /// which it reaches again only after 65,536 more (one wake-up then).
+    pub(crate) fn publish(&self) {
+        if self.addr == 0 {
+            return;
+        }
+        let event = if self.wanted { self.taken } else { self.taken.wrapping_sub(1) };
+        // SAFETY: `addr` is the used_event field of an available ring this
+        // driver allocated and owns for the device's lifetime; the device
+        // reads it, hence volatile.
+        unsafe { core::ptr::write_volatile(self.addr as *mut u16, event) };
+        // Published before the driver looks at the used ring again
+        // (virtio_mb in Linux), or a buffer returned in between wakes nobody.
+        fence(Ordering::SeqCst);
+    }
+}
+
+/// The MMIO transport, noting the driver area (available ring) and device
+/// area (used ring) of each queue set up through it.
 pub(crate) struct Recorder<'a, 'b> {
     pub inner: &'a mut MmioTransport<'b>,
+    pub driver_area: [PhysAddr; 2],
     pub device_area: [PhysAddr; 2],
 }
 
@@ -119,6 +178,9 @@ impl Transport for Recorder<'_, '_> {
     fn queue_set(&mut self, queue: u16, size: u32, descriptors: PhysAddr, driver_area: PhysAddr, device_area: PhysAddr) {
         if let Some(slot) = self.device_area.get_mut(usize::from(queue)) {
             *slot = device_area;
+        }
+        if let Some(slot) = self.driver_area.get_mut(usize::from(queue)) {
+            *slot = driver_area;
         }
         self.inner.queue_set(queue, size, descriptors, driver_area, device_area)
     }

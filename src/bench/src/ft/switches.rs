@@ -53,6 +53,7 @@ pub const SWITCHES: &[Switch] = &[
     },
     plain!("idle-pause": "park", "kick"),
     plain!("vcpu-state-reads": "changing", "all"),
+    plain!("used-notify": "asked", "always"),
     plain!("priority": "normal", "realtime"),
     plain!("net-offload": "csum", "off"),
 ];
@@ -132,6 +133,7 @@ mod tests {
             ("fake-ack-state", fakeack::delta::Sending::VALUES),
             ("idle-pause", ftvm_vmm::IdlePause::VALUES),
             ("vcpu-state-reads", ftvm_vmm::StateReads::VALUES),
+            ("used-notify", ftvm_vmm::devices::virtio::mmio::UsedNotify::VALUES),
             ("priority", liveness::Priority::VALUES),
             ("disk-io", ftvm_vmm::devices::virtio::block::DiskIo::VALUES),
             ("net-offload", ftvm_vmm::devices::virtio::net::NetOffload::VALUES),

@@ -10,6 +10,7 @@ use ftvm_replication::arbiter::Arbiter;
 use ftvm_replication::pipeline::transport::{Auth, Secret};
 use ftvm_replication::MetricsFile;
 use ftvm_vmm::devices::virtio::block::DiskIo;
+use ftvm_vmm::devices::virtio::mmio::UsedNotify;
 use ftvm_vmm::devices::virtio::net::{NetConfig, NetOffload};
 use ftvm_vmm::devices::DeviceConfig;
 use ftvm_vmm::{DirtyBackend, IdlePause, StateReads};
@@ -70,6 +71,13 @@ pub struct HostArgs {
     /// or taken-over VM keeps what its driver negotiated.
     #[arg(long, value_name = "csum|off", default_value = "csum")]
     pub net_offload: NetOffload,
+    /// When the buffers a device returns wake the guest: `asked`, as its
+    /// driver asks through the virtio event index (ftvm's guests do not ask
+    /// to hear of frames sent, only of frames received and, with the
+    /// transmit ring full, of room in it); `always`, after every pass that
+    /// returned a buffer.
+    #[arg(long, value_name = "asked|always", default_value = "asked")]
+    pub used_notify: UsedNotify,
     /// Run the VMM's threads without their seccomp filters (docs/seccomp.md).
     #[arg(long)]
     pub no_seccomp: bool,
@@ -83,7 +91,13 @@ pub struct HostArgs {
 impl HostArgs {
     /// The VM's devices as these options give them.
     pub fn devices(&self) -> DeviceConfig {
-        DeviceConfig { net: self.net.clone(), disk: self.disk.clone(), disk_io: self.disk_io, net_offload: self.net_offload }
+        DeviceConfig {
+            net: self.net.clone(),
+            disk: self.disk.clone(),
+            disk_io: self.disk_io,
+            net_offload: self.net_offload,
+            used_notify: self.used_notify,
+        }
     }
 }
 

@@ -22,7 +22,7 @@ use crate::sync::Lock;
 use gate::Gate;
 pub(crate) use gate::PauseFlag;
 use virtio::block::{Block, BlockError, DiskIo};
-use virtio::mmio::{MmioTransport, TransportState, REG_QUEUE_NOTIFY};
+use virtio::mmio::{MmioTransport, TransportState, UsedNotify, REG_QUEUE_NOTIFY};
 use virtio::net::{Net, NetConfig, NetOffload, NetState, TapError};
 
 /// Each device's register block.
@@ -43,6 +43,8 @@ pub struct DeviceConfig {
     pub disk_io: DiskIo,
     /// What the network card offers to offload (`--net-offload`).
     pub net_offload: NetOffload,
+    /// When returned buffers wake the guest (`--used-notify`).
+    pub used_notify: UsedNotify,
 }
 
 impl DeviceConfig {
@@ -227,7 +229,7 @@ impl Devices {
         let mut slots = Vec::new();
         for (i, model) in models.into_iter().enumerate() {
             let base = mmio_base(mem_size) + i as u64 * MMIO_SLOT_SIZE;
-            let transport = MmioTransport::new(model);
+            let transport = MmioTransport::new(model, config.used_notify);
             let mut notify = Vec::new();
             for q in 0..transport.queue_count() {
                 let evt = EventFd::new(libc::EFD_NONBLOCK).map_err(os("eventfd"))?;

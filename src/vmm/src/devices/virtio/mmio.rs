@@ -52,16 +52,31 @@ pub struct TransportState {
     pub queues: Vec<SavedQueue>,
 }
 
+crate::switch! {
+    /// When the buffers a device returns wake the guest (`--used-notify`).
+    pub enum UsedNotify {
+        /// As its driver asks through the event index (`used_event`,
+        /// VIRTIO_RING_F_EVENT_IDX; every time without it): a driver that
+        /// takes a queue's used buffers back when it next looks anyway (the
+        /// frames it sent) is not woken for them, one wake-up and VM entry
+        /// per reply fewer.
+        Asked = "asked",
+        /// Whenever a pass returned a buffer on any queue.
+        Always = "always",
+    }
+}
+
 pub struct MmioTransport {
     device: Box<dyn VirtioDevice>,
     queues: Vec<Queue>,
     regs: TransportState,
+    used_notify: UsedNotify,
 }
 
 impl MmioTransport {
-    pub fn new(device: Box<dyn VirtioDevice>) -> MmioTransport {
+    pub fn new(device: Box<dyn VirtioDevice>, used_notify: UsedNotify) -> MmioTransport {
         let queues = (0..device.queue_count()).map(|_| Queue::new(QUEUE_SIZE).expect("valid queue size")).collect();
-        MmioTransport { device, queues, regs: TransportState::default() }
+        MmioTransport { device, queues, regs: TransportState::default(), used_notify }
     }
 
     pub fn kind(&self) -> DeviceKind {
@@ -223,14 +238,33 @@ impl MmioTransport {
         if !self.active() || !self.queues.get(index).is_some_and(|q| q.ready()) {
             return Ok(false);
         }
-        self.device.process_queue(index, &mut self.queues, mem)
+        let used = self.device.process_queue(index, &mut self.queues, mem)?;
+        self.wake_wanted(used, mem)
     }
 
+    /// Serve the device's host side (frames from its TAP). Like
+    /// `process_queue`: whether the guest is to be woken.
     pub fn process_host(&mut self, mem: &GuestMemory) -> Result<bool, VirtioError> {
         if !self.active() {
             return Ok(false);
         }
-        self.device.process_host(&mut self.queues, mem)
+        let used = self.device.process_host(&mut self.queues, mem)?;
+        self.wake_wanted(used, mem)
+    }
+
+    /// Whether buffers just returned (`used`) are to wake the guest: with
+    /// `UsedNotify::Asked`, whether its driver asked to hear of any of them
+    /// on some queue. Asks every ready queue, so that each one's count of
+    /// buffers returned since it was last asked starts again.
+    fn wake_wanted(&mut self, used: bool, mem: &GuestMemory) -> Result<bool, VirtioError> {
+        if !used || self.used_notify == UsedNotify::Always {
+            return Ok(used);
+        }
+        let mut wanted = false;
+        for (queue, q) in self.queues.iter_mut().enumerate().filter(|(_, q)| q.ready()) {
+            wanted |= q.needs_notification(mem).map_err(|err| VirtioError::Queue { queue, err })?;
+        }
+        Ok(wanted)
     }
 
     pub fn deferred_io(&self) -> Option<std::sync::Arc<dyn super::DeferredIo>> {

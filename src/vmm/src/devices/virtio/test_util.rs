@@ -82,7 +82,7 @@ impl TempDisk {
 
     /// A virtio-blk transport over this image with its I/O run as `io` says.
     pub fn transport_with(&self, io: DiskIo, hooks: Arc<Hooks>) -> MmioTransport {
-        MmioTransport::new(Box::new(Block::open(&self.path, io, hooks).expect("open temporary disk image")))
+        MmioTransport::new(Box::new(Block::open(&self.path, io, hooks).expect("open temporary disk image")), Default::default())
     }
 }
 
