@@ -142,7 +142,15 @@ impl WaitCall {
         shared.enter_wait();
         let seq = shared.events.wait(self.seen, self.deadline, interrupted);
         shared.leave_wait();
-        let woken = seq != self.seen || self.deadline.is_some_and(|d| std::time::Instant::now() >= d);
+        let due = self.deadline.is_some_and(|d| std::time::Instant::now() >= d);
+        if due {
+            // A stepped clock reaches the deadline now: the guest would
+            // otherwise wait for it again at once, for ever.
+            if let Err(e) = shared.step_clock() {
+                tracing::warn!("stepping the guest clock: {e}");
+            }
+        }
+        let woken = seq != self.seen || due;
         woken.then_some(seq)
     }
 
