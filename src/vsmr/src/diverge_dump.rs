@@ -13,6 +13,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use ftvm_replication::pipeline::encode::hash_compare::BlockPatch;
@@ -66,6 +67,10 @@ pub fn record(ram: &GuestRam, union: usize, bundle: &Bundle<'_>, patches: &[Bloc
     // One write per syncvm, appended: the file can be read while it grows.
     let written = std::fs::OpenOptions::new().create(true).append(true).open(path).and_then(|mut f| f.write_all(&out));
     if let Err(e) = written {
-        tracing::warn!(path = %path.display(), "{ENV}: {e}");
+        // Once: under seccomp every syncvm would fail alike.
+        static WARNED: AtomicBool = AtomicBool::new(false);
+        if !WARNED.swap(true, Ordering::Relaxed) {
+            tracing::warn!(path = %path.display(), "{ENV}: {e} (with --no-seccomp?)");
+        }
     }
 }
