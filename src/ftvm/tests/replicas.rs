@@ -54,6 +54,10 @@
 //!   lost one by it (`ftvm replica-replace`): a learner first, then a voter
 //!   in its place; it becomes the secondary, and when the leader is killed
 //!   it serves with every acknowledged write.
+//! - `a_guest_sleeping_on_a_stepped_clock_wakes_at_its_deadline`: probe's
+//!   clock test on two VM replicas with `syncvm`s a minute apart: a 50 ms
+//!   sleep ends after 50 ms (the wait steps the clock), time never goes
+//!   back.
 //! - `a_stepped_guest_clock_leaves_fewer_divergent_blocks`: the same
 //!   writers on two clusters, `--sync-clock step` and `run`: stepped, the
 //!   leader's `syncvm`s carry under half the block patches.
@@ -726,6 +730,36 @@ fn a_stepped_guest_clock_leaves_fewer_divergent_blocks() {
     // 2.4x fewer bytes (4.8x fewer pages) where this was measured.
     assert!(step.0 * 1.5 < run.0, "SyncPages bytes per syncvm: step {:.0}, run {:.0}", step.0, run.0);
     assert!(step.1 < run.1, "divergent pages per syncvm: step {:.1}, run {:.1}", step.1, run.1);
+}
+
+/// `--sync-clock step` with `syncvm`s far apart (`--sync-ms 60000`, no
+/// output to hold): probe's `time` reads the clock a million times (it
+/// must never go back) and sleeps 50 ms, which must end after 50 ms to 5 s
+/// of guest time, on both VM replicas. The stepped clock stands still
+/// while the guest computes; only its wait reaching the deadline steps it
+/// (without that the sleep would spin until the next `syncvm`, a minute
+/// later).
+#[test]
+fn a_guest_sleeping_on_a_stepped_clock_wakes_at_its_deadline() {
+    let dir = Scratch::new("replicas-stepped-sleep").unwrap().keep_on_panic();
+    let addrs: Vec<String> = (0..3).map(|_| common::free_addr()).collect();
+    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
+    let mut procs = Vec::new();
+    for id in 1..=3u64 {
+        let mut cmd = ftvm();
+        cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", "60000", "--sync-clock", "step", "--insecure"]);
+        if id == 3 {
+            cmd.arg("--witness");
+        } else {
+            cmd.arg("--image").arg(image("probe")).args(["--memory", "64", "--cmdline", "time"]);
+        }
+        procs.push(Process::spawn_logged(&format!("replica {id}"), &mut cmd, dir.path(), &format!("r{id}")).unwrap());
+    }
+    for p in &mut procs[..2] {
+        let status = common::exit_status(p, Duration::from_secs(30));
+        assert!(status.success() && p.output().contains("probe: time ok"), "{}", p.output());
+    }
+    procs[2].kill();
 }
 
 /// Mean bytes of the leader's `SyncPages` and mean divergent pages over
