@@ -36,22 +36,59 @@ pub fn tsc_hz(kvm_tsc_khz: Option<u32>) -> u64 {
 }
 
 /// The VMM's copy of the clock page; the guest's copy is rewritten from it.
+///
+/// A *stepped* clock (`set_stepped`) shows the guest one reading, `held`,
+/// that moves only when the VMM steps it (`step`: to the running clock's
+/// reading), not with the TSC: the guest's page then has a zero
+/// multiplier. Two replicas of a VM that run the same input between two
+/// steps, and whose clocks were stepped to the same reading, read the same
+/// time however long each took. A guest that waits for a deadline is
+/// woken when the running clock reaches it, and the clock is stepped then
+/// (`VmShared::step_clock`), so its timers still fire.
 #[derive(Clone, Copy, Debug)]
 pub struct GuestClock {
+    /// The running clock (the page as published when not stepped).
     page: ClockPage,
+    /// The stepped clock's reading; None: the clock runs.
+    held: Option<u64>,
 }
 
 impl GuestClock {
     /// A clock reading `ns` now.
     pub fn starting_at(tsc_hz: u64, ns: u64) -> GuestClock {
         let tsc_mul = ((1_000_000_000u128 << SHIFT) / tsc_hz as u128) as u64;
-        let mut clock = GuestClock { page: ClockPage { version: 0, tsc_shift: SHIFT, tsc_mul, tsc_base: 0, ns_base: 0, realtime_base: 0 } };
+        let mut clock =
+            GuestClock { page: ClockPage { version: 0, tsc_shift: SHIFT, tsc_mul, tsc_base: 0, ns_base: 0, realtime_base: 0 }, held: None };
         clock.rebase(ns);
         clock
     }
 
+    /// The guest's reading now.
     pub fn now_ns(&self) -> u64 {
+        self.held.unwrap_or_else(|| self.running_ns())
+    }
+
+    /// The running clock's reading now (the guest's unless stepped).
+    fn running_ns(&self) -> u64 {
         self.page.ns_at(rdtsc())
+    }
+
+    /// Stepped (on) or running (off); turned on, it holds the reading of
+    /// now. The caller publishes the page.
+    pub fn set_stepped(&mut self, on: bool) {
+        self.held = on.then(|| self.now_ns());
+    }
+
+    pub fn is_stepped(&self) -> bool {
+        self.held.is_some()
+    }
+
+    /// A stepped clock moves to the running clock's reading (never back);
+    /// a running one is unchanged. The caller publishes the page.
+    pub fn step(&mut self) {
+        if let Some(held) = self.held {
+            self.held = Some(held.max(self.running_ns()));
+        }
     }
 
     /// Nanoseconds per TSC tick, as the guest converts its TSC readings.
@@ -59,9 +96,10 @@ impl GuestClock {
         self.page.tsc_mul as f64 / (1u64 << self.page.tsc_shift) as f64
     }
 
-    /// Host-side wait needed until the guest clock reads `deadline_ns`.
+    /// Host-side wait needed until the guest clock reads `deadline_ns`
+    /// (a stepped one once stepped then: the running clock's wait).
     pub fn until(&self, deadline_ns: u64) -> Duration {
-        Duration::from_nanos(deadline_ns.saturating_sub(self.now_ns()))
+        Duration::from_nanos(deadline_ns.saturating_sub(self.running_ns()))
     }
 
     /// Continue from guest time `ns` (the time a snapshot was taken), with
@@ -70,6 +108,9 @@ impl GuestClock {
     pub fn rebase(&mut self, ns: u64) {
         self.page.tsc_base = rdtsc();
         self.page.ns_base = ns;
+        if self.held.is_some() {
+            self.held = Some(ns);
+        }
         let wall = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
         self.page.realtime_base = wall.saturating_sub(ns);
     }
@@ -82,7 +123,12 @@ impl GuestClock {
         mem.write_obj(version | 1, addr)?;
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         self.page.version = (version | 1).wrapping_add(1);
-        let p = self.page;
+        let mut p = self.page;
+        if let Some(held) = self.held {
+            // The TSC no longer counts: the guest reads `held`.
+            p.tsc_mul = 0;
+            p.ns_base = held;
+        }
         mem.write_obj(p.tsc_shift, GuestAddress(CLOCK_PAGE_ADDR + 4))?;
         mem.write_obj(p.tsc_mul, GuestAddress(CLOCK_PAGE_ADDR + 8))?;
         mem.write_obj(p.tsc_base, GuestAddress(CLOCK_PAGE_ADDR + 16))?;
@@ -139,6 +185,28 @@ mod tests {
         clock.rebase(1_000_000_000);
         let after = clock.now_ns();
         assert!((1_000_000_000..1_100_000_000).contains(&after));
+    }
+
+    #[test]
+    fn a_stepped_clock_holds_its_reading_until_stepped() {
+        let ram = crate::memory::GuestRam::new(4 << 20, false).unwrap();
+        let mut clock = GuestClock::starting_at(tsc_hz(None), 7_000);
+        clock.set_stepped(true);
+        let held = clock.now_ns();
+        std::thread::sleep(Duration::from_millis(2));
+        assert_eq!(clock.now_ns(), held, "the reading moved without a step");
+        assert!(clock.until(held + 10_000_000) < Duration::from_millis(9), "a deadline waits for the running clock");
+        clock.publish(ram.memory()).unwrap();
+        let read = |off| ram.memory().read_obj::<u64>(GuestAddress(CLOCK_PAGE_ADDR + off)).unwrap();
+        assert_eq!((read(8), read(24)), (0, held), "the guest's page: no multiplier, the held reading");
+        clock.step();
+        let stepped = clock.now_ns();
+        assert!(stepped >= held + 2_000_000, "stepped from {held} to {stepped}");
+        clock.rebase(held);
+        assert_eq!(clock.now_ns(), held, "a restore sets the held reading");
+        clock.set_stepped(false);
+        std::thread::sleep(Duration::from_millis(1));
+        assert!(clock.now_ns() > held, "running again");
     }
 
     #[test]

@@ -142,12 +142,25 @@ impl WaitCall {
         shared.enter_wait();
         let seq = shared.events.wait(self.seen, self.deadline, interrupted);
         shared.leave_wait();
-        let woken = seq != self.seen || self.deadline.is_some_and(|d| std::time::Instant::now() >= d);
+        let woken = seq != self.seen || self.due();
         woken.then_some(seq)
     }
 
-    /// Return `seq` to the guest.
+    /// Whether the deadline has passed.
+    fn due(&self) -> bool {
+        self.deadline.is_some_and(|d| std::time::Instant::now() >= d)
+    }
+
+    /// Return `seq` to the guest, which runs on from here (never inside a
+    /// pause: its state is saved after this, or it resumes first). A
+    /// stepped clock that the deadline passed is stepped first: the guest
+    /// would otherwise wait for the same reading again at once, for ever.
+    /// (Not in `block`: a parked wait ends inside a pause, after the
+    /// pause took the VM's state and pages.)
     pub fn finish(&self, shared: &VmShared, seq: u64) -> Result<(), String> {
+        if self.due() {
+            shared.step_clock().map_err(|e| format!("stepping the guest clock: {e}"))?;
+        }
         shared.ram.memory().write_obj(seq, GuestAddress(self.addr + 16)).map_err(|e| e.to_string())
     }
 }

@@ -40,6 +40,17 @@ impl VmShared {
         *self.clock.locked()
     }
 
+    /// A stepped guest clock moves to the running clock's reading and is
+    /// published; a running one is left alone (`GuestClock::step`).
+    pub fn step_clock(&self) -> Result<(), vm_memory::GuestMemoryError> {
+        let mut clock = self.clock.locked();
+        if clock.is_stepped() {
+            clock.step();
+            clock.publish(self.ram.memory())?;
+        }
+        Ok(())
+    }
+
     pub fn read_u64(&self, addr: u64) -> Option<u64> {
         self.ram.memory().read_obj(GuestAddress(addr)).ok()
     }

@@ -274,6 +274,22 @@ impl Vm {
         *self.shared.clock.locked()
     }
 
+    /// Make the guest clock stepped (on) or running (off), published
+    /// (`GuestClock::set_stepped`).
+    pub fn set_clock_stepped(&self, on: bool) -> Result<(), VmError> {
+        let mut clock = self.shared.clock.locked();
+        clock.set_stepped(on);
+        clock.publish(self.shared.ram.memory())?;
+        Ok(())
+    }
+
+    /// Step a stepped guest clock to the running clock's reading now
+    /// (`GuestClock::step`); a running one is left alone.
+    pub fn step_clock(&self) -> Result<(), VmError> {
+        self.shared.step_clock()?;
+        Ok(())
+    }
+
     pub fn layout(&self) -> Option<&BootLayout> {
         self.layout.get()
     }

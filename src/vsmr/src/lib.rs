@@ -9,6 +9,7 @@
 pub mod aside;
 pub mod direct_input;
 pub mod disk;
+mod diverge_dump;
 pub mod failover;
 pub mod inbound;
 pub mod log;
@@ -22,6 +23,7 @@ pub mod rejoin;
 pub mod release;
 pub mod repair;
 mod replica;
+pub mod settle;
 pub mod squeeze;
 pub mod sync;
 mod sync_id;
@@ -269,6 +271,8 @@ fn start_replica(config: ReplicaConfig, vm: Option<Arc<Vm>>) -> Result<(StatusCe
                     spacing: config.tuning.sync_spacing,
                     ack_wait: config.tuning.ack_wait,
                     early_resume: config.tuning.early_resume,
+                    sync_settle: config.tuning.sync_settle,
+                    sync_clock: config.tuning.sync_clock,
                     ack_release: config.tuning.ack_release,
                     input_batch: config.tuning.input_batch,
                     sync_pipeline: config.tuning.sync_pipeline,

@@ -35,8 +35,9 @@ use crate::node::{Committed, Event, View, ALIVE};
 use crate::recent::{self, Recent};
 use crate::rejoin::{self, RejoinMetrics, RejoinMode, RejoinRecord};
 use crate::release::{Awaited, Waited};
+use crate::settle;
 use crate::sync::{self, Exchange, Figures, PageMode, StateBase, SyncError, SyncId};
-use crate::tuning::{AckRelease, AckWait, EarlyResume, InputBatch, SyncOutput, SyncPipeline, SyncSpacing};
+use crate::tuning::{AckRelease, AckWait, EarlyResume, InputBatch, SyncClock, SyncOutput, SyncPipeline, SyncSettle, SyncSpacing};
 use crate::writes::Writes;
 use ftvm_replication::consensus_status::{SyncMetrics, SyncRole};
 use ftvm_replication::metrics::{MetricsLog, Role, StatusCell};
@@ -71,6 +72,10 @@ pub struct Options {
     pub ack_wait: AckWait,
     /// `--early-resume`.
     pub early_resume: EarlyResume,
+    /// `--sync-settle`.
+    pub sync_settle: SyncSettle,
+    /// `--sync-clock`.
+    pub sync_clock: SyncClock,
     /// `--ack-release`.
     pub ack_release: AckRelease,
     /// `--input-batch`.
@@ -381,6 +386,9 @@ pub fn start(shared: Arc<Shared>, committed: Receiver<Committed>, inboxes: Inbox
     hooks.set_host_input(Some(Arc::new(Input { shared: shared.clone(), pass })));
     shared.track_disk_as_secondary();
     shared.vm.start_dirty_tracking().map_err(std::io::Error::other)?;
+    if shared.options.sync_clock == SyncClock::Step {
+        shared.vm.set_clock_stepped(true).map_err(std::io::Error::other)?;
+    }
     if shared.options.standby {
         // Its guest has nothing to do until a leader copies it its state.
         shared.hold();
@@ -838,6 +846,16 @@ impl Applier {
         if lead.term != id.term {
             return;
         }
+        if secondary != 0 {
+            s.settle();
+        }
+        if s.options.sync_clock == SyncClock::Step {
+            // Before the freeze saves it: the reading both guests run the
+            // next epoch with.
+            if let Err(e) = s.vm.step_clock() {
+                tracing::warn!("stepping the guest clock: {e}");
+            }
+        }
         let epoch = lead.epoch.fetch_add(1, Ordering::SeqCst);
         let t0 = Instant::now();
         let proposed = lead.proposed.locked().take();
@@ -945,6 +963,9 @@ impl Applier {
         if s.lead.locked().is_some() {
             return;
         }
+        if !s.held.load(Ordering::SeqCst) {
+            s.settle();
+        }
         let t0 = Instant::now();
         let inbox = self.sync_inbox.locked();
         let x = Exchange {
@@ -1000,6 +1021,15 @@ impl Applier {
 }
 
 impl Shared {
+    /// `--sync-settle on`: let the guest take and answer the input
+    /// delivered to it before a `syncvm` stops it (`settle`).
+    fn settle(&self) {
+        if self.options.sync_settle == SyncSettle::On {
+            let (waited, settled) = settle::settle(&self.vm, settle::MAX);
+            tracing::trace!(waited_us = waited.as_micros() as u64, settled, "guest settled before a syncvm");
+        }
+    }
+
     /// A `syncvm` this leader ran is over (acknowledged, or failed):
     /// release the output it closed, record it, let the proposer go on.
     fn synced(&self, lead: &Leadership, done: Done, result: Result<Figures, SyncError>) {

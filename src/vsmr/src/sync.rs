@@ -824,6 +824,7 @@ fn follow_paused(x: &Exchange<'_>, vm: &Vm, full: bool) -> Result<(Figures, Vec<
     }
     let (staged, repaired_pages) = stage_patches(x, vm.ram(), &state.patches)?;
     check_digest(&pages, hashes, &blocks, block_hashes, &bundle, &state)?;
+    crate::diverge_dump::record(vm.ram(), pages.len(), &bundle, &state.patches, &staged);
     let divergent = bundle.len() + state.patches.len() as u64;
     if let Some(late) = ftvm_replication::fault::syncvm_slow_ack() {
         // Tests: the leader's next syncvm is proposed before this ack.

@@ -104,6 +104,39 @@ switch! {
 }
 
 switch! {
+    /// `--sync-settle`: whether a VM replica lets its guest finish the
+    /// input delivered before a `syncvm` (`settle`) before it freezes or
+    /// pauses it for that `syncvm`.
+    pub enum SyncSettle {
+        /// Until the device has placed every frame handed to it and every
+        /// vCPU waits in the wait hypercall, at most `settle::MAX`: both
+        /// replicas then freeze at the same point of the input, with the
+        /// same requests answered (fewer divergent pages).
+        On = "on",
+        /// At once, wherever the guest is in the input it was given.
+        Off = "off",
+    }
+}
+
+switch! {
+    /// `--sync-clock`: how a VM replica's guest clock moves.
+    pub enum SyncClock {
+        /// Stepped (`ftvm_vmm::clock::GuestClock`): it stands still
+        /// between two `syncvm`s, at the reading the leader froze its
+        /// guest with (the secondary takes it with the leader's state),
+        /// and moves to the host's reading when the leader freezes its
+        /// guest for a `syncvm` or a barrier, or when a guest waits for a
+        /// deadline that passed. Both replicas' guests then read the same
+        /// time while they run the same input, and store the same
+        /// timestamps (TCP timers, round-trip samples): fewer divergent
+        /// pages.
+        Step = "step",
+        /// Running: each replica's guest reads its host's clock.
+        Run = "run",
+    }
+}
+
+switch! {
     /// `--sync-output`: whether the leader's `syncvm` carries its output
     /// still held: of the epoch the `syncvm` closes and of any earlier one
     /// not acknowledged yet (`--sync-pipeline on`).
@@ -220,6 +253,8 @@ pub struct Tuning {
     pub direct_input: DirectInput,
     pub ack_wait: AckWait,
     pub early_resume: EarlyResume,
+    pub sync_settle: SyncSettle,
+    pub sync_clock: SyncClock,
     pub ack_release: AckRelease,
     pub input_batch: InputBatch,
     pub sync_pipeline: SyncPipeline,

@@ -144,6 +144,21 @@ pub struct ReplicaArgs {
     /// either way.
     #[arg(long, default_value = "on", value_name = "on|off")]
     pub early_resume: ftvm_vsmr::tuning::EarlyResume,
+    /// Before a syncvm freezes (the leader) or pauses (the secondary) its
+    /// guest: on, let the guest first take and answer the input delivered
+    /// to it (until the device placed every frame and every vCPU waits, at
+    /// most 1 ms), so that both replicas stop at the same point of the
+    /// input and fewer pages differ; off, at once.
+    #[arg(long, default_value = "on", value_name = "on|off")]
+    pub sync_settle: ftvm_vsmr::tuning::SyncSettle,
+    /// How a VM replica's guest clock moves: step, it stands still between
+    /// two syncvms (at the reading the leader froze its guest with, which
+    /// the secondary takes with the leader's state) and moves when the
+    /// leader freezes its guest or a guest waits for a deadline that
+    /// passed, so that both replicas' guests read the same time for the
+    /// same input; run, each guest reads its host's clock.
+    #[arg(long, default_value = "step", value_name = "step|run")]
+    pub sync_clock: ftvm_vsmr::tuning::SyncClock,
     /// Which thread of the leader releases a syncvm's held output once
     /// the secondary acknowledged it: waiter (the thread that waits for
     /// the acknowledgement, --ack-wait) or link (the thread that reads it
@@ -269,6 +284,8 @@ impl ReplicaArgs {
             direct_input: self.direct_input,
             ack_wait: self.ack_wait,
             early_resume: self.early_resume,
+            sync_settle: self.sync_settle,
+            sync_clock: self.sync_clock,
             ack_release: self.ack_release,
             input_batch: self.input_batch,
             sync_pipeline: self.sync_pipeline,

@@ -306,6 +306,12 @@ impl Devices {
         self.slots.iter().flat_map(|s| s.lock().take_injected_host_input()).collect()
     }
 
+    /// Whether injected frames still wait for the guest's receive
+    /// buffers (the device thread has not placed them yet).
+    pub fn injected_host_input_pending(&self) -> bool {
+        self.slots.iter().any(|s| s.lock().injected_host_input_pending())
+    }
+
     /// The device list for the guest's boot information.
     pub fn abi_list(&self) -> Vec<ftvm_abi::Device> {
         self.slots

@@ -108,6 +108,10 @@ impl MmioTransport {
         self.device.take_injected_host_input()
     }
 
+    pub fn injected_host_input_pending(&self) -> bool {
+        self.device.injected_host_input_pending()
+    }
+
     pub fn host_fd(&self) -> Option<std::os::fd::RawFd> {
         self.device.host_fd()
     }

@@ -86,6 +86,10 @@ pub trait VirtioDevice: Send + Persist<State = ModelState, Error = DeviceError> 
     fn take_injected_host_input(&mut self) -> Vec<Vec<u8>> {
         Vec::new()
     }
+    /// Whether injected frames wait for the guest's receive buffers.
+    fn injected_host_input_pending(&self) -> bool {
+        false
+    }
 }
 
 /// Work a device leaves to its thread's time outside the device's lock.

@@ -406,6 +406,10 @@ impl VirtioDevice for Net {
     fn take_injected_host_input(&mut self) -> Vec<Vec<u8>> {
         self.injected.drain(..).collect()
     }
+
+    fn injected_host_input_pending(&self) -> bool {
+        !self.injected.is_empty()
+    }
 }
 
 impl Persist for Net {
