@@ -325,6 +325,7 @@ mod tests {
     use virtio_bindings::virtio_config::{VIRTIO_CONFIG_S_ACKNOWLEDGE, VIRTIO_CONFIG_S_DRIVER, VIRTIO_F_VERSION_1};
 
     use super::*;
+    use crate::devices::virtio::block::DiskIo;
     use crate::devices::virtio::test_util::{guest_ram, offer_block_request, pattern, read_reg, write_reg, Driver, TempDisk, NO_STATUS};
     use crate::hooks::Hooks;
     use crate::memory::GuestRam;
@@ -594,10 +595,39 @@ mod tests {
         // The restored queue goes on from where the saved one stopped.
         let readback = driver.writable(512, 0);
         let read = offer_block_request(&mut driver, blk::VIRTIO_BLK_T_IN, 1, &[readback]);
-        assert!(restored.process_queue(0, ram.memory()).expect("read served"));
+        // Served; whether it wakes the guest is the driver's `used_event`
+        // (this test driver never moves it from 0, so only the first did).
+        restored.process_queue(0, ram.memory()).expect("read served");
         assert_eq!(driver.bytes(read.status), [S_OK]);
         assert_eq!(driver.bytes(readback), written);
         assert_eq!(driver.used().len(), 2);
+    }
+
+    /// With the event index a pass wakes the guest only for the buffers its
+    /// driver asked to hear of (`used_event`); with `UsedNotify::Always`
+    /// for every one.
+    #[test]
+    fn used_buffers_wake_the_guest_as_its_driver_asks() {
+        for (mode, wakes) in [(UsedNotify::Asked, [true, false, true]), (UsedNotify::Always, [true, true, true])] {
+            let ram = guest_ram();
+            let disk = disk();
+            let mut transport = disk.transport_notifying(DiskIo::Sync, Arc::new(Hooks::default()), mode);
+            let mut driver = Driver::new(ram.memory());
+            driver.start(&mut transport);
+            let mut woke = Vec::new();
+            for i in 0..3u16 {
+                if i == 2 {
+                    // The driver took buffers 0 and 1 back and asks for the next.
+                    driver.ask_for_used(2);
+                }
+                let data = driver.writable(512, 0);
+                let read = offer_block_request(&mut driver, blk::VIRTIO_BLK_T_IN, 1, &[data]);
+                woke.push(transport.process_queue(0, ram.memory()).expect("served"));
+                assert_eq!(driver.bytes(read.status), [S_OK], "{mode:?} request {i}");
+            }
+            // used_event starts at 0: the first buffer is asked for, the second not.
+            assert_eq!(woke, wakes, "{mode:?}");
+        }
     }
 
     #[test]

@@ -19,7 +19,7 @@ use virtio_queue::mock::MockSplitQueue;
 use vm_memory::{Address, Bytes, GuestAddress};
 
 use super::block::{Block, DiskIo};
-use super::mmio::MmioTransport;
+use super::mmio::{MmioTransport, UsedNotify};
 use crate::hooks::Hooks;
 use crate::memory::{GuestMemory, GuestRam};
 
@@ -82,7 +82,11 @@ impl TempDisk {
 
     /// A virtio-blk transport over this image with its I/O run as `io` says.
     pub fn transport_with(&self, io: DiskIo, hooks: Arc<Hooks>) -> MmioTransport {
-        MmioTransport::new(Box::new(Block::open(&self.path, io, hooks).expect("open temporary disk image")), Default::default())
+        self.transport_notifying(io, hooks, UsedNotify::default())
+    }
+
+    pub fn transport_notifying(&self, io: DiskIo, hooks: Arc<Hooks>, used_notify: UsedNotify) -> MmioTransport {
+        MmioTransport::new(Box::new(Block::open(&self.path, io, hooks).expect("open temporary disk image")), used_notify)
     }
 }
 
@@ -215,6 +219,13 @@ impl<'m> Driver<'m> {
     }
 
     /// The used ring's entries so far: (chain head, bytes written).
+    /// Ask to hear of the used buffer at index `idx` (`used_event`, after
+    /// the available ring's entries).
+    pub fn ask_for_used(&self, idx: u16) {
+        let at = self.rings.avail_addr().unchecked_add(4 + 2 * u64::from(QUEUE_LEN));
+        self.mem.write_obj(idx, at).expect("available ring in guest RAM");
+    }
+
     pub fn used(&self) -> Vec<(u32, u32)> {
         let read_u32 = |offset: u64| self.mem.read_obj::<u32>(USED_RING.unchecked_add(offset)).expect("used ring in guest RAM");
         let idx = self.mem.read_obj::<u16>(USED_RING.unchecked_add(2)).expect("used ring in guest RAM");
