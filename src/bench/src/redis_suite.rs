@@ -62,6 +62,16 @@ pub struct Options {
     /// failure or cost comes from.
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     protected_options: String,
+    /// Kernel settings of the client's namespace, where the suite (and the
+    /// native server) runs, as `sysctl -w` takes them, comma-separated
+    /// (e.g. `net.ipv4.tcp_shrink_window=1`): set before any unit, the
+    /// same for every setting. unit/obuf-limits needs the client's kernel
+    /// to close its receive window on a trickle of small messages, which
+    /// Linux with a 32 MiB `tcp_rmem` maximum does not when they come
+    /// slower than about 1 KiB per delayed ACK (protected, one checkpoint a
+    /// command: README, "Protected only"); `tcp_shrink_window=1` makes it.
+    #[arg(long, value_delimiter = ',')]
+    client_sysctl: Vec<String>,
     /// The Redis sources holding tests/ (default: what scripts/build-redis.sh unpacked).
     #[arg(long)]
     sources: Option<PathBuf>,
@@ -257,6 +267,12 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let ftvm = ftvm_binary(opts.ftvm.as_deref())?;
     let units = if opts.units.is_empty() { all_units(&sources)? } else { opts.units.clone() };
     let topo = Topology::new("suite")?;
+    for setting in &opts.client_sysctl {
+        let out = topo.command("client", "sysctl").args(["-qw", setting]).output()?;
+        if !out.status.success() {
+            return Err(format!("sysctl -w {setting} in the client's namespace: {}", String::from_utf8_lossy(&out.stderr).trim()).into());
+        }
+    }
     let dir = Scratch::new("redis-suite")?;
     let timeout = Duration::from_secs(opts.unit_timeout_s);
     let protected_options: Vec<String> = opts.protected_options.split_whitespace().map(str::to_string).collect();
