@@ -69,8 +69,9 @@ pub struct Options {
     /// to close its receive window on a trickle of small messages, which
     /// Linux with a 32 MiB `tcp_rmem` maximum does not when they come
     /// slower than about 1 KiB per delayed ACK (protected, one checkpoint a
-    /// command: README, "Protected only"); `tcp_shrink_window=1` makes it.
-    #[arg(long, value_delimiter = ',')]
+    /// command: README, "Protected only"); `tcp_shrink_window=1` makes it,
+    /// and is the default (`--client-sysctl ''`: the kernel as it is).
+    #[arg(long, value_delimiter = ',', default_value = "net.ipv4.tcp_shrink_window=1")]
     client_sysctl: Vec<String>,
     /// The Redis sources holding tests/ (default: what scripts/build-redis.sh unpacked).
     #[arg(long)]
@@ -267,7 +268,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
     let ftvm = ftvm_binary(opts.ftvm.as_deref())?;
     let units = if opts.units.is_empty() { all_units(&sources)? } else { opts.units.clone() };
     let topo = Topology::new("suite")?;
-    for setting in &opts.client_sysctl {
+    for setting in opts.client_sysctl.iter().filter(|s| !s.is_empty()) {
         let out = topo.command("client", "sysctl").args(["-qw", setting]).output()?;
         if !out.status.success() {
             return Err(format!("sysctl -w {setting} in the client's namespace: {}", String::from_utf8_lossy(&out.stderr).trim()).into());
