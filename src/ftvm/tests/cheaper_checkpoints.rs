@@ -27,9 +27,9 @@ fn primary(addr: &str, vcpus: u32, cmdline: &str, metrics: &Path, switches: &[&s
         .args(["--metrics-every-epoch", "--metrics"])
         .arg(metrics)
         .args(switches)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    Process::spawn("ftvm run", &mut cmd).unwrap()
+        .env("FTVM_LOG", "info");
+    // Collected, so that a primary that fails says why.
+    Process::spawn_collected("ftvm run", &mut cmd).unwrap()
 }
 
 /// Wait until the backup acknowledged `epochs` checkpoints (the primary

@@ -58,9 +58,6 @@
 //!   clock test on two VM replicas with `syncvm`s a minute apart: a 50 ms
 //!   sleep ends after 50 ms (the wait steps the clock), time never goes
 //!   back.
-//! - `a_stepped_guest_clock_leaves_fewer_divergent_blocks`: the same
-//!   writers on two clusters, `--sync-clock step` and `run`: stepped, the
-//!   leader's `syncvm`s carry under half the block patches.
 //! - `a_lost_witness_is_replaced_by_a_new_witness`: the same for the
 //!   witness (`--join --witness`); the new witness votes: with it the
 //!   leader goes on once the secondary is killed too.
@@ -713,87 +710,6 @@ fn witness_loss_keeps_the_service_protected() {
     };
     assert!(index(&after) > index(&before), "syncvms went on: {before} / {after}");
     verify_all(&c, w);
-}
-
-/// `--sync-clock step` (the default) against `run`, each on a cluster of
-/// its own under the same writers (32 connections, one request in flight
-/// each), divergent pages sent as their differing blocks and no output in
-/// the `syncvm`: with the guests' clocks stepped only when the leader
-/// freezes its guest, both replicas store the same timestamps (TCP timers,
-/// round-trip samples) for the same requests, so the leader's `SyncPages`
-/// carry fewer block patches. Every acknowledged write reads back in both.
-#[test]
-#[ignore = "a byte ratio between two clusters: failed once under CI's parallel load (end of session 24); run with --ignored until made robust"]
-fn a_stepped_guest_clock_leaves_fewer_divergent_blocks() {
-    let run = divergence_under_writes("vclkr", "run");
-    let step = divergence_under_writes("vclks", "step");
-    eprintln!("mean per syncvm: run {run:?}, step {step:?} (bytes of SyncPages, divergent pages)");
-    // 2.4x fewer bytes (4.8x fewer pages) where this was measured.
-    assert!(step.0 * 1.5 < run.0, "SyncPages bytes per syncvm: step {:.0}, run {:.0}", step.0, run.0);
-    assert!(step.1 < run.1, "divergent pages per syncvm: step {:.1}, run {:.1}", step.1, run.1);
-}
-
-/// `--sync-clock step` with `syncvm`s far apart (`--sync-ms 60000`, no
-/// output to hold): probe's `time` reads the clock a million times (it
-/// must never go back) and sleeps 50 ms, which must end after 50 ms to 5 s
-/// of guest time, on both VM replicas. The stepped clock stands still
-/// while the guest computes; only its wait reaching the deadline steps it
-/// (without that the sleep would spin until the next `syncvm`, a minute
-/// later).
-#[test]
-fn a_guest_sleeping_on_a_stepped_clock_wakes_at_its_deadline() {
-    let dir = Scratch::new("replicas-stepped-sleep").unwrap().keep_on_panic();
-    let addrs: Vec<String> = (0..3).map(|_| common::free_addr()).collect();
-    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
-    let mut procs = Vec::new();
-    for id in 1..=3u64 {
-        let mut cmd = ftvm();
-        cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", "60000", "--sync-clock", "step", "--insecure"]);
-        if id == 3 {
-            cmd.arg("--witness");
-        } else {
-            cmd.arg("--image").arg(image("probe")).args(["--memory", "64", "--cmdline", "time"]);
-        }
-        procs.push(Process::spawn_logged(&format!("replica {id}"), &mut cmd, dir.path(), &format!("r{id}")).unwrap());
-    }
-    for p in &mut procs[..2] {
-        let status = common::exit_status(p, Duration::from_secs(30));
-        assert!(status.success() && p.output().contains("probe: time ok"), "{}", p.output());
-    }
-    procs[2].kill();
-}
-
-/// Mean bytes of the leader's `SyncPages` and mean divergent pages over
-/// the `syncvm`s that compared dirty pages (not full ones) while writers
-/// ran, with `--sync-clock clock`.
-fn divergence_under_writes(tag: &str, clock: &str) -> (f64, f64) {
-    let c = Cluster::new(tag, &["--sync-pages", "blocks", "--sync-output", "off", "--sync-clock", clock]);
-    let leader = c.wait_leader(true, Duration::from_secs(30));
-    // Many connections, one request in flight each (redis-benchmark's
-    // `-c 50 -P 1`): each request's socket stores timestamps.
-    let config = writers::Config {
-        addr: guest(),
-        netns: Some(c.topo.ns("client")),
-        connections: 32,
-        pipeline: 1,
-        value_len: VALUE_LEN,
-        prefix: "w".into(),
-        timeout: Duration::from_millis(500),
-    };
-    let w = Writers::start_paced(config, Duration::ZERO).unwrap();
-    wait_acked_beyond(&w, 0, &c, "start");
-    let from = c.metrics(leader).len();
-    let acked = w.acked();
-    wait_acked_beyond(&w, acked + 3000, &c, "while measuring");
-    let lines: Vec<serde_json::Value> = c.metrics(leader)[from..]
-        .iter()
-        .filter(|l| l["role"] == "leader" && l["ok"] == true && l["full"] == false && l["peer"].as_u64() != Some(0))
-        .cloned()
-        .collect();
-    verify_all(&c, w);
-    assert!(lines.len() >= 10, "only {} syncvms while writing:\n{}", lines.len(), c.logs());
-    let mean = |f: &str| lines.iter().map(|l| l[f].as_u64().unwrap() as f64).sum::<f64>() / lines.len() as f64;
-    (mean("page_bytes"), mean("divergent_pages"))
 }
 
 /// Two vCPUs writing random pages at a rate limited by the clock: the two

@@ -2,14 +2,12 @@
 //! scripts/setup.sh): claims are compare-and-swaps, exactly one of two
 //! racing sides wins, an unreachable arbiter is an error and never a win.
 
-use std::net::TcpListener;
-
 use ftvm_replication::arbiter::{Arbiter, ArbiterError, Claim};
 use ftvm_testkit::etcd::Etcd;
 use ftvm_testkit::scratch::Scratch;
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    ftvm_testkit::ports::free_port().unwrap()
 }
 
 fn etcd(tag: &str) -> (Scratch, Etcd) {

@@ -4,13 +4,12 @@
 //! another namespace on addresses of that namespace ([`Etcd::start_in`]).
 
 use std::io;
-use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::netns;
 use crate::process::Process;
+use crate::{netns, ports};
 
 pub struct Etcd {
     process: Process,
@@ -18,10 +17,6 @@ pub struct Etcd {
     netns: Option<String>,
     port: u16,
     endpoint: String,
-}
-
-fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// `f` in namespace `ns`, or here.
@@ -50,7 +45,7 @@ impl Etcd {
     fn launch(dir: &Path, ns: Option<&str>, hosts: &[&str]) -> io::Result<Etcd> {
         let first = *hosts.first().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "etcd: no address to serve on"))?;
         // Ports free in the namespace etcd runs in (peers on loopback: one member).
-        let (client, peer) = within(ns, || -> io::Result<(u16, u16)> { Ok((free_port()?, free_port()?)) })??;
+        let (client, peer) = within(ns, || -> io::Result<(u16, u16)> { Ok((ports::free_port()?, ports::free_port()?)) })??;
         let clients = hosts.iter().map(|h| format!("http://{h}:{client}")).collect::<Vec<_>>().join(",");
         let endpoint = format!("http://{first}:{client}");
         let peer_url = format!("http://127.0.0.1:{peer}");

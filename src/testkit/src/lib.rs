@@ -17,7 +17,9 @@
 //! - [`etcd::Etcd`]: a private etcd, the replication arbiter (on loopback,
 //!   or inside a namespace of a topology);
 //! - [`resp`]: a small blocking Redis (RESP2) client, and [`writers`], client
-//!   connections that record every write acknowledged to them.
+//!   connections that record every write acknowledged to them;
+//! - [`ports::free_port`]: a loopback port for a server to listen on that no
+//!   outgoing connection can take first.
 //!
 //! The demo ships in the `ftvm` binary, so this crate stays small: the
 //! standard library and `libc`. Needing root (mounts, namespaces) is the
@@ -28,6 +30,7 @@ pub mod fault_proxy;
 pub mod frames;
 pub mod netns;
 pub mod pcap;
+pub mod ports;
 pub mod process;
 pub mod resp;
 pub mod scratch;

@@ -2,7 +2,6 @@
 //! redis-benchmark, a failover; alone or replicated with extra `ftvm run`
 //! arguments.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -127,7 +126,7 @@ fn ftvm_bin() -> PathBuf {
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_or(7700, |a| a.port())
+    ftvm_testkit::ports::free_port().unwrap_or(7700)
 }
 
 /// Switches that both sides take: a setting measured is given to the

@@ -3,7 +3,7 @@
 //! from `ftvm-testkit`).
 #![allow(dead_code)]
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -91,8 +91,7 @@ pub fn expected_memtouch_checksum(cmdline: &str, writers: u32) -> String {
 
 /// A free loopback port for a backup to listen on.
 pub fn free_addr() -> String {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("127.0.0.1:{}", l.local_addr().unwrap().port())
+    format!("127.0.0.1:{}", ftvm_testkit::ports::free_port().unwrap())
 }
 
 /// Wait until `p`'s output contains `text`; panics with the output (naming
