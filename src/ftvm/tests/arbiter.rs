@@ -21,7 +21,7 @@ fn vmm(cmd: &mut Command) -> Process {
 }
 
 fn backup(addr: &str, extra: &[&str]) -> Process {
-    vmm(ftvm().args(["backup", "--insecure", "--listen", addr, "--failure-timeout-ms", "200"]).args(extra))
+    listening(vmm(ftvm().args(["backup", "--insecure", "--listen", addr, "--failure-timeout-ms", "200"]).args(extra)), addr)
 }
 
 fn primary(addr: &str, extra: &[&str]) -> Process {

@@ -34,7 +34,7 @@ fn finish(p: Process) -> Output {
 fn backup(addr: &str, extra: &[&str]) -> Process {
     let mut cmd = ftvm();
     cmd.args(["backup", "--listen", addr]).args(extra).env("FTVM_LOG", "info").stdout(Stdio::piped()).stderr(Stdio::piped());
-    Process::spawn("backup", &mut cmd).unwrap()
+    listening(Process::spawn("backup", &mut cmd).unwrap(), addr)
 }
 
 fn primary(addr: &str, extra: &[&str]) -> Command {

@@ -16,7 +16,7 @@ use ftvm_testkit::scratch::Scratch;
 fn backup(addr: &str) -> Process {
     let mut cmd = ftvm();
     cmd.args(["backup", "--insecure", "--listen", addr]).env("FTVM_LOG", "info").stdout(Stdio::piped()).stderr(Stdio::piped());
-    Process::spawn("ftvm backup", &mut cmd).unwrap()
+    listening(Process::spawn("ftvm backup", &mut cmd).unwrap(), addr)
 }
 
 fn primary(addr: &str, vcpus: u32, cmdline: &str, metrics: &Path, switches: &[&str]) -> Process {

@@ -33,7 +33,10 @@ fn vmm(cmd: &mut Command) -> Process {
 }
 
 fn backup(addr: &str, extra: &[&str]) -> Process {
-    vmm(ftvm().args(["backup", "--listen", addr, "--failure-timeout-ms", TIMEOUT]).args(extra).args(insecure_unless_secret(extra)))
+    listening(
+        vmm(ftvm().args(["backup", "--listen", addr, "--failure-timeout-ms", TIMEOUT]).args(extra).args(insecure_unless_secret(extra))),
+        addr,
+    )
 }
 
 fn primary(addr: &str, cmdline: &str, extra: &[&str]) -> Process {

@@ -23,14 +23,15 @@ fn spawn(cmd: &mut Command) -> Process {
 }
 
 fn backup(addr: &str, extra: &[&str]) -> Process {
-    spawn(
+    let b = spawn(
         ftvm()
             .args(["backup", "--insecure", "--listen", addr])
             .args(extra)
             .env("FTVM_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped()),
-    )
+    );
+    listening(b, addr)
 }
 
 fn primary(addr: &str, vcpus: u32, cmdline: &str, extra: &[&str]) -> Command {

@@ -52,6 +52,19 @@ pub fn free_port() -> io::Result<u16> {
     Err(io::Error::new(io::ErrorKind::AddrInUse, format!("no free loopback port in {FIRST}..{end}")))
 }
 
+/// Whether a TCP socket of this network namespace listens on `port` (read
+/// from /proc, so asking does not knock on the server's door: a backup
+/// logs every connection it accepts and refuses).
+pub fn listening(port: u16) -> bool {
+    let table = |path: &str| std::fs::read_to_string(path).unwrap_or_default();
+    [table("/proc/net/tcp"), table("/proc/net/tcp6")].iter().flat_map(|t| t.lines().skip(1)).any(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // "sl local_address rem_address st ...": ADDR:PORT in hex, 0A = LISTEN.
+        let local_port = fields.get(1).and_then(|a| a.rsplit_once(':')).and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
+        local_port == Some(port) && fields.get(3) == Some(&"0A")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -67,6 +80,10 @@ mod tests {
             assert!(ports.iter().all(|&p| u32::from(p) >= FIRST && u32::from(p) < ephemeral_start()), "{ports:?}");
         }
         // Each is bindable by the server it is for.
-        TcpListener::bind(("127.0.0.1", ports[0])).unwrap();
+        assert!(!listening(ports[0]));
+        let server = TcpListener::bind(("127.0.0.1", ports[0])).unwrap();
+        assert!(listening(ports[0]));
+        drop(server);
+        assert!(!listening(ports[0]));
     }
 }

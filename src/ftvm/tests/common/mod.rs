@@ -94,6 +94,16 @@ pub fn free_addr() -> String {
     format!("127.0.0.1:{}", ftvm_testkit::ports::free_port().unwrap())
 }
 
+/// `p`, a server started to listen on `addr`, once it listens (or has
+/// ended, or 10 s passed: the test's own checks then say what went wrong).
+/// A primary started next connects at once instead of retrying while its
+/// guest runs unprotected (on a loaded host, maybe through all its work).
+pub fn listening(mut p: Process, addr: &str) -> Process {
+    let port: u16 = addr.rsplit_once(':').and_then(|(_, port)| port.parse().ok()).expect("HOST:PORT");
+    let _ = p.wait_until(Duration::from_secs(10), |_| ftvm_testkit::ports::listening(port));
+    p
+}
+
 /// Wait until `p`'s output contains `text`; panics with the output (naming
 /// `what`) if it exits first or `timeout` passes.
 pub fn wait_for(p: &mut Process, what: &str, text: &str, timeout: Duration) {
