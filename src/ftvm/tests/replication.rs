@@ -554,7 +554,10 @@ fn primary_pauses_on_backup_loss_by_policy_until_protected_again() {
 fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str, extra: &[&str]) {
     let dir = Scratch::new(&format!("reprotect-{policy}")).unwrap().keep_on_panic();
     let socket = dir.join("api.sock");
-    let long = "ws=16M pattern=random writes=150000000 report=100ms";
+    // Seconds of work even unreplicated: the kill below must land while the
+    // guest still works, after a backup loss, its detection and a new
+    // backup's pre-copy, which a loaded host stretches.
+    let long = "ws=16M pattern=random writes=1000000000 report=100ms";
     // Running on unprotected (continue) needs an arbiter, on both sides.
     let etcd = (policy == "continue").then(|| Etcd::start(dir.path()).unwrap());
     let arbiter: Vec<&str> = etcd.iter().flat_map(|e| ["--arbiter", e.endpoint()]).collect();
@@ -592,6 +595,7 @@ fn backup_loss_then_reprotect(policy: &str, detail: &str, state: &str, extra: &[
     }
     assert!(status(&socket).contains("state: running"), "runs again once protected: {}", status(&socket));
     std::thread::sleep(Duration::from_millis(300));
+    assert!(p.running(), "the guest finished before the kill: the test took over nothing");
     kill(&mut p);
     let out = finish(b2);
     assert!(out.status.success(), "{}", stderr(&out));
