@@ -33,6 +33,15 @@ pub struct EpochMetrics {
     /// output). A frame's hold is about this plus `ack_us`.
     #[serde(default)]
     pub wait_us: u64,
+    /// Clients its output went to (TCP peers sent data, up to 16): those
+    /// its acknowledgement releases (`--group-commit` spaces checkpoints
+    /// by them).
+    #[serde(default)]
+    pub clients: u32,
+    /// The earliest, after the previous resume, it could start on output
+    /// (`--trigger output`'s spacing, [`crate::pipeline::trigger::pacing`]).
+    #[serde(default)]
+    pub spacing_us: u64,
     /// Stopping the VM (kicking the vCPUs out of the guest, parking them
     /// and the device threads) before `pause_us` started counting.
     #[serde(default)]

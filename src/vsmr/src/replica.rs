@@ -1257,7 +1257,13 @@ fn propose_loop(s: &Shared, lead: &Arc<Leadership>, inbox: &Mutex<Receiver<Inbou
             // twice its pause (`Pacing::spacing`).
             (SyncSpacing::Pause, _) => f.pause,
         };
-        pacing.record(&Sample { pause: f.pause, cost, dirty_pages: f.dirty_pages, epoch: start.saturating_duration_since(since) });
+        pacing.record(&Sample {
+            pause: f.pause,
+            cost,
+            dirty_pages: f.dirty_pages,
+            epoch: start.saturating_duration_since(since),
+            clients: 0,
+        });
         // The spacing runs from the guest's resume: with one syncvm at a
         // time, the next may start only once this one is over anyway.
         since = sent.map_or_else(Instant::now, |(resumed, _)| resumed);

@@ -171,6 +171,13 @@ pub struct ReplicationArgs {
     /// periodic: every --epoch-ms.
     #[arg(long, default_value = "output", value_name = "output|periodic")]
     pub trigger: trigger::Mode,
+    /// With --trigger output, whether a checkpoint waits to carry more
+    /// clients' requests: on, the spacing after a resume grows from two
+    /// pauses (one client waiting on the checkpoints) to eight (four or
+    /// more: their next requests arrive meanwhile and share one checkpoint);
+    /// off, always two pauses.
+    #[arg(long, default_value = "on", value_name = "on|off")]
+    pub group_commit: trigger::GroupCommit,
     /// Checkpoints sent and not yet acknowledged at most (1 to 64): the next
     /// checkpoint may be taken while this many are in flight.
     #[arg(long, value_name = "N", default_value_t = DEFAULT_PIPELINE_DEPTH, value_parser = clap::value_parser!(u64).range(1..=64))]
@@ -277,6 +284,7 @@ impl ReplicationArgs {
                 device_state: args.device_state,
                 transport: args.transport,
                 trigger: args.trigger,
+                group_commit: args.group_commit,
                 predict_writes,
                 prefetch,
                 prefetch_by: args.prefetch_by,

@@ -182,6 +182,7 @@ impl Primary {
             options: config.session,
             loss: config.loss,
             pacing: config.switches.trigger,
+            group_commit: config.switches.group_commit,
             depth: config.pipeline_depth,
             status: status.clone(),
             metrics,
@@ -264,6 +265,7 @@ struct Worker {
     loss: LossPolicy,
     /// `--trigger`: how the epochs are paced (afresh with each backup).
     pacing: trigger::Mode,
+    group_commit: trigger::GroupCommit,
     /// `--pipeline-depth`.
     depth: usize,
     status: StatusCell,
@@ -371,7 +373,7 @@ impl Worker {
     }
 
     fn protect_with(&mut self, session: &Session) -> Option<BackupLoss> {
-        let mut pacing = Pacing::new(self.pacing, self.options.epoch);
+        let mut pacing = Pacing::new(self.pacing, self.options.epoch).with_group_commit(self.group_commit);
         let mut epochs = EpochLoop {
             pipeline: &mut self.pipeline,
             vm: &self.vm,

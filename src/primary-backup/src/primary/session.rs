@@ -441,6 +441,8 @@ fn metrics_of(taken: &Taken, bytes: usize, transfer: Duration) -> EpochMetrics {
         epoch_us: trigger.epoch_len.as_micros() as u64,
         max_epoch_us: trigger.max_epoch.as_micros() as u64,
         wait_us: trigger.output_wait.as_micros() as u64,
+        clients: trigger.clients,
+        spacing_us: trigger.spacing.as_micros() as u64,
         stop_us: freeze.stop.as_micros() as u64,
         predicted: predict.predicted,
         predicted_written: predict.predicted_written,

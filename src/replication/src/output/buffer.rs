@@ -21,6 +21,7 @@ use ftvm_vmm::sync::Lock;
 
 use super::OutputListener;
 use crate::bounds::{FRAME_OVERHEAD, HELD_OUTPUT_BOUND};
+use crate::fakeack::segment::{self, Endpoint};
 use crate::telemetry::telemetry;
 
 /// One piece of held output.
@@ -41,6 +42,26 @@ struct Held {
     folded_bytes: usize,
     /// A frame did not fit the fold: later ones are mirrored alone.
     fold_full: bool,
+    /// Where its TCP data went (up to `CLIENTS_COUNTED`): the clients
+    /// waiting for this epoch's checkpoint.
+    clients: Vec<Endpoint>,
+}
+
+/// Clients counted per epoch at most: enough to tell one from many.
+pub const CLIENTS_COUNTED: usize = 16;
+
+impl Held {
+    /// Count the client `frame` carries TCP data (or a FIN) to.
+    fn count_client(&mut self, frame: &[u8]) {
+        if self.clients.len() >= CLIENTS_COUNTED {
+            return;
+        }
+        if let Some(seg) = segment::parse(frame).filter(|s| s.len > 0 || s.has(segment::FIN)) {
+            if !self.clients.contains(&seg.dst) {
+                self.clients.push(seg.dst);
+            }
+        }
+    }
 }
 
 /// What a held frame counts against the bound.
@@ -69,6 +90,8 @@ struct Inner {
     /// The guest has input on its way that will make it send more (the
     /// fake-ACK proxy's acknowledgements) until then: not idle before.
     busy_until: Option<Instant>,
+    /// Clients the last closed epoch's output went to.
+    closed_clients: usize,
 }
 
 /// Whether acknowledged output may go out right now: false when this
@@ -109,6 +132,7 @@ impl OutputBuffer {
             fold: 0,
             gate: None,
             busy_until: None,
+            closed_clients: 0,
         };
         OutputBuffer { inner: Mutex::new(inner), network, console: Console::default(), waker: Waker::default(), trigger: None }
     }
@@ -181,9 +205,16 @@ impl OutputBuffer {
         let mut inner = self.lock();
         let next = inner.open.epoch + 1;
         let closed = std::mem::replace(&mut inner.open, Held { epoch: next, ..Held::default() });
+        inner.closed_clients = closed.clients.len();
         let epoch = closed.epoch;
         inner.closed.push_back(closed);
         epoch
+    }
+
+    /// How many clients (TCP peers, up to `CLIENTS_COUNTED`) the epoch
+    /// closed last sent data to: they all wait for its checkpoint.
+    pub fn clients_last_closed(&self) -> usize {
+        self.lock().closed_clients
     }
 
     /// Ask `gate` before each acknowledged frame goes out (or stop asking).
@@ -369,6 +400,7 @@ impl FrameSink for OutputBuffer {
             return;
         }
         inner.open.frames += 1;
+        inner.open.count_client(frame);
         inner.held_cost += cost(frame);
         telemetry().held(1);
         let fold = inner.fold;
@@ -459,6 +491,34 @@ mod tests {
         assert_eq!(drain(&wire), b"d");
         out.send(b"e");
         assert_eq!(drain(&wire), b"e");
+    }
+
+    /// An epoch counts the clients its TCP data went to, each once; pure
+    /// ACKs and frames that are not TCP count none.
+    #[test]
+    fn an_epoch_counts_the_clients_its_data_went_to() {
+        use crate::fakeack::segment::tests::{frame, GUEST, PEER};
+        use crate::fakeack::segment::{ACK, FIN};
+        let out = OutputBuffer::new(Arc::new(Wire::default()));
+        out.protect(1);
+        let to = |port: u16| Endpoint { port, ..PEER };
+        for port in [40000, 40001, 40000, 40002] {
+            out.send(&frame(GUEST, to(port), 1, 1, ACK, 100, &[], b"+OK\r\n"));
+        }
+        out.send(&frame(GUEST, to(40003), 1, 1, ACK, 100, &[], b""));
+        out.send(b"not a TCP frame");
+        out.close_epoch();
+        assert_eq!(out.clients_last_closed(), 3);
+        out.send(&frame(GUEST, to(40004), 1, 1, ACK | FIN, 100, &[], b""));
+        out.close_epoch();
+        assert_eq!(out.clients_last_closed(), 1, "a FIN waits for its checkpoint too");
+        for port in 0..2 * CLIENTS_COUNTED as u16 {
+            out.send(&frame(GUEST, to(port), 1, 1, ACK, 100, &[], b"x"));
+        }
+        out.close_epoch();
+        assert_eq!(out.clients_last_closed(), CLIENTS_COUNTED);
+        out.close_epoch();
+        assert_eq!(out.clients_last_closed(), 0, "an epoch without output");
     }
 
     #[test]

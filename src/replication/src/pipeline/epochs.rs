@@ -106,7 +106,9 @@ impl EpochLoop<'_> {
                 reason,
                 epoch_len: start.saturating_duration_since(since),
                 max_epoch: plan.max_epoch,
+                spacing: plan.spacing,
                 output_wait: held.map_or(Duration::ZERO, |h| start.saturating_duration_since(h)),
+                clients: self.output.clients_last_closed() as u32,
             };
             since = start + t.freeze.pause;
             if let Err(loss) = link.send_checkpoint(&t, frame, Instant::now()) {
@@ -119,6 +121,7 @@ impl EpochLoop<'_> {
                 cost: start.elapsed(),
                 dirty_pages: t.encoded.pages.pages,
                 epoch: t.trigger.epoch_len,
+                clients: t.trigger.clients,
             });
             taken(&t);
         }

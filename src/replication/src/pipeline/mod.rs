@@ -51,6 +51,7 @@ pub struct Switches {
     pub device_state: encode::States,
     pub transport: transport::Kind,
     pub trigger: trigger::Mode,
+    pub group_commit: trigger::GroupCommit,
     pub predict_writes: predict::Mode,
     pub prefetch: prefetch::Mode,
     pub prefetch_by: prefetch::pull::By,

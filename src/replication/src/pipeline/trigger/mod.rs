@@ -41,6 +41,21 @@ switch! {
     }
 }
 
+switch! {
+    /// `--group-commit`: whether an output-triggered checkpoint waits to
+    /// carry more clients' requests when many wait on it.
+    pub enum GroupCommit {
+        /// The spacing grows with the clients the recent checkpoints' output
+        /// went to, from `SPACING_PER_PAUSE` pauses (one client: waiting
+        /// would only add to its latency) to `GROUP_SPACING_PER_PAUSE`
+        /// (several: their next requests arrive meanwhile and share the
+        /// checkpoint, which costs about the same).
+        On = "on",
+        /// Always `SPACING_PER_PAUSE` pauses.
+        Off = "off",
+    }
+}
+
 /// What the trigger needs to know of the guest.
 pub trait Guest {
     /// When the open epoch's first output was held (None: nothing held).

@@ -11,7 +11,12 @@
 //!   before the previous one's cost has passed again, so a guest that
 //!   produces output without pause spends at most a bounded share of its
 //!   time stopped, and the replication thread is not kept busy
-//!   back to back.
+//!   back to back. With `--group-commit on` the pauses grow with the
+//!   clients the recent checkpoints' output went to (two per client, up to
+//!   `GROUP_SPACING_PER_PAUSE`): with many clients waiting, those whose
+//!   replies the last checkpoint released send their next requests while
+//!   the guest runs on, and one checkpoint carries them all (a database's
+//!   group commit); with one client there is nobody to wait for.
 //! - **hold bound**: held output waits for the guest to go idle at most a
 //!   few costs (`HOLD_PER_COST`, at least `HOLD_FLOOR`) after the spacing.
 //! - **maximum epoch** (adaptive): cost grows with the dirty pages a
@@ -29,7 +34,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Mode, Plan};
+use super::{GroupCommit, Mode, Plan};
 
 /// Checkpoint work allowed per maximum epoch.
 pub const SHARE: f64 = 0.05;
@@ -39,6 +44,8 @@ pub const FLOOR: Duration = Duration::from_millis(5);
 /// after the previous resume: the guest is stopped at most 1/(1 + this) of
 /// the time.
 pub const SPACING_PER_PAUSE: u32 = 2;
+/// With `--group-commit on` and four clients or more, this many pauses.
+pub const GROUP_SPACING_PER_PAUSE: u32 = 8;
 /// Held output waits for an idle guest at most this many (mean) costs.
 pub const HOLD_PER_COST: u32 = 4;
 pub const HOLD_FLOOR: Duration = Duration::from_micros(500);
@@ -55,6 +62,8 @@ pub struct Sample {
     pub dirty_pages: u64,
     /// From the previous checkpoint's resume to this one's pause.
     pub epoch: Duration,
+    /// The clients its output went to (0: not counted).
+    pub clients: u32,
 }
 
 /// An exponentially weighted mean.
@@ -111,6 +120,7 @@ impl Fit {
 #[derive(Clone, Debug)]
 pub struct Pacing {
     mode: Mode,
+    group: GroupCommit,
     /// `--epoch-ms`.
     longest: Duration,
     pause_us: Mean,
@@ -119,6 +129,8 @@ pub struct Pacing {
     fit: Fit,
     /// Dirty pages per second.
     rate: Mean,
+    /// Clients per checkpoint.
+    clients: Mean,
     /// The current maximum epoch.
     epoch: Duration,
 }
@@ -127,13 +139,21 @@ impl Pacing {
     pub fn new(mode: Mode, epoch: Duration) -> Pacing {
         Pacing {
             mode,
+            group: GroupCommit::Off,
             longest: epoch,
             pause_us: Mean::default(),
             cost_us: Mean::default(),
             fit: Fit::default(),
             rate: Mean::default(),
+            clients: Mean::default(),
             epoch,
         }
+    }
+
+    /// Pace with `--group-commit` `group` (off unless told).
+    pub fn with_group_commit(mut self, group: GroupCommit) -> Pacing {
+        self.group = group;
+        self
     }
 
     pub fn mode(&self) -> Mode {
@@ -149,6 +169,7 @@ impl Pacing {
         if !s.epoch.is_zero() {
             self.rate.add(s.dirty_pages as f64 / s.epoch.as_secs_f64());
         }
+        self.clients.add(f64::from(s.clients));
         if self.mode == Mode::Output {
             self.epoch = self.adapted();
         }
@@ -170,8 +191,17 @@ impl Pacing {
         self.epoch
     }
 
+    /// Pauses between a resume and the next output-triggered checkpoint.
+    fn pauses(&self) -> f64 {
+        let least = f64::from(SPACING_PER_PAUSE);
+        match self.group {
+            GroupCommit::On => (least * self.clients.get()).clamp(least, f64::from(GROUP_SPACING_PER_PAUSE)),
+            GroupCommit::Off => least,
+        }
+    }
+
     pub fn spacing(&self) -> Duration {
-        let us = (self.pause_us.get() * f64::from(SPACING_PER_PAUSE)).max(self.cost_us.get() - self.pause_us.get());
+        let us = (self.pause_us.get() * self.pauses()).max(self.cost_us.get() - self.pause_us.get());
         Duration::from_secs_f64(us * 1e-6)
     }
 
@@ -199,7 +229,7 @@ mod tests {
         for _ in 0..n {
             let dirty = (rate * p.max_epoch().min(epoch).as_secs_f64()) as u64;
             let cost = us(fixed + (per_page * dirty as f64) as u64);
-            p.record(&Sample { pause: cost / 2, cost, dirty_pages: dirty, epoch: p.max_epoch().min(epoch) });
+            p.record(&Sample { pause: cost / 2, cost, dirty_pages: dirty, epoch: p.max_epoch().min(epoch), clients: 0 });
         }
     }
 
@@ -238,15 +268,33 @@ mod tests {
     fn spacing_and_hold_follow_the_cost() {
         let mut p = Pacing::new(Mode::Output, Duration::from_millis(20));
         for _ in 0..100 {
-            p.record(&Sample { pause: us(150), cost: us(400), dirty_pages: 10, epoch: us(1000) });
+            p.record(&Sample { pause: us(150), cost: us(400), dirty_pages: 10, epoch: us(1000), clients: 1 });
         }
         let close = |d: Duration, want: u64| (d.as_micros() as i64 - want as i64).abs() <= 2;
         assert!(close(p.spacing(), 300), "two pauses: {:?}", p.spacing());
         assert!(close(p.hold_bound(), 1600), "four costs: {:?}", p.hold_bound());
         for _ in 0..100 {
-            p.record(&Sample { pause: us(10), cost: us(100), dirty_pages: 10, epoch: us(1000) });
+            p.record(&Sample { pause: us(10), cost: us(100), dirty_pages: 10, epoch: us(1000), clients: 1 });
         }
         assert!(close(p.spacing(), 90), "the rest of the cost: {:?}", p.spacing());
         assert_eq!(p.hold_bound(), HOLD_FLOOR);
+    }
+
+    /// `--group-commit on`: two pauses per client the checkpoints' output
+    /// went to, between two and eight; off, always two.
+    #[test]
+    fn group_commit_spaces_checkpoints_by_the_clients_waiting() {
+        let spacing = |group: GroupCommit, clients: u32| {
+            let mut p = Pacing::new(Mode::Output, Duration::from_millis(20)).with_group_commit(group);
+            for _ in 0..200 {
+                p.record(&Sample { pause: us(100), cost: us(150), dirty_pages: 10, epoch: us(1000), clients });
+            }
+            (p.spacing().as_secs_f64() * 1e6).round() as u64
+        };
+        assert_eq!(spacing(GroupCommit::On, 0), 200, "not counted (VSMR): two pauses");
+        assert_eq!(spacing(GroupCommit::On, 1), 200, "one client: nobody to wait for");
+        assert_eq!(spacing(GroupCommit::On, 3), 600);
+        assert_eq!(spacing(GroupCommit::On, 50), 800, "at most eight pauses");
+        assert_eq!(spacing(GroupCommit::Off, 50), 200);
     }
 }

@@ -48,6 +48,11 @@ pub struct Started {
     pub epoch_len: Duration,
     /// The longest it could have run.
     pub max_epoch: Duration,
+    /// How long after the previous resume it could start at the earliest
+    /// on output (`pacing`).
+    pub spacing: Duration,
     /// From the epoch's first held output to the pause (zero: none held).
     pub output_wait: Duration,
+    /// The clients its output went to (up to `output::CLIENTS_COUNTED`).
+    pub clients: u32,
 }
