@@ -54,6 +54,7 @@ pub const SWITCHES: &[Switch] = &[
     plain!("idle-pause": "park", "kick"),
     plain!("vcpu-state-reads": "changing", "all"),
     plain!("used-notify": "asked", "always"),
+    plain!("group-commit": "on", "off"),
     plain!("priority": "normal", "realtime"),
     plain!("net-offload": "csum", "off"),
 ];
@@ -134,6 +135,7 @@ mod tests {
             ("idle-pause", ftvm_vmm::IdlePause::VALUES),
             ("vcpu-state-reads", ftvm_vmm::StateReads::VALUES),
             ("used-notify", ftvm_vmm::devices::virtio::mmio::UsedNotify::VALUES),
+            ("group-commit", trigger::GroupCommit::VALUES),
             ("priority", liveness::Priority::VALUES),
             ("disk-io", ftvm_vmm::devices::virtio::block::DiskIo::VALUES),
             ("net-offload", ftvm_vmm::devices::virtio::net::NetOffload::VALUES),
