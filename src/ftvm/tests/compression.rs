@@ -109,3 +109,52 @@ fn diffs_are_compressed_only_while_the_link_is_busy() {
     let stdout = std::fs::read_to_string(dir.join("backup.out")).unwrap_or_default();
     assert_eq!(field(&stdout, "memtouch: done", "checksum"), Some(expected_memtouch_checksum(WORK, 1)), "backup: {err}");
 }
+
+/// `--diff auto`: a checkpoint of 1024 pages or more goes compressed on a
+/// loopback link with room, and a small one plain: a writer rewriting 4096 pages in page order, then one
+/// writing 20,000 random words a second (some 200 pages an epoch). Both
+/// guests end on the backup after a takeover with their exact memory.
+#[test]
+fn big_checkpoints_are_compressed_on_a_link_with_room() {
+    const BIG: u64 = 1024;
+    let dir = scratch_for("compression", "size");
+    let cases = [
+        ("big", "ws=16M pattern=seq writes=3000000000 report=100ms vcpus=1", true),
+        ("small", "ws=16M pattern=random writes=100000 rate=20000 report=100ms vcpus=1", false),
+    ];
+    for (tag, work, big) in cases {
+        let metrics = dir.join(format!("{tag}.jsonl"));
+        let addr = free_addr();
+        let mut backup = ftvm();
+        backup.args(["backup", "--insecure", "--listen", &addr]).env("FTVM_LOG", "info");
+        let backup = listening(spawn_logged(backup, "backup", &dir, &format!("{tag}-backup")), &addr);
+        let mut primary = ftvm();
+        primary
+            .args(["run", "--cmdline", work, "--insecure", "--replicate-to", &addr, "--diff", "auto", "--metrics-every-epoch", "--metrics"])
+            .arg(&metrics)
+            .arg("--image")
+            .arg(image("memtouch"))
+            .env("FTVM_LOG", "info");
+        let mut primary = spawn_logged(primary, "primary", &dir, tag);
+        wait_epochs(&mut primary, &metrics, 0, 40, tag);
+        primary.kill();
+        let out = backup.wait_with_output_within(Duration::from_secs(120)).unwrap();
+        let stdout = std::fs::read_to_string(dir.join(format!("{tag}-backup.out"))).unwrap_or_default();
+        let err = std::fs::read_to_string(dir.join(format!("{tag}-backup.err"))).unwrap_or_default();
+        assert!(out.status.success(), "{tag}: backup failed: {err}");
+        assert_eq!(field(&stdout, "memtouch: done", "checksum"), Some(expected_memtouch_checksum(work, 1)), "{tag}: {err}");
+
+        let epochs = json_lines(&metrics);
+        let pages = |e: &serde_json::Value| e["commit_pages"].as_u64().unwrap();
+        let compressed = |e: &serde_json::Value| e["diffs_compressed"].as_bool() == Some(true);
+        let large: Vec<_> = epochs.iter().filter(|e| pages(e) >= BIG).collect();
+        if big {
+            assert!(large.len() >= 10, "{tag}: only {} checkpoints of {BIG} pages or more", large.len());
+            assert!(large.iter().all(|e| compressed(e)), "{tag}: a big checkpoint went plain");
+        } else {
+            assert!(large.is_empty(), "{tag}: {} big checkpoints", large.len());
+            let plain = epochs.iter().filter(|e| !compressed(e)).count();
+            assert!(plain * 10 >= epochs.len() * 9, "{tag}: {plain} of {} small checkpoints plain", epochs.len());
+        }
+    }
+}

@@ -122,8 +122,9 @@ pub struct ReplicationArgs {
     pub encoding: encode::Encoding,
     /// Send a page the backup has an earlier version of as a diff: off (whole
     /// pages), xor (the XOR of its changed 64-byte blocks; `--diff` alone), lz4
-    /// (each diff LZ4-compressed when that is smaller; the default), auto (xor
-    /// while the replication link has room, lz4 while it is busy).
+    /// (each diff LZ4-compressed when that is smaller; the default), auto
+    /// (xor while the replication link has room, lz4 while it is busy or for
+    /// a checkpoint of 1024 pages or more).
     #[arg(long, value_name = "off|xor|lz4|auto", num_args = 0..=1, default_missing_value = "xor")]
     pub diff: Option<encode::Diff>,
     /// Which vCPU and device state each checkpoint carries: all, or changed

@@ -199,11 +199,6 @@ impl Pipeline {
         }
     }
 
-    /// Whether diffs go LZ4-compressed now.
-    fn compressing(&self) -> bool {
-        self.link_load.as_ref().map_or(self.diff == encode::Diff::Lz4, encode::link_load::LinkLoad::compressing)
-    }
-
     /// Take checkpoint `epoch`: the VM is paused only for the freeze (and
     /// whatever the capture does before the guest runs again). Returns the
     /// figures and the frame to send.
@@ -236,7 +231,21 @@ impl Pipeline {
             (fake_ack_bytes, fake_ack_flows, fake_ack_bulk_flows) = (table.stored_bytes(), table.flows() as u64, table.bulk_flows() as u64);
             thawed.state.fake_ack = Some(self.sent_fake_ack.carry(epoch, table.carried()));
         }
+        // `--diff auto`: a big checkpoint's diffs go compressed whatever the
+        // link's load (`link_load::compress_checkpoint`), then the encoder
+        // follows the link again (prefetch rounds).
+        let compressed = match &self.link_load {
+            Some(load) => {
+                let on = load.compress_checkpoint(pages.len());
+                self.encoder.compress(on);
+                on
+            }
+            None => self.diff == encode::Diff::Lz4,
+        };
         let encoded = encode::checkpoint(&mut self.frame, epoch, &thawed.state, pages, self.encoder.as_mut());
+        if let Some(load) = &self.link_load {
+            self.encoder.compress(load.compressing());
+        }
         let predicted = self.mask.settle(self.encoder.as_ref());
         let bytes = protocol::payload_len(&self.frame);
         if bytes > self.limit {
@@ -262,7 +271,7 @@ impl Pipeline {
             encoded,
             prefetched,
             costs: self.costs,
-            compressed: self.compressing(),
+            compressed,
             ..Taken::default()
         };
         Ok((taken, &self.frame))

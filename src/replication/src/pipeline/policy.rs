@@ -60,11 +60,12 @@ pub fn prefetch(tuning: Tuning, given: Option<prefetch::Mode>) -> prefetch::Mode
 }
 
 /// `--diff`, or the policy's choice: `lz4` either way. `auto` (plain XOR
-/// diffs unless the link is busy) saved the primary 4-13% of its CPU per
-/// request on kv, but cost a writer of thousands of pages an epoch 10-15%
-/// of its throughput on a link TCP did not find busy: its bytes lengthen
-/// every checkpoint's way to its acknowledgement. Until the choice weighs
-/// that, compression stays on.
+/// diffs unless the link is busy or the checkpoint big) sends 2-4 times the
+/// bytes, and on this host the primary's CPU per request came out 5-13%
+/// higher with it in 5 of 8 cost cases (kv and redis-server, GET and SET,
+/// -P 1 and -P 16; 3 interleaved rounds, `ftvm-bench cost --variant="--diff
+/// lz4"` with `auto` as the default): the compression it saves (15-40% of
+/// the encoding) is less than the TCP send of the bytes it adds.
 pub fn diff(_tuning: Tuning, given: Option<encode::Diff>) -> encode::Diff {
     given.unwrap_or(encode::Diff::Lz4)
 }
