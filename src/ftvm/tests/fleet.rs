@@ -259,12 +259,21 @@ fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
         let (ok, out) = topo.redis_cli(addr, &["GET", &format!("k{i}")]);
         assert!(ok && out.trim() == format!("v{i}"), "k{i} after the hand-over: {out:?}");
     }
-    // Any agent serves the fleet's metrics.
-    let scrape = netns::run_in(&topo.ns("h3"), || {
-        let mut reply = ureq::get("http://127.0.0.1:9400/metrics").call().unwrap();
-        reply.body_mut().read_to_string().unwrap()
-    })
-    .unwrap();
+    // Any agent serves the fleet's metrics: its own view of the store,
+    // which follows the store's within its refresh, so it is polled.
+    let scrape_h3 = || {
+        netns::run_in(&topo.ns("h3"), || {
+            let mut reply = ureq::get("http://127.0.0.1:9400/metrics").call().unwrap();
+            reply.body_mut().read_to_string().unwrap()
+        })
+        .unwrap()
+    };
+    let t0 = Instant::now();
+    let mut scrape = scrape_h3();
+    while !scrape.contains("ftvm_fleet_vm_protected{vm=\"kva\"} 1") && t0.elapsed() < Duration::from_secs(15) {
+        std::thread::sleep(Duration::from_millis(200));
+        scrape = scrape_h3();
+    }
     assert!(scrape.contains("ftvm_fleet_vm_protected{vm=\"kva\"} 1"), "{scrape}");
     assert!(scrape.contains("ftvm_fleet_vm_unplaced{vm=\"huge\"} 1"), "{scrape}");
     assert!(scrape.contains(&format!("ftvm_fleet_host_vms{{host=\"{primary}\",role=\"primary\"}} 0")), "{scrape}");
