@@ -1024,7 +1024,15 @@ fn a_leader_whose_uncommitted_input_is_replaced_is_synchronized_again() {
         std::thread::sleep(Duration::from_millis(50));
     }
     wait_status(&c, new, &["protected: yes"], Duration::from_secs(30), &format!("{new} not protected again"));
-    let first = c.metrics(old).iter().skip(syncs_before).find(|m| m["role"] == "secondary" && m["ok"] == true).cloned();
+    // The old leader writes its metrics line after it answered: it may
+    // reach the file a little after the new leader says it is protected.
+    let first_as_secondary = || c.metrics(old).iter().skip(syncs_before).find(|m| m["role"] == "secondary" && m["ok"] == true).cloned();
+    let t0 = Instant::now();
+    let mut first = first_as_secondary();
+    while first.is_none() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+        first = first_as_secondary();
+    }
     assert_eq!(first.as_ref().map(|m| m["full"] == true), Some(true), "the old leader's first syncvm as secondary: {first:?}");
     verify_all(&c, w);
 }
