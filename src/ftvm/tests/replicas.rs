@@ -712,6 +712,36 @@ fn witness_loss_keeps_the_service_protected() {
     verify_all(&c, w);
 }
 
+/// `--sync-clock step` with `syncvm`s far apart (`--sync-ms 60000`, no
+/// output to hold): probe's `time` reads the clock a million times (it
+/// must never go back) and sleeps 50 ms, which must end after 50 ms to 5 s
+/// of guest time, on both VM replicas. The stepped clock stands still
+/// while the guest computes; only its wait reaching the deadline steps it
+/// (without that the sleep would spin until the next `syncvm`, a minute
+/// later).
+#[test]
+fn a_guest_sleeping_on_a_stepped_clock_wakes_at_its_deadline() {
+    let dir = Scratch::new("replicas-stepped-sleep").unwrap().keep_on_panic();
+    let addrs: Vec<String> = (0..3).map(|_| common::free_addr()).collect();
+    let peers = format!("1={},2={},3={}", addrs[0], addrs[1], addrs[2]);
+    let mut procs = Vec::new();
+    for id in 1..=3u64 {
+        let mut cmd = ftvm();
+        cmd.args(["replica", "--id", &id.to_string(), "--peers", &peers, "--sync-ms", "60000", "--sync-clock", "step", "--insecure"]);
+        if id == 3 {
+            cmd.arg("--witness");
+        } else {
+            cmd.arg("--image").arg(image("probe")).args(["--memory", "64", "--cmdline", "time"]);
+        }
+        procs.push(Process::spawn_logged(&format!("replica {id}"), &mut cmd, dir.path(), &format!("r{id}")).unwrap());
+    }
+    for p in &mut procs[..2] {
+        let status = common::exit_status(p, Duration::from_secs(30));
+        assert!(status.success() && p.output().contains("probe: time ok"), "{}", p.output());
+    }
+    procs[2].kill();
+}
+
 /// Two vCPUs writing random pages at a rate limited by the clock: the two
 /// VM replicas diverge between `syncvm`s. After every completed `syncvm`
 /// the secondary's memory must be exactly the leader's at its freeze
