@@ -20,7 +20,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{image, scratch_for};
+use common::{image, poll_until, scratch_for};
 use ftvm_fleet::placement::Fleet;
 use ftvm_fleet::{Role, Store};
 use ftvm_testkit::etcd::Etcd;
@@ -268,12 +268,7 @@ fn a_drained_host_empties_and_a_restarted_agent_keeps_its_vms() {
         })
         .unwrap()
     };
-    let t0 = Instant::now();
-    let mut scrape = scrape_h3();
-    while !scrape.contains("ftvm_fleet_vm_protected{vm=\"kva\"} 1") && t0.elapsed() < Duration::from_secs(15) {
-        std::thread::sleep(Duration::from_millis(200));
-        scrape = scrape_h3();
-    }
+    let scrape = poll_until(Duration::from_secs(15), scrape_h3, |s| s.contains("ftvm_fleet_vm_protected{vm=\"kva\"} 1"));
     assert!(scrape.contains("ftvm_fleet_vm_protected{vm=\"kva\"} 1"), "{scrape}");
     assert!(scrape.contains("ftvm_fleet_vm_unplaced{vm=\"huge\"} 1"), "{scrape}");
     assert!(scrape.contains(&format!("ftvm_fleet_host_vms{{host=\"{primary}\",role=\"primary\"}} 0")), "{scrape}");

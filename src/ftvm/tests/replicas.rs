@@ -68,7 +68,7 @@ use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{cases, ftvm, image};
+use common::{cases, ftvm, image, poll_until};
 use ftvm_testkit::frames;
 use ftvm_testkit::pcap::{self, Tcpdump};
 use ftvm_testkit::process::Process;
@@ -1057,12 +1057,7 @@ fn a_leader_whose_uncommitted_input_is_replaced_is_synchronized_again() {
     // The old leader writes its metrics line after it answered: it may
     // reach the file a little after the new leader says it is protected.
     let first_as_secondary = || c.metrics(old).iter().skip(syncs_before).find(|m| m["role"] == "secondary" && m["ok"] == true).cloned();
-    let t0 = Instant::now();
-    let mut first = first_as_secondary();
-    while first.is_none() && t0.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(50));
-        first = first_as_secondary();
-    }
+    let first = poll_until(Duration::from_secs(10), first_as_secondary, Option::is_some);
     assert_eq!(first.as_ref().map(|m| m["full"] == true), Some(true), "the old leader's first syncvm as secondary: {first:?}");
     verify_all(&c, w);
 }
@@ -1742,11 +1737,8 @@ fn a_lost_witness_is_replaced_by_a_new_witness() {
         wait_status(&c, id, &[&format!("4 voter {addr}")], Duration::from_secs(10), "the new witness did not become a voter");
         // The removal of 3 is the change after the addition: a replica may
         // show 4 a voter and 3 still leaving for a moment.
-        let t0 = std::time::Instant::now();
-        while names(&members(&c, id), 3) {
-            assert!(t0.elapsed() < Duration::from_secs(10), "replica {id}: {}", members(&c, id));
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let now = poll_until(Duration::from_secs(10), || members(&c, id), |m| !names(m, 3));
+        assert!(!names(&now, 3), "replica {id}: {now}");
     }
     wait_status(&c, 4, &["role: witness"], Duration::from_secs(5), "replica 4 is no witness");
     assert!(c.status(leader).contains("protected: yes"), "{}", c.status(leader));

@@ -104,6 +104,20 @@ pub fn listening(mut p: Process, addr: &str) -> Process {
     p
 }
 
+/// `read()` again every 50 ms until `done` holds for what it read or
+/// `timeout` passed: the last reading, which the caller's assertion then
+/// judges (and shows). For what another process updates on its own time
+/// (its metrics file, its view of a store).
+pub fn poll_until<T>(timeout: Duration, mut read: impl FnMut() -> T, done: impl Fn(&T) -> bool) -> T {
+    let t0 = Instant::now();
+    let mut value = read();
+    while !done(&value) && t0.elapsed() < timeout {
+        std::thread::sleep(Duration::from_millis(50));
+        value = read();
+    }
+    value
+}
+
 /// Wait until `p`'s output contains `text`; panics with the output (naming
 /// `what`) if it exits first or `timeout` passes.
 pub fn wait_for(p: &mut Process, what: &str, text: &str, timeout: Duration) {
