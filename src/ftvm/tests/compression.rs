@@ -148,11 +148,13 @@ fn big_checkpoints_are_compressed_on_a_link_with_room() {
         let pages = |e: &serde_json::Value| e["commit_pages"].as_u64().unwrap();
         let compressed = |e: &serde_json::Value| e["diffs_compressed"].as_bool() == Some(true);
         let large: Vec<_> = epochs.iter().filter(|e| pages(e) >= BIG).collect();
+        assert!(large.iter().all(|e| compressed(e)), "{tag}: a big checkpoint went plain");
         if big {
             assert!(large.len() >= 10, "{tag}: only {} checkpoints of {BIG} pages or more", large.len());
-            assert!(large.iter().all(|e| compressed(e)), "{tag}: a big checkpoint went plain");
         } else {
-            assert!(large.is_empty(), "{tag}: {} big checkpoints", large.len());
+            // Only the first checkpoint may be big: it carries what the
+            // guest wrote during pre-copy (its working set's first touch).
+            assert!(large.iter().all(|e| e["trigger"] == "sync"), "{tag}: {} big checkpoints", large.len());
             let plain = epochs.iter().filter(|e| !compressed(e)).count();
             assert!(plain * 10 >= epochs.len() * 9, "{tag}: {plain} of {} small checkpoints plain", epochs.len());
         }
