@@ -68,6 +68,9 @@ struct State {
     mode: Mode,
     parked: usize,
     finished: usize,
+    /// The vCPUs (bit = index) counted as parked while they block in the
+    /// wait hypercall (`park_in_wait`).
+    in_wait: u64,
 }
 
 pub struct RunControl {
@@ -81,7 +84,7 @@ pub struct RunControl {
 impl RunControl {
     pub fn new(vcpus: usize, mode: Mode) -> RunControl {
         RunControl {
-            state: Mutex::new(State { mode, parked: 0, finished: 0 }),
+            state: Mutex::new(State { mode, parked: 0, finished: 0, in_wait: 0 }),
             changed: Condvar::new(),
             leave: AtomicBool::new(mode != Mode::Run),
             vcpus,
@@ -106,14 +109,19 @@ impl RunControl {
     }
 
     /// Ask for `mode` (Pause or Stop); the caller kicks the threads.
-    pub fn request(&self, mode: Mode) {
+    /// Returns the vCPUs (bit = index) parked in the wait hypercall at the
+    /// request: for a pause they need no kick, since the end of their wait
+    /// (`unpark_from_wait`) sees the pause, under the same lock, and stays
+    /// parked.
+    pub fn request(&self, mode: Mode) -> u64 {
         let mut st = self.lock();
         if st.mode == Mode::Stop {
-            return; // stopping is final
+            return st.in_wait; // stopping is final
         }
         st.mode = mode;
         self.leave.store(mode != Mode::Run, Ordering::Release);
         self.changed.notify_all();
+        st.in_wait
     }
 
     /// Wait until every vCPU thread has parked or finished.
@@ -155,19 +163,22 @@ impl RunControl {
     /// vCPU side (`IdlePause::Park`): the thread is about to block in the
     /// wait hypercall, its vCPU unlocked and not in KVM_RUN; it counts as
     /// parked until `unpark_from_wait`.
-    pub fn park_in_wait(&self) {
-        self.lock().parked += 1;
+    pub fn park_in_wait(&self, index: u32) {
+        let mut st = self.lock();
+        st.parked += 1;
+        st.in_wait |= 1 << index;
         self.changed.notify_all();
     }
 
     /// vCPU side: the wait ended. Stays parked while the VM is paused, then
     /// stops counting; false when the thread must end.
-    pub fn unpark_from_wait(&self) -> bool {
+    pub fn unpark_from_wait(&self, index: u32) -> bool {
         let mut st = self.lock();
         while st.mode == Mode::Pause {
             st = sync::wait(&self.changed, st);
         }
         st.parked -= 1;
+        st.in_wait &= !(1 << index);
         st.mode == Mode::Run
     }
 
@@ -288,20 +299,22 @@ mod tests {
     #[test]
     fn a_vcpu_parked_in_its_wait_counts_as_parked_until_the_pause_ends() {
         let ctl = Arc::new(RunControl::new(1, Mode::Run));
-        ctl.park_in_wait();
-        ctl.request(Mode::Pause);
+        ctl.park_in_wait(0);
+        assert_eq!(ctl.request(Mode::Pause), 1, "the pause is told vCPU 0 waits parked: it is not kicked");
         ctl.wait_parked(); // returns at once: nobody had to be woken
         let waiter = ctl.clone();
-        let h = std::thread::spawn(move || waiter.unpark_from_wait());
+        let h = std::thread::spawn(move || waiter.unpark_from_wait(0));
         std::thread::sleep(Duration::from_millis(20));
         assert!(!h.is_finished(), "a waiter woken during the pause must stay parked");
         assert_eq!(ctl.lock().parked, 1);
         ctl.request(Mode::Run);
         assert!(h.join().unwrap());
         assert_eq!(ctl.lock().parked, 0);
-        ctl.park_in_wait();
+        assert_eq!(ctl.request(Mode::Pause), 0, "a vCPU out of its wait is kicked");
+        ctl.request(Mode::Run);
+        ctl.park_in_wait(0);
         ctl.request(Mode::Stop);
-        assert!(!ctl.unpark_from_wait(), "a stop ends the thread");
+        assert!(!ctl.unpark_from_wait(0), "a stop ends the thread");
     }
 
     #[test]

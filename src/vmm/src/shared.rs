@@ -29,7 +29,8 @@ pub struct VmShared {
     pub dirty: Mutex<Box<dyn DirtyLog>>,
     pub exit: Mutex<Option<VmExit>>,
     pub exit_event: EventFd,
-    pub threads: Mutex<Vec<libc::pthread_t>>,
+    /// The vCPU threads, with their vCPU's index.
+    pub threads: Mutex<Vec<(u32, libc::pthread_t)>>,
     /// vCPUs blocked in the wait hypercall right now.
     pub(crate) waiting: AtomicUsize,
     pub idle_pause: IdlePause,
@@ -55,14 +56,14 @@ impl VmShared {
         self.ram.memory().read_obj(GuestAddress(addr)).ok()
     }
 
-    pub fn register_thread(&self, id: libc::pthread_t) {
-        self.threads.locked().push(id);
+    pub fn register_thread(&self, index: u32, id: libc::pthread_t) {
+        self.threads.locked().push((index, id));
     }
 
     /// A vCPU thread is ending: it must not be signalled any more (its id
     /// may be reused once it is joined).
     pub fn unregister_thread(&self, id: libc::pthread_t) {
-        self.threads.locked().retain(|&t| t != id);
+        self.threads.locked().retain(|&(_, t)| t != id);
     }
 
     /// A vCPU enters the wait hypercall; the last one to do so makes the
@@ -89,23 +90,26 @@ impl VmShared {
     /// Get every vCPU thread out of KVM_RUN and out of the wait hypercall.
     pub fn kick_all(&self) {
         self.events.wake_all();
-        self.signal_all();
+        self.signal_all(0);
     }
 
     /// Get every vCPU thread that is not parked out of KVM_RUN, for a pause
-    /// (`RunControl::request` came first). With `IdlePause::Park` a thread
-    /// in the wait hypercall already counts as parked and is not woken for
-    /// it. Every thread is signalled: one that just left its wait may be on
-    /// its way into KVM_RUN.
-    pub fn kick_for_pause(&self) {
+    /// (`RunControl::request` came first and returned `in_wait`). With
+    /// `IdlePause::Park` a thread in the wait hypercall already counts as
+    /// parked and is not woken for it: a signal would only wake it to block
+    /// again (two context switches a checkpoint, most checkpoints of an
+    /// idle-triggered service). One that left its wait before the request
+    /// may be on its way into KVM_RUN, and is signalled.
+    pub fn kick_for_pause(&self, in_wait: u64) {
         match self.idle_pause {
-            IdlePause::Park => self.signal_all(),
+            IdlePause::Park => self.signal_all(in_wait),
             IdlePause::Kick => self.kick_all(),
         }
     }
 
-    fn signal_all(&self) {
-        for &t in self.threads.locked().iter() {
+    /// Signal every vCPU thread but those in `skip` (bit = vCPU index).
+    fn signal_all(&self, skip: u64) {
+        for &(_, t) in self.threads.locked().iter().filter(|(i, _)| skip & (1 << i) == 0) {
             // SAFETY: `t` is a live vCPU thread of this VM: threads remove
             // themselves from the list (under this lock) before they end; the
             // kick signal has a handler installed, so it cannot kill the process.

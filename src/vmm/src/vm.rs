@@ -345,8 +345,8 @@ impl Vm {
         if *holders > 1 || self.shared.control.mode() != Mode::Run {
             return;
         }
-        self.shared.control.request(Mode::Pause);
-        self.shared.kick_for_pause();
+        let in_wait = self.shared.control.request(Mode::Pause);
+        self.shared.kick_for_pause(in_wait);
         self.shared.control.wait_parked();
         // After the vCPUs, so requests they issued last are still served.
         self.shared.devices.pause();

@@ -21,7 +21,7 @@ const OUT_DX_EAX_LEN: u64 = 1;
 pub fn thread_main(index: u32, vcpu: Arc<Mutex<Vcpu>>, shared: Arc<VmShared>) {
     // SAFETY: pthread_self has no preconditions.
     let me = unsafe { libc::pthread_self() };
-    shared.register_thread(me);
+    shared.register_thread(index, me);
     crate::seccomp::install_or_exit(crate::seccomp::ThreadKind::Vcpu);
     while shared.control.park_until_run() {
         if let Some(exit) = run_until_asked_to_leave(index, &vcpu, &shared) {
@@ -55,13 +55,13 @@ impl<'a> Held<'a> {
     /// Block in the wait hypercall `call` with the vCPU unlocked and counted
     /// as parked (`IdlePause::Park`), so a pause neither wakes this thread
     /// nor waits for it. False when the thread must end.
-    fn wait_parked(self, call: &WaitCall, shared: &VmShared, io_pending: &mut bool) -> Result<(Held<'a>, bool), String> {
+    fn wait_parked(self, index: u32, call: &WaitCall, shared: &VmShared, io_pending: &mut bool) -> Result<(Held<'a>, bool), String> {
         let vcpu = self.vcpu;
         let restores = self.guard.restores();
         drop(self);
-        shared.control.park_in_wait();
+        shared.control.park_in_wait(index);
         let seq = call.block(shared, || shared.control.stopping());
-        let run = shared.control.unpark_from_wait();
+        let run = shared.control.unpark_from_wait(index);
         let mut held = Held::take(vcpu);
         if !run {
             return Ok((held, false));
@@ -138,7 +138,7 @@ fn run_until_asked_to_leave(index: u32, vcpu: &Mutex<Vcpu>, shared: &VmShared) -
                 }
                 io_pending = false;
             }
-            Action::Outcome(Outcome::Park(call)) => match held.wait_parked(&call, shared, &mut io_pending) {
+            Action::Outcome(Outcome::Park(call)) => match held.wait_parked(index, &call, shared, &mut io_pending) {
                 Ok((again, true)) => held = again,
                 Ok((_, false)) => return None,
                 Err(e) => return Some(VmExit::Error(format!("vCPU {index}: {e}"))),
