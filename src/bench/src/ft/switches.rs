@@ -59,6 +59,52 @@ pub const SWITCHES: &[Switch] = &[
     plain!("net-offload": "csum", "off"),
 ];
 
+/// `ftvm run`'s own values of the switches it does not leave to the tuning
+/// policy (its `--help` gives each as `[default: ...]`); written by hand
+/// like the table, and checked against it below.
+const FIXED_DEFAULTS: &[(&str, &str)] = &[
+    ("tuning", "auto"),
+    ("dirty-backend", "bitmap"),
+    ("mirror", "on"),
+    ("trigger", "output"),
+    ("device-state", "changed"),
+    ("fake-ack-state", "changed"),
+    ("idle-pause", "park"),
+    ("vcpu-state-reads", "changing"),
+    ("used-notify", "asked"),
+    ("group-commit", "on"),
+    ("priority", "normal"),
+    ("net-offload", "csum"),
+];
+
+/// ftvm's value of switch `name` when `ftvm run` is given none, on this
+/// host: fixed, or the tuning policy's choice (capture weighs the costs
+/// measured here, once per process).
+pub fn default_value(name: &str) -> Option<String> {
+    use ftvm_replication::pipeline::policy::{self, Tuning};
+    let auto = Tuning::Auto;
+    Some(match name {
+        "predict-writes" => policy::predict_writes(auto, None, false).to_string(),
+        "prefetch" => policy::prefetch(auto, None).to_string(),
+        "diff" => policy::diff(auto, None).to_string(),
+        "fake-ack" => policy::fake_ack(auto, None).to_string(),
+        "capture" => policy::capture(auto, None, &policy::costs(auto, policy::diff(auto, None))).to_string(),
+        "pipeline-depth" => ftvm_primary_backup::DEFAULT_PIPELINE_DEPTH.to_string(),
+        other => FIXED_DEFAULTS.iter().find(|(n, _)| *n == other)?.1.to_owned(),
+    })
+}
+
+/// Whether `setting` (with its `args`) is what ftvm runs given no switch:
+/// each `name=value` of it is that switch's default, and its arguments are
+/// only those values (`fake-ack-state=changed` also turns the proxy on,
+/// `prefetch=pull` names how pages travel: neither is the default). The
+/// matrix counts such a setting's runs as the default's.
+pub fn is_default(setting: &str, args: &[&str]) -> bool {
+    let parts: Vec<&str> = setting.split(' ').collect();
+    args.len() == 2 * parts.len()
+        && parts.iter().all(|part| part.split_once('=').is_some_and(|(name, value)| default_value(name).is_some_and(|d| d == value)))
+}
+
 /// The switch that needs a disk: the ablation measures it on its own
 /// workload, a kv guest logging to its disk.
 pub const DISK_IO: Switch = plain!("disk-io": "async", "sync");
@@ -151,6 +197,26 @@ mod tests {
             for v in *values {
                 assert!(measured.contains(v), "{name}: value {v} is not measured");
             }
+        }
+    }
+
+    #[test]
+    fn the_settings_ftvm_runs_by_default_are_known() {
+        for (name, value) in FIXED_DEFAULTS {
+            let switch = SWITCHES.iter().find(|s| s.name == *name).unwrap_or_else(|| panic!("{name} is not in the table"));
+            assert!(switch.values.iter().any(|(v, _)| v == value), "{name}: its default {value} is not measured");
+        }
+        let arguments = |setting: &str| settings().find(|(s, _)| s == setting).unwrap().1;
+        for default in
+            ["tuning=auto", "predict-writes=adaptive", "prefetch=adaptive", "diff=lz4", "fake-ack=bulk", "mirror=on", "pipeline-depth=2"]
+        {
+            assert!(is_default(default, arguments(default)), "{default}");
+        }
+        assert!(is_default("predict-writes=adaptive diff=lz4", arguments("predict-writes=adaptive diff=lz4")));
+        for other in
+            ["tuning=static", "predict-writes=off", "prefetch=on", "fake-ack-state=changed", "prefetch=pull", "mirror=off", "diff=auto"]
+        {
+            assert!(!is_default(other, arguments(other)), "{other}");
         }
     }
 

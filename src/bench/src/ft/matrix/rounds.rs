@@ -100,8 +100,10 @@ impl Samples {
     }
 
     /// Per case and throughput figure: the default against the best fixed
-    /// setting and the static defaults.
-    pub fn summary(&self) -> Vec<Verdict> {
+    /// setting and the static defaults. The settings in `same` are the
+    /// default under another name (their runs were counted as the
+    /// default's too): never the best fixed one.
+    pub fn summary(&self, same: &[String]) -> Vec<Verdict> {
         let mut out: Vec<Verdict> = Vec::new();
         for s in self.series.iter().filter(|s| s.is_throughput()) {
             let Some(ratio) = s.ratio() else { continue };
@@ -129,6 +131,7 @@ impl Samples {
                     v.reference = s.reference().map_or(f64::NAN, |r| r.median);
                 }
                 POLICY => continue,
+                setting if same.iter().any(|s| s == setting) => continue,
                 setting => {
                     if setting == STATIC {
                         v.fixed_static = Some(ratio);
@@ -218,7 +221,7 @@ mod tests {
     }
 
     #[test]
-    fn the_best_fixed_setting_is_the_highest_median_other_than_the_default_and_the_policy() {
+    fn the_best_fixed_setting_is_the_highest_median_other_than_the_default_the_policy_and_their_aliases() {
         let mut s = Samples::default();
         add(&mut s, DEFAULT, &[(99.0, 100.0), (98.0, 100.0), (97.0, 100.0)]);
         add(&mut s, POLICY, &[(100.0, 100.0); 3]);
@@ -226,7 +229,8 @@ mod tests {
         // Higher median, lower maximum: the median decides.
         add(&mut s, "b=1", &[(92.0, 100.0), (91.0, 100.0), (93.0, 100.0)]);
         s.add("c", "b=1", "pause mean", "us", 1.0, None);
-        let v = s.summary();
+        add(&mut s, "d=1", &[(100.0, 100.0); 3]);
+        let v = s.summary(&["d=1".to_owned()]);
         assert_eq!(v.len(), 1, "one verdict per case and throughput figure");
         let (name, best) = v[0].best.clone().unwrap();
         assert_eq!(name, "b=1");
@@ -267,7 +271,7 @@ mod tests {
         let mut s = Samples::default();
         add(&mut s, DEFAULT, &[(60.0, 100.0)]);
         add(&mut s, STATIC, &[(70.0, 100.0)]);
-        let v = &s.summary()[0];
+        let v = &s.summary(&[])[0];
         assert_eq!(v.fixed_static.map(|s| s.median), Some(0.7));
         assert_eq!(v.best.as_ref().map(|b| b.0.as_str()), Some(STATIC));
         assert_eq!(v.marks(), ["< 0.95 x best", "< static"]);
