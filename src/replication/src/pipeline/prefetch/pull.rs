@@ -62,7 +62,7 @@ pub enum PullError {
     NotTaken(Duration),
     #[error("cannot pass the guest memory to the backup: {0}")]
     Pass(io::Error),
-    #[error("cannot reach the primary's memory socket (--prefetch-by pull needs the primary on this host): {0}")]
+    #[error("cannot reach the primary's memory socket (--prefetch-by pull needs the primary on this host and in the same network namespace: its socket is an abstract one): {0}")]
     Connect(io::Error),
     #[error("the primary's memory socket is held by uid {peer}, this backup runs as uid {me}")]
     Stranger { peer: u32, me: u32 },
