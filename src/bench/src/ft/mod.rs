@@ -78,6 +78,12 @@ pub struct Options {
     /// Matrix vCPU counts (memtouch writes from every vCPU).
     #[arg(long, value_delimiter = ',', default_values_t = [1, 2])]
     vcpus: Vec<u32>,
+    /// Matrix: memtouch's writes per second over all its vCPUs (its
+    /// `rate=`; 0: as fast as it can). A limited writer with the hotcold
+    /// pattern also moves its hot set every half second (`shift=`), and
+    /// runs `--seconds` either way.
+    #[arg(long, default_value_t = 0, requires = "matrix")]
+    write_rate: u64,
     /// Matrix: the workloads, comma-separated (memtouch, kv, redis, bulk).
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [matrix::Kind::Memtouch], requires = "matrix")]
     cases: Vec<matrix::Kind>,

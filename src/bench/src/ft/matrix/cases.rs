@@ -69,7 +69,10 @@ impl Workload {
 
     pub fn name(&self, opts: &Options) -> String {
         match self {
-            Workload::Memtouch { pages, pattern, vcpus } => format!("{pages} pages {pattern}, {vcpus} vCPU"),
+            Workload::Memtouch { pages, pattern, vcpus } => match opts.write_rate {
+                0 => format!("{pages} pages {pattern}, {vcpus} vCPU"),
+                rate => format!("{pages} pages {pattern} at {rate} writes/s, {vcpus} vCPU"),
+            },
             Workload::Server { app, pipeline, value } => format!("{} -P {pipeline} -d {value}", app.name()),
             Workload::Bulk => format!("bulk read GET {} MiB x{}", runs::BULK_BYTES >> 20, opts.bulk_reads),
         }
@@ -104,7 +107,16 @@ pub fn measure(w: &Workload, ft: Option<Replicated>, opts: &Options, at: &Place)
     let topo = || at.topo.ok_or("a network case needs the topology");
     match w {
         Workload::Memtouch { pages, pattern, vcpus } => {
-            let cmdline = format!("ws={}K pattern={pattern} duration={}s report=0", pages * 4, opts.seconds);
+            let mut cmdline = format!("ws={}K pattern={pattern} duration={}s report=0", pages * 4, opts.seconds);
+            if opts.write_rate > 0 {
+                // The hot set moves every half second (`shift` counts one
+                // writer's writes; the rate is all of theirs).
+                let shift = match pattern.as_str() {
+                    "hotcold" => format!(" shift={}", (opts.write_rate / 2 / u64::from(*vcpus)).max(1)),
+                    _ => String::new(),
+                };
+                cmdline += &format!(" rate={}{shift}", opts.write_rate);
+            }
             let (rate, m) = runs::memtouch_on(*vcpus, &cmdline, ft, at.scratch)?;
             Ok((vec![("writes/s".into(), rate, "writes/s")], m))
         }

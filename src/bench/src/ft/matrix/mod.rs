@@ -39,7 +39,7 @@ const EPOCHS_MS: [u64; 2] = [20, 100];
 
 pub fn long_help() -> String {
     format!(
-        "Run each workload of --cases (default memtouch): memtouch (unthrottled writes, one qword a write, from every vCPU) for \
+        "Run each workload of --cases (default memtouch): memtouch (writes of one qword, from every vCPU, unthrottled or --write-rate a second) for \
          each working set (--pages), pattern (--patterns: seq writes each page in turn, random any page, hotcold 90% of writes \
          into 10% of the pages) and vCPU count (--vcpus); kv and redis (the kv guest, redis-server on the Linux personality) \
          under redis-benchmark SET and GET, -c 50, -P {}, values of --values bytes, --requests a run times the pipeline \
