@@ -98,7 +98,7 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
             eprintln!("{name}: round {round}/{}", opts.rounds);
             let (base, _) = cases::measure(w, None, opts, &place)?;
             for (setting, args) in &settings {
-                if w.needs_network() && args.contains(&"pull") {
+                if w.needs_network() && args.windows(2).any(|a| a == ["--prefetch-by", "pull"]) {
                     // The backup runs in another network namespace, where
                     // the primary's abstract memory socket is out of reach.
                     if round == 1 {
@@ -109,15 +109,16 @@ pub fn run(opts: &Options, out: &Path) -> Result<(), BoxError> {
                 for &e in &epochs {
                     let (figures, m) = cases::measure(w, Some(Replicated { epoch_ms: e, args }), opts, &place)?;
                     let case = format!("{name}, epoch {e} ms");
-                    let names = if same.contains(setting) { vec![setting.as_str(), DEFAULT] } else { vec![setting.as_str()] };
+                    // An alias of the default is recorded under both names.
+                    let recorded: &[&str] = if same.contains(setting) { &[setting, DEFAULT] } else { &[setting] };
                     let m = m.unwrap_or_default();
-                    for name in names {
+                    for &as_setting in recorded {
                         for (figure, value, unit) in &figures {
                             let reference = base.iter().find(|b| b.0 == *figure).map(|b| b.1);
-                            samples.add(&case, name, figure, unit, *value, reference);
+                            samples.add(&case, as_setting, figure, unit, *value, reference);
                         }
                         for (figure, read, unit) in [PAUSES, &COPY_FIGURES, AFTER_COPY].concat() {
-                            samples.add(&case, name, figure, unit, read(&m), None);
+                            samples.add(&case, as_setting, figure, unit, read(&m), None);
                         }
                     }
                 }
@@ -186,7 +187,16 @@ fn publish(out: &Path, samples: &Samples, rounds: usize, same: &[String]) -> Res
         if same.is_empty() { "none measured".to_owned() } else { same.join(", ") }
     );
     let summary = summary_table(&verdicts);
-    let bars = verdicts.iter().filter_map(|v| v.default_over_best().map(|r| (format!("{}: {}", v.case, v.figure), r))).collect();
+    let bars: Vec<(String, f64)> =
+        verdicts.iter().filter_map(|v| v.default_over_best().map(|r| (format!("{}: {}", v.case, v.figure), r))).collect();
+    if bars.is_empty() {
+        // Only the default (and its aliases) measured: nothing to chart.
+        summary.print();
+        let csv = out.join("ablation-matrix-summary.csv");
+        summary.write_csv(&csv)?;
+        println!("\nno setting other than the default measured: no summary chart; wrote {}", csv.display());
+        return Ok(());
+    }
     report::publish_table(
         out,
         "ablation-matrix-summary",
