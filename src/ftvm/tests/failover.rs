@@ -1484,3 +1484,103 @@ fn a_bgsave_of_1_gib_finishes_after_a_takeover() {
     assert_eq!(cli(&["GET", "b1:400"]), "rewritten");
     backup.kill();
 }
+
+/// A client reads part of a bulk reply, stops reading, and writes a long
+/// pipelined stream of commands before it reads again (Redis's own
+/// "PIPELINING stresser" does the second half). Its window shuts while the
+/// guest's reply is acknowledged early (`--fake-ack bulk`, the default),
+/// and Linux, with `tcp_shrink_window=1` and its receive buffer cut,
+/// shrinks it below what the proxy already told the guest arrived: the
+/// guest's next sequence number is then beyond the client's window, and
+/// unless its acknowledgements are pulled back into it the client never
+/// hears its requests taken in and stops for good. Every reply arrives,
+/// in order.
+#[test]
+fn a_client_that_stops_reading_and_writes_on_is_served() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::os::fd::AsRawFd;
+
+    let topo = Topology::new("piper").unwrap();
+    topo.restore().unwrap();
+    let dir = scratch_for("failover", "stop-reading");
+    let shrink = topo.command("client", "sysctl").args(["-qw", "net.ipv4.tcp_shrink_window=1"]).status().unwrap();
+    assert!(shrink.success(), "sysctl net.ipv4.tcp_shrink_window=1 in the client's namespace");
+    let (mut backup, mut primary, socket) = start_protected(&topo, &dir, ("backup", "primary"), App::Redis, &[]);
+    const BULK: usize = 1 << 20;
+    const SETS: usize = 60_000;
+    let served = netns::run_in(&topo.ns("client"), || -> Result<(Duration, usize), String> {
+        let t0 = Instant::now();
+        let at = |what: &str, e: std::io::Error| format!("{what} after {:?}: {e}", t0.elapsed());
+        let stream = std::net::TcpStream::connect_timeout(&guest_kv(), Duration::from_secs(20)).map_err(|e| at("connect", e))?;
+        stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| at("timeout", e))?;
+        stream.set_write_timeout(Some(Duration::from_secs(30))).map_err(|e| at("timeout", e))?;
+        let value = vec![b'b'; BULK];
+        let mut set = Vec::new();
+        encode(&mut set, &[b"SET", b"bulk", &value]);
+        (&stream).write_all(&set).map_err(|e| at("SET bulk", e))?;
+        let mut replies = BufReader::new(&stream);
+        let mut line = String::new();
+        replies.read_line(&mut line).map_err(|e| at("SET bulk's reply", e))?;
+        if line != "+OK\r\n" {
+            return Err(format!("SET bulk: {line:?}"));
+        }
+        let mut get = Vec::new();
+        encode(&mut get, &[b"GET", b"bulk"]);
+        (&stream).write_all(&get).map_err(|e| at("GET bulk", e))?;
+        // A little of the reply read: the flow is in bulk mode, its window wide.
+        let mut head = vec![0; 64 << 10];
+        replies.read_exact(&mut head).map_err(|e| at("the reply's start", e))?;
+        // Then no more reading, and a receive buffer cut: the window shuts and shrinks.
+        for (option, size) in [(libc::SO_RCVBUF, 4 << 10), (libc::SO_SNDBUF, 32 << 10)] {
+            let size: libc::c_int = size;
+            // SAFETY: a connected socket and an int option of its size.
+            let rc = unsafe {
+                libc::setsockopt(
+                    stream.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    option,
+                    (&size as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            if rc != 0 {
+                return Err(format!("setsockopt: {}", std::io::Error::last_os_error()));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let mut requests = Vec::new();
+        for i in 0..SETS {
+            encode(&mut requests, &[b"SET", format!("key:{i}").as_bytes(), format!("0000{i}0000").as_bytes()]);
+        }
+        for chunk in requests.chunks(4096) {
+            (&stream).write_all(chunk).map_err(|e| at("writing the requests", e))?;
+        }
+        let written = t0.elapsed();
+        let whole = format!("${BULK}\r\n").len() + BULK + 2;
+        let mut rest = vec![0; whole - head.len()];
+        replies.read_exact(&mut rest).map_err(|e| at("the bulk reply's rest", e))?;
+        let reply = [head, rest].concat();
+        if !reply.starts_with(format!("${BULK}\r\n").as_bytes())
+            || reply[whole - BULK - 2..whole - 2] != value[..]
+            || !reply.ends_with(b"\r\n")
+        {
+            return Err("GET bulk: not the value".into());
+        }
+        let mut read = 0;
+        for i in 0..SETS {
+            line.clear();
+            replies.read_line(&mut line).map_err(|e| at(&format!("reply {i}"), e))?;
+            if line != "+OK\r\n" {
+                return Err(format!("SET {i}: {line:?}"));
+            }
+            read += 1;
+        }
+        Ok((written, read))
+    })
+    .unwrap();
+    let s = status(&socket);
+    primary.kill();
+    backup.kill();
+    let (written, read) = served.unwrap_or_else(|e| panic!("{e}; the primary's status:\n{s}"));
+    eprintln!("requests written in {written:?}, {read} replies read");
+}

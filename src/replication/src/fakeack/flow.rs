@@ -129,6 +129,10 @@ pub struct Flow {
     /// absorbed.
     told_ack: u32,
     told_edge: u32,
+    /// The acknowledgement and window of the guest's latest segment: a
+    /// stored segment goes again with them (`Flow::again`).
+    guest_ack: u32,
+    guest_window: u16,
     guest_fin: bool,
     peer_fin: bool,
     /// The flow carries bulk data (`Flow::classify`): with `Early::Bulk`
@@ -162,6 +166,8 @@ impl Flow {
             fake_ack: 0,
             told_ack: 0,
             told_edge: 0,
+            guest_ack: 0,
+            guest_window: 0,
             guest_fin: false,
             peer_fin: false,
             bulk: false,
@@ -252,6 +258,62 @@ impl Flow {
         early == Early::Every || self.bulk
     }
 
+    /// The sequence number a pure ACK of the guest's starting at `seq` must
+    /// carry instead, if any: the peer's window edge when `seq` lies beyond
+    /// it because the guest was told acknowledged more than the peer took.
+    ///
+    /// A peer may shrink its window (Linux with `tcp_shrink_window=1` does
+    /// when its reader stops reading), dropping data it had room for when
+    /// the proxy acknowledged it to the guest: the guest's next sequence
+    /// number is then beyond the peer's window, and a peer drops a segment
+    /// out of its window whole, acknowledgement and window included. A
+    /// client that writes without reading (Redis's "PIPELINING stresser")
+    /// then never hears the guest take its requests in, and stops for good
+    /// (its own window stays shut). Linux's senders answer the same way
+    /// (`tcp_acceptable_seq`: an ACK carries the window's end when its next
+    /// sequence number is beyond it).
+    fn acceptable_seq(&self, seq: u32) -> Option<u32> {
+        (before(self.real_ack, self.fake_ack) && before(self.real_edge, seq)).then_some(self.real_edge)
+    }
+
+    /// Stored segment `s` to send again, with the guest's latest
+    /// acknowledgement and window instead of those it was sent with.
+    ///
+    /// A peer drops a segment whose acknowledgement lies more than a
+    /// window behind what it knows acknowledged (Linux: RFC 5961's blind
+    /// data injection check, `TCP_TOO_OLD_ACK`), data and all. A segment
+    /// stored while the peer's window was shut goes again after the peer
+    /// may have sent megabytes more that the guest acknowledged: with its
+    /// old acknowledgement it would never be taken. A retransmission by
+    /// the guest itself would carry the current ones too.
+    fn again(&self, s: &Stored) -> Vec<u8> {
+        let mut frame = s.frame.to_vec();
+        if let Some(seg) = segment::parse(&frame).filter(|seg| (seg.ack, seg.window) != (self.guest_ack, self.guest_window)) {
+            if seg.has(ACK) {
+                segment::set_ack_window(&mut frame, &seg, self.guest_ack, self.guest_window);
+            }
+        }
+        frame
+    }
+
+    /// The peer's window reaches past `old_edge` now. Stored segments that
+    /// lay beyond it when it was the edge were dropped by the peer (it
+    /// shrank its window after they were acknowledged to the guest, or
+    /// they probed a shut one), and the guest will not send them again (it
+    /// was told they arrived): the released ones that fit now go again at
+    /// once, not at the retransmission timer, which backs off to seconds
+    /// while a window stays shut.
+    fn window_opened(&mut self, old_edge: u32, released_before: u64, resend: &mut Vec<Vec<u8>>) {
+        let before_len = resend.len();
+        let fit = self.store.iter().filter(|s| s.epoch < released_before && before(old_edge, s.end()) && before(s.seq, self.real_edge));
+        let frames: Vec<Vec<u8>> = fit.map(|s| self.again(s)).collect();
+        resend.extend(frames);
+        if resend.len() > before_len {
+            tracing::debug!(segments = resend.len() - before_len, "fake ACK: the peer's window opened; resending what it dropped");
+            (self.timer.rto_at, self.timer.backoff) = (None, 0);
+        }
+    }
+
     /// The peer acknowledged up to `ack`: forget what it covers.
     fn acknowledged(&mut self, ack: u32) -> u64 {
         let mut freed = 0;
@@ -290,6 +352,10 @@ pub struct Sent {
     /// The acknowledged segment was full-sized: part of a bulk send, whose
     /// sender goes on once acknowledged (a short one usually ends a reply).
     pub bulk: bool,
+    /// The frame to send instead of the guest's: its pure ACK with the
+    /// sequence number pulled back to the peer's window edge
+    /// (`Flow::acceptable_seq`).
+    pub instead: Option<Vec<u8>>,
 }
 
 impl Table {
@@ -325,9 +391,10 @@ impl Table {
         self
     }
 
-    /// The guest transmitted `frame`, already on its way to the peer (held
-    /// with its epoch). `epoch`: the output epoch while output is held (the
-    /// only time data is acknowledged on the peer's behalf).
+    /// The guest transmits `frame` (held with its epoch, or sent at once;
+    /// `Sent::instead` may replace it). `epoch`: the output epoch while
+    /// output is held (the only time data is acknowledged on the peer's
+    /// behalf).
     pub fn guest_sent(&mut self, frame: &[u8], epoch: Option<u64>) -> Sent {
         let Some(seg) = segment::parse(frame) else { return Sent::default() };
         let key = FlowKey { guest: seg.src, peer: seg.dst };
@@ -345,10 +412,19 @@ impl Table {
         if !flow.synced || !seg.has(ACK) {
             return Sent::default();
         }
+        (flow.guest_ack, flow.guest_window) = (seg.ack, seg.window);
         if seg.has(FIN) {
             flow.guest_fin = true;
         }
-        if seg.has(FIN) || seg.len == 0 {
+        if seg.len == 0 && !seg.has(FIN) {
+            let instead = flow.acceptable_seq(seg.seq).map(|seq| {
+                let mut f = frame.to_vec();
+                segment::set_seq(&mut f, &seg, seq);
+                f
+            });
+            return Sent { instead, ..Sent::default() };
+        }
+        if seg.has(FIN) {
             return Sent::default();
         }
         let end = seg.seq.wrapping_add(seg.len);
@@ -360,7 +436,7 @@ impl Table {
             let window = flow.window_from(ack);
             flow.told_ack = ack;
             flow.told_edge = flow.edge(ack, window);
-            return Sent { ack: Some(segment::pure_ack(&seg, seg.ack, ack, window)), bulk: false };
+            return Sent { ack: Some(segment::pure_ack(&seg, seg.ack, ack, window)), ..Sent::default() };
         }
         if before(flow.fake_ack, end) {
             flow.classify(&seg, end);
@@ -402,7 +478,7 @@ impl Table {
         flow.told_ack = end;
         flow.told_edge = flow.edge(end, window);
         let bulk = bulk_send(&seg, end, flow.real_ack);
-        Sent { ack: Some(segment::pure_ack(&seg, seg.ack, end, window)), bulk }
+        Sent { ack: Some(segment::pure_ack(&seg, seg.ack, end, window)), bulk, instead: None }
     }
 
     fn guest_syn(&mut self, key: FlowKey, seg: &Segment) {
@@ -447,6 +523,7 @@ impl Table {
         }
         let ack = seg.ack;
         let edge = flow.edge(ack, seg.window);
+        let old_edge = flow.real_edge;
         let mut freed = 0;
         if before(flow.real_ack, ack) {
             // New data acknowledged.
@@ -463,12 +540,15 @@ impl Table {
                 if flow.timer.dup_acks == DUP_ACKS {
                     if let Some(s) = flow.store.front().filter(|s| s.epoch < released_before) {
                         tracing::debug!(seq = s.seq, "fake ACK: resending after duplicate ACKs");
-                        resend.push(s.frame.to_vec());
+                        resend.push(flow.again(s));
                     }
                 }
             }
         }
         // (An acknowledgement older than the last one changes nothing.)
+        if before(old_edge, flow.real_edge) {
+            flow.window_opened(old_edge, released_before, resend);
+        }
         self.stored -= freed;
         let told = later(ack, flow.fake_ack);
         // Not raised, the frame is current (its edge is the real one): its
@@ -532,7 +612,7 @@ impl Table {
                 None => flow.timer.rto_at = Some(now + RTO),
                 Some(at) if now >= at => {
                     tracing::debug!(seq = first.seq, backoff = flow.timer.backoff, "fake ACK: resending after a timeout");
-                    resend.push(first.frame.to_vec());
+                    resend.push(flow.again(first));
                     flow.timer.backoff = (flow.timer.backoff + 1).min(MAX_BACKOFF);
                     flow.timer.rto_at = Some(now + RTO * (1 << flow.timer.backoff));
                 }
@@ -544,7 +624,7 @@ impl Table {
     /// Every stored segment, flow by flow in order: what a backup that
     /// takes over sends at once (the peer may have received none of it).
     pub fn unacknowledged(&self) -> Vec<Vec<u8>> {
-        self.flows.values().flat_map(|f| f.store.iter().map(|s| s.frame.to_vec())).collect()
+        self.flows.values().flat_map(|f| f.store.iter().map(|s| f.again(s))).collect()
     }
 
     /// Whether every stored byte count adds up and each store covers
@@ -619,6 +699,106 @@ mod tests {
 
     fn peer_ack(ack: u32, window: u16) -> Vec<u8> {
         frame(PEER, GUEST, 1001, ack, ACK, window, &[], b"")
+    }
+
+    /// The peer acknowledges the first of four segments told acknowledged
+    /// to the guest and shrinks its window to nothing (Linux with
+    /// `tcp_shrink_window=1` and a reader that stops reading): it dropped
+    /// the other three. The guest's pure ACKs then start beyond the peer's
+    /// window, where the peer would drop them whole (and a client blocked
+    /// writing would never hear its requests taken in): they go with the
+    /// window's edge as their sequence number. When the window opens, the
+    /// three go again at once; a later opening sends nothing twice.
+    #[test]
+    fn after_the_peer_shrinks_its_window_acks_stay_in_it_and_what_it_dropped_goes_again_when_it_opens() {
+        for isn in [5000, u32::MAX - 1500] {
+            let mut t = synced(isn);
+            let start = isn.wrapping_add(1);
+            let mut resend = Vec::new();
+            let segments: Vec<Vec<u8>> = (0..4).map(|i| data(start.wrapping_add(i * 1000), 1000)).collect();
+            for s in &segments {
+                assert!(t.guest_sent(s, Some(1)).ack.is_some());
+            }
+            let told = start.wrapping_add(4000);
+            let guest_ack = frame(GUEST, PEER, told, 1001, ACK, 4096, &[], b"");
+            assert_eq!(t.guest_sent(&guest_ack, Some(1)).instead, None, "within the peer's window: as it is");
+            // Released; the peer takes the first and shuts its window.
+            let edge = start.wrapping_add(1000);
+            let mut shut = peer_ack(edge, 0);
+            assert!(t.peer_sent(&mut shut, 2, &mut resend));
+            assert!(resend.is_empty());
+            let rewritten = parse(&shut).unwrap();
+            assert_eq!((rewritten.ack, rewritten.window), (told, 0), "never less than it was told");
+            // The guest acknowledges the peer's data: its next sequence number is beyond the window.
+            let sent = t.guest_sent(&frame(GUEST, PEER, told, 1101, ACK, 4096, &[], b""), Some(2));
+            let instead = sent.instead.expect("pulled back into the window");
+            let s = parse(&instead).unwrap();
+            assert_eq!((s.seq, s.ack, s.window, s.len), (edge, 1101, 4096, 0));
+            assert!(checksum_ok(&instead));
+            assert_eq!(sent.ack, None);
+            // Data keeps its sequence number (stored, it goes again with the rest).
+            let more = data(told, 10);
+            assert_eq!(t.guest_sent(&more, Some(2)).instead, None);
+            // The window opens: what the peer dropped goes again, not the segment it took.
+            assert!(t.peer_sent(&mut peer_ack(edge, 2048), 3, &mut resend));
+            let seqs = |frames: &[Vec<u8>]| frames.iter().map(|f| parse(f).unwrap().seq).collect::<Vec<_>>();
+            assert_eq!(seqs(&resend), seqs(&[&segments[1..], std::slice::from_ref(&more)].concat()));
+            assert!(resend[..3] == segments[1..] && resend[3] == more, "the frames as the guest sent them");
+            resend.clear();
+            assert!(t.peer_sent(&mut peer_ack(edge, 4096), 3, &mut resend));
+            assert!(resend.is_empty(), "sent again once per opening");
+            // Acknowledged at last: the guest's ACKs go as they are again.
+            assert!(t.peer_sent(&mut peer_ack(told.wrapping_add(10), 4096), 3, &mut resend));
+            assert_eq!(t.guest_sent(&frame(GUEST, PEER, told.wrapping_add(10), 1101, ACK, 4096, &[], b""), Some(3)).instead, None);
+            assert!(t.consistent());
+        }
+    }
+
+    /// A stored segment goes again with the guest's latest acknowledgement
+    /// and window (a peer drops one whose acknowledgement is more than a
+    /// window old, data and all), by the timer, on duplicate ACKs, and
+    /// from a backup that takes over; its payload is untouched.
+    #[test]
+    fn stored_segments_go_again_with_the_guests_latest_acknowledgement() {
+        let mut t = synced(5000);
+        let mut resend = Vec::new();
+        let first = data(5001, 1000);
+        assert!(t.guest_sent(&first, Some(1)).ack.is_some());
+        // The peer sends 3 MB more; the guest acknowledges it with a pure ACK.
+        let latest = 1001u32.wrapping_add(3 << 20);
+        t.guest_sent(&frame(GUEST, PEER, 6001, latest, ACK, 777, &[], b""), Some(2));
+        let check = |frames: &[Vec<u8>]| {
+            assert_eq!(frames.len(), 1);
+            let (s, f) = (parse(&frames[0]).unwrap(), parse(&first).unwrap());
+            assert_eq!((s.seq, s.len, s.ack, s.window), (f.seq, f.len, latest, 777));
+            assert!(checksum_ok(&frames[0]));
+            assert_eq!(frames[0][frames[0].len() - 1000..], first[first.len() - 1000..]);
+        };
+        check(&t.unacknowledged());
+        let now = Instant::now();
+        t.tick(now, 2, &mut resend);
+        t.tick(now + RTO, 2, &mut resend);
+        check(&resend);
+        resend.clear();
+        for _ in 0..DUP_ACKS {
+            assert!(!t.peer_sent(&mut peer_ack(5001, 8192), 2, &mut resend));
+        }
+        check(&resend);
+    }
+
+    /// What the peer dropped goes again when its window opens only once
+    /// its epoch's output was released (output commit).
+    #[test]
+    fn an_opening_window_resends_only_released_segments() {
+        let mut t = synced(5000);
+        let mut resend = Vec::new();
+        for i in 0..3 {
+            t.guest_sent(&data(5001 + i * 1000, 1000), Some(4));
+        }
+        assert!(t.peer_sent(&mut peer_ack(6001, 0), 4, &mut resend));
+        assert!(t.peer_sent(&mut peer_ack(6001, 2048), 4, &mut resend));
+        assert!(resend.is_empty(), "epoch 4 is still held");
+        assert!(t.consistent());
     }
 
     #[test]

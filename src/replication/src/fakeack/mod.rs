@@ -14,8 +14,10 @@
 //!   free the store; every frame the guest gets acknowledges at least what
 //!   it was told, with the window counted so that it never sends beyond
 //!   the peer's real window; stale pure ACKs are absorbed. Duplicate ACKs
-//!   and a timer (`flow::RTO`) send stored segments again, only those of
-//!   released epochs: output commit holds for every resent frame.
+//!   a timer (`flow::RTO`) and a peer's window opening after it shrank
+//!   send stored segments again (with the guest's latest acknowledgement),
+//!   only those of released epochs: output commit holds for every resent
+//!   frame.
 //!
 //! The table (flows and stores) is saved at each checkpoint's freeze and
 //! applied with it on the backup (whole, or as what changed: `delta`); a backup that takes over first sends
@@ -183,23 +185,22 @@ fn timer(proxy: Weak<FakeAck>) {
 }
 
 impl FrameSink for FakeAck {
-    /// A frame the guest sent: on to the output buffer (or the network),
-    /// then, if it is data of a tracked flow held in an epoch, into the
-    /// store, and an ACK for the guest.
+    /// A frame the guest sent: if it is data of a tracked flow held in an
+    /// epoch, into the store, and an ACK for the guest; then on to the
+    /// output buffer (or the network), a pure ACK pulled back into the
+    /// peer's window where it lies beyond (`flow::Flow::acceptable_seq`).
     fn send(&self, frame: &[u8]) {
+        // The epoch it is held in (the freeze cannot come before it is: the card is in its pass).
         let epoch = match &self.next {
-            Next::Held(output) => {
-                // Its epoch before it is held (the freeze cannot come in between: the card is in its pass).
-                let epoch = output.open_epoch();
-                output.send(frame);
-                epoch
-            }
-            Next::Direct => {
-                self.network.send(frame);
-                None
-            }
+            Next::Held(output) => output.open_epoch(),
+            Next::Direct => None,
         };
         let sent = self.table.locked().guest_sent(frame, epoch);
+        let frame = sent.instead.as_deref().unwrap_or(frame);
+        match &self.next {
+            Next::Held(output) => output.send(frame),
+            Next::Direct => self.network.send(frame),
+        }
         if let Some(ack) = sent.ack {
             self.made_up.locked().push(ack);
             if let (Next::Held(output), true) = (&self.next, sent.bulk) {

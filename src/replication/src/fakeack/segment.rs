@@ -155,6 +155,13 @@ pub fn set_ack_window(frame: &mut [u8], seg: &Segment, ack: u32, window: u16) {
     tcp_checksum(frame, seg);
 }
 
+/// Give `seg` (parsed from `frame`) sequence number `seq`, with its
+/// checksum fixed.
+pub fn set_seq(frame: &mut [u8], seg: &Segment, seq: u32) {
+    TcpPacket::new_unchecked(&mut frame[seg.tcp..seg.end]).set_seq_number(TcpSeqNumber(seq as i32));
+    tcp_checksum(frame, seg);
+}
+
 /// A pure ACK from `seg`'s destination to its source (the reverse of a
 /// segment the guest sent): sequence number `seq`, acknowledging `ack`,
 /// advertising `window` (as on the wire), with a zeroed virtio-net header.
@@ -320,6 +327,13 @@ pub(crate) mod tests {
         let s = parse(&padded).unwrap();
         set_ack_window(&mut padded, &s, 9, 10);
         assert!(checksum_ok(&padded));
+        let mut f = frame(GUEST, PEER, 0xffff_fff0, 8, ACK, 1000, &[], b"");
+        f[0] = 1;
+        let s = parse(&f).unwrap();
+        set_seq(&mut f, &s, 0x20);
+        assert_eq!(parse(&f).unwrap().seq, 0x20);
+        assert!(checksum_ok(&f) && ip_checksum_ok(&f));
+        assert_eq!(f[0] & 1, 0);
     }
 
     #[test]
