@@ -427,6 +427,17 @@ impl Vm {
         Ok(())
     }
 
+    /// `harvest_dirty`, telling the writers apart: OR into `guest` the
+    /// pages tracking reported (the guest's writes, and pages left
+    /// writable), into `vmm` those the VMM wrote (a device's writes into
+    /// guest memory). Only the first kind cost the guest a tracked first
+    /// write: write prediction learns from them alone.
+    pub fn harvest_dirty_by(&self, guest: &mut PageBitmap, vmm: &mut PageBitmap) -> Result<(), VmError> {
+        self.shared.dirty.locked().harvest(&self.shared.vm_fd, guest)?;
+        vmm.or_words(&self.shared.ram.take_vmm_dirty());
+        Ok(())
+    }
+
     /// The second half of `collect_dirty`: re-arm tracking for the pages
     /// harvested, except for `leave_writable` where the backend can.
     pub fn rearm_dirty(&self, leave_writable: &PageBitmap) -> Result<(), VmError> {

@@ -71,6 +71,14 @@ fn check_backend(backend: DirtyBackend) {
     let mut want = vmm_pages.to_vec();
     want.sort();
     assert_eq!(again.pages().collect::<Vec<_>>(), want, "{backend}: VMM writes only");
+
+    // Told apart: the VMM's writes come as the VMM's, the tracked ones as the guest's.
+    vm.ram().memory().write_obj(0xfeu8, GuestAddress(41 * 4096)).unwrap();
+    let (mut guest, mut vmm) = (PageBitmap::new(pages), PageBitmap::new(pages));
+    vm.harvest_dirty_by(&mut guest, &mut vmm).unwrap();
+    vm.rearm_dirty(&none).unwrap();
+    assert_eq!(vmm.pages().collect::<Vec<_>>(), vec![41], "{backend}: the VMM's write");
+    assert_eq!(guest.count(), 0, "{backend}: the guest is stopped");
 }
 
 /// Pages left writable at a collection stay reported by later ones (the
