@@ -61,7 +61,12 @@ use ftvm_vmm::pages::FormatError;
 /// patch carries the leader's hash of its page, which the secondary checks
 /// once patched, asking for the pages that fail whole (SyncRepair,
 /// answered by SyncRepaired) before it acknowledges.
-pub const PROTOCOL_VERSION: u16 = 21;
+/// Version 21: SyncHashes carries the low 4 bytes of each hash (all 16 in
+/// a full `syncvm`), SyncPages a digest of the leader's hashes of the union.
+/// Version 22: the fake-ACK state's flows carry the guest's latest
+/// acknowledgement and window, which stored segments go again with
+/// (`fakeack::flow::Flow::again`).
+pub const PROTOCOL_VERSION: u16 = 22;
 const MAGIC: &[u8; 4] = b"FTVR";
 const HEADER: usize = 16;
 /// Frames before the VM's shape is known are small.
