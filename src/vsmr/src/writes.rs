@@ -20,19 +20,25 @@ use ftvm_replication::pipeline::predict::{self, FreezeMask};
 /// This replica's prediction (none with `off`).
 pub struct Writes {
     mask: Box<dyn FreezeMask>,
+    /// Scratch: the pages only a device wrote at the last harvest.
+    device_written: PageBitmap,
 }
 
 impl Writes {
     pub fn new(mode: predict::Mode, pages: u64, costs: &Costs) -> Writes {
-        Writes { mask: predict::mask(mode, pages, costs) }
+        Writes { mask: predict::mask(mode, pages, costs), device_written: PageBitmap::new(pages) }
     }
 
     /// Harvest `vm`'s dirty pages into `out` and re-arm tracking for those
-    /// the predictor does not keep writable.
+    /// the predictor does not keep writable. It chooses from the guest's
+    /// own writes: a page only a device wrote cost no tracked first write.
     pub fn collect(&mut self, vm: &ftvm_vmm::Vm, out: &mut PageBitmap) -> Result<(), ftvm_vmm::VmError> {
-        vm.harvest_dirty(out)?;
-        let leave = self.leave().choose(out);
-        vm.rearm_dirty(leave)
+        self.device_written.clear();
+        vm.harvest_dirty_by(out, &mut self.device_written)?;
+        let leave = self.mask.choose(out);
+        vm.rearm_dirty(leave)?;
+        out.or_words(self.device_written.words());
+        Ok(())
     }
 
     /// What a freeze asks which pages to leave writable.

@@ -78,6 +78,11 @@ impl PageBitmap {
         self.words.iter().map(|w| w.count_ones() as u64).sum()
     }
 
+    /// How many pages are set both here and in `other`.
+    pub fn count_common(&self, other: &PageBitmap) -> u64 {
+        self.words.iter().zip(&other.words).map(|(a, b)| (a & b).count_ones() as u64).sum()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.words.iter().all(|&w| w == 0)
     }
@@ -135,6 +140,7 @@ mod tests {
         c.copy_from(&a);
         c.unset(0);
         c.set(100);
+        assert_eq!(a.count_common(&c), 1);
         a.intersect(&c);
         assert_eq!(a.pages().collect::<Vec<_>>(), vec![3]);
         let mut r = PageBitmap::new(200);

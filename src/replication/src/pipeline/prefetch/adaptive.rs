@@ -36,6 +36,12 @@ use super::{Sent, ROUNDS};
 const MAX_WASTE: f64 = 1.0 / 7.0;
 /// Fewer sends than this in an epoch say nothing either way.
 const MIN_SENDS: u64 = 32;
+/// Sends of the open epoch from which its own waste stands its remaining
+/// rounds down (`Gate::wasting`): a sweep over a working set sends
+/// thousands; a few dozen say too little within one epoch (a hot/cold
+/// writer's rounds send about a hundred pages an epoch, some written again
+/// by chance, and the epoch-by-epoch gate weighs those better).
+const STAND_DOWN_SENDS: u64 = 256;
 /// Epochs without rounds after the last round alone was found wasteful.
 const FIRST_BACKOFF: u32 = 4;
 /// The longest pause between two tries.
@@ -53,23 +59,42 @@ pub struct Gate {
     /// Rounds run from this depth on (`super::Schedule::depth`: 1 is the
     /// round at half the epoch, `ROUNDS` the last).
     from: u32,
+    /// The open epoch's rounds stood down (`Gate::wasting`).
+    stood_down: bool,
 }
 
 impl Gate {
     /// A gate that lets at most `max_waste` of an epoch's sends be wasted.
     pub fn new(max_waste: f64) -> Gate {
-        Gate { max_waste, off_for: 0, backoff: FIRST_BACKOFF, from: 0 }
+        Gate { max_waste, off_for: 0, backoff: FIRST_BACKOFF, from: 0, stood_down: false }
     }
 
     /// Whether the open epoch runs rounds at all.
     pub fn open(&self) -> bool {
-        self.off_for == 0
+        self.off_for == 0 && !self.stood_down
+    }
+
+    /// A round of the open epoch found `rewritten` of the pages its rounds
+    /// sent so far (`sent` sends) written again: the checkpoint carries
+    /// those anyway. Past the waste allowed, the epoch's remaining rounds
+    /// stand down at once: the guest is rewriting what it wrote earlier
+    /// in the epoch (a sweep over its whole working set), and every later
+    /// round would send those pages again for the same fate. Without this
+    /// the gate learns it one epoch late, after rounds that re-sent a
+    /// whole working set several times (10000 pages swept six times an
+    /// epoch: 20 000 sends, four in five wasted).
+    pub fn wasting(&mut self, sent: u64, rewritten: u64) -> bool {
+        if sent >= STAND_DOWN_SENDS && rewritten as f64 > self.max_waste * sent as f64 {
+            tracing::debug!(sent, rewritten, "prefetch rounds written again within the epoch; the rest stand down");
+            self.stood_down = true;
+        }
+        self.stood_down
     }
 
     /// The depth the open epoch's rounds start from: 0 all run, `ROUNDS`
     /// the last alone, `ROUNDS + 1` none.
     pub fn start(&self) -> u32 {
-        if self.open() {
+        if self.off_for == 0 {
             self.from
         } else {
             ROUNDS + 1
@@ -83,6 +108,7 @@ impl Gate {
 
     /// The open epoch closed; its rounds (if it ran any) sent `sent`.
     pub fn observe(&mut self, sent: &Sent) {
+        self.stood_down = false;
         if self.off_for > 0 {
             self.off_for -= 1;
             return;
@@ -175,6 +201,22 @@ mod tests {
         g.observe(&sent(1000, 500));
         g.observe(&sent(1000, 500));
         assert_eq!(closed_run(&mut g), FIRST_BACKOFF, "the backoff restarted");
+    }
+
+    /// A round that finds the epoch's earlier sends written again past
+    /// the waste allowed stands the epoch's other rounds down at once;
+    /// the next epoch's rounds run (from where the epoch's waste says).
+    #[test]
+    fn rounds_written_again_within_the_epoch_stand_down_until_it_ends() {
+        let mut g = Gate::new(MAX_WASTE);
+        assert!(!g.wasting(STAND_DOWN_SENDS - 1, STAND_DOWN_SENDS - 1), "too few sends to say within an epoch");
+        assert!(!g.wasting(1000, 100), "a tenth written again pays");
+        assert!(g.runs(1));
+        assert!(g.wasting(1000, 800));
+        assert!(!g.open() && !g.runs(ROUNDS), "the rest of the epoch runs no round");
+        assert_eq!(g.start(), 0, "the epoch ran rounds from where it started");
+        g.observe(&sent(1000, 800));
+        assert!(g.open() && g.runs(1) && !g.runs(0), "the next epoch's rounds start one step later");
     }
 
     /// Rounds that find next to nothing to send rest for a few epochs,

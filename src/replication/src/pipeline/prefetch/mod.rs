@@ -372,6 +372,15 @@ impl Prefetcher {
         self.harvested.clear();
         vm.harvest_dirty(&mut self.harvested)?;
         self.sent.rounds += 1;
+        let rewritten = self.harvested.count_common(&self.sent_pages);
+        if self.gate.as_mut().is_some_and(|g| g.wasting(self.sent.pages, rewritten)) {
+            // Standing down: every page harvested stays writable where the
+            // backend can (no tracked first write for a page the guest
+            // keeps rewriting), and the checkpoint carries it.
+            vm.rearm_dirty(&self.harvested)?;
+            self.carry.or_words(self.harvested.words());
+            return Ok(None);
+        }
         // Hot: written late in the last two epochs, or write prediction's
         // (left writable, or in a region it keeps: the checkpoint carries
         // those, and re-protecting one would cost the guest the tracked
@@ -421,9 +430,12 @@ impl Prefetcher {
             vm.ram().read_page(p, &mut self.page).map_err(ftvm_vmm::VmError::from)?;
             bundle.page(p, &self.page);
         }
-        let written = bundle.finish();
+        bundle.finish();
         protocol::finish_frame(&mut self.frame);
-        self.sent.pages += written.pages;
+        // Every page the round took on, the ones the encoder found the
+        // backup holding already too: as `sent_pages` counts them, so that
+        // what was sent and not written again never exceeds what was sent.
+        self.sent.pages += cold;
         self.sent.bytes += self.frame.len() as u64;
         self.staged += self.frame.len() as u64;
         Ok(Some(&self.frame))
