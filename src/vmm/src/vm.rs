@@ -404,7 +404,8 @@ impl Vm {
             set_slot(&self.shared.vm_fd, &self.shared.ram, true)?;
         }
         self.shared.dirty.locked().start(&self.shared.vm_fd)?;
-        self.shared.ram.take_vmm_dirty();
+        // Forget what the VMM wrote before.
+        self.shared.ram.take_vmm_dirty(&mut PageBitmap::new(self.shared.ram.pages()));
         Ok(())
     }
 
@@ -423,7 +424,7 @@ impl Vm {
     /// to these pages are not tracked.
     pub fn harvest_dirty(&self, out: &mut PageBitmap) -> Result<(), VmError> {
         self.shared.dirty.locked().harvest(&self.shared.vm_fd, out)?;
-        out.or_words(&self.shared.ram.take_vmm_dirty());
+        self.shared.ram.take_vmm_dirty(out);
         Ok(())
     }
 
@@ -434,7 +435,7 @@ impl Vm {
     /// write: write prediction learns from them alone.
     pub fn harvest_dirty_by(&self, guest: &mut PageBitmap, vmm: &mut PageBitmap) -> Result<(), VmError> {
         self.shared.dirty.locked().harvest(&self.shared.vm_fd, guest)?;
-        vmm.or_words(&self.shared.ram.take_vmm_dirty());
+        self.shared.ram.take_vmm_dirty(vmm);
         Ok(())
     }
 

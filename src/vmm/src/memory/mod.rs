@@ -1,25 +1,25 @@
 //! Guest RAM: one memfd mapped shared, so that a second process (a backup's
 //! page reader, a checkpoint collector) can map the same pages later.
 //!
-//! The mapping carries a vm-memory `AtomicBitmap`: every write the VMM makes
-//! through the `GuestMemory` API marks the page, because KVM's dirty log only
-//! sees writes made by the guest. The VMM reaches guest RAM only through
+//! The mapping carries a vm-memory bitmap (`vmm_dirty::VmmDirty`): every
+//! write the VMM makes through the `GuestMemory` API marks the page, because
+//! KVM's dirty log only sees writes made by the guest. The VMM reaches guest RAM only through
 //! vm-memory's volatile accessors: vCPUs may be writing it at any time, so a
 //! Rust reference into it would be a data race.
 
 mod page_bitmap;
+mod vmm_dirty;
 mod write_protect;
 
 pub use page_bitmap::PageBitmap;
+use vmm_dirty::VmmDirty;
 pub use write_protect::{WriteProtect, WriteProtectError};
 
 use std::fs::File;
-use std::num::NonZeroUsize;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::mmap::{MmapRegion, MmapRegionBuilder};
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap};
 
@@ -34,7 +34,7 @@ pub const PAGE: usize = PAGE_SIZE as usize;
 mod aligned;
 pub use aligned::AlignedPage;
 
-pub type GuestMemory = GuestMemoryMmap<AtomicBitmap>;
+pub type GuestMemory = GuestMemoryMmap<VmmDirty>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
@@ -72,7 +72,7 @@ pub fn saved_size(saved: &Components) -> Result<u64, ComponentError> {
 pub struct GuestRam {
     memfd: File,
     mem: GuestMemory,
-    mapping: Arc<MmapRegion<AtomicBitmap>>,
+    mapping: Arc<MmapRegion<VmmDirty>>,
     host_base: *mut u8,
     size: u64,
 }
@@ -103,8 +103,7 @@ impl GuestRam {
     }
 
     fn map(memfd: File, size: u64, prefault: bool) -> Result<GuestRam, MemoryError> {
-        let page = NonZeroUsize::new(PAGE_SIZE as usize).expect("page size is non-zero");
-        let bitmap = AtomicBitmap::new(size as usize, page);
+        let bitmap = VmmDirty::new(size as usize);
         let mut flags = libc::MAP_SHARED | libc::MAP_NORESERVE;
         if prefault {
             flags |= libc::MAP_POPULATE;
@@ -202,9 +201,9 @@ impl GuestRam {
         ranges
     }
 
-    /// Pages the VMM wrote since the last call (one bit per page), cleared.
-    pub fn take_vmm_dirty(&self) -> Vec<u64> {
-        self.mapping.bitmap().get_and_reset()
+    /// OR into `out` the pages the VMM wrote since the last call, and clear them.
+    pub fn take_vmm_dirty(&self, out: &mut PageBitmap) {
+        self.mapping.bitmap().take_into(out)
     }
 }
 
@@ -242,9 +241,12 @@ mod tests {
         let ram = GuestRam::new(1 << 20, false).unwrap();
         ram.memory().write_obj(7u64, GuestAddress(0x3000)).unwrap();
         ram.memory().write_slice(&[1u8; 2], GuestAddress(0x5fff)).unwrap();
-        let bits = ram.take_vmm_dirty();
-        assert_eq!(bits[0], (1 << 3) | (1 << 5) | (1 << 6));
-        assert!(ram.take_vmm_dirty().iter().all(|&w| w == 0), "taking clears");
+        let mut bits = PageBitmap::new(ram.pages());
+        ram.take_vmm_dirty(&mut bits);
+        assert_eq!(bits.pages().collect::<Vec<_>>(), vec![3, 5, 6]);
+        let mut again = PageBitmap::new(ram.pages());
+        ram.take_vmm_dirty(&mut again);
+        assert!(again.is_empty(), "taking clears");
     }
 
     #[test]
@@ -269,7 +271,9 @@ mod tests {
         assert_eq!(back, page);
         assert!(matches!(ram.read_page(256, &mut back), Err(MemoryError::OutOfRange { page: 256 })));
         assert!(ram.write_page(u64::MAX, &page).is_err());
-        assert_eq!(ram.take_vmm_dirty()[0], 1 << 3, "VMM writes are tracked");
+        let mut written = PageBitmap::new(ram.pages());
+        ram.take_vmm_dirty(&mut written);
+        assert_eq!(written.pages().collect::<Vec<_>>(), vec![3], "VMM writes are tracked");
         assert!(ram.restore(&MemoryState { size: 2 << 20 }).is_err());
         ram.restore(&ram.save().unwrap()).unwrap();
     }

@@ -55,6 +55,14 @@ impl PageBitmap {
         }
     }
 
+    /// OR `bits` into word `index` (pages `64 * index ..`); beyond the
+    /// bitmap, nothing.
+    pub fn or_word(&mut self, index: usize, bits: u64) {
+        if let Some(w) = self.words.get_mut(index) {
+            *w |= bits;
+        }
+    }
+
     /// Keep only the pages also set in `other`.
     pub fn intersect(&mut self, other: &PageBitmap) {
         for (i, w) in self.words.iter_mut().enumerate() {
