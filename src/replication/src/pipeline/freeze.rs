@@ -83,13 +83,15 @@ pub struct PauseAndSave {
     output: Arc<OutputBuffer>,
     journal: Arc<DiskJournal>,
     ram_pages: u64,
+    /// Scratch: the pages only a device wrote, at each freeze.
+    device_written: PageBitmap,
     /// `--fake-ack`: its state goes with the VM's.
     fake_ack: Option<Arc<FakeAck>>,
 }
 
 impl PauseAndSave {
     pub fn new(ram_pages: u64, output: Arc<OutputBuffer>, journal: Arc<DiskJournal>) -> PauseAndSave {
-        PauseAndSave { output, journal, ram_pages, fake_ack: None }
+        PauseAndSave { output, journal, ram_pages, device_written: PageBitmap::new(ram_pages), fake_ack: None }
     }
 
     /// Save `proxy`'s state with every checkpoint (or stop saving it).
@@ -105,9 +107,10 @@ impl Freeze for PauseAndSave {
         vm.pause();
         let pause = Paused { vm, since: Instant::now(), resumed: false };
         let stop = pause.since - asked;
-        let (mut dirty, mut device_written) = (PageBitmap::new(self.ram_pages), PageBitmap::new(self.ram_pages));
+        let mut dirty = PageBitmap::new(self.ram_pages);
+        self.device_written.clear();
         let t0 = Instant::now();
-        vm.harvest_dirty_by(&mut dirty, &mut device_written)?;
+        vm.harvest_dirty_by(&mut dirty, &mut self.device_written)?;
         let t1 = Instant::now();
         // From the guest's writes alone: a page only a device wrote (a
         // received frame, a used ring) cost no tracked first write, and
@@ -116,7 +119,7 @@ impl Freeze for PauseAndSave {
         let t2 = Instant::now();
         vm.rearm_dirty(keep)?;
         let t3 = Instant::now();
-        dirty.or_words(device_written.words());
+        dirty.or_words(self.device_written.words());
         // The proxy's state with the guest's, both at this instant: the
         // guest was told acknowledged exactly what the store holds beyond
         // the peer (the card is parked, no frame is halfway through).

@@ -9,9 +9,12 @@ use crate::memory::PageBitmap;
 
 pub struct BitmapLog {
     slot: u32,
-    mem_size: u64,
-    /// What the last `harvest` got from KVM: the pages `rearm` re-protects.
+    /// What the last `harvest` got from KVM (one bit per page of the slot):
+    /// the pages `rearm` re-protects. Kept, so that a harvest allocates
+    /// nothing.
     harvested: Vec<u64>,
+    /// `harvested` holds a harvest not re-armed yet.
+    pending: bool,
 }
 
 impl BitmapLog {
@@ -23,11 +26,12 @@ impl BitmapLog {
             ..Default::default()
         };
         vm.enable_cap(&cap).map_err(|_| DirtyError::Unsupported("KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2"))?;
-        Ok(BitmapLog { slot, mem_size, harvested: Vec::new() })
+        let pages = mem_size.div_ceil(crate::memory::PAGE as u64);
+        Ok(BitmapLog { slot, harvested: vec![0; pages.div_ceil(64) as usize], pending: false })
     }
 
-    fn get(&self, vm: &VmFd) -> Result<Vec<u64>, DirtyError> {
-        vm.get_dirty_log(self.slot, self.mem_size as usize).map_err(|e| DirtyError::Ioctl { op: "KVM_GET_DIRTY_LOG", err: e.into() })
+    fn get(&self, vm: &VmFd, bits: &mut [u64]) -> Result<(), DirtyError> {
+        ioctls::get_dirty_log(vm, self.slot, bits).map_err(|err| DirtyError::Ioctl { op: "KVM_GET_DIRTY_LOG", err })
     }
 
     fn clear(&self, vm: &VmFd, bits: &mut [u64]) -> Result<(), DirtyError> {
@@ -39,27 +43,38 @@ impl DirtyLog for BitmapLog {
     fn start(&mut self, vm: &VmFd) -> Result<(), DirtyError> {
         // INITIALLY_SET leaves every page reported dirty and writable; one
         // CLEAR of all pages write-protects them.
-        let mut all = self.get(vm)?;
+        let mut all = vec![0; self.harvested.len()];
+        self.get(vm, &mut all)?;
         all.fill(u64::MAX);
+        self.pending = false;
         self.clear(vm, &mut all)
     }
 
     fn harvest(&mut self, vm: &VmFd, out: &mut PageBitmap) -> Result<(), DirtyError> {
         // KVM keeps reporting a page until it is cleared, so the latest GET
         // holds everything not yet re-armed.
-        self.harvested = self.get(vm)?;
+        let mut bits = std::mem::take(&mut self.harvested);
+        let got = self.get(vm, &mut bits);
+        self.harvested = bits;
+        got?;
+        self.pending = true;
         out.or_words(&self.harvested);
         Ok(())
     }
 
     fn rearm(&mut self, vm: &VmFd, leave_writable: &PageBitmap) -> Result<(), DirtyError> {
-        let mut bits = std::mem::take(&mut self.harvested);
+        if !std::mem::take(&mut self.pending) {
+            return Ok(());
+        }
         // A page left writable is not cleared, so KVM keeps reporting it.
-        for (w, keep) in bits.iter_mut().zip(leave_writable.words()) {
+        for (w, keep) in self.harvested.iter_mut().zip(leave_writable.words()) {
             *w &= !keep;
         }
-        if bits.iter().any(|&w| w != 0) {
-            self.clear(vm, &mut bits)?;
+        if self.harvested.iter().any(|&w| w != 0) {
+            let mut bits = std::mem::take(&mut self.harvested);
+            let cleared = self.clear(vm, &mut bits);
+            self.harvested = bits;
+            cleared?;
         }
         Ok(())
     }

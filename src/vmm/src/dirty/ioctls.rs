@@ -1,14 +1,33 @@
 //! The dirty-logging ioctls kvm-ioctls does not wrap (CLEAR_DIRTY_LOG,
-//! RESET_DIRTY_RINGS, the per-vCPU ring mapping).
+//! RESET_DIRTY_RINGS, the per-vCPU ring mapping), and GET_DIRTY_LOG into a
+//! buffer of the caller's (kvm-ioctls allocates a new one at every call:
+//! 64 KiB zeroed for 2 GiB of RAM, at every harvest).
 
 use std::io;
 use std::os::fd::AsRawFd;
 
-use kvm_bindings::{kvm_clear_dirty_log, kvm_dirty_gfn, KVMIO, KVM_DIRTY_LOG_PAGE_OFFSET};
+use kvm_bindings::{kvm_clear_dirty_log, kvm_dirty_gfn, kvm_dirty_log, KVMIO, KVM_DIRTY_LOG_PAGE_OFFSET};
 use vmm_sys_util::ioctl::{ioctl, ioctl_with_ref};
-use vmm_sys_util::{ioctl_io_nr, ioctl_iowr_nr};
+use vmm_sys_util::{ioctl_io_nr, ioctl_iow_nr, ioctl_iowr_nr};
 
+ioctl_iow_nr!(KVM_GET_DIRTY_LOG, KVMIO, 0x42, kvm_dirty_log);
 ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
+
+/// The pages of `slot` written since they were last re-protected, into
+/// `bitmap` (64 pages per word from page 0; it must cover the whole slot).
+pub fn get_dirty_log(vm: &impl AsRawFd, slot: u32, bitmap: &mut [u64]) -> io::Result<()> {
+    let mut arg = kvm_dirty_log { slot, ..Default::default() };
+    arg.__bindgen_anon_1.dirty_bitmap = bitmap.as_mut_ptr().cast();
+    // SAFETY: `arg` points at `bitmap`, which the caller sizes to the slot
+    // (one bit per page, whole words) and which lives across the call; the
+    // kernel writes only that many bytes into it.
+    let ret = unsafe { ioctl_with_ref(vm, KVM_GET_DIRTY_LOG(), &arg) };
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
 ioctl_io_nr!(KVM_RESET_DIRTY_RINGS, KVMIO, 0xc7);
 
 /// Re-protect the pages whose bits are set in `bitmap` (64 pages per word,
