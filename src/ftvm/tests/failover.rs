@@ -1532,20 +1532,7 @@ fn a_client_that_stops_reading_and_writes_on_is_served() {
         replies.read_exact(&mut head).map_err(|e| at("the reply's start", e))?;
         // Then no more reading, and a receive buffer cut: the window shuts and shrinks.
         for (option, size) in [(libc::SO_RCVBUF, 4 << 10), (libc::SO_SNDBUF, 32 << 10)] {
-            let size: libc::c_int = size;
-            // SAFETY: a connected socket and an int option of its size.
-            let rc = unsafe {
-                libc::setsockopt(
-                    stream.as_raw_fd(),
-                    libc::SOL_SOCKET,
-                    option,
-                    (&size as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                )
-            };
-            if rc != 0 {
-                return Err(format!("setsockopt: {}", std::io::Error::last_os_error()));
-            }
+            ftvm_replication::sockopt::set(stream.as_raw_fd(), libc::SOL_SOCKET, option, size).map_err(|e| at("setsockopt", e))?;
         }
         std::thread::sleep(Duration::from_millis(300));
         let mut requests = Vec::new();

@@ -288,10 +288,9 @@ impl Flow {
     /// the guest itself would carry the current ones too.
     fn again(&self, s: &Stored) -> Vec<u8> {
         let mut frame = s.frame.to_vec();
-        if let Some(seg) = segment::parse(&frame).filter(|seg| (seg.ack, seg.window) != (self.guest_ack, self.guest_window)) {
-            if seg.has(ACK) {
-                segment::set_ack_window(&mut frame, &seg, self.guest_ack, self.guest_window);
-            }
+        let stale = segment::parse(&frame).filter(|seg| seg.has(ACK) && (seg.ack, seg.window) != (self.guest_ack, self.guest_window));
+        if let Some(seg) = stale {
+            segment::set_ack_window(&mut frame, &seg, self.guest_ack, self.guest_window);
         }
         frame
     }
@@ -306,8 +305,7 @@ impl Flow {
     fn window_opened(&mut self, old_edge: u32, released_before: u64, resend: &mut Vec<Vec<u8>>) {
         let before_len = resend.len();
         let fit = self.store.iter().filter(|s| s.epoch < released_before && before(old_edge, s.end()) && before(s.seq, self.real_edge));
-        let frames: Vec<Vec<u8>> = fit.map(|s| self.again(s)).collect();
-        resend.extend(frames);
+        resend.extend(fit.map(|s| self.again(s)));
         if resend.len() > before_len {
             tracing::debug!(segments = resend.len() - before_len, "fake ACK: the peer's window opened; resending what it dropped");
             (self.timer.rto_at, self.timer.backoff) = (None, 0);

@@ -29,14 +29,14 @@ impl BitmapLog {
         let pages = mem_size.div_ceil(crate::memory::PAGE as u64);
         Ok(BitmapLog { slot, harvested: vec![0; pages.div_ceil(64) as usize], pending: false })
     }
+}
 
-    fn get(&self, vm: &VmFd, bits: &mut [u64]) -> Result<(), DirtyError> {
-        ioctls::get_dirty_log(vm, self.slot, bits).map_err(|err| DirtyError::Ioctl { op: "KVM_GET_DIRTY_LOG", err })
-    }
+fn get(vm: &VmFd, slot: u32, bits: &mut [u64]) -> Result<(), DirtyError> {
+    ioctls::get_dirty_log(vm, slot, bits).map_err(|err| DirtyError::Ioctl { op: "KVM_GET_DIRTY_LOG", err })
+}
 
-    fn clear(&self, vm: &VmFd, bits: &mut [u64]) -> Result<(), DirtyError> {
-        ioctls::clear_dirty_log(vm, self.slot, bits).map_err(|err| DirtyError::Ioctl { op: "KVM_CLEAR_DIRTY_LOG", err })
-    }
+fn clear(vm: &VmFd, slot: u32, bits: &mut [u64]) -> Result<(), DirtyError> {
+    ioctls::clear_dirty_log(vm, slot, bits).map_err(|err| DirtyError::Ioctl { op: "KVM_CLEAR_DIRTY_LOG", err })
 }
 
 impl DirtyLog for BitmapLog {
@@ -44,19 +44,16 @@ impl DirtyLog for BitmapLog {
         // INITIALLY_SET leaves every page reported dirty and writable; one
         // CLEAR of all pages write-protects them.
         let mut all = vec![0; self.harvested.len()];
-        self.get(vm, &mut all)?;
+        get(vm, self.slot, &mut all)?;
         all.fill(u64::MAX);
         self.pending = false;
-        self.clear(vm, &mut all)
+        clear(vm, self.slot, &mut all)
     }
 
     fn harvest(&mut self, vm: &VmFd, out: &mut PageBitmap) -> Result<(), DirtyError> {
         // KVM keeps reporting a page until it is cleared, so the latest GET
         // holds everything not yet re-armed.
-        let mut bits = std::mem::take(&mut self.harvested);
-        let got = self.get(vm, &mut bits);
-        self.harvested = bits;
-        got?;
+        get(vm, self.slot, &mut self.harvested)?;
         self.pending = true;
         out.or_words(&self.harvested);
         Ok(())
@@ -71,10 +68,7 @@ impl DirtyLog for BitmapLog {
             *w &= !keep;
         }
         if self.harvested.iter().any(|&w| w != 0) {
-            let mut bits = std::mem::take(&mut self.harvested);
-            let cleared = self.clear(vm, &mut bits);
-            self.harvested = bits;
-            cleared?;
+            clear(vm, self.slot, &mut self.harvested)?;
         }
         Ok(())
     }

@@ -372,8 +372,8 @@ impl Prefetcher {
         self.harvested.clear();
         vm.harvest_dirty(&mut self.harvested)?;
         self.sent.rounds += 1;
-        let rewritten = self.harvested.count_common(&self.sent_pages);
-        if self.gate.as_mut().is_some_and(|g| g.wasting(self.sent.pages, rewritten)) {
+        let (harvested, sent_pages, sends) = (&self.harvested, &self.sent_pages, self.sent.pages);
+        if self.gate.as_mut().is_some_and(|g| g.wasting(sends, harvested.count_common(sent_pages))) {
             // Standing down: every page harvested stays writable where the
             // backend can (no tracked first write for a page the guest
             // keeps rewriting), and the checkpoint carries it.
